@@ -1,0 +1,81 @@
+"""ImportanceConfig: the plugin's flags, their defaults and their validation.
+
+The flags are added to SGLang's own parser (``python -m sglang.launch_server
+--help`` lists them under "sgl-importance"). ``plugin.py`` copies the parsed
+values into ``server_args._importance``; underscore attributes survive the
+pickling of ``ServerArgs`` into the scheduler process, so every process reads
+the same validated object through ``config_of(server_args)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+REDUCTIONS = ("mean", "max")
+
+
+@dataclass(frozen=True)
+class ImportanceConfig:
+    """Validated plugin settings; an invalid value fails at start-up."""
+
+    # How a page's per-layer importance is combined across layers.
+    reduce: str = "mean"
+    # Record importance on every N-th decode step (1 = every step).
+    sample_interval: int = 1
+
+    def __post_init__(self) -> None:
+        if self.reduce not in REDUCTIONS:
+            raise ValueError(
+                f"--importance-reduce {self.reduce!r} is invalid; "
+                f"allowed: {', '.join(REDUCTIONS)}"
+            )
+        if not isinstance(self.sample_interval, int) or not (
+            1 <= self.sample_interval <= 1_000_000
+        ):
+            raise ValueError(
+                f"--importance-sample-interval {self.sample_interval!r} is invalid; "
+                "allowed: an integer in [1, 1000000]"
+            )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# Flag name -> field name. One table so parser, namespace and docs agree.
+FLAGS = {f"--importance-{f.name.replace('_', '-')}": f.name for f in fields(ImportanceConfig)}
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add the plugin's flags to SGLang's argument parser."""
+    defaults = ImportanceConfig()
+    group = parser.add_argument_group("sgl-importance")
+    group.add_argument(
+        "--importance-reduce",
+        choices=REDUCTIONS,
+        default=defaults.reduce,
+        help="How per-layer page importance is combined across layers.",
+    )
+    group.add_argument(
+        "--importance-sample-interval",
+        type=int,
+        default=defaults.sample_interval,
+        help="Record page importance on every N-th decode step (1 = every step).",
+    )
+
+
+def from_namespace(args: argparse.Namespace) -> ImportanceConfig:
+    """Build the config from parsed arguments; absent flags keep defaults."""
+    values = {}
+    for flag, name in FLAGS.items():
+        dest = flag[2:].replace("-", "_")
+        if hasattr(args, dest):
+            values[name] = getattr(args, dest)
+    return ImportanceConfig(**values)
+
+
+def config_of(server_args: Any) -> ImportanceConfig:
+    """The config a process was started with (defaults when built without the CLI)."""
+    config = getattr(server_args, "_importance", None)
+    return config if isinstance(config, ImportanceConfig) else ImportanceConfig()

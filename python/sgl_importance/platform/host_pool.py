@@ -1,0 +1,135 @@
+"""HiCache host pool for torch_cpu: SGLang's MHA host pool with torch copies.
+
+SGLang binds the host<->device copy functions of ``MHATokenToKVPoolHost`` from
+compiled kernels (``sgl_kernel.kvcacheio``) on CUDA/HIP/XPU only, and registers
+the host buffer with ``cudaHostRegister``. On a CPU both tiers are ordinary
+memory, so a transfer is an ``index_select`` from one per-layer view and an
+``index_copy_`` into the other. Pages stay contiguous token runs in every
+layout, so the ``file`` storage backend's page (de)serialisation, which is
+plain torch in SGLang, works unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+# Layouts whose per-layer host views can be indexed by token (or by page) with
+# plain torch ops. page_head interleaves heads inside a page and page_unified
+# fuses K and V; both exist only for specific GPU kernels.
+SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+# There are no compiled kernels here: "kernel" and "direct" both mean the torch
+# copies below, so an explicit choice of either is honoured.
+SUPPORTED_IO_BACKENDS = ("kernel", "direct")
+
+
+def check_hicache_support(layout: str | None, io_backend: str | None) -> None:
+    """Refuse, at start-up, a host layout or io backend torch_cpu cannot serve."""
+    if layout is not None and layout not in SUPPORTED_LAYOUTS:
+        raise ValueError(
+            f"--hicache-mem-layout {layout!r} is not supported on the torch_cpu "
+            f"platform; choose one of {', '.join(SUPPORTED_LAYOUTS)}"
+        )
+    if io_backend is not None and io_backend not in SUPPORTED_IO_BACKENDS:
+        raise ValueError(
+            f"--hicache-io-backend {io_backend!r} is not supported on the torch_cpu "
+            f"platform; choose one of {', '.join(SUPPORTED_IO_BACKENDS)}"
+        )
+
+
+def torch_host_pool_cls(upstream: type) -> type:
+    """The torch_cpu replacement for the host pool class SGLang picked."""
+    if upstream is not MHATokenToKVPoolHost:
+        raise NotImplementedError(
+            f"HiCache host pool {upstream.__name__} (quantised or asymmetric K/V) "
+            "is not supported on the torch_cpu platform"
+        )
+    return TorchMHAHostPool
+
+
+class TorchMHAHostPool(MHATokenToKVPoolHost):
+    """MHA host pool whose transfers are torch index ops on unpinned memory."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # pin_memory is the sixth positional parameter upstream; SGLang's
+        # assembler passes five positionally and never sets it.
+        if len(args) > 5:
+            raise TypeError("TorchMHAHostPool takes pin_memory only as a keyword")
+        kwargs["pin_memory"] = False
+        layout = args[4] if len(args) > 4 else kwargs.get("layout")
+        check_hicache_support(layout, None)
+        super().__init__(*args, **kwargs)
+
+    def _page_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A per-layer device buffer seen as [pages, page_size, heads, dim]."""
+        return tensor.view(-1, self.page_size, *tensor.shape[1:])
+
+    def _host_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_data_refs[layer], self.v_data_refs[layer]
+
+    def _copy_layer(
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        src_indices: torch.Tensor,
+        dst_indices: torch.Tensor,
+        src_is_host: bool,
+    ) -> None:
+        if self.layout == "page_first_direct":
+            # Host views are [pages, page_size, ...] and not flattenable without
+            # a copy; move whole pages, as the layout intends.
+            src_pages = src_indices[:: self.page_size] // self.page_size
+            dst_pages = dst_indices[:: self.page_size] // self.page_size
+            src = src if src_is_host else self._page_view(src)
+            dst = self._page_view(dst) if src_is_host else dst
+            dst.index_copy_(0, dst_pages, src.index_select(0, src_pages))
+        else:
+            dst.index_copy_(0, dst_indices, src.index_select(0, src_indices))
+
+    def _check_io_backend(self, io_backend: str) -> None:
+        if io_backend not in SUPPORTED_IO_BACKENDS:
+            check_hicache_support(None, io_backend)
+
+    def load_to_device_per_layer(
+        self,
+        device_pool: Any,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        layer_id: int,
+        io_backend: str,
+        *,
+        is_draft: bool = False,
+    ) -> None:
+        if not is_draft and not 0 <= layer_id < self.target_layer_num:
+            return
+        self._check_io_backend(io_backend)
+        host_k, host_v = self._host_layer(layer_id)
+        host_indices = host_indices.to(torch.int64)
+        device_indices = device_indices.to(torch.int64)
+        for host, device in (
+            (host_k, self.device_k_buffers[layer_id]),
+            (host_v, self.device_v_buffers[layer_id]),
+        ):
+            self._copy_layer(host, device, host_indices, device_indices, src_is_host=True)
+
+    def backup_from_device_all_layer(
+        self,
+        device_pool: Any,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        io_backend: str,
+    ) -> None:
+        self._check_io_backend(io_backend)
+        host_indices = host_indices.to(torch.int64)
+        device_indices = device_indices.to(torch.int64)
+        for layer in range(self.layer_num):
+            host_k, host_v = self._host_layer(layer)
+            for device, host in (
+                (self.device_k_buffers[layer], host_k),
+                (self.device_v_buffers[layer], host_v),
+            ):
+                self._copy_layer(
+                    device, host, device_indices, host_indices, src_is_host=False
+                )

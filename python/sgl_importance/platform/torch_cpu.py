@@ -1,0 +1,84 @@
+"""torch_cpu: SGLang on any CPU in pure PyTorch.
+
+SGLang's in-tree CPU platform (``SGLANG_USE_CPU_ENGINE=1``) needs the compiled
+``sgl_kernel`` CPU extension. This platform needs nothing compiled: it is an
+out-of-tree platform (``PlatformEnum.OOT``), so SGLang's fused ops run their
+``forward_native`` torch paths, attention uses ``torch_native`` SDPA, and the
+KV pool is sized from a token budget instead of a fraction of RAM.
+
+It exists for development, CI and demos on machines without a GPU; it is not
+a fast inference path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from sglang.srt.platforms.cpu import CpuDeviceMixin
+from sglang.srt.platforms.device_mixin import PlatformEnum
+from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
+
+logger = logging.getLogger(__name__)
+
+# Without a cap, mem_fraction_static x host RAM becomes tens of millions of KV
+# slots (gigabytes zero-filled at start-up) for a 135M model.
+DEFAULT_MAX_TOTAL_TOKENS = 32768
+# Small prefill chunks keep one long prompt from stalling decode on 2 cores.
+DEFAULT_CHUNKED_PREFILL_SIZE = 2048
+DEFAULT_MAX_RUNNING_REQUESTS = 64
+
+
+class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
+    """Out-of-tree CPU platform with no compiled SGLang kernels."""
+
+    _enum = PlatformEnum.OOT
+    device_name = "cpu"
+    device_type = "cpu"
+    # Nothing here can launch Triton, replay CUDA graphs or run the sgl_kernel
+    # HiCache transfer kernels; SGLang picks torch fallbacks from these.
+    capabilities = PlatformCapabilities()
+
+    def get_device(self, device_id: int = 0) -> str:
+        # SGLang's server-args resolution treats the answer as a device string
+        # ("cuda:0".split(":")); torch accepts the string wherever a device goes.
+        return self.device_type
+
+    def is_pin_memory_available(self, device: Any = None) -> bool:
+        return False
+
+    def get_default_attention_backend(self) -> str:
+        # On hosts with AMX, SGLang would otherwise pick `intel_amx`, which
+        # needs the compiled CPU kernels.
+        return "torch_native"
+
+    def apply_server_args_defaults(self, server_args: Any) -> None:
+        """Defaults for a CPU without compiled kernels; explicit flags win."""
+        if server_args.max_total_tokens is None:
+            server_args.max_total_tokens = DEFAULT_MAX_TOTAL_TOKENS
+        if server_args.chunked_prefill_size is None:
+            server_args.chunked_prefill_size = DEFAULT_CHUNKED_PREFILL_SIZE
+        if server_args.max_running_requests is None:
+            server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
+        if server_args.attention_backend is None:
+            server_args.attention_backend = self.get_default_attention_backend()
+        server_args.disable_cuda_graph = True
+        if server_args.enable_hierarchical_cache:
+            from sgl_importance.platform.host_pool import check_hicache_support
+
+            check_hicache_support(
+                server_args.hicache_mem_layout, server_args.hicache_io_backend
+            )
+        if server_args.device is None:
+            server_args.device = "cpu"
+
+    def get_dispatch_key_name(self) -> str:
+        return "native"
+
+    def init_backend(self) -> None:
+        threads = os.environ.get("SGLANG_TORCH_CPU_THREADS")
+        if threads:
+            import torch
+
+            torch.set_num_threads(int(threads))

@@ -1,0 +1,102 @@
+"""The one place where sgl-importance touches SGLang.
+
+SGLang calls ``load()`` (entry point ``sglang.srt.plugins``) in every process
+it starts: the HTTP server, the scheduler, the detokenizer. Each registration
+below is one touch-point; the module it names holds the implementation.
+Hook targets resolve in ``HookRegistry.apply_hooks`` after all plugins ran, and
+the hook functions import their modules on first call, so ``load()`` itself
+imports nothing heavy in processes that never reach them.
+
+| touch-point                                   | module                   |
+|-----------------------------------------------|--------------------------|
+| flags on SGLang's parser, `_importance`       | config.py                |
+| 404 for an unknown OpenAI `model`             | serving.py               |
+| torch_cpu: HiCache host pool (torch copies)   | platform/host_pool.py    |
+| torch_cpu: CPU streams for the L2 engine      | platform/streams.py      |
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+_loaded = False
+
+
+def _add_cli_args(_result: Any, parser: Any) -> None:
+    from sgl_importance.config import add_cli_args
+
+    add_cli_args(parser)
+
+
+def _from_cli_args(original: Callable[..., Any], cls: Any, args: Any) -> Any:
+    from sgl_importance.config import from_namespace
+
+    # Validate before SGLang builds anything, so a bad value stops start-up
+    # with the flag's name instead of failing later in a child process.
+    config = from_namespace(args)
+    server_args = original(cls, args)
+    server_args._importance = config
+    return server_args
+
+
+async def _handle_request(original: Callable[..., Any], *args: Any) -> Any:
+    from sgl_importance.serving import reject_unknown_model
+
+    return await reject_unknown_model(original, *args)
+
+
+def _host_pool_cls(original: Callable[..., type], buffer_info: Any) -> type:
+    from sgl_importance.platform.host_pool import torch_host_pool_cls
+
+    return torch_host_pool_cls(original(buffer_info))
+
+
+def _use_cpu_streams(result: Any, engine: Any, *args: Any, **kwargs: Any) -> None:
+    from sgl_importance.platform.streams import use_cpu_streams
+
+    use_cpu_streams(engine)
+
+
+def _torch_cpu_selected() -> bool:
+    from sgl_importance.platform import PLATFORM_NAME
+
+    return os.environ.get("SGLANG_PLATFORM") == PLATFORM_NAME
+
+
+def _announce() -> None:
+    # Plugins load before SGLang configures logging, so a logger line would be
+    # lost; this opt-in notice answers "is the plugin loaded in this process?".
+    if os.environ.get("SGL_IMPORTANCE_ANNOUNCE") == "1":
+        print(f"[sgl-importance] plugin loaded (pid {os.getpid()})", file=sys.stderr, flush=True)
+
+
+def load() -> None:
+    """Register every hook this plugin needs; idempotent per process."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    register = HookRegistry.register
+    register("sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args, HookType.AFTER)
+    register("sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args, HookType.AROUND)
+    register(
+        "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request",
+        _handle_request,
+        HookType.AROUND,
+    )
+    if _torch_cpu_selected():
+        register(
+            "sglang.srt.mem_cache.pool_host.mha.get_mha_host_pool_cls",
+            _host_pool_cls,
+            HookType.AROUND,
+        )
+        register(
+            "sglang.srt.mem_cache.l2_transfer.L2TransferEngine.__init__",
+            _use_cpu_streams,
+            HookType.AFTER,
+        )
+    _announce()

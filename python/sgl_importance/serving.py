@@ -1,0 +1,52 @@
+"""Checks on OpenAI-compatible requests that SGLang leaves to the caller.
+
+SGLang's chat and completion endpoints answer whatever ``model`` a request
+names, so a typo silently reaches the loaded model. Like OpenAI (and SGLang's
+own Responses API) we answer an unknown name with 404 ``model_not_found``.
+The names a caller may use are those ``/v1/models`` lists, the model path, the
+LoRA adapters (alone or as ``base:adapter``), and SGLang's placeholder
+``default`` for requests that omit the field.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any, Callable
+
+# What the OpenAI protocol models put in `model` when a request omits it.
+OMITTED_MODEL_NAMES = frozenset({"", "default"})
+
+
+def known_model_names(tokenizer_manager: Any) -> set[str]:
+    names = {tokenizer_manager.served_model_name}
+    model_path = getattr(getattr(tokenizer_manager, "server_args", None), "model_path", None)
+    if model_path:
+        names.add(model_path)
+    registry = getattr(tokenizer_manager, "lora_registry", None)
+    if registry is not None:
+        names.update(registry.get_all_adapters().keys())
+    return names
+
+
+def unknown_model(model: str | None, known: set[str]) -> bool:
+    if model is None or model in OMITTED_MODEL_NAMES or model in known:
+        return False
+    base, _, adapter = model.partition(":")
+    return not (adapter and (base in known) and (adapter in known))
+
+
+async def reject_unknown_model(
+    original: Callable[..., Any], handler: Any, request: Any, raw_request: Any
+) -> Any:
+    """AROUND-hook for ``OpenAIServingBase.handle_request``."""
+    model = getattr(request, "model", None)
+    if isinstance(model, str) and unknown_model(
+        model, known_model_names(handler.tokenizer_manager)
+    ):
+        return handler.create_error_response(
+            message=f"The model '{model}' does not exist",
+            err_type="model_not_found",
+            status_code=HTTPStatus.NOT_FOUND,
+            param="model",
+        )
+    return await original(handler, request, raw_request)
