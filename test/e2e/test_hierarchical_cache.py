@@ -1,0 +1,82 @@
+"""SGLang's hierarchical cache on torch_cpu: device -> host pool -> `file` storage.
+
+A device pool smaller than the working set pushes a prompt's KV out to the
+host tier; asking again must load it back (host hits), and after /flush_cache
+empties device and host, from the file tier (storage hits). Tiering must never
+change answers: output ids and logprobs equal the uncached run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from conftest import output_ids_and_logprobs
+
+pytestmark = pytest.mark.e2e
+
+PAGE = 16
+DEVICE_TOKENS = 1024
+
+
+def document(i: int) -> str:
+    # ~600 tokens each: two of them overflow the 1024-token device pool.
+    return f"Document {i}: " + " ".join(f"item{i}x{j}" for j in range(110))
+
+
+def run_round_trip(server) -> None:
+    uncached = server.generate(document(0))
+    assert uncached["meta_info"]["cached_tokens"] == 0
+    reference = output_ids_and_logprobs(uncached)
+
+    for i in (1, 2):
+        server.generate(document(i))
+
+    from_host = server.generate(document(0))
+    details = from_host["meta_info"]["cached_tokens_details"]
+    assert details["host"] > 0, details
+    assert output_ids_and_logprobs(from_host)[0] == reference[0]
+    assert output_ids_and_logprobs(from_host)[1] == pytest.approx(reference[1], abs=1e-6)
+
+    r = requests.post(server.url + "/flush_cache", timeout=60)
+    assert r.status_code == 200, r.text
+    from_storage = server.generate(document(0))
+    details = from_storage["meta_info"]["cached_tokens_details"]
+    assert details["storage"] > 0 and details["device"] == 0, details
+    assert output_ids_and_logprobs(from_storage)[0] == reference[0]
+    assert output_ids_and_logprobs(from_storage)[1] == pytest.approx(reference[1], abs=1e-6)
+
+
+# SGLang's default (page_first with the "kernel" io backend) and the two
+# layouts of the direct io backend.
+LAYOUTS = [
+    ("page_first", "kernel"),
+    ("layer_first", "direct"),
+    ("page_first_direct", "direct"),
+]
+
+
+@pytest.mark.parametrize("layout,io_backend", LAYOUTS)
+def test_prompt_evicted_from_device_returns_from_host_then_from_file_storage(
+    launch, tmp_path, layout, io_backend
+):
+    storage = tmp_path / "hicache"
+    storage.mkdir()
+    server = launch(
+        [
+            "--page-size", str(PAGE),
+            "--max-total-tokens", str(DEVICE_TOKENS),
+            "--enable-hierarchical-cache",
+            "--hicache-ratio", "4",
+            "--hicache-mem-layout", layout,
+            "--hicache-io-backend", io_backend,
+            "--hicache-storage-backend", "file",
+            "--enable-cache-report",
+        ],
+        env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(storage)},
+    )
+    try:
+        run_round_trip(server)
+        assert any(storage.iterdir()), "nothing was written to the file tier"
+    finally:
+        server.stop()

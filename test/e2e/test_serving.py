@@ -1,0 +1,143 @@
+"""The embedded model served by the real SGLang server on torch_cpu, used over HTTP."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import requests
+
+from conftest import SERVED_NAME, output_ids_and_logprobs
+
+pytestmark = pytest.mark.e2e
+
+# Long enough to fill several 16-token pages, so a repeat can hit the radix cache.
+LONG_PREFIX = "Here is a long shared context about tiered caches. " * 20
+
+
+@pytest.fixture(scope="module")
+def server(launch):
+    return launch(["--page-size", "16", "--enable-cache-report"], env={"SGL_IMPORTANCE_ANNOUNCE": "1"})
+
+
+def chat(server, content: str, **extra) -> requests.Response:
+    body = {
+        "model": SERVED_NAME,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 24,
+        "temperature": 0,
+        **extra,
+    }
+    return requests.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+
+
+def test_chat_completion_names_paris_as_capital_of_france(server):
+    r = chat(server, "What is the capital of France?")
+    assert r.status_code == 200, r.text
+    answer = r.json()["choices"][0]["message"]["content"]
+    assert "Paris" in answer
+
+
+def test_text_completion_returns_generated_text(server):
+    r = requests.post(
+        server.url + "/v1/completions",
+        json={"model": SERVED_NAME, "prompt": "The sky is", "max_tokens": 8, "temperature": 0},
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"].strip()
+    assert body["usage"]["completion_tokens"] > 0
+
+
+def test_native_generate_returns_text_and_token_ids(server):
+    out = server.generate("Once upon a time", max_new_tokens=6)
+    assert out["text"].strip()
+    assert len(out["output_ids"]) == 6
+
+
+def test_streaming_chat_delivers_chunks_then_done(server):
+    r = chat(server, "Count from one to five.", stream=True)
+    assert r.status_code == 200
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    pieces = [
+        json.loads(e)["choices"][0]["delta"].get("content") or ""
+        for e in events[:-1]
+        if json.loads(e)["choices"]
+    ]
+    assert len(pieces) > 1 and "".join(pieces).strip()
+
+
+def test_health_and_models_endpoints_answer(server):
+    assert requests.get(server.url + "/health", timeout=30).status_code == 200
+    models = requests.get(server.url + "/v1/models", timeout=30).json()
+    assert [m["id"] for m in models["data"]] == [SERVED_NAME]
+
+
+def test_greedy_output_is_deterministic(server):
+    prompt = "List three primary colors:"
+    first = output_ids_and_logprobs(server.generate(prompt, max_new_tokens=12))
+    second = output_ids_and_logprobs(server.generate(prompt, max_new_tokens=12))
+    assert first[0] == second[0]
+    assert first[1] == pytest.approx(second[1], abs=1e-5)
+
+
+def test_repeated_long_prefix_is_served_from_radix_cache(server):
+    first = server.generate(LONG_PREFIX + "Question one?")
+    second = server.generate(LONG_PREFIX + "Question two?")
+    assert first["meta_info"]["cached_tokens"] == 0
+    # Everything up to the last full page of the shared prefix is reused.
+    assert second["meta_info"]["cached_tokens"] >= 16 * 10
+
+
+def test_malformed_json_is_rejected_with_4xx(server):
+    r = requests.post(
+        server.url + "/v1/chat/completions",
+        data="{not json",
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert 400 <= r.status_code < 500
+
+
+def test_prompt_longer_than_context_is_rejected_with_4xx(server):
+    r = requests.post(
+        server.url + "/v1/completions",
+        json={"model": SERVED_NAME, "prompt": "word " * 9000, "max_tokens": 4},
+        timeout=300,
+    )
+    assert 400 <= r.status_code < 500
+    assert "context" in r.text.lower() or "length" in r.text.lower()
+
+
+def test_unknown_model_name_is_rejected_with_404(server):
+    r = requests.post(
+        server.url + "/v1/chat/completions",
+        json={"model": "gpt-imaginary", "messages": [{"role": "user", "content": "hi"}]},
+        timeout=30,
+    )
+    assert r.status_code == 404
+    assert "gpt-imaginary" in r.json()["message"]
+
+
+def test_server_stays_healthy_after_bad_requests(server):
+    requests.post(server.url + "/generate", data="][", timeout=30)
+    requests.post(server.url + "/v1/completions", json={"prompt": 17}, timeout=30)
+    assert requests.get(server.url + "/health_generate", timeout=60).status_code == 200
+    assert chat(server, "Say hello.").status_code == 200
+
+
+def test_plugin_is_loaded_in_every_server_process(server):
+    pids = set(re.findall(r"\[sgl-importance\] plugin loaded \(pid (\d+)\)", server.log()))
+    # launcher/HTTP server, scheduler and detokenizer
+    assert len(pids) >= 3, server.log()[-2000:]
+
+
+def test_server_shuts_down_cleanly_on_sigterm(server):
+    # Last in the module: stops the shared server.
+    code = server.stop()
+    assert code is not None, "server did not exit within 60 s of SIGTERM"
+    assert code in (0, -15), server.log()[-3000:]
+    assert "Traceback" not in server.log()
