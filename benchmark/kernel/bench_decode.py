@@ -1,0 +1,365 @@
+"""Decode attention with importance on vs off (same kernel), optionally vs SGLang's
+stock Triton decode kernel and FlashInfer when they are importable.
+
+For every (model, page size, bs, context) it reports the median time of one decode
+step for one layer, the on/off ratio, and the achieved K+V read bandwidth next to a
+measured device-to-device copy bandwidth. Writes results.md, results.json and
+results.png into --out. See README.md beside this file.
+
+    python benchmark/kernel/bench_decode.py --out /tmp/bench          # GPU
+    python benchmark/kernel/bench_decode.py --smoke --out /tmp/smoke  # CPU, interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+MODELS = {
+    # name: (q_heads, kv_heads, head_dim)
+    "llama8b": (32, 8, 128),
+    "smollm2": (9, 3, 64),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=REPO / "benchmark" / "kernel" / "results")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1 (validates the script; timings mean nothing)")
+    p.add_argument("--models", default="llama8b,smollm2")
+    p.add_argument("--bs", default="1,8,32,64")
+    p.add_argument("--ctx", default="4096,32768,131072")
+    p.add_argument("--page-sizes", default="16")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--num-splits", type=int, default=0, help="0: the wrapper's default for the batch size")
+    p.add_argument("--max-splits", type=int, default=32)
+    p.add_argument("--no-cuda-graph", action="store_true", help="time eager launches instead of graph replays")
+    p.add_argument("--no-baselines", action="store_true", help="skip SGLang / FlashInfer even if importable")
+    p.add_argument("--mem-fraction", type=float, default=0.8, help="skip configs needing more than this share of free GPU memory")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.bs = "1,2"
+        args.ctx = "64,160"
+        args.warmup, args.iters = 1, 2
+    return args
+
+
+@dataclass
+class Row:
+    model: str
+    page_size: int
+    bs: int
+    ctx: int
+    num_splits: int
+    on_ms: float
+    off_ms: float
+    ratio: float
+    kv_bytes: int
+    on_gbps: float
+    off_gbps: float
+    copy_gbps: float
+    baselines_ms: dict = field(default_factory=dict)
+    max_rel_err: float | None = None
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
+    sys.path.insert(0, str(REPO / "sgl-kernel-ext"))
+
+    import torch
+
+    from sgl_kernel_ext import DecodeImportanceWrapper, decode_importance_reference
+
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --smoke to validate the script on CPU")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    timer = CudaTimer(torch) if device == "cuda" else CpuTimer()
+    baselines = {} if (args.no_baselines or args.smoke) else load_baselines()
+    copy_gbps = measure_copy_bandwidth(torch, device, timer)
+    print(f"device copy bandwidth: {copy_gbps:.0f} GB/s; baselines: {sorted(baselines) or 'none'}")
+
+    rows: list[Row] = []
+    for model in args.models.split(","):
+        q_heads, kv_heads, head_dim = MODELS[model]
+        for page_size in map(int, args.page_sizes.split(",")):
+            for ctx in map(int, args.ctx.split(",")):
+                for bs in map(int, args.bs.split(",")):
+                    need = estimate_bytes(bs, ctx, page_size, q_heads, kv_heads, head_dim, dtype.itemsize)
+                    if device == "cuda":
+                        free, _ = torch.cuda.mem_get_info()
+                        if need > args.mem_fraction * free:
+                            print(f"skip {model} P={page_size} bs={bs} ctx={ctx}: needs {need / 2**30:.1f} GiB")
+                            continue
+                    row = bench_one(
+                        torch, args, timer, device, dtype, model, q_heads, kv_heads, head_dim,
+                        page_size, bs, ctx, copy_gbps, baselines, DecodeImportanceWrapper,
+                        decode_importance_reference,
+                    )
+                    rows.append(row)
+                    print(format_row(row))
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (TRITON_INTERPRET=1, smoke)",
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "dtype": args.dtype,
+        "cuda_graph": device == "cuda" and not args.no_cuda_graph,
+        "copy_gbps": copy_gbps,
+        "smoke": args.smoke,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    table = markdown_table(rows, meta)
+    (args.out / "results.md").write_text(table)
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+    plot(rows, meta, args.out / "results.png")
+    print()
+    print(table)
+    print(f"wrote {args.out}/results.md, results.json, results.png")
+
+
+def estimate_bytes(bs, ctx, page_size, q_heads, kv_heads, head_dim, itemsize):
+    pages = math.ceil(ctx / page_size)
+    kv = (bs * pages + 1) * page_size * kv_heads * head_dim * 2 * itemsize
+    workspace = bs * q_heads * pages * 4 + bs * ctx * 8
+    return kv + workspace + (256 << 20)
+
+
+def build_batch(torch, bs, ctx, page_size, q_heads, kv_heads, head_dim, dtype, device, seed=0):
+    """SGLang-like paged layout: each request owns ctx/page_size random physical pages >= 1."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    pages = math.ceil(ctx / page_size)
+    order = torch.randperm(bs * pages, generator=gen) + 1
+    slots = (order.view(bs, pages, 1) * page_size + torch.arange(page_size)).view(bs, -1)[:, :ctx]
+    kv_indices = slots.reshape(-1).to(device)
+    kv_indptr = torch.arange(bs + 1, dtype=torch.int32, device=device) * ctx
+    num_slots = (bs * pages + 1) * page_size
+    k = torch.empty(num_slots, kv_heads, head_dim, dtype=dtype, device=device).normal_()
+    v = torch.empty(num_slots, kv_heads, head_dim, dtype=dtype, device=device).normal_()
+    q = torch.randn(bs, q_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    return q, k, v, kv_indptr, kv_indices
+
+
+def bench_one(torch, args, timer, device, dtype, model, q_heads, kv_heads, head_dim, page_size, bs, ctx,
+              copy_gbps, baselines, Wrapper, reference):
+    q, k, v, indptr, indices = build_batch(torch, bs, ctx, page_size, q_heads, kv_heads, head_dim, dtype, device)
+    max_pages = math.ceil(ctx / page_size)
+    wrapper = Wrapper(bs, q_heads, kv_heads, head_dim, max_pages=max_pages, page_size=page_size,
+                      max_splits=args.max_splits, dtype=dtype, device=device)
+    num_splits = args.num_splits or wrapper.num_splits_for(bs)
+
+    def step(importance):
+        return lambda: wrapper.run(q, k, v, indptr, indices, num_splits=num_splits, importance=importance)
+
+    fns = {"on": step(True), "off": step(False)}
+    for name, make in baselines.items():
+        try:
+            fns[name] = make(torch, q, k, v, indptr, indices, page_size, num_splits, args.max_splits)
+        except Exception as exc:  # a baseline's API drifted: report, keep going
+            print(f"  baseline {name} unavailable for this config: {exc!r}")
+
+    use_graph = device == "cuda" and not args.no_cuda_graph
+    if use_graph:
+        fns = {name: as_graph(torch, fn) for name, fn in fns.items()}
+    times = timer.interleaved(fns, args.warmup, args.iters)
+
+    max_rel_err = None
+    if bs * ctx <= 8 * 4096:  # cheap enough to check against the torch reference
+        got = wrapper.run(q, k, v, indptr, indices, num_splits=num_splits)
+        ref = reference(q, k, v, indptr, indices, page_size=page_size, max_pages=max_pages)
+        err_out = ((got.output.float() - ref.output).norm() / ref.output.norm()).item()
+        err_imp = (got.importance - ref.importance).abs().max().item()
+        max_rel_err = max(err_out, err_imp)
+
+    kv_bytes = bs * ctx * kv_heads * head_dim * 2 * dtype.itemsize
+    on, off = times.pop("on"), times.pop("off")
+    return Row(
+        model=model, page_size=page_size, bs=bs, ctx=ctx, num_splits=num_splits,
+        on_ms=on, off_ms=off, ratio=on / off, kv_bytes=kv_bytes,
+        on_gbps=kv_bytes / on / 1e6, off_gbps=kv_bytes / off / 1e6, copy_gbps=copy_gbps,
+        baselines_ms=times, max_rel_err=max_rel_err,
+    )
+
+
+def as_graph(torch, fn):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compile and settle allocations outside capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+class CudaTimer:
+    """Median of per-iteration CUDA-event times, L2 flushed before each iteration,
+    candidates interleaved so clock drift hits them alike."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+    def interleaved(self, fns, warmup, iters):
+        torch = self.torch
+        for fn in fns.values():
+            for _ in range(warmup):
+                fn()
+        samples = {name: [] for name in fns}
+        names = list(fns)
+        for i in range(iters):
+            for name in names[i % 2 :: 1] + names[: i % 2]:  # alternate who goes first
+                self.flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fns[name]()
+                end.record()
+                samples[name].append((start, end))
+        torch.cuda.synchronize()
+        return {name: statistics.median(s.elapsed_time(e) for s, e in pairs) for name, pairs in samples.items()}
+
+
+class CpuTimer:
+    def interleaved(self, fns, warmup, iters):
+        for fn in fns.values():
+            for _ in range(warmup):
+                fn()
+        samples = {name: [] for name in fns}
+        for _ in range(iters):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append((time.perf_counter() - t0) * 1e3)
+        return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def measure_copy_bandwidth(torch, device, timer):
+    """GB/s of a large device-to-device copy, counting bytes read plus bytes written."""
+    nbytes = (1 << 30) if device == "cuda" else (16 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = timer.interleaved({"copy": lambda: dst.copy_(src)}, 3, 10 if device == "cuda" else 3)["copy"]
+    del src, dst
+    return 2 * nbytes / ms / 1e6
+
+
+def load_baselines():
+    """name -> factory(torch, q, k, v, indptr, indices, page_size, num_splits, max_splits) -> callable."""
+    found = {}
+    stock = None
+    for module in ("sglang.srt.layers.attention.triton_ops.decode_attention",
+                   "sglang.kernels.ops.attention.decode_attention"):
+        try:
+            stock = __import__(module, fromlist=["decode_attention_fwd"]).decode_attention_fwd
+            break
+        except Exception:
+            continue
+    if stock is not None:
+        def make_sglang(torch, q, k, v, indptr, indices, page_size, num_splits, max_splits):
+            bs, heads, _ = q.shape
+            o = torch.empty(bs, heads, v.shape[2], dtype=q.dtype, device=q.device)
+            logits = torch.empty(bs, heads, max_splits, v.shape[2], dtype=torch.float32, device=q.device)
+            lse = torch.empty(bs, heads, max_splits, dtype=torch.float32, device=q.device)
+            splits = torch.full((bs,), num_splits, dtype=torch.int32, device=q.device)
+            scale = 1.0 / math.sqrt(q.shape[2])
+            # slot-addressed reads (its default page_size=1) touch exactly the same bytes
+            return lambda: stock(q, k, v, o, indptr, indices, logits, lse, splits, max_splits, scale, 1.0, 1.0)
+        found["sglang_triton"] = make_sglang
+    try:
+        import flashinfer
+
+        def make_flashinfer(torch, q, k, v, indptr, indices, page_size, num_splits, max_splits):
+            bs, heads, dim = q.shape
+            kv_heads = k.shape[1]
+            page_ids = (indices[::page_size] // page_size).to(torch.int32)  # whole pages in the bench
+            pages_per_req = indptr[1:2].item() // page_size
+            page_indptr = torch.arange(bs + 1, dtype=torch.int32, device=q.device) * pages_per_req
+            last = torch.full((bs,), page_size, dtype=torch.int32, device=q.device)
+            ws = torch.empty(256 << 20, dtype=torch.uint8, device=q.device)
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+            wrapper.plan(page_indptr, page_ids, last, heads, kv_heads, dim, page_size,
+                         q_data_type=q.dtype, kv_data_type=k.dtype)
+            kc = k.view(-1, page_size, kv_heads, dim)
+            vc = v.view(-1, page_size, kv_heads, v.shape[2])
+            return lambda: wrapper.run(q, (kc, vc))
+        found["flashinfer"] = make_flashinfer
+    except Exception:
+        pass
+    return found
+
+
+def format_row(r: Row) -> str:
+    extra = " ".join(f"{k}={v:.3f}ms" for k, v in r.baselines_ms.items())
+    err = f" err={r.max_rel_err:.1e}" if r.max_rel_err is not None else ""
+    return (f"{r.model:8s} P={r.page_size:<3d} bs={r.bs:<3d} ctx={r.ctx:<7d} splits={r.num_splits:<3d} "
+            f"on={r.on_ms:.3f}ms off={r.off_ms:.3f}ms ratio={r.ratio:.3f} {extra}{err}")
+
+
+def markdown_table(rows, meta):
+    names = sorted({k for r in rows for k in r.baselines_ms})
+    head = ["model", "page", "bs", "ctx", "splits", "on ms", "off ms", "on/off",
+            "on GB/s", "off GB/s", "on % of copy"] + [f"{n} ms" for n in names] + ["max err"]
+    lines = [
+        f"Decode attention with importance — {meta['device']}, {meta['dtype']}, "
+        f"CUDA graph: {meta['cuda_graph']}, copy bandwidth {meta['copy_gbps']:.0f} GB/s"
+        + (" (SMOKE: timings meaningless)" if meta["smoke"] else ""),
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for r in rows:
+        cells = [r.model, r.page_size, r.bs, r.ctx, r.num_splits, f"{r.on_ms:.4f}", f"{r.off_ms:.4f}",
+                 f"{r.ratio:.3f}", f"{r.on_gbps:.4g}", f"{r.off_gbps:.4g}", f"{100 * r.on_gbps / r.copy_gbps:.1f}%"]
+        cells += [f"{r.baselines_ms[n]:.4f}" if n in r.baselines_ms else "-" for n in names]
+        cells += [f"{r.max_rel_err:.1e}" if r.max_rel_err is not None else "-"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, meta, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    labels = [f"{r.model}\nP{r.page_size} bs{r.bs}\n{r.ctx // 1024 if r.ctx >= 1024 else r.ctx}{'K' if r.ctx >= 1024 else ''}" for r in rows]
+    x = range(len(rows))
+    ax1.bar(x, [100 * (r.ratio - 1) for r in rows], color=["tab:red" if r.ratio > 1.05 else "tab:blue" for r in rows])
+    ax1.axhline(5, color="gray", linestyle="--", linewidth=1, label="5% budget")
+    ax1.set_ylabel("importance-on overhead vs off (%)")
+    ax1.set_xticks(list(x), labels, fontsize=6)
+    ax1.legend()
+    width = 0.4
+    ax2.bar([i - width / 2 for i in x], [r.off_gbps for r in rows], width, label="off")
+    ax2.bar([i + width / 2 for i in x], [r.on_gbps for r in rows], width, label="on")
+    ax2.axhline(meta["copy_gbps"], color="gray", linestyle="--", linewidth=1, label="D2D copy")
+    ax2.set_ylabel("K+V read bandwidth (GB/s)")
+    ax2.set_xticks(list(x), labels, fontsize=6)
+    ax2.legend()
+    fig.suptitle(f"decode with importance — {meta['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Kernels for importance-guided KV tiering: decode attention that also returns how
+much attention mass each KV page received, its torch reference, and a scatter of
+that importance into a per-physical-page table.
+
+Knows nothing of SGLang; it only shares SGLang's KV layout (see ``decode_importance``).
+"""
+
+from .output import DecodeImportanceOutput
+from .page_table import HAS_TRITON, scatter_page_importance
+from .plan import DecodeGeometry, decode_geometry, default_num_splits, split_bounds
+from .reference import decode_importance_reference
+
+__all__ = [
+    "HAS_TRITON",
+    "DecodeGeometry",
+    "DecodeImportanceOutput",
+    "decode_geometry",
+    "decode_importance_reference",
+    "default_num_splits",
+    "scatter_page_importance",
+    "split_bounds",
+]
+
+if HAS_TRITON:
+    from .decode_importance import (
+        DecodeImportanceWrapper,
+        decode_attention_with_importance,
+        decode_importance_fwd,
+    )
+
+    __all__ += [
+        "DecodeImportanceWrapper",
+        "decode_attention_with_importance",
+        "decode_importance_fwd",
+    ]
