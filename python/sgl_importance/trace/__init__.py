@@ -1,0 +1,1 @@
+"""Recorded page-access traces: the on-disk format lives in ``trace.format``."""
