@@ -46,8 +46,13 @@ test: install
 bench-kernel: install
 	$(BIN)/python benchmark/kernel/bench_decode.py $(BENCH_ARGS)
 
+# Synthetic workloads until the live recorder lands; each gets curves + a table.
+HIT_RATE_OUT ?= benchmark/hit_rate/out
 bench-hit-rate: install
-	$(BIN)/python -m sgl_importance.sim $(BENCH_ARGS)
+	for kind in multi_turn rag agent cot loop; do \
+		$(BIN)/python -m sgl_importance.sim synth --kind $$kind --out $(HIT_RATE_OUT)/traces/$$kind && \
+		$(BIN)/python -m sgl_importance.sim replay --quiet --trace $(HIT_RATE_OUT)/traces/$$kind --out $(HIT_RATE_OUT)/$$kind || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) .pytest_cache

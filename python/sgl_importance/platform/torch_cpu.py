@@ -12,15 +12,11 @@ a fast inference path.
 
 from __future__ import annotations
 
-import logging
-import os
 from typing import Any
 
 from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
-
-logger = logging.getLogger(__name__)
 
 # Without a cap, mem_fraction_static x host RAM becomes tens of millions of KV
 # slots (gigabytes zero-filled at start-up) for a 135M model.
@@ -75,10 +71,3 @@ class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
 
     def get_dispatch_key_name(self) -> str:
         return "native"
-
-    def init_backend(self) -> None:
-        threads = os.environ.get("SGLANG_TORCH_CPU_THREADS")
-        if threads:
-            import torch
-
-            torch.set_num_threads(int(threads))
