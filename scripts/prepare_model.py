@@ -30,7 +30,11 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 MARKER = "prepared.json"
 # Bump when the conversion changes so old folders are rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# The GGUF carries no sampling defaults, so requests would sample at
+# temperature 1.0; these are the values the SmolLM2 model card recommends.
+# SGLang applies a model's generation_config as its default sampling params.
+SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
 def default_model_dir() -> Path:
@@ -109,6 +113,8 @@ def convert(gguf: Path, out: Path) -> None:
     missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
         raise RuntimeError(f"weight mismatch: missing={missing} unexpected={unexpected}")
+    for key, value in SAMPLING_DEFAULTS.items():
+        setattr(plain.generation_config, key, value)
     plain.to(torch.bfloat16).save_pretrained(str(tmp), safe_serialization=True)
     tokenizer.save_pretrained(str(tmp))
 
