@@ -7,12 +7,15 @@ Hook targets resolve in ``HookRegistry.apply_hooks`` after all plugins ran, and
 the hook functions import their modules on first call, so ``load()`` itself
 imports nothing heavy in processes that never reach them.
 
-| touch-point                                   | module                   |
-|-----------------------------------------------|--------------------------|
-| flags on SGLang's parser, `_importance`       | config.py                |
-| 404 for an unknown OpenAI `model`             | serving.py               |
-| torch_cpu: HiCache host pool (torch copies)   | platform/host_pool.py    |
-| torch_cpu: CPU streams for the L2 engine      | platform/streams.py      |
+| touch-point                                      | module                        |
+|--------------------------------------------------|-------------------------------|
+| flags on SGLang's parser, `_importance`          | config.py                     |
+| 404 for an unknown OpenAI `model`                | serving.py                    |
+| torch_cpu: HiCache host pool (torch copies)      | platform/host_pool.py         |
+| torch_cpu: CPU streams for the L2 engine         | platform/streams.py           |
+| backends `importance_torch`, `importance_triton` | attention/                    |
+| zero a page's importance when it is freed        | importance/allocator_reset.py |
+| `SGL_IMPORTANCE_DUMP_DIR`: table after each step | importance/page_table.py      |
 """
 
 from __future__ import annotations
@@ -59,6 +62,42 @@ def _use_cpu_streams(result: Any, engine: Any, *args: Any, **kwargs: Any) -> Non
     use_cpu_streams(engine)
 
 
+def _importance_torch_backend(model_runner: Any) -> Any:
+    from sgl_importance.attention.torch_backend import ImportanceTorchAttnBackend
+
+    return ImportanceTorchAttnBackend(model_runner)
+
+
+def _importance_triton_backend(model_runner: Any) -> Any:
+    from sgl_importance.attention.triton_backend import ImportanceTritonAttnBackend
+
+    return ImportanceTritonAttnBackend(model_runner)
+
+
+def _pages_released(_result: Any, allocator: Any, *page_ids: Any) -> None:
+    from sgl_importance.importance.allocator_reset import pages_released
+
+    pages_released(allocator, *page_ids)
+
+
+def _slots_freed(_result: Any, allocator: Any, free_index: Any) -> None:
+    from sgl_importance.importance.allocator_reset import slots_freed
+
+    slots_freed(allocator, free_index)
+
+
+def _allocator_cleared(_result: Any, allocator: Any) -> None:
+    from sgl_importance.importance.allocator_reset import allocator_cleared
+
+    allocator_cleared(allocator)
+
+
+def _dump_page_table(_result: Any, *args: Any, **kwargs: Any) -> None:
+    from sgl_importance.importance.page_table import dump_current_table
+
+    dump_current_table()
+
+
 def _torch_cpu_selected() -> bool:
     from sgl_importance.platform import PLATFORM_NAME
 
@@ -88,6 +127,29 @@ def load() -> None:
         _handle_request,
         HookType.AROUND,
     )
+    # Backends register by name in every process: the scheduler builds them, the
+    # launcher's parser must accept the names. (attention_registry costs ~0.4 s on
+    # top of the hook registry's import; far less than a second hook layer.)
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    from sglang.srt.server_args import add_attention_backend_choices
+
+    register_attention_backend("importance_torch")(_importance_torch_backend)
+    register_attention_backend("importance_triton")(_importance_triton_backend)
+    add_attention_backend_choices(["importance_torch", "importance_triton"])
+    for target, hook in (
+        ("paged.PagedTokenToKVPoolAllocator._release_page_ids", _pages_released),
+        ("token.TokenToKVPoolAllocator.free", _slots_freed),
+        ("paged.PagedTokenToKVPoolAllocator.clear", _allocator_cleared),
+        ("token.TokenToKVPoolAllocator.clear", _allocator_cleared),
+    ):
+        register(f"sglang.srt.mem_cache.allocator.{target}", hook, HookType.AFTER)
+    # Only the scheduler process (it loaded SGLang's scheduler before calling load()).
+    if os.environ.get("SGL_IMPORTANCE_DUMP_DIR") and "sglang.srt.managers.scheduler" in sys.modules:
+        register(
+            "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
+            _dump_page_table,
+            HookType.AFTER,
+        )
     if _torch_cpu_selected():
         register(
             "sglang.srt.mem_cache.pool_host.mha.get_mha_host_pool_cls",

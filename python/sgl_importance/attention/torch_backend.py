@@ -1,0 +1,119 @@
+"""importance_torch: SGLang's torch_native attention whose decode records page importance.
+
+Prefill and extend are ``TorchNativeAttnBackend``'s. Decode computes the same
+softmax attention with ``sgl_kernel_ext.decode_importance_reference`` (float32
+arithmetic, the result rounded once to the model dtype, as SDPA does on a CPU), which
+also returns each request's page importance; the backend files it in the process's
+``PageImportanceTable``. For the CPU (torch_cpu platform), where CUDA graphs are off.
+
+Greedy tokens equal torch_native's on the embedded model (``test_attention_torch``);
+logprobs differ by bf16 rounding. Unlike torch_native, decode honours a layer's logit
+soft cap and attention sinks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from sgl_kernel_ext import decode_importance_reference
+from sgl_importance.attention.common import last_attention_layer_id, page_table_for
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+
+class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
+    """``torch_native`` plus page importance on decode."""
+
+    def __init__(self, model_runner: Any) -> None:
+        super().__init__(model_runner)
+        self.page_size = model_runner.page_size
+        self.page_table = page_table_for(model_runner)
+        self.last_layer_id = last_attention_layer_id(model_runner)
+        self.kv_indptr: Optional[torch.Tensor] = None
+        self.kv_indices: Optional[torch.Tensor] = None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        super().init_forward_metadata(forward_batch)
+        self.kv_indptr = self.kv_indices = None
+        if forward_batch.forward_mode.is_decode() and forward_batch.encoder_lens is None:
+            self.kv_indptr, self.kv_indices = self._decode_kv_indices(forward_batch)
+
+    def _decode_kv_indices(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        # The same slots torch_native reads per request (req_to_token[r, :seq_len]),
+        # concatenated once per step instead of once per layer.
+        seq_lens = forward_batch.seq_lens.to(torch.int64)
+        indptr = torch.zeros(seq_lens.numel() + 1, dtype=torch.int32, device=seq_lens.device)
+        torch.cumsum(seq_lens, 0, out=indptr[1:])
+        if seq_lens.numel() == 0:
+            return indptr, torch.zeros(0, dtype=torch.int64, device=seq_lens.device)
+        width = int(seq_lens.max())
+        rows = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices, :width]
+        live = torch.arange(width, device=rows.device)[None, :] < seq_lens[:, None].to(rows.device)
+        return indptr, rows[live].to(torch.int64)
+
+    def _records(self, layer: RadixAttention) -> bool:
+        # Sliding-window and cross-attention layers read other token ranges than
+        # the request's pages; they keep torch_native's decode and record nothing.
+        return (
+            self.kv_indptr is not None
+            and not layer.is_cross_attention
+            and (layer.sliding_window_size is None or layer.sliding_window_size < 0)
+        )
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        sinks: Optional[torch.Tensor] = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if not self._records(layer):
+            if sinks is not None:
+                kwargs["sinks"] = sinks
+            o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        else:
+            o = self._decode_with_importance(q, k, v, layer, forward_batch, save_kv_cache, sinks)
+        if layer.layer_id == self.last_layer_id:
+            self.page_table.finish_step()
+        return o
+
+    def _decode_with_importance(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool,
+        sinks: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
+            )
+        result = decode_importance_reference(
+            q,
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            self.kv_indptr,
+            self.kv_indices,
+            page_size=self.page_size,
+            sm_scale=layer.scaling,
+            logit_cap=layer.logit_cap if layer.logit_cap and layer.logit_cap > 0 else 0.0,
+            sinks=sinks,
+        )
+        o.view(-1, layer.tp_q_head_num, layer.v_head_dim).copy_(result.output)
+        self.page_table.add_layer(result.importance, self.kv_indptr, self.kv_indices)
+        return o

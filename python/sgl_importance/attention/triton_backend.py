@@ -1,0 +1,183 @@
+"""importance_triton: SGLang's Triton attention whose decode records page importance.
+
+Prefill, extend and the decode metadata (``kv_indptr`` / ``kv_indices``, eager and
+CUDA graph) are ``TritonAttnBackend``'s. Decode runs
+``sgl_kernel_ext.DecodeImportanceWrapper`` over the parent's metadata, which gives
+the attention output and each request's page importance in one split-K pass, then
+scatters the importance into the process's ``PageImportanceTable``.
+
+CUDA graphs: the graph wrapper is allocated in ``init_cuda_graph_state`` for the
+largest captured batch, and the decode path launches kernels on it, the parent's
+metadata buffers and the table only (no allocation that outlives the step, no
+``.item()``), so capture and replay see the same addresses. Eager batches use a
+second wrapper that grows on demand, so a large eager batch never moves buffers a
+graph holds. The dummy forwards SGLang runs while capturing count as decode steps
+in the table (they read only padding page 0, so they add no importance).
+
+Memory: the importance workspace is ``bs * q_heads * max_context / page_size`` fp32
+per wrapper; with page size 1 and long contexts prefer ``--page-size 16`` or more.
+
+Layers the kernel does not serve (MLA, decode context parallelism, sliding window,
+fp8 KV with scales, a KV dtype other than the query's, ``score_mod``, xAI
+temperature) keep the parent's decode and record no importance.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend, logit_capping_mod
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from sgl_kernel_ext.decode_importance import DecodeImportanceWrapper
+from sgl_importance.attention.common import last_attention_layer_id, page_table_for
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class ImportanceTritonAttnBackend(TritonAttnBackend):
+    """``triton`` plus page importance on decode."""
+
+    def __init__(self, model_runner: Any, **kwargs: Any) -> None:
+        super().__init__(model_runner, **kwargs)
+        self.page_table = page_table_for(model_runner)
+        self.last_layer_id = last_attention_layer_id(model_runner)
+        self.max_pages = _cdiv(self.max_context_len, self.page_size)
+        self.max_decode_bs = model_runner.req_to_token_pool.size
+        self.head_dim = model_runner.model_config.head_dim
+        self.kv_cache_dtype = model_runner.kv_cache_dtype
+        self.model_dtype = model_runner.dtype
+        self.graph_wrapper: Optional[DecodeImportanceWrapper] = None
+        self.eager_wrapper: Optional[DecodeImportanceWrapper] = None
+        # The wrapper the next forward_decode uses, chosen by the metadata init.
+        self.decode_wrapper: Optional[DecodeImportanceWrapper] = None
+
+    def _new_wrapper(self, max_batch_size: int) -> DecodeImportanceWrapper:
+        return DecodeImportanceWrapper(
+            max_batch_size,
+            self.num_head,
+            self.num_kv_head,
+            self.head_dim,
+            max_pages=self.max_pages,
+            v_head_dim=self.v_head_dim,
+            page_size=self.page_size,
+            max_splits=self.max_kv_splits,
+            dtype=self.model_dtype,
+            device=self.device,
+        )
+
+    def _serves_with_importance(self) -> bool:
+        # Backend-wide conditions; per-layer ones are in _records.
+        return not self.use_mla and self.dcp_size == 1 and self.page_size & (self.page_size - 1) == 0
+
+    # -- metadata: pick the wrapper; the parent builds kv_indptr / kv_indices -------
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args: Any, **kwargs: Any) -> None:
+        super().init_cuda_graph_state(max_bs, max_num_tokens, *args, **kwargs)
+        if self._serves_with_importance():
+            self.graph_wrapper = self._new_wrapper(max_num_tokens)
+
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
+        super().init_forward_metadata_out_graph(forward_batch, in_capture)
+        if forward_batch.forward_mode.is_decode_or_idle():
+            self.decode_wrapper = self.graph_wrapper
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        super().init_forward_metadata(forward_batch)
+        self.decode_wrapper = None
+        if forward_batch.forward_mode.is_decode() and self._serves_with_importance():
+            bs = self.forward_metadata.kv_indptr.numel() - 1
+            wrapper = self.eager_wrapper
+            if wrapper is None or wrapper.max_batch_size < bs:
+                # Eager only: grow in powers of two, capped by the request pool.
+                size = min(max(1 << max(bs - 1, 0).bit_length(), 8), max(self.max_decode_bs, bs))
+                wrapper = self.eager_wrapper = self._new_wrapper(size)
+            self.decode_wrapper = wrapper
+
+    # -- decode -------------------------------------------------------------------
+
+    def _records(self, q: torch.Tensor, layer: RadixAttention, score_mod: Any) -> bool:
+        return (
+            self.decode_wrapper is not None
+            and score_mod is None
+            and q.dtype == self.kv_cache_dtype
+            and (layer.sliding_window_size is None or layer.sliding_window_size < 0)
+            and layer.k_scale is None
+            and layer.v_scale is None
+            and getattr(layer, "xai_temperature_len", -1) <= 0
+            and not layer.is_cross_attention
+        )
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        sinks: Optional[torch.Tensor] = None,
+        score_mod: Any = None,
+        aux_tensors: Any = None,
+    ) -> torch.Tensor:
+        if self._records(q, layer, score_mod):
+            o = self._decode_with_importance(q, k, v, layer, forward_batch, save_kv_cache, sinks)
+        else:
+            o = super().forward_decode(
+                q,
+                k,
+                v,
+                layer,
+                forward_batch,
+                save_kv_cache=save_kv_cache,
+                sinks=sinks,
+                score_mod=score_mod,
+                aux_tensors=aux_tensors,
+            )
+        if layer.layer_id == self.last_layer_id:
+            self.page_table.finish_step()
+        return o
+
+    def _decode_with_importance(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool,
+        sinks: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        if save_kv_cache:
+            # The parent's write, unchanged (k_scale/v_scale are None here).
+            self._set_kv_buffer(
+                forward_batch,
+                layer,
+                KVWriteLoc.for_batch(forward_batch, swa_loc=self.forward_metadata.swa_out_cache_loc),
+                k,
+                v,
+            )
+        kv_indptr = self.forward_metadata.kv_indptr
+        kv_indices = self.forward_metadata.kv_indices
+        result = self.decode_wrapper.run(
+            q,
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            kv_indptr,
+            kv_indices,
+            sm_scale=layer.scaling,
+            logit_cap=logit_capping_mod(layer.logit_capping_method, layer.logit_cap),
+            sinks=sinks,
+            out=o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
+        )
+        self.page_table.add_layer(result.importance, kv_indptr, kv_indices)
+        return o

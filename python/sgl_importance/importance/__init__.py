@@ -1,0 +1,1 @@
+"""Page importance: the per-physical-page table decode writes into, and what builds on it."""

@@ -1,0 +1,258 @@
+"""PageImportanceTable: how much attention each physical KV page received.
+
+The decode backends hand over, once per layer, the page importance of every running
+request (``[bs, max_pages]``, a request's page ``j`` = its tokens
+``[j * page_size, (j + 1) * page_size)``); the table files it under the physical page
+that holds those tokens (``slot // page_size``), reduces the layers of one decode
+step (mean or max, ``--importance-reduce``), and keeps:
+
+- ``last``: the most recent recorded step, one value per physical page;
+- ``accumulated``: the sum of ``last`` over the recorded steps since the allocator
+  last freed the page.
+
+A page shared by several running requests (a common prefix) gets the sum of their
+masses in ``mean`` mode and the largest in ``max`` mode.
+
+Every tensor is allocated once, and the per-step work (``add_layer``,
+``finish_step``) only launches tensor ops on them, reading nothing back to the host,
+so a CUDA graph can capture it. For the same reason the step counter and the
+``--importance-sample-interval`` gate live on the device: a captured graph always
+runs the same kernels, and the gate decides on the device whether the step lands in
+``last``/``accumulated``.
+
+``reset_pages`` is host code the allocator hooks call between forwards (on the
+scheduler's stream; under overlap scheduling it may run beside a forward that no
+longer reads the freed page).
+
+Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang. The per-process
+table is reached through :func:`current_page_table`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+
+from sgl_kernel_ext import scatter_page_importance
+
+REDUCTIONS = ("mean", "max")
+
+
+class PageImportanceTable:
+    """Per-physical-page importance of the last recorded decode step and its sum.
+
+    Args:
+        num_pages: table entries, page 0 (SGLang's padding page) included.
+        page_size: tokens per page (SGLang ``--page-size``).
+        reduce: how one step's layers combine: ``"mean"`` or ``"max"``.
+        sample_interval: record every N-th decode step (1 = every step).
+        device: where the table lives (the KV pool's device).
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        *,
+        page_size: int,
+        reduce: str = "mean",
+        sample_interval: int = 1,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_pages < 1 or page_size < 1 or sample_interval < 1:
+            raise ValueError(
+                f"num_pages={num_pages}, page_size={page_size}, "
+                f"sample_interval={sample_interval} must all be >= 1"
+            )
+        if reduce not in REDUCTIONS:
+            raise ValueError(f"reduce={reduce!r}; allowed: {', '.join(REDUCTIONS)}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.reduce = reduce
+        self.sample_interval = sample_interval
+        self.device = torch.device(device)
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self.last = torch.zeros(num_pages, **f32)
+        self.accumulated = torch.zeros(num_pages, **f32)
+        # The step in progress: layers summed (mean) or maxed into it.
+        self._step = torch.zeros(num_pages, **f32)
+        self._steps = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._recorded = torch.zeros((), dtype=torch.int64, device=self.device)
+        # Host-side, so the mean's divisor is a constant a captured graph keeps.
+        self._layers_in_step = 0
+        # Host-side count of resets, so a dump can tell the table changed.
+        self.resets = 0
+
+    @classmethod
+    def for_pool(
+        cls,
+        pool_tokens: int,
+        *,
+        page_size: int,
+        reduce: str = "mean",
+        sample_interval: int = 1,
+        device: torch.device | str = "cpu",
+    ) -> "PageImportanceTable":
+        """A table for a KV pool of ``pool_tokens`` slots: pages 1..N plus padding page 0."""
+        return cls(
+            pool_tokens // page_size + 1,
+            page_size=page_size,
+            reduce=reduce,
+            sample_interval=sample_interval,
+            device=device,
+        )
+
+    # -- the decode path (graph-capturable) --------------------------------------
+
+    def add_layer(
+        self, importance: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
+    ) -> None:
+        """Fold one layer's per-request page importance into the step in progress.
+
+        Args:
+            importance: ``[bs, max_pages]`` float32, what the decode kernel returned.
+            kv_indptr: int32 ``[>= bs + 1]``; kv_indices: the token slots the kernel read.
+        """
+        scatter_page_importance(
+            importance,
+            kv_indptr,
+            kv_indices,
+            self._step,
+            page_size=self.page_size,
+            reduce="add" if self.reduce == "mean" else "max",
+        )
+        self._layers_in_step += 1
+
+    def finish_step(self) -> None:
+        """Close the decode step: record it if the sample interval says so."""
+        if self.reduce == "mean" and self._layers_in_step > 1:
+            self._step.mul_(1.0 / self._layers_in_step)
+        record = torch.remainder(self._steps, self.sample_interval) == 0
+        torch.where(record, self._step, self.last, out=self.last)
+        self.accumulated.addcmul_(self._step, record.to(torch.float32))
+        self._recorded.add_(record.to(torch.int64))
+        self._steps.add_(1)
+        self._step.zero_()
+        self._layers_in_step = 0
+
+    # -- the allocator side (host code, outside graphs) ---------------------------
+
+    def reset_pages(self, page_ids: torch.Tensor) -> None:
+        """Forget the importance of pages the allocator just freed."""
+        if page_ids.numel() == 0:
+            return
+        ids = page_ids.to(device=self.device, dtype=torch.int64)
+        # An id outside the table (another pool's page) maps to the padding page,
+        # which nothing reads, instead of failing or syncing to filter it out.
+        ids = torch.where((ids >= 0) & (ids < self.num_pages), ids, torch.zeros_like(ids))
+        for values in (self.last, self.accumulated, self._step):
+            values.index_fill_(0, ids, 0.0)
+        self.resets += 1
+
+    def reset_all(self) -> None:
+        """Forget everything per page (the allocator cleared its free list)."""
+        for values in (self.last, self.accumulated, self._step):
+            values.zero_()
+        self.resets += 1
+
+    # -- consumers ----------------------------------------------------------------
+
+    @property
+    def steps(self) -> int:
+        """Decode steps finished (reads the device counter: syncs on a GPU)."""
+        return int(self._steps.item())
+
+    @property
+    def recorded_steps(self) -> int:
+        """Decode steps that landed in ``last`` / ``accumulated`` (syncs on a GPU)."""
+        return int(self._recorded.item())
+
+    def matches(self, num_pages: int, page_size: int, device: torch.device | str) -> bool:
+        return (
+            self.num_pages == num_pages
+            and self.page_size == page_size
+            and self.device == torch.device(device)
+        )
+
+    def snapshot(self) -> dict[str, Any]:
+        """A CPU copy of the table's state, for dumps and tests."""
+        return {
+            "last": self.last.detach().cpu().clone(),
+            "accumulated": self.accumulated.detach().cpu().clone(),
+            "steps": self.steps,
+            "recorded_steps": self.recorded_steps,
+            "page_size": self.page_size,
+            "reduce": self.reduce,
+            "sample_interval": self.sample_interval,
+        }
+
+
+# One table per process: SGLang runs one target model runner per scheduler process,
+# and both the decode backends and the allocator hook must reach the same object.
+_current: Optional[PageImportanceTable] = None
+
+
+def current_page_table() -> Optional[PageImportanceTable]:
+    """The table of this process's model runner, or None before a backend made one."""
+    return _current
+
+
+def get_or_create_page_table(
+    pool_tokens: int,
+    *,
+    page_size: int,
+    reduce: str = "mean",
+    sample_interval: int = 1,
+    device: torch.device | str = "cpu",
+) -> PageImportanceTable:
+    """The process's table, created on first use (several backends may share it)."""
+    global _current
+    num_pages = pool_tokens // page_size + 1
+    if _current is None or not _current.matches(num_pages, page_size, device):
+        _current = PageImportanceTable(
+            num_pages,
+            page_size=page_size,
+            reduce=reduce,
+            sample_interval=sample_interval,
+            device=device,
+        )
+    return _current
+
+
+def clear_page_table() -> None:
+    """Drop the process's table (tests)."""
+    global _current
+    _current = None
+
+
+# Opt-in debug dump, so tests and people can see the table from outside the server.
+DUMP_DIR_ENV = "SGL_IMPORTANCE_DUMP_DIR"
+_last_dumped: Optional[tuple[int, int, int]] = None
+
+
+def dump_path(directory: str, pid: Optional[int] = None) -> str:
+    return os.path.join(directory, f"page_table-{os.getpid() if pid is None else pid}.pt")
+
+
+def dump_current_table(directory: Optional[str] = None) -> Optional[str]:
+    """Write the current table's snapshot to ``$SGL_IMPORTANCE_DUMP_DIR`` when it changed.
+
+    Written to a temporary name and renamed, so a reader never sees half a file.
+    Returns the path written, or None when there was nothing new.
+    """
+    global _last_dumped
+    directory = directory or os.environ.get(DUMP_DIR_ENV)
+    table = _current
+    if not directory or table is None:
+        return None
+    state = table.snapshot()
+    version = (id(table), state["steps"], table.resets)
+    if version == _last_dumped:
+        return None
+    os.makedirs(directory, exist_ok=True)
+    path = dump_path(directory)
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    _last_dumped = version
+    return path
