@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Optional
 
 REDUCTIONS = ("mean", "max")
+MAX_TRACE_ROWS = 10_000_000_000
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,10 @@ class ImportanceConfig:
     reduce: str = "mean"
     # Record importance on every N-th decode step (1 = every step).
     sample_interval: int = 1
+    # Opt-in trace of per-step page importance (trace/recorder.py); None = off.
+    trace_dir: Optional[str] = None
+    # Bound on the access rows one trace keeps; later rows are dropped and counted.
+    trace_max_rows: int = 5_000_000
 
     def __post_init__(self) -> None:
         if self.reduce not in REDUCTIONS:
@@ -37,6 +42,20 @@ class ImportanceConfig:
             raise ValueError(
                 f"--importance-sample-interval {self.sample_interval!r} is invalid; "
                 "allowed: an integer in [1, 1000000]"
+            )
+
+        if self.trace_dir is not None and (not isinstance(self.trace_dir, str) or not self.trace_dir):
+            raise ValueError(
+                f"--importance-trace-dir {self.trace_dir!r} is invalid; allowed: a directory path"
+            )
+        if (
+            not isinstance(self.trace_max_rows, int)
+            or isinstance(self.trace_max_rows, bool)
+            or not (1 <= self.trace_max_rows <= MAX_TRACE_ROWS)
+        ):
+            raise ValueError(
+                f"--importance-trace-max-rows {self.trace_max_rows!r} is invalid; "
+                f"allowed: an integer in [1, {MAX_TRACE_ROWS}]"
             )
 
     def as_dict(self) -> dict[str, Any]:
@@ -62,6 +81,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=defaults.sample_interval,
         help="Record page importance on every N-th decode step (1 = every step).",
+    )
+    group.add_argument(
+        "--importance-trace-dir",
+        default=defaults.trace_dir,
+        help="Record each recorded decode step's per-request page importance as a "
+        "Parquet trace in this directory (off by default; see sgl_importance.trace).",
+    )
+    group.add_argument(
+        "--importance-trace-max-rows",
+        type=int,
+        default=defaults.trace_max_rows,
+        help="Keep at most this many access rows in the trace; later rows are dropped.",
     )
 
 

@@ -16,6 +16,7 @@ imports nothing heavy in processes that never reach them.
 | backends `importance_torch`, `importance_triton` | attention/                    |
 | zero a page's importance when it is freed        | importance/allocator_reset.py |
 | `SGL_IMPORTANCE_DUMP_DIR`: table after each step | importance/page_table.py      |
+| `--importance-trace-dir`: per-step page trace    | trace/recorder.py, writer.py  |
 """
 
 from __future__ import annotations
@@ -98,6 +99,40 @@ def _dump_page_table(_result: Any, *args: Any, **kwargs: Any) -> None:
     dump_current_table()
 
 
+def _export_trace_dir(cls: Any, args: Any) -> None:
+    from sgl_importance.trace.recorder import export_trace_dir
+
+    # Launcher: the scheduler inherits the environment, and its load() registers the
+    # recording hooks only when this is set, so an unrecorded server runs none of them.
+    export_trace_dir(args)
+
+
+def _start_trace_recorder(_result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    from sgl_importance.trace.recorder import start_recorder
+
+    start_recorder(scheduler)
+
+
+def _trace_layer(_result: Any, table: Any, importance: Any, kv_indptr: Any, kv_indices: Any) -> None:
+    from sgl_importance.trace.recorder import on_add_layer
+
+    on_add_layer(table, importance, kv_indptr, kv_indices)
+
+
+def _trace_step(_result: Any, table: Any) -> None:
+    from sgl_importance.trace.recorder import on_finish_step
+
+    on_finish_step(table)
+
+
+def _trace_batch(original: Callable[..., Any], scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    from sgl_importance.trace.recorder import around_batch_result
+
+    # Around: the batch's requests still hold their KV rows before the result is
+    # processed, and the ones it finishes are known after.
+    return around_batch_result(original, scheduler, batch, *args, **kwargs)
+
+
 def _torch_cpu_selected() -> bool:
     from sgl_importance.platform import PLATFORM_NAME
 
@@ -150,6 +185,13 @@ def load() -> None:
             _dump_page_table,
             HookType.AFTER,
         )
+    register("sglang.srt.server_args.ServerArgs.from_cli_args", _export_trace_dir, HookType.BEFORE)
+    if os.environ.get("SGL_IMPORTANCE_TRACE_DIR") and "sglang.srt.managers.scheduler" in sys.modules:
+        table = "sgl_importance.importance.page_table.PageImportanceTable"
+        register("sglang.srt.managers.scheduler.Scheduler.__init__", _start_trace_recorder, HookType.AFTER)
+        register(f"{table}.add_layer", _trace_layer, HookType.AFTER)
+        register(f"{table}.finish_step", _trace_step, HookType.AFTER)
+        register("sglang.srt.managers.scheduler.Scheduler.process_batch_result", _trace_batch, HookType.AROUND)
     if _torch_cpu_selected():
         register(
             "sglang.srt.mem_cache.pool_host.mha.get_mha_host_pool_cls",

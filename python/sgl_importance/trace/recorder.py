@@ -1,0 +1,375 @@
+"""Opt-in recording of per-step page importance, scheduler side (``--importance-trace-dir``).
+
+Three pieces, each reached from one hook in ``plugin.py`` (registered only when the
+flag is on, so an unrecorded server runs none of this):
+
+- :class:`StepCapture` watches the process's ``PageImportanceTable``: it keeps the
+  decode step's per-request importance ``[bs, max_pages]`` reduced over layers the
+  way the table reduces them (mean or max, same sample interval), with the step's
+  ``kv_indptr`` / ``kv_indices``. Tensor ops only, nothing read back to the host.
+- :class:`Recorder` runs around ``Scheduler.process_batch_result``: it pairs captured
+  steps with the batch's requests (checked by each request's first KV slot, so a step
+  is never filed under the wrong batch under overlap scheduling), and appends one
+  fixed-size record per (step, request, page) to a preallocated numpy buffer. Full
+  buffers, buffers at a request's end and buffers older than a second are pushed
+  over a ZeroMQ PUSH socket (non-blocking) to
+- the writer process (``trace/writer.py``), which writes the Parquet trace.
+
+Recorded per row: step (global decode step of this scheduler), time_ns
+(``time.monotonic_ns`` when the step finished), request_id (SGLang's ``rid``),
+page (physical page id), position (the page's index in the request's sequence),
+importance; layer and kv_head are -1 (reduced), node_id -1, turn 0.
+
+Limits: records tensor-parallel rank 0's heads only, data-parallel rank 0 only,
+and no CUDA-graph-replayed step (graph replay runs no Python hooks; serve with
+``--disable-cuda-graph`` to record on a GPU).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from sgl_importance.trace.writer import RECORD_DTYPE
+
+logger = logging.getLogger(__name__)
+
+# Set by the launcher from the validated flag, inherited by the scheduler process,
+# where plugin.load() reads it to decide whether to register the recording hooks.
+TRACE_ENV = "SGL_IMPORTANCE_TRACE_DIR"
+BUFFER_ROWS = 65_536
+PUSH_INTERVAL_NS = 1_000_000_000
+# Captured steps waiting for their batch's result; more than this and the oldest go.
+MAX_PENDING = 8
+
+
+def export_trace_dir(args: Any) -> None:
+    """Launcher side: validate the flag and hand it to the scheduler through the environment.
+
+    Raises:
+        ValueError: the directory already holds a trace (naming the flag and the path).
+    """
+    from sgl_importance.config import from_namespace
+
+    config = from_namespace(args)
+    if config.trace_dir is None:
+        os.environ.pop(TRACE_ENV, None)
+        return
+    out = Path(config.trace_dir).expanduser().resolve()
+    if any(out.glob("accesses-*.parquet")):
+        raise ValueError(
+            f"--importance-trace-dir {config.trace_dir!r} is invalid; it already holds a trace "
+            "(allowed: an empty or new directory)"
+        )
+    os.environ[TRACE_ENV] = str(out)
+
+
+def recording_requested() -> bool:
+    return bool(os.environ.get(TRACE_ENV))
+
+
+@dataclass
+class CapturedStep:
+    step: int
+    time_ns: int
+    importance: Any  # [bs, max_pages] float32 tensor
+    kv_indptr: Any
+    kv_indices: Any
+    page_size: int
+
+
+class StepCapture:
+    """The current decode step's per-request importance, reduced like the table's."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.pending: deque[CapturedStep] = deque(maxlen=MAX_PENDING)
+        self._sum: Any = None
+        self._layers = 0
+        self._indptr: Any = None
+        self._indices: Any = None
+
+    def add_layer(self, table: Any, importance: Any, kv_indptr: Any, kv_indices: Any) -> None:
+        if self._sum is None:
+            self._sum = importance.detach().float().clone()
+            # Cloned: a backend may refill its metadata buffers before the result is read.
+            self._indptr = kv_indptr.detach().clone()
+            self._indices = kv_indices.detach().clone()
+        elif table.reduce == "max":
+            self._sum = self._sum.maximum(importance.float())
+        else:
+            self._sum.add_(importance.float())
+        self._layers += 1
+
+    def finish_step(self, table: Any) -> None:
+        step = self.steps
+        self.steps += 1
+        if self._sum is not None and step % table.sample_interval == 0:
+            importance = self._sum
+            if table.reduce == "mean" and self._layers > 1:
+                importance = importance.mul_(1.0 / self._layers)
+            self.pending.append(
+                CapturedStep(step, time.monotonic_ns(), importance, self._indptr, self._indices, table.page_size)
+            )
+        self._sum = self._indptr = self._indices = None
+        self._layers = 0
+
+
+class Recorder:
+    """Scheduler side of a trace: fixed-size records into a buffer, buffers to the writer.
+
+    Args:
+        out: trace directory (the writer creates it).
+        max_rows: rows sent at most; later rows are counted as dropped.
+        meta: ``TraceMeta`` fields for the sidecar.
+        buffer_rows: records per pushed buffer.
+    """
+
+    def __init__(self, out: str, *, max_rows: int, meta: dict[str, Any], buffer_rows: int = BUFFER_ROWS) -> None:
+        import zmq
+
+        self.out = out
+        self.max_rows = max_rows
+        self.sent_rows = 0
+        self.dropped_rows = 0
+        self.unmatched_steps = 0
+        self._buf = np.empty(buffer_rows, RECORD_DTYPE)
+        self._n = 0
+        self._codes: dict[str, int] = {}
+        self._new_labels: dict[int, str] = {}
+        self._last_push_ns = time.monotonic_ns()
+        self._closed = False
+        self._ipc_dir = tempfile.mkdtemp(prefix="sgl-imp-trace-")
+        endpoint = f"ipc://{self._ipc_dir}/writer-{uuid.uuid4().hex[:8]}"
+        cmd = [
+            sys.executable, "-m", "sgl_importance.trace.writer",
+            "--endpoint", endpoint, "--out", out, "--max-rows", str(max_rows),
+            "--meta", json.dumps(meta), "--watch-pid", str(os.getpid()), "--detach",
+        ]  # fmt: skip
+        # Returns once the detached writer has bound its socket and opened the trace.
+        done = subprocess.run(cmd, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"--importance-trace-dir {out!r}: the trace writer did not start (see log)")
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.SNDHWM, 64)
+        self._sock.connect(endpoint)
+        self._zmq_again = zmq.Again
+        self._noblock = zmq.NOBLOCK
+        atexit.register(self.close)
+
+    # -- per batch --------------------------------------------------------------
+
+    def push_if_due(self, batch: Any) -> None:
+        """Push when a request of ``batch`` finished or the buffer is a second old.
+
+        A finished request's rows are with the writer at once, so they survive the
+        launcher killing the scheduler.
+        """
+        if not self._n or batch is None:
+            return
+        if any(r.finished() for r in batch.reqs) or time.monotonic_ns() - self._last_push_ns >= PUSH_INTERVAL_NS:
+            self.flush()
+
+    def record_batch(self, capture: StepCapture, batch: Any) -> int:
+        """Append the captured step that belongs to ``batch``; call before its result is processed.
+
+        Returns:
+            Rows appended.
+        """
+        if batch is None or not capture.pending or not batch.forward_mode.is_decode():
+            return 0
+        reqs = list(batch.reqs)
+        match = None
+        for i, step in enumerate(capture.pending):
+            if self._belongs(step, reqs, batch):
+                match = i
+                break
+        if match is None:
+            return 0
+        for _ in range(match):
+            capture.pending.popleft()
+            self.unmatched_steps += 1
+        return self._append_step(capture.pending.popleft(), reqs)
+
+    @staticmethod
+    def _belongs(step: CapturedStep, reqs: list, batch: Any) -> bool:
+        bs = int(step.importance.shape[0])
+        if bs != len(reqs) or bs == 0:
+            return False
+        indptr = step.kv_indptr[: bs + 1].cpu().numpy()
+        if np.any(indptr[1:] <= indptr[:-1]):
+            return False
+        # Under overlap scheduling a request finished by the previous result is still
+        # in this batch with its KV row released; only the others can be checked.
+        live = [i for i, r in enumerate(reqs) if r.kv.req_pool_idx is not None]
+        if not live:
+            return False
+        first = step.kv_indices[indptr[live]].cpu().numpy()
+        pool = batch.req_to_token_pool.req_to_token
+        expected = pool[[reqs[i].kv.req_pool_idx for i in live], 0].cpu().numpy()
+        return bool(np.array_equal(first.astype(np.int64), expected.astype(np.int64)))
+
+    def _append_step(self, step: CapturedStep, reqs: list) -> int:
+        importance = step.importance.cpu().numpy()
+        indptr = step.kv_indptr[: len(reqs) + 1].cpu().numpy().astype(np.int64)
+        indices = step.kv_indices.cpu().numpy().astype(np.int64)
+        appended = 0
+        for i, req in enumerate(reqs):
+            if req.kv.req_pool_idx is None or req.finished():
+                continue  # finished before this step: SGLang discards the step's token
+            slots = indices[indptr[i] : indptr[i + 1] : step.page_size]
+            n = min(slots.shape[0], importance.shape[1])
+            if n == 0:
+                continue
+            if self.sent_rows + self._n + n > self.max_rows:
+                self.dropped_rows += n
+                continue
+            code = self._code(req.rid)
+            start = 0
+            while start < n:
+                if self._n == self._buf.shape[0]:
+                    self.flush()
+                take = min(n - start, self._buf.shape[0] - self._n)
+                out = self._buf[self._n : self._n + take]
+                out["step"] = step.step
+                out["time_ns"] = step.time_ns
+                out["request"] = code
+                out["page"] = slots[start : start + take] // step.page_size
+                out["position"] = np.arange(start, start + take, dtype=np.int32)
+                out["importance"] = importance[i, start : start + take]
+                self._n += take
+                start += take
+            appended += n
+        return appended
+
+    def _code(self, rid: Any) -> int:
+        rid = str(rid)
+        code = self._codes.get(rid)
+        if code is None:
+            code = self._codes[rid] = len(self._codes)
+            self._new_labels[code] = rid
+        return code
+
+    # -- to the writer ------------------------------------------------------------
+
+    def _send(self, parts: list[bytes]) -> bool:
+        try:
+            self._sock.send_multipart(parts, flags=self._noblock)
+            return True
+        except self._zmq_again:
+            return False
+
+    def flush(self) -> None:
+        """Push the buffered records (and new request labels) to the writer."""
+        self._last_push_ns = time.monotonic_ns()
+        labelled = not self._new_labels
+        if not labelled and self._send([b"labels", json.dumps(self._new_labels).encode()]):
+            self._new_labels, labelled = {}, True
+        if self._n:
+            # Rows go only after their labels; the labels are retried on the next push.
+            if labelled and self._send([b"rows", self._buf[: self._n].tobytes()]):
+                self.sent_rows += self._n
+            else:
+                self.dropped_rows += self._n
+                logger.warning("trace writer is behind; dropped %d rows", self._n)
+            self._n = 0
+
+    def close(self) -> None:
+        """Push what is buffered and tell the writer to close the trace."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush()
+        if self.dropped_rows:
+            self._send([b"dropped", str(self.dropped_rows).encode()])
+        self._send([b"close"])
+        self._sock.close(linger=5000)
+        self._ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+# -- process-wide state, reached from plugin.py's hooks ---------------------------
+
+_capture: Optional[StepCapture] = None
+_recorder: Optional[Recorder] = None
+
+
+def capture() -> StepCapture:
+    global _capture
+    if _capture is None:
+        _capture = StepCapture()
+    return _capture
+
+
+def start_recorder(scheduler: Any) -> Optional[Recorder]:
+    """After ``Scheduler.__init__``: start the writer for rank 0 when the flag is on."""
+    global _recorder
+    from sgl_importance.config import config_of
+
+    server_args = scheduler.server_args
+    config = config_of(server_args)
+    if config.trace_dir is None or _recorder is not None:
+        return _recorder
+    if getattr(scheduler, "tp_rank", 0) != 0 or (getattr(scheduler, "dp_rank", None) or 0) != 0:
+        return None
+    out = os.environ.get(TRACE_ENV) or str(Path(config.trace_dir).expanduser().resolve())
+    meta = {
+        "page_size": int(server_args.page_size),
+        "model": str(server_args.served_model_name or server_args.model_path),
+        "workload": "live",
+        "extra": {
+            "source": "sgl_importance.trace.recorder",
+            "reduce": config.reduce,
+            "sample_interval": config.sample_interval,
+            "attention_backend": str(server_args.attention_backend),
+        },
+    }
+    _recorder = Recorder(out, max_rows=config.trace_max_rows, meta=meta)
+    logger.info("recording page importance to %s", out)
+    return _recorder
+
+
+def on_add_layer(table: Any, importance: Any, kv_indptr: Any, kv_indices: Any) -> None:
+    capture().add_layer(table, importance, kv_indptr, kv_indices)
+
+
+def on_finish_step(table: Any) -> None:
+    capture().finish_step(table)
+
+
+def around_batch_result(original: Callable[..., Any], scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """Around ``Scheduler.process_batch_result``: record before (requests still hold
+    their KV rows), push after (finished requests are known)."""
+    if _recorder is not None:
+        _guarded(lambda: _recorder.record_batch(capture(), batch))
+    result = original(scheduler, batch, *args, **kwargs)
+    if _recorder is not None:
+        _guarded(lambda: _recorder.push_if_due(batch))
+    return result
+
+
+def _guarded(step: Callable[[], Any]) -> None:
+    global _recorder
+    try:
+        step()
+    except Exception:
+        # A recording fault must not take serving down: stop recording, keep the trace so far.
+        logger.exception("page-importance recording failed; recording stops, the trace is closed")
+        recorder, _recorder = _recorder, None
+        if recorder is not None:
+            recorder.close()

