@@ -16,6 +16,10 @@ imports nothing heavy in processes that never reach them.
 | backends `importance_torch`, `importance_triton` | attention/                    |
 | zero a page's importance when it is freed        | importance/allocator_reset.py |
 | `SGL_IMPORTANCE_DUMP_DIR`: table after each step | importance/page_table.py      |
+| eviction policy `importance` (+ config check)    | cache/strategy.py             |
+| FULL component override under `importance`      | cache/components.py           |
+| fold the page table into tree nodes per batch    | scheduler/fold.py             |
+| L3 admission: gate writes to the storage tier    | cache/admission.py            |
 | `--importance-trace-dir`: per-step page trace    | trace/recorder.py, writer.py  |
 """
 
@@ -97,6 +101,38 @@ def _dump_page_table(_result: Any, *args: Any, **kwargs: Any) -> None:
     from sgl_importance.importance.page_table import dump_current_table
 
     dump_current_table()
+
+
+def _importance_strategy(**config: Any) -> Any:
+    from sgl_importance.cache.strategy import ImportanceStrategy
+
+    return ImportanceStrategy(**config)
+
+
+def _check_eviction_policy(cls: Any, args: Any) -> None:
+    from sgl_importance.cache.strategy import check_cli_args
+
+    # In the launcher, so a bad --radix-eviction-policy-config stops start-up
+    # before any model loads (the scheduler would refuse it too, later).
+    check_cli_args(args)
+
+
+def _importance_tree_components(cache: Any, params: Any, *args: Any, **kwargs: Any) -> None:
+    from sgl_importance.cache.components import use_importance_components
+
+    use_importance_components(params)
+
+
+def _gate_storage_write(original: Callable[..., Any], cache: Any, node_id: Any) -> Any:
+    from sgl_importance.cache.admission import gate_storage_write
+
+    return gate_storage_write(original, cache, node_id)
+
+
+def _fold_importance(_result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    from sgl_importance.scheduler.fold import fold_after_batch
+
+    fold_after_batch(scheduler, batch)
 
 
 def _export_trace_dir(cls: Any, args: Any) -> None:
@@ -184,6 +220,33 @@ def load() -> None:
             "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
             _dump_page_table,
             HookType.AFTER,
+        )
+    # Eviction policy `importance`: SGLang builds strategies by name from this dict
+    # (get_eviction_strategy), and the flag's choices list must accept the name.
+    from sglang.srt.mem_cache.utils import _EVICTION_POLICY_FACTORIES
+    from sglang.srt.server_args import add_radix_eviction_policy_choices
+
+    _EVICTION_POLICY_FACTORIES["importance"] = _importance_strategy
+    add_radix_eviction_policy_choices(["importance"])
+    register("sglang.srt.server_args.ServerArgs.from_cli_args", _check_eviction_policy, HookType.BEFORE)
+    # Tree and scheduler hooks only where SGLang's scheduler is loaded: it calls
+    # load() from run_scheduler_process, and the HTTP server and detokenizer need
+    # not import the scheduler and radix cache just to patch them.
+    if "sglang.srt.managers.scheduler" in sys.modules:
+        register(
+            "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.__init__",
+            _importance_tree_components,
+            HookType.BEFORE,
+        )
+        register(
+            "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
+            _fold_importance,
+            HookType.AFTER,
+        )
+        register(
+            "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.write_backup_storage",
+            _gate_storage_write,
+            HookType.AROUND,
         )
     register("sglang.srt.server_args.ServerArgs.from_cli_args", _export_trace_dir, HookType.BEFORE)
     if os.environ.get("SGL_IMPORTANCE_TRACE_DIR") and "sglang.srt.managers.scheduler" in sys.modules:

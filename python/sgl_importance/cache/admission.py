@@ -1,0 +1,134 @@
+"""L3 admission: which host-tier nodes are written to the storage tier.
+
+SGLang writes every node to storage (``UnifiedRadixCache.write_backup_storage``)
+as soon as its host backup is acknowledged. Under ``importance`` with
+``storage_min_hits`` or ``storage_min_importance`` set, a node is written only once
+it *qualifies*: it was hit at least ``storage_min_hits`` times, or its normalised
+importance reached ``storage_min_importance``, or it is an attention-sink node.
+A node that does not qualify at its acknowledgement is *deferred*: it stays on the
+host tier as before, and each fold re-examines the deferred nodes it attended, so a
+node that earns importance later is written then. One that never qualifies is not
+written; when the host tier evicts it, it is gone, like a node without a storage
+backend.
+
+Guarantees:
+
+- Prefix-closed: storage is looked up along a sequence's page-hash chain and stops
+  at the first miss, so a node is written only with its deferred ancestors (root
+  first), and an ancestor whose child is already admitted is admitted too.
+- Only delays or skips writes not yet issued: a write once issued is never
+  cancelled, an acknowledged storage copy is never removed, and the host copy is
+  untouched (SGLang's host locks still guard the in-flight write).
+
+With both thresholds at 0 (the default) every node is written, as in SGLang.
+Duck-typed over SGLang's cache and nodes; nothing here imports SGLang.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+from sgl_importance.importance.persistent import PINNED, ImportanceAggregator
+from sgl_importance.metrics import importance_metrics
+
+# Node attribute: None (never decided), DEFERRED or ADMITTED.
+STATE = "importance_storage"
+DEFERRED = "deferred"
+ADMITTED = "admitted"
+
+
+class StorageAdmission:
+    """The admission rule (see the module docstring).
+
+    Args:
+        min_hits: hits that qualify a node (0: hits never qualify on their own).
+        min_importance: normalised importance in [0, 1] that qualifies a node
+            (0: importance never qualifies on its own).
+    """
+
+    def __init__(self, *, min_hits: int = 0, min_importance: float = 0.0) -> None:
+        self.min_hits = min_hits
+        self.min_importance = min_importance
+
+    @property
+    def active(self) -> bool:
+        return self.min_hits > 0 or self.min_importance > 0.0
+
+    def qualifies(self, node: Any, aggregator: ImportanceAggregator) -> bool:
+        if not self.active or getattr(node, PINNED, False):
+            return True
+        if self.min_hits > 0 and node.hit_count >= self.min_hits:
+            return True
+        return self.min_importance > 0.0 and aggregator.normalised(node) >= self.min_importance
+
+
+def _policy(cache: Any) -> tuple[Optional[StorageAdmission], Optional[ImportanceAggregator]]:
+    strategy = getattr(getattr(cache, "tree_core", None), "eviction_strategy", None)
+    admission = getattr(strategy, "admission", None)
+    if not isinstance(admission, StorageAdmission) or not admission.active:
+        return None, None
+    return admission, getattr(strategy, "aggregator", None)
+
+
+def gate_storage_write(original: Callable[[Any, Any], None], cache: Any, node_id: Any) -> None:
+    """Around ``UnifiedRadixCache.write_backup_storage(node_id)``: write or defer."""
+    admission, aggregator = _policy(cache)
+    if admission is None or aggregator is None:
+        return original(cache, node_id)
+    try:
+        node = cache.tree_core.node_by_id(node_id)
+    except KeyError:
+        return original(cache, node_id)
+    if getattr(node, STATE, None) == ADMITTED:
+        return original(cache, node_id)
+    if admission.qualifies(node, aggregator) or any(
+        getattr(child, STATE, None) == ADMITTED for child in node.children.values()
+    ):
+        _count(cache, "admitted", node)
+        setattr(node, STATE, ADMITTED)
+        return original(cache, node_id)
+    _count(cache, "deferred", node)
+    setattr(node, STATE, DEFERRED)
+    return None
+
+
+def admit_deferred(cache: Any, nodes: Iterable[Any]) -> int:
+    """Write the deferred nodes among ``nodes`` that now qualify, with their deferred
+    ancestors first. Returns the number of nodes written."""
+    admission, aggregator = _policy(cache)
+    if admission is None or aggregator is None:
+        return 0
+    written = 0
+    for node in nodes:
+        if (
+            getattr(node, STATE, None) != DEFERRED
+            or not node.backuped
+            or not admission.qualifies(node, aggregator)
+        ):
+            continue
+        chain = []
+        cur = node
+        while cur is not None and cur.parent is not None:
+            if getattr(cur, STATE, None) == DEFERRED and cur.backuped:
+                chain.append(cur)
+            cur = cur.parent
+        for item in reversed(chain):
+            # Marked first, so the gate lets the write through.
+            setattr(item, STATE, ADMITTED)
+            _count(cache, "late", item)
+            cache.write_backup_storage(item.id)
+            written += 1
+    return written
+
+
+def _count(cache: Any, decision: str, node: Any) -> None:
+    metrics = importance_metrics(cache)
+    if metrics is not None:
+        metrics.storage_decision(decision, len(node.key))
+
+
+def split_state(prefix: Any, suffix: Any) -> None:
+    """A split node's halves share its storage decision."""
+    state = getattr(suffix, STATE, None)
+    if state is not None:
+        setattr(prefix, STATE, state)

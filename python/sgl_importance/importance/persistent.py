@@ -1,0 +1,228 @@
+"""Persistent importance: the page table folded into radix-tree nodes.
+
+The page table (``page_table.py``) knows how much attention each *physical* page got
+in the last recorded decode step, and forgets it when the allocator frees the page.
+Eviction decides over *tree nodes*, which outlive their pages (a node demoted to the
+host tier keeps its identity and gets new pages on load-back). This module carries
+the signal over: after each decode batch, the scheduler hands the aggregator the
+tree nodes its running requests attend (each request's ``last_node`` and its
+ancestors), and the aggregator updates three plain attributes per node:
+
+- ``importance``: an exponential moving average, over the decode steps in which the
+  node was attended, of its *density* — attention mass per page, averaged over the
+  node's pages. It starts at zero, so a node attended for one step stays far below
+  one attended for hundreds: sustained attention, over many steps or many
+  requests, is what earns importance (H2O's "heavy hitters"). A page shared by
+  several running requests receives the sum of their masses from the page table, so
+  a shared system prompt or document becomes a hot spot.
+- ``importance_pinned``: the node lies entirely inside the first ``sink_pages``
+  pages of its sequence — the attention sinks every later token attends to
+  whatever the content. Sink pages are left out of every node's density (their mass
+  says "position 0", not "useful content"), and the strategy evicts pinned nodes
+  last.
+- ``importance_step``: the aggregator's clock (recorded decode steps) when the node
+  was last attended — recency of *attention*, kept beside SGLang's own
+  ``last_access_time`` (recency of *matching*).
+
+Density rather than total mass, because the radix tree cuts sequences wherever two
+requests diverge: a node's density does not depend on where the cuts fell, a split
+gives both halves the parent's value (:meth:`ImportanceAggregator.split`), and
+evicting a leaf forfeits ``density x pages`` of attention — the quantity a greedy
+evictor should minimise per page freed.
+
+Plain Python and torch over duck-typed nodes (any object that accepts attributes);
+nothing here imports SGLang, so it is tested without a server.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional, Sequence
+
+import torch
+
+# Attribute names written on tree nodes: one place, so the strategy, the split
+# handler, metrics and tests agree.
+IMPORTANCE = "importance"
+PINNED = "importance_pinned"
+STEP = "importance_step"
+STEPS = "importance_steps"
+START = "importance_start"
+
+DECAY_RANGE = "a number in (0, 1)"
+SINK_PAGES_MAX = 64
+
+
+class Observation(NamedTuple):
+    """One tree node attended in the step being folded.
+
+    Attributes:
+        node: the tree node; the aggregator sets attributes on it.
+        start: token offset of the node's first token in its sequence (the sum of
+            its ancestors' key lengths), which tells which of its pages are sinks.
+        pages: physical page ids of the node's device KV, in sequence order, on
+            the page table's device.
+    """
+
+    node: Any
+    start: int
+    pages: torch.Tensor
+
+
+def node_importance(node: Any) -> float:
+    """A node's persistent importance (0.0 for a node never attended)."""
+    return getattr(node, IMPORTANCE, 0.0)
+
+
+def node_pinned(node: Any) -> bool:
+    return getattr(node, PINNED, False)
+
+
+def validate_decay(decay: Any, name: str = "decay") -> float:
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not (
+        0.0 < float(decay) < 1.0
+    ):
+        raise ValueError(f"{name}={decay!r} is invalid; allowed: {DECAY_RANGE}")
+    return float(decay)
+
+
+def validate_sink_pages(sink_pages: Any, name: str = "sink_pages") -> int:
+    if isinstance(sink_pages, bool) or not isinstance(sink_pages, int) or not (
+        0 <= sink_pages <= SINK_PAGES_MAX
+    ):
+        raise ValueError(
+            f"{name}={sink_pages!r} is invalid; allowed: an integer in [0, {SINK_PAGES_MAX}]"
+        )
+    return sink_pages
+
+
+def read_last_step(table: Any, pages: torch.Tensor) -> tuple[list[float], int]:
+    """``table.last`` at ``pages`` and the table's recorded-step count, in one copy.
+
+    Adapter over ``PageImportanceTable``: its public ``recorded_steps`` reads the
+    device counter with a separate ``.item()``; on a GPU that is a second sync per
+    fold, so the counter rides along with the gathered values when the table keeps
+    it in ``_recorded`` (float64 holds a step count exactly up to 2**53).
+    """
+    counter = getattr(table, "_recorded", None)
+    gathered = table.last.index_select(0, pages.to(table.last.device)).to(torch.float64)
+    if isinstance(counter, torch.Tensor):
+        flat = torch.cat((gathered, counter.reshape(1).to(torch.float64))).tolist()
+        return flat[:-1], int(flat[-1])
+    return gathered.tolist(), int(table.recorded_steps)
+
+
+class ImportanceAggregator:
+    """Folds per-step page importance into per-node persistent importance.
+
+    Args:
+        decay: EMA factor per attended decode step, in (0, 1); the node's history
+            has an effective length of ``1 / (1 - decay)`` steps.
+        sink_pages: leading pages of every sequence treated as attention sinks
+            (pinned, left out of densities); 0 disables sink handling.
+    """
+
+    def __init__(self, *, decay: float = 0.98, sink_pages: int = 1) -> None:
+        self.decay = validate_decay(decay)
+        self.sink_pages = validate_sink_pages(sink_pages)
+        # Recorded decode steps folded so far: the clock of ``importance_step``.
+        self.clock = 0
+        # Normaliser for the strategy: the largest importance among recently
+        # attended nodes, decaying like the EMA so one old outlier fades.
+        self.scale = 0.0
+        self._table_key: Optional[int] = None
+        self._seen_recorded = 0
+
+    # -- folding -------------------------------------------------------------------
+
+    def fold(self, table: Any, observations: Sequence[Observation]) -> int:
+        """Fold the table's latest recorded step into the observed nodes.
+
+        Reads the table once (one host copy for all nodes). Steps recorded since
+        the previous fold count as that many steps of the latest value (the table
+        keeps only the last one), so a sample interval or a skipped fold does not
+        change the EMA's time constant.
+
+        Args:
+            table: a ``PageImportanceTable`` (``last``, ``page_size``, the counter).
+            observations: the nodes to update, each once.
+
+        Returns:
+            The number of newly recorded steps folded (0: nothing changed).
+        """
+        pages = (
+            torch.cat([o.pages for o in observations])
+            if observations
+            else torch.zeros(0, dtype=torch.int64, device=table.last.device)
+        )
+        values, recorded = read_last_step(table, pages)
+        if self._table_key != id(table):
+            # A new table (start-up, or a backend rebuilt it): its history before
+            # now is not ours to attribute; count at most the latest step.
+            self._table_key = id(table)
+            self._seen_recorded = max(recorded - 1, 0)
+        new_steps = recorded - self._seen_recorded
+        self._seen_recorded = recorded
+        if new_steps <= 0:
+            return 0
+        self.clock += new_steps
+        keep = self.decay**new_steps
+        gain = 1.0 - keep
+        sink_pages = self.sink_pages
+        page_size = table.page_size
+        fold_max = 0.0
+        offset = 0
+        for node, start, node_pages in observations:
+            n = int(node_pages.numel())
+            page_values = values[offset : offset + n]
+            offset += n
+            if n == 0:
+                continue
+            sinks = min(n, max(0, sink_pages - start // page_size))
+            pinned = sinks == n
+            content = page_values if pinned else page_values[sinks:]
+            density = math.fsum(content) / len(content)
+            old = getattr(node, IMPORTANCE, 0.0)
+            value = old * keep + density * gain
+            setattr(node, IMPORTANCE, value)
+            setattr(node, PINNED, pinned)
+            setattr(node, STEP, self.clock)
+            setattr(node, STEPS, getattr(node, STEPS, 0) + new_steps)
+            setattr(node, START, start)
+            if not pinned and value > fold_max:
+                fold_max = value
+        self.scale = max(fold_max, self.scale * keep)
+        return new_steps
+
+    # -- tree events ---------------------------------------------------------------
+
+    def split(self, prefix: Any, suffix: Any, split_len: int, page_size: int) -> None:
+        """The tree cut ``suffix`` after ``split_len`` tokens into a new ``prefix``.
+
+        Both halves keep the node's density (nothing records how attention was
+        spread inside it), its step count and its clock. Sink pinning follows
+        positions: the prefix is pinned if it now lies inside the sink pages.
+        """
+        if not hasattr(suffix, IMPORTANCE):
+            return
+        setattr(prefix, IMPORTANCE, getattr(suffix, IMPORTANCE))
+        setattr(prefix, STEP, getattr(suffix, STEP, 0))
+        setattr(prefix, STEPS, getattr(suffix, STEPS, 0))
+        start = getattr(suffix, START, None)
+        pinned = getattr(suffix, PINNED, False)
+        if start is None:
+            setattr(prefix, PINNED, pinned)
+            return
+        setattr(prefix, START, start)
+        setattr(suffix, START, start + split_len)
+        setattr(
+            prefix, PINNED, pinned or start + split_len <= self.sink_pages * page_size
+        )
+
+    def normalised(self, node: Any) -> float:
+        """``importance / scale`` clipped to [0, 1]; 0 before anything was attended."""
+        scale = self.scale
+        if scale <= 0.0:
+            return 0.0
+        value = getattr(node, IMPORTANCE, 0.0) / scale
+        return value if value < 1.0 else 1.0

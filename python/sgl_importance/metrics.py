@@ -1,0 +1,132 @@
+"""Prometheus series of the ``importance`` policy, on SGLang's ``/metrics``.
+
+Built only with ``--enable-metrics`` (nothing is allocated otherwise), in the
+scheduler process, under the same rank labels as SGLang's radix-cache series.
+SGLang serves every process's series through prometheus_client's multiprocess
+mode (``PROMETHEUS_MULTIPROC_DIR``, set by the launcher before the scheduler
+starts), so ``prometheus_client`` is imported only when the first series is built,
+counters and histograms need nothing more, and the gauge names its multiprocess
+mode.
+
+| series                                          | what                                            |
+|-------------------------------------------------|-------------------------------------------------|
+| `sgl_importance:evicted_tokens_total{tier}`     | tokens evicted from the device / host tier      |
+| `sgl_importance:evicted_node_importance{tier}`  | normalised importance of each evicted node      |
+| `sgl_importance:attended_node_importance`       | normalised importance of nodes after each fold  |
+| `sgl_importance:folded_steps_total`             | decode steps folded into node importance        |
+| `sgl_importance:importance_scale`               | the normaliser (largest recent node importance) |
+| `sgl_importance:storage_tokens_total{decision}` | L3 admission: tokens written / deferred / written late |
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Optional
+
+TIERS = ("device", "host")
+# Normalised importance lives in [0, 1]; dense at the bottom, where eviction acts.
+IMPORTANCE_BUCKETS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
+
+
+class ImportanceMetrics:
+    """The policy's series for one tree cache (one scheduler rank).
+
+    Args:
+        labels: SGLang's radix-cache labels (cache type and ranks), so these series
+            line up with ``sglang:evicted_tokens_total`` of the same rank.
+        registry: where the series register (prometheus_client's default registry,
+            which SGLang's multiprocess collector reads, unless a test passes one).
+    """
+
+    def __init__(self, labels: Mapping[str, Any], registry: Any = None) -> None:
+        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+        registry = REGISTRY if registry is None else registry
+        self.labels = {k: str(v) for k, v in labels.items()}
+        names = list(self.labels)
+        self.evicted_tokens = Counter(
+            "sgl_importance:evicted_tokens_total",
+            "Tokens evicted under --radix-eviction-policy importance, by the tier they "
+            "left (device: demoted to host or dropped; host: dropped from host memory).",
+            labelnames=[*names, "tier"],
+            registry=registry,
+        )
+        self.evicted_importance = Histogram(
+            "sgl_importance:evicted_node_importance",
+            "Normalised importance (0..1) of each radix node when it was evicted, by tier.",
+            labelnames=[*names, "tier"],
+            buckets=IMPORTANCE_BUCKETS,
+            registry=registry,
+        )
+        self.attended_importance = Histogram(
+            "sgl_importance:attended_node_importance",
+            "Normalised importance (0..1) of each attended radix node after a fold.",
+            labelnames=names,
+            buckets=IMPORTANCE_BUCKETS,
+            registry=registry,
+        )
+        self.folded_steps = Counter(
+            "sgl_importance:folded_steps_total",
+            "Recorded decode steps folded into radix-node importance.",
+            labelnames=names,
+            registry=registry,
+        )
+        self.scale = Gauge(
+            "sgl_importance:importance_scale",
+            "Largest recent raw node importance (the normaliser of the policy).",
+            labelnames=names,
+            multiprocess_mode="mostrecent",
+            registry=registry,
+        )
+        self.storage_tokens = Counter(
+            "sgl_importance:storage_tokens_total",
+            "L3 admission decisions in tokens: admitted (written at the host-backup "
+            "acknowledgement), deferred (kept off storage), late (written after earning "
+            "importance or hits).",
+            labelnames=[*names, "decision"],
+            registry=registry,
+        )
+        self._by_tier = {
+            tier: (
+                self.evicted_tokens.labels(**self.labels, tier=tier),
+                self.evicted_importance.labels(**self.labels, tier=tier),
+            )
+            for tier in TIERS
+        }
+        self._attended = self.attended_importance.labels(**self.labels)
+        self._folded = self.folded_steps.labels(**self.labels)
+        self._scale = self.scale.labels(**self.labels)
+
+    def evicted(self, tier: str, tokens: int, normalised_importance: float) -> None:
+        tokens_counter, histogram = self._by_tier[tier]
+        tokens_counter.inc(tokens)
+        histogram.observe(normalised_importance)
+
+    def storage_decision(self, decision: str, tokens: int) -> None:
+        self.storage_tokens.labels(**self.labels, decision=decision).inc(tokens)
+
+    def folded(self, steps: int, scale: float, normalised: Iterable[float]) -> None:
+        self._folded.inc(steps)
+        self._scale.set(scale)
+        for value in normalised:
+            self._attended.observe(value)
+
+
+# prometheus_client registers each series name once per process; SGLang builds one
+# tree cache per scheduler process, so one instance serves it.
+_instance: Optional[ImportanceMetrics] = None
+
+
+def importance_metrics(cache: Any) -> Optional[ImportanceMetrics]:
+    """The process's series for ``cache``, or None when SGLang's metrics are off.
+
+    Args:
+        cache: SGLang's radix cache; its ``metrics_collector`` exists only with
+            ``--enable-metrics`` and carries the rank labels.
+    """
+    global _instance
+    collector = getattr(cache, "metrics_collector", None)
+    if collector is None:
+        return None
+    if _instance is None:
+        _instance = ImportanceMetrics(getattr(collector, "labels", {}) or {})
+    return _instance

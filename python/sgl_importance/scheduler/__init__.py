@@ -1,0 +1,1 @@
+"""Scheduler side: work done in SGLang's scheduler loop between batches."""

@@ -1,0 +1,129 @@
+"""After each decode batch: fold the page table into the running requests' tree nodes.
+
+Runs in the scheduler process right after ``Scheduler.process_batch_result`` (in the
+overlap loop, while the next batch is already running), never on the eviction path:
+eviction reads only the plain floats this leaves on the nodes.
+
+A request's attended tree nodes are its ``last_node`` and every ancestor up to the
+root — the prompt, checkpointed into the tree after prefill; generated tokens join
+the tree when the request finishes. Nodes shared by several requests are folded
+once (the page table already summed their masses). The nodes' physical pages come
+from the FULL component's device value (token slots, page-aligned), cached on the
+node until that value is replaced (split, load-back).
+
+After the fold, deferred nodes that now qualify for the storage tier are written
+(``cache/admission.py``).
+
+The table is read as it stands after the step; under overlap it may already hold
+the next batch's step. The signal is a moving average, so a step attributed one
+batch late changes nothing that matters, and no GPU stream is waited on.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Optional
+
+import torch
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+from sgl_importance.cache.admission import admit_deferred
+from sgl_importance.importance.page_table import current_page_table
+from sgl_importance.importance.persistent import ImportanceAggregator, Observation
+from sgl_importance.metrics import importance_metrics
+
+logger = logging.getLogger(__name__)
+
+_FULL = int(ComponentType.FULL)
+_PAGES_ATTR = "_importance_pages"
+_warned_no_table = False
+
+
+def aggregator_of(tree_cache: Any) -> Optional[ImportanceAggregator]:
+    """The aggregator of the cache's ``importance`` strategy, or None under other policies."""
+    strategy = getattr(getattr(tree_cache, "tree_core", None), "eviction_strategy", None)
+    aggregator = getattr(strategy, "aggregator", None)
+    return aggregator if isinstance(aggregator, ImportanceAggregator) else None
+
+
+def fold_after_batch(scheduler: Any, batch: Any) -> int:
+    """Fold the latest recorded decode step into ``batch``'s tree nodes.
+
+    Returns:
+        Recorded steps folded (0 when the policy is not ``importance``, the batch
+        was no decode batch, or no new step was recorded).
+    """
+    tree_cache = getattr(scheduler, "tree_cache", None)
+    aggregator = aggregator_of(tree_cache)
+    if aggregator is None or batch is None or not batch.forward_mode.is_decode():
+        return 0
+    table = current_page_table()
+    if table is None:
+        _warn_no_table()
+        return 0
+    observations = list(observe(tree_cache.tree_core, batch.reqs, table.page_size))
+    steps = aggregator.fold(table, observations)
+    if steps:
+        # Deferred nodes that earned importance now go to the storage tier.
+        admit_deferred(tree_cache, (o.node for o in observations))
+        metrics = importance_metrics(tree_cache)
+        if metrics is not None:
+            normalised = [aggregator.normalised(o.node) for o in observations]
+            metrics.folded(steps, aggregator.scale, normalised)
+    return steps
+
+
+def observe(tree_core: Any, reqs: Iterable[Any], page_size: int) -> Iterable[Observation]:
+    """Each distinct device-resident node on the requests' paths, with its position."""
+    seen: set[int] = set()
+    for req in reqs:
+        node = _resolve(tree_core, getattr(req, "last_node", None))
+        path = []
+        while node is not None and node.parent is not None:
+            path.append(node)
+            node = node.parent
+        start = 0
+        for node in reversed(path):
+            length = len(node.key)
+            if id(node) not in seen:
+                seen.add(id(node))
+                pages = _device_pages(node, page_size)
+                if pages is not None:
+                    yield Observation(node, start, pages)
+            start += length
+
+
+def _resolve(tree_core: Any, handle: Any) -> Any:
+    # The unified cache hands requests NodeIds; a node can be gone by the time a
+    # finished request's handle is read.
+    if handle is None:
+        return None
+    if isinstance(handle, int):
+        try:
+            return tree_core.node_by_id(handle)
+        except KeyError:
+            return None
+    return handle
+
+
+def _device_pages(node: Any, page_size: int) -> Optional[torch.Tensor]:
+    value = node.component_data[_FULL].value
+    if value is None or value.numel() == 0:
+        return None
+    cached = getattr(node, _PAGES_ATTR, None)
+    if cached is not None and cached[0] is value:
+        return cached[1]
+    pages = torch.div(value[::page_size], page_size, rounding_mode="floor").to(torch.int64)
+    setattr(node, _PAGES_ATTR, (value, pages))
+    return pages
+
+
+def _warn_no_table() -> None:
+    global _warned_no_table
+    if not _warned_no_table:
+        _warned_no_table = True
+        logger.warning(
+            "--radix-eviction-policy importance: no page importance is recorded with "
+            "this attention backend; eviction falls back to recency and reuse. "
+            "Use --attention-backend importance_torch (CPU) or importance_triton (GPU)."
+        )
