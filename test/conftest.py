@@ -126,3 +126,16 @@ def launch(model_path: str, tmp_path_factory) -> Iterator:
 def output_ids_and_logprobs(response: dict) -> tuple[list[int], list[float]]:
     meta = response["meta_info"]
     return response["output_ids"], [entry[0] for entry in meta["output_token_logprobs"]]
+
+
+def launch_and_fail(model_path: str, *args: str) -> str:
+    """Run the launcher with invalid flags; return its output (it must exit non-zero)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, *args],
+        env={**os.environ, "SGLANG_PLATFORM": "torch_cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0, "server started despite an invalid flag"
+    return proc.stdout + proc.stderr

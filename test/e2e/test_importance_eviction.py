@@ -24,12 +24,11 @@ without the radix cache is several times slower per request).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import requests
+
+from conftest import launch_and_fail
 
 pytestmark = pytest.mark.e2e
 
@@ -229,18 +228,6 @@ def test_greedy_outputs_are_identical_with_lru_importance_and_no_radix_cache(
 ):
     assert importance["outputs"] == lru["outputs"]
     assert [lru["outputs"][i] for i in served_from_cache(prompts)] == uncached["outputs"]
-
-
-def launch_and_fail(model_path: str, *args: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, *args],
-        env={**os.environ, "SGLANG_PLATFORM": "torch_cpu"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode != 0, "server started despite an invalid flag"
-    return proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize(

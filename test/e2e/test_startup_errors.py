@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
+from conftest import launch_and_fail
+
 pytestmark = pytest.mark.e2e
-
-
-def launch_and_fail(model_path: str, *args: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, *args],
-        env={**os.environ, "SGLANG_PLATFORM": "torch_cpu"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode != 0, "server started despite an invalid flag"
-    return proc.stdout + proc.stderr
 
 
 def test_unknown_value_of_a_plugin_choice_flag_names_the_flag(model_path):
