@@ -10,7 +10,7 @@ the same validated object through ``config_of(server_args)``.
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 REDUCTIONS = ("mean", "max")
@@ -57,9 +57,6 @@ class ImportanceConfig:
                 f"--importance-trace-max-rows {self.trace_max_rows!r} is invalid; "
                 f"allowed: an integer in [1, {MAX_TRACE_ROWS}]"
             )
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # Flag name -> field name. One table so parser, namespace and docs agree.

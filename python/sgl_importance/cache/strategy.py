@@ -26,7 +26,7 @@ allowed range.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Optional
 
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
@@ -121,9 +121,6 @@ class ImportancePolicyConfig:
                 f"--radix-eviction-policy {POLICY_NAME}; allowed keys: {', '.join(allowed)}"
             )
         return cls(**config)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 _clock_module: Any = None

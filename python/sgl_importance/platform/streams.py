@@ -17,9 +17,6 @@ class CpuStream(torch.cpu.Stream):
     def synchronize(self) -> None:
         return None
 
-    def query(self) -> bool:
-        return True
-
 
 def use_cpu_streams(engine: Any) -> None:
     """Give a freshly built ``L2TransferEngine`` streams it can synchronise."""
