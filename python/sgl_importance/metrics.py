@@ -16,6 +16,7 @@ mode.
 | `sgl_importance:folded_steps_total`             | decode steps folded into node importance        |
 | `sgl_importance:importance_scale`               | the normaliser (largest recent node importance) |
 | `sgl_importance:storage_tokens_total{decision}` | L3 admission: tokens written / deferred / written late |
+| `sgl_importance:prefetch_tokens_total{reason,outcome}` | host→device prefetch: tokens issued / used / wasted, for waiting requests or warming |
 """
 
 from __future__ import annotations
@@ -85,6 +86,14 @@ class ImportanceMetrics:
             labelnames=[*names, "decision"],
             registry=registry,
         )
+        self.prefetch_tokens = Counter(
+            "sgl_importance:prefetch_tokens_total",
+            "Host-to-device prefetch in tokens, by reason (waiting: a queued request's "
+            "host match; warm: an important demoted node) and outcome (issued; used: a "
+            "running request attended it; wasted: evicted from the device before use).",
+            labelnames=[*names, "reason", "outcome"],
+            registry=registry,
+        )
         self._by_tier = {
             tier: (
                 self.evicted_tokens.labels(**self.labels, tier=tier),
@@ -103,6 +112,9 @@ class ImportanceMetrics:
 
     def storage_decision(self, decision: str, tokens: int) -> None:
         self.storage_tokens.labels(**self.labels, decision=decision).inc(tokens)
+
+    def prefetch(self, reason: str, outcome: str, tokens: int) -> None:
+        self.prefetch_tokens.labels(**self.labels, reason=reason, outcome=outcome).inc(tokens)
 
     def folded(self, steps: int, scale: float, normalised: Iterable[float]) -> None:
         self._folded.inc(steps)

@@ -20,6 +20,7 @@ imports nothing heavy in processes that never reach them.
 | FULL component override under `importance`      | cache/components.py           |
 | fold the page table into tree nodes per batch    | scheduler/fold.py             |
 | L3 admission: gate writes to the storage tier    | cache/admission.py            |
+| prefetch host→device with the batch's load-back  | cache/prefetch.py             |
 | `--importance-trace-dir`: per-step page trace    | trace/recorder.py, writer.py  |
 """
 
@@ -127,6 +128,26 @@ def _gate_storage_write(original: Callable[..., Any], cache: Any, node_id: Any) 
     from sgl_importance.cache.admission import gate_storage_write
 
     return gate_storage_write(original, cache, node_id)
+
+
+def _note_scheduler(_result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    from sgl_importance.cache.prefetch import note_scheduler
+
+    note_scheduler(scheduler)
+
+
+def _note_prefill_adder(_result: Any, adder: Any, *args: Any, **kwargs: Any) -> None:
+    from sgl_importance.cache.prefetch import note_prefill_adder
+
+    note_prefill_adder(adder)
+
+
+def _prefetch_with_batch_load(original: Callable[..., Any], cache: Any) -> Any:
+    from sgl_importance.cache.prefetch import prefetch_with_batch_load
+
+    # Around: the prefetches must be queued before SGLang merges the load queue
+    # into the copy whose per-layer events the new prefill batch waits on.
+    return prefetch_with_batch_load(original, cache)
 
 
 def _fold_importance(_result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
@@ -246,6 +267,17 @@ def load() -> None:
         register(
             "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.write_backup_storage",
             _gate_storage_write,
+            HookType.AROUND,
+        )
+        register("sglang.srt.managers.scheduler.Scheduler.__init__", _note_scheduler, HookType.AFTER)
+        register(
+            "sglang.srt.managers.schedule_policy.PrefillAdder.__init__",
+            _note_prefill_adder,
+            HookType.AFTER,
+        )
+        register(
+            "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.ready_to_load_host_cache",
+            _prefetch_with_batch_load,
             HookType.AROUND,
         )
     register("sglang.srt.server_args.ServerArgs.from_cli_args", _export_trace_dir, HookType.BEFORE)

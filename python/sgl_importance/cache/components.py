@@ -13,7 +13,9 @@ Three jobs:
   selection (``tree_core_registry._rust_fallback_reason``) choose the Python core,
   for this cache only and only when the policy is ``importance``.
 - Counting evictions by tier, with the evicted node's importance
-  (``sgl_importance:evicted_*``), when SGLang's metrics are on.
+  (``sgl_importance:evicted_*``), when SGLang's metrics are on; noting nodes
+  demoted while important (the prefetch's warm candidates) and prefetched nodes
+  evicted before use (``cache/prefetch.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
 
 from sgl_importance.cache.admission import split_state
+from sgl_importance.cache.prefetch import mark_evicted
 from sgl_importance.cache.strategy import POLICY_NAME
 from sgl_importance.importance.persistent import ImportanceAggregator
 from sgl_importance.metrics import importance_metrics
@@ -56,6 +59,9 @@ class ImportanceFullComponent(FullComponent):
         freed, host_freed = super().evict_component(
             node, device_frees, host_frees, cache_actions, target=target
         )
+        if freed:
+            mark_evicted(self.cache, node, freed)
+            self._remember_if_warm(node)
         if freed or host_freed:
             metrics = importance_metrics(self.cache)
             aggregator = self._aggregator()
@@ -66,6 +72,17 @@ class ImportanceFullComponent(FullComponent):
                 if host_freed:
                     metrics.evicted("host", host_freed, normalised)
         return freed, host_freed
+
+    def _remember_if_warm(self, node: Any) -> None:
+        # Demoted (host copy kept) while important: a candidate to warm back.
+        strategy = self.tree_core.eviction_strategy
+        warm = getattr(strategy, "warm", None)
+        aggregator = self._aggregator()
+        if warm is None or aggregator is None or not node.backuped:
+            return
+        threshold = strategy.config.prefetch_min_importance
+        if threshold > 0.0 and aggregator.normalised(node) >= threshold:
+            warm.add(node)
 
 
 def uses_importance_policy(params: Any) -> bool:

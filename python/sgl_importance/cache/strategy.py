@@ -16,7 +16,8 @@ others when ``pin_sinks`` is on. Ties fall back to ``last_access_time``, so with
 ``importance_weight=0, reuse_weight=0, pin_sinks=false`` the order is exactly LRU —
 the A/B baseline inside the same code path.
 
-The same instance carries the L3 admission rule (``cache/admission.py``).
+The same instance carries the L3 admission rule (``cache/admission.py``) and the
+prefetch's candidates (``cache/prefetch.py``).
 Configured through SGLang's ``--radix-eviction-policy-config`` JSON (the
 strategy's constructor keywords, :class:`ImportancePolicyConfig`); an unknown key or
 an out-of-range value fails at start-up naming the flag, the key, the value and the
@@ -32,6 +33,7 @@ from typing import Any, Callable, Mapping, Optional
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
 from sgl_importance.cache.admission import StorageAdmission
+from sgl_importance.cache.prefetch import WarmIndex
 from sgl_importance.importance.persistent import (
     IMPORTANCE,
     PINNED,
@@ -45,6 +47,7 @@ FLAG = "--radix-eviction-policy-config"
 WEIGHT_MAX = 1000.0
 HORIZON_MAX = 1e12
 HITS_MAX = 1_000_000
+PREFETCH_TOKENS_MAX = 1 << 24
 
 
 def _number(key: str, value: Any, low: float, high: float, allowed: str) -> float:
@@ -83,6 +86,12 @@ class ImportancePolicyConfig:
     # ... or this normalised importance (0: importance alone never qualifies).
     # Both 0: every node is written, as in SGLang.
     storage_min_importance: float = 0.0
+    # Prefetch (cache/prefetch.py): device tokens loaded back ahead of need per
+    # prefill batch (0: no prefetch) ...
+    prefetch_max_tokens: int = 4096
+    # ... and the normalised importance a demoted node needs to be warmed back
+    # onto the device (0: warm nothing; waiting requests still prefetch).
+    prefetch_min_importance: float = 0.25
 
     def __post_init__(self) -> None:
         weight_range = f"a number in [0, {WEIGHT_MAX:g}]"
@@ -108,6 +117,15 @@ class ImportancePolicyConfig:
             )
         importance = self.storage_min_importance
         _number("storage_min_importance", importance, 0.0, 1.0, "a number in [0, 1]")
+        cap = self.prefetch_max_tokens
+        if isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= PREFETCH_TOKENS_MAX:
+            raise ValueError(
+                f"{FLAG} prefetch_max_tokens={cap!r} is invalid; "
+                f"allowed: an integer in [0, {PREFETCH_TOKENS_MAX}]"
+            )
+        _number(
+            "prefetch_min_importance", self.prefetch_min_importance, 0.0, 1.0, "a number in [0, 1]"
+        )
 
     @classmethod
     def from_mapping(cls, config: Optional[Mapping[str, Any]]) -> "ImportancePolicyConfig":
@@ -151,8 +169,9 @@ class ImportanceStrategy(EvictionStrategy):
     of that normalised mass blended with recency and hit count; attention sinks last.
 
     Each instance owns the :class:`ImportanceAggregator` the scheduler folds the
-    page table into (``self.aggregator``) and the L3 admission rule
-    (``self.admission``); ``get_priority`` reads only plain Python fields.
+    page table into (``self.aggregator``), the L3 admission rule
+    (``self.admission``) and the prefetch's warm candidates (``self.warm``);
+    ``get_priority`` reads only plain Python fields.
     """
 
     def __init__(self, **config: Any) -> None:
@@ -162,6 +181,8 @@ class ImportanceStrategy(EvictionStrategy):
         self.admission = StorageAdmission(
             min_hits=c.storage_min_hits, min_importance=float(c.storage_min_importance)
         )
+        # Nodes demoted while important: what the prefetch warms back.
+        self.warm = WarmIndex()
         # Plain attributes: get_priority runs once per evictable leaf per pass.
         self._w_importance = c.importance_weight
         self._w_recency = c.recency_weight

@@ -28,6 +28,7 @@ import torch
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from sgl_importance.cache.admission import admit_deferred
+from sgl_importance.cache.prefetch import mark_used
 from sgl_importance.importance.page_table import current_page_table
 from sgl_importance.importance.persistent import ImportanceAggregator, Observation
 from sgl_importance.metrics import importance_metrics
@@ -62,6 +63,7 @@ def fold_after_batch(scheduler: Any, batch: Any) -> int:
         _warn_no_table()
         return 0
     observations = list(observe(tree_cache.tree_core, batch.reqs, table.page_size))
+    mark_used(tree_cache, (o.node for o in observations))
     steps = aggregator.fold(table, observations)
     if steps:
         # Deferred nodes that earned importance now go to the storage tier.

@@ -1,0 +1,384 @@
+"""Host→device prefetch under ``importance``, riding SGLang's batch load-back.
+
+When the scheduler builds a prefill batch it calls
+``UnifiedRadixCache.ready_to_load_host_cache()``, which merges every load-back
+queued so far into one host→device copy with per-layer completion events; the
+batch's forward waits on those events layer by layer, so the copies overlap its
+compute (and, in the overlap loop, the previous batch's). This module queues more
+load-backs just before that call, so they join the same copy and the same events —
+no extra slot in SGLang's load-back event ring, and no later batch can read a page
+before its copy landed:
+
+1. ``waiting``: host-resident prefixes matched by requests still in the waiting
+   queue, which a later batch will need (SGLang would load them at admission,
+   stalling that batch's prefill on the copy).
+2. ``warm``: the most important host-resident nodes — demoted from the device
+   when they were important — back into device memory, highest importance first,
+   so their next request hits the device tier.
+
+Rules, both for the memory the batch was promised and for what is evicted:
+
+- Budget: a load takes device memory that SGLang's admission has not handed out,
+  i.e. it must fit the prefill adder's remaining budget (free + evictable minus
+  the admitted and running requests' reservations) less one page, and at most
+  ``prefetch_max_tokens`` per batch. Loaded nodes stay locked until SGLang's
+  ``loading_check`` acknowledges the copy, then are ordinary evictable nodes.
+- Never evict something more important than what comes in: when free pages do
+  not suffice, SGLang's load-back evicts device leaves in the policy's order;
+  the prefetch is issued only if every leaf that walk would take (replayed here,
+  parents exposed as their children go) has a lower eviction priority than the
+  node brought in.
+- Rank consensus: with several tree ranks the plan (node ids) is compared with a
+  MIN all-reduce of its digest before anything is issued; a mismatch issues
+  nothing on any rank.
+
+Prefetched nodes carry ``importance_prefetched`` until a fold sees a running
+request attend them (``used``) or the device tier evicts them first (``wasted``);
+both are counted in ``sgl_importance:prefetch_tokens_total``.
+
+Duck-typed over SGLang's cache and nodes; the hooks in ``plugin.py`` feed it the
+scheduler and the batch's prefill adder.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from sgl_importance.importance.persistent import IMPORTANCE
+from sgl_importance.metrics import importance_metrics
+
+logger = logging.getLogger(__name__)
+
+# Node attribute: the reason ("waiting" / "warm") a prefetch loaded the node,
+# cleared when it is used or evicted.
+PREFETCHED = "importance_prefetched"
+# Requests at the head of the waiting queue whose host matches are considered.
+WAITING_SCAN = 16
+# Host nodes considered for warming per batch (the most important ones).
+WARM_SCAN = 16
+
+_scheduler_ref: Optional[Callable[[], Any]] = None
+_adder_ref: Optional[Callable[[], Any]] = None
+
+
+def note_scheduler(scheduler: Any) -> None:
+    """After ``Scheduler.__init__``: remember the scheduler (its waiting queue)."""
+    global _scheduler_ref
+    _scheduler_ref = weakref.ref(scheduler)
+
+
+def note_prefill_adder(adder: Any) -> None:
+    """After ``PrefillAdder.__init__``: the budget of the batch being built."""
+    global _adder_ref
+    _adder_ref = weakref.ref(adder)
+
+
+def _take_adder() -> Any:
+    # Used once: the adder belongs to the batch whose load-back starts next.
+    global _adder_ref
+    ref, _adder_ref = _adder_ref, None
+    return ref() if ref is not None else None
+
+
+@dataclass
+class Candidate:
+    """A host-resident node to load, and what loading it costs."""
+
+    node: Any
+    reason: str
+    # Device-evicted nodes from ``node`` up to its first device-resident ancestor:
+    # what one load-back of ``node`` copies.
+    path: list
+    tokens: int
+    priority: Any
+
+
+def evicted_path(node: Any) -> list:
+    """``node`` and its device-evicted ancestors (below the first resident one)."""
+    path = []
+    while node is not None and node.parent is not None and node.evicted:
+        path.append(node)
+        node = node.parent
+    return path
+
+
+def _loadable(node: Any) -> bool:
+    return node is not None and node.parent is not None and node.evicted and node.backuped
+
+
+def _in_tree(tree_core: Any, node: Any) -> bool:
+    try:
+        return tree_core.node_by_id(node.id) is node
+    except KeyError:
+        return False
+
+
+def warm_candidates(
+    tree_core: Any, index: "WarmIndex", aggregator: Any, min_importance: float
+) -> list:
+    """Host-resident nodes of normalised importance ≥ ``min_importance``, most
+    important first (at most ``WARM_SCAN``)."""
+    if min_importance <= 0.0:
+        # 0 would warm never-attended nodes: nothing says they will be used.
+        return []
+    nodes = [
+        n
+        for n in index.nodes()
+        if _in_tree(tree_core, n) and aggregator.normalised(n) >= min_importance
+    ]
+    nodes.sort(key=lambda n: getattr(n, IMPORTANCE, 0.0), reverse=True)
+    return nodes[:WARM_SCAN]
+
+
+def waiting_candidates(tree_core: Any, waiting_queue: Iterable[Any]) -> list:
+    """Host-matched anchors of the requests at the head of the waiting queue."""
+    nodes = []
+    for i, req in enumerate(waiting_queue):
+        if i >= WAITING_SCAN:
+            break
+        if getattr(req, "host_hit_length", 0) <= 0:
+            continue
+        node_id = getattr(req, "best_match_node", None)
+        if node_id is None:
+            continue
+        try:
+            node = tree_core.node_by_id(node_id) if isinstance(node_id, int) else node_id
+        except KeyError:
+            continue
+        if _loadable(node):
+            nodes.append(node)
+    return nodes
+
+
+def victims_less_important(
+    tree_core: Any,
+    priority_of: Callable[[Any], Any],
+    bound: Any,
+    needed: int,
+    protected: set,
+) -> bool:
+    """Can ``needed`` device tokens be freed evicting only leaves of priority < ``bound``?
+
+    Replays SGLang's device eviction walk over the current evictable leaves: the
+    smallest priority goes first and a parent joins once all its device-resident
+    children went. ``protected`` (ids of the incoming node's ancestors, which the
+    load-back locks) is never taken.
+    """
+    if needed <= 0:
+        return True
+    heap = [
+        (priority_of(leaf), leaf.id, leaf)
+        for leaf in tree_core.evictable_device_leaves
+        if leaf.id not in protected
+    ]
+    heapq.heapify(heap)
+    gone: set = set()
+    freed = 0
+    while freed < needed:
+        if not heap:
+            return False
+        priority, _, leaf = heapq.heappop(heap)
+        if not priority < bound:
+            return False
+        gone.add(leaf.id)
+        freed += len(leaf.key)
+        parent = leaf.parent
+        if (
+            parent is not None
+            and parent.parent is not None
+            and parent.id not in protected
+            and not parent.evicted
+            and all(
+                child.id in gone or child.evicted for child in parent.children.values()
+            )
+            and not any(cd.lock_ref > 0 for cd in parent.component_data)
+        ):
+            heapq.heappush(heap, (priority_of(parent), parent.id, parent))
+    return True
+
+
+class WarmIndex:
+    """Nodes demoted from the device while important: the warm candidates.
+
+    Filled from the FULL component's eviction (``cache/components.py``), so a
+    batch looks at a handful of nodes instead of walking the host tier. Entries
+    whose node was loaded back or deleted are dropped lazily.
+    """
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._nodes: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+    def add(self, node: Any) -> None:
+        if len(self._nodes) >= self.limit:
+            self.prune()
+            if len(self._nodes) >= self.limit:
+                return
+        self._nodes[node.id] = node
+
+    def prune(self) -> None:
+        for node_id, node in list(self._nodes.items()):
+            if not _loadable(node):
+                del self._nodes[node_id]
+
+    def nodes(self) -> list:
+        self.prune()
+        return list(self._nodes.values())
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+
+def plan(
+    cache: Any,
+    strategy: Any,
+    budget: int,
+    waiting_queue: Iterable[Any],
+) -> list[Candidate]:
+    """Choose the load-backs to queue with this batch (no side effects).
+
+    Args:
+        cache: SGLang's ``UnifiedRadixCache``.
+        strategy: its ``ImportanceStrategy`` (priorities, config, aggregator).
+        budget: device tokens the loads may take (adder budget, per-batch cap).
+        waiting_queue: the scheduler's waiting requests, head first.
+    """
+    tree_core = cache.tree_core
+    config = strategy.config
+    chosen: list[Candidate] = []
+    taken: set = set()
+    available = cache.token_to_kv_pool_allocator.available_size()
+    sources = [
+        ("waiting", waiting_candidates(tree_core, waiting_queue)),
+        (
+            "warm",
+            warm_candidates(
+                tree_core, strategy.warm, strategy.aggregator, config.prefetch_min_importance
+            ),
+        ),
+    ]
+    for reason, nodes in sources:
+        for node in nodes:
+            path = [n for n in evicted_path(node) if n.id not in taken]
+            if not path or len(path) != len(evicted_path(node)):
+                # Part of it is already planned: one load-back per path.
+                continue
+            tokens = sum(len(n.key) for n in path)
+            if tokens > budget:
+                continue
+            priority = strategy.get_priority(node)
+            protected = set()
+            cur = path[-1].parent
+            while cur is not None:
+                protected.add(cur.id)
+                cur = cur.parent
+            # Free pages first; the rest comes from leaves less important than node.
+            if not victims_less_important(
+                tree_core, strategy.get_priority, priority, tokens - available, protected
+            ):
+                continue
+            chosen.append(Candidate(node, reason, path, tokens, priority))
+            taken.update(n.id for n in path)
+            budget -= tokens
+            available = max(0, available - tokens)
+    return chosen
+
+
+def _consensus(cache: Any, chosen: list[Candidate]) -> bool:
+    """Whether every tree rank planned the same loads (always, on one rank)."""
+    if getattr(cache, "tp_world_size", 1) <= 1:
+        return True
+    digest = 0
+    for c in chosen:
+        digest = (digest * 1_000_003 + int(c.node.id) + 1) % (1 << 61)
+    sync = torch.tensor([len(chosen), digest, -digest], dtype=torch.int64)
+    cache._all_reduce(sync, torch.distributed.ReduceOp.MIN)
+    return int(sync[0]) == len(chosen) and int(sync[1]) == -int(sync[2]) == digest
+
+
+def _eligible(cache: Any) -> bool:
+    # Plain full-attention trees only: SWA/Mamba components and buffer-mode or
+    # external-linker host tiers load through paths this does not model.
+    return (
+        getattr(cache, "cache_controller", None) is not None
+        and getattr(cache, "buffer_pipeline", None) is None
+        and getattr(cache, "linker", None) is None
+        and not cache.supports_swa()
+        and not cache.supports_mamba()
+    )
+
+
+def prefetch_with_batch_load(original: Callable[[Any], int], cache: Any) -> int:
+    """Around ``UnifiedRadixCache.ready_to_load_host_cache``: queue prefetches first."""
+    adder = _take_adder()
+    strategy = getattr(getattr(cache, "tree_core", None), "eviction_strategy", None)
+    warm = getattr(strategy, "warm", None)
+    if adder is not None and isinstance(warm, WarmIndex) and _eligible(cache):
+        try:
+            issue(cache, strategy, adder)
+        except Exception:  # a failed prefetch must never fail the batch
+            logger.exception("importance prefetch failed; batch continues without it")
+    return original(cache)
+
+
+def issue(cache: Any, strategy: Any, adder: Any) -> list[Candidate]:
+    """Plan and queue this batch's prefetches; returns the ones queued."""
+    cap = strategy.config.prefetch_max_tokens
+    if cap <= 0:
+        return []
+    budget_obj = adder.memory_budget
+    page = cache.page_size
+    budget = min(cap, int(min(budget_obj.remaining_total, budget_obj.remaining_current)) - page)
+    scheduler = _scheduler_ref() if _scheduler_ref is not None else None
+    waiting = getattr(scheduler, "waiting_queue", None) or []
+    chosen = plan(cache, strategy, budget, waiting) if budget > 0 else []
+    if not _consensus(cache, chosen):
+        logger.warning("importance prefetch: ranks planned different loads; skipping this batch")
+        return []
+    metrics = importance_metrics(cache)
+    queued = []
+    for c in chosen:
+        # Re-checked live: an earlier load of this batch may have used the room.
+        live = int(min(budget_obj.remaining_total, budget_obj.remaining_current)) - page
+        if c.tokens > live or not all(n.evicted for n in c.path):
+            continue
+        if not cache.load_back(c.node.id):
+            continue
+        for n in c.path:
+            setattr(n, PREFETCHED, c.reason)
+        queued.append(c)
+        if metrics is not None:
+            metrics.prefetch(c.reason, "issued", c.tokens)
+    return queued
+
+
+def mark_used(cache: Any, nodes: Iterable[Any]) -> None:
+    """Prefetched nodes a running request attended: the prefetch paid off."""
+    metrics = None
+    for node in nodes:
+        reason = getattr(node, PREFETCHED, None)
+        if reason is None:
+            continue
+        setattr(node, PREFETCHED, None)
+        if metrics is None:
+            metrics = importance_metrics(cache)
+            if metrics is None:
+                return
+        metrics.prefetch(reason, "used", len(node.key))
+
+
+def mark_evicted(cache: Any, node: Any, tokens: int) -> None:
+    """The device tier evicted ``node``: a pending prefetch of it was wasted."""
+    reason = getattr(node, PREFETCHED, None)
+    if reason is None:
+        return
+    setattr(node, PREFETCHED, None)
+    metrics = importance_metrics(cache)
+    if metrics is not None:
+        metrics.prefetch(reason, "wasted", tokens)

@@ -1,0 +1,196 @@
+"""Prefetch planning (cache/prefetch.py) over hand-built trees: which host nodes are
+loaded, and that nothing more important than what comes in is ever evicted."""
+
+from __future__ import annotations
+
+import itertools
+import types
+
+import pytest
+
+from sgl_importance.cache.prefetch import (
+    PREFETCHED,
+    WarmIndex,
+    evicted_path,
+    mark_evicted,
+    mark_used,
+    plan,
+    victims_less_important,
+    waiting_candidates,
+)
+from sgl_importance.cache.strategy import ImportanceStrategy
+
+_ids = itertools.count(1)
+
+
+class Node:
+    def __init__(self, parent, tokens, *, device=True, host=True, importance=0.0, last=0.0):
+        self.id = next(_ids)
+        self.parent = parent
+        self.key = list(range(tokens))
+        self.children = {}
+        self.evicted = not device
+        self.backuped = host
+        self.importance = importance
+        self.last_access_time = last
+        self.hit_count = 0
+        self.component_data = [types.SimpleNamespace(lock_ref=0)]
+        if parent is not None:
+            parent.children[self.id] = self
+
+
+class Tree:
+    def __init__(self):
+        self.root = Node(None, 0)
+        self.nodes = {}
+
+    def add(self, parent=None, tokens=16, **kw):
+        node = Node(parent or self.root, tokens, **kw)
+        self.nodes[node.id] = node
+        return node
+
+    def node_by_id(self, node_id):
+        return self.nodes[node_id]
+
+    @property
+    def evictable_device_leaves(self):
+        return {
+            n
+            for n in self.nodes.values()
+            if not n.evicted and not any(not c.evicted for c in n.children.values())
+        }
+
+
+def make(free_tokens: int, **config):
+    tree = Tree()
+    strategy = ImportanceStrategy(**config)
+    strategy.clock = lambda: 100.0
+    strategy.aggregator.scale = 1.0
+    cache = types.SimpleNamespace(
+        tree_core=tree,
+        token_to_kv_pool_allocator=types.SimpleNamespace(available_size=lambda: free_tokens),
+    )
+    return tree, strategy, cache
+
+
+def test_evicted_path_stops_at_the_first_device_resident_ancestor():
+    tree = Tree()
+    a = tree.add(tokens=32)
+    b = tree.add(a, device=False)
+    c = tree.add(b, device=False)
+    assert evicted_path(c) == [c, b]
+    assert evicted_path(a) == []
+
+
+def test_free_pages_warm_the_most_important_demoted_node_first():
+    tree, strategy, cache = make(free_tokens=64)
+    low = tree.add(tokens=32, device=False, importance=0.3)
+    high = tree.add(tokens=32, device=False, importance=0.9)
+    strategy.warm.add(low)
+    strategy.warm.add(high)
+    chosen = plan(cache, strategy, budget=32, waiting_queue=[])
+    assert [(c.node, c.reason, c.tokens) for c in chosen] == [(high, "warm", 32)]
+
+
+def test_nodes_below_the_warm_threshold_are_not_warmed():
+    tree, strategy, cache = make(free_tokens=1024, prefetch_min_importance=0.5)
+    strategy.warm.add(tree.add(device=False, importance=0.4))
+    assert plan(cache, strategy, budget=1024, waiting_queue=[]) == []
+
+
+def test_warming_evicts_only_leaves_less_important_than_the_node_it_brings():
+    tree, strategy, cache = make(free_tokens=0, recency_weight=0.0, reuse_weight=0.0)
+    doc = tree.add(tokens=64, device=False, importance=0.8)
+    strategy.warm.add(doc)
+    tree.add(tokens=32, importance=0.1)
+    tree.add(tokens=32, importance=0.2)
+    assert [c.node for c in plan(cache, strategy, budget=64, waiting_queue=[])] == [doc]
+
+
+def test_warming_gives_up_when_a_victim_would_be_more_important():
+    tree, strategy, cache = make(free_tokens=0, recency_weight=0.0, reuse_weight=0.0)
+    strategy.warm.add(tree.add(tokens=64, device=False, importance=0.8))
+    tree.add(tokens=32, importance=0.1)
+    tree.add(tokens=32, importance=0.95)
+    assert plan(cache, strategy, budget=64, waiting_queue=[]) == []
+
+
+def test_the_victim_walk_exposes_parents_and_never_takes_the_incoming_path():
+    tree, strategy, _ = make(free_tokens=0, recency_weight=0.0, reuse_weight=0.0)
+    priority = strategy.get_priority
+    shared = tree.add(tokens=32, importance=0.1)
+    tree.add(shared, tokens=16, importance=0.05)
+    # Freeing 48 takes the leaf, then its parent once exposed.
+    bound = priority(types.SimpleNamespace(importance=0.5, last_access_time=0.0, hit_count=0))
+    assert victims_less_important(tree, priority, bound, 48, protected=set())
+    assert not victims_less_important(tree, priority, bound, 48, protected={shared.id})
+    assert not victims_less_important(tree, priority, bound, 49, protected=set())
+
+
+def test_waiting_requests_host_matches_come_first_and_share_no_path():
+    tree, strategy, cache = make(free_tokens=1024)
+    doc = tree.add(tokens=64, device=False, importance=0.9)
+    tail = tree.add(doc, tokens=16, device=False)
+    strategy.warm.add(doc)
+    reqs = [
+        types.SimpleNamespace(host_hit_length=80, best_match_node=tail.id),
+        types.SimpleNamespace(host_hit_length=0, best_match_node=None),
+    ]
+    assert waiting_candidates(tree, reqs) == [tail]
+    chosen = plan(cache, strategy, budget=1024, waiting_queue=reqs)
+    # The waiting request's load covers the document: it is not loaded twice.
+    assert [(c.node, c.reason, c.tokens) for c in chosen] == [(tail, "waiting", 80)]
+
+
+def test_the_budget_caps_what_one_batch_loads():
+    tree, strategy, cache = make(free_tokens=1024)
+    for importance in (0.9, 0.8, 0.7):
+        strategy.warm.add(tree.add(tokens=64, device=False, importance=importance))
+    assert len(plan(cache, strategy, budget=128, waiting_queue=[])) == 2
+    assert plan(cache, strategy, budget=63, waiting_queue=[]) == []
+
+
+def test_loaded_or_dropped_nodes_leave_the_warm_index():
+    tree = Tree()
+    index = WarmIndex()
+    back = tree.add(device=False)
+    dropped = tree.add(device=False)
+    index.add(back)
+    index.add(dropped)
+    back.evicted = False
+    dropped.backuped = False
+    assert index.nodes() == []
+
+
+class Metrics:
+    def __init__(self):
+        self.calls = []
+
+    def prefetch(self, reason, outcome, tokens):
+        self.calls.append((reason, outcome, tokens))
+
+
+def test_a_prefetched_node_is_used_or_wasted_once(monkeypatch):
+    metrics = Metrics()
+    monkeypatch.setattr("sgl_importance.cache.prefetch.importance_metrics", lambda cache: metrics)
+    tree = Tree()
+    used, wasted = tree.add(tokens=32), tree.add(tokens=16)
+    setattr(used, PREFETCHED, "warm")
+    setattr(wasted, PREFETCHED, "waiting")
+    mark_used(None, [used, used])  # attended twice: counted once
+    mark_evicted(None, wasted, 16)
+    mark_evicted(None, used, 32)
+    assert metrics.calls == [("warm", "used", 32), ("waiting", "wasted", 16)]
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"prefetch_max_tokens": -1}, "prefetch_max_tokens=-1 is invalid"),
+        ({"prefetch_max_tokens": 1.5}, "prefetch_max_tokens=1.5 is invalid"),
+        ({"prefetch_min_importance": 2}, "prefetch_min_importance=2 is invalid"),
+    ],
+)
+def test_bad_prefetch_config_names_the_key(config, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        ImportanceStrategy(**config)
