@@ -21,6 +21,7 @@ imports nothing heavy in processes that never reach them.
 | fold the page table into tree nodes per batch    | scheduler/fold.py             |
 | L3 admission: gate writes to the storage tier    | cache/admission.py            |
 | prefetch host→device with the batch's load-back  | cache/prefetch.py             |
+| importance back onto nodes rebuilt from storage  | cache/stored.py               |
 | `--importance-trace-dir`: per-step page trace    | trace/recorder.py, writer.py  |
 """
 
@@ -148,6 +149,12 @@ def _prefetch_with_batch_load(original: Callable[..., Any], cache: Any) -> Any:
     # Around: the prefetches must be queued before SGLang merges the load queue
     # into the copy whose per-layer events the new prefill batch waits on.
     return prefetch_with_batch_load(original, cache)
+
+
+def _restore_stored_importance(result: Any, tree_core: Any, *args: Any, **kwargs: Any) -> None:
+    from sgl_importance.cache.stored import restore_after_insert_host
+
+    restore_after_insert_host(tree_core, result)
 
 
 def _fold_importance(_result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
@@ -279,6 +286,11 @@ def load() -> None:
             "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.ready_to_load_host_cache",
             _prefetch_with_batch_load,
             HookType.AROUND,
+        )
+        register(
+            "sglang.srt.mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore.insert_host",
+            _restore_stored_importance,
+            HookType.AFTER,
         )
     register("sglang.srt.server_args.ServerArgs.from_cli_args", _export_trace_dir, HookType.BEFORE)
     if os.environ.get("SGL_IMPORTANCE_TRACE_DIR") and "sglang.srt.managers.scheduler" in sys.modules:

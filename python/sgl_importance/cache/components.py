@@ -15,7 +15,8 @@ Three jobs:
 - Counting evictions by tier, with the evicted node's importance
   (``sgl_importance:evicted_*``), when SGLang's metrics are on; noting nodes
   demoted while important (the prefetch's warm candidates) and prefetched nodes
-  evicted before use (``cache/prefetch.py``).
+  evicted before use (``cache/prefetch.py``), and remembering the importance of
+  pages dropped to the storage tier (``cache/stored.py``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ class ImportanceFullComponent(FullComponent):
         if freed:
             mark_evicted(self.cache, node, freed)
             self._remember_if_warm(node)
+        if host_freed and getattr(self.cache, "enable_storage", False):
+            # Leaving the tree for good; the storage tier may bring it back.
+            stored = getattr(self.tree_core.eviction_strategy, "stored", None)
+            if stored is not None:
+                stored.remember(node)
         if freed or host_freed:
             metrics = importance_metrics(self.cache)
             aggregator = self._aggregator()

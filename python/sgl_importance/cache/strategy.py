@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
 from sgl_importance.cache.admission import StorageAdmission
 from sgl_importance.cache.prefetch import WarmIndex
+from sgl_importance.cache.stored import StoredImportance
 from sgl_importance.importance.persistent import (
     IMPORTANCE,
     PINNED,
@@ -170,7 +171,8 @@ class ImportanceStrategy(EvictionStrategy):
 
     Each instance owns the :class:`ImportanceAggregator` the scheduler folds the
     page table into (``self.aggregator``), the L3 admission rule
-    (``self.admission``) and the prefetch's warm candidates (``self.warm``);
+    (``self.admission``), the prefetch's warm candidates (``self.warm``) and the
+    importance of pages dropped to the storage tier (``self.stored``);
     ``get_priority`` reads only plain Python fields.
     """
 
@@ -183,6 +185,8 @@ class ImportanceStrategy(EvictionStrategy):
         )
         # Nodes demoted while important: what the prefetch warms back.
         self.warm = WarmIndex()
+        # Importance of pages dropped to the storage tier, for the nodes rebuilt from it.
+        self.stored = StoredImportance()
         # Plain attributes: get_priority runs once per evictable leaf per pass.
         self._w_importance = c.importance_weight
         self._w_recency = c.recency_weight

@@ -1,0 +1,83 @@
+"""Importance of pages that left the tree but live on in the storage tier.
+
+A node dropped from host memory is deleted from the radix tree; its KV stays in
+the storage tier (``--hicache-storage-backend``) under its pages' chain hashes.
+When a later request fetches those pages back, SGLang builds *new* nodes
+(``UnifiedTreeCore.insert_host``), which would start at importance 0 — a shared
+document that was the hottest node before a quiet spell would be the first to go
+again. This module remembers each dropped page's importance under its hash (the
+same key the storage tier uses) and hands it to the node rebuilt from that page.
+
+Bounded: the most recently dropped ``capacity`` pages are remembered (LRU), one
+float per page hash; pages never attended are not stored. Duck-typed over
+SGLang's nodes (``hash_value``: one hash per page); nothing here imports SGLang.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Optional
+
+from sgl_importance.importance.persistent import IMPORTANCE
+
+# Page hashes remembered (≈100 bytes each): 64 Ki pages ≈ 6.5 MB, covering a 1 M
+# token storage tier at page size 16.
+DEFAULT_CAPACITY = 1 << 16
+
+
+class StoredImportance:
+    """Page hash → importance of the node the page belonged to when dropped."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.capacity = capacity
+        self._by_hash: "OrderedDict[str, float]" = OrderedDict()
+
+    def remember(self, node: Any) -> int:
+        """Record ``node``'s importance under each of its page hashes; returns pages recorded."""
+        value = getattr(node, IMPORTANCE, 0.0)
+        hashes = getattr(node, "hash_value", None)
+        if value <= 0.0 or not hashes:
+            return 0
+        for h in hashes:
+            self._by_hash[h] = value
+            self._by_hash.move_to_end(h)
+        while len(self._by_hash) > self.capacity:
+            self._by_hash.popitem(last=False)
+        return len(hashes)
+
+    def recall(self, node: Any) -> Optional[float]:
+        """Set a rebuilt node's importance from its pages (their mean, pages never
+        remembered counting 0); returns it, or None when no page was remembered."""
+        hashes = getattr(node, "hash_value", None)
+        if not hashes or hasattr(node, IMPORTANCE):
+            return None
+        values = [self._by_hash.get(h) for h in hashes]
+        known = [v for v in values if v is not None]
+        if not known:
+            return None
+        value = sum(known) / len(values)
+        setattr(node, IMPORTANCE, value)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+
+def restore_after_insert_host(tree_core: Any, result: Any) -> int:
+    """After ``UnifiedTreeCore.insert_host``: give the nodes it built their importance.
+
+    Walks from the inserted node toward the root over nodes never attended in
+    this tree (a refilled node that kept its object keeps its own value).
+    Returns the number of nodes restored.
+    """
+    stored = getattr(tree_core.eviction_strategy, "stored", None)
+    node_id = getattr(result, "inserted_host_node", None)
+    if not isinstance(stored, StoredImportance) or node_id is None:
+        return 0
+    restored = 0
+    node = tree_core.node_by_id(node_id)
+    while node is not None and node.parent is not None and not hasattr(node, IMPORTANCE):
+        if stored.recall(node) is not None:
+            restored += 1
+        node = node.parent
+    return restored

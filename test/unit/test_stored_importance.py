@@ -1,0 +1,87 @@
+"""Importance of pages dropped to the storage tier comes back with them (cache/stored.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+
+from sgl_importance.cache.stored import StoredImportance
+
+
+def node(hashes, importance=None):
+    n = types.SimpleNamespace(hash_value=hashes)
+    if importance is not None:
+        n.importance = importance
+    return n
+
+
+def test_a_rebuilt_node_gets_the_mean_over_its_pages_unknown_pages_counting_zero():
+    stored = StoredImportance()
+    assert stored.remember(node(["a", "b"], 0.6)) == 2
+    rebuilt = node(["a", "b", "c", "d"])
+    assert stored.recall(rebuilt) == pytest.approx(0.3)
+    assert rebuilt.importance == pytest.approx(0.3)
+
+
+def test_never_attended_pages_are_not_stored_and_restore_nothing():
+    stored = StoredImportance()
+    assert stored.remember(node(["a"], 0.0)) == 0
+    assert stored.remember(node(["b"])) == 0
+    fresh = node(["a", "b"])
+    assert stored.recall(fresh) is None and not hasattr(fresh, "importance")
+
+
+def test_a_node_that_kept_its_importance_is_left_alone():
+    stored = StoredImportance()
+    stored.remember(node(["a"], 0.9))
+    kept = node(["a"], 0.1)
+    assert stored.recall(kept) is None and kept.importance == 0.1
+
+
+def test_the_memory_is_bounded_and_forgets_the_oldest_pages():
+    stored = StoredImportance(capacity=3)
+    stored.remember(node(["a", "b"], 0.5))
+    stored.remember(node(["c", "d"], 0.7))
+    assert len(stored) == 3
+    assert stored.recall(node(["a"])) is None
+    assert stored.recall(node(["b"])) == pytest.approx(0.5)
+
+
+_SCRIPT = r'''
+import json, torch
+import sglang.srt.managers.scheduler  # tree hooks are registered where the scheduler is loaded
+from sgl_importance import plugin
+plugin.load()
+from sglang.srt.plugins.hook_registry import HookRegistry
+HookRegistry.apply_hooks()
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+P = 4
+alloc = PagedTokenToKVPoolAllocator(256, page_size=P, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
+params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
+    page_size=P, eviction_policy="importance", eviction_policy_config=None, tree_components=(ComponentType.FULL,))
+cache = UnifiedRadixCache(params)
+core = cache.tree_core
+stored = core.eviction_strategy.stored
+stored.remember(type("Dropped", (), {"importance": 0.8, "hash_value": ["h0", "h1"]})())
+# What the storage prefetch does with fetched pages: a host-only path under the root.
+result = core.insert_host(core.root_node.id, RadixKey(list(range(16))), torch.arange(16), ["h0", "h1", "h2", "h3"])
+node = core.node_by_id(result.inserted_host_node)
+print("RESULT " + json.dumps({"importance": getattr(node, "importance", None), "evicted": node.evicted}))
+'''
+
+
+def test_sglangs_insert_host_restores_importance_through_the_plugin_hook():
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result == {"importance": pytest.approx(0.4), "evicted": True}
