@@ -25,6 +25,7 @@ def server_args(**overrides):
         enable_hierarchical_cache=False,
         hicache_mem_layout="layer_first",
         hicache_io_backend="kernel",
+        hicache_host_memory_fraction=0.8,
     )
     fields.update(overrides)
     return SimpleNamespace(**fields)
@@ -61,6 +62,16 @@ def test_unsupported_hicache_layout_or_io_backend_is_refused(platform, layout, i
     args = server_args(enable_hierarchical_cache=True, hicache_mem_layout=layout, hicache_io_backend=io)
     with pytest.raises(ValueError, match="not supported on the torch_cpu platform"):
         platform.apply_server_args_defaults(args)
+
+
+def test_hicache_keeps_the_ratio_instead_of_sglangs_ram_auto_sizing(platform):
+    args = server_args(enable_hierarchical_cache=True)
+    platform.apply_server_args_defaults(args)
+    assert args.hicache_host_memory_fraction is None
+    # An explicit fraction still auto-sizes, as in SGLang.
+    explicit = server_args(enable_hierarchical_cache=True, hicache_host_memory_fraction=0.5)
+    platform.apply_server_args_defaults(explicit)
+    assert explicit.hicache_host_memory_fraction == 0.5
 
 
 def test_platform_reports_no_pinned_memory_and_a_string_device(platform):

@@ -336,6 +336,10 @@ def issue(cache: Any, strategy: Any, adder: Any) -> list[Candidate]:
     page = cache.page_size
     budget = min(cap, int(min(budget_obj.remaining_total, budget_obj.remaining_current)) - page)
     scheduler = _scheduler_ref() if _scheduler_ref is not None else None
+    mode = getattr(scheduler, "disaggregation_mode", None)
+    if mode is not None and getattr(mode, "value", mode) != "null":
+        # Prefill/decode disaggregation builds batches from its own queues.
+        return []
     waiting = getattr(scheduler, "waiting_queue", None) or []
     chosen = plan(cache, strategy, budget, waiting) if budget > 0 else []
     if not _consensus(cache, chosen):

@@ -24,6 +24,8 @@ DEFAULT_MAX_TOTAL_TOKENS = 32768
 # Small prefill chunks keep one long prompt from stalling decode on 2 cores.
 DEFAULT_CHUNKED_PREFILL_SIZE = 2048
 DEFAULT_MAX_RUNNING_REQUESTS = 64
+# SGLang's --hicache-host-memory-fraction default (auto-sizing of the host tier).
+SGLANG_HOST_MEMORY_FRACTION = 0.8
 
 
 class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
@@ -66,6 +68,12 @@ class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
             check_hicache_support(
                 server_args.hicache_mem_layout, server_args.hicache_io_backend
             )
+            if server_args.hicache_host_memory_fraction == SGLANG_HOST_MEMORY_FRACTION:
+                # SGLang sizes the host tier from the RAM left after a 10 GiB reserve
+                # meant for GPU servers, and refuses to start on a small machine. Here
+                # the device pool is itself RAM, bounded by --max-total-tokens, so keep
+                # SGLang's default ratio (host pool = 2 x device pool) instead.
+                server_args.hicache_host_memory_fraction = None
         if server_args.device is None:
             server_args.device = "cpu"
 
