@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
@@ -102,25 +101,42 @@ def use_importance_components(params: Any) -> None:
     """
     if not uses_importance_policy(params) or getattr(params, "disable", False):
         return
-    _require_single_tree_rank(params)
+    _require_consistent_tree_ranks(params)
     params.component_registry_override = {
         **(params.component_registry_override or {}),
         ComponentType.FULL: ImportanceFullComponent,
     }
 
 
-def _require_single_tree_rank(params: Any) -> None:
-    # Each tensor-parallel rank sees different heads, so its importance differs;
-    # eviction decisions must be identical on every rank or the trees diverge.
-    # Until node importance is all-reduced over the tree-cache group, refuse.
-    group = getattr(params, "tp_cache_group", None)
-    if (
-        group is not None
-        and torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-        and torch.distributed.get_world_size(group=group) > 1
-    ):
+def _require_consistent_tree_ranks(params: Any) -> None:
+    # Every rank sharing a tree must make the same eviction decisions. Tensor
+    # parallelism is safe: the fold agrees on page values over the tree-cache group
+    # (scheduler/fold.py). These layouts are not, so refuse them at start-up:
+    # - pipeline parallelism: each stage records only its own layers, and SGLang
+    #   propagates tree decisions along the pipeline, which the fold does not;
+    # - attention context parallelism and decode context parallelism: a rank holds
+    #   only part of a sequence's KV, so its pages and page ids mean something else.
+    refused = []
+    if getattr(params, "pp_size", 1) > 1:
+        refused.append(f"--pp-size {params.pp_size}")
+    if getattr(params, "attn_cp_size", 1) > 1:
+        refused.append(f"--attn-cp-size {params.attn_cp_size}")
+    dcp_size = _dcp_size()
+    if dcp_size > 1:
+        refused.append(f"--dcp-size {dcp_size}")
+    if refused:
         raise ValueError(
-            f"--radix-eviction-policy {POLICY_NAME} supports --tp-size 1 only "
-            "(per-rank importance is not yet all-reduced across the tree-cache group)"
+            f"--radix-eviction-policy {POLICY_NAME} does not support {', '.join(refused)}: "
+            "importance is agreed across tensor-parallel ranks only "
+            "(--tp-size N is supported; pipeline and context parallelism are not)"
         )
+
+
+def _dcp_size() -> int:
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        return int(get_parallel().attn_dcp_size)
+    except (AttributeError, RuntimeError, ValueError):
+        # Nothing published (a cache built outside a server, as in tests): no DCP.
+        return 1

@@ -96,20 +96,67 @@ def validate_sink_pages(sink_pages: Any, name: str = "sink_pages") -> int:
     return sink_pages
 
 
-def read_last_step(table: Any, pages: torch.Tensor) -> tuple[list[float], int]:
+def read_last_step(
+    table: Any, pages: torch.Tensor, group: Any = None
+) -> tuple[list[float], int]:
     """``table.last`` at ``pages`` and the table's recorded-step count, in one copy.
 
     Adapter over ``PageImportanceTable``: its public ``recorded_steps`` reads the
     device counter with a separate ``.item()``; on a GPU that is a second sync per
     fold, so the counter rides along with the gathered values when the table keeps
     it in ``_recorded`` (float64 holds a step count exactly up to 2**53).
+
+    Args:
+        table: a ``PageImportanceTable``.
+        pages: physical page ids to read.
+        group: the tree-cache process group when several ranks share the tree
+            (tensor parallelism), else None; with a group, the values and the
+            count returned are the ranks' agreement (:func:`agree_across_ranks`).
     """
     counter = getattr(table, "_recorded", None)
     gathered = table.last.index_select(0, pages.to(table.last.device)).to(torch.float64)
     if isinstance(counter, torch.Tensor):
-        flat = torch.cat((gathered, counter.reshape(1).to(torch.float64))).tolist()
-        return flat[:-1], int(flat[-1])
-    return gathered.tolist(), int(table.recorded_steps)
+        count = counter.reshape(1).to(torch.float64)
+    else:
+        count = torch.full((1,), float(table.recorded_steps), dtype=torch.float64)
+        count = count.to(gathered.device)
+    flat = torch.cat((gathered, count))
+    if group is not None:
+        flat = agree_across_ranks(flat, group)
+    values = flat.tolist()
+    return values[:-1], int(values[-1])
+
+
+def agree_across_ranks(flat: torch.Tensor, group: Any) -> torch.Tensor:
+    """One rank's ``[page values..., step count]`` -> the same tensor on every rank.
+
+    Each tensor-parallel rank attends with its own heads, so its page table holds
+    the mean over *its* KV heads; the mean over ranks is then the mean over all
+    heads, the value a single rank would have recorded (a sum would scale node
+    importance with ``--tp-size``). The step count is the minimum: under overlap
+    scheduling a rank's table may already hold the next batch's step.
+
+    One collective: the ranks' tensors are gathered and reduced here, in rank
+    order, so every rank computes bit-identical floats whatever algorithm the
+    backend uses. Every rank of ``group`` must call this the same number of times
+    with tensors of the same length (the tree, hence the observed pages, is the
+    same on every rank). ``group`` is a CPU (gloo) group: SGLang's cache groups are.
+
+    Returns:
+        A CPU float64 tensor: the mean of the values, the minimum of the counts.
+    """
+    flat = flat.to("cpu", torch.float64)
+    world = torch.distributed.get_world_size(group=group)
+    parts = [torch.empty_like(flat) for _ in range(world)]
+    torch.distributed.all_gather(parts, flat, group=group)
+    total = parts[0].clone()
+    count = total[-1].item()
+    for part in parts[1:]:
+        total += part
+        count = min(count, part[-1].item())
+    total /= world
+    total[-1] = count
+    return total
 
 
 class ImportanceAggregator:
@@ -135,7 +182,9 @@ class ImportanceAggregator:
 
     # -- folding -------------------------------------------------------------------
 
-    def fold(self, table: Any, observations: Sequence[Observation]) -> int:
+    def fold(
+        self, table: Any, observations: Sequence[Observation], group: Any = None
+    ) -> int:
         """Fold the table's latest recorded step into the observed nodes.
 
         Reads the table once (one host copy for all nodes). Steps recorded since
@@ -146,6 +195,12 @@ class ImportanceAggregator:
         Args:
             table: a ``PageImportanceTable`` (``last``, ``page_size``, the counter).
             observations: the nodes to update, each once.
+            group: the tree-cache process group when several ranks share the tree,
+                else None. With a group, every rank of it must call ``fold`` for
+                the same batches with the same observations: the ranks agree on
+                the page values and step count before anything is updated, so
+                every rank's tree gets identical importance (eviction decisions
+                must not diverge).
 
         Returns:
             The number of newly recorded steps folded (0: nothing changed).
@@ -155,7 +210,7 @@ class ImportanceAggregator:
             if observations
             else torch.zeros(0, dtype=torch.int64, device=table.last.device)
         )
-        values, recorded = read_last_step(table, pages)
+        values, recorded = read_last_step(table, pages, group)
         if self._table_key != id(table):
             # A new table (start-up, or a backend rebuilt it): its history before
             # now is not ours to attribute; count at most the latest step.

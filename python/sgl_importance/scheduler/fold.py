@@ -11,6 +11,13 @@ once (the page table already summed their masses). The nodes' physical pages com
 from the FULL component's device value (token slots, page-aligned), cached on the
 node until that value is replaced (split, load-back).
 
+With tensor parallelism every rank runs this after every batch, but each rank's
+table holds only its own heads' attention: the ranks agree on the gathered page
+values (their mean) and the step count (the minimum) over the cache's tree group,
+SGLang's CPU group for tree consensus, so every rank's tree gets identical
+importance and makes identical eviction decisions. The early returns before that
+collective depend only on what all ranks share (policy, batch, backend).
+
 After the fold, deferred nodes that now qualify for the storage tier are written
 (``cache/admission.py``).
 
@@ -64,7 +71,8 @@ def fold_after_batch(scheduler: Any, batch: Any) -> int:
         return 0
     observations = list(observe(tree_cache.tree_core, batch.reqs, table.page_size))
     mark_used(tree_cache, (o.node for o in observations))
-    steps = aggregator.fold(table, observations)
+    # Past this line every rank of the tree group must reach the collective.
+    steps = aggregator.fold(table, observations, tree_group(tree_cache))
     if steps:
         # Deferred nodes that earned importance now go to the storage tier.
         admit_deferred(tree_cache, (o.node for o in observations))
@@ -73,6 +81,19 @@ def fold_after_batch(scheduler: Any, batch: Any) -> int:
             normalised = [aggregator.normalised(o.node) for o in observations]
             metrics.folded(steps, aggregator.scale, normalised)
     return steps
+
+
+def tree_group(tree_cache: Any) -> Optional[Any]:
+    """The process group whose ranks share ``tree_cache``'s tree, or None for one rank.
+
+    SGLang's ``UnifiedRadixCache`` keeps its ``tp_cache_group`` (the CPU group of
+    the ranks that run one batch) as ``tp_group`` and its size as ``tp_world_size``;
+    its own rank consensus all-reduces over that group. None when the size is 1,
+    so a single rank folds without any collective.
+    """
+    if getattr(tree_cache, "tp_world_size", 1) <= 1:
+        return None
+    return getattr(tree_cache, "tp_group", None)
 
 
 def observe(tree_core: Any, reqs: Iterable[Any], page_size: int) -> Iterable[Observation]:
