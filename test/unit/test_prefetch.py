@@ -9,6 +9,7 @@ import types
 import pytest
 
 from sgl_importance.cache.prefetch import (
+    issue,
     PREFETCHED,
     WarmIndex,
     evicted_path,
@@ -57,7 +58,9 @@ class Tree:
         return {
             n
             for n in self.nodes.values()
-            if not n.evicted and not any(not c.evicted for c in n.children.values())
+            if not n.evicted
+            and not any(not c.evicted for c in n.children.values())
+            and n.component_data[0].lock_ref == 0
         }
 
 
@@ -194,3 +197,73 @@ def test_a_prefetched_node_is_used_or_wasted_once(monkeypatch):
 def test_bad_prefetch_config_names_the_key(config, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         ImportanceStrategy(**config)
+
+
+class FakeCache:
+    """Just enough of UnifiedRadixCache for ``issue``: locks, room and load-back."""
+
+    page_size = 16
+    tp_world_size = 1
+
+    def __init__(self, tree, free_tokens):
+        self.tree_core = tree
+        self.free = free_tokens
+        self.token_to_kv_pool_allocator = types.SimpleNamespace(available_size=lambda: self.free)
+        self.loaded = []
+
+    def is_root(self, node_id):
+        return node_id == self.tree_core.root.id
+
+    def inc_lock_ref(self, node_id):
+        node = self.tree_core.node_by_id(node_id)
+        while node.parent is not None:
+            node.component_data[0].lock_ref += 1
+            node = node.parent
+        return types.SimpleNamespace(to_dec_params=lambda: node_id)
+
+    def dec_lock_ref(self, node_id, params):
+        node = self.tree_core.node_by_id(node_id)
+        while node.parent is not None:
+            node.component_data[0].lock_ref -= 1
+            node = node.parent
+
+    def evictable(self):
+        return sum(len(n.key) for n in self.tree_core.evictable_device_leaves)
+
+    def load_back(self, node_id):
+        self.loaded.append(node_id)
+        return True
+
+
+class Budget:
+    """SGLang's prefill budget with nothing reserved: free + evictable, live."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    @property
+    def remaining_total(self):
+        return self.cache.free + self.cache.evictable()
+
+    remaining_current = remaining_total
+
+
+def test_issue_never_counts_or_evicts_the_admitted_requests_prefixes():
+    tree = Tree()
+    # The admitted request's matched prefix: the only device leaf, unimportant.
+    prefix = tree.add(tokens=256, importance=0.01)
+    doc = tree.add(tokens=128, device=False, importance=0.9)
+    cache = FakeCache(tree, free_tokens=32)
+    strategy = ImportanceStrategy(recency_weight=0.0, reuse_weight=0.0)
+    strategy.clock = lambda: 100.0
+    strategy.aggregator.scale = 1.0
+    strategy.warm.add(doc)
+    adder = types.SimpleNamespace(
+        memory_budget=Budget(cache), can_run_list=[types.SimpleNamespace(last_node=prefix.id)]
+    )
+    assert issue(cache, strategy, adder) == []
+    assert cache.loaded == [] and prefix.component_data[0].lock_ref == 0
+    # Once no request holds the prefix, evicting it for the document is allowed.
+    adder.can_run_list = []
+    assert [c.node for c in issue(cache, strategy, adder)] == [doc]
+    assert cache.loaded == [doc.id]

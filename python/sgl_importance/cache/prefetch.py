@@ -21,7 +21,9 @@ Rules, both for the memory the batch was promised and for what is evicted:
 - Budget: a load takes device memory that SGLang's admission has not handed out,
   i.e. it must fit the prefill adder's remaining budget (free + evictable minus
   the admitted and running requests' reservations) less one page, and at most
-  ``prefetch_max_tokens`` per batch. Loaded nodes stay locked until SGLang's
+  ``prefetch_max_tokens`` per batch. The admitted requests' matched prefixes are
+  locked meanwhile, so they are neither counted as room nor evicted before the
+  batch locks them itself. Loaded nodes stay locked until SGLang's
   ``loading_check`` acknowledges the copy, then are ordinary evictable nodes.
 - Never evict something more important than what comes in: when free pages do
   not suffice, SGLang's load-back evicts device leaves in the policy's order;
@@ -334,23 +336,49 @@ def issue(cache: Any, strategy: Any, adder: Any) -> list[Candidate]:
         return []
     budget_obj = adder.memory_budget
     page = cache.page_size
-    budget = min(cap, int(min(budget_obj.remaining_total, budget_obj.remaining_current)) - page)
     scheduler = _scheduler_ref() if _scheduler_ref is not None else None
     mode = getattr(scheduler, "disaggregation_mode", None)
     if mode is not None and getattr(mode, "value", mode) != "null":
         # Prefill/decode disaggregation builds batches from its own queues.
         return []
     waiting = getattr(scheduler, "waiting_queue", None) or []
-    chosen = plan(cache, strategy, budget, waiting) if budget > 0 else []
-    if not _consensus(cache, chosen):
-        logger.warning("importance prefetch: ranks planned different loads; skipping this batch")
-        return []
+    # The admitted requests' matched prefixes are unlocked until the batch allocates
+    # (prepare_for_extend, right after this): locked here, a load can neither evict
+    # them nor count them as room, so what it takes is room the batch never needed.
+    locks = _lock_admitted_prefixes(cache, getattr(adder, "can_run_list", ()))
+    try:
+        budget = min(cap, _room(budget_obj) - page)
+        chosen = plan(cache, strategy, budget, waiting) if budget > 0 else []
+        if not _consensus(cache, chosen):
+            logger.warning("importance prefetch: ranks planned different loads; skipping this batch")
+            return []
+        return _load(cache, chosen, budget_obj, page)
+    finally:
+        for node_id, params in locks:
+            cache.dec_lock_ref(node_id, params)
+
+
+def _room(budget_obj: Any) -> int:
+    # Free + evictable device tokens that admission left unpromised, now.
+    return int(min(budget_obj.remaining_total, budget_obj.remaining_current))
+
+
+def _lock_admitted_prefixes(cache: Any, reqs: Iterable[Any]) -> list:
+    locks = []
+    for req in reqs:
+        node_id = getattr(req, "last_node", None)
+        if node_id is None or cache.is_root(node_id):
+            continue
+        locks.append((node_id, cache.inc_lock_ref(node_id).to_dec_params()))
+    return locks
+
+
+def _load(cache: Any, chosen: list[Candidate], budget_obj: Any, page: int) -> list[Candidate]:
     metrics = importance_metrics(cache)
     queued = []
     for c in chosen:
         # Re-checked live: an earlier load of this batch may have used the room.
-        live = int(min(budget_obj.remaining_total, budget_obj.remaining_current)) - page
-        if c.tokens > live or not all(n.evicted for n in c.path):
+        if c.tokens > _room(budget_obj) - page or not all(n.evicted for n in c.path):
             continue
         if not cache.load_back(c.node.id):
             continue
