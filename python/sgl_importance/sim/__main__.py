@@ -75,6 +75,15 @@ def _cmd_replay(a: argparse.Namespace) -> int:
             f"prefix: {pd.n_requests} requests, {pd.n_nodes} nodes, {pd.unique_tokens:,} unique tokens; node importance "
             + ("from the accesses table" if pd.has_importance else "= token share (no accesses table)")
         )
+        req = ts.requests
+        if len(req) and (req.cached_tokens >= 0).all():
+            # The server's own prefix hits, in the simulator's unit (tokens of the recorded paths).
+            matched, path_tokens = int(req.cached_tokens.sum()), int(req.node_tokens.sum())
+            notes.append(
+                f"prefix: the server itself matched {matched:,} tokens in its prefix cache "
+                f"({matched / max(path_tokens, 1):.1%} of the {path_tokens:,} path tokens; "
+                f"prompts {int(req.prompt_tokens.sum()):,}, outputs {int(req.output_tokens.sum()):,} tokens)"
+            )
         pp = [p for p in pols if "prefix" in p.regimes]
         results += replay_prefix_all(pd, pp, budgets, seed=a.seed, progress=not a.quiet)
     elif a.regime == "prefix":

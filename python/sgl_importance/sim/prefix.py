@@ -14,6 +14,11 @@ If a path alone exceeds the budget, the prefix that fits is inserted and the
 rest bypasses the cache. Budgets are fractions of the unique tokens of all
 paths.
 
+Live traces name SGLang's radix nodes as recorded; paths recorded before a
+node was split are resolved to the finest split first (``resolve_splits``), and
+a request's path covers its prompt and its output (SGLang inserts both when it
+finishes), so the next turn of a conversation can hit the previous answer.
+
 Node importance for one request is the node's attention mass per decode step
 of that request (summed over the node's pages, averaged over the request's
 (step, layer, kv_head) groups), taken from the ``accesses`` table; without it
@@ -37,7 +42,7 @@ import numpy as np
 from sgl_importance.sim import belady as _belady  # noqa: F401  (registers "belady")
 from sgl_importance.sim.metrics import Counts, ReplayResult
 from sgl_importance.sim.policies import Policy, StreamContext, make_policy
-from sgl_importance.trace.format import Requests, Trace
+from sgl_importance.trace.format import Requests, Trace, resolve_splits
 
 
 @dataclass
@@ -100,13 +105,20 @@ def _node_mass(
     return np.where(found, mper[pos], 0.0), found
 
 
-def prepare_prefix(requests: Requests, trace: Trace | None = None) -> PrefixData:
+def prepare_prefix(requests: Requests, trace: Trace | None = None, page_size: int | None = None) -> PrefixData:
     """Index the requests table (and node importance from ``trace`` if given).
+
+    Paths recorded before a radix split are first resolved to the finest split
+    (``trace.format.resolve_splits``), so live traces replay like synthetic ones.
+    Requests replay by ``arrival_step``, ties by ``arrival_ns``, then table order.
 
     Raises:
         ValueError: a node appears under two different parents.
     """
-    order = np.argsort(requests.arrival_step, kind="stable")
+    if page_size is None and trace is not None:
+        page_size = trace.meta.page_size
+    requests, trace = resolve_splits(requests, trace, page_size)
+    order = np.lexsort((requests.arrival_ns, requests.arrival_step))
     lens = np.diff(requests.node_ptr)[order]
     starts = requests.node_ptr[:-1][order]
     ptr = np.zeros(order.shape[0] + 1, np.int64)

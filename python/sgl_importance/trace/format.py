@@ -13,30 +13,60 @@ Table ``accesses`` has one row per (decode step, request, layer, kv_head, page):
 column         type      meaning
 =============  ========  ====================================================================
 step           int64     scheduler decode iteration (global, shared by a batch)
-time_ns        int64     wall clock of the step (``time.monotonic_ns``), 0 if unknown
+time_ns        int64     clock of the step (``time.perf_counter_ns``), 0 if unknown
 request_id     int64 or  request identity; one type per trace (strings are dictionary-coded
                string    to int64 codes on read, the labels kept in ``Trace.request_labels``)
-turn           int32     conversation turn of the request, 0 if unknown
+turn           int32     conversation turn of the request (see :func:`parse_rid`), 0 if unknown
 layer          int16     model layer, -1 = reduced over layers
 kv_head        int16     KV head, -1 = reduced over heads
-page           int64     stable logical page id, opaque to readers (the recorder uses
-                         ``node_id * 2**20 + page offset`` or the physical page)
-node_id        int64     radix-tree node holding the page, -1 unknown
+page           int64     stable page id, opaque to readers (live traces: the physical KV
+                         page, stable while the request runs; synthetic traces:
+                         ``node_id * 2**20 + page offset``)
+node_id        int64     radix-tree node holding the page, -1 unknown (see below)
 position       int32     index of the page within the request's sequence, -1 unknown
 importance     float32   softmax mass of the page at this step; sums to ~1 over the pages
                          of one (step, request, layer, kv_head)
 =============  ========  ====================================================================
 
-Table ``requests`` has one row per request arrival, listing its radix path:
+Table ``requests`` has one row per request, listing its radix path:
 
 =============  ============  ==============================================================
 request_id     int64/string  same identity as in ``accesses``
-arrival_step   int64         decode step at which the request was scheduled
+arrival_step   int64         decode step at which the request was first seen decoding (or,
+                             if it never decoded, at which it finished); replay order
 node_ids       list<int64>   radix path root -> leaf (root excluded); parent of
                              ``node_ids[i]`` is ``node_ids[i-1]``
 node_tokens    list<int32>   token count of each node on the path
 output_tokens  int32         tokens the request generated
+conversation   int32         conversation the request belongs to, -1 unknown
+turn           int32         turn within the conversation, 0 unknown
+prompt_tokens  int32         prompt length in tokens, -1 unknown
+cached_tokens  int32         prompt tokens the server matched in its prefix cache, -1 unknown
+finish_step    int64         decode step at which the request finished, -1 unknown
+arrival_ns     int64         the scheduler received it (``time.perf_counter_ns`` clock), 0 unknown
+finish_ns      int64         it finished (same clock), 0 unknown
 =============  ============  ==============================================================
+
+The columns after ``output_tokens`` came with format version 2; readers fill
+them with the "unknown" values for version-1 traces.
+
+Conversation and turn come from the request id: an id ending in
+``-c<conversation>-t<turn>`` (e.g. ``chat-c2-t3``) names both (:func:`parse_rid`);
+the trace generators name their requests that way, so no header is needed.
+
+Radix node ids (live traces). The recorder writes SGLang's own node ids
+(``node.id`` of the unified radix tree, read with ``collect_path_info`` from each
+request's ``last_node``): in ``accesses`` the node holding the page at that step
+(by the page's token offset ``position * page_size`` on the request's path; -1
+for pages not in the tree yet, i.e. tokens generated since the last insert), in
+``requests`` the path when the request finished (its prompt and its output, after
+SGLang inserted them). SGLang splits a node in place: the suffix keeps the id
+and a new node takes the prefix, so a node's end offset on the path never
+changes while its start can only grow. Paths recorded before a split therefore
+name the unsplit node; :func:`resolve_splits` rewrites every path and access row
+to the finest split seen anywhere in the trace, after which every node has one
+parent and requests sharing a prefix share the node ids of the shared pages.
+Synthetic traces are already in that form (resolution leaves them unchanged).
 
 Writers: :func:`write_trace` / :func:`write_requests` for whole tables, and
 :class:`TraceWriter` for streaming with a row-count bound (rotates files, and
@@ -50,6 +80,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -60,7 +91,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 FORMAT_NAME = "sgl-importance-trace"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 META_FILE = "meta.json"
 ACCESS_PREFIX = "accesses"
 REQUEST_PREFIX = "requests"
@@ -106,6 +137,27 @@ def access_schema(string_ids: bool = False) -> pa.Schema:
     return pa.schema(cols)
 
 
+# Per-request scalar columns after the path, with their type and "unknown" value
+# (version-1 traces lack them; readers fill these).
+REQUEST_EXTRA: dict[str, tuple[np.dtype, int]] = {
+    "conversation": (np.dtype(np.int32), -1),
+    "turn": (np.dtype(np.int32), 0),
+    "prompt_tokens": (np.dtype(np.int32), -1),
+    "cached_tokens": (np.dtype(np.int32), -1),
+    "finish_step": (np.dtype(np.int64), -1),
+    "arrival_ns": (np.dtype(np.int64), 0),
+    "finish_ns": (np.dtype(np.int64), 0),
+}
+
+RID_RE = re.compile(r"-c(\d+)-t(\d+)$")
+
+
+def parse_rid(rid: Any) -> tuple[int, int]:
+    """(conversation, turn) named by a request id ending in ``-c<conv>-t<turn>``, else (-1, 0)."""
+    m = RID_RE.search(str(rid))
+    return (int(m.group(1)), int(m.group(2))) if m else (-1, 0)
+
+
 def request_schema(string_ids: bool = False) -> pa.Schema:
     """Arrow schema of the ``requests`` table."""
     return pa.schema(
@@ -115,6 +167,7 @@ def request_schema(string_ids: bool = False) -> pa.Schema:
             pa.field("node_ids", pa.list_(pa.int64()), nullable=False),
             pa.field("node_tokens", pa.list_(pa.int32()), nullable=False),
             pa.field("output_tokens", pa.int32(), nullable=False),
+            *[pa.field(name, _ARROW_TYPES[dt], nullable=False) for name, (dt, _) in REQUEST_EXTRA.items()],
         ]
     )
 
@@ -205,7 +258,8 @@ class Requests:
     """The ``requests`` table; the per-request lists are stored CSR style.
 
     Request ``i`` has path ``node_ids[node_ptr[i]:node_ptr[i+1]]`` with token
-    counts ``node_tokens[...]`` over the same slice.
+    counts ``node_tokens[...]`` over the same slice. The columns of
+    ``REQUEST_EXTRA`` default to their "unknown" value when not given.
     """
 
     request_id: np.ndarray
@@ -215,6 +269,22 @@ class Requests:
     node_tokens: np.ndarray
     output_tokens: np.ndarray
     request_labels: np.ndarray | None = None
+    conversation: np.ndarray | None = None
+    turn: np.ndarray | None = None
+    prompt_tokens: np.ndarray | None = None
+    cached_tokens: np.ndarray | None = None
+    finish_step: np.ndarray | None = None
+    arrival_ns: np.ndarray | None = None
+    finish_ns: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        n = self.request_id.shape[0]
+        for name, (dt, unknown) in REQUEST_EXTRA.items():
+            v = getattr(self, name)
+            v = np.full(n, unknown, dt) if v is None else np.asarray(v).astype(dt, copy=False)
+            if v.shape != (n,):
+                raise ValueError(f"requests: column {name!r} has shape {v.shape}, expected ({n},)")
+            setattr(self, name, v)
 
     def __len__(self) -> int:
         return int(self.request_id.shape[0])
@@ -222,6 +292,10 @@ class Requests:
     def path(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         lo, hi = self.node_ptr[i], self.node_ptr[i + 1]
         return self.node_ids[lo:hi], self.node_tokens[lo:hi]
+
+    def labels(self) -> np.ndarray:
+        """Request ids as given (strings decoded from their codes)."""
+        return self.request_id if self.request_labels is None else self.request_labels[self.request_id]
 
     @classmethod
     def from_lists(
@@ -231,9 +305,14 @@ class Requests:
         node_ids: Sequence[Sequence[int]],
         node_tokens: Sequence[Sequence[int]],
         output_tokens: Sequence[int],
+        **extra: Sequence[int],
     ) -> "Requests":
+        """Build from one list per column; ``extra`` takes the ``REQUEST_EXTRA`` columns."""
         if not (len(request_id) == len(arrival_step) == len(node_ids) == len(node_tokens) == len(output_tokens)):
             raise ValueError("requests: all columns need the same number of rows")
+        unknown = set(extra) - set(REQUEST_EXTRA)
+        if unknown:
+            raise ValueError(f"requests: unknown column(s) {sorted(unknown)}")
         lens = np.fromiter((len(p) for p in node_ids), np.int64, len(node_ids))
         if not np.array_equal(lens, np.fromiter((len(t) for t in node_tokens), np.int64, len(node_tokens))):
             raise ValueError("requests: node_ids and node_tokens differ in length on some row")
@@ -250,6 +329,7 @@ class Requests:
             node_tokens=flat_tok,
             output_tokens=np.asarray(output_tokens, np.int32),
             request_labels=labels,
+            **{k: np.asarray(v) for k, v in extra.items()},
         )
 
 
@@ -308,6 +388,7 @@ def _request_table(req: Requests) -> pa.Table:
             pa.ListArray.from_arrays(offsets, pa.array(req.node_ids.astype(np.int64))),
             pa.ListArray.from_arrays(offsets, pa.array(req.node_tokens.astype(np.int32))),
             pa.array(req.output_tokens.astype(np.int32)),
+            *[pa.array(getattr(req, name).astype(dt)) for name, (dt, _) in REQUEST_EXTRA.items()],
         ],
         schema=request_schema(string_ids),
     )
@@ -408,6 +489,10 @@ def _raw_requests(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], np.nd
         "node_tokens": node_tokens,
         "output_tokens": _col(table, "output_tokens").astype(np.int32),
     }
+    names = set(table.column_names)
+    for name, (dt, _) in REQUEST_EXTRA.items():
+        # Absent in version-1 traces: Requests fills the "unknown" value.
+        cols[name] = _col(table, name).astype(dt) if name in names else None
     return cols, _col(table, "request_id")
 
 
@@ -461,6 +546,124 @@ def read_all(path: str | os.PathLike) -> TraceSet:
     if rr is not None:
         req = Requests(request_id=code(rr[1]), request_labels=labels, **rr[0])
     return TraceSet(meta=meta, accesses=acc, requests=req)
+
+
+def resolve_splits(
+    requests: Requests, accesses: Trace | None = None, page_size: int | None = None
+) -> tuple[Requests, Trace | None]:
+    """Rewrite paths and access rows recorded before a radix split to the finest split seen.
+
+    SGLang splits a node by giving its prefix to a new parent and keeping the id on
+    the suffix, so a node's end offset is fixed and its final start is the largest
+    start any path shows for it; its final parent is the parent in that path. An
+    entry that covered more (an earlier start) becomes the chain of final
+    ancestors covering the same tokens. A piece no recorded path names (its
+    request was never recorded) becomes a new node id above the largest one.
+
+    Args:
+        requests: the ``requests`` table.
+        accesses: the ``accesses`` table; rows are re-assigned by token offset
+            ``position * page_size`` (rows without a position keep their node).
+        page_size: tokens per page; default ``accesses.meta.page_size``.
+
+    Returns:
+        Both tables rewritten (the inputs themselves when nothing was split).
+    """
+    ptr = requests.node_ptr
+    ids = requests.node_ids.astype(np.int64)
+    tok = requests.node_tokens.astype(np.int64)
+    n_ent = ids.shape[0]
+    if n_ent == 0:
+        return requests, accesses
+    lens = np.diff(ptr)
+    row_start = np.repeat(ptr[:-1], lens)
+    csum = np.cumsum(tok)
+    end = csum - np.repeat(np.concatenate([[0], csum])[ptr[:-1]], lens)
+    start = end - tok
+    first = np.arange(n_ent) == row_start
+    parent = np.where(first, -1, np.concatenate([[-1], ids[:-1]]))
+
+    uniq, inv = np.unique(ids, return_inverse=True)
+    inv = inv.reshape(-1)
+    node_end = np.full(uniq.shape[0], -1, np.int64)
+    node_end[inv] = end
+    if (node_end[inv] != end).any():
+        warnings.warn("resolve_splits: a node id ends at different offsets in different paths; "
+                      "node ids do not follow SGLang's split rule, paths left as recorded", RuntimeWarning)
+        return requests, accesses
+    final_start = np.full(uniq.shape[0], -1, np.int64)
+    np.maximum.at(final_start, inv, start)
+    if (start == final_start[inv]).all():
+        return requests, accesses
+    final_parent = np.full(uniq.shape[0], -1, np.int64)
+    at_final = start == final_start[inv]
+    final_parent[inv[at_final]] = parent[at_final]
+    index = {int(n): i for i, n in enumerate(uniq)}
+    S, E, P = final_start.tolist(), node_end.tolist(), final_parent.tolist()
+    next_id = int(uniq.max()) + 1
+    gaps: dict[tuple[int, int], int] = {}
+
+    def chain(n: int, s: int) -> list[tuple[int, int]]:
+        """(node, tokens) from offset ``s`` down to node ``n``'s end."""
+        nonlocal next_id
+        i = index[n]
+        out = [(n, E[i] - S[i])]
+        cur = i
+        while S[cur] > s:
+            p = P[cur]
+            pi = index.get(p) if p >= 0 else None
+            if pi is None or E[pi] != S[cur] or S[pi] < s:
+                key = (s, S[cur])
+                if key not in gaps:
+                    gaps[key] = next_id
+                    next_id += 1
+                out.append((gaps[key], S[cur] - s))
+                break
+            out.append((p, E[pi] - S[pi]))
+            cur = pi
+        return out[::-1]
+
+    new_ids: list[int] = []
+    new_tok: list[int] = []
+    new_ptr = [0]
+    ids_l, start_l, ptr_l = ids.tolist(), start.tolist(), ptr.tolist()
+    for r in range(len(requests)):
+        for k in range(ptr_l[r], ptr_l[r + 1]):
+            for n, t in chain(ids_l[k], start_l[k]):
+                new_ids.append(n)
+                new_tok.append(t)
+        new_ptr.append(len(new_ids))
+    out_req = Requests(
+        request_id=requests.request_id,
+        arrival_step=requests.arrival_step,
+        node_ptr=np.asarray(new_ptr, np.int64),
+        node_ids=np.asarray(new_ids, np.int64),
+        node_tokens=np.asarray(new_tok, np.int32),
+        output_tokens=requests.output_tokens,
+        request_labels=requests.request_labels,
+        **{name: getattr(requests, name) for name in REQUEST_EXTRA},
+    )
+    if accesses is None or len(accesses) == 0:
+        return out_req, accesses
+    ps = int(page_size if page_size is not None else accesses.meta.page_size)
+    node = accesses.node_id.astype(np.int64)
+    pos = np.searchsorted(uniq, node)
+    known = (node >= 0) & (accesses.position >= 0) & (pos < uniq.shape[0])
+    known[known] = uniq[pos[known]] == node[known]
+    cur = np.where(known, pos, -1)
+    offset = accesses.position.astype(np.int64) * ps
+    par_idx = np.array([index.get(p, -1) if p >= 0 else -1 for p in P], np.int64)
+    # Walk each row up the final parents until its node starts at or before the row's offset.
+    while True:
+        move = (cur >= 0) & (offset < np.where(cur >= 0, final_start[np.maximum(cur, 0)], 0))
+        move &= par_idx[np.maximum(cur, 0)] >= 0
+        if not move.any():
+            break
+        cur[move] = par_idx[cur[move]]
+    new_node = np.where(cur >= 0, uniq[np.maximum(cur, 0)], node)
+    out_acc = Trace(**{**{name: getattr(accesses, name) for name in ACCESS_DTYPES}, "node_id": new_node},
+                    request_labels=accesses.request_labels, meta=accesses.meta)
+    return out_req, out_acc
 
 
 class TraceWriter:

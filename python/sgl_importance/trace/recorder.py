@@ -16,9 +16,20 @@ flag is on, so an unrecorded server runs none of this):
 - the writer process (``trace/writer.py``), which writes the Parquet trace.
 
 Recorded per row: step (global decode step of this scheduler), time_ns
-(``time.monotonic_ns`` when the step finished), request_id (SGLang's ``rid``),
-page (physical page id), position (the page's index in the request's sequence),
-importance; layer and kv_head are -1 (reduced), node_id -1, turn 0.
+(``time.perf_counter_ns`` when the step finished, SGLang's request clock),
+request_id (SGLang's ``rid``), page (physical page id), node_id (the radix node
+holding the page, from the request's path; -1 for tokens not inserted yet),
+position (the page's index in the request's sequence), importance; layer and
+kv_head are -1 (reduced); the writer fills turn from the rid (``format.parse_rid``).
+
+Per finished request, one row of the ``requests`` table: its radix path after
+SGLang inserted it (prompt and output), prompt length, the prefix SGLang matched
+(``cached_tokens``), output length, first and last decode step, arrival
+(``time_stats.scheduler_recv_time``) and finish time. Paths come from the tree
+core's ``collect_path_info`` (one call per batch, both the Python and the Rust
+core), so recording does not change which tree core SGLang picks. The cost is
+only paid with the flag on: one path query per recorded decode batch, one per
+batch that finishes requests.
 
 Limits: records tensor-parallel rank 0's heads only, data-parallel rank 0 only,
 and no CUDA-graph-replayed step (graph replay runs no Python hooks; serve with
@@ -55,6 +66,9 @@ BUFFER_ROWS = 65_536
 PUSH_INTERVAL_NS = 1_000_000_000
 # Captured steps waiting for their batch's result; more than this and the oldest go.
 MAX_PENDING = 8
+# Finished rids remembered so a request is filed once; a finished request is seen in
+# at most one more batch, so a bound far above the running batch size is enough.
+REPORTED_KEEP = 65_536
 
 
 def export_trace_dir(args: Any) -> None:
@@ -123,7 +137,7 @@ class StepCapture:
             if table.reduce == "mean" and self._layers > 1:
                 importance = importance.mul_(1.0 / self._layers)
             self.pending.append(
-                CapturedStep(step, time.monotonic_ns(), importance, self._indptr, self._indices, table.page_size)
+                CapturedStep(step, time.perf_counter_ns(), importance, self._indptr, self._indices, table.page_size)
             )
         self._sum = self._indptr = self._indices = None
         self._layers = 0
@@ -151,7 +165,12 @@ class Recorder:
         self._n = 0
         self._codes: dict[str, int] = {}
         self._new_labels: dict[int, str] = {}
-        self._last_push_ns = time.monotonic_ns()
+        # Per live request: first recorded decode step; finished rids already reported
+        # (under overlap scheduling a finished request is seen in one more batch).
+        self._arrival: dict[str, int] = {}
+        self._reported: dict[str, None] = {}  # insertion-ordered, bounded by REPORTED_KEEP
+        self._request_rows: list[dict[str, Any]] = []
+        self._last_push_ns = time.perf_counter_ns()
         self._closed = False
         self._ipc_dir = tempfile.mkdtemp(prefix="sgl-imp-trace-")
         endpoint = f"ipc://{self._ipc_dir}/writer-{uuid.uuid4().hex[:8]}"
@@ -180,13 +199,16 @@ class Recorder:
         A finished request's rows are with the writer at once, so they survive the
         launcher killing the scheduler.
         """
-        if not self._n or batch is None:
+        if not (self._n or self._request_rows) or batch is None:
             return
-        if any(r.finished() for r in batch.reqs) or time.monotonic_ns() - self._last_push_ns >= PUSH_INTERVAL_NS:
+        if any(r.finished() for r in batch.reqs) or time.perf_counter_ns() - self._last_push_ns >= PUSH_INTERVAL_NS:
             self.flush()
 
-    def record_batch(self, capture: StepCapture, batch: Any) -> int:
+    def record_batch(self, capture: StepCapture, batch: Any, tree_core: Any = None) -> int:
         """Append the captured step that belongs to ``batch``; call before its result is processed.
+
+        Args:
+            tree_core: the radix tree core, for node ids (None: node_id -1).
 
         Returns:
             Rows appended.
@@ -204,7 +226,7 @@ class Recorder:
         for _ in range(match):
             capture.pending.popleft()
             self.unmatched_steps += 1
-        return self._append_step(capture.pending.popleft(), reqs)
+        return self._append_step(capture.pending.popleft(), reqs, tree_core)
 
     @staticmethod
     def _belongs(step: CapturedStep, reqs: list, batch: Any) -> bool:
@@ -224,14 +246,18 @@ class Recorder:
         expected = pool[[reqs[i].kv.req_pool_idx for i in live], 0].cpu().numpy()
         return bool(np.array_equal(first.astype(np.int64), expected.astype(np.int64)))
 
-    def _append_step(self, step: CapturedStep, reqs: list) -> int:
+    def _append_step(self, step: CapturedStep, reqs: list, tree_core: Any = None) -> int:
         importance = step.importance.cpu().numpy()
         indptr = step.kv_indptr[: len(reqs) + 1].cpu().numpy().astype(np.int64)
         indices = step.kv_indices.cpu().numpy().astype(np.int64)
+        live = [i for i, req in enumerate(reqs) if req.kv.req_pool_idx is not None and not req.finished()]
+        paths = request_paths(tree_core, [reqs[i] for i in live])
         appended = 0
-        for i, req in enumerate(reqs):
-            if req.kv.req_pool_idx is None or req.finished():
-                continue  # finished before this step: SGLang discards the step's token
+        for i, path in zip(live, paths):
+            # (finished before this step: SGLang discards the step's token, so no rows)
+            req = reqs[i]
+            rid = str(req.rid)
+            self._arrival.setdefault(rid, step.step)
             slots = indices[indptr[i] : indptr[i + 1] : step.page_size]
             n = min(slots.shape[0], importance.shape[1])
             if n == 0:
@@ -239,7 +265,8 @@ class Recorder:
             if self.sent_rows + self._n + n > self.max_rows:
                 self.dropped_rows += n
                 continue
-            code = self._code(req.rid)
+            code = self._code(rid)
+            nodes = _page_nodes(path, n, step.page_size)
             start = 0
             while start < n:
                 if self._n == self._buf.shape[0]:
@@ -250,12 +277,53 @@ class Recorder:
                 out["time_ns"] = step.time_ns
                 out["request"] = code
                 out["page"] = slots[start : start + take] // step.page_size
+                out["node"] = nodes[start : start + take]
                 out["position"] = np.arange(start, start + take, dtype=np.int32)
                 out["importance"] = importance[i, start : start + take]
                 self._n += take
                 start += take
             appended += n
         return appended
+
+    def finish_requests(self, batch: Any, step: int, tree_core: Any = None) -> int:
+        """Queue a ``requests`` row for each request ``batch`` finished; call after its result.
+
+        Args:
+            step: the decode step counter now (finish step; arrival of a request
+                that never reached a recorded decode step).
+            tree_core: the radix tree core, for the path (None: empty path).
+
+        Returns:
+            Rows queued.
+        """
+        if batch is None:
+            return 0
+        done = [r for r in batch.reqs if r.finished() and str(r.rid) not in self._reported]
+        if not done:
+            return 0
+        now = time.perf_counter_ns()
+        for req, path in zip(done, request_paths(tree_core, done)):
+            rid = str(req.rid)
+            self._reported[rid] = None
+            if len(self._reported) > REPORTED_KEEP:
+                del self._reported[next(iter(self._reported))]
+            ids, starts, ends = path if path is not None else ([], [], [])
+            recv = float(getattr(getattr(req, "time_stats", None), "scheduler_recv_time", 0.0) or 0.0)
+            self._request_rows.append(
+                {
+                    "rid": rid,
+                    "arrival_step": self._arrival.pop(rid, step),
+                    "finish_step": step,
+                    "node_ids": ids,
+                    "node_tokens": [e - s for s, e in zip(starts, ends)],
+                    "output_tokens": len(req.output_ids),
+                    "prompt_tokens": len(req.origin_input_ids),
+                    "cached_tokens": int(getattr(req, "cached_tokens", -1)),
+                    "arrival_ns": int(recv * 1e9),
+                    "finish_ns": now,
+                }
+            )
+        return len(done)
 
     def _code(self, rid: Any) -> int:
         rid = str(rid)
@@ -276,7 +344,7 @@ class Recorder:
 
     def flush(self) -> None:
         """Push the buffered records (and new request labels) to the writer."""
-        self._last_push_ns = time.monotonic_ns()
+        self._last_push_ns = time.perf_counter_ns()
         labelled = not self._new_labels
         if not labelled and self._send([b"labels", json.dumps(self._new_labels).encode()]):
             self._new_labels, labelled = {}, True
@@ -288,6 +356,10 @@ class Recorder:
                 self.dropped_rows += self._n
                 logger.warning("trace writer is behind; dropped %d rows", self._n)
             self._n = 0
+        if self._request_rows:
+            # Kept for the next push if the writer is behind: a few hundred bytes each.
+            if self._send([b"requests", json.dumps(self._request_rows).encode()]):
+                self._request_rows = []
 
     def close(self) -> None:
         """Push what is buffered and tell the writer to close the trace."""
@@ -301,6 +373,51 @@ class Recorder:
         self._sock.close(linger=5000)
         self._ctx.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+# -- radix paths ---------------------------------------------------------------------
+
+RadixPath = tuple[list[int], list[int], list[int]]  # node ids, start and end offsets (tokens)
+
+
+def request_paths(tree_core: Any, reqs: list) -> list[Optional[RadixPath]]:
+    """Each request's root-to-``last_node`` radix path, or None where it has none.
+
+    One ``collect_path_info`` call for the batch; if a handle is gone (KeyError),
+    the requests are asked one by one so the others still get their paths.
+    """
+    out: list[Optional[RadixPath]] = [None] * len(reqs)
+    if tree_core is None or not hasattr(tree_core, "collect_path_info"):
+        return out
+    want = [(i, r.last_node) for i, r in enumerate(reqs) if isinstance(getattr(r, "last_node", None), int)]
+    if not want:
+        return out
+    try:
+        infos = list(tree_core.collect_path_info([h for _, h in want]))
+    except KeyError:
+        infos = []
+        for _, h in want:
+            try:
+                infos.append(tree_core.collect_path_info([h])[0])
+            except KeyError:
+                infos.append(None)
+    for (i, _), info in zip(want, infos):
+        if info:
+            out[i] = ([int(x.node_id) for x in info], [int(x.path_start) for x in info], [int(x.path_end) for x in info])
+    return out
+
+
+def _page_nodes(path: Optional[RadixPath], n_pages: int, page_size: int) -> np.ndarray:
+    """Node id of each of a request's first ``n_pages`` pages; -1 past the path's end."""
+    nodes = np.full(n_pages, -1, np.int64)
+    if path is None or not path[0]:
+        return nodes
+    ids, _, ends = path
+    offsets = np.arange(n_pages, dtype=np.int64) * page_size
+    which = np.searchsorted(np.asarray(ends, np.int64), offsets, side="right")
+    inside = which < len(ids)
+    nodes[inside] = np.asarray(ids, np.int64)[which[inside]]
+    return nodes
 
 
 # -- process-wide state, reached from plugin.py's hooks ---------------------------
@@ -354,10 +471,14 @@ def on_finish_step(table: Any) -> None:
 
 def around_batch_result(original: Callable[..., Any], scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     """Around ``Scheduler.process_batch_result``: record before (requests still hold
-    their KV rows), push after (finished requests are known)."""
+    their KV rows), file finished requests and push after (they are known, and inserted)."""
+    tree_core = getattr(getattr(scheduler, "tree_cache", None), "tree_core", None)
     if _recorder is not None:
-        _guarded(lambda: _recorder.record_batch(capture(), batch))
+        _guarded(lambda: _recorder.record_batch(capture(), batch, tree_core))
     result = original(scheduler, batch, *args, **kwargs)
+    if _recorder is not None:
+        # After: SGLang has inserted the finished requests (prompt and output) into the tree.
+        _guarded(lambda: _recorder.finish_requests(batch, capture().steps, tree_core))
     if _recorder is not None:
         _guarded(lambda: _recorder.push_if_due(batch))
     return result

@@ -6,6 +6,9 @@ socket:
 
 - ``[b"labels", json {code: request id}]`` before the first rows of new requests;
 - ``[b"rows", bytes of RECORD_DTYPE records]``;
+- ``[b"requests", json list of finished-request rows]`` (the ``requests`` table: id,
+  steps, timestamps, token counts, radix path; conversation and turn are parsed
+  here from the id, off the scheduler);
 - ``[b"dropped", decimal count]``: rows the recorder did not send (row bound reached);
 - ``[b"close"]``: flush, close the trace, exit.
 
@@ -27,9 +30,12 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from sgl_importance.trace.format import Requests
 
 # One row per (decode step, request, page): fixed size, so the scheduler fills a
 # preallocated array and the writer reads it back with np.frombuffer.
@@ -39,6 +45,7 @@ RECORD_DTYPE = np.dtype(
         ("time_ns", "<i8"),
         ("request", "<i8"),  # code; the request id string comes in a "labels" message
         ("page", "<i8"),  # physical KV page (slot // page_size)
+        ("node", "<i8"),  # radix node holding the page at this step, -1 none yet
         ("position", "<i4"),  # index of the page within the request's sequence
         ("importance", "<f4"),  # the page's mass at this step, reduced over layers
     ]
@@ -49,16 +56,42 @@ POLL_MS = 200
 
 def records_to_columns(records: np.ndarray, labels: dict[int, str]) -> dict[str, np.ndarray]:
     """Access-table columns (``trace.format``) for a batch of records."""
+    from sgl_importance.trace.format import parse_rid
+
     codes, inverse = np.unique(records["request"], return_inverse=True)
     names = np.array([labels.get(int(c), str(int(c))) for c in codes], dtype=object)
+    turns = np.array([parse_rid(n)[1] for n in names], np.int32)
     return {
         "step": records["step"],
         "time_ns": records["time_ns"],
         "request_id": names[inverse],
+        "turn": turns[inverse],
         "page": records["page"],
+        "node_id": records["node"],
         "position": records["position"],
         "importance": records["importance"],
     }
+
+
+def request_rows_to_table(rows: list[dict[str, Any]]) -> "Requests":
+    """``Requests`` for a batch of the recorder's finished-request rows."""
+    from sgl_importance.trace.format import Requests, parse_rid
+
+    conv_turn = [parse_rid(r["rid"]) for r in rows]
+    return Requests.from_lists(
+        [str(r["rid"]) for r in rows],
+        [r["arrival_step"] for r in rows],
+        [r["node_ids"] for r in rows],
+        [r["node_tokens"] for r in rows],
+        [r["output_tokens"] for r in rows],
+        conversation=[c for c, _ in conv_turn],
+        turn=[t for _, t in conv_turn],
+        prompt_tokens=[r["prompt_tokens"] for r in rows],
+        cached_tokens=[r["cached_tokens"] for r in rows],
+        finish_step=[r["finish_step"] for r in rows],
+        arrival_ns=[r["arrival_ns"] for r in rows],
+        finish_ns=[r["finish_ns"] for r in rows],
+    )
 
 
 def _alive(pid: Optional[int]) -> bool:
@@ -112,6 +145,10 @@ def serve(endpoint: str, out: str, meta: dict[str, Any], max_rows: int, watch_pi
             records = np.frombuffer(parts[1], dtype=RECORD_DTYPE)
             if records.size:
                 writer.append(records_to_columns(records, labels))
+        elif kind == b"requests":
+            rows = json.loads(parts[1])
+            if rows:
+                writer.append_requests(request_rows_to_table(rows))
         elif kind == b"labels":
             labels.update({int(k): v for k, v in json.loads(parts[1]).items()})
         elif kind == b"dropped":

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 import numpy as np
+import pytest
 
 from sgl_importance.trace.format import Trace
 
@@ -32,3 +33,10 @@ def merge_columns(*parts: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 def sequence_trace(pages: Sequence[int]) -> Trace:
     """One page per step, mass 1: the textbook page-reference string."""
     return Trace.from_columns(trace_from_steps([{p: 1.0} for p in pages]))
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    """Seeded generator; imported by the test modules that use it (a conftest.py here
+    would shadow test/conftest.py for the e2e modules' ``from conftest import``)."""
+    return np.random.default_rng(1234)

@@ -1,9 +1,0 @@
-from __future__ import annotations
-
-import numpy as np
-import pytest
-
-
-@pytest.fixture
-def rng() -> np.random.Generator:
-    return np.random.default_rng(1234)
