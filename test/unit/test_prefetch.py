@@ -10,6 +10,7 @@ import pytest
 
 from sgl_importance.cache.prefetch import (
     issue,
+    lock_cost,
     PREFETCHED,
     WarmIndex,
     evicted_path,
@@ -267,3 +268,36 @@ def test_issue_never_counts_or_evicts_the_admitted_requests_prefixes():
     adder.can_run_list = []
     assert [c.node for c in issue(cache, strategy, adder)] == [doc]
     assert cache.loaded == [doc.id]
+
+
+def test_a_load_costs_the_resident_ancestors_it_locks():
+    tree = Tree()
+    system = tree.add(tokens=512, importance=0.5)
+    question = tree.add(system, tokens=64, device=False, importance=0.9)
+    assert lock_cost([question]) == 576
+    system.component_data[0].lock_ref = 1  # a running request holds it already
+    assert lock_cost([question]) == 64
+    system.component_data[0].lock_ref = 0
+    assert lock_cost([question], already_locked={system.id}) == 64
+
+
+def test_the_budget_pays_for_locked_ancestors_once():
+    tree, strategy, cache = make(free_tokens=2048)
+    system = tree.add(tokens=512, importance=0.5)
+    for importance in (0.9, 0.8):
+        strategy.warm.add(tree.add(system, tokens=64, device=False, importance=importance))
+    assert len(plan(cache, strategy, budget=575, waiting_queue=[])) == 0
+    assert len(plan(cache, strategy, budget=576, waiting_queue=[])) == 1
+    assert len(plan(cache, strategy, budget=640, waiting_queue=[])) == 2
+
+
+def test_a_wasted_warm_prefetch_is_not_repeated_until_the_node_is_attended(monkeypatch):
+    monkeypatch.setattr("sgl_importance.cache.prefetch.importance_metrics", lambda cache: None)
+    tree, strategy, cache = make(free_tokens=1024)
+    doc = tree.add(tokens=64, device=False, importance=0.9)
+    strategy.warm.add(doc)
+    setattr(doc, PREFETCHED, "warm")
+    mark_evicted(None, doc, 64)
+    assert plan(cache, strategy, budget=1024, waiting_queue=[]) == []
+    mark_used(None, [doc])
+    assert [c.node for c in plan(cache, strategy, budget=1024, waiting_queue=[])] == [doc]

@@ -21,9 +21,10 @@ Rules, both for the memory the batch was promised and for what is evicted:
 - Budget: a load takes device memory that SGLang's admission has not handed out,
   i.e. it must fit the prefill adder's remaining budget (free + evictable minus
   the admitted and running requests' reservations) less one page, and at most
-  ``prefetch_max_tokens`` per batch. The admitted requests' matched prefixes are
-  locked meanwhile, so they are neither counted as room nor evicted before the
-  batch locks them itself. Loaded nodes stay locked until SGLang's
+  ``prefetch_max_tokens`` per batch. A load costs its tokens plus the resident
+  ancestors it locks (a locked node is not evictable, so it is not room either).
+  The admitted requests' matched prefixes are locked meanwhile, so they are
+  neither counted as room nor evicted before the batch locks them itself. Loaded nodes stay locked until SGLang's
   ``loading_check`` acknowledges the copy, then are ordinary evictable nodes.
 - Never evict something more important than what comes in: when free pages do
   not suffice, SGLang's load-back evicts device leaves in the policy's order;
@@ -36,7 +37,8 @@ Rules, both for the memory the batch was promised and for what is evicted:
 
 Prefetched nodes carry ``importance_prefetched`` until a fold sees a running
 request attend them (``used``) or the device tier evicts them first (``wasted``);
-both are counted in ``sgl_importance:prefetch_tokens_total``.
+both are counted in ``sgl_importance:prefetch_tokens_total``. A node whose
+prefetch was wasted is not warmed again until a request attends it.
 
 Duck-typed over SGLang's cache and nodes; the hooks in ``plugin.py`` feed it the
 scheduler and the batch's prefill adder.
@@ -60,6 +62,9 @@ logger = logging.getLogger(__name__)
 # Node attribute: the reason ("waiting" / "warm") a prefetch loaded the node,
 # cleared when it is used or evicted.
 PREFETCHED = "importance_prefetched"
+# Node attribute: a warm prefetch of the node was evicted unused; it is not warmed
+# again until a request attends it (no load/evict churn on a node nobody asks for).
+WASTED = "importance_prefetch_wasted"
 # Requests at the head of the waiting queue whose host matches are considered.
 WAITING_SCAN = 16
 # Host nodes considered for warming per batch (the most important ones).
@@ -110,6 +115,31 @@ def evicted_path(node: Any) -> list:
     return path
 
 
+def _unlocked(node: Any) -> bool:
+    return not any(cd.lock_ref > 0 for cd in node.component_data)
+
+
+def resident_ancestors(path: list) -> list:
+    """The device-resident nodes above an evicted ``path``, up to the root."""
+    out = []
+    node = path[-1].parent if path else None
+    while node is not None and node.parent is not None:
+        out.append(node)
+        node = node.parent
+    return out
+
+
+def lock_cost(path: list, already_locked: set = frozenset()) -> int:
+    """Device tokens a load-back of ``path`` takes from SGLang's room until its
+    copy is acknowledged: the loaded tokens, plus every unlocked resident ancestor,
+    which the load-back locks with it (locked nodes are not evictable)."""
+    cost = sum(len(n.key) for n in path)
+    for node in resident_ancestors(path):
+        if node.id not in already_locked and _unlocked(node):
+            cost += len(node.key)
+    return cost
+
+
 def _loadable(node: Any) -> bool:
     return node is not None and node.parent is not None and node.evicted and node.backuped
 
@@ -132,7 +162,9 @@ def warm_candidates(
     nodes = [
         n
         for n in index.nodes()
-        if _in_tree(tree_core, n) and aggregator.normalised(n) >= min_importance
+        if _in_tree(tree_core, n)
+        and not getattr(n, WASTED, False)
+        and aggregator.normalised(n) >= min_importance
     ]
     nodes.sort(key=lambda n: getattr(n, IMPORTANCE, 0.0), reverse=True)
     return nodes[:WARM_SCAN]
@@ -255,6 +287,8 @@ def plan(
     config = strategy.config
     chosen: list[Candidate] = []
     taken: set = set()
+    # Nodes the chosen loads lock (paths and their ancestors): counted once, never victims.
+    locked: set = set()
     available = cache.token_to_kv_pool_allocator.available_size()
     sources = [
         ("waiting", waiting_candidates(tree_core, waiting_queue)),
@@ -272,14 +306,12 @@ def plan(
                 # Part of it is already planned: one load-back per path.
                 continue
             tokens = sum(len(n.key) for n in path)
-            if tokens > budget:
+            cost = lock_cost(path, locked)
+            if cost > budget:
                 continue
             priority = strategy.get_priority(node)
-            protected = set()
-            cur = path[-1].parent
-            while cur is not None:
-                protected.add(cur.id)
-                cur = cur.parent
+            ancestors = resident_ancestors(path)
+            protected = {n.id for n in ancestors} | locked
             # Free pages first; the rest comes from leaves less important than node.
             if not victims_less_important(
                 tree_core, strategy.get_priority, priority, tokens - available, protected
@@ -287,7 +319,9 @@ def plan(
                 continue
             chosen.append(Candidate(node, reason, path, tokens, priority))
             taken.update(n.id for n in path)
-            budget -= tokens
+            locked.update(n.id for n in path)
+            locked.update(n.id for n in ancestors)
+            budget -= cost
             available = max(0, available - tokens)
     return chosen
 
@@ -378,13 +412,18 @@ def _load(cache: Any, chosen: list[Candidate], budget_obj: Any, page: int) -> li
     queued = []
     for c in chosen:
         # Re-checked live: an earlier load of this batch may have used the room.
-        if c.tokens > _room(budget_obj) - page or not all(n.evicted for n in c.path):
+        room = _room(budget_obj)
+        if not all(n.evicted for n in c.path) or lock_cost(c.path) > room - page:
             continue
         if not cache.load_back(c.node.id):
             continue
         for n in c.path:
             setattr(n, PREFETCHED, c.reason)
         queued.append(c)
+        logger.debug(
+            "importance prefetch: %d tokens (%s, node %s); room %d -> %d",
+            c.tokens, c.reason, c.node.id, room, _room(budget_obj),
+        )
         if metrics is not None:
             metrics.prefetch(c.reason, "issued", c.tokens)
     return queued
@@ -394,6 +433,8 @@ def mark_used(cache: Any, nodes: Iterable[Any]) -> None:
     """Prefetched nodes a running request attended: the prefetch paid off."""
     metrics = None
     for node in nodes:
+        if getattr(node, WASTED, False):
+            setattr(node, WASTED, False)
         reason = getattr(node, PREFETCHED, None)
         if reason is None:
             continue
@@ -411,6 +452,7 @@ def mark_evicted(cache: Any, node: Any, tokens: int) -> None:
     if reason is None:
         return
     setattr(node, PREFETCHED, None)
+    setattr(node, WASTED, True)
     metrics = importance_metrics(cache)
     if metrics is not None:
         metrics.prefetch(reason, "wasted", tokens)
