@@ -7,8 +7,9 @@ the policy. Then a short unrelated prompt arrives: its prefill batch is where th
 prefetch acts — the document, demoted while it was the most important node, is
 loaded back with that batch's load-back, evicting the 640-token prompt (attended
 for one step, so less important). The document asked again then hits the device
-tier. With ``prefetch_max_tokens=0`` the same server loads it from the host tier
-at admission instead. Both servers give identical greedy tokens.
+tier. Without warming the same server loads it from the host tier
+at admission instead (the default, where warming is off). Both servers give
+identical greedy tokens.
 
 Asserted from SGLang's per-request ``cached_tokens_details`` and from
 ``/metrics`` (``sgl_importance:prefetch_tokens_total``), not from internals.
@@ -21,7 +22,8 @@ import json
 import pytest
 import requests
 
-from test_importance_eviction import generate, metric
+from conftest import metric
+from test_importance_eviction import generate
 
 pytestmark = pytest.mark.e2e
 
@@ -88,13 +90,15 @@ def run(server, prompts) -> dict:
 
 @pytest.fixture(scope="module")
 def with_prefetch(launch, prompts):
-    return run(launch(COMMON), prompts)
+    # Warming is opt-in: nodes demoted at >= a quarter of the hottest node's importance.
+    config = json.dumps({"prefetch_min_importance": 0.25})
+    return run(launch([*COMMON, "--radix-eviction-policy-config", config]), prompts)
 
 
 @pytest.fixture(scope="module")
 def without_prefetch(launch, prompts, with_prefetch):
-    config = json.dumps({"prefetch_max_tokens": 0})
-    return run(launch([*COMMON, "--radix-eviction-policy-config", config]), prompts)
+    # The defaults: queued requests' host matches only, no warming.
+    return run(launch(COMMON), prompts)
 
 
 def test_the_flood_demotes_the_document_under_either_setting(with_prefetch, without_prefetch):

@@ -67,7 +67,8 @@ class Tree:
 
 def make(free_tokens: int, **config):
     tree = Tree()
-    strategy = ImportanceStrategy(**config)
+    # Warming is opt-in; these tests are about it.
+    strategy = ImportanceStrategy(**{"prefetch_min_importance": 0.25, **config})
     strategy.clock = lambda: 100.0
     strategy.aggregator.scale = 1.0
     cache = types.SimpleNamespace(
@@ -255,7 +256,7 @@ def test_issue_never_counts_or_evicts_the_admitted_requests_prefixes():
     prefix = tree.add(tokens=256, importance=0.01)
     doc = tree.add(tokens=128, device=False, importance=0.9)
     cache = FakeCache(tree, free_tokens=32)
-    strategy = ImportanceStrategy(recency_weight=0.0, reuse_weight=0.0)
+    strategy = ImportanceStrategy(recency_weight=0.0, reuse_weight=0.0, prefetch_min_importance=0.25)
     strategy.clock = lambda: 100.0
     strategy.aggregator.scale = 1.0
     strategy.warm.add(doc)
@@ -301,3 +302,27 @@ def test_a_wasted_warm_prefetch_is_not_repeated_until_the_node_is_attended(monke
     assert plan(cache, strategy, budget=1024, waiting_queue=[]) == []
     mark_used(None, [doc])
     assert [c.node for c in plan(cache, strategy, budget=1024, waiting_queue=[])] == [doc]
+
+
+def test_a_node_that_a_fresh_request_would_outrank_is_not_warmed():
+    # Recency forgotten after one tick: an old node's score is its importance alone,
+    # below the 1.0 a fresh request's KV gets from recency.
+    tree, strategy, cache = make(free_tokens=1024, recency_horizon=1.0, reuse_weight=0.0)
+    strategy.warm.add(tree.add(tokens=64, device=False, importance=0.6))
+    assert plan(cache, strategy, budget=1024, waiting_queue=[]) == []
+    hot = tree.add(tokens=64, device=False, importance=0.6)
+    hot.last_access_time = 100.0  # touched just now: recency 1 on top
+    strategy.warm.add(hot)
+    assert [c.node for c in plan(cache, strategy, budget=1024, waiting_queue=[])] == [hot]
+
+
+def test_warming_is_off_by_default():
+    tree = Tree()
+    strategy = ImportanceStrategy()
+    strategy.clock = lambda: 100.0
+    strategy.aggregator.scale = 1.0
+    strategy.warm.add(tree.add(tokens=64, device=False, importance=0.9))
+    cache = types.SimpleNamespace(
+        tree_core=tree, token_to_kv_pool_allocator=types.SimpleNamespace(available_size=lambda: 1024)
+    )
+    assert plan(cache, strategy, budget=1024, waiting_queue=[]) == []

@@ -14,7 +14,9 @@ before its copy landed:
    stalling that batch's prefill on the copy).
 2. ``warm``: the most important host-resident nodes — demoted from the device
    when they were important — back into device memory, highest importance first,
-   so their next request hits the device tier.
+   so their next request hits the device tier. Only nodes whose eviction priority
+   is above that of a fresh request's KV: anything below would be the next victim
+   of the batch's own allocations, a copy wasted.
 
 Rules, both for the memory the batch was promised and for what is evicted:
 
@@ -290,6 +292,7 @@ def plan(
     # Nodes the chosen loads lock (paths and their ancestors): counted once, never victims.
     locked: set = set()
     available = cache.token_to_kv_pool_allocator.available_size()
+    fresh = strategy.fresh_priority()
     sources = [
         ("waiting", waiting_candidates(tree_core, waiting_queue)),
         (
@@ -310,6 +313,9 @@ def plan(
             if cost > budget:
                 continue
             priority = strategy.get_priority(node)
+            if reason == "warm" and not priority > fresh:
+                # Below a fresh request's KV it would be the next victim: a wasted copy.
+                continue
             ancestors = resident_ancestors(path)
             protected = {n.id for n in ancestors} | locked
             # Free pages first; the rest comes from leaves less important than node.

@@ -91,8 +91,10 @@ class ImportancePolicyConfig:
     # prefill batch (0: no prefetch) ...
     prefetch_max_tokens: int = 4096
     # ... and the normalised importance a demoted node needs to be warmed back
-    # onto the device (0: warm nothing; waiting requests still prefetch).
-    prefetch_min_importance: float = 0.25
+    # onto the device (0: warm nothing; waiting requests still prefetch). Off by
+    # default: on the serving benchmark 92 % of warmed tokens were evicted unused
+    # (benchmark/serving/RESULTS.md); it pays when a few hot documents recur.
+    prefetch_min_importance: float = 0.0
 
     def __post_init__(self) -> None:
         weight_range = f"a number in [0, {WEIGHT_MAX:g}]"
@@ -195,6 +197,11 @@ class ImportanceStrategy(EvictionStrategy):
         self._pin = c.pin_sinks
         # "Now" on last_access_time's scale; tests substitute their own clock.
         self.clock: Callable[[], float] = sglang_access_clock
+
+    def fresh_priority(self) -> tuple[int, float, float]:
+        """The priority of a node inserted now, never attended nor hit: what every
+        new request's KV gets. A node below it is evicted before any of those."""
+        return (0, self._w_recency, self.clock())
 
     def get_priority(self, node: Any) -> tuple[int, float, float]:
         """(tier, blended score, last_access_time); smaller is evicted first."""
