@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed
 DEPS  := python/requirements-cpu.txt python/requirements-test.txt \
          python/pyproject.toml sgl-kernel-ext/pyproject.toml
 
-.PHONY: install model serve test bench-kernel bench-hit-rate clean
+.PHONY: install model serve test bench-kernel bench-hit-rate bench-hit-rate-synth bench-serving clean
 
 install: $(STAMP)
 
@@ -46,13 +46,23 @@ test: install
 bench-kernel: install
 	$(BIN)/python benchmark/kernel/bench_decode.py $(BENCH_ARGS)
 
-# Synthetic workloads until the live recorder lands; each gets curves + a table.
+# Hit rate from traces the server itself records (rag, chat, agent, cot): records
+# each trace missing from $(HIT_RATE_OUT)/traces with scripts/collect_traces.py,
+# replays both regimes, runs the analyses; curves, tables and SUMMARY.md in
+# $(HIT_RATE_OUT). bench-hit-rate-synth does the same on generated traces.
 HIT_RATE_OUT ?= benchmark/hit_rate/out
-bench-hit-rate: install
-	for kind in multi_turn rag agent cot loop; do \
-		$(BIN)/python -m sgl_importance.sim synth --kind $$kind --out $(HIT_RATE_OUT)/traces/$$kind && \
-		$(BIN)/python -m sgl_importance.sim replay --quiet --trace $(HIT_RATE_OUT)/traces/$$kind --out $(HIT_RATE_OUT)/$$kind || exit 1; \
-	done
+HIT_RATE_ARGS ?=
+bench-hit-rate: model
+	$(BIN)/python benchmark/hit_rate/bench_hit_rate.py --out $(HIT_RATE_OUT) $(HIT_RATE_ARGS)
+
+bench-hit-rate-synth: install
+	$(BIN)/python benchmark/hit_rate/bench_hit_rate.py --synthetic --out $(HIT_RATE_OUT)/synthetic $(HIT_RATE_ARGS)
+
+# lru vs slru vs importance under SGLang's own load generator, one server after
+# another on the same request stream; table, JSON and plot in benchmark/serving/out.
+BENCH_SERVING_ARGS ?=
+bench-serving: install
+	$(BIN)/python benchmark/serving/bench_policies.py $(BENCH_SERVING_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

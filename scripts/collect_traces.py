@@ -31,7 +31,6 @@ import argparse
 import importlib.util
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -45,9 +44,10 @@ import requests
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
 
+from sgl_importance.local_server import SERVED_NAME as SERVED  # noqa: E402
+from sgl_importance.local_server import LocalServer  # noqa: E402
 from sgl_importance.trace.format import read_meta, write_meta  # noqa: E402
 
-SERVED = "SmolLM2-135M-Instruct"
 PAGE = 16
 
 
@@ -106,6 +106,7 @@ AGENT_TASKS = ["Find out what Paul Graham says about wealth.", "Find advice on h
 
 
 def free_port() -> int:
+    # A fixed range, so a firewall or a port watcher can expect it.
     for port in range(33000 + os.getpid() % 500, 34000):
         with socket.socket() as s:
             try:
@@ -116,32 +117,24 @@ def free_port() -> int:
     raise SystemExit("no free port in 33000-33999")
 
 
-class Server:
+class Server(LocalServer):
+    """The recording server (``--importance-trace-dir``), plus a greedy chat call."""
+
     def __init__(self, model_path: str, trace_dir: Path, log: Path, extra: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.done = 0
-        cmd = [
-            sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-            "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(self.port),
+        args = [
             "--page-size", str(PAGE), "--attention-backend", "importance_torch",
             "--importance-trace-dir", str(trace_dir), *extra,
         ]  # fmt: skip
-        self._log = open(log, "w")
-        env = {**os.environ, "SGLANG_PLATFORM": os.environ.get("SGLANG_PLATFORM", "torch_cpu")}
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server exited with {self.proc.returncode}; see {log}")
-            try:
-                if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise SystemExit(f"server not ready; see {log}")
+        super().__init__(
+            model_path, args, log, platform=os.environ.get("SGLANG_PLATFORM", "torch_cpu"),
+            port=free_port(),
+        )  # fmt: skip
+        self.done = 0
+        try:
+            self.wait_ready(600)
+        except (RuntimeError, TimeoutError) as e:
+            self.stop()
+            raise SystemExit(f"server did not start; see {log}") from e
 
     def chat(self, messages: list[dict], rid: str, max_tokens: int) -> str:
         body = {"model": SERVED, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "rid": rid}
@@ -154,19 +147,9 @@ class Server:
               f"generated tokens ({self.done} requests done)", flush=True)
         return out["choices"][0]["message"]["content"]
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        self._log.close()
+    def stop(self, timeout: float = 120) -> None:
+        # Longer than the default: the trace writer flushes its last rows on SIGTERM.
+        super().stop(timeout)
 
 
 # -- workloads -------------------------------------------------------------------------

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 import requests
 
+from sgl_importance.local_server import SERVED_NAME, LocalServer, metric  # noqa: F401 (tests import metric from here)
+
 REPO = Path(__file__).resolve().parents[1]
-SERVED_NAME = "SmolLM2-135M-Instruct"
-STARTUP_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="session")
@@ -30,68 +27,11 @@ def model_path() -> str:
     return out.stdout.strip()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m sglang.launch_server` as a subprocess, logging to a file."""
+class Server(LocalServer):
+    """The server on torch_cpu (``sgl_importance.local_server``), plus a greedy /generate."""
 
     def __init__(self, model_path: str, args: list[str], env: dict[str, str], log: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log
-        cmd = [
-            sys.executable, "-m", "sglang.launch_server",
-            "--model-path", model_path,
-            "--served-model-name", SERVED_NAME,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            *args,
-        ]  # fmt: skip
-        full_env = {**os.environ, "SGLANG_PLATFORM": "torch_cpu", **env}
-        self._log = open(log, "w")
-        # A new session so shutdown can signal the whole process tree.
-        self.proc = subprocess.Popen(
-            cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            try:
-                if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()[-4000:]}")
-
-    def stop(self, timeout: float = 60) -> int | None:
-        """SIGTERM the launcher (it drains and stops its children, as under a
-        process manager); return its exit code, or None if it had to be killed."""
-        code: int | None = self.proc.poll()
-        if code is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                code = self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                code = None
-        # Leave no scheduler or detokenizer behind, whatever happened above.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        self._log.close()
-        return code
+        super().__init__(model_path, args, log, env)
 
     def generate(self, text: str, max_new_tokens: int = 8, **extra) -> dict:
         body = {

@@ -28,7 +28,7 @@ import json
 import pytest
 import requests
 
-from conftest import launch_and_fail
+from conftest import launch_and_fail, metric
 
 pytestmark = pytest.mark.e2e
 
@@ -139,15 +139,6 @@ def run_workload(server, prompts, tiered: bool = True, read_metrics: bool = Fals
 def served_from_cache(prompts) -> list[int]:
     """Indices of the document requests after the first: their prefix is cached."""
     return [i for i, (name, _, _) in enumerate(prompts[0]) if name.startswith("document")][1:]
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of a series' samples whose labels include these (0.0 when absent)."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from conftest import Server
-from test_importance_eviction import metric
+from conftest import Server, metric
 
 pytestmark = pytest.mark.e2e
 
