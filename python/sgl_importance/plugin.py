@@ -22,6 +22,7 @@ imports nothing heavy in processes that never reach them.
 | L3 admission: gate writes to the storage tier    | cache/admission.py            |
 | prefetch host→device with the batch's load-back  | cache/prefetch.py             |
 | importance back onto nodes rebuilt from storage  | cache/stored.py               |
+| storage fetch retries, most important first      | cache/stored.py               |
 | `--importance-trace-dir`: per-step page trace    | trace/recorder.py, writer.py  |
 """
 
@@ -155,6 +156,12 @@ def _restore_stored_importance(result: Any, tree_core: Any, *args: Any, **kwargs
     from sgl_importance.cache.stored import restore_after_insert_host
 
     restore_after_insert_host(tree_core, result)
+
+
+def _rank_storage_retries(original: Callable[..., Any], retries: Any, *args: Any, **kwargs: Any) -> Any:
+    from sgl_importance.cache.stored import rank_storage_retries
+
+    return rank_storage_retries(original, retries, *args, **kwargs)
 
 
 def _fold_importance(_result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
@@ -291,6 +298,11 @@ def load() -> None:
             "sglang.srt.mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore.insert_host",
             _restore_stored_importance,
             HookType.AFTER,
+        )
+        register(
+            "sglang.srt.mem_cache.storage_prefetch.StoragePrefetchRetries.pop_ready",
+            _rank_storage_retries,
+            HookType.AROUND,
         )
     register("sglang.srt.server_args.ServerArgs.from_cli_args", _export_trace_dir, HookType.BEFORE)
     if os.environ.get("SGL_IMPORTANCE_TRACE_DIR") and "sglang.srt.managers.scheduler" in sys.modules:

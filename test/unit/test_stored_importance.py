@@ -85,3 +85,38 @@ def test_sglangs_insert_host_restores_importance_through_the_plugin_hook():
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])
     assert result == {"importance": pytest.approx(0.4), "evicted": True}
+
+
+def test_storage_retries_are_reissued_most_important_first(monkeypatch):
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    from sgl_importance.cache import prefetch
+    from sgl_importance.cache.stored import rank_storage_retries
+
+    page = 16
+    hot_doc, cold_doc = list(range(100, 164)), list(range(500, 564))
+    stored = StoredImportance()
+    # The hot document's pages were dropped while important, hashed as SGLang keys them.
+    stored.remember(node(get_storage_hash_str(RadixKey(hot_doc), None, page_size=page), 0.8))
+    strategy = types.SimpleNamespace(stored=stored)
+    cache = types.SimpleNamespace(
+        page_size=page,
+        tree_core=types.SimpleNamespace(eviction_strategy=strategy),
+        get_last_hash_value=lambda node_id: None,  # anchored at the root
+    )
+    scheduler = types.SimpleNamespace(tree_cache=cache)
+    monkeypatch.setattr(prefetch, "_scheduler_ref", lambda: scheduler)
+
+    def req(rid, tokens):
+        return types.SimpleNamespace(
+            rid=rid, full_untruncated_fill_ids=tokens + [1, 2, 3], prefix_len=0, host_hit_length=0,
+            last_host_node=0, extra_key=None, cache_salt=None,
+        )  # fmt: skip
+
+    ready = [(req("cold", cold_doc), None), (req("hot", hot_doc), None)]
+    ranked = rank_storage_retries(lambda retries, queue, *a: list(ready), None, [])
+    assert [r.rid for r, _ in ranked] == ["hot", "cold"]
+    # Nothing remembered: SGLang's order stands.
+    monkeypatch.setattr(strategy, "stored", StoredImportance())
+    assert [r.rid for r, _ in rank_storage_retries(lambda *a: list(ready), None, [])] == ["cold", "hot"]

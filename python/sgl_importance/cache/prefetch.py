@@ -82,6 +82,11 @@ def note_scheduler(scheduler: Any) -> None:
     _scheduler_ref = weakref.ref(scheduler)
 
 
+def current_scheduler() -> Any:
+    """The scheduler of this process (None before it is built, or in a test)."""
+    return _scheduler_ref() if _scheduler_ref is not None else None
+
+
 def note_prefill_adder(adder: Any) -> None:
     """After ``PrefillAdder.__init__``: the budget of the batch being built."""
     global _adder_ref
@@ -376,7 +381,7 @@ def issue(cache: Any, strategy: Any, adder: Any) -> list[Candidate]:
         return []
     budget_obj = adder.memory_budget
     page = cache.page_size
-    scheduler = _scheduler_ref() if _scheduler_ref is not None else None
+    scheduler = current_scheduler()
     mode = getattr(scheduler, "disaggregation_mode", None)
     if mode is not None and getattr(mode, "value", mode) != "null":
         # Prefill/decode disaggregation builds batches from its own queues.

@@ -8,18 +8,27 @@ document that was the hottest node before a quiet spell would be the first to go
 again. This module remembers each dropped page's importance under its hash (the
 same key the storage tier uses) and hands it to the node rebuilt from that page.
 
+The same memory ranks storage fetches: SGLang issues one storage prefetch per
+request on arrival and, when the storage tier is rate-limited, re-issues the
+deferred ones in waiting-queue order (``StoragePrefetchRetries.pop_ready``); under
+``importance`` the requests whose next pages were the most important when dropped
+are re-issued first (:func:`rank_storage_retries`).
+
 Bounded: the most recently dropped ``capacity`` pages are remembered (LRU), one
 float per page hash; pages never attended are not stored. Duck-typed over
-SGLang's nodes (``hash_value``: one hash per page); nothing here imports SGLang.
+SGLang's nodes (``hash_value``: one hash per page); SGLang's page-hash function is
+imported only to rank retries.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from sgl_importance.importance.persistent import IMPORTANCE
 
+# Pages of a request's storage span looked up to rank its retry.
+RANK_PAGES = 4
 # Page hashes remembered (≈100 bytes each): 64 Ki pages ≈ 6.5 MB, covering a 1 M
 # token storage tier at page size 16.
 DEFAULT_CAPACITY = 1 << 16
@@ -59,6 +68,10 @@ class StoredImportance:
         setattr(node, IMPORTANCE, value)
         return value
 
+    def page_value(self, page_hash: str) -> float:
+        """The remembered importance of one page (0.0 when unknown)."""
+        return self._by_hash.get(page_hash, 0.0)
+
     def __len__(self) -> int:
         return len(self._by_hash)
 
@@ -81,3 +94,46 @@ def restore_after_insert_host(tree_core: Any, result: Any) -> int:
             restored += 1
         node = node.parent
     return restored
+
+
+def request_storage_importance(stored: StoredImportance, cache: Any, req: Any) -> float:
+    """Remembered importance of the first ``RANK_PAGES`` pages a request would fetch
+    from storage: the pages after its device + host match, hashed as the storage
+    tier keys them (chained on the match's last page hash). 0.0 when none is known."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    page = cache.page_size
+    start = req.prefix_len + req.host_hit_length
+    tokens = list(req.full_untruncated_fill_ids[start : start + RANK_PAGES * page])
+    tokens = tokens[: len(tokens) // page * page]
+    if not tokens:
+        return 0.0
+    anchor = getattr(req, "last_host_node", None)
+    prior = cache.get_last_hash_value(anchor) if anchor is not None else None
+    key = RadixKey(tokens, extra_key=req.extra_key, cache_salt=getattr(req, "cache_salt", None))
+    hashes = get_storage_hash_str(key, prior, page_size=page)
+    values = [stored.page_value(h) for h in hashes]
+    return sum(values) / len(values)
+
+
+def rank_storage_retries(
+    original: Callable[..., list], retries: Any, waiting_queue: Sequence[Any], *args: Any, **kwargs: Any
+) -> list:
+    """Around ``StoragePrefetchRetries.pop_ready``: the due retries, most important first.
+
+    Only the order changes (which retries are due is SGLang's decision), and only
+    under ``importance`` with something remembered; ties keep the queue order.
+    """
+    ready = original(retries, waiting_queue, *args, **kwargs)
+    if len(ready) < 2:
+        return ready
+    from sgl_importance.cache.prefetch import current_scheduler
+
+    cache = getattr(current_scheduler(), "tree_cache", None)
+    stored = getattr(getattr(getattr(cache, "tree_core", None), "eviction_strategy", None), "stored", None)
+    if not isinstance(stored, StoredImportance) or not len(stored):
+        return ready
+    scores = [request_storage_importance(stored, cache, req) for req, _ in ready]
+    order = sorted(range(len(ready)), key=lambda i: -scores[i])
+    return [ready[i] for i in order]
