@@ -238,7 +238,7 @@ def victims_less_important(
             and all(
                 child.id in gone or child.evicted for child in parent.children.values()
             )
-            and not any(cd.lock_ref > 0 for cd in parent.component_data)
+            and _unlocked(parent)
         ):
             heapq.heappush(heap, (priority_of(parent), parent.id, parent))
     return True
@@ -309,8 +309,8 @@ def plan(
     ]
     for reason, nodes in sources:
         for node in nodes:
-            path = [n for n in evicted_path(node) if n.id not in taken]
-            if not path or len(path) != len(evicted_path(node)):
+            path = evicted_path(node)
+            if not path or any(n.id in taken for n in path):
                 # Part of it is already planned: one load-back per path.
                 continue
             tokens = sum(len(n.key) for n in path)
