@@ -326,3 +326,14 @@ def test_warming_is_off_by_default():
         tree_core=tree, token_to_kv_pool_allocator=types.SimpleNamespace(available_size=lambda: 1024)
     )
     assert plan(cache, strategy, budget=1024, waiting_queue=[]) == []
+
+
+def test_two_loads_in_one_batch_do_not_count_the_same_victims():
+    tree, strategy, cache = make(free_tokens=0, recency_weight=0.0, reuse_weight=0.0)
+    first = tree.add(tokens=64, device=False, importance=0.9)
+    second = tree.add(tokens=64, device=False, importance=0.8)
+    strategy.warm.add(first)
+    strategy.warm.add(second)
+    tree.add(tokens=64, importance=0.1)  # room for one of them
+    tree.add(tokens=64, importance=0.95)  # more important than both: never a victim
+    assert [c.node for c in plan(cache, strategy, budget=1024, waiting_queue=[])] == [first]

@@ -203,23 +203,26 @@ def victims_less_important(
     bound: Any,
     needed: int,
     protected: set,
+    gone: Optional[set] = None,
 ) -> bool:
     """Can ``needed`` device tokens be freed evicting only leaves of priority < ``bound``?
 
     Replays SGLang's device eviction walk over the current evictable leaves: the
     smallest priority goes first and a parent joins once all its device-resident
     children went. ``protected`` (ids of the incoming node's ancestors, which the
-    load-back locks) is never taken.
+    load-back locks) is never taken. ``gone`` holds the ids already evicted for
+    earlier loads of the same batch; on success the ones taken here join it.
     """
     if needed <= 0:
         return True
+    earlier = gone if gone is not None else set()
     heap = [
         (priority_of(leaf), leaf.id, leaf)
         for leaf in tree_core.evictable_device_leaves
-        if leaf.id not in protected
+        if leaf.id not in protected and leaf.id not in earlier
     ]
     heapq.heapify(heap)
-    gone: set = set()
+    taken: set = set()
     freed = 0
     while freed < needed:
         if not heap:
@@ -227,20 +230,23 @@ def victims_less_important(
         priority, _, leaf = heapq.heappop(heap)
         if not priority < bound:
             return False
-        gone.add(leaf.id)
+        taken.add(leaf.id)
         freed += len(leaf.key)
         parent = leaf.parent
         if (
             parent is not None
             and parent.parent is not None
             and parent.id not in protected
+            and parent.id not in earlier
             and not parent.evicted
             and all(
-                child.id in gone or child.evicted for child in parent.children.values()
+                child.id in taken or child.id in earlier or child.evicted
+                for child in parent.children.values()
             )
             and _unlocked(parent)
         ):
             heapq.heappush(heap, (priority_of(parent), parent.id, parent))
+    earlier.update(taken)
     return True
 
 
@@ -296,6 +302,8 @@ def plan(
     taken: set = set()
     # Nodes the chosen loads lock (paths and their ancestors): counted once, never victims.
     locked: set = set()
+    # Leaves the chosen loads will evict: not counted twice.
+    victims: set = set()
     available = cache.token_to_kv_pool_allocator.available_size()
     fresh = strategy.fresh_priority()
     sources = [
@@ -325,7 +333,7 @@ def plan(
             protected = {n.id for n in ancestors} | locked
             # Free pages first; the rest comes from leaves less important than node.
             if not victims_less_important(
-                tree_core, strategy.get_priority, priority, tokens - available, protected
+                tree_core, strategy.get_priority, priority, tokens - available, protected, victims
             ):
                 continue
             chosen.append(Candidate(node, reason, path, tokens, priority))
