@@ -27,6 +27,22 @@ def model_path() -> str:
     return out.stdout.strip()
 
 
+@pytest.fixture(scope="session")
+def token_ids(model_path: str):
+    """token_ids(text, n) -> exactly n of the model's token ids for text (repeated if short)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    def ids(text: str, n: int) -> list[int]:
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        while len(tokens) < n:
+            tokens = tokens + tokens
+        return tokens[:n]
+
+    return ids
+
+
 class Server(LocalServer):
     """The server on torch_cpu (``sgl_importance.local_server``), plus a greedy /generate."""
 

@@ -56,16 +56,8 @@ TIERED = [
 
 
 @pytest.fixture(scope="module")
-def prompts(model_path):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-
-    def ids(text: str, n: int) -> list[int]:
-        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
-        while len(tokens) < n:
-            tokens = tokens + tokens
-        return tokens[:n]
+def prompts(token_ids):
+    ids = token_ids
 
     document = ids(
         " ".join(
