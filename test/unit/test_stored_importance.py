@@ -120,3 +120,63 @@ def test_storage_retries_are_reissued_most_important_first(monkeypatch):
     # Nothing remembered: SGLang's order stands.
     monkeypatch.setattr(strategy, "stored", StoredImportance())
     assert [r.rid for r, _ in rank_storage_retries(lambda *a: list(ready), None, [])] == ["cold", "hot"]
+
+
+def test_a_retry_whose_matched_node_was_deleted_is_ranked_without_reading_the_tree(monkeypatch):
+    # Regression: under load a deferred retry's last_host_node had been evicted from
+    # the host tier; reading it raised KeyError inside the scheduler and killed it.
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    from sgl_importance.cache import prefetch
+    from sgl_importance.cache.stored import rank_storage_retries
+
+    page = 16
+    shared = list(range(1000, 1032))  # two pages both requests matched before
+    hot_doc, cold_doc = shared + list(range(100, 164)), shared + list(range(500, 564))
+    stored = StoredImportance()
+    # Only the pages after the match were dropped while important, chained on the match.
+    stored.remember(node(get_storage_hash_str(RadixKey(hot_doc), None, page_size=page)[2:], 0.8))
+
+    def deleted(node_id):
+        raise KeyError(node_id)
+
+    cache = types.SimpleNamespace(
+        page_size=page,
+        tree_core=types.SimpleNamespace(eviction_strategy=types.SimpleNamespace(stored=stored), node_by_id=deleted),
+        get_last_hash_value=deleted,
+        is_root=deleted,
+    )
+    monkeypatch.setattr(prefetch, "_scheduler_ref", lambda: types.SimpleNamespace(tree_cache=cache))
+
+    def req(rid, tokens):
+        return types.SimpleNamespace(
+            rid=rid, full_untruncated_fill_ids=tokens + [7], prefix_len=16, host_hit_length=16,
+            last_host_node=12345, extra_key=None, cache_salt=None,
+        )  # fmt: skip
+
+    ready = [(req("cold", cold_doc), None), (req("hot", hot_doc), None)]
+    assert [r.rid for r, _ in rank_storage_retries(lambda *a: list(ready), None, [])] == ["hot", "cold"]
+
+
+def test_a_tenants_pages_never_rank_another_tenants_retry(monkeypatch):
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    from sgl_importance.cache import prefetch
+    from sgl_importance.cache.stored import request_storage_importance
+
+    page = 16
+    doc = list(range(100, 164))
+    stored = StoredImportance()
+    stored.remember(node(get_storage_hash_str(RadixKey(doc, cache_salt="a"), None, page_size=page), 0.8))
+    cache = types.SimpleNamespace(page_size=page)
+
+    def req(salt):
+        return types.SimpleNamespace(
+            full_untruncated_fill_ids=doc + [1], prefix_len=0, host_hit_length=0, extra_key=None, cache_salt=salt
+        )
+
+    assert request_storage_importance(stored, cache, req("a")) == pytest.approx(0.8)
+    assert request_storage_importance(stored, cache, req("b")) == 0.0
+    assert request_storage_importance(stored, cache, req(None)) == 0.0

@@ -99,20 +99,25 @@ def restore_after_insert_host(tree_core: Any, result: Any) -> int:
 def request_storage_importance(stored: StoredImportance, cache: Any, req: Any) -> float:
     """Remembered importance of the first ``RANK_PAGES`` pages a request would fetch
     from storage: the pages after its device + host match, hashed as the storage
-    tier keys them (chained on the match's last page hash). 0.0 when none is known."""
+    tier keys them. 0.0 when none is known.
+
+    The chain is hashed from the root over the request's own tokens, never from
+    its ``last_host_node``: a deferred retry keeps the node id of its last match,
+    and host eviction may have deleted that node since (SGLang re-matches the
+    prefix before it re-issues; this ranking runs before that). Reading the tree
+    here once took the scheduler down with a ``KeyError``.
+    """
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     page = cache.page_size
-    start = req.prefix_len + req.host_hit_length
-    tokens = list(req.full_untruncated_fill_ids[start : start + RANK_PAGES * page])
-    tokens = tokens[: len(tokens) // page * page]
-    if not tokens:
+    first = (req.prefix_len + req.host_hit_length) // page
+    end = min(len(req.full_untruncated_fill_ids) // page, first + RANK_PAGES)
+    if end <= first:
         return 0.0
-    anchor = getattr(req, "last_host_node", None)
-    prior = cache.get_last_hash_value(anchor) if anchor is not None else None
+    tokens = list(req.full_untruncated_fill_ids[: end * page])
     key = RadixKey(tokens, extra_key=req.extra_key, cache_salt=getattr(req, "cache_salt", None))
-    hashes = get_storage_hash_str(key, prior, page_size=page)
+    hashes = get_storage_hash_str(key, None, page_size=page)[first:end]
     values = [stored.page_value(h) for h in hashes]
     return sum(values) / len(values)
 
