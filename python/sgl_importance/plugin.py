@@ -10,7 +10,8 @@ imports nothing heavy in processes that never reach them.
 | touch-point                                      | module                        |
 |--------------------------------------------------|-------------------------------|
 | flags on SGLang's parser, `_importance`          | config.py                     |
-| 404 for an unknown OpenAI `model`                | serving.py                    |
+| 404 for an unknown OpenAI `model`; prompt name   | serving.py                    |
+| 400 for an empty prompt or out-of-vocab token id | prompt_check.py               |
 | torch_cpu: HiCache host pool (torch copies)      | platform/host_pool.py         |
 | torch_cpu: CPU streams for the L2 engine         | platform/streams.py           |
 | backends `importance_torch`, `importance_triton` | attention/                    |
@@ -53,9 +54,17 @@ def _from_cli_args(original: Callable[..., Any], cls: Any, args: Any) -> Any:
 
 
 async def _handle_request(original: Callable[..., Any], *args: Any) -> Any:
-    from sgl_importance.serving import reject_unknown_model
+    from sgl_importance.serving import check_openai_request
 
-    return await reject_unknown_model(original, *args)
+    return await check_openai_request(original, *args)
+
+
+def _check_prompt(tokenizer_manager: Any, obj: Any, input_ids: Any) -> None:
+    from sgl_importance.prompt_check import check_before_validation
+
+    # Before SGLang's own per-prompt checks: every tokenized prompt, on every
+    # path, passes here before it is sent to the scheduler.
+    check_before_validation(tokenizer_manager, obj, input_ids)
 
 
 def _host_pool_cls(original: Callable[..., type], buffer_info: Any) -> type:
@@ -233,6 +242,14 @@ def load() -> None:
         _handle_request,
         HookType.AROUND,
     )
+    # Wherever a tokenizer manager may run; the scheduler never builds one and
+    # would pay ~0.4 s to import it.
+    if "sglang.srt.managers.scheduler" not in sys.modules:
+        register(
+            "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+            _check_prompt,
+            HookType.BEFORE,
+        )
     # Backends register by name in every process: the scheduler builds them, the
     # launcher's parser must accept the names. (attention_registry costs ~0.4 s on
     # top of the hook registry's import; far less than a second hook layer.)

@@ -6,6 +6,10 @@ own Responses API) we answer an unknown name with 404 ``model_not_found``.
 The names a caller may use are those ``/v1/models`` lists, the model path, the
 LoRA adapters (alone or as ``base:adapter``), and SGLang's placeholder
 ``default`` for requests that omit the field.
+
+A prompt the model cannot read is refused in the tokenizer manager
+(``prompt_check.py``); around an OpenAI request we tell that check the name the
+caller gave the prompt (``messages``, ``prompt`` or ``input``), so the 400 names it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from typing import Any, Callable
 
 # What the OpenAI protocol models put in `model` when a request omits it.
 OMITTED_MODEL_NAMES = frozenset({"", "default"})
+# Where OpenAI requests carry the prompt: chat, completions, embeddings/responses.
+PROMPT_FIELDS = ("messages", "prompt", "input")
 
 
 def known_model_names(tokenizer_manager: Any) -> set[str]:
@@ -50,3 +56,23 @@ async def reject_unknown_model(
             param="model",
         )
     return await original(handler, request, raw_request)
+
+
+def openai_prompt_field(request: Any) -> str | None:
+    """The field of an OpenAI request that holds its prompt (None if it has none)."""
+    return next((name for name in PROMPT_FIELDS if hasattr(request, name)), None)
+
+
+async def check_openai_request(
+    original: Callable[..., Any], handler: Any, request: Any, raw_request: Any
+) -> Any:
+    """AROUND-hook for ``OpenAIServingBase.handle_request``: every OpenAI check."""
+    from sgl_importance.prompt_check import naming_prompt_field
+
+    field = openai_prompt_field(request)
+    if field is None:
+        return await reject_unknown_model(original, handler, request, raw_request)
+    # Streaming handlers pull the first chunk before returning, so the prompt
+    # check runs inside this block on both paths.
+    with naming_prompt_field(field):
+        return await reject_unknown_model(original, handler, request, raw_request)

@@ -129,6 +129,48 @@ def test_server_stays_healthy_after_bad_requests(server):
     assert chat(server, "Say hello.").status_code == 200
 
 
+# Prompts the model cannot read (issue #9): each of these once ended the
+# scheduler, and the whole server with it. (path, body, the field the 400 names)
+OUT_OF_VOCABULARY = 1_000_000_000
+UNREADABLE_PROMPTS = {
+    "completion_token_id_beyond_vocabulary": (
+        "/v1/completions", {"prompt": [[1, OUT_OF_VOCABULARY]], "max_tokens": 4}, "prompt"),
+    "streamed_completion_token_id_beyond_vocabulary": (
+        "/v1/completions", {"prompt": [1, OUT_OF_VOCABULARY], "max_tokens": 4, "stream": True}, "prompt"),
+    "completion_batch_with_an_empty_prompt": (
+        "/v1/completions", {"prompt": ["The sky is", ""], "max_tokens": 4}, "prompt"),
+    "generate_negative_token_id": ("/generate", {"input_ids": [1, -5]}, "input_ids"),
+    "generate_batch_with_one_token_id_beyond_vocabulary": (
+        "/generate", {"input_ids": [[1, 2, 3], [1, OUT_OF_VOCABULARY]]}, "input_ids"),
+    # SGLang's own normalisation refuses this one before our check.
+    "generate_empty_input_ids": ("/generate", {"input_ids": []}, "input_ids"),
+    "generate_empty_text": ("/generate", {"text": ""}, "text"),
+    "generate_batch_with_an_empty_text": ("/generate", {"text": ["Once upon a time", ""]}, "text"),
+}  # fmt: skip
+
+
+def error_message(path: str, body: dict) -> str:
+    # SGLang's shapes: OpenAI {"object": "error", "message", "type", "code"};
+    # native {"error": {"message"}}.
+    if path.startswith("/v1/"):
+        assert body["object"] == "error" and body["code"] == 400, body
+        return body["message"]
+    return body["error"]["message"]
+
+
+@pytest.mark.parametrize("case", sorted(UNREADABLE_PROMPTS))
+def test_an_unreadable_prompt_is_refused_with_400_naming_the_field_and_the_server_keeps_serving(server, case):
+    path, body, field = UNREADABLE_PROMPTS[case]
+    if path.startswith("/v1/"):
+        body = {"model": SERVED_NAME, **body}
+    r = requests.post(server.url + path, json=body, timeout=120)
+    assert r.status_code == 400, r.text
+    assert field in error_message(path, r.json()), r.text
+
+    assert requests.get(server.url + "/health", timeout=30).status_code == 200
+    assert len(server.generate("The sky is", max_new_tokens=2)["output_ids"]) == 2
+
+
 def test_plugin_is_loaded_in_every_server_process(server):
     pids = set(re.findall(r"\[sgl-importance\] plugin loaded \(pid (\d+)\)", server.log()))
     # launcher/HTTP server, scheduler and detokenizer

@@ -180,3 +180,29 @@ def test_a_tenants_pages_never_rank_another_tenants_retry(monkeypatch):
     assert request_storage_importance(stored, cache, req("a")) == pytest.approx(0.8)
     assert request_storage_importance(stored, cache, req("b")) == 0.0
     assert request_storage_importance(stored, cache, req(None)) == 0.0
+
+
+def sglang_node(tokens, importance=None, **namespace):
+    """A node under the root with the page hashes SGLang gives it when storage is on
+    (``compute_node_hash_values``, seeded by the key's extra_key / cache_salt)."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import compute_node_hash_values
+
+    root = types.SimpleNamespace(key=RadixKey([]), hash_value=[])
+    n = types.SimpleNamespace(key=RadixKey(tokens, **namespace), parent=root)
+    hashes = compute_node_hash_values(n, 16)
+    assert len(hashes) == len(tokens) // 16
+    return node(hashes, importance)
+
+
+def test_a_tenants_dropped_pages_are_remembered_apart_from_another_tenants_identical_pages():
+    doc = list(range(100, 164))
+    stored = StoredImportance()
+    stored.remember(sglang_node(doc, 0.8, cache_salt="a"))
+    stored.remember(sglang_node(doc, 0.1, cache_salt="b"))
+    # Same tokens, two tenants: two disjoint sets of four pages.
+    assert len(stored) == 2 * 4
+    assert stored.recall(sglang_node(doc, cache_salt="a")) == pytest.approx(0.8)
+    assert stored.recall(sglang_node(doc, cache_salt="b")) == pytest.approx(0.1)
+    for other in ({"extra_key": "a"}, {"cache_salt": "c"}, {}):
+        assert stored.recall(sglang_node(doc, **other)) is None, other

@@ -1,0 +1,96 @@
+"""Prompts the model cannot read are refused before the scheduler sees them.
+
+SGLang 0.5.23 checks a prompt's length against the context but not its token
+ids, and not that it is empty. A token id outside the embedding table (``-5``,
+``10**9``) raises ``IndexError`` in the scheduler's forward pass, and an empty
+prompt (``"text": ""`` tokenizes to nothing) fails to reshape a tensor of 0
+elements; either exception ends the scheduler process, and with it the server,
+for every user. We raise ``ValueError`` in the tokenizer manager instead, where
+SGLang already turns one into a 400 with the endpoint's usual error body.
+
+The check runs before ``TokenizerManager._validate_one_request``: SGLang calls it
+once per tokenized prompt on every path (one request, each item of a batch,
+batch tokenization, text or ``input_ids``), with the final token ids, after
+chat templates and multimodal processing and before anything is dispatched.
+
+The error names the field the caller used: ``text`` or ``input_ids`` for
+``/generate``; ``prompt`` or ``messages`` for the OpenAI endpoints, which set
+:data:`PROMPT_FIELD` around their handling (``serving.py``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from http import HTTPStatus
+from numbers import Integral
+from typing import Any, Iterator, Optional, Sequence
+
+# The caller's name for the prompt when an OpenAI endpoint built the request;
+# None on the native endpoints, where the request's own field is the name.
+PROMPT_FIELD: ContextVar[Optional[str]] = ContextVar("sgl_importance_prompt_field", default=None)
+
+
+class InvalidPromptError(ValueError):
+    """A prompt the model cannot process; SGLang answers it with ``status_code``."""
+
+    status_code = HTTPStatus.BAD_REQUEST
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"Invalid '{field}': {message}")
+        self.field = field
+
+
+@contextmanager
+def naming_prompt_field(field: str) -> Iterator[None]:
+    """Within this block, prompt errors name ``field`` (the caller's own field)."""
+    token = PROMPT_FIELD.set(field)
+    try:
+        yield
+    finally:
+        PROMPT_FIELD.reset(token)
+
+
+def prompt_field(obj: Any) -> str:
+    """The name the caller gave the prompt of the tokenizer manager's ``obj``."""
+    named = PROMPT_FIELD.get()
+    if named is not None:
+        return named
+    return "text" if getattr(obj, "input_ids", None) is None else "input_ids"
+
+
+def first_bad_token(input_ids: Sequence[Any], vocab_size: int) -> Optional[tuple[int, Any]]:
+    """(position, value) of the first id that is not an integer in [0, vocab_size), or None."""
+    for position, token in enumerate(input_ids):
+        # bool is an Integral too, but True as a token id is a caller's mistake.
+        if isinstance(token, bool) or not isinstance(token, Integral) or not 0 <= token < vocab_size:
+            return position, token
+    return None
+
+
+def check_prompt(obj: Any, input_ids: Optional[Sequence[Any]], vocab_size: int) -> None:
+    """Raise :class:`InvalidPromptError` unless ``input_ids`` is a prompt the model can read.
+
+    Args:
+        obj: SGLang's per-prompt request (``GenerateReqInput`` or ``EmbeddingReqInput``).
+        input_ids: the prompt's token ids as the scheduler would receive them;
+            None when the request carries ``input_embeds`` instead.
+        vocab_size: rows of the model's embedding table.
+    """
+    if input_ids is None:
+        return
+    field = prompt_field(obj)
+    if len(input_ids) == 0:
+        raise InvalidPromptError(field, "the prompt is empty (no tokens after tokenization)")
+    bad = first_bad_token(input_ids, vocab_size)
+    if bad is not None:
+        position, token = bad
+        raise InvalidPromptError(
+            field,
+            f"token id {token!r} at position {position} is not in the model's vocabulary [0, {vocab_size})",
+        )
+
+
+def check_before_validation(tokenizer_manager: Any, obj: Any, input_ids: Optional[Sequence[Any]]) -> None:
+    """BEFORE-hook for ``TokenizerManager._validate_one_request(obj, input_ids)``."""
+    check_prompt(obj, input_ids, tokenizer_manager.model_config.vocab_size)
