@@ -200,6 +200,15 @@ def test_damaged_page_file_is_a_miss_dropped_counted_and_rewritable(written, dam
     assert read_back(written, ["k0", "k1", "k2"])[0] == [True, True, True]
 
 
+def test_pages_after_a_damaged_one_are_verified_too_so_one_request_repairs_the_prefix(written):
+    for key in ("k0", "k2"):
+        path = file_of(written, key)
+        path.write_bytes(bytes(path.stat().st_size))
+    assert read_back(written, ["k0", "k1", "k2"])[0] == [False, False, False]
+    assert written.corrupt == [FORMAT, FORMAT]
+    assert [p.name for p in written.files()] == [file_of(written, "k1").name]
+
+
 def test_missing_page_file_is_an_ordinary_miss_not_corruption(written):
     file_of(written, "k2").unlink()
     assert read_back(written, ["k0", "k1", "k2"])[0] == [True, True, False]

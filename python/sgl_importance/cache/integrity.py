@@ -210,6 +210,8 @@ class IntegrityStorage(HiCacheStorage):
         # Damaged keys the backend cannot delete: answered as absent from now on.
         self._refused: set[str] = set()
         self.mem_pool_host: Any = None
+        # Pages refused since start (the metric counts the same, when metrics are on).
+        self.damaged_pages = 0
 
     # -- host pools ---------------------------------------------------------------------
 
@@ -285,6 +287,7 @@ class IntegrityStorage(HiCacheStorage):
 
     def _damaged(self, key: str, reason: str, error: Optional[BaseException] = None) -> None:
         where = self.ops.where(key)
+        self.damaged_pages += 1
         if self.on_corrupt is not None:
             self.on_corrupt(reason)
         if where not in self._logged:
@@ -329,14 +332,27 @@ class IntegrityStorage(HiCacheStorage):
     ) -> List[Optional[torch.Tensor]]:
         targets = target_locations or [None] * len(keys)
         out: List[Optional[torch.Tensor]] = []
-        for key, target in zip(keys, targets):
+        for i, (key, target) in enumerate(zip(keys, targets)):
+            damaged_before = self.damaged_pages
             page = self.get(key, target)
             out.append(page)
             if page is None:
                 # Storage is read as a prefix: nothing after a miss is used.
                 out.extend([None] * (len(keys) - len(out)))
+                if self.damaged_pages > damaged_before:
+                    self._sweep(keys[i + 1 :], self.mem_pool_host, self._kv_fingerprint())
                 break
         return out
+
+    def _sweep(self, keys: List[str], pool: Any, fingerprint: int) -> None:
+        """Verify (and drop if damaged) the pages after a damaged one.
+
+        Damage rarely comes alone (a bad disk region, a stray process); without this
+        only the first damaged page of a prefix would be found per request, and
+        the rest would be kept, skipped on rewrite, and refused one request at a time.
+        """
+        for key in keys:
+            self._read(key, pool.get_dummy_flat_data_page(), fingerprint)
 
     def batch_set(
         self,
@@ -371,8 +387,11 @@ class IntegrityStorage(HiCacheStorage):
         fingerprint = self.fingerprint_of(pool, pool_name)
         results = [False] * len(keys)
         for i, key in enumerate(keys):
+            damaged_before = self.damaged_pages
             page = self._read(key, pool.get_dummy_flat_data_page(), fingerprint)
             if page is None:
+                if self.damaged_pages > damaged_before:
+                    self._sweep(keys[i + 1 :], pool, fingerprint)
                 break
             pool.set_from_flat_data_page(int(host_indices[i * page_size]), page)
             results[i] = True
