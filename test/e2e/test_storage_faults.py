@@ -58,8 +58,11 @@ def corrupt_count(server) -> float:
 
 
 def flush(server) -> None:
-    r = requests.post(server.url + "/flush_cache", timeout=60)
-    assert r.status_code == 200, r.text
+    # SGLang refuses a flush (400) while storage writes or prefetches are in flight.
+    wait_for(
+        lambda: requests.post(server.url + "/flush_cache", timeout=60).status_code == 200,
+        what="/flush_cache to be accepted",
+    )
 
 
 def storage_tokens(response: dict) -> int:
@@ -186,7 +189,7 @@ def test_full_disk_pauses_writes_once_keeps_serving_and_resumes_when_space_retur
     assert output_ids_and_logprobs(again)[0] == reference[2][0]
     assert again["meta_info"]["cached_tokens"] > 0
     kept = pages(tiny_disk)
-    for _ in range(3):
+    for _ in range(2):
         server.generate(document(0))
         time.sleep(2.5)  # past the retry delay: writes are retried and fail again
     assert server.log().count("storage tier writes paused") == 1
