@@ -369,3 +369,21 @@ def test_integrity_is_on_by_default_and_can_be_turned_off():
 def test_retry_delay_out_of_range_names_the_flag(value):
     with pytest.raises(ValueError, match="--importance-storage-retry-s"):
         ImportanceConfig(storage_retry_s=value)
+
+
+def test_refused_pages_and_pauses_are_counted_by_reason_on_their_own_series():
+    from prometheus_client import CollectorRegistry
+
+    from sgl_importance.metrics import StorageIntegrityMetrics
+
+    registry = CollectorRegistry()
+    metrics = StorageIntegrityMetrics({"tp_rank": 0, "pp_rank": 0}, registry=registry)
+    metrics.corrupt(CHECKSUM)
+    metrics.corrupt(CHECKSUM)
+    metrics.corrupt(SHORT)
+    metrics.paused()
+    value = registry.get_sample_value
+    labels = {"tp_rank": "0", "pp_rank": "0"}
+    assert value("sgl_importance:storage_corrupt_pages_total", {**labels, "reason": CHECKSUM}) == 2
+    assert value("sgl_importance:storage_corrupt_pages_total", {**labels, "reason": SHORT}) == 1
+    assert value("sgl_importance:storage_write_pauses_total", labels) == 1
