@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed
 DEPS  := python/requirements-cpu.txt python/requirements-test.txt \
          python/pyproject.toml sgl-kernel-ext/pyproject.toml
 
-.PHONY: install model serve test bench-kernel bench-hit-rate bench-hit-rate-synth bench-serving clean
+.PHONY: install model serve test bench-kernel bench-hit-rate bench-hit-rate-synth bench-serving bench-storage clean
 
 install: $(STAMP)
 
@@ -63,6 +63,11 @@ bench-hit-rate-synth: install
 BENCH_SERVING_ARGS ?=
 bench-serving: install
 	$(BIN)/python benchmark/serving/bench_policies.py $(BENCH_SERVING_ARGS)
+
+# The file tier with and without page integrity (seal + verify); no server, ~1 min.
+BENCH_STORAGE_ARGS ?=
+bench-storage: install
+	$(BIN)/python benchmark/storage/bench_integrity.py --out benchmark/storage/out $(BENCH_STORAGE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

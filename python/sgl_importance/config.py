@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 REDUCTIONS = ("mean", "max")
+SWITCH = ("on", "off")
+MAX_RETRY_S = 86400.0
 MAX_TRACE_ROWS = 10_000_000_000
 
 
@@ -29,6 +31,10 @@ class ImportanceConfig:
     trace_dir: Optional[str] = None
     # Bound on the access rows one trace keeps; later rows are dropped and counted.
     trace_max_rows: int = 5_000_000
+    # Seal and verify every storage-tier page (cache/integrity.py); "off" = SGLang's raw pages.
+    storage_integrity: str = "on"
+    # Seconds storage-tier writes stay paused after repeated failures before a retry.
+    storage_retry_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.reduce not in REDUCTIONS:
@@ -56,6 +62,20 @@ class ImportanceConfig:
             raise ValueError(
                 f"--importance-trace-max-rows {self.trace_max_rows!r} is invalid; "
                 f"allowed: an integer in [1, {MAX_TRACE_ROWS}]"
+            )
+        if self.storage_integrity not in SWITCH:
+            raise ValueError(
+                f"--importance-storage-integrity {self.storage_integrity!r} is invalid; "
+                f"allowed: {', '.join(SWITCH)}"
+            )
+        if (
+            not isinstance(self.storage_retry_s, (int, float))
+            or isinstance(self.storage_retry_s, bool)
+            or not (0.0 < self.storage_retry_s <= MAX_RETRY_S)
+        ):
+            raise ValueError(
+                f"--importance-storage-retry-s {self.storage_retry_s!r} is invalid; "
+                f"allowed: a number of seconds in (0, {MAX_RETRY_S:.0f}]"
             )
 
 
@@ -90,6 +110,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=defaults.trace_max_rows,
         help="Keep at most this many access rows in the trace; later rows are dropped.",
+    )
+    group.add_argument(
+        "--importance-storage-integrity",
+        choices=SWITCH,
+        default=defaults.storage_integrity,
+        help="Seal each storage-tier page with a checksum and layout fingerprint and "
+        "verify it on read; a damaged page is a miss and is recomputed.",
+    )
+    group.add_argument(
+        "--importance-storage-retry-s",
+        type=float,
+        default=defaults.storage_retry_s,
+        help="Seconds storage-tier writes stay paused after repeated failures.",
     )
 
 

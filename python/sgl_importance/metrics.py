@@ -17,6 +17,11 @@ mode.
 | `sgl_importance:importance_scale`               | the normaliser (largest recent node importance) |
 | `sgl_importance:storage_tokens_total{decision}` | L3 admission: tokens written / deferred / written late |
 | `sgl_importance:prefetch_tokens_total{reason,outcome}` | host→device prefetch: tokens issued / used / wasted, for waiting requests or warming |
+| `sgl_importance:storage_corrupt_pages_total{reason}` | storage-tier pages refused on read (checksum, short, format, layout, unreadable) |
+| `sgl_importance:storage_write_pauses_total` | times storage-tier writes were paused after repeated failures |
+
+The two storage series are counted by the storage tier's I/O threads, which run in
+the scheduler process beside the tree cache; they carry the storage config's ranks.
 """
 
 from __future__ import annotations
@@ -121,6 +126,53 @@ class ImportanceMetrics:
         self._scale.set(scale)
         for value in normalised:
             self._attended.observe(value)
+
+
+class StorageIntegrityMetrics:
+    """Series of the storage tier's integrity wrapper (``cache/integrity.py``).
+
+    Args:
+        labels: the storage ranks (``tp_rank``, ``pp_rank``).
+        registry: as for ``ImportanceMetrics``.
+    """
+
+    def __init__(self, labels: Mapping[str, Any], registry: Any = None) -> None:
+        from prometheus_client import REGISTRY, Counter
+
+        registry = REGISTRY if registry is None else registry
+        self.labels = {k: str(v) for k, v in labels.items()}
+        names = list(self.labels)
+        self.corrupt_pages = Counter(
+            "sgl_importance:storage_corrupt_pages_total",
+            "Storage-tier pages refused on read and recomputed, by reason (checksum: bytes "
+            "changed; short: truncated; format: no integrity trailer, e.g. zero-filled; "
+            "layout: written by another model, dtype, page size or layout; unreadable: I/O error).",
+            labelnames=[*names, "reason"],
+            registry=registry,
+        )
+        self.write_pauses = Counter(
+            "sgl_importance:storage_write_pauses_total",
+            "Times storage-tier writes were paused after repeated write failures.",
+            labelnames=names,
+            registry=registry,
+        )
+
+    def corrupt(self, reason: str) -> None:
+        self.corrupt_pages.labels(**self.labels, reason=reason).inc()
+
+    def paused(self) -> None:
+        self.write_pauses.labels(**self.labels).inc()
+
+
+_storage_instance: Optional[StorageIntegrityMetrics] = None
+
+
+def storage_integrity_metrics(labels: Mapping[str, Any]) -> StorageIntegrityMetrics:
+    """The process's storage integrity series (one storage backend per scheduler)."""
+    global _storage_instance
+    if _storage_instance is None:
+        _storage_instance = StorageIntegrityMetrics(labels)
+    return _storage_instance
 
 
 # prometheus_client registers each series name once per process; SGLang builds one

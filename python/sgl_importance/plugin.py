@@ -24,6 +24,8 @@ imports nothing heavy in processes that never reach them.
 | prefetch host→device with the batch's load-back  | cache/prefetch.py             |
 | importance back onto nodes rebuilt from storage  | cache/stored.py               |
 | storage fetch retries, most important first      | cache/stored.py               |
+| storage pages sealed + verified; writes pause    | cache/integrity.py            |
+| `file` tier: directory check, leftovers, drops   | cache/file_tier.py            |
 | `--importance-trace-dir`: per-step page trace    | trace/recorder.py, writer.py  |
 """
 
@@ -139,6 +141,21 @@ def _gate_storage_write(original: Callable[..., Any], cache: Any, node_id: Any) 
     from sgl_importance.cache.admission import gate_storage_write
 
     return gate_storage_write(original, cache, node_id)
+
+
+def _seal_storage_pages(original: Callable[..., Any], factory: Any, *args: Any, **kwargs: Any) -> Any:
+    from sgl_importance.cache.integrity import create_with_integrity
+
+    # Around the factory, so every backend name (file, mooncake, dynamic) is wrapped
+    # once, outside SGLang's own test failure injector.
+    return create_with_integrity(original, factory, *args, **kwargs)
+
+
+def _check_storage_dir(cls: Any, args: Any) -> None:
+    from sgl_importance.cache.file_tier import check_cli_args
+
+    # In the launcher: a storage path that is a regular file stops start-up in one line.
+    check_cli_args(args)
 
 
 def _note_scheduler(_result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -321,7 +338,13 @@ def load() -> None:
             _rank_storage_retries,
             HookType.AROUND,
         )
+        register(
+            "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory.create_backend",
+            _seal_storage_pages,
+            HookType.AROUND,
+        )
     register("sglang.srt.server_args.ServerArgs.from_cli_args", _export_trace_dir, HookType.BEFORE)
+    register("sglang.srt.server_args.ServerArgs.from_cli_args", _check_storage_dir, HookType.BEFORE)
     if os.environ.get("SGL_IMPORTANCE_TRACE_DIR") and "sglang.srt.managers.scheduler" in sys.modules:
         table = "sgl_importance.importance.page_table.PageImportanceTable"
         register("sglang.srt.managers.scheduler.Scheduler.__init__", _start_trace_recorder, HookType.AFTER)
