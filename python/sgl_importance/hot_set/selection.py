@@ -49,8 +49,8 @@ class HotSetParams:
 
     Attributes:
         policy: one of ``POLICIES`` except ``off``.
-        budget: pages per request when ``>= 1`` (an integer), else the fraction of
-            the request's pages, rounded up. Sinks and window always count in it;
+        budget: pages per request when an ``int`` (>= 1), else (a ``float`` in
+            (0, 1]) the fraction of the request's pages, rounded up. Sinks and window always count in it;
             when they alone exceed it they are still attended.
         window: recent pages, ``>= 1`` (the last page holds the decoded token).
         sinks: leading pages.
@@ -67,8 +67,8 @@ class HotSetParams:
 
     def budget_pages(self, num_pages: int) -> int:
         """The hot set's size for a request of ``num_pages`` pages."""
-        if self.budget >= 1:
-            pages = int(self.budget)
+        if isinstance(self.budget, int):
+            pages = self.budget
         else:
             pages = math.ceil(self.budget * num_pages)
         return max(1, min(num_pages, pages))
