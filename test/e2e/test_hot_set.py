@@ -96,9 +96,7 @@ def test_a_small_budget_serves_and_the_metrics_count_it(hot_set_server, prompts,
     # Dense would read every page in each of the 30 layers of each step.
     assert delta("pages_dense") >= 30 * (MAX_NEW - 1) * pages
     assert 0 < delta("pages_attended") <= delta("pages_dense")
-    # Whatever the guard did is on /metrics: each fallback brought late pages.
-    fallbacks, late = delta("guard_fallbacks"), delta("late_arrivals")
-    assert (fallbacks == 0) == (late == 0)
-    if fallbacks == 0:
-        # No fallback: the plan alone was attended, within the budget, in every layer.
-        assert delta("pages_attended") <= 30 * (MAX_NEW - 2) * 40 + 30 * pages
+    # 40 of 75 pages cannot be certified to hold 90 % of the mass by the key
+    # min/max bound, so the guard steps in, and says so on /metrics.
+    assert delta("guard_fallbacks") > 0 and delta("late_arrivals") > 0
+    assert delta("guard_fallbacks") <= delta("steps") - delta("warmups")
