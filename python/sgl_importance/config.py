@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 REDUCTIONS = ("mean", "max")
 SWITCH = ("on", "off")
 MAX_RETRY_S = 86400.0
 MAX_TRACE_ROWS = 10_000_000_000
+# Kept in step with hot_set.selection.POLICIES (config imports no torch module).
+HOT_SET_POLICIES = ("off", "dense", "window", "quest", "lru", "importance")
+HOT_SET_BACKENDS = ("importance_torch",)
+MAX_HOT_SET_PAGES = 1 << 20
+MAX_HOT_SET_SINKS = 64
+MAX_HOT_SET_THRESHOLD = 1 << 30
+BUDGET_RANGE = "an integer number of pages >= 1, or a fraction in (0, 1] written with a '.'"
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,18 @@ class ImportanceConfig:
     storage_integrity: str = "on"
     # Seconds storage-tier writes stay paused after repeated failures before a retry.
     storage_retry_s: float = 30.0
+    # Per-request hot set for long requests (hot_set/); "off" = every page attended.
+    hot_set_policy: str = "off"
+    # Pages per request (int >= 1) or fraction of the request's pages (float).
+    hot_set_budget: Union[int, float] = 0.2
+    # Recent pages always attended (the last one holds the decoded token).
+    hot_set_window: int = 4
+    # Leading pages always attended (attention sinks).
+    hot_set_sinks: int = 1
+    # Requests longer than this many tokens use the hot set.
+    hot_set_threshold: int = 2048
+    # Allowed upper bound of the attention mass outside the hot set; 1 = no guard.
+    hot_set_guard_threshold: float = 0.1
 
     def __post_init__(self) -> None:
         if self.reduce not in REDUCTIONS:
@@ -77,10 +96,68 @@ class ImportanceConfig:
                 f"--importance-storage-retry-s {self.storage_retry_s!r} is invalid; "
                 f"allowed: a number of seconds in (0, {MAX_RETRY_S:.0f}]"
             )
+        self._check_hot_set()
+
+    def _check_hot_set(self) -> None:
+        if self.hot_set_policy not in HOT_SET_POLICIES:
+            raise ValueError(
+                f"--hot-set-policy {self.hot_set_policy!r} is invalid; "
+                f"allowed: {', '.join(HOT_SET_POLICIES)}"
+            )
+        budget = self.hot_set_budget
+        if isinstance(budget, bool) or not (
+            (isinstance(budget, int) and budget >= 1)
+            or (isinstance(budget, float) and 0.0 < budget <= 1.0)
+        ):
+            raise ValueError(f"--hot-set-budget {budget!r} is invalid; allowed: {BUDGET_RANGE}")
+        for flag, value, low, high in (
+            ("--hot-set-window", self.hot_set_window, 1, MAX_HOT_SET_PAGES),
+            ("--hot-set-sinks", self.hot_set_sinks, 0, MAX_HOT_SET_SINKS),
+            ("--hot-set-threshold", self.hot_set_threshold, 0, MAX_HOT_SET_THRESHOLD),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or not (low <= value <= high):
+                raise ValueError(
+                    f"{flag} {value!r} is invalid; allowed: an integer in [{low}, {high}]"
+                )
+        guard = self.hot_set_guard_threshold
+        if isinstance(guard, bool) or not isinstance(guard, (int, float)) or not (0.0 < guard <= 1.0):
+            raise ValueError(
+                f"--hot-set-guard-threshold {guard!r} is invalid; allowed: a number in (0, 1] "
+                "(1 = no guard)"
+            )
+
+    def hot_set_params(self) -> Any:
+        """The hot set's parameters, or None when ``--hot-set-policy off``."""
+        if self.hot_set_policy == "off":
+            return None
+        from sgl_importance.hot_set.selection import HotSetParams
+
+        return HotSetParams(
+            policy=self.hot_set_policy,
+            budget=self.hot_set_budget,
+            window=self.hot_set_window,
+            sinks=self.hot_set_sinks,
+            guard_threshold=float(self.hot_set_guard_threshold),
+        )
+
+
+def _flag(name: str) -> str:
+    dashed = name.replace("_", "-")
+    return f"--{dashed}" if name.startswith("hot_set_") else f"--importance-{dashed}"
 
 
 # Flag name -> field name. One table so parser, namespace and docs agree.
-FLAGS = {f"--importance-{f.name.replace('_', '-')}": f.name for f in fields(ImportanceConfig)}
+FLAGS = {_flag(f.name): f.name for f in fields(ImportanceConfig)}
+
+
+def parse_budget(text: str) -> Union[int, float]:
+    """``--hot-set-budget``: ``"40"`` is 40 pages, ``"0.2"`` (or ``"1.0"``) a fraction."""
+    try:
+        return float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--hot-set-budget {text!r} is invalid; allowed: {BUDGET_RANGE}"
+        ) from None
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -124,6 +201,46 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.storage_retry_s,
         help="Seconds storage-tier writes stay paused after repeated failures.",
     )
+    group.add_argument(
+        "--hot-set-policy",
+        choices=HOT_SET_POLICIES,
+        default=defaults.hot_set_policy,
+        help="Per-request hot set for long requests: decode attends only over sink pages, "
+        "a recent window and the pages the policy keeps (off = every page). Needs "
+        "--attention-backend importance_torch.",
+    )
+    group.add_argument(
+        "--hot-set-budget",
+        type=parse_budget,
+        default=defaults.hot_set_budget,
+        help="Hot-set size per request: pages (an integer >= 1) or a fraction of the "
+        "request's pages (a number in (0, 1] with a '.', e.g. 0.2 or 1.0).",
+    )
+    group.add_argument(
+        "--hot-set-window",
+        type=int,
+        default=defaults.hot_set_window,
+        help="Most recent pages always in the hot set (>= 1).",
+    )
+    group.add_argument(
+        "--hot-set-sinks",
+        type=int,
+        default=defaults.hot_set_sinks,
+        help="Leading pages (attention sinks) always in the hot set.",
+    )
+    group.add_argument(
+        "--hot-set-threshold",
+        type=int,
+        default=defaults.hot_set_threshold,
+        help="Requests longer than this many tokens use the hot set.",
+    )
+    group.add_argument(
+        "--hot-set-guard-threshold",
+        type=float,
+        default=defaults.hot_set_guard_threshold,
+        help="When the page summaries bound the attention mass outside the hot set above "
+        "this, the step also attends the pages that may hold it (counted); 1 = no guard.",
+    )
 
 
 def from_namespace(args: argparse.Namespace) -> ImportanceConfig:
@@ -133,7 +250,18 @@ def from_namespace(args: argparse.Namespace) -> ImportanceConfig:
         dest = flag[2:].replace("-", "_")
         if hasattr(args, dest):
             values[name] = getattr(args, dest)
-    return ImportanceConfig(**values)
+    config = ImportanceConfig(**values)
+    if config.hot_set_policy != "off":
+        backend = getattr(args, "decode_attention_backend", None) or getattr(
+            args, "attention_backend", None
+        )
+        if hasattr(args, "attention_backend") and backend not in HOT_SET_BACKENDS:
+            raise ValueError(
+                f"--hot-set-policy {config.hot_set_policy} needs the decode attention backend "
+                f"{' or '.join(HOT_SET_BACKENDS)} (--attention-backend or "
+                f"--decode-attention-backend); got {backend!r}"
+            )
+    return config
 
 
 def config_of(server_args: Any) -> ImportanceConfig:

@@ -17,6 +17,7 @@ mode.
 | `sgl_importance:importance_scale`               | the normaliser (largest recent node importance) |
 | `sgl_importance:storage_tokens_total{decision}` | L3 admission: tokens written / deferred / written late |
 | `sgl_importance:prefetch_tokens_total{reason,outcome}` | host→device prefetch: tokens issued / used / wasted, for waiting requests or warming |
+| `sgl_importance:hot_set_*_total`                | per-request hot set (``HotSetMetrics``): steps, promotions, hits, late arrivals, guard fallbacks, pages attended vs dense |
 | `sgl_importance:storage_corrupt_pages_total{reason}` | storage-tier pages refused on read (checksum, short, format, layout, unreadable) |
 | `sgl_importance:storage_write_pauses_total` | times storage-tier writes were paused after repeated failures |
 
@@ -194,3 +195,47 @@ def importance_metrics(cache: Any) -> Optional[ImportanceMetrics]:
     if _instance is None:
         _instance = ImportanceMetrics(getattr(collector, "labels", {}) or {})
     return _instance
+
+
+# HotSetCounts field -> (series suffix, help). Counted per request and decode step.
+HOT_SET_SERIES = {
+    "steps": ("steps", "Request decode steps attended over a hot set."),
+    "warmups": ("warmups", "Request decode steps attended densely as the request's first."),
+    "promotions": ("promotions", "Pages the hot-set plan added that the previous step did not attend."),
+    "hits": ("hits", "Planned hot-set pages the previous step already attended."),
+    "late_arrivals": ("late_arrivals", "Pages the guard added to a step that the plan had left out."),
+    "guard_fallbacks": (
+        "guard_fallbacks",
+        "Request decode steps in which the guard added pages because the page summaries "
+        "bound the attention mass outside the hot set above --hot-set-guard-threshold.",
+    ),
+    "pages_attended": ("pages_attended", "Pages attended by hot-set requests, summed over layers."),
+    "pages_dense": ("pages_dense", "Pages dense attention would have read for the same steps and layers."),
+}
+
+
+class HotSetMetrics:
+    """``sgl_importance:hot_set_*_total`` counters (``--enable-metrics`` only).
+
+    Args:
+        labels: rank labels, so series of several ranks stay apart.
+        registry: prometheus_client's default registry unless a test passes one.
+    """
+
+    def __init__(self, labels: Mapping[str, Any], registry: Any = None) -> None:
+        from prometheus_client import REGISTRY, Counter
+
+        registry = REGISTRY if registry is None else registry
+        labels = {k: str(v) for k, v in labels.items()}
+        self._counters = {
+            field: Counter(
+                f"sgl_importance:hot_set_{suffix}_total", text, labelnames=list(labels), registry=registry
+            ).labels(**labels)
+            for field, (suffix, text) in HOT_SET_SERIES.items()
+        }
+
+    def add(self, counts: Mapping[str, int]) -> None:
+        """Add one step's counts (``HotSetCounts.as_dict()``)."""
+        for field, value in counts.items():
+            if value:
+                self._counters[field].inc(value)

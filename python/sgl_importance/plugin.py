@@ -15,6 +15,7 @@ imports nothing heavy in processes that never reach them.
 | torch_cpu: HiCache host pool (torch copies)      | platform/host_pool.py         |
 | torch_cpu: CPU streams for the L2 engine         | platform/streams.py           |
 | backends `importance_torch`, `importance_triton` | attention/                    |
+| `--hot-set-*`: hot-set decode in importance_torch | hot_set/, attention/torch_backend.py |
 | zero a page's importance when it is freed        | importance/allocator_reset.py |
 | `SGL_IMPORTANCE_DUMP_DIR`: table after each step | importance/page_table.py      |
 | eviction policy `importance` (+ config check)    | cache/strategy.py             |

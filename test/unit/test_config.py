@@ -38,3 +38,63 @@ def test_config_of_falls_back_to_defaults_for_args_built_without_the_cli():
         pass
 
     assert config_of(Bare()) == ImportanceConfig()
+
+
+def test_hot_set_is_off_by_default():
+    config = from_namespace(parse())
+    assert config.hot_set_policy == "off" and config.hot_set_params() is None
+
+
+def test_hot_set_flags_reach_the_policy_parameters():
+    args = parse(
+        "--hot-set-policy", "quest", "--hot-set-budget", "0.3", "--hot-set-window", "2",
+        "--hot-set-sinks", "0", "--hot-set-threshold", "100", "--hot-set-guard-threshold", "0.5",
+    )  # fmt: skip
+    params = from_namespace(args).hot_set_params()
+    assert (params.policy, params.budget, params.window, params.sinks, params.guard_threshold) == (
+        "quest", 0.3, 2, 0, 0.5,
+    )
+
+
+def test_hot_set_budget_is_pages_without_a_dot_and_a_fraction_with_one():
+    assert from_namespace(parse("--hot-set-budget", "40")).hot_set_budget == 40
+    assert from_namespace(parse("--hot-set-budget", "1.0")).hot_set_budget == 1.0
+    assert from_namespace(parse("--hot-set-budget", "40")).hot_set_params() is None  # still off
+
+
+@pytest.mark.parametrize(
+    "field, value, flag, allowed",
+    [
+        ("hot_set_budget", 0, "--hot-set-budget", "an integer number of pages >= 1"),
+        ("hot_set_budget", 1.5, "--hot-set-budget", "a fraction in (0, 1]"),
+        ("hot_set_budget", 0.0, "--hot-set-budget", "a fraction in (0, 1]"),
+        ("hot_set_window", 0, "--hot-set-window", "[1, 1048576]"),
+        ("hot_set_sinks", 65, "--hot-set-sinks", "[0, 64]"),
+        ("hot_set_threshold", -1, "--hot-set-threshold", "[0, 1073741824]"),
+        ("hot_set_guard_threshold", 0.0, "--hot-set-guard-threshold", "(0, 1]"),
+        ("hot_set_guard_threshold", 1.5, "--hot-set-guard-threshold", "(0, 1]"),
+        ("hot_set_policy", "belady", "--hot-set-policy", "importance"),
+    ],
+)
+def test_invalid_hot_set_value_error_names_flag_value_and_range(field, value, flag, allowed):
+    with pytest.raises(ValueError) as err:
+        ImportanceConfig(**{field: value})
+    assert f"{flag} {value!r}" in str(err.value) and allowed in str(err.value)
+
+
+def test_unparseable_hot_set_budget_is_rejected_by_the_parser():
+    with pytest.raises(SystemExit):
+        parse("--hot-set-budget", "ten")
+
+
+def test_hot_set_needs_the_importance_torch_decode_backend():
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    parser.add_argument("--attention-backend")
+    parser.add_argument("--decode-attention-backend")
+    with pytest.raises(ValueError, match="--hot-set-policy lru needs .*importance_torch.*'torch_native'"):
+        from_namespace(parser.parse_args(["--hot-set-policy", "lru", "--attention-backend", "torch_native"]))
+    ok = parser.parse_args(
+        ["--hot-set-policy", "lru", "--attention-backend", "torch_native", "--decode-attention-backend", "importance_torch"]
+    )
+    assert from_namespace(ok).hot_set_policy == "lru"

@@ -6,6 +6,11 @@ arithmetic, the result rounded once to the model dtype, as SDPA does on a CPU), 
 also returns each request's page importance; the backend files it in the process's
 ``PageImportanceTable``. For the CPU (torch_cpu platform), where CUDA graphs are off.
 
+With ``--hot-set-policy`` (not ``off``), decode of requests longer than
+``--hot-set-threshold`` tokens attends only over each request's hot set
+(``sgl_importance.hot_set``): the backend keeps the page summaries up to date on
+every KV write (prefill and decode) and hands the decoder each step's requests.
+
 Greedy tokens equal torch_native's on the embedded model (``test_attention_torch``);
 logprobs differ by bf16 rounding. Unlike torch_native, decode honours a layer's logit
 soft cap and attention sinks.
@@ -21,6 +26,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_kernel_ext import decode_importance_reference
 from sgl_importance.attention.common import last_attention_layer_id, page_table_for
+from sgl_importance.config import config_of
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -37,12 +43,44 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
         self.last_layer_id = last_attention_layer_id(model_runner)
         self.kv_indptr: Optional[torch.Tensor] = None
         self.kv_indices: Optional[torch.Tensor] = None
+        self.hot_set = _build_hot_set(model_runner, self.last_layer_id)
+        self.hot_set_metrics = _build_hot_set_metrics(model_runner) if self.hot_set else None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         super().init_forward_metadata(forward_batch)
         self.kv_indptr = self.kv_indices = None
         if forward_batch.forward_mode.is_decode() and forward_batch.encoder_lens is None:
             self.kv_indptr, self.kv_indices = self._decode_kv_indices(forward_batch)
+            if self.hot_set is not None:
+                self._begin_hot_set_step(forward_batch)
+
+    def _begin_hot_set_step(self, forward_batch: ForwardBatch) -> None:
+        bounds = self.kv_indptr.tolist()
+        slots = [self.kv_indices[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
+        rids = forward_batch.rids
+        if rids is None:
+            rids = [f"row-{r}" for r in forward_batch.req_pool_indices.tolist()]
+        self.hot_set.begin_step(list(rids), slots)
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        if self.hot_set is not None and save_kv_cache and k is not None and not layer.is_cross_attention:
+            self._summarise(layer, forward_batch.out_cache_loc)
+        return o
+
+    def _summarise(self, layer: RadixAttention, slots: torch.Tensor) -> None:
+        # Read back what the pool stored (its dtype and scaling), not the layer's k.
+        keys = self.token_to_kv_pool.get_key_buffer(layer.layer_id)[slots.to(torch.int64)]
+        self.hot_set.summaries.update(layer.layer_id, slots, keys)
 
     def _decode_kv_indices(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # The same slots torch_native reads per request (req_to_token[r, :seq_len]),
@@ -85,6 +123,10 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
             o = self._decode_with_importance(q, k, v, layer, forward_batch, save_kv_cache, sinks)
         if layer.layer_id == self.last_layer_id:
             self.page_table.finish_step()
+            if self.hot_set is not None and self.kv_indptr is not None:
+                counts = self.hot_set.end_step()
+                if self.hot_set_metrics is not None:
+                    self.hot_set_metrics.add(counts.as_dict())
         return o
 
     def _decode_with_importance(
@@ -103,6 +145,8 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
             self.token_to_kv_pool.set_kv_buffer(
                 layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
             )
+        if self.hot_set is not None:
+            return self._decode_hot_set(q, o, layer, forward_batch, save_kv_cache, sinks)
         result = decode_importance_reference(
             q,
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
@@ -117,3 +161,60 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
         o.view(-1, layer.tp_q_head_num, layer.v_head_dim).copy_(result.output)
         self.page_table.add_layer(result.importance, self.kv_indptr, self.kv_indices)
         return o
+
+    def _decode_hot_set(
+        self,
+        q: torch.Tensor,
+        o: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool,
+        sinks: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        if save_kv_cache:
+            self._summarise(layer, forward_batch.out_cache_loc)
+        result = self.hot_set.attend(
+            layer.layer_id,
+            q,
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            sm_scale=layer.scaling,
+            logit_cap=layer.logit_cap if layer.logit_cap and layer.logit_cap > 0 else 0.0,
+            sinks=sinks,
+        )
+        o.view(-1, layer.tp_q_head_num, layer.v_head_dim).copy_(result.output)
+        # The table files exact masses of the attended pages only: a page outside
+        # the hot set was not read this step.
+        self.page_table.add_layer(result.importance, result.kv_indptr, result.kv_indices)
+        return o
+
+
+def _build_hot_set(model_runner: Any, last_layer_id: int) -> Any:
+    """The hot-set decoder when ``--hot-set-policy`` is on, else None."""
+    config = config_of(model_runner.server_args)
+    params = config.hot_set_params()
+    if params is None:
+        return None
+    from sgl_importance.hot_set import HotSetDecoder, PageSummaries
+
+    pool = model_runner.token_to_kv_pool
+    keys = pool.get_key_buffer(last_layer_id)
+    page_size = model_runner.page_size
+    summaries = PageSummaries(
+        last_layer_id + 1,
+        -(-keys.shape[0] // page_size),
+        keys.shape[1],
+        keys.shape[2],
+        page_size=page_size,
+        dtype=keys.dtype,
+        device=keys.device,
+    )
+    return HotSetDecoder(params, summaries, page_size=page_size, threshold=config.hot_set_threshold)
+
+
+def _build_hot_set_metrics(model_runner: Any) -> Any:
+    if not getattr(model_runner.server_args, "enable_metrics", False):
+        return None
+    from sgl_importance.metrics import HotSetMetrics
+
+    return HotSetMetrics({"tp_rank": getattr(model_runner, "tp_rank", 0)})

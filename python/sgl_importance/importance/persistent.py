@@ -159,6 +159,16 @@ def agree_across_ranks(flat: torch.Tensor, group: Any) -> torch.Tensor:
     return total
 
 
+def ema_fold(old: Any, value: Any, keep: float) -> Any:
+    """The one moving average of persistent importance: ``old * keep + value * (1 - keep)``.
+
+    ``keep = decay ** steps`` for ``steps`` recorded steps folded at once. Shared by
+    the radix nodes (:class:`ImportanceAggregator`) and the per-request hot set
+    (``hot_set/selection.py``); works on floats and on tensors alike.
+    """
+    return old * keep + value * (1.0 - keep)
+
+
 class ImportanceAggregator:
     """Folds per-step page importance into per-node persistent importance.
 
@@ -222,7 +232,6 @@ class ImportanceAggregator:
             return 0
         self.clock += new_steps
         keep = self.decay**new_steps
-        gain = 1.0 - keep
         sink_pages = self.sink_pages
         page_size = table.page_size
         fold_max = 0.0
@@ -238,7 +247,7 @@ class ImportanceAggregator:
             content = page_values if pinned else page_values[sinks:]
             density = math.fsum(content) / len(content)
             old = getattr(node, IMPORTANCE, 0.0)
-            value = old * keep + density * gain
+            value = ema_fold(old, density, keep)
             setattr(node, IMPORTANCE, value)
             setattr(node, PINNED, pinned)
             setattr(node, STEP, self.clock)

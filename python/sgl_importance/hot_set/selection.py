@@ -1,0 +1,230 @@
+"""Which pages of a long request the next decode step attends: the hot set.
+
+Every policy picks, per request and step, sink pages (the first ``sinks``), a
+recent window (the last ``window``, which holds the token being decoded) and, up to
+the budget, further pages; they differ only in how the further pages are chosen, so
+baselines and the importance hot set run the same code:
+
+- ``dense``: every page (the reference the others are measured against);
+- ``window``: sinks and window only (StreamingLLM, Xiao et al. 2023);
+- ``quest``: the pages of largest bound mass in the previous step (Quest, Tang et
+  al. 2024: rank by the key min/max bound, all KV on the device);
+- ``lru``: a resident set kept across steps; residents that the last step did not
+  use (mass below the uniform share ``1 / pages``) are demoted first;
+- ``importance``: the same resident set, demoted by persistent importance: the
+  exact masses the decode returns for resident pages, folded with the EMA radix
+  nodes use (``importance.persistent.ema_fold``), read bias-corrected so a page
+  observed for few steps is comparable with one observed for many.
+
+``lru`` and ``importance`` promote a non-resident page when the summaries' bound
+says it may matter (bound mass at least the uniform share) and it beats the
+weakest resident; at most an eighth of the free budget is swapped per step, which
+keeps a loose bound from churning the set (milestone 2 pays a host→device copy per
+promotion). The first decode step of a request attends densely: right after
+prefill its whole KV is on the device, and that step's exact masses seed the state.
+
+Counting: a *promotion* is a page the plan adds that the previous step did not
+attend (pages that did not exist yet are not); a *hit* is a planned page the
+previous step attended. Plain torch; nothing here imports SGLang.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Union
+
+import torch
+
+from sgl_importance.importance.persistent import ema_fold
+
+POLICIES = ("off", "dense", "window", "quest", "lru", "importance")
+# Share of the free budget a resident set may swap per step (see module docstring).
+SWAP_FRACTION = 1 / 8
+
+
+@dataclass(frozen=True)
+class HotSetParams:
+    """One policy's settings (validated by ``config.ImportanceConfig``).
+
+    Attributes:
+        policy: one of ``POLICIES`` except ``off``.
+        budget: pages per request when an ``int`` (>= 1), else (a ``float`` in
+            (0, 1]) the fraction of the request's pages, rounded up. Sinks and window always count in it;
+            when they alone exceed it they are still attended.
+        window: recent pages, ``>= 1`` (the last page holds the decoded token).
+        sinks: leading pages.
+        guard_threshold: allowed bound of the outside mass, in (0, 1]; 1 = no guard.
+        decay: EMA factor of the ``importance`` policy.
+    """
+
+    policy: str = "importance"
+    budget: Union[int, float] = 0.2
+    window: int = 4
+    sinks: int = 1
+    guard_threshold: float = 0.1
+    decay: float = 0.98
+
+    def budget_pages(self, num_pages: int) -> int:
+        """The hot set's size for a request of ``num_pages`` pages."""
+        if isinstance(self.budget, int):
+            pages = self.budget
+        else:
+            pages = math.ceil(self.budget * num_pages)
+        return max(1, min(num_pages, pages))
+
+
+def fixed_mask(num_pages: int, sinks: int, window: int) -> torch.Tensor:
+    """Pages every policy attends: the first ``sinks`` and the last ``window``."""
+    mask = torch.zeros(num_pages, dtype=torch.bool)
+    mask[: min(sinks, num_pages)] = True
+    mask[max(0, num_pages - window) :] = True
+    return mask
+
+
+@dataclass
+class HotSetCounts:
+    """What the hot set did, summed over requests and steps (the ``/metrics`` series)."""
+
+    steps: int = 0  # request-steps decoded on the hot set
+    warmups: int = 0  # request-steps attended densely as a request's first
+    promotions: int = 0
+    hits: int = 0
+    late_arrivals: int = 0  # pages the guard added that the plan had left out
+    guard_fallbacks: int = 0  # request-steps in which the guard added pages
+    pages_attended: int = 0  # pages read, summed over layers
+    pages_dense: int = 0  # pages dense attention would have read, over layers
+
+    def add(self, other: "HotSetCounts") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class RequestHotSet:
+    """One request's hot-set state across decode steps (logical page indices)."""
+
+    def __init__(self, params: HotSetParams) -> None:
+        if params.policy not in POLICIES[1:]:
+            raise ValueError(f"hot-set policy {params.policy!r}; allowed: {', '.join(POLICIES[1:])}")
+        self.params = params
+        self.resident = torch.zeros(0, dtype=torch.bool)
+        self.ema = torch.zeros(0, dtype=torch.float64)
+        self.observed = torch.zeros(0, dtype=torch.int64)
+        self.last_use = torch.full((0,), -1, dtype=torch.int64)
+        self.bound_mass = torch.zeros(0, dtype=torch.float64)
+        self.step = 0  # observed steps
+
+    @property
+    def num_pages(self) -> int:
+        return self.resident.numel()
+
+    def _grow(self, num_pages: int) -> None:
+        extra = num_pages - self.num_pages
+        if extra <= 0:
+            return
+        self.resident = torch.cat((self.resident, torch.zeros(extra, dtype=torch.bool)))
+        self.ema = torch.cat((self.ema, torch.zeros(extra, dtype=torch.float64)))
+        self.observed = torch.cat((self.observed, torch.zeros(extra, dtype=torch.int64)))
+        self.last_use = torch.cat((self.last_use, torch.full((extra,), -1, dtype=torch.int64)))
+        self.bound_mass = torch.cat((self.bound_mass, torch.zeros(extra, dtype=torch.float64)))
+
+    def importance(self) -> torch.Tensor:
+        """Persistent importance per page: the EMA, bias-corrected (0 if never observed)."""
+        seen = self.observed > 0
+        value = torch.zeros_like(self.ema)
+        value[seen] = self.ema[seen] / (1.0 - self.params.decay ** self.observed[seen].double())
+        return value
+
+    def plan(self, num_pages: int) -> tuple[torch.Tensor, HotSetCounts]:
+        """The logical pages the next step attends, ascending, and what the plan cost.
+
+        Args:
+            num_pages: the request's pages now (its last one holds the token decoded).
+        """
+        previous = self.num_pages
+        self._grow(num_pages)
+        counts = HotSetCounts()
+        p = self.params
+        if self.step == 0 or p.policy == "dense":
+            selected = torch.ones(num_pages, dtype=torch.bool)
+            counts.warmups = int(self.step == 0)
+        else:
+            fixed = fixed_mask(num_pages, p.sinks, p.window)
+            slots = max(0, p.budget_pages(num_pages) - int(fixed.sum()))
+            if p.policy == "window" or slots == 0:
+                selected = fixed
+            elif p.policy == "quest":
+                selected = fixed | self._top(~fixed, self.bound_mass, slots)
+            else:
+                selected = fixed | self._resident_set(fixed, slots, num_pages)
+        existed = torch.arange(num_pages) < previous
+        was = self.resident
+        counts.promotions = int((selected & ~was & existed).sum()) if self.step else 0
+        counts.hits = int((selected & was).sum())
+        self.resident = selected.clone()
+        return torch.nonzero(selected).flatten(), counts
+
+    @staticmethod
+    def _top(eligible: torch.Tensor, key: torch.Tensor, k: int) -> torch.Tensor:
+        idx = torch.nonzero(eligible).flatten()
+        best = idx[torch.argsort(key[idx], descending=True, stable=True)[:k]]
+        mask = torch.zeros_like(eligible)
+        mask[best] = True
+        return mask
+
+    def _resident_set(self, fixed: torch.Tensor, slots: int, num_pages: int) -> torch.Tensor:
+        importance = self.params.policy == "importance"
+        key = self.importance() if importance else self.last_use.double()
+        residents = torch.nonzero(self.resident & ~fixed).flatten()
+        # Demotion: residents beyond the budget, lowest key first.
+        residents = residents[torch.argsort(key[residents], descending=True, stable=True)]
+        kept = residents[:slots]
+        share = 1.0 / num_pages
+        candidates = torch.nonzero(~self.resident & ~fixed & (self.bound_mass >= share)).flatten()
+        candidates = candidates[torch.argsort(self.bound_mass[candidates], descending=True, stable=True)]
+        free = slots - kept.numel()
+        promoted = [candidates[:free]]
+        candidates = candidates[free:]
+        # Swaps: the strongest candidates against the weakest residents.
+        weakest = kept.flip(0).tolist()
+        kept_mask = torch.zeros(num_pages, dtype=torch.bool)
+        kept_mask[kept] = True
+        swaps = min(len(weakest), candidates.numel(), max(1, int(slots * SWAP_FRACTION)))
+        for i in range(swaps):
+            cand, res = int(candidates[i]), weakest[i]
+            if importance:
+                beats = float(self.bound_mass[cand]) > float(key[res])
+            else:
+                beats = int(self.last_use[res]) < self.step
+            if not beats:
+                break
+            kept_mask[res] = False
+            promoted.append(candidates[i : i + 1])
+        for extra in promoted:
+            kept_mask[extra] = True
+        return kept_mask
+
+    def observe(self, attended: torch.Tensor, masses: torch.Tensor, bound_mass: torch.Tensor) -> None:
+        """Fold one finished step into the state.
+
+        Args:
+            attended: bool ``[pages]``, pages attended in at least one layer (plan and
+                guard additions: in milestone 2 both are on the device afterwards).
+            masses: ``[pages]`` exact mass of each attended page, averaged over the
+                layers that attended it (importance reduced over heads).
+            bound_mass: ``[pages]`` upper bound of each page's mass (largest over layers
+                and heads), for ranking what was not attended.
+        """
+        self._grow(attended.numel())
+        masses = masses.double()
+        keep = self.params.decay
+        self.ema[attended] = ema_fold(self.ema[attended], masses[attended], keep)
+        self.observed[attended] += 1
+        self.step += 1
+        used = attended & (masses >= 1.0 / attended.numel())
+        self.last_use[used] = self.step
+        self.bound_mass = bound_mass.double().clone()
+        self.resident |= attended

@@ -1,0 +1,275 @@
+"""The hot set as a specification: summaries bound logits, policies pick pages, the
+guard never lets attention outside the hot set pass unseen, and a decode step over
+a budget that covers everything equals dense attention."""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+from sgl_kernel_ext import decode_importance_reference
+from sgl_importance.hot_set import (
+    HotSetDecoder,
+    HotSetParams,
+    PageSummaries,
+    RequestHotSet,
+    fixed_mask,
+    outside_mass_bound,
+    pages_to_add,
+)
+
+PAGE = 4
+KV_HEADS, GROUP, DIM = 2, 3, 8
+
+
+def summaries_with(keys: torch.Tensor, slots: torch.Tensor, num_pages: int = 64) -> PageSummaries:
+    s = PageSummaries(1, num_pages, KV_HEADS, DIM, page_size=PAGE)
+    s.update(0, slots, keys)
+    return s
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("logit_cap", [0.0, 3.0])
+def test_bound_is_at_least_every_logit_of_the_page(seed, logit_cap):
+    g = torch.Generator().manual_seed(seed)
+    n = 10 * PAGE
+    slots = torch.arange(PAGE, PAGE + n)
+    keys = torch.randn(n, KV_HEADS, DIM, generator=g) * 3
+    summaries = summaries_with(keys, slots)
+    q = torch.randn(KV_HEADS * GROUP, DIM, generator=g)
+    pages = torch.arange(1, 11)
+    bound = summaries.bound(0, q, pages, sm_scale=0.5, logit_cap=logit_cap)
+    logits = torch.einsum("hgd,nhd->nhg", q.view(KV_HEADS, GROUP, DIM), keys) * 0.5
+    if logit_cap:
+        logits = logit_cap * torch.tanh(logits / logit_cap)
+    true_max = logits.reshape(10, PAGE, KV_HEADS * GROUP).amax(dim=1)
+    assert (bound >= true_max - 1e-5).all()
+    # And it is attained by some corner of the box, so it is not vacuous: the bound
+    # of a page holding one key equals that key's logit.
+    single = summaries_with(keys[:1], torch.tensor([PAGE]))
+    one = single.bound(0, q, torch.tensor([1]), sm_scale=0.5, logit_cap=logit_cap)
+    assert torch.allclose(one[0], logits[0].reshape(-1), atol=1e-5)
+
+
+def test_a_page_written_again_from_its_first_slot_forgets_its_old_keys():
+    big = torch.full((PAGE, KV_HEADS, DIM), 100.0)
+    summaries = summaries_with(big, torch.arange(PAGE, 2 * PAGE))
+    small = torch.ones(2, KV_HEADS, DIM)
+    summaries.update(0, torch.tensor([PAGE, PAGE + 1]), small)
+    assert summaries.key_max[0, 1].max() == 1.0
+    # A write after the first slot merges: the bound covers both keys.
+    summaries.update(0, torch.tensor([PAGE + 2]), -small[:1])
+    assert summaries.key_min[0, 1].min() == -1.0 and summaries.key_max[0, 1].max() == 1.0
+
+
+def test_outside_mass_bound_is_at_least_the_true_outside_mass():
+    g = torch.Generator().manual_seed(7)
+    for _ in range(20):
+        n = 12 * PAGE
+        keys = torch.randn(n, KV_HEADS, DIM, generator=g) * 2
+        slots = torch.arange(PAGE, PAGE + n)
+        summaries = summaries_with(keys, slots)
+        q = torch.randn(1, KV_HEADS * GROUP, DIM, generator=g)
+        v = torch.randn(n + PAGE, KV_HEADS, DIM, generator=g)
+        k_buf = torch.cat((torch.zeros(PAGE, KV_HEADS, DIM), keys))
+        dense = decode_importance_reference(
+            q, k_buf, v, torch.tensor([0, n], dtype=torch.int32), slots, page_size=PAGE
+        )
+        sel = torch.tensor([0, 5, 11])
+        sel_slots = (sel[:, None] * PAGE + torch.arange(PAGE)).flatten() + PAGE
+        part = decode_importance_reference(
+            q, k_buf, v, torch.tensor([0, sel_slots.numel()], dtype=torch.int32), sel_slots, page_size=PAGE
+        )
+        outside = torch.tensor([p for p in range(12) if p not in sel.tolist()])
+        bound = summaries.bound(0, q[0], outside + 1, sm_scale=DIM**-0.5)
+        ub = outside_mass_bound(bound, torch.full((outside.numel(),), PAGE), part.lse[0])
+        true_outside = 1 - torch.exp(part.lse[0] - dense.lse[0]).double()
+        assert (ub >= true_outside - 1e-6).all()
+
+
+def test_guard_adds_nothing_when_the_bound_already_holds():
+    bounds = torch.full((5, 2), -20.0)
+    added = pages_to_add(bounds, torch.full((5,), PAGE), torch.zeros(2), threshold=0.1)
+    assert added.numel() == 0
+
+
+def test_guard_adds_the_page_that_may_hold_the_mass_and_stops_there():
+    bounds = torch.full((5, 2), -20.0)
+    bounds[3, 1] = 5.0  # one page may dominate head 1
+    added = pages_to_add(bounds, torch.full((5,), PAGE), torch.zeros(2), threshold=0.1)
+    assert added.tolist() == [3]
+    rest = torch.tensor([0, 1, 2, 4])
+    assert (outside_mass_bound(bounds[rest], torch.full((4,), PAGE), torch.zeros(2)) <= 0.1).all()
+
+
+def test_guard_threshold_one_never_adds():
+    bounds = torch.full((5, 2), 50.0)
+    assert pages_to_add(bounds, torch.full((5,), PAGE), torch.zeros(2), threshold=1.0).numel() == 0
+
+
+def test_budget_is_pages_when_at_least_one_else_a_fraction_rounded_up():
+    assert HotSetParams(budget=7).budget_pages(100) == 7
+    assert HotSetParams(budget=0.2).budget_pages(101) == 21
+    assert HotSetParams(budget=500).budget_pages(100) == 100
+
+
+def test_fixed_pages_are_the_sinks_and_the_recent_window():
+    assert torch.nonzero(fixed_mask(10, 2, 3)).flatten().tolist() == [0, 1, 7, 8, 9]
+
+
+def observe(state, num_pages, masses=None, bound=None):
+    masses = torch.zeros(num_pages) if masses is None else masses
+    bound = torch.zeros(num_pages) if bound is None else bound
+    state.observe(state.resident[:num_pages].clone(), masses, bound)
+
+
+def warm(policy, num_pages=20, masses=None, bound=None, **kw):
+    state = RequestHotSet(HotSetParams(policy=policy, window=2, sinks=1, **kw))
+    planned, counts = state.plan(num_pages)
+    assert planned.numel() == num_pages and counts.warmups == 1  # first step is dense
+    observe(state, num_pages, masses, bound)
+    return state
+
+
+def test_window_policy_keeps_only_sinks_and_window():
+    state = warm("window", budget=8)
+    planned, _ = state.plan(20)
+    assert planned.tolist() == [0, 18, 19]
+
+
+def test_dense_policy_attends_every_page_whatever_the_budget():
+    state = warm("dense", budget=2)
+    assert state.plan(20)[0].numel() == 20
+
+
+def test_quest_policy_takes_the_largest_bounds():
+    bound = torch.zeros(20)
+    bound[[4, 9, 13]] = torch.tensor([0.3, 0.9, 0.5])
+    state = warm("quest", budget=5, bound=bound)
+    assert state.plan(20)[0].tolist() == [0, 9, 13, 18, 19]
+
+
+def test_importance_policy_keeps_the_pages_with_most_mass_and_counts_hits():
+    masses = torch.full((20,), 0.01)
+    masses[[3, 7]] = torch.tensor([0.4, 0.3])
+    state = warm("importance", budget=5, masses=masses)
+    planned, counts = state.plan(20)
+    assert planned.tolist() == [0, 3, 7, 18, 19]
+    assert counts.promotions == 0 and counts.hits == 5  # all were on the device
+    observe(state, 20, masses)
+    planned, counts = state.plan(20)
+    assert planned.tolist() == [0, 3, 7, 18, 19] and counts.hits == 5
+
+
+def test_importance_policy_promotes_a_page_whose_bound_beats_the_weakest_resident():
+    masses = torch.full((20,), 0.01)
+    masses[[3, 7]] = torch.tensor([0.4, 0.05])
+    state = warm("importance", budget=5, masses=masses)
+    state.plan(20)
+    bound = torch.zeros(20)
+    bound[12] = 0.5  # may matter (> 1/20) and more than page 7's importance
+    observe(state, 20, masses, bound)
+    planned, counts = state.plan(20)
+    assert planned.tolist() == [0, 3, 12, 18, 19]
+    assert counts.promotions == 1 and counts.hits == 4
+
+
+def test_lru_policy_demotes_a_resident_the_last_step_did_not_use():
+    masses = torch.full((20,), 0.01)
+    masses[[3, 7]] = torch.tensor([0.4, 0.3])
+    state = warm("lru", budget=5, masses=masses)
+    state.plan(20)
+    later = masses.clone()
+    later[7] = 0.0  # page 7 goes unused
+    bound = torch.zeros(20)
+    bound[12] = 0.2
+    observe(state, 20, later, bound)
+    planned, counts = state.plan(20)
+    assert planned.tolist() == [0, 3, 12, 18, 19] and counts.promotions == 1
+
+
+def test_a_new_page_joins_through_the_window_and_is_no_promotion():
+    state = warm("importance", budget=5)
+    state.plan(20)
+    observe(state, 20)
+    planned, counts = state.plan(21)
+    assert 20 in planned.tolist() and counts.promotions == 0
+
+
+def make_step(n_tokens, policy, budget, guard=0.1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(200, generator=g)[: n_tokens // PAGE + 1] + 1
+    slots = (slots[:, None] * PAGE + torch.arange(PAGE)).flatten()[:n_tokens]
+    pool = 201 * PAGE
+    k_buf = torch.randn(pool, KV_HEADS, DIM, generator=g)
+    v_buf = torch.randn(pool, KV_HEADS, DIM, generator=g)
+    summaries = PageSummaries(1, 202, KV_HEADS, DIM, page_size=PAGE)
+    summaries.update(0, slots, k_buf[slots])
+    params = HotSetParams(policy=policy, budget=budget, window=1, sinks=1, guard_threshold=guard)
+    decoder = HotSetDecoder(params, summaries, page_size=PAGE, threshold=8)
+    return decoder, slots, k_buf, v_buf, g
+
+
+@pytest.mark.parametrize("policy", ["dense", "importance", "quest", "lru", "window"])
+def test_a_budget_covering_every_page_decodes_exactly_like_dense(policy):
+    decoder, slots, k_buf, v_buf, g = make_step(37, policy, budget=1.0)
+    indptr = torch.tensor([0, 37], dtype=torch.int32)
+    for step in range(3):
+        q = torch.randn(1, KV_HEADS * GROUP, DIM, generator=g)
+        decoder.begin_step(["r"], [slots])
+        out = decoder.attend(0, q, k_buf, v_buf, sm_scale=DIM**-0.5)
+        counts = decoder.end_step()
+        dense = decode_importance_reference(q, k_buf, v_buf, indptr, slots, page_size=PAGE, sm_scale=DIM**-0.5)
+        if policy != "window":
+            assert torch.equal(out.output, dense.output)
+            assert torch.equal(out.importance, dense.importance)
+        assert counts.steps == 1
+    if policy == "window":
+        # Sinks + window only: the guard must have stepped in (random keys spread mass).
+        assert decoder.totals.guard_fallbacks > 0
+
+
+def test_a_small_budget_with_a_strict_guard_still_covers_the_mass():
+    decoder, slots, k_buf, v_buf, g = make_step(80, "importance", budget=3, guard=0.05)
+    indptr = torch.tensor([0, 80], dtype=torch.int32)
+    for _ in range(4):
+        q = torch.randn(1, KV_HEADS * GROUP, DIM, generator=g) * 3
+        decoder.begin_step(["r"], [slots])
+        out = decoder.attend(0, q, k_buf, v_buf, sm_scale=DIM**-0.5)
+        decoder.end_step()
+        dense = decode_importance_reference(q, k_buf, v_buf, indptr, slots, page_size=PAGE, sm_scale=DIM**-0.5)
+        # The attended pages hold at least 95 % of the dense mass in every head.
+        attended = out.kv_indices
+        k = k_buf[attended]
+        qg = q[0].view(KV_HEADS, GROUP, DIM)
+        part_lse = torch.logsumexp(torch.einsum("hgd,nhd->hgn", qg, k) * DIM**-0.5, -1).flatten()
+        assert (torch.exp(part_lse - dense.lse[0]) >= 0.95 - 1e-5).all()
+    assert decoder.totals.pages_attended <= decoder.totals.pages_dense
+
+
+def test_the_guard_off_attends_only_the_plan():
+    decoder, slots, k_buf, v_buf, g = make_step(80, "window", budget=3, guard=1.0)
+    for _ in range(3):
+        q = torch.randn(1, KV_HEADS * GROUP, DIM, generator=g)
+        decoder.begin_step(["r"], [slots])
+        out = decoder.attend(0, q, k_buf, v_buf, sm_scale=DIM**-0.5)
+        decoder.end_step()
+    assert out.kv_indices.numel() == PAGE + PAGE  # sink page + the last (full) page
+    assert decoder.totals.guard_fallbacks == 0 and decoder.totals.warmups == 1
+
+
+def test_short_requests_attend_densely_and_keep_no_state():
+    decoder, slots, k_buf, v_buf, g = make_step(8, "importance", budget=1)
+    decoder.begin_step(["short"], [slots])
+    decoder.attend(0, torch.randn(1, KV_HEADS * GROUP, DIM, generator=g), k_buf, v_buf, sm_scale=1.0)
+    assert decoder.end_step().steps == 0 and not decoder.states
+
+
+def test_a_finished_request_state_is_dropped():
+    decoder, slots, k_buf, v_buf, g = make_step(40, "importance", budget=3)
+    q = torch.randn(1, KV_HEADS * GROUP, DIM, generator=g)
+    decoder.begin_step(["a"], [slots])
+    decoder.attend(0, q, k_buf, v_buf, sm_scale=1.0)
+    decoder.end_step()
+    decoder.begin_step(["b"], [slots])
+    assert set(decoder.states) == {"b"}
