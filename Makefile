@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed
 DEPS  := python/requirements-cpu.txt python/requirements-test.txt \
          python/pyproject.toml sgl-kernel-ext/pyproject.toml
 
-.PHONY: install model serve test bench-kernel bench-hit-rate bench-hit-rate-synth bench-serving bench-storage clean
+.PHONY: install model serve test test-fast bench-kernel bench-hit-rate bench-hit-rate-synth bench-serving bench-storage clean
 
 install: $(STAMP)
 
@@ -42,6 +42,10 @@ serve: install
 test: install
 	$(BIN)/python scripts/prepare_model.py --print-path >/dev/null
 	$(BIN)/python -m pytest test $(PYTEST_ARGS)
+
+# The inner loop: unit and kernel tests, no server.
+test-fast: install
+	$(BIN)/python -m pytest test -m "not e2e" $(PYTEST_ARGS)
 
 bench-kernel: install
 	$(BIN)/python benchmark/kernel/bench_decode.py $(BENCH_ARGS)
