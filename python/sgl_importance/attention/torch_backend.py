@@ -155,7 +155,7 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
             self.kv_indices,
             page_size=self.page_size,
             sm_scale=layer.scaling,
-            logit_cap=layer.logit_cap if layer.logit_cap and layer.logit_cap > 0 else 0.0,
+            logit_cap=_logit_cap(layer),
             sinks=sinks,
         )
         o.view(-1, layer.tp_q_head_num, layer.v_head_dim).copy_(result.output)
@@ -179,7 +179,7 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),
             sm_scale=layer.scaling,
-            logit_cap=layer.logit_cap if layer.logit_cap and layer.logit_cap > 0 else 0.0,
+            logit_cap=_logit_cap(layer),
             sinks=sinks,
         )
         o.view(-1, layer.tp_q_head_num, layer.v_head_dim).copy_(result.output)
@@ -187,6 +187,11 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
         # the hot set was not read this step.
         self.page_table.add_layer(result.importance, result.kv_indptr, result.kv_indices)
         return o
+
+
+def _logit_cap(layer: Any) -> float:
+    # SGLang leaves the cap None or 0 on layers without one; the kernels take 0.0 as off.
+    return layer.logit_cap if layer.logit_cap and layer.logit_cap > 0 else 0.0
 
 
 def _build_hot_set(model_runner: Any, last_layer_id: int) -> Any:
