@@ -27,6 +27,8 @@ imports nothing heavy in processes that never reach them.
 | storage fetch retries, most important first      | cache/stored.py               |
 | storage pages sealed + verified; writes pause    | cache/integrity.py            |
 | `file` tier: directory check, leftovers, drops   | cache/file_tier.py            |
+| `mooncake` tier: master check, whole sealed pages| cache/mooncake_tier.py        |
+| importance shared next to pages in Mooncake Store| cache/shared_importance.py    |
 | `--importance-trace-dir`: per-step page trace    | trace/recorder.py, writer.py  |
 """
 
@@ -156,6 +158,14 @@ def _check_storage_dir(cls: Any, args: Any) -> None:
     from sgl_importance.cache.file_tier import check_cli_args
 
     # In the launcher: a storage path that is a regular file stops start-up in one line.
+    check_cli_args(args)
+
+
+def _check_mooncake_master(cls: Any, args: Any) -> None:
+    from sgl_importance.cache.mooncake_tier import check_cli_args
+
+    # In the launcher: an unreachable MOONCAKE_MASTER stops start-up in one line,
+    # not in a scheduler traceback after the model loaded.
     check_cli_args(args)
 
 
@@ -346,6 +356,7 @@ def load() -> None:
         )
     register("sglang.srt.server_args.ServerArgs.from_cli_args", _export_trace_dir, HookType.BEFORE)
     register("sglang.srt.server_args.ServerArgs.from_cli_args", _check_storage_dir, HookType.BEFORE)
+    register("sglang.srt.server_args.ServerArgs.from_cli_args", _check_mooncake_master, HookType.BEFORE)
     if os.environ.get("SGL_IMPORTANCE_TRACE_DIR") and "sglang.srt.managers.scheduler" in sys.modules:
         table = "sgl_importance.importance.page_table.PageImportanceTable"
         register("sglang.srt.managers.scheduler.Scheduler.__init__", _start_trace_recorder, HookType.AFTER)

@@ -20,6 +20,10 @@ Guarantees:
   cancelled, an acknowledged storage copy is never removed, and the host copy is
   untouched (SGLang's host locks still guard the in-flight write).
 
+With a shared storage tier (``shared_importance.py``) hits and importance other
+instances published for the node's pages count as well: ``hits`` is this
+instance's plus the others', importance the larger of its own and the shared one.
+
 With both thresholds at 0 (the default) every node is written, as in SGLang.
 Duck-typed over SGLang's cache and nodes; nothing here imports SGLang.
 """
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
+from sgl_importance.cache import shared_importance
 from sgl_importance.importance.persistent import PINNED, ImportanceAggregator
 from sgl_importance.metrics import importance_metrics
 
@@ -57,9 +62,26 @@ class StorageAdmission:
     def qualifies(self, node: Any, aggregator: ImportanceAggregator) -> bool:
         if not self.active or getattr(node, PINNED, False):
             return True
-        if self.min_hits > 0 and node.hit_count >= self.min_hits:
+        shared = shared_importance.current()
+        hashes = getattr(node, "hash_value", None) or ()
+        if self.min_hits > 0:
+            # Hits any instance sharing the storage tier saw count (theirs from the store).
+            hits = node.hit_count + (shared.other_hits(hashes) if shared is not None else 0)
+            if hits >= self.min_hits:
+                return True
+        if self.min_importance <= 0.0:
+            return False
+        if aggregator.normalised(node) >= self.min_importance:
             return True
-        return self.min_importance > 0.0 and aggregator.normalised(node) >= self.min_importance
+        return shared is not None and _shared_normalised(shared, hashes, aggregator) >= self.min_importance
+
+
+def _shared_normalised(shared: Any, hashes: Any, aggregator: ImportanceAggregator) -> float:
+    """The pages' shared importance (their mean) on this instance's normalisation."""
+    if not hashes or aggregator.scale <= 0.0:
+        return 0.0
+    values = [shared.importance(h) or 0.0 for h in hashes]
+    return min(1.0, sum(values) / len(values) / aggregator.scale)
 
 
 def _policy(cache: Any) -> tuple[Optional[StorageAdmission], Optional[ImportanceAggregator]]:
@@ -89,6 +111,10 @@ def gate_storage_write(original: Callable[[Any, Any], None], cache: Any, node_id
         return original(cache, node_id)
     _count(cache, "deferred", node)
     setattr(node, STATE, DEFERRED)
+    shared = shared_importance.current()
+    if shared is not None:
+        # Read off this thread; the next fold that attends the node re-examines it.
+        shared.want(getattr(node, "hash_value", None) or ())
     return None
 
 

@@ -513,6 +513,15 @@ def wrap_backend(
         describe = f"directory {concrete.file_path}"
         if storage_config.tp_rank == 0:
             file_tier.remove_leftovers(concrete.file_path)
+    elif backend_name == "mooncake" and hasattr(concrete, "store"):
+        from sgl_importance.cache import mooncake_tier
+
+        # Sealed pages need whole-object get/set; SGLang's zero-copy paths split
+        # each page in two. Pages and their importance share the model prefix.
+        backend = mooncake_tier.MooncakePages(concrete, storage_config.tp_rank)
+        backend.shared = mooncake_tier.start_shared_importance(backend, storage_config.tp_rank)
+        ops = mooncake_tier.mooncake_tier_ops(backend)
+        describe = f"mooncake master {getattr(concrete.config, 'master_server_address', '?')}"
     metrics = None
     if enable_metrics:
         from sgl_importance.metrics import storage_integrity_metrics

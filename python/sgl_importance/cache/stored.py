@@ -14,6 +14,10 @@ deferred ones in waiting-queue order (``StoragePrefetchRetries.pop_ready``); und
 ``importance`` the requests whose next pages were the most important when dropped
 are re-issued first (:func:`rank_storage_retries`).
 
+With a shared storage tier (Mooncake Store) each dropped page's importance is
+also published next to the page (``shared_importance.py``), and what other
+instances published counts here too: the larger of the two per page.
+
 Bounded: the most recently dropped ``capacity`` pages are remembered (LRU), one
 float per page hash; pages never attended are not stored. Duck-typed over
 SGLang's nodes (``hash_value``: one hash per page); SGLang's page-hash function is
@@ -25,6 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence
 
+from sgl_importance.cache import shared_importance
 from sgl_importance.importance.persistent import IMPORTANCE
 
 # Pages of a request's storage span looked up to rank its retry.
@@ -45,6 +50,10 @@ class StoredImportance:
         """Record ``node``'s importance under each of its page hashes; returns pages recorded."""
         value = getattr(node, IMPORTANCE, 0.0)
         hashes = getattr(node, "hash_value", None)
+        shared = shared_importance.current()
+        if shared is not None and hashes:
+            # Leaving this instance: the store keeps what it learnt for the others.
+            shared.publish(hashes, value, node.hit_count)
         if value <= 0.0 or not hashes:
             return 0
         for h in hashes:
@@ -60,7 +69,7 @@ class StoredImportance:
         hashes = getattr(node, "hash_value", None)
         if not hashes or hasattr(node, IMPORTANCE):
             return None
-        values = [self._by_hash.get(h) for h in hashes]
+        values = [self._value(h) for h in hashes]
         known = [v for v in values if v is not None]
         if not known:
             return None
@@ -68,9 +77,20 @@ class StoredImportance:
         setattr(node, IMPORTANCE, value)
         return value
 
+    def _value(self, page_hash: str) -> Optional[float]:
+        # This process's memory and the shared store's record (when the storage tier
+        # is shared): the larger, as the shared merge rule combines them.
+        local = self._by_hash.get(page_hash)
+        shared = shared_importance.current()
+        remote = shared.importance(page_hash) if shared is not None else None
+        if remote is None:
+            return local
+        return remote if local is None else max(local, remote)
+
     def page_value(self, page_hash: str) -> float:
         """The remembered importance of one page (0.0 when unknown)."""
-        return self._by_hash.get(page_hash, 0.0)
+        value = self._value(page_hash)
+        return 0.0 if value is None else value
 
     def __len__(self) -> int:
         return len(self._by_hash)
@@ -137,7 +157,7 @@ def rank_storage_retries(
 
     cache = getattr(current_scheduler(), "tree_cache", None)
     stored = getattr(getattr(getattr(cache, "tree_core", None), "eviction_strategy", None), "stored", None)
-    if not isinstance(stored, StoredImportance) or not len(stored):
+    if not isinstance(stored, StoredImportance) or not (len(stored) or shared_importance.current()):
         return ready
     scores = [request_storage_importance(stored, cache, req) for req, _ in ready]
     order = sorted(range(len(ready)), key=lambda i: -scores[i])

@@ -34,10 +34,11 @@ from typing import Any, Iterable, Optional
 import torch
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
+from sgl_importance.cache import shared_importance
 from sgl_importance.cache.admission import admit_deferred
 from sgl_importance.cache.prefetch import mark_used
 from sgl_importance.importance.page_table import current_page_table
-from sgl_importance.importance.persistent import ImportanceAggregator, Observation
+from sgl_importance.importance.persistent import IMPORTANCE, ImportanceAggregator, Observation
 from sgl_importance.metrics import importance_metrics
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,13 @@ def fold_after_batch(scheduler: Any, batch: Any) -> int:
     if steps:
         # Deferred nodes that earned importance now go to the storage tier.
         admit_deferred(tree_cache, (o.node for o in observations))
+        shared = shared_importance.current()
+        if shared is not None:
+            # Queued only; the shared store is written off this thread.
+            for o in observations:
+                hashes = getattr(o.node, "hash_value", None)
+                if hashes:
+                    shared.publish(hashes, getattr(o.node, IMPORTANCE, 0.0), o.node.hit_count)
         metrics = importance_metrics(tree_cache)
         if metrics is not None:
             normalised = [aggregator.normalised(o.node) for o in observations]

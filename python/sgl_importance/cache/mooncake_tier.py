@@ -1,0 +1,210 @@
+"""SGLang's ``mooncake`` storage tier under the integrity wrapper, and its launcher check.
+
+SGLang's ``MooncakeStore`` is zero-copy: its ``get``/``set`` take host-pool
+pointers and store each page as two objects (``<key>_<rank>_k``, ``_v``). The
+integrity wrapper (``integrity.py``) needs to store a *sealed* page — the bytes
+plus a trailer — under one key, and to read it back whole to verify it.
+:class:`MooncakePages` gives the wrapper exactly that over the store client
+SGLang already set up (``backend.store``, a ``MooncakeDistributedStore``): one
+object per page, ``<model prefix>_<page hash>_<rank>_p``, written with
+``put`` and read with ``get`` (one copy each way, which the checksum needs anyway).
+The model prefix is SGLang's (``config_prefix``: ``extra_backend_tag`` and the
+model path), so instances share pages exactly when SGLang would let them.
+
+Failures are the wrapper's business: a read that raises or comes back short is a
+miss, a write that fails counts toward its write breaker. With the master gone,
+Mooncake's client answers each call with an error after a few seconds; nothing
+here blocks the scheduler (SGLang calls storage from its I/O threads).
+
+:func:`check_cli_args` refuses to start a server whose master is unreachable or
+whose Mooncake cannot be imported, in one line, before any model loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Any, List, Optional
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from sgl_importance.cache.integrity import TierOps
+
+PAGE_SUFFIX = "p"
+CONNECT_TIMEOUT_S = 3.0
+
+
+class MooncakePages(HiCacheStorage):
+    """Whole pages (sealed by the wrapper) in Mooncake Store, one object each.
+
+    Args:
+        backend: SGLang's ``MooncakeStore`` (set up; its ``store`` is the client).
+        rank: the tensor-parallel rank (pages of different ranks hold different heads).
+    """
+
+    def __init__(self, backend: Any, rank: int = 0, shared: Any = None) -> None:
+        self.backend = backend
+        # SharedImportance: its records are read with the hit query, before the pages.
+        self.shared = shared
+        self.store = backend.store
+        prefix = getattr(backend, "config_prefix", None)
+        self.prefix = f"{prefix}_" if prefix else ""
+        self.rank = rank
+
+    def key_of(self, key: str) -> str:
+        """The store key of a page hash (without the per-rank suffix)."""
+        return f"{self.prefix}{key}"
+
+    def _object(self, key: str) -> str:
+        return f"{self.prefix}{key}_{self.rank}_{PAGE_SUFFIX}"
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        self.mem_pool_host = mem_pool_host
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Optional[torch.Tensor]:
+        data = self.store.get(self._object(key))
+        if not data:
+            return None  # absent (evicted by the store, or never written)
+        out = target_location.view(torch.uint8).reshape(-1).numpy()
+        n = min(len(data), out.nbytes)
+        out[:n] = np.frombuffer(data, dtype=np.uint8, count=n)
+        if n < out.nbytes:
+            out[n:] = 0  # short object: the wrapper's trailer check refuses it
+        return target_location
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        name = self._object(key)
+        rc = self.store.put(name, value.contiguous().view(torch.uint8).reshape(-1).numpy())
+        # Another instance may have written the same page first: that is a success.
+        return rc == 0 or self.store.is_exist(name) == 1
+
+    def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None) -> list:
+        return [self.get(k, t) for k, t in zip(keys, target_locations)]
+
+    def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+        return all(self.set(k, v) for k, v in zip(keys, values))
+
+    def exists(self, key: str) -> bool:
+        return self.store.is_exist(self._object(key)) == 1
+
+    def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
+        """Pages present from the start of ``keys`` (storage is read as a prefix)."""
+        if not keys:
+            return 0
+        flags = self.store.batch_is_exist([self._object(k) for k in keys])
+        found = len(keys)
+        for i, flag in enumerate(flags):
+            if flag != 1:
+                found = i
+                break
+        if found and self.shared is not None:
+            # Same I/O thread, one more batched call: the nodes SGLang is about to
+            # build from these pages find their importance already here.
+            self.shared.fetch(keys[:found])
+        return found
+
+    def drop(self, key: str) -> None:
+        """Remove a damaged page so the next write stores a good copy."""
+        rc = self.store.remove(self._object(key))
+        if rc not in (0, None):
+            raise OSError(f"mooncake remove returned {rc}")
+
+    def clear(self) -> None:
+        # SGLang's own behaviour (its admin endpoint only): the store is shared, so
+        # this drops every instance's pages, not just this server's.
+        self.backend.clear()
+
+    def get_stats(self) -> Any:
+        return None
+
+    def close(self) -> None:
+        if self.shared is not None:
+            self.shared.stop()
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else SGLang reads off its backend (config, flags) is the backend's.
+        if name == "backend":
+            raise AttributeError(name)
+        return getattr(self.backend, name)
+
+
+def mooncake_tier_ops(pages: MooncakePages) -> TierOps:
+    return TierOps(where=lambda key: f"mooncake:{pages._object(key)}", drop=pages.drop)
+
+
+def master_address(extra_config: Optional[dict]) -> Optional[str]:
+    """The master a server will use, by SGLang's precedence (extra config, then env)."""
+    extra = extra_config or {}
+    if extra.get("master_server_address"):
+        return str(extra["master_server_address"])
+    return os.environ.get("MOONCAKE_MASTER") or None
+
+
+def check_master(address: Optional[str]) -> None:
+    """Refuse a master that is unset or does not accept a TCP connection.
+
+    Raises:
+        ValueError: one line naming the address and the reason.
+    """
+    if os.environ.get("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH") or os.environ.get("MOONCAKE_CLIENT"):
+        return  # configured another way (config file, standalone client): SGLang checks it
+    if not address:
+        raise ValueError(
+            "--hicache-storage-backend mooncake: MOONCAKE_MASTER is not set (host:port of a "
+            "mooncake_master); `make store` starts a local one and prints the variables"
+        )
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"--hicache-storage-backend mooncake: master {address} (MOONCAKE_MASTER) is unreachable "
+            f"({getattr(e, 'strerror', None) or e}); start one (`make store`) or fix the address"
+        ) from None
+
+
+def check_cli_args(args: Any) -> None:
+    """Launcher check for ``--hicache-storage-backend mooncake`` (``ServerArgs.from_cli_args``)."""
+    if getattr(args, "hicache_storage_backend", None) != "mooncake":
+        return
+    try:
+        from mooncake.store import MooncakeDistributedStore  # noqa: F401
+    except ImportError as e:
+        hint = "; install the Debian package libibverbs1" if "ibverbs" in str(e) else ""
+        raise ValueError(
+            f"--hicache-storage-backend mooncake: the Mooncake client cannot be imported ({e}{hint}); "
+            "`make install` installs mooncake-transfer-engine-non-cuda"
+        ) from None
+    extra = getattr(args, "hicache_storage_backend_extra_config", None)
+    try:
+        extra_config = json.loads(extra) if extra else None
+    except (TypeError, ValueError):
+        extra_config = None  # SGLang reports a bad JSON itself
+    check_master(master_address(extra_config if isinstance(extra_config, dict) else None))
+
+
+def start_shared_importance(pages: MooncakePages, rank: int) -> Any:
+    """The scheduler's shared importance over this store, under ``--radix-eviction-policy
+    importance`` (None otherwise: no other policy reads importance)."""
+    from sglang.srt.runtime_context import get_server_args
+
+    from sgl_importance.cache import shared_importance
+
+    try:
+        policy = get_server_args().radix_eviction_policy
+    except Exception:  # built outside a launched server (tests, tools)
+        policy = None
+    if policy != "importance":
+        return None
+    writer = f"{socket.gethostname()}-{os.getpid()}-r{rank}"
+    shared = shared_importance.SharedImportance(writer, key_of=lambda h: f"{pages.key_of(h)}_{rank}", store=pages.store)
+    shared.start()
+    shared_importance.set_current(shared)
+    return shared
