@@ -20,6 +20,7 @@ mode.
 | `sgl_importance:hot_set_*_total`                | per-request hot set (``HotSetMetrics``): steps, promotions, hits, late arrivals, guard fallbacks, pages attended vs dense |
 | `sgl_importance:storage_corrupt_pages_total{reason}` | storage-tier pages refused on read (checksum, short, format, layout, unreadable) |
 | `sgl_importance:storage_write_pauses_total` | times storage-tier writes were paused after repeated failures |
+| `sgl_importance:shared_importance_pages_total{event}` | shared storage tier (Mooncake): page importance records published / fetched, pages of rebuilt nodes restored from them |
 
 The two storage series are counted by the storage tier's I/O threads, which run in
 the scheduler process beside the tree cache; they carry the storage config's ranks.
@@ -166,6 +167,38 @@ class StorageIntegrityMetrics:
 
 
 _storage_instance: Optional[StorageIntegrityMetrics] = None
+
+
+class SharedImportanceMetrics:
+    """Series of the importance shared through the storage tier (``cache/shared_importance.py``)."""
+
+    def __init__(self, labels: Mapping[str, Any], registry: Any = None) -> None:
+        from prometheus_client import REGISTRY, Counter
+
+        registry = REGISTRY if registry is None else registry
+        self.labels = {k: str(v) for k, v in labels.items()}
+        self.pages = Counter(
+            "sgl_importance:shared_importance_pages_total",
+            "Page importance records in the shared storage tier: published (written), "
+            "fetched (read with a storage hit query), restored (pages of nodes rebuilt "
+            "from storage that got importance another instance published).",
+            labelnames=[*self.labels, "event"],
+            registry=registry,
+        )
+
+    def count(self, event: str, pages: int) -> None:
+        if pages:
+            self.pages.labels(**self.labels, event=event).inc(pages)
+
+
+_shared_instance: Optional[SharedImportanceMetrics] = None
+
+
+def shared_importance_metrics(labels: Mapping[str, Any]) -> SharedImportanceMetrics:
+    global _shared_instance
+    if _shared_instance is None:
+        _shared_instance = SharedImportanceMetrics(labels)
+    return _shared_instance
 
 
 def storage_integrity_metrics(labels: Mapping[str, Any]) -> StorageIntegrityMetrics:

@@ -198,13 +198,20 @@ def start_shared_importance(pages: MooncakePages, rank: int) -> Any:
     from sgl_importance.cache import shared_importance
 
     try:
-        policy = get_server_args().radix_eviction_policy
+        server_args = get_server_args()
     except Exception:  # built outside a launched server (tests, tools)
-        policy = None
-    if policy != "importance":
+        server_args = None
+    if getattr(server_args, "radix_eviction_policy", None) != "importance":
         return None
+    count = None
+    if getattr(server_args, "enable_metrics", False):
+        from sgl_importance.metrics import shared_importance_metrics
+
+        count = shared_importance_metrics({"tp_rank": rank}).count
     writer = f"{socket.gethostname()}-{os.getpid()}-r{rank}"
-    shared = shared_importance.SharedImportance(writer, key_of=lambda h: f"{pages.key_of(h)}_{rank}", store=pages.store)
+    shared = shared_importance.SharedImportance(
+        writer, key_of=lambda h: f"{pages.key_of(h)}_{rank}", store=pages.store, count=count
+    )
     shared.start()
     shared_importance.set_current(shared)
     return shared

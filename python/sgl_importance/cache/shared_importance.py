@@ -138,8 +138,11 @@ class SharedImportance:
         store: Any = None,
         clock: Callable[[], float] = time.time,
         capacity: int = DEFAULT_CAPACITY,
+        count: Optional[Callable[[str, int], None]] = None,
     ) -> None:
         self.writer = writer
+        # count(event, pages): the metric, when metrics are on.
+        self.count = count or (lambda event, pages: None)
         self.key_of = key_of
         self.store = store
         self.clock = clock
@@ -214,6 +217,7 @@ class SharedImportance:
                 self._keep(h, rec)
                 found += 1
         self.fetched_pages += found
+        self.count("fetched", found)
         return found
 
     def _keep(self, page_hash: str, rec: ImportanceRecord) -> None:
@@ -254,6 +258,7 @@ class SharedImportance:
             self._failing = False
             logger.warning("sgl-importance: shared importance store reachable again")
         self.published_pages += len(merged)
+        self.count("published", len(merged))
         return len(merged)
 
     def _failed(self, what: str, error: BaseException) -> None:

@@ -73,6 +73,9 @@ class StoredImportance:
         known = [v for v in values if v is not None]
         if not known:
             return None
+        shared = shared_importance.current()
+        if shared is not None:
+            shared.count("restored", sum(1 for h in hashes if shared.record(h) is not None))
         value = sum(known) / len(values)
         setattr(node, IMPORTANCE, value)
         return value
