@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_policies import git_state, model_path, wait_for_host_memory  # noqa: E402
 
+START_ATTEMPTS = 4
 ARMS = (("store", "importance"), ("store", "lru"), ("file", "importance"), ("file", "lru"))
 
 
@@ -127,8 +128,22 @@ def run_arm(tier: str, policy: str, texts: list[str], a: argparse.Namespace, mod
         servers = [
             LocalServer(model, server_args(policy, tier, a), run_dir / f"server{i}.log", envs[i]) for i in range(2)
         ]
-        for s in servers:
-            s.wait_ready(600)
+        for i in range(2):
+            for attempt in range(1, START_ATTEMPTS + 1):
+                try:
+                    servers[i].wait_ready(600)
+                    break
+                except RuntimeError as e:
+                    servers[i].stop()
+                    # SGLang's fixed 10 GiB host-memory reserve, on a shared machine.
+                    if "Not enough host memory" not in str(e) or attempt == START_ATTEMPTS:
+                        raise
+                    print(f"[{name}] server {i}: host tier refused (host memory); retrying", flush=True)
+                    time.sleep(30)
+                    wait_for_host_memory(name, a.memory_wait_s)
+                    servers[i] = LocalServer(
+                        model, server_args(policy, tier, a), run_dir / f"server{i}.log", envs[i]
+                    )
         startup_s = time.time() - started
         print(f"[{name}] ready in {startup_s:.0f}s; {len(texts)} requests round-robin", flush=True)
         results: list = [None] * len(texts)

@@ -49,7 +49,8 @@ def mooncake_store(tmp_path_factory):
 def server_args() -> list[str]:
     return [
         "--page-size", str(PAGE),
-        "--max-total-tokens", "512",
+        # Room for a ~500-token document, its question and the answer.
+        "--max-total-tokens", "1024",
         "--attention-backend", "importance_torch",
         "--radix-eviction-policy", "importance",
         "--enable-hierarchical-cache",
@@ -111,9 +112,9 @@ def reader(servers):
 ANSWERS: dict[str, list[int]] = {}
 
 
-def ask(server, name: str, max_new_tokens: int = 12) -> dict:
-    """Greedy answer to document ``name``: {tokens, device, host, storage}."""
-    out = server.generate(document(name), max_new_tokens=max_new_tokens)
+def ask(server, name: str, max_new_tokens: int = 12, question: str = "") -> dict:
+    """Greedy answer to document ``name`` (+ ``question``): {tokens, device, host, storage}."""
+    out = server.generate(document(name) + question, max_new_tokens=max_new_tokens)
     meta = out["meta_info"]
     details = meta.get("cached_tokens_details") or {}
     return {"tokens": out["output_ids"], **{t: details.get(t, 0) for t in ("device", "host", "storage")}}
@@ -149,11 +150,13 @@ def test_a_flushed_prompt_is_served_from_the_store_with_identical_tokens(writer)
 
 
 def test_a_second_server_reuses_the_first_servers_prefix_with_its_importance(writer, reader):
-    # Decode steps give the writer's nodes importance; its flusher publishes it.
-    first = ask(writer, "beta", max_new_tokens=24)
-    ANSWERS["beta"] = first["tokens"]
+    # Decode steps of requests that reuse the document give its nodes importance
+    # (a first request attends nodes not yet in the tree); the flusher publishes it.
+    first = ask(writer, "beta", question=" Question 1: what is item 7?")
+    for i in (2, 3):
+        assert ask(writer, "beta", question=f" Question {i}: what is item {i}?")["device"] > 0
     assert until(lambda: shared_pages(writer, "published") > 0, timeout=30), "writer published no importance"
-    got = ask(reader, "beta", max_new_tokens=24)
+    got = ask(reader, "beta", question=" Question 1: what is item 7?")
     assert got["storage"] > 0, got
     assert got["tokens"] == first["tokens"]
     # The reader read the records with its hit query and restored them onto the

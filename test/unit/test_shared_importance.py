@@ -266,3 +266,21 @@ def test_an_unreachable_master_is_refused_in_one_line_naming_it(monkeypatch):
             check_master(f"127.0.0.1:{port}")
     message = str(err.value)
     assert f"127.0.0.1:{port}" in message and "unreachable" in message and "\n" not in message
+
+
+def test_the_launcher_check_reads_the_master_from_the_extra_config_before_the_env(monkeypatch):
+    import argparse
+
+    from sgl_importance.cache.mooncake_tier import check_cli_args
+
+    monkeypatch.delenv("MOONCAKE_CLIENT", raising=False)
+    monkeypatch.delenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", raising=False)
+    monkeypatch.setenv("MOONCAKE_MASTER", "127.0.0.1:1")
+    args = argparse.Namespace(
+        hicache_storage_backend="mooncake",
+        hicache_storage_backend_extra_config='{"master_server_address": "127.0.0.1:2"}',
+    )
+    with pytest.raises(ValueError, match=r"master 127\.0\.0\.1:2 .*unreachable"):
+        check_cli_args(args)
+    # Other backends are not this check's business.
+    check_cli_args(argparse.Namespace(hicache_storage_backend="file"))

@@ -23,6 +23,7 @@ whose Mooncake cannot be imported, in one line, before any model loads.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 from typing import Any, List, Optional
@@ -32,6 +33,8 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from sgl_importance.cache.integrity import TierOps
+
+logger = logging.getLogger(__name__)
 
 PAGE_SUFFIX = "p"
 CONNECT_TIMEOUT_S = 3.0
@@ -202,6 +205,7 @@ def start_shared_importance(pages: MooncakePages, rank: int) -> Any:
     except Exception:  # built outside a launched server (tests, tools)
         server_args = None
     if getattr(server_args, "radix_eviction_policy", None) != "importance":
+        logger.info("sgl-importance: page importance is not shared (policy %r)", getattr(server_args, "radix_eviction_policy", None))
         return None
     count = None
     if getattr(server_args, "enable_metrics", False):
@@ -214,4 +218,5 @@ def start_shared_importance(pages: MooncakePages, rank: int) -> Any:
     )
     shared.start()
     shared_importance.set_current(shared)
+    logger.info("sgl-importance: page importance shared next to the pages in the store (as %s)", writer)
     return shared
