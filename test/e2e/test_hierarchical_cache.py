@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from conftest import output_ids_and_logprobs
+from support.server import output_ids_and_logprobs
 
 pytestmark = pytest.mark.e2e
 
