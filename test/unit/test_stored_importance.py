@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from support.fake_tree import FakeCache, FakeNode, FakeTreeCore, detached_node, request, scheduler_of
@@ -53,16 +49,12 @@ def test_the_memory_is_bounded_and_forgets_the_oldest_pages():
 
 _SCRIPT = r'''
 import json, torch
-import sglang.srt.managers.scheduler  # tree hooks are registered where the scheduler is loaded
-from sgl_importance import plugin
-plugin.load()
-from sglang.srt.plugins.hook_registry import HookRegistry
-HookRegistry.apply_hooks()
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+from sgl_importance.importance.node_state import node_state, peek_state
 
 P = 4
 alloc = PagedTokenToKVPoolAllocator(256, page_size=P, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
@@ -71,7 +63,6 @@ params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool
 cache = UnifiedRadixCache(params)
 core = cache.tree_core
 stored = core.eviction_strategy.stored
-from sgl_importance.importance.node_state import node_state, peek_state
 dropped = type("Dropped", (), {"hash_value": ["h0", "h1"]})()
 node_state(dropped).importance = 0.8
 stored.remember(dropped)
@@ -83,11 +74,8 @@ print("RESULT " + json.dumps({"importance": state and state.importance, "evicted
 '''
 
 
-def test_sglangs_insert_host_restores_importance_through_the_plugin_hook():
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+def test_sglangs_insert_host_restores_importance_through_the_plugin_hook(hooked):
+    result = hooked.run(_SCRIPT).result
     assert result == {"importance": pytest.approx(0.4), "evicted": True}
 
 
