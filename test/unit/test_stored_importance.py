@@ -150,7 +150,6 @@ def test_a_tenants_pages_never_rank_another_tenants_retry(monkeypatch):
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    from sgl_importance.cache import prefetch
     from sgl_importance.cache.stored import request_storage_importance
 
     page = 16
