@@ -37,7 +37,7 @@ model: install
 serve: install
 	SGLANG_PLATFORM=$(PLATFORM) $(BIN)/python -m sglang.launch_server \
 		--model-path "$$($(BIN)/python scripts/prepare_model.py --print-path)" \
-		--served-model-name $(MODEL_NAME) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+		--served-model-name $(MODEL_NAME) --host $(HOST) --port $(PORT) --sleep-on-idle $(SERVE_ARGS)
 
 # Lint first (seconds), then every test. Two workers, one module each at a time
 # (--dist loadfile keeps a module's servers in one worker): a server start is
