@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-import requests
 
-from sgl_importance.local_server import SERVED_NAME, LocalServer, metric  # noqa: F401 (tests import metric from here)
+from support.server import Server
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,25 +41,6 @@ def token_ids(model_path: str):
     return ids
 
 
-class Server(LocalServer):
-    """The server on torch_cpu (``sgl_importance.local_server``), plus a greedy /generate."""
-
-    def __init__(self, model_path: str, args: list[str], env: dict[str, str], log: Path):
-        super().__init__(model_path, args, log, env)
-
-    def generate(self, text: str, max_new_tokens: int = 8, **extra) -> dict:
-        body = {
-            "text": text,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
-            "return_logprob": True,
-            "return_cached_tokens_details": True,
-            **extra,
-        }
-        r = requests.post(self.url + "/generate", json=body, timeout=300)
-        r.raise_for_status()
-        return r.json()
-
-
 @pytest.fixture(scope="module")
 def launch(model_path: str, tmp_path_factory) -> Iterator:
     """Factory: launch(args, env) -> ready Server; all are stopped at module end."""
@@ -79,19 +58,10 @@ def launch(model_path: str, tmp_path_factory) -> Iterator:
         server.stop()
 
 
-def output_ids_and_logprobs(response: dict) -> tuple[list[int], list[float]]:
-    meta = response["meta_info"]
-    return response["output_ids"], [entry[0] for entry in meta["output_token_logprobs"]]
+def pytest_collection_modifyitems(items: list) -> None:
+    """Slow modules first, then the other e2e modules, then unit and kernel tests.
 
-
-def launch_and_fail(model_path: str, *args: str) -> str:
-    """Run the launcher with invalid flags; return its output (it must exit non-zero)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, *args],
-        env={**os.environ, "SGLANG_PLATFORM": "torch_cpu"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode != 0, "server started despite an invalid flag"
-    return proc.stdout + proc.stderr
+    Under ``make test`` two workers take one module at a time in this order, so the
+    longest modules start early and the many short ones even out the end.
+    """
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, item.get_closest_marker("e2e") is None))

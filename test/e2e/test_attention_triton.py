@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import output_ids_and_logprobs
-from page_table_dump import read_dump
+from support.server import output_ids_and_logprobs
+from support.page_table_dump import read_dump
 
 pytestmark = pytest.mark.e2e
 

@@ -20,7 +20,7 @@ import sys
 import pytest
 import requests
 
-from conftest import SERVED_NAME, metric
+from sgl_importance.local_server import SERVED_NAME, metric
 
 pytestmark = pytest.mark.e2e
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import requests
 
-from conftest import output_ids_and_logprobs
+from support.server import output_ids_and_logprobs
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PAGE = 16
 DEVICE_TOKENS = 1024

@@ -16,7 +16,8 @@ import importlib.util
 import pytest
 import requests
 
-from conftest import metric, output_ids_and_logprobs
+from sgl_importance.local_server import metric
+from support.server import generate_ids, output_ids_and_logprobs
 
 pytestmark = pytest.mark.e2e
 
@@ -42,17 +43,10 @@ def prompts(token_ids):
     return {"fits": token_ids(text, 600), "exceeds": token_ids(text, 1200)}
 
 
-def generate_ids(server, ids):
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}
-    r = requests.post(server.url + "/generate", json=body, timeout=900)
-    r.raise_for_status()
-    return r.json()["output_ids"]
-
-
 @pytest.fixture(scope="module")
 def dense_outputs(launch, prompts):
     server = launch(BASE_ARGS)
-    outputs = {name: generate_ids(server, ids) for name, ids in prompts.items()}
+    outputs = {name: generate_ids(server, ids, MAX_NEW, timeout=900)["output_ids"] for name, ids in prompts.items()}
     server.stop()  # one server at a time
     return outputs
 
@@ -70,7 +64,7 @@ def test_a_budget_covering_the_whole_context_decodes_exactly_like_dense(
     hot_set_server, prompts, dense_outputs
 ):
     before = scrape(hot_set_server)
-    assert generate_ids(hot_set_server, prompts["fits"]) == dense_outputs["fits"]
+    assert generate_ids(hot_set_server, prompts["fits"], MAX_NEW, timeout=900)["output_ids"] == dense_outputs["fits"]
     after = scrape(hot_set_server)
     # It did run on the hot set: one request step per decoded token after the first.
     steps = metric(after, "sgl_importance:hot_set_steps_total") - metric(
@@ -81,7 +75,7 @@ def test_a_budget_covering_the_whole_context_decodes_exactly_like_dense(
 
 def test_a_small_budget_serves_and_the_metrics_count_it(hot_set_server, prompts, dense_outputs):
     before = scrape(hot_set_server)
-    ids = generate_ids(hot_set_server, prompts["exceeds"])
+    ids = generate_ids(hot_set_server, prompts["exceeds"], MAX_NEW, timeout=900)["output_ids"]
     assert len(ids) == MAX_NEW
     after = scrape(hot_set_server)
 

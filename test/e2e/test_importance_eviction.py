@@ -28,7 +28,8 @@ import json
 import pytest
 import requests
 
-from conftest import launch_and_fail, metric
+from sgl_importance.local_server import metric
+from support.server import generate_ids, launch_and_fail
 
 pytestmark = pytest.mark.e2e
 
@@ -86,17 +87,6 @@ def prompts(token_ids):
     return workload, from_storage
 
 
-def generate(server, input_ids: list[int], max_new_tokens: int) -> dict:
-    body = {
-        "input_ids": input_ids,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
-        "return_cached_tokens_details": True,
-    }
-    r = requests.post(server.url + "/generate", json=body, timeout=300)
-    r.raise_for_status()
-    return r.json()
-
-
 def run_workload(server, prompts, tiered: bool = True, read_metrics: bool = False) -> dict:
     """Greedy output ids of the workload, where the last request's prefix came from,
     (tiered) the storage hits of the document and a one-off after /flush_cache, and
@@ -107,14 +97,14 @@ def run_workload(server, prompts, tiered: bool = True, read_metrics: bool = Fals
         workload = [workload[i] for i in served_from_cache(prompts)]
     stored, metrics = {}, ""
     try:
-        outputs = [generate(server, ids, n) for _, ids, n in workload]
+        outputs = [generate_ids(server, ids, n) for _, ids, n in workload]
         if read_metrics:
             metrics = requests.get(server.url + "/metrics", timeout=60).text
         if tiered:
             r = requests.post(server.url + "/flush_cache", timeout=60)
             assert r.status_code == 200, r.text
             for name, ids, n in from_storage:
-                details = generate(server, ids, n)["meta_info"].get("cached_tokens_details") or {}
+                details = generate_ids(server, ids, n)["meta_info"].get("cached_tokens_details") or {}
                 stored[name] = details.get("storage", 0)
     finally:
         # One server at a time: the next arm starts only after this one stopped.

@@ -22,8 +22,8 @@ import json
 import pytest
 import requests
 
-from conftest import metric
-from test_importance_eviction import generate
+from sgl_importance.local_server import metric
+from support.server import generate_ids
 
 pytestmark = pytest.mark.e2e
 
@@ -68,7 +68,7 @@ def prompts(token_ids):
 
 def run(server, prompts) -> dict:
     try:
-        outputs = [generate(server, ids, n) for _, ids, n in prompts]
+        outputs = [generate_ids(server, ids, n) for _, ids, n in prompts]
         text = requests.get(server.url + "/metrics", timeout=60).text
     finally:
         server.stop()

@@ -22,6 +22,7 @@ import requests
 
 from sgl_importance.local_server import metric
 from sgl_importance.local_store import LocalStore, store_unavailable
+from support.server import Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -70,8 +71,6 @@ START_ATTEMPTS = 4
 
 
 def start(model_path: str, env: dict, log) -> "Server":
-    from conftest import Server
-
     for attempt in range(1, START_ATTEMPTS + 1):
         server = Server(model_path, server_args(), env, log)
         try:

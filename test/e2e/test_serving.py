@@ -8,7 +8,8 @@ import re
 import pytest
 import requests
 
-from conftest import SERVED_NAME, output_ids_and_logprobs
+from sgl_importance.local_server import SERVED_NAME
+from support.server import output_ids_and_logprobs
 
 pytestmark = pytest.mark.e2e
 

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from conftest import SERVED_NAME, metric
+from sgl_importance.local_server import SERVED_NAME, metric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import launch_and_fail
+from support.server import launch_and_fail
 
 pytestmark = pytest.mark.e2e
 

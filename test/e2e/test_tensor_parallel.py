@@ -26,9 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from conftest import Server, metric
+from sgl_importance.local_server import metric
+from support.server import Server
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TP = 3
 PAGE = 16

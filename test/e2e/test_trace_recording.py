@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from conftest import output_ids_and_logprobs
+from support.server import output_ids_and_logprobs
 from sgl_importance.sim.policies import make_policy
 from sgl_importance.sim.prefix import prepare_prefix, replay_prefix
 from sgl_importance.trace.format import read_all, read_meta, read_trace, resolve_splits

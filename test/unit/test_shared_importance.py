@@ -13,10 +13,11 @@ import msgpack
 import pytest
 
 from sgl_importance.cache import shared_importance as si
-from sgl_importance.cache.admission import DEFERRED, STATE, admit_deferred, gate_storage_write
+from sgl_importance.cache.admission import DEFERRED, admit_deferred, gate_storage_write
 from sgl_importance.cache.mooncake_tier import check_master
 from sgl_importance.cache.stored import StoredImportance
 from sgl_importance.cache.strategy import ImportanceStrategy
+from sgl_importance.importance.node_state import node_state, peek_state
 
 HOUR = 3600.0
 
@@ -167,7 +168,7 @@ def test_a_store_outage_is_logged_once_and_publishing_resumes_after_it(caplog):
 def node(hashes, importance=None, hits=0):
     n = types.SimpleNamespace(hash_value=hashes, hit_count=hits)
     if importance is not None:
-        n.importance = importance
+        node_state(n).importance = importance
     return n
 
 
@@ -183,7 +184,7 @@ def test_a_node_rebuilt_from_pages_another_instance_computed_gets_their_importan
     reader.fetch(["p1", "p2"])
     rebuilt = node(["p1", "p2"])
     assert StoredImportance().recall(rebuilt) == pytest.approx(0.4)
-    assert rebuilt.importance == pytest.approx(0.4)
+    assert peek_state(rebuilt).importance == pytest.approx(0.4)
 
 
 def test_the_local_memory_and_the_shared_record_combine_to_the_larger():
@@ -208,6 +209,7 @@ class FakeCache:
             eviction_strategy=ImportanceStrategy(**config), node_by_id=self.nodes.__getitem__
         )
         self.written: list[int] = []
+        self.metrics_collector = None  # SGLang's, present only with --enable-metrics
 
     def add(self, hashes, hits=0):
         n = types.SimpleNamespace(
@@ -231,7 +233,7 @@ def test_hits_another_instance_saw_qualify_a_node_for_the_storage_tier():
     n = cache.add(["p"], hits=1)
     cache.write_backup_storage(n.id)
     # Deferred: this instance has seen one hit and has not read the record yet...
-    assert cache.written == [] and getattr(n, STATE) == DEFERRED
+    assert cache.written == [] and peek_state(n).storage == DEFERRED
     # ...the flusher reads the records admission asked for, off the scheduler...
     b.flush()
     assert b.other_hits(["p"]) == 2

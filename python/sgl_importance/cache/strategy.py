@@ -4,14 +4,14 @@ SGLang's device eviction (``FullComponent._evict_device_start``) and host evicti
 (``drive_host_eviction``) pop the leaf with the smallest ``get_priority(node)``; this
 strategy blends three O(1) node fields into that priority:
 
-- persistent importance (``node.importance``, folded from the decode kernels' page
-  importance by ``importance/persistent.py``), normalised by the aggregator's
-  running maximum to [0, 1];
+- persistent importance (the node's ``NodeImportance.importance``, folded from the
+  decode kernels' page importance by ``importance/persistent.py``), normalised by
+  the aggregator's running maximum to [0, 1];
 - recency: ``exp(-age / recency_horizon)`` over SGLang's logical access clock
   (``node.last_access_time``);
 - reuse: ``hit_count / (hit_count + 1)``.
 
-Attention-sink nodes (``node.importance_pinned``) form a tier evicted after all
+Attention-sink nodes (``NodeImportance.pinned``) form a tier evicted after all
 others when ``pin_sinks`` is on. Ties fall back to ``last_access_time``, so with
 ``importance_weight=0, reuse_weight=0, pin_sinks=false`` the order is exactly LRU —
 the A/B baseline inside the same code path.
@@ -35,9 +35,8 @@ from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 from sgl_importance.cache.admission import StorageAdmission
 from sgl_importance.cache.prefetch import WarmIndex
 from sgl_importance.cache.stored import StoredImportance
+from sgl_importance.importance.node_state import node_importance, node_pinned
 from sgl_importance.importance.persistent import (
-    IMPORTANCE,
-    PINNED,
     ImportanceAggregator,
     validate_decay,
     validate_sink_pages,
@@ -210,7 +209,7 @@ class ImportanceStrategy(EvictionStrategy):
         if self._w_importance:
             scale = self.aggregator.scale
             if scale > 0.0:
-                share = getattr(node, IMPORTANCE, 0.0) / scale
+                share = node_importance(node) / scale
                 score += self._w_importance * (share if share < 1.0 else 1.0)
         if self._w_recency:
             age = self.clock() - last
@@ -218,7 +217,7 @@ class ImportanceStrategy(EvictionStrategy):
         if self._w_reuse:
             hits = node.hit_count
             score += self._w_reuse * hits / (hits + 1.0)
-        tier = 1 if self._pin and getattr(node, PINNED, False) else 0
+        tier = 1 if self._pin and node_pinned(node) else 0
         return (tier, score, last)
 
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sim_traces import merge_columns, sequence_trace, trace_from_steps
+from support.traces import merge_columns, sequence_trace, trace_from_steps
 
 from sgl_importance.sim.analyses import (
     aggregate_jaccard,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sim_traces import sequence_trace, trace_from_steps
+from support.traces import sequence_trace, trace_from_steps
 
 from sgl_importance.sim.belady import next_use
 from sgl_importance.sim.policies import POLICIES, make_policy

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sim_traces import rng, sequence_trace, trace_from_steps  # noqa: F401  (rng: fixture)
+from support.traces import rng, sequence_trace, trace_from_steps  # noqa: F401  (rng: fixture)
 
 from sgl_importance.sim.policies import POLICIES, make_policy
 from sgl_importance.sim.queue import LazyMinQueue

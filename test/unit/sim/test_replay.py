@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sim_traces import merge_columns, rng, trace_from_steps  # noqa: F401  (rng: fixture)
+from support.traces import merge_columns, rng, trace_from_steps  # noqa: F401  (rng: fixture)
 
 from sgl_importance.sim.policies import make_policy
 from sgl_importance.sim.replay import budget_pages, parse_demand, prepare_hot, replay_hot, replay_stream

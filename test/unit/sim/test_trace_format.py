@@ -5,7 +5,7 @@ import warnings
 
 import numpy as np
 import pytest
-from sim_traces import rng  # noqa: F401  (fixture)
+from support.traces import rng  # noqa: F401  (fixture)
 
 from sgl_importance.trace.format import (
     ACCESS_DTYPES,

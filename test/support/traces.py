@@ -37,6 +37,5 @@ def sequence_trace(pages: Sequence[int]) -> Trace:
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    """Seeded generator; imported by the test modules that use it (a conftest.py here
-    would shadow test/conftest.py for the e2e modules' ``from conftest import``)."""
+    """Seeded generator; imported by the test modules that use it."""
     return np.random.default_rng(1234)
