@@ -187,9 +187,6 @@ def test_the_master_dying_costs_recompute_not_service_and_the_store_is_used_agai
         assert requests.get(reader.url + "/health", timeout=30).status_code == 200
     finally:
         mooncake_store.start_master()
-    log = reader.log()
-    assert log.count("storage tier writes paused") <= 1
-    assert log.count("shared importance write failed") + log.count("shared importance read failed") <= 1
 
     # Back: a new document reaches the store and comes back from it.
     def stored_again():
@@ -198,4 +195,9 @@ def test_the_master_dying_costs_recompute_not_service_and_the_store_is_used_agai
         return ask(reader, "zeta")["storage"] > 0
 
     assert until(stored_again, timeout=120, every=RETRY_S), "the store was not used again after the master returned"
-    assert "Traceback" not in reader.log()
+    log = reader.log()
+    assert "Traceback" not in log
+    # Said once per outage, not once per failed call.
+    paused = log.count("storage tier writes paused")
+    shared_failed = log.count("shared importance write failed") + log.count("shared importance read failed")
+    assert paused <= 1 and shared_failed <= 1 and paused + shared_failed >= 1, (paused, shared_failed)
