@@ -141,9 +141,7 @@ def run_arm(tier: str, policy: str, texts: list[str], a: argparse.Namespace, mod
                     print(f"[{name}] server {i}: host tier refused (host memory); retrying", flush=True)
                     time.sleep(30)
                     wait_for_host_memory(name, a.memory_wait_s)
-                    servers[i] = LocalServer(
-                        model, server_args(policy, tier, a), run_dir / f"server{i}.log", envs[i]
-                    )
+                    servers[i] = LocalServer(model, server_args(policy, tier, a), run_dir / f"server{i}.log", envs[i])
         startup_s = time.time() - started
         print(f"[{name}] ready in {startup_s:.0f}s; {len(texts)} requests round-robin", flush=True)
         results: list = [None] * len(texts)
@@ -196,7 +194,9 @@ def run_arm(tier: str, policy: str, texts: list[str], a: argparse.Namespace, mod
         "shared_published_pages": sum(
             metric(t, "sgl_importance:shared_importance_pages_total", event="published") for t in scrapes
         ),
-        "tracebacks": sum((run_dir / f"server{i}.log").read_text(errors="replace").count("Traceback") for i in range(2)),
+        "tracebacks": sum(
+            (run_dir / f"server{i}.log").read_text(errors="replace").count("Traceback") for i in range(2)
+        ),
     }
     (run_dir / "requests.json").write_text(json.dumps(results))
     print(

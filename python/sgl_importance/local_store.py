@@ -146,9 +146,7 @@ class LocalStore:
     def _spawn(self, cmd: list, log_name: str) -> subprocess.Popen:
         log = open(self.workdir / log_name, "a")
         try:
-            return subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.workdir
-            )
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.workdir)
         finally:
             log.close()
 

@@ -20,7 +20,7 @@ mode.
 | `sgl_importance:hot_set_*_total`                | per-request hot set (``HotSetMetrics``): steps, promotions, hits, late arrivals, guard fallbacks, pages attended vs dense |
 | `sgl_importance:storage_corrupt_pages_total{reason}` | storage-tier pages refused on read (checksum, short, format, layout, unreadable) |
 | `sgl_importance:storage_write_pauses_total` | times storage-tier writes were paused after repeated failures |
-| `sgl_importance:shared_importance_pages_total{event}` | shared storage tier (Mooncake): page importance records published / fetched, pages of rebuilt nodes restored from them |
+| `sgl_importance:shared_importance_pages_total{event}` | Mooncake tier: importance records published / fetched / restored |
 
 The two storage series are counted by the storage tier's I/O threads, which run in
 the scheduler process beside the tree cache; they carry the storage config's ranks.

@@ -172,9 +172,7 @@ def test_a_prefix_outlives_the_server_that_computed_it(writer, reader):
     assert got["tokens"] == ANSWERS["alpha"]
 
 
-def test_the_master_dying_costs_recompute_not_service_and_the_store_is_used_again_when_back(
-    reader, mooncake_store
-):
+def test_the_master_dying_costs_recompute_not_service_and_the_store_is_used_again_when_back(reader, mooncake_store):
     ANSWERS["gamma"] = ask(reader, "gamma")["tokens"]
     mooncake_store.kill_master()
     try:

@@ -90,7 +90,9 @@ class MooncakePages(HiCacheStorage):
     def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None) -> list:
         return [self.get(k, t) for k, t in zip(keys, target_locations)]
 
-    def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+    def batch_set(
+        self, keys: List[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
         return all(self.set(k, v) for k, v in zip(keys, values))
 
     def exists(self, key: str) -> bool:
@@ -205,7 +207,8 @@ def start_shared_importance(pages: MooncakePages, rank: int) -> Any:
     except Exception:  # built outside a launched server (tests, tools)
         server_args = None
     if getattr(server_args, "radix_eviction_policy", None) != "importance":
-        logger.info("sgl-importance: page importance is not shared (policy %r)", getattr(server_args, "radix_eviction_policy", None))
+        policy = getattr(server_args, "radix_eviction_policy", None)
+        logger.info("sgl-importance: page importance is not shared (policy %r)", policy)
         return None
     count = None
     if getattr(server_args, "enable_metrics", False):

@@ -266,7 +266,8 @@ class SharedImportance:
             # One line per outage; the pages themselves are handled by the storage tier.
             self._failing = True
             logger.warning(
-                "sgl-importance: shared importance %s failed (%s); serving on, importance stays local until the store answers",
+                "sgl-importance: shared importance %s failed (%s); serving on, "
+                "importance stays local until the store answers",
                 what,
                 error,
             )
