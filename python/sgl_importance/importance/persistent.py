@@ -41,6 +41,9 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
+# The config checks live beside the priority they configure (torch-free).
+from sgl_importance.importance.priority import validate_decay, validate_sink_pages
+
 # Attribute names written on tree nodes: one place, so the strategy, the split
 # handler, metrics and tests agree.
 IMPORTANCE = "importance"
@@ -48,9 +51,6 @@ PINNED = "importance_pinned"
 STEP = "importance_step"
 STEPS = "importance_steps"
 START = "importance_start"
-
-DECAY_RANGE = "a number in (0, 1)"
-SINK_PAGES_MAX = 64
 
 
 class Observation(NamedTuple):
@@ -76,24 +76,6 @@ def node_importance(node: Any) -> float:
 
 def node_pinned(node: Any) -> bool:
     return getattr(node, PINNED, False)
-
-
-def validate_decay(decay: Any, name: str = "decay") -> float:
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not (
-        0.0 < float(decay) < 1.0
-    ):
-        raise ValueError(f"{name}={decay!r} is invalid; allowed: {DECAY_RANGE}")
-    return float(decay)
-
-
-def validate_sink_pages(sink_pages: Any, name: str = "sink_pages") -> int:
-    if isinstance(sink_pages, bool) or not isinstance(sink_pages, int) or not (
-        0 <= sink_pages <= SINK_PAGES_MAX
-    ):
-        raise ValueError(
-            f"{name}={sink_pages!r} is invalid; allowed: an integer in [0, {SINK_PAGES_MAX}]"
-        )
-    return sink_pages
 
 
 def read_last_step(
