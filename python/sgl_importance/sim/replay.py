@@ -35,6 +35,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from sgl_importance.sim import belady as _belady  # noqa: F401  (registers "belady")
+from sgl_importance.sim import shipped as _shipped  # noqa: F401  (registers "shipped")
 from sgl_importance.sim.metrics import Counts, ReplayResult
 from sgl_importance.sim.policies import Policy, StreamContext, make_policy
 from sgl_importance.trace.format import Trace
@@ -309,6 +310,7 @@ def replay_stream(
         ev_row_ptr=rp,
         ev_demand=dem,
         rng=np.random.default_rng(seed + s),
+        row_position=hs.row_position[r0:r1],
     )
     policy.attach(ctx, cache.resident)
 
