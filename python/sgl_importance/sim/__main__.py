@@ -1,6 +1,7 @@
 """Command line of the simulator.
 
-    python -m sgl_importance.sim replay  --trace DIR --policies lru,importance,belady --budgets 0.05,0.1 --out DIR
+    python -m sgl_importance.sim replay  --trace DIR --policies lru,shipped,importance,belady --budgets 0.05,0.1 --out DIR
+                                         [--policy-config '{"decay": 0.95}']
     python -m sgl_importance.sim analyze --trace DIR --out DIR
     python -m sgl_importance.sim synth   --kind multi_turn|rag|agent|cot|loop --out DIR
 """
@@ -14,8 +15,9 @@ from pathlib import Path
 from typing import Sequence
 
 from sgl_importance.sim.policies import POLICIES, make_policy
+from sgl_importance.sim.shipped import Shipped
 
-DEFAULT_POLICIES = "lru,lru_mass,lfu,slru,tlru,h2o,importance,blend,prefetch,belady"
+DEFAULT_POLICIES = "lru,lru_mass,lfu,slru,tlru,h2o,shipped,importance,blend,prefetch,belady"
 DEFAULT_BUDGETS = "0.05,0.1,0.2,0.3,0.5"
 
 
@@ -54,6 +56,12 @@ def _cmd_replay(a: argparse.Namespace) -> int:
         pols = [make_policy(s) for s in specs]
     except ValueError as e:
         raise SystemExit(f"--policies: {e}")
+    if a.policy_config is not None:
+        try:
+            # The server's flag, parsed by the server's code (importance/priority.py).
+            pols = [Shipped(config=a.policy_config) if p.name == "shipped" else p for p in pols]
+        except ValueError as e:
+            raise SystemExit(f"--policy-config: {e}")
     budgets = _floats(a.budgets, "--budgets")
     ts = read_all(a.trace)
     regimes = {"auto": ("hot", "prefix"), "both": ("hot", "prefix"), "hot": ("hot",), "prefix": ("prefix",)}[a.regime]
@@ -126,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(r)
     r.add_argument("--policies", default=DEFAULT_POLICIES,
                    help=f"comma list of name[:param=value...]; known: {', '.join(sorted(POLICIES))}")
+    r.add_argument("--policy-config", default=None,
+                   help="JSON object for 'shipped', as the server's --radix-eviction-policy-config")
     r.add_argument("--budgets", default=DEFAULT_BUDGETS, help="comma list of fractions of the working set")
     r.add_argument("--regime", default="auto", choices=("auto", "both", "hot", "prefix"))
     r.add_argument("--seed", type=int, default=0)

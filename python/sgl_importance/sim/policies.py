@@ -12,6 +12,11 @@ time-normalised log domain: every score decays by the same factor per event,
 so multiplying all of them by ``decay**-t`` leaves their order unchanged and
 makes the untouched keys' priorities constant.
 
+The policy the server runs is ``shipped`` (``sim/shipped.py``: the server's own
+priority function, ranked at eviction time). ``importance`` (a decayed sum of
+attention mass) and ``blend`` (that sum blended with recency) are research
+variants under their own names; a verdict about them is not about the server.
+
 Specs: ``"name"`` or ``"name:param=value:param=value"`` (see :func:`make_policy`).
 """
 
@@ -299,7 +304,7 @@ class H2O(Policy):
 
 @register("importance")
 class Importance(Policy):
-    """Exponentially decayed attention mass (the persistent importance of DESIGN.md).
+    """Research variant: exponentially decayed attention mass (not the server's policy).
 
     score(t) = sum over accesses s <= t of mass(s) * decay**(t - s); the lowest
     score is evicted. Kept as log(score * decay**-t), which untouched pages
@@ -329,7 +334,7 @@ class Importance(Policy):
 
 @register("blend")
 class Blend(Policy):
-    """priority = alpha * normalised importance + (1 - alpha) * normalised recency.
+    """Research variant: alpha * normalised importance + (1 - alpha) * normalised recency.
 
     Recency is normalised as ``decay**age`` (1 when just touched). Importance is
     the decayed score of ``importance`` normalised as ``(1-decay) * score / m``,

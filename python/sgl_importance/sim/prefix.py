@@ -27,6 +27,10 @@ request's node importance that falls on hit nodes.
 
 The replay is a Python loop over requests and path nodes (paths are short; a
 few hundred thousand nodes per second) with a lazily cleaned binary heap.
+Policies whose priority moves with time (``shipped``) are instead ranked at each
+eviction pass over the evictable leaves, as SGLang does, and get the node state
+they need (token offsets, decode steps per request, the mass on the sink pages)
+from :class:`PrefixData`.
 """
 
 from __future__ import annotations

@@ -184,11 +184,11 @@ class Shipped(Policy):
         self.clock += 1.0
         end = int(ctx.ev_row_ptr[t + 1])
         rows = ctx.row_keys[lo:end]
-        pinned = (
-            ctx.row_position[lo:end] < self.config.sink_pages
-            if ctx.row_position is not None
-            else np.zeros(rows.shape[0], bool)
-        )
+        if ctx.row_position is None:
+            pinned = np.zeros(rows.shape[0], bool)
+        else:
+            position = ctx.row_position[lo:end]  # -1: unknown, not a sink
+            pinned = (position >= 0) & (position < self.config.sink_pages)
         self._fold(rows, ctx.row_mass[lo:end].astype(np.float64), pinned, 1)
 
     def victims(self, n: int, pinned: np.ndarray) -> np.ndarray:

@@ -50,6 +50,25 @@ def test_importance_keeps_old_heavy_pages_that_lru_evicts():
     assert imp.mass_recall > lru.mass_recall
 
 
+def test_shipped_keeps_old_heavy_pages_in_the_hot_set_and_its_lru_config_does_not():
+    steps = _old_anchor_steps()
+    shipped, _ = _run(steps, "shipped", budget=6)
+    assert shipped.hits == 2 * (12 - 1)
+    # The server's LRU special case of the same priority.
+    lru_like, _ = _run(steps, "shipped:importance_weight=0:reuse_weight=0:pin_sinks=false", budget=6)
+    assert lru_like.hits == 0
+
+
+def test_shipped_pins_the_sink_page_in_the_hot_set_unless_pin_sinks_is_off():
+    # Page 0 sits at position 0; a scan of heavier one-off pages follows, then page 0 again.
+    cols = trace_from_steps([{0: 0.3, 1000: 0.7}] + [{1000 + t: 1.0} for t in range(1, 10)] + [{0: 1.0}])
+    cols["position"] = np.where(cols["page"] == 0, 0, 5)
+    hs = prepare_hot(Trace.from_columns(cols), "all")
+    pinned, tr = replay_stream(hs, 0, make_policy("shipped"), 3, record=True)
+    unpinned, tr_off = replay_stream(hs, 0, make_policy("shipped:pin_sinks=false:recency_horizon=2"), 3, record=True)
+    assert tr.hits[-1] == 1 and tr_off.hits[-1] == 0
+
+
 def test_lru_tie_breaking_by_mass_evicts_the_lightest_page_of_a_step_but_random_does_not():
     steps = [{1: 0.7, 2: 0.2, 3: 0.1}, {4: 1.0}, {1: 1.0}]
     c, tr = _run(steps, "lru_mass", budget=3)
