@@ -107,7 +107,7 @@ def h1_rows(results: list[dict[str, Any]], regime: str, scope: str) -> list[str]
         judged = shipped or imp
         holds = lru["hit_rate"] > 0 and judged["hit_rate"] >= (1 + H1_GAIN) * lru["hit_rate"]
 
-        def hit(r: dict[str, Any] | None) -> str:
+        def hit(r: dict[str, Any] | None, lru: dict[str, Any] = lru) -> str:
             return "n/a" if r is None else f"{_pct(r['hit_rate'])} ({_gain(r['hit_rate'], lru['hit_rate'])})"
 
         rows.append(
@@ -123,7 +123,7 @@ def trace_stats(trace: Path) -> str:
     sys.path.insert(0, str(REPO / "python"))
     import numpy as np
 
-    from sgl_importance.trace.format import read_all
+    from sgl_importance.trace.table_io import read_all
 
     ts = read_all(trace)
     acc = ts.accesses

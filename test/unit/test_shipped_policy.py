@@ -36,7 +36,7 @@ from sgl_importance.importance.persistent import Observation
 from sgl_importance.sim.policies import make_policy
 from sgl_importance.sim.prefix import prepare_prefix, replay_prefix
 from sgl_importance.sim.shipped import ANCESTOR_STEP, Shipped
-from sgl_importance.trace.format import Requests, Trace
+from sgl_importance.trace.tables import Accesses, Requests
 
 PAGE = 4
 # Every term of the priority matters at this scale: a short horizon, reuse, sinks.
@@ -188,7 +188,7 @@ def live_eviction_order(requests: list, config: dict) -> list[int]:
     return tree.evicted
 
 
-def as_trace(requests: list) -> tuple[Requests, Trace]:
+def as_trace(requests: list) -> tuple[Requests, Accesses]:
     """The same requests as a recorded trace: paths, and per-step page masses."""
     cols = {k: [] for k in ("step", "request_id", "page", "node_id", "position", "importance")}
     step = 0
@@ -210,7 +210,7 @@ def as_trace(requests: list) -> tuple[Requests, Trace]:
         [[TREE[n][1] * PAGE for n in p] for p in paths],
         [0] * len(requests),
     )
-    return table, Trace.from_columns({k: np.asarray(v) for k, v in cols.items()})
+    return table, Accesses.from_columns({k: np.asarray(v) for k, v in cols.items()})
 
 
 def simulated_eviction_order(requests: list, policy: Shipped) -> list[int]:

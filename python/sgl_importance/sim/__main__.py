@@ -34,11 +34,11 @@ def _floats(text: str, flag: str) -> list[float]:
 
 def _cmd_synth(a: argparse.Namespace) -> int:
     from sgl_importance.sim.synthetic import synthesize
-    from sgl_importance.trace.format import write_requests, write_trace
+    from sgl_importance.trace.table_io import write_accesses, write_requests
 
     t0 = time.perf_counter()
     ts = synthesize(a.kind, seed=a.seed, scale=a.scale, page_size=a.page_size, layers=a.layers, kv_heads=a.kv_heads)
-    write_trace(a.out, ts.accesses, ts.meta)
+    write_accesses(a.out, ts.accesses, ts.meta)
     write_requests(a.out, ts.requests)
     print(f"wrote {a.out}: {len(ts.accesses):,} access rows, {len(ts.requests)} requests "
           f"({time.perf_counter() - t0:.1f}s)")
@@ -49,7 +49,7 @@ def _cmd_replay(a: argparse.Namespace) -> int:
     from sgl_importance.sim.prefix import prepare_prefix, replay_prefix_all
     from sgl_importance.sim.replay import prepare_hot, replay_hot
     from sgl_importance.sim.report import results_table, write_replay_report
-    from sgl_importance.trace.format import read_all
+    from sgl_importance.trace.table_io import read_all
 
     specs = [s for s in a.policies.split(",") if s.strip()]
     try:
@@ -108,9 +108,9 @@ def _cmd_analyze(a: argparse.Namespace) -> int:
     from sgl_importance.sim.analyses import analyze
     from sgl_importance.sim.replay import prepare_hot
     from sgl_importance.sim.report import write_analysis_report
-    from sgl_importance.trace.format import read_trace
+    from sgl_importance.trace.table_io import read_accesses
 
-    tr = read_trace(a.trace)
+    tr = read_accesses(a.trace)
     hs = prepare_hot(tr, a.demand, a.scope)
     res = analyze(hs, k=a.k, n_segments=a.segments, max_accesses=a.max_accesses)
     path = write_analysis_report(res, a.out, tr.meta.workload or Path(a.trace).name)
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--trace", required=True, help="trace directory (trace/format.py)")
+        sp.add_argument("--trace", required=True, help="trace directory (trace/schema.py)")
         sp.add_argument("--out", required=True, help="output directory")
         sp.add_argument("--demand", default="mass:0.9", help="pages demanded per step: topk:K, mass:P or all (default mass:0.9)")
         sp.add_argument("--scope", default="request", choices=("request", "global"),

@@ -211,7 +211,7 @@ def head_stability(hs: HotStreams, k: int = 16) -> dict[str, object]:
     ov, ok = _topk_overlap(hs, k)
     stream_of_ev = np.repeat(np.arange(hs.n_streams), np.diff(hs.stream_ev_ptr))
     lay = hs.stream_layer[stream_of_ev]
-    head = hs.stream_head[stream_of_ev]
+    head = hs.stream_kv_head[stream_of_ev]
     per = {}
     for l, h in sorted(set(zip(lay[ok].tolist(), head[ok].tolist()))):
         m = ok & (lay == l) & (head == h)

@@ -48,7 +48,9 @@ from sgl_importance.sim import shipped as _shipped  # noqa: F401  (registers "sh
 from sgl_importance.sim.metrics import Counts, ReplayResult
 from sgl_importance.sim.policies import Policy, StreamContext, make_policy
 from sgl_importance.importance.priority import SINK_PAGES_MAX
-from sgl_importance.trace.format import Requests, Trace, TraceMeta, resolve_splits
+from sgl_importance.trace.schema import TraceMeta
+from sgl_importance.trace.splits import resolve_splits
+from sgl_importance.trace.tables import Accesses, Requests
 
 
 @dataclass
@@ -59,8 +61,8 @@ class PrefixData:
     and, at the same positions, each node's mass for that request.
     """
 
-    parent: np.ndarray
-    tokens: np.ndarray
+    node_parent: np.ndarray
+    node_tokens: np.ndarray
     node_ids: np.ndarray
     path_ptr: np.ndarray
     path_node: np.ndarray
@@ -72,13 +74,13 @@ class PrefixData:
     # request's decode steps, and its mass per step on the sequence's first
     # SINK_PAGES_MAX pages (rows with a node id), to leave sink pages out of density.
     page_size: int = 16
-    start: np.ndarray | None = None
+    node_start: np.ndarray | None = None
     request_steps: np.ndarray | None = None
     head_mass: np.ndarray | None = None
 
     @property
     def n_nodes(self) -> int:
-        return int(self.tokens.shape[0])
+        return int(self.node_tokens.shape[0])
 
     @property
     def n_requests(self) -> int:
@@ -86,11 +88,11 @@ class PrefixData:
 
     @property
     def unique_tokens(self) -> int:
-        return int(self.tokens.sum())
+        return int(self.node_tokens.sum())
 
 
 def _node_mass(
-    trace: Trace, tr_req: np.ndarray, req_codes: np.ndarray, path_node_ids: np.ndarray
+    trace: Accesses, tr_req: np.ndarray, req_codes: np.ndarray, path_node_ids: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Mass per step of (request, node) for each path entry; and whether it was found.
 
@@ -120,7 +122,7 @@ def _node_mass(
 
 
 def _steps_and_head_mass(
-    trace: Trace, tr_req: np.ndarray, req_codes: np.ndarray
+    trace: Accesses, tr_req: np.ndarray, req_codes: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per request (``req_codes`` order): distinct decode steps, and mass per step on
     each of the first ``SINK_PAGES_MAX`` page positions (same per-step averaging as
@@ -148,11 +150,11 @@ def _steps_and_head_mass(
     return steps, head
 
 
-def prepare_prefix(requests: Requests, trace: Trace | None = None, page_size: int | None = None) -> PrefixData:
+def prepare_prefix(requests: Requests, trace: Accesses | None = None, page_size: int | None = None) -> PrefixData:
     """Index the requests table (and node importance from ``trace`` if given).
 
     Paths recorded before a radix split are first resolved to the finest split
-    (``trace.format.resolve_splits``), so live traces replay like synthetic ones.
+    (``trace.splits.resolve_splits``), so live traces replay like synthetic ones.
     Requests replay by ``arrival_step``, ties by ``arrival_ns``, then table order.
 
     Raises:
@@ -214,8 +216,8 @@ def prepare_prefix(requests: Requests, trace: Trace | None = None, page_size: in
             mass = np.where(found, m, 0.0)
         steps, head = _steps_and_head_mass(trace, tr_codes, req_codes)
     return PrefixData(
-        parent=parent,
-        tokens=tokens,
+        node_parent=parent,
+        node_tokens=tokens,
         node_ids=node_u.astype(np.int64),
         path_ptr=ptr,
         path_node=node,
@@ -223,7 +225,7 @@ def prepare_prefix(requests: Requests, trace: Trace | None = None, page_size: in
         request_id=req_codes,
         has_importance=has_imp,
         page_size=int(page_size) if page_size else TraceMeta().page_size,
-        start=start,
+        node_start=start,
         request_steps=steps,
         head_mass=head,
     )
@@ -268,8 +270,8 @@ def replay_prefix(
         ev_row_ptr=ptr,
         ev_demand=np.diff(ptr),
         rng=np.random.default_rng(seed),
-        key_tokens=pd.tokens,
-        key_start=pd.start,
+        key_tokens=pd.node_tokens,
+        key_start=pd.node_start,
         page_size=pd.page_size,
         ev_steps=pd.request_steps,
         ev_head_mass=pd.head_mass,
@@ -278,8 +280,8 @@ def replay_prefix(
     # Priorities fixed at the last touch sit in a lazily cleaned heap; priorities
     # that move with time are ranked afresh at each eviction pass, like SGLang's.
     ranked = policy.ranks_at_eviction
-    parent = pd.parent.tolist()
-    tok = pd.tokens.tolist()
+    parent = pd.node_parent.tolist()
+    tok = pd.node_tokens.tolist()
     resident = [False] * n
     nchild = [0] * n
     ver = [0] * n

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sgl_importance.trace.format import Requests, Trace, TraceMeta, TraceSet
+from sgl_importance.trace.schema import TraceMeta
+from sgl_importance.trace.tables import Accesses, Requests, TraceSet
 
 NODE_SHIFT = 20
 KINDS = ("multi_turn", "rag", "agent", "cot", "loop")
@@ -333,7 +334,7 @@ def synthesize(
         workload=kind,
         extra={"seed": seed, "scale": scale, "layers": layers, "kv_heads": kv_heads, "noise": noise, "rho": rho, "sharpness": sharpness},
     )
-    trace = Trace.from_columns(cols, meta)
+    trace = Accesses.from_columns(cols, meta)
     requests = Requests.from_lists(
         [r.rid for r in reqs],
         [r.arrival for r in reqs],
