@@ -1,9 +1,5 @@
 """PageImportanceTable: layers reduce into a step, steps are sampled, freed pages forget."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -166,14 +162,10 @@ def test_dump_writes_a_snapshot_only_when_the_table_changed(tmp_path):
         pt.clear_page_table()
 
 
-# The plugin's hooks on SGLang's real allocators, in a fresh interpreter so the
-# patched classes do not leak into the rest of the test session.
+# The plugin's hooks on SGLang's real allocators, in the hooked interpreter
+# (``support.hooked``) so the patched classes do not leak into this session.
 _ALLOCATOR_SCRIPT = r"""
 import json, torch
-from sgl_importance import plugin
-plugin.load()
-from sglang.srt.plugins.hook_registry import HookRegistry
-HookRegistry.apply_hooks()
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sgl_importance.importance import page_table as pt
@@ -215,13 +207,8 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def test_plugin_hooks_zero_the_pages_sglang_allocators_free():
-    proc = subprocess.run(
-        [sys.executable, "-c", _ALLOCATOR_SCRIPT], capture_output=True, text=True, timeout=300
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+def test_plugin_hooks_zero_the_pages_sglang_allocators_free(hooked):
+    out = hooked.run(_ALLOCATOR_SCRIPT).result
     first, second, _third = out["paged_pages"]
     assert out["paged_free"] == [first]
     assert out["paged_in_group"] == [first], "a free inside a group waits for the group's end"

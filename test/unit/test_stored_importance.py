@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import types
 
 import pytest
@@ -53,11 +50,6 @@ def test_the_memory_is_bounded_and_forgets_the_oldest_pages():
 
 _SCRIPT = r'''
 import json, torch
-import sglang.srt.managers.scheduler  # tree hooks are registered where the scheduler is loaded
-from sgl_importance import plugin
-plugin.load()
-from sglang.srt.plugins.hook_registry import HookRegistry
-HookRegistry.apply_hooks()
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -79,11 +71,8 @@ print("RESULT " + json.dumps({"importance": getattr(node, "importance", None), "
 '''
 
 
-def test_sglangs_insert_host_restores_importance_through_the_plugin_hook():
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+def test_sglangs_insert_host_restores_importance_through_the_plugin_hook(hooked):
+    result = hooked.run(_SCRIPT).result
     assert result == {"importance": pytest.approx(0.4), "evicted": True}
 
 

@@ -1,6 +1,6 @@
 """The importance policy inside SGLang's real unified radix cache (no server).
 
-In a fresh interpreter (the plugin's hooks patch SGLang classes): the FULL override
+In the hooked interpreter (``support.hooked``: the plugin's hooks patch SGLang classes): the FULL override
 selects the Python tree core under ``importance`` only; folded page importance
 decides which leaf SGLang's eviction walk frees; a split hands the importance to
 both halves; demotion to the host tier keeps the node and its importance.
@@ -8,19 +8,10 @@ both halves; demotion to the host tier keeps the node and its importance.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 _SCRIPT = r'''
 import json, types, torch
-import sglang.srt.managers.scheduler  # tree hooks are registered where the scheduler is loaded
-from sgl_importance import plugin
-plugin.load()
-from sglang.srt.plugins.hook_registry import HookRegistry
-HookRegistry.apply_hooks()
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -96,12 +87,10 @@ print("RESULT " + json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def result() -> dict:
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    assert "undrained" not in proc.stderr, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+def result(hooked) -> dict:
+    outcome = hooked.run(_SCRIPT)
+    assert "undrained" not in outcome.stderr, outcome.stderr[-3000:]
+    return outcome.result
 
 
 def test_only_the_importance_policy_gets_the_python_core_and_the_full_override(result):
