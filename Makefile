@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed
 DEPS  := python/requirements-cpu.txt python/requirements-test.txt \
          python/pyproject.toml sgl-kernel-ext/pyproject.toml
 
-.PHONY: install model serve test test-fast bench-kernel bench-hit-rate bench-hit-rate-synth bench-serving bench-storage clean
+.PHONY: install model serve test test-fast lint format bench-kernel bench-hit-rate bench-hit-rate-synth bench-serving bench-storage clean
 
 install: $(STAMP)
 
@@ -37,15 +37,29 @@ model: install
 serve: install
 	SGLANG_PLATFORM=$(PLATFORM) $(BIN)/python -m sglang.launch_server \
 		--model-path "$$($(BIN)/python scripts/prepare_model.py --print-path)" \
-		--served-model-name $(MODEL_NAME) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+		--served-model-name $(MODEL_NAME) --host $(HOST) --port $(PORT) --sleep-on-idle $(SERVE_ARGS)
 
+# Lint first (seconds), then every test. Two workers, one module each at a time
+# (--dist loadfile keeps a module's servers in one worker): a server start is
+# mostly single-threaded imports, so two modules overlap well on two cores.
+TEST_WORKERS ?= 2
 test: install
 	$(BIN)/python scripts/prepare_model.py --print-path >/dev/null
-	$(BIN)/python -m pytest test $(PYTEST_ARGS)
+	$(BIN)/python -m pytest test -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The inner loop: unit and kernel tests, no server.
 test-fast: install
 	$(BIN)/python -m pytest test -m "not e2e" $(PYTEST_ARGS)
+
+LINT_PATHS := python sgl-kernel-ext test benchmark scripts
+lint: install
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
+
+# Rewrites files: what `make lint` asks for, where ruff can do it.
+format: install
+	$(BIN)/ruff check --fix $(LINT_PATHS)
+	$(BIN)/ruff format $(LINT_PATHS)
 
 bench-kernel: install
 	$(BIN)/python benchmark/kernel/bench_decode.py $(BENCH_ARGS)

@@ -56,3 +56,12 @@ def launch(model_path: str, tmp_path_factory) -> Iterator:
     yield _launch
     for server in servers:
         server.stop()
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """Slow modules first, then the other e2e modules, then unit and kernel tests.
+
+    Under ``make test`` two workers take one module at a time in this order, so the
+    longest modules start early and the many short ones even out the end.
+    """
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, item.get_closest_marker("e2e") is None))

@@ -185,15 +185,15 @@ def importance_metrics(cache: Any) -> Optional[ImportanceMetrics]:
     """The process's series for ``cache``, or None when SGLang's metrics are off.
 
     Args:
-        cache: SGLang's radix cache; its ``metrics_collector`` exists only with
-            ``--enable-metrics`` and carries the rank labels.
+        cache: SGLang's radix cache; its ``metrics_collector`` is None unless
+            ``--enable-metrics``, and carries the rank labels.
     """
     global _instance
-    collector = getattr(cache, "metrics_collector", None)
+    collector = cache.metrics_collector
     if collector is None:
         return None
     if _instance is None:
-        _instance = ImportanceMetrics(getattr(collector, "labels", {}) or {})
+        _instance = ImportanceMetrics(collector.labels or {})
     return _instance
 
 

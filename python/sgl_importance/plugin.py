@@ -28,6 +28,26 @@ imports nothing heavy in processes that never reach them.
 | storage pages sealed + verified; writes pause    | cache/integrity.py            |
 | `file` tier: directory check, leftovers, drops   | cache/file_tier.py            |
 | `--importance-trace-dir`: per-step page trace    | trace/recorder.py, writer.py  |
+
+Private SGLang names the plugin relies on (SGLang may change them without notice;
+``test/unit/test_sglang_contract.py`` checks each of them, and every public attribute
+the plugin reads on SGLang's objects, against the installed SGLang):
+
+| private name                                              | module                      |
+|-----------------------------------------------------------|-----------------------------|
+| `mem_cache.utils._EVICTION_POLICY_FACTORIES` (policy name) | plugin.py                   |
+| `components.base._LAST_ACCESS_TIME_COUNTER_FLOAT` (clock)  | cache/strategy.py           |
+| `UnifiedRadixCache._all_reduce` (rank consensus)           | cache/prefetch.py           |
+| `HiCacheFile._get_suffixed_key` (page file names)          | cache/file_tier.py          |
+| `HiCacheStorageFailureInjector._backend` (unwrap)          | cache/integrity.py          |
+| `TritonAttnBackend._set_kv_buffer`                         | attention/triton_backend.py |
+| hook `PagedTokenToKVPoolAllocator._release_page_ids`       | importance/allocator_reset.py |
+| hook `TokenizerManager._validate_one_request`              | prompt_check.py             |
+
+The plugin's own state on SGLang's objects: one ``NodeImportance`` per radix node
+(``importance/node_state.py``), ``server_args._importance`` (config.py), and the
+``importance`` strategy each cache's tree core holds (reached through
+``cache/policy_state.py``).
 """
 
 from __future__ import annotations

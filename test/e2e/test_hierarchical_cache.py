@@ -13,7 +13,7 @@ import requests
 
 from support.server import output_ids_and_logprobs
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PAGE = 16
 DEVICE_TOKENS = 1024

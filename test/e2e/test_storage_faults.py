@@ -20,7 +20,7 @@ import requests
 from sgl_importance.local_server import metric
 from support.server import launch_and_fail, output_ids_and_logprobs
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 CORRUPT = "sgl_importance:storage_corrupt_pages_total"
 ARGS = [

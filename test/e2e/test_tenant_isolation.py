@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PAGE = 16
 DEVICE_TOKENS = 512

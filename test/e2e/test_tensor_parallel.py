@@ -29,7 +29,7 @@ import requests
 from sgl_importance.local_server import metric
 from support.server import Server
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TP = 3
 PAGE = 16

@@ -2,49 +2,29 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
+from support.fake_tree import FULL, FakeCache, FakeTreeCore, decode_batch, request, scheduler_of
+
+from sgl_importance.importance.node_state import has_importance, node_importance
 from sgl_importance.importance.page_table import PageImportanceTable
 from sgl_importance.scheduler import fold
 from sgl_importance.scheduler.fold import fold_after_batch, observe
 
 PAGE = 4
-FULL = fold._FULL
 
 
-def tree_node(parent, tokens: int = 0, first_slot: int | None = None):
-    node = types.SimpleNamespace(parent=parent, key=[0] * tokens, component_data=[None] * 8)
-    value = None if first_slot is None else torch.arange(first_slot, first_slot + tokens)
-    node.component_data[FULL] = types.SimpleNamespace(value=value)
-    return node
-
-
-class Core:
-    def __init__(self):
-        self.root = tree_node(None)
-        self.nodes = {}
-
-    def add(self, node_id, parent, tokens, first_slot):
-        self.nodes[node_id] = tree_node(parent or self.root, tokens, first_slot)
-        return self.nodes[node_id]
-
-    def node_by_id(self, node_id):
-        return self.nodes[node_id]
-
-
-def build():
-    core = Core()
-    shared = core.add(1, None, 8, first_slot=16)  # pages 4, 5
-    core.add(2, shared, 4, first_slot=40)  # page 10
-    core.add(3, shared, 8, first_slot=60)  # pages 15, 16
+def build(strategy=None):
+    core = FakeTreeCore(strategy, page_size=PAGE)
+    shared = core.add(tokens=8, first_slot=16)  # node 1: pages 4, 5
+    core.add(shared, 4, first_slot=40)  # node 2: page 10
+    core.add(shared, 8, first_slot=60)  # node 3: pages 15, 16
     return core
 
 
 def req(last_node):
-    return types.SimpleNamespace(last_node=last_node)
+    return request(last_node=last_node)
 
 
 def test_a_shared_ancestor_is_observed_once_with_each_nodes_position_and_pages():
@@ -74,23 +54,21 @@ def test_page_ids_are_cached_until_the_nodes_value_is_replaced():
 def test_fold_after_batch_updates_nodes_only_for_decode_batches_under_the_policy(monkeypatch):
     from sgl_importance.cache.strategy import ImportanceStrategy
 
-    core = build()
-    core.eviction_strategy = ImportanceStrategy(sink_pages=0)
+    core = build(ImportanceStrategy(sink_pages=0))
     table = PageImportanceTable(32, page_size=PAGE)
     monkeypatch.setattr(fold, "current_page_table", lambda: table)
     slots = torch.cat([torch.arange(16, 24), torch.arange(40, 44)])
     table.add_layer(torch.tensor([[0.25, 0.25, 0.5]]), torch.tensor([0, 12], dtype=torch.int32), slots)
     table.finish_step()
-    scheduler = types.SimpleNamespace(tree_cache=types.SimpleNamespace(tree_core=core))
+    scheduler = scheduler_of(FakeCache(core))
 
-    def batch(decode):
-        return types.SimpleNamespace(reqs=[req(2)], forward_mode=types.SimpleNamespace(is_decode=lambda: decode))
-
-    assert fold_after_batch(scheduler, batch(decode=False)) == 0
-    assert not hasattr(core.nodes[2], "importance")
-    assert fold_after_batch(scheduler, batch(decode=True)) == 1
-    assert core.nodes[1].importance == pytest.approx((1 - 0.98) * 0.25)
-    assert core.nodes[2].importance == pytest.approx((1 - 0.98) * 0.5)
+    assert fold_after_batch(scheduler, decode_batch([req(2)], decode=False)) == 0
+    assert not has_importance(core.nodes[2])
+    assert fold_after_batch(scheduler, decode_batch([req(2)])) == 1
+    assert node_importance(core.nodes[1]) == pytest.approx((1 - 0.98) * 0.25)
+    assert node_importance(core.nodes[2]) == pytest.approx((1 - 0.98) * 0.5)
     # Another policy: nothing is folded.
     core.eviction_strategy = object()
-    assert fold_after_batch(scheduler, batch(decode=True)) == 0
+    assert fold_after_batch(scheduler, decode_batch([req(2)])) == 0
+    # A cache without a tree core (radix cache disabled): nothing is folded.
+    assert fold_after_batch(scheduler_of(object()), decode_batch([req(2)])) == 0

@@ -10,6 +10,8 @@ import pytest
 import torch
 from sglang.srt.mem_cache.evict_policy import LRUStrategy
 
+from support.fake_tree import detached_node
+
 from sgl_importance.cache.strategy import ImportanceStrategy, check_cli_args
 from sgl_importance.importance.page_table import PageImportanceTable
 from sgl_importance.importance.persistent import Observation
@@ -18,11 +20,7 @@ PAGE = 4
 
 
 def leaf(t: float, hits: int = 0, importance: float | None = None, pinned: bool = False):
-    n = types.SimpleNamespace(last_access_time=float(t), hit_count=hits)
-    if importance is not None:
-        n.importance = importance
-        n.importance_pinned = pinned
-    return n
+    return detached_node(last=t, hits=hits, importance=importance, pinned=pinned)
 
 
 def eviction_order(strategy, nodes) -> list:

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import json
 import socket
-import types
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+from support.fake_tree import FakeCache, FakeTreeCore, decode_batch, request, scheduler_of
 
 from sgl_importance.cache.components import use_importance_components
+from sgl_importance.importance.node_state import node_importance, node_state
 from sgl_importance.importance.page_table import PageImportanceTable
 from sgl_importance.scheduler import fold
 from sgl_importance.scheduler.fold import fold_after_batch, tree_group
@@ -40,22 +43,13 @@ STEPS = [
 NODES = {1: (None, 8, 12), 2: (1, 4, 28)}
 
 
-def _tree_node(parent, tokens: int, first_slot: int | None):
-    node = types.SimpleNamespace(parent=parent, key=[0] * tokens, component_data=[None] * 8)
-    value = None if first_slot is None else torch.arange(first_slot, first_slot + tokens)
-    node.component_data[fold._FULL] = types.SimpleNamespace(value=value)
-    return node
-
-
 def _tree():
     from sgl_importance.cache.strategy import ImportanceStrategy
 
-    root = _tree_node(None, 0, None)
-    nodes = {}
+    core = FakeTreeCore(ImportanceStrategy(decay=DECAY, sink_pages=0), page_size=PAGE)
     for node_id, (parent, tokens, first_slot) in NODES.items():
-        nodes[node_id] = _tree_node(nodes[parent] if parent else root, tokens, first_slot)
-    core = types.SimpleNamespace(node_by_id=nodes.__getitem__, nodes=nodes)
-    core.eviction_strategy = ImportanceStrategy(decay=DECAY, sink_pages=0)
+        node = core.add(core.nodes[parent] if parent else None, tokens, first_slot=first_slot)
+        assert node.id == node_id
     return core
 
 
@@ -79,12 +73,10 @@ def _rank_main(rank: int, port: int, out: str) -> None:
         core = _tree()
         table = PageImportanceTable(NUM_PAGES, page_size=PAGE)
         fold.current_page_table = lambda: table
-        tree_cache = types.SimpleNamespace(tree_core=core, tp_group=group, tp_world_size=WORLD)
-        scheduler = types.SimpleNamespace(tree_cache=tree_cache)
-        decode = types.SimpleNamespace(
-            reqs=[types.SimpleNamespace(last_node=2)],
-            forward_mode=types.SimpleNamespace(is_decode=lambda: True),
-        )
+        tree_cache = FakeCache(core)
+        tree_cache.tp_group, tree_cache.tp_world_size = group, WORLD
+        scheduler = scheduler_of(tree_cache)
+        decode = decode_batch([request(last_node=2)])
         folded = []
         for per_rank in STEPS:
             for masses in per_rank[rank]:
@@ -93,8 +85,8 @@ def _rank_main(rank: int, port: int, out: str) -> None:
         aggregator = core.eviction_strategy.aggregator
         result = {
             "folded": folded,
-            "importance": [core.nodes[i].importance for i in sorted(core.nodes)],
-            "steps": [core.nodes[i].importance_steps for i in sorted(core.nodes)],
+            "importance": [node_importance(core.nodes[i]) for i in sorted(core.nodes)],
+            "steps": [node_state(core.nodes[i]).steps for i in sorted(core.nodes)],
             "clock": aggregator.clock,
             "scale": aggregator.scale,
         }
@@ -158,16 +150,20 @@ def test_tensor_parallel_ranks_fold_identical_importance_the_mean_of_their_table
 def test_a_single_rank_tree_folds_without_any_collective():
     # No process group is initialised here: a collective would raise.
     assert not dist.is_initialized()
-    assert tree_group(types.SimpleNamespace(tp_world_size=1, tp_group=object())) is None
-    assert tree_group(types.SimpleNamespace()) is None
+    cache = FakeCache(FakeTreeCore())
+    cache.tp_group = object()
+    assert tree_group(cache) is None
     group = object()
-    assert tree_group(types.SimpleNamespace(tp_world_size=2, tp_group=group)) is group
+    cache.tp_world_size, cache.tp_group = 2, group
+    assert tree_group(cache) is group
 
 
 def _params(**kwargs):
-    return types.SimpleNamespace(
-        eviction_policy="importance", disable=False, component_registry_override=None, **kwargs
-    )
+    # SGLang's own dataclass: its field names are what the component override reads.
+    return CacheInitParams(
+        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=PAGE,
+        eviction_policy="importance", **kwargs,
+    )  # fmt: skip
 
 
 def test_tensor_parallelism_is_accepted_under_the_importance_policy():

@@ -6,18 +6,20 @@ Steps are recorded through the real PageImportanceTable (``add_layer`` +
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
-from sgl_importance.importance.page_table import PageImportanceTable
-from sgl_importance.importance.persistent import (
-    ImportanceAggregator,
-    Observation,
+from support.fake_tree import detached_node as node
+
+from sgl_importance.importance.node_state import (
+    has_importance,
     node_importance,
     node_pinned,
+    node_state,
+    peek_state,
 )
+from sgl_importance.importance.page_table import PageImportanceTable
+from sgl_importance.importance.persistent import ImportanceAggregator, Observation
 
 PAGE = 4
 NUM_PAGES = 32
@@ -47,10 +49,6 @@ def obs(node, start: int, *pages: int) -> Observation:
     return Observation(node, start, torch.tensor(pages, dtype=torch.int64))
 
 
-def node() -> types.SimpleNamespace:
-    return types.SimpleNamespace()
-
-
 def test_ema_starts_at_zero_and_grows_with_attended_steps_toward_the_density():
     table, agg = new_table(), ImportanceAggregator(decay=0.9, sink_pages=0)
     a = node()
@@ -61,7 +59,7 @@ def test_ema_starts_at_zero_and_grows_with_attended_steps_toward_the_density():
         history.append(node_importance(a))
     # density 0.3 per page; after n steps the zero-started EMA is 0.3 * (1 - 0.9**n)
     assert history == pytest.approx([0.3 * (1 - 0.9**n) for n in range(1, 6)])
-    assert a.importance_steps == 5 and a.importance_step == agg.clock == 5
+    assert node_state(a).steps == 5 and node_state(a).step == agg.clock == 5
 
 
 def test_density_is_mass_per_page_without_the_sink_pages():
@@ -162,16 +160,17 @@ def test_a_split_gives_both_halves_the_density_and_moves_the_start():
     prefix = node()
     agg.split(prefix, whole, PAGE, PAGE)  # the prefix is the first (sink) page
     assert node_importance(prefix) == node_importance(whole) == value
-    assert prefix.importance_start == 0 and whole.importance_start == PAGE
+    assert node_state(prefix).start == 0 and node_state(whole).start == PAGE
     assert node_pinned(prefix) and not node_pinned(whole)
-    assert prefix.importance_steps == whole.importance_steps == 1
+    assert node_state(prefix).steps == node_state(whole).steps == 1
 
 
 def test_splitting_a_never_attended_node_leaves_the_prefix_bare():
     agg = ImportanceAggregator()
     prefix, suffix = node(), node()
     agg.split(prefix, suffix, PAGE, PAGE)
-    assert not hasattr(prefix, "importance") and node_importance(prefix) == 0.0
+    assert not has_importance(prefix) and node_importance(prefix) == 0.0
+    assert peek_state(prefix) is None  # nothing allocated for a node never attended
 
 
 @pytest.mark.parametrize("decay", [0, 1, 1.5, -0.1, "0.9", True, None])

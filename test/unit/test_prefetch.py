@@ -3,15 +3,15 @@ loaded, and that nothing more important than what comes in is ever evicted."""
 
 from __future__ import annotations
 
-import itertools
 import types
 
 import pytest
 
+from support.fake_tree import FULL, FakeCache, FakeTreeCore, detached_node, request
+
 from sgl_importance.cache.prefetch import (
     issue,
     lock_cost,
-    PREFETCHED,
     WarmIndex,
     evicted_path,
     mark_evicted,
@@ -21,65 +21,21 @@ from sgl_importance.cache.prefetch import (
     waiting_candidates,
 )
 from sgl_importance.cache.strategy import ImportanceStrategy
-
-_ids = itertools.count(1)
-
-
-class Node:
-    def __init__(self, parent, tokens, *, device=True, host=True, importance=0.0, last=0.0):
-        self.id = next(_ids)
-        self.parent = parent
-        self.key = list(range(tokens))
-        self.children = {}
-        self.evicted = not device
-        self.backuped = host
-        self.importance = importance
-        self.last_access_time = last
-        self.hit_count = 0
-        self.component_data = [types.SimpleNamespace(lock_ref=0)]
-        if parent is not None:
-            parent.children[self.id] = self
-
-
-class Tree:
-    def __init__(self):
-        self.root = Node(None, 0)
-        self.nodes = {}
-
-    def add(self, parent=None, tokens=16, **kw):
-        node = Node(parent or self.root, tokens, **kw)
-        self.nodes[node.id] = node
-        return node
-
-    def node_by_id(self, node_id):
-        return self.nodes[node_id]
-
-    @property
-    def evictable_device_leaves(self):
-        return {
-            n
-            for n in self.nodes.values()
-            if not n.evicted
-            and not any(not c.evicted for c in n.children.values())
-            and n.component_data[0].lock_ref == 0
-        }
+from sgl_importance.importance.node_state import node_state
 
 
 def make(free_tokens: int, **config):
-    tree = Tree()
+    tree = FakeTreeCore()
     # Warming is opt-in; these tests are about it.
     strategy = ImportanceStrategy(**{"prefetch_min_importance": 0.25, **config})
     strategy.clock = lambda: 100.0
     strategy.aggregator.scale = 1.0
-    cache = types.SimpleNamespace(
-        tree_core=tree,
-        token_to_kv_pool_allocator=types.SimpleNamespace(available_size=lambda: free_tokens),
-    )
-    return tree, strategy, cache
+    tree.eviction_strategy = strategy
+    return tree, strategy, FakeCache(tree, free_tokens)
 
 
 def test_evicted_path_stops_at_the_first_device_resident_ancestor():
-    tree = Tree()
+    tree = FakeTreeCore()
     a = tree.add(tokens=32)
     b = tree.add(a, device=False)
     c = tree.add(b, device=False)
@@ -126,7 +82,7 @@ def test_the_victim_walk_exposes_parents_and_never_takes_the_incoming_path():
     shared = tree.add(tokens=32, importance=0.1)
     tree.add(shared, tokens=16, importance=0.05)
     # Freeing 48 takes the leaf, then its parent once exposed.
-    bound = priority(types.SimpleNamespace(importance=0.5, last_access_time=0.0, hit_count=0))
+    bound = priority(detached_node(importance=0.5, last=0.0))
     assert victims_less_important(tree, priority, bound, 48, protected=set())
     assert not victims_less_important(tree, priority, bound, 48, protected={shared.id})
     assert not victims_less_important(tree, priority, bound, 49, protected=set())
@@ -137,10 +93,7 @@ def test_waiting_requests_host_matches_come_first_and_share_no_path():
     doc = tree.add(tokens=64, device=False, importance=0.9)
     tail = tree.add(doc, tokens=16, device=False)
     strategy.warm.add(doc)
-    reqs = [
-        types.SimpleNamespace(host_hit_length=80, best_match_node=tail.id),
-        types.SimpleNamespace(host_hit_length=0, best_match_node=None),
-    ]
+    reqs = [request(host_hit_length=80, best_match_node=tail.id), request()]
     assert waiting_candidates(tree, reqs) == [tail]
     chosen = plan(cache, strategy, budget=1024, waiting_queue=reqs)
     # The waiting request's load covers the document: it is not loaded twice.
@@ -156,14 +109,14 @@ def test_the_budget_caps_what_one_batch_loads():
 
 
 def test_loaded_or_dropped_nodes_leave_the_warm_index():
-    tree = Tree()
+    tree = FakeTreeCore()
     index = WarmIndex()
     back = tree.add(device=False)
     dropped = tree.add(device=False)
     index.add(back)
     index.add(dropped)
-    back.evicted = False
-    dropped.backuped = False
+    back.component_data[FULL].value = back.component_data[FULL].host_value.clone()  # loaded back
+    dropped.component_data[FULL].host_value = None  # dropped from the host tier
     assert index.nodes() == []
 
 
@@ -178,10 +131,10 @@ class Metrics:
 def test_a_prefetched_node_is_used_or_wasted_once(monkeypatch):
     metrics = Metrics()
     monkeypatch.setattr("sgl_importance.cache.prefetch.importance_metrics", lambda cache: metrics)
-    tree = Tree()
+    tree = FakeTreeCore()
     used, wasted = tree.add(tokens=32), tree.add(tokens=16)
-    setattr(used, PREFETCHED, "warm")
-    setattr(wasted, PREFETCHED, "waiting")
+    node_state(used).prefetched = "warm"
+    node_state(wasted).prefetched = "waiting"
     mark_used(None, [used, used])  # attended twice: counted once
     mark_evicted(None, wasted, 16)
     mark_evicted(None, used, 32)
@@ -201,42 +154,6 @@ def test_bad_prefetch_config_names_the_key(config, message):
         ImportanceStrategy(**config)
 
 
-class FakeCache:
-    """Just enough of UnifiedRadixCache for ``issue``: locks, room and load-back."""
-
-    page_size = 16
-    tp_world_size = 1
-
-    def __init__(self, tree, free_tokens):
-        self.tree_core = tree
-        self.free = free_tokens
-        self.token_to_kv_pool_allocator = types.SimpleNamespace(available_size=lambda: self.free)
-        self.loaded = []
-
-    def is_root(self, node_id):
-        return node_id == self.tree_core.root.id
-
-    def inc_lock_ref(self, node_id):
-        node = self.tree_core.node_by_id(node_id)
-        while node.parent is not None:
-            node.component_data[0].lock_ref += 1
-            node = node.parent
-        return types.SimpleNamespace(to_dec_params=lambda: node_id)
-
-    def dec_lock_ref(self, node_id, params):
-        node = self.tree_core.node_by_id(node_id)
-        while node.parent is not None:
-            node.component_data[0].lock_ref -= 1
-            node = node.parent
-
-    def evictable(self):
-        return sum(len(n.key) for n in self.tree_core.evictable_device_leaves)
-
-    def load_back(self, node_id):
-        self.loaded.append(node_id)
-        return True
-
-
 class Budget:
     """SGLang's prefill budget with nothing reserved: free + evictable, live."""
 
@@ -245,13 +162,13 @@ class Budget:
 
     @property
     def remaining_total(self):
-        return self.cache.free + self.cache.evictable()
+        return self.cache.free + self.cache.evictable_tokens()
 
     remaining_current = remaining_total
 
 
 def test_issue_never_counts_or_evicts_the_admitted_requests_prefixes():
-    tree = Tree()
+    tree = FakeTreeCore()
     # The admitted request's matched prefix: the only device leaf, unimportant.
     prefix = tree.add(tokens=256, importance=0.01)
     doc = tree.add(tokens=128, device=False, importance=0.9)
@@ -260,11 +177,9 @@ def test_issue_never_counts_or_evicts_the_admitted_requests_prefixes():
     strategy.clock = lambda: 100.0
     strategy.aggregator.scale = 1.0
     strategy.warm.add(doc)
-    adder = types.SimpleNamespace(
-        memory_budget=Budget(cache), can_run_list=[types.SimpleNamespace(last_node=prefix.id)]
-    )
+    adder = types.SimpleNamespace(memory_budget=Budget(cache), can_run_list=[request(last_node=prefix.id)])
     assert issue(cache, strategy, adder) == []
-    assert cache.loaded == [] and prefix.component_data[0].lock_ref == 0
+    assert cache.loaded == [] and prefix.component_data[FULL].lock_ref == 0
     # Once no request holds the prefix, evicting it for the document is allowed.
     adder.can_run_list = []
     assert [c.node for c in issue(cache, strategy, adder)] == [doc]
@@ -272,13 +187,13 @@ def test_issue_never_counts_or_evicts_the_admitted_requests_prefixes():
 
 
 def test_a_load_costs_the_resident_ancestors_it_locks():
-    tree = Tree()
+    tree = FakeTreeCore()
     system = tree.add(tokens=512, importance=0.5)
     question = tree.add(system, tokens=64, device=False, importance=0.9)
     assert lock_cost([question]) == 576
-    system.component_data[0].lock_ref = 1  # a running request holds it already
+    system.component_data[FULL].lock_ref = 1  # a running request holds it already
     assert lock_cost([question]) == 64
-    system.component_data[0].lock_ref = 0
+    system.component_data[FULL].lock_ref = 0
     assert lock_cost([question], already_locked={system.id}) == 64
 
 
@@ -297,7 +212,7 @@ def test_a_wasted_warm_prefetch_is_not_repeated_until_the_node_is_attended(monke
     tree, strategy, cache = make(free_tokens=1024)
     doc = tree.add(tokens=64, device=False, importance=0.9)
     strategy.warm.add(doc)
-    setattr(doc, PREFETCHED, "warm")
+    node_state(doc).prefetched = "warm"
     mark_evicted(None, doc, 64)
     assert plan(cache, strategy, budget=1024, waiting_queue=[]) == []
     mark_used(None, [doc])
@@ -317,14 +232,12 @@ def test_a_node_that_a_fresh_request_would_outrank_is_not_warmed():
 
 
 def test_warming_is_off_by_default():
-    tree = Tree()
+    tree = FakeTreeCore()
     strategy = ImportanceStrategy()
     strategy.clock = lambda: 100.0
     strategy.aggregator.scale = 1.0
     strategy.warm.add(tree.add(tokens=64, device=False, importance=0.9))
-    cache = types.SimpleNamespace(
-        tree_core=tree, token_to_kv_pool_allocator=types.SimpleNamespace(available_size=lambda: 1024)
-    )
+    cache = FakeCache(tree, free_tokens=1024)
     assert plan(cache, strategy, budget=1024, waiting_queue=[]) == []
 
 

@@ -4,7 +4,7 @@ A seeded sequence of 40 requests over a small radix tree drives both sides:
 
 - live: the real ``ImportanceStrategy`` (its ``get_priority``, its
   ``ImportanceAggregator`` folding a real ``PageImportanceTable`` step by step) on a
-  small radix tree of SGLang-like nodes, evicted the way SGLang's
+  small radix tree of ``support.fake_tree.FakeNode`` (SGLang's node attributes), evicted the way SGLang's
   ``FullComponent._evict_device_start`` / ``_evict_device_next_node`` do (a heap of the
   evictable leaves' priorities; a parent that becomes a leaf is pushed with its
   priority then), stamped by a logical access clock like SGLang's;
@@ -24,11 +24,11 @@ from __future__ import annotations
 import heapq
 import json
 import random
-import types
 
 import numpy as np
 import pytest
 import torch
+from support.fake_tree import FakeNode
 
 from sgl_importance.cache.strategy import ImportanceStrategy
 from sgl_importance.importance.page_table import PageImportanceTable
@@ -106,7 +106,8 @@ class LiveTree:
         self.strategy = strategy
         self.clock = 1.0  # SGLang's counter: hands out its value, then adds one
         strategy.clock = lambda: self.clock
-        self.nodes: dict[int, types.SimpleNamespace] = {}
+        self.nodes: dict[int, FakeNode] = {}
+        self.pages: dict[int, list[int]] = {}
         self.budget = budget_tokens
         self.used = 0
         self.free_pages = list(range(1, 64))
@@ -132,18 +133,19 @@ class LiveTree:
         if self.used + need > self.budget:
             self.evict(need, locked=set(path[:hit]))
         for nid in path[hit:]:
-            pages = [self.free_pages.pop(0) for _ in range(TREE[nid][1])]
-            self.nodes[nid] = types.SimpleNamespace(
-                id=nid, last_access_time=self.tick(), hit_count=0, pages=pages, children=0
-            )
-            if TREE[nid][0] != -1:
-                self.nodes[TREE[nid][0]].children += 1
-            self.used += len(pages) * PAGE
+            parent = self.nodes.get(TREE[nid][0])
+            node = FakeNode(nid, parent, TREE[nid][1] * PAGE)
+            node.last_access_time = self.tick()
+            if parent is not None:
+                parent.children[nid] = node
+            self.nodes[nid] = node
+            self.pages[nid] = [self.free_pages.pop(0) for _ in range(TREE[nid][1])]
+            self.used += TREE[nid][1] * PAGE
         for _ in range(steps):
             self.decode_step(leaf, masses)
 
-    def evictable(self, node: types.SimpleNamespace, locked: set[int]) -> bool:
-        return node.children == 0 and node.id not in locked
+    def evictable(self, node: FakeNode, locked: set[int]) -> bool:
+        return not node.children and node.id not in locked
 
     def evict(self, need: int, locked: set[int]) -> None:
         get = self.strategy.get_priority
@@ -153,22 +155,22 @@ class LiveTree:
             _, nid = heapq.heappop(heap)
             node = self.nodes.pop(nid)
             self.evicted.append(nid)
-            self.free_pages += node.pages
-            self.used -= len(node.pages) * PAGE
-            parent = TREE[nid][0]
-            if parent != -1:
-                p = self.nodes[parent]
-                p.children -= 1
-                if self.evictable(p, locked):
-                    heapq.heappush(heap, (get(p), parent))
+            pages = self.pages.pop(nid)
+            self.free_pages += pages
+            self.used -= len(pages) * PAGE
+            parent = node.parent
+            if parent is not None:
+                del parent.children[nid]
+                if self.evictable(parent, locked):
+                    heapq.heappush(heap, (get(parent), parent.id))
 
     def decode_step(self, leaf: int, masses: dict[int, float]) -> None:
         pages, observations, start = [], [], 0
         for nid in path_of(leaf):
-            node = self.nodes[nid]
-            pages += node.pages
-            observations.append(Observation(node, start, torch.tensor(node.pages)))
-            start += len(node.pages) * PAGE
+            node_pages = self.pages[nid]
+            pages += node_pages
+            observations.append(Observation(self.nodes[nid], start, torch.tensor(node_pages)))
+            start += len(node_pages) * PAGE
         values = [m for _, m in page_masses(leaf, masses)]
         slots = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
         self.table.add_layer(

@@ -2,28 +2,25 @@
 
 from __future__ import annotations
 
-import types
+from support.fake_tree import FULL, FakeCache, FakeTreeCore, detached_node
 
 from sgl_importance.cache.admission import (
     ADMITTED,
     DEFERRED,
-    STATE,
     admit_deferred,
     gate_storage_write,
     split_state,
 )
 from sgl_importance.cache.strategy import ImportanceStrategy
+from sgl_importance.importance.node_state import node_state, peek_state
 
 
-class FakeCache:
-    """The parts of UnifiedRadixCache the gate touches; writes are recorded."""
+class AdmissionCache(FakeCache):
+    """The fake cache with SGLang's ``write_backup_storage`` behind the plugin's gate;
+    writes are recorded."""
 
     def __init__(self, **config):
-        self.root = types.SimpleNamespace(id=0, parent=None, children={})
-        self.nodes = {0: self.root}
-        self.tree_core = types.SimpleNamespace(
-            eviction_strategy=ImportanceStrategy(**config), node_by_id=self.nodes.__getitem__
-        )
+        super().__init__(FakeTreeCore(ImportanceStrategy(**config)))
         self.written: list[int] = []
 
     @property
@@ -31,16 +28,9 @@ class FakeCache:
         return self.tree_core.eviction_strategy.aggregator
 
     def add(self, parent=None, hits=0, importance=None, pinned=False, backuped=True, tokens=16):
-        parent = parent or self.root
-        node = types.SimpleNamespace(
-            id=len(self.nodes), parent=parent, children={}, hit_count=hits,
-            backuped=backuped, key=[0] * tokens,
-        )  # fmt: skip
-        if importance is not None:
-            node.importance, node.importance_pinned = importance, pinned
-        parent.children[node.id] = node
-        self.nodes[node.id] = node
-        return node
+        return self.tree_core.add(
+            parent, tokens, host=backuped, hits=hits, importance=importance, pinned=pinned
+        )
 
     def _original_write(self, cache, node_id):
         self.written.append(node_id)
@@ -50,23 +40,32 @@ class FakeCache:
         gate_storage_write(self._original_write, self, node_id)
 
 
+def decision(node):
+    state = peek_state(node)
+    return None if state is None else state.storage
+
+
+def set_importance(node, value):
+    node_state(node).importance = value
+
+
 def test_without_thresholds_every_node_is_written_as_in_sglang():
-    cache = FakeCache()
+    cache = AdmissionCache()
     node = cache.add(hits=0, importance=0.0)
     cache.write_backup_storage(node.id)
-    assert cache.written == [node.id] and not hasattr(node, STATE)
+    assert cache.written == [node.id] and decision(node) is None
 
 
 def test_a_node_without_hits_or_importance_is_deferred_not_written():
-    cache = FakeCache(storage_min_hits=2, storage_min_importance=0.3)
+    cache = AdmissionCache(storage_min_hits=2, storage_min_importance=0.3)
     cache.aggregator.scale = 1.0
     node = cache.add(hits=1, importance=0.1)
     cache.write_backup_storage(node.id)
-    assert cache.written == [] and getattr(node, STATE) == DEFERRED
+    assert cache.written == [] and decision(node) == DEFERRED
 
 
 def test_hits_importance_or_a_sink_each_qualify_a_node():
-    cache = FakeCache(storage_min_hits=2, storage_min_importance=0.3)
+    cache = AdmissionCache(storage_min_hits=2, storage_min_importance=0.3)
     cache.aggregator.scale = 1.0
     by_hits = cache.add(hits=2, importance=0.0)
     by_importance = cache.add(hits=0, importance=0.5)
@@ -74,11 +73,11 @@ def test_hits_importance_or_a_sink_each_qualify_a_node():
     for node in (by_hits, by_importance, sink):
         cache.write_backup_storage(node.id)
     assert cache.written == [by_hits.id, by_importance.id, sink.id]
-    assert all(getattr(n, STATE) == ADMITTED for n in (by_hits, by_importance, sink))
+    assert all(decision(n) == ADMITTED for n in (by_hits, by_importance, sink))
 
 
 def test_a_deferred_node_that_earns_importance_is_written_after_its_deferred_ancestors():
-    cache = FakeCache(storage_min_importance=0.3)
+    cache = AdmissionCache(storage_min_importance=0.3)
     cache.aggregator.scale = 1.0
     grandparent = cache.add(importance=0.0)
     parent = cache.add(grandparent, importance=0.0)
@@ -86,7 +85,7 @@ def test_a_deferred_node_that_earns_importance_is_written_after_its_deferred_anc
     for node in (grandparent, parent, child):
         cache.write_backup_storage(node.id)
     assert cache.written == []
-    child.importance = 0.6  # a later fold
+    set_importance(child, 0.6)  # a later fold
     assert admit_deferred(cache, [child]) == 3
     assert cache.written == [grandparent.id, parent.id, child.id]
     # Written once: an admitted node is not re-decided or rewritten by later folds.
@@ -94,16 +93,17 @@ def test_a_deferred_node_that_earns_importance_is_written_after_its_deferred_anc
 
 
 def test_a_deferred_node_no_longer_on_the_host_is_not_written():
-    cache = FakeCache(storage_min_importance=0.3)
+    cache = AdmissionCache(storage_min_importance=0.3)
     cache.aggregator.scale = 1.0
     node = cache.add(importance=0.0)
     cache.write_backup_storage(node.id)
-    node.importance, node.backuped = 0.9, False
+    set_importance(node, 0.9)
+    node.component_data[FULL].host_value = None  # dropped from the host tier
     assert admit_deferred(cache, [node]) == 0 and cache.written == []
 
 
 def test_a_parent_acknowledged_after_an_admitted_child_is_admitted_too():
-    cache = FakeCache(storage_min_hits=5)
+    cache = AdmissionCache(storage_min_hits=5)
     parent = cache.add(hits=0)
     child = cache.add(parent, hits=9)
     cache.write_backup_storage(child.id)
@@ -112,10 +112,10 @@ def test_a_parent_acknowledged_after_an_admitted_child_is_admitted_too():
 
 
 def test_both_halves_of_a_split_share_the_storage_decision():
-    deferred, prefix = types.SimpleNamespace(), types.SimpleNamespace()
-    setattr(deferred, STATE, DEFERRED)
+    deferred, prefix = detached_node(), detached_node()
+    node_state(deferred).storage = DEFERRED
     split_state(prefix, deferred)
-    assert getattr(prefix, STATE) == DEFERRED
-    undecided, prefix = types.SimpleNamespace(), types.SimpleNamespace()
+    assert decision(prefix) == DEFERRED
+    undecided, prefix = detached_node(), detached_node()
     split_state(prefix, undecided)
-    assert not hasattr(prefix, STATE)
+    assert decision(prefix) is None

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
+from support.fake_tree import FakeCache, FakeNode, FakeTreeCore, detached_node, request, scheduler_of
+
+from sgl_importance.cache.strategy import ImportanceStrategy
 from sgl_importance.cache.stored import StoredImportance
+from sgl_importance.importance.node_state import has_importance, node_importance
 
 
 def node(hashes, importance=None):
-    n = types.SimpleNamespace(hash_value=hashes)
-    if importance is not None:
-        n.importance = importance
-    return n
+    return detached_node(hashes=hashes, importance=importance)
 
 
 def test_a_rebuilt_node_gets_the_mean_over_its_pages_unknown_pages_counting_zero():
@@ -21,7 +20,7 @@ def test_a_rebuilt_node_gets_the_mean_over_its_pages_unknown_pages_counting_zero
     assert stored.remember(node(["a", "b"], 0.6)) == 2
     rebuilt = node(["a", "b", "c", "d"])
     assert stored.recall(rebuilt) == pytest.approx(0.3)
-    assert rebuilt.importance == pytest.approx(0.3)
+    assert node_importance(rebuilt) == pytest.approx(0.3)
 
 
 def test_never_attended_pages_are_not_stored_and_restore_nothing():
@@ -29,14 +28,14 @@ def test_never_attended_pages_are_not_stored_and_restore_nothing():
     assert stored.remember(node(["a"], 0.0)) == 0
     assert stored.remember(node(["b"])) == 0
     fresh = node(["a", "b"])
-    assert stored.recall(fresh) is None and not hasattr(fresh, "importance")
+    assert stored.recall(fresh) is None and not has_importance(fresh)
 
 
 def test_a_node_that_kept_its_importance_is_left_alone():
     stored = StoredImportance()
     stored.remember(node(["a"], 0.9))
     kept = node(["a"], 0.1)
-    assert stored.recall(kept) is None and kept.importance == 0.1
+    assert stored.recall(kept) is None and node_importance(kept) == 0.1
 
 
 def test_the_memory_is_bounded_and_forgets_the_oldest_pages():
@@ -55,6 +54,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+from sgl_importance.importance.node_state import node_state, peek_state
 
 P = 4
 alloc = PagedTokenToKVPoolAllocator(256, page_size=P, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
@@ -63,11 +63,14 @@ params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool
 cache = UnifiedRadixCache(params)
 core = cache.tree_core
 stored = core.eviction_strategy.stored
-stored.remember(type("Dropped", (), {"importance": 0.8, "hash_value": ["h0", "h1"]})())
+dropped = type("Dropped", (), {"hash_value": ["h0", "h1"]})()
+node_state(dropped).importance = 0.8
+stored.remember(dropped)
 # What the storage prefetch does with fetched pages: a host-only path under the root.
 result = core.insert_host(core.root_node.id, RadixKey(list(range(16))), torch.arange(16), ["h0", "h1", "h2", "h3"])
 node = core.node_by_id(result.inserted_host_node)
-print("RESULT " + json.dumps({"importance": getattr(node, "importance", None), "evicted": node.evicted}))
+state = peek_state(node)
+print("RESULT " + json.dumps({"importance": state and state.importance, "evicted": node.evicted}))
 '''
 
 
@@ -88,20 +91,16 @@ def test_storage_retries_are_reissued_most_important_first(monkeypatch):
     stored = StoredImportance()
     # The hot document's pages were dropped while important, hashed as SGLang keys them.
     stored.remember(node(get_storage_hash_str(RadixKey(hot_doc), None, page_size=page), 0.8))
-    strategy = types.SimpleNamespace(stored=stored)
-    cache = types.SimpleNamespace(
-        page_size=page,
-        tree_core=types.SimpleNamespace(eviction_strategy=strategy),
-        get_last_hash_value=lambda node_id: None,  # anchored at the root
-    )
-    scheduler = types.SimpleNamespace(tree_cache=cache)
+    strategy = ImportanceStrategy()
+    strategy.stored = stored
+    cache = FakeCache(FakeTreeCore(strategy, page_size=page))
+    scheduler = scheduler_of(cache)
     monkeypatch.setattr(prefetch, "_scheduler_ref", lambda: scheduler)
 
     def req(rid, tokens):
-        return types.SimpleNamespace(
-            rid=rid, full_untruncated_fill_ids=tokens + [1, 2, 3], prefix_len=0, host_hit_length=0,
-            last_host_node=0, extra_key=None, cache_salt=None,
-        )  # fmt: skip
+        return request(
+            rid=rid, full_untruncated_fill_ids=tokens + [1, 2, 3], prefix_len=0, last_host_node=0
+        )
 
     ready = [(req("cold", cold_doc), None), (req("hot", hot_doc), None)]
     ranked = rank_storage_retries(lambda retries, queue, *a: list(ready), None, [])
@@ -130,18 +129,17 @@ def test_a_retry_whose_matched_node_was_deleted_is_ranked_without_reading_the_tr
     def deleted(node_id):
         raise KeyError(node_id)
 
-    cache = types.SimpleNamespace(
-        page_size=page,
-        tree_core=types.SimpleNamespace(eviction_strategy=types.SimpleNamespace(stored=stored), node_by_id=deleted),
-        get_last_hash_value=deleted,
-        is_root=deleted,
-    )
-    monkeypatch.setattr(prefetch, "_scheduler_ref", lambda: types.SimpleNamespace(tree_cache=cache))
+    strategy = ImportanceStrategy()
+    strategy.stored = stored
+    cache = FakeCache(FakeTreeCore(strategy, page_size=page))
+    # Every way into the tree raises, as for a deleted node.
+    cache.tree_core.node_by_id = cache.get_last_hash_value = cache.is_root = deleted
+    monkeypatch.setattr(prefetch, "_scheduler_ref", lambda: scheduler_of(cache))
 
     def req(rid, tokens):
-        return types.SimpleNamespace(
+        return request(
             rid=rid, full_untruncated_fill_ids=tokens + [7], prefix_len=16, host_hit_length=16,
-            last_host_node=12345, extra_key=None, cache_salt=None,
+            last_host_node=12345,
         )  # fmt: skip
 
     ready = [(req("cold", cold_doc), None), (req("hot", hot_doc), None)]
@@ -152,19 +150,16 @@ def test_a_tenants_pages_never_rank_another_tenants_retry(monkeypatch):
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    from sgl_importance.cache import prefetch
     from sgl_importance.cache.stored import request_storage_importance
 
     page = 16
     doc = list(range(100, 164))
     stored = StoredImportance()
     stored.remember(node(get_storage_hash_str(RadixKey(doc, cache_salt="a"), None, page_size=page), 0.8))
-    cache = types.SimpleNamespace(page_size=page)
+    cache = FakeCache(FakeTreeCore(page_size=page))
 
     def req(salt):
-        return types.SimpleNamespace(
-            full_untruncated_fill_ids=doc + [1], prefix_len=0, host_hit_length=0, extra_key=None, cache_salt=salt
-        )
+        return request(full_untruncated_fill_ids=doc + [1], prefix_len=0, cache_salt=salt)
 
     assert request_storage_importance(stored, cache, req("a")) == pytest.approx(0.8)
     assert request_storage_importance(stored, cache, req("b")) == 0.0
@@ -177,8 +172,10 @@ def sglang_node(tokens, importance=None, **namespace):
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.utils import compute_node_hash_values
 
-    root = types.SimpleNamespace(key=RadixKey([]), hash_value=[])
-    n = types.SimpleNamespace(key=RadixKey(tokens, **namespace), parent=root)
+    root = FakeNode(0, None, 0)
+    root.key, root.hash_value = RadixKey([]), []
+    n = FakeNode(1, root, 0)
+    n.key = RadixKey(tokens, **namespace)
     hashes = compute_node_hash_values(n, 16)
     assert len(hashes) == len(tokens) // 16
     return node(hashes, importance)

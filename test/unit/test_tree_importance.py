@@ -18,8 +18,13 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+from sgl_importance.importance.node_state import node_importance, peek_state
 from sgl_importance.importance.page_table import PageImportanceTable
 from sgl_importance.scheduler.fold import aggregator_of, observe
+
+def importance_or_none(node):
+    state = peek_state(node)
+    return None if state is None else state.importance
 
 P = 4
 out = {}
@@ -54,7 +59,7 @@ def scenario(config):
     gone = [n for n in [doc, *one_offs] if n not in core._node_arena]
     return {"evicted": ["doc" if n == doc else f"one_off{one_offs.index(n)}" for n in gone],
             "freed": alloc.available_size() - before,
-            "doc_importance": getattr(core.node_by_id(doc), "importance", None) if doc in core._node_arena else None,
+            "doc_importance": importance_or_none(core.node_by_id(doc)) if doc in core._node_arena else None,
             "cache": cache, "alloc": alloc, "doc": doc, "insert": insert}
 
 r = scenario({"recency_weight": 1.0, "reuse_weight": 0.0})
@@ -71,17 +76,17 @@ insert(list(range(1000, 1008)) + list(range(3000, 3008)))
 prefix = whole.parent
 out["split"] = {
     "prefix_len": len(prefix.key), "suffix_len": len(whole.key),
-    "prefix_importance": getattr(prefix, "importance", None), "suffix_importance": whole.importance,
-    "starts": [prefix.importance_start, whole.importance_start],
-    "pinned": [prefix.importance_pinned, whole.importance_pinned],
+    "prefix_importance": importance_or_none(prefix), "suffix_importance": importance_or_none(whole),
+    "starts": [peek_state(prefix).start, peek_state(whole).start],
+    "pinned": [peek_state(prefix).pinned, peek_state(whole).pinned],
 }
 # Demotion to the host tier keeps the node object and its importance.
 cd = whole.component_data[ComponentType.FULL]
 cd.host_value = torch.arange(len(whole.key), dtype=torch.int64)  # as a finished host backup would
-node_id, value = whole.id, whole.importance
+node_id, value = whole.id, node_importance(whole)
 cache._demote(node_id, {ComponentType.FULL: 0})
 out["demoted"] = {"same_object": core.node_by_id(node_id) is whole, "evicted": whole.evicted,
-                  "importance_kept": whole.importance == value}
+                  "importance_kept": node_importance(whole) == value}
 print("RESULT " + json.dumps(out))
 '''
 

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
-from sgl_importance.importance.persistent import PINNED, ImportanceAggregator
+from sgl_importance.cache.policy_state import importance_strategy
+from sgl_importance.importance.node_state import node_pinned, node_state, peek_state
+from sgl_importance.importance.persistent import ImportanceAggregator
 from sgl_importance.metrics import importance_metrics
 
-# Node attribute: None (never decided), DEFERRED or ADMITTED.
-STATE = "importance_storage"
+# A node's ``NodeImportance.storage``: None (never decided), DEFERRED or ADMITTED.
 DEFERRED = "deferred"
 ADMITTED = "admitted"
 
@@ -55,19 +56,23 @@ class StorageAdmission:
         return self.min_hits > 0 or self.min_importance > 0.0
 
     def qualifies(self, node: Any, aggregator: ImportanceAggregator) -> bool:
-        if not self.active or getattr(node, PINNED, False):
+        if not self.active or node_pinned(node):
             return True
         if self.min_hits > 0 and node.hit_count >= self.min_hits:
             return True
         return self.min_importance > 0.0 and aggregator.normalised(node) >= self.min_importance
 
 
+def _storage_decision(node: Any) -> Optional[str]:
+    state = peek_state(node)
+    return None if state is None else state.storage
+
+
 def _policy(cache: Any) -> tuple[Optional[StorageAdmission], Optional[ImportanceAggregator]]:
-    strategy = getattr(getattr(cache, "tree_core", None), "eviction_strategy", None)
-    admission = getattr(strategy, "admission", None)
-    if not isinstance(admission, StorageAdmission) or not admission.active:
+    strategy = importance_strategy(cache)
+    if strategy is None or not strategy.admission.active:
         return None, None
-    return admission, getattr(strategy, "aggregator", None)
+    return strategy.admission, strategy.aggregator
 
 
 def gate_storage_write(original: Callable[[Any, Any], None], cache: Any, node_id: Any) -> None:
@@ -79,16 +84,16 @@ def gate_storage_write(original: Callable[[Any, Any], None], cache: Any, node_id
         node = cache.tree_core.node_by_id(node_id)
     except KeyError:
         return original(cache, node_id)
-    if getattr(node, STATE, None) == ADMITTED:
+    if _storage_decision(node) == ADMITTED:
         return original(cache, node_id)
     if admission.qualifies(node, aggregator) or any(
-        getattr(child, STATE, None) == ADMITTED for child in node.children.values()
+        _storage_decision(child) == ADMITTED for child in node.children.values()
     ):
         _count(cache, "admitted", node)
-        setattr(node, STATE, ADMITTED)
+        node_state(node).storage = ADMITTED
         return original(cache, node_id)
     _count(cache, "deferred", node)
-    setattr(node, STATE, DEFERRED)
+    node_state(node).storage = DEFERRED
     return None
 
 
@@ -101,7 +106,7 @@ def admit_deferred(cache: Any, nodes: Iterable[Any]) -> int:
     written = 0
     for node in nodes:
         if (
-            getattr(node, STATE, None) != DEFERRED
+            _storage_decision(node) != DEFERRED
             or not node.backuped
             or not admission.qualifies(node, aggregator)
         ):
@@ -109,12 +114,12 @@ def admit_deferred(cache: Any, nodes: Iterable[Any]) -> int:
         chain = []
         cur = node
         while cur is not None and cur.parent is not None:
-            if getattr(cur, STATE, None) == DEFERRED and cur.backuped:
+            if _storage_decision(cur) == DEFERRED and cur.backuped:
                 chain.append(cur)
             cur = cur.parent
         for item in reversed(chain):
             # Marked first, so the gate lets the write through.
-            setattr(item, STATE, ADMITTED)
+            node_state(item).storage = ADMITTED
             _count(cache, "late", item)
             cache.write_backup_storage(item.id)
             written += 1
@@ -129,6 +134,6 @@ def _count(cache: Any, decision: str, node: Any) -> None:
 
 def split_state(prefix: Any, suffix: Any) -> None:
     """A split node's halves share its storage decision."""
-    state = getattr(suffix, STATE, None)
-    if state is not None:
-        setattr(prefix, STATE, state)
+    decision = _storage_decision(suffix)
+    if decision is not None:
+        node_state(prefix).storage = decision

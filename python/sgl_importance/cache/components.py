@@ -21,7 +21,7 @@ Three jobs:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
@@ -29,8 +29,7 @@ from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
 
 from sgl_importance.cache.admission import split_state
 from sgl_importance.cache.prefetch import mark_evicted
-from sgl_importance.cache.strategy import POLICY_NAME
-from sgl_importance.importance.persistent import ImportanceAggregator
+from sgl_importance.cache.strategy import POLICY_NAME, ImportanceStrategy
 from sgl_importance.metrics import importance_metrics
 
 
@@ -38,14 +37,17 @@ class ImportanceFullComponent(FullComponent):
     """SGLang's FULL component; splits also carry node importance, and evictions
     are counted by tier when SGLang's metrics are on."""
 
-    def _aggregator(self) -> Optional[ImportanceAggregator]:
-        return getattr(self.tree_core.eviction_strategy, "aggregator", None)
+    @property
+    def _strategy(self) -> ImportanceStrategy:
+        # Installed only under ``importance`` (use_importance_components), so the tree
+        # core built this cache's strategy from the policy name: always ours.
+        return self.tree_core.eviction_strategy
 
     def redistribute_on_node_split(self, new_parent: Any, child: Any) -> None:
         super().redistribute_on_node_split(new_parent, child)
-        aggregator = self._aggregator()
-        if aggregator is not None:
-            aggregator.split(new_parent, child, len(new_parent.key), self.tree_core.page_size)
+        self._strategy.aggregator.split(
+            new_parent, child, len(new_parent.key), self.tree_core.page_size
+        )
         split_state(new_parent, child)
 
     def evict_component(
@@ -62,16 +64,13 @@ class ImportanceFullComponent(FullComponent):
         if freed:
             mark_evicted(self.cache, node, freed)
             self._remember_if_warm(node)
-        if host_freed and getattr(self.cache, "enable_storage", False):
+        if host_freed and self.cache.enable_storage:
             # Leaving the tree for good; the storage tier may bring it back.
-            stored = getattr(self.tree_core.eviction_strategy, "stored", None)
-            if stored is not None:
-                stored.remember(node)
+            self._strategy.stored.remember(node)
         if freed or host_freed:
             metrics = importance_metrics(self.cache)
-            aggregator = self._aggregator()
-            if metrics is not None and aggregator is not None:
-                normalised = aggregator.normalised(node)
+            if metrics is not None:
+                normalised = self._strategy.aggregator.normalised(node)
                 if freed:
                     metrics.evicted("device", freed, normalised)
                 if host_freed:
@@ -80,18 +79,16 @@ class ImportanceFullComponent(FullComponent):
 
     def _remember_if_warm(self, node: Any) -> None:
         # Demoted (host copy kept) while important: a candidate to warm back.
-        strategy = self.tree_core.eviction_strategy
-        warm = getattr(strategy, "warm", None)
-        aggregator = self._aggregator()
-        if warm is None or aggregator is None or not node.backuped:
+        strategy = self._strategy
+        if not node.backuped:
             return
         threshold = strategy.config.prefetch_min_importance
-        if threshold > 0.0 and aggregator.normalised(node) >= threshold:
-            warm.add(node)
+        if threshold > 0.0 and strategy.aggregator.normalised(node) >= threshold:
+            strategy.warm.add(node)
 
 
 def uses_importance_policy(params: Any) -> bool:
-    return (getattr(params, "eviction_policy", None) or "").lower() == POLICY_NAME
+    return (params.eviction_policy or "").lower() == POLICY_NAME
 
 
 def use_importance_components(params: Any) -> None:
@@ -99,7 +96,7 @@ def use_importance_components(params: Any) -> None:
 
     Mutates ``params`` (a ``CacheInitParams``); other policies are left untouched.
     """
-    if not uses_importance_policy(params) or getattr(params, "disable", False):
+    if not uses_importance_policy(params) or params.disable:
         return
     _require_consistent_tree_ranks(params)
     params.component_registry_override = {
@@ -117,9 +114,9 @@ def _require_consistent_tree_ranks(params: Any) -> None:
     # - attention context parallelism and decode context parallelism: a rank holds
     #   only part of a sequence's KV, so its pages and page ids mean something else.
     refused = []
-    if getattr(params, "pp_size", 1) > 1:
+    if params.pp_size > 1:
         refused.append(f"--pp-size {params.pp_size}")
-    if getattr(params, "attn_cp_size", 1) > 1:
+    if params.attn_cp_size > 1:
         refused.append(f"--attn-cp-size {params.attn_cp_size}")
     dcp_size = _dcp_size()
     if dcp_size > 1:
@@ -137,6 +134,6 @@ def _dcp_size() -> int:
 
     try:
         return int(get_parallel().attn_dcp_size)
-    except (AttributeError, RuntimeError, ValueError):
+    except (RuntimeError, ValueError):
         # Nothing published (a cache built outside a server, as in tests): no DCP.
         return 1

@@ -37,7 +37,7 @@ Rules, both for the memory the batch was promised and for what is evicted:
   MIN all-reduce of its digest before anything is issued; a mismatch issues
   nothing on any rank.
 
-Prefetched nodes carry ``importance_prefetched`` until a fold sees a running
+Prefetched nodes carry their reason (``NodeImportance.prefetched``) until a fold sees a running
 request attend them (``used``) or the device tier evicts them first (``wasted``);
 both are counted in ``sgl_importance:prefetch_tokens_total``. A node whose
 prefetch was wasted is not warmed again until a request attends it.
@@ -56,17 +56,12 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from sgl_importance.importance.persistent import IMPORTANCE
+from sgl_importance.cache.policy_state import importance_strategy
+from sgl_importance.importance.node_state import node_importance, node_state, peek_state
 from sgl_importance.metrics import importance_metrics
 
 logger = logging.getLogger(__name__)
 
-# Node attribute: the reason ("waiting" / "warm") a prefetch loaded the node,
-# cleared when it is used or evicted.
-PREFETCHED = "importance_prefetched"
-# Node attribute: a warm prefetch of the node was evicted unused; it is not warmed
-# again until a request attends it (no load/evict churn on a node nobody asks for).
-WASTED = "importance_prefetch_wasted"
 # Requests at the head of the waiting queue whose host matches are considered.
 WAITING_SCAN = 16
 # Host nodes considered for warming per batch (the most important ones).
@@ -170,11 +165,18 @@ def warm_candidates(
         n
         for n in index.nodes()
         if _in_tree(tree_core, n)
-        and not getattr(n, WASTED, False)
+        and not _prefetch_wasted(n)
         and aggregator.normalised(n) >= min_importance
     ]
-    nodes.sort(key=lambda n: getattr(n, IMPORTANCE, 0.0), reverse=True)
+    nodes.sort(key=node_importance, reverse=True)
     return nodes[:WARM_SCAN]
+
+
+def _prefetch_wasted(node: Any) -> bool:
+    # A warm prefetch of the node was evicted unused: it is not warmed again until a
+    # request attends it (no load/evict churn on a node nobody asks for).
+    state = peek_state(node)
+    return state is not None and state.prefetch_wasted
 
 
 def waiting_candidates(tree_core: Any, waiting_queue: Iterable[Any]) -> list:
@@ -183,9 +185,9 @@ def waiting_candidates(tree_core: Any, waiting_queue: Iterable[Any]) -> list:
     for i, req in enumerate(waiting_queue):
         if i >= WAITING_SCAN:
             break
-        if getattr(req, "host_hit_length", 0) <= 0:
+        if req.host_hit_length <= 0:
             continue
-        node_id = getattr(req, "best_match_node", None)
+        node_id = req.best_match_node
         if node_id is None:
             continue
         try:
@@ -347,7 +349,7 @@ def plan(
 
 def _consensus(cache: Any, chosen: list[Candidate]) -> bool:
     """Whether every tree rank planned the same loads (always, on one rank)."""
-    if getattr(cache, "tp_world_size", 1) <= 1:
+    if cache.tp_world_size <= 1:
         return True
     digest = 0
     for c in chosen:
@@ -361,9 +363,9 @@ def _eligible(cache: Any) -> bool:
     # Plain full-attention trees only: SWA/Mamba components and buffer-mode or
     # external-linker host tiers load through paths this does not model.
     return (
-        getattr(cache, "cache_controller", None) is not None
-        and getattr(cache, "buffer_pipeline", None) is None
-        and getattr(cache, "linker", None) is None
+        cache.cache_controller is not None
+        and cache.buffer_pipeline is None
+        and cache.linker is None
         and not cache.supports_swa()
         and not cache.supports_mamba()
     )
@@ -372,9 +374,8 @@ def _eligible(cache: Any) -> bool:
 def prefetch_with_batch_load(original: Callable[[Any], int], cache: Any) -> int:
     """Around ``UnifiedRadixCache.ready_to_load_host_cache``: queue prefetches first."""
     adder = _take_adder()
-    strategy = getattr(getattr(cache, "tree_core", None), "eviction_strategy", None)
-    warm = getattr(strategy, "warm", None)
-    if adder is not None and isinstance(warm, WarmIndex) and _eligible(cache):
+    strategy = importance_strategy(cache)
+    if adder is not None and strategy is not None and _eligible(cache):
         try:
             issue(cache, strategy, adder)
         except Exception:  # a failed prefetch must never fail the batch
@@ -390,15 +391,19 @@ def issue(cache: Any, strategy: Any, adder: Any) -> list[Candidate]:
     budget_obj = adder.memory_budget
     page = cache.page_size
     scheduler = current_scheduler()
-    mode = getattr(scheduler, "disaggregation_mode", None)
-    if mode is not None and getattr(mode, "value", mode) != "null":
-        # Prefill/decode disaggregation builds batches from its own queues.
-        return []
-    waiting = getattr(scheduler, "waiting_queue", None) or []
+    waiting: Iterable[Any] = ()
+    # None before the scheduler is built (and in unit tests): no waiting queue to scan.
+    if scheduler is not None:
+        # SGLang's DisaggregationMode, compared by value: importing the enum would pull
+        # in its disaggregation package for one comparison.
+        if scheduler.disaggregation_mode.value != "null":
+            # Prefill/decode disaggregation builds batches from its own queues.
+            return []
+        waiting = scheduler.waiting_queue
     # The admitted requests' matched prefixes are unlocked until the batch allocates
     # (prepare_for_extend, right after this): locked here, a load can neither evict
     # them nor count them as room, so what it takes is room the batch never needed.
-    locks = _lock_admitted_prefixes(cache, getattr(adder, "can_run_list", ()))
+    locks = _lock_admitted_prefixes(cache, adder.can_run_list)
     try:
         budget = min(cap, _room(budget_obj) - page)
         chosen = plan(cache, strategy, budget, waiting) if budget > 0 else []
@@ -419,7 +424,7 @@ def _room(budget_obj: Any) -> int:
 def _lock_admitted_prefixes(cache: Any, reqs: Iterable[Any]) -> list:
     locks = []
     for req in reqs:
-        node_id = getattr(req, "last_node", None)
+        node_id = req.last_node
         if node_id is None or cache.is_root(node_id):
             continue
         locks.append((node_id, cache.inc_lock_ref(node_id).to_dec_params()))
@@ -437,7 +442,7 @@ def _load(cache: Any, chosen: list[Candidate], budget_obj: Any, page: int) -> li
         if not cache.load_back(c.node.id):
             continue
         for n in c.path:
-            setattr(n, PREFETCHED, c.reason)
+            node_state(n).prefetched = c.reason
         queued.append(c)
         logger.debug(
             "importance prefetch: %d tokens (%s, node %s); room %d -> %d",
@@ -452,12 +457,14 @@ def mark_used(cache: Any, nodes: Iterable[Any]) -> None:
     """Prefetched nodes a running request attended: the prefetch paid off."""
     metrics = None
     for node in nodes:
-        if getattr(node, WASTED, False):
-            setattr(node, WASTED, False)
-        reason = getattr(node, PREFETCHED, None)
+        state = peek_state(node)
+        if state is None:
+            continue
+        state.prefetch_wasted = False
+        reason = state.prefetched
         if reason is None:
             continue
-        setattr(node, PREFETCHED, None)
+        state.prefetched = None
         if metrics is None:
             metrics = importance_metrics(cache)
             if metrics is None:
@@ -467,11 +474,11 @@ def mark_used(cache: Any, nodes: Iterable[Any]) -> None:
 
 def mark_evicted(cache: Any, node: Any, tokens: int) -> None:
     """The device tier evicted ``node``: a pending prefetch of it was wasted."""
-    reason = getattr(node, PREFETCHED, None)
-    if reason is None:
+    state = peek_state(node)
+    if state is None or state.prefetched is None:
         return
-    setattr(node, PREFETCHED, None)
-    setattr(node, WASTED, True)
+    reason, state.prefetched = state.prefetched, None
+    state.prefetch_wasted = True
     metrics = importance_metrics(cache)
     if metrics is not None:
         metrics.prefetch(reason, "wasted", tokens)

@@ -16,8 +16,8 @@ are re-issued first (:func:`rank_storage_retries`).
 
 Bounded: the most recently dropped ``capacity`` pages are remembered (LRU), one
 float per page hash; pages never attended are not stored. Duck-typed over
-SGLang's nodes (``hash_value``: one hash per page); SGLang's page-hash function is
-imported only to rank retries.
+SGLang's nodes (``hash_value``: one hash per page, None until hashed); SGLang's
+page-hash function is imported only to rank retries.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence
 
-from sgl_importance.importance.persistent import IMPORTANCE
+from sgl_importance.cache.policy_state import core_strategy, importance_strategy
+from sgl_importance.importance.node_state import has_importance, node_importance, node_state
 
 # Pages of a request's storage span looked up to rank its retry.
 RANK_PAGES = 4
@@ -43,8 +44,8 @@ class StoredImportance:
 
     def remember(self, node: Any) -> int:
         """Record ``node``'s importance under each of its page hashes; returns pages recorded."""
-        value = getattr(node, IMPORTANCE, 0.0)
-        hashes = getattr(node, "hash_value", None)
+        value = node_importance(node)
+        hashes = node.hash_value
         if value <= 0.0 or not hashes:
             return 0
         for h in hashes:
@@ -57,15 +58,15 @@ class StoredImportance:
     def recall(self, node: Any) -> Optional[float]:
         """Set a rebuilt node's importance from its pages (their mean, pages never
         remembered counting 0); returns it, or None when no page was remembered."""
-        hashes = getattr(node, "hash_value", None)
-        if not hashes or hasattr(node, IMPORTANCE):
+        hashes = node.hash_value
+        if not hashes or has_importance(node):
             return None
         values = [self._by_hash.get(h) for h in hashes]
         known = [v for v in values if v is not None]
         if not known:
             return None
         value = sum(known) / len(values)
-        setattr(node, IMPORTANCE, value)
+        node_state(node).importance = value
         return value
 
     def page_value(self, page_hash: str) -> float:
@@ -83,13 +84,14 @@ def restore_after_insert_host(tree_core: Any, result: Any) -> int:
     this tree (a refilled node that kept its object keeps its own value).
     Returns the number of nodes restored.
     """
-    stored = getattr(tree_core.eviction_strategy, "stored", None)
-    node_id = getattr(result, "inserted_host_node", None)
-    if not isinstance(stored, StoredImportance) or node_id is None:
+    strategy = core_strategy(tree_core)
+    node_id = result.inserted_host_node
+    if strategy is None or node_id is None:
         return 0
+    stored = strategy.stored
     restored = 0
     node = tree_core.node_by_id(node_id)
-    while node is not None and node.parent is not None and not hasattr(node, IMPORTANCE):
+    while node is not None and node.parent is not None and not has_importance(node):
         if stored.recall(node) is not None:
             restored += 1
         node = node.parent
@@ -116,7 +118,7 @@ def request_storage_importance(stored: StoredImportance, cache: Any, req: Any) -
     if end <= first:
         return 0.0
     tokens = list(req.full_untruncated_fill_ids[: end * page])
-    key = RadixKey(tokens, extra_key=req.extra_key, cache_salt=getattr(req, "cache_salt", None))
+    key = RadixKey(tokens, extra_key=req.extra_key, cache_salt=req.cache_salt)
     hashes = get_storage_hash_str(key, None, page_size=page)[first:end]
     values = [stored.page_value(h) for h in hashes]
     return sum(values) / len(values)
@@ -135,10 +137,11 @@ def rank_storage_retries(
         return ready
     from sgl_importance.cache.prefetch import current_scheduler
 
-    cache = getattr(current_scheduler(), "tree_cache", None)
-    stored = getattr(getattr(getattr(cache, "tree_core", None), "eviction_strategy", None), "stored", None)
-    if not isinstance(stored, StoredImportance) or not len(stored):
+    scheduler = current_scheduler()
+    strategy = None if scheduler is None else importance_strategy(scheduler.tree_cache)
+    if strategy is None or not len(strategy.stored):
         return ready
+    cache, stored = scheduler.tree_cache, strategy.stored
     scores = [request_storage_importance(stored, cache, req) for req, _ in ready]
     order = sorted(range(len(ready)), key=lambda i: -scores[i])
     return [ready[i] for i in order]

@@ -6,14 +6,14 @@ strategy reads three O(1) node fields and hands them to the pure
 ``importance.priority.eviction_priority`` (the function the simulator's ``shipped``
 policy replays), which blends:
 
-- persistent importance (``node.importance``, folded from the decode kernels' page
-  importance by ``importance/persistent.py``), normalised by the aggregator's
-  running maximum to [0, 1];
+- persistent importance (the node's ``NodeImportance.importance``, folded from the
+  decode kernels' page importance by ``importance/persistent.py``), normalised by
+  the aggregator's running maximum to [0, 1];
 - recency: ``exp(-age / recency_horizon)`` over SGLang's logical access clock
   (``node.last_access_time``);
 - reuse: ``hit_count / (hit_count + 1)``.
 
-Attention-sink nodes (``node.importance_pinned``) form a tier evicted after all
+Attention-sink nodes (``NodeImportance.pinned``) form a tier evicted after all
 others when ``pin_sinks`` is on. Ties fall back to ``last_access_time``, so with
 ``importance_weight=0, reuse_weight=0, pin_sinks=false`` the order is exactly LRU —
 the A/B baseline inside the same code path.
@@ -35,11 +35,8 @@ from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 from sgl_importance.cache.admission import StorageAdmission
 from sgl_importance.cache.prefetch import WarmIndex
 from sgl_importance.cache.stored import StoredImportance
-from sgl_importance.importance.persistent import (
-    IMPORTANCE,
-    PINNED,
-    ImportanceAggregator,
-)
+from sgl_importance.importance.node_state import node_importance, node_pinned
+from sgl_importance.importance.persistent import ImportanceAggregator
 from sgl_importance.importance.priority import (
     POLICY_NAME,
     ImportancePolicyConfig,
@@ -47,6 +44,7 @@ from sgl_importance.importance.priority import (
     eviction_priority,
     parse_policy_config,
 )
+
 
 _clock_module: Any = None
 
@@ -108,8 +106,8 @@ class ImportanceStrategy(EvictionStrategy):
         """(tier, blended score, last_access_time); smaller is evicted first."""
         return eviction_priority(
             self._weights,
-            getattr(node, IMPORTANCE, 0.0),
-            getattr(node, PINNED, False),
+            node_importance(node),
+            node_pinned(node),
             node.last_access_time,
             node.hit_count,
             self.clock(),

@@ -6,7 +6,8 @@ Eviction decides over *tree nodes*, which outlive their pages (a node demoted to
 host tier keeps its identity and gets new pages on load-back). This module carries
 the signal over: after each decode batch, the scheduler hands the aggregator the
 tree nodes its running requests attend (each request's ``last_node`` and its
-ancestors), and the aggregator updates three plain attributes per node:
+ancestors), and the aggregator updates the node's :class:`NodeImportance`
+(``node_state.py``, the one object the plugin keeps on a node):
 
 - ``importance``: an exponential moving average, over the decode steps in which the
   node was attended, of its *density* — attention mass per page, averaged over the
@@ -15,14 +16,15 @@ ancestors), and the aggregator updates three plain attributes per node:
   requests, is what earns importance (H2O's "heavy hitters"). A page shared by
   several running requests receives the sum of their masses from the page table, so
   a shared system prompt or document becomes a hot spot.
-- ``importance_pinned``: the node lies entirely inside the first ``sink_pages``
+- ``pinned``: the node lies entirely inside the first ``sink_pages``
   pages of its sequence — the attention sinks every later token attends to
   whatever the content. Sink pages are left out of every node's density (their mass
   says "position 0", not "useful content"), and the strategy evicts pinned nodes
   last.
-- ``importance_step``: the aggregator's clock (recorded decode steps) when the node
+- ``step``: the aggregator's clock (recorded decode steps) when the node
   was last attended — recency of *attention*, kept beside SGLang's own
-  ``last_access_time`` (recency of *matching*).
+  ``last_access_time`` (recency of *matching*); ``steps`` counts them, ``start``
+  is the node's token offset in its sequence.
 
 Density rather than total mass, because the radix tree cuts sequences wherever two
 requests diverge: a node's density does not depend on where the cuts fell, a split
@@ -30,8 +32,8 @@ gives both halves the parent's value (:meth:`ImportanceAggregator.split`), and
 evicting a leaf forfeits ``density x pages`` of attention — the quantity a greedy
 evictor should minimise per page freed.
 
-Plain Python and torch over duck-typed nodes (any object that accepts attributes);
-nothing here imports SGLang, so it is tested without a server.
+Plain Python and torch over duck-typed nodes (any object that accepts one
+attribute); nothing here imports SGLang, so it is tested without a server.
 """
 
 from __future__ import annotations
@@ -41,23 +43,17 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
+from sgl_importance.importance.node_state import has_importance, node_importance, node_state
+
 # The config checks live beside the priority they configure (torch-free).
 from sgl_importance.importance.priority import validate_decay, validate_sink_pages
-
-# Attribute names written on tree nodes: one place, so the strategy, the split
-# handler, metrics and tests agree.
-IMPORTANCE = "importance"
-PINNED = "importance_pinned"
-STEP = "importance_step"
-STEPS = "importance_steps"
-START = "importance_start"
 
 
 class Observation(NamedTuple):
     """One tree node attended in the step being folded.
 
     Attributes:
-        node: the tree node; the aggregator sets attributes on it.
+        node: the tree node; the aggregator updates its ``NodeImportance``.
         start: token offset of the node's first token in its sequence (the sum of
             its ancestors' key lengths), which tells which of its pages are sinks.
         pages: physical page ids of the node's device KV, in sequence order, on
@@ -67,15 +63,6 @@ class Observation(NamedTuple):
     node: Any
     start: int
     pages: torch.Tensor
-
-
-def node_importance(node: Any) -> float:
-    """A node's persistent importance (0.0 for a node never attended)."""
-    return getattr(node, IMPORTANCE, 0.0)
-
-
-def node_pinned(node: Any) -> bool:
-    return getattr(node, PINNED, False)
 
 
 def read_last_step(
@@ -228,13 +215,14 @@ class ImportanceAggregator:
             pinned = sinks == n
             content = page_values if pinned else page_values[sinks:]
             density = math.fsum(content) / len(content)
-            old = getattr(node, IMPORTANCE, 0.0)
-            value = ema_fold(old, density, keep)
-            setattr(node, IMPORTANCE, value)
-            setattr(node, PINNED, pinned)
-            setattr(node, STEP, self.clock)
-            setattr(node, STEPS, getattr(node, STEPS, 0) + new_steps)
-            setattr(node, START, start)
+            state = node_state(node)
+            old = state.importance
+            value = ema_fold(0.0 if old is None else old, density, keep)
+            state.importance = value
+            state.pinned = pinned
+            state.step = self.clock
+            state.steps += new_steps
+            state.start = start
             if not pinned and value > fold_max:
                 fold_max = value
         self.scale = max(fold_max, self.scale * keep)
@@ -249,26 +237,24 @@ class ImportanceAggregator:
         spread inside it), its step count and its clock. Sink pinning follows
         positions: the prefix is pinned if it now lies inside the sink pages.
         """
-        if not hasattr(suffix, IMPORTANCE):
+        if not has_importance(suffix):
             return
-        setattr(prefix, IMPORTANCE, getattr(suffix, IMPORTANCE))
-        setattr(prefix, STEP, getattr(suffix, STEP, 0))
-        setattr(prefix, STEPS, getattr(suffix, STEPS, 0))
-        start = getattr(suffix, START, None)
-        pinned = getattr(suffix, PINNED, False)
+        whole, half = node_state(suffix), node_state(prefix)
+        half.importance = whole.importance
+        half.step = whole.step
+        half.steps = whole.steps
+        start = whole.start
         if start is None:
-            setattr(prefix, PINNED, pinned)
+            half.pinned = whole.pinned
             return
-        setattr(prefix, START, start)
-        setattr(suffix, START, start + split_len)
-        setattr(
-            prefix, PINNED, pinned or start + split_len <= self.sink_pages * page_size
-        )
+        half.start = start
+        whole.start = start + split_len
+        half.pinned = whole.pinned or start + split_len <= self.sink_pages * page_size
 
     def normalised(self, node: Any) -> float:
         """``importance / scale`` clipped to [0, 1]; 0 before anything was attended."""
         scale = self.scale
         if scale <= 0.0:
             return 0.0
-        value = getattr(node, IMPORTANCE, 0.0) / scale
+        value = node_importance(node) / scale
         return value if value < 1.0 else 1.0

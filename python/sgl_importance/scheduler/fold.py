@@ -8,8 +8,8 @@ A request's attended tree nodes are its ``last_node`` and every ancestor up to t
 root — the prompt, checkpointed into the tree after prefill; generated tokens join
 the tree when the request finishes. Nodes shared by several requests are folded
 once (the page table already summed their masses). The nodes' physical pages come
-from the FULL component's device value (token slots, page-aligned), cached on the
-node until that value is replaced (split, load-back).
+from the FULL component's device value (token slots, page-aligned), cached in the
+node's ``NodeImportance.pages`` until that value is replaced (split, load-back).
 
 With tensor parallelism every rank runs this after every batch, but each rank's
 table holds only its own heads' attention: the ranks agree on the gathered page
@@ -35,7 +35,9 @@ import torch
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from sgl_importance.cache.admission import admit_deferred
+from sgl_importance.cache.policy_state import importance_strategy
 from sgl_importance.cache.prefetch import mark_used
+from sgl_importance.importance.node_state import node_state
 from sgl_importance.importance.page_table import current_page_table
 from sgl_importance.importance.persistent import ImportanceAggregator, Observation
 from sgl_importance.metrics import importance_metrics
@@ -43,15 +45,13 @@ from sgl_importance.metrics import importance_metrics
 logger = logging.getLogger(__name__)
 
 _FULL = int(ComponentType.FULL)
-_PAGES_ATTR = "_importance_pages"
 _warned_no_table = False
 
 
 def aggregator_of(tree_cache: Any) -> Optional[ImportanceAggregator]:
     """The aggregator of the cache's ``importance`` strategy, or None under other policies."""
-    strategy = getattr(getattr(tree_cache, "tree_core", None), "eviction_strategy", None)
-    aggregator = getattr(strategy, "aggregator", None)
-    return aggregator if isinstance(aggregator, ImportanceAggregator) else None
+    strategy = importance_strategy(tree_cache)
+    return None if strategy is None else strategy.aggregator
 
 
 def fold_after_batch(scheduler: Any, batch: Any) -> int:
@@ -61,7 +61,7 @@ def fold_after_batch(scheduler: Any, batch: Any) -> int:
         Recorded steps folded (0 when the policy is not ``importance``, the batch
         was no decode batch, or no new step was recorded).
     """
-    tree_cache = getattr(scheduler, "tree_cache", None)
+    tree_cache = scheduler.tree_cache
     aggregator = aggregator_of(tree_cache)
     if aggregator is None or batch is None or not batch.forward_mode.is_decode():
         return 0
@@ -91,16 +91,16 @@ def tree_group(tree_cache: Any) -> Optional[Any]:
     its own rank consensus all-reduces over that group. None when the size is 1,
     so a single rank folds without any collective.
     """
-    if getattr(tree_cache, "tp_world_size", 1) <= 1:
+    if tree_cache.tp_world_size <= 1:
         return None
-    return getattr(tree_cache, "tp_group", None)
+    return tree_cache.tp_group
 
 
 def observe(tree_core: Any, reqs: Iterable[Any], page_size: int) -> Iterable[Observation]:
     """Each distinct device-resident node on the requests' paths, with its position."""
     seen: set[int] = set()
     for req in reqs:
-        node = _resolve(tree_core, getattr(req, "last_node", None))
+        node = _resolve(tree_core, req.last_node)
         path = []
         while node is not None and node.parent is not None:
             path.append(node)
@@ -133,11 +133,12 @@ def _device_pages(node: Any, page_size: int) -> Optional[torch.Tensor]:
     value = node.component_data[_FULL].value
     if value is None or value.numel() == 0:
         return None
-    cached = getattr(node, _PAGES_ATTR, None)
+    state = node_state(node)
+    cached = state.pages
     if cached is not None and cached[0] is value:
         return cached[1]
     pages = torch.div(value[::page_size], page_size, rounding_mode="floor").to(torch.int64)
-    setattr(node, _PAGES_ATTR, (value, pages))
+    state.pages = (value, pages)
     return pages
 
 

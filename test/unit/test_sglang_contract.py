@@ -1,0 +1,284 @@
+"""The contract with the pinned SGLang: every name the plugin relies on, checked on SGLang.
+
+The plugin reads SGLang's objects with plain attribute access (``node.hash_value``,
+``cache.tp_world_size``, ...) and a few private names. After an SGLang upgrade a
+renamed field would raise somewhere deep in the scheduler, or worse be read through
+a fake in the unit tests and pass; this module names each relied-on attribute and
+where the plugin uses it, and checks it on SGLang's real classes and modules, so an
+upgrade fails here, in one test per name, saying what moved.
+
+How each name is checked, cheapest faithful way first: on a real instance when
+SGLang's constructor is cheap (``UnifiedTreeNode``, ``ComponentData``), as a
+dataclass field, as a class attribute or method, or as an assignment
+``self.<name> = ...`` in the source of the class or one of its bases (for objects
+that need a model or a process group to build).
+
+The fakes in ``test/support/fake_tree.py`` are held to the same names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import pkgutil
+import re
+from functools import cache
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from support.fake_tree import FakeCache, FakeNode, FakeTreeCore
+
+MEM = "sglang.srt.mem_cache"
+NODE = f"{MEM}.unified_cache.unified_tree_core.UnifiedTreeNode"
+CORE = f"{MEM}.unified_cache.unified_tree_core.UnifiedTreeCore"
+CACHE = f"{MEM}.unified_radix_cache.UnifiedRadixCache"
+COMPONENT_DATA = f"{MEM}.unified_cache.components.base.ComponentData"
+PARAMS = f"{MEM}.cache_init_params.CacheInitParams"
+REQ = "sglang.srt.managers.schedule_batch.Req"
+SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+PLUGIN = Path(__file__).resolve().parents[2] / "python" / "sgl_importance" / "plugin.py"
+
+
+class Name(NamedTuple):
+    owner: str  # dotted path of the SGLang class or module
+    name: str
+    used_in: str  # the plugin module(s) that rely on it
+
+
+# What the plugin reads or writes on SGLang's objects (private names are in PRIVATE).
+ATTRIBUTES = [
+    # Radix-tree nodes.
+    *(
+        Name(NODE, n, "fold.py, prefetch.py, admission.py, stored.py, strategy.py")
+        for n in ("id", "parent", "children", "key", "component_data", "last_access_time", "hit_count")
+    ),
+    Name(NODE, "hash_value", "cache/stored.py"),
+    Name(NODE, "backuped", "cache/prefetch.py, cache/admission.py, cache/components.py"),
+    Name(NODE, "evicted", "cache/prefetch.py"),
+    Name(COMPONENT_DATA, "value", "scheduler/fold.py"),
+    Name(COMPONENT_DATA, "lock_ref", "cache/prefetch.py"),
+    Name(COMPONENT_DATA, "host_value", "fake tree (backuped)"),
+    # Tree core.
+    Name(CORE, "eviction_strategy", "cache/policy_state.py, cache/components.py"),
+    Name(CORE, "page_size", "cache/components.py"),
+    Name(CORE, "evictable_device_leaves", "cache/prefetch.py"),
+    Name(CORE, "root_node", "fake tree"),
+    Name(CORE, "node_by_id", "scheduler/fold.py, cache/prefetch.py, cache/admission.py, cache/stored.py"),
+    Name(CORE, "collect_path_info", "trace/recorder.py"),
+    Name(f"{MEM}.base_prefix_cache.InsertResult", "inserted_host_node", "cache/stored.py"),
+    # Radix cache.
+    Name(CACHE, "tree_core", "cache/policy_state.py"),
+    Name(CACHE, "page_size", "cache/prefetch.py, cache/stored.py"),
+    Name(CACHE, "tp_world_size", "scheduler/fold.py, cache/prefetch.py"),
+    Name(CACHE, "tp_group", "scheduler/fold.py"),
+    Name(CACHE, "metrics_collector", "metrics.py"),
+    Name(CACHE, "enable_storage", "cache/components.py"),
+    Name(CACHE, "cache_controller", "cache/prefetch.py"),
+    Name(CACHE, "buffer_pipeline", "cache/prefetch.py"),
+    Name(CACHE, "linker", "cache/prefetch.py"),
+    Name(CACHE, "token_to_kv_pool_allocator", "cache/prefetch.py"),
+    *(
+        Name(CACHE, n, "cache/prefetch.py")
+        for n in ("supports_swa", "supports_mamba", "is_root", "inc_lock_ref", "dec_lock_ref", "load_back")
+    ),
+    Name(CACHE, "write_backup_storage", "cache/admission.py"),
+    Name("sglang.srt.observability.metrics_collector.RadixCacheMetricsCollector", "labels", "metrics.py"),
+    Name(f"{MEM}.prefill_budget.PrefillBudget", "remaining_total", "cache/prefetch.py"),
+    Name(f"{MEM}.prefill_budget.PrefillBudget", "remaining_current", "cache/prefetch.py"),
+    # Cache parameters (a dataclass).
+    *(
+        Name(PARAMS, n, "cache/components.py")
+        for n in ("eviction_policy", "disable", "pp_size", "attn_cp_size", "component_registry_override")
+    ),
+    # Scheduler, its batches and requests.
+    Name(SCHEDULER, "tree_cache", "scheduler/fold.py, cache/stored.py"),
+    Name(SCHEDULER, "waiting_queue", "cache/prefetch.py"),
+    Name(SCHEDULER, "disaggregation_mode", "cache/prefetch.py"),
+    Name("sglang.srt.managers.schedule_policy.PrefillAdder", "can_run_list", "cache/prefetch.py"),
+    Name("sglang.srt.managers.schedule_policy.PrefillAdder", "memory_budget", "cache/prefetch.py"),
+    Name("sglang.srt.managers.schedule_batch.ScheduleBatch", "reqs", "scheduler/fold.py"),
+    Name("sglang.srt.managers.schedule_batch.ScheduleBatch", "forward_mode", "scheduler/fold.py"),
+    *(
+        Name(REQ, n, "scheduler/fold.py, cache/prefetch.py")
+        for n in ("last_node", "host_hit_length", "best_match_node")
+    ),
+    *(
+        Name(REQ, n, "cache/stored.py")
+        for n in ("extra_key", "cache_salt", "prefix_len", "full_untruncated_fill_ids")
+    ),
+    # Modules.
+    Name(f"{MEM}.radix_cache", "RadixKey", "cache/stored.py"),
+    Name(f"{MEM}.utils", "get_storage_hash_str", "cache/stored.py"),
+]
+
+# Private SGLang names: each is listed in plugin.py's touch-point docstring too.
+PRIVATE = [
+    Name(f"{MEM}.utils", "_EVICTION_POLICY_FACTORIES", "plugin.py"),
+    Name(f"{MEM}.unified_cache.components.base", "_LAST_ACCESS_TIME_COUNTER_FLOAT", "cache/strategy.py"),
+    Name(CACHE, "_all_reduce", "cache/prefetch.py"),
+    Name(f"{MEM}.hicache_storage.HiCacheFile", "_get_suffixed_key", "cache/file_tier.py"),
+    Name(f"{MEM}.hicache_storage.HiCacheStorageFailureInjector", "_backend", "cache/integrity.py"),
+    Name(
+        "sglang.srt.layers.attention.triton_backend.TritonAttnBackend",
+        "_set_kv_buffer",
+        "attention/triton_backend.py",
+    ),
+    Name(f"{MEM}.allocator.paged.PagedTokenToKVPoolAllocator", "_release_page_ids", "plugin.py (hook)"),
+    Name("sglang.srt.managers.tokenizer_manager.TokenizerManager", "_validate_one_request", "plugin.py (hook)"),
+]
+
+# Hook targets plugin.py registers (a hook cannot target a missing attribute).
+HOOK_TARGETS = [
+    "sglang.srt.server_args.ServerArgs.add_cli_args",
+    "sglang.srt.server_args.ServerArgs.from_cli_args",
+    "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request",
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+    f"{MEM}.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids",
+    f"{MEM}.allocator.token.TokenToKVPoolAllocator.free",
+    f"{MEM}.allocator.paged.PagedTokenToKVPoolAllocator.clear",
+    f"{MEM}.allocator.token.TokenToKVPoolAllocator.clear",
+    "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
+    "sglang.srt.managers.scheduler.Scheduler.__init__",
+    f"{CACHE}.__init__",
+    f"{CACHE}.write_backup_storage",
+    f"{CACHE}.ready_to_load_host_cache",
+    "sglang.srt.managers.schedule_policy.PrefillAdder.__init__",
+    f"{CORE}.insert_host",
+    f"{MEM}.storage_prefetch.StoragePrefetchRetries.pop_ready",
+    f"{MEM}.storage.backend_factory.StorageBackendFactory.create_backend",
+    f"{MEM}.pool_host.mha.get_mha_host_pool_cls",
+    f"{MEM}.l2_transfer.L2TransferEngine.__init__",
+]
+
+
+@cache
+def _resolve(path: str):
+    return pkgutil.resolve_name(path)
+
+
+@cache
+def _real_node():
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    node_cls = _resolve(NODE)
+    return node_cls((ComponentType.FULL,))
+
+
+def _assigned_in_source(cls: type, name: str) -> bool:
+    # ``self.name = ...`` or ``self.name: T = ...`` in the class or a base.
+    pattern = re.compile(rf"\bself\.{re.escape(name)}\s*(?::[^=\n]+)?=(?!=)")
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        if pattern.search(source):
+            return True
+    return False
+
+
+def has_name(owner: str, name: str) -> bool:
+    """Whether SGLang's ``owner`` (a class or module path) has ``name``."""
+    if owner == NODE:
+        return hasattr(_real_node(), name)
+    if owner == COMPONENT_DATA:
+        return hasattr(_resolve(owner)(), name)
+    target = _resolve(owner)
+    if inspect.ismodule(target) or hasattr(target, name):
+        return hasattr(target, name)
+    if dataclasses.is_dataclass(target):
+        return name in {f.name for f in dataclasses.fields(target)}
+    return _assigned_in_source(target, name)
+
+
+def _describe(n: Name) -> str:
+    return f"{n.owner}.{n.name} (used in {n.used_in})"
+
+
+@pytest.mark.parametrize("relied", ATTRIBUTES + PRIVATE, ids=lambda n: f"{n.owner.rsplit('.', 1)[-1]}.{n.name}")
+def test_sglang_still_has_every_name_the_plugin_relies_on(relied):
+    assert has_name(relied.owner, relied.name), f"SGLang moved or renamed {_describe(relied)}"
+
+
+@pytest.mark.parametrize("target", HOOK_TARGETS, ids=lambda t: t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1])
+def test_every_hook_target_resolves(target):
+    try:
+        _resolve(target)
+    except (ImportError, AttributeError) as err:
+        pytest.fail(f"SGLang moved hook target {target}: {err}")
+
+
+def test_every_hook_target_in_plugin_py_is_checked_here():
+    # The literal targets plugin.py registers; the allocator ones are built from a prefix.
+    source = PLUGIN.read_text()
+    literal = set(re.findall(r'"(sglang\.srt\.[\w.]+\.[\w]+)"', source)) - {
+        "sglang.srt.managers.scheduler",  # a sys.modules probe, not a target
+    }
+    literal = {t for t in literal if not t.endswith(".mem_cache.utils")}
+    missing = sorted(literal - set(HOOK_TARGETS))
+    assert not missing, f"plugin.py registers hooks this contract does not check: {missing}"
+
+
+def test_every_private_name_is_listed_in_plugin_py():
+    doc = importlib.import_module("sgl_importance.plugin").__doc__
+    # Each as ``Owner._name`` in backquotes, e.g. `UnifiedRadixCache._all_reduce`.
+    missing = [_describe(n) for n in PRIVATE if f"{n.owner.rsplit('.', 1)[-1]}.{n.name}`" not in doc]
+    assert not missing, f"private SGLang names missing from plugin.py's touch-point table: {missing}"
+
+
+def test_the_plugins_node_attribute_is_not_one_of_sglangs():
+    from sgl_importance.importance.node_state import NODE_STATE
+
+    assert not hasattr(_real_node(), NODE_STATE), f"SGLang's tree node now has {NODE_STATE!r}"
+
+
+def test_sglangs_real_node_accepts_the_plugins_state():
+    from sgl_importance.importance.node_state import node_importance, node_state, peek_state
+
+    node = _real_node()
+    assert peek_state(node) is None and node_importance(node) == 0.0
+    node_state(node).importance = 0.5
+    assert node_importance(node) == 0.5 and peek_state(node) is node_state(node)
+
+
+def test_sglangs_disaggregation_off_is_the_value_the_prefetch_compares():
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    assert DisaggregationMode.NULL.value == "null"
+
+
+def test_an_unpublished_parallel_width_raises_what_the_component_override_catches():
+    # cache/components.py reads attn_dcp_size and treats "not published" as no DCP;
+    # a renamed width would raise AttributeError instead and fail start-up loudly.
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        width = get_parallel().attn_dcp_size
+    except RuntimeError:
+        return
+    assert isinstance(width, int)
+
+
+def _public_fields(obj) -> set[str]:
+    return {n for n in dir(obj) if not n.startswith("_")}
+
+
+@pytest.mark.parametrize(
+    "fake, owner",
+    [
+        (lambda: FakeNode(1, None, 4), NODE),
+        (lambda: FakeTreeCore(), CORE),
+        (lambda: FakeCache(FakeTreeCore()), CACHE),
+    ],
+    ids=["node", "tree_core", "cache"],
+)
+def test_the_unit_tests_fake_tree_uses_only_sglangs_names(fake, owner):
+    # Helpers a test calls itself (``add``, ``loaded``, ...) are the fakes' own.
+    own = {"add", "nodes", "loaded", "free", "evictable_tokens"}
+    foreign = sorted(n for n in _public_fields(fake()) - own if not has_name(owner, n))
+    assert not foreign, f"the fake {owner.rsplit('.', 1)[-1]} has names SGLang's lacks: {foreign}"
