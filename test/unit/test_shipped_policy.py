@@ -28,7 +28,6 @@ import random
 import numpy as np
 import pytest
 import torch
-from support.fake_tree import FakeNode
 
 from sgl_importance.cache.strategy import ImportanceStrategy
 from sgl_importance.importance.page_table import PageImportanceTable
@@ -37,6 +36,7 @@ from sgl_importance.sim.policies import make_policy
 from sgl_importance.sim.prefix import prepare_prefix, replay_prefix
 from sgl_importance.sim.shipped import ANCESTOR_STEP, Shipped
 from sgl_importance.trace.tables import Accesses, Requests
+from support.fake_tree import FakeNode
 
 PAGE = 4
 # Every term of the priority matters at this scale: a short horizon, reuse, sinks.

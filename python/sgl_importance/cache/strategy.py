@@ -45,7 +45,6 @@ from sgl_importance.importance.priority import (
     parse_policy_config,
 )
 
-
 _clock_module: Any = None
 
 

@@ -43,11 +43,11 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from sgl_importance.importance.priority import SINK_PAGES_MAX
 from sgl_importance.sim import belady as _belady  # noqa: F401  (registers "belady")
 from sgl_importance.sim import shipped as _shipped  # noqa: F401  (registers "shipped")
 from sgl_importance.sim.metrics import Counts, ReplayResult
 from sgl_importance.sim.policies import Policy, StreamContext, make_policy
-from sgl_importance.importance.priority import SINK_PAGES_MAX
 from sgl_importance.trace.schema import TraceMeta
 from sgl_importance.trace.splits import resolve_splits
 from sgl_importance.trace.tables import Accesses, Requests
@@ -137,12 +137,14 @@ def _steps_and_head_mass(
     n_codes = int(max(rq.max(), req_codes.max(initial=0))) + 1
     pairs = np.unique(np.stack([rq, trace.step[ok]]), axis=1)
     per_code_steps = np.bincount(pairs[0], minlength=n_codes)
-    grp = np.unique(np.stack([rq, trace.step[ok], trace.layer[ok].astype(np.int64), trace.kv_head[ok].astype(np.int64)]), axis=1)
+    layer, kv_head = trace.layer[ok].astype(np.int64), trace.kv_head[ok].astype(np.int64)
+    grp = np.unique(np.stack([rq, trace.step[ok], layer, kv_head]), axis=1)
     per_code_groups = np.bincount(grp[0], minlength=n_codes)
     pos = trace.position[ok].astype(np.int64)
     sel = (trace.node_id[ok] >= 0) & (pos >= 0) & (pos < SINK_PAGES_MAX)
-    flat = np.bincount(rq[sel] * SINK_PAGES_MAX + pos[sel], weights=trace.importance[ok][sel].astype(np.float64),
-                       minlength=n_codes * SINK_PAGES_MAX).reshape(n_codes, SINK_PAGES_MAX)
+    mass = trace.importance[ok][sel].astype(np.float64)
+    flat = np.bincount(rq[sel] * SINK_PAGES_MAX + pos[sel], weights=mass, minlength=n_codes * SINK_PAGES_MAX)
+    flat = flat.reshape(n_codes, SINK_PAGES_MAX)
     flat = flat / np.maximum(per_code_groups, 1)[:, None]
     known = (req_codes >= 0) & (req_codes < n_codes)
     steps[known] = per_code_steps[req_codes[known]]
