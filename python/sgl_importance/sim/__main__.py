@@ -25,7 +25,7 @@ def _floats(text: str, flag: str) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"{flag}: expected comma-separated numbers, got {text!r}")
+        raise SystemExit(f"{flag}: expected comma-separated numbers, got {text!r}") from None
     for v in vals:
         if not 0.0 < v <= 1.0:
             raise SystemExit(f"{flag}: {v} out of range (0, 1]")
@@ -55,13 +55,13 @@ def _cmd_replay(a: argparse.Namespace) -> int:
     try:
         pols = [make_policy(s) for s in specs]
     except ValueError as e:
-        raise SystemExit(f"--policies: {e}")
+        raise SystemExit(f"--policies: {e}") from None
     if a.policy_config is not None:
         try:
             # The server's flag, parsed by the server's code (importance/priority.py).
             pols = [Shipped(config=a.policy_config) if p.name == "shipped" else p for p in pols]
         except ValueError as e:
-            raise SystemExit(f"--policy-config: {e}")
+            raise SystemExit(f"--policy-config: {e}") from None
     budgets = _floats(a.budgets, "--budgets")
     ts = read_all(a.trace)
     regimes = {"auto": ("hot", "prefix"), "both": ("hot", "prefix"), "hot": ("hot",), "prefix": ("prefix",)}[a.regime]

@@ -189,7 +189,7 @@ def prepare_prefix(requests: Requests, trace: Accesses | None = None, page_size:
     tokens = np.zeros(n_nodes, np.int64)
     tokens[node[::-1]] = raw_tok[::-1]  # first occurrence wins
     if (tokens[node] != raw_tok).any():
-        warnings.warn("prefix trace: a node id has different token counts in different paths; using the first", RuntimeWarning)
+        warnings.warn("prefix trace: a node id has different token counts in different paths; using the first", RuntimeWarning, stacklevel=2)
 
     req_codes = requests.request_id[order]
     req_of_entry = np.repeat(req_codes, lens)

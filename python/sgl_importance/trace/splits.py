@@ -60,7 +60,7 @@ def resolve_splits(
     node_end[inv] = end
     if (node_end[inv] != end).any():
         warnings.warn("resolve_splits: a node id ends at different offsets in different paths; "
-                      "node ids do not follow SGLang's split rule, paths left as recorded", RuntimeWarning)
+                      "node ids do not follow SGLang's split rule, paths left as recorded", RuntimeWarning, stacklevel=2)
         return requests, accesses
     final_start = np.full(uniq.shape[0], -1, np.int64)
     np.maximum.at(final_start, inv, start)
