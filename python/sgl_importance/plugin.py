@@ -27,7 +27,7 @@ imports nothing heavy in processes that never reach them.
 | storage fetch retries, most important first      | cache/stored.py               |
 | storage pages sealed + verified; writes pause    | cache/integrity.py            |
 | `file` tier: directory check, leftovers, drops   | cache/file_tier.py            |
-| `--importance-trace-dir`: per-step page trace    | trace/recorder.py, writer.py  |
+| `--importance-trace-dir`: per-step page trace    | trace/recorder.py, writer_process.py |
 
 Private SGLang names the plugin relies on (SGLang may change them without notice;
 ``test/unit/test_sglang_contract.py`` checks each of them, and every public attribute
