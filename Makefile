@@ -62,7 +62,7 @@ test: install
 
 # The inner loop: unit and kernel tests, no server.
 test-fast: install
-	$(BIN)/python -m pytest test -m "not e2e" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest test -m "not e2e" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 LINT_PATHS := python sgl-kernel-ext test benchmark scripts
 lint: install

@@ -8,7 +8,7 @@ embedded model (torch_cpu platform, 16-token pages, ``importance_torch``) with
 endpoint (greedy), stops the server with SIGTERM, waits for the trace writer to close
 the trace, and writes into ``meta.json`` the workload's name and parameters. Request
 ids are ``<workload>-c<conversation>-t<turn>``; the trace writer reads conversation
-and turn from that suffix (``trace.format.parse_rid``) into both tables.
+and turn from that suffix (``trace.schema.parse_rid``) into both tables.
 
 Workloads:
 
@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO / "python"))
 
 from sgl_importance.local_server import SERVED_NAME as SERVED  # noqa: E402
 from sgl_importance.local_server import LocalServer  # noqa: E402
-from sgl_importance.trace.format import read_meta, write_meta  # noqa: E402
+from sgl_importance.trace.table_io import read_meta, write_meta  # noqa: E402
 
 PAGE = 16
 

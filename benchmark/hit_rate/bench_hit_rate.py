@@ -33,7 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 LIVE = ("rag", "chat", "agent", "cot")
 SYNTHETIC = ("multi_turn", "rag", "agent", "cot", "loop")
-POLICIES = "lru,lru_mass,lfu,slru,tlru,h2o,importance,blend,prefetch,belady"
+POLICIES = "lru,lru_mass,lfu,slru,tlru,h2o,shipped,importance,blend,prefetch,belady"
 # 1 = room for everything: in the prefix regime it must reproduce the server's own hits.
 BUDGETS = "0.05,0.1,0.2,0.3,0.5,1"
 H1_GAIN = 0.20
@@ -96,18 +96,25 @@ def h1_rows(results: list[dict[str, Any]], regime: str, scope: str) -> list[str]
     rows = []
     for frac in sorted({r["budget_frac"] for r in rs}):
         lru, imp, bel = by.get(("lru", frac)), by.get(("importance", frac)), by.get(("belady", frac))
+        shipped, blend = by.get(("shipped", frac)), by.get(("blend", frac))
         if lru is None or imp is None:
             continue
         # Demand-fetch policies only: prefetch also counts hits on pages it loaded ahead
         # (extra traffic), so it can pass Belady's demand-paging optimum.
         online = [r for r in rs if r["budget_frac"] == frac and r["policy"] not in ("belady", "prefetch")]
         best = max(online, key=lambda r: r["hit_rate"])
-        holds = lru["hit_rate"] > 0 and imp["hit_rate"] >= (1 + H1_GAIN) * lru["hit_rate"]
+        # H1 is judged on the policy the server runs; the research variants stand beside it.
+        judged = shipped or imp
+        holds = lru["hit_rate"] > 0 and judged["hit_rate"] >= (1 + H1_GAIN) * lru["hit_rate"]
+
+        def hit(r: dict[str, Any] | None, lru: dict[str, Any] = lru) -> str:
+            return "n/a" if r is None else f"{_pct(r['hit_rate'])} ({_gain(r['hit_rate'], lru['hit_rate'])})"
+
         rows.append(
-            f"| {regime} ({scope}) | {frac:g} | {_pct(lru['hit_rate'])} | {_pct(imp['hit_rate'])} | "
-            f"{_gain(imp['hit_rate'], lru['hit_rate'])} | {best['policy']} {_pct(best['hit_rate'])} | "
-            f"{_pct(bel['hit_rate']) if bel else 'n/a'} | {_pct(lru['mass_recall'])} | {_pct(imp['mass_recall'])} | "
-            f"{'yes' if holds else 'no'} |"
+            f"| {regime} ({scope}) | {frac:g} | {_pct(lru['hit_rate'])} | {hit(shipped)} | {hit(imp)} | "
+            f"{hit(blend)} | {best['policy']} {_pct(best['hit_rate'])} | "
+            f"{_pct(bel['hit_rate']) if bel else 'n/a'} | {_pct(lru['mass_recall'])} | "
+            f"{_pct(judged['mass_recall'])} | {'yes' if holds else 'no'} |"
         )
     return rows
 
@@ -116,7 +123,7 @@ def trace_stats(trace: Path) -> str:
     sys.path.insert(0, str(REPO / "python"))
     import numpy as np
 
-    from sgl_importance.trace.format import read_all
+    from sgl_importance.trace.table_io import read_all
 
     ts = read_all(trace)
     acc = ts.accesses
@@ -136,7 +143,8 @@ def trace_stats(trace: Path) -> str:
 def summarize(out: Path, workloads: list[str], traces: Path) -> Path:
     lines = [
         "# Hit-rate benchmark summary\n",
-        f"H1: importance hit rate >= {1 + H1_GAIN:.2f} x LRU's at equal budget. "
+        f"H1: the shipped policy's hit rate >= {1 + H1_GAIN:.2f} x LRU's at equal budget "
+        "(`shipped` = the server's eviction priority; `importance` and `blend` are research variants). "
         f"H2: Jaccard(aggregate top-10%, per-step top-10%) >= {H2_JACCARD}.",
         "Budgets are fractions of the working set (hot set: each cache's unique pages; prefix: unique tokens).\n",
     ]
@@ -146,10 +154,10 @@ def summarize(out: Path, workloads: list[str], traces: Path) -> Path:
             lines.append(f"Trace: {trace_stats(traces / w)}.\n")
         except Exception as e:  # a summary line must not hide the tables
             lines.append(f"Trace: unreadable ({e}).\n")
-        lines.append("| regime (scope) | budget | LRU hit | importance hit | vs LRU | best online | Belady | "
-                     "LRU mass recall | importance mass recall | H1 |")
+        lines.append("| regime (scope) | budget | LRU hit | shipped hit (vs LRU) | importance | blend | best online | "
+                     "Belady | LRU mass recall | shipped mass recall | H1 |")
         lines.insert(len(lines) - 1, "(best online = best demand-fetch policy; Belady = the demand-paging optimum)\n")
-        lines.append("|---|---:|---:|---:|---:|---|---:|---:|---:|---|")
+        lines.append("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|")
         req = _results(out / w / "replay-request")
         lines += h1_rows(req, "hot", "request")
         lines += h1_rows(_results(out / w / "replay-global"), "hot", "global")

@@ -257,7 +257,6 @@ def measure_copy_bandwidth(torch, device, timer):
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)
     ms = timer.interleaved({"copy": lambda: dst.copy_(src)}, 3, 10 if device == "cuda" else 3)["copy"]
-    del src, dst
     return 2 * nbytes / ms / 1e6
 
 

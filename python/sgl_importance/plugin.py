@@ -29,7 +29,7 @@ imports nothing heavy in processes that never reach them.
 | `file` tier: directory check, leftovers, drops   | cache/file_tier.py            |
 | `mooncake` tier: master check, whole sealed pages| cache/mooncake_tier.py        |
 | importance shared next to pages in Mooncake Store| cache/shared_importance.py    |
-| `--importance-trace-dir`: per-step page trace    | trace/recorder.py, writer.py  |
+| `--importance-trace-dir`: per-step page trace    | trace/recorder.py, writer_process.py |
 
 Private SGLang names the plugin relies on (SGLang may change them without notice;
 ``test/unit/test_sglang_contract.py`` checks each of them, and every public attribute

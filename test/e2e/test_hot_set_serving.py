@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from sgl_importance.local_server import metric
-from support.server import generate_ids, output_ids_and_logprobs
+from support.server import generate_ids
 
 pytestmark = pytest.mark.e2e
 

@@ -97,7 +97,7 @@ def send(url: str, item: dict) -> tuple[str, int, int]:
             lines = [line for line in r.iter_lines() if line]
             assert lines[-1] == b"data: [DONE]", lines[-1:]
         else:
-            r.content
+            _ = r.content  # read the whole answer, as a client would
         return kind, r.status_code, len(ids)
 
 
@@ -154,7 +154,7 @@ def test_mixed_concurrent_load_with_storage_tier_serves_everything_and_leaks_not
     log = server.log()
     assert "Traceback" not in log, log[log.index("Traceback") - 2000 :][:6000]
     assert "memory leak detected" not in log
-    assert not re.search(r"\bERROR\b", log), [l for l in log.splitlines() if "ERROR" in l][:10]
+    assert not re.search(r"\bERROR\b", log), [line for line in log.splitlines() if "ERROR" in line][:10]
 
     scrape = requests.get(server.url + "/metrics", timeout=30).text
     finished = sum(1 for kind, _, _ in results if kind != "abort")

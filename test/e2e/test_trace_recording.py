@@ -19,7 +19,8 @@ import pytest
 from support.server import output_ids_and_logprobs
 from sgl_importance.sim.policies import make_policy
 from sgl_importance.sim.prefix import prepare_prefix, replay_prefix
-from sgl_importance.trace.format import read_all, read_meta, read_trace, resolve_splits
+from sgl_importance.trace.splits import resolve_splits
+from sgl_importance.trace.table_io import read_accesses, read_all, read_meta
 
 pytestmark = pytest.mark.e2e
 
@@ -74,7 +75,7 @@ def test_trace_is_closed_after_sigterm_of_the_launcher(recorded):
 
 def test_each_step_of_a_request_has_importance_summing_to_one(recorded):
     _, out = recorded
-    tr = read_trace(out)
+    tr = read_accesses(out)
     keys = tr.step * 1_000_003 + tr.request_id
     _, inverse = np.unique(keys, return_inverse=True)
     sums = np.bincount(inverse, weights=tr.importance.astype(np.float64))
@@ -83,7 +84,7 @@ def test_each_step_of_a_request_has_importance_summing_to_one(recorded):
 
 def test_sequential_requests_record_every_decode_step_over_all_their_pages(recorded):
     responses, out = recorded
-    tr = read_trace(out)
+    tr = read_accesses(out)
     labels = tr.columns()["request_id"]
     for i, response in enumerate(responses):
         mine = labels == f"seq-{i}"
@@ -102,7 +103,7 @@ def test_sequential_requests_record_every_decode_step_over_all_their_pages(recor
 
 def test_concurrent_requests_share_steps_in_the_trace(recorded):
     _, out = recorded
-    tr = read_trace(out)
+    tr = read_accesses(out)
     labels = tr.columns()["request_id"]
     par = np.char.startswith(labels.astype(str), "par-")
     per_step = {s: len(set(labels[par & (tr.step == s)])) for s in np.unique(tr.step[par])}

@@ -7,7 +7,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import pytest
 
-from sgl_importance.trace.format import Trace
+from sgl_importance.trace.tables import Accesses
 
 
 def trace_from_steps(
@@ -30,9 +30,9 @@ def merge_columns(*parts: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
-def sequence_trace(pages: Sequence[int]) -> Trace:
+def sequence_trace(pages: Sequence[int]) -> Accesses:
     """One page per step, mass 1: the textbook page-reference string."""
-    return Trace.from_columns(trace_from_steps([{p: 1.0} for p in pages]))
+    return Accesses.from_columns(trace_from_steps([{p: 1.0} for p in pages]))
 
 
 @pytest.fixture

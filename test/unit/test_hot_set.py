@@ -214,7 +214,7 @@ def make_step(n_tokens, policy, budget, guard=0.1, seed=0):
 def test_a_budget_covering_every_page_decodes_exactly_like_dense(policy):
     decoder, slots, k_buf, v_buf, g = make_step(37, policy, budget=1.0)
     indptr = torch.tensor([0, 37], dtype=torch.int32)
-    for step in range(3):
+    for _ in range(3):
         q = torch.randn(1, KV_HEADS * GROUP, DIM, generator=g)
         decoder.begin_step(["r"], [slots])
         out = decoder.attend(0, q, k_buf, v_buf, sm_scale=DIM**-0.5)

@@ -16,7 +16,7 @@ import torch
 
 from sgl_importance.config import ImportanceConfig, add_cli_args, from_namespace
 from sgl_importance.trace import recorder as rec
-from sgl_importance.trace.format import read_all, read_meta, read_requests, read_trace
+from sgl_importance.trace.table_io import read_accesses, read_all, read_meta, read_requests
 
 PAGE = 4
 
@@ -161,7 +161,7 @@ def test_records_reach_the_trace_with_request_ids_pages_and_positions(tmp_path):
     assert r.record_batch(cap, fake_batch(reqs, req_to_token)) == 3
     r.close()
     wait_complete(out)
-    tr = read_trace(out)
+    tr = read_accesses(out)
     cols = tr.columns()
     got = sorted(zip(cols["request_id"], cols["position"], cols["page"], cols["importance"]))
     assert got == [("a", 0, 4, 0.25), ("a", 1, 5, 0.75), ("b", 0, 10, 1.0)]
@@ -195,12 +195,12 @@ def test_writer_closes_the_trace_when_the_watched_process_dies(tmp_path):
     out = tmp_path / "trace"
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     endpoint = f"ipc://{tmp_path}/w"
-    cmd = [sys.executable, "-m", "sgl_importance.trace.writer", "--endpoint", endpoint, "--out", str(out),
+    cmd = [sys.executable, "-m", "sgl_importance.trace.writer_process", "--endpoint", endpoint, "--out", str(out),
            "--meta", json.dumps({"page_size": PAGE}), "--watch-pid", str(victim.pid), "--detach"]  # fmt: skip
     assert subprocess.run(cmd, timeout=60).returncode == 0
     import zmq
 
-    from sgl_importance.trace.writer import RECORD_DTYPE
+    from sgl_importance.trace.writer_process import RECORD_DTYPE
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
@@ -216,7 +216,7 @@ def test_writer_closes_the_trace_when_the_watched_process_dies(tmp_path):
     victim.wait()
     meta = wait_complete(out)
     assert meta.extra["closed_by"] == "scheduler exited"
-    assert list(read_trace(out).columns()["request_id"]) == ["x", "x", "x"]
+    assert list(read_accesses(out).columns()["request_id"]) == ["x", "x", "x"]
 
 
 def test_around_the_result_records_before_the_scheduler_frees_the_requests(tmp_path, monkeypatch):
@@ -236,7 +236,7 @@ def test_around_the_result_records_before_the_scheduler_frees_the_requests(tmp_p
     assert rec.around_batch_result(process_batch_result, None, fake_batch(reqs, req_to_token)) == "result"
     rec._recorder.close()
     wait_complete(out)
-    assert len(read_trace(out)) == 3
+    assert len(read_accesses(out)) == 3
 
 
 def test_a_recording_fault_stops_recording_but_not_the_scheduler(tmp_path, monkeypatch):
@@ -261,7 +261,7 @@ def test_a_request_finished_before_the_step_gets_no_rows_but_the_step_still_matc
     assert r.record_batch(cap, fake_batch([FakeReq("a", 1), done], req_to_token)) == 2
     r.close()
     wait_complete(out)
-    assert set(read_trace(out).columns()["request_id"]) == {"a"}
+    assert set(read_accesses(out).columns()["request_id"]) == {"a"}
 
 
 # -- radix node ids and the requests table ----------------------------------------------
@@ -301,7 +301,7 @@ def test_each_page_row_names_the_radix_node_that_holds_it(tmp_path):
     assert tree.calls == 1  # one path query per batch, not per request
     r.close()
     wait_complete(out)
-    cols = read_trace(out).columns()
+    cols = read_accesses(out).columns()
     got = sorted(zip(cols["request_id"], cols["position"], cols["node_id"]))
     assert got == [("a", 0, 5), ("a", 1, 7), ("b", 0, -1)]
 

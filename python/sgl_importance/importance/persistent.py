@@ -45,8 +45,8 @@ import torch
 
 from sgl_importance.importance.node_state import has_importance, node_importance, node_state
 
-DECAY_RANGE = "a number in (0, 1)"
-SINK_PAGES_MAX = 64
+# The config checks live beside the priority they configure (torch-free).
+from sgl_importance.importance.priority import validate_decay, validate_sink_pages
 
 
 class Observation(NamedTuple):
@@ -63,24 +63,6 @@ class Observation(NamedTuple):
     node: Any
     start: int
     pages: torch.Tensor
-
-
-def validate_decay(decay: Any, name: str = "decay") -> float:
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not (
-        0.0 < float(decay) < 1.0
-    ):
-        raise ValueError(f"{name}={decay!r} is invalid; allowed: {DECAY_RANGE}")
-    return float(decay)
-
-
-def validate_sink_pages(sink_pages: Any, name: str = "sink_pages") -> int:
-    if isinstance(sink_pages, bool) or not isinstance(sink_pages, int) or not (
-        0 <= sink_pages <= SINK_PAGES_MAX
-    ):
-        raise ValueError(
-            f"{name}={sink_pages!r} is invalid; allowed: an integer in [0, {SINK_PAGES_MAX}]"
-        )
-    return sink_pages
 
 
 def read_last_step(

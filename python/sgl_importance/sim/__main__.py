@@ -1,6 +1,7 @@
 """Command line of the simulator.
 
-    python -m sgl_importance.sim replay  --trace DIR --policies lru,importance,belady --budgets 0.05,0.1 --out DIR
+    python -m sgl_importance.sim replay  --trace DIR --policies lru,shipped,importance,belady --budgets 0.05,0.1 --out DIR
+                                         [--policy-config '{"decay": 0.95}']
     python -m sgl_importance.sim analyze --trace DIR --out DIR
     python -m sgl_importance.sim synth   --kind multi_turn|rag|agent|cot|loop --out DIR
 """
@@ -14,8 +15,9 @@ from pathlib import Path
 from typing import Sequence
 
 from sgl_importance.sim.policies import POLICIES, make_policy
+from sgl_importance.sim.shipped import Shipped
 
-DEFAULT_POLICIES = "lru,lru_mass,lfu,slru,tlru,h2o,importance,blend,prefetch,belady"
+DEFAULT_POLICIES = "lru,lru_mass,lfu,slru,tlru,h2o,shipped,importance,blend,prefetch,belady"
 DEFAULT_BUDGETS = "0.05,0.1,0.2,0.3,0.5"
 
 
@@ -23,7 +25,7 @@ def _floats(text: str, flag: str) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"{flag}: expected comma-separated numbers, got {text!r}")
+        raise SystemExit(f"{flag}: expected comma-separated numbers, got {text!r}") from None
     for v in vals:
         if not 0.0 < v <= 1.0:
             raise SystemExit(f"{flag}: {v} out of range (0, 1]")
@@ -32,11 +34,11 @@ def _floats(text: str, flag: str) -> list[float]:
 
 def _cmd_synth(a: argparse.Namespace) -> int:
     from sgl_importance.sim.synthetic import synthesize
-    from sgl_importance.trace.format import write_requests, write_trace
+    from sgl_importance.trace.table_io import write_accesses, write_requests
 
     t0 = time.perf_counter()
     ts = synthesize(a.kind, seed=a.seed, scale=a.scale, page_size=a.page_size, layers=a.layers, kv_heads=a.kv_heads)
-    write_trace(a.out, ts.accesses, ts.meta)
+    write_accesses(a.out, ts.accesses, ts.meta)
     write_requests(a.out, ts.requests)
     print(f"wrote {a.out}: {len(ts.accesses):,} access rows, {len(ts.requests)} requests "
           f"({time.perf_counter() - t0:.1f}s)")
@@ -47,13 +49,19 @@ def _cmd_replay(a: argparse.Namespace) -> int:
     from sgl_importance.sim.prefix import prepare_prefix, replay_prefix_all
     from sgl_importance.sim.replay import prepare_hot, replay_hot
     from sgl_importance.sim.report import results_table, write_replay_report
-    from sgl_importance.trace.format import read_all
+    from sgl_importance.trace.table_io import read_all
 
     specs = [s for s in a.policies.split(",") if s.strip()]
     try:
         pols = [make_policy(s) for s in specs]
     except ValueError as e:
-        raise SystemExit(f"--policies: {e}")
+        raise SystemExit(f"--policies: {e}") from None
+    if a.policy_config is not None:
+        try:
+            # The server's flag, parsed by the server's code (importance/priority.py).
+            pols = [Shipped(config=a.policy_config) if p.name == "shipped" else p for p in pols]
+        except ValueError as e:
+            raise SystemExit(f"--policy-config: {e}") from None
     budgets = _floats(a.budgets, "--budgets")
     ts = read_all(a.trace)
     regimes = {"auto": ("hot", "prefix"), "both": ("hot", "prefix"), "hot": ("hot",), "prefix": ("prefix",)}[a.regime]
@@ -100,9 +108,9 @@ def _cmd_analyze(a: argparse.Namespace) -> int:
     from sgl_importance.sim.analyses import analyze
     from sgl_importance.sim.replay import prepare_hot
     from sgl_importance.sim.report import write_analysis_report
-    from sgl_importance.trace.format import read_trace
+    from sgl_importance.trace.table_io import read_accesses
 
-    tr = read_trace(a.trace)
+    tr = read_accesses(a.trace)
     hs = prepare_hot(tr, a.demand, a.scope)
     res = analyze(hs, k=a.k, n_segments=a.segments, max_accesses=a.max_accesses)
     path = write_analysis_report(res, a.out, tr.meta.workload or Path(a.trace).name)
@@ -116,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--trace", required=True, help="trace directory (trace/format.py)")
+        sp.add_argument("--trace", required=True, help="trace directory (trace/schema.py)")
         sp.add_argument("--out", required=True, help="output directory")
         sp.add_argument("--demand", default="mass:0.9", help="pages demanded per step: topk:K, mass:P or all (default mass:0.9)")
         sp.add_argument("--scope", default="request", choices=("request", "global"),
@@ -126,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(r)
     r.add_argument("--policies", default=DEFAULT_POLICIES,
                    help=f"comma list of name[:param=value...]; known: {', '.join(sorted(POLICIES))}")
+    r.add_argument("--policy-config", default=None,
+                   help="JSON object for 'shipped', as the server's --radix-eviction-policy-config")
     r.add_argument("--budgets", default=DEFAULT_BUDGETS, help="comma list of fractions of the working set")
     r.add_argument("--regime", default="auto", choices=("auto", "both", "hot", "prefix"))
     r.add_argument("--seed", type=int, default=0)

@@ -75,29 +75,29 @@ def stack_distances(keys: np.ndarray) -> np.ndarray:
     count = np.zeros(q.shape[0], np.int64)
     pos = np.arange(n, dtype=np.int64)
     levels = max(1, int(math.ceil(math.log2(n))) + 1)
-    l, r = lo.copy(), hi.copy()
+    left, right = lo.copy(), hi.copy()
     for lev in range(levels):
-        active = l < r
+        active = left < right
         if not active.any():
             break
         # Entries sorted by (block, next): a block's entries are contiguous.
         comb = np.sort((pos >> lev) << 32 | nxt, kind="stable")
         for side in (0, 1):
             if side == 0:
-                take = active & ((l & 1) == 1)
-                b = l[take]
-                l[take] += 1
+                take = active & ((left & 1) == 1)
+                b = left[take]
+                left[take] += 1
             else:
-                take = active & ((r & 1) == 1)
-                r[take] -= 1
-                b = r[take]
+                take = active & ((right & 1) == 1)
+                right[take] -= 1
+                b = right[take]
             if b.shape[0] == 0:
                 continue
             end = np.minimum(n, (b + 1) << lev)
             first_gt = np.searchsorted(comb, (b << 32) | thr[take], side="right")
             count[take] += end - first_gt
-        l >>= 1
-        r >>= 1
+        left >>= 1
+        right >>= 1
     out[q] = count
     return out
 
@@ -211,11 +211,11 @@ def head_stability(hs: HotStreams, k: int = 16) -> dict[str, object]:
     ov, ok = _topk_overlap(hs, k)
     stream_of_ev = np.repeat(np.arange(hs.n_streams), np.diff(hs.stream_ev_ptr))
     lay = hs.stream_layer[stream_of_ev]
-    head = hs.stream_head[stream_of_ev]
+    head = hs.stream_kv_head[stream_of_ev]
     per = {}
-    for l, h in sorted(set(zip(lay[ok].tolist(), head[ok].tolist()))):
-        m = ok & (lay == l) & (head == h)
-        per[f"{l}/{h}"] = float(ov[m].mean())
+    for layer, h in sorted(set(zip(lay[ok].tolist(), head[ok].tolist()))):
+        m = ok & (lay == layer) & (head == h)
+        per[f"{layer}/{h}"] = float(ov[m].mean())
     return {"k": k, "overall": float(ov[ok].mean()) if ok.any() else float("nan"), "per_layer_head": per}
 
 

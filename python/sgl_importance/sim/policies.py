@@ -12,6 +12,11 @@ time-normalised log domain: every score decays by the same factor per event,
 so multiplying all of them by ``decay**-t`` leaves their order unchanged and
 makes the untouched keys' priorities constant.
 
+The policy the server runs is ``shipped`` (``sim/shipped.py``: the server's own
+priority function, ranked at eviction time). ``importance`` (a decayed sum of
+attention mass) and ``blend`` (that sum blended with recency) are research
+variants under their own names; a verdict about them is not about the server.
+
 Specs: ``"name"`` or ``"name:param=value:param=value"`` (see :func:`make_policy`).
 """
 
@@ -49,6 +54,17 @@ class StreamContext:
     ev_row_ptr: np.ndarray
     ev_demand: np.ndarray
     rng: np.random.Generator
+    # What ``shipped`` (sim/shipped.py) needs to rebuild the server's node state;
+    # the replays fill what their regime knows. Hot set: each row's page position.
+    row_position: np.ndarray | None = None
+    # Prefix: each key's (node's) token count and start offset in its sequence, the
+    # page size, each event's (request's) decode steps and its mass per step on the
+    # sequence's first pages (``PrefixData.head_mass``).
+    key_tokens: np.ndarray | None = None
+    key_start: np.ndarray | None = None
+    page_size: int = 1
+    ev_steps: np.ndarray | None = None
+    ev_head_mass: np.ndarray | None = None
 
 
 POLICIES: dict[str, type["Policy"]] = {}
@@ -79,6 +95,12 @@ class Policy:
     defaults: ClassVar[dict[str, float]] = {}
     regimes: ClassVar[frozenset[str]] = frozenset({"hot", "prefix"})
     offline: ClassVar[bool] = False
+    # Priorities that depend on the time of eviction (not only on the last touch) are
+    # ranked when an eviction happens, through matched/inserted/decoded/rank in the
+    # prefix regime and victims in the hot set (sim/shipped.py), not a lazy queue.
+    ranks_at_eviction: ClassVar[bool] = False
+    # Spec values handed over as text (the class parses them) instead of floats.
+    raw_params: ClassVar[bool] = False
 
     def __init__(self, **params: Any) -> None:
         unknown = set(params) - set(self.defaults)
@@ -159,7 +181,7 @@ def make_policy(spec: str) -> Policy:
         if "=" not in part:
             raise ValueError(f"policy spec {spec!r}: expected param=value, got {part!r}")
         k, v = part.split("=", 1)
-        params[k.strip()] = float(v)
+        params[k.strip()] = v.strip() if POLICIES[name].raw_params else float(v)
     return POLICIES[name](**params)
 
 
@@ -282,7 +304,7 @@ class H2O(Policy):
 
 @register("importance")
 class Importance(Policy):
-    """Exponentially decayed attention mass (the persistent importance of DESIGN.md).
+    """Research variant: exponentially decayed attention mass (not the server's policy).
 
     score(t) = sum over accesses s <= t of mass(s) * decay**(t - s); the lowest
     score is evicted. Kept as log(score * decay**-t), which untouched pages
@@ -312,7 +334,7 @@ class Importance(Policy):
 
 @register("blend")
 class Blend(Policy):
-    """priority = alpha * normalised importance + (1 - alpha) * normalised recency.
+    """Research variant: alpha * normalised importance + (1 - alpha) * normalised recency.
 
     Recency is normalised as ``decay**age`` (1 when just touched). Importance is
     the decayed score of ``importance`` normalised as ``(1-decay) * score / m``,

@@ -27,6 +27,10 @@ request's node importance that falls on hit nodes.
 
 The replay is a Python loop over requests and path nodes (paths are short; a
 few hundred thousand nodes per second) with a lazily cleaned binary heap.
+Policies whose priority moves with time (``shipped``) are instead ranked at each
+eviction pass over the evictable leaves, as SGLang does, and get the node state
+they need (token offsets, decode steps per request, the mass on the sink pages)
+from :class:`PrefixData`.
 """
 
 from __future__ import annotations
@@ -39,10 +43,14 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from sgl_importance.importance.priority import SINK_PAGES_MAX
 from sgl_importance.sim import belady as _belady  # noqa: F401  (registers "belady")
+from sgl_importance.sim import shipped as _shipped  # noqa: F401  (registers "shipped")
 from sgl_importance.sim.metrics import Counts, ReplayResult
 from sgl_importance.sim.policies import Policy, StreamContext, make_policy
-from sgl_importance.trace.format import Requests, Trace, resolve_splits
+from sgl_importance.trace.schema import TraceMeta
+from sgl_importance.trace.splits import resolve_splits
+from sgl_importance.trace.tables import Accesses, Requests
 
 
 @dataclass
@@ -53,18 +61,26 @@ class PrefixData:
     and, at the same positions, each node's mass for that request.
     """
 
-    parent: np.ndarray
-    tokens: np.ndarray
+    node_parent: np.ndarray
+    node_tokens: np.ndarray
     node_ids: np.ndarray
     path_ptr: np.ndarray
     path_node: np.ndarray
     path_mass: np.ndarray
     request_id: np.ndarray
     has_importance: bool
+    # What ``shipped`` needs to rebuild the server's node state (sim/shipped.py):
+    # tokens per page, each node's first token offset in its sequence, each
+    # request's decode steps, and its mass per step on the sequence's first
+    # SINK_PAGES_MAX pages (rows with a node id), to leave sink pages out of density.
+    page_size: int = 16
+    node_start: np.ndarray | None = None
+    request_steps: np.ndarray | None = None
+    head_mass: np.ndarray | None = None
 
     @property
     def n_nodes(self) -> int:
-        return int(self.tokens.shape[0])
+        return int(self.node_tokens.shape[0])
 
     @property
     def n_requests(self) -> int:
@@ -72,11 +88,11 @@ class PrefixData:
 
     @property
     def unique_tokens(self) -> int:
-        return int(self.tokens.sum())
+        return int(self.node_tokens.sum())
 
 
 def _node_mass(
-    trace: Trace, tr_req: np.ndarray, req_codes: np.ndarray, path_node_ids: np.ndarray
+    trace: Accesses, tr_req: np.ndarray, req_codes: np.ndarray, path_node_ids: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Mass per step of (request, node) for each path entry; and whether it was found.
 
@@ -105,11 +121,42 @@ def _node_mass(
     return np.where(found, mper[pos], 0.0), found
 
 
-def prepare_prefix(requests: Requests, trace: Trace | None = None, page_size: int | None = None) -> PrefixData:
+def _steps_and_head_mass(
+    trace: Accesses, tr_req: np.ndarray, req_codes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per request (``req_codes`` order): distinct decode steps, and mass per step on
+    each of the first ``SINK_PAGES_MAX`` page positions (same per-step averaging as
+    :func:`_node_mass`)."""
+    n = req_codes.shape[0]
+    steps = np.zeros(n, np.int64)
+    head = np.zeros((n, SINK_PAGES_MAX), np.float64)
+    ok = tr_req >= 0
+    if not ok.any():
+        return steps, head
+    rq = tr_req[ok]
+    n_codes = int(max(rq.max(), req_codes.max(initial=0))) + 1
+    pairs = np.unique(np.stack([rq, trace.step[ok]]), axis=1)
+    per_code_steps = np.bincount(pairs[0], minlength=n_codes)
+    layer, kv_head = trace.layer[ok].astype(np.int64), trace.kv_head[ok].astype(np.int64)
+    grp = np.unique(np.stack([rq, trace.step[ok], layer, kv_head]), axis=1)
+    per_code_groups = np.bincount(grp[0], minlength=n_codes)
+    pos = trace.position[ok].astype(np.int64)
+    sel = (trace.node_id[ok] >= 0) & (pos >= 0) & (pos < SINK_PAGES_MAX)
+    mass = trace.importance[ok][sel].astype(np.float64)
+    flat = np.bincount(rq[sel] * SINK_PAGES_MAX + pos[sel], weights=mass, minlength=n_codes * SINK_PAGES_MAX)
+    flat = flat.reshape(n_codes, SINK_PAGES_MAX)
+    flat = flat / np.maximum(per_code_groups, 1)[:, None]
+    known = (req_codes >= 0) & (req_codes < n_codes)
+    steps[known] = per_code_steps[req_codes[known]]
+    head[known] = flat[req_codes[known]]
+    return steps, head
+
+
+def prepare_prefix(requests: Requests, trace: Accesses | None = None, page_size: int | None = None) -> PrefixData:
     """Index the requests table (and node importance from ``trace`` if given).
 
     Paths recorded before a radix split are first resolved to the finest split
-    (``trace.format.resolve_splits``), so live traces replay like synthetic ones.
+    (``trace.splits.resolve_splits``), so live traces replay like synthetic ones.
     Requests replay by ``arrival_step``, ties by ``arrival_ns``, then table order.
 
     Raises:
@@ -142,13 +189,19 @@ def prepare_prefix(requests: Requests, trace: Trace | None = None, page_size: in
     tokens = np.zeros(n_nodes, np.int64)
     tokens[node[::-1]] = raw_tok[::-1]  # first occurrence wins
     if (tokens[node] != raw_tok).any():
-        warnings.warn("prefix trace: a node id has different token counts in different paths; using the first", RuntimeWarning)
+        warnings.warn("prefix trace: a node id has different token counts in different paths; using the first", RuntimeWarning, stacklevel=2)
 
     req_codes = requests.request_id[order]
     req_of_entry = np.repeat(req_codes, lens)
     fallback = raw_tok / np.maximum(np.repeat(np.add.reduceat(raw_tok, ptr[:-1]) if ptr[-1] else np.zeros(0), lens), 1)
     mass = fallback.astype(np.float64)
     has_imp = False
+    # First token offset of each node: the tokens before it on (any) path through it.
+    entry_start = np.cumsum(raw_tok) - raw_tok - np.repeat(np.concatenate([[0], np.cumsum(raw_tok)])[ptr[:-1]], lens)
+    start = np.zeros(n_nodes, np.int64)
+    start[node[::-1]] = entry_start[::-1]
+    steps = np.zeros(order.shape[0], np.int64)
+    head = np.zeros((order.shape[0], SINK_PAGES_MAX), np.float64)
     if trace is not None and len(trace):
         tr_codes = trace.request_id
         if trace.request_labels is not None or requests.request_labels is not None:
@@ -163,15 +216,20 @@ def prepare_prefix(requests: Requests, trace: Trace | None = None, page_size: in
         if found.any():
             has_imp = True
             mass = np.where(found, m, 0.0)
+        steps, head = _steps_and_head_mass(trace, tr_codes, req_codes)
     return PrefixData(
-        parent=parent,
-        tokens=tokens,
+        node_parent=parent,
+        node_tokens=tokens,
         node_ids=node_u.astype(np.int64),
         path_ptr=ptr,
         path_node=node,
         path_mass=mass,
         request_id=req_codes,
         has_importance=has_imp,
+        page_size=int(page_size) if page_size else TraceMeta().page_size,
+        node_start=start,
+        request_steps=steps,
+        head_mass=head,
     )
 
 
@@ -185,8 +243,18 @@ def longest_resident_prefix(path: Sequence[int], resident: Sequence[bool]) -> in
     return h
 
 
-def replay_prefix(pd: PrefixData, policy: Policy, budget_tokens: int, *, seed: int = 0) -> tuple[Counts, np.ndarray]:
+def replay_prefix(
+    pd: PrefixData,
+    policy: Policy,
+    budget_tokens: int,
+    *,
+    seed: int = 0,
+    evictions: list[int] | None = None,
+) -> tuple[Counts, np.ndarray]:
     """Replay all requests through a radix cache of ``budget_tokens`` tokens.
+
+    Args:
+        evictions: if given, the node ids evicted are appended to it, in order.
 
     Returns:
         Totals, and the hit tokens of each request (arrival order).
@@ -204,21 +272,30 @@ def replay_prefix(pd: PrefixData, policy: Policy, budget_tokens: int, *, seed: i
         ev_row_ptr=ptr,
         ev_demand=np.diff(ptr),
         rng=np.random.default_rng(seed),
+        key_tokens=pd.node_tokens,
+        key_start=pd.node_start,
+        page_size=pd.page_size,
+        ev_steps=pd.request_steps,
+        ev_head_mass=pd.head_mass,
     )
     policy.reset(ctx)
-    parent = pd.parent.tolist()
-    tok = pd.tokens.tolist()
+    # Priorities fixed at the last touch sit in a lazily cleaned heap; priorities
+    # that move with time are ranked afresh at each eviction pass, like SGLang's.
+    ranked = policy.ranks_at_eviction
+    parent = pd.node_parent.tolist()
+    tok = pd.node_tokens.tolist()
     resident = [False] * n
     nchild = [0] * n
     ver = [0] * n
-    cur = [0.0] * n
-    heap: list[tuple[float, int, int, int]] = []
+    cur: list = [0.0] * n
+    heap: list[tuple] = []
     seq = 0
     used = 0
     budget = int(budget_tokens)
     nodes_l = pd.path_node.tolist()
     mass_l = pd.path_mass.tolist()
     ptr_l = ptr.tolist()
+    ids_l = pd.node_ids.tolist()
     hit_tokens = np.zeros(pd.n_requests, np.int64)
     c = Counts()
     for r in range(pd.n_requests):
@@ -232,21 +309,32 @@ def replay_prefix(pd: PrefixData, policy: Policy, budget_tokens: int, *, seed: i
         c.hits += ht
         c.mass_total += sum(mass_l[lo:hi])
         c.mass_resident += sum(mass_l[lo:lo + h])
+        if ranked:
+            policy.matched(path, h)
         need = sum(tok[x] for x in path[h:])
         pinned = set(path)
+        if ranked and used + need > budget:
+            leaves = [x for x in range(n) if resident[x] and not nchild[x] and x not in pinned]
+            heap = [(p, x, ver[x]) for p, x in zip(policy.rank(leaves), leaves)]
+            heapq.heapify(heap)
         while used + need > budget and heap:
-            _, _, x, v = heapq.heappop(heap)
+            x, v = heapq.heappop(heap)[-2:]
             if v != ver[x] or not resident[x] or nchild[x] or x in pinned:
                 continue  # stale entry, or not evictable now: it is pushed again when it becomes a leaf
             resident[x] = False
             used -= tok[x]
+            if evictions is not None:
+                evictions.append(ids_l[x])
             p = parent[x]
             if p >= 0:
                 nchild[p] -= 1
                 if nchild[p] == 0 and resident[p] and p not in pinned:
                     ver[p] += 1
-                    seq += 1
-                    heapq.heappush(heap, (cur[p], seq, p, ver[p]))
+                    if ranked:
+                        heapq.heappush(heap, (policy.rank([p])[0], p, ver[p]))
+                    else:
+                        seq += 1
+                        heapq.heappush(heap, (cur[p], seq, p, ver[p]))
         m = h
         for x in path[h:]:
             if used + tok[x] > budget:
@@ -261,6 +349,13 @@ def replay_prefix(pd: PrefixData, policy: Policy, budget_tokens: int, *, seed: i
         if m == 0:
             continue
         keys = np.asarray(path[:m], np.int64)
+        if ranked:
+            policy.inserted(path[h:m])
+            policy.decoded(r, keys, lo)
+            for x in path[:m]:
+                ver[x] += 1  # a node touched again leaves the pass's stale entries behind
+            heap = []
+            continue
         hit = np.zeros(m, bool)
         hit[:h] = True
         prios = policy.priorities(keys, pd.path_mass[lo:lo + m], r, hit, lo, lo + m).tolist()

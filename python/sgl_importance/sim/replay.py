@@ -35,9 +35,10 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from sgl_importance.sim import belady as _belady  # noqa: F401  (registers "belady")
+from sgl_importance.sim import shipped as _shipped  # noqa: F401  (registers "shipped")
 from sgl_importance.sim.metrics import Counts, ReplayResult
 from sgl_importance.sim.policies import Policy, StreamContext, make_policy
-from sgl_importance.trace.format import Trace
+from sgl_importance.trace.tables import Accesses
 
 
 @dataclass
@@ -55,12 +56,12 @@ class HotStreams:
     stream_ev_ptr: np.ndarray
     stream_nkeys: np.ndarray
     stream_layer: np.ndarray
-    stream_head: np.ndarray
-    stream_request: np.ndarray
+    stream_kv_head: np.ndarray
+    stream_request_id: np.ndarray
     ev_row_ptr: np.ndarray
     ev_demand: np.ndarray
     ev_step: np.ndarray
-    ev_request: np.ndarray
+    ev_request_id: np.ndarray
     row_key: np.ndarray
     row_mass: np.ndarray
     row_page: np.ndarray
@@ -136,7 +137,7 @@ def _event_order(stream_raw: np.ndarray, step: np.ndarray, req: np.ndarray, mass
     return np.lexsort((-mass, req, step, stream_raw))
 
 
-def prepare_hot(trace: Trace, demand: str = "mass:0.9", scope: str = "request") -> HotStreams:
+def prepare_hot(trace: Accesses, demand: str = "mass:0.9", scope: str = "request") -> HotStreams:
     """Sort and index a trace for :func:`replay_hot` (vectorised, O(N log N)).
 
     Duplicate rows of one (step, request, layer, kv_head, page) are merged by
@@ -228,12 +229,12 @@ def prepare_hot(trace: Trace, demand: str = "mass:0.9", scope: str = "request") 
         stream_ev_ptr=stream_ev_ptr,
         stream_nkeys=stream_nkeys.astype(np.int64),
         stream_layer=layer[ridx].astype(np.int16),
-        stream_head=head[ridx].astype(np.int16),
-        stream_request=(req[ridx] if scope == "request" else np.full(ridx.shape[0], -1)).astype(np.int64),
+        stream_kv_head=head[ridx].astype(np.int16),
+        stream_request_id=(req[ridx] if scope == "request" else np.full(ridx.shape[0], -1)).astype(np.int64),
         ev_row_ptr=ev_row_ptr,
         ev_demand=ev_demand.astype(np.int64),
         ev_step=step[ev_start],
-        ev_request=req[ev_start],
+        ev_request_id=req[ev_start],
         row_key=row_key.astype(np.int64),
         row_mass=mass.astype(np.float32),
         row_page=page_id.astype(np.int64),
@@ -309,6 +310,7 @@ def replay_stream(
         ev_row_ptr=rp,
         ev_demand=dem,
         rng=np.random.default_rng(seed + s),
+        row_position=hs.row_position[r0:r1],
     )
     policy.attach(ctx, cache.resident)
 

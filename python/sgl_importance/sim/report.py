@@ -69,14 +69,14 @@ def per_layer_table(results: Sequence[ReplayResult]) -> str:
     rs = [r for r in results if r.per_layer]
     if not rs:
         return ""
-    layers = sorted({l for r in rs for l in r.per_layer})
-    head = "| policy | budget | " + " | ".join(f"L{l} hit / recall" for l in layers) + " |"
+    layers = sorted({layer for r in rs for layer in r.per_layer})
+    head = "| policy | budget | " + " | ".join(f"L{layer} hit / recall" for layer in layers) + " |"
     sep = "|---|---:|" + "---:|" * len(layers)
     lines = ["### Per layer\n", head, sep]
     for r in rs:
         cells = [
-            f"{_pct(r.per_layer[l].hit_rate)} / {_pct(r.per_layer[l].mass_recall)}" if l in r.per_layer else "-"
-            for l in layers
+            f"{_pct(r.per_layer[layer].hit_rate)} / {_pct(r.per_layer[layer].mass_recall)}" if layer in r.per_layer else "-"
+            for layer in layers
         ]
         lines.append(f"| {r.policy} | {r.budget_frac:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sgl_importance.trace.format import Requests, Trace, TraceMeta, TraceSet
+from sgl_importance.trace.schema import TraceMeta
+from sgl_importance.trace.tables import Accesses, Requests, TraceSet
 
 NODE_SHIFT = 20
 KINDS = ("multi_turn", "rag", "agent", "cot", "loop")
@@ -102,10 +103,10 @@ def _decode_rows(
     base = np.concatenate([req.base, gen])
     n_c = n_p + n_g
     pos = np.arange(n_c)
-    lh = [(l, h) for l in range(layers) for h in range(kv_heads)]
+    lh = [(layer, h) for layer in range(layers) for h in range(kv_heads)]
     reduced = layers == 1 and kv_heads == 1
     out: dict[str, list[np.ndarray]] = {k: [] for k in ("step", "layer", "kv_head", "page", "node_id", "position", "importance")}
-    for l, h in lh:
+    for layer, h in lh:
         # Heads see the same structure with their own perturbation of it.
         head_base = base + (0.0 if reduced else 0.5 * rng.standard_normal(n_c))
         eps = rng.standard_normal(n_c) * noise
@@ -131,7 +132,7 @@ def _decode_rows(
             w /= w.sum(axis=1, keepdims=True)
             ji, ci = np.nonzero(exists)
             out["step"].append(req.arrival + js[ji])
-            out["layer"].append(np.full(ji.shape[0], -1 if reduced else l, np.int16))
+            out["layer"].append(np.full(ji.shape[0], -1 if reduced else layer, np.int16))
             out["kv_head"].append(np.full(ji.shape[0], -1 if reduced else h, np.int16))
             out["page"].append(ctx_pages[ci])
             out["node_id"].append(ctx_node[ci])
@@ -169,7 +170,7 @@ def _multi_turn(rng: np.random.Generator, scale: float, ps: int) -> list[_Req]:
     sys_tok = 512
     reqs: list[_Req] = []
     rid = 0
-    for c in range(max(1, round(6 * scale))):
+    for _ in range(max(1, round(6 * scale))):
         nodes, toks = [system], [sys_tok]
         t0 = int(rng.integers(0, 200))
         topical = np.zeros(0, np.int64)
@@ -227,7 +228,7 @@ def _agent(rng: np.random.Generator, scale: float, ps: int) -> list[_Req]:
     tool_pages = rng.choice(sys_tok // ps, size=4, replace=False)
     reqs = []
     rid = 0
-    for a in range(max(1, round(3 * scale))):
+    for _ in range(max(1, round(3 * scale))):
         task = new()
         nodes, toks = [system, task], [sys_tok, int(rng.integers(64, 160))]
         t = int(rng.integers(0, 100))
@@ -333,7 +334,7 @@ def synthesize(
         workload=kind,
         extra={"seed": seed, "scale": scale, "layers": layers, "kv_heads": kv_heads, "noise": noise, "rho": rho, "sharpness": sharpness},
     )
-    trace = Trace.from_columns(cols, meta)
+    trace = Accesses.from_columns(cols, meta)
     requests = Requests.from_lists(
         [r.rid for r in reqs],
         [r.arrival for r in reqs],

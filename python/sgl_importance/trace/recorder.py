@@ -13,14 +13,14 @@ flag is on, so an unrecorded server runs none of this):
   fixed-size record per (step, request, page) to a preallocated numpy buffer. Full
   buffers, buffers at a request's end and buffers older than a second are pushed
   over a ZeroMQ PUSH socket (non-blocking) to
-- the writer process (``trace/writer.py``), which writes the Parquet trace.
+- the writer process (``trace/writer_process.py``), which writes the Parquet trace.
 
 Recorded per row: step (global decode step of this scheduler), time_ns
 (``time.perf_counter_ns`` when the step finished, SGLang's request clock),
 request_id (SGLang's ``rid``), page (physical page id), node_id (the radix node
 holding the page, from the request's path; -1 for tokens not inserted yet),
 position (the page's index in the request's sequence), importance; layer and
-kv_head are -1 (reduced); the writer fills turn from the rid (``format.parse_rid``).
+kv_head are -1 (reduced); the writer fills turn from the rid (``trace.schema.parse_rid``).
 
 Per finished request, one row of the ``requests`` table: its radix path after
 SGLang inserted it (prompt and output), prompt length, the prefix SGLang matched
@@ -55,7 +55,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from sgl_importance.trace.writer import RECORD_DTYPE
+from sgl_importance.trace.writer_process import RECORD_DTYPE
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class Recorder:
         self._ipc_dir = tempfile.mkdtemp(prefix="sgl-imp-trace-")
         endpoint = f"ipc://{self._ipc_dir}/writer-{uuid.uuid4().hex[:8]}"
         cmd = [
-            sys.executable, "-m", "sgl_importance.trace.writer",
+            sys.executable, "-m", "sgl_importance.trace.writer_process",
             "--endpoint", endpoint, "--out", out, "--max-rows", str(max_rows),
             "--meta", json.dumps(meta), "--watch-pid", str(os.getpid()), "--detach",
         ]  # fmt: skip
@@ -275,9 +275,9 @@ class Recorder:
                 out = self._buf[self._n : self._n + take]
                 out["step"] = step.step
                 out["time_ns"] = step.time_ns
-                out["request"] = code
+                out["request_id"] = code
                 out["page"] = slots[start : start + take] // step.page_size
-                out["node"] = nodes[start : start + take]
+                out["node_id"] = nodes[start : start + take]
                 out["position"] = np.arange(start, start + take, dtype=np.int32)
                 out["importance"] = importance[i, start : start + take]
                 self._n += take
@@ -311,7 +311,7 @@ class Recorder:
             recv = float(getattr(getattr(req, "time_stats", None), "scheduler_recv_time", 0.0) or 0.0)
             self._request_rows.append(
                 {
-                    "rid": rid,
+                    "request_id": rid,
                     "arrival_step": self._arrival.pop(rid, step),
                     "finish_step": step,
                     "node_ids": ids,

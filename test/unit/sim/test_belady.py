@@ -7,7 +7,7 @@ from support.traces import sequence_trace, trace_from_steps
 from sgl_importance.sim.belady import next_use
 from sgl_importance.sim.policies import POLICIES, make_policy
 from sgl_importance.sim.replay import prepare_hot, replay_stream
-from sgl_importance.trace.format import Trace
+from sgl_importance.trace.tables import Accesses
 
 # The classic reference string of operating-systems textbooks.
 TEXTBOOK = [7, 0, 1, 2, 0, 3, 0, 4, 2, 3, 0, 3, 2, 1, 2, 0, 1, 7, 0, 1]
@@ -67,7 +67,7 @@ def test_belady_hits_at_least_as_often_as_every_online_policy_when_steps_demand_
     for _ in range(120):
         pages = r.choice(30, size=int(r.integers(1, 5)), replace=False)
         steps.append({int(p): float(m) for p, m in zip(pages, r.dirichlet(np.ones(len(pages))))})
-    hs = prepare_hot(Trace.from_columns(trace_from_steps(steps)), "all")
+    hs = prepare_hot(Accesses.from_columns(trace_from_steps(steps)), "all")
     best, _ = replay_stream(hs, 0, make_policy("belady"), 8)
     for name in POLICIES:
         if name in ("belady", "prefetch"):  # prefetching is not demand fetch: it may beat MIN

@@ -12,18 +12,11 @@ import pytest
 from sgl_importance.sim.__main__ import main as sim_main
 from sgl_importance.sim.policies import make_policy
 from sgl_importance.sim.prefix import prepare_prefix, replay_prefix
-from sgl_importance.trace.format import (
-    REQUEST_EXTRA,
-    Requests,
-    Trace,
-    TraceMeta,
-    TraceWriter,
-    parse_rid,
-    read_all,
-    read_requests,
-    resolve_splits,
-    write_requests,
-)
+from sgl_importance.trace.schema import REQUEST_EXTRA, TraceMeta, parse_rid
+from sgl_importance.trace.splits import resolve_splits
+from sgl_importance.trace.streaming import TraceWriter
+from sgl_importance.trace.table_io import read_all, read_requests, write_requests
+from sgl_importance.trace.tables import Accesses, Requests
 
 PAGE = 16
 
@@ -94,7 +87,7 @@ def _split_trace():
         ["a", "b", "c"], [0, 10, 20], [[1], [7, 8], [7, 1]], [[100], [64, 20], [64, 36]], [4, 4, 4]
     )
     # a's pages at its decode step: positions 0..6, all in node 1 as recorded.
-    acc = Trace.from_columns(
+    acc = Accesses.from_columns(
         {
             "step": [0] * 7 + [10] * 6,
             "request_id": ["a"] * 7 + ["b"] * 6,

@@ -7,11 +7,11 @@ from support.traces import rng, sequence_trace, trace_from_steps  # noqa: F401  
 from sgl_importance.sim.policies import POLICIES, make_policy
 from sgl_importance.sim.queue import LazyMinQueue
 from sgl_importance.sim.replay import prepare_hot, replay_stream
-from sgl_importance.trace.format import Trace
+from sgl_importance.trace.tables import Accesses
 
 
 def _run(steps, policy: str, budget: int, demand: str = "all", seed: int = 0):
-    hs = prepare_hot(Trace.from_columns(trace_from_steps(steps)), demand)
+    hs = prepare_hot(Accesses.from_columns(trace_from_steps(steps)), demand)
     c, tr = replay_stream(hs, 0, make_policy(policy), budget, seed=seed, record=True)
     return c, tr
 
@@ -48,6 +48,25 @@ def test_importance_keeps_old_heavy_pages_that_lru_evicts():
     assert lru.hits == 0
     assert imp.hits == 2 * (12 - 1)  # every anchor revisit after the first
     assert imp.mass_recall > lru.mass_recall
+
+
+def test_shipped_keeps_old_heavy_pages_in_the_hot_set_and_its_lru_config_does_not():
+    steps = _old_anchor_steps()
+    shipped, _ = _run(steps, "shipped", budget=6)
+    assert shipped.hits == 2 * (12 - 1)
+    # The server's LRU special case of the same priority.
+    lru_like, _ = _run(steps, "shipped:importance_weight=0:reuse_weight=0:pin_sinks=false", budget=6)
+    assert lru_like.hits == 0
+
+
+def test_shipped_pins_the_sink_page_in_the_hot_set_unless_pin_sinks_is_off():
+    # Page 0 sits at position 0; a scan of heavier one-off pages follows, then page 0 again.
+    cols = trace_from_steps([{0: 0.3, 1000: 0.7}] + [{1000 + t: 1.0} for t in range(1, 10)] + [{0: 1.0}])
+    cols["position"] = np.where(cols["page"] == 0, 0, 5)
+    hs = prepare_hot(Accesses.from_columns(cols), "all")
+    _, tr = replay_stream(hs, 0, make_policy("shipped"), 3, record=True)
+    _, tr_off = replay_stream(hs, 0, make_policy("shipped:pin_sinks=false:recency_horizon=2"), 3, record=True)
+    assert tr.hits[-1] == 1 and tr_off.hits[-1] == 0
 
 
 def test_lru_tie_breaking_by_mass_evicts_the_lightest_page_of_a_step_but_random_does_not():
@@ -115,7 +134,7 @@ def test_prefetch_brings_back_a_heavy_page_before_it_is_needed_and_counts_it_apa
 
 def test_every_registered_policy_respects_the_budget_and_counts_consistently(rng):
     steps = [{int(p): float(m) for p, m in zip(rng.choice(40, 6, replace=False), rng.dirichlet(np.ones(6)))} for _ in range(200)]
-    hs = prepare_hot(Trace.from_columns(trace_from_steps(steps)), "topk:3")
+    hs = prepare_hot(Accesses.from_columns(trace_from_steps(steps)), "topk:3")
     for name in POLICIES:
         c, _ = replay_stream(hs, 0, make_policy(name), 7)
         assert 0 <= c.hits <= c.accesses == 600

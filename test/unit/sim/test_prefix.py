@@ -5,7 +5,7 @@ import pytest
 
 from sgl_importance.sim.policies import make_policy
 from sgl_importance.sim.prefix import longest_resident_prefix, prepare_prefix, replay_prefix, replay_prefix_all
-from sgl_importance.trace.format import Requests, Trace
+from sgl_importance.trace.tables import Accesses, Requests
 
 
 def _requests(paths, tokens=None, arrivals=None):
@@ -36,7 +36,7 @@ def test_eviction_takes_leaves_first_even_when_the_parent_is_less_important():
     # node 1 (system prompt) carries little mass, its child 2 a lot; the budget
     # forces one eviction when request 2 arrives: only the leaf may go.
     req = _requests([[1, 2], [1, 3], [1]], tokens={1: 10, 2: 10, 3: 10})
-    tr = Trace.from_columns(
+    tr = Accesses.from_columns(
         {
             "step": [0, 0, 1, 1],
             "request_id": [0, 0, 1, 1],
@@ -99,7 +99,7 @@ def test_policies_that_only_make_sense_for_the_hot_set_are_refused():
 
 def test_string_request_ids_join_node_importance_across_the_two_tables():
     req = Requests.from_lists(["x", "y"], [0, 1], [[1, 2], [1, 3]], [[10, 10], [10, 10]], [1, 1])
-    tr = Trace.from_columns(
+    tr = Accesses.from_columns(
         {"step": [0, 0, 1], "request_id": ["y", "y", "x"], "page": [5, 6, 7], "node_id": [1, 3, 2], "importance": [0.25, 0.75, 1.0]}
     )
     pd = prepare_prefix(req, tr)

@@ -7,19 +7,17 @@ import numpy as np
 import pytest
 from support.traces import rng  # noqa: F401  (fixture)
 
-from sgl_importance.trace.format import (
-    ACCESS_DTYPES,
-    Requests,
-    Trace,
-    TraceMeta,
-    TraceWriter,
+from sgl_importance.trace.schema import ACCESS_DTYPES, TraceMeta
+from sgl_importance.trace.streaming import TraceWriter
+from sgl_importance.trace.table_io import (
+    read_accesses,
     read_all,
     read_meta,
     read_requests,
-    read_trace,
+    write_accesses,
     write_requests,
-    write_trace,
 )
+from sgl_importance.trace.tables import Accesses, Requests
 
 
 def _random_columns(rng: np.random.Generator, n: int, string_ids: bool = False) -> dict[str, np.ndarray]:
@@ -38,7 +36,7 @@ def _random_columns(rng: np.random.Generator, n: int, string_ids: bool = False) 
     }
 
 
-def _assert_same(a: Trace, b: Trace) -> None:
+def _assert_same(a: Accesses, b: Accesses) -> None:
     for name in ACCESS_DTYPES:
         x, y = a.columns()[name], b.columns()[name]
         assert np.array_equal(x, y), name
@@ -47,9 +45,9 @@ def _assert_same(a: Trace, b: Trace) -> None:
 
 
 def test_write_then_read_returns_identical_columns_and_dtypes(tmp_path, rng):
-    tr = Trace.from_columns(_random_columns(rng, 1000), TraceMeta(page_size=32, model="m", workload="w"))
-    write_trace(tmp_path, tr)
-    back = read_trace(tmp_path)
+    tr = Accesses.from_columns(_random_columns(rng, 1000), TraceMeta(page_size=32, model="m", workload="w"))
+    write_accesses(tmp_path, tr)
+    back = read_accesses(tmp_path)
     _assert_same(tr, back)
     assert back.request_labels is None
     meta = read_meta(tmp_path)
@@ -58,20 +56,20 @@ def test_write_then_read_returns_identical_columns_and_dtypes(tmp_path, rng):
 
 
 def test_string_request_ids_round_trip_through_codes_and_labels(tmp_path, rng):
-    tr = Trace.from_columns(_random_columns(rng, 300, string_ids=True))
+    tr = Accesses.from_columns(_random_columns(rng, 300, string_ids=True))
     assert tr.request_id.dtype == np.int64
-    write_trace(tmp_path, tr)
-    back = read_trace(tmp_path)
+    write_accesses(tmp_path, tr)
+    back = read_accesses(tmp_path)
     assert np.array_equal(back.columns()["request_id"], tr.columns()["request_id"])
     assert set(back.request_labels) == {f"req-{i}" for i in range(5)}
 
 
 def test_optional_columns_take_documented_defaults():
-    tr = Trace.from_columns({"step": [0, 1], "request_id": [7, 7], "page": [3, 4], "importance": [0.5, 0.5]})
+    tr = Accesses.from_columns({"step": [0, 1], "request_id": [7, 7], "page": [3, 4], "importance": [0.5, 0.5]})
     assert tr.layer.tolist() == [-1, -1] and tr.kv_head.tolist() == [-1, -1]
     assert tr.node_id.tolist() == [-1, -1] and tr.position.tolist() == [-1, -1]
     with pytest.raises(ValueError, match="missing required"):
-        Trace.from_columns({"step": [0], "page": [1], "importance": [1.0]})
+        Accesses.from_columns({"step": [0], "page": [1], "importance": [1.0]})
 
 
 def test_requests_round_trip_keeps_variable_length_paths(tmp_path):
@@ -88,8 +86,8 @@ def test_requests_round_trip_keeps_variable_length_paths(tmp_path):
 
 
 def test_read_all_gives_string_ids_one_code_space_across_tables(tmp_path):
-    tr = Trace.from_columns({"step": [0, 0], "request_id": ["b", "c"], "page": [1, 2], "importance": [1.0, 1.0]})
-    write_trace(tmp_path, tr)
+    tr = Accesses.from_columns({"step": [0, 0], "request_id": ["b", "c"], "page": [1, 2], "importance": [1.0, 1.0]})
+    write_accesses(tmp_path, tr)
     write_requests(tmp_path, Requests.from_lists(["a", "c"], [0, 0], [[1], [2]], [[4], [4]], [1, 1]))
     ts = read_all(tmp_path)
     labels = list(ts.accesses.request_labels)
@@ -105,7 +103,7 @@ def test_streaming_writer_rotates_files_and_reads_back_in_order(tmp_path, rng):
             w.append({k: v[i:i + 170] for k, v in cols.items()})
     files = sorted(p.name for p in tmp_path.glob("accesses-*.parquet"))
     assert files == ["accesses-00000.parquet", "accesses-00001.parquet", "accesses-00002.parquet"]
-    _assert_same(Trace.from_columns(cols), read_trace(tmp_path))
+    _assert_same(Accesses.from_columns(cols), read_accesses(tmp_path))
     assert read_meta(tmp_path).access_rows == 2500
 
 
@@ -118,7 +116,7 @@ def test_streaming_writer_stops_at_row_bound_with_one_warning_and_counts_dropped
     w.close()
     assert kept == [100, 100, 50, 0]
     assert sum(issubclass(c.category, RuntimeWarning) for c in caught) == 1
-    assert len(read_trace(tmp_path)) == 250
+    assert len(read_accesses(tmp_path)) == 250
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert meta["dropped_rows"] == 150 and meta["access_rows"] == 250
 
@@ -134,7 +132,7 @@ def test_streaming_writer_also_writes_the_requests_table(tmp_path):
 
 
 def test_writer_refuses_a_directory_that_already_holds_a_trace(tmp_path):
-    write_trace(tmp_path, Trace.from_columns({"step": [0], "request_id": [1], "page": [2], "importance": [1.0]}))
+    write_accesses(tmp_path, Accesses.from_columns({"step": [0], "request_id": [1], "page": [2], "importance": [1.0]}))
     with pytest.raises(FileExistsError):
         TraceWriter(tmp_path)
 

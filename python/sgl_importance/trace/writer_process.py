@@ -1,12 +1,13 @@
 """The trace writer process: receives record batches over ZeroMQ and writes Parquet.
 
 The scheduler's recorder (``trace/recorder.py``) starts it once with
-``python -m sgl_importance.trace.writer`` and pushes multipart messages to its PULL
+``python -m sgl_importance.trace.writer_process`` and pushes multipart messages to its PULL
 socket:
 
 - ``[b"labels", json {code: request id}]`` before the first rows of new requests;
 - ``[b"rows", bytes of RECORD_DTYPE records]``;
-- ``[b"requests", json list of finished-request rows]`` (the ``requests`` table: id,
+- ``[b"requests", json list of finished-request rows]`` (the ``requests`` table's
+  column names: ``request_id``,
   steps, timestamps, token counts, radix path; conversation and turn are parsed
   here from the id, off the scheduler);
 - ``[b"dropped", decimal count]``: rows the recorder did not send (row bound reached);
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from sgl_importance.trace.format import Requests
+    from sgl_importance.trace.tables import Requests
 
 # One row per (decode step, request, page): fixed size, so the scheduler fills a
 # preallocated array and the writer reads it back with np.frombuffer.
@@ -43,9 +44,9 @@ RECORD_DTYPE = np.dtype(
     [
         ("step", "<i8"),
         ("time_ns", "<i8"),
-        ("request", "<i8"),  # code; the request id string comes in a "labels" message
+        ("request_id", "<i8"),  # code; the request id string comes in a "labels" message
         ("page", "<i8"),  # physical KV page (slot // page_size)
-        ("node", "<i8"),  # radix node holding the page at this step, -1 none yet
+        ("node_id", "<i8"),  # radix node holding the page at this step, -1 none yet
         ("position", "<i4"),  # index of the page within the request's sequence
         ("importance", "<f4"),  # the page's mass at this step, reduced over layers
     ]
@@ -55,10 +56,10 @@ POLL_MS = 200
 
 
 def records_to_columns(records: np.ndarray, labels: dict[int, str]) -> dict[str, np.ndarray]:
-    """Access-table columns (``trace.format``) for a batch of records."""
-    from sgl_importance.trace.format import parse_rid
+    """``accesses`` columns (``trace.schema``) for a batch of records."""
+    from sgl_importance.trace.schema import parse_rid
 
-    codes, inverse = np.unique(records["request"], return_inverse=True)
+    codes, inverse = np.unique(records["request_id"], return_inverse=True)
     names = np.array([labels.get(int(c), str(int(c))) for c in codes], dtype=object)
     turns = np.array([parse_rid(n)[1] for n in names], np.int32)
     return {
@@ -67,7 +68,7 @@ def records_to_columns(records: np.ndarray, labels: dict[int, str]) -> dict[str,
         "request_id": names[inverse],
         "turn": turns[inverse],
         "page": records["page"],
-        "node_id": records["node"],
+        "node_id": records["node_id"],
         "position": records["position"],
         "importance": records["importance"],
     }
@@ -75,11 +76,12 @@ def records_to_columns(records: np.ndarray, labels: dict[int, str]) -> dict[str,
 
 def request_rows_to_table(rows: list[dict[str, Any]]) -> "Requests":
     """``Requests`` for a batch of the recorder's finished-request rows."""
-    from sgl_importance.trace.format import Requests, parse_rid
+    from sgl_importance.trace.schema import parse_rid
+    from sgl_importance.trace.tables import Requests
 
-    conv_turn = [parse_rid(r["rid"]) for r in rows]
+    conv_turn = [parse_rid(r["request_id"]) for r in rows]
     return Requests.from_lists(
-        [str(r["rid"]) for r in rows],
+        [str(r["request_id"]) for r in rows],
         [r["arrival_step"] for r in rows],
         [r["node_ids"] for r in rows],
         [r["node_tokens"] for r in rows],
@@ -113,7 +115,8 @@ def serve(endpoint: str, out: str, meta: dict[str, Any], max_rows: int, watch_pi
     """
     import zmq
 
-    from sgl_importance.trace.format import TraceMeta, TraceWriter
+    from sgl_importance.trace.schema import TraceMeta
+    from sgl_importance.trace.streaming import TraceWriter
 
     stop = False
 
@@ -202,7 +205,7 @@ def _detach() -> Optional[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sgl_importance.trace.writer", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m sgl_importance.trace.writer_process", description=__doc__.splitlines()[0])
     p.add_argument("--endpoint", required=True, help="ZeroMQ endpoint to bind (ipc://...)")
     p.add_argument("--out", required=True, help="trace directory")
     p.add_argument("--meta", default="{}", help="TraceMeta fields as JSON")

@@ -1,0 +1,221 @@
+"""The eviction priority the server ships, as one pure function, and its configuration.
+
+``cache/strategy.py`` (SGLang's radix tree) and the simulator's ``shipped`` policy
+(``sim/policies.py``) both call :func:`eviction_priority`, with the same
+:class:`ImportancePolicyConfig` parsed from the same ``--radix-eviction-policy-config``
+JSON (:func:`parse_policy_config`), so a replay verdict about ``shipped`` is a verdict
+about the deployed policy. Plain Python: no SGLang, no torch, no numpy.
+
+The priority blends three O(1) fields of a node:
+
+- persistent importance (an EMA of attention density, ``importance/persistent.py``)
+  divided by the aggregator's running maximum and clipped to [0, 1];
+- recency ``exp(-age / recency_horizon)`` on SGLang's logical access clock;
+- reuse ``hit_count / (hit_count + 1)``.
+
+Attention-sink nodes form a tier evicted after every other node when ``pin_sinks``
+is on; ties fall back to the last access time, so with ``importance_weight=0,
+reuse_weight=0, pin_sinks=false`` the order is exactly LRU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, NamedTuple, Optional, Union
+
+POLICY_NAME = "importance"
+FLAG = "--radix-eviction-policy-config"
+WEIGHT_MAX = 1000.0
+HORIZON_MAX = 1e12
+HITS_MAX = 1_000_000
+PREFETCH_TOKENS_MAX = 1 << 24
+DECAY_RANGE = "a number in (0, 1)"
+SINK_PAGES_MAX = 64
+
+
+def validate_decay(decay: Any, name: str = "decay") -> float:
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not (
+        0.0 < float(decay) < 1.0
+    ):
+        raise ValueError(f"{name}={decay!r} is invalid; allowed: {DECAY_RANGE}")
+    return float(decay)
+
+
+def validate_sink_pages(sink_pages: Any, name: str = "sink_pages") -> int:
+    if isinstance(sink_pages, bool) or not isinstance(sink_pages, int) or not (
+        0 <= sink_pages <= SINK_PAGES_MAX
+    ):
+        raise ValueError(
+            f"{name}={sink_pages!r} is invalid; allowed: an integer in [0, {SINK_PAGES_MAX}]"
+        )
+    return sink_pages
+
+
+def _number(key: str, value: Any, low: float, high: float, allowed: str) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not (low <= value <= high)
+    ):
+        raise ValueError(f"{FLAG} {key}={value!r} is invalid; allowed: {allowed}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class ImportancePolicyConfig:
+    """The JSON keys of ``--radix-eviction-policy-config`` for ``importance``."""
+
+    # Weight of normalised persistent importance in the priority.
+    importance_weight: float = 1.0
+    # Weight of recency, exp(-age / recency_horizon).
+    recency_weight: float = 1.0
+    # Weight of reuse, hit_count / (hit_count + 1).
+    reuse_weight: float = 0.5
+    # Age, in ticks of SGLang's logical access clock (one tick per node touched or
+    # created), at which recency has fallen to 1/e.
+    recency_horizon: float = 1024.0
+    # Evict attention-sink nodes after every other node.
+    pin_sinks: bool = True
+    # EMA factor per attended decode step (see importance/persistent.py).
+    decay: float = 0.98
+    # Leading pages of a sequence treated as attention sinks.
+    sink_pages: int = 1
+    # L3 admission (cache/admission.py): write a node to the storage tier once it
+    # has this many hits (0: hits alone never qualify) ...
+    storage_min_hits: int = 0
+    # ... or this normalised importance (0: importance alone never qualifies).
+    # Both 0: every node is written, as in SGLang.
+    storage_min_importance: float = 0.0
+    # Prefetch (cache/prefetch.py): device tokens loaded back ahead of need per
+    # prefill batch (0: no prefetch) ...
+    prefetch_max_tokens: int = 4096
+    # ... and the normalised importance a demoted node needs to be warmed back
+    # onto the device (0: warm nothing; waiting requests still prefetch). Off by
+    # default: on the serving benchmark 92 % of warmed tokens were evicted unused
+    # (benchmark/serving/RESULTS.md); it pays when a few hot documents recur.
+    prefetch_min_importance: float = 0.0
+
+    def __post_init__(self) -> None:
+        weight_range = f"a number in [0, {WEIGHT_MAX:g}]"
+        for key in ("importance_weight", "recency_weight", "reuse_weight"):
+            _number(key, getattr(self, key), 0.0, WEIGHT_MAX, weight_range)
+        horizon = self.recency_horizon
+        horizon_range = f"a number in (0, {HORIZON_MAX:g}]"
+        if _number("recency_horizon", horizon, 0.0, HORIZON_MAX, horizon_range) == 0:
+            raise ValueError(
+                f"{FLAG} recency_horizon={horizon!r} is invalid; allowed: {horizon_range}"
+            )
+        if not isinstance(self.pin_sinks, bool):
+            raise ValueError(
+                f"{FLAG} pin_sinks={self.pin_sinks!r} is invalid; allowed: true, false"
+            )
+        validate_decay(self.decay, name=f"{FLAG} decay")
+        validate_sink_pages(self.sink_pages, name=f"{FLAG} sink_pages")
+        hits = self.storage_min_hits
+        if isinstance(hits, bool) or not isinstance(hits, int) or not 0 <= hits <= HITS_MAX:
+            raise ValueError(
+                f"{FLAG} storage_min_hits={hits!r} is invalid; "
+                f"allowed: an integer in [0, {HITS_MAX}]"
+            )
+        importance = self.storage_min_importance
+        _number("storage_min_importance", importance, 0.0, 1.0, "a number in [0, 1]")
+        cap = self.prefetch_max_tokens
+        if isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= PREFETCH_TOKENS_MAX:
+            raise ValueError(
+                f"{FLAG} prefetch_max_tokens={cap!r} is invalid; "
+                f"allowed: an integer in [0, {PREFETCH_TOKENS_MAX}]"
+            )
+        _number(
+            "prefetch_min_importance", self.prefetch_min_importance, 0.0, 1.0, "a number in [0, 1]"
+        )
+
+    @classmethod
+    def from_mapping(cls, config: Optional[Mapping[str, Any]]) -> "ImportancePolicyConfig":
+        """Validate the policy's JSON object; unknown keys name the allowed ones."""
+        config = dict(config or {})
+        allowed = [f.name for f in fields(cls)]
+        unknown = sorted(set(config) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"{FLAG} has unknown key(s) {', '.join(map(repr, unknown))} for "
+                f"--radix-eviction-policy {POLICY_NAME}; allowed keys: {', '.join(allowed)}"
+            )
+        return cls(**config)
+
+
+def parse_policy_config(
+    config: Union[str, Mapping[str, Any], None]
+) -> ImportancePolicyConfig:
+    """The flag's value (JSON text, or the object SGLang already decoded) -> config.
+
+    Raises:
+        ValueError: not JSON, not an object, or a key or value the config refuses;
+            the message names the flag.
+    """
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{FLAG} {config!r} is not JSON ({e}); allowed: a JSON object") from None
+    if config is not None and not isinstance(config, Mapping):
+        raise ValueError(
+            f"{FLAG} {config!r} is invalid for --radix-eviction-policy {POLICY_NAME}; "
+            "allowed: a JSON object"
+        )
+    return ImportancePolicyConfig.from_mapping(config)
+
+
+class PriorityWeights(NamedTuple):
+    """The part of the config :func:`eviction_priority` reads, resolved once."""
+
+    importance: float
+    recency: float
+    reuse: float
+    inv_horizon: float
+    pin_sinks: bool
+
+    @classmethod
+    def of(cls, config: ImportancePolicyConfig) -> "PriorityWeights":
+        return cls(
+            config.importance_weight,
+            config.recency_weight,
+            config.reuse_weight,
+            1.0 / config.recency_horizon,
+            config.pin_sinks,
+        )
+
+
+def eviction_priority(
+    weights: PriorityWeights,
+    importance: float,
+    pinned: bool,
+    last_access: float,
+    hit_count: int,
+    now: float,
+    scale: float,
+) -> tuple[int, float, float]:
+    """(tier, blended score, last access); the smallest is evicted first.
+
+    Args:
+        weights: the resolved config.
+        importance: the node's persistent importance (0 if never attended).
+        pinned: the node lies inside its sequence's attention-sink pages.
+        last_access: the node's last access time on the access clock.
+        hit_count: how often the node was reused.
+        now: the access clock's current value.
+        scale: the aggregator's running maximum of importance (0: none yet).
+    """
+    score = 0.0
+    if weights.importance and scale > 0.0:
+        share = importance / scale
+        score += weights.importance * (share if share < 1.0 else 1.0)
+    if weights.recency:
+        age = now - last_access
+        score += weights.recency * (math.exp(-age * weights.inv_horizon) if age > 0 else 1.0)
+    if weights.reuse:
+        score += weights.reuse * hit_count / (hit_count + 1.0)
+    tier = 1 if weights.pin_sinks and pinned else 0
+    return (tier, score, last_access)
