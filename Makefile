@@ -56,7 +56,7 @@ store: install
 # (--dist loadfile keeps a module's servers in one worker): a server start is
 # mostly single-threaded imports, so two modules overlap well on two cores.
 TEST_WORKERS ?= 2
-test: install
+test: install lint
 	$(BIN)/python scripts/prepare_model.py --print-path >/dev/null
 	$(BIN)/python -m pytest test -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 

@@ -86,10 +86,18 @@ CHAT_OPENERS = [
     "Explain how a hash table works.",
     "I am writing a short story about a lighthouse keeper.",
 ]
-CHAT_FOLLOWUPS = ["Tell me more.", "Can you give an example?", "What should I avoid?", "Summarise that briefly.", "And after that?"]
+CHAT_FOLLOWUPS = [
+    "Tell me more.",
+    "Can you give an example?",
+    "What should I avoid?",
+    "Summarise that briefly.",
+    "And after that?",
+]
 COT_PROBLEMS = [
-    "A train travels 60 km in 45 minutes. Then it travels 90 km at 80 km/h. What is its average speed? Think step by step.",
-    "If 3 pencils and 2 erasers cost 1.30 and 2 pencils and 3 erasers cost 1.20, what does one pencil cost? Think step by step.",
+    "A train travels 60 km in 45 minutes. Then it travels 90 km at 80 km/h. "
+    "What is its average speed? Think step by step.",
+    "If 3 pencils and 2 erasers cost 1.30 and 2 pencils and 3 erasers cost 1.20, "
+    "what does one pencil cost? Think step by step.",
     "How many times does the digit 7 appear in the numbers from 1 to 100? Reason carefully step by step.",
     "Alice is older than Bob, Carol is younger than Bob, and Dave is older than Alice. Order the four from youngest "
     "to oldest. Think step by step and check each clue.",
@@ -99,7 +107,11 @@ AGENT_TOOLS = (
     "You are an agent. Tools: search(query) returns text; finish(answer) ends the task. "
     "Reply with one line: Thought: ... then Action: tool(argument)."
 )
-AGENT_TASKS = ["Find out what Paul Graham says about wealth.", "Find advice on how to do great work.", "Find what makes a good startup idea."]
+AGENT_TASKS = [
+    "Find out what Paul Graham says about wealth.",
+    "Find advice on how to do great work.",
+    "Find what makes a good startup idea.",
+]
 
 
 # -- the server ------------------------------------------------------------------------
@@ -143,8 +155,11 @@ class Server(LocalServer):
         out = r.json()
         self.done += 1
         usage = out.get("usage") or {}
-        print(f"  {rid}: {usage.get('prompt_tokens', '?')} prompt + {usage.get('completion_tokens', '?')} "
-              f"generated tokens ({self.done} requests done)", flush=True)
+        print(
+            f"  {rid}: {usage.get('prompt_tokens', '?')} prompt + {usage.get('completion_tokens', '?')} "
+            f"generated tokens ({self.done} requests done)",
+            flush=True,
+        )
         return out["choices"][0]["message"]["content"]
 
     def stop(self, timeout: float = 120) -> None:
@@ -175,8 +190,15 @@ def rag(server: Server, scale: int, rng: random.Random) -> dict:
     return {"document": "gba", "document_words": len(doc.split()), "questions": len(questions), "concurrency": 4}
 
 
-def conversations(server: Server, name: str, openers: list[str], turns: int, followup: Callable[[int, int, str], str],
-                  system: str, max_tokens: int) -> None:
+def conversations(
+    server: Server,
+    name: str,
+    openers: list[str],
+    turns: int,
+    followup: Callable[[int, int, str], str],
+    system: str,
+    max_tokens: int,
+) -> None:
     def converse(c: int) -> None:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": openers[c]}]
         for t in range(turns):
@@ -189,8 +211,15 @@ def conversations(server: Server, name: str, openers: list[str], turns: int, fol
 def chat(server: Server, scale: int, rng: random.Random) -> dict:
     # Sized so that the 2-core development machine records it in a few minutes.
     turns, tokens = 3 * scale, 48
-    conversations(server, "chat", CHAT_OPENERS, turns, lambda c, t, _: CHAT_FOLLOWUPS[(c + t) % len(CHAT_FOLLOWUPS)],
-                  "You are a helpful assistant.", tokens)
+    conversations(
+        server,
+        "chat",
+        CHAT_OPENERS,
+        turns,
+        lambda c, t, _: CHAT_FOLLOWUPS[(c + t) % len(CHAT_FOLLOWUPS)],
+        "You are a helpful assistant.",
+        tokens,
+    )
     return {"conversations": len(CHAT_OPENERS), "turns": turns, "max_tokens": tokens}
 
 

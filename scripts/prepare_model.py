@@ -82,9 +82,7 @@ def is_prepared(folder: Path) -> bool:
         return False
     try:
         meta = json.loads(marker.read_text())
-        return meta.get("format_version") == FORMAT_VERSION and meta.get(
-            "tensor_sha256"
-        ) == tensor_hash(folder)
+        return meta.get("format_version") == FORMAT_VERSION and meta.get("tensor_sha256") == tensor_hash(folder)
     except (OSError, ValueError, FileNotFoundError):
         return False
 
@@ -98,9 +96,7 @@ def convert(gguf: Path, out: Path) -> None:
     tmp.mkdir(parents=True)
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    quantised = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32
-    )
+    quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32)
     config = quantised.config
     # The dequantised weights are plain tensors now; a leftover
     # quantization_config would make SGLang look for a GGUF/quant method.
@@ -149,9 +145,7 @@ def prepare(out: Path | None = None, quiet: bool = False) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="target folder")
-    parser.add_argument(
-        "--print-path", action="store_true", help="print only the folder path on stdout"
-    )
+    parser.add_argument("--print-path", action="store_true", help="print only the folder path on stdout")
     args = parser.parse_args()
     path = prepare(args.out, quiet=args.print_path)
     print(path)

@@ -66,11 +66,40 @@ def sim(*args: str) -> list[str]:
 
 
 def replay_and_analyze(trace: Path, out: Path) -> None:
-    _run("replay (hot set per request + prefix cache)",
-         sim("replay", "--quiet", "--trace", str(trace), "--out", str(out / "replay-request"), "--policies", POLICIES, "--budgets", BUDGETS))
-    _run("replay (hot set, one cache for all requests)",
-         sim("replay", "--quiet", "--regime", "hot", "--scope", "global", "--trace", str(trace),
-             "--out", str(out / "replay-global"), "--policies", POLICIES, "--budgets", BUDGETS))
+    _run(
+        "replay (hot set per request + prefix cache)",
+        sim(
+            "replay",
+            "--quiet",
+            "--trace",
+            str(trace),
+            "--out",
+            str(out / "replay-request"),
+            "--policies",
+            POLICIES,
+            "--budgets",
+            BUDGETS,
+        ),
+    )
+    _run(
+        "replay (hot set, one cache for all requests)",
+        sim(
+            "replay",
+            "--quiet",
+            "--regime",
+            "hot",
+            "--scope",
+            "global",
+            "--trace",
+            str(trace),
+            "--out",
+            str(out / "replay-global"),
+            "--policies",
+            POLICIES,
+            "--budgets",
+            BUDGETS,
+        ),
+    )
     _run("analyze", sim("analyze", "--trace", str(trace), "--out", str(out / "analyze")))
 
 
@@ -131,9 +160,11 @@ def trace_stats(trace: Path) -> str:
     if acc is not None and len(acc):
         ev = np.unique(acc.step * 1_000_003 + acc.request_id)
         n_req = len(np.unique(acc.request_id))
-        parts.append(f"{len(np.unique(acc.step)):,} decode steps, {n_req} decoding requests, "
-                     f"{len(ev) / max(n_req, 1):.0f} decode steps per request on average, "
-                     f"up to {int(acc.position.max()) + 1} pages of context")
+        parts.append(
+            f"{len(np.unique(acc.step)):,} decode steps, {n_req} decoding requests, "
+            f"{len(ev) / max(n_req, 1):.0f} decode steps per request on average, "
+            f"up to {int(acc.position.max()) + 1} pages of context"
+        )
         parts.append(f"{(acc.node_id >= 0).mean():.0%} of rows carry a radix node id")
     if ts.requests is not None:
         parts.append(f"{len(ts.requests)} requests in the requests table")
@@ -154,8 +185,10 @@ def summarize(out: Path, workloads: list[str], traces: Path) -> Path:
             lines.append(f"Trace: {trace_stats(traces / w)}.\n")
         except Exception as e:  # a summary line must not hide the tables
             lines.append(f"Trace: unreadable ({e}).\n")
-        lines.append("| regime (scope) | budget | LRU hit | shipped hit (vs LRU) | importance | blend | best online | "
-                     "Belady | LRU mass recall | shipped mass recall | H1 |")
+        lines.append(
+            "| regime (scope) | budget | LRU hit | shipped hit (vs LRU) | importance | blend | best online | "
+            "Belady | LRU mass recall | shipped mass recall | H1 |"
+        )
         lines.insert(len(lines) - 1, "(best online = best demand-fetch policy; Belady = the demand-paging optimum)\n")
         lines.append("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|")
         req = _results(out / w / "replay-request")
@@ -170,13 +203,19 @@ def summarize(out: Path, workloads: list[str], traces: Path) -> Path:
             seg_acc = " / ".join(_pct(x) for x in acc["per_segment"])
             rec = " / ".join(_pct(x) for x in a["recency_recall"]["per_segment"])
             lines.append("")
-            lines.append(f"- H2: Jaccard EMA {ema['overall']:.3f} (segments {seg}), accumulated "
-                         f"{acc['overall']:.3f} (segments {seg_acc}): "
-                         f"{'holds' if ema['overall'] >= H2_JACCARD else 'does not hold'} on average"
-                         f"{'' if min(ema['per_segment']) >= H2_JACCARD else ', fails in some segment'}")
-            lines.append(f"- recency recall@{a['recency_recall']['k']}: {_pct(a['recency_recall']['overall'])} "
-                         f"(segments {rec}); top 20% of pages hold {_pct(a['top20']['mass_share'])} of the mass")
-        lines.append(f"- reports: `{w}/replay-request/report.md`, `{w}/replay-global/report.md`, `{w}/analyze/analysis.md`\n")
+            lines.append(
+                f"- H2: Jaccard EMA {ema['overall']:.3f} (segments {seg}), accumulated "
+                f"{acc['overall']:.3f} (segments {seg_acc}): "
+                f"{'holds' if ema['overall'] >= H2_JACCARD else 'does not hold'} on average"
+                f"{'' if min(ema['per_segment']) >= H2_JACCARD else ', fails in some segment'}"
+            )
+            lines.append(
+                f"- recency recall@{a['recency_recall']['k']}: {_pct(a['recency_recall']['overall'])} "
+                f"(segments {rec}); top 20% of pages hold {_pct(a['top20']['mass_share'])} of the mass"
+            )
+        lines.append(
+            f"- reports: `{w}/replay-request/report.md`, `{w}/replay-global/report.md`, `{w}/analyze/analysis.md`\n"
+        )
     path = out / "SUMMARY.md"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -211,10 +250,20 @@ def main(argv: list[str] | None = None) -> int:
                 import shutil
 
                 shutil.rmtree(trace)
-            _run("record from the server",
-                 [sys.executable, "scripts/collect_traces.py", "--out", str(traces), "--workloads", w,
-                  "--scale", str(a.scale)],
-                 show=True)
+            _run(
+                "record from the server",
+                [
+                    sys.executable,
+                    "scripts/collect_traces.py",
+                    "--out",
+                    str(traces),
+                    "--workloads",
+                    w,
+                    "--scale",
+                    str(a.scale),
+                ],
+                show=True,
+            )
         replay_and_analyze(trace, out / w)
     path = summarize(out, names, traces)
     print(f"summary: {path} ({time.perf_counter() - t0:.0f}s in all)", flush=True)

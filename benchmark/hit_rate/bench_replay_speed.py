@@ -59,13 +59,19 @@ def main() -> int:
     t1 = time.perf_counter()
     hs = prepare_hot(ts.accesses, a.demand, a.scope)
     t2 = time.perf_counter()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}")
-    print(f"trace: {a.kind} scale {a.scale}: {len(ts.accesses):,} rows, {hs.n_streams} streams, {hs.n_events:,} events, "
-          f"{hs.n_demanded:,} demanded accesses ({a.demand}, scope {a.scope}); budget {a.budget}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"trace: {a.kind} scale {a.scale}: {len(ts.accesses):,} rows, {hs.n_streams} streams, {hs.n_events:,} events, "
+        f"{hs.n_demanded:,} demanded accesses ({a.demand}, scope {a.scope}); budget {a.budget}"
+    )
     print(f"generate {t1 - t0:.2f}s, prepare {t2 - t1:.2f}s ({len(ts.accesses) / (t2 - t1):,.0f} rows/s)")
     # CPU seconds beside wall seconds: on a shared machine the first is the steadier number.
-    print(f"{'policy':<14}{'wall s':>8}{'accesses/s':>13}{'cpu s':>8}{'acc/cpu-s':>12}{'events/s':>10}"
-          f"{'hit rate':>10}{'recall':>8}")
+    print(
+        f"{'policy':<14}{'wall s':>8}{'accesses/s':>13}{'cpu s':>8}{'acc/cpu-s':>12}{'events/s':>10}"
+        f"{'hit rate':>10}{'recall':>8}"
+    )
     for name in a.policies.split(","):
         best = None
         for _ in range(max(1, a.repeat)):
@@ -75,8 +81,11 @@ def main() -> int:
             if best is None or r.seconds < best[0].seconds:
                 best = (r, cpu)
         r, cpu = best
-        print(f"{name:<14}{r.seconds:>8.2f}{r.accesses_per_s:>13,.0f}{cpu:>8.2f}{r.counts.accesses / cpu:>12,.0f}"
-              f"{r.counts.events / r.seconds:>10,.0f}{r.hit_rate:>10.3f}{r.mass_recall:>8.3f}", flush=True)
+        print(
+            f"{name:<14}{r.seconds:>8.2f}{r.accesses_per_s:>13,.0f}{cpu:>8.2f}{r.counts.accesses / cpu:>12,.0f}"
+            f"{r.counts.events / r.seconds:>10,.0f}{r.hit_rate:>10.3f}{r.mass_recall:>8.3f}",
+            flush=True,
+        )
     return 0
 
 

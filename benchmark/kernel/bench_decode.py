@@ -34,7 +34,11 @@ MODELS = {
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "benchmark" / "kernel" / "results")
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1 (validates the script; timings mean nothing)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny shapes on CPU under TRITON_INTERPRET=1 (validates the script; timings mean nothing)",
+    )
     p.add_argument("--models", default="llama8b,smollm2")
     p.add_argument("--bs", default="1,8,32,64")
     p.add_argument("--ctx", default="4096,32768,131072")
@@ -46,7 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--max-splits", type=int, default=32)
     p.add_argument("--no-cuda-graph", action="store_true", help="time eager launches instead of graph replays")
     p.add_argument("--no-baselines", action="store_true", help="skip SGLang / FlashInfer even if importable")
-    p.add_argument("--mem-fraction", type=float, default=0.8, help="skip configs needing more than this share of free GPU memory")
+    p.add_argument(
+        "--mem-fraction", type=float, default=0.8, help="skip configs needing more than this share of free GPU memory"
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.bs = "1,2"
@@ -105,8 +111,21 @@ def main(argv=None):
                             print(f"skip {model} P={page_size} bs={bs} ctx={ctx}: needs {need / 2**30:.1f} GiB")
                             continue
                     row = bench_one(
-                        torch, args, timer, device, dtype, model, q_heads, kv_heads, head_dim,
-                        page_size, bs, ctx, copy_gbps, baselines, DecodeImportanceWrapper,
+                        torch,
+                        args,
+                        timer,
+                        device,
+                        dtype,
+                        model,
+                        q_heads,
+                        kv_heads,
+                        head_dim,
+                        page_size,
+                        bs,
+                        ctx,
+                        copy_gbps,
+                        baselines,
+                        DecodeImportanceWrapper,
                         decode_importance_reference,
                     )
                     rows.append(row)
@@ -156,12 +175,37 @@ def build_batch(torch, bs, ctx, page_size, q_heads, kv_heads, head_dim, dtype, d
     return q, k, v, kv_indptr, kv_indices
 
 
-def bench_one(torch, args, timer, device, dtype, model, q_heads, kv_heads, head_dim, page_size, bs, ctx,
-              copy_gbps, baselines, Wrapper, reference):
+def bench_one(
+    torch,
+    args,
+    timer,
+    device,
+    dtype,
+    model,
+    q_heads,
+    kv_heads,
+    head_dim,
+    page_size,
+    bs,
+    ctx,
+    copy_gbps,
+    baselines,
+    Wrapper,
+    reference,
+):
     q, k, v, indptr, indices = build_batch(torch, bs, ctx, page_size, q_heads, kv_heads, head_dim, dtype, device)
     max_pages = math.ceil(ctx / page_size)
-    wrapper = Wrapper(bs, q_heads, kv_heads, head_dim, max_pages=max_pages, page_size=page_size,
-                      max_splits=args.max_splits, dtype=dtype, device=device)
+    wrapper = Wrapper(
+        bs,
+        q_heads,
+        kv_heads,
+        head_dim,
+        max_pages=max_pages,
+        page_size=page_size,
+        max_splits=args.max_splits,
+        dtype=dtype,
+        device=device,
+    )
     num_splits = args.num_splits or wrapper.num_splits_for(bs)
 
     def step(importance):
@@ -190,10 +234,20 @@ def bench_one(torch, args, timer, device, dtype, model, q_heads, kv_heads, head_
     kv_bytes = bs * ctx * kv_heads * head_dim * 2 * dtype.itemsize
     on, off = times.pop("on"), times.pop("off")
     return Row(
-        model=model, page_size=page_size, bs=bs, ctx=ctx, num_splits=num_splits,
-        on_ms=on, off_ms=off, ratio=on / off, kv_bytes=kv_bytes,
-        on_gbps=kv_bytes / on / 1e6, off_gbps=kv_bytes / off / 1e6, copy_gbps=copy_gbps,
-        baselines_ms=times, max_rel_err=max_rel_err,
+        model=model,
+        page_size=page_size,
+        bs=bs,
+        ctx=ctx,
+        num_splits=num_splits,
+        on_ms=on,
+        off_ms=off,
+        ratio=on / off,
+        kv_bytes=kv_bytes,
+        on_gbps=kv_bytes / on / 1e6,
+        off_gbps=kv_bytes / off / 1e6,
+        copy_gbps=copy_gbps,
+        baselines_ms=times,
+        max_rel_err=max_rel_err,
     )
 
 
@@ -264,14 +318,17 @@ def load_baselines():
     """name -> factory(torch, q, k, v, indptr, indices, page_size, num_splits, max_splits) -> callable."""
     found = {}
     stock = None
-    for module in ("sglang.srt.layers.attention.triton_ops.decode_attention",
-                   "sglang.kernels.ops.attention.decode_attention"):
+    for module in (
+        "sglang.srt.layers.attention.triton_ops.decode_attention",
+        "sglang.kernels.ops.attention.decode_attention",
+    ):
         try:
             stock = __import__(module, fromlist=["decode_attention_fwd"]).decode_attention_fwd
             break
         except Exception:
             continue
     if stock is not None:
+
         def make_sglang(torch, q, k, v, indptr, indices, page_size, num_splits, max_splits):
             bs, heads, _ = q.shape
             o = torch.empty(bs, heads, v.shape[2], dtype=q.dtype, device=q.device)
@@ -281,6 +338,7 @@ def load_baselines():
             scale = 1.0 / math.sqrt(q.shape[2])
             # slot-addressed reads (its default page_size=1) touch exactly the same bytes
             return lambda: stock(q, k, v, o, indptr, indices, logits, lse, splits, max_splits, scale, 1.0, 1.0)
+
         found["sglang_triton"] = make_sglang
     try:
         import flashinfer
@@ -294,11 +352,13 @@ def load_baselines():
             last = torch.full((bs,), page_size, dtype=torch.int32, device=q.device)
             ws = torch.empty(256 << 20, dtype=torch.uint8, device=q.device)
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
-            wrapper.plan(page_indptr, page_ids, last, heads, kv_heads, dim, page_size,
-                         q_data_type=q.dtype, kv_data_type=k.dtype)
+            wrapper.plan(
+                page_indptr, page_ids, last, heads, kv_heads, dim, page_size, q_data_type=q.dtype, kv_data_type=k.dtype
+            )
             kc = k.view(-1, page_size, kv_heads, dim)
             vc = v.view(-1, page_size, kv_heads, v.shape[2])
             return lambda: wrapper.run(q, (kc, vc))
+
         found["flashinfer"] = make_flashinfer
     except Exception:
         pass
@@ -308,14 +368,19 @@ def load_baselines():
 def format_row(r: Row) -> str:
     extra = " ".join(f"{k}={v:.3f}ms" for k, v in r.baselines_ms.items())
     err = f" err={r.max_rel_err:.1e}" if r.max_rel_err is not None else ""
-    return (f"{r.model:8s} P={r.page_size:<3d} bs={r.bs:<3d} ctx={r.ctx:<7d} splits={r.num_splits:<3d} "
-            f"on={r.on_ms:.3f}ms off={r.off_ms:.3f}ms ratio={r.ratio:.3f} {extra}{err}")
+    return (
+        f"{r.model:8s} P={r.page_size:<3d} bs={r.bs:<3d} ctx={r.ctx:<7d} splits={r.num_splits:<3d} "
+        f"on={r.on_ms:.3f}ms off={r.off_ms:.3f}ms ratio={r.ratio:.3f} {extra}{err}"
+    )
 
 
 def markdown_table(rows, meta):
     names = sorted({k for r in rows for k in r.baselines_ms})
-    head = ["model", "page", "bs", "ctx", "splits", "on ms", "off ms", "on/off",
-            "on GB/s", "off GB/s", "on % of copy"] + [f"{n} ms" for n in names] + ["max err"]
+    head = (
+        ["model", "page", "bs", "ctx", "splits", "on ms", "off ms", "on/off", "on GB/s", "off GB/s", "on % of copy"]
+        + [f"{n} ms" for n in names]
+        + ["max err"]
+    )
     lines = [
         f"Decode attention with importance — {meta['device']}, {meta['dtype']}, "
         f"CUDA graph: {meta['cuda_graph']}, copy bandwidth {meta['copy_gbps']:.0f} GB/s"
@@ -325,8 +390,19 @@ def markdown_table(rows, meta):
         "|" + "---|" * len(head),
     ]
     for r in rows:
-        cells = [r.model, r.page_size, r.bs, r.ctx, r.num_splits, f"{r.on_ms:.4f}", f"{r.off_ms:.4f}",
-                 f"{r.ratio:.3f}", f"{r.on_gbps:.4g}", f"{r.off_gbps:.4g}", f"{100 * r.on_gbps / r.copy_gbps:.1f}%"]
+        cells = [
+            r.model,
+            r.page_size,
+            r.bs,
+            r.ctx,
+            r.num_splits,
+            f"{r.on_ms:.4f}",
+            f"{r.off_ms:.4f}",
+            f"{r.ratio:.3f}",
+            f"{r.on_gbps:.4g}",
+            f"{r.off_gbps:.4g}",
+            f"{100 * r.on_gbps / r.copy_gbps:.1f}%",
+        ]
         cells += [f"{r.baselines_ms[n]:.4f}" if n in r.baselines_ms else "-" for n in names]
         cells += [f"{r.max_rel_err:.1e}" if r.max_rel_err is not None else "-"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
@@ -340,7 +416,10 @@ def plot(rows, meta, path):
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
-    labels = [f"{r.model}\nP{r.page_size} bs{r.bs}\n{r.ctx // 1024 if r.ctx >= 1024 else r.ctx}{'K' if r.ctx >= 1024 else ''}" for r in rows]
+    labels = [
+        f"{r.model}\nP{r.page_size} bs{r.bs}\n{r.ctx // 1024 if r.ctx >= 1024 else r.ctx}{'K' if r.ctx >= 1024 else ''}"
+        for r in rows
+    ]
     x = range(len(rows))
     ax1.bar(x, [100 * (r.ratio - 1) for r in rows], color=["tab:red" if r.ratio > 1.05 else "tab:blue" for r in rows])
     ax1.axhline(5, color="gray", linestyle="--", linewidth=1, label="5% budget")

@@ -66,9 +66,9 @@ def make_trials(tokenizer, lengths: list[int], n: int, seed: int) -> list[dict]:
         start = rng.randrange(0, len(filler) - length)
         for i in range(n):
             code = str(rng.randrange(10000, 100000))
-            needle = tokenizer(
-                f" The secret passcode is {code}. Remember it: {code}. ", add_special_tokens=False
-            )["input_ids"]
+            needle = tokenizer(f" The secret passcode is {code}. Remember it: {code}. ", add_special_tokens=False)[
+                "input_ids"
+            ]
             body = length - len(needle) - len(question)
             hay = filler[start : start + body]
             depth = 0.05 + 0.9 * (i + 0.5) / n
@@ -110,7 +110,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=3, help="trials per length (the issue asks n >= 50)")
     ap.add_argument("--max-new", type=int, default=10)
     ap.add_argument("--threshold", type=int, default=1024, help="--hot-set-threshold")
-    ap.add_argument("--guard-threshold", type=float, default=None, help="--hot-set-guard-threshold (server default if unset)")
+    ap.add_argument(
+        "--guard-threshold", type=float, default=None, help="--hot-set-guard-threshold (server default if unset)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent))
     a = ap.parse_args()

@@ -164,9 +164,7 @@ def run_policy(
     started = time.time()
     for attempt in range(1, START_ATTEMPTS + 1):
         wait_for_host_memory(policy, args.memory_wait_s)
-        server = LocalServer(
-            model, server_args, run_dir / "server.log", server_env, platform=args.platform or None
-        )
+        server = LocalServer(model, server_args, run_dir / "server.log", server_env, platform=args.platform or None)
         print(f"[{policy}] starting server on port {server.port}", flush=True)
         try:
             server.wait_ready(STARTUP_TIMEOUT_S)
@@ -210,9 +208,7 @@ def run_policy(
         load_before = os.getloadavg()[0]
         print(f"[{policy}] ready in {ready - started:.0f}s; running the client", flush=True)
         with open(run_dir / "client.log", "w") as client_log:
-            proc = subprocess.run(
-                client_cmd, env=client_env, stdout=client_log, stderr=subprocess.STDOUT, cwd=run_dir
-            )
+            proc = subprocess.run(client_cmd, env=client_env, stdout=client_log, stderr=subprocess.STDOUT, cwd=run_dir)
         client_s = time.time() - ready
         metrics_text = requests.get(url + "/metrics", timeout=60).text
     finally:
@@ -313,11 +309,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['written_to_storage']:.0f} | {r['prefetched_from_storage']:.0f} |"
         )
     by = {r["policy"]: r for r in rows}
-    pairs = [
-        (a, b)
-        for a, b in (("importance", "lru"), ("importance", "slru"), ("slru", "lru"))
-        if a in by and b in by
-    ]
+    pairs = [(a, b) for a, b in (("importance", "lru"), ("importance", "slru"), ("slru", "lru")) if a in by and b in by]
     if pairs:
         lines += [
             "",
@@ -346,9 +338,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     x = range(len(rows))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     width = 0.27
-    for i, (key, label) in enumerate(
-        (("mean_ttft_ms", "mean"), ("median_ttft_ms", "median"), ("p99_ttft_ms", "p99"))
-    ):
+    for i, (key, label) in enumerate((("mean_ttft_ms", "mean"), ("median_ttft_ms", "median"), ("p99_ttft_ms", "p99"))):
         ax1.bar([j + (i - 1) * width for j in x], [r[key] for r in rows], width, label=label)
     ax1.set_xticks(list(x), names)
     ax1.set_ylabel("TTFT (ms)")
@@ -391,9 +381,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "benchmark" / "serving" / "out")
     p.add_argument("--smoke", action="store_true", help="tiny workload and pools (validates the script)")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, run in this order")
-    p.add_argument(
-        "--model-path", default=None, help="default: the embedded model (scripts/prepare_model.py)"
-    )
+    p.add_argument("--model-path", default=None, help="default: the embedded model (scripts/prepare_model.py)")
     p.add_argument(
         "--platform",
         default="torch_cpu",
@@ -414,8 +402,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--importance-config",
         default="",
-        help="--radix-eviction-policy-config JSON for the importance policy "
-        "(default: none, so the policy's defaults)",
+        help="--radix-eviction-policy-config JSON for the importance policy (default: none, so the policy's defaults)",
     )
     default_workload, default_pools = FULL
     for name, value in asdict(default_workload).items():
@@ -427,9 +414,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.workload = Workload(
         **{k: v if getattr(args, k) is None else getattr(args, k) for k, v in asdict(workload).items()}
     )
-    args.pools = Pools(
-        **{k: v if getattr(args, k) is None else getattr(args, k) for k, v in asdict(pools).items()}
-    )
+    args.pools = Pools(**{k: v if getattr(args, k) is None else getattr(args, k) for k, v in asdict(pools).items()})
     args.out = args.out.resolve()
     return args
 

@@ -145,7 +145,10 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    header = "| page | bytes | write raw GB/s | write sealed GB/s | ratio | read raw GB/s | read verified GB/s | ratio | xxh3 alone GB/s |"
+    header = (
+        "| page | bytes | write raw GB/s | write sealed GB/s | ratio "
+        "| read raw GB/s | read verified GB/s | ratio | xxh3 alone GB/s |"
+    )
     lines = [header, "|" + "---|" * 9]
     for r in rows:
         lines.append(

@@ -57,22 +57,14 @@ class ImportanceConfig:
 
     def __post_init__(self) -> None:
         if self.reduce not in REDUCTIONS:
+            raise ValueError(f"--importance-reduce {self.reduce!r} is invalid; allowed: {', '.join(REDUCTIONS)}")
+        if not isinstance(self.sample_interval, int) or not (1 <= self.sample_interval <= 1_000_000):
             raise ValueError(
-                f"--importance-reduce {self.reduce!r} is invalid; "
-                f"allowed: {', '.join(REDUCTIONS)}"
-            )
-        if not isinstance(self.sample_interval, int) or not (
-            1 <= self.sample_interval <= 1_000_000
-        ):
-            raise ValueError(
-                f"--importance-sample-interval {self.sample_interval!r} is invalid; "
-                "allowed: an integer in [1, 1000000]"
+                f"--importance-sample-interval {self.sample_interval!r} is invalid; allowed: an integer in [1, 1000000]"
             )
 
         if self.trace_dir is not None and (not isinstance(self.trace_dir, str) or not self.trace_dir):
-            raise ValueError(
-                f"--importance-trace-dir {self.trace_dir!r} is invalid; allowed: a directory path"
-            )
+            raise ValueError(f"--importance-trace-dir {self.trace_dir!r} is invalid; allowed: a directory path")
         if (
             not isinstance(self.trace_max_rows, int)
             or isinstance(self.trace_max_rows, bool)
@@ -84,8 +76,7 @@ class ImportanceConfig:
             )
         if self.storage_integrity not in SWITCH:
             raise ValueError(
-                f"--importance-storage-integrity {self.storage_integrity!r} is invalid; "
-                f"allowed: {', '.join(SWITCH)}"
+                f"--importance-storage-integrity {self.storage_integrity!r} is invalid; allowed: {', '.join(SWITCH)}"
             )
         if (
             not isinstance(self.storage_retry_s, (int, float))
@@ -101,13 +92,11 @@ class ImportanceConfig:
     def _check_hot_set(self) -> None:
         if self.hot_set_policy not in HOT_SET_POLICIES:
             raise ValueError(
-                f"--hot-set-policy {self.hot_set_policy!r} is invalid; "
-                f"allowed: {', '.join(HOT_SET_POLICIES)}"
+                f"--hot-set-policy {self.hot_set_policy!r} is invalid; allowed: {', '.join(HOT_SET_POLICIES)}"
             )
         budget = self.hot_set_budget
         if isinstance(budget, bool) or not (
-            (isinstance(budget, int) and budget >= 1)
-            or (isinstance(budget, float) and 0.0 < budget <= 1.0)
+            (isinstance(budget, int) and budget >= 1) or (isinstance(budget, float) and 0.0 < budget <= 1.0)
         ):
             raise ValueError(f"--hot-set-budget {budget!r} is invalid; allowed: {BUDGET_RANGE}")
         for flag, value, low, high in (
@@ -116,14 +105,11 @@ class ImportanceConfig:
             ("--hot-set-threshold", self.hot_set_threshold, 0, MAX_HOT_SET_THRESHOLD),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or not (low <= value <= high):
-                raise ValueError(
-                    f"{flag} {value!r} is invalid; allowed: an integer in [{low}, {high}]"
-                )
+                raise ValueError(f"{flag} {value!r} is invalid; allowed: an integer in [{low}, {high}]")
         guard = self.hot_set_guard_threshold
         if isinstance(guard, bool) or not isinstance(guard, (int, float)) or not (0.0 < guard <= 1.0):
             raise ValueError(
-                f"--hot-set-guard-threshold {guard!r} is invalid; allowed: a number in (0, 1] "
-                "(1 = no guard)"
+                f"--hot-set-guard-threshold {guard!r} is invalid; allowed: a number in (0, 1] (1 = no guard)"
             )
 
     def hot_set_params(self) -> Any:
@@ -155,9 +141,7 @@ def parse_budget(text: str) -> Union[int, float]:
     try:
         return float(text) if any(c in text for c in ".eE") else int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--hot-set-budget {text!r} is invalid; allowed: {BUDGET_RANGE}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"--hot-set-budget {text!r} is invalid; allowed: {BUDGET_RANGE}") from None
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -252,9 +236,7 @@ def from_namespace(args: argparse.Namespace) -> ImportanceConfig:
             values[name] = getattr(args, dest)
     config = ImportanceConfig(**values)
     if config.hot_set_policy != "off":
-        backend = getattr(args, "decode_attention_backend", None) or getattr(
-            args, "attention_backend", None
-        )
+        backend = getattr(args, "decode_attention_backend", None) or getattr(args, "attention_backend", None)
         if hasattr(args, "attention_backend") and backend not in HOT_SET_BACKENDS:
             raise ValueError(
                 f"--hot-set-policy {config.hot_set_policy} needs the decode attention backend "

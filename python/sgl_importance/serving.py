@@ -41,14 +41,10 @@ def unknown_model(model: str | None, known: set[str]) -> bool:
     return not (adapter and (base in known) and (adapter in known))
 
 
-async def reject_unknown_model(
-    original: Callable[..., Any], handler: Any, request: Any, raw_request: Any
-) -> Any:
+async def reject_unknown_model(original: Callable[..., Any], handler: Any, request: Any, raw_request: Any) -> Any:
     """AROUND-hook for ``OpenAIServingBase.handle_request``."""
     model = getattr(request, "model", None)
-    if isinstance(model, str) and unknown_model(
-        model, known_model_names(handler.tokenizer_manager)
-    ):
+    if isinstance(model, str) and unknown_model(model, known_model_names(handler.tokenizer_manager)):
         return handler.create_error_response(
             message=f"The model '{model}' does not exist",
             err_type="model_not_found",
@@ -63,9 +59,7 @@ def openai_prompt_field(request: Any) -> str | None:
     return next((name for name in PROMPT_FIELDS if hasattr(request, name)), None)
 
 
-async def check_openai_request(
-    original: Callable[..., Any], handler: Any, request: Any, raw_request: Any
-) -> Any:
+async def check_openai_request(original: Callable[..., Any], handler: Any, request: Any, raw_request: Any) -> Any:
     """AROUND-hook for ``OpenAIServingBase.handle_request``: every OpenAI check."""
     from sgl_importance.prompt_check import naming_prompt_field
 

@@ -47,7 +47,6 @@ from .plan import (
 )
 
 
-
 def _interpreting() -> bool:
     # Triton's CPU interpreter computes bf16 dots wrongly (Triton 3.8), so under it the
     # bf16 path runs its dots in fp32; compiled kernels keep native bf16 dots.
@@ -142,9 +141,7 @@ def _decode_importance_stage1(
             )
         else:
             # one query head per program: keep q a vector
-            q_vec = tl.load(
-                Q + req * stride_qb + kv_head * stride_qh + offs_d, mask=mask_d, other=0.0
-            ).to(tl.float32)
+            q_vec = tl.load(Q + req * stride_qb + kv_head * stride_qh + offs_d, mask=mask_d, other=0.0).to(tl.float32)
 
         m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -231,8 +228,7 @@ def _decode_importance_stage1(
                     tl.store(
                         plse_row[:, None] + pages[None, :],
                         m_ref[:, None] + tl.log2(page_sum),
-                        mask=mask_h[:, None]
-                        & ((pages * PAGE_SIZE < hi) & (pages < max_pages))[None, :],
+                        mask=mask_h[:, None] & ((pages * PAGE_SIZE < hi) & (pages < max_pages))[None, :],
                     )
                 else:
                     # the page spans PAGE_SIZE // BLOCK_N tiles: carry its sum across them
@@ -248,11 +244,7 @@ def _decode_importance_stage1(
 
         has_mass = l_i > 0.0
         tl.store(
-            MidO
-            + req * stride_mob
-            + heads[:, None] * stride_moh
-            + split * stride_mos
-            + offs_dv[None, :],
+            MidO + req * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_dv[None, :],
             acc / tl.where(has_mass, l_i, 1.0)[:, None],
             mask=mask_h[:, None] & mask_dv[None, :],
         )
@@ -298,9 +290,7 @@ def _decode_importance_stage2(
     mask_s = offs_s < used
     mask_dv = offs_dv < V_HEAD_DIM
 
-    split_lse = tl.load(
-        MidLse + req * stride_mlb + head * stride_mlh + offs_s, mask=mask_s, other=float("-inf")
-    )
+    split_lse = tl.load(MidLse + req * stride_mlb + head * stride_mlh + offs_s, mask=mask_s, other=float("-inf"))
     m = tl.max(split_lse, 0)
     if HAS_SINK:
         # the sink joins the denominator only; shift by the larger of the two maxima
@@ -315,11 +305,7 @@ def _decode_importance_stage2(
         denom = tl.sum(w, 0)
 
     mid = tl.load(
-        MidO
-        + req * stride_mob
-        + head * stride_moh
-        + offs_s[:, None] * stride_mos
-        + offs_dv[None, :],
+        MidO + req * stride_mob + head * stride_moh + offs_s[:, None] * stride_mos + offs_dv[None, :],
         mask=mask_s[:, None] & mask_dv[None, :],
         other=0.0,
     )
@@ -396,9 +382,7 @@ def _page_importance_kernel(
 
 def _check_inputs(q, k_buffer, v_buffer, kv_indptr, kv_indices):
     if q.dim() != 3 or k_buffer.dim() != 3 or v_buffer.dim() != 3:
-        raise ValueError(
-            "expected q [bs, q_heads, D], k_buffer [slots, kv_heads, D], v_buffer [slots, kv_heads, Dv]"
-        )
+        raise ValueError("expected q [bs, q_heads, D], k_buffer [slots, kv_heads, D], v_buffer [slots, kv_heads, Dv]")
     if q.dtype not in SUPPORTED_DTYPES or k_buffer.dtype != q.dtype or v_buffer.dtype != q.dtype:
         raise ValueError(
             f"q/k/v dtypes {q.dtype}/{k_buffer.dtype}/{v_buffer.dtype} must match and be one of {SUPPORTED_DTYPES}"
@@ -648,9 +632,7 @@ class DecodeImportanceWrapper:
 
     def num_splits_for(self, batch_size: int) -> int:
         """The split count ``run()`` uses by default for this batch size."""
-        return default_num_splits(
-            batch_size, self.num_kv_heads, self.geometry, self.max_splits, self.device
-        )
+        return default_num_splits(batch_size, self.num_kv_heads, self.geometry, self.max_splits, self.device)
 
     def run(
         self,
@@ -720,9 +702,7 @@ class DecodeImportanceWrapper:
             lse=self.lse[:bs],
             importance=self.importance[:bs] if importance else None,
             importance_per_kv_head=(
-                self.importance_per_kv_head[:bs]
-                if importance and self.importance_per_kv_head is not None
-                else None
+                self.importance_per_kv_head[:bs] if importance and self.importance_per_kv_head is not None else None
             ),
         )
 

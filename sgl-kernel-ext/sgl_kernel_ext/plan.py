@@ -66,9 +66,7 @@ def decode_geometry(
 ) -> DecodeGeometry:
     """Choose tiles for a model shape. Raises ValueError on shapes the kernel cannot serve."""
     if num_kv_heads <= 0 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_q_heads={num_q_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
-        )
+        raise ValueError(f"num_q_heads={num_q_heads} must be a positive multiple of num_kv_heads={num_kv_heads}")
     if page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"page_size={page_size} must be a power of two (1, 16, 32, 64, ...)")
     group = num_q_heads // num_kv_heads

@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from support.server import output_ids_and_logprobs
 from support.page_table_dump import read_dump
+from support.server import output_ids_and_logprobs
 
 pytestmark = pytest.mark.e2e
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from support.server import output_ids_and_logprobs
 from support.page_table_dump import read_dump
+from support.server import output_ids_and_logprobs
 
 pytestmark = pytest.mark.e2e
 

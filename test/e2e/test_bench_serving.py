@@ -81,9 +81,7 @@ def bench(launch, model_path, tmp_path_factory):
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
-    proc = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S, cwd=client_dir
-    )
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S, cwd=client_dir)
     output = proc.stdout + proc.stderr
     try:
         metrics = requests.get(server.url + "/metrics", timeout=60).text

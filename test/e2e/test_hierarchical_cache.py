@@ -57,20 +57,24 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("layout,io_backend", LAYOUTS)
-def test_prompt_evicted_from_device_returns_from_host_then_from_file_storage(
-    launch, tmp_path, layout, io_backend
-):
+def test_prompt_evicted_from_device_returns_from_host_then_from_file_storage(launch, tmp_path, layout, io_backend):
     storage = tmp_path / "hicache"
     storage.mkdir()
     server = launch(
         [
-            "--page-size", str(PAGE),
-            "--max-total-tokens", str(DEVICE_TOKENS),
+            "--page-size",
+            str(PAGE),
+            "--max-total-tokens",
+            str(DEVICE_TOKENS),
             "--enable-hierarchical-cache",
-            "--hicache-ratio", "4",
-            "--hicache-mem-layout", layout,
-            "--hicache-io-backend", io_backend,
-            "--hicache-storage-backend", "file",
+            "--hicache-ratio",
+            "4",
+            "--hicache-mem-layout",
+            layout,
+            "--hicache-io-backend",
+            io_backend,
+            "--hicache-storage-backend",
+            "file",
             "--enable-cache-report",
         ],
         env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(storage)},

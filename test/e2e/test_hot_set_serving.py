@@ -60,16 +60,12 @@ def scrape(server) -> str:
     return requests.get(server.url + "/metrics", timeout=60).text
 
 
-def test_a_budget_covering_the_whole_context_decodes_exactly_like_dense(
-    hot_set_server, prompts, dense_outputs
-):
+def test_a_budget_covering_the_whole_context_decodes_exactly_like_dense(hot_set_server, prompts, dense_outputs):
     before = scrape(hot_set_server)
     assert generate_ids(hot_set_server, prompts["fits"], MAX_NEW, timeout=900)["output_ids"] == dense_outputs["fits"]
     after = scrape(hot_set_server)
     # It did run on the hot set: one request step per decoded token after the first.
-    steps = metric(after, "sgl_importance:hot_set_steps_total") - metric(
-        before, "sgl_importance:hot_set_steps_total"
-    )
+    steps = metric(after, "sgl_importance:hot_set_steps_total") - metric(before, "sgl_importance:hot_set_steps_total")
     assert steps == MAX_NEW - 1
 
 

@@ -61,10 +61,7 @@ def prompts(token_ids):
     ids = token_ids
 
     document = ids(
-        " ".join(
-            f"Fact {i}: the code word for room {i} is {chr(65 + i % 26)}{i * 7 % 97}."
-            for i in range(80)
-        ),
+        " ".join(f"Fact {i}: the code word for room {i} is {chr(65 + i % 26)}{i * 7 % 97}." for i in range(80)),
         DOC_TOKENS,
     )
 
@@ -196,9 +193,7 @@ def test_l3_admission_keeps_one_off_prompts_out_of_the_file_tier_but_not_the_doc
     assert stored["document"] >= DOC_TOKENS and stored["one-off"] == 0, stored
 
 
-def test_greedy_outputs_are_identical_with_lru_importance_and_no_radix_cache(
-    prompts, uncached, lru, importance
-):
+def test_greedy_outputs_are_identical_with_lru_importance_and_no_radix_cache(prompts, uncached, lru, importance):
     assert importance["outputs"] == lru["outputs"]
     assert [lru["outputs"][i] for i in served_from_cache(prompts)] == uncached["outputs"]
 
@@ -211,7 +206,5 @@ def test_greedy_outputs_are_identical_with_lru_importance_and_no_radix_cache(
     ],
 )
 def test_a_bad_importance_config_stops_start_up_naming_the_flag(model_path, config, message):
-    out = launch_and_fail(
-        model_path, "--radix-eviction-policy", "importance", "--radix-eviction-policy-config", config
-    )
+    out = launch_and_fail(model_path, "--radix-eviction-policy", "importance", "--radix-eviction-policy-config", config)
     assert message in out

@@ -61,12 +61,10 @@ def test_native_generate_returns_text_and_token_ids(server):
 def test_streaming_chat_delivers_chunks_then_done(server):
     r = chat(server, "Count from one to five.", stream=True)
     assert r.status_code == 200
-    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     pieces = [
-        json.loads(e)["choices"][0]["delta"].get("content") or ""
-        for e in events[:-1]
-        if json.loads(e)["choices"]
+        json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1] if json.loads(e)["choices"]
     ]
     assert len(pieces) > 1 and "".join(pieces).strip()
 

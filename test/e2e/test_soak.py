@@ -105,9 +105,7 @@ def canary(server) -> list[int]:
     return server.generate(CANARY, max_new_tokens=16)["output_ids"]
 
 
-def test_mixed_concurrent_load_with_storage_tier_serves_everything_and_leaks_nothing(
-    launch, tmp_path, token_ids
-):
+def test_mixed_concurrent_load_with_storage_tier_serves_everything_and_leaks_nothing(launch, tmp_path, token_ids):
     storage = tmp_path / "hicache"
     storage.mkdir()
     server = launch(
@@ -165,7 +163,9 @@ def test_mixed_concurrent_load_with_storage_tier_serves_everything_and_leaks_not
     assert metric(scrape, "sglang:num_running_reqs") == 0
     assert metric(scrape, "sglang:num_queue_reqs") == 0
     prompt_tokens = metric(scrape, "sglang:prompt_tokens_total")
-    cached = {src: metric(scrape, "sglang:cached_tokens_total", cache_source=src) for src in ("device", "host", "storage")}
+    cached = {
+        src: metric(scrape, "sglang:cached_tokens_total", cache_source=src) for src in ("device", "host", "storage")
+    }
     assert 0 < sum(cached.values()) <= prompt_tokens, (cached, prompt_tokens)
     for reason in ("waiting", "warm"):
         issued = metric(scrape, "sgl_importance:prefetch_tokens_total", reason=reason, outcome="issued")

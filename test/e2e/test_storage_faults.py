@@ -89,7 +89,9 @@ def restarted(launch, tmp_path_factory):
     reference = {i: output_ids_and_logprobs(first.generate(document(i))) for i in (0, 1, 2)}
     wait_for(lambda: len(pages(directory)) >= 30, what="pages of three documents on disk")
     # Killed while writing: this request's pages go to disk as the kill lands.
-    requests.post(first.url + "/generate", json={"text": document(3), "sampling_params": {"max_new_tokens": 1}}, timeout=300)
+    requests.post(
+        first.url + "/generate", json={"text": document(3), "sampling_params": {"max_new_tokens": 1}}, timeout=300
+    )
     os.killpg(first.proc.pid, signal.SIGKILL)
     first.stop()
     # What a kill can leave: an unfinished temporary file, and (on a file system
@@ -168,7 +170,9 @@ def tiny_disk(tmp_path):
     """A 1 MiB tmpfs (two pages): the storage tier fills up almost at once."""
     directory = tmp_path / "tiny"
     directory.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(directory)], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(directory)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.strip()}")
     yield directory

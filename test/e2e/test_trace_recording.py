@@ -16,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from support.server import output_ids_and_logprobs
 from sgl_importance.sim.policies import make_policy
 from sgl_importance.sim.prefix import prepare_prefix, replay_prefix
 from sgl_importance.trace.splits import resolve_splits
 from sgl_importance.trace.table_io import read_accesses, read_all, read_meta
+from support.server import output_ids_and_logprobs
 
 pytestmark = pytest.mark.e2e
 
@@ -165,7 +165,10 @@ def test_requests_sharing_a_prefix_share_node_ids_and_pages_for_the_shared_pages
     views = {}
     for rid in ("seq-2", "seq-3"):
         rows = (labels == rid) & (accesses.position < shared_pages)
-        views[rid] = {int(p): (int(n), int(pg)) for p, n, pg in zip(accesses.position[rows], accesses.node_id[rows], accesses.page[rows])}
+        views[rid] = {
+            int(p): (int(n), int(pg))
+            for p, n, pg in zip(accesses.position[rows], accesses.node_id[rows], accesses.page[rows])
+        }
     assert len(views["seq-2"]) == len(views["seq-3"]) == shared_pages
     assert views["seq-2"] == views["seq-3"]  # same node id and same physical page, page by page
     assert all(n >= 0 for n, _ in views["seq-3"].values())

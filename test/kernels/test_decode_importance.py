@@ -195,9 +195,7 @@ def test_importance_of_each_request_sums_to_one_without_sinks(dtype, page_size, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "8q2kv"])
-def test_sinks_join_the_denominator_so_importance_sums_to_one_minus_sink_probability(
-    dtype, page_size, heads
-):
+def test_sinks_join_the_denominator_so_importance_sums_to_one_minus_sink_probability(dtype, page_size, heads):
     seed = _seed()
     lengths = lengths_for(page_size)
     q, k, v, indptr, indices = make_batch(
@@ -253,8 +251,14 @@ def test_soft_cap_and_sinks_together_match_reference():
 def test_v_head_dim_may_differ_and_head_dim_need_not_be_a_power_of_two():
     seed = _seed()
     q, k, v, indptr, indices = make_batch(
-        [45, 90], q_heads=6, kv_heads=2, head_dim=80, v_head_dim=48, page_size=16,
-        dtype=torch.float32, seed=seed,
+        [45, 90],
+        q_heads=6,
+        kv_heads=2,
+        head_dim=80,
+        v_head_dim=48,
+        page_size=16,
+        dtype=torch.float32,
+        seed=seed,
     )
     _, got = run_kernel(q, k, v, indptr, indices, page_size=16, max_pages=6)
     ref = reference(q, k, v, indptr, indices, page_size=16, max_pages=6)
@@ -354,7 +358,15 @@ def test_padding_rows_and_pages_past_a_request_are_written_as_zero(page_size, he
 def test_wrapper_serves_smaller_batches_from_the_same_static_buffers():
     seed = _seed()
     w = DecodeImportanceWrapper(
-        4, 8, 2, 64, max_pages=8, page_size=16, max_splits=4, dtype=torch.float32, device=DEVICE,
+        4,
+        8,
+        2,
+        64,
+        max_pages=8,
+        page_size=16,
+        max_splits=4,
+        dtype=torch.float32,
+        device=DEVICE,
         per_kv_head=True,
     )
     ptrs = None
@@ -378,7 +390,12 @@ def test_slots_on_padding_page_zero_contribute_nothing(page_size):
     # request 0's first page is physical page 0; request 1 lives entirely on page 0
     lengths = [3 * page_size + 7, 1]
     q, k, v, indptr, indices = make_batch(
-        lengths, q_heads=4, kv_heads=4, page_size=page_size, dtype=torch.float32, seed=seed,
+        lengths,
+        q_heads=4,
+        kv_heads=4,
+        page_size=page_size,
+        dtype=torch.float32,
+        seed=seed,
         first_page_zero=(0, 1),
     )
     _, got = run_kernel(q, k, v, indptr, indices, page_size=page_size, max_pages=5)
@@ -407,7 +424,9 @@ def test_requests_with_valid_slots_are_unaffected_by_the_page0_mask():
 
 def test_pages_beyond_max_pages_get_no_importance_but_attention_stays_exact():
     seed = _seed()
-    q, k, v, indptr, indices = make_batch([150, 20], q_heads=8, kv_heads=2, page_size=16, dtype=torch.float32, seed=seed)
+    q, k, v, indptr, indices = make_batch(
+        [150, 20], q_heads=8, kv_heads=2, page_size=16, dtype=torch.float32, seed=seed
+    )
     _, got = run_kernel(q, k, v, indptr, indices, page_size=16, max_pages=4)
     ref = reference(q, k, v, indptr, indices, page_size=16, max_pages=4)
     assert_matches(got, ref, torch.float32, seed)
@@ -455,14 +474,29 @@ def test_torch_reference_agrees_with_a_token_by_token_softmax():
     seed = _seed()
     page_size = 4
     q, k, v, indptr, indices = make_batch(
-        [9, 1, 13], q_heads=4, kv_heads=2, head_dim=8, page_size=page_size, dtype=torch.float64,
-        seed=seed, first_page_zero=(2,),
+        [9, 1, 13],
+        q_heads=4,
+        kv_heads=2,
+        head_dim=8,
+        page_size=page_size,
+        dtype=torch.float64,
+        seed=seed,
+        first_page_zero=(2,),
     )
     q, k, v, indptr, indices = (t.cpu() for t in (q, k, v, indptr, indices))
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)
     ref = decode_importance_reference(
-        q, k, v, indptr, indices, page_size=page_size, sm_scale=0.4, logit_cap=3.0, sinks=sinks,
-        max_pages=4, compute_dtype=torch.float64,
+        q,
+        k,
+        v,
+        indptr,
+        indices,
+        page_size=page_size,
+        sm_scale=0.4,
+        logit_cap=3.0,
+        sinks=sinks,
+        max_pages=4,
+        compute_dtype=torch.float64,
     )
     out, imp = _naive_reference(q, k, v, indptr, indices, page_size, 0.4, 3.0, sinks, 4)
     assert torch.allclose(ref.output, out, atol=1e-12)
@@ -505,9 +539,13 @@ def test_scatter_add_and_max_combine_pages_shared_by_requests(use_triton):
     indptr = torch.tensor([0, 10, 16], dtype=torch.int32, device=DEVICE)
     importance = torch.tensor([[0.5, 0.25, 0.25], [0.75, 0.125, 0.0]], device=DEVICE)
     added = torch.zeros(9, device=DEVICE)
-    scatter_page_importance(importance, indptr, indices, added, page_size=page_size, reduce="add", use_triton=use_triton)
+    scatter_page_importance(
+        importance, indptr, indices, added, page_size=page_size, reduce="add", use_triton=use_triton
+    )
     maxed = torch.zeros(9, device=DEVICE)
-    scatter_page_importance(importance, indptr, indices, maxed, page_size=page_size, reduce="max", use_triton=use_triton)
+    scatter_page_importance(
+        importance, indptr, indices, maxed, page_size=page_size, reduce="max", use_triton=use_triton
+    )
     assert added.cpu().tolist() == [0, 0, 1.25, 0, 0, 0.375, 0, 0.25, 0]
     assert maxed.cpu().tolist() == [0, 0, 0.75, 0, 0, 0.25, 0, 0.25, 0]
 

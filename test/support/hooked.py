@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 # Runs in the child: apply the hooks once, then execute scripts read from stdin
 # (one JSON string per line) and answer each with a REPLY line.
-_SERVE = r'''
+_SERVE = r"""
 import json, sys, traceback
 import sglang.srt.managers.scheduler  # tree hooks are registered where the scheduler is loaded
 from sgl_importance import plugin
@@ -39,7 +39,7 @@ for line in sys.stdin:
         reply = {"ok": False, "error": traceback.format_exc()}
     sys.stderr.flush()
     print("REPLY " + json.dumps(reply), flush=True)
-'''
+"""
 
 
 @dataclass
@@ -73,7 +73,7 @@ class Hooked:
         lines = []
         for line in self.proc.stdout:
             if line.startswith(prefix):
-                return lines, line[len(prefix):].strip()
+                return lines, line[len(prefix) :].strip()
             lines.append(line)
         raise RuntimeError(f"hooked interpreter exited ({self.proc.wait()}):\n{self._stderr_since(0)[-3000:]}")
 
@@ -86,7 +86,7 @@ class Hooked:
         stderr = self._stderr_since(offset)
         answer = json.loads(reply)
         assert answer["ok"], answer["error"] + "\n" + stderr[-3000:]
-        results = [line[len("RESULT "):] for line in lines if line.startswith("RESULT ")]
+        results = [line[len("RESULT ") :] for line in lines if line.startswith("RESULT ")]
         assert results, "the script printed no RESULT line:\n" + "".join(lines)[-2000:] + stderr[-3000:]
         return Outcome(json.loads(results[-1]), stderr)
 

@@ -52,7 +52,11 @@ def test_hot_set_flags_reach_the_policy_parameters():
     )  # fmt: skip
     params = from_namespace(args).hot_set_params()
     assert (params.policy, params.budget, params.window, params.sinks, params.guard_threshold) == (
-        "quest", 0.3, 2, 0, 0.5,
+        "quest",
+        0.3,
+        2,
+        0,
+        0.5,
     )
 
 
@@ -95,6 +99,13 @@ def test_hot_set_needs_the_importance_torch_decode_backend():
     with pytest.raises(ValueError, match="--hot-set-policy lru needs .*importance_torch.*'torch_native'"):
         from_namespace(parser.parse_args(["--hot-set-policy", "lru", "--attention-backend", "torch_native"]))
     ok = parser.parse_args(
-        ["--hot-set-policy", "lru", "--attention-backend", "torch_native", "--decode-attention-backend", "importance_torch"]
+        [
+            "--hot-set-policy",
+            "lru",
+            "--attention-backend",
+            "torch_native",
+            "--decode-attention-backend",
+            "importance_torch",
+        ]
     )
     assert from_namespace(ok).hot_set_policy == "lru"

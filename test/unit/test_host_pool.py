@@ -41,7 +41,9 @@ def token_indices(pages: list[int]) -> torch.Tensor:
 def test_backup_then_load_restores_the_same_tokens(layout, io_backend):
     pool = make_pool(layout)
     device_idx, host_idx = token_indices([3, 1]), token_indices([5, 2])
-    original = [(k[device_idx].clone(), v[device_idx].clone()) for k, v in zip(pool.device_k_buffers, pool.device_v_buffers)]
+    original = [
+        (k[device_idx].clone(), v[device_idx].clone()) for k, v in zip(pool.device_k_buffers, pool.device_v_buffers)
+    ]
     pool.backup_from_device_all_layer(None, host_idx, device_idx, io_backend)
 
     for layer in range(LAYERS):

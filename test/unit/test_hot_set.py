@@ -4,10 +4,9 @@ a budget that covers everything equals dense attention."""
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 
-from sgl_kernel_ext import decode_importance_reference
 from sgl_importance.hot_set import (
     HotSetDecoder,
     HotSetParams,
@@ -17,6 +16,7 @@ from sgl_importance.hot_set import (
     outside_mass_bound,
     pages_to_add,
 )
+from sgl_kernel_ext import decode_importance_reference
 
 PAGE = 4
 KV_HEADS, GROUP, DIM = 2, 3, 8
@@ -72,9 +72,7 @@ def test_outside_mass_bound_is_at_least_the_true_outside_mass():
         q = torch.randn(1, KV_HEADS * GROUP, DIM, generator=g)
         v = torch.randn(n + PAGE, KV_HEADS, DIM, generator=g)
         k_buf = torch.cat((torch.zeros(PAGE, KV_HEADS, DIM), keys))
-        dense = decode_importance_reference(
-            q, k_buf, v, torch.tensor([0, n], dtype=torch.int32), slots, page_size=PAGE
-        )
+        dense = decode_importance_reference(q, k_buf, v, torch.tensor([0, n], dtype=torch.int32), slots, page_size=PAGE)
         sel = torch.tensor([0, 5, 11])
         sel_slots = (sel[:, None] * PAGE + torch.arange(PAGE)).flatten() + PAGE
         part = decode_importance_reference(

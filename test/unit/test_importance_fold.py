@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.fake_tree import FULL, FakeCache, FakeTreeCore, decode_batch, request, scheduler_of
-
 from sgl_importance.importance.node_state import has_importance, node_importance
 from sgl_importance.importance.page_table import PageImportanceTable
 from sgl_importance.scheduler import fold
 from sgl_importance.scheduler.fold import fold_after_batch, observe
+from support.fake_tree import FULL, FakeCache, FakeTreeCore, decode_batch, request, scheduler_of
 
 PAGE = 4
 

@@ -7,10 +7,9 @@ import types
 import pytest
 from prometheus_client import CollectorRegistry
 
-from support.fake_tree import FakeCache, FakeTreeCore
-
 from sgl_importance import metrics as m
 from sgl_importance.metrics import ImportanceMetrics, importance_metrics
+from support.fake_tree import FakeCache, FakeTreeCore
 
 LABELS = {"cache_type": "UnifiedRadixCache", "tp_rank": 0, "pp_rank": 0, "dp_rank": 0}
 SERIES_LABELS = {k: str(v) for k, v in LABELS.items()}

@@ -10,11 +10,10 @@ import pytest
 import torch
 from sglang.srt.mem_cache.evict_policy import LRUStrategy
 
-from support.fake_tree import detached_node
-
 from sgl_importance.cache.strategy import ImportanceStrategy, check_cli_args
 from sgl_importance.importance.page_table import PageImportanceTable
 from sgl_importance.importance.persistent import Observation
+from support.fake_tree import detached_node
 
 PAGE = 4
 
@@ -99,9 +98,7 @@ def test_priorities_come_from_folded_page_importance():
     s = strategy(now=100, recency_weight=0, reuse_weight=0)
     table = PageImportanceTable(16, page_size=PAGE)
     slots = torch.arange(2 * PAGE, 4 * PAGE, dtype=torch.int64)  # pages 2 and 3
-    table.add_layer(
-        torch.tensor([[0.9, 0.1]]), torch.tensor([0, len(slots)], dtype=torch.int32), slots
-    )
+    table.add_layer(torch.tensor([[0.9, 0.1]]), torch.tensor([0, len(slots)], dtype=torch.int32), slots)
     table.finish_step()
     hot, cold = leaf(t=1), leaf(t=99)
     s.aggregator.fold(
@@ -138,13 +135,9 @@ def test_the_launcher_check_applies_only_to_the_importance_policy():
     check_cli_args(types.SimpleNamespace(radix_eviction_policy="lru", radix_eviction_policy_config=bad))
     check_cli_args(types.SimpleNamespace(radix_eviction_policy="importance", radix_eviction_policy_config=None))
     with pytest.raises(ValueError, match="decay=2 is invalid"):
-        check_cli_args(
-            types.SimpleNamespace(radix_eviction_policy="importance", radix_eviction_policy_config=bad)
-        )
+        check_cli_args(types.SimpleNamespace(radix_eviction_policy="importance", radix_eviction_policy_config=bad))
     with pytest.raises(ValueError, match="allowed: a JSON object"):
-        check_cli_args(
-            types.SimpleNamespace(radix_eviction_policy="importance", radix_eviction_policy_config=[1])
-        )
+        check_cli_args(types.SimpleNamespace(radix_eviction_policy="importance", radix_eviction_policy_config=[1]))
 
 
 def test_each_strategy_owns_its_aggregator_with_the_configured_decay_and_sinks():

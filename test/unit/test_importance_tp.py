@@ -19,13 +19,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-from support.fake_tree import FakeCache, FakeTreeCore, decode_batch, request, scheduler_of
-
 from sgl_importance.cache.components import use_importance_components
 from sgl_importance.importance.node_state import node_importance, node_state
 from sgl_importance.importance.page_table import PageImportanceTable
 from sgl_importance.scheduler import fold
 from sgl_importance.scheduler.fold import fold_after_batch, tree_group
+from support.fake_tree import FakeCache, FakeTreeCore, decode_batch, request, scheduler_of
 
 PAGE = 4
 NUM_PAGES = 32
@@ -64,9 +63,7 @@ def _record(table: PageImportanceTable, masses: dict[int, float]) -> None:
 
 
 def _rank_main(rank: int, port: int, out: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         # A separate CPU group, as SGLang's cache gets its tp_cache_group.
         group = dist.new_group(list(range(WORLD)), backend="gloo")
@@ -134,9 +131,7 @@ def _free_port() -> int:
 def test_tensor_parallel_ranks_fold_identical_importance_the_mean_of_their_tables(tmp_path):
     # Fork: the ranks inherit the imported modules (a spawned rank would spend
     # many seconds re-importing SGLang); each builds its own group and table.
-    mp.start_processes(
-        _rank_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork"
-    )
+    mp.start_processes(_rank_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     expected = _expected()
     # Identical on every rank, bit for bit: eviction compares these floats.
@@ -172,9 +167,7 @@ def test_tensor_parallelism_is_accepted_under_the_importance_policy():
     assert params.component_registry_override
 
 
-@pytest.mark.parametrize(
-    "layout, flag", [({"pp_size": 2}, "--pp-size 2"), ({"attn_cp_size": 2}, "--attn-cp-size 2")]
-)
+@pytest.mark.parametrize("layout, flag", [({"pp_size": 2}, "--pp-size 2"), ({"attn_cp_size": 2}, "--attn-cp-size 2")])
 def test_pipeline_and_context_parallelism_are_refused_naming_the_flag(layout, flag):
     with pytest.raises(ValueError, match=flag):
         use_importance_components(_params(**layout))

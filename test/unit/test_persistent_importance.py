@@ -9,8 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.fake_tree import detached_node as node
-
 from sgl_importance.importance.node_state import (
     has_importance,
     node_importance,
@@ -20,6 +18,7 @@ from sgl_importance.importance.node_state import (
 )
 from sgl_importance.importance.page_table import PageImportanceTable
 from sgl_importance.importance.persistent import ImportanceAggregator, Observation
+from support.fake_tree import detached_node as node
 
 PAGE = 4
 NUM_PAGES = 32
@@ -39,9 +38,7 @@ def record_step(table: PageImportanceTable, *requests: dict[int, float]) -> None
         rows.append(list(masses.values()))
     width = max(len(r) for r in rows)
     importance = torch.tensor([r + [0.0] * (width - len(r)) for r in rows], dtype=torch.float32)
-    table.add_layer(
-        importance, torch.tensor(indptr, dtype=torch.int32), torch.tensor(slots, dtype=torch.int64)
-    )
+    table.add_layer(importance, torch.tensor(indptr, dtype=torch.int32), torch.tensor(slots, dtype=torch.int64))
     table.finish_step()
 
 

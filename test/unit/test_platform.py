@@ -57,7 +57,9 @@ def test_explicit_values_win_over_platform_defaults(platform):
     )
 
 
-@pytest.mark.parametrize("layout,io", [("page_head", "kernel"), ("page_unified", "kernel"), ("layer_first", "kernel_ascend")])
+@pytest.mark.parametrize(
+    "layout,io", [("page_head", "kernel"), ("page_unified", "kernel"), ("layer_first", "kernel_ascend")]
+)
 def test_unsupported_hicache_layout_or_io_backend_is_refused(platform, layout, io):
     args = server_args(enable_hierarchical_cache=True, hicache_mem_layout=layout, hicache_io_backend=io)
     with pytest.raises(ValueError, match="not supported on the torch_cpu platform"):

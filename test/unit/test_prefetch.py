@@ -7,13 +7,11 @@ import types
 
 import pytest
 
-from support.fake_tree import FULL, FakeCache, FakeTreeCore, detached_node, request
-
 from sgl_importance.cache.prefetch import (
-    issue,
-    lock_cost,
     WarmIndex,
     evicted_path,
+    issue,
+    lock_cost,
     mark_evicted,
     mark_used,
     plan,
@@ -22,6 +20,7 @@ from sgl_importance.cache.prefetch import (
 )
 from sgl_importance.cache.strategy import ImportanceStrategy
 from sgl_importance.importance.node_state import node_state
+from support.fake_tree import FULL, FakeCache, FakeTreeCore, detached_node, request
 
 
 def make(free_tokens: int, **config):

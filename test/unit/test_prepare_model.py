@@ -5,7 +5,6 @@ import json
 import shutil
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("prepare_model", REPO / "scripts" / "prepare_model.py")
 prepare_model = importlib.util.module_from_spec(spec)

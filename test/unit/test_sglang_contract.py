@@ -105,10 +105,7 @@ ATTRIBUTES = [
         Name(REQ, n, "scheduler/fold.py, cache/prefetch.py")
         for n in ("last_node", "host_hit_length", "best_match_node")
     ),
-    *(
-        Name(REQ, n, "cache/stored.py")
-        for n in ("extra_key", "cache_salt", "prefix_len", "full_untruncated_fill_ids")
-    ),
+    *(Name(REQ, n, "cache/stored.py") for n in ("extra_key", "cache_salt", "prefix_len", "full_untruncated_fill_ids")),
     # Modules.
     Name(f"{MEM}.radix_cache", "RadixKey", "cache/stored.py"),
     Name(f"{MEM}.utils", "get_storage_hash_str", "cache/stored.py"),

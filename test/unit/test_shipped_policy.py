@@ -98,7 +98,6 @@ def path_of(leaf: int) -> list[int]:
     return path[::-1]
 
 
-
 class LiveTree:
     """A radix tree of SGLang-like nodes under the real strategy."""
 

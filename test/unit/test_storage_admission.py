@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from support.fake_tree import FULL, FakeCache, FakeTreeCore, detached_node
-
 from sgl_importance.cache.admission import (
     ADMITTED,
     DEFERRED,
@@ -13,6 +11,7 @@ from sgl_importance.cache.admission import (
 )
 from sgl_importance.cache.strategy import ImportanceStrategy
 from sgl_importance.importance.node_state import node_state, peek_state
+from support.fake_tree import FULL, FakeCache, FakeTreeCore, detached_node
 
 
 class AdmissionCache(FakeCache):
@@ -28,9 +27,7 @@ class AdmissionCache(FakeCache):
         return self.tree_core.eviction_strategy.aggregator
 
     def add(self, parent=None, hits=0, importance=None, pinned=False, backuped=True, tokens=16):
-        return self.tree_core.add(
-            parent, tokens, host=backuped, hits=hits, importance=importance, pinned=pinned
-        )
+        return self.tree_core.add(parent, tokens, host=backuped, hits=hits, importance=importance, pinned=pinned)
 
     def _original_write(self, cache, node_id):
         self.written.append(node_id)

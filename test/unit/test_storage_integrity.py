@@ -150,7 +150,13 @@ def test_a_page_sealed_under_another_key_or_layout_is_refused():
 def test_layout_fingerprint_changes_with_every_field():
     base = dict(model="m", dtype="bf16", page_size=16, layout="page_first", page_shape=(1, 2))
     reference = layout_fingerprint(**base)
-    for field, other in [("model", "n"), ("dtype", "fp16"), ("page_size", 32), ("layout", "layer_first"), ("page_shape", (2, 1))]:
+    for field, other in [
+        ("model", "n"),
+        ("dtype", "fp16"),
+        ("page_size", 32),
+        ("layout", "layer_first"),
+        ("page_shape", (2, 1)),
+    ]:
         assert layout_fingerprint(**{**base, field: other}) != reference, field
 
 
@@ -249,9 +255,13 @@ def test_per_pool_transfers_are_sealed_too(tier_dir):
     tier = Tier(tier_dir)
     tier.pool.fill_random(3)
     tier.storage.register_mem_host_pool_v2(tier.pool, PoolName.KV)
-    out = tier.storage.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=tier.indices([0, 1]), keys=["x", "y"])])
+    out = tier.storage.batch_set_v2(
+        [PoolTransfer(name=PoolName.KV, host_indices=tier.indices([0, 1]), keys=["x", "y"])]
+    )
     assert out[PoolName.KV] == [True, True]
-    back = tier.storage.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=tier.indices([5, 6]), keys=["x", "y"])])
+    back = tier.storage.batch_get_v2(
+        [PoolTransfer(name=PoolName.KV, host_indices=tier.indices([5, 6]), keys=["x", "y"])]
+    )
     assert back[PoolName.KV] == [True, True]
     assert torch.equal(tier.pool.buffer[5 * PAGE : 7 * PAGE], tier.pool.buffer[: 2 * PAGE])
 
@@ -292,7 +302,9 @@ def test_writes_pause_after_repeated_failures_warn_once_and_resume_after_the_ret
     now = [0.0]
     pauses = []
     store = FailingStore()
-    breaker = WriteBreaker(MAX_WRITE_FAILURES, 10.0, "test store", clock=lambda: now[0], on_pause=lambda: pauses.append(1))
+    breaker = WriteBreaker(
+        MAX_WRITE_FAILURES, 10.0, "test store", clock=lambda: now[0], on_pause=lambda: pauses.append(1)
+    )
     storage = IntegrityStorage(store, {"model": "m"}, breaker=breaker)
     pool = HostPool()
     storage.register_mem_pool_host(pool)

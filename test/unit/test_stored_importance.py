@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from support.fake_tree import FakeCache, FakeNode, FakeTreeCore, detached_node, request, scheduler_of
-
-from sgl_importance.cache.strategy import ImportanceStrategy
 from sgl_importance.cache.stored import StoredImportance
+from sgl_importance.cache.strategy import ImportanceStrategy
 from sgl_importance.importance.node_state import has_importance, node_importance
+from support.fake_tree import FakeCache, FakeNode, FakeTreeCore, detached_node, request, scheduler_of
 
 
 def node(hashes, importance=None):
@@ -47,7 +46,7 @@ def test_the_memory_is_bounded_and_forgets_the_oldest_pages():
     assert stored.recall(node(["b"])) == pytest.approx(0.5)
 
 
-_SCRIPT = r'''
+_SCRIPT = r"""
 import json, torch
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -71,7 +70,7 @@ result = core.insert_host(core.root_node.id, RadixKey(list(range(16))), torch.ar
 node = core.node_by_id(result.inserted_host_node)
 state = peek_state(node)
 print("RESULT " + json.dumps({"importance": state and state.importance, "evicted": node.evicted}))
-'''
+"""
 
 
 def test_sglangs_insert_host_restores_importance_through_the_plugin_hook(hooked):
@@ -98,9 +97,7 @@ def test_storage_retries_are_reissued_most_important_first(monkeypatch):
     monkeypatch.setattr(prefetch, "_scheduler_ref", lambda: scheduler)
 
     def req(rid, tokens):
-        return request(
-            rid=rid, full_untruncated_fill_ids=tokens + [1, 2, 3], prefix_len=0, last_host_node=0
-        )
+        return request(rid=rid, full_untruncated_fill_ids=tokens + [1, 2, 3], prefix_len=0, last_host_node=0)
 
     ready = [(req("cold", cold_doc), None), (req("hot", hot_doc), None)]
     ranked = rank_storage_retries(lambda retries, queue, *a: list(ready), None, [])

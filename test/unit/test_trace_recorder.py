@@ -244,7 +244,9 @@ def test_a_recording_fault_stops_recording_but_not_the_scheduler(tmp_path, monke
     monkeypatch.setattr(rec, "_capture", cap)
     monkeypatch.setattr(rec, "_recorder", rec.Recorder(str(tmp_path / "trace"), max_rows=100, meta={}))
     two_request_step(cap, table())
-    broken = SimpleNamespace(reqs=[FakeReq("a", 1), FakeReq("b", 2)], forward_mode=SimpleNamespace(is_decode=lambda: True))
+    broken = SimpleNamespace(
+        reqs=[FakeReq("a", 1), FakeReq("b", 2)], forward_mode=SimpleNamespace(is_decode=lambda: True)
+    )
     assert rec.around_batch_result(lambda s, b: "result", None, broken) == "result"
     assert rec._recorder is None
     wait_complete(tmp_path / "trace")

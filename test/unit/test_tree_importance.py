@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-_SCRIPT = r'''
+_SCRIPT = r"""
 import json, types, torch
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
@@ -30,7 +30,9 @@ P = 4
 out = {}
 
 def build(policy, config=None):
-    alloc = PagedTokenToKVPoolAllocator(256, page_size=P, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
+    alloc = PagedTokenToKVPoolAllocator(
+        256, page_size=P, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False
+    )
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
         page_size=P, eviction_policy=policy, eviction_policy_config=config, tree_components=(ComponentType.FULL,))
     return UnifiedRadixCache(params), alloc
@@ -88,7 +90,7 @@ cache._demote(node_id, {ComponentType.FULL: 0})
 out["demoted"] = {"same_object": core.node_by_id(node_id) is whole, "evicted": whole.evicted,
                   "importance_kept": node_importance(whole) == value}
 print("RESULT " + json.dumps(out))
-'''
+"""
 
 
 @pytest.fixture(scope="module")

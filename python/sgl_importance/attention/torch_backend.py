@@ -24,9 +24,9 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sgl_kernel_ext import decode_importance_reference
 from sgl_importance.attention.common import last_attention_layer_id, page_table_for
 from sgl_importance.config import config_of
+from sgl_kernel_ext import decode_importance_reference
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention

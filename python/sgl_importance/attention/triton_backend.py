@@ -30,8 +30,8 @@ import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend, logit_capping_mod
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sgl_kernel_ext.decode_importance import DecodeImportanceWrapper
 from sgl_importance.attention.common import last_attention_layer_id, page_table_for
+from sgl_kernel_ext.decode_importance import DecodeImportanceWrapper
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention

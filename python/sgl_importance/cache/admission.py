@@ -131,11 +131,7 @@ def admit_deferred(cache: Any, nodes: Iterable[Any]) -> int:
         return 0
     written = 0
     for node in nodes:
-        if (
-            _storage_decision(node) != DEFERRED
-            or not node.backuped
-            or not admission.qualifies(node, aggregator)
-        ):
+        if _storage_decision(node) != DEFERRED or not node.backuped or not admission.qualifies(node, aggregator):
             continue
         chain = []
         cur = node

@@ -45,9 +45,7 @@ class ImportanceFullComponent(FullComponent):
 
     def redistribute_on_node_split(self, new_parent: Any, child: Any) -> None:
         super().redistribute_on_node_split(new_parent, child)
-        self._strategy.aggregator.split(
-            new_parent, child, len(new_parent.key), self.tree_core.page_size
-        )
+        self._strategy.aggregator.split(new_parent, child, len(new_parent.key), self.tree_core.page_size)
         split_state(new_parent, child)
 
     def evict_component(
@@ -58,9 +56,7 @@ class ImportanceFullComponent(FullComponent):
         cache_actions: list,
         target: EvictLayer = EvictLayer.DEVICE,
     ) -> tuple[int, int]:
-        freed, host_freed = super().evict_component(
-            node, device_frees, host_frees, cache_actions, target=target
-        )
+        freed, host_freed = super().evict_component(node, device_frees, host_frees, cache_actions, target=target)
         if freed:
             mark_evicted(self.cache, node, freed)
             self._remember_if_warm(node)

@@ -153,9 +153,7 @@ def _in_tree(tree_core: Any, node: Any) -> bool:
         return False
 
 
-def warm_candidates(
-    tree_core: Any, index: "WarmIndex", aggregator: Any, min_importance: float
-) -> list:
+def warm_candidates(tree_core: Any, index: "WarmIndex", aggregator: Any, min_importance: float) -> list:
     """Host-resident nodes of normalised importance ≥ ``min_importance``, most
     important first (at most ``WARM_SCAN``)."""
     if min_importance <= 0.0:
@@ -164,9 +162,7 @@ def warm_candidates(
     nodes = [
         n
         for n in index.nodes()
-        if _in_tree(tree_core, n)
-        and not _prefetch_wasted(n)
-        and aggregator.normalised(n) >= min_importance
+        if _in_tree(tree_core, n) and not _prefetch_wasted(n) and aggregator.normalised(n) >= min_importance
     ]
     nodes.sort(key=node_importance, reverse=True)
     return nodes[:WARM_SCAN]
@@ -241,10 +237,7 @@ def victims_less_important(
             and parent.id not in protected
             and parent.id not in earlier
             and not parent.evicted
-            and all(
-                child.id in taken or child.id in earlier or child.evicted
-                for child in parent.children.values()
-            )
+            and all(child.id in taken or child.id in earlier or child.evicted for child in parent.children.values())
             and _unlocked(parent)
         ):
             heapq.heappush(heap, (priority_of(parent), parent.id, parent))
@@ -312,9 +305,7 @@ def plan(
         ("waiting", waiting_candidates(tree_core, waiting_queue)),
         (
             "warm",
-            warm_candidates(
-                tree_core, strategy.warm, strategy.aggregator, config.prefetch_min_importance
-            ),
+            warm_candidates(tree_core, strategy.warm, strategy.aggregator, config.prefetch_min_importance),
         ),
     ]
     for reason, nodes in sources:
@@ -446,7 +437,11 @@ def _load(cache: Any, chosen: list[Candidate], budget_obj: Any, page: int) -> li
         queued.append(c)
         logger.debug(
             "importance prefetch: %d tokens (%s, node %s); room %d -> %d",
-            c.tokens, c.reason, c.node.id, room, _room(budget_obj),
+            c.tokens,
+            c.reason,
+            c.node.id,
+            room,
+            _room(budget_obj),
         )
         if metrics is not None:
             metrics.prefetch(c.reason, "issued", c.tokens)

@@ -83,9 +83,7 @@ class ImportanceStrategy(EvictionStrategy):
         self.config = ImportancePolicyConfig.from_mapping(config)
         c = self.config
         self.aggregator = ImportanceAggregator(decay=c.decay, sink_pages=c.sink_pages)
-        self.admission = StorageAdmission(
-            min_hits=c.storage_min_hits, min_importance=float(c.storage_min_importance)
-        )
+        self.admission = StorageAdmission(min_hits=c.storage_min_hits, min_importance=float(c.storage_min_importance))
         # Nodes demoted while important: what the prefetch warms back.
         self.warm = WarmIndex()
         # Importance of pages dropped to the storage tier, for the nodes rebuilt from it.

@@ -21,10 +21,10 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from sgl_kernel_ext import decode_importance_reference
 from sgl_importance.hot_set.guard import pages_to_add
 from sgl_importance.hot_set.selection import HotSetCounts, HotSetParams, RequestHotSet
 from sgl_importance.hot_set.summaries import PageSummaries
+from sgl_kernel_ext import decode_importance_reference
 
 
 class LayerResult(NamedTuple):
@@ -74,9 +74,7 @@ class HotSetDecoder:
         threshold: requests longer than this many tokens use the hot set.
     """
 
-    def __init__(
-        self, params: HotSetParams, summaries: PageSummaries, *, page_size: int, threshold: int
-    ) -> None:
+    def __init__(self, params: HotSetParams, summaries: PageSummaries, *, page_size: int, threshold: int) -> None:
         self.params = params
         self.summaries = summaries
         self.page_size = page_size
@@ -148,16 +146,12 @@ class HotSetDecoder:
                 pages = live.planned
                 slots = page_slots(live.slots, pages, self.page_size)
                 result = _attend(qb, k_buffer, v_buffer, slots, **run)
-                bounds = self.summaries.bound(
-                    layer_id, q[b], live.physical, sm_scale=sm_scale, logit_cap=logit_cap
-                )
+                bounds = self.summaries.bound(layer_id, q[b], live.physical, sm_scale=sm_scale, logit_cap=logit_cap)
                 outside = torch.ones(live.tokens.numel(), dtype=torch.bool)
                 outside[pages] = False
                 out_idx = torch.nonzero(outside).flatten()
                 lse = result.lse[0]
-                add = pages_to_add(
-                    bounds[out_idx], live.tokens[out_idx], lse, self.params.guard_threshold
-                )
+                add = pages_to_add(bounds[out_idx], live.tokens[out_idx], lse, self.params.guard_threshold)
                 if add.numel():
                     live.guarded[out_idx[add]] = True
                     pages = torch.sort(torch.cat((pages, out_idx[add]))).values

@@ -26,9 +26,7 @@ import torch
 _MAX_LOG_RATIO = 700.0
 
 
-def outside_mass_bound(
-    bounds: torch.Tensor, page_tokens: torch.Tensor, lse_selected: torch.Tensor
-) -> torch.Tensor:
+def outside_mass_bound(bounds: torch.Tensor, page_tokens: torch.Tensor, lse_selected: torch.Tensor) -> torch.Tensor:
     """Upper bound, per query head, of the attention mass outside the selected pages.
 
     Args:
@@ -41,9 +39,7 @@ def outside_mass_bound(
     """
     if bounds.shape[0] == 0:
         return torch.zeros(lse_selected.shape, dtype=torch.float64, device=lse_selected.device)
-    log_u = torch.logsumexp(
-        bounds.double() + page_tokens.double().log()[:, None], dim=0
-    )
+    log_u = torch.logsumexp(bounds.double() + page_tokens.double().log()[:, None], dim=0)
     # U / (Z_S + U), computed without forming either sum.
     return torch.sigmoid(log_u - lse_selected.double())
 

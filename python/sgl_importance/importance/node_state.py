@@ -69,9 +69,7 @@ class NodeImportance:
 
     def __repr__(self) -> str:
         # Without the page tensors: this is for test failure messages.
-        fields = ", ".join(
-            f"{name}={getattr(self, name)!r}" for name in self.__slots__ if name != "pages"
-        )
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__ if name != "pages")
         return f"NodeImportance({fields})"
 
 

@@ -62,8 +62,7 @@ class PageImportanceTable:
     ) -> None:
         if num_pages < 1 or page_size < 1 or sample_interval < 1:
             raise ValueError(
-                f"num_pages={num_pages}, page_size={page_size}, "
-                f"sample_interval={sample_interval} must all be >= 1"
+                f"num_pages={num_pages}, page_size={page_size}, sample_interval={sample_interval} must all be >= 1"
             )
         if reduce not in REDUCTIONS:
             raise ValueError(f"reduce={reduce!r}; allowed: {', '.join(REDUCTIONS)}")
@@ -105,9 +104,7 @@ class PageImportanceTable:
 
     # -- the decode path (graph-capturable) --------------------------------------
 
-    def add_layer(
-        self, importance: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
-    ) -> None:
+    def add_layer(self, importance: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
         """Fold one layer's per-request page importance into the step in progress.
 
         Args:
@@ -169,11 +166,7 @@ class PageImportanceTable:
         return int(self._recorded.item())
 
     def matches(self, num_pages: int, page_size: int, device: torch.device | str) -> bool:
-        return (
-            self.num_pages == num_pages
-            and self.page_size == page_size
-            and self.device == torch.device(device)
-        )
+        return self.num_pages == num_pages and self.page_size == page_size and self.device == torch.device(device)
 
     def snapshot(self) -> dict[str, Any]:
         """A CPU copy of the table's state, for dumps and tests."""

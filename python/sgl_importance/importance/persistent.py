@@ -65,9 +65,7 @@ class Observation(NamedTuple):
     pages: torch.Tensor
 
 
-def read_last_step(
-    table: Any, pages: torch.Tensor, group: Any = None
-) -> tuple[list[float], int]:
+def read_last_step(table: Any, pages: torch.Tensor, group: Any = None) -> tuple[list[float], int]:
     """``table.last`` at ``pages`` and the table's recorded-step count, in one copy.
 
     Adapter over ``PageImportanceTable``: its public ``recorded_steps`` reads the
@@ -161,9 +159,7 @@ class ImportanceAggregator:
 
     # -- folding -------------------------------------------------------------------
 
-    def fold(
-        self, table: Any, observations: Sequence[Observation], group: Any = None
-    ) -> int:
+    def fold(self, table: Any, observations: Sequence[Observation], group: Any = None) -> int:
         """Fold the table's latest recorded step into the observed nodes.
 
         Reads the table once (one host copy for all nodes). Steps recorded since

@@ -36,20 +36,14 @@ SINK_PAGES_MAX = 64
 
 
 def validate_decay(decay: Any, name: str = "decay") -> float:
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not (
-        0.0 < float(decay) < 1.0
-    ):
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not (0.0 < float(decay) < 1.0):
         raise ValueError(f"{name}={decay!r} is invalid; allowed: {DECAY_RANGE}")
     return float(decay)
 
 
 def validate_sink_pages(sink_pages: Any, name: str = "sink_pages") -> int:
-    if isinstance(sink_pages, bool) or not isinstance(sink_pages, int) or not (
-        0 <= sink_pages <= SINK_PAGES_MAX
-    ):
-        raise ValueError(
-            f"{name}={sink_pages!r} is invalid; allowed: an integer in [0, {SINK_PAGES_MAX}]"
-        )
+    if isinstance(sink_pages, bool) or not isinstance(sink_pages, int) or not (0 <= sink_pages <= SINK_PAGES_MAX):
+        raise ValueError(f"{name}={sink_pages!r} is invalid; allowed: an integer in [0, {SINK_PAGES_MAX}]")
     return sink_pages
 
 
@@ -105,32 +99,22 @@ class ImportancePolicyConfig:
         horizon = self.recency_horizon
         horizon_range = f"a number in (0, {HORIZON_MAX:g}]"
         if _number("recency_horizon", horizon, 0.0, HORIZON_MAX, horizon_range) == 0:
-            raise ValueError(
-                f"{FLAG} recency_horizon={horizon!r} is invalid; allowed: {horizon_range}"
-            )
+            raise ValueError(f"{FLAG} recency_horizon={horizon!r} is invalid; allowed: {horizon_range}")
         if not isinstance(self.pin_sinks, bool):
-            raise ValueError(
-                f"{FLAG} pin_sinks={self.pin_sinks!r} is invalid; allowed: true, false"
-            )
+            raise ValueError(f"{FLAG} pin_sinks={self.pin_sinks!r} is invalid; allowed: true, false")
         validate_decay(self.decay, name=f"{FLAG} decay")
         validate_sink_pages(self.sink_pages, name=f"{FLAG} sink_pages")
         hits = self.storage_min_hits
         if isinstance(hits, bool) or not isinstance(hits, int) or not 0 <= hits <= HITS_MAX:
-            raise ValueError(
-                f"{FLAG} storage_min_hits={hits!r} is invalid; "
-                f"allowed: an integer in [0, {HITS_MAX}]"
-            )
+            raise ValueError(f"{FLAG} storage_min_hits={hits!r} is invalid; allowed: an integer in [0, {HITS_MAX}]")
         importance = self.storage_min_importance
         _number("storage_min_importance", importance, 0.0, 1.0, "a number in [0, 1]")
         cap = self.prefetch_max_tokens
         if isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= PREFETCH_TOKENS_MAX:
             raise ValueError(
-                f"{FLAG} prefetch_max_tokens={cap!r} is invalid; "
-                f"allowed: an integer in [0, {PREFETCH_TOKENS_MAX}]"
+                f"{FLAG} prefetch_max_tokens={cap!r} is invalid; allowed: an integer in [0, {PREFETCH_TOKENS_MAX}]"
             )
-        _number(
-            "prefetch_min_importance", self.prefetch_min_importance, 0.0, 1.0, "a number in [0, 1]"
-        )
+        _number("prefetch_min_importance", self.prefetch_min_importance, 0.0, 1.0, "a number in [0, 1]")
 
     @classmethod
     def from_mapping(cls, config: Optional[Mapping[str, Any]]) -> "ImportancePolicyConfig":
@@ -146,9 +130,7 @@ class ImportancePolicyConfig:
         return cls(**config)
 
 
-def parse_policy_config(
-    config: Union[str, Mapping[str, Any], None]
-) -> ImportancePolicyConfig:
+def parse_policy_config(config: Union[str, Mapping[str, Any], None]) -> ImportancePolicyConfig:
     """The flag's value (JSON text, or the object SGLang already decoded) -> config.
 
     Raises:
@@ -162,8 +144,7 @@ def parse_policy_config(
             raise ValueError(f"{FLAG} {config!r} is not JSON ({e}); allowed: a JSON object") from None
     if config is not None and not isinstance(config, Mapping):
         raise ValueError(
-            f"{FLAG} {config!r} is invalid for --radix-eviction-policy {POLICY_NAME}; "
-            "allowed: a JSON object"
+            f"{FLAG} {config!r} is invalid for --radix-eviction-policy {POLICY_NAME}; allowed: a JSON object"
         )
     return ImportancePolicyConfig.from_mapping(config)
 

@@ -130,6 +130,4 @@ class TorchMHAHostPool(MHATokenToKVPoolHost):
                 (self.device_k_buffers[layer], host_k),
                 (self.device_v_buffers[layer], host_v),
             ):
-                self._copy_layer(
-                    device, host, device_indices, host_indices, src_is_host=False
-                )
+                self._copy_layer(device, host, device_indices, host_indices, src_is_host=False)

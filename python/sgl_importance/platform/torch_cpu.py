@@ -65,9 +65,7 @@ class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
         if server_args.enable_hierarchical_cache:
             from sgl_importance.platform.host_pool import check_hicache_support
 
-            check_hicache_support(
-                server_args.hicache_mem_layout, server_args.hicache_io_backend
-            )
+            check_hicache_support(server_args.hicache_mem_layout, server_args.hicache_io_backend)
             if server_args.hicache_host_memory_fraction == SGLANG_HOST_MEMORY_FRACTION:
                 # SGLang sizes the host tier from the RAM left after a 10 GiB reserve
                 # meant for GPU servers, and refuses to start on a small machine. Here

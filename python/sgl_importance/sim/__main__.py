@@ -1,9 +1,9 @@
 """Command line of the simulator.
 
-    python -m sgl_importance.sim replay  --trace DIR --policies lru,shipped,importance,belady --budgets 0.05,0.1 --out DIR
-                                         [--policy-config '{"decay": 0.95}']
-    python -m sgl_importance.sim analyze --trace DIR --out DIR
-    python -m sgl_importance.sim synth   --kind multi_turn|rag|agent|cot|loop --out DIR
+python -m sgl_importance.sim replay  --trace DIR --policies lru,shipped,importance,belady --budgets 0.05,0.1 --out DIR
+                                     [--policy-config '{"decay": 0.95}']
+python -m sgl_importance.sim analyze --trace DIR --out DIR
+python -m sgl_importance.sim synth   --kind multi_turn|rag|agent|cot|loop --out DIR
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ def _cmd_synth(a: argparse.Namespace) -> int:
     ts = synthesize(a.kind, seed=a.seed, scale=a.scale, page_size=a.page_size, layers=a.layers, kv_heads=a.kv_heads)
     write_accesses(a.out, ts.accesses, ts.meta)
     write_requests(a.out, ts.requests)
-    print(f"wrote {a.out}: {len(ts.accesses):,} access rows, {len(ts.requests)} requests "
-          f"({time.perf_counter() - t0:.1f}s)")
+    print(
+        f"wrote {a.out}: {len(ts.accesses):,} access rows, {len(ts.requests)} requests "
+        f"({time.perf_counter() - t0:.1f}s)"
+    )
     return 0
 
 
@@ -80,7 +82,8 @@ def _cmd_replay(a: argparse.Namespace) -> int:
     if "prefix" in regimes and ts.requests is not None:
         pd = prepare_prefix(ts.requests, ts.accesses)
         notes.append(
-            f"prefix: {pd.n_requests} requests, {pd.n_nodes} nodes, {pd.unique_tokens:,} unique tokens; node importance "
+            f"prefix: {pd.n_requests} requests, {pd.n_nodes} nodes, {pd.unique_tokens:,} unique tokens; "
+            "node importance "
             + ("from the accesses table" if pd.has_importance else "= token share (no accesses table)")
         )
         req = ts.requests
@@ -119,23 +122,36 @@ def _cmd_analyze(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sgl_importance.sim", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m sgl_importance.sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--trace", required=True, help="trace directory (trace/schema.py)")
         sp.add_argument("--out", required=True, help="output directory")
-        sp.add_argument("--demand", default="mass:0.9", help="pages demanded per step: topk:K, mass:P or all (default mass:0.9)")
-        sp.add_argument("--scope", default="request", choices=("request", "global"),
-                        help="one cache per (request, layer, kv_head) or per (layer, kv_head)")
+        sp.add_argument(
+            "--demand", default="mass:0.9", help="pages demanded per step: topk:K, mass:P or all (default mass:0.9)"
+        )
+        sp.add_argument(
+            "--scope",
+            default="request",
+            choices=("request", "global"),
+            help="one cache per (request, layer, kv_head) or per (layer, kv_head)",
+        )
 
     r = sub.add_parser("replay", help="replay a trace under policies x budgets")
     common(r)
-    r.add_argument("--policies", default=DEFAULT_POLICIES,
-                   help=f"comma list of name[:param=value...]; known: {', '.join(sorted(POLICIES))}")
-    r.add_argument("--policy-config", default=None,
-                   help="JSON object for 'shipped', as the server's --radix-eviction-policy-config")
+    r.add_argument(
+        "--policies",
+        default=DEFAULT_POLICIES,
+        help=f"comma list of name[:param=value...]; known: {', '.join(sorted(POLICIES))}",
+    )
+    r.add_argument(
+        "--policy-config",
+        default=None,
+        help="JSON object for 'shipped', as the server's --radix-eviction-policy-config",
+    )
     r.add_argument("--budgets", default=DEFAULT_BUDGETS, help="comma list of fractions of the working set")
     r.add_argument("--regime", default="auto", choices=("auto", "both", "hot", "prefix"))
     r.add_argument("--seed", type=int, default=0)

@@ -173,9 +173,9 @@ def recency_recall(hs: HotStreams, k: int = 16, n_segments: int = 4) -> dict[str
     for s in range(hs.n_streams):
         e0, e1 = int(hs.stream_ev_ptr[s]), int(hs.stream_ev_ptr[s + 1])
         _, tr = replay_stream(hs, s, pol, k, probe_k=k, record=True)
-        n_rows = np.diff(hs.ev_row_ptr[e0:e1 + 1])
+        n_rows = np.diff(hs.ev_row_ptr[e0 : e1 + 1])
         recall[e0:e1] = tr.probe_hits / np.minimum(k, np.maximum(n_rows, 1))
-        ok[e0 + 1:e1] = True  # the first event of a stream has no history
+        ok[e0 + 1 : e1] = True  # the first event of a stream has no history
     seg = _segment_of_events(hs, n_segments)
     return {
         "k": k,
@@ -258,7 +258,9 @@ def aggregate_jaccard(
     }
 
 
-def analyze(hs: HotStreams, k: int = 16, n_segments: int = 4, max_accesses: int | None = 1_000_000) -> dict[str, object]:
+def analyze(
+    hs: HotStreams, k: int = 16, n_segments: int = 4, max_accesses: int | None = 1_000_000
+) -> dict[str, object]:
     """All analyses in one dictionary (JSON-ready), plus the reuse CDF object."""
     rd = reuse_distances(hs, max_accesses)
     xs = np.unique(np.concatenate([[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096], [k]]))

@@ -58,7 +58,5 @@ class Belady(Policy):
     def reset(self, ctx: StreamContext) -> None:
         self.next = next_use(ctx.row_keys, ctx.ev_row_ptr, ctx.ev_demand).astype(np.float64)
 
-    def priorities(
-        self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int
-    ) -> np.ndarray:
+    def priorities(self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int) -> np.ndarray:
         return -self.next[lo:hi]

@@ -105,7 +105,9 @@ class Policy:
     def __init__(self, **params: Any) -> None:
         unknown = set(params) - set(self.defaults)
         if unknown:
-            raise ValueError(f"policy {self.name!r}: unknown parameter(s) {sorted(unknown)}; allowed {sorted(self.defaults)}")
+            raise ValueError(
+                f"policy {self.name!r}: unknown parameter(s) {sorted(unknown)}; allowed {sorted(self.defaults)}"
+            )
         for key, default in self.defaults.items():
             setattr(self, key, type(default)(params.get(key, default)))
         self.params = {k: getattr(self, k) for k in self.defaults}
@@ -126,9 +128,7 @@ class Policy:
         """Allocate per-key state for a new stream."""
         raise NotImplementedError
 
-    def priorities(
-        self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int
-    ) -> np.ndarray:
+    def priorities(self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int) -> np.ndarray:
         """Update state for the touched ``keys`` and return their new priorities.
 
         Args:
@@ -215,9 +215,7 @@ class LRU(Policy):
         # One tie-breaker per row, drawn up front: cheaper than a draw per event.
         self.tie = 0.5 * ctx.rng.random(ctx.row_keys.shape[0])
 
-    def priorities(
-        self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int
-    ) -> np.ndarray:
+    def priorities(self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int) -> np.ndarray:
         return self.tie[lo:hi] + t
 
 
@@ -232,9 +230,7 @@ class LRUMass(Policy):
     def reset(self, ctx: StreamContext) -> None:
         self.tie = 0.5 * np.clip(ctx.row_mass, 0.0, 1.0).astype(np.float64)
 
-    def priorities(
-        self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int
-    ) -> np.ndarray:
+    def priorities(self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int) -> np.ndarray:
         return self.tie[lo:hi] + t
 
 
@@ -246,9 +242,7 @@ class LFU(Policy):
         self.count = np.zeros(ctx.n_keys, np.float64)
         self.scale = float(ctx.n_events + 1)
 
-    def priorities(
-        self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int
-    ) -> np.ndarray:
+    def priorities(self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int) -> np.ndarray:
         c = np.where(hit, self.count[keys], 0.0) + 1.0
         self.count[keys] = c
         return c * self.scale + t
@@ -274,9 +268,7 @@ class TLRU(Policy):
         self.hits = np.zeros(ctx.n_keys, np.float64)
         self.tie = 0.5 * ctx.rng.random(ctx.row_keys.shape[0])
 
-    def priorities(
-        self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int
-    ) -> np.ndarray:
+    def priorities(self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int) -> np.ndarray:
         h = np.where(hit, self.hits[keys] + 1.0, 0.0)
         self.hits[keys] = h
         return t + self.ttl * np.minimum(h, self.cap) + self.tie[lo:hi]
@@ -294,9 +286,7 @@ class H2O(Policy):
     def reset(self, ctx: StreamContext) -> None:
         self.acc = np.zeros(ctx.n_keys, np.float64)
 
-    def priorities(
-        self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int
-    ) -> np.ndarray:
+    def priorities(self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int) -> np.ndarray:
         a = self.acc[keys] + masses
         self.acc[keys] = a
         return a
@@ -326,9 +316,7 @@ class Importance(Policy):
         self.logscore[keys] = s
         return s
 
-    def priorities(
-        self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int
-    ) -> np.ndarray:
+    def priorities(self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int) -> np.ndarray:
         return self._update(keys, lo, hi, t)
 
 
@@ -360,9 +348,7 @@ class Blend(Policy):
         self.log_wr = math.log(1.0 - a) if a < 1 else -math.inf
         self.logm = _log_mass(ctx.row_mass)
 
-    def priorities(
-        self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int
-    ) -> np.ndarray:
+    def priorities(self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int) -> np.ndarray:
         s = np.logaddexp(self.logscore[keys], self.logm[lo:hi] + self.lam * t)
         self.logscore[keys] = s
         # Recency term in the same time-normalised domain: log(decay**(t-t) * decay**-t).
@@ -493,7 +479,7 @@ class PrefetchImportance(Importance):
             return
         free = cache.budget - cache.n_res
         take = cand[: max(0, free)]
-        rest, rest_s = cand[take.shape[0]:], -negs[take.shape[0]:]
+        rest, rest_s = cand[take.shape[0] :], -negs[take.shape[0] :]
         out = np.zeros(0, np.int64)
         if rest.shape[0]:
             low, low_p = self.queue.smallest(rest.shape[0])

@@ -103,7 +103,9 @@ def _node_mass(
     if rq.shape[0] == 0:
         return np.zeros(req_codes.shape[0]), np.zeros(req_codes.shape[0], bool)
     # Steps per request: distinct (step, layer, kv_head) groups, so per-layer traces average.
-    grp = np.unique(np.stack([tr_req, trace.step, trace.layer.astype(np.int64), trace.kv_head.astype(np.int64)]), axis=1)
+    grp = np.unique(
+        np.stack([tr_req, trace.step, trace.layer.astype(np.int64), trace.kv_head.astype(np.int64)]), axis=1
+    )
     greq, gcount = np.unique(grp[0], return_counts=True)
     node_u, node_c = np.unique(nd, return_inverse=True)
     key = rq * node_u.shape[0] + node_c.reshape(-1)
@@ -121,9 +123,7 @@ def _node_mass(
     return np.where(found, mper[pos], 0.0), found
 
 
-def _steps_and_head_mass(
-    trace: Accesses, tr_req: np.ndarray, req_codes: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
+def _steps_and_head_mass(trace: Accesses, tr_req: np.ndarray, req_codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per request (``req_codes`` order): distinct decode steps, and mass per step on
     each of the first ``SINK_PAGES_MAX`` page positions (same per-step averaging as
     :func:`_node_mass`)."""
@@ -189,7 +189,11 @@ def prepare_prefix(requests: Requests, trace: Accesses | None = None, page_size:
     tokens = np.zeros(n_nodes, np.int64)
     tokens[node[::-1]] = raw_tok[::-1]  # first occurrence wins
     if (tokens[node] != raw_tok).any():
-        warnings.warn("prefix trace: a node id has different token counts in different paths; using the first", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            "prefix trace: a node id has different token counts in different paths; using the first",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     req_codes = requests.request_id[order]
     req_of_entry = np.repeat(req_codes, lens)
@@ -211,7 +215,9 @@ def prepare_prefix(requests: Requests, trace: Accesses | None = None, page_size:
                 raise ValueError("prefix trace: request ids are strings in one table and integers in the other")
             # Bring the trace's codes into the requests table's label space.
             tr_codes = np.searchsorted(rl.astype(str), tl.astype(str)[tr_codes])
-            tr_codes = np.where(rl.astype(str)[np.minimum(tr_codes, len(rl) - 1)] == tl.astype(str)[trace.request_id], tr_codes, -1)
+            tr_codes = np.where(
+                rl.astype(str)[np.minimum(tr_codes, len(rl) - 1)] == tl.astype(str)[trace.request_id], tr_codes, -1
+            )
         m, found = _node_mass(trace, tr_codes, req_of_entry, raw_ids)
         if found.any():
             has_imp = True
@@ -308,7 +314,7 @@ def replay_prefix(
         c.accesses += sum(tok[x] for x in path)
         c.hits += ht
         c.mass_total += sum(mass_l[lo:hi])
-        c.mass_resident += sum(mass_l[lo:lo + h])
+        c.mass_resident += sum(mass_l[lo : lo + h])
         if ranked:
             policy.matched(path, h)
         need = sum(tok[x] for x in path[h:])
@@ -358,7 +364,7 @@ def replay_prefix(
             continue
         hit = np.zeros(m, bool)
         hit[:h] = True
-        prios = policy.priorities(keys, pd.path_mass[lo:lo + m], r, hit, lo, lo + m).tolist()
+        prios = policy.priorities(keys, pd.path_mass[lo : lo + m], r, hit, lo, lo + m).tolist()
         for x, pr in zip(path[:m], prios):
             cur[x] = pr
             ver[x] += 1

@@ -78,9 +78,9 @@ class LazyMinQueue:
                 self._pp = np.empty(cap, np.float64)
                 self._pk = np.empty(cap, np.int64)
                 self._pv = np.empty(cap, np.int64)
-        self._pp[c:c + n] = prios
-        self._pk[c:c + n] = keys
-        self._pv[c:c + n] = tick
+        self._pp[c : c + n] = prios
+        self._pk[c : c + n] = keys
+        self._pv[c : c + n] = tick
         self._c = c + n
 
     def remove(self, keys: np.ndarray) -> None:
@@ -116,9 +116,9 @@ class LazyMinQueue:
                 self._sp, self._sk, self._sv = sp, sk, sv
                 h, n = 0, live
                 self._h = 0
-            self._sp[n:n + m] = pp
-            self._sk[n:n + m] = pk
-            self._sv[n:n + m] = pv
+            self._sp[n : n + m] = pp
+            self._sk[n : n + m] = pk
+            self._sv[n : n + m] = pv
             self._n = n + m
             return
         # General case: keep the live part of the old run and sort the two runs together.
@@ -201,7 +201,7 @@ class LazyMinQueue:
         if cand.shape[0] > want:
             if want == 1:
                 i = int(p.argmin())
-                return cand[i:i + 1], p[i:i + 1]
+                return cand[i : i + 1], p[i : i + 1]
             sel = np.argpartition(p, want - 1)[:want]
             cand, p = cand[sel], p[sel]
         order = np.argsort(p, kind="stable")

@@ -293,7 +293,7 @@ def replay_stream(
     """
     e0, e1 = int(hs.stream_ev_ptr[s]), int(hs.stream_ev_ptr[s + 1])
     r0, r1 = int(hs.ev_row_ptr[e0]), int(hs.ev_row_ptr[e1])
-    rp = hs.ev_row_ptr[e0:e1 + 1] - r0
+    rp = hs.ev_row_ptr[e0 : e1 + 1] - r0
     keys_all = hs.row_key[r0:r1]
     mass_all = hs.row_mass[r0:r1]
     dem = hs.ev_demand[e0:e1]
@@ -340,7 +340,7 @@ def replay_stream(
             if ev_probe is not None:
                 ev_probe[e] = count_nonzero(ra[:probe_k])
         if nh == nd:
-            touch(k[:nd], mass_all[a:a + nd], e, hd, a, a + nd)
+            touch(k[:nd], mass_all[a : a + nd], e, hd, a, a + nd)
         else:
             d = k[:nd]
             miss = d[~hd]
@@ -355,12 +355,12 @@ def replay_stream(
                 room = cache.budget - cache.n_res
                 if room < miss.shape[0]:
                     # Demand larger than the cache: the heaviest misses stay, the rest bypass.
-                    bypass = miss[max(0, room):]
-                    miss = miss[:max(0, room)]
+                    bypass = miss[max(0, room) :]
+                    miss = miss[: max(0, room)]
             resident[miss] = True
             cache.n_res += miss.shape[0]
             fetched += miss.shape[0]
-            touch(d, mass_all[a:a + nd], e, hd, a, a + nd)
+            touch(d, mass_all[a : a + nd], e, hd, a, a + nd)
             if bypass is not None:
                 evicted(bypass)
         if has_after:

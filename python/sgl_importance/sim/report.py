@@ -75,7 +75,9 @@ def per_layer_table(results: Sequence[ReplayResult]) -> str:
     lines = ["### Per layer\n", head, sep]
     for r in rs:
         cells = [
-            f"{_pct(r.per_layer[layer].hit_rate)} / {_pct(r.per_layer[layer].mass_recall)}" if layer in r.per_layer else "-"
+            f"{_pct(r.per_layer[layer].hit_rate)} / {_pct(r.per_layer[layer].mass_recall)}"
+            if layer in r.per_layer
+            else "-"
             for layer in layers
         ]
         lines.append(f"| {r.policy} | {r.budget_frac:g} | " + " | ".join(cells) + " |")
@@ -137,7 +139,9 @@ def write_replay_report(
         md.append("| policy | budget | demand fetched | prefetched | prefetched then hit |\n|---|---:|---:|---:|---:|")
         for r in pre:
             c = r.counts
-            md.append(f"| {r.policy} | {r.budget_frac:g} | {c.fetched:,.0f} | {c.prefetched:,.0f} | {c.prefetch_used:,.0f} |")
+            md.append(
+                f"| {r.policy} | {r.budget_frac:g} | {c.fetched:,.0f} | {c.prefetched:,.0f} | {c.prefetch_used:,.0f} |"
+            )
         md.append("")
     md += [f"![{p.stem}]({p.name})" for p in pngs]
     (out / "report.md").write_text("\n".join(md) + "\n")
@@ -167,8 +171,11 @@ def write_analysis_report(res: dict[str, Any], out_dir: str | Path, title: str) 
         fig.tight_layout()
         fig.savefig(out / "reuse_cdf.png", dpi=110)
         plt.close(fig)
-    segs = [("recency_recall", "recency recall@k"), ("jaccard_ema", "Jaccard EMA vs per-step top-10%"),
-            ("jaccard_accumulated", "Jaccard accumulated vs per-step top-10%")]
+    segs = [
+        ("recency_recall", "recency recall@k"),
+        ("jaccard_ema", "Jaccard EMA vs per-step top-10%"),
+        ("jaccard_accumulated", "Jaccard accumulated vs per-step top-10%"),
+    ]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for key, label in segs:
         ps = res[key]["per_segment"]
@@ -196,12 +203,15 @@ def write_analysis_report(res: dict[str, Any], out_dir: str | Path, title: str) 
     lines = [
         f"# Trace analysis: {title}\n",
         f"- streams {r['streams']}, events {r['events']}, demanded accesses {r['accesses']} (demand `{r['demand']}`)",
-        f"- reuse distance: median {r['reuse']['median']:g} distinct pages, {r['reuse']['cold']} cold accesses of {r['reuse']['accesses']}",
+        f"- reuse distance: median {r['reuse']['median']:g} distinct pages, "
+        f"{r['reuse']['cold']} cold accesses of {r['reuse']['accesses']}",
         f"- top 20% of pages ({r['top20']['top_pages']:.0f} of {r['top20']['pages']:.0f}) take "
         f"{_pct(r['top20']['access_share'])} of accesses and {_pct(r['top20']['mass_share'])} of attention mass",
         f"- recency recall@{r['recency_recall']['k']}: {_pct(r['recency_recall']['overall'])} overall",
-        f"- per-head stability (top-{r['head_stability']['k']} overlap of consecutive steps): {_pct(r['head_stability']['overall'])}",
-        f"- Jaccard aggregate vs per-step top-10%: EMA {_pct(r['jaccard_ema']['overall'])}, accumulated {_pct(r['jaccard_accumulated']['overall'])}",
+        f"- per-head stability (top-{r['head_stability']['k']} overlap of consecutive steps): "
+        f"{_pct(r['head_stability']['overall'])}",
+        f"- Jaccard aggregate vs per-step top-10%: EMA {_pct(r['jaccard_ema']['overall'])}, "
+        f"accumulated {_pct(r['jaccard_accumulated']['overall'])}",
         "",
         "| LRU pages | " + " | ".join(str(x) for x in r["reuse"]["cdf"]) + " |",
         "|---|" + "---:|" * len(r["reuse"]["cdf"]),

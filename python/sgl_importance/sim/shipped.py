@@ -152,7 +152,7 @@ class Shipped(Policy):
         if steps <= 0:
             return
         n = keys.shape[0]
-        mass = ctx.row_mass[lo:lo + n].astype(np.float64)
+        mass = ctx.row_mass[lo : lo + n].astype(np.float64)
         ps = ctx.page_size
         start = ctx.key_start[keys]
         pages = -(-ctx.key_tokens[keys] // ps)
@@ -163,7 +163,7 @@ class Shipped(Policy):
         head = ctx.ev_head_mass[r]
         sink_mass = np.zeros(n)
         for i in np.flatnonzero((sinks > 0) & ~pinned):
-            sink_mass[i] = head[first[i]:first[i] + sinks[i]].sum()
+            sink_mass[i] = head[first[i] : first[i] + sinks[i]].sum()
         content_pages = np.where(pinned, pages, pages - sinks)
         density = np.where(pinned, mass, mass - sink_mass) / np.maximum(content_pages, 1)
         self._fold(keys, density, pinned, steps)
@@ -210,4 +210,3 @@ def _changed(config: dict[str, Any]) -> dict[str, Any]:
     """Keys that differ from the defaults (what a label needs to rebuild the policy)."""
     default = ImportancePolicyConfig()
     return {k: v for k, v in config.items() if getattr(default, k) != v}
-

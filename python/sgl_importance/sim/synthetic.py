@@ -105,7 +105,9 @@ def _decode_rows(
     pos = np.arange(n_c)
     lh = [(layer, h) for layer in range(layers) for h in range(kv_heads)]
     reduced = layers == 1 and kv_heads == 1
-    out: dict[str, list[np.ndarray]] = {k: [] for k in ("step", "layer", "kv_head", "page", "node_id", "position", "importance")}
+    out: dict[str, list[np.ndarray]] = {
+        k: [] for k in ("step", "layer", "kv_head", "page", "node_id", "position", "importance")
+    }
     for layer, h in lh:
         # Heads see the same structure with their own perturbation of it.
         head_base = base + (0.0 if reduced else 0.5 * rng.standard_normal(n_c))
@@ -146,7 +148,9 @@ def _decode_rows(
     return cols
 
 
-def _base_for(nodes: list[int], tokens: list[int], page_size: int, gains: dict[int, float], sink: float = 3.0) -> np.ndarray:
+def _base_for(
+    nodes: list[int], tokens: list[int], page_size: int, gains: dict[int, float], sink: float = 3.0
+) -> np.ndarray:
     """Structural logits: per-node gain for all its pages, plus the sink on page 0."""
     _, owner, _ = _pages_of(nodes, tokens, page_size)
     base = np.array([gains.get(int(n), 0.0) for n in owner], np.float64)
@@ -188,8 +192,23 @@ def _multi_turn(rng: np.random.Generator, scale: float, ps: int) -> list[_Req]:
                 cand = np.setdiff1d(cand, topical)
                 topical = np.concatenate([topical, rng.choice(cand, size=min(3, cand.shape[0]), replace=False)])
             out = new()
-            reqs.append(_Req(rid, turn, t0, list(nodes), list(toks), out, n_dec, base, recency=3.0, width=1.5,
-                             active=topical.copy(), q=0.2, gain=4.0))
+            reqs.append(
+                _Req(
+                    rid,
+                    turn,
+                    t0,
+                    list(nodes),
+                    list(toks),
+                    out,
+                    n_dec,
+                    base,
+                    recency=3.0,
+                    width=1.5,
+                    active=topical.copy(),
+                    q=0.2,
+                    gain=4.0,
+                )
+            )
             rid += 1
             nodes.append(out)
             toks.append(n_dec)
@@ -215,8 +234,23 @@ def _rag(rng: np.random.Generator, scale: float, ps: int) -> list[_Req]:
         base = _base_for(nodes, toks, ps, {d: 1.5 if hot else 0.5, q: 2.0})
         off = math.ceil(128 / ps)
         n_dec = int(rng.integers(96, 160))
-        reqs.append(_Req(rid, 0, t, nodes, toks, new(), n_dec, base, recency=3.0, width=1.5,
-                         active=off + key_pages[d], q=0.4 if hot else 0.25, gain=4.0))
+        reqs.append(
+            _Req(
+                rid,
+                0,
+                t,
+                nodes,
+                toks,
+                new(),
+                n_dec,
+                base,
+                recency=3.0,
+                width=1.5,
+                active=off + key_pages[d],
+                q=0.4 if hot else 0.25,
+                gain=4.0,
+            )
+        )
         t += int(rng.integers(20, 60))
     return reqs
 
@@ -239,8 +273,23 @@ def _agent(rng: np.random.Generator, scale: float, ps: int) -> list[_Req]:
             base = _base_for(nodes, toks, ps, gains)
             n_dec = int(rng.integers(48, 96))
             act = new()
-            reqs.append(_Req(rid, it, t, list(nodes), list(toks), act, n_dec, base, recency=3.0, width=1.5,
-                             active=tool_pages, q=0.3, gain=4.0))
+            reqs.append(
+                _Req(
+                    rid,
+                    it,
+                    t,
+                    list(nodes),
+                    list(toks),
+                    act,
+                    n_dec,
+                    base,
+                    recency=3.0,
+                    width=1.5,
+                    active=tool_pages,
+                    q=0.3,
+                    gain=4.0,
+                )
+            )
             rid += 1
             obs = new()
             nodes += [act, obs]
@@ -261,9 +310,24 @@ def _cot(rng: np.random.Generator, scale: float, ps: int) -> list[_Req]:
         # Problem pages and every 12th reasoning page are revisited now and then,
         # long after they were written; recency explains little.
         reqs.append(
-            _Req(rid, 0, t, nodes, toks, new(), n_dec, base, gen_base=0.0,
-                 gen_anchor_every=12, gen_anchor_gain=1.0, recency=3.0, width=1.0,
-                 active=np.arange(1, base.shape[0]), q=0.15, gain=5.0)
+            _Req(
+                rid,
+                0,
+                t,
+                nodes,
+                toks,
+                new(),
+                n_dec,
+                base,
+                gen_base=0.0,
+                gen_anchor_every=12,
+                gen_anchor_gain=1.0,
+                recency=3.0,
+                width=1.0,
+                active=np.arange(1, base.shape[0]),
+                q=0.15,
+                gain=5.0,
+            )
         )
         t += 64
     return reqs
@@ -285,7 +349,9 @@ def _loop(rng: np.random.Generator, scale: float, ps: int) -> list[_Req]:
             sel = (j * step_pages + np.arange(step_pages)) % w_pages
             focus[j, sel] = 6.0 + weight[sel]
         base = np.zeros(w_pages)
-        reqs.append(_Req(rid, 0, t, nodes, toks, new(), n_dec, base, gen_base=-2.0, recency=0.0, width=1.0, focus=focus))
+        reqs.append(
+            _Req(rid, 0, t, nodes, toks, new(), n_dec, base, gen_base=-2.0, recency=0.0, width=1.0, focus=focus)
+        )
         t += n_dec
     return reqs
 
@@ -332,7 +398,15 @@ def synthesize(
         page_size=page_size,
         model="synthetic",
         workload=kind,
-        extra={"seed": seed, "scale": scale, "layers": layers, "kv_heads": kv_heads, "noise": noise, "rho": rho, "sharpness": sharpness},
+        extra={
+            "seed": seed,
+            "scale": scale,
+            "layers": layers,
+            "kv_heads": kv_heads,
+            "noise": noise,
+            "rho": rho,
+            "sharpness": sharpness,
+        },
     )
     trace = Accesses.from_columns(cols, meta)
     requests = Requests.from_lists(

@@ -403,7 +403,11 @@ def request_paths(tree_core: Any, reqs: list) -> list[Optional[RadixPath]]:
                 infos.append(None)
     for (i, _), info in zip(want, infos):
         if info:
-            out[i] = ([int(x.node_id) for x in info], [int(x.path_start) for x in info], [int(x.path_end) for x in info])
+            out[i] = (
+                [int(x.node_id) for x in info],
+                [int(x.path_start) for x in info],
+                [int(x.path_end) for x in info],
+            )
     return out
 
 

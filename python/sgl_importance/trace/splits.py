@@ -59,8 +59,12 @@ def resolve_splits(
     node_end = np.full(uniq.shape[0], -1, np.int64)
     node_end[inv] = end
     if (node_end[inv] != end).any():
-        warnings.warn("resolve_splits: a node id ends at different offsets in different paths; "
-                      "node ids do not follow SGLang's split rule, paths left as recorded", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            "resolve_splits: a node id ends at different offsets in different paths; "
+            "node ids do not follow SGLang's split rule, paths left as recorded",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return requests, accesses
     final_start = np.full(uniq.shape[0], -1, np.int64)
     np.maximum.at(final_start, inv, start)
@@ -132,6 +136,9 @@ def resolve_splits(
             break
         cur[move] = par_idx[cur[move]]
     new_node = np.where(cur >= 0, uniq[np.maximum(cur, 0)], node)
-    out_acc = Accesses(**{**{name: getattr(accesses, name) for name in ACCESS_DTYPES}, "node_id": new_node},
-                    request_labels=accesses.request_labels, meta=accesses.meta)
+    out_acc = Accesses(
+        **{**{name: getattr(accesses, name) for name in ACCESS_DTYPES}, "node_id": new_node},
+        request_labels=accesses.request_labels,
+        meta=accesses.meta,
+    )
     return out_req, out_acc

@@ -149,7 +149,7 @@ class TraceWriter:
                 self._writer = pq.ParquetWriter(fname, access_schema(bool(self._string_ids)))
                 self._file_rows = 0
             room = self.rows_per_file - self._file_rows
-            part = {k: v[start:start + room] for k, v in merged.items()}
+            part = {k: v[start : start + room] for k, v in merged.items()}
             rows = len(part["step"])
             self._writer.write_table(access_arrow_table(part, bool(self._string_ids)))
             self._file_rows += rows

@@ -132,7 +132,9 @@ def _raw_accesses(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], np.nd
     table = _read_tables(path, ACCESS_PREFIX)
     if table is None:
         return None
-    cols = {name: _col(table, name).astype(dt, copy=False) for name, dt in ACCESS_DTYPES.items() if name != "request_id"}
+    cols = {
+        name: _col(table, name).astype(dt, copy=False) for name, dt in ACCESS_DTYPES.items() if name != "request_id"
+    }
     return cols, _col(table, "request_id")
 
 
@@ -147,7 +149,7 @@ def _raw_requests(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], np.nd
     node_ids = ids_list.values.to_numpy().astype(np.int64)
     node_tokens = tok_list.values.to_numpy().astype(np.int32)
     if ptr[0] != 0:
-        node_ids, node_tokens, ptr = node_ids[ptr[0]:ptr[-1]], node_tokens[ptr[0]:ptr[-1]], ptr - ptr[0]
+        node_ids, node_tokens, ptr = node_ids[ptr[0] : ptr[-1]], node_tokens[ptr[0] : ptr[-1]], ptr - ptr[0]
     cols = {
         "arrival_step": _col(table, "arrival_step").astype(np.int64),
         "node_ptr": ptr,

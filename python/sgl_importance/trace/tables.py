@@ -47,9 +47,7 @@ class Accesses:
         return int(self.step.shape[0])
 
     @classmethod
-    def from_columns(
-        cls, columns: Mapping[str, Any], meta: TraceMeta | None = None
-    ) -> "Accesses":
+    def from_columns(cls, columns: Mapping[str, Any], meta: TraceMeta | None = None) -> "Accesses":
         """Build from a mapping of column name -> array-like; optional columns get defaults.
 
         String request ids are dictionary-coded (sorted labels).

@@ -107,7 +107,14 @@ def _alive(pid: Optional[int]) -> bool:
         return False
 
 
-def serve(endpoint: str, out: str, meta: dict[str, Any], max_rows: int, watch_pid: Optional[int], ready_fd: Optional[int] = None) -> int:
+def serve(
+    endpoint: str,
+    out: str,
+    meta: dict[str, Any],
+    max_rows: int,
+    watch_pid: Optional[int],
+    ready_fd: Optional[int] = None,
+) -> int:
     """Receive until ``close``, until ``watch_pid`` is gone, or until SIGTERM; then close the trace.
 
     Returns:
@@ -196,7 +203,11 @@ def _detach() -> Optional[int]:
             message += chunk
         os.close(r)
         if message != b"ok":
-            print(f"[sgl-importance] trace writer failed: {message.decode(errors='replace') or 'no answer'}", file=sys.stderr, flush=True)
+            print(
+                f"[sgl-importance] trace writer failed: {message.decode(errors='replace') or 'no answer'}",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(1)
         os._exit(0)
     os.close(r)
@@ -205,7 +216,9 @@ def _detach() -> Optional[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sgl_importance.trace.writer_process", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m sgl_importance.trace.writer_process", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--endpoint", required=True, help="ZeroMQ endpoint to bind (ipc://...)")
     p.add_argument("--out", required=True, help="trace directory")
     p.add_argument("--meta", default="{}", help="TraceMeta fields as JSON")
@@ -216,7 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ready_fd = _detach() if a.detach else None
     started = time.monotonic()
     rows = serve(a.endpoint, a.out, json.loads(a.meta), a.max_rows, a.watch_pid, ready_fd)
-    print(f"[sgl-importance] trace {a.out}: {rows} rows in {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
+    print(
+        f"[sgl-importance] trace {a.out}: {rows} rows in {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True
+    )
     return 0
 
 

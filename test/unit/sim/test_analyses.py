@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.traces import merge_columns, sequence_trace, trace_from_steps
 
 from sgl_importance.sim.analyses import (
     aggregate_jaccard,
@@ -15,13 +14,14 @@ from sgl_importance.sim.analyses import (
 from sgl_importance.sim.policies import make_policy
 from sgl_importance.sim.replay import prepare_hot, replay_stream
 from sgl_importance.trace.tables import Accesses
+from support.traces import merge_columns, sequence_trace, trace_from_steps
 
 
 def _brute_stack_distance(keys):
     out = []
     for i, k in enumerate(keys):
         prev = [j for j in range(i) if keys[j] == k]
-        out.append(-1 if not prev else len(set(keys[prev[-1] + 1:i])))
+        out.append(-1 if not prev else len(set(keys[prev[-1] + 1 : i])))
     return out
 
 

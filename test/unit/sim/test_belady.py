@@ -2,12 +2,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.traces import sequence_trace, trace_from_steps
 
 from sgl_importance.sim.belady import next_use
 from sgl_importance.sim.policies import POLICIES, make_policy
 from sgl_importance.sim.replay import prepare_hot, replay_stream
 from sgl_importance.trace.tables import Accesses
+from support.traces import sequence_trace, trace_from_steps
 
 # The classic reference string of operating-systems textbooks.
 TEXTBOOK = [7, 0, 1, 2, 0, 3, 0, 4, 2, 3, 0, 3, 2, 1, 2, 0, 1, 7, 0, 1]

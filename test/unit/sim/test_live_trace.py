@@ -23,7 +23,13 @@ PAGE = 16
 
 @pytest.mark.parametrize(
     "rid, expected",
-    [("chat-c2-t3", (2, 3)), ("agent-c0-t11", (0, 11)), ("rag-c7-t0", (7, 0)), ("3f2a9c", (-1, 0)), ("x-c1-t2-y", (-1, 0))],
+    [
+        ("chat-c2-t3", (2, 3)),
+        ("agent-c0-t11", (0, 11)),
+        ("rag-c7-t0", (7, 0)),
+        ("3f2a9c", (-1, 0)),
+        ("x-c1-t2-y", (-1, 0)),
+    ],
 )
 def test_conversation_and_turn_come_from_the_rid_suffix(rid, expected):
     assert parse_rid(rid) == expected
@@ -150,7 +156,7 @@ def test_prefix_regime_replays_a_trace_with_pre_split_paths():
     # b hits a's first 64 tokens; c hits all 100 of a's prompt tokens.
     assert hits.tolist() == [0, 64, 100]
     # Node 7 carries a's mass of pages 0..3 (0.4 at its one step), node 1 pages 4..6 (0.6).
-    a_mass = pd.path_mass[pd.path_ptr[0]:pd.path_ptr[1]]
+    a_mass = pd.path_mass[pd.path_ptr[0] : pd.path_ptr[1]]
     assert a_mass.tolist() == pytest.approx([0.4, 0.6])
 
 

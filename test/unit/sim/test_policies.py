@@ -2,12 +2,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.traces import rng, sequence_trace, trace_from_steps  # noqa: F401  (rng: fixture)
 
 from sgl_importance.sim.policies import POLICIES, make_policy
 from sgl_importance.sim.queue import LazyMinQueue
 from sgl_importance.sim.replay import prepare_hot, replay_stream
 from sgl_importance.trace.tables import Accesses
+from support.traces import rng, sequence_trace, trace_from_steps  # noqa: F401  (rng: fixture)
 
 
 def _run(steps, policy: str, budget: int, demand: str = "all", seed: int = 0):
@@ -104,7 +104,7 @@ def test_slru_protects_reused_pages_from_a_one_off_scan_that_flushes_lru():
 
 def test_tlru_lets_a_frequently_hit_page_outlive_newer_one_off_pages():
     steps = [{p: 1.0} for p in ["A", "A", "A", "A", "B", "C", "A"]]
-    steps = [{ {"A": 1, "B": 2, "C": 3}[k]: v for k, v in s.items()} for s in steps]
+    steps = [{{"A": 1, "B": 2, "C": 3}[k]: v for k, v in s.items()} for s in steps]
     _, tr_l = _run(steps, "lru", 2)
     _, tr_t = _run(steps, "tlru:ttl=16", 2)
     assert tr_l.hits[-1] == 0 and tr_t.hits[-1] == 1
@@ -133,7 +133,10 @@ def test_prefetch_brings_back_a_heavy_page_before_it_is_needed_and_counts_it_apa
 
 
 def test_every_registered_policy_respects_the_budget_and_counts_consistently(rng):
-    steps = [{int(p): float(m) for p, m in zip(rng.choice(40, 6, replace=False), rng.dirichlet(np.ones(6)))} for _ in range(200)]
+    steps = [
+        {int(p): float(m) for p, m in zip(rng.choice(40, 6, replace=False), rng.dirichlet(np.ones(6)))}
+        for _ in range(200)
+    ]
     hs = prepare_hot(Accesses.from_columns(trace_from_steps(steps)), "topk:3")
     for name in POLICIES:
         c, _ = replay_stream(hs, 0, make_policy(name), 7)

@@ -100,7 +100,13 @@ def test_policies_that_only_make_sense_for_the_hot_set_are_refused():
 def test_string_request_ids_join_node_importance_across_the_two_tables():
     req = Requests.from_lists(["x", "y"], [0, 1], [[1, 2], [1, 3]], [[10, 10], [10, 10]], [1, 1])
     tr = Accesses.from_columns(
-        {"step": [0, 0, 1], "request_id": ["y", "y", "x"], "page": [5, 6, 7], "node_id": [1, 3, 2], "importance": [0.25, 0.75, 1.0]}
+        {
+            "step": [0, 0, 1],
+            "request_id": ["y", "y", "x"],
+            "page": [5, 6, 7],
+            "node_id": [1, 3, 2],
+            "importance": [0.25, 0.75, 1.0],
+        }
     )
     pd = prepare_prefix(req, tr)
     by_req = np.split(pd.path_mass, pd.path_ptr[1:-1])

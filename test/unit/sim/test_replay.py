@@ -2,11 +2,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.traces import merge_columns, rng, trace_from_steps  # noqa: F401  (rng: fixture)
 
 from sgl_importance.sim.policies import make_policy
 from sgl_importance.sim.replay import budget_pages, parse_demand, prepare_hot, replay_hot, replay_stream
 from sgl_importance.trace.tables import Accesses
+from support.traces import merge_columns, rng, trace_from_steps  # noqa: F401  (rng: fixture)
 
 
 def test_mass_recall_counts_the_resident_share_of_every_page_of_a_step_before_fetching():
@@ -93,7 +93,10 @@ def test_budget_fraction_is_taken_of_each_streams_unique_pages():
 
 
 def test_hit_rate_grows_with_budget_and_is_perfect_with_the_whole_working_set(rng):
-    steps = [{int(p): float(m) for p, m in zip(rng.choice(30, 5, replace=False), rng.dirichlet(np.ones(5)))} for _ in range(300)]
+    steps = [
+        {int(p): float(m) for p, m in zip(rng.choice(30, 5, replace=False), rng.dirichlet(np.ones(5)))}
+        for _ in range(300)
+    ]
     hs = prepare_hot(Accesses.from_columns(trace_from_steps(steps)), "all")
     res = replay_hot(hs, ["lru", "belady"], [0.2, 0.5, 1.0])
     for name in ("lru", "belady"):

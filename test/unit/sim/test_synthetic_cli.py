@@ -65,8 +65,23 @@ def test_cli_synth_replay_analyze_writes_reports(tmp_path: Path):
     trace = tmp_path / "rag"
     assert main(["synth", "--kind", "rag", "--scale", "0.2", "--out", str(trace)]) == 0
     rep = tmp_path / "rep"
-    assert main(["replay", "--trace", str(trace), "--out", str(rep), "--policies", "lru,importance:decay=0.9,belady",
-                 "--budgets", "0.1,0.5", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                "--trace",
+                str(trace),
+                "--out",
+                str(rep),
+                "--policies",
+                "lru,importance:decay=0.9,belady",
+                "--budgets",
+                "0.1,0.5",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     for f in ("report.md", "results.json", "hot_hit_rate.png", "hot_mass_recall.png", "prefix_hit_rate.png"):
         assert (rep / f).stat().st_size > 0, f
     res = json.loads((rep / "results.json").read_text())
@@ -90,7 +105,8 @@ def test_simulator_imports_neither_torch_nor_sglang():
     code = (
         "import sys, sgl_importance.sim.__main__, sgl_importance.sim.analyses, sgl_importance.sim.report, "
         "sgl_importance.sim.prefix, sgl_importance.sim.synthetic; "
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'sglang')]; print(bad); sys.exit(1 if bad else 0)"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'sglang')]; "
+        "print(bad); sys.exit(1 if bad else 0)"
     )
     src = Path(__file__).resolve().parents[3] / "python"
     r = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(src)}, capture_output=True, text=True)

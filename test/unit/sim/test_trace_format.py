@@ -5,7 +5,6 @@ import warnings
 
 import numpy as np
 import pytest
-from support.traces import rng  # noqa: F401  (fixture)
 
 from sgl_importance.trace.schema import ACCESS_DTYPES, TraceMeta
 from sgl_importance.trace.streaming import TraceWriter
@@ -18,6 +17,7 @@ from sgl_importance.trace.table_io import (
     write_requests,
 )
 from sgl_importance.trace.tables import Accesses, Requests
+from support.traces import rng  # noqa: F401  (fixture)
 
 
 def _random_columns(rng: np.random.Generator, n: int, string_ids: bool = False) -> dict[str, np.ndarray]:
@@ -100,7 +100,7 @@ def test_streaming_writer_rotates_files_and_reads_back_in_order(tmp_path, rng):
     cols = _random_columns(rng, 2500)
     with TraceWriter(tmp_path, TraceMeta(workload="stream"), rows_per_file=1000, row_group_rows=300) as w:
         for i in range(0, 2500, 170):
-            w.append({k: v[i:i + 170] for k, v in cols.items()})
+            w.append({k: v[i : i + 170] for k, v in cols.items()})
     files = sorted(p.name for p in tmp_path.glob("accesses-*.parquet"))
     assert files == ["accesses-00000.parquet", "accesses-00001.parquet", "accesses-00002.parquet"]
     _assert_same(Accesses.from_columns(cols), read_accesses(tmp_path))
