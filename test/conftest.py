@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,14 @@ import pytest
 from support.server import Server
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Under `make test` (pytest-xdist) each worker gets its share of the cores for
+# OpenMP, in its own torch and in every server and interpreter it starts: two
+# servers with two spinning OpenMP threads each on two cores run slower together
+# than one after the other.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture(scope="session")
