@@ -106,6 +106,11 @@ ATTRIBUTES = [
         for n in ("last_node", "host_hit_length", "best_match_node")
     ),
     *(Name(REQ, n, "cache/stored.py") for n in ("extra_key", "cache_salt", "prefix_len", "full_untruncated_fill_ids")),
+    # SGLang's Mooncake backend, which cache/mooncake_tier.py stores sealed pages through.
+    *(
+        Name(f"{MEM}.storage.mooncake_store.mooncake_store.MooncakeStore", n, "cache/mooncake_tier.py")
+        for n in ("store", "config_prefix")
+    ),
     # Modules.
     Name(f"{MEM}.radix_cache", "RadixKey", "cache/stored.py"),
     Name(f"{MEM}.utils", "get_storage_hash_str", "cache/stored.py"),

@@ -53,7 +53,7 @@ class MooncakePages(HiCacheStorage):
         # SharedImportance: its records are read with the hit query, before the pages.
         self.shared = shared
         self.store = backend.store
-        prefix = getattr(backend, "config_prefix", None)
+        prefix = backend.config_prefix  # None without a model name or backend tag
         self.prefix = f"{prefix}_" if prefix else ""
         self.rank = rank
 
