@@ -182,6 +182,43 @@ class FakeCache:
         return True
 
 
+class AdmissionCache(FakeCache):
+    """The fake cache with SGLang's ``write_backup_storage`` behind the plugin's L3
+    admission gate (as its AROUND hook makes it behave); writes are recorded."""
+
+    def __init__(self, **config: Any) -> None:
+        from sgl_importance.cache.strategy import ImportanceStrategy
+
+        super().__init__(FakeTreeCore(ImportanceStrategy(**config)))
+        self.written: list[int] = []
+
+    @property
+    def aggregator(self) -> Any:
+        return self.tree_core.eviction_strategy.aggregator
+
+    def add(
+        self,
+        parent: Optional[FakeNode] = None,
+        hits: int = 0,
+        importance: Optional[float] = None,
+        pinned: bool = False,
+        backuped: bool = True,
+        tokens: int = 16,
+        hashes: Optional[Sequence[str]] = None,
+    ) -> FakeNode:
+        return self.tree_core.add(
+            parent, tokens, host=backuped, hits=hits, importance=importance, pinned=pinned, hashes=hashes
+        )
+
+    def _original_write(self, cache: Any, node_id: int) -> None:
+        self.written.append(node_id)
+
+    def write_backup_storage(self, node_id: int) -> None:
+        from sgl_importance.cache.admission import gate_storage_write
+
+        gate_storage_write(self._original_write, self, node_id)
+
+
 def scheduler_of(cache: Any, **fields: Any) -> types.SimpleNamespace:
     """A scheduler as the plugin's hooks see it: its tree cache and queues."""
     fields.setdefault("waiting_queue", [])

@@ -13,11 +13,11 @@ import msgpack
 import pytest
 
 from sgl_importance.cache import shared_importance as si
-from sgl_importance.cache.admission import DEFERRED, admit_deferred, gate_storage_write
+from sgl_importance.cache.admission import DEFERRED, admit_deferred
 from sgl_importance.cache.mooncake_tier import check_master
 from sgl_importance.cache.stored import StoredImportance
-from sgl_importance.cache.strategy import ImportanceStrategy
 from sgl_importance.importance.node_state import node_state, peek_state
+from support.fake_tree import AdmissionCache
 
 HOUR = 3600.0
 
@@ -199,38 +199,14 @@ def test_the_local_memory_and_the_shared_record_combine_to_the_larger():
     assert stored.page_value("p") == pytest.approx(0.9)
 
 
-class FakeCache:
-    """The parts of UnifiedRadixCache L3 admission touches; writes are recorded."""
-
-    def __init__(self, **config):
-        self.root = types.SimpleNamespace(id=0, parent=None, children={})
-        self.nodes = {0: self.root}
-        self.tree_core = types.SimpleNamespace(
-            eviction_strategy=ImportanceStrategy(**config), node_by_id=self.nodes.__getitem__
-        )
-        self.written: list[int] = []
-        self.metrics_collector = None  # SGLang's, present only with --enable-metrics
-
-    def add(self, hashes, hits=0):
-        n = types.SimpleNamespace(
-            id=len(self.nodes), parent=self.root, children={}, hit_count=hits, backuped=True,
-            key=[0] * 16, hash_value=hashes,
-        )  # fmt: skip
-        self.nodes[n.id] = n
-        return n
-
-    def write_backup_storage(self, node_id):
-        gate_storage_write(lambda cache, nid: cache.written.append(nid), self, node_id)
-
-
 def test_hits_another_instance_saw_qualify_a_node_for_the_storage_tier():
     store = DictStore()
     a, b = pair(store)
     a.publish(["p"], 0.0, hits=2)
     a.flush()
     si.set_current(b)
-    cache = FakeCache(storage_min_hits=3)
-    n = cache.add(["p"], hits=1)
+    cache = AdmissionCache(storage_min_hits=3)
+    n = cache.add(hits=1, hashes=["p"])
     cache.write_backup_storage(n.id)
     # Deferred: this instance has seen one hit and has not read the record yet...
     assert cache.written == [] and peek_state(n).storage == DEFERRED

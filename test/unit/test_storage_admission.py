@@ -6,35 +6,10 @@ from sgl_importance.cache.admission import (
     ADMITTED,
     DEFERRED,
     admit_deferred,
-    gate_storage_write,
     split_state,
 )
-from sgl_importance.cache.strategy import ImportanceStrategy
 from sgl_importance.importance.node_state import node_state, peek_state
-from support.fake_tree import FULL, FakeCache, FakeTreeCore, detached_node
-
-
-class AdmissionCache(FakeCache):
-    """The fake cache with SGLang's ``write_backup_storage`` behind the plugin's gate;
-    writes are recorded."""
-
-    def __init__(self, **config):
-        super().__init__(FakeTreeCore(ImportanceStrategy(**config)))
-        self.written: list[int] = []
-
-    @property
-    def aggregator(self):
-        return self.tree_core.eviction_strategy.aggregator
-
-    def add(self, parent=None, hits=0, importance=None, pinned=False, backuped=True, tokens=16):
-        return self.tree_core.add(parent, tokens, host=backuped, hits=hits, importance=importance, pinned=pinned)
-
-    def _original_write(self, cache, node_id):
-        self.written.append(node_id)
-
-    def write_backup_storage(self, node_id):
-        # As the plugin's AROUND hook makes SGLang's method behave.
-        gate_storage_write(self._original_write, self, node_id)
+from support.fake_tree import FULL, AdmissionCache, detached_node
 
 
 def decision(node):
