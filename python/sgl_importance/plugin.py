@@ -228,6 +228,12 @@ def _enable_hot_set_release(_result: Any, scheduler: Any, *args: Any, **kwargs: 
     enable(scheduler)
 
 
+def _reopen_admission(_result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    from sgl_importance.scheduler.hot_set_release import reopen_admission
+
+    reopen_admission(scheduler)
+
+
 def _checkpoint_unless_released(original: Callable[..., Any], req: Any, tree_cache: Any) -> Any:
     from sgl_importance.scheduler.hot_set_release import checkpoint_unless_released
 
@@ -376,6 +382,7 @@ def load() -> None:
         register("sglang.srt.managers.scheduler.Scheduler.__init__", _note_scheduler, HookType.AFTER)
         # Hot-set page release (a pass-through unless the hot set and HiCache are on).
         register("sglang.srt.managers.scheduler.Scheduler.__init__", _enable_hot_set_release, HookType.AFTER)
+        register("sglang.srt.managers.scheduler.Scheduler.process_batch_result", _reopen_admission, HookType.AFTER)
         register("sglang.srt.mem_cache.common.checkpoint_kv_cache", _checkpoint_unless_released, HookType.AROUND)
         register("sglang.srt.mem_cache.common.release_kv_cache", _release_with_pages, HookType.AROUND)
         register(

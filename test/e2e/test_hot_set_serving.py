@@ -1,9 +1,11 @@
 """The hot set inside the real server: exact when the budget covers the context,
-serving and counted when it does not.
+serving and counted when it does not, and releasing device pages so that requests
+whose KV exceeds the device pool decode together.
 
 Two servers run one after the other on the embedded model with 16-token pages:
 importance_torch without a hot set (the dense reference), then the importance hot
-set with a 40-page budget for requests past 256 tokens and ``/metrics`` on. A
+set with a 40-page budget for requests past 256 tokens, ``/metrics`` on, HiCache's
+host pool (where released pages go) and a 2048-token (128-page) device pool. A
 ~600-token prompt (38 pages) fits the budget; a ~1200-token prompt (75 pages)
 does not.
 """
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -27,7 +31,9 @@ BASE_ARGS = ["--page-size", str(PAGE), "--attention-backend", "importance_torch"
 HOT_SET_ARGS = [
     "--hot-set-policy", "importance", "--hot-set-budget", "40", "--hot-set-threshold", "256",
     "--hot-set-window", "2", "--hot-set-guard-threshold", "0.1", "--enable-metrics",
+    "--enable-hierarchical-cache", "--max-total-tokens", "2048",
 ]  # fmt: skip
+DEVICE_TOKENS = 2048
 
 
 def essay_text() -> str:
@@ -90,3 +96,34 @@ def test_a_small_budget_serves_and_the_metrics_count_it(hot_set_server, prompts,
     # min/max bound, so the guard steps in, and says so on /metrics.
     assert delta("guard_fallbacks") > 0 and delta("late_arrivals") > 0
     assert delta("guard_fallbacks") <= delta("steps") - delta("warmups")
+
+
+def test_requests_whose_kv_exceeds_the_device_pool_decode_together(hot_set_server, token_ids):
+    ids = token_ids(essay_text(), 4000)
+    pair = [ids[1300:2500], ids[2600:3800]]  # unlike the other prompts (ids[:1200])
+    # Both requests' KV (76 pages each) does not fit the 128-page device pool.
+    assert 2 * (len(pair[0]) + MAX_NEW) > DEVICE_TOKENS
+    before, log_start = scrape(hot_set_server), len(hot_set_server.log())
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(lambda p: generate_ids(hot_set_server, p, MAX_NEW, timeout=900), pair))
+    log = hot_set_server.log()[log_start:]
+    # The second prompt was prefilled while the first decoded: the first had given
+    # back the device pages its hot set left out. (Without release it would wait.)
+    assert re.search(r"Prefill batch, #new-seq: 1, #new-token: \d+, .*#running-req: 1,", log), log[-3000:]
+    alone = [generate_ids(hot_set_server, p, MAX_NEW, timeout=900) for p in pair]
+    for both, one in zip(together, alone):
+        assert both["output_ids"] == one["output_ids"]
+    # The first to finish came back to the device and entered the tree: its prompt
+    # again is a prefix hit. (The second may find the device full of the first's
+    # pages, not yet evictable; it is then left out of the tree, and counted.)
+    assert max(one["meta_info"]["cached_tokens"] for one in alone) >= len(pair[0]) - PAGE
+    after = scrape(hot_set_server)
+
+    def delta(name: str) -> float:
+        key = f"sgl_importance:hot_set_{name}_total"
+        return metric(after, key) - metric(before, key)
+
+    assert delta("pages_released") > 0 and delta("pages_copied_out") > 0
+    assert delta("finished_reinserted") >= 1
+    left_out = len(re.findall(r"hot set: request \S+ leaves \d+ pages on the host", hot_set_server.log()[log_start:]))
+    assert delta("finished_uncached") <= left_out

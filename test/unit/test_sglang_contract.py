@@ -130,6 +130,8 @@ ATTRIBUTES = [
         for n in ("rid", "kv", "origin_input_ids", "skip_radix_cache_insert", "extend_end")
     ),
     Name(f"{MEM}.common", "evict_from_tree_cache", "scheduler/hot_set_release.py"),
+    Name(SCHEDULER, "running_batch", "scheduler/hot_set_release.py"),
+    Name("sglang.srt.managers.schedule_batch.ScheduleBatch", "batch_is_full", "scheduler/hot_set_release.py"),
     # Modules.
     Name(f"{MEM}.radix_cache", "RadixKey", "cache/stored.py"),
     Name(f"{MEM}.utils", "get_storage_hash_str", "cache/stored.py"),

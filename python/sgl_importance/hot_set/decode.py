@@ -319,6 +319,8 @@ class HotSetDecoder:
                 full = torch.arange(num_pages) < length // ps
                 live.pages.release(torch.nonzero(full & ~keep).flatten(), tiers, moves)
                 live.pages.restore(plan, tiers, moves, note_refusal=False)
+        if self.released.counts.pages_released:
+            self.released.reopen = True
         step.add_release(self.released.take_counts())
         self._live = []
         self.totals.add(step)

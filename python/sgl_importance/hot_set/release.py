@@ -181,6 +181,8 @@ class Released:
         self._first_owned: dict[str, int] = {}
         self._pages: dict[str, RequestPages] = {}
         self.counts = ReleaseCounts()
+        # Set when a step gave device pages back: the scheduler may admit again.
+        self.reopen = False
 
     @property
     def enabled(self) -> bool:

@@ -88,6 +88,18 @@ def enable(scheduler: Any) -> None:
     logger.info("hot set releases device pages of requests longer than %d tokens", RELEASED.threshold)
 
 
+def reopen_admission(scheduler: Any) -> None:
+    """After a batch: if the hot set gave device pages back, let the scheduler admit again.
+
+    SGLang stops trying to prefill waiting requests once an attempt found no room
+    (``batch_is_full``) and tries again only when a request leaves; pages released
+    mid-request would otherwise sit free until then.
+    """
+    if RELEASED.reopen:
+        RELEASED.reopen = False
+        scheduler.running_batch.batch_is_full = False
+
+
 def checkpoint_unless_released(original: Callable[..., Any], req: Any, tree_cache: Any) -> Any:
     """Around ``checkpoint_kv_cache``: keep a long prompt's pages out of the tree."""
     if not RELEASED.enabled or req.skip_radix_cache_insert or len(req.origin_input_ids) <= RELEASED.threshold:

@@ -1,0 +1,154 @@
+"""Long requests served at once from a fixed device pool: dense vs the hot set.
+
+Each configuration gets a fresh ``python -m sglang.launch_server`` on torch_cpu with
+``importance_torch``, HiCache's host pool (``--enable-hierarchical-cache``), the
+same device pool (``--max-total-tokens``) and ``--decode-log-interval 1``, so that
+every decode step logs its running requests. All configurations see the same
+prompts: ``--requests`` distinct essay slices of ``--length`` tokens, sent at once,
+``--max-new`` greedy tokens each (``ignore_eos``).
+
+Per configuration it reports the most requests decoding in one step (from the
+server log), the wall time for all of them, and decode tokens/s: the median of the
+per-step rates SGLang logs at batch 1 (one request sent alone first) and at the
+largest batch reached. Writes RESULTS_capacity.md and capacity.png into --out and
+prints the table.
+
+    python benchmark/long_context/bench_capacity.py --out /tmp/bench_capacity
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_hot_set import PAGE, essay_text, model_path  # noqa: E402
+
+from sgl_importance.local_server import LocalServer  # noqa: E402
+
+DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+), .*gen throughput \(token/s\): ([\d.]+)")
+
+
+def configs(budget: float) -> dict[str, list[str]]:
+    hot = ["--hot-set-policy", "importance", "--hot-set-budget", str(budget), "--hot-set-threshold", "512"]
+    return {"dense": [], f"hot set {budget:.0%}": hot}
+
+
+def run_config(name: str, extra: list[str], prompts: list[list[int]], a, out: Path) -> dict:
+    args = [
+        "--page-size", str(PAGE), "--attention-backend", "importance_torch", "--enable-hierarchical-cache",
+        "--max-total-tokens", str(a.device_tokens), "--decode-log-interval", "1", "--enable-metrics", *extra,
+    ]  # fmt: skip
+    log = out / f"server_{name.replace(' ', '_').replace('%', '')}.log"
+    server = LocalServer(model_path(), args, log)
+    try:
+        server.wait_ready()
+
+        def generate(ids: list[int]) -> dict:
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": a.max_new, "temperature": 0, "ignore_eos": True},
+            }
+            r = requests.post(server.url + "/generate", json=body, timeout=3600)
+            r.raise_for_status()
+            return r.json()
+
+        generate(prompts[0][: a.length // 2])  # warm-up, not measured
+        mark = len(server.log())
+        generate(prompts[0])  # batch 1
+        solo = _decode_lines(server.log()[mark:])
+        mark = len(server.log())
+        start = time.time()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(generate, prompts))
+        wall = time.time() - start
+        lines = _decode_lines(server.log()[mark:])
+    finally:
+        server.stop()
+    peak = max((n for n, _ in lines), default=0)
+    at_peak = [rate for n, rate in lines if n == peak]
+    return {
+        "config": name,
+        "peak": peak,
+        "wall_s": wall,
+        "tokens": sum(len(r["output_ids"]) for r in results),
+        "tps_bs1": statistics.median([rate for n, rate in solo if n == 1] or [0.0]),
+        "tps_peak": statistics.median(at_peak or [0.0]),
+        "outputs": [r["output_ids"] for r in results],
+    }
+
+
+def _decode_lines(log: str) -> list[tuple[int, float]]:
+    return [(int(m.group(1)), float(m.group(2))) for m in DECODE_LINE.finditer(log)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device-tokens", type=int, default=4096, help="--max-total-tokens of every server")
+    p.add_argument("--length", type=int, default=1500, help="prompt tokens")
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--max-new", type=int, default=32)
+    p.add_argument("--budget", type=float, default=0.2)
+    p.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench_capacity_")))
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path())
+    filler = tokenizer(essay_text(), add_special_tokens=False)["input_ids"]
+    stride = (len(filler) - a.length) // a.requests
+    prompts = [filler[i * stride : i * stride + a.length] for i in range(a.requests)]
+    started = time.time()
+    rows = [run_config(name, extra, prompts, a, a.out) for name, extra in configs(a.budget).items()]
+    write_results(rows, a, (time.time() - started) / 60, a.out)
+
+
+def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
+    base = rows[0]
+    same = sum(x == y for x, y in zip(rows[1]["outputs"], base["outputs"]))
+    lines = [
+        "| config | most requests decoding at once | vs dense | wall s (all) | decode tok/s, bs 1 | decode tok/s at that batch |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = r["peak"] / base["peak"] if base["peak"] else float("nan")
+        lines.append(
+            f"| {r['config']} | {r['peak']} | {ratio:.2f}x | {r['wall_s']:.0f} | {r['tps_bs1']:.1f} | {r['tps_peak']:.1f} |"
+        )
+    table = "\n".join(lines)
+    command = "python benchmark/long_context/bench_capacity.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    text = (
+        f"# Capacity: long requests from a fixed device pool (bench_capacity.py)\n\nCommand (took {minutes:.0f} min):\n\n"
+        f"```\n{command}\n```\n\n{a.requests} requests of {a.length} tokens at once, {a.max_new} new tokens each, "
+        f"device pool {a.device_tokens} tokens ({a.device_tokens // PAGE} pages of {PAGE}), HiCache host pool on.\n\n"
+        f"{table}\n\nGreedy outputs identical to dense: {same} of {a.requests}.\n"
+    )
+    (out / "RESULTS_capacity.md").write_text(text)
+    print(text)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    names = [r["config"] for r in rows]
+    axes[0].bar(names, [r["peak"] for r in rows])
+    axes[0].set_ylabel("requests decoding at once")
+    axes[1].bar(names, [r["wall_s"] for r in rows])
+    axes[1].set_ylabel(f"wall s, {a.requests} requests")
+    fig.suptitle(f"device pool {a.device_tokens} tokens, prompts of {a.length}")
+    fig.tight_layout()
+    fig.savefig(out / "capacity.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
