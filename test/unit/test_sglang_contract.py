@@ -8,10 +8,10 @@ where the plugin uses it, and checks it on SGLang's real classes and modules, so
 upgrade fails here, in one test per name, saying what moved.
 
 How each name is checked, cheapest faithful way first: on a real instance when
-SGLang's constructor is cheap (``UnifiedTreeNode``, ``ComponentData``), as a
-dataclass field, as a class attribute or method, or as an assignment
-``self.<name> = ...`` in the source of the class or one of its bases (for objects
-that need a model or a process group to build).
+SGLang's constructor is cheap (``UnifiedTreeNode``, ``ComponentData``, the launcher's
+namespace from SGLang's own parser), as a dataclass field, as a class attribute or
+method, or as an assignment ``self.<name> = ...`` in the source of the class or one
+of its bases (for objects that need a model or a process group to build).
 
 The fakes in ``test/support/fake_tree.py`` are held to the same names.
 """
@@ -39,6 +39,10 @@ COMPONENT_DATA = f"{MEM}.unified_cache.components.base.ComponentData"
 PARAMS = f"{MEM}.cache_init_params.CacheInitParams"
 REQ = "sglang.srt.managers.schedule_batch.Req"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+# The launcher's parsed namespace, checked on SGLang's own parser (its dests are ServerArgs'
+# field names, but not every field is a flag).
+LAUNCHER_ARGS = f"{SERVER_ARGS}.add_cli_args"
 PLUGIN = Path(__file__).resolve().parents[2] / "python" / "sgl_importance" / "plugin.py"
 
 
@@ -111,6 +115,18 @@ ATTRIBUTES = [
         Name(f"{MEM}.storage.mooncake_store.mooncake_store.MooncakeStore", n, "cache/mooncake_tier.py")
         for n in ("store", "config_prefix")
     ),
+    # Server arguments: the launcher checks read the parsed namespace (before from_cli_args),
+    # the scheduler-side code the ServerArgs built from it.
+    *(
+        Name(LAUNCHER_ARGS, n, "cache/file_tier.py, cache/mooncake_tier.py")
+        for n in ("hicache_storage_backend", "hicache_storage_backend_extra_config")
+    ),
+    Name(LAUNCHER_ARGS, "enable_hierarchical_cache", "cache/file_tier.py"),
+    *(Name(LAUNCHER_ARGS, n, "cache/strategy.py") for n in ("radix_eviction_policy", "radix_eviction_policy_config")),
+    *(Name(LAUNCHER_ARGS, n, "config.py") for n in ("attention_backend", "decode_attention_backend")),
+    Name(SERVER_ARGS, "enable_metrics", "cache/integrity.py, cache/mooncake_tier.py, attention/torch_backend.py"),
+    Name(SERVER_ARGS, "radix_eviction_policy", "cache/mooncake_tier.py"),
+    Name("sglang.srt.model_executor.model_runner.ModelRunner", "server_args", "attention/"),
     # Modules.
     Name(f"{MEM}.radix_cache", "RadixKey", "cache/stored.py"),
     Name(f"{MEM}.utils", "get_storage_hash_str", "cache/stored.py"),
@@ -162,6 +178,15 @@ def _resolve(path: str):
 
 
 @cache
+def _launcher_namespace():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    _resolve(SERVER_ARGS).add_cli_args(parser)
+    return parser.parse_args(["--model-path", "m"])
+
+
+@cache
 def _real_node():
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
@@ -190,6 +215,8 @@ def has_name(owner: str, name: str) -> bool:
         return hasattr(_real_node(), name)
     if owner == COMPONENT_DATA:
         return hasattr(_resolve(owner)(), name)
+    if owner == LAUNCHER_ARGS:
+        return hasattr(_launcher_namespace(), name)
     target = _resolve(owner)
     if inspect.ismodule(target) or hasattr(target, name):
         return hasattr(target, name)

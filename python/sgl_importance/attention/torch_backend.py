@@ -218,7 +218,7 @@ def _build_hot_set(model_runner: Any, last_layer_id: int) -> Any:
 
 
 def _build_hot_set_metrics(model_runner: Any) -> Any:
-    if not getattr(model_runner.server_args, "enable_metrics", False):
+    if not model_runner.server_args.enable_metrics:
         return None
     from sgl_importance.metrics import HotSetMetrics
 

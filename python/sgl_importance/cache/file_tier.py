@@ -58,11 +58,11 @@ def check_storage_dir(path: str) -> None:
 
 def check_cli_args(args: Any) -> None:
     """Launcher check of the file tier's directory (``ServerArgs.from_cli_args``)."""
-    if getattr(args, "hicache_storage_backend", None) != "file":
+    if args.hicache_storage_backend != "file":
         return
-    if not getattr(args, "enable_hierarchical_cache", False):
+    if not args.enable_hierarchical_cache:
         return
-    extra = getattr(args, "hicache_storage_backend_extra_config", None)
+    extra = args.hicache_storage_backend_extra_config
     config: Optional[dict] = None
     if isinstance(extra, str) and extra.strip().startswith("{"):
         import json

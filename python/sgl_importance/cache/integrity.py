@@ -570,5 +570,5 @@ def create_with_integrity(
         backend_name,
         storage_config,
         retry_s=config.storage_retry_s,
-        enable_metrics=bool(getattr(server_args, "enable_metrics", False)),
+        enable_metrics=server_args is not None and bool(server_args.enable_metrics),
     )

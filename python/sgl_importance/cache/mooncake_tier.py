@@ -177,7 +177,7 @@ def check_master(address: Optional[str]) -> None:
 
 def check_cli_args(args: Any) -> None:
     """Launcher check for ``--hicache-storage-backend mooncake`` (``ServerArgs.from_cli_args``)."""
-    if getattr(args, "hicache_storage_backend", None) != "mooncake":
+    if args.hicache_storage_backend != "mooncake":
         return
     try:
         from mooncake.store import MooncakeDistributedStore  # noqa: F401
@@ -187,7 +187,7 @@ def check_cli_args(args: Any) -> None:
             f"--hicache-storage-backend mooncake: the Mooncake client cannot be imported ({e}{hint}); "
             "`make install` installs mooncake-transfer-engine-non-cuda"
         ) from None
-    extra = getattr(args, "hicache_storage_backend_extra_config", None)
+    extra = args.hicache_storage_backend_extra_config
     try:
         extra_config = json.loads(extra) if extra else None
     except (TypeError, ValueError):
@@ -206,12 +206,12 @@ def start_shared_importance(pages: MooncakePages, rank: int) -> Any:
         server_args = get_server_args()
     except Exception:  # built outside a launched server (tests, tools)
         server_args = None
-    if getattr(server_args, "radix_eviction_policy", None) != "importance":
-        policy = getattr(server_args, "radix_eviction_policy", None)
+    policy = server_args.radix_eviction_policy if server_args is not None else None
+    if policy != "importance":
         logger.info("sgl-importance: page importance is not shared (policy %r)", policy)
         return None
     count = None
-    if getattr(server_args, "enable_metrics", False):
+    if server_args.enable_metrics:
         from sgl_importance.metrics import shared_importance_metrics
 
         count = shared_importance_metrics({"tp_rank": rank}).count
