@@ -38,6 +38,7 @@ CACHE = f"{MEM}.unified_radix_cache.UnifiedRadixCache"
 COMPONENT_DATA = f"{MEM}.unified_cache.components.base.ComponentData"
 PARAMS = f"{MEM}.cache_init_params.CacheInitParams"
 REQ = "sglang.srt.managers.schedule_batch.Req"
+MOONCAKE = f"{MEM}.storage.mooncake_store.mooncake_store"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 # The launcher's parsed namespace, checked on SGLang's own parser (its dests are ServerArgs'
@@ -111,10 +112,15 @@ ATTRIBUTES = [
     ),
     *(Name(REQ, n, "cache/stored.py") for n in ("extra_key", "cache_salt", "prefix_len", "full_untruncated_fill_ids")),
     # SGLang's Mooncake backend, which cache/mooncake_tier.py stores sealed pages through.
-    *(
-        Name(f"{MEM}.storage.mooncake_store.mooncake_store.MooncakeStore", n, "cache/mooncake_tier.py")
-        for n in ("store", "config_prefix")
-    ),
+    *(Name(f"{MOONCAKE}.MooncakeStore", n, "cache/mooncake_tier.py") for n in ("store", "config_prefix")),
+    Name(f"{MOONCAKE}.MooncakeStore", "config", "cache/integrity.py"),
+    Name(f"{MOONCAKE}.MooncakeStoreConfig", "master_server_address", "cache/integrity.py"),
+    # The file tier's backend, and the host pools whose pages the storage tier seals.
+    Name(f"{MEM}.hicache_storage.HiCacheFile", "file_path", "cache/integrity.py, cache/file_tier.py"),
+    Name(f"{MEM}.hicache_storage.HiCacheFile", "metadata_cache", "cache/file_tier.py"),
+    Name(f"{MEM}.hicache_storage.MetadataCache", "remove", "cache/file_tier.py"),
+    Name(f"{MEM}.storage.file.lru_file_evictor.LRUFileEvictor", "abort", "cache/file_tier.py"),
+    *(Name(f"{MEM}.pool_host.base.HostKVCache", n, "cache/integrity.py") for n in ("dtype", "page_size", "layout")),
     # Server arguments: the launcher checks read the parsed namespace (before from_cli_args),
     # the scheduler-side code the ServerArgs built from it.
     *(
@@ -138,6 +144,7 @@ PRIVATE = [
     Name(f"{MEM}.unified_cache.components.base", "_LAST_ACCESS_TIME_COUNTER_FLOAT", "cache/strategy.py"),
     Name(CACHE, "_all_reduce", "cache/prefetch.py"),
     Name(f"{MEM}.hicache_storage.HiCacheFile", "_get_suffixed_key", "cache/file_tier.py"),
+    Name(f"{MEM}.hicache_storage.HiCacheFile", "_evictor", "cache/file_tier.py"),
     Name(f"{MEM}.hicache_storage.HiCacheStorageFailureInjector", "_backend", "cache/integrity.py"),
     Name(
         "sglang.srt.layers.attention.triton_backend.TritonAttnBackend",

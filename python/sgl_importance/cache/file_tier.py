@@ -111,12 +111,9 @@ def file_tier_ops(backend: Any) -> TierOps:
         except FileNotFoundError:
             pass
         # Forget it in the backend's bookkeeping so exists() says no and set() writes.
-        evictor = getattr(backend, "_evictor", None)
-        if evictor is not None:
-            evictor.abort(suffixed)
-        cache = getattr(backend, "metadata_cache", None)
-        if cache is not None:
-            cache.remove(suffixed)
+        backend._evictor.abort(suffixed)
+        if backend.metadata_cache is not None:  # None unless enable_metadata_cache
+            backend.metadata_cache.remove(suffixed)
 
     def prepare() -> None:
         # A directory removed while serving comes back when writes are retried.

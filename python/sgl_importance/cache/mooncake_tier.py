@@ -169,6 +169,7 @@ def check_master(address: Optional[str]) -> None:
         with socket.create_connection((host or "127.0.0.1", int(port)), timeout=CONNECT_TIMEOUT_S):
             pass
     except (OSError, ValueError) as e:
+        # strerror: an OSError's; a malformed port raises a ValueError, which has none.
         raise ValueError(
             f"--hicache-storage-backend mooncake: master {address} (MOONCAKE_MASTER) is unreachable "
             f"({getattr(e, 'strerror', None) or e}); start one (`make store`) or fix the address"
