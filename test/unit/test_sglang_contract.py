@@ -40,6 +40,8 @@ PARAMS = f"{MEM}.cache_init_params.CacheInitParams"
 REQ = "sglang.srt.managers.schedule_batch.Req"
 MOONCAKE = f"{MEM}.storage.mooncake_store.mooncake_store"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+PATH_INFO = f"{MEM}.unified_cache.unified_tree_core_interface.TreePathNodeInfo"
 SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 # The launcher's parsed namespace, checked on SGLang's own parser (its dests are ServerArgs'
 # field names, but not every field is a flag).
@@ -99,7 +101,7 @@ ATTRIBUTES = [
         for n in ("eviction_policy", "disable", "pp_size", "attn_cp_size", "component_registry_override")
     ),
     # Scheduler, its batches and requests.
-    Name(SCHEDULER, "tree_cache", "scheduler/fold.py, cache/stored.py"),
+    Name(SCHEDULER, "tree_cache", "scheduler/fold.py, cache/stored.py, trace/recorder.py"),
     Name(SCHEDULER, "waiting_queue", "cache/prefetch.py"),
     Name(SCHEDULER, "disaggregation_mode", "cache/prefetch.py"),
     Name("sglang.srt.managers.schedule_policy.PrefillAdder", "can_run_list", "cache/prefetch.py"),
@@ -110,7 +112,29 @@ ATTRIBUTES = [
         Name(REQ, n, "scheduler/fold.py, cache/prefetch.py")
         for n in ("last_node", "host_hit_length", "best_match_node")
     ),
+    Name(REQ, "last_node", "trace/recorder.py"),
     *(Name(REQ, n, "cache/stored.py") for n in ("extra_key", "cache_salt", "prefix_len", "full_untruncated_fill_ids")),
+    # What the page trace records of a request and its batch.
+    *(
+        Name(REQ, n, "trace/recorder.py")
+        for n in ("rid", "kv", "finished", "output_ids", "origin_input_ids", "time_stats", "cached_tokens")
+    ),
+    Name("sglang.srt.managers.schedule_batch.ReqKvInfo", "req_pool_idx", "trace/recorder.py"),
+    Name("sglang.srt.observability.req_time_stats.SchedulerReqTimeStats", "scheduler_recv_time", "trace/recorder.py"),
+    Name("sglang.srt.managers.schedule_batch.ScheduleBatch", "req_to_token_pool", "trace/recorder.py"),
+    *(Name(PATH_INFO, n, "trace/recorder.py") for n in ("node_id", "path_start", "path_end")),
+    # The tokenizer manager's side: OpenAI model names, prompt checks, slot frees.
+    Name("sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase", "tokenizer_manager", "serving.py"),
+    *(Name(TOKENIZER_MANAGER, n, "serving.py") for n in ("served_model_name", "server_args", "lora_registry")),
+    Name(SERVER_ARGS, "model_path", "serving.py"),
+    Name("sglang.srt.lora.lora_registry.LoRARegistry", "get_all_adapters", "serving.py"),
+    Name(TOKENIZER_MANAGER, "model_config", "prompt_check.py"),
+    *(
+        Name(f"sglang.srt.managers.io_struct.{c}", "input_ids", "prompt_check.py")
+        for c in ("GenerateReqInput", "EmbeddingReqInput")
+    ),
+    Name(f"{MEM}.allocator.token.TokenToKVPoolAllocator", "free_group", "importance/allocator_reset.py"),
+    Name("sglang.srt.layers.radix_attention.RadixAttention", "xai_temperature_len", "attention/triton_backend.py"),
     # SGLang's Mooncake backend, which cache/mooncake_tier.py stores sealed pages through.
     *(Name(f"{MOONCAKE}.MooncakeStore", n, "cache/mooncake_tier.py") for n in ("store", "config_prefix")),
     Name(f"{MOONCAKE}.MooncakeStore", "config", "cache/integrity.py"),

@@ -234,7 +234,8 @@ def test_around_the_result_records_before_the_scheduler_frees_the_requests(tmp_p
             r.kv.req_pool_idx, r._finished = None, True
         return "result"
 
-    assert rec.around_batch_result(process_batch_result, None, fake_batch(reqs, req_to_token)) == "result"
+    scheduler = scheduler_of(FakeCache(FakeTreeCore()))
+    assert rec.around_batch_result(process_batch_result, scheduler, fake_batch(reqs, req_to_token)) == "result"
     rec._recorder.close()
     wait_complete(out)
     assert len(read_accesses(out)) == 3
@@ -248,7 +249,7 @@ def test_a_recording_fault_stops_recording_but_not_the_scheduler(tmp_path, monke
     broken = SimpleNamespace(
         reqs=[FakeReq("a", 1), FakeReq("b", 2)], forward_mode=SimpleNamespace(is_decode=lambda: True)
     )
-    assert rec.around_batch_result(lambda s, b: "result", None, broken) == "result"
+    assert rec.around_batch_result(lambda s, b: "result", scheduler_of(FakeCache(FakeTreeCore())), broken) == "result"
     assert rec._recorder is None
     wait_complete(tmp_path / "trace")
 
