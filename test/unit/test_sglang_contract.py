@@ -312,16 +312,27 @@ def test_sglangs_disaggregation_off_is_the_value_the_prefetch_compares():
     assert DisaggregationMode.NULL.value == "null"
 
 
-def test_an_unpublished_parallel_width_raises_what_the_component_override_catches():
-    # cache/components.py reads attn_dcp_size and treats "not published" as no DCP;
-    # a renamed width would raise AttributeError instead and fail start-up loudly.
+# What the plugin reads off SGLang's runtime parallel context (get_parallel()).
+PARALLEL = [
+    ("attn_dcp_size", "cache/components.py"),
+    ("tp_rank", "trace/recorder.py, attention/torch_backend.py"),
+    ("dp_rank", "trace/recorder.py"),
+]
+
+
+@pytest.mark.parametrize("name, used_in", PARALLEL, ids=[n for n, _ in PARALLEL])
+def test_sglangs_parallel_context_still_has_every_name_the_plugin_reads(name, used_in):
+    # Outside a server nothing is published: a known name raises RuntimeError or
+    # ValueError (cache/components.py treats that as no DCP), a renamed one AttributeError.
     from sglang.srt.runtime_context import get_parallel
 
     try:
-        width = get_parallel().attn_dcp_size
-    except RuntimeError:
+        value = getattr(get_parallel(), name)
+    except (RuntimeError, ValueError):
         return
-    assert isinstance(width, int)
+    except AttributeError as err:
+        pytest.fail(f"SGLang moved or renamed get_parallel().{name} (used in {used_in}): {err}")
+    assert value is None or isinstance(value, int)
 
 
 def _public_fields(obj) -> set[str]:

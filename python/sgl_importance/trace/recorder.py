@@ -440,13 +440,17 @@ def capture() -> StepCapture:
 def start_recorder(scheduler: Any) -> Optional[Recorder]:
     """After ``Scheduler.__init__``: start the writer for rank 0 when the flag is on."""
     global _recorder
+    from sglang.srt.runtime_context import get_parallel
+
     from sgl_importance.config import config_of
 
     server_args = scheduler.server_args
     config = config_of(server_args)
     if config.trace_dir is None or _recorder is not None:
         return _recorder
-    if getattr(scheduler, "tp_rank", 0) != 0 or (getattr(scheduler, "dp_rank", None) or 0) != 0:
+    # SGLang keeps a process's ranks in its runtime context, not on the scheduler.
+    parallel = get_parallel()
+    if parallel.tp_rank != 0 or (parallel.dp_rank or 0) != 0:
         return None
     out = os.environ.get(TRACE_ENV) or str(Path(config.trace_dir).expanduser().resolve())
     meta = {
