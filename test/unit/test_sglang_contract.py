@@ -291,6 +291,29 @@ def test_every_private_name_is_listed_in_plugin_py():
     assert not missing, f"private SGLang names missing from plugin.py's touch-point table: {missing}"
 
 
+# Private names of the standard library the plugin uses (not SGLang's).
+STDLIB_PRIVATE = {"_exit"}  # os._exit in the trace writer process
+
+
+def test_every_private_name_the_plugin_reads_is_in_this_contract():
+    # A scan of python/: every ``x._name`` read, and every ``_name`` imported from
+    # sglang, that the plugin does not define itself (def, class, assignment, slot) is
+    # SGLang's, so it must be in PRIVATE (and so in plugin.py's table).
+    sources = [p.read_text() for p in PLUGIN.parent.rglob("*.py")]
+    own = set(STDLIB_PRIVATE)
+    used: set[str] = set()
+    for text in sources:
+        own |= set(re.findall(r"\b(?:def|class|as) (_\w+)", text))
+        own |= set(re.findall(r"^\s*(?:[\w.]+\.)?(_\w+)\s*(?::[^=\n]+)?=(?!=)", text, re.M))
+        own |= set(re.findall(r'^\s*"(_\w+)",?$', text, re.M))  # __slots__ entries
+        code = re.sub(r"#.*", "", re.sub(r'"""[\s\S]*?"""', "", text))
+        used |= set(re.findall(r"\.(_[a-zA-Z]\w*)\b", code))
+        for names in re.findall(r"from sglang[\w.]* import ([^\n]+)", code):
+            used |= set(re.findall(r"\b(_[a-zA-Z]\w*)", names))
+    unlisted = sorted(used - own - {n.name for n in PRIVATE})
+    assert not unlisted, f"private SGLang names the plugin uses but PRIVATE (and plugin.py) lacks: {unlisted}"
+
+
 def test_the_plugins_node_attribute_is_not_one_of_sglangs():
     from sgl_importance.importance.node_state import NODE_STATE
 
