@@ -244,6 +244,23 @@ HOT_SET_SERIES = {
     ),
     "pages_attended": ("pages_attended", "Pages attended by hot-set requests, summed over layers."),
     "pages_dense": ("pages_dense", "Pages dense attention would have read for the same steps and layers."),
+    "pages_read_from_host": (
+        "pages_read_from_host",
+        "Attended pages read from their host copy because no device page was free for their promotion, over layers.",
+    ),
+    "pages_released": ("pages_released", "Device pages hot-set requests gave back to the allocator."),
+    "pages_copied_out": ("pages_copied_out", "Pages copied device to host on their first release."),
+    "pages_copied_in": ("pages_copied_in", "Pages promoted host to device."),
+    "promotions_refused": ("promotions_refused", "Planned pages left on the host for lack of a free device page."),
+    "releases_refused": ("releases_refused", "Pages kept on the device for lack of a free host page."),
+    "finished_reinserted": (
+        "finished_reinserted",
+        "Finished hot-set requests whose released pages came back to the device and entered the radix tree.",
+    ),
+    "finished_uncached": (
+        "finished_uncached",
+        "Finished hot-set requests left out of the radix tree: the device had no room for their released pages.",
+    ),
 }
 
 

@@ -16,6 +16,7 @@ imports nothing heavy in processes that never reach them.
 | torch_cpu: CPU streams for the L2 engine         | platform/streams.py           |
 | backends `importance_torch`, `importance_triton` | attention/                    |
 | `--hot-set-*`: hot-set decode in importance_torch | hot_set/, attention/torch_backend.py |
+| hot set: keep long prompts out of the tree, release pages, leave cleanly | scheduler/hot_set_release.py |
 | zero a page's importance when it is freed        | importance/allocator_reset.py |
 | `SGL_IMPORTANCE_DUMP_DIR`: table after each step | importance/page_table.py      |
 | eviction policy `importance` (+ config check)    | cache/strategy.py             |
@@ -222,6 +223,30 @@ def _rank_storage_retries(original: Callable[..., Any], retries: Any, *args: Any
     return rank_storage_retries(original, retries, *args, **kwargs)
 
 
+def _enable_hot_set_release(_result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    from sgl_importance.scheduler.hot_set_release import enable
+
+    enable(scheduler)
+
+
+def _checkpoint_unless_released(original: Callable[..., Any], req: Any, tree_cache: Any) -> Any:
+    from sgl_importance.scheduler.hot_set_release import checkpoint_unless_released
+
+    return checkpoint_unless_released(original, req, tree_cache)
+
+
+def _release_with_pages(original: Callable[..., Any], req: Any, tree_cache: Any, **kwargs: Any) -> Any:
+    from sgl_importance.scheduler.hot_set_release import release_with_pages
+
+    return release_with_pages(original, req, tree_cache, **kwargs)
+
+
+def _free_row_around_released(original: Callable[..., Any], cache: Any, kv: Any, ranges: Any) -> Any:
+    from sgl_importance.scheduler.hot_set_release import free_row_around_released
+
+    return free_row_around_released(original, cache, kv, ranges)
+
+
 def _fold_importance(_result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
     from sgl_importance.scheduler.fold import fold_after_batch
 
@@ -350,6 +375,15 @@ def load() -> None:
             HookType.AROUND,
         )
         register("sglang.srt.managers.scheduler.Scheduler.__init__", _note_scheduler, HookType.AFTER)
+        # Hot-set page release (a pass-through unless the hot set and HiCache are on).
+        register("sglang.srt.managers.scheduler.Scheduler.__init__", _enable_hot_set_release, HookType.AFTER)
+        register("sglang.srt.mem_cache.common.checkpoint_kv_cache", _checkpoint_unless_released, HookType.AROUND)
+        register("sglang.srt.mem_cache.common.release_kv_cache", _release_with_pages, HookType.AROUND)
+        register(
+            "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.free_kv_row",
+            _free_row_around_released,
+            HookType.AROUND,
+        )
         register(
             "sglang.srt.managers.schedule_policy.PrefillAdder.__init__",
             _note_prefill_adder,

@@ -157,6 +157,25 @@ ATTRIBUTES = [
     Name(SERVER_ARGS, "enable_metrics", "cache/integrity.py, cache/mooncake_tier.py, attention/torch_backend.py"),
     Name(SERVER_ARGS, "radix_eviction_policy", "cache/mooncake_tier.py"),
     Name("sglang.srt.model_executor.model_runner.ModelRunner", "server_args", "attention/"),
+    # Hot-set page release (scheduler/hot_set_release.py).
+    *(Name(CACHE, n, "scheduler/hot_set_release.py") for n in ("host_pool_group", "evict_host")),
+    Name(f"{MEM}.pool_host.group.HostPoolGroup", "anchor_entry", "scheduler/hot_set_release.py"),
+    Name(f"{MEM}.pool_host.group.HostPoolGroup", "alloc", "scheduler/hot_set_release.py"),
+    Name(f"{MEM}.pool_host.group.HostPoolGroup", "free", "scheduler/hot_set_release.py"),
+    Name("sglang.srt.managers.cache_controller.HiCacheController", "io_backend", "scheduler/hot_set_release.py"),
+    *(
+        Name(f"{MEM}.pool_host.mha.MHATokenToKVPoolHost", n, "scheduler/hot_set_release.py, platform/host_pool.py")
+        for n in ("layer_num", "backup_from_device_all_layer", "load_to_device_per_layer", "k_data_refs")
+    ),
+    *(
+        Name(f"{MEM}.allocator.paged.PagedTokenToKVPoolAllocator", n, "scheduler/hot_set_release.py")
+        for n in ("alloc", "free", "available_size", "get_kvcache", "page_size")
+    ),
+    *(
+        Name(REQ, n, "scheduler/hot_set_release.py")
+        for n in ("rid", "kv", "origin_input_ids", "skip_radix_cache_insert", "extend_end")
+    ),
+    Name(f"{MEM}.common", "evict_from_tree_cache", "scheduler/hot_set_release.py"),
     # Modules.
     Name(f"{MEM}.radix_cache", "RadixKey", "cache/stored.py"),
     Name(f"{MEM}.utils", "get_storage_hash_str", "cache/stored.py"),
@@ -191,6 +210,9 @@ HOOK_TARGETS = [
     f"{MEM}.allocator.token.TokenToKVPoolAllocator.clear",
     "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
     "sglang.srt.managers.scheduler.Scheduler.__init__",
+    "sglang.srt.mem_cache.common.checkpoint_kv_cache",
+    "sglang.srt.mem_cache.common.release_kv_cache",
+    "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.free_kv_row",
     f"{CACHE}.__init__",
     f"{CACHE}.write_backup_storage",
     f"{CACHE}.ready_to_load_host_cache",

@@ -9,7 +9,9 @@ also returns each request's page importance; the backend files it in the process
 With ``--hot-set-policy`` (not ``off``), decode of requests longer than
 ``--hot-set-threshold`` tokens attends only over each request's hot set
 (``sgl_importance.hot_set``): the backend keeps the page summaries up to date on
-every KV write (prefill and decode) and hands the decoder each step's requests.
+every KV write (prefill and decode) and hands the decoder each step's requests,
+with their ``req_to_token`` rows when pages may be released to the host pool
+(``scheduler/hot_set_release.py``).
 
 Greedy tokens equal torch_native's on the embedded model (``test_attention_torch``);
 logprobs differ by bf16 rounding. Unlike torch_native, decode honours a layer's logit
@@ -60,7 +62,13 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
         rids = forward_batch.rids
         if rids is None:
             rids = [f"row-{r}" for r in forward_batch.req_pool_indices.tolist()]
-        self.hot_set.begin_step(list(rids), slots)
+        rows = None
+        if self.hot_set.released.enabled:
+            # Views of the requests' req_to_token rows: releases and promotions
+            # rewrite them, and SGLang reads them for the next step's slots.
+            table = self.req_to_token_pool.req_to_token
+            rows = [table[r] for r in forward_batch.req_pool_indices.tolist()]
+        self.hot_set.begin_step(list(rids), slots, rows)
 
     def forward_extend(
         self,

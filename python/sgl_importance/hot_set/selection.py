@@ -94,10 +94,24 @@ class HotSetCounts:
     guard_fallbacks: int = 0  # request-steps in which the guard added pages
     pages_attended: int = 0  # pages read, summed over layers
     pages_dense: int = 0  # pages dense attention would have read, over layers
+    pages_read_from_host: int = 0  # attended pages read from their host copy, over layers
+    # Page moves of released requests (``release.ReleaseCounts``).
+    pages_released: int = 0
+    pages_copied_out: int = 0
+    pages_copied_in: int = 0
+    promotions_refused: int = 0
+    releases_refused: int = 0
+    finished_reinserted: int = 0
+    finished_uncached: int = 0
 
     def add(self, other: "HotSetCounts") -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def add_release(self, moves: object) -> None:
+        """Add a ``release.ReleaseCounts`` (same field names)."""
+        for f in fields(moves):
+            setattr(self, f.name, getattr(self, f.name) + getattr(moves, f.name))
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -121,8 +135,13 @@ class RequestHotSet:
     def num_pages(self) -> int:
         return self.resident.numel()
 
-    def _grow(self, num_pages: int) -> None:
+    def _grow(self, num_pages: int, *, shrink: bool = False) -> None:
         extra = num_pages - self.num_pages
+        if extra < 0 and shrink:
+            # A plan made a step ahead for one more page than the step has (the
+            # request did not grow): forget the page that does not exist.
+            for name in ("resident", "ema", "observed", "last_use", "bound_mass"):
+                setattr(self, name, getattr(self, name)[:num_pages])
         if extra <= 0:
             return
         self.resident = torch.cat((self.resident, torch.zeros(extra, dtype=torch.bool)))
@@ -144,8 +163,8 @@ class RequestHotSet:
         Args:
             num_pages: the request's pages now (its last one holds the token decoded).
         """
-        previous = self.num_pages
-        self._grow(num_pages)
+        previous = min(self.num_pages, num_pages)
+        self._grow(num_pages, shrink=True)
         counts = HotSetCounts()
         p = self.params
         if self.step == 0 or p.policy == "dense":

@@ -88,6 +88,23 @@ class TorchMHAHostPool(MHATokenToKVPoolHost):
         else:
             dst.index_copy_(0, dst_indices, src.index_select(0, src_indices))
 
+    def gather_layer(self, layer_id: int, host_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V at ``host_indices`` (whole pages), ``[n, heads, dim]`` copies.
+
+        For the hot set, which attends a released page from its host copy when no
+        device page is free for it.
+        """
+        host_indices = host_indices.to(torch.int64)
+        out = []
+        for host in self._host_layer(layer_id):
+            if self.layout == "page_first_direct":
+                pages = host_indices[:: self.page_size] // self.page_size
+                rows = host.index_select(0, pages)
+                out.append(rows.reshape(-1, *rows.shape[2:]))
+            else:
+                out.append(host.index_select(0, host_indices))
+        return out[0], out[1]
+
     def _check_io_backend(self, io_backend: str) -> None:
         if io_backend not in SUPPORTED_IO_BACKENDS:
             check_hicache_support(None, io_backend)

@@ -1,0 +1,145 @@
+"""Scheduler side of hot-set page release: who may release, and leaving cleanly.
+
+With ``--hot-set-policy`` on and HiCache's host pool present (``--enable-hierarchical-cache``),
+a request whose prompt is longer than ``--hot-set-threshold`` is kept out of the
+radix tree while it runs: the checkpoints SGLang makes after each prefill chunk
+are skipped for it (the path SGLang takes for requests barred from the tree), so
+its pages past the matched prefix are its own and the decoder may give them back
+(``hot_set/release.py``). When it leaves:
+
+- finished (``release_kv_cache`` with ``checkpoint``): its released pages are
+  copied back into free device pages (evicting unlocked tree nodes if needed) and
+  the whole sequence is inserted into the tree as usual, so prefix reuse holds.
+  When the device cannot take them back, the request is not inserted (its KV is
+  freed; its matched prefix stays in the tree) and ``hot_set_uncached`` counts it.
+- aborted or retracted: nothing is inserted; the positions it released are left
+  out of what SGLang frees (they are not its pages any more).
+
+Either way its host copies are freed. Without the host pool the hot set stays
+logical: every page stays on the device (logged once at start-up).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+from sgl_importance.config import config_of
+from sgl_importance.hot_set.release import RELEASED, RequestPages, subtract_pages
+
+logger = logging.getLogger(__name__)
+
+# req_pool_idx -> the record of a request being released right now (free_kv_row
+# runs inside release_kv_cache and sees only the kv record).
+_leaving: dict[int, RequestPages] = {}
+
+
+class PoolTiers:
+    """``release.Tiers`` over SGLang's allocator and HiCache's host pool."""
+
+    def __init__(self, tree_cache: Any) -> None:
+        self.tree_cache = tree_cache
+        self.allocator = tree_cache.token_to_kv_pool_allocator
+        self.page_size = self.allocator.page_size
+        self.device_pool = self.allocator.get_kvcache()
+        self.host_group = tree_cache.host_pool_group
+        self.host_pool = self.host_group.anchor_entry.host_pool
+        self.io_backend = tree_cache.cache_controller.io_backend
+
+    def alloc_device(self, num_pages: int) -> Optional[torch.Tensor]:
+        return self.allocator.alloc(num_pages * self.page_size)
+
+    def free_device(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots)
+
+    def alloc_host(self, num_pages: int) -> Optional[torch.Tensor]:
+        # Host nodes of the tree make room if the pool is full (they are copies).
+        return self.host_group.alloc(num_pages * self.page_size, reclaim=self.tree_cache.evict_host)
+
+    def free_host(self, slots: torch.Tensor) -> None:
+        self.host_group.free(slots)
+
+    def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        self.host_pool.backup_from_device_all_layer(self.device_pool, host_slots, device_slots, self.io_backend)
+
+    def to_device(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+        for layer in range(self.host_pool.layer_num):
+            self.host_pool.load_to_device_per_layer(self.device_pool, host_slots, device_slots, layer, self.io_backend)
+
+    def host_layer(self, layer_id: int, host_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.host_pool.gather_layer(layer_id, host_slots)
+
+
+def enable(scheduler: Any) -> None:
+    """After ``Scheduler.__init__``: turn release on where the hot set and a host pool are."""
+    params = config_of(scheduler.server_args).hot_set_params()
+    if params is None:
+        return
+    tree_cache = scheduler.tree_cache
+    if tree_cache.cache_controller is None:
+        logger.warning(
+            "hot set without --enable-hierarchical-cache: pages outside a request's hot set "
+            "are not attended but stay on the device (no host pool to release them to)"
+        )
+        return
+    RELEASED.enable(PoolTiers(tree_cache), config_of(scheduler.server_args).hot_set_threshold)
+    logger.info("hot set releases device pages of requests longer than %d tokens", RELEASED.threshold)
+
+
+def checkpoint_unless_released(original: Callable[..., Any], req: Any, tree_cache: Any) -> Any:
+    """Around ``checkpoint_kv_cache``: keep a long prompt's pages out of the tree."""
+    if not RELEASED.enabled or req.skip_radix_cache_insert or len(req.origin_input_ids) <= RELEASED.threshold:
+        return original(req, tree_cache)
+    page_size = tree_cache.token_to_kv_pool_allocator.page_size
+    RELEASED.admit(req.rid, -(-req.kv.cache_protected_len // page_size))
+    # What SGLang does for a request barred from the tree: resume after this extend.
+    req.prefix_len = req.extend_end
+    return None
+
+
+def release_with_pages(original: Callable[..., Any], req: Any, tree_cache: Any, *, checkpoint: bool) -> Any:
+    """Around ``release_kv_cache``: bring released pages back or keep them out of the free."""
+    if not RELEASED.admitted(req.rid):
+        return original(req, tree_cache, checkpoint=checkpoint)
+    pages = RELEASED.peek(req.rid)
+    try:
+        if pages is not None and bool(pages.released.any()):
+            inserting = checkpoint and not req.skip_radix_cache_insert
+            if inserting:
+                _restore_all(pages, tree_cache)
+            if bool(pages.released.any()):
+                if inserting:
+                    RELEASED.counts.finished_uncached += 1
+                    logger.info(
+                        "hot set: request %s leaves %d pages on the host; it is not inserted into the tree",
+                        req.rid,
+                        int(pages.released.sum()),
+                    )
+                req.skip_radix_cache_insert = True
+                _leaving[req.kv.req_pool_idx] = pages
+            elif inserting:
+                RELEASED.counts.finished_reinserted += 1
+        return original(req, tree_cache, checkpoint=checkpoint)
+    finally:
+        _leaving.clear()
+        RELEASED.forget(req.rid)
+
+
+def _restore_all(pages: RequestPages, tree_cache: Any) -> None:
+    from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+    held = pages.released_pages()
+    need = held.numel() * pages.page_size
+    if tree_cache.token_to_kv_pool_allocator.available_size() < need:
+        evict_from_tree_cache(tree_cache, need)
+    pages.restore(held, RELEASED.tiers, RELEASED.counts)
+
+
+def free_row_around_released(original: Callable[..., Any], cache: Any, kv: Any, ranges: Any) -> Any:
+    """Around ``free_kv_row``: a leaving request frees only positions it still holds."""
+    pages = _leaving.get(kv.req_pool_idx)
+    if pages is not None:
+        ranges = subtract_pages(list(ranges), pages.released_pages().tolist(), pages.page_size)
+    return original(cache, kv, ranges)
