@@ -235,9 +235,10 @@ def from_namespace(args: argparse.Namespace) -> ImportanceConfig:
         if hasattr(args, dest):
             values[name] = getattr(args, dest)
     config = ImportanceConfig(**values)
-    if config.hot_set_policy != "off":
-        backend = getattr(args, "decode_attention_backend", None) or getattr(args, "attention_backend", None)
-        if hasattr(args, "attention_backend") and backend not in HOT_SET_BACKENDS:
+    # Only the plugin's flags (a parser without SGLang's, as in tests): no backend to check.
+    if config.hot_set_policy != "off" and hasattr(args, "attention_backend"):
+        backend = args.decode_attention_backend or args.attention_backend
+        if backend not in HOT_SET_BACKENDS:
             raise ValueError(
                 f"--hot-set-policy {config.hot_set_policy} needs the decode attention backend "
                 f"{' or '.join(HOT_SET_BACKENDS)} (--attention-backend or "
@@ -248,5 +249,6 @@ def from_namespace(args: argparse.Namespace) -> ImportanceConfig:
 
 def config_of(server_args: Any) -> ImportanceConfig:
     """The config a process was started with (defaults when built without the CLI)."""
+    # Absent where ServerArgs was built without from_cli_args (the Engine API, tests).
     config = getattr(server_args, "_importance", None)
     return config if isinstance(config, ImportanceConfig) else ImportanceConfig()

@@ -42,6 +42,7 @@ the plugin reads on SGLang's objects, against the installed SGLang):
 | `components.base._LAST_ACCESS_TIME_COUNTER_FLOAT` (clock)  | cache/strategy.py           |
 | `UnifiedRadixCache._all_reduce` (rank consensus)           | cache/prefetch.py           |
 | `HiCacheFile._get_suffixed_key` (page file names)          | cache/file_tier.py          |
+| `HiCacheFile._evictor` (forget a dropped page)             | cache/file_tier.py          |
 | `HiCacheStorageFailureInjector._backend` (unwrap)          | cache/integrity.py          |
 | `TritonAttnBackend._set_kv_buffer`                         | attention/triton_backend.py |
 | hook `PagedTokenToKVPoolAllocator._release_page_ids`       | importance/allocator_reset.py |

@@ -56,7 +56,7 @@ def prompt_field(obj: Any) -> str:
     named = PROMPT_FIELD.get()
     if named is not None:
         return named
-    return "text" if getattr(obj, "input_ids", None) is None else "input_ids"
+    return "text" if obj.input_ids is None else "input_ids"
 
 
 def first_bad_token(input_ids: Sequence[Any], vocab_size: int) -> Optional[tuple[int, Any]]:

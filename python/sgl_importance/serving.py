@@ -25,12 +25,10 @@ PROMPT_FIELDS = ("messages", "prompt", "input")
 
 def known_model_names(tokenizer_manager: Any) -> set[str]:
     names = {tokenizer_manager.served_model_name}
-    model_path = getattr(getattr(tokenizer_manager, "server_args", None), "model_path", None)
+    model_path = tokenizer_manager.server_args.model_path
     if model_path:
         names.add(model_path)
-    registry = getattr(tokenizer_manager, "lora_registry", None)
-    if registry is not None:
-        names.update(registry.get_all_adapters().keys())
+    names.update(tokenizer_manager.lora_registry.get_all_adapters().keys())
     return names
 
 
@@ -43,7 +41,7 @@ def unknown_model(model: str | None, known: set[str]) -> bool:
 
 async def reject_unknown_model(original: Callable[..., Any], handler: Any, request: Any, raw_request: Any) -> Any:
     """AROUND-hook for ``OpenAIServingBase.handle_request``."""
-    model = getattr(request, "model", None)
+    model = getattr(request, "model", None)  # a rerank request names no model
     if isinstance(model, str) and unknown_model(model, known_model_names(handler.tokenizer_manager)):
         return handler.create_error_response(
             message=f"The model '{model}' does not exist",

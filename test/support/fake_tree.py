@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentData
+from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import TreePathNodeInfo
 
 from sgl_importance.importance.node_state import node_state
 
@@ -83,7 +84,7 @@ def _set(
 
 
 class FakeTreeCore:
-    """The tree core: root, nodes by id, evictable device leaves, the strategy.
+    """The tree core: root, nodes by id, paths, evictable device leaves, the strategy.
 
     Node ids count up from 1 in the order nodes are added (the root is 0).
     """
@@ -127,6 +128,25 @@ class FakeTreeCore:
         if node_id == 0:
             return self.root_node
         return self.nodes[node_id]  # KeyError for a deleted node, as SGLang
+
+    def collect_path_info(self, end_node_ids: Sequence[int]) -> tuple[tuple[TreePathNodeInfo, ...], ...]:
+        """As SGLang's: each node's root-to-node path, token offsets counted from the root."""
+        paths = []
+        for node_id in end_node_ids:
+            node = self.node_by_id(node_id)
+            chain = []
+            while node is not self.root_node:
+                chain.append(node)
+                node = node.parent
+            path, start = [], 0
+            for node in reversed(chain):
+                end = start + len(node.key)
+                value = node.component_data[FULL].value
+                info = (node.id, node.parent.id, start, end, None if value is None else len(value), len(node.children))
+                path.append(TreePathNodeInfo(*info))
+                start = end
+            paths.append(tuple(path))
+        return tuple(paths)
 
     @property
     def evictable_device_leaves(self) -> set:

@@ -72,9 +72,12 @@ def test_the_openai_prompt_field_is_the_one_the_request_carries(fields, expected
 
 
 def test_an_openai_handler_refuses_a_bad_prompt_naming_its_own_field():
-    handler = types.SimpleNamespace(
-        tokenizer_manager=types.SimpleNamespace(served_model_name="m", server_args=None, lora_registry=None)
+    from sglang.srt.lora.lora_registry import LoRARegistry
+
+    manager = types.SimpleNamespace(
+        served_model_name="m", server_args=types.SimpleNamespace(model_path="/models/m"), lora_registry=LoRARegistry()
     )
+    handler = types.SimpleNamespace(tokenizer_manager=manager)
     completion = types.SimpleNamespace(model="m", prompt=[[1, VOCAB]])
 
     async def original(handler, openai_request, raw_request):

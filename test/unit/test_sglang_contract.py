@@ -8,10 +8,10 @@ where the plugin uses it, and checks it on SGLang's real classes and modules, so
 upgrade fails here, in one test per name, saying what moved.
 
 How each name is checked, cheapest faithful way first: on a real instance when
-SGLang's constructor is cheap (``UnifiedTreeNode``, ``ComponentData``), as a
-dataclass field, as a class attribute or method, or as an assignment
-``self.<name> = ...`` in the source of the class or one of its bases (for objects
-that need a model or a process group to build).
+SGLang's constructor is cheap (``UnifiedTreeNode``, ``ComponentData``, the launcher's
+namespace from SGLang's own parser), as a dataclass field, as a class attribute or
+method, or as an assignment ``self.<name> = ...`` in the source of the class or one
+of its bases (for objects that need a model or a process group to build).
 
 The fakes in ``test/support/fake_tree.py`` are held to the same names.
 """
@@ -38,7 +38,14 @@ CACHE = f"{MEM}.unified_radix_cache.UnifiedRadixCache"
 COMPONENT_DATA = f"{MEM}.unified_cache.components.base.ComponentData"
 PARAMS = f"{MEM}.cache_init_params.CacheInitParams"
 REQ = "sglang.srt.managers.schedule_batch.Req"
+MOONCAKE = f"{MEM}.storage.mooncake_store.mooncake_store"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+PATH_INFO = f"{MEM}.unified_cache.unified_tree_core_interface.TreePathNodeInfo"
+SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+# The launcher's parsed namespace, checked on SGLang's own parser (its dests are ServerArgs'
+# field names, but not every field is a flag).
+LAUNCHER_ARGS = f"{SERVER_ARGS}.add_cli_args"
 PLUGIN = Path(__file__).resolve().parents[2] / "python" / "sgl_importance" / "plugin.py"
 
 
@@ -94,7 +101,7 @@ ATTRIBUTES = [
         for n in ("eviction_policy", "disable", "pp_size", "attn_cp_size", "component_registry_override")
     ),
     # Scheduler, its batches and requests.
-    Name(SCHEDULER, "tree_cache", "scheduler/fold.py, cache/stored.py"),
+    Name(SCHEDULER, "tree_cache", "scheduler/fold.py, cache/stored.py, trace/recorder.py"),
     Name(SCHEDULER, "waiting_queue", "cache/prefetch.py"),
     Name(SCHEDULER, "disaggregation_mode", "cache/prefetch.py"),
     Name("sglang.srt.managers.schedule_policy.PrefillAdder", "can_run_list", "cache/prefetch.py"),
@@ -105,12 +112,51 @@ ATTRIBUTES = [
         Name(REQ, n, "scheduler/fold.py, cache/prefetch.py")
         for n in ("last_node", "host_hit_length", "best_match_node")
     ),
+    Name(REQ, "last_node", "trace/recorder.py"),
     *(Name(REQ, n, "cache/stored.py") for n in ("extra_key", "cache_salt", "prefix_len", "full_untruncated_fill_ids")),
-    # SGLang's Mooncake backend, which cache/mooncake_tier.py stores sealed pages through.
+    # What the page trace records of a request and its batch.
     *(
-        Name(f"{MEM}.storage.mooncake_store.mooncake_store.MooncakeStore", n, "cache/mooncake_tier.py")
-        for n in ("store", "config_prefix")
+        Name(REQ, n, "trace/recorder.py")
+        for n in ("rid", "kv", "finished", "output_ids", "origin_input_ids", "time_stats", "cached_tokens")
     ),
+    Name("sglang.srt.managers.schedule_batch.ReqKvInfo", "req_pool_idx", "trace/recorder.py"),
+    Name("sglang.srt.observability.req_time_stats.SchedulerReqTimeStats", "scheduler_recv_time", "trace/recorder.py"),
+    Name("sglang.srt.managers.schedule_batch.ScheduleBatch", "req_to_token_pool", "trace/recorder.py"),
+    *(Name(PATH_INFO, n, "trace/recorder.py") for n in ("node_id", "path_start", "path_end")),
+    # The tokenizer manager's side: OpenAI model names, prompt checks, slot frees.
+    Name("sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase", "tokenizer_manager", "serving.py"),
+    *(Name(TOKENIZER_MANAGER, n, "serving.py") for n in ("served_model_name", "server_args", "lora_registry")),
+    Name(SERVER_ARGS, "model_path", "serving.py"),
+    Name("sglang.srt.lora.lora_registry.LoRARegistry", "get_all_adapters", "serving.py"),
+    Name(TOKENIZER_MANAGER, "model_config", "prompt_check.py"),
+    *(
+        Name(f"sglang.srt.managers.io_struct.{c}", "input_ids", "prompt_check.py")
+        for c in ("GenerateReqInput", "EmbeddingReqInput")
+    ),
+    Name(f"{MEM}.allocator.token.TokenToKVPoolAllocator", "free_group", "importance/allocator_reset.py"),
+    Name("sglang.srt.layers.radix_attention.RadixAttention", "xai_temperature_len", "attention/triton_backend.py"),
+    # SGLang's Mooncake backend, which cache/mooncake_tier.py stores sealed pages through.
+    *(Name(f"{MOONCAKE}.MooncakeStore", n, "cache/mooncake_tier.py") for n in ("store", "config_prefix")),
+    Name(f"{MOONCAKE}.MooncakeStore", "config", "cache/integrity.py"),
+    Name(f"{MOONCAKE}.MooncakeStoreConfig", "master_server_address", "cache/integrity.py"),
+    # The file tier's backend, and the host pools whose pages the storage tier seals.
+    Name(f"{MEM}.hicache_storage.HiCacheFile", "file_path", "cache/integrity.py, cache/file_tier.py"),
+    Name(f"{MEM}.hicache_storage.HiCacheFile", "metadata_cache", "cache/file_tier.py"),
+    Name(f"{MEM}.hicache_storage.MetadataCache", "remove", "cache/file_tier.py"),
+    Name(f"{MEM}.storage.file.lru_file_evictor.LRUFileEvictor", "abort", "cache/file_tier.py"),
+    *(Name(f"{MEM}.pool_host.base.HostKVCache", n, "cache/integrity.py") for n in ("dtype", "page_size", "layout")),
+    # Server arguments: the launcher checks read the parsed namespace (before from_cli_args),
+    # the scheduler-side code the ServerArgs built from it.
+    *(
+        Name(LAUNCHER_ARGS, n, "cache/file_tier.py, cache/mooncake_tier.py")
+        for n in ("hicache_storage_backend", "hicache_storage_backend_extra_config")
+    ),
+    Name(LAUNCHER_ARGS, "enable_hierarchical_cache", "cache/file_tier.py"),
+    *(Name(LAUNCHER_ARGS, n, "cache/strategy.py") for n in ("radix_eviction_policy", "radix_eviction_policy_config")),
+    *(Name(LAUNCHER_ARGS, n, "config.py") for n in ("attention_backend", "decode_attention_backend")),
+    Name(SERVER_ARGS, "enable_metrics", "cache/integrity.py, cache/mooncake_tier.py, attention/torch_backend.py"),
+    Name(SERVER_ARGS, "radix_eviction_policy", "cache/mooncake_tier.py"),
+    Name("sglang.srt.model_executor.model_runner.ModelRunner", "server_args", "attention/"),
     # Hot-set page release (scheduler/hot_set_release.py).
     *(Name(CACHE, n, "scheduler/hot_set_release.py") for n in ("host_pool_group", "evict_host")),
     Name(f"{MEM}.pool_host.group.HostPoolGroup", "anchor_entry", "scheduler/hot_set_release.py"),
@@ -143,6 +189,7 @@ PRIVATE = [
     Name(f"{MEM}.unified_cache.components.base", "_LAST_ACCESS_TIME_COUNTER_FLOAT", "cache/strategy.py"),
     Name(CACHE, "_all_reduce", "cache/prefetch.py"),
     Name(f"{MEM}.hicache_storage.HiCacheFile", "_get_suffixed_key", "cache/file_tier.py"),
+    Name(f"{MEM}.hicache_storage.HiCacheFile", "_evictor", "cache/file_tier.py"),
     Name(f"{MEM}.hicache_storage.HiCacheStorageFailureInjector", "_backend", "cache/integrity.py"),
     Name(
         "sglang.srt.layers.attention.triton_backend.TritonAttnBackend",
@@ -186,6 +233,15 @@ def _resolve(path: str):
 
 
 @cache
+def _launcher_namespace():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    _resolve(SERVER_ARGS).add_cli_args(parser)
+    return parser.parse_args(["--model-path", "m"])
+
+
+@cache
 def _real_node():
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
@@ -214,6 +270,8 @@ def has_name(owner: str, name: str) -> bool:
         return hasattr(_real_node(), name)
     if owner == COMPONENT_DATA:
         return hasattr(_resolve(owner)(), name)
+    if owner == LAUNCHER_ARGS:
+        return hasattr(_launcher_namespace(), name)
     target = _resolve(owner)
     if inspect.ismodule(target) or hasattr(target, name):
         return hasattr(target, name)
@@ -257,6 +315,29 @@ def test_every_private_name_is_listed_in_plugin_py():
     assert not missing, f"private SGLang names missing from plugin.py's touch-point table: {missing}"
 
 
+# Private names of the standard library the plugin uses (not SGLang's).
+STDLIB_PRIVATE = {"_exit"}  # os._exit in the trace writer process
+
+
+def test_every_private_name_the_plugin_reads_is_in_this_contract():
+    # A scan of python/: every ``x._name`` read, and every ``_name`` imported from
+    # sglang, that the plugin does not define itself (def, class, assignment, slot) is
+    # SGLang's, so it must be in PRIVATE (and so in plugin.py's table).
+    sources = [p.read_text() for p in PLUGIN.parent.rglob("*.py")]
+    own = set(STDLIB_PRIVATE)
+    used: set[str] = set()
+    for text in sources:
+        own |= set(re.findall(r"\b(?:def|class|as) (_\w+)", text))
+        own |= set(re.findall(r"^\s*(?:[\w.]+\.)?(_\w+)\s*(?::[^=\n]+)?=(?!=)", text, re.M))
+        own |= set(re.findall(r'^\s*"(_\w+)",?$', text, re.M))  # __slots__ entries
+        code = re.sub(r"#.*", "", re.sub(r'"""[\s\S]*?"""', "", text))
+        used |= set(re.findall(r"\.(_[a-zA-Z]\w*)\b", code))
+        for names in re.findall(r"from sglang[\w.]* import ([^\n]+)", code):
+            used |= set(re.findall(r"\b(_[a-zA-Z]\w*)", names))
+    unlisted = sorted(used - own - {n.name for n in PRIVATE})
+    assert not unlisted, f"private SGLang names the plugin uses but PRIVATE (and plugin.py) lacks: {unlisted}"
+
+
 def test_the_plugins_node_attribute_is_not_one_of_sglangs():
     from sgl_importance.importance.node_state import NODE_STATE
 
@@ -278,16 +359,27 @@ def test_sglangs_disaggregation_off_is_the_value_the_prefetch_compares():
     assert DisaggregationMode.NULL.value == "null"
 
 
-def test_an_unpublished_parallel_width_raises_what_the_component_override_catches():
-    # cache/components.py reads attn_dcp_size and treats "not published" as no DCP;
-    # a renamed width would raise AttributeError instead and fail start-up loudly.
+# What the plugin reads off SGLang's runtime parallel context (get_parallel()).
+PARALLEL = [
+    ("attn_dcp_size", "cache/components.py"),
+    ("tp_rank", "trace/recorder.py, attention/torch_backend.py"),
+    ("dp_rank", "trace/recorder.py"),
+]
+
+
+@pytest.mark.parametrize("name, used_in", PARALLEL, ids=[n for n, _ in PARALLEL])
+def test_sglangs_parallel_context_still_has_every_name_the_plugin_reads(name, used_in):
+    # Outside a server nothing is published: a known name raises RuntimeError or
+    # ValueError (cache/components.py treats that as no DCP), a renamed one AttributeError.
     from sglang.srt.runtime_context import get_parallel
 
     try:
-        width = get_parallel().attn_dcp_size
-    except RuntimeError:
+        value = getattr(get_parallel(), name)
+    except (RuntimeError, ValueError):
         return
-    assert isinstance(width, int)
+    except AttributeError as err:
+        pytest.fail(f"SGLang moved or renamed get_parallel().{name} (used in {used_in}): {err}")
+    assert value is None or isinstance(value, int)
 
 
 def _public_fields(obj) -> set[str]:

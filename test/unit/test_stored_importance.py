@@ -62,7 +62,7 @@ params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool
 cache = UnifiedRadixCache(params)
 core = cache.tree_core
 stored = core.eviction_strategy.stored
-dropped = type("Dropped", (), {"hash_value": ["h0", "h1"]})()
+dropped = type("Dropped", (), {"hash_value": ["h0", "h1"], "hit_count": 0})()
 node_state(dropped).importance = 0.8
 stored.remember(dropped)
 # What the storage prefetch does with fetched pages: a host-only path under the root.

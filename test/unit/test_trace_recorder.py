@@ -17,6 +17,7 @@ import torch
 from sgl_importance.config import ImportanceConfig, add_cli_args, from_namespace
 from sgl_importance.trace import recorder as rec
 from sgl_importance.trace.table_io import read_accesses, read_all, read_meta, read_requests
+from support.fake_tree import FakeCache, FakeNode, FakeTreeCore, request, scheduler_of
 
 PAGE = 4
 
@@ -233,7 +234,8 @@ def test_around_the_result_records_before_the_scheduler_frees_the_requests(tmp_p
             r.kv.req_pool_idx, r._finished = None, True
         return "result"
 
-    assert rec.around_batch_result(process_batch_result, None, fake_batch(reqs, req_to_token)) == "result"
+    scheduler = scheduler_of(FakeCache(FakeTreeCore()))
+    assert rec.around_batch_result(process_batch_result, scheduler, fake_batch(reqs, req_to_token)) == "result"
     rec._recorder.close()
     wait_complete(out)
     assert len(read_accesses(out)) == 3
@@ -247,7 +249,7 @@ def test_a_recording_fault_stops_recording_but_not_the_scheduler(tmp_path, monke
     broken = SimpleNamespace(
         reqs=[FakeReq("a", 1), FakeReq("b", 2)], forward_mode=SimpleNamespace(is_decode=lambda: True)
     )
-    assert rec.around_batch_result(lambda s, b: "result", None, broken) == "result"
+    assert rec.around_batch_result(lambda s, b: "result", scheduler_of(FakeCache(FakeTreeCore())), broken) == "result"
     assert rec._recorder is None
     wait_complete(tmp_path / "trace")
 
@@ -269,43 +271,38 @@ def test_a_request_finished_before_the_step_gets_no_rows_but_the_step_still_matc
 # -- radix node ids and the requests table ----------------------------------------------
 
 
-class FakeTreeCore:
-    """``collect_path_info`` over a fixed tree: node id -> (parent id, start, end); 0 is the root."""
+def path_tree(*tokens: int) -> tuple[FakeTreeCore, list[FakeNode]]:
+    """A chain of nodes below the root, holding ``tokens[i]`` tokens each, first to last."""
+    tree, nodes = FakeTreeCore(), []
+    for n in tokens:
+        nodes.append(tree.add(nodes[-1] if nodes else None, n))
+    return tree, nodes
 
-    def __init__(self, nodes):
-        self.nodes = nodes
-        self.calls = 0
 
-    def collect_path_info(self, handles):
-        self.calls += 1
-        paths = []
-        for h in handles:
-            if h not in self.nodes:
-                raise KeyError(h)
-            chain = []
-            while h in self.nodes:
-                parent, start, end = self.nodes[h]
-                chain.append(SimpleNamespace(node_id=h, parent_id=parent, path_start=start, path_end=end))
-                h = parent
-            paths.append(tuple(reversed(chain)))
-        return tuple(paths)
+def counted_path_queries(tree: FakeTreeCore) -> list:
+    """The ``collect_path_info`` calls made on ``tree`` from now on (their handles)."""
+    calls: list = []
+    query = tree.collect_path_info
+    tree.collect_path_info = lambda handles: calls.append(list(handles)) or query(handles)
+    return calls
 
 
 def test_each_page_row_names_the_radix_node_that_holds_it(tmp_path):
-    # Request a: node 5 holds tokens 0..4 (page 0), node 7 tokens 4..8 (page 1).
+    # Request a: its first node holds tokens 0..4 (page 0), the second tokens 4..8 (page 1).
     out = tmp_path / "trace"
     cap, t = rec.StepCapture(), table()
     r = rec.Recorder(str(out), max_rows=100, meta={"page_size": PAGE})
     req_to_token = two_request_step(cap, t)
-    tree = FakeTreeCore({5: (0, 0, 4), 7: (5, 4, 8)})
-    reqs = [FakeReq("a", 1, last_node=7), FakeReq("b", 2, last_node=None)]
+    tree, (first, second) = path_tree(4, 4)
+    calls = counted_path_queries(tree)
+    reqs = [FakeReq("a", 1, last_node=second.id), FakeReq("b", 2, last_node=None)]
     assert r.record_batch(cap, fake_batch(reqs, req_to_token), tree) == 3
-    assert tree.calls == 1  # one path query per batch, not per request
+    assert len(calls) == 1  # one path query per batch, not per request
     r.close()
     wait_complete(out)
     cols = read_accesses(out).columns()
     got = sorted(zip(cols["request_id"], cols["position"], cols["node_id"]))
-    assert got == [("a", 0, 5), ("a", 1, 7), ("b", 0, -1)]
+    assert got == [("a", 0, first.id), ("a", 1, second.id), ("b", 0, -1)]
 
 
 def test_pages_past_the_inserted_path_have_no_node_yet():
@@ -316,9 +313,9 @@ def test_pages_past_the_inserted_path_have_no_node_yet():
 
 
 def test_a_vanished_node_costs_only_its_own_request_its_path():
-    tree = FakeTreeCore({5: (0, 0, 4)})
-    paths = rec.request_paths(tree, [SimpleNamespace(last_node=99), SimpleNamespace(last_node=5)])
-    assert paths == [None, ([5], [0], [4])]
+    tree, (node,) = path_tree(4)
+    paths = rec.request_paths(tree, [request(last_node=99), request(last_node=node.id)])
+    assert paths == [None, ([node.id], [0], [4])]
 
 
 def test_a_finished_request_is_filed_once_with_its_path_counts_and_times(tmp_path, monkeypatch):
@@ -327,14 +324,14 @@ def test_a_finished_request_is_filed_once_with_its_path_counts_and_times(tmp_pat
     monkeypatch.setattr(rec, "_capture", cap)
     monkeypatch.setattr(rec, "_recorder", rec.Recorder(str(out), max_rows=100, meta={"page_size": PAGE}))
     req_to_token = two_request_step(cap, table())
-    # At finish SGLang has inserted prompt + output: the path grew by node 9.
-    tree = FakeTreeCore({5: (0, 0, 4), 9: (5, 4, 8)})
-    scheduler = SimpleNamespace(tree_cache=SimpleNamespace(tree_core=tree))
-    a = FakeReq("chat-c2-t3", 1, last_node=5, prompt=6, output=3, cached=4)
+    # At finish SGLang has inserted prompt + output: the path grew by a second node.
+    tree, (first, second) = path_tree(4, 4)
+    scheduler = scheduler_of(FakeCache(tree))
+    a = FakeReq("chat-c2-t3", 1, last_node=first.id, prompt=6, output=3, cached=4)
     b = FakeReq("b", 2, last_node=None)
 
     def process_batch_result(scheduler, batch):
-        a._finished, a.last_node = True, 9
+        a._finished, a.last_node = True, second.id
         return "result"
 
     batch = fake_batch([a, b], req_to_token)
@@ -346,7 +343,7 @@ def test_a_finished_request_is_filed_once_with_its_path_counts_and_times(tmp_pat
     req = read_requests(out)
     assert list(req.labels()) == ["chat-c2-t3"]
     ids, tokens = req.path(0)
-    assert (ids.tolist(), tokens.tolist()) == ([5, 9], [4, 4])
+    assert (ids.tolist(), tokens.tolist()) == ([first.id, second.id], [4, 4])
     assert (req.conversation[0], req.turn[0]) == (2, 3)
     assert (req.prompt_tokens[0], req.output_tokens[0], req.cached_tokens[0]) == (6, 3, 4)
     assert (req.arrival_step[0], req.finish_step[0]) == (0, 1)
@@ -354,4 +351,4 @@ def test_a_finished_request_is_filed_once_with_its_path_counts_and_times(tmp_pat
     ts = read_all(out)
     # The access rows of the same request carry the same ids and its turn.
     rows = ts.accesses.columns()["request_id"] == "chat-c2-t3"
-    assert set(ts.accesses.node_id[rows]) == {5, -1} and set(ts.accesses.turn[rows]) == {3}
+    assert set(ts.accesses.node_id[rows]) == {first.id, -1} and set(ts.accesses.turn[rows]) == {3}

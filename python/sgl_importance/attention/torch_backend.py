@@ -226,8 +226,11 @@ def _build_hot_set(model_runner: Any, last_layer_id: int) -> Any:
 
 
 def _build_hot_set_metrics(model_runner: Any) -> Any:
-    if not getattr(model_runner.server_args, "enable_metrics", False):
+    if not model_runner.server_args.enable_metrics:
         return None
+    from sglang.srt.runtime_context import get_parallel
+
     from sgl_importance.metrics import HotSetMetrics
 
-    return HotSetMetrics({"tp_rank": getattr(model_runner, "tp_rank", 0)})
+    # SGLang keeps a process's ranks in its runtime context, not on the model runner.
+    return HotSetMetrics({"tp_rank": get_parallel().tp_rank})

@@ -111,7 +111,7 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
             and (layer.sliding_window_size is None or layer.sliding_window_size < 0)
             and layer.k_scale is None
             and layer.v_scale is None
-            and getattr(layer, "xai_temperature_len", -1) <= 0
+            and layer.xai_temperature_len <= 0
             and not layer.is_cross_attention
         )
 

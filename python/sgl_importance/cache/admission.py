@@ -64,7 +64,7 @@ class StorageAdmission:
         if not self.active or node_pinned(node):
             return True
         shared = shared_importance.current()
-        hashes = getattr(node, "hash_value", None) or ()
+        hashes = node.hash_value or ()
         if self.min_hits > 0:
             # Hits any instance sharing the storage tier saw count (theirs from the store).
             hits = node.hit_count + (shared.other_hits(hashes) if shared is not None else 0)
@@ -119,7 +119,7 @@ def gate_storage_write(original: Callable[[Any, Any], None], cache: Any, node_id
     shared = shared_importance.current()
     if shared is not None:
         # Read off this thread; the next fold that attends the node re-examines it.
-        shared.want(getattr(node, "hash_value", None) or ())
+        shared.want(node.hash_value or ())
     return None
 
 

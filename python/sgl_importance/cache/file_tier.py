@@ -58,11 +58,11 @@ def check_storage_dir(path: str) -> None:
 
 def check_cli_args(args: Any) -> None:
     """Launcher check of the file tier's directory (``ServerArgs.from_cli_args``)."""
-    if getattr(args, "hicache_storage_backend", None) != "file":
+    if args.hicache_storage_backend != "file":
         return
-    if not getattr(args, "enable_hierarchical_cache", False):
+    if not args.enable_hierarchical_cache:
         return
-    extra = getattr(args, "hicache_storage_backend_extra_config", None)
+    extra = args.hicache_storage_backend_extra_config
     config: Optional[dict] = None
     if isinstance(extra, str) and extra.strip().startswith("{"):
         import json
@@ -111,12 +111,9 @@ def file_tier_ops(backend: Any) -> TierOps:
         except FileNotFoundError:
             pass
         # Forget it in the backend's bookkeeping so exists() says no and set() writes.
-        evictor = getattr(backend, "_evictor", None)
-        if evictor is not None:
-            evictor.abort(suffixed)
-        cache = getattr(backend, "metadata_cache", None)
-        if cache is not None:
-            cache.remove(suffixed)
+        backend._evictor.abort(suffixed)
+        if backend.metadata_cache is not None:  # None unless enable_metadata_cache
+            backend.metadata_cache.remove(suffixed)
 
     def prepare() -> None:
         # A directory removed while serving comes back when writes are retried.

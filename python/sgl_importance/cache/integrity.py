@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, List, Optional
 import numpy as np
 import torch
 import xxhash
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageFailureInjector
 
 logger = logging.getLogger(__name__)
 
@@ -235,9 +235,9 @@ class IntegrityStorage(HiCacheStorage):
             cached = layout_fingerprint(
                 **self.identity,
                 pool=str(pool_name),
-                dtype=str(getattr(pool, "dtype", page.dtype)),
-                page_size=int(getattr(pool, "page_size", 1) or 1),
-                layout=str(getattr(pool, "layout", "")),
+                dtype=str(pool.dtype),
+                page_size=int(pool.page_size),
+                layout=str(pool.layout),
                 page_shape=tuple(page.shape),
                 page_dtype=str(page.dtype),
             )
@@ -275,7 +275,7 @@ class IntegrityStorage(HiCacheStorage):
         # One read buffer per I/O thread (prefetch and backup run on their own threads):
         # a fresh page-sized allocation per read faulted its memory in every time and
         # made verified reads 5x slower than raw ones in the benchmark.
-        buf = getattr(self._local, "scratch", None)
+        buf = getattr(self._local, "scratch", None)  # absent on a thread's first read
         if buf is None or buf.numel() != nbytes:
             buf = torch.empty(nbytes, dtype=torch.uint8)
             self._local.scratch = buf
@@ -399,7 +399,7 @@ class IntegrityStorage(HiCacheStorage):
     # -- host-index paths (zero-copy backends, per-pool transfers) ----------------------
 
     def _pages_into_pool(self, pool: Any, pool_name: Any, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
-        page_size = int(getattr(pool, "page_size", 1) or 1)
+        page_size = int(pool.page_size)
         fingerprint = self.fingerprint_of(pool, pool_name)
         results = [False] * len(keys)
         for i, key in enumerate(keys):
@@ -414,7 +414,7 @@ class IntegrityStorage(HiCacheStorage):
         return results
 
     def _pages_from_pool(self, pool: Any, pool_name: Any, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
-        page_size = int(getattr(pool, "page_size", 1) or 1)
+        page_size = int(pool.page_size)
         fingerprint = self.fingerprint_of(pool, pool_name)
         results = [False] * len(keys)
         for i, key in enumerate(keys):
@@ -435,10 +435,11 @@ class IntegrityStorage(HiCacheStorage):
         for transfer in transfers:
             keys = list(transfer.keys or [])
             pool = self.registered_pools[transfer.name]
+            # The enum's value for a PoolName; a name given as a plain str has no .value.
             name = str(getattr(transfer.name, "value", transfer.name))
             # Sidecar pools get their own key per page, as SGLang's file tier names them.
             pool_keys = keys if name == "kv" else [f"{k}.{name}" for k in keys]
-            page_size = int(getattr(pool, "page_size", 1) or 1)
+            page_size = int(pool.page_size)
             indices = transfer.host_indices
             if indices is None or indices.numel() != len(keys) * page_size:
                 results[transfer.name] = [False] * len(keys)
@@ -462,6 +463,7 @@ class IntegrityStorage(HiCacheStorage):
         return self.inner.get_stats()
 
     def close(self) -> None:
+        # HiCacheStorage declares no close(); some backends (Mooncake, hf3fs) have one.
         close = getattr(self.inner, "close", None)
         if close is not None:
             close()
@@ -507,7 +509,7 @@ def wrap_backend(
     ops = TierOps()
     describe = f"backend {backend_name}"
     # The failure injector SGLang may put around the backend hides its attributes.
-    concrete = getattr(backend, "_backend", backend)
+    concrete = backend._backend if isinstance(backend, HiCacheStorageFailureInjector) else backend
     if backend_name == "file" and hasattr(concrete, "file_path"):
         ops = file_tier.file_tier_ops(concrete)
         describe = f"directory {concrete.file_path}"
@@ -521,7 +523,7 @@ def wrap_backend(
         backend = mooncake_tier.MooncakePages(concrete, storage_config.tp_rank)
         backend.shared = mooncake_tier.start_shared_importance(backend, storage_config.tp_rank)
         ops = mooncake_tier.mooncake_tier_ops(backend)
-        describe = f"mooncake master {getattr(concrete.config, 'master_server_address', '?')}"
+        describe = f"mooncake master {concrete.config.master_server_address}"
     metrics = None
     if enable_metrics:
         from sgl_importance.metrics import storage_integrity_metrics
@@ -570,5 +572,5 @@ def create_with_integrity(
         backend_name,
         storage_config,
         retry_s=config.storage_retry_s,
-        enable_metrics=bool(getattr(server_args, "enable_metrics", False)),
+        enable_metrics=server_args is not None and bool(server_args.enable_metrics),
     )

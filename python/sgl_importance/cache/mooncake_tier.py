@@ -169,6 +169,7 @@ def check_master(address: Optional[str]) -> None:
         with socket.create_connection((host or "127.0.0.1", int(port)), timeout=CONNECT_TIMEOUT_S):
             pass
     except (OSError, ValueError) as e:
+        # strerror: an OSError's; a malformed port raises a ValueError, which has none.
         raise ValueError(
             f"--hicache-storage-backend mooncake: master {address} (MOONCAKE_MASTER) is unreachable "
             f"({getattr(e, 'strerror', None) or e}); start one (`make store`) or fix the address"
@@ -177,7 +178,7 @@ def check_master(address: Optional[str]) -> None:
 
 def check_cli_args(args: Any) -> None:
     """Launcher check for ``--hicache-storage-backend mooncake`` (``ServerArgs.from_cli_args``)."""
-    if getattr(args, "hicache_storage_backend", None) != "mooncake":
+    if args.hicache_storage_backend != "mooncake":
         return
     try:
         from mooncake.store import MooncakeDistributedStore  # noqa: F401
@@ -187,7 +188,7 @@ def check_cli_args(args: Any) -> None:
             f"--hicache-storage-backend mooncake: the Mooncake client cannot be imported ({e}{hint}); "
             "`make install` installs mooncake-transfer-engine-non-cuda"
         ) from None
-    extra = getattr(args, "hicache_storage_backend_extra_config", None)
+    extra = args.hicache_storage_backend_extra_config
     try:
         extra_config = json.loads(extra) if extra else None
     except (TypeError, ValueError):
@@ -206,12 +207,12 @@ def start_shared_importance(pages: MooncakePages, rank: int) -> Any:
         server_args = get_server_args()
     except Exception:  # built outside a launched server (tests, tools)
         server_args = None
-    if getattr(server_args, "radix_eviction_policy", None) != "importance":
-        policy = getattr(server_args, "radix_eviction_policy", None)
+    policy = server_args.radix_eviction_policy if server_args is not None else None
+    if policy != "importance":
         logger.info("sgl-importance: page importance is not shared (policy %r)", policy)
         return None
     count = None
-    if getattr(server_args, "enable_metrics", False):
+    if server_args.enable_metrics:
         from sgl_importance.metrics import shared_importance_metrics
 
         count = shared_importance_metrics({"tp_rank": rank}).count

@@ -54,7 +54,7 @@ class StoredImportance:
         shared = shared_importance.current()
         if shared is not None and hashes:
             # Leaving this instance: the store keeps what it learnt for the others.
-            shared.publish(hashes, value, getattr(node, "hit_count", 0))
+            shared.publish(hashes, value, node.hit_count)
         if value <= 0.0 or not hashes:
             return 0
         for h in hashes:

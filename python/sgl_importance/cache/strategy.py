@@ -118,6 +118,6 @@ def check_cli_args(args: Any) -> None:
     Args:
         args: the parsed ``argparse.Namespace`` of ``python -m sglang.launch_server``.
     """
-    policy = getattr(args, "radix_eviction_policy", None)
+    policy = args.radix_eviction_policy
     if isinstance(policy, str) and policy.lower() == POLICY_NAME:
-        parse_policy_config(getattr(args, "radix_eviction_policy_config", None))
+        parse_policy_config(args.radix_eviction_policy_config)

@@ -36,7 +36,7 @@ def pages_released(allocator: Any, *page_ids: torch.Tensor) -> None:
 def slots_freed(allocator: Any, free_index: torch.Tensor) -> None:
     """After ``TokenToKVPoolAllocator.free(free_index)`` (page size 1)."""
     table = current_page_table()
-    if table is None or getattr(allocator, "free_group", None) is not None:
+    if table is None or allocator.free_group is not None:
         return
     table.reset_pages(free_index)
 

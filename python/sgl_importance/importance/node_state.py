@@ -81,7 +81,7 @@ def peek_state(node: Any) -> Optional[NodeImportance]:
 
 def node_state(node: Any) -> NodeImportance:
     """The node's state, created on first use: the one place that creates it."""
-    state = getattr(node, NODE_STATE, None)
+    state = getattr(node, NODE_STATE, None)  # absent until this first runs on the node
     if state is None:
         state = NodeImportance()
         setattr(node, NODE_STATE, state)
@@ -90,7 +90,7 @@ def node_state(node: Any) -> NodeImportance:
 
 def node_importance(node: Any) -> float:
     """A node's persistent importance (0.0 for a node never attended nor restored)."""
-    state = getattr(node, NODE_STATE, None)
+    state = getattr(node, NODE_STATE, None)  # absent until node_state() first runs
     if state is None or state.importance is None:
         return 0.0
     return state.importance
@@ -98,11 +98,11 @@ def node_importance(node: Any) -> float:
 
 def has_importance(node: Any) -> bool:
     """Whether a fold or the storage tier ever gave the node an importance."""
-    state = getattr(node, NODE_STATE, None)
+    state = getattr(node, NODE_STATE, None)  # absent until node_state() first runs
     return state is not None and state.importance is not None
 
 
 def node_pinned(node: Any) -> bool:
     """Whether the node is an attention-sink node (evicted last under ``pin_sinks``)."""
-    state = getattr(node, NODE_STATE, None)
+    state = getattr(node, NODE_STATE, None)  # absent until node_state() first runs
     return state is not None and state.pinned

@@ -70,8 +70,8 @@ def read_last_step(table: Any, pages: torch.Tensor, group: Any = None) -> tuple[
 
     Adapter over ``PageImportanceTable``: its public ``recorded_steps`` reads the
     device counter with a separate ``.item()``; on a GPU that is a second sync per
-    fold, so the counter rides along with the gathered values when the table keeps
-    it in ``_recorded`` (float64 holds a step count exactly up to 2**53).
+    fold, so the counter (``_recorded``) rides along with the gathered values
+    (float64 holds a step count exactly up to 2**53).
 
     Args:
         table: a ``PageImportanceTable``.
@@ -80,13 +80,8 @@ def read_last_step(table: Any, pages: torch.Tensor, group: Any = None) -> tuple[
             (tensor parallelism), else None; with a group, the values and the
             count returned are the ranks' agreement (:func:`agree_across_ranks`).
     """
-    counter = getattr(table, "_recorded", None)
     gathered = table.last.index_select(0, pages.to(table.last.device)).to(torch.float64)
-    if isinstance(counter, torch.Tensor):
-        count = counter.reshape(1).to(torch.float64)
-    else:
-        count = torch.full((1,), float(table.recorded_steps), dtype=torch.float64)
-        count = count.to(gathered.device)
+    count = table._recorded.reshape(1).to(torch.float64)
     flat = torch.cat((gathered, count))
     if group is not None:
         flat = agree_across_ranks(flat, group)

@@ -81,7 +81,7 @@ def fold_after_batch(scheduler: Any, batch: Any) -> int:
         if shared is not None:
             # Queued only; the shared store is written off this thread.
             for o in observations:
-                hashes = getattr(o.node, "hash_value", None)
+                hashes = o.node.hash_value
                 if hashes:
                     shared.publish(hashes, node_importance(o.node), o.node.hit_count)
         metrics = importance_metrics(tree_cache)

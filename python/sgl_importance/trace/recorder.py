@@ -308,7 +308,7 @@ class Recorder:
             if len(self._reported) > REPORTED_KEEP:
                 del self._reported[next(iter(self._reported))]
             ids, starts, ends = path if path is not None else ([], [], [])
-            recv = float(getattr(getattr(req, "time_stats", None), "scheduler_recv_time", 0.0) or 0.0)
+            recv = float(req.time_stats.scheduler_recv_time or 0.0)
             self._request_rows.append(
                 {
                     "request_id": rid,
@@ -318,7 +318,7 @@ class Recorder:
                     "node_tokens": [e - s for s, e in zip(starts, ends)],
                     "output_tokens": len(req.output_ids),
                     "prompt_tokens": len(req.origin_input_ids),
-                    "cached_tokens": int(getattr(req, "cached_tokens", -1)),
+                    "cached_tokens": int(req.cached_tokens),
                     "arrival_ns": int(recv * 1e9),
                     "finish_ns": now,
                 }
@@ -389,7 +389,7 @@ def request_paths(tree_core: Any, reqs: list) -> list[Optional[RadixPath]]:
     out: list[Optional[RadixPath]] = [None] * len(reqs)
     if tree_core is None or not hasattr(tree_core, "collect_path_info"):
         return out
-    want = [(i, r.last_node) for i, r in enumerate(reqs) if isinstance(getattr(r, "last_node", None), int)]
+    want = [(i, r.last_node) for i, r in enumerate(reqs) if isinstance(r.last_node, int)]
     if not want:
         return out
     try:
@@ -440,13 +440,17 @@ def capture() -> StepCapture:
 def start_recorder(scheduler: Any) -> Optional[Recorder]:
     """After ``Scheduler.__init__``: start the writer for rank 0 when the flag is on."""
     global _recorder
+    from sglang.srt.runtime_context import get_parallel
+
     from sgl_importance.config import config_of
 
     server_args = scheduler.server_args
     config = config_of(server_args)
     if config.trace_dir is None or _recorder is not None:
         return _recorder
-    if getattr(scheduler, "tp_rank", 0) != 0 or (getattr(scheduler, "dp_rank", None) or 0) != 0:
+    # SGLang keeps a process's ranks in its runtime context, not on the scheduler.
+    parallel = get_parallel()
+    if parallel.tp_rank != 0 or (parallel.dp_rank or 0) != 0:
         return None
     out = os.environ.get(TRACE_ENV) or str(Path(config.trace_dir).expanduser().resolve())
     meta = {
@@ -476,7 +480,8 @@ def on_finish_step(table: Any) -> None:
 def around_batch_result(original: Callable[..., Any], scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     """Around ``Scheduler.process_batch_result``: record before (requests still hold
     their KV rows), file finished requests and push after (they are known, and inserted)."""
-    tree_core = getattr(getattr(scheduler, "tree_cache", None), "tree_core", None)
+    # Only the unified radix cache has a tree core (see cache/policy_state.py).
+    tree_core = getattr(scheduler.tree_cache, "tree_core", None)
     if _recorder is not None:
         _guarded(lambda: _recorder.record_batch(capture(), batch, tree_core))
     result = original(scheduler, batch, *args, **kwargs)
