@@ -1,12 +1,13 @@
-"""Per-request device hot set for long contexts (milestone 1: selection is logical).
+"""Per-request device hot set for long contexts.
 
 A request longer than ``--hot-set-threshold`` tokens attends, in each decode step,
 only over its hot set: sink pages, a recent window and the pages a policy keeps
 (``selection.py``). Page summaries (``summaries.py``) bound the logits of pages
 outside it; the guard (``guard.py``) adds pages whenever that bound says the
 attention outside could exceed ``--hot-set-guard-threshold``. ``decode.py`` runs a
-step. All KV stays on the device in this milestone; promotions and demotions are
-counted as milestone 2 will perform them (host→device copies, released pages).
+step. With a host pool, ``release.py`` gives back the device pages a request's hot
+set leaves out and copies planned ones back; without one, every page stays on the
+device and only what is attended changes.
 
 Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 """

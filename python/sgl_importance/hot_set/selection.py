@@ -19,7 +19,7 @@ baselines and the importance hot set run the same code:
 ``lru`` and ``importance`` promote a non-resident page when the summaries' bound
 says it may matter (bound mass at least the uniform share) and it beats the
 weakest resident; at most an eighth of the free budget is swapped per step, which
-keeps a loose bound from churning the set (milestone 2 pays a host→device copy per
+keeps a loose bound from churning the set (a released page costs a host→device copy per
 promotion). The first decode step of a request attends densely: right after
 prefill its whole KV is on the device, and that step's exact masses seed the state.
 
@@ -231,7 +231,7 @@ class RequestHotSet:
 
         Args:
             attended: bool ``[pages]``, pages attended in at least one layer (plan and
-                guard additions: in milestone 2 both are on the device afterwards).
+                guard additions, the latter possibly read from their host copy).
             masses: ``[pages]`` exact mass of each attended page, averaged over the
                 layers that attended it (importance reduced over heads).
             bound_mass: ``[pages]`` upper bound of each page's mass (largest over layers

@@ -74,8 +74,8 @@ class PoolTiers:
 
 def enable(scheduler: Any) -> None:
     """After ``Scheduler.__init__``: turn release on where the hot set and a host pool are."""
-    params = config_of(scheduler.server_args).hot_set_params()
-    if params is None:
+    config = config_of(scheduler.server_args)
+    if config.hot_set_params() is None:
         return
     tree_cache = scheduler.tree_cache
     if tree_cache.cache_controller is None:
@@ -84,7 +84,7 @@ def enable(scheduler: Any) -> None:
             "are not attended but stay on the device (no host pool to release them to)"
         )
         return
-    RELEASED.enable(PoolTiers(tree_cache), config_of(scheduler.server_args).hot_set_threshold)
+    RELEASED.enable(PoolTiers(tree_cache), config.hot_set_threshold)
     logger.info("hot set releases device pages of requests longer than %d tokens", RELEASED.threshold)
 
 
