@@ -26,6 +26,7 @@ def server_args(**overrides):
         hicache_mem_layout="layer_first",
         hicache_io_backend="kernel",
         hicache_host_memory_fraction=0.8,
+        dtype="auto",
     )
     fields.update(overrides)
     return SimpleNamespace(**fields)
@@ -79,3 +80,37 @@ def test_hicache_keeps_the_ratio_instead_of_sglangs_ram_auto_sizing(platform):
 def test_platform_reports_no_pinned_memory_and_a_string_device(platform):
     assert platform.is_pin_memory_available() is False
     assert platform.get_device(0) == "cpu"
+
+
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        ({"avx2", "fma"}, "float32"),
+        ({"avx2", "avx512f", "avx512_bf16"}, "auto"),
+        ({"amx_tile", "amx_bf16"}, "auto"),
+        ({"fp", "asimd", "bf16"}, "auto"),
+        (set(), "float32"),
+    ],
+)
+def test_dtype_auto_becomes_float32_where_the_cpu_has_no_native_bf16(flags, expected):
+    from sgl_importance.platform.torch_cpu import default_dtype
+
+    assert default_dtype(frozenset(flags)) == expected
+
+
+def test_cpu_flags_are_read_from_x86_and_arm_cpuinfo(tmp_path):
+    from sgl_importance.platform.torch_cpu import cpu_flags
+
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n")
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
+    assert cpu_flags(str(x86)) == {"fpu", "avx2", "avx512_bf16"}
+    assert cpu_flags(str(arm)) == {"fp", "asimd", "bf16"}
+    assert cpu_flags(str(tmp_path / "missing")) == frozenset()
+
+
+def test_an_explicit_dtype_is_kept(platform):
+    args = server_args(dtype="bfloat16")
+    platform.apply_server_args_defaults(args)
+    assert args.dtype == "bfloat16"

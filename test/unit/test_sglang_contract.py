@@ -135,6 +135,16 @@ ATTRIBUTES = [
     ),
     Name(f"{MEM}.allocator.token.TokenToKVPoolAllocator", "free_group", "importance/allocator_reset.py"),
     Name("sglang.srt.layers.radix_attention.RadixAttention", "xai_temperature_len", "attention/triton_backend.py"),
+    *(
+        Name("sglang.srt.layers.radix_attention.RadixAttention", n, "attention/torch_backend.py")
+        for n in ("attn_type", "is_cross_attention", "sliding_window_size", "scaling", "layer_id")
+    ),
+    Name("sglang.srt.layers.radix_attention.AttentionType", "ENCODER_ONLY", "attention/torch_backend.py"),
+    *(
+        Name("sglang.srt.model_executor.forward_batch_info.ForwardBatch", n, "attention/torch_backend.py")
+        for n in ("encoder_lens", "extend_seq_lens", "seq_lens", "req_pool_indices", "out_cache_loc")
+    ),
+    Name(SERVER_ARGS, "dtype", "platform/torch_cpu.py"),
     # SGLang's Mooncake backend, which cache/mooncake_tier.py stores sealed pages through.
     *(Name(f"{MOONCAKE}.MooncakeStore", n, "cache/mooncake_tier.py") for n in ("store", "config_prefix")),
     Name(f"{MOONCAKE}.MooncakeStore", "config", "cache/integrity.py"),

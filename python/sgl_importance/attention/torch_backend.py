@@ -1,6 +1,13 @@
 """importance_torch: SGLang's torch_native attention whose decode records page importance.
 
-Prefill and extend are ``TorchNativeAttnBackend``'s. Decode computes the same
+Prefill and extend compute what ``TorchNativeAttnBackend``'s do, with one change:
+each request's new tokens attend to its cached prefix as queries of their own
+(SDPA with a causal mask offset by the prefix), where torch_native runs SDPA over
+the whole sequence with placeholder queries for the prefix and keeps the tail.
+That costs a request ``new x (prefix + new)`` logits instead of ``(prefix + new)^2``:
+the second chunk of a 4K prompt, or a 16-token question after a cached 8K document,
+no longer pays for attention over the prefix it did not change. Cross-attention,
+encoder-only and sliding-window layers keep torch_native's extend. Decode computes the same
 softmax attention with ``sgl_kernel_ext.decode_importance_reference`` (float32
 arithmetic, the result rounded once to the model dtype, as SDPA does on a CPU), which
 also returns each request's page importance; the backend files it in the process's
@@ -24,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_importance.attention.common import last_attention_layer_id, page_table_for
@@ -80,9 +88,39 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
         save_kv_cache: bool = True,
         **kwargs: Any,
     ) -> torch.Tensor:
-        o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        if _plain_causal(layer) and forward_batch.encoder_lens is None and not kwargs:
+            o = self._extend_causal(q, k, v, layer, forward_batch, save_kv_cache)
+        else:
+            o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         if self.hot_set is not None and save_kv_cache and k is not None and not layer.is_cross_attention:
             self._summarise(layer, forward_batch.out_cache_loc)
+        return o
+
+    def _extend_causal(
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool,
+    ) -> torch.Tensor:
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
+            )
+        o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        extend_causal_attention(
+            q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+            o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            self.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            forward_batch.extend_seq_lens,
+            scaling=layer.scaling,
+        )
         return o
 
     def _summarise(self, layer: RadixAttention, slots: torch.Tensor) -> None:
@@ -195,6 +233,58 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
         # the hot set was not read this step.
         self.page_table.add_layer(result.importance, result.kv_indptr, result.kv_indices)
         return o
+
+
+def _plain_causal(layer: Any) -> bool:
+    """A decoder self-attention layer over the whole sequence (no window, no encoder)."""
+    return (
+        not layer.is_cross_attention
+        and layer.attn_type != AttentionType.ENCODER_ONLY
+        and (layer.sliding_window_size is None or layer.sliding_window_size < 0)
+    )
+
+
+def extend_causal_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    *,
+    scaling: float,
+) -> None:
+    """Causal attention of each request's new tokens over its whole sequence.
+
+    Args:
+        q: ``[new tokens, q_heads, D]``, requests one after another; out: ``[new tokens,
+            q_heads, Dv]``, written in place.
+        k_buffer, v_buffer: the layer's KV pool, the new tokens' KV already stored.
+        req_to_token, req_pool_indices, seq_lens: where each request's sequence lives.
+        extend_seq_lens: new tokens per request (the last ones of its sequence).
+    """
+    gqa = q.shape[1] != k_buffer.shape[1]
+    start = 0
+    for row, seq_len, new in zip(req_pool_indices.tolist(), seq_lens.tolist(), extend_seq_lens.tolist()):
+        if new == 0:
+            continue
+        slots = req_to_token[row, :seq_len].to(torch.int64)
+        qr = q[start : start + new].transpose(0, 1)  # [heads, new, D]
+        kr = k_buffer[slots].transpose(0, 1).to(qr.dtype)
+        vr = v_buffer[slots].transpose(0, 1).to(qr.dtype)
+        prefix = seq_len - new
+        mask = None
+        if prefix:
+            # Query i (absolute position prefix + i) sees keys 0 .. prefix + i.
+            positions = torch.arange(seq_len, device=q.device)
+            mask = positions[None, :] <= (prefix + torch.arange(new, device=q.device))[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qr[None], kr[None], vr[None], attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa
+        )
+        out[start : start + new] = o[0].transpose(0, 1)
+        start += new
 
 
 def _logit_cap(layer: Any) -> float:

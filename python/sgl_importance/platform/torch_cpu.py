@@ -12,6 +12,7 @@ a fast inference path.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from sglang.srt.platforms.cpu import CpuDeviceMixin
@@ -26,6 +27,34 @@ DEFAULT_CHUNKED_PREFILL_SIZE = 2048
 DEFAULT_MAX_RUNNING_REQUESTS = 64
 # SGLang's --hicache-host-memory-fraction default (auto-sizing of the host tier).
 SGLANG_HOST_MEMORY_FRACTION = 0.8
+# CPU flags (/proc/cpuinfo) of a native bfloat16 dot product: x86 AVX512-BF16 or
+# AMX-BF16, Arm's BF16 extension. Without one, torch emulates bf16 matmuls.
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags (x86 ``flags``, Arm ``Features``); empty if unknown."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def default_dtype(flags: frozenset[str]) -> str:
+    """``--dtype`` when the user left it ``auto``: float32 unless bf16 is native.
+
+    A bf16 checkpoint (SmolLM2's) makes ``auto`` bf16, and on a CPU without bf16
+    instructions torch emulates its matmuls: 20 vs 163 GFLOPS for a 2048 x 576 x 1536
+    linear on this project's 2-core AVX2 machines, a 4K-token prefill 54 s vs 14 s.
+    """
+    return "auto" if flags & BF16_CPU_FLAGS else "float32"
 
 
 class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
@@ -61,6 +90,10 @@ class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
             server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
         if server_args.attention_backend is None:
             server_args.attention_backend = self.get_default_attention_backend()
+        if server_args.dtype == "auto":
+            server_args.dtype = default_dtype(cpu_flags())
+            if server_args.dtype != "auto":
+                logger.info("torch_cpu: --dtype %s (this CPU has no native bfloat16 matmul)", server_args.dtype)
         server_args.disable_cuda_graph = True
         if server_args.enable_hierarchical_cache:
             from sgl_importance.platform.host_pool import check_hicache_support
