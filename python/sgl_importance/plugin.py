@@ -17,6 +17,7 @@ imports nothing heavy in processes that never reach them.
 | backends `importance_torch`, `importance_triton` | attention/                    |
 | `--hot-set-*`: hot-set decode in importance_torch | hot_set/, attention/torch_backend.py |
 | hot set: keep long prompts out of the tree, release pages, leave cleanly | scheduler/hot_set_release.py |
+| hot set: a request's own `custom_params.hot_set` (400 if invalid) | prompt_check.py, scheduler/hot_set_requests.py |
 | zero a page's importance when it is freed        | importance/allocator_reset.py |
 | `SGL_IMPORTANCE_DUMP_DIR`: table after each step | importance/page_table.py      |
 | eviction policy `importance` (+ config check)    | cache/strategy.py             |
@@ -87,11 +88,12 @@ async def _handle_request(original: Callable[..., Any], *args: Any) -> Any:
 
 
 def _check_prompt(tokenizer_manager: Any, obj: Any, input_ids: Any) -> None:
-    from sgl_importance.prompt_check import check_before_validation
+    from sgl_importance.prompt_check import check_before_validation, check_hot_set_request
 
     # Before SGLang's own per-prompt checks: every tokenized prompt, on every
     # path, passes here before it is sent to the scheduler.
     check_before_validation(tokenizer_manager, obj, input_ids)
+    check_hot_set_request(tokenizer_manager, obj)
 
 
 def _host_pool_cls(original: Callable[..., type], buffer_info: Any) -> type:
@@ -227,6 +229,12 @@ def _enable_hot_set_release(_result: Any, scheduler: Any, *args: Any, **kwargs: 
     from sgl_importance.scheduler.hot_set_release import enable
 
     enable(scheduler)
+
+
+def _note_hot_set_request(scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> None:
+    from sgl_importance.scheduler.hot_set_requests import note_request
+
+    note_request(scheduler, recv_req)
 
 
 def _reopen_admission(_result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -384,6 +392,11 @@ def load() -> None:
         # Hot-set page release (a pass-through unless the hot set and HiCache are on).
         register("sglang.srt.managers.scheduler.Scheduler.__init__", _enable_hot_set_release, HookType.AFTER)
         register("sglang.srt.managers.scheduler.Scheduler.process_batch_result", _reopen_admission, HookType.AFTER)
+        register(
+            "sglang.srt.managers.scheduler.Scheduler.handle_generate_request",
+            _note_hot_set_request,
+            HookType.BEFORE,
+        )
         register("sglang.srt.mem_cache.common.checkpoint_kv_cache", _checkpoint_unless_released, HookType.AROUND)
         register("sglang.srt.mem_cache.common.release_kv_cache", _release_with_pages, HookType.AROUND)
         register(

@@ -1,5 +1,8 @@
 """Prompts the model cannot read are refused before the scheduler sees them.
 
+(So are per-request hot-set parameters the server cannot honour:
+:func:`check_hot_set_request`.)
+
 SGLang 0.5.23 checks a prompt's length against the context but not its token
 ids, and not that it is empty. A token id outside the embedding table (``-5``,
 ``10**9``) raises ``IndexError`` in the scheduler's forward pass, and an empty
@@ -31,10 +34,14 @@ from typing import Any, Iterator, Optional, Sequence
 PROMPT_FIELD: ContextVar[Optional[str]] = ContextVar("sgl_importance_prompt_field", default=None)
 
 
-class InvalidPromptError(ValueError):
-    """A prompt the model cannot process; SGLang answers it with ``status_code``."""
+class InvalidRequestError(ValueError):
+    """A request the server cannot serve; SGLang answers it with ``status_code``."""
 
     status_code = HTTPStatus.BAD_REQUEST
+
+
+class InvalidPromptError(InvalidRequestError):
+    """A prompt the model cannot process."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"Invalid '{field}': {message}")
@@ -94,3 +101,21 @@ def check_prompt(obj: Any, input_ids: Optional[Sequence[Any]], vocab_size: int) 
 def check_before_validation(tokenizer_manager: Any, obj: Any, input_ids: Optional[Sequence[Any]]) -> None:
     """BEFORE-hook for ``TokenizerManager._validate_one_request(obj, input_ids)``."""
     check_prompt(obj, input_ids, tokenizer_manager.model_config.vocab_size)
+
+
+def check_hot_set_request(tokenizer_manager: Any, obj: Any) -> None:
+    """Raise :class:`InvalidRequestError` (a 400) for bad ``custom_params.hot_set`` values.
+
+    The scheduler parses them again (``scheduler/hot_set_requests.py``); checking here
+    turns a bad value into the caller's error instead of a scheduler failure.
+    """
+    from sgl_importance.config import REQUEST_HOT_SET_KEY, config_of
+
+    sampling = obj.sampling_params
+    custom = sampling.get("custom_params") if isinstance(sampling, dict) else None
+    if not isinstance(custom, dict) or REQUEST_HOT_SET_KEY not in custom:
+        return
+    try:
+        config_of(tokenizer_manager.server_args).request_hot_set_params(custom[REQUEST_HOT_SET_KEY])
+    except ValueError as err:
+        raise InvalidRequestError(str(err)) from None

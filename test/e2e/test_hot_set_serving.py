@@ -127,3 +127,41 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_together(hot_set_serve
     assert delta("finished_reinserted") >= 1
     left_out = len(re.findall(r"hot set: request \S+ leaves \d+ pages on the host", hot_set_server.log()[log_start:]))
     assert delta("finished_uncached") <= left_out
+
+
+def test_a_request_may_choose_its_own_hot_set_and_bad_choices_are_refused(hot_set_server, prompts, dense_outputs):
+    before = scrape(hot_set_server)
+    body = {
+        "input_ids": prompts["exceeds"],
+        "sampling_params": {
+            "max_new_tokens": MAX_NEW,
+            "temperature": 0,
+            "custom_params": {"hot_set": {"policy": "dense"}},
+        },
+    }
+    r = requests.post(hot_set_server.url + "/generate", json=body, timeout=900)
+    r.raise_for_status()
+    # The server's 40-page budget does not apply to this request: it reads every page.
+    assert r.json()["output_ids"] == dense_outputs["exceeds"]
+    after = scrape(hot_set_server)
+
+    def delta(name: str) -> float:
+        key = f"sgl_importance:hot_set_{name}_total"
+        return metric(after, key) - metric(before, key)
+
+    assert delta("steps") == MAX_NEW - 1
+    assert delta("pages_attended") == delta("pages_dense") > 0 and delta("guard_fallbacks") == 0
+    # Invalid values are the caller's 400 on both APIs, naming the key; the server keeps serving.
+    bad = dict(body, sampling_params=dict(body["sampling_params"], custom_params={"hot_set": {"budget": 0}}))
+    r = requests.post(hot_set_server.url + "/generate", json=bad, timeout=60)
+    assert r.status_code == 400 and "custom_params.hot_set.budget 0 is invalid" in r.text, r.text
+    completion = {
+        "model": "SmolLM2-135M-Instruct",
+        "prompt": "Hello",
+        "max_tokens": 2,
+        "custom_params": {"hot_set": {"policy": "sliding"}},
+    }
+    r = requests.post(hot_set_server.url + "/v1/completions", json=completion, timeout=60)
+    assert r.status_code == 400 and "custom_params.hot_set.policy 'sliding' is invalid" in r.text, r.text
+    r = requests.post(hot_set_server.url + "/v1/completions", json=dict(completion, custom_params=None), timeout=300)
+    assert r.status_code == 200

@@ -1,4 +1,5 @@
 import argparse
+import re
 
 import pytest
 
@@ -109,3 +110,31 @@ def test_hot_set_needs_the_importance_torch_decode_backend():
         ]
     )
     assert from_namespace(ok).hot_set_policy == "lru"
+
+
+def test_a_request_may_override_the_servers_hot_set_settings():
+    config = ImportanceConfig(hot_set_policy="importance", hot_set_budget=0.2, hot_set_window=4)
+    params = config.request_hot_set_params({"policy": "quest", "budget": 40, "guard_threshold": 1.0})
+    assert (params.policy, params.budget, params.window, params.guard_threshold) == ("quest", 40, 4, 1.0)
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ({"budget": 1.5}, "custom_params.hot_set.budget 1.5 is invalid"),
+        ({"budget": True}, "custom_params.hot_set.budget True is invalid"),
+        ({"policy": "off"}, "custom_params.hot_set.policy 'off' is invalid; allowed: dense, window"),
+        ({"window": 0}, "custom_params.hot_set.window 0 is invalid"),
+        ({"guard_threshold": 2}, "custom_params.hot_set.guard_threshold 2 is invalid"),
+        ({"threshold": 10}, "custom_params.hot_set has unknown keys ['threshold']"),
+        ("quest", "custom_params.hot_set 'quest' is invalid"),
+    ],
+)
+def test_a_bad_request_hot_set_value_names_the_key_the_value_and_the_range(value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ImportanceConfig(hot_set_policy="importance").request_hot_set_params(value)
+
+
+def test_request_hot_set_settings_need_a_server_with_the_hot_set_on():
+    with pytest.raises(ValueError, match="needs a server started with --hot-set-policy"):
+        ImportanceConfig().request_hot_set_params({"policy": "dense"})

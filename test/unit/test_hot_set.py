@@ -271,3 +271,58 @@ def test_a_finished_request_state_is_dropped():
     decoder.end_step()
     decoder.begin_step(["b"], [slots])
     assert set(decoder.states) == {"b"}
+
+
+def test_a_request_decodes_with_the_parameters_it_chose_and_others_with_the_servers():
+    from sgl_importance.hot_set.request_params import RequestParams
+
+    decoder, slots, k_buf, v_buf, g = make_step(80, "window", budget=3, guard=1.0)
+    chosen = RequestParams()
+    chosen.note("exact", HotSetParams(policy="dense", budget=3, window=1, sinks=1, guard_threshold=1.0))
+    decoder.request_params = chosen
+    q = torch.randn(2, KV_HEADS * GROUP, DIM, generator=g)
+    for _ in range(3):
+        decoder.begin_step(["exact", "server"], [slots, slots])
+        out = decoder.attend(0, q, k_buf, v_buf, sm_scale=DIM**-0.5)
+        decoder.end_step()
+    lengths = (out.kv_indptr[1:] - out.kv_indptr[:-1]).tolist()
+    assert lengths == [80, 2 * PAGE]  # every page; sink + window under the server's policy
+    assert decoder.states["exact"].params.policy == "dense"
+    assert decoder.states["server"].params.policy == "window"
+
+
+def test_request_parameters_are_forgotten_and_bounded():
+    from sgl_importance.hot_set.request_params import RequestParams
+
+    params = HotSetParams(policy="dense")
+    record = RequestParams(capacity=2)
+    for rid in ("a", "b", "c"):
+        record.note(rid, params)
+    assert record.get("a") is None and record.get("c") is params and len(record) == 2
+    record.forget("c")
+    assert record.get("c") is None
+
+
+def test_the_scheduler_notes_a_requests_own_parameters_and_forgets_them_when_it_finishes(monkeypatch):
+    from types import SimpleNamespace
+
+    from sgl_importance.config import ImportanceConfig
+    from sgl_importance.hot_set.request_params import RequestParams
+    from sgl_importance.scheduler import hot_set_requests
+
+    record = RequestParams()
+    monkeypatch.setattr(hot_set_requests, "REQUEST_PARAMS", record)
+    scheduler = SimpleNamespace(server_args=SimpleNamespace(_importance=ImportanceConfig(hot_set_policy="lru")))
+
+    def arrival(rid, custom):
+        return SimpleNamespace(rid=rid, sampling_params=SimpleNamespace(custom_params=custom))
+
+    hot_set_requests.note_request(scheduler, arrival("a", {"hot_set": {"budget": 7}}))
+    hot_set_requests.note_request(scheduler, arrival("b", {"other": 1}))
+    hot_set_requests.note_request(scheduler, arrival("c", None))
+    assert record.get("a").budget == 7 and record.get("a").policy == "lru" and len(record) == 1
+    # Retracted (not finished): it decodes again later with the same parameters.
+    hot_set_requests.forget_request(SimpleNamespace(rid="a", finished=lambda: False))
+    assert record.get("a") is not None
+    hot_set_requests.forget_request(SimpleNamespace(rid="a", finished=lambda: True))
+    assert record.get("a") is None

@@ -145,6 +145,15 @@ ATTRIBUTES = [
         for n in ("encoder_lens", "extend_seq_lens", "seq_lens", "req_pool_indices", "out_cache_loc")
     ),
     Name(SERVER_ARGS, "dtype", "platform/torch_cpu.py"),
+    # Per-request hot-set parameters (prompt_check.py, scheduler/hot_set_requests.py).
+    Name("sglang.srt.managers.io_struct.GenerateReqInput", "sampling_params", "prompt_check.py"),
+    *(
+        Name("sglang.srt.managers.io_struct.TokenizedGenerateReqInput", n, "scheduler/hot_set_requests.py")
+        for n in ("rid", "sampling_params")
+    ),
+    Name("sglang.srt.sampling.sampling_params.SamplingParams", "custom_params", "scheduler/hot_set_requests.py"),
+    Name(REQ, "finished", "scheduler/hot_set_requests.py"),
+    Name(SCHEDULER, "server_args", "scheduler/hot_set_requests.py"),
     # SGLang's Mooncake backend, which cache/mooncake_tier.py stores sealed pages through.
     *(Name(f"{MOONCAKE}.MooncakeStore", n, "cache/mooncake_tier.py") for n in ("store", "config_prefix")),
     Name(f"{MOONCAKE}.MooncakeStore", "config", "cache/integrity.py"),
@@ -222,6 +231,7 @@ HOOK_TARGETS = [
     f"{MEM}.allocator.token.TokenToKVPoolAllocator.clear",
     "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
     "sglang.srt.managers.scheduler.Scheduler.__init__",
+    "sglang.srt.managers.scheduler.Scheduler.handle_generate_request",
     "sglang.srt.mem_cache.common.checkpoint_kv_cache",
     "sglang.srt.mem_cache.common.release_kv_cache",
     "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.free_kv_row",

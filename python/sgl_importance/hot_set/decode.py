@@ -33,6 +33,7 @@ import torch
 
 from sgl_importance.hot_set.guard import pages_to_add
 from sgl_importance.hot_set.release import RELEASED, Released, RequestPages
+from sgl_importance.hot_set.request_params import REQUEST_PARAMS, RequestParams
 from sgl_importance.hot_set.selection import HotSetCounts, HotSetParams, RequestHotSet
 from sgl_importance.hot_set.summaries import PageSummaries, key_bound
 from sgl_kernel_ext import decode_importance_reference
@@ -96,6 +97,8 @@ class HotSetDecoder:
         threshold: requests longer than this many tokens use the hot set.
         released: the process's release record (``release.RELEASED``); requests it
             admitted give back device pages outside their hot set.
+        request_params: parameters requests chose for themselves
+            (``request_params.REQUEST_PARAMS``); others decode with ``params``.
     """
 
     def __init__(
@@ -106,8 +109,10 @@ class HotSetDecoder:
         page_size: int,
         threshold: int,
         released: Released = RELEASED,
+        request_params: RequestParams = REQUEST_PARAMS,
     ) -> None:
         self.params = params
+        self.request_params = request_params
         self.summaries = summaries
         self.page_size = page_size
         self.threshold = threshold
@@ -145,7 +150,10 @@ class HotSetDecoder:
                 self.tracked.pop(rid, None)
                 self._live.append(_Live(req_slots, None))
                 continue
-            tracked = self.tracked.setdefault(rid, _Tracked(RequestHotSet(self.params)))
+            tracked = self.tracked.get(rid)
+            if tracked is None:
+                params = self.request_params.get(rid) or self.params
+                tracked = self.tracked[rid] = _Tracked(RequestHotSet(params))
             pages = None
             if rows is not None and self.released.enabled:
                 pages = self.released.pages_of(rid, rows[i], ps)
@@ -240,7 +248,8 @@ class HotSetDecoder:
                 outside[pages] = False
                 out_idx = torch.nonzero(outside).flatten()
                 lse = result.lse[0]
-                add = pages_to_add(bounds[out_idx], live.tokens[out_idx], lse, self.params.guard_threshold)
+                guard = tracked.state.params.guard_threshold
+                add = pages_to_add(bounds[out_idx], live.tokens[out_idx], lse, guard)
                 if add.numel():
                     live.guarded[out_idx[add]] = True
                     pages = torch.sort(torch.cat((pages, out_idx[add]))).values

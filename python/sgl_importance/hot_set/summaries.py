@@ -123,20 +123,22 @@ def key_bound(
     """``sm_scale * sum_d max(q_d min_d, q_d max_d)`` per page and query head.
 
     Args:
-        q: ``[q_heads, D]``; key_min, key_max: ``[P, kv_heads, D]``.
+        q: ``[..., q_heads, D]``; key_min, key_max: ``[..., P, kv_heads, D]`` (the same
+            leading dimensions: one request, or a batch of requests).
 
     Returns:
-        ``[P, q_heads]`` in float32 (or ``compute_dtype``).
+        ``[..., P, q_heads]`` in float32 (or ``compute_dtype``).
     """
     dtype = compute_dtype or torch.float32
-    num_q_heads, head_dim = q.shape
-    num_kv_heads = key_min.shape[1]
-    qg = q.to(dtype).view(num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    num_q_heads, head_dim = q.shape[-2:]
+    num_pages, num_kv_heads = key_min.shape[-3:-1]
+    lead = q.shape[:-2]
+    qg = q.to(dtype).reshape(*lead, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     # The positive part of q meets the largest key value, the negative part the
     # smallest: the maximum of the bilinear form over the box [min, max].
-    upper = torch.einsum("hgd,phd->phg", qg.clamp(min=0), key_max.to(dtype))
-    upper += torch.einsum("hgd,phd->phg", qg.clamp(max=0), key_min.to(dtype))
-    upper = upper.reshape(key_min.shape[0], num_q_heads) * sm_scale
+    upper = torch.einsum("...hgd,...phd->...phg", qg.clamp(min=0), key_max.to(dtype))
+    upper += torch.einsum("...hgd,...phd->...phg", qg.clamp(max=0), key_min.to(dtype))
+    upper = upper.reshape(*lead, num_pages, num_q_heads) * sm_scale
     if logit_cap > 0:
         # tanh is increasing, so capping the bound bounds the capped logits.
         upper = logit_cap * torch.tanh(upper / logit_cap)

@@ -28,6 +28,7 @@ import torch
 
 from sgl_importance.config import config_of
 from sgl_importance.hot_set.release import RELEASED, RequestPages, subtract_pages
+from sgl_importance.scheduler.hot_set_requests import forget_request
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ def checkpoint_unless_released(original: Callable[..., Any], req: Any, tree_cach
 
 def release_with_pages(original: Callable[..., Any], req: Any, tree_cache: Any, *, checkpoint: bool) -> Any:
     """Around ``release_kv_cache``: bring released pages back or keep them out of the free."""
+    forget_request(req)
     if not RELEASED.admitted(req.rid):
         return original(req, tree_cache, checkpoint=checkpoint)
     pages = RELEASED.peek(req.rid)
