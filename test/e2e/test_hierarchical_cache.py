@@ -38,7 +38,7 @@ def run_round_trip(server) -> None:
     assert output_ids_and_logprobs(from_host)[0] == reference[0]
     assert output_ids_and_logprobs(from_host)[1] == pytest.approx(reference[1], abs=1e-6)
 
-    r = requests.post(server.url + "/flush_cache", timeout=60)
+    r = requests.post(server.url + "/flush_cache", params={"timeout": 60}, timeout=120)
     assert r.status_code == 200, r.text
     from_storage = server.generate(document(0))
     details = from_storage["meta_info"]["cached_tokens_details"]

@@ -98,7 +98,7 @@ def run_workload(server, prompts, tiered: bool = True, read_metrics: bool = Fals
         if read_metrics:
             metrics = requests.get(server.url + "/metrics", timeout=60).text
         if tiered:
-            r = requests.post(server.url + "/flush_cache", timeout=60)
+            r = requests.post(server.url + "/flush_cache", params={"timeout": 60}, timeout=120)
             assert r.status_code == 200, r.text
             for name, ids, n in from_storage:
                 details = generate_ids(server, ids, n)["meta_info"].get("cached_tokens_details") or {}
