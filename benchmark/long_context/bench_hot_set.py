@@ -44,6 +44,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional
 
 import requests
 
@@ -131,7 +132,7 @@ def config_grid(a) -> list[dict]:
         for budget in a.budgets:
             grid.append({"policy": policy, "budget": budget, "guard_threshold": 1.0})
     for policy in a.guard_policies:
-        for budget in a.budgets:
+        for budget in a.guard_budgets:
             grid.append({"policy": policy, "budget": budget, "guard_threshold": GUARD_DEFAULT})
     return grid
 
@@ -172,17 +173,26 @@ def main() -> None:
     ap.add_argument("--budgets", default="0.1,0.2,0.3", help="fractions of the request's pages")
     ap.add_argument("--policies", default="window,quest,lru,importance", help="decoded with the guard off")
     ap.add_argument("--guard-policies", default="importance", help="decoded with the default guard (0.1)")
+    ap.add_argument("--guard-budgets", default="0.2", help="budgets of the --guard-policies")
     ap.add_argument("--n", type=int, default=50, help="trials per task and length")
     ap.add_argument("--threshold", type=int, default=1024, help="--hot-set-threshold")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
+    ap.add_argument("--report", action="store_true", help="only rewrite RESULTS.md and the plot from trials.jsonl")
     a = ap.parse_args()
     a.policies = [p for p in a.policies.split(",") if p]
     a.guard_policies = [p for p in a.guard_policies.split(",") if p]
     a.budgets = [float(x) for x in a.budgets.split(",")]
+    a.guard_budgets = [float(x) for x in a.guard_budgets.split(",")]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     journal = out / "trials.jsonl"
+    command_file = out / "command.txt"
+    if a.report:
+        rows = [json.loads(line) for line in journal.read_text().splitlines()]
+        write_results(rows, command_file.read_text().strip(), None, out)
+        return
+    command_file.write_text("python benchmark/long_context/bench_hot_set.py " + shlex.join(sys.argv[1:]) + "\n")
     done = set()
     if journal.exists():
         for line in journal.read_text().splitlines():
@@ -196,6 +206,9 @@ def main() -> None:
     for task in a.tasks.split(","):
         lengths = a.adversarial_lengths if task == "adversarial" else a.lengths
         trials += make_trials(tokenizer, task, [int(x) for x in lengths.split(",")], a.n, a.seed)
+    # Trial 0 of every (task, length), then trial 1, ...: a run stopped early still
+    # covers every cell.
+    trials.sort(key=lambda t: t["trial"])
     grid = [{"policy": "dense", "budget": 1.0, "guard_threshold": 1.0}] + config_grid(a)
     todo = sum((t["task"], t["length"], t["trial"], config_key(c)) not in done for t in trials for c in grid)
     print(f"{len(trials)} trials x {len(grid)} configurations; {todo} requests to run", flush=True)
@@ -203,7 +216,7 @@ def main() -> None:
     longest = max(len(t["ids"]) for t in trials)
     args = [
         "--page-size", str(PAGE), "--attention-backend", "importance_torch", "--enable-metrics",
-        "--context-length", "8192", "--max-total-tokens", str(3 * longest + 4096),
+        "--context-length", "8192", "--max-total-tokens", str(6 * longest),
         "--hot-set-policy", "importance", "--hot-set-threshold", str(a.threshold),
     ]  # fmt: skip
     started, ran = time.time(), 0
@@ -231,8 +244,7 @@ def main() -> None:
     finally:
         server.stop()
     rows = [json.loads(line) for line in journal.read_text().splitlines()]
-    command = "python benchmark/long_context/bench_hot_set.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
-    write_results(rows, command.strip(), (time.time() - started) / 60, out)
+    write_results(rows, command_file.read_text().strip(), (time.time() - started) / 60, out)
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -254,7 +266,7 @@ def _order(config: str) -> tuple:
     return (1, "guard" in guard and "no" not in guard, policy, float(budget))
 
 
-def write_results(rows: list[dict], command: str, minutes: float, out: Path) -> None:
+def write_results(rows: list[dict], command: str, minutes: Optional[float], out: Path) -> None:
     cells = summarise(rows)
     sections = []
     for task in TASKS:
@@ -284,7 +296,9 @@ def write_results(rows: list[dict], command: str, minutes: float, out: Path) -> 
     print(text)
     (out / "RESULTS.md").write_text(
         "# Hot set: retrieval quality (bench_hot_set.py)\n\n"
-        f"Command (this invocation took {minutes:.0f} min):\n\n```\n{command}\n```\n\n"
+        "Command"
+        + (f" (its last invocation took {minutes:.0f} min)" if minutes is not None else "")
+        + f":\n\n```\n{command}\n```\n\n"
         "Greedy; page size 16; hot set for requests past the threshold; guard fallbacks are per "
         "hot-set step (the first, dense step excluded); pages read count every layer of every "
         "step, the first dense step included.\n\n" + text + "\n"

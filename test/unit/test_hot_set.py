@@ -51,6 +51,27 @@ def test_bound_is_at_least_every_logit_of_the_page(seed, logit_cap):
     assert torch.allclose(one[0], logits[0].reshape(-1), atol=1e-5)
 
 
+def test_summaries_written_a_prompt_then_a_token_per_request_at_a_time_are_each_pages_min_and_max():
+    g = torch.Generator().manual_seed(7)
+    summaries = PageSummaries(1, 32, KV_HEADS, DIM, page_size=PAGE)
+    keys = torch.randn(5 * 24, KV_HEADS, DIM, generator=g)
+    # Two requests: a prompt of 18 tokens each (pages 2.. and 20..), then one decode
+    # token per request per step, in the order the batch writes them.
+    starts = (2 * PAGE, 20 * PAGE)
+    written = {start: list(range(start, start + 18)) for start in starts}
+    summaries.update(0, torch.tensor(written[starts[0]] + written[starts[1]]), keys[:36])
+    store = dict(zip(written[starts[0]] + written[starts[1]], keys[:36]))
+    for step in range(6):
+        slots = [start + 18 + step for start in reversed(starts)]
+        batch = keys[36 + 2 * step : 38 + 2 * step]
+        summaries.update(0, torch.tensor(slots), batch)
+        store.update(zip(slots, batch))
+    for page in sorted({slot // PAGE for slot in store}):
+        page_keys = torch.stack([k for slot, k in store.items() if slot // PAGE == page])
+        assert torch.equal(summaries.key_min[0, page], page_keys.amin(0))
+        assert torch.equal(summaries.key_max[0, page], page_keys.amax(0))
+
+
 def test_a_page_written_again_from_its_first_slot_forgets_its_old_keys():
     big = torch.full((PAGE, KV_HEADS, DIM), 100.0)
     summaries = summaries_with(big, torch.arange(PAGE, 2 * PAGE))
