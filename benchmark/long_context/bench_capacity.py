@@ -4,8 +4,10 @@ Each configuration gets a fresh ``python -m sglang.launch_server`` on torch_cpu 
 ``importance_torch``, HiCache's host pool (``--enable-hierarchical-cache``), the
 same device pool (``--max-total-tokens``) and ``--decode-log-interval 1``, so that
 every decode step logs its running requests. All configurations see the same
-prompts: ``--requests`` distinct essay slices of ``--length`` tokens, sent at once,
-``--max-new`` greedy tokens each (``ignore_eos``).
+prompts, distinct essay slices of ``--length`` tokens: one alone (batch 1), then,
+after ``/flush_cache`` (a concurrent request matching a cached prompt would pin that
+prefix on the device), ``--requests`` more sent at once, ``--max-new`` greedy tokens
+each (``ignore_eos``).
 
 Per configuration it reports the most requests decoding in one step (from the
 server log), the wall time for all of them, and decode tokens/s: the median of the
@@ -62,10 +64,14 @@ def run_config(name: str, extra: list[str], prompts: list[list[int]], a, out: Pa
             r.raise_for_status()
             return r.json()
 
-        generate(prompts[0][: a.length // 2])  # warm-up, not measured
+        solo_prompt, prompts = prompts[0], prompts[1:]
+        generate(solo_prompt[: a.length // 2])  # warm-up, not measured
         mark = len(server.log())
-        generate(prompts[0])  # batch 1
+        generate(solo_prompt)  # batch 1, a prompt the concurrent requests do not share
         solo = _decode_lines(server.log()[mark:])
+        # Empty the tree: a concurrent request matching a cached prompt would keep
+        # that prefix on the device (shared pages are never released).
+        requests.post(server.url + "/flush_cache", params={"timeout": 60}, timeout=120).raise_for_status()
         mark = len(server.log())
         start = time.time()
         with ThreadPoolExecutor(len(prompts)) as pool:
@@ -95,8 +101,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device-tokens", type=int, default=4096, help="--max-total-tokens of every server")
     p.add_argument("--length", type=int, default=1500, help="prompt tokens")
-    p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--max-new", type=int, default=32)
+    p.add_argument("--requests", type=int, default=12, help="sent at once")
+    p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--budget", type=float, default=0.2)
     p.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench_capacity_")))
     a = p.parse_args()
@@ -105,8 +111,9 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model_path())
     filler = tokenizer(essay_text(), add_special_tokens=False)["input_ids"]
-    stride = (len(filler) - a.length) // a.requests
-    prompts = [filler[i * stride : i * stride + a.length] for i in range(a.requests)]
+    # One prompt for the batch-1 measurement, then the concurrent ones; all distinct.
+    stride = (len(filler) - a.length) // (a.requests + 1)
+    prompts = [filler[i * stride : i * stride + a.length] for i in range(a.requests + 1)]
     started = time.time()
     rows = [run_config(name, extra, prompts, a, a.out) for name, extra in configs(a.budget).items()]
     write_results(rows, a, (time.time() - started) / 60, a.out)
