@@ -22,8 +22,10 @@ pages read against what dense attention would read. The grid: ``--policies`` x
 ``--budgets`` with the guard off (``1.0``: the policies' own selection), plus
 ``--guard-policies`` x ``--budgets`` with the server's default guard.
 
-Results go to ``--out``: ``trials.jsonl`` (one line per request; a re-run with the
-same arguments skips what is there, so an interrupted run resumes), RESULTS.md
+Results go to ``--out``: ``trials*.jsonl`` (one line per request; a re-run with the
+same arguments skips what is there, so an interrupted run resumes; ``--shard i/n``
+runs every n-th trial, so n processes, each with its own server and journal
+``trials-i.jsonl``, can share the grid), RESULTS.md
 (tables and the command) and hot_set_accuracy.png.
 
     python benchmark/long_context/bench_hot_set.py --out /tmp/bench_hot_set             # full grid, hours
@@ -178,7 +180,8 @@ def main() -> None:
     ap.add_argument("--threshold", type=int, default=1024, help="--hot-set-threshold")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
-    ap.add_argument("--report", action="store_true", help="only rewrite RESULTS.md and the plot from trials.jsonl")
+    ap.add_argument("--report", action="store_true", help="only rewrite RESULTS.md and the plot from trials*.jsonl")
+    ap.add_argument("--shard", default="0/1", help="i/n: run the trials whose index is i modulo n")
     a = ap.parse_args()
     a.policies = [p for p in a.policies.split(",") if p]
     a.guard_policies = [p for p in a.guard_policies.split(",") if p]
@@ -186,18 +189,22 @@ def main() -> None:
     a.guard_budgets = [float(x) for x in a.guard_budgets.split(",")]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    journal = out / "trials.jsonl"
+    shard, shards = (int(x) for x in a.shard.split("/"))
+    journal = out / ("trials.jsonl" if shards == 1 else f"trials-{shard}.jsonl")
     command_file = out / "command.txt"
     if a.report:
-        rows = [json.loads(line) for line in journal.read_text().splitlines()]
-        write_results(rows, command_file.read_text().strip(), None, out)
+        write_results(read_journals(out), command_file.read_text().strip(), None, out)
         return
-    command_file.write_text("python benchmark/long_context/bench_hot_set.py " + shlex.join(sys.argv[1:]) + "\n")
+    # The grid's command, whichever shard wrote it.
+    argv = sys.argv[1:]
+    if "--shard" in argv:
+        i = argv.index("--shard")
+        argv = argv[:i] + argv[i + 2 :]
+    argv = [x for x in argv if not x.startswith("--shard=")]
+    command_file.write_text("python benchmark/long_context/bench_hot_set.py " + shlex.join(argv) + "\n")
     done = set()
-    if journal.exists():
-        for line in journal.read_text().splitlines():
-            row = json.loads(line)
-            done.add((row["task"], row["length"], row["trial"], row["config"]))
+    for row in read_journals(out):
+        done.add((row["task"], row["length"], row["trial"], row["config"]))
     model = model_path()
     from transformers import AutoTokenizer
 
@@ -209,6 +216,7 @@ def main() -> None:
     # Trial 0 of every (task, length), then trial 1, ...: a run stopped early still
     # covers every cell.
     trials.sort(key=lambda t: t["trial"])
+    trials = [t for t in trials if t["trial"] % shards == shard]
     grid = [{"policy": "dense", "budget": 1.0, "guard_threshold": 1.0}] + config_grid(a)
     todo = sum((t["task"], t["length"], t["trial"], config_key(c)) not in done for t in trials for c in grid)
     print(f"{len(trials)} trials x {len(grid)} configurations; {todo} requests to run", flush=True)
@@ -243,8 +251,11 @@ def main() -> None:
                 )
     finally:
         server.stop()
-    rows = [json.loads(line) for line in journal.read_text().splitlines()]
-    write_results(rows, command_file.read_text().strip(), (time.time() - started) / 60, out)
+    write_results(read_journals(out), command_file.read_text().strip(), (time.time() - started) / 60, out)
+
+
+def read_journals(out: Path) -> list[dict]:
+    return [json.loads(line) for path in sorted(out.glob("trials*.jsonl")) for line in path.read_text().splitlines()]
 
 
 def summarise(rows: list[dict]) -> dict:
