@@ -133,24 +133,32 @@ def main(argv=None):
                     if device == "cuda":
                         torch.cuda.empty_cache()
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = {
+    meta = run_meta(torch, device, args, dtype=args.dtype, copy_gbps=copy_gbps)
+    write_outputs(args.out, rows, meta, markdown_table(rows, meta), plot, "results.png")
+
+
+def run_meta(torch, device: str, args, **extra) -> dict:
+    """What a results file says about the run: device, versions, graph replay, time."""
+    return {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (TRITON_INTERPRET=1, smoke)",
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
-        "dtype": args.dtype,
         "cuda_graph": device == "cuda" and not args.no_cuda_graph,
-        "copy_gbps": copy_gbps,
         "smoke": args.smoke,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **extra,
     }
-    table = markdown_table(rows, meta)
-    (args.out / "results.md").write_text(table)
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
-    plot(rows, meta, args.out / "results.png")
+
+
+def write_outputs(out: Path, rows: list, meta: dict, table: str, plot_fn, png: str) -> None:
+    """results.md (the table, also printed), results.json (meta + rows) and the plot."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(table)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+    plot_fn(rows, meta, out / png)
     print()
     print(table)
-    print(f"wrote {args.out}/results.md, results.json, results.png")
+    print(f"wrote {out}/results.md, results.json, {png}")
 
 
 def estimate_bytes(bs, ctx, page_size, q_heads, kv_heads, head_dim, itemsize):

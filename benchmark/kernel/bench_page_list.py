@@ -24,17 +24,16 @@ results_page_list.png into --out. See README.md beside this file.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import MODELS, CpuTimer, CudaTimer, as_graph, build_batch  # noqa: E402
+from bench_decode import MODELS, CpuTimer, CudaTimer, as_graph, build_batch, run_meta, write_outputs  # noqa: E402
 
 SINKS, WINDOW = 1, 4
 
@@ -152,24 +151,8 @@ def main(argv=None):
                 del q, k, v, key_min, key_max
                 if device == "cuda":
                     torch.cuda.empty_cache()
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (TRITON_INTERPRET=1, smoke)",
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "dtype": "bf16",
-        "cuda_graph": device == "cuda" and not args.no_cuda_graph,
-        "h2d_gbps": h2d_gbps,
-        "smoke": args.smoke,
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-    table = markdown_table(rows, meta)
-    (args.out / "results.md").write_text(table)
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
-    plot(rows, meta, args.out / "results_page_list.png")
-    print()
-    print(table)
-    print(f"wrote {args.out}/results.md, results.json, results_page_list.png")
+    meta = run_meta(torch, device, args, dtype="bf16", h2d_gbps=h2d_gbps)
+    write_outputs(args.out, rows, meta, markdown_table(rows, meta), plot, "results_page_list.png")
 
 
 def bench_one(torch, args, timer, device, model, bs, ctx, budget, q, k, v, indptr, indices, key_min, key_max,
