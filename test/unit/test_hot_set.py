@@ -161,11 +161,36 @@ def test_dense_policy_attends_every_page_whatever_the_budget():
     assert state.plan(20)[0].numel() == 20
 
 
-def test_quest_policy_takes_the_largest_bounds():
-    bound = torch.zeros(20)
-    bound[[4, 9, 13]] = torch.tensor([0.3, 0.9, 0.5])
-    state = warm("quest", budget=5, bound=bound)
-    assert state.plan(20)[0].tolist() == [0, 9, 13, 18, 19]
+def test_quest_keeps_every_page_on_the_device_and_takes_each_layers_largest_bounds():
+    from sgl_importance.hot_set.selection import quest_layer_pages
+
+    state = warm("quest", budget=5)
+    assert state.plan(20)[0].numel() == 20  # nothing released: Quest keeps all KV
+    bounds = torch.zeros(20, 3)
+    bounds[4, 0], bounds[9, 2], bounds[13, 1], bounds[19, 0] = 0.3, 0.9, 0.5, 5.0
+    assert quest_layer_pages(bounds, state.params).tolist() == [0, 9, 13, 18, 19]
+
+
+def test_quest_attends_per_layer_what_that_layers_query_bounds_highest():
+    decoder, slots, k_buf, v_buf, g = make_step(80, "quest", budget=3, guard=1.0)
+    # Small keys everywhere but two pages, whose keys point along two different axes.
+    k_buf.mul_(0.01)
+    targets = {5: 0, 11: 1}
+    for page, axis in targets.items():
+        k_buf[slots[page * PAGE : (page + 1) * PAGE], :, axis] = 3.0
+    decoder.summaries.update(0, slots, k_buf[slots])
+    decoder.begin_step(["r"], [slots])
+    decoder.attend(0, torch.randn(1, KV_HEADS * GROUP, DIM, generator=g), k_buf, v_buf, sm_scale=DIM**-0.5)
+    decoder.end_step()  # the dense first step
+    decoder.begin_step(["r"], [slots])
+    picked = []
+    for page, axis in targets.items():  # two queries of one step, as two layers would ask
+        q = torch.zeros(1, KV_HEADS * GROUP, DIM)
+        q[..., axis] = 1.0
+        out = decoder.attend(0, q, k_buf, v_buf, sm_scale=DIM**-0.5)
+        picked.append(set((out.kv_indices // PAGE).tolist()))
+        assert int(slots[page * PAGE]) // PAGE in picked[-1]
+    assert picked[0] != picked[1] and len(picked[0]) == 3  # sink + window + the query's page
 
 
 def test_importance_policy_keeps_the_pages_with_most_mass_and_counts_hits():

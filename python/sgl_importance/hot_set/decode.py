@@ -34,7 +34,7 @@ import torch
 from sgl_importance.hot_set.guard import pages_to_add
 from sgl_importance.hot_set.release import RELEASED, Released, RequestPages
 from sgl_importance.hot_set.request_params import REQUEST_PARAMS, RequestParams
-from sgl_importance.hot_set.selection import HotSetCounts, HotSetParams, RequestHotSet
+from sgl_importance.hot_set.selection import HotSetCounts, HotSetParams, RequestHotSet, quest_layer_pages
 from sgl_importance.hot_set.summaries import PageSummaries, key_bound
 from sgl_kernel_ext import decode_importance_reference
 
@@ -235,8 +235,6 @@ class HotSetDecoder:
                 result = _attend(qb, k_buffer, v_buffer, slots, **run)
             else:
                 tracked = live.tracked
-                pages = live.planned
-                result, slots = self._attend_pages(layer_id, qb, k_buffer, v_buffer, live, pages, run)
                 bounds = key_bound(
                     q[b],
                     tracked.key_min[layer_id],
@@ -244,12 +242,16 @@ class HotSetDecoder:
                     sm_scale=sm_scale,
                     logit_cap=logit_cap,
                 )
+                params = tracked.state.params
+                pages = live.planned
+                if params.policy == "quest" and live.counts.warmups == 0:
+                    pages = quest_layer_pages(bounds, params)
+                result, slots = self._attend_pages(layer_id, qb, k_buffer, v_buffer, live, pages, run)
                 outside = torch.ones(live.tokens.numel(), dtype=torch.bool)
                 outside[pages] = False
                 out_idx = torch.nonzero(outside).flatten()
                 lse = result.lse[0]
-                guard = tracked.state.params.guard_threshold
-                add = pages_to_add(bounds[out_idx], live.tokens[out_idx], lse, guard)
+                add = pages_to_add(bounds[out_idx], live.tokens[out_idx], lse, params.guard_threshold)
                 if add.numel():
                     live.guarded[out_idx[add]] = True
                     pages = torch.sort(torch.cat((pages, out_idx[add]))).values

@@ -7,8 +7,10 @@ baselines and the importance hot set run the same code:
 
 - ``dense``: every page (the reference the others are measured against);
 - ``window``: sinks and window only (StreamingLLM, Xiao et al. 2023);
-- ``quest``: the pages of largest bound mass in the previous step (Quest, Tang et
-  al. 2024: rank by the key min/max bound, all KV on the device);
+- ``quest``: Quest (Tang et al. 2024): every layer attends the pages whose key
+  min/max bound is largest for *that layer's current query* (``quest_layer_pages``,
+  called by the decoder per layer); all KV stays on the device, so the step's plan is
+  every page (nothing is released);
 - ``lru``: a resident set kept across steps; residents that the last step did not
   use (mass below the uniform share ``1 / pages``) are demoted first;
 - ``importance``: the same resident set, demoted by persistent importance: the
@@ -173,10 +175,12 @@ class RequestHotSet:
         else:
             fixed = fixed_mask(num_pages, p.sinks, p.window)
             slots = max(0, p.budget_pages(num_pages) - int(fixed.sum()))
-            if p.policy == "window" or slots == 0:
+            if p.policy == "quest":
+                # Chosen per layer from the current query (quest_layer_pages); the
+                # step keeps every page on the device.
+                selected = torch.ones(num_pages, dtype=torch.bool)
+            elif p.policy == "window" or slots == 0:
                 selected = fixed
-            elif p.policy == "quest":
-                selected = fixed | self._top(~fixed, self.bound_mass, slots)
             else:
                 selected = fixed | self._resident_set(fixed, slots, num_pages)
         existed = torch.arange(num_pages) < previous
@@ -185,14 +189,6 @@ class RequestHotSet:
         counts.hits = int((selected & was).sum())
         self.resident = selected.clone()
         return torch.nonzero(selected).flatten(), counts
-
-    @staticmethod
-    def _top(eligible: torch.Tensor, key: torch.Tensor, k: int) -> torch.Tensor:
-        idx = torch.nonzero(eligible).flatten()
-        best = idx[torch.argsort(key[idx], descending=True, stable=True)[:k]]
-        mask = torch.zeros_like(eligible)
-        mask[best] = True
-        return mask
 
     def _resident_set(self, fixed: torch.Tensor, slots: int, num_pages: int) -> torch.Tensor:
         importance = self.params.policy == "importance"
@@ -247,3 +243,25 @@ class RequestHotSet:
         self.last_use[used] = self.step
         self.bound_mass = bound_mass.double().clone()
         self.resident |= attended
+
+
+def quest_layer_pages(bounds: torch.Tensor, params: HotSetParams) -> torch.Tensor:
+    """Quest's pages for one layer: sinks, window and the largest bounds for the current query.
+
+    Args:
+        bounds: ``[pages, q_heads]`` logit bounds of the request's pages for this layer's
+            query (``summaries.key_bound``); a page's rank is its largest over heads
+            (a page any head may need).
+        params: the request's policy settings (budget, sinks, window).
+
+    Returns:
+        Logical pages, ascending.
+    """
+    num_pages = bounds.shape[0]
+    fixed = fixed_mask(num_pages, params.sinks, params.window)
+    slots = max(0, params.budget_pages(num_pages) - int(fixed.sum()))
+    rank = bounds.amax(dim=1).masked_fill(fixed, float("-inf"))
+    chosen = fixed.clone()
+    if slots:
+        chosen[torch.topk(rank, min(slots, int((~fixed).sum())), sorted=False).indices] = True
+    return torch.nonzero(chosen).flatten()
