@@ -5,7 +5,9 @@ every layer of a step. SGLang stores all layers of a page in one physical page, 
 what a device can hold — and what ``release.py`` gives back and copies in — is a
 page across all layers; a per-layer set would need per-layer residency. Each layer
 still checks its own query against the page summaries (the guard), so a page one
-layer needs is added for that layer, never missed.
+layer needs is added for that layer, never missed. The ``quest`` baseline is the
+exception: it keeps every page on the device, as Quest does, and picks each layer's
+pages from that layer's query (``selection.quest_layer_pages``).
 
 ``HotSetDecoder`` is driven by an attention backend: ``begin_step`` once per decode
 batch with each request's token slots, ``attend`` once per layer, ``end_step``
