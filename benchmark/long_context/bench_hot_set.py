@@ -258,13 +258,33 @@ def read_journals(out: Path) -> list[dict]:
     return [json.loads(line) for path in sorted(out.glob("trials*.jsonl")) for line in path.read_text().splitlines()]
 
 
-def summarise(rows: list[dict]) -> dict:
-    """(task, length, config) -> accuracy and counters summed over trials."""
+def complete_trials(rows: list[dict]) -> tuple[list[dict], int]:
+    """The rows of trials every configuration finished, and how many trials were partial.
+
+    Comparisons with dense are paired (same prompt), so a trial cut short by an
+    interrupted run counts for none of its configurations."""
+    trials: dict = defaultdict(list)
+    for r in rows:
+        trials[(r["task"], r["length"], r["trial"])].append(r)
+    configs: dict = defaultdict(set)
+    for (task, _, _), group in trials.items():
+        configs[task] |= {r["config"] for r in group}
+    kept = [g for (task, _, _), g in trials.items() if {r["config"] for r in g} == configs[task]]
+    return [r for g in kept for r in g], len(trials) - len(kept)
+
+
+def summarise(rows: list[dict], *, pool_lengths: bool = False) -> dict:
+    """(task, length, config) -> correct answers, dense's hits kept, counters, summed over
+    trials; with ``pool_lengths`` the length is ``"all"``."""
+    dense_correct = {(r["task"], r["length"], r["trial"]): r["correct"] for r in rows if r["config"] == "dense"}
     cells: dict = defaultdict(lambda: defaultdict(float))
     for r in rows:
-        c = cells[(r["task"], r["length"], r["config"])]
+        c = cells[(r["task"], "all" if pool_lengths else r["length"], r["config"])]
+        dense_hit = dense_correct.get((r["task"], r["length"], r["trial"]), False)
         c["n"] += 1
         c["correct"] += r["correct"]
+        c["dense_hits"] += dense_hit
+        c["kept"] += dense_hit and r["correct"]
         for k in COUNTERS:
             c[k] += r[k]
     return cells
@@ -277,32 +297,45 @@ def _order(config: str) -> tuple:
     return (1, "guard" in guard and "no" not in guard, policy, float(budget))
 
 
+HEADER = (
+    "| length | configuration | correct | accuracy | vs dense | dense's hits kept "
+    "| guard fallbacks / step | pages read / dense |"
+)
+
+
+def _table_lines(cells: dict, task: str) -> list[str]:
+    keys = sorted(
+        {(length, config) for (t, length, config) in cells if t == task}, key=lambda k: (str(k[0]), _order(k[1]))
+    )
+    lines = [HEADER, "|---|---|---|---|---|---|---|---|"]
+    for length, config in keys:
+        c = cells[(task, length, config)]
+        dense = cells.get((task, length, "dense"))
+        acc = c["correct"] / c["n"]
+        ref = dense["correct"] / dense["n"] if dense else 0.0
+        vs = f"{acc / ref:.0%}" if ref else "n/a"
+        kept = f"{int(c['kept'])}/{int(c['dense_hits'])}" if c["dense_hits"] else "–"
+        hot_steps = c["steps"] - c["warmups"]
+        guard = f"{c['guard_fallbacks'] / hot_steps:.0%}" if hot_steps else "–"
+        read = f"{c['pages_attended'] / c['pages_dense']:.0%}" if c["pages_dense"] else "100%"
+        correct = f"{int(c['correct'])}/{int(c['n'])}"
+        lines.append(f"| {length} | {config} | {correct} | {acc:.0%} | {vs} | {kept} | {guard} | {read} |")
+    return lines
+
+
 def write_results(rows: list[dict], command: str, minutes: Optional[float], out: Path) -> None:
+    rows, partial = complete_trials(rows)
     cells = summarise(rows)
+    pooled = summarise(rows, pool_lengths=True)
     sections = []
     for task in TASKS:
-        keys = sorted({(length, config) for (t, length, config) in cells if t == task})
-        if not keys:
+        if not any(t == task for (t, _, _) in cells):
             continue
-        lines = [
-            f"### {task}",
-            "",
-            "| length | configuration | correct | accuracy | vs dense | guard fallbacks / step | pages read / dense |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for length, config in sorted(keys, key=lambda k: (k[0], _order(k[1]))):
-            c = cells[(task, length, config)]
-            dense = cells.get((task, length, "dense"))
-            acc = c["correct"] / c["n"]
-            ref = dense["correct"] / dense["n"] if dense else 0.0
-            vs = f"{acc / ref:.0%}" if ref else "n/a"
-            hot_steps = c["steps"] - c["warmups"]
-            guard = f"{c['guard_fallbacks'] / hot_steps:.0%}" if hot_steps else "–"
-            read = f"{c['pages_attended'] / c['pages_dense']:.0%}" if c["pages_dense"] else "100%"
-            lines.append(
-                f"| {length} | {config} | {int(c['correct'])}/{int(c['n'])} | {acc:.0%} | {vs} | {guard} | {read} |"
-            )
-        sections.append("\n".join(lines))
+        lengths = sorted({length for (t, length, _) in cells if t == task})
+        body = [f"### {task}", ""] + _table_lines(cells, task)
+        if len(lengths) > 1:
+            body += ["", f"All lengths together ({', '.join(map(str, lengths))}):", ""] + _table_lines(pooled, task)
+        sections.append("\n".join(body))
     text = "\n\n".join(sections)
     print(text)
     (out / "RESULTS.md").write_text(
@@ -310,9 +343,11 @@ def write_results(rows: list[dict], command: str, minutes: Optional[float], out:
         "Command"
         + (f" (its last invocation took {minutes:.0f} min)" if minutes is not None else "")
         + f":\n\n```\n{command}\n```\n\n"
-        "Greedy; page size 16; hot set for requests past the threshold; guard fallbacks are per "
-        "hot-set step (the first, dense step excluded); pages read count every layer of every "
-        "step, the first dense step included.\n\n" + text + "\n"
+        "Greedy; page size 16; hot set for requests past the threshold. Only trials that every "
+        f'configuration finished count ({partial} partial trials left out). "dense\'s hits kept": of '
+        "the trials dense answered correctly, how many this configuration also did (same prompts). "
+        "Guard fallbacks are per hot-set step (the first, dense step excluded); pages read count "
+        "every layer of every step, the first dense step included.\n\n" + text + "\n"
     )
     plot(cells, out / "hot_set_accuracy.png")
 
