@@ -304,9 +304,8 @@ HEADER = (
 
 
 def _table_lines(cells: dict, task: str) -> list[str]:
-    keys = sorted(
-        {(length, config) for (t, length, config) in cells if t == task}, key=lambda k: (str(k[0]), _order(k[1]))
-    )
+    # One table holds either every length (ints) or the pooled "all": one type to sort.
+    keys = sorted({(length, config) for (t, length, config) in cells if t == task}, key=lambda k: (k[0], _order(k[1])))
     lines = [HEADER, "|---|---|---|---|---|---|---|---|"]
     for length, config in keys:
         c = cells[(task, length, config)]
