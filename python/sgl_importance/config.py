@@ -54,6 +54,8 @@ class ImportanceConfig:
     hot_set_threshold: int = 2048
     # Allowed upper bound of the attention mass outside the hot set; 1 = no guard.
     hot_set_guard_threshold: float = 0.1
+    # How the importance policy reduces a step's page masses over layers and KV heads.
+    hot_set_reduce: str = "max"
 
     def __post_init__(self) -> None:
         if self.reduce not in REDUCTIONS:
@@ -108,6 +110,7 @@ class ImportanceConfig:
             window=self.hot_set_window,
             sinks=self.hot_set_sinks,
             guard_threshold=float(self.hot_set_guard_threshold),
+            reduce=self.hot_set_reduce,
         )
 
     def request_hot_set_params(self, value: Any) -> Any:
@@ -144,6 +147,7 @@ class ImportanceConfig:
             window=values["hot_set_window"],
             sinks=values["hot_set_sinks"],
             guard_threshold=float(values["hot_set_guard_threshold"]),
+            reduce=values["hot_set_reduce"],
         )
 
 
@@ -155,12 +159,13 @@ HOT_SET_FIELDS = (
     "hot_set_sinks",
     "hot_set_threshold",
     "hot_set_guard_threshold",
+    "hot_set_reduce",
 )
 # What one request may set for itself in ``custom_params["hot_set"]`` (the threshold
 # stays the server's: it decides, at admission, whether the prompt's pages may leave).
 REQUEST_HOT_SET_KEY = "hot_set"
 REQUEST_HOT_SET_FIELD = f"custom_params.{REQUEST_HOT_SET_KEY}"
-REQUEST_HOT_SET_KEYS = ("policy", "budget", "window", "sinks", "guard_threshold")
+REQUEST_HOT_SET_KEYS = ("policy", "budget", "window", "sinks", "guard_threshold", "reduce")
 
 
 def _request_key(name: str) -> str:
@@ -190,6 +195,9 @@ def check_hot_set(values: dict[str, Any], name: Any, *, policies: tuple[str, ...
         raise ValueError(
             f"{name('hot_set_guard_threshold')} {guard!r} is invalid; allowed: a number in (0, 1] (1 = no guard)"
         )
+    reduce = values["hot_set_reduce"]
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"{name('hot_set_reduce')} {reduce!r} is invalid; allowed: {', '.join(REDUCTIONS)}")
 
 
 def _flag(name: str) -> str:
@@ -289,6 +297,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.hot_set_guard_threshold,
         help="When the page summaries bound the attention mass outside the hot set above "
         "this, the step also attends the pages that may hold it (counted); 1 = no guard.",
+    )
+    group.add_argument(
+        "--hot-set-reduce",
+        choices=REDUCTIONS,
+        default=defaults.hot_set_reduce,
+        help="How the importance policy ranks a page from one step: its largest mass in any "
+        "layer and KV head (max: a page one retrieval head needs stays), or the mean over them.",
     )
 
 

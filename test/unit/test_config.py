@@ -78,6 +78,7 @@ def test_hot_set_budget_is_pages_without_a_dot_and_a_fraction_with_one():
         ("hot_set_threshold", -1, "--hot-set-threshold", "[0, 1073741824]"),
         ("hot_set_guard_threshold", 0.0, "--hot-set-guard-threshold", "(0, 1]"),
         ("hot_set_guard_threshold", 1.5, "--hot-set-guard-threshold", "(0, 1]"),
+        ("hot_set_reduce", "sum", "--hot-set-reduce", "mean, max"),
         ("hot_set_policy", "belady", "--hot-set-policy", "importance"),
     ],
 )
@@ -116,6 +117,9 @@ def test_a_request_may_override_the_servers_hot_set_settings():
     config = ImportanceConfig(hot_set_policy="importance", hot_set_budget=0.2, hot_set_window=4)
     params = config.request_hot_set_params({"policy": "quest", "budget": 40, "guard_threshold": 1.0})
     assert (params.policy, params.budget, params.window, params.guard_threshold) == ("quest", 40, 4, 1.0)
+    assert params.reduce == "max"  # the server's --hot-set-reduce
+    assert config.request_hot_set_params({"reduce": "mean"}).reduce == "mean"
+    assert ImportanceConfig(hot_set_policy="lru", hot_set_reduce="mean").hot_set_params().reduce == "mean"
 
 
 @pytest.mark.parametrize(
@@ -127,6 +131,7 @@ def test_a_request_may_override_the_servers_hot_set_settings():
         ({"window": 0}, "custom_params.hot_set.window 0 is invalid"),
         ({"guard_threshold": 2}, "custom_params.hot_set.guard_threshold 2 is invalid"),
         ({"threshold": 10}, "custom_params.hot_set has unknown keys ['threshold']"),
+        ({"reduce": "sum"}, "custom_params.hot_set.reduce 'sum' is invalid; allowed: mean, max"),
         ("quest", "custom_params.hot_set 'quest' is invalid"),
     ],
 )

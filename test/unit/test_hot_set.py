@@ -254,6 +254,35 @@ def make_step(n_tokens, policy, budget, guard=0.1, seed=0):
     return decoder, slots, k_buf, v_buf, g
 
 
+@pytest.mark.parametrize("reduce", ["mean", "max"])
+def test_a_steps_page_mass_is_the_layers_mean_or_the_largest_of_any_layer_and_kv_head(reduce):
+    g = torch.Generator().manual_seed(3)
+    n_tokens, layers = 30, 2
+    slots = torch.arange(PAGE, PAGE + n_tokens)
+    k_bufs = [torch.randn(PAGE + n_tokens, KV_HEADS, DIM, generator=g) * 2 for _ in range(layers)]
+    v_bufs = [torch.randn(PAGE + n_tokens, KV_HEADS, DIM, generator=g) for _ in range(layers)]
+    summaries = PageSummaries(layers, 16, KV_HEADS, DIM, page_size=PAGE)
+    for layer in range(layers):
+        summaries.update(layer, slots, k_bufs[layer][slots])
+    params = HotSetParams(policy="importance", budget=1.0, window=1, sinks=1, guard_threshold=1.0, reduce=reduce)
+    decoder = HotSetDecoder(params, summaries, page_size=PAGE, threshold=8)
+    q = torch.randn(1, KV_HEADS * GROUP, DIM, generator=g)
+    decoder.begin_step(["r"], [slots])
+    dense = []
+    for layer in range(layers):
+        decoder.attend(layer, q, k_bufs[layer], v_bufs[layer], sm_scale=DIM**-0.5)
+        indptr = torch.tensor([0, n_tokens], dtype=torch.int32)
+        ref = decode_importance_reference(
+            q, k_bufs[layer], v_bufs[layer], indptr, slots, page_size=PAGE, sm_scale=DIM**-0.5
+        )
+        dense.append(ref.importance_per_kv_head[0].double())  # [pages, kv_heads]
+    decoder.end_step()
+    per_layer = torch.stack(dense)  # [layers, pages, kv_heads]
+    want = per_layer.amax(dim=(0, 2)) if reduce == "max" else per_layer.mean(dim=2).mean(dim=0)
+    # One observation: the bias-corrected EMA is that step's mass.
+    assert torch.allclose(decoder.states["r"].importance(), want, atol=1e-6)
+
+
 @pytest.mark.parametrize("policy", ["dense", "importance", "quest", "lru", "window"])
 def test_a_budget_covering_every_page_decodes_exactly_like_dense(policy):
     decoder, slots, k_buf, v_buf, g = make_step(37, policy, budget=1.0)

@@ -76,7 +76,7 @@ class _Live:
     pages: Optional[RequestPages] = None  # None: nothing of it can be released
     planned: Optional[torch.Tensor] = None  # logical pages, ascending
     tokens: Optional[torch.Tensor] = None  # tokens in each logical page
-    mass_sum: Optional[torch.Tensor] = None
+    mass_sum: Optional[torch.Tensor] = None  # summed over layers, or the largest (ranks_by_max)
     layers: Optional[torch.Tensor] = None  # layers that attended each page
     bound_mass: Optional[torch.Tensor] = None
     guarded: Optional[torch.Tensor] = None  # pages the guard added in some layer
@@ -259,7 +259,11 @@ class HotSetDecoder:
                     pages = torch.sort(torch.cat((pages, out_idx[add]))).values
                     result, slots = self._attend_pages(layer_id, qb, k_buffer, v_buffer, live, pages, run)
                     lse = result.lse[0]
-                live.mass_sum[pages] += result.importance[0, : pages.numel()].double()
+                if params.ranks_by_max:
+                    per_head = result.importance_per_kv_head[0, : pages.numel()].double().amax(dim=1)
+                    live.mass_sum[pages] = torch.maximum(live.mass_sum[pages], per_head)
+                else:
+                    live.mass_sum[pages] += result.importance[0, : pages.numel()].double()
                 live.layers[pages] += 1
                 # Mass bound of every page against the denominator of what was attended.
                 log_mass = bounds.double() + live.tokens.double().log()[:, None] - lse.double()[None, :]
@@ -311,7 +315,10 @@ class HotSetDecoder:
             state = live.tracked.state
             attended = live.layers > 0
             mass = torch.zeros_like(live.mass_sum)
-            mass[attended] = live.mass_sum[attended] / live.layers[attended].double()
+            if state.params.ranks_by_max:
+                mass[attended] = live.mass_sum[attended]
+            else:
+                mass[attended] = live.mass_sum[attended] / live.layers[attended].double()
             state.observe(attended, mass, live.bound_mass)
             late = live.guarded.clone()
             late[live.planned] = False

@@ -14,9 +14,10 @@ baselines and the importance hot set run the same code:
 - ``lru``: a resident set kept across steps; residents that the last step did not
   use (mass below the uniform share ``1 / pages``) are demoted first;
 - ``importance``: the same resident set, demoted by persistent importance: the
-  exact masses the decode returns for resident pages, folded with the EMA radix
-  nodes use (``importance.persistent.ema_fold``), read bias-corrected so a page
-  observed for few steps is comparable with one observed for many.
+  exact masses the decode returns for resident pages — by default a page's largest
+  over layers and KV heads in the step (``HotSetParams.reduce``) — folded with the
+  EMA radix nodes use (``importance.persistent.ema_fold``), read bias-corrected so
+  a page observed for few steps is comparable with one observed for many.
 
 ``lru`` and ``importance`` promote a non-resident page when the summaries' bound
 says it may matter (bound mass at least the uniform share) and it beats the
@@ -41,6 +42,7 @@ import torch
 from sgl_importance.importance.persistent import ema_fold
 
 POLICIES = ("off", "dense", "window", "quest", "lru", "importance")
+REDUCTIONS = ("mean", "max")
 # Share of the free budget a resident set may swap per step (see module docstring).
 SWAP_FRACTION = 1 / 8
 
@@ -58,6 +60,11 @@ class HotSetParams:
         sinks: leading pages.
         guard_threshold: allowed bound of the outside mass, in (0, 1]; 1 = no guard.
         decay: EMA factor of the ``importance`` policy.
+        reduce: how the ``importance`` policy reduces a step's page masses over
+            layers and KV heads: ``max``, the largest of any (a page one retrieval
+            head needs is not averaged away by the heads that ignore it), or
+            ``mean``. Other policies take the mean (``lru``'s "used" test, a share of
+            the uniform mass, would mark nearly every page used under ``max``).
     """
 
     policy: str = "importance"
@@ -66,6 +73,12 @@ class HotSetParams:
     sinks: int = 1
     guard_threshold: float = 0.1
     decay: float = 0.98
+    reduce: str = "max"
+
+    @property
+    def ranks_by_max(self) -> bool:
+        """Whether a step's page mass is its largest over layers and KV heads."""
+        return self.policy == "importance" and self.reduce == "max"
 
     def budget_pages(self, num_pages: int) -> int:
         """The hot set's size for a request of ``num_pages`` pages."""
@@ -125,6 +138,8 @@ class RequestHotSet:
     def __init__(self, params: HotSetParams) -> None:
         if params.policy not in POLICIES[1:]:
             raise ValueError(f"hot-set policy {params.policy!r}; allowed: {', '.join(POLICIES[1:])}")
+        if params.reduce not in REDUCTIONS:
+            raise ValueError(f"hot-set reduce {params.reduce!r}; allowed: {', '.join(REDUCTIONS)}")
         self.params = params
         self.resident = torch.zeros(0, dtype=torch.bool)
         self.ema = torch.zeros(0, dtype=torch.float64)
@@ -228,8 +243,8 @@ class RequestHotSet:
         Args:
             attended: bool ``[pages]``, pages attended in at least one layer (plan and
                 guard additions, the latter possibly read from their host copy).
-            masses: ``[pages]`` exact mass of each attended page, averaged over the
-                layers that attended it (importance reduced over heads).
+            masses: ``[pages]`` exact mass of each attended page, reduced over the
+                layers that attended it and the heads as ``params.reduce`` says.
             bound_mass: ``[pages]`` upper bound of each page's mass (largest over layers
                 and heads), for ranking what was not attended.
         """
