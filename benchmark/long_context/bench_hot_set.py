@@ -62,6 +62,7 @@ NAMES = (
 ).split()
 TASKS = ("needle", "kv", "adversarial")
 MAX_NEW = {"needle": 8, "kv": 8, "adversarial": 24}
+REDUCE_DEFAULT = "max"  # the server's --hot-set-reduce default; only the importance policy reads it
 
 
 def model_path() -> str:
@@ -132,7 +133,8 @@ def config_grid(a) -> list[dict]:
     grid = []
     for policy in a.policies:
         for budget in a.budgets:
-            grid.append({"policy": policy, "budget": budget, "guard_threshold": 1.0})
+            for reduce in a.reduces if policy == "importance" else [REDUCE_DEFAULT]:
+                grid.append({"policy": policy, "budget": budget, "guard_threshold": 1.0, "reduce": reduce})
     for policy in a.guard_policies:
         for budget in a.guard_budgets:
             grid.append({"policy": policy, "budget": budget, "guard_threshold": GUARD_DEFAULT})
@@ -143,7 +145,10 @@ def config_key(hot_set: dict) -> str:
     if hot_set["policy"] == "dense":
         return "dense"
     guard = "guard" if hot_set["guard_threshold"] < 1.0 else "no guard"
-    return f"{hot_set['policy']} {hot_set['budget']:g} {guard}"
+    policy = hot_set["policy"]
+    if hot_set.get("reduce", REDUCE_DEFAULT) != REDUCE_DEFAULT and hot_set["policy"] == "importance":
+        policy += f"-{hot_set['reduce']}"
+    return f"{policy} {hot_set['budget']:g} {guard}"
 
 
 def run_one(server: LocalServer, trial: dict, hot_set: dict) -> dict:
@@ -174,6 +179,9 @@ def main() -> None:
     ap.add_argument("--adversarial-lengths", default="4096", help="lengths of the adversarial task")
     ap.add_argument("--budgets", default="0.1,0.2,0.3", help="fractions of the request's pages")
     ap.add_argument("--policies", default="window,quest,lru,importance", help="decoded with the guard off")
+    ap.add_argument(
+        "--reduces", default=REDUCE_DEFAULT, help="custom_params.hot_set.reduce values of the importance policy"
+    )
     ap.add_argument("--guard-policies", default="importance", help="decoded with the default guard (0.1)")
     ap.add_argument("--guard-budgets", default="0.2", help="budgets of the --guard-policies")
     ap.add_argument("--n", type=int, default=50, help="trials per task and length")
@@ -185,6 +193,7 @@ def main() -> None:
     a = ap.parse_args()
     a.policies = [p for p in a.policies.split(",") if p]
     a.guard_policies = [p for p in a.guard_policies.split(",") if p]
+    a.reduces = [r for r in a.reduces.split(",") if r]
     a.budgets = [float(x) for x in a.budgets.split(",")]
     a.guard_budgets = [float(x) for x in a.guard_budgets.split(",")]
     out = Path(a.out)
