@@ -6,7 +6,8 @@ the budget, further pages; they differ only in how the further pages are chosen,
 baselines and the importance hot set run the same code:
 
 - ``dense``: every page (the reference the others are measured against);
-- ``window``: sinks and window only (StreamingLLM, Xiao et al. 2023);
+- ``window``: StreamingLLM (Xiao et al. 2023): sinks and the most recent pages,
+  as many as the budget holds (at least ``window``);
 - ``quest``: Quest (Tang et al. 2024): every layer attends the pages whose key
   min/max bound is largest for *that layer's current query* (``quest_layer_pages``,
   called by the decoder per layer); all KV stays on the device, so the step's plan is
@@ -194,7 +195,10 @@ class RequestHotSet:
                 # Chosen per layer from the current query (quest_layer_pages); the
                 # step keeps every page on the device.
                 selected = torch.ones(num_pages, dtype=torch.bool)
-            elif p.policy == "window" or slots == 0:
+            elif p.policy == "window":
+                # StreamingLLM at the same budget: the recent window grows into the slots.
+                selected = fixed_mask(num_pages, p.sinks, p.window + slots)
+            elif slots == 0:
                 selected = fixed
             else:
                 selected = fixed | self._resident_set(fixed, slots, num_pages)
