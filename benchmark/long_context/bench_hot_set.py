@@ -43,6 +43,7 @@ import argparse
 import glob
 import importlib.util
 import json
+import math
 import random
 import shlex
 import subprocess
@@ -367,6 +368,48 @@ def _table_lines(cells: dict, task: str) -> list[str]:
     return lines
 
 
+def sign_test(a: int, b: int) -> float:
+    """Two-sided exact sign test: a pairs one way, b the other (ties left out)."""
+    n = a + b
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, k) for k in range(min(a, b) + 1)) / 2**n)
+
+
+def _paired_lines(rows: list[dict], task: str) -> list[str]:
+    """Each hot-set configuration against the importance policy at the same budget and
+    guard setting, on the same prompts, pooled over lengths: the discordant pairs and
+    their sign test (small n per cell makes the per-length rows noise)."""
+    correct = {(r["length"], r["trial"], r["config"]): r["correct"] for r in rows if r["task"] == task}
+    configs = {c for (_, _, c) in correct if c != "dense"}
+    lines = []
+    for reference in sorted(c for c in configs if c.startswith("importance ")):
+        _, budget, *guard = reference.split(" ")
+        for other in sorted(configs - {reference}, key=_order):
+            _, other_budget, *other_guard = other.split(" ")
+            if (other_budget, other_guard) != (budget, guard):
+                continue
+            both = only_ref = only_other = 0
+            for (length, trial, config), ok in correct.items():
+                if config != reference or (length, trial, other) not in correct:
+                    continue
+                theirs = correct[(length, trial, other)]
+                both += ok and theirs
+                only_ref += ok and not theirs
+                only_other += theirs and not ok
+            p = sign_test(only_ref, only_other)
+            lines.append(f"| {reference} | {other} | {both} | {only_ref} | {only_other} | {p:.2g} |")
+    if not lines:
+        return []
+    return [
+        "Paired with the importance hot set (same prompts, all lengths):",
+        "",
+        "| importance | against | both right | only importance right | only the other right | sign test p |",
+        "|---|---|---|---|---|---|",
+        *lines,
+    ]
+
+
 def write_results(rows: list[dict], command: str, minutes: Optional[float], out: Path) -> None:
     rows, partial = complete_trials(rows)
     cells = summarise(rows)
@@ -379,6 +422,9 @@ def write_results(rows: list[dict], command: str, minutes: Optional[float], out:
         body = [f"### {task}", ""] + _table_lines(cells, task)
         if len(lengths) > 1:
             body += ["", f"All lengths together ({', '.join(map(str, lengths))}):", ""] + _table_lines(pooled, task)
+        paired = _paired_lines(rows, task)
+        if paired:
+            body += [""] + paired
         sections.append("\n".join(body))
     text = "\n\n".join(sections)
     print(text)
