@@ -462,11 +462,14 @@ def plot(cells: dict, path: Path) -> None:
                 policy, budget, *guard = config.split(" ")
                 label = policy + (" + guard" if guard == ["guard"] else "")
                 series[label].append((float(budget) * 100, c["correct"] / c["n"]))
-        for label, pts in sorted(series.items()):
+        # Policies at one budget would hide each other: shift each a little sideways.
+        for i, (label, pts) in enumerate(sorted(series.items())):
             pts.sort()
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
+            shift = (i - (len(series) - 1) / 2) * 0.6
+            ax.plot([x + shift for x, _ in pts], [y for _, y in pts], marker="o", label=label)
         ax.set_title(f"{task}, {length} tokens")
         ax.set_xlabel("budget (% of pages)")
+        ax.set_xlim(0, 40)
         ax.set_ylim(-0.05, 1.05)
     for ax in axes.flat[len(panels) :]:
         ax.axis("off")
