@@ -101,6 +101,18 @@ def send(url: str, item: dict) -> tuple[str, int, int]:
         return kind, r.status_code, len(ids)
 
 
+def wait_until_idle(server, timeout: float = 120) -> str:
+    """The /metrics scrape once the gauges show nothing running or queued (or the last
+    one at the deadline; the caller's assertions then say what was left)."""
+    deadline = time.time() + timeout
+    while True:
+        scrape = requests.get(server.url + "/metrics", timeout=30).text
+        idle = metric(scrape, "sglang:num_running_reqs") == 0 and metric(scrape, "sglang:num_queue_reqs") == 0
+        if idle or time.time() > deadline:
+            return scrape
+        time.sleep(1)
+
+
 def canary(server) -> list[int]:
     return server.generate(CANARY, max_new_tokens=16)["output_ids"]
 
@@ -138,23 +150,19 @@ def test_mixed_concurrent_load_with_storage_tier_serves_everything_and_leaks_not
     assert server.proc.poll() is None, server.log()[-3000:]
 
     # Idle: the scheduler runs its leak check once nothing is queued or running.
-    deadline = time.time() + 120
-    scrape = ""
-    while time.time() < deadline:
-        scrape = requests.get(server.url + "/metrics", timeout=30).text
-        if metric(scrape, "sglang:num_running_reqs") == 0 and metric(scrape, "sglang:num_queue_reqs") == 0:
-            break
-        time.sleep(1)
+    wait_until_idle(server)
     time.sleep(3)
     assert requests.get(server.url + "/health", timeout=30).status_code == 200
     assert canary(server) == before
+    # The canary's answer can reach the client before the scheduler's next idle pass
+    # republishes the running gauge, so wait for it again before reading the counters.
+    scrape = wait_until_idle(server)
 
     log = server.log()
     assert "Traceback" not in log, log[log.index("Traceback") - 2000 :][:6000]
     assert "memory leak detected" not in log
     assert not re.search(r"\bERROR\b", log), [line for line in log.splitlines() if "ERROR" in line][:10]
 
-    scrape = requests.get(server.url + "/metrics", timeout=30).text
     finished = sum(1 for kind, _, _ in results if kind != "abort")
     # Every request the client waited for was counted by the server (the dropped
     # ones may or may not have finished first), and nothing is left in flight.
