@@ -221,6 +221,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
     ap.add_argument("--report", action="store_true", help="only rewrite RESULTS.md and the plot from trials*.jsonl")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="with --report: report the journals of these --out folders together (grids run with one "
+        "--seed and --n, e.g. one budget each) into --out",
+    )
     ap.add_argument("--shard", default="0/1", help="i/n: run the trials whose index is i modulo n")
     ap.add_argument(
         "--batch", type=int, default=4, help="prompts of one cell decoded at once per configuration (1: one at a time)"
@@ -238,8 +246,12 @@ def main() -> None:
     command_file = out / "command.txt"
     if a.batch < 1:
         ap.error("--batch must be at least 1")
+    if a.merge and not a.report:
+        ap.error("--merge goes with --report")
     if a.report:
-        write_results(read_journals(out), command_file.read_text().strip(), None, out)
+        folders = [Path(d) for d in a.merge] or [out]
+        commands = "\n".join((d / "command.txt").read_text().strip() for d in folders)
+        write_results(read_journals(*folders), commands, None, out)
         return
     # The grid's command, whichever shard wrote it.
     argv = sys.argv[1:]
@@ -300,8 +312,24 @@ def main() -> None:
     write_results(read_journals(out), command_file.read_text().strip(), (time.time() - started) / 60, out)
 
 
-def read_journals(out: Path) -> list[dict]:
-    return [json.loads(line) for path in sorted(out.glob("trials*.jsonl")) for line in path.read_text().splitlines()]
+def read_journals(*folders: Path) -> list[dict]:
+    """Every journal row of these folders, one per (task, length, trial, configuration).
+
+    Grids merged for one report share their dense rows (same seed, same prompts); greedy
+    decoding makes them identical, and a mismatch is reported rather than hidden."""
+    rows: dict = {}
+    mismatched = 0
+    for folder in folders:
+        for path in sorted(folder.glob("trials*.jsonl")):
+            for line in path.read_text().splitlines():
+                row = json.loads(line)
+                key = (row["task"], row["length"], row["trial"], row["config"])
+                if key in rows and rows[key]["text"] != row["text"]:
+                    mismatched += 1
+                rows.setdefault(key, row)
+    if mismatched:
+        print(f"warning: {mismatched} repeated rows answered differently; the first is kept", file=sys.stderr)
+    return list(rows.values())
 
 
 def complete_trials(rows: list[dict]) -> tuple[list[dict], int]:
