@@ -181,8 +181,13 @@ def run_group(server: LocalServer, trials: list[dict], hot_set: dict) -> list[di
     a cell's totals (what the report prints) are exact, since a group never mixes
     cells or configurations."""
     before = requests.get(server.url + "/metrics", timeout=60).text
-    with ThreadPoolExecutor(len(trials)) as pool:
+    # Not a `with` block: on Ctrl-C it would wait for the requests in flight (minutes
+    # at 8K) before the caller could stop the server that would end them.
+    pool = ThreadPoolExecutor(len(trials))
+    try:
         texts = list(pool.map(lambda t: _generate(server, t, hot_set), trials))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     after = requests.get(server.url + "/metrics", timeout=60).text
     deltas = {}
     for c in COUNTERS:
