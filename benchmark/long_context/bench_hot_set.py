@@ -312,6 +312,10 @@ def main() -> None:
                     f"{ran}/{todo} requests, {elapsed / 60:.0f} min, ~{eta / 60:.0f} min left",
                     flush=True,
                 )
+    except KeyboardInterrupt:
+        # SIGTERM makes SGLang drain the requests just abandoned (up to stop()'s 60 s).
+        server.stop(timeout=5)
+        raise
     finally:
         server.stop()
     write_results(read_journals(out), command_file.read_text().strip(), (time.time() - started) / 60, out)
