@@ -1,0 +1,38 @@
+"""benchmark/long_context/bench_hot_set.py: journals of separate grids merge into one report."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("bench_hot_set", REPO / "benchmark" / "long_context" / "bench_hot_set.py")
+bench_hot_set = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_hot_set)
+
+
+def _row(trial: int, config: str, text: str) -> dict:
+    return {"task": "kv", "length": 2048, "trial": trial, "config": config, "text": text, "correct": True}
+
+
+def _journal(folder: Path, name: str, rows: list[dict]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_shared_dense_rows_are_kept_once_and_every_configuration_survives(tmp_path, capsys):
+    a = _journal(tmp_path / "a", "trials-0.jsonl", [_row(0, "dense", " 1."), _row(0, "lru 0.2 no guard", " 2.")])
+    _journal(a, "trials-1.jsonl", [_row(1, "dense", " 3.")])
+    b = _journal(tmp_path / "b", "trials.jsonl", [_row(0, "dense", " 1."), _row(0, "lru 0.1 no guard", " 4.")])
+    rows = bench_hot_set.read_journals(a, b)
+    keys = sorted((r["trial"], r["config"]) for r in rows)
+    assert keys == [(0, "dense"), (0, "lru 0.1 no guard"), (0, "lru 0.2 no guard"), (1, "dense")]
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_a_repeated_row_that_answered_differently_is_counted_and_the_first_kept(tmp_path, capsys):
+    a = _journal(tmp_path / "a", "trials.jsonl", [_row(0, "dense", " 1.")])
+    b = _journal(tmp_path / "b", "trials.jsonl", [_row(0, "dense", " 1?")])
+    rows = bench_hot_set.read_journals(a, b)
+    assert [r["text"] for r in rows] == [" 1."]
+    assert "1 repeated rows answered differently" in capsys.readouterr().err
