@@ -24,6 +24,8 @@ MAX_HOT_SET_PAGES = 1 << 20
 MAX_HOT_SET_SINKS = 64
 MAX_HOT_SET_THRESHOLD = 1 << 30
 BUDGET_RANGE = "an integer number of pages >= 1, or a fraction in (0, 1] written with a '.'"
+MAX_REQUEST_SEQUENCES = 1 << 20
+MAX_REQUEST_LOGPROBS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,10 @@ class ImportanceConfig:
     hot_set_guard_threshold: float = 0.1
     # How the importance policy reduces a step's page masses over layers and KV heads.
     hot_set_reduce: str = "max"
+    # Sequences one request may ask for: prompts x n (request_check.py).
+    request_max_sequences: int = 256
+    # Top log probabilities per position, and token_ids_logprob ids, one request may ask for.
+    request_max_logprobs: int = 64
 
     def __post_init__(self) -> None:
         if self.reduce not in REDUCTIONS:
@@ -90,6 +96,13 @@ class ImportanceConfig:
                 f"allowed: a number of seconds in (0, {MAX_RETRY_S:.0f}]"
             )
         self._check_hot_set()
+        for name, low, high in (
+            ("request_max_sequences", 1, MAX_REQUEST_SEQUENCES),
+            ("request_max_logprobs", 0, MAX_REQUEST_LOGPROBS),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not (low <= value <= high):
+                raise ValueError(f"{_flag(name)} {value!r} is invalid; allowed: an integer in [{low}, {high}]")
 
     def _check_hot_set(self) -> None:
         check_hot_set(
@@ -202,7 +215,7 @@ def check_hot_set(values: dict[str, Any], name: Any, *, policies: tuple[str, ...
 
 def _flag(name: str) -> str:
     dashed = name.replace("_", "-")
-    return f"--{dashed}" if name.startswith("hot_set_") else f"--importance-{dashed}"
+    return f"--{dashed}" if name.startswith(("hot_set_", "request_")) else f"--importance-{dashed}"
 
 
 # Flag name -> field name. One table so parser, namespace and docs agree.
@@ -304,6 +317,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.hot_set_reduce,
         help="How the importance policy ranks a page from one step: its largest mass in any "
         "layer and KV head (max: a page one retrieval head needs stays), or the mean over them.",
+    )
+    group.add_argument(
+        "--request-max-sequences",
+        type=int,
+        default=defaults.request_max_sequences,
+        help="Most sequences one generate request may ask for (prompts in a batch x n); more is a 400.",
+    )
+    group.add_argument(
+        "--request-max-logprobs",
+        type=int,
+        default=defaults.request_max_logprobs,
+        help="Most top log probabilities per position (top_logprobs_num, OpenAI logprobs / "
+        "top_logprobs) and token_ids_logprob ids one request may ask for; more is a 400.",
     )
 
 

@@ -12,6 +12,7 @@ imports nothing heavy in processes that never reach them.
 | flags on SGLang's parser, `_importance`          | config.py                     |
 | 404 for an unknown OpenAI `model`; prompt name   | serving.py                    |
 | 400 for an empty prompt or out-of-vocab token id | prompt_check.py               |
+| 400 for request fields the scheduler can't serve | request_check.py              |
 | torch_cpu: HiCache host pool (torch copies)      | platform/host_pool.py         |
 | torch_cpu: CPU streams for the L2 engine         | platform/streams.py           |
 | backends `importance_torch`, `importance_triton` | attention/                    |
@@ -94,6 +95,16 @@ def _check_prompt(tokenizer_manager: Any, obj: Any, input_ids: Any) -> None:
     # path, passes here before it is sent to the scheduler.
     check_before_validation(tokenizer_manager, obj, input_ids)
     check_hot_set_request(tokenizer_manager, obj)
+
+
+def _check_generate_request(
+    original: Callable[..., Any], tokenizer_manager: Any, obj: Any, *args: Any, **kwargs: Any
+) -> Any:
+    from sgl_importance.request_check import checked_generate
+
+    # Around, not before: the check must raise on the first step of the async
+    # generator, where SGLang's own request errors surface on every endpoint.
+    return checked_generate(original, tokenizer_manager, obj, *args, **kwargs)
 
 
 def _host_pool_cls(original: Callable[..., type], buffer_info: Any) -> type:
@@ -337,6 +348,11 @@ def load() -> None:
             "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
             _check_prompt,
             HookType.BEFORE,
+        )
+        register(
+            "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+            _check_generate_request,
+            HookType.AROUND,
         )
     # Backends register by name in every process: the scheduler builds them, the
     # launcher's parser must accept the names. (attention_registry costs ~0.4 s on

@@ -129,6 +129,11 @@ ATTRIBUTES = [
     Name(SERVER_ARGS, "model_path", "serving.py"),
     Name("sglang.srt.lora.lora_registry.LoRARegistry", "get_all_adapters", "serving.py"),
     Name(TOKENIZER_MANAGER, "model_config", "prompt_check.py"),
+    *(Name(TOKENIZER_MANAGER, n, "request_check.py") for n in ("context_len", "sampling_params_class")),
+    *(
+        Name("sglang.srt.managers.io_struct.GenerateReqInput", n, "request_check.py")
+        for n in ("text", "input_embeds", "top_logprobs_num", "logprob_start_len", "token_ids_logprob")
+    ),
     *(
         Name(f"sglang.srt.managers.io_struct.{c}", "input_ids", "prompt_check.py")
         for c in ("GenerateReqInput", "EmbeddingReqInput")
@@ -225,6 +230,7 @@ HOOK_TARGETS = [
     "sglang.srt.server_args.ServerArgs.from_cli_args",
     "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request",
     "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
     f"{MEM}.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids",
     f"{MEM}.allocator.token.TokenToKVPoolAllocator.free",
     f"{MEM}.allocator.paged.PagedTokenToKVPoolAllocator.clear",
@@ -337,6 +343,7 @@ def test_every_private_name_is_listed_in_plugin_py():
 
 # Private names of the standard library the plugin uses (not SGLang's).
 STDLIB_PRIVATE = {"_exit"}  # os._exit in the trace writer process
+STDLIB_PRIVATE |= {"_parser", "_constants"}  # re's parser, to bound stop regexes (request_check.py)
 
 
 def test_every_private_name_the_plugin_reads_is_in_this_contract():

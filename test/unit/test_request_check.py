@@ -1,0 +1,268 @@
+"""Generate-request fields the scheduler cannot serve are refused with the field, value and range named."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+from sgl_importance.prompt_check import naming_prompt_field
+from sgl_importance.request_check import (
+    MAX_STOP_REGEX_PATHS,
+    MAX_TOP_K,
+    InvalidFieldError,
+    RequestLimits,
+    caller_field,
+    check_generate_request,
+    checked_generate,
+    stop_regex_cost,
+)
+
+VOCAB = 1000
+LIMITS = RequestLimits(
+    vocab_size=VOCAB,
+    context_len=8192,
+    max_sequences=8,
+    max_logprobs=20,
+    sampling_keys=frozenset(
+        {
+            "max_new_tokens",
+            "n",
+            "top_k",
+            "stop",
+            "stop_regex",
+            "stop_token_ids",
+            "min_new_tokens",
+            "custom_params",
+            "temperature",
+        }
+    ),
+)
+
+
+def request(**fields):
+    """A GenerateReqInput as an endpoint builds it, before SGLang normalises it."""
+    values = {
+        "text": "hello",
+        "input_ids": None,
+        "input_embeds": None,
+        "sampling_params": {"max_new_tokens": 4},
+        "return_logprob": None,
+        "logprob_start_len": None,
+        "top_logprobs_num": None,
+        "token_ids_logprob": None,
+    }
+    values.update(fields)
+    return types.SimpleNamespace(**values)
+
+
+def refused(obj, limits=LIMITS) -> InvalidFieldError:
+    with pytest.raises(InvalidFieldError) as err:
+        check_generate_request(obj, limits)
+    assert err.value.status_code == 400
+    # SGLang answers a ValueError from the tokenizer manager with a 400.
+    assert isinstance(err.value, ValueError)
+    return err.value
+
+
+def test_an_ordinary_request_passes():
+    check_generate_request(request(return_logprob=True, top_logprobs_num=5), LIMITS)
+    check_generate_request(request(text=["a", "b"], sampling_params=[{"n": 1}, {"top_k": -1}]), LIMITS)
+
+
+@pytest.mark.parametrize("k", [VOCAB + 1, 21, 100000, -1])
+def test_top_logprobs_above_the_cap_or_negative_are_refused_naming_the_cap_and_the_vocabulary(k):
+    err = refused(request(return_logprob=True, top_logprobs_num=k))
+    assert err.field == "top_logprobs_num" and err.value == k
+    assert "[0, 20]" in str(err) and "--request-max-logprobs 20" in str(err) and f"vocabulary {VOCAB}" in str(err)
+
+
+def test_the_top_logprobs_cap_is_never_above_the_vocabulary():
+    limits = RequestLimits(vocab_size=VOCAB, context_len=8192, max_sequences=8, max_logprobs=10**6)
+    check_generate_request(request(top_logprobs_num=VOCAB), limits)
+    assert refused(request(top_logprobs_num=VOCAB + 1), limits).field == "top_logprobs_num"
+
+
+def test_each_prompt_of_a_batch_has_its_top_logprobs_checked():
+    err = refused(request(text=["a", "b"], return_logprob=True, top_logprobs_num=[5, 10**5]))
+    assert err.value == 10**5
+
+
+def test_on_chat_the_error_names_top_logprobs_and_on_completions_logprobs():
+    with naming_prompt_field("messages"):
+        assert refused(request(top_logprobs_num=10**5)).field == "top_logprobs"
+    with naming_prompt_field("prompt"):
+        assert refused(request(top_logprobs_num=10**5)).field == "logprobs"
+        assert caller_field("sampling_params.max_new_tokens") == "max_tokens"
+        assert caller_field("sampling_params.stop_token_ids") == "stop_token_ids"
+    assert caller_field("sampling_params.top_k") == "sampling_params.top_k"
+
+
+def test_too_many_token_ids_logprob_are_refused():
+    err = refused(request(token_ids_logprob=list(range(21))))
+    assert err.field == "token_ids_logprob" and "at most 20 ids" in str(err)
+
+
+def test_a_logprob_start_below_minus_one_is_refused():
+    check_generate_request(request(logprob_start_len=-1), LIMITS)
+    assert refused(request(logprob_start_len=-5)).field == "logprob_start_len"
+
+
+@pytest.mark.parametrize("bad", [VOCAB, 10**9, -1, True, "3"])
+def test_a_stop_token_id_outside_the_vocabulary_is_refused(bad):
+    err = refused(request(sampling_params={"stop_token_ids": [1, bad], "min_new_tokens": 2}))
+    assert err.field == "sampling_params.stop_token_ids" and f"[0, {VOCAB})" in str(err)
+
+
+@pytest.mark.parametrize("bad", [0, -2, MAX_TOP_K + 1, 2**40, 1.5])
+def test_top_k_must_be_minus_one_or_fit_an_int32(bad):
+    err = refused(request(sampling_params={"top_k": bad}))
+    assert err.field == "sampling_params.top_k" and str(MAX_TOP_K) in str(err)
+
+
+def test_top_k_at_the_int32_limit_and_minus_one_pass():
+    check_generate_request(request(sampling_params={"top_k": MAX_TOP_K}), LIMITS)
+    check_generate_request(request(sampling_params={"top_k": -1}), LIMITS)
+
+
+@pytest.mark.parametrize("n", [0, -1, None, 9, 2.0])
+def test_n_must_be_an_integer_within_the_sequence_cap(n):
+    err = refused(request(sampling_params={"n": n}))
+    assert err.field == "sampling_params.n" and "--request-max-sequences" in str(err)
+
+
+def test_a_batch_times_n_above_the_sequence_cap_is_refused_naming_the_prompt_field():
+    check_generate_request(request(text=["a"] * 4, sampling_params={"n": 2}), LIMITS)
+    err = refused(request(text=["a"] * 5, sampling_params={"n": 2}))
+    assert err.field == "text" and "at most 8 sequences" in str(err)
+    assert refused(request(text=None, input_ids=[[1]] * 9)).field == "input_ids"
+
+
+def test_sampling_params_must_hold_one_object_per_prompt_of_a_batch():
+    assert refused(request(text=["a", "b"], sampling_params=[{}])).field == "sampling_params"
+    assert refused(request(text=["a"], sampling_params=[{}, {}])).field == "sampling_params"
+    assert refused(request(text="a", sampling_params=[{}])).field == "sampling_params"
+    assert refused(request(text=["a", "b"], sampling_params=[{}, 3])).field == "sampling_params"
+
+
+def test_per_prompt_lists_of_a_batch_must_match_its_length():
+    assert refused(request(text=["a", "b"], return_logprob=[True])).field == "return_logprob"
+    assert refused(request(text=["a", "b"], top_logprobs_num=[1, 2, 3])).field == "top_logprobs_num"
+    assert refused(request(text=["a", "b"], token_ids_logprob=[[1]])).field == "token_ids_logprob"
+    # One value for every prompt is fine.
+    check_generate_request(request(text=["a", "b"], return_logprob=True, top_logprobs_num=2), LIMITS)
+
+
+def test_an_empty_batch_is_refused():
+    assert refused(request(text=[])).field == "text"
+
+
+def test_a_sampling_parameter_sglang_does_not_take_is_refused_by_name():
+    err = refused(request(sampling_params={"choice": ["a"]}))
+    assert err.field == "sampling_params.choice"
+
+
+def test_custom_params_must_be_an_object():
+    assert refused(request(sampling_params={"custom_params": [1]})).field == "sampling_params.custom_params"
+
+
+def test_too_many_or_too_long_stop_strings_are_refused():
+    assert refused(request(sampling_params={"stop": ["x"] * 33})).field == "sampling_params.stop"
+    assert refused(request(sampling_params={"stop": "x" * 257})).field == "sampling_params.stop"
+    assert refused(request(sampling_params={"stop": [1]})).field == "sampling_params.stop"
+    check_generate_request(request(sampling_params={"stop": ["\n\n", "END"]}), LIMITS)
+
+
+@pytest.mark.parametrize(
+    "pattern,why",
+    [
+        ("(", "not a valid pattern"),
+        ("(a+)+b", "unbounded repetition"),
+        ("a*b", "unbounded repetition"),
+        ("(a{1,3}){1,3}", "nested repetition"),
+        ("(a)\\1", "backreference"),
+        ("(?=a)b", "lookahead"),
+        ("[^a]", "negated single character"),
+        ("x" * 257, "longer than 256 bytes"),
+        (".{0,65}", "matches up to 65 characters"),
+        ("a{0,8}b{0,8}c{0,8}", "729 ways"),
+    ],
+)
+def test_a_stop_regex_that_could_stall_the_scheduler_is_refused_saying_why(pattern, why):
+    err = refused(request(sampling_params={"stop_regex": pattern}))
+    assert err.field == "sampling_params.stop_regex" and why in str(err)
+
+
+def test_bounded_stop_regexes_pass():
+    for pattern in ("\\d{1,5}\\.", "(yes|no)", "[A-Z][a-z]{0,20}:", "END$", "\\n\\n", "(ab|cd){0,4}"):
+        check_generate_request(request(sampling_params={"stop_regex": pattern}), LIMITS)
+
+
+def test_the_ways_to_match_are_summed_over_a_requests_stop_regexes():
+    one = "a{0,15}b{0,3}"  # 16 x 4 = 64 ways
+    assert stop_regex_cost(one) == (18, 64)
+    check_generate_request(request(sampling_params={"stop_regex": [one] * (MAX_STOP_REGEX_PATHS // 64)}), LIMITS)
+    assert refused(request(sampling_params={"stop_regex": [one] * (MAX_STOP_REGEX_PATHS // 64 + 1)})).field
+
+
+def test_the_check_runs_on_the_first_step_of_generate_request_and_then_serves_as_usual():
+    served = []
+
+    async def original(manager, obj, raw=None):
+        served.append(obj)
+        yield "first"
+        yield "second"
+
+    manager = types.SimpleNamespace()
+
+    async def collect(obj):
+        return [out async for out in checked_generate(original, manager, obj, None, limits_for=lambda _: LIMITS)]
+
+    assert asyncio.run(collect(request())) == ["first", "second"]
+    with pytest.raises(InvalidFieldError):
+        asyncio.run(collect(request(top_logprobs_num=10**5)))
+    assert len(served) == 1  # the refused request never reached SGLang
+
+
+def test_an_embedding_request_is_not_checked():
+    async def original(manager, obj, raw=None):
+        yield "embedding"
+
+    async def collect(obj):
+        return [out async for out in checked_generate(original, None, obj, limits_for=lambda _: LIMITS)]
+
+    assert asyncio.run(collect(types.SimpleNamespace(text="x", sampling_params=None))) == ["embedding"]
+
+
+def _real_limits() -> RequestLimits:
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sgl_importance.request_check import INTERNAL_SAMPLING_FIELDS
+
+    return RequestLimits(
+        vocab_size=VOCAB,
+        context_len=8192,
+        max_sequences=8,
+        max_logprobs=20,
+        sampling_keys=frozenset(SamplingParams.__struct_fields__) - INTERNAL_SAMPLING_FIELDS,
+    )
+
+
+def test_every_sampling_parameter_the_generate_schema_admits_is_accepted_except_choice():
+    from sglang.api.v1.api_types import SamplingParams as SchemaSamplingParams
+
+    keys = _real_limits().sampling_keys
+    admitted = set(SchemaSamplingParams.__struct_fields__)
+    # SGLang's /generate schema takes `choice`, its SamplingParams does not (a 500 before).
+    assert admitted - keys == {"choice"}
+
+
+def test_sglangs_own_request_objects_are_checked_as_built_from_a_body():
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    limits = _real_limits()
+    check_generate_request(GenerateReqInput(text=["a", "b"], sampling_params={"max_new_tokens": 2, "n": 2}), limits)
+    bad = GenerateReqInput(text="a", return_logprob=True, top_logprobs_num=VOCAB + 1)
+    assert refused(bad, limits).field == "top_logprobs_num"
+    assert refused(GenerateReqInput(input_ids=[[1], [2]], sampling_params=[{}]), limits).field == "sampling_params"
