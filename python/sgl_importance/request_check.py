@@ -55,6 +55,7 @@ MAX_STOP_REGEX_PATHS = 256
 # Per-prompt fields a batch may give as a list, one entry per prompt (SGLang indexes
 # them by item); sampling_params and token_ids_logprob are checked on their own.
 PER_PROMPT_LIST_FIELDS = (
+    "rid",
     "return_logprob",
     "logprob_start_len",
     "top_logprobs_num",
@@ -67,15 +68,33 @@ PER_PROMPT_LIST_FIELDS = (
     "modalities",
     "multi_item_delimiter_indices",
     "token_indices_to_pool",
-)
-# Disaggregation fields that SGLang indexes by item whenever a batch sets them.
-PER_PROMPT_REQUIRED_LIST_FIELDS = (
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",
     "bootstrap_pair_key",
     "decode_tp_size",
 )
+# Of those, the ones SGLang indexes without expanding a single value first.
+PER_PROMPT_REQUIRED_LIST_FIELDS = ("decode_tp_size",)
+# Of those, the ones a single prompt must give as one value: SGLang passes a list
+# through to the scheduler, which compares or hashes it as a number or string.
+SINGLE_PROMPT_SCALAR_FIELDS = (
+    "rid",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_sampling_mask",
+    "sampling_logprobs_mode",
+    "lora_path",
+    "custom_logit_processor",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "bootstrap_pair_key",
+    "decode_tp_size",
+)
+# Below this the penalized logits overflow to inf and sampling slows to seconds per token.
+MIN_REPETITION_PENALTY = 0.01
 
 # How the OpenAI endpoints spell what they translate into a generate request.
 # Other sampling parameters keep their name at the top level of the body.
@@ -94,6 +113,9 @@ COMPLETION_FIELDS = {
     "sampling_params.sampling_seed": "seed",
 }
 OPENAI_FIELDS = {"messages": CHAT_FIELDS, "prompt": COMPLETION_FIELDS}
+# SGLang's SessionParams and the type of each (its constructor takes any value, and
+# raises TypeError, a 500, for any other key).
+SESSION_FIELDS = {"id": str, "rid": str, "offset": int, "replace": bool, "drop_previous_output": bool}
 # SamplingParams fields SGLang fills in itself (normalize); never a caller's.
 INTERNAL_SAMPLING_FIELDS = frozenset(
     {"stop_strs", "stop_regex_strs", "stop_str_max_len", "stop_regex_max_len", "is_normalized", "ebnf_full_assistant"}
@@ -113,6 +135,9 @@ class RequestLimits:
             ids per prompt (``--request-max-logprobs``); never more than the vocabulary.
         sampling_keys: the keys SGLang's ``SamplingParams`` accepts from a caller
             (None: not checked).
+        metric_labels: the custom metric labels a request may set
+            (``--tokenizer-metrics-allowed-custom-labels``); None when metrics are
+            off and the labels go nowhere.
     """
 
     vocab_size: int
@@ -120,6 +145,7 @@ class RequestLimits:
     max_sequences: int
     max_logprobs: int
     sampling_keys: Optional[frozenset[str]] = None
+    metric_labels: Optional[frozenset[str]] = None
 
     @property
     def top_logprobs_cap(self) -> int:
@@ -210,11 +236,16 @@ def _sampling_dicts(obj: Any, prompts: Optional[int]) -> list[dict]:
 
 
 def check_batch_shape(obj: Any, prompts: Optional[int]) -> None:
-    """Per-prompt list fields of a batch must hold one entry per prompt."""
+    """Per-prompt list fields of a batch must hold one entry per prompt; a single
+    prompt's must be single values."""
     if prompts is None:
+        for name in SINGLE_PROMPT_SCALAR_FIELDS:
+            value = getattr(obj, name, None)
+            if isinstance(value, (list, dict)):
+                raise InvalidFieldError(caller_field(name), value, "one value for a single prompt")
+        _check_embeds(obj)
         return
-    if prompts == 0:
-        raise InvalidFieldError(_prompt_field(obj), [], "at least one prompt")
+    _check_embeds(obj)
     for name in PER_PROMPT_LIST_FIELDS + PER_PROMPT_REQUIRED_LIST_FIELDS:
         value = getattr(obj, name, None)
         if value is None:
@@ -233,6 +264,20 @@ def check_batch_shape(obj: Any, prompts: Optional[int]) -> None:
             f"a list of {len(token_ids)} lists",
             f"one list of ids, or one list per prompt ({prompts})",
         )
+
+
+def _check_embeds(obj: Any) -> None:
+    """``input_embeds``: one prompt's rows of numbers, or a batch of them, none empty."""
+    embeds = getattr(obj, "input_embeds", None)
+    if embeds is None:
+        return
+    allowed = "a non-empty list of non-empty rows of numbers, or a batch of them"
+    if not isinstance(embeds, list) or not embeds or not isinstance(embeds[0], list) or not embeds[0]:
+        raise InvalidFieldError(caller_field("input_embeds"), embeds, allowed)
+    prompts = embeds if isinstance(embeds[0][0], list) else [embeds]
+    for rows in prompts:
+        if not isinstance(rows, list) or not rows or not all(isinstance(row, list) and row for row in rows):
+            raise InvalidFieldError(caller_field("input_embeds"), embeds, allowed)
 
 
 def _per_prompt(value: Any) -> list:
@@ -294,6 +339,11 @@ def check_sampling_params(params: Mapping[str, Any], limits: RequestLimits) -> N
     if top_k is not None and not (_is_int(top_k) and (top_k == -1 or 1 <= top_k <= MAX_TOP_K)):
         raise InvalidFieldError(
             caller_field("sampling_params.top_k"), top_k, f"-1 (the whole vocabulary) or an integer in [1, {MAX_TOP_K}]"
+        )
+    penalty = params.get("repetition_penalty")
+    if isinstance(penalty, (int, float)) and not isinstance(penalty, bool) and 0 < penalty < MIN_REPETITION_PENALTY:
+        raise InvalidFieldError(
+            caller_field("sampling_params.repetition_penalty"), penalty, f"a number in [{MIN_REPETITION_PENALTY}, 2]"
         )
     min_new = params.get("min_new_tokens")
     if min_new is not None:
@@ -455,6 +505,54 @@ def _check_stop_regexes(value: Any) -> None:
             raise InvalidFieldError(field, value, STOP_REGEX_RULE, why=f"has {total} ways to match at one position")
 
 
+def check_engine_only_fields(obj: Any) -> None:
+    """Fields only SGLang's Python Engine can fill (objects, not JSON) must not come as JSON.
+
+    ``positional_embed_overrides`` is typed ``Any`` on ``GenerateReqInput``, so a
+    ``/generate`` body may carry it; the scheduler then calls a method of the
+    ``PositionalEmbeds`` object it expects on a dict, and ends.
+    """
+    overrides = getattr(obj, "positional_embed_overrides", None)
+    for item in overrides if isinstance(overrides, list) else [overrides]:
+        if item is not None and not hasattr(item, "reconstruct"):
+            raise InvalidFieldError(
+                caller_field("positional_embed_overrides"),
+                item,
+                "only through SGLang's Python Engine, as PositionalEmbeds objects (not in an HTTP body)",
+            )
+
+
+def check_session_and_labels(obj: Any, limits: RequestLimits) -> None:
+    """``session_params`` keys and types; custom metric labels the metrics accept.
+
+    A label the tokenizer's Prometheus series were not declared with raises in its
+    output loop, which ends the server (with ``--enable-metrics``).
+    """
+    session = getattr(obj, "session_params", None)
+    if session is not None:
+        field = caller_field("session_params")
+        allowed = "an object with " + ", ".join(f"{key} ({kind.__name__})" for key, kind in SESSION_FIELDS.items())
+        if not isinstance(session, dict):
+            raise InvalidFieldError(field, session, allowed)
+        for key, value in session.items():
+            kind = SESSION_FIELDS.get(key)
+            if kind is None or not (
+                value is None or (isinstance(value, kind) and (kind is bool or not isinstance(value, bool)))
+            ):
+                raise InvalidFieldError(f"{field}.{key}", value, allowed)
+    labels = getattr(obj, "custom_labels", None)
+    if labels and limits.metric_labels is not None:
+        field = caller_field("custom_labels")
+        allowed = "string values for the labels --tokenizer-metrics-allowed-custom-labels names: " + (
+            ", ".join(sorted(limits.metric_labels)) or "none on this server"
+        )
+        if not isinstance(labels, dict):
+            raise InvalidFieldError(field, labels, allowed)
+        for key, value in labels.items():
+            if key not in limits.metric_labels or not isinstance(value, str):
+                raise InvalidFieldError(f"{field}.{key}", value, allowed)
+
+
 def check_generate_request(obj: Any, limits: RequestLimits) -> None:
     """Raise :class:`InvalidFieldError` unless every field of ``obj`` is one this server serves.
 
@@ -463,6 +561,8 @@ def check_generate_request(obj: Any, limits: RequestLimits) -> None:
             ``normalize_batch_and_arguments`` (one prompt or a batch).
         limits: the model's and the server's limits.
     """
+    check_engine_only_fields(obj)
+    check_session_and_labels(obj, limits)
     prompts = prompt_count(obj)
     check_batch_shape(obj, prompts)
     sampling = _sampling_dicts(obj, prompts)
@@ -488,14 +588,17 @@ def limits_of(tokenizer_manager: Any) -> RequestLimits:
     """The limits of the server a tokenizer manager belongs to."""
     from sgl_importance.config import config_of
 
-    config = config_of(tokenizer_manager.server_args)
+    server_args = tokenizer_manager.server_args
+    config = config_of(server_args)
     keys = getattr(tokenizer_manager.sampling_params_class, "__struct_fields__", None)
+    labels = getattr(server_args, "tokenizer_metrics_allowed_custom_labels", None) or ()
     return RequestLimits(
         vocab_size=tokenizer_manager.model_config.vocab_size,
         context_len=tokenizer_manager.context_len,
         max_sequences=config.request_max_sequences,
         max_logprobs=config.request_max_logprobs,
         sampling_keys=None if keys is None else frozenset(keys) - INTERNAL_SAMPLING_FIELDS,
+        metric_labels=frozenset(labels) if getattr(server_args, "enable_metrics", False) else None,
     )
 
 

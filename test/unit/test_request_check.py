@@ -36,6 +36,7 @@ LIMITS = RequestLimits(
             "min_new_tokens",
             "custom_params",
             "temperature",
+            "repetition_penalty",
         }
     ),
 )
@@ -154,13 +155,65 @@ def test_per_prompt_lists_of_a_batch_must_match_its_length():
     check_generate_request(request(text=["a", "b"], return_logprob=True, top_logprobs_num=2), LIMITS)
 
 
-def test_an_empty_batch_is_refused():
-    assert refused(request(text=[])).field == "text"
+def test_a_single_prompt_gives_its_per_prompt_fields_as_single_values():
+    assert refused(request(return_logprob=True, top_logprobs_num=[5])).field == "top_logprobs_num"
+    assert refused(request(logprob_start_len=[0])).field == "logprob_start_len"
+    with naming_prompt_field("messages"):
+        assert refused(request(rid=["a", "b"])).field == "rid"
+
+
+def test_a_batch_may_give_one_bootstrap_host_but_needs_a_decode_tp_size_per_prompt():
+    check_generate_request(request(text=["a", "b"], bootstrap_host="h"), LIMITS)
+    assert refused(request(text=["a", "b"], decode_tp_size=2)).field == "decode_tp_size"
+
+
+@pytest.mark.parametrize("embeds", [[[]], [], [[[]]], "x", [[0.1], []]])
+def test_empty_or_malformed_input_embeds_are_refused(embeds):
+    assert refused(request(text=None, input_embeds=embeds)).field == "input_embeds"
+
+
+def test_a_repetition_penalty_so_small_the_logits_overflow_is_refused():
+    check_generate_request(request(sampling_params={"repetition_penalty": 0.5}), LIMITS)
+    assert (
+        refused(request(sampling_params={"repetition_penalty": 1e-300})).field == "sampling_params.repetition_penalty"
+    )
+
+
+def test_an_empty_batch_is_left_to_sglang():
+    # SGLang answers an empty text batch with [] and refuses "input_ids": [] itself.
+    check_generate_request(request(text=[]), LIMITS)
+
+
+def test_session_params_with_an_unknown_key_or_a_wrong_type_are_refused():
+    check_generate_request(request(session_params={"id": "s", "offset": 3, "replace": None}), LIMITS)
+    assert refused(request(session_params={"zzz": 1})).field == "session_params.zzz"
+    assert refused(request(session_params={"offset": "3"})).field == "session_params.offset"
+    assert refused(request(session_params={"offset": True})).field == "session_params.offset"
+    assert refused(request(session_params=[1])).field == "session_params"
+
+
+def test_with_metrics_on_only_declared_custom_labels_are_accepted():
+    with_metrics = RequestLimits(
+        vocab_size=VOCAB, context_len=8192, max_sequences=8, max_logprobs=20, metric_labels=frozenset({"tenant"})
+    )
+    check_generate_request(request(custom_labels={"tenant": "a"}), with_metrics)
+    err = refused(request(custom_labels={"a" * 10: "b"}), with_metrics)
+    assert err.field == "custom_labels." + "a" * 10 and "tenant" in str(err)
+    assert refused(request(custom_labels={"tenant": 5}), with_metrics).field == "custom_labels.tenant"
+    # Without metrics the labels go nowhere.
+    check_generate_request(request(custom_labels={"anything": "x"}), LIMITS)
 
 
 def test_a_sampling_parameter_sglang_does_not_take_is_refused_by_name():
     err = refused(request(sampling_params={"choice": ["a"]}))
     assert err.field == "sampling_params.choice"
+
+
+def test_embedding_overrides_from_a_json_body_are_refused():
+    err = refused(request(positional_embed_overrides={"embeds": [[0.1]], "positions": [1]}))
+    assert err.field == "positional_embed_overrides" and "Engine" in str(err)
+    engine_object = types.SimpleNamespace(reconstruct=lambda *a: None)
+    check_generate_request(request(positional_embed_overrides=engine_object), LIMITS)
 
 
 def test_custom_params_must_be_an_object():
@@ -247,6 +300,14 @@ def _real_limits() -> RequestLimits:
         max_logprobs=20,
         sampling_keys=frozenset(SamplingParams.__struct_fields__) - INTERNAL_SAMPLING_FIELDS,
     )
+
+
+def test_the_session_fields_checked_are_sglangs():
+    from sglang.srt.managers.io_struct import SessionParams
+
+    from sgl_importance.request_check import SESSION_FIELDS
+
+    assert set(SESSION_FIELDS) == set(SessionParams.__struct_fields__)
 
 
 def test_every_sampling_parameter_the_generate_schema_admits_is_accepted_except_choice():

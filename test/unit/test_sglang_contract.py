@@ -132,8 +132,18 @@ ATTRIBUTES = [
     *(Name(TOKENIZER_MANAGER, n, "request_check.py") for n in ("context_len", "sampling_params_class")),
     *(
         Name("sglang.srt.managers.io_struct.GenerateReqInput", n, "request_check.py")
-        for n in ("text", "input_embeds", "top_logprobs_num", "logprob_start_len", "token_ids_logprob")
+        for n in (
+            "text",
+            "input_embeds",
+            "top_logprobs_num",
+            "logprob_start_len",
+            "token_ids_logprob",
+            "positional_embed_overrides",
+            "session_params",
+            "custom_labels",
+        )
     ),
+    Name(SERVER_ARGS, "tokenizer_metrics_allowed_custom_labels", "request_check.py"),
     *(
         Name(f"sglang.srt.managers.io_struct.{c}", "input_ids", "prompt_check.py")
         for c in ("GenerateReqInput", "EmbeddingReqInput")
