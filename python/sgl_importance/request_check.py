@@ -93,6 +93,16 @@ SINGLE_PROMPT_SCALAR_FIELDS = (
     "bootstrap_pair_key",
     "decode_tp_size",
 )
+# The tokenizer's apply_chat_template parameters: SGLang passes chat_template_kwargs
+# as **kwargs beside its own, so a key among them is a TypeError (a 500), and
+# `chat_template` would render a caller's Jinja template in the server.
+CHAT_TEMPLATE_PARAMETERS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
 # Below this the penalized logits overflow to inf and sampling slows to seconds per token.
 MIN_REPETITION_PENALTY = 0.01
 
@@ -582,6 +592,21 @@ def check_generate_request(obj: Any, limits: RequestLimits) -> None:
 def is_generate_request(obj: Any) -> bool:
     """Whether the tokenizer manager's ``obj`` is a generate request (not an embedding one)."""
     return hasattr(obj, "top_logprobs_num") and hasattr(obj, "sampling_params")
+
+
+def check_chat_template_kwargs(kwargs: Any) -> None:
+    """A chat request's ``chat_template_kwargs`` must not set the template call's own
+    parameters (the template itself included)."""
+    if not isinstance(kwargs, dict):
+        return  # pydantic refuses it first
+    taken = sorted(key for key in kwargs if key in CHAT_TEMPLATE_PARAMETERS)
+    if taken:
+        raise InvalidFieldError(
+            f"chat_template_kwargs.{taken[0]}",
+            kwargs[taken[0]],
+            "variables for the chat template other than " + ", ".join(sorted(CHAT_TEMPLATE_PARAMETERS)),
+            why="is a parameter of the template call, not a template variable",
+        )
 
 
 def limits_of(tokenizer_manager: Any) -> RequestLimits:

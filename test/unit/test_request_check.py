@@ -327,3 +327,43 @@ def test_sglangs_own_request_objects_are_checked_as_built_from_a_body():
     bad = GenerateReqInput(text="a", return_logprob=True, top_logprobs_num=VOCAB + 1)
     assert refused(bad, limits).field == "top_logprobs_num"
     assert refused(GenerateReqInput(input_ids=[[1], [2]], sampling_params=[{}]), limits).field == "sampling_params"
+
+
+def test_chat_template_kwargs_may_not_set_the_template_calls_own_parameters():
+    from sgl_importance.request_check import check_chat_template_kwargs
+
+    check_chat_template_kwargs({"enable_thinking": False, "custom": 3})
+    for key in ("add_generation_prompt", "chat_template", "tokenize"):
+        with pytest.raises(InvalidFieldError) as err:
+            check_chat_template_kwargs({key: "x"})
+        assert err.value.field == f"chat_template_kwargs.{key}"
+
+
+def test_the_reserved_template_kwargs_are_the_tokenizers_apply_chat_template_parameters():
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    from sgl_importance.request_check import CHAT_TEMPLATE_PARAMETERS
+
+    named = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"self", "kwargs"}
+    assert named <= CHAT_TEMPLATE_PARAMETERS
+
+
+def test_an_openai_chat_request_with_a_reserved_template_kwarg_gets_a_400_naming_it():
+    from sgl_importance.serving import check_openai_request
+
+    errors = []
+
+    def create_error_response(message, param=None, **kwargs):
+        errors.append((message, param))
+        return "400"
+
+    handler = types.SimpleNamespace(create_error_response=create_error_response)
+    chat = types.SimpleNamespace(model=None, messages=[], chat_template_kwargs={"chat_template": "{{ 1 }}"})
+
+    async def original(*args):
+        raise AssertionError("the request reached SGLang")
+
+    assert asyncio.run(check_openai_request(original, handler, chat, None)) == "400"
+    assert errors[0][1] == "chat_template_kwargs.chat_template"
