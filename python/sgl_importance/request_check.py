@@ -74,8 +74,6 @@ PER_PROMPT_LIST_FIELDS = (
     "bootstrap_pair_key",
     "decode_tp_size",
 )
-# Of those, the ones SGLang indexes without expanding a single value first.
-PER_PROMPT_REQUIRED_LIST_FIELDS = ("decode_tp_size",)
 # Of those, the ones a single prompt must give as one value: SGLang passes a list
 # through to the scheduler, which compares or hashes it as a number or string.
 SINGLE_PROMPT_SCALAR_FIELDS = (
@@ -256,17 +254,14 @@ def check_batch_shape(obj: Any, prompts: Optional[int]) -> None:
         _check_embeds(obj)
         return
     _check_embeds(obj)
-    for name in PER_PROMPT_LIST_FIELDS + PER_PROMPT_REQUIRED_LIST_FIELDS:
+    for name in PER_PROMPT_LIST_FIELDS:
         value = getattr(obj, name, None)
         if value is None:
             continue
-        if isinstance(value, list):
-            if len(value) != prompts:
-                raise InvalidFieldError(
-                    caller_field(name), f"a list of {len(value)}", f"one value, or a list of one per prompt ({prompts})"
-                )
-        elif name in PER_PROMPT_REQUIRED_LIST_FIELDS:
-            raise InvalidFieldError(caller_field(name), value, f"for a batch, a list of one per prompt ({prompts})")
+        if isinstance(value, list) and len(value) != prompts:
+            raise InvalidFieldError(
+                caller_field(name), f"a list of {len(value)}", f"one value, or a list of one per prompt ({prompts})"
+            )
     token_ids = obj.token_ids_logprob
     if isinstance(token_ids, list) and token_ids and isinstance(token_ids[0], list) and len(token_ids) != prompts:
         raise InvalidFieldError(

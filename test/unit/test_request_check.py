@@ -162,9 +162,9 @@ def test_a_single_prompt_gives_its_per_prompt_fields_as_single_values():
         assert refused(request(rid=["a", "b"])).field == "rid"
 
 
-def test_a_batch_may_give_one_bootstrap_host_but_needs_a_decode_tp_size_per_prompt():
-    check_generate_request(request(text=["a", "b"], bootstrap_host="h"), LIMITS)
-    assert refused(request(text=["a", "b"], decode_tp_size=2)).field == "decode_tp_size"
+def test_a_batch_may_give_one_bootstrap_value_for_every_prompt():
+    check_generate_request(request(text=["a", "b"], bootstrap_host="h", decode_tp_size=2), LIMITS)
+    assert refused(request(text=["a", "b"], bootstrap_host=["h"])).field == "bootstrap_host"
 
 
 @pytest.mark.parametrize("embeds", [[[]], [], [[[]]], "x", [[0.1], []]])
