@@ -233,6 +233,9 @@ def _sampling_dicts(obj: Any, prompts: Optional[int]) -> list[dict]:
         raise InvalidFieldError(field, params, "an object, or for a batch a list of one object per prompt")
     if prompts is None:
         raise InvalidFieldError(field, params, "an object for a single prompt (a list needs a batch of prompts)")
+    if not params:
+        # SGLang reads the first entry's n before it looks at the batch.
+        raise InvalidFieldError(field, params, "an object, or a list of one object per prompt")
     if len(params) != prompts:
         raise InvalidFieldError(
             field, f"a list of {len(params)}", f"a list of exactly one object per prompt ({prompts})"

@@ -179,6 +179,11 @@ def test_a_repetition_penalty_so_small_the_logits_overflow_is_refused():
     )
 
 
+def test_an_empty_list_of_sampling_params_is_refused_even_for_an_empty_batch():
+    # Found by the fuzzer: SGLang reads the first entry's n (IndexError, a 500).
+    assert refused(request(text=[], sampling_params=[])).field == "sampling_params"
+
+
 def test_an_empty_batch_is_left_to_sglang():
     # SGLang answers an empty text batch with [] and refuses "input_ids": [] itself.
     check_generate_request(request(text=[]), LIMITS)
