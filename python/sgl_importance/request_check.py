@@ -1,26 +1,31 @@
 """Generate requests the scheduler cannot serve safely are refused before it sees them.
 
-SGLang 0.5.23 checks many sampling parameters, but a few values it lets through
-end the scheduler process, and with it the server, for every tenant (seen on
+SGLang 0.5.23 checks many request fields, but some values it lets through end
+the scheduler process, and with it the server, for every tenant (seen on
 ``torch_cpu``, stock SGLang as well): ``top_logprobs_num`` above the vocabulary
-(``topk`` out of range in the logprob processor), a ``stop_token_ids`` id outside
-the vocabulary together with ``min_new_tokens`` (an out-of-range scatter in the
-min-tokens penalizer) and a ``top_k`` above 2^31 - 1 (an int32 overflow while the
-batch's sampling tensors are built). Others are legal but unbounded: ``n`` and
-batch size multiply the work one request asks for, top log probabilities are
-copied to Python lists per position, and a stop regex runs in the scheduler on
-every decode step with Python's backtracking engine, where ``(a+)+b`` over a few
-dozen characters takes seconds and doubles with each one. A few malformed shapes
-(a ``sampling_params`` list that does not match the batch, a key SGLang's
-``SamplingParams`` does not take, an invalid stop regex) raise something other
-than ``ValueError`` in the tokenizer manager and become a 500.
+(``topk`` out of range in the logprob processor), or given as a list for one
+prompt (as is ``logprob_start_len``); a ``stop_token_ids`` id outside the
+vocabulary with ``min_new_tokens`` (an out-of-range scatter in the min-tokens
+penalizer); ``top_k`` above 2^31 - 1 (an int32 overflow building the batch's
+sampling tensors); ``positional_embed_overrides`` in a JSON body; a custom
+metric label the tokenizer's series were not declared with. Others are legal but
+unbounded: ``n`` and batch size multiply the work one request asks for, top log
+probabilities are copied to Python lists per position, a repetition penalty
+near 0 overflows the logits, and a stop regex runs in the scheduler on every
+decode step with Python's backtracking engine, where ``(a+)+b`` over a few dozen
+characters takes seconds and doubles with each one. Malformed shapes (a
+``sampling_params`` list that does not match the batch, a key SGLang's
+``SamplingParams`` or ``SessionParams`` does not take, an invalid stop regex, a
+chat template keyword that is the template call's own) raise something other
+than ``ValueError`` and become 500s.
 
 :func:`check_generate_request` checks every such field of one request, before
 SGLang normalises it (a batch is checked whole, before any item is sent), and
 raises :class:`InvalidFieldError`, which SGLang answers with a 400 and the
 endpoint's usual body. The message names the field as the caller spelled it
 (``top_logprobs`` on chat, ``logprobs`` on completions, ``sampling_params.top_k``
-on ``/generate``), its value and what is allowed.
+on ``/generate``), its value and what is allowed. README.md ("Behaviour on every
+platform") lists each check with its limit and what it replaced.
 """
 
 from __future__ import annotations
