@@ -11,6 +11,7 @@ imports nothing heavy in processes that never reach them.
 |--------------------------------------------------|-------------------------------|
 | flags on SGLang's parser, `_importance`          | config.py                     |
 | 404 for an unknown OpenAI `model`; prompt name   | serving.py                    |
+| 400 for a chat body SGLang's model would 500 on  | serving.py                    |
 | 400 for an empty prompt or out-of-vocab token id | prompt_check.py               |
 | 400 for request fields the scheduler can't serve | request_check.py              |
 | torch_cpu: HiCache host pool (torch copies)      | platform/host_pool.py         |
@@ -95,6 +96,12 @@ def _check_prompt(tokenizer_manager: Any, obj: Any, input_ids: Any) -> None:
     # path, passes here before it is sent to the scheduler.
     check_before_validation(tokenizer_manager, obj, input_ids)
     check_hot_set_request(tokenizer_manager, obj)
+
+
+async def _checked_json(original: Callable[..., Any], request: Any) -> Any:
+    from sgl_importance.serving import checked_json
+
+    return await checked_json(original, request)
 
 
 def _check_generate_request(
@@ -354,6 +361,8 @@ def load() -> None:
             _check_generate_request,
             HookType.AROUND,
         )
+        # FastAPI parses every body through it, before SGLang's request models.
+        register("sglang.srt.entrypoints.http_server.ORJSONRequest.json", _checked_json, HookType.AROUND)
     # Backends register by name in every process: the scheduler builds them, the
     # launcher's parser must accept the names. (attention_registry costs ~0.4 s on
     # top of the hook registry's import; far less than a second hook layer.)

@@ -13,6 +13,11 @@ caller gave the prompt (``messages``, ``prompt`` or ``input``), so the 400 names
 The same name tells ``request_check.py`` which endpoint built the request, so its
 400s use the endpoint's field names (``top_logprobs`` on chat, ``logprobs`` on
 completions).
+
+SGLang's chat request model reads ``response_format`` in a pydantic "before"
+validator that assumes an object (``.get`` on a list raises ``AttributeError``,
+a 500, before any handler runs). :func:`checked_json` looks at the parsed body
+first, where FastAPI turns an ``HTTPException`` into the endpoint's 400.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any, Callable
 OMITTED_MODEL_NAMES = frozenset({"", "default"})
 # Where OpenAI requests carry the prompt: chat, completions, embeddings/responses.
 PROMPT_FIELDS = ("messages", "prompt", "input")
+CHAT_PATH = "/v1/chat/completions"
 
 
 def known_model_names(tokenizer_manager: Any) -> set[str]:
@@ -77,3 +83,48 @@ async def check_openai_request(original: Callable[..., Any], handler: Any, reque
     # check runs inside this block on both paths.
     with naming_prompt_field(field):
         return await reject_unknown_model(original, handler, request, raw_request)
+
+
+def chat_body_problem(body: Any) -> str | None:
+    """Why SGLang's chat request model would raise on ``body`` (a 500), or None.
+
+    Its ``set_json_schema`` validator indexes ``response_format`` and, for
+    ``"type": "json_schema"``, its ``schema``, the schema's ``properties`` and their
+    ``strict`` entry, as objects.
+    """
+    if not isinstance(body, dict):
+        return "the body must be a JSON object"
+    response_format = body.get("response_format")
+    if not response_format:
+        return None
+    if not isinstance(response_format, dict):
+        return f"Invalid 'response_format': {response_format!r:.80} is not allowed; allowed: an object"
+    if response_format.get("type") != "json_schema" or response_format.get("json_schema"):
+        return None
+    schema = response_format.get("schema")
+    if not schema:
+        return None
+    if not isinstance(schema, dict):
+        return f"Invalid 'response_format.schema': {schema!r:.80} is not allowed; allowed: an object"
+    properties = schema.get("properties")
+    if properties is None:
+        return None
+    if not isinstance(properties, dict):
+        return f"Invalid 'response_format.schema.properties': {properties!r:.80} is not allowed; allowed: an object"
+    strict = properties.get("strict")
+    if strict and not isinstance(strict, dict):
+        return f"Invalid 'response_format.schema.properties.strict': {strict!r:.80} is not allowed; allowed: an object"
+    return None
+
+
+async def checked_json(original: Callable[..., Any], request: Any) -> Any:
+    """AROUND-hook for ``ORJSONRequest.json``: the parsed body, refused with a 400
+    where SGLang's own request model would fail on its shape with a 500."""
+    body = await original(request)
+    if request.url.path == CHAT_PATH:
+        problem = chat_body_problem(body)
+        if problem is not None:
+            from fastapi import HTTPException
+
+            raise HTTPException(status_code=HTTPStatus.BAD_REQUEST, detail=problem)
+    return body

@@ -372,3 +372,54 @@ def test_an_openai_chat_request_with_a_reserved_template_kwarg_gets_a_400_naming
 
     assert asyncio.run(check_openai_request(original, handler, chat, None)) == "400"
     assert errors[0][1] == "chat_template_kwargs.chat_template"
+
+
+@pytest.mark.parametrize(
+    "response_format,field",
+    [
+        (["x"], "'response_format'"),
+        ("json", "'response_format'"),
+        ({"type": "json_schema", "schema": [1]}, "'response_format.schema'"),
+        ({"type": "json_schema", "schema": {"properties": "strict"}}, "'response_format.schema.properties'"),
+        (
+            {"type": "json_schema", "schema": {"properties": {"strict": 1}}},
+            "'response_format.schema.properties.strict'",
+        ),
+    ],
+)
+def test_a_chat_response_format_sglangs_model_would_500_on_is_a_400_naming_it(response_format, field):
+    from fastapi import HTTPException
+
+    from sgl_importance.serving import checked_json
+
+    async def original(request):
+        return {"messages": [], "response_format": response_format}
+
+    request = types.SimpleNamespace(url=types.SimpleNamespace(path="/v1/chat/completions"))
+    with pytest.raises(HTTPException) as err:
+        asyncio.run(checked_json(original, request))
+    assert err.value.status_code == 400 and field in err.value.detail
+
+
+def test_a_well_formed_chat_body_and_other_paths_pass_through():
+    from sgl_importance.serving import checked_json
+
+    good = {"messages": [], "response_format": {"type": "json_schema", "schema": {"properties": {"a": {}}}}}
+
+    async def original(request):
+        return good
+
+    for path in ("/v1/chat/completions", "/generate"):
+        request = types.SimpleNamespace(url=types.SimpleNamespace(path=path))
+        assert asyncio.run(checked_json(original, request)) is good
+
+
+def test_the_shapes_refused_are_the_ones_sglangs_chat_model_raises_on():
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+
+    from sgl_importance.serving import chat_body_problem
+
+    body = {"messages": [{"role": "user", "content": "x"}], "response_format": ["x"]}
+    assert chat_body_problem(body) is not None
+    with pytest.raises(AttributeError):  # not a ValidationError: FastAPI answers 500
+        ChatCompletionRequest.model_validate(body)

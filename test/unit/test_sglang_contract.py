@@ -241,6 +241,7 @@ HOOK_TARGETS = [
     "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request",
     "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
     "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+    "sglang.srt.entrypoints.http_server.ORJSONRequest.json",
     f"{MEM}.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids",
     f"{MEM}.allocator.token.TokenToKVPoolAllocator.free",
     f"{MEM}.allocator.paged.PagedTokenToKVPoolAllocator.clear",
