@@ -642,8 +642,25 @@ async def checked_generate(
     on the first step, where SGLang raises its own request errors, then served as usual."""
     from contextlib import aclosing
 
-    if is_generate_request(obj):
-        check_generate_request(obj, limits_for(tokenizer_manager))
-    async with aclosing(original(tokenizer_manager, obj, *args, **kwargs)) as responses:
-        async for response in responses:
-            yield response
+    try:
+        if is_generate_request(obj):
+            check_generate_request(obj, limits_for(tokenizer_manager))
+        async with aclosing(original(tokenizer_manager, obj, *args, **kwargs)) as responses:
+            async for response in responses:
+                yield response
+    except ValueError:
+        leave_nothing_to_abort(obj)
+        raise
+
+
+def leave_nothing_to_abort(obj: Any) -> None:
+    """Let SGLang's abort task of a streamed ``/generate`` find nothing to abort.
+
+    The task reads ``obj.is_single`` and ``obj.rid``, which normalisation sets; a
+    request refused before it (here, or by SGLang's own first checks) has neither,
+    and the task's ``AttributeError`` was a traceback after every such refusal
+    (found by the fuzzer). Nothing of the request reached SGLang's state.
+    """
+    if not hasattr(obj, "is_single"):
+        obj.is_single = True
+        obj.rid = None

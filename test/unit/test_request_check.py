@@ -423,3 +423,19 @@ def test_the_shapes_refused_are_the_ones_sglangs_chat_model_raises_on():
     assert chat_body_problem(body) is not None
     with pytest.raises(AttributeError):  # not a ValidationError: FastAPI answers 500
         ChatCompletionRequest.model_validate(body)
+
+
+def test_a_refused_request_leaves_sglangs_abort_task_nothing_to_abort():
+    obj = request(rid=["a", "b"], text=["x", "y"], top_logprobs_num=10**5)
+
+    async def original(manager, obj, raw=None):
+        yield "never"
+
+    async def first():
+        async for out in checked_generate(original, None, obj, limits_for=lambda _: LIMITS):
+            return out
+
+    with pytest.raises(InvalidFieldError):
+        asyncio.run(first())
+    # What the abort task of a streamed /generate reads: one rid that nothing holds.
+    assert obj.is_single is True and obj.rid is None
