@@ -1,12 +1,20 @@
 """Kernels for importance-guided KV tiering: decode attention that also returns how
-much attention mass each KV page received, its torch reference, and a scatter of
-that importance into a per-physical-page table.
+much attention mass each KV page received (Triton, and a batched page-list torch path
+for CPUs), its torch reference, and a scatter of that importance into a
+per-physical-page table.
 
 Knows nothing of SGLang; it only shares SGLang's KV layout (see ``decode_importance``).
 """
 
 from .output import DecodeImportanceOutput
 from .page_table import HAS_TRITON, scatter_page_importance
+from .paged import (
+    PagedDecodePlan,
+    PagedDecodeWorkspace,
+    decode_importance_paged,
+    plan_from_slots,
+    plan_paged_decode,
+)
 from .plan import DecodeGeometry, decode_geometry, default_num_splits, split_bounds
 from .reference import decode_importance_reference
 
@@ -14,9 +22,14 @@ __all__ = [
     "HAS_TRITON",
     "DecodeGeometry",
     "DecodeImportanceOutput",
+    "PagedDecodePlan",
+    "PagedDecodeWorkspace",
     "decode_geometry",
+    "decode_importance_paged",
     "decode_importance_reference",
     "default_num_splits",
+    "plan_from_slots",
+    "plan_paged_decode",
     "scatter_page_importance",
     "split_bounds",
 ]

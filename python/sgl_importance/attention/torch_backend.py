@@ -8,10 +8,16 @@ That costs a request ``new x (prefix + new)`` logits instead of ``(prefix + new)
 the second chunk of a 4K prompt, or a 16-token question after a cached 8K document,
 no longer pays for attention over the prefix it did not change. Cross-attention,
 encoder-only and sliding-window layers keep torch_native's extend. Decode computes the same
-softmax attention with ``sgl_kernel_ext.decode_importance_reference`` (float32
-arithmetic, the result rounded once to the model dtype, as SDPA does on a CPU), which
-also returns each request's page importance; the backend files it in the process's
-``PageImportanceTable``. For the CPU (torch_cpu platform), where CUDA graphs are off.
+softmax attention with ``sgl_kernel_ext.decode_importance_paged`` (float32 arithmetic,
+the result rounded once to the model dtype, as SDPA does on a CPU), which also returns
+each request's page importance; the backend files it in the process's
+``PageImportanceTable``. The step's page lists are packed once in
+``init_forward_metadata`` (``self.decode_plan``, with ``page_indptr`` / ``page_ids`` /
+``page_tokens`` beside it) and every layer reads the pool as pages, batched over the
+requests. ``SGL_IMPORTANCE_DECODE=reference`` in the server's environment selects
+``decode_importance_reference`` instead (one Python iteration per request and layer,
+slot by slot), for A/B runs; the default is ``paged``. For the CPU (torch_cpu
+platform), where CUDA graphs are off.
 
 With ``--hot-set-policy`` (not ``off``), decode of requests longer than
 ``--hot-set-threshold`` tokens attends only over each request's hot set
@@ -27,6 +33,7 @@ soft cap and attention sinks.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -36,11 +43,22 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_importance.attention.common import last_attention_layer_id, page_table_for
 from sgl_importance.config import config_of
-from sgl_kernel_ext import decode_importance_reference
+from sgl_kernel_ext import (
+    PagedDecodePlan,
+    PagedDecodeWorkspace,
+    decode_importance_paged,
+    decode_importance_reference,
+    plan_from_slots,
+)
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+# Which dense decode runs: the batched page-list path, or the slot-by-slot reference
+# (for A/B timing and as a fallback); read once when the backend is built.
+DECODE_ENV = "SGL_IMPORTANCE_DECODE"
+DECODE_IMPLS = ("paged", "reference")
 
 
 class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
@@ -53,14 +71,32 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
         self.last_layer_id = last_attention_layer_id(model_runner)
         self.kv_indptr: Optional[torch.Tensor] = None
         self.kv_indices: Optional[torch.Tensor] = None
+        self.decode_impl = decode_impl_from_env()
+        # The step's page lists (one list per request, in sequence order), packed once
+        # per decode step; None outside decode or with the reference decode.
+        self.decode_plan: Optional[PagedDecodePlan] = None
+        self.page_indptr: Optional[torch.Tensor] = None
+        self.page_ids: Optional[torch.Tensor] = None
+        self.page_tokens: Optional[torch.Tensor] = None
+        self.paged_workspace = PagedDecodeWorkspace()
         self.hot_set = _build_hot_set(model_runner, self.last_layer_id)
         self.hot_set_metrics = _build_hot_set_metrics(model_runner) if self.hot_set else None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         super().init_forward_metadata(forward_batch)
         self.kv_indptr = self.kv_indices = None
+        self.decode_plan = self.page_indptr = self.page_ids = self.page_tokens = None
         if forward_batch.forward_mode.is_decode() and forward_batch.encoder_lens is None:
             self.kv_indptr, self.kv_indices = self._decode_kv_indices(forward_batch)
+            if self.decode_impl == "paged":
+                plan = plan_from_slots(
+                    self.req_to_token_pool.req_to_token,
+                    forward_batch.req_pool_indices,
+                    forward_batch.seq_lens,
+                    page_size=self.page_size,
+                )
+                self.decode_plan = plan
+                self.page_indptr, self.page_ids, self.page_tokens = plan.page_indptr, plan.page_ids, plan.page_tokens
             if self.hot_set is not None:
                 self._begin_hot_set_step(forward_batch)
 
@@ -193,17 +229,31 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
             )
         if self.hot_set is not None:
             return self._decode_hot_set(q, o, layer, forward_batch, save_kv_cache, sinks)
-        result = decode_importance_reference(
-            q,
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            self.kv_indptr,
-            self.kv_indices,
-            page_size=self.page_size,
-            sm_scale=layer.scaling,
-            logit_cap=_logit_cap(layer),
-            sinks=sinks,
-        )
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        if self.decode_plan is not None:
+            result = decode_importance_paged(
+                q,
+                as_pages(k_buffer, self.page_size),
+                as_pages(v_buffer, self.page_size),
+                self.decode_plan,
+                sm_scale=layer.scaling,
+                logit_cap=_logit_cap(layer),
+                sinks=sinks,
+                workspace=self.paged_workspace,
+            )
+        else:
+            result = decode_importance_reference(
+                q,
+                k_buffer,
+                v_buffer,
+                self.kv_indptr,
+                self.kv_indices,
+                page_size=self.page_size,
+                sm_scale=layer.scaling,
+                logit_cap=_logit_cap(layer),
+                sinks=sinks,
+            )
         o.view(-1, layer.tp_q_head_num, layer.v_head_dim).copy_(result.output)
         self.page_table.add_layer(result.importance, self.kv_indptr, self.kv_indices)
         return o
@@ -285,6 +335,24 @@ def extend_causal_attention(
         )
         out[start : start + new] = o[0].transpose(0, 1)
         start += new
+
+
+def decode_impl_from_env() -> str:
+    """``$SGL_IMPORTANCE_DECODE`` (default ``paged``).
+
+    Raises:
+        ValueError: naming the variable, the value and the allowed ones.
+    """
+    value = os.environ.get(DECODE_ENV, "paged").strip().lower() or "paged"
+    if value not in DECODE_IMPLS:
+        raise ValueError(f"{DECODE_ENV}={value!r} is invalid; allowed: {', '.join(DECODE_IMPLS)}")
+    return value
+
+
+def as_pages(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
+    """A ``[slots, heads, D]`` pool buffer viewed as ``[pages, page_size, heads, D]`` (no copy)."""
+    whole = buffer.shape[0] // page_size * page_size
+    return buffer[:whole].view(-1, page_size, *buffer.shape[1:])
 
 
 def _logit_cap(layer: Any) -> float:
