@@ -19,8 +19,9 @@ prompts of one task and length: the group's dense requests come first (they pref
 the prompts, which then stay in the radix cache), then every hot-set configuration
 decodes the whole group from the cached prompts, the group's requests at once so the
 server batches their steps, one configuration after another. ``/metrics`` is read
-before and after each: guard fallbacks per hot-set step and pages read against what
-dense attention would read, summed over the group (exact per cell, split evenly over
+before and after each: the layer-steps in which the guard read pages (of those it
+bounded) and the pages read exactly against what dense attention would read, summed
+over the group (exact per cell, split evenly over
 the group's rows). Prefill dominates on a CPU (an 8K prompt is ~60 s on one core, a
 configuration's 8 tokens ~2 s), so the batch buys ~20 %, not more. The grid:
 ``--policies`` x ``--budgets`` with the guard off (``1.0``: the policies' own
@@ -62,7 +63,10 @@ from sgl_importance.local_server import LocalServer, metric
 REPO = Path(__file__).resolve().parents[2]
 PAGE = 16
 GUARD_DEFAULT = 0.1  # the server's --hot-set-guard-threshold default
-COUNTERS = ("steps", "warmups", "guard_fallbacks", "pages_attended", "pages_dense", "promotions", "late_arrivals")
+COUNTERS = (
+    "steps", "warmups", "guard_fallbacks", "guard_checks", "guard_reads", "pages_attended", "pages_dense",
+    "pages_estimated", "promotions", "late_arrivals",
+)  # fmt: skip
 NAMES = (
     "Alice Bob Carol David Emma Frank Grace Henry Irene Jack Karen Louis Maria Nathan Olivia Peter "
     "Quinn Rachel Simon Tina Victor Wendy Xavier Yvonne Zach"
@@ -219,8 +223,8 @@ def main() -> None:
     ap.add_argument(
         "--reduces", default=REDUCE_DEFAULT, help="custom_params.hot_set.reduce values of the importance policy"
     )
-    ap.add_argument("--guard-policies", default="importance", help="decoded with the default guard (0.1)")
-    ap.add_argument("--guard-budgets", default="0.2", help="budgets of the --guard-policies")
+    ap.add_argument("--guard-policies", default="importance", help="decoded with the server's default guard")
+    ap.add_argument("--guard-budgets", default="0.1,0.2,0.3", help="budgets of the --guard-policies")
     ap.add_argument("--n", type=int, default=50, help="trials per task and length")
     ap.add_argument("--threshold", type=int, default=1024, help="--hot-set-threshold")
     ap.add_argument("--seed", type=int, default=0)
@@ -371,7 +375,7 @@ def summarise(rows: list[dict], *, pool_lengths: bool = False) -> dict:
         c["dense_hits"] += dense_hit
         c["kept"] += dense_hit and r["correct"]
         for k in COUNTERS:
-            c[k] += r[k]
+            c[k] += r.get(k, 0)  # journals written before a counter existed lack it
     return cells
 
 
@@ -384,7 +388,7 @@ def _order(config: str) -> tuple:
 
 HEADER = (
     "| length | configuration | correct | accuracy | vs dense | dense's hits kept "
-    "| guard fallbacks / step | pages read / dense |"
+    "| guard reads / layer-step | pages read / dense |"
 )
 
 
@@ -399,8 +403,7 @@ def _table_lines(cells: dict, task: str) -> list[str]:
         ref = dense["correct"] / dense["n"] if dense else 0.0
         vs = f"{acc / ref:.0%}" if ref else "n/a"
         kept = f"{int(c['kept'])}/{int(c['dense_hits'])}" if c["dense_hits"] else "–"
-        hot_steps = c["steps"] - c["warmups"]
-        guard = f"{c['guard_fallbacks'] / hot_steps:.0%}" if hot_steps else "–"
+        guard = f"{c['guard_reads'] / c['guard_checks']:.1%}" if c["guard_checks"] else "–"
         read = f"{c['pages_attended'] / c['pages_dense']:.0%}" if c["pages_dense"] else "100%"
         correct = f"{int(c['correct'])}/{int(c['n'])}"
         lines.append(f"| {length} | {config} | {correct} | {acc:.0%} | {vs} | {kept} | {guard} | {read} |")

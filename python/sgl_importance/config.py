@@ -54,7 +54,7 @@ class ImportanceConfig:
     hot_set_sinks: int = 1
     # Requests longer than this many tokens use the hot set.
     hot_set_threshold: int = 2048
-    # Allowed upper bound of the attention mass outside the hot set; 1 = no guard.
+    # Allowed bound of each layer's relative attention output error (L2); 1 = no guard.
     hot_set_guard_threshold: float = 0.1
     # How the importance policy reduces a step's page masses over layers and KV heads.
     hot_set_reduce: str = "max"
@@ -308,8 +308,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--hot-set-guard-threshold",
         type=float,
         default=defaults.hot_set_guard_threshold,
-        help="When the page summaries bound the attention mass outside the hot set above "
-        "this, the step also attends the pages that may hold it (counted); 1 = no guard.",
+        help="Pages outside the hot set are estimated from an 8-bit copy and the relative L2 "
+        "error of each layer's attention output is bounded; where the bound exceeds this, the "
+        "step reads the most suspect pages exactly until it holds (counted). 1 = no guard: "
+        "nothing estimated or bounded.",
     )
     group.add_argument(
         "--hot-set-reduce",

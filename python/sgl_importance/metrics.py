@@ -239,10 +239,16 @@ HOT_SET_SERIES = {
     "late_arrivals": ("late_arrivals", "Pages the guard added to a step that the plan had left out."),
     "guard_fallbacks": (
         "guard_fallbacks",
-        "Request decode steps in which the guard added pages because the page summaries "
-        "bound the attention mass outside the hot set above --hot-set-guard-threshold.",
+        "Request decode steps in which the guard read pages outside the hot set in some layer.",
     ),
-    "pages_attended": ("pages_attended", "Pages attended by hot-set requests, summed over layers."),
+    "guard_checks": ("guard_checks", "Request layer-steps whose attention output error the guard bounded."),
+    "guard_reads": (
+        "guard_reads",
+        "Request layer-steps in which the bound exceeded --hot-set-guard-threshold and the guard read pages exactly.",
+    ),
+    "pages_attended": ("pages_attended", "Pages read exactly by hot-set requests, summed over layers."),
+    "pages_guard_read": ("pages_guard_read", "Pages the guard read exactly, summed over layers."),
+    "pages_estimated": ("pages_estimated", "Pages estimated from their 8-bit shadow, summed over layers."),
     "pages_dense": ("pages_dense", "Pages dense attention would have read for the same steps and layers."),
     "pages_read_from_host": (
         "pages_read_from_host",

@@ -13,8 +13,6 @@ from sgl_importance.hot_set import (
     PageSummaries,
     RequestHotSet,
     fixed_mask,
-    outside_mass_bound,
-    pages_to_add,
 )
 from sgl_kernel_ext import decode_importance_reference
 
@@ -81,49 +79,6 @@ def test_a_page_written_again_from_its_first_slot_forgets_its_old_keys():
     # A write after the first slot merges: the bound covers both keys.
     summaries.update(0, torch.tensor([PAGE + 2]), -small[:1])
     assert summaries.key_min[0, 1].min() == -1.0 and summaries.key_max[0, 1].max() == 1.0
-
-
-def test_outside_mass_bound_is_at_least_the_true_outside_mass():
-    g = torch.Generator().manual_seed(7)
-    for _ in range(20):
-        n = 12 * PAGE
-        keys = torch.randn(n, KV_HEADS, DIM, generator=g) * 2
-        slots = torch.arange(PAGE, PAGE + n)
-        summaries = summaries_with(keys, slots)
-        q = torch.randn(1, KV_HEADS * GROUP, DIM, generator=g)
-        v = torch.randn(n + PAGE, KV_HEADS, DIM, generator=g)
-        k_buf = torch.cat((torch.zeros(PAGE, KV_HEADS, DIM), keys))
-        dense = decode_importance_reference(q, k_buf, v, torch.tensor([0, n], dtype=torch.int32), slots, page_size=PAGE)
-        sel = torch.tensor([0, 5, 11])
-        sel_slots = (sel[:, None] * PAGE + torch.arange(PAGE)).flatten() + PAGE
-        part = decode_importance_reference(
-            q, k_buf, v, torch.tensor([0, sel_slots.numel()], dtype=torch.int32), sel_slots, page_size=PAGE
-        )
-        outside = torch.tensor([p for p in range(12) if p not in sel.tolist()])
-        bound = summaries.bound(0, q[0], outside + 1, sm_scale=DIM**-0.5)
-        ub = outside_mass_bound(bound, torch.full((outside.numel(),), PAGE), part.lse[0])
-        true_outside = 1 - torch.exp(part.lse[0] - dense.lse[0]).double()
-        assert (ub >= true_outside - 1e-6).all()
-
-
-def test_guard_adds_nothing_when_the_bound_already_holds():
-    bounds = torch.full((5, 2), -20.0)
-    added = pages_to_add(bounds, torch.full((5,), PAGE), torch.zeros(2), threshold=0.1)
-    assert added.numel() == 0
-
-
-def test_guard_adds_the_page_that_may_hold_the_mass_and_stops_there():
-    bounds = torch.full((5, 2), -20.0)
-    bounds[3, 1] = 5.0  # one page may dominate head 1
-    added = pages_to_add(bounds, torch.full((5,), PAGE), torch.zeros(2), threshold=0.1)
-    assert added.tolist() == [3]
-    rest = torch.tensor([0, 1, 2, 4])
-    assert (outside_mass_bound(bounds[rest], torch.full((4,), PAGE), torch.zeros(2)) <= 0.1).all()
-
-
-def test_guard_threshold_one_never_adds():
-    bounds = torch.full((5, 2), 50.0)
-    assert pages_to_add(bounds, torch.full((5,), PAGE), torch.zeros(2), threshold=1.0).numel() == 0
 
 
 def test_budget_is_pages_when_at_least_one_else_a_fraction_rounded_up():
@@ -265,8 +220,9 @@ def test_a_steps_page_mass_is_the_layers_mean_or_the_largest_of_any_layer_and_kv
     g = torch.Generator().manual_seed(3)
     n_tokens, layers = 30, 2
     slots = torch.arange(PAGE, PAGE + n_tokens)
-    k_bufs = [torch.randn(PAGE + n_tokens, KV_HEADS, DIM, generator=g) * 2 for _ in range(layers)]
-    v_bufs = [torch.randn(PAGE + n_tokens, KV_HEADS, DIM, generator=g) for _ in range(layers)]
+    rows = PAGE * 16  # a pool of whole pages, as SGLang's
+    k_bufs = [torch.randn(rows, KV_HEADS, DIM, generator=g) * 2 for _ in range(layers)]
+    v_bufs = [torch.randn(rows, KV_HEADS, DIM, generator=g) for _ in range(layers)]
     summaries = PageSummaries(layers, 16, KV_HEADS, DIM, page_size=PAGE)
     for layer in range(layers):
         summaries.update(layer, slots, k_bufs[layer][slots])
@@ -299,27 +255,44 @@ def test_a_budget_covering_every_page_decodes_exactly_like_dense(policy):
         out = decoder.attend(0, q, k_buf, v_buf, sm_scale=DIM**-0.5)
         counts = decoder.end_step()
         dense = decode_importance_reference(q, k_buf, v_buf, indptr, slots, page_size=PAGE, sm_scale=DIM**-0.5)
-        assert torch.equal(out.output, dense.output)
-        assert torch.equal(out.importance, dense.importance)
+        assert torch.allclose(out.output, dense.output, atol=1e-6)
+        assert torch.allclose(out.importance, dense.importance, atol=1e-6)
         assert counts.steps == 1
 
 
-def test_a_small_budget_with_a_strict_guard_still_covers_the_mass():
-    decoder, slots, k_buf, v_buf, g = make_step(80, "importance", budget=3, guard=0.05)
+def test_a_small_budget_with_a_strict_guard_keeps_each_layers_output_within_the_threshold():
+    threshold = 0.02
+    decoder, slots, k_buf, v_buf, g = make_step(80, "importance", budget=3, guard=threshold)
     indptr = torch.tensor([0, 80], dtype=torch.int32)
     for _ in range(4):
         q = torch.randn(1, KV_HEADS * GROUP, DIM, generator=g) * 3
         decoder.begin_step(["r"], [slots])
         out = decoder.attend(0, q, k_buf, v_buf, sm_scale=DIM**-0.5)
         decoder.end_step()
-        dense = decode_importance_reference(q, k_buf, v_buf, indptr, slots, page_size=PAGE, sm_scale=DIM**-0.5)
-        # The attended pages hold at least 95 % of the dense mass in every head.
-        attended = out.kv_indices
-        k = k_buf[attended]
-        qg = q[0].view(KV_HEADS, GROUP, DIM)
-        part_lse = torch.logsumexp(torch.einsum("hgd,nhd->hgn", qg, k) * DIM**-0.5, -1).flatten()
-        assert (torch.exp(part_lse - dense.lse[0]) >= 0.95 - 1e-5).all()
-    assert decoder.totals.pages_attended <= decoder.totals.pages_dense
+        dense = decode_importance_reference(
+            q, k_buf.double(), v_buf.double(), indptr, slots, page_size=PAGE, sm_scale=DIM**-0.5,
+            compute_dtype=torch.float64,
+        )  # fmt: skip
+        error = (out.output[0].double() - dense.output[0]).norm() / dense.output[0].norm()
+        assert error <= threshold
+    totals = decoder.totals
+    assert totals.guard_checks == 3  # the first step is the dense warm-up
+    assert totals.pages_estimated + totals.pages_attended <= totals.pages_dense + totals.pages_guard_read
+
+
+def test_the_guard_reads_a_page_the_plan_left_out_when_the_estimate_cannot_vouch_for_it():
+    decoder, slots, k_buf, v_buf, g = make_step(80, "window", budget=3, guard=1e-4)
+    # Page 8 holds keys aligned with the query: most of the mass, outside the window.
+    q = torch.randn(1, KV_HEADS * GROUP, DIM, generator=g)
+    for _ in range(2):
+        decoder.begin_step(["r"], [slots])
+        out = decoder.attend(0, q, k_buf, v_buf, sm_scale=DIM**-0.5)
+        counts = decoder.end_step()
+    assert counts.guard_reads == 1 and counts.pages_guard_read > 0 and counts.late_arrivals > 0
+    dense = decode_importance_reference(
+        q, k_buf, v_buf, torch.tensor([0, 80], dtype=torch.int32), slots, page_size=PAGE, sm_scale=DIM**-0.5
+    )
+    assert torch.allclose(out.output, dense.output, atol=1e-3)
 
 
 def test_the_guard_off_attends_only_the_plan():

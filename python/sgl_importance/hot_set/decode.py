@@ -1,29 +1,37 @@
 """One decode step over hot sets: plan per request, attend per layer, guard, observe.
 
-The granularity is the *step*: a request attends over the same planned pages in
+The granularity is the *step*: a request reads the same planned pages exactly in
 every layer of a step. SGLang stores all layers of a page in one physical page, so
-what a device can hold — and what ``release.py`` gives back and copies in — is a
-page across all layers; a per-layer set would need per-layer residency. Each layer
-still checks its own query against the page summaries (the guard), so a page one
-layer needs is added for that layer, never missed. The ``quest`` baseline is the
-exception: it keeps every page on the device, as Quest does, and picks each layer's
-pages from that layer's query (``selection.quest_layer_pages``).
+what a device can hold — and what ``release.py`` gives back and copies in — is a page
+across all layers. The ``quest`` baseline is the exception: it keeps every page on
+the device, as Quest does, and picks each layer's pages from that layer's query
+(``selection.quest_layer_pages``).
+
+A layer attends in up to three parts, one batched call each for the whole batch:
+
+1. the planned pages exactly (``sgl_kernel_ext.decode_importance_paged``; short
+   requests read every page here), released ones from their host copy, staged;
+2. with the guard on (``guard_threshold < 1``), every other full page of a long
+   request from its 8-bit shadow (``estimate.estimate_outside``), folded into the
+   same softmax, with a deterministic bound on the error of the layer's output
+   (``estimate.combine``);
+3. where that bound exceeds the threshold, the most suspect outside pages exactly
+   (``estimate.pages_to_read``), after which the bound is computed again; if it
+   still exceeds the threshold, every outside page is read (counted either way).
 
 ``HotSetDecoder`` is driven by an attention backend: ``begin_step`` once per decode
-batch with each request's token slots, ``attend`` once per layer, ``end_step``
-after the last layer. ``end_step`` also plans the *next* step, so that its
-promotions (host → device copies) and releases are issued one step ahead, before
-the scheduler allocates that step's slots. A planned or guarded page that is not on
-the device when a layer attends (no free device page for its promotion) is read
-from its host copy for that step and counted; nothing is skipped.
+batch, ``attend`` once per layer, ``end_step`` after the last layer. ``end_step``
+also plans the *next* step, so that its promotions (host → device copies) and
+releases are issued one step ahead, before the scheduler allocates that step's
+slots. A planned page with no free device page for its promotion is read from its
+host copy for that step and counted; nothing is skipped.
 
-Summaries are kept per request by logical page (copied from the physical page
-summaries while the page is on the device), so a released page — whose physical
-page another request may now own — keeps its bound.
+Exact pages get exact masses (normalised by the step's combined denominator); pages
+estimated from the shadow get estimated masses, which rank them for promotion. With
+the guard off, a non-attended page is ranked by its key min/max bound (Quest's), kept
+per request by logical page so a released page keeps it.
 
-Attention is ``sgl_kernel_ext.decode_importance_reference`` over the attended
-pages, which returns exact masses of the attended pages. Plain torch over
-``sgl_kernel_ext``; nothing here imports SGLang.
+Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 """
 
 from __future__ import annotations
@@ -33,12 +41,16 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from sgl_importance.hot_set.guard import pages_to_add
+from sgl_importance.hot_set.estimate import OutsidePlan, combine, estimate_outside, pages_to_read
 from sgl_importance.hot_set.release import RELEASED, Released, RequestPages
 from sgl_importance.hot_set.request_params import REQUEST_PARAMS, RequestParams
 from sgl_importance.hot_set.selection import HotSetCounts, HotSetParams, RequestHotSet, quest_layer_pages
+from sgl_importance.hot_set.shadow import ShadowPool
 from sgl_importance.hot_set.summaries import PageSummaries, key_bound
-from sgl_kernel_ext import decode_importance_reference
+from sgl_kernel_ext import PagedDecodeWorkspace, decode_importance_paged, plan_paged_decode
+
+# Re-reads of the guard before it reads every outside page of a layer.
+GUARD_ROUNDS = 2
 
 
 class LayerResult(NamedTuple):
@@ -46,8 +58,9 @@ class LayerResult(NamedTuple):
 
     Attributes:
         output: ``[bs, q_heads, Dv]`` float32.
-        importance: ``[bs, max_pages]`` mass per attended page, in attended order.
-        kv_indptr, kv_indices: the slots attended (int32 / int64); a page read from
+        importance: ``[bs, max_pages]`` exact mass of each page read in part 1, in listed
+            order, normalised by the step's combined denominator.
+        kv_indptr, kv_indices: the slots of those pages (int32 / int64); a page read from
             its host copy appears as the padding page, which the page table ignores.
     """
 
@@ -64,6 +77,7 @@ class _Tracked:
     state: RequestHotSet
     key_min: Optional[torch.Tensor] = None  # [layers, pages, kv_heads, D], by logical page
     key_max: Optional[torch.Tensor] = None
+    shadow: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # id per full page
     next_plan: Optional[tuple[int, torch.Tensor, HotSetCounts]] = None  # (pages, plan, counts)
 
 
@@ -74,13 +88,52 @@ class _Live:
     slots: torch.Tensor  # the request's token slots, in sequence order
     tracked: Optional[_Tracked]  # None: short request, attends densely
     pages: Optional[RequestPages] = None  # None: nothing of it can be released
-    planned: Optional[torch.Tensor] = None  # logical pages, ascending
+    planned: Optional[torch.Tensor] = None  # logical pages read exactly, ascending
     tokens: Optional[torch.Tensor] = None  # tokens in each logical page
-    mass_sum: Optional[torch.Tensor] = None  # summed over layers, or the largest (ranks_by_max)
-    layers: Optional[torch.Tensor] = None  # layers that attended each page
-    bound_mass: Optional[torch.Tensor] = None
-    guarded: Optional[torch.Tensor] = None  # pages the guard added in some layer
+    mass: Optional[torch.Tensor] = None  # over layers: summed, or the largest (ranks_by_max)
+    layers: Optional[torch.Tensor] = None  # layers that read each page exactly
+    outside_mass: Optional[torch.Tensor] = None  # largest estimated (or bound) mass of unread pages
+    guarded: Optional[torch.Tensor] = None  # pages the guard read in some layer
     counts: HotSetCounts = field(default_factory=HotSetCounts)
+
+    @property
+    def guard_on(self) -> bool:
+        """Whether unread pages are estimated and the error bounded (dense reads everything)."""
+        if self.tracked is None:
+            return False
+        params = self.tracked.state.params
+        return params.guard_threshold < 1.0 and params.policy != "dense"
+
+
+@dataclass
+class _ExactPlan:
+    """Part 1 of a layer: the pages each request reads exactly, as the kernel takes them."""
+
+    plan: object  # sgl_kernel_ext.PagedDecodePlan
+    logical: list[torch.Tensor]  # per request: the logical pages listed
+    staged_host: torch.Tensor  # host slots of the staged pages, page after page
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+
+
+@dataclass
+class _StepTally:
+    """What the layers of a step found, as tensors (folded into each request once, at
+    ``end_step``): no Python loop per request per layer.
+
+    ``exact_*`` follow part 1's padded table ``[bs, W]``; ``outside_*`` the outside plan's
+    ``[n, P]``.
+    """
+
+    exact_mass: torch.Tensor  # float64, summed over layers or the largest (rows that rank by max)
+    by_max: torch.Tensor  # bool [bs]
+    layers: int = 0  # layers read with part 1's fixed lists
+    outside_mass: Optional[torch.Tensor] = None  # float64 [n, P] largest estimated mass
+    outside_read: Optional[torch.Tensor] = None  # bool [n, P] read by the guard in some layer
+    guard_reads: Optional[torch.Tensor] = None  # int64 [n] layers in which the guard read
+    pages_guard_read: Optional[torch.Tensor] = None  # int64 [n], over layers
+    pages_estimated: Optional[torch.Tensor] = None  # int64 [n], over layers
+    bound_mass: Optional[torch.Tensor] = None  # float64 [m, Pmax] guard-off rows: largest key-bound mass
 
 
 def page_slots(slots: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -101,6 +154,8 @@ class HotSetDecoder:
             admitted give back device pages outside their hot set.
         request_params: parameters requests chose for themselves
             (``request_params.REQUEST_PARAMS``); others decode with ``params``.
+        shadow: the 8-bit copies the guard estimates unread pages from (default: a pool
+            shaped like ``summaries``, created on first use).
     """
 
     def __init__(
@@ -112,6 +167,7 @@ class HotSetDecoder:
         threshold: int,
         released: Released = RELEASED,
         request_params: RequestParams = REQUEST_PARAMS,
+        shadow: Optional[ShadowPool] = None,
     ) -> None:
         self.params = params
         self.request_params = request_params
@@ -119,13 +175,36 @@ class HotSetDecoder:
         self.page_size = page_size
         self.threshold = threshold
         self.released = released
+        self._shadow = shadow
         self.tracked: dict[str, _Tracked] = {}
         self.totals = HotSetCounts()
         self._live: list[_Live] = []
+        self._exact: Optional[_ExactPlan] = None
+        self._outside: Optional[OutsidePlan] = None
+        self._pending: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+        self._tally: Optional[_StepTally] = None
+        self._step_layers = 0
+        self._workspace = PagedDecodeWorkspace()
 
     @property
     def states(self) -> dict[str, RequestHotSet]:
         return {rid: t.state for rid, t in self.tracked.items()}
+
+    @property
+    def shadow(self) -> ShadowPool:
+        if self._shadow is None:
+            layers, _, kv_heads, dim = self.summaries.key_min.shape
+            self._shadow = ShadowPool(
+                layers,
+                kv_heads,
+                dim,
+                page_size=self.page_size,
+                dtype=self.summaries.key_min.dtype,
+                device=self.summaries.key_min.device,
+            )
+        return self._shadow
+
+    # -- planning, once per step ---------------------------------------------------
 
     def begin_step(
         self,
@@ -144,12 +223,13 @@ class HotSetDecoder:
         # A request absent from the batch finished or was retracted; a retracted
         # one is prefilled again into new pages, so its state would be stale.
         present = set(rids)
-        self.tracked = {rid: t for rid, t in self.tracked.items() if rid in present}
+        for rid in [r for r in self.tracked if r not in present]:
+            self._drop(rid)
         self._live = []
         for i, (rid, req_slots) in enumerate(zip(rids, slots)):
             req_slots = req_slots.to(torch.int64)
             if req_slots.numel() <= self.threshold:
-                self.tracked.pop(rid, None)
+                self._drop(rid)
                 self._live.append(_Live(req_slots, None))
                 continue
             tracked = self.tracked.get(rid)
@@ -176,13 +256,22 @@ class HotSetDecoder:
                     pages=pages,
                     planned=planned,
                     tokens=tokens,
-                    mass_sum=torch.zeros(num_pages, **f64),
+                    mass=torch.zeros(num_pages, **f64),
                     layers=torch.zeros(num_pages, dtype=torch.int64),
-                    bound_mass=torch.zeros(num_pages, **f64),
+                    outside_mass=torch.zeros(num_pages, **f64),
                     guarded=torch.zeros(num_pages, dtype=torch.bool),
                     counts=counts,
                 )
             )
+        self._pending = self._shadow_pending()
+        # Part 1 and 2 lists are built by the first layer, which knows the pool's size.
+        self._exact = self._outside = self._tally = None
+        self._step_layers = 0
+
+    def _drop(self, rid: str) -> None:
+        tracked = self.tracked.pop(rid, None)
+        if tracked is not None and self._shadow is not None and tracked.shadow.numel():
+            self._shadow.free(tracked.shadow)
 
     def _plan(self, tracked: _Tracked, num_pages: int) -> tuple[torch.Tensor, HotSetCounts]:
         ahead, tracked.next_plan = tracked.next_plan, None
@@ -212,6 +301,105 @@ class HotSetDecoder:
         tracked.key_min[:, fresh] = self.summaries.key_min[:, physical]
         tracked.key_max[:, fresh] = self.summaries.key_max[:, physical]
 
+    def _shadow_pending(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Full pages of guarded requests without a shadow yet: (ids, device slots, host slots).
+
+        Written layer by layer in ``attend``. A page is full once its last token is
+        written; it was the request's last page then, so it is read from the device, or,
+        if the step that filled it already released it, from its host copy.
+        """
+        ps = self.page_size
+        ids, dev, host = [], [], []
+        for live in self._live:
+            if not live.guard_on:
+                continue
+            tracked = live.tracked
+            full = live.slots.numel() // ps
+            known = tracked.shadow.numel()
+            if full <= known:
+                continue
+            new = torch.arange(known, full)
+            fresh = self.shadow.alloc(new.numel())
+            tracked.shadow = torch.cat((tracked.shadow, fresh))
+            held = _released_among(live.pages, new)
+            ids.append(fresh[~held])
+            dev.append(page_slots(live.slots, new[~held], ps))
+            if bool(held.any()):
+                ids.append(fresh[held])
+                dev.append(torch.zeros(0, dtype=torch.int64))
+                host.append(live.pages.host_slots(new[held]))
+        if not ids:
+            return None
+        host_slots = torch.cat(host) if host else torch.zeros(0, dtype=torch.int64)
+        return torch.cat(ids), torch.cat(dev), host_slots
+
+    def _exact_plan(self, lists: Sequence[Optional[torch.Tensor]], pool_pages: int) -> _ExactPlan:
+        """Part 1: each request's listed logical pages, as physical or staged page ids.
+
+        ``lists[i]`` None reads every page of request i (a short request); staged pages
+        get ids from ``pool_pages`` on.
+        """
+        ps = self.page_size
+        ids, tokens, logical, staged, slot_lists = [], [], [], [], []
+        for live, listed in zip(self._live, lists):
+            num_pages = -(-live.slots.numel() // ps)
+            if listed is None:
+                listed = torch.arange(num_pages)
+            logical.append(listed)
+            first = live.slots[listed * ps]
+            physical = torch.div(first, ps, rounding_mode="floor")
+            count = torch.full((listed.numel(),), ps, dtype=torch.int64)
+            if listed.numel() and int(listed[-1]) == num_pages - 1:
+                count[-1] = live.slots.numel() - (num_pages - 1) * ps
+            held = _released_among(live.pages, listed)
+            if bool(held.any()):
+                where = torch.nonzero(held).flatten()
+                base = sum(s.numel() for s in staged) // ps
+                physical = physical.clone()
+                physical[where] = pool_pages + base + torch.arange(where.numel())
+                staged.append(live.pages.host_slots(listed[held]))
+            ids.append(physical)
+            tokens.append(count)
+            # Slots for the page table: a staged page shows the padding slot.
+            req_slots = page_slots(live.slots, listed, ps)
+            if bool(held.any()):
+                mask = held.repeat_interleave(count)
+                req_slots = torch.where(mask, 0, req_slots)
+            slot_lists.append(req_slots)
+        indptr = torch.zeros(len(ids) + 1, dtype=torch.int64)
+        if ids:
+            indptr[1:] = torch.cumsum(torch.tensor([i.numel() for i in ids]), 0)
+        plan = plan_paged_decode(
+            indptr,
+            torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64),
+            torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.int64),
+            page_size=ps,
+        )
+        kv_indptr = torch.zeros(len(slot_lists) + 1, dtype=torch.int32)
+        if slot_lists:
+            kv_indptr[1:] = torch.cumsum(torch.tensor([s.numel() for s in slot_lists]), 0).to(torch.int32)
+        kv_indices = torch.cat(slot_lists) if slot_lists else torch.zeros(0, dtype=torch.int64)
+        staged_host = torch.cat(staged) if staged else torch.zeros(0, dtype=torch.int64)
+        return _ExactPlan(plan, logical, staged_host, kv_indptr, kv_indices)
+
+    def _outside_plan(self, lists: Sequence[Optional[torch.Tensor]]) -> OutsidePlan:
+        """Part 2: the full pages each guarded request does not read exactly."""
+        rows, shadow, logical = [], [], []
+        for i, (live, listed) in enumerate(zip(self._live, lists)):
+            if not live.guard_on or listed is None:
+                continue
+            full = live.tracked.shadow.numel()
+            outside = torch.ones(full, dtype=torch.bool)
+            outside[listed[listed < full]] = False
+            pages = torch.nonzero(outside).flatten()
+            if pages.numel():
+                rows.append(i)
+                shadow.append(live.tracked.shadow[pages])
+                logical.append(pages)
+        return OutsidePlan.build(rows, shadow, logical)
+
+    # -- one layer -----------------------------------------------------------------
+
     def attend(
         self,
         layer_id: int,
@@ -223,103 +411,279 @@ class HotSetDecoder:
         logit_cap: float = 0.0,
         sinks: Optional[torch.Tensor] = None,
     ) -> LayerResult:
-        """Attend one layer: dense for short requests, the plan (+ guard) for long ones.
+        """Attend one layer for the whole batch (see the module docstring).
 
         Args:
             q: ``[bs, q_heads, D]``; k_buffer, v_buffer: the layer's KV pool.
         """
-        run = dict(page_size=self.page_size, sm_scale=sm_scale, logit_cap=logit_cap, sinks=sinks)
-        outputs, masses, chosen = [], [], []
-        for b, live in enumerate(self._live):
-            qb = q[b : b + 1]
-            if live.tracked is None:
-                slots = live.slots
-                result = _attend(qb, k_buffer, v_buffer, slots, **run)
-            else:
-                tracked = live.tracked
-                bounds = key_bound(
-                    q[b],
-                    tracked.key_min[layer_id],
-                    tracked.key_max[layer_id],
-                    sm_scale=sm_scale,
-                    logit_cap=logit_cap,
-                )
-                params = tracked.state.params
-                pages = live.planned
-                if params.policy == "quest" and live.counts.warmups == 0:
-                    pages = quest_layer_pages(bounds, params)
-                result, slots = self._attend_pages(layer_id, qb, k_buffer, v_buffer, live, pages, run)
-                outside = torch.ones(live.tokens.numel(), dtype=torch.bool)
-                outside[pages] = False
-                out_idx = torch.nonzero(outside).flatten()
-                lse = result.lse[0]
-                add = pages_to_add(bounds[out_idx], live.tokens[out_idx], lse, params.guard_threshold)
-                if add.numel():
-                    live.guarded[out_idx[add]] = True
-                    pages = torch.sort(torch.cat((pages, out_idx[add]))).values
-                    result, slots = self._attend_pages(layer_id, qb, k_buffer, v_buffer, live, pages, run)
-                    lse = result.lse[0]
-                if params.ranks_by_max:
-                    per_head = result.importance_per_kv_head[0, : pages.numel()].double().amax(dim=1)
-                    live.mass_sum[pages] = torch.maximum(live.mass_sum[pages], per_head)
-                else:
-                    live.mass_sum[pages] += result.importance[0, : pages.numel()].double()
-                live.layers[pages] += 1
-                # Mass bound of every page against the denominator of what was attended.
-                log_mass = bounds.double() + live.tokens.double().log()[:, None] - lse.double()[None, :]
-                page_bound = log_mass.amax(dim=1).clamp(max=0.0).exp()
-                torch.maximum(live.bound_mass, page_bound, out=live.bound_mass)
-                live.counts.pages_attended += pages.numel()
-                live.counts.pages_dense += live.tokens.numel()
-            outputs.append(result.output[0])
-            masses.append(result.importance[0])
-            chosen.append(slots)
-        return _batch(outputs, masses, chosen, q)
-
-    def _attend_pages(self, layer_id, qb, k_buffer, v_buffer, live: _Live, pages: torch.Tensor, run):
-        """Attend ``pages``: from the device pool, or, for released ones, the host copy."""
         ps = self.page_size
-        slots = page_slots(live.slots, pages, ps)
-        held = _released_among(live.pages, pages)
-        if not bool(held.any()):
-            return _attend(qb, k_buffer, v_buffer, slots, **run), slots
-        # Stage the step's pages in a small buffer, page j at [j*ps, (j+1)*ps).
-        n = pages.numel()
-        local = torch.arange(n)[:, None] * ps + torch.arange(ps)[None, :]
-        logical = pages[:, None] * ps + torch.arange(ps)[None, :]
-        valid = logical < live.slots.numel()
-        k_local = k_buffer.new_zeros((n * ps,) + tuple(k_buffer.shape[1:]))
-        v_local = v_buffer.new_zeros((n * ps,) + tuple(v_buffer.shape[1:]))
-        on_device = (~held)[:, None] & valid
-        src = live.slots[logical[on_device]]
-        k_local[local[on_device]] = k_buffer[src]
-        v_local[local[on_device]] = v_buffer[src]
-        host_k, host_v = self.released.tiers.host_layer(layer_id, live.pages.host_slots(pages[held]))
-        k_local[local[held].flatten()] = host_k.to(k_local.dtype)
-        v_local[local[held].flatten()] = host_v.to(v_local.dtype)
-        live.counts.pages_read_from_host += int(held.sum())
-        indices = local[valid]
-        indptr = torch.tensor([0, indices.numel()], dtype=torch.int32, device=qb.device)
-        # Local page 0 is a real page here, not SGLang's padding page.
-        result = decode_importance_reference(qb, k_local, v_local, indptr, indices, mask_page0=False, **run)
-        return result, slots
+        whole = k_buffer.shape[0] // ps * ps  # a pool's rows past its last whole page are never a page
+        k_pages = k_buffer[:whole].view(-1, ps, *k_buffer.shape[1:])
+        v_pages = v_buffer[:whole].view(-1, ps, *v_buffer.shape[1:])
+        self._write_shadow(layer_id, k_pages, v_pages)
+        if self._exact is None:
+            planned = [live.planned for live in self._live]
+            self._exact = self._exact_plan(planned, k_pages.shape[0])
+            self._outside = self._outside_plan(planned)
+            self._tally = self._new_tally()
+        exact, outside_plan = self._exact, self._outside
+        per_layer = any(live.tracked is not None and live.tracked.state.params.policy == "quest" for live in self._live)
+        if per_layer:
+            exact, outside_plan = self._quest_layer(layer_id, q, k_pages.shape[0], sm_scale, logit_cap)
+        run = dict(sm_scale=sm_scale, logit_cap=logit_cap)
+        extra_k, extra_v = self._staged(layer_id, exact.staged_host)
+        result = decode_importance_paged(
+            q, k_pages, v_pages, exact.plan, sinks=sinks, extra_k_pages=extra_k, extra_v_pages=extra_v,
+            workspace=self._workspace, **run,
+        )  # fmt: skip
+        output = result.output
+        share = torch.ones(q.shape[0], q.shape[1])  # exact pages' share of the combined denominator
+        if not outside_plan.empty:
+            output = output.clone()
+            rows = outside_plan.rows
+            estimate = estimate_outside(q[rows], self.shadow, layer_id, outside_plan, workspace=self._workspace, **run)
+            combined = self._guard(layer_id, q, k_pages, v_pages, result, estimate, outside_plan, run, per_layer)
+            output[rows] = combined.output
+            share[rows] = combined.exact_share
+        self._tally_exact(layer_id, q, result, exact, share, run, per_layer)
+        self._step_layers += 1
+        return LayerResult(output, self._rescaled(result, share), exact.kv_indptr, exact.kv_indices)
+
+    def _write_shadow(self, layer_id: int, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
+        if self._pending is None:
+            return
+        ids, dev, host = self._pending
+        ps = self.page_size
+        shape = k_pages.shape[1:]
+        k_flat, v_flat = k_pages.view(-1, *shape[1:]), v_pages.view(-1, *v_pages.shape[2:])
+        keys, values = k_flat[dev], v_flat[dev]
+        if host.numel():
+            host_k, host_v = self.released.tiers.host_layer(layer_id, host)
+            keys = torch.cat((keys, host_k.to(keys.dtype)))
+            values = torch.cat((values, host_v.to(values.dtype)))
+        self.shadow.write(layer_id, ids, keys.view(-1, ps, *shape[1:]), values.view(-1, ps, *v_pages.shape[2:]))
+
+    def _staged(self, layer_id: int, host_slots: torch.Tensor):
+        if host_slots.numel() == 0:
+            return None, None
+        k, v = self.released.tiers.host_layer(layer_id, host_slots)
+        ps = self.page_size
+        return k.view(-1, ps, *k.shape[1:]), v.view(-1, ps, *v.shape[1:])
+
+    def _quest_layer(self, layer_id: int, q: torch.Tensor, pool_pages: int, sm_scale: float, logit_cap: float):
+        """Quest picks each layer's pages from that layer's query (a loop over its requests)."""
+        lists: list[Optional[torch.Tensor]] = []
+        for b, live in enumerate(self._live):
+            listed = live.planned
+            if live.tracked is not None and live.tracked.state.params.policy == "quest" and live.counts.warmups == 0:
+                bounds = key_bound(
+                    q[b], live.tracked.key_min[layer_id], live.tracked.key_max[layer_id],
+                    sm_scale=sm_scale, logit_cap=logit_cap,
+                )  # fmt: skip
+                listed = quest_layer_pages(bounds, live.tracked.state.params)
+            lists.append(listed)
+        return self._exact_plan(lists, pool_pages), self._outside_plan(lists)
+
+    def _guard(self, layer_id, q, k_pages, v_pages, result, estimate, outside_plan, run, per_layer: bool):
+        """Part 3: fold the estimate in; read exactly what the bound cannot vouch for."""
+        rows = outside_plan.rows
+        lse, out = result.lse[rows], result.output[rows]
+        combined = combine(lse, out, estimate)
+        thresholds = torch.tensor([self._live[int(r)].tracked.state.params.guard_threshold for r in rows])
+        valid = outside_plan.valid
+        keep = valid.clone()
+        for round_ in range(GUARD_ROUNDS + 1):
+            need = combined.relative > thresholds
+            if not bool(need.any()):
+                break
+            chosen = keep & need[:, None]  # the last round: every outside page
+            if round_ < GUARD_ROUNDS:
+                picked = torch.zeros_like(valid)
+                for t in thresholds[need].unique().tolist():
+                    picked |= pages_to_read(combined, keep, float(t)) & (need & (thresholds == t))[:, None]
+                if bool(picked.any()):
+                    chosen = picked
+            lse_a, out_a = self._read_exactly(layer_id, q, k_pages, v_pages, outside_plan, chosen, run)
+            lse, out = _merge(lse, out, lse_a, out_a)
+            keep &= ~chosen
+            combined = combine(lse, out, estimate, keep)
+        read = valid & ~keep
+        # Estimated masses (of the combined denominator) rank unread pages for promotion.
+        ratio = torch.exp(estimate.lse - combined.lse).nan_to_num(0.0)  # [n, Hq]
+        mass = (estimate.page_share * ratio[..., None]).amax(dim=1).double()  # [n, P]
+        tally = self._tally if not per_layer else self._new_outside_tally(outside_plan)
+        torch.maximum(tally.outside_mass, mass, out=tally.outside_mass)
+        tally.outside_read |= read
+        tally.guard_reads += read.any(dim=1)
+        tally.pages_guard_read += read.sum(dim=1)
+        tally.pages_estimated += keep.sum(dim=1)
+        if per_layer:
+            self._fold_outside(outside_plan, tally, layers=1)
+        return combined
+
+    def _read_exactly(self, layer_id, q, k_pages, v_pages, outside_plan, chosen, run):
+        """Exact lse and output of the ``chosen`` outside pages of each planned request."""
+        rows = outside_plan.rows
+        lists: list[torch.Tensor] = []
+        subset = []
+        for i, row in enumerate(rows.tolist()):
+            subset.append(self._live[row])
+            lists.append(outside_plan.logical[i][chosen[i]])
+        saved = self._live
+        self._live = subset
+        try:
+            plan = self._exact_plan(lists, k_pages.shape[0])
+        finally:
+            self._live = saved
+        extra_k, extra_v = self._staged(layer_id, plan.staged_host)
+        res = decode_importance_paged(
+            q[rows], k_pages, v_pages, plan.plan, extra_k_pages=extra_k, extra_v_pages=extra_v, **run
+        )
+        for live, listed in zip(subset, lists):
+            live.counts.pages_read_from_host += int(_released_among(live.pages, listed).sum())
+        lse = torch.where(plan.plan.live[:, None], res.lse, float("-inf"))
+        return lse, res.output
+
+    def _new_tally(self) -> _StepTally:
+        width = self._exact.plan.max_pages
+        bs = len(self._live)
+        by_max = torch.tensor(
+            [live.tracked is not None and live.tracked.state.params.ranks_by_max for live in self._live]
+        )
+        tally = _StepTally(torch.zeros(bs, width, dtype=torch.float64), by_max)
+        self._add_outside_tally(tally, self._outside)
+        guard_off = [live for live in self._live if live.tracked is not None and not live.guard_on]
+        if guard_off:
+            width = max(live.tokens.numel() for live in guard_off)
+            tally.bound_mass = torch.zeros(len(guard_off), width, dtype=torch.float64)
+        return tally
+
+    def _new_outside_tally(self, outside_plan: OutsidePlan) -> _StepTally:
+        tally = _StepTally(torch.zeros(0, 0, dtype=torch.float64), torch.zeros(0, dtype=torch.bool))
+        self._add_outside_tally(tally, outside_plan)
+        return tally
+
+    @staticmethod
+    def _add_outside_tally(tally: _StepTally, outside_plan: OutsidePlan) -> None:
+        n, width = outside_plan.shadow.shape
+        tally.outside_mass = torch.zeros(n, width, dtype=torch.float64)
+        tally.outside_read = torch.zeros(n, width, dtype=torch.bool)
+        tally.guard_reads = torch.zeros(n, dtype=torch.int64)
+        tally.pages_guard_read = torch.zeros(n, dtype=torch.int64)
+        tally.pages_estimated = torch.zeros(n, dtype=torch.int64)
+
+    def _tally_exact(self, layer_id, q, result, exact: _ExactPlan, share, run, per_layer: bool) -> None:
+        """Fold one layer's exact masses into the step's tally (or, when the lists change
+        per layer — the quest baseline — straight into each request)."""
+        per_kv = result.importance_per_kv_head.double()  # [bs, W, kv]
+        kv = per_kv.shape[-1]
+        group_share = share.view(share.shape[0], kv, -1).mean(-1).double()  # [bs, kv]
+        masses = per_kv * group_share[:, None, :]
+        tally = self._tally
+        if per_layer:
+            for b, live in enumerate(self._live):
+                if live.tracked is None:
+                    continue
+                listed = exact.logical[b]
+                m = masses[b, : listed.numel()]
+                if bool(tally.by_max[b]):
+                    live.mass[listed] = torch.maximum(live.mass[listed], m.amax(dim=1))
+                else:
+                    live.mass[listed] += m.mean(dim=1)
+                live.layers[listed] += 1
+                live.counts.pages_attended += listed.numel()
+                live.counts.pages_read_from_host += int(_released_among(live.pages, listed).sum())
+        else:
+            reduced = torch.where(tally.by_max[:, None], masses.amax(dim=2), masses.mean(dim=2))
+            if reduced.shape[1] == tally.exact_mass.shape[1]:
+                summed = tally.exact_mass + reduced
+                tally.exact_mass = torch.where(tally.by_max[:, None], torch.maximum(tally.exact_mass, reduced), summed)
+            tally.layers += 1
+        if tally.bound_mass is not None:
+            self._tally_bounds(layer_id, q, result, run)
+
+    def _tally_bounds(self, layer_id, q, result, run) -> None:
+        """Guard off, nothing estimated: rank unread pages by their key min/max bound
+        (Quest's), as a mass against the attended denominator, largest over heads."""
+        rows = [b for b, live in enumerate(self._live) if live.tracked is not None and not live.guard_on]
+        mins = [self._live[b].tracked.key_min[layer_id] for b in rows]
+        maxs = [self._live[b].tracked.key_max[layer_id] for b in rows]
+        pad = torch.nn.utils.rnn.pad_sequence
+        kmin = pad(mins, batch_first=True, padding_value=float("inf"))  # [m, Pmax, kv, D]
+        kmax = pad(maxs, batch_first=True, padding_value=float("-inf"))
+        index = torch.tensor(rows)
+        bounds = key_bound(q[index], kmin, kmax, **run).double()  # [m, Pmax, Hq]
+        tokens = pad([self._live[b].tokens for b in rows], batch_first=True).double()
+        log_mass = bounds + tokens.log()[..., None] - result.lse[index].double()[:, None, :]
+        page_bound = log_mass.amax(dim=2).clamp(max=0.0).exp().nan_to_num(0.0)
+        width = page_bound.shape[1]
+        tally = self._tally.bound_mass
+        tally[:, :width] = torch.maximum(tally[:, :width], page_bound)
+
+    def _fold_outside(self, outside_plan: OutsidePlan, tally: _StepTally, layers: int) -> None:
+        for i, row in enumerate(outside_plan.rows.tolist()):
+            live = self._live[row]
+            cols = outside_plan.valid[i]
+            logical = outside_plan.logical[i][cols]
+            live.outside_mass[logical] = torch.maximum(live.outside_mass[logical], tally.outside_mass[i][cols])
+            read = tally.outside_read[i][cols]
+            live.guarded[logical[read]] = True
+            reads = int(tally.pages_guard_read[i])
+            live.counts.guard_checks += layers
+            live.counts.guard_reads += int(tally.guard_reads[i])
+            live.counts.pages_guard_read += reads
+            live.counts.pages_attended += reads
+            live.counts.pages_estimated += int(tally.pages_estimated[i])
+
+    def _fold_tally(self) -> None:
+        """Once per step: the tally into each request's accumulators."""
+        tally, exact = self._tally, self._exact
+        if tally is None:
+            return
+        guard_off = 0
+        for b, live in enumerate(self._live):
+            if live.tracked is None:
+                continue
+            live.counts.pages_dense += live.tokens.numel() * self._step_layers
+            if tally.bound_mass is not None and not live.guard_on:
+                num = live.tokens.numel()
+                torch.maximum(live.outside_mass, tally.bound_mass[guard_off, :num], out=live.outside_mass)
+                guard_off += 1
+            if tally.layers == 0:
+                continue
+            listed = exact.logical[b]
+            live.mass[listed] = tally.exact_mass[b, : listed.numel()]
+            live.layers[listed] += tally.layers
+            live.counts.pages_attended += listed.numel() * tally.layers
+            live.counts.pages_read_from_host += int(_released_among(live.pages, listed).sum()) * tally.layers
+        if tally.layers and not self._outside.empty:
+            self._fold_outside(self._outside, tally, layers=tally.layers)
+
+    @staticmethod
+    def _rescaled(result, share: torch.Tensor) -> torch.Tensor:
+        kv = result.importance_per_kv_head.shape[-1]
+        group_share = share.view(share.shape[0], kv, -1).mean(-1)  # [bs, kv]
+        return (result.importance_per_kv_head * group_share[:, None, :]).mean(-1)
+
+    # -- after the last layer ------------------------------------------------------
 
     def end_step(self) -> HotSetCounts:
         """Fold the step into each long request's state, then plan the next step:
         release what it leaves out, promote what it adds. Returns the step's counts."""
         step = HotSetCounts()
         ps = self.page_size
+        self._fold_tally()
         for live in self._live:
             if live.tracked is None:
                 continue
             state = live.tracked.state
             attended = live.layers > 0
-            mass = torch.zeros_like(live.mass_sum)
+            mass = torch.zeros_like(live.mass)
             if state.params.ranks_by_max:
-                mass[attended] = live.mass_sum[attended]
+                mass[attended] = live.mass[attended]
             else:
-                mass[attended] = live.mass_sum[attended] / live.layers[attended].double()
-            state.observe(attended, mass, live.bound_mass)
+                mass[attended] = live.mass[attended] / live.layers[attended].double()
+            state.observe(attended, mass, live.outside_mass)
             late = live.guarded.clone()
             late[live.planned] = False
             live.counts.steps = 1
@@ -343,8 +707,18 @@ class HotSetDecoder:
             self.released.reopen = True
         step.add_release(self.released.take_counts())
         self._live = []
+        self._exact = self._outside = self._pending = self._tally = None
         self.totals.add(step)
         return step
+
+
+def _merge(lse_a, out_a, lse_b, out_b):
+    """Two softmax parts over disjoint tokens, as one."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isfinite(lse), lse, 0.0)
+    wa = torch.where(torch.isfinite(lse_a), torch.exp(lse_a - safe), 0.0)[..., None]
+    wb = torch.where(torch.isfinite(lse_b), torch.exp(lse_b - safe), 0.0)[..., None]
+    return lse, wa * out_a + wb * out_b
 
 
 def _released_among(pages: Optional[RequestPages], wanted: torch.Tensor) -> torch.Tensor:
@@ -353,25 +727,3 @@ def _released_among(pages: Optional[RequestPages], wanted: torch.Tensor) -> torc
         inside = wanted < pages.released.numel()
         held[inside] = pages.released[wanted[inside]]
     return held
-
-
-def _attend(q, k_buffer, v_buffer, slots, **run):
-    indptr = torch.tensor([0, slots.numel()], dtype=torch.int32, device=q.device)
-    return decode_importance_reference(q, k_buffer, v_buffer, indptr, slots, **run)
-
-
-def _batch(outputs, masses, chosen, q) -> LayerResult:
-    bs = len(outputs)
-    width = max([m.numel() for m in masses] + [1])
-    importance = torch.zeros(bs, width, dtype=torch.float32, device=q.device)
-    for b, m in enumerate(masses):
-        importance[b, : m.numel()] = m
-    indptr = torch.zeros(bs + 1, dtype=torch.int32, device=q.device)
-    if bs:
-        lengths = torch.tensor([s.numel() for s in chosen], dtype=torch.int64)
-        indptr[1:] = torch.cumsum(lengths, 0).to(device=q.device, dtype=torch.int32)
-        indices = torch.cat(chosen)
-    else:
-        indices = torch.zeros(0, dtype=torch.int64, device=q.device)
-    output = torch.stack(outputs) if bs else q.new_zeros((0,) + tuple(q.shape[1:]))
-    return LayerResult(output, importance, indptr, indices)

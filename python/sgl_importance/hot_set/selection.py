@@ -20,8 +20,8 @@ baselines and the importance hot set run the same code:
   EMA radix nodes use (``importance.persistent.ema_fold``), read bias-corrected so
   a page observed for few steps is comparable with one observed for many.
 
-``lru`` and ``importance`` promote a non-resident page when the summaries' bound
-says it may matter (bound mass at least the uniform share) and it beats the
+``lru`` and ``importance`` promote a non-resident page when its *outside mass* says it
+may matter (at least the uniform share) and it beats the
 weakest resident; at most an eighth of the free budget is swapped per step, which
 keeps a loose bound from churning the set (a released page costs a host→device copy per
 promotion). The first decode step of a request attends densely: right after
@@ -59,7 +59,8 @@ class HotSetParams:
             when they alone exceed it they are still attended.
         window: recent pages, ``>= 1`` (the last page holds the decoded token).
         sinks: leading pages.
-        guard_threshold: allowed bound of the outside mass, in (0, 1]; 1 = no guard.
+        guard_threshold: allowed bound of the relative error of each layer's attention
+            output, in (0, 1]; 1 = no guard (unread pages are neither estimated nor bounded).
         decay: EMA factor of the ``importance`` policy.
         reduce: how the ``importance`` policy reduces a step's page masses over
             layers and KV heads: ``max``, the largest of any (a page one retrieval
@@ -106,9 +107,13 @@ class HotSetCounts:
     warmups: int = 0  # request-steps attended densely as a request's first
     promotions: int = 0
     hits: int = 0
-    late_arrivals: int = 0  # pages the guard added that the plan had left out
-    guard_fallbacks: int = 0  # request-steps in which the guard added pages
-    pages_attended: int = 0  # pages read, summed over layers
+    late_arrivals: int = 0  # pages the guard read that the plan had left out
+    guard_fallbacks: int = 0  # request-steps in which the guard read pages in some layer
+    guard_checks: int = 0  # request-layer-steps whose output error the guard bounded
+    guard_reads: int = 0  # ... of which the guard read pages exactly to meet its threshold
+    pages_attended: int = 0  # pages read exactly, summed over layers (the guard's reads included)
+    pages_guard_read: int = 0  # pages the guard read exactly, summed over layers
+    pages_estimated: int = 0  # pages estimated from their shadow, summed over layers
     pages_dense: int = 0  # pages dense attention would have read, over layers
     pages_read_from_host: int = 0  # attended pages read from their host copy, over layers
     # Page moves of released requests (``release.ReleaseCounts``).
@@ -146,7 +151,7 @@ class RequestHotSet:
         self.ema = torch.zeros(0, dtype=torch.float64)
         self.observed = torch.zeros(0, dtype=torch.int64)
         self.last_use = torch.full((0,), -1, dtype=torch.int64)
-        self.bound_mass = torch.zeros(0, dtype=torch.float64)
+        self.outside_mass = torch.zeros(0, dtype=torch.float64)
         self.step = 0  # observed steps
 
     @property
@@ -158,7 +163,7 @@ class RequestHotSet:
         if extra < 0 and shrink:
             # A plan made a step ahead for one more page than the step has (the
             # request did not grow): forget the page that does not exist.
-            for name in ("resident", "ema", "observed", "last_use", "bound_mass"):
+            for name in ("resident", "ema", "observed", "last_use", "outside_mass"):
                 setattr(self, name, getattr(self, name)[:num_pages])
         if extra <= 0:
             return
@@ -166,7 +171,7 @@ class RequestHotSet:
         self.ema = torch.cat((self.ema, torch.zeros(extra, dtype=torch.float64)))
         self.observed = torch.cat((self.observed, torch.zeros(extra, dtype=torch.int64)))
         self.last_use = torch.cat((self.last_use, torch.full((extra,), -1, dtype=torch.int64)))
-        self.bound_mass = torch.cat((self.bound_mass, torch.zeros(extra, dtype=torch.float64)))
+        self.outside_mass = torch.cat((self.outside_mass, torch.zeros(extra, dtype=torch.float64)))
 
     def importance(self) -> torch.Tensor:
         """Persistent importance per page: the EMA, bias-corrected (0 if never observed)."""
@@ -217,8 +222,8 @@ class RequestHotSet:
         residents = residents[torch.argsort(key[residents], descending=True, stable=True)]
         kept = residents[:slots]
         share = 1.0 / num_pages
-        candidates = torch.nonzero(~self.resident & ~fixed & (self.bound_mass >= share)).flatten()
-        candidates = candidates[torch.argsort(self.bound_mass[candidates], descending=True, stable=True)]
+        candidates = torch.nonzero(~self.resident & ~fixed & (self.outside_mass >= share)).flatten()
+        candidates = candidates[torch.argsort(self.outside_mass[candidates], descending=True, stable=True)]
         free = slots - kept.numel()
         promoted = [candidates[:free]]
         candidates = candidates[free:]
@@ -230,7 +235,7 @@ class RequestHotSet:
         for i in range(swaps):
             cand, res = int(candidates[i]), weakest[i]
             if importance:
-                beats = float(self.bound_mass[cand]) > float(key[res])
+                beats = float(self.outside_mass[cand]) > float(key[res])
             else:
                 beats = int(self.last_use[res]) < self.step
             if not beats:
@@ -241,7 +246,7 @@ class RequestHotSet:
             kept_mask[extra] = True
         return kept_mask
 
-    def observe(self, attended: torch.Tensor, masses: torch.Tensor, bound_mass: torch.Tensor) -> None:
+    def observe(self, attended: torch.Tensor, masses: torch.Tensor, outside_mass: torch.Tensor) -> None:
         """Fold one finished step into the state.
 
         Args:
@@ -249,8 +254,9 @@ class RequestHotSet:
                 guard additions, the latter possibly read from their host copy).
             masses: ``[pages]`` exact mass of each attended page, reduced over the
                 layers that attended it and the heads as ``params.reduce`` says.
-            bound_mass: ``[pages]`` upper bound of each page's mass (largest over layers
-                and heads), for ranking what was not attended.
+            outside_mass: ``[pages]`` mass of each page the step did not read exactly,
+                largest over layers and heads: estimated from its shadow when the guard is
+                on, else the upper bound its key min/max gives; ranks pages for promotion.
         """
         self._grow(attended.numel())
         masses = masses.double()
@@ -260,7 +266,7 @@ class RequestHotSet:
         self.step += 1
         used = attended & (masses >= 1.0 / attended.numel())
         self.last_use[used] = self.step
-        self.bound_mass = bound_mass.double().clone()
+        self.outside_mass = outside_mass.double().clone()
         self.resident |= attended
 
 
