@@ -126,7 +126,7 @@ def test_matches_the_reference_for_ragged_batches_and_gqa_groups(q_heads, kv_hea
     assert_close(fast(q, k, v, plan, 16), ref, seed, f"counts={counts}")
 
 
-@pytest.mark.parametrize("chunk_pages", [None, 1, 3, 64])
+@pytest.mark.parametrize("chunk_pages", [None, 0, 1, 3, 64])
 def test_chunking_the_page_lists_does_not_change_the_result(chunk_pages):
     seed = _seed()
     q, k, v, indptr, ids, toks = make_case([5, 11, 1, 8], seed=seed)
