@@ -1,0 +1,544 @@
+"""Decode speed of record: transformers, importance_torch dense, the hot set — one run, one table.
+
+What a decode step costs on this machine, against what it has to read. In one
+invocation, one measurement after another (never two at once):
+
+1. ``transformers`` — the peer: ``AutoModelForCausalLM`` from the model folder
+   (``--dtype``, SDPA attention, its own KV cache), greedy decode of the same prompts,
+   each step timed;
+2. ``reference`` — a plain ``importance_torch`` server (no hot set, HiCache on) with
+   ``SGL_IMPORTANCE_DECODE=reference``: the slot-by-slot reference decode (the "before");
+3. ``dense`` — the same server with the default batched page-list decode (the "after");
+4. ``hot-*`` — one hot-set server (``--hot-set-policy importance``, HiCache on) decoding
+   each configuration chosen per request through ``custom_params.hot_set``:
+   ``hot-dense`` (policy dense), ``hot-10`` / ``hot-20`` / ``hot-30`` (importance at that
+   budget, guard off: ``guard_threshold`` 1.0), ``hot-20-guard`` (importance 20 % with the
+   server's default guard).
+
+Lengths (prompt tokens) x batches (requests decoding at once): each server first
+prefills the batch's distinct prompts (essay slices, ``max_new_tokens`` 1) so they are
+cached, then decodes ``--new-tokens`` greedy tokens (``ignore_eos``) for every batch and
+configuration from those cached prompts. The per-step time is the median of the
+server's per-step decode log (``--decode-log-interval 1``, steps where the whole batch
+ran); the mean from ``/generate``'s meta_info (decode time / tokens) is kept beside it.
+Hot-set configurations run only where the prompt is longer than ``--threshold``
+(shorter requests decode densely on that server, the same as ``dense``).
+
+Per row: decode tok/s, step time, pages read per step (per layer, summed over the batch:
+the pages dense attention reads, times the hot set's ``pages_attended / pages_dense``
+from ``/metrics``), the bytes the step reads (the weights once + the KV it reads), the
+machine's copy bandwidth (a large tensor copy, best of several, measured before each
+measurement; bandwidth = bytes read + bytes written per second) and the time to read
+those bytes once at that bandwidth, so each row shows how far it is from the limit;
+and the ratio of its tok/s to dense's and to transformers'.
+
+Writes RESULTS.md (the table and the command), results.json and speed.png (step time
+vs pages read) into ``--out``.
+
+    python benchmark/long_context/bench_speed.py --out /tmp/bench_speed          # full grid
+    python benchmark/long_context/bench_speed.py --smoke --out /tmp/bench_speed  # minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import re
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional
+
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_hot_set import PAGE, essay_text, model_path  # noqa: E402
+
+from sgl_importance.local_server import LocalServer, metric  # noqa: E402
+
+GUARD_DEFAULT = "server default"
+ALL_CONFIGS = ("transformers", "reference", "dense", "hot-dense", "hot-10", "hot-20", "hot-30", "hot-20-guard")
+DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+), .*?gen throughput \(token/s\): ([\d.]+)")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# ------------------------------------------------------------------ configurations
+
+
+def parse_config(name: str) -> dict[str, Any]:
+    """What a configuration name means: which measurement runs it and its ``hot_set``.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name == "transformers":
+        return {"name": name, "server": None, "hot_set": None}
+    if name in ("reference", "dense"):
+        return {"name": name, "server": name, "hot_set": None}
+    if name == "hot-dense":
+        return {"name": name, "server": "hot", "hot_set": {"policy": "dense"}}
+    m = re.fullmatch(r"hot-(\d+)(-guard)?", name)
+    if m and 0 < int(m.group(1)) <= 100:
+        hot_set: dict[str, Any] = {"policy": "importance", "budget": int(m.group(1)) / 100}
+        if not m.group(2):
+            hot_set["guard_threshold"] = 1.0  # guard off
+        return {"name": name, "server": "hot", "hot_set": hot_set}
+    raise ValueError(f"--configs: unknown configuration {name!r}; allowed: {', '.join(ALL_CONFIGS)}, hot-<percent>")
+
+
+# ------------------------------------------------------------------ bytes and bandwidth
+
+
+def model_shape(config: dict[str, Any]) -> dict[str, int]:
+    """The numbers of a Llama-style ``config.json`` the byte counts need."""
+    hidden = config["hidden_size"]
+    q_heads = config["num_attention_heads"]
+    return {
+        "layers": config["num_hidden_layers"],
+        "hidden": hidden,
+        "intermediate": config["intermediate_size"],
+        "q_heads": q_heads,
+        "kv_heads": config.get("num_key_value_heads", q_heads),
+        "head_dim": config.get("head_dim", hidden // q_heads),
+        "vocab": config["vocab_size"],
+        "tied": int(bool(config.get("tie_word_embeddings", False))),
+    }
+
+
+def weight_bytes(shape: dict[str, int], dtype_bytes: int) -> int:
+    """Bytes of weights one decode step reads: every layer's projections and norms, the
+    final norm and the LM head (the embedding lookup reads a few rows only, and a tied
+    LM head is the embedding matrix, read once)."""
+    h, d = shape["hidden"], shape["head_dim"]
+    attn = h * (shape["q_heads"] * d + 2 * shape["kv_heads"] * d) + shape["q_heads"] * d * h
+    mlp = 3 * h * shape["intermediate"]
+    per_layer = attn + mlp + 2 * h
+    return (shape["layers"] * per_layer + h + shape["vocab"] * h) * dtype_bytes
+
+
+def kv_bytes_per_page(shape: dict[str, int], dtype_bytes: int, page: int = PAGE) -> int:
+    """K and V bytes of one page in every layer."""
+    return 2 * page * shape["kv_heads"] * shape["head_dim"] * dtype_bytes * shape["layers"]
+
+
+def dense_pages_per_step(length: int, batch: int, new_tokens: int, page: int = PAGE) -> float:
+    """Pages dense attention reads per layer and step, summed over the batch, averaged over
+    the decode steps (the sequence grows by one token a step)."""
+    steps = range(1, new_tokens)
+    return batch * statistics.fmean(math.ceil((length + t) / page) for t in steps)
+
+
+def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """GB/s of a large tensor copy (bytes read + bytes written), best of ``repeats``."""
+    import torch
+
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def load_average() -> float:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except OSError:
+        return float("nan")
+
+
+# ------------------------------------------------------------------ prompts
+
+
+def make_prompts(tokenizer: Any, lengths: list[int], count: int) -> dict[int, list[list[int]]]:
+    """``count`` distinct essay slices of each length (token ids)."""
+    filler = tokenizer(essay_text(), add_special_tokens=False)["input_ids"]
+    prompts = {}
+    for length in lengths:
+        stride = (len(filler) - length) // count
+        if stride < 1:
+            raise ValueError(f"the essays hold {len(filler)} tokens, too few for {count} prompts of {length}")
+        prompts[length] = [filler[i * stride : i * stride + length] for i in range(count)]
+    return prompts
+
+
+# ------------------------------------------------------------------ transformers, the peer
+
+
+def measure_transformers(model_dir: str, prompts: dict[int, list[list[int]]], batches: list[int], a) -> list[dict]:
+    """Greedy decode with transformers' own model and KV cache, every step timed."""
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, a.dtype), attn_implementation="sdpa")
+    model.eval()
+    rows = []
+    with torch.inference_mode():
+        for length, ids in prompts.items():
+            need = max(batches)
+            keys: list[torch.Tensor] = []
+            values: list[torch.Tensor] = []
+            firsts = []
+            for i, prompt in enumerate(ids[:need]):
+                cache = DynamicCache(config=model.config)
+                for s in range(0, len(prompt), 2048):  # chunked like the server's prefill
+                    chunk = torch.tensor([prompt[s : s + 2048]])
+                    out = model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                firsts.append(int(out.logits[0, -1].argmax()))
+                for layer, entry in enumerate(cache.layers):
+                    if i == 0:  # one [requests, kv_heads, tokens, D] tensor per layer
+                        keys.append(entry.keys.new_empty((need, *entry.keys.shape[1:])))
+                        values.append(entry.values.new_empty((need, *entry.values.shape[1:])))
+                    keys[layer][i] = entry.keys[0]
+                    values[layer][i] = entry.values[0]
+                del cache
+            for batch in batches:
+                bandwidth = copy_bandwidth()
+                # Slices: the cache concatenates new tokens into fresh tensors, the store stays.
+                cache = DynamicCache(ddp_cache_data=[(k[:batch], v[:batch]) for k, v in zip(keys, values)])
+                token = torch.tensor(firsts[:batch])[:, None]
+                times = []
+                load = load_average()
+                for _ in range(a.new_tokens - 1):
+                    start = time.perf_counter()
+                    out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                    token = out.logits[:, -1].argmax(-1, keepdim=True)
+                    times.append(time.perf_counter() - start)
+                del cache
+                step = statistics.median(times)
+                rows.append(
+                    {
+                        "config": "transformers",
+                        "length": length,
+                        "batch": batch,
+                        "step_s": step,
+                        "step_mean_s": statistics.fmean(times),
+                        "steps": len(times),
+                        "hot_ratio": None,
+                        "bandwidth_gbs": bandwidth,
+                        "load": load,
+                    }
+                )
+                print(f"transformers {length} x{batch}: {step * 1e3:.1f} ms/step", flush=True)
+            del keys, values
+            gc.collect()
+    del model
+    gc.collect()
+    return rows
+
+
+# ------------------------------------------------------------------ servers
+
+
+def server_args(kind: str, a, max_tokens: int) -> tuple[list[str], dict[str, str]]:
+    args = [
+        "--page-size", str(PAGE), "--attention-backend", "importance_torch", "--dtype", a.dtype,
+        "--enable-metrics", "--enable-hierarchical-cache", "--hicache-ratio", str(a.hicache_ratio),
+        "--context-length", "8192", "--max-total-tokens", str(max_tokens), "--decode-log-interval", "1",
+    ]  # fmt: skip
+    env = {}
+    if kind == "reference":
+        env["SGL_IMPORTANCE_DECODE"] = "reference"
+    if kind == "hot":
+        args += ["--hot-set-policy", "importance", "--hot-set-threshold", str(a.threshold)]
+    return args, env
+
+
+def step_times_from_log(log: str, batch: int) -> list[float]:
+    """Seconds per decode step from SGLang's per-step log lines where ``batch`` requests ran.
+
+    The first line of a window measures the gap since the last decode before it (idle
+    time included), so it is dropped."""
+    steps = []
+    for i, m in enumerate(DECODE_LINE.finditer(log)):
+        running, rate = int(m.group(1)), float(m.group(2))
+        if i == 0 or running != batch or rate <= 0:
+            continue
+        steps.append(running / rate)
+    return steps
+
+
+def measure_server(
+    kind: str,
+    configs: list[dict],
+    model_dir: str,
+    prompts: dict[int, list[list[int]]],
+    batches: list[int],
+    a,
+    logs: Path,
+) -> list[dict]:
+    """One server, every length x batch x configuration of ``kind``."""
+    longest = max(len(p) for ps in prompts.values() for p in ps)
+    max_tokens = max(batches) * (longest + a.new_tokens + PAGE) + 64 * PAGE
+    args, env = server_args(kind, a, max_tokens)
+    server = LocalServer(model_dir, args, logs / f"server_{kind}.log", env=env)
+    rows = []
+
+    def generate(ids: list[int], new: int, hot_set: Optional[dict]) -> dict:
+        params: dict[str, Any] = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
+        if hot_set is not None:
+            params["custom_params"] = {"hot_set": hot_set}
+        r = requests.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": params}, timeout=3600)
+        r.raise_for_status()
+        return r.json()
+
+    def at_once(ids: list[list[int]], new: int, hot_set: Optional[dict]) -> list[dict]:
+        pool = ThreadPoolExecutor(len(ids))
+        try:
+            return list(pool.map(lambda p: generate(p, new, hot_set), ids))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def scrape() -> str:
+        return requests.get(server.url + "/metrics", timeout=60).text
+
+    try:
+        server.wait_ready(timeout=900)
+        for length, ids in prompts.items():
+            cached = ids[: max(batches)]
+            at_once(cached, 1, None)  # prefill: the prompts stay in the radix cache
+            at_once(cached[:1], 4, None)  # warm-up, not measured
+            for batch in batches:
+                for config in configs:
+                    if config["hot_set"] is not None and length <= a.threshold:
+                        continue  # below the threshold a hot-set request decodes densely
+                    bandwidth = copy_bandwidth()
+                    load = load_average()
+                    before, mark = scrape(), len(server.log())
+                    results = at_once(cached[:batch], a.new_tokens, config["hot_set"])
+                    after, log = scrape(), server.log()[mark:]
+                    steps = step_times_from_log(log, batch)
+                    means = [
+                        (r["meta_info"]["e2e_latency"] - r["meta_info"]["first_token_latency"])
+                        / max(r["meta_info"]["completion_tokens"] - 1, 1)
+                        for r in results
+                    ]
+                    attended = metric(after, "sgl_importance:hot_set_pages_attended_total") - metric(
+                        before, "sgl_importance:hot_set_pages_attended_total"
+                    )
+                    dense = metric(after, "sgl_importance:hot_set_pages_dense_total") - metric(
+                        before, "sgl_importance:hot_set_pages_dense_total"
+                    )
+                    row = {
+                        "config": config["name"],
+                        "length": length,
+                        "batch": batch,
+                        "step_s": statistics.median(steps) if steps else statistics.fmean(means),
+                        "step_mean_s": statistics.fmean(means),
+                        "steps": len(steps),
+                        "hot_ratio": attended / dense if dense > 0 else None,
+                        "bandwidth_gbs": bandwidth,
+                        "load": load,
+                        "output_ids": [r["output_ids"] for r in results],
+                    }
+                    rows.append(row)
+                    print(
+                        f"{config['name']} {length} x{batch}: {row['step_s'] * 1e3:.1f} ms/step "
+                        f"(mean {row['step_mean_s'] * 1e3:.1f}, {len(steps)} steps logged)",
+                        flush=True,
+                    )
+    finally:
+        server.stop()
+    return rows
+
+
+# ------------------------------------------------------------------ the report
+
+
+def complete_rows(rows: list[dict], shape: dict[str, int], dtype_bytes: int, new_tokens: int) -> list[dict]:
+    """Add the computed columns: pages, bytes, time to read them once, ratios."""
+    weights = weight_bytes(shape, dtype_bytes)
+    per_page = kv_bytes_per_page(shape, dtype_bytes)
+    best_bw = max((r["bandwidth_gbs"] for r in rows), default=float("nan"))
+    out = []
+    for r in rows:
+        r = dict(r)
+        dense_pages = dense_pages_per_step(r["length"], r["batch"], new_tokens)
+        r["pages_per_step"] = dense_pages * (r["hot_ratio"] if r["hot_ratio"] is not None else 1.0)
+        r["bytes_per_step"] = weights + r["pages_per_step"] * per_page
+        r["best_bandwidth_gbs"] = best_bw
+        r["read_once_s"] = r["bytes_per_step"] / (best_bw * 1e9)
+        r["tok_s"] = r["batch"] / r["step_s"]
+        out.append(r)
+    by_key = {(r["config"], r["length"], r["batch"]): r for r in out}
+    for r in out:
+        for peer in ("dense", "transformers"):
+            other = by_key.get((peer, r["length"], r["batch"]))
+            r[f"vs_{peer}"] = r["tok_s"] / other["tok_s"] if other else None
+    return out
+
+
+def _ratio(x: Optional[float]) -> str:
+    return "" if x is None else f"{x:.2f}x"
+
+
+def table_lines(rows: list[dict]) -> list[str]:
+    lines = [
+        "| length | batch | config | tok/s | step ms (median) | step ms (mean) | pages/step | MB read/step "
+        "| read once at bw, ms | step / read once | vs dense | vs transformers |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    order = {name: i for i, name in enumerate(ALL_CONFIGS)}
+    for r in sorted(rows, key=lambda r: (r["length"], r["batch"], order.get(r["config"], 99), r["config"])):
+        cells = (
+            r["length"],
+            r["batch"],
+            r["config"],
+            f"{r['tok_s']:.1f}",
+            f"{r['step_s'] * 1e3:.1f}",
+            f"{r['step_mean_s'] * 1e3:.1f}",
+            f"{r['pages_per_step']:.0f}",
+            f"{r['bytes_per_step'] / 1e6:.0f}",
+            f"{r['read_once_s'] * 1e3:.1f}",
+            f"{r['step_s'] / r['read_once_s']:.1f}",
+            _ratio(r["vs_dense"]),
+            _ratio(r["vs_transformers"]),
+        )
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
+
+
+def write_report(rows: list[dict], meta: dict[str, Any], out: Path) -> str:
+    bws = [r["bandwidth_gbs"] for r in rows]
+    loads = [r["load"] for r in rows if not math.isnan(r["load"])]
+    text = "\n".join(
+        [
+            "# Decode speed (bench_speed.py)",
+            "",
+            f"Command (took {meta['minutes']:.0f} min): `{meta['command']}`",
+            "",
+            f"Machine: {meta['machine']}. Model {meta['model']} in {meta['dtype']}, pages of {PAGE} tokens, "
+            f"{meta['new_tokens']} greedy tokens after a cached prompt; hot-set threshold {meta['threshold']} tokens.",
+            f"Copy bandwidth (read + written bytes per second, a {256} MiB tensor copy, best of 5, measured before "
+            f"each row): {min(bws):.1f}-{max(bws):.1f} GB/s; 'read once' uses the best, {max(bws):.1f} GB/s. "
+            f"Load average (1 min) when rows started: {min(loads, default=float('nan')):.1f}-"
+            f"{max(loads, default=float('nan')):.1f}.",
+            "",
+            "pages/step: pages read per layer and step, summed over the batch (hot set: dense's pages x "
+            "pages_attended / pages_dense from /metrics). MB read/step: the weights once + those pages' K and V in "
+            "every layer. vs dense / vs transformers: tok/s over that configuration's at the same length and batch.",
+            "",
+            *table_lines(rows),
+            "",
+        ]
+    )
+    (out / "RESULTS.md").write_text(text)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    plot(rows, out / "speed.png")
+    return text
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    markers = "os^vD<>xP*"
+    names = [n for n in ALL_CONFIGS if any(r["config"] == n for r in rows)]
+    names += sorted({r["config"] for r in rows} - set(names))
+    for i, name in enumerate(names):
+        mine = [r for r in rows if r["config"] == name]
+        ax.scatter(
+            [r["pages_per_step"] for r in mine], [r["step_s"] * 1e3 for r in mine], marker=markers[i % 10], label=name
+        )
+    limit = sorted(rows, key=lambda r: r["pages_per_step"])
+    ax.plot(
+        [r["pages_per_step"] for r in limit],
+        [r["read_once_s"] * 1e3 for r in limit],
+        "k--",
+        lw=1,
+        label="weights + KV read once",
+    )
+    ax.set_xscale("symlog", linthresh=10)
+    ax.set_yscale("log")
+    ax.set_xlabel("pages read per layer and step (batch total)")
+    ax.set_ylabel("decode step, ms")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", default="64,2048,4096,7500", help="prompt tokens (model context: 8192)")
+    ap.add_argument("--batches", default="1,4,8", help="requests decoding at once")
+    ap.add_argument("--configs", default=",".join(ALL_CONFIGS), help=f"from {', '.join(ALL_CONFIGS)}, hot-<percent>")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))
+    ap.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per request")
+    ap.add_argument("--threshold", type=int, default=1024, help="--hot-set-threshold of the hot-set server")
+    ap.add_argument("--hicache-ratio", type=float, default=1.5, help="host pool size over the device pool's")
+    ap.add_argument("--smoke", action="store_true", help="tiny grid: lengths 64,512, batches 1,2, 8 tokens")
+    ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench_speed_")))
+    a = ap.parse_args()
+    if a.smoke:
+        a.lengths, a.batches, a.new_tokens, a.threshold = "64,512", "1,2", 8, 256
+    if a.new_tokens < 3:
+        ap.error("--new-tokens must be at least 3")
+    lengths = [int(x) for x in a.lengths.split(",")]
+    batches = sorted({int(x) for x in a.batches.split(",")})
+    try:
+        configs = [parse_config(c) for c in a.configs.split(",") if c]
+    except ValueError as e:
+        ap.error(str(e))
+    a.out.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="bench-speed-logs-"))
+    print(f"server logs in {logs}", flush=True)
+    started = time.time()
+    model_dir = model_path()
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = make_prompts(tokenizer, lengths, max(batches))
+    rows: list[dict] = []
+    if any(c["server"] is None for c in configs):
+        rows += measure_transformers(model_dir, prompts, batches, a)
+    for kind in ("reference", "dense", "hot"):
+        mine = [c for c in configs if c["server"] == kind]
+        if mine:
+            rows += measure_server(kind, mine, model_dir, prompts, batches, a, logs)
+    import platform
+
+    import torch
+
+    shape = model_shape(AutoConfig.from_pretrained(model_dir).to_dict())
+    rows = complete_rows(rows, shape, DTYPE_BYTES[a.dtype], a.new_tokens)
+    meta = {
+        "command": "python benchmark/long_context/bench_speed.py " + shlex.join(sys.argv[1:]),
+        "minutes": (time.time() - started) / 60,
+        "machine": f"{platform.machine()}, {_cpu_name()}, {torch.get_num_threads()} torch threads",
+        "model": Path(model_dir).name,
+        "dtype": a.dtype,
+        "new_tokens": a.new_tokens,
+        "threshold": a.threshold,
+        "weight_bytes": weight_bytes(shape, DTYPE_BYTES[a.dtype]),
+        "kv_bytes_per_page": kv_bytes_per_page(shape, DTYPE_BYTES[a.dtype]),
+    }
+    print(write_report(rows, meta, a.out))
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+if __name__ == "__main__":
+    main()
