@@ -91,10 +91,10 @@ def test_fixed_pages_are_the_sinks_and_the_recent_window():
     assert torch.nonzero(fixed_mask(10, 2, 3)).flatten().tolist() == [0, 1, 7, 8, 9]
 
 
-def observe(state, num_pages, masses=None, bound=None):
+def observe(state, num_pages, masses=None, bound=None, needed=None):
     masses = torch.zeros(num_pages) if masses is None else masses
     bound = torch.zeros(num_pages) if bound is None else bound
-    state.observe(state.resident[:num_pages].clone(), masses, bound)
+    state.observe(state.resident[:num_pages].clone(), masses, bound, needed)
 
 
 def warm(policy, num_pages=20, masses=None, bound=None, **kw):
@@ -169,7 +169,7 @@ def test_importance_policy_keeps_the_pages_with_most_mass_and_counts_hits():
 def test_importance_policy_promotes_a_page_whose_bound_beats_the_weakest_resident():
     masses = torch.full((20,), 0.01)
     masses[[3, 7]] = torch.tensor([0.4, 0.05])
-    state = warm("importance", budget=5, masses=masses)
+    state = warm("importance", budget=5, masses=masses, guard_threshold=1.0)
     state.plan(20)
     bound = torch.zeros(20)
     bound[12] = 0.5  # may matter (> 1/20) and more than page 7's importance
@@ -179,10 +179,27 @@ def test_importance_policy_promotes_a_page_whose_bound_beats_the_weakest_residen
     assert counts.promotions == 1 and counts.hits == 4
 
 
+def test_guarded_the_importance_policy_promotes_only_pages_the_guard_had_to_read():
+    masses = torch.full((20,), 0.01)
+    masses[[3, 7]] = torch.tensor([0.4, 0.05])
+    state = warm("importance", budget=5, masses=masses, guard_threshold=0.1)
+    state.plan(20)
+    estimated = torch.zeros(20)
+    estimated[12] = estimated[14] = 0.5  # both would beat page 7
+    observe(state, 20, masses, estimated)  # the estimate vouched for both: no copy
+    planned, counts = state.plan(20)
+    assert planned.tolist() == [0, 3, 7, 18, 19] and counts.promotions == 0
+    needed = torch.zeros(20, dtype=torch.bool)
+    needed[14] = True  # the bound needed page 14 read exactly
+    observe(state, 20, masses, estimated, needed)
+    planned, counts = state.plan(20)
+    assert planned.tolist() == [0, 3, 14, 18, 19] and counts.promotions == 1
+
+
 def test_lru_policy_demotes_a_resident_the_last_step_did_not_use():
     masses = torch.full((20,), 0.01)
     masses[[3, 7]] = torch.tensor([0.4, 0.3])
-    state = warm("lru", budget=5, masses=masses)
+    state = warm("lru", budget=5, masses=masses, guard_threshold=1.0)
     state.plan(20)
     later = masses.clone()
     later[7] = 0.0  # page 7 goes unused

@@ -683,9 +683,9 @@ class HotSetDecoder:
                 mass[attended] = live.mass[attended]
             else:
                 mass[attended] = live.mass[attended] / live.layers[attended].double()
-            state.observe(attended, mass, live.outside_mass)
             late = live.guarded.clone()
             late[live.planned] = False
+            state.observe(attended, mass, live.outside_mass, needed=late)
             live.counts.steps = 1
             live.counts.late_arrivals = int(late.sum())
             live.counts.guard_fallbacks = int(bool(live.guarded.any()))

@@ -21,7 +21,8 @@ baselines and the importance hot set run the same code:
   a page observed for few steps is comparable with one observed for many.
 
 ``lru`` and ``importance`` promote a non-resident page when its *outside mass* says it
-may matter (at least the uniform share) and it beats the
+may matter (at least the uniform share) and, with the guard on, the guard had to read it
+exactly (the estimate vouches for the others, so they need no copy), and it beats the
 weakest resident; at most an eighth of the free budget is swapped per step, which
 keeps a loose bound from churning the set (a released page costs a host→device copy per
 promotion). The first decode step of a request attends densely: right after
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -152,6 +153,9 @@ class RequestHotSet:
         self.observed = torch.zeros(0, dtype=torch.int64)
         self.last_use = torch.full((0,), -1, dtype=torch.int64)
         self.outside_mass = torch.zeros(0, dtype=torch.float64)
+        # Pages the guard had to read exactly last step: with the guard on, the only
+        # promotion candidates (the estimate vouches for the rest).
+        self.needed = torch.zeros(0, dtype=torch.bool)
         self.step = 0  # observed steps
 
     @property
@@ -163,7 +167,7 @@ class RequestHotSet:
         if extra < 0 and shrink:
             # A plan made a step ahead for one more page than the step has (the
             # request did not grow): forget the page that does not exist.
-            for name in ("resident", "ema", "observed", "last_use", "outside_mass"):
+            for name in ("resident", "ema", "observed", "last_use", "outside_mass", "needed"):
                 setattr(self, name, getattr(self, name)[:num_pages])
         if extra <= 0:
             return
@@ -172,6 +176,7 @@ class RequestHotSet:
         self.observed = torch.cat((self.observed, torch.zeros(extra, dtype=torch.int64)))
         self.last_use = torch.cat((self.last_use, torch.full((extra,), -1, dtype=torch.int64)))
         self.outside_mass = torch.cat((self.outside_mass, torch.zeros(extra, dtype=torch.float64)))
+        self.needed = torch.cat((self.needed, torch.zeros(extra, dtype=torch.bool)))
 
     def importance(self) -> torch.Tensor:
         """Persistent importance per page: the EMA, bias-corrected (0 if never observed)."""
@@ -222,7 +227,13 @@ class RequestHotSet:
         residents = residents[torch.argsort(key[residents], descending=True, stable=True)]
         kept = residents[:slots]
         share = 1.0 / num_pages
-        candidates = torch.nonzero(~self.resident & ~fixed & (self.outside_mass >= share)).flatten()
+        eligible = ~self.resident & ~fixed & (self.outside_mass >= share)
+        if self.params.guard_threshold < 1.0:
+            # Guarded: a page is copied to the device only once the bound needed it
+            # read exactly, so promotions (host -> device copies) stay within what the
+            # guard read; the estimate covers every other page.
+            eligible &= self.needed
+        candidates = torch.nonzero(eligible).flatten()
         candidates = candidates[torch.argsort(self.outside_mass[candidates], descending=True, stable=True)]
         free = slots - kept.numel()
         promoted = [candidates[:free]]
@@ -246,7 +257,13 @@ class RequestHotSet:
             kept_mask[extra] = True
         return kept_mask
 
-    def observe(self, attended: torch.Tensor, masses: torch.Tensor, outside_mass: torch.Tensor) -> None:
+    def observe(
+        self,
+        attended: torch.Tensor,
+        masses: torch.Tensor,
+        outside_mass: torch.Tensor,
+        needed: Optional[torch.Tensor] = None,
+    ) -> None:
         """Fold one finished step into the state.
 
         Args:
@@ -257,6 +274,8 @@ class RequestHotSet:
             outside_mass: ``[pages]`` mass of each page the step did not read exactly,
                 largest over layers and heads: estimated from its shadow when the guard is
                 on, else the upper bound its key min/max gives; ranks pages for promotion.
+            needed: bool ``[pages]``, pages the guard read exactly outside the plan (the
+                promotion candidates when the guard is on); None: none.
         """
         self._grow(attended.numel())
         masses = masses.double()
@@ -267,6 +286,7 @@ class RequestHotSet:
         used = attended & (masses >= 1.0 / attended.numel())
         self.last_use[used] = self.step
         self.outside_mass = outside_mass.double().clone()
+        self.needed = needed.clone() if needed is not None else torch.zeros_like(attended)
         self.resident |= attended
 
 
