@@ -37,7 +37,7 @@ Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
@@ -47,10 +47,40 @@ from sgl_importance.hot_set.request_params import REQUEST_PARAMS, RequestParams
 from sgl_importance.hot_set.selection import HotSetCounts, HotSetParams, RequestHotSet, quest_layer_pages
 from sgl_importance.hot_set.shadow import ShadowPool
 from sgl_importance.hot_set.summaries import PageSummaries, key_bound
-from sgl_kernel_ext import PagedDecodeWorkspace, decode_importance_paged, plan_paged_decode
+from sgl_kernel_ext import (
+    DecodeImportanceOutput,
+    PagedDecodePlan,
+    PagedDecodeWorkspace,
+    decode_importance_paged,
+    plan_paged_decode,
+)
 
 # Re-reads of the guard before it reads every outside page of a layer.
 GUARD_ROUNDS = 2
+
+
+class ExactAttention(Protocol):
+    """What reads pages exactly: ``sgl_kernel_ext.decode_importance_paged``'s contract.
+
+    ``k_pages``/``v_pages`` are the layer's pool viewed as pages; listed ids at or past
+    the pool's page count name pages of the staging buffers (``extra_*``), where pages
+    that live only in the host pool are put for the step. A GPU backend passes its own
+    kernel here (the default is the CPU's batched torch path).
+    """
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        plan: PagedDecodePlan,
+        *,
+        sm_scale: float,
+        logit_cap: float,
+        sinks: Optional[torch.Tensor] = None,
+        extra_k_pages: Optional[torch.Tensor] = None,
+        extra_v_pages: Optional[torch.Tensor] = None,
+    ) -> DecodeImportanceOutput: ...
 
 
 class LayerResult(NamedTuple):
@@ -156,6 +186,7 @@ class HotSetDecoder:
             (``request_params.REQUEST_PARAMS``); others decode with ``params``.
         shadow: the 8-bit copies the guard estimates unread pages from (default: a pool
             shaped like ``summaries``, created on first use).
+        exact: what reads pages exactly (default: ``decode_importance_paged``).
     """
 
     def __init__(
@@ -168,6 +199,7 @@ class HotSetDecoder:
         released: Released = RELEASED,
         request_params: RequestParams = REQUEST_PARAMS,
         shadow: Optional[ShadowPool] = None,
+        exact: Optional[ExactAttention] = None,
     ) -> None:
         self.params = params
         self.request_params = request_params
@@ -185,6 +217,7 @@ class HotSetDecoder:
         self._tally: Optional[_StepTally] = None
         self._step_layers = 0
         self._workspace = PagedDecodeWorkspace()
+        self._read = exact or self._read_paged
 
     @property
     def states(self) -> dict[str, RequestHotSet]:
@@ -432,10 +465,9 @@ class HotSetDecoder:
             exact, outside_plan = self._quest_layer(layer_id, q, k_pages.shape[0], sm_scale, logit_cap)
         run = dict(sm_scale=sm_scale, logit_cap=logit_cap)
         extra_k, extra_v = self._staged(layer_id, exact.staged_host)
-        result = decode_importance_paged(
-            q, k_pages, v_pages, exact.plan, sinks=sinks, extra_k_pages=extra_k, extra_v_pages=extra_v,
-            workspace=self._workspace, **run,
-        )  # fmt: skip
+        result = self._read(
+            q, k_pages, v_pages, exact.plan, sinks=sinks, extra_k_pages=extra_k, extra_v_pages=extra_v, **run
+        )
         output = result.output
         share = torch.ones(q.shape[0], q.shape[1])  # exact pages' share of the combined denominator
         if not outside_plan.empty:
@@ -469,6 +501,9 @@ class HotSetDecoder:
         k, v = self.released.tiers.host_layer(layer_id, host_slots)
         ps = self.page_size
         return k.view(-1, ps, *k.shape[1:]), v.view(-1, ps, *v.shape[1:])
+
+    def _read_paged(self, q, k_pages, v_pages, plan, **kwargs) -> DecodeImportanceOutput:
+        return decode_importance_paged(q, k_pages, v_pages, plan, workspace=self._workspace, **kwargs)
 
     def _quest_layer(self, layer_id: int, q: torch.Tensor, pool_pages: int, sm_scale: float, logit_cap: float):
         """Quest picks each layer's pages from that layer's query (a loop over its requests)."""
@@ -536,9 +571,7 @@ class HotSetDecoder:
         finally:
             self._live = saved
         extra_k, extra_v = self._staged(layer_id, plan.staged_host)
-        res = decode_importance_paged(
-            q[rows], k_pages, v_pages, plan.plan, extra_k_pages=extra_k, extra_v_pages=extra_v, **run
-        )
+        res = self._read(q[rows], k_pages, v_pages, plan.plan, extra_k_pages=extra_k, extra_v_pages=extra_v, **run)
         for live, listed in zip(subset, lists):
             live.counts.pages_read_from_host += int(_released_among(live.pages, listed).sum())
         lse = torch.where(plan.plan.live[:, None], res.lse, float("-inf"))
