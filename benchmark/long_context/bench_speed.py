@@ -428,6 +428,7 @@ def write_report(rows: list[dict], meta: dict[str, Any], out: Path) -> str:
             "",
             *table_lines(rows),
             "",
+            *[f"Not measured (failed): {f}" for f in meta.get("failed", [])],
         ]
     )
     (out / "RESULTS.md").write_text(text)
@@ -504,12 +505,22 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = make_prompts(tokenizer, lengths, max(batches))
     rows: list[dict] = []
-    if any(c["server"] is None for c in configs):
-        rows += measure_transformers(model_dir, prompts, batches, a)
-    for kind in ("reference", "dense", "hot"):
-        mine = [c for c in configs if c["server"] == kind]
-        if mine:
-            rows += measure_server(kind, mine, model_dir, prompts, batches, a, logs)
+    failed = []
+    steps = [("transformers", None)] if any(c["server"] is None for c in configs) else []
+    steps += [(kind, [c for c in configs if c["server"] == kind]) for kind in ("reference", "dense", "hot")]
+    for kind, mine in steps:
+        if mine == []:
+            continue
+        # One measurement failing (a server that does not start) leaves the others' rows.
+        try:
+            if kind == "transformers":
+                rows += measure_transformers(model_dir, prompts, batches, a)
+            else:
+                rows += measure_server(kind, mine, model_dir, prompts, batches, a, logs)
+        except Exception as e:  # noqa: BLE001 - reported in the table's notes
+            print(f"{kind} failed: {e!r}", file=sys.stderr, flush=True)
+            failed.append(f"{kind}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        (a.out / "rows-partial.json").write_text(json.dumps(rows))
     import platform
 
     import torch
@@ -526,6 +537,7 @@ def main() -> None:
         "threshold": a.threshold,
         "weight_bytes": weight_bytes(shape, DTYPE_BYTES[a.dtype]),
         "kv_bytes_per_page": kv_bytes_per_page(shape, DTYPE_BYTES[a.dtype]),
+        "failed": failed,
     }
     print(write_report(rows, meta, a.out))
 
