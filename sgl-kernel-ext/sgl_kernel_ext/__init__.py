@@ -1,7 +1,7 @@
 """Kernels for importance-guided KV tiering: decode attention that also returns how
 much attention mass each KV page received (Triton, and a batched page-list torch path
-for CPUs), its torch reference, and a scatter of that importance into a
-per-physical-page table.
+for CPUs), the same Triton kernel over a step's page lists (``page_list``), its torch
+reference, and a scatter of that importance into a per-physical-page table.
 
 Knows nothing of SGLang; it only shares SGLang's KV layout (see ``decode_importance``).
 """
@@ -40,9 +40,13 @@ if HAS_TRITON:
         decode_attention_with_importance,
         decode_importance_fwd,
     )
+    from .page_list import PageListSlots, TritonPageListDecode, page_list_slots
 
     __all__ += [
         "DecodeImportanceWrapper",
+        "PageListSlots",
+        "TritonPageListDecode",
         "decode_attention_with_importance",
         "decode_importance_fwd",
+        "page_list_slots",
     ]
