@@ -1,0 +1,184 @@
+"""The hot set with the Triton kernel as its exact reader decodes as with the torch path.
+
+Two identical worlds (pools, requests, queries) run the same decode steps, one with
+``HotSetDecoder``'s default exact reader (``decode_importance_paged``), one with
+``TritonPageListDecode``: every layer must attend the same pages and give the same
+output and importance within float32 rounding, and the steps' counts (pages read,
+estimated, guarded, promoted, released, read from the host) must be equal. With the
+guard off and on; with pages released to a host pool too small a device for all of
+them, so some planned pages are staged and read from their host copies.
+
+Runs under TRITON_INTERPRET=1 on a CPU (conftest.py), small shapes. The seeds are
+fixed: a guard decision near its threshold could flip on the last bit, and the test is
+about the same decisions being taken from the same numbers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed; the Triton decode kernels cannot run")
+
+from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries  # noqa: E402
+from sgl_importance.hot_set.release import Released  # noqa: E402
+from sgl_kernel_ext import TritonPageListDecode  # noqa: E402
+
+pytestmark = [pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")]
+
+PAGE = 4
+KV_HEADS, GROUP, DIM = 2, 2, 16
+LAYERS = 2
+SCALE = DIM**-0.5
+OUT_ATOL = 2e-5
+IMP_ATOL = 2e-6
+
+
+class ArrayTiers:
+    """``release.Tiers`` over plain tensors: a device pool (page 0 is padding) and a host pool.
+
+    ``promotions=False``: the device has no page for a promotion (new tokens still get
+    theirs), so every released page a plan lists is read from its host copy.
+    """
+
+    def __init__(self, device_pages: int, host_pages: int, promotions: bool = True) -> None:
+        self.page_size = PAGE
+        self.promotions = promotions
+        shape = (LAYERS, (device_pages + 1) * PAGE, KV_HEADS, DIM)
+        self.k, self.v = torch.zeros(shape), torch.zeros(shape)
+        host_shape = (LAYERS, max(host_pages, 1) * PAGE, KV_HEADS, DIM)
+        self.hk, self.hv = torch.zeros(host_shape), torch.zeros(host_shape)
+        self.free_device_pages = list(range(1, device_pages + 1))
+        self.free_host_pages = list(range(host_pages))
+
+    @staticmethod
+    def _slots(pages: list[int]) -> torch.Tensor:
+        return (torch.tensor(pages)[:, None] * PAGE + torch.arange(PAGE)).flatten()
+
+    def alloc_device(self, num_pages, for_tokens=False):
+        if num_pages > len(self.free_device_pages) or not (for_tokens or self.promotions):
+            return None
+        pages, self.free_device_pages = self.free_device_pages[:num_pages], self.free_device_pages[num_pages:]
+        return self._slots(pages)
+
+    def free_device(self, slots):
+        self.free_device_pages += sorted(set((slots // PAGE).tolist()))
+
+    def alloc_host(self, num_pages):
+        if num_pages > len(self.free_host_pages):
+            return None
+        pages, self.free_host_pages = self.free_host_pages[:num_pages], self.free_host_pages[num_pages:]
+        return self._slots(pages)
+
+    def free_host(self, slots):
+        self.free_host_pages += sorted(set((slots // PAGE).tolist()))
+
+    def to_host(self, device_slots, host_slots):
+        self.hk[:, host_slots] = self.k[:, device_slots]
+        self.hv[:, host_slots] = self.v[:, device_slots]
+
+    def to_device(self, host_slots, device_slots):
+        self.k[:, device_slots] = self.hk[:, host_slots]
+        self.v[:, device_slots] = self.hv[:, host_slots]
+
+    def host_layer(self, layer_id, host_slots):
+        return self.hk[layer_id, host_slots].clone(), self.hv[layer_id, host_slots].clone()
+
+
+class World:
+    """A decoder over a pool, fed requests token by token (the same in every world)."""
+
+    def __init__(self, params: HotSetParams, *, device_pages, host_pages, release, promotions=True, exact=None):
+        self.tiers = ArrayTiers(device_pages, host_pages, promotions)
+        self.released = Released()
+        if release:
+            self.released.enable(self.tiers, threshold=8)
+        num_pages = self.tiers.k.shape[1] // PAGE
+        self.summaries = PageSummaries(LAYERS, num_pages, KV_HEADS, DIM, page_size=PAGE)
+        self.decoder = HotSetDecoder(
+            params, self.summaries, page_size=PAGE, threshold=8, released=self.released, exact=exact
+        )
+        self.rows: dict[str, torch.Tensor] = {}
+        self.written: dict[str, int] = {}
+
+    def place(self, rid: str, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the request's tokens not yet in the pool (``k``/``v``: ``[LAYERS, n, KV, D]``)."""
+        if rid not in self.rows:
+            self.rows[rid] = torch.zeros(64 * PAGE, dtype=torch.int32)
+            self.released.admit(rid, first_owned_page=0)
+        row = self.rows[rid]
+        for pos in range(self.written.get(rid, 0), k.shape[1]):
+            if pos % PAGE == 0:
+                row[pos : pos + PAGE] = self.tiers.alloc_device(1, for_tokens=True).to(torch.int32)
+            slot = int(row[pos])
+            self.tiers.k[:, slot], self.tiers.v[:, slot] = k[:, pos], v[:, pos]
+            for layer in range(LAYERS):
+                self.summaries.update(layer, torch.tensor([slot]), k[layer, pos : pos + 1])
+        self.written[rid] = k.shape[1]
+
+    def step(self, queries: torch.Tensor):
+        rids = list(self.rows)
+        slots = [self.rows[r][: self.written[r]].to(torch.int64) for r in rids]
+        rows = [self.rows[r] for r in rids] if self.released.enabled else None
+        self.decoder.begin_step(rids, slots, rows)
+        outs = [
+            self.decoder.attend(layer, queries[layer], self.tiers.k[layer], self.tiers.v[layer], sm_scale=SCALE)
+            for layer in range(LAYERS)
+        ]
+        return outs, self.decoder.end_step()
+
+
+def run_both(params: HotSetParams, *, steps: int, lengths: list[int], **world):
+    """Decode ``steps`` steps in both worlds, comparing every layer; returns the summed counts."""
+    worlds = [World(params, **world), World(params, **world, exact=TritonPageListDecode())]
+    g = torch.Generator().manual_seed(11)
+    kv = {
+        f"r{i}": [torch.randn(LAYERS, n, KV_HEADS, DIM, generator=g) * s for s in (1.5, 1.0)]
+        for i, n in enumerate(lengths)
+    }
+    totals = []
+    for step in range(steps):
+        for rid, (k, v) in kv.items():
+            for world in worlds:
+                world.place(rid, k, v)
+        q = torch.randn(LAYERS, len(kv), KV_HEADS * GROUP, DIM, generator=g) * 2
+        (want, want_counts), (got, got_counts) = (world.step(q) for world in worlds)
+        for layer, (a, b) in enumerate(zip(want, got)):
+            where = f"step {step} layer {layer}"
+            assert torch.equal(a.kv_indptr, b.kv_indptr) and torch.equal(a.kv_indices, b.kv_indices), where
+            assert torch.allclose(b.output, a.output, atol=OUT_ATOL, rtol=0), where
+            assert torch.allclose(b.importance, a.importance, atol=IMP_ATOL, rtol=0), where
+        assert got_counts.as_dict() == want_counts.as_dict(), f"step {step}"
+        totals.append(got_counts.as_dict())
+        for rid, (k, v) in kv.items():  # every request decodes one more token
+            kv[rid] = [torch.cat((t, torch.randn(LAYERS, 1, KV_HEADS, DIM, generator=g)), dim=1) for t in (k, v)]
+    return {key: sum(t[key] for t in totals) for key in totals[0]}
+
+
+@pytest.mark.parametrize("guard", [1.0, 0.05])
+def test_the_triton_reader_attends_the_same_pages_as_the_torch_path(guard):
+    # A short request (dense) beside two long ones; the device holds everything.
+    params = HotSetParams(policy="importance", budget=3, window=1, sinks=1, guard_threshold=guard)
+    totals = run_both(params, steps=4, lengths=[5, 30, 41], device_pages=64, host_pages=0, release=False)
+    assert totals["steps"] == 8 and totals["warmups"] == 2
+    if guard < 1.0:
+        assert totals["guard_checks"] > 0 and totals["pages_estimated"] > 0
+
+
+def test_the_triton_reader_follows_quests_per_layer_lists():
+    params = HotSetParams(policy="quest", budget=3, window=1, sinks=1, guard_threshold=1.0)
+    run_both(params, steps=3, lengths=[29, 37], device_pages=64, host_pages=0, release=False)
+
+
+@pytest.mark.parametrize("guard,promotions", [(1.0, False), (0.05, True)])
+def test_pages_read_from_the_host_pool_are_merged_into_the_same_softmax(guard, promotions):
+    # Pages outside each request's 3-page hot set go to the host pool. Planned pages the
+    # device has no room for (promotions=False), and released pages the guard reads,
+    # are staged from their host copies: the kernel's part and the torch part merge.
+    params = HotSetParams(policy="importance", budget=3, window=1, sinks=1, guard_threshold=guard)
+    totals = run_both(
+        params, steps=5, lengths=[33, 30, 40], device_pages=40, host_pages=64, release=True, promotions=promotions
+    )
+    assert totals["pages_released"] > 0 and totals["pages_read_from_host"] > 0
+    if not promotions:
+        assert totals["promotions_refused"] > 0
