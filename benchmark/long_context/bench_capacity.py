@@ -13,8 +13,10 @@ Per configuration (dense; the hot set with the default guard; with the guard off
 reports the most requests decoding in one step (from the server log), the wall time
 for all of them, decode tokens/s (the median of the per-step rates SGLang logs at
 batch 1, one request sent alone first, and at the largest batch reached) and how
-many greedy outputs equal dense's. Writes RESULTS_capacity.md and capacity.png into --out and
-prints the table.
+many greedy outputs equal dense's, and the peak resident memory of the server's processes
+(the guard's 8-bit shadow lives beside the device pool, so the pool alone does not show
+what the guard costs). Writes RESULTS_capacity.md and capacity.png into --out and prints
+the table.
 
     python benchmark/long_context/bench_capacity.py --out /tmp/bench_capacity
 """
@@ -85,6 +87,7 @@ def run_config(name: str, extra: list[str], prompts: list[list[int]], a, out: Pa
             results = list(pool.map(generate, prompts))
         wall = time.time() - start
         lines = _decode_lines(server.log()[mark:])
+        peak_mb = _peak_rss_mb(server.proc.pid)
     finally:
         server.stop()
     peak = max((n for n, _ in lines), default=0)
@@ -97,7 +100,24 @@ def run_config(name: str, extra: list[str], prompts: list[list[int]], a, out: Pa
         "tps_bs1": statistics.median([rate for n, rate in solo if n == 1] or [0.0]),
         "tps_peak": statistics.median(at_peak or [0.0]),
         "outputs": [r["output_ids"] for r in results],
+        "peak_rss_mb": peak_mb,
     }
+
+
+def _peak_rss_mb(pid: int) -> float:
+    """Peak resident memory (VmHWM) summed over the server's session: launcher,
+    scheduler, detokenizer. Linux only; 0 where /proc cannot tell."""
+    total_kb = 0
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            text = status.read_text()
+            if int(Path(status.parent, "stat").read_text().split()[5]) != pid:  # session id
+                continue
+        except (OSError, ValueError, IndexError):
+            continue
+        match = re.search(r"VmHWM:\s+(\d+) kB", text)
+        total_kb += int(match.group(1)) if match else 0
+    return total_kb / 1024
 
 
 def _decode_lines(log: str) -> list[tuple[int, float]]:
@@ -130,8 +150,8 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
     base = rows[0]
     lines = [
         "| config | most requests decoding at once | vs dense | wall s (all) "
-        "| decode tok/s, bs 1 | decode tok/s at that batch | greedy outputs = dense |",
-        "|---|---|---|---|---|---|---|",
+        "| decode tok/s, bs 1 | decode tok/s at that batch | greedy outputs = dense | peak RSS, MB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = r["peak"] / base["peak"] if base["peak"] else float("nan")
@@ -143,6 +163,7 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
             f"{r['tps_bs1']:.1f}",
             f"{r['tps_peak']:.1f}",
             f"{sum(x == y for x, y in zip(r['outputs'], base['outputs']))}/{a.requests}",
+            f"{r.get('peak_rss_mb', 0):.0f}",
         )
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     table = "\n".join(lines)
