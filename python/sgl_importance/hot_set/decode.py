@@ -24,7 +24,9 @@ batch, ``attend`` once per layer, ``end_step`` after the last layer. ``end_step`
 also plans the *next* step, so that its promotions (host → device copies) and
 releases are issued one step ahead, before the scheduler allocates that step's
 slots. A planned page with no free device page for its promotion is read from its
-host copy for that step and counted; nothing is skipped.
+host copy for that step and counted; nothing is skipped. Promotions go through a
+``promotion.PromotionStream`` where one is given (a side stream on CUDA), and every
+``attend`` first fences them, so a layer never reads a page still being copied.
 
 Exact pages get exact masses (normalised by the step's combined denominator); pages
 estimated from the shadow get estimated masses, which rank them for promotion. With
@@ -42,7 +44,8 @@ from typing import NamedTuple, Optional, Protocol, Sequence
 import torch
 
 from sgl_importance.hot_set.estimate import OutsidePlan, combine, estimate_outside, pages_to_read
-from sgl_importance.hot_set.release import RELEASED, Released, RequestPages
+from sgl_importance.hot_set.promotion import PromotionStream, StreamedTiers
+from sgl_importance.hot_set.release import RELEASED, Released, RequestPages, Tiers
 from sgl_importance.hot_set.request_params import REQUEST_PARAMS, RequestParams
 from sgl_importance.hot_set.selection import HotSetCounts, HotSetParams, RequestHotSet, quest_layer_pages
 from sgl_importance.hot_set.shadow import ShadowPool
@@ -187,6 +190,7 @@ class HotSetDecoder:
         shadow: the 8-bit copies the guard estimates unread pages from (default: a pool
             shaped like ``summaries``, created on first use).
         exact: what reads pages exactly (default: ``decode_importance_paged``).
+        promotions: where promotions' copies run (default: in line, where issued).
     """
 
     def __init__(
@@ -200,6 +204,7 @@ class HotSetDecoder:
         request_params: RequestParams = REQUEST_PARAMS,
         shadow: Optional[ShadowPool] = None,
         exact: Optional[ExactAttention] = None,
+        promotions: Optional[PromotionStream] = None,
     ) -> None:
         self.params = params
         self.request_params = request_params
@@ -218,6 +223,7 @@ class HotSetDecoder:
         self._step_layers = 0
         self._workspace = PagedDecodeWorkspace()
         self._read = exact or self._read_paged
+        self.promotions = promotions
 
     @property
     def states(self) -> dict[str, RequestHotSet]:
@@ -277,7 +283,7 @@ class HotSetDecoder:
             planned, counts = self._plan(tracked, num_pages)
             if pages is not None:
                 # Promotions the previous step could not place: try again now.
-                pages.restore(planned, self.released.tiers, self.released.counts)
+                pages.restore(planned, self._promoting(), self.released.counts)
                 req_slots = rows[i][: req_slots.numel()].to(torch.int64)
             tokens = torch.full((num_pages,), ps, dtype=torch.int64)
             tokens[-1] = req_slots.numel() - (num_pages - 1) * ps
@@ -300,6 +306,12 @@ class HotSetDecoder:
         # Part 1 and 2 lists are built by the first layer, which knows the pool's size.
         self._exact = self._outside = self._tally = None
         self._step_layers = 0
+
+    def _promoting(self) -> Tiers:
+        """The tiers promotions copy through: on the promotion stream where there is one."""
+        if self.promotions is None:
+            return self.released.tiers
+        return StreamedTiers(self.released.tiers, self.promotions)
 
     def _drop(self, rid: str) -> None:
         tracked = self.tracked.pop(rid, None)
@@ -449,6 +461,8 @@ class HotSetDecoder:
         Args:
             q: ``[bs, q_heads, D]``; k_buffer, v_buffer: the layer's KV pool.
         """
+        if self.promotions is not None:
+            self.promotions.fence()  # pages promoted a step ahead may still be in flight
         ps = self.page_size
         whole = k_buffer.shape[0] // ps * ps  # a pool's rows past its last whole page are never a page
         k_pages = k_buffer[:whole].view(-1, ps, *k_buffer.shape[1:])
@@ -735,7 +749,7 @@ class HotSetDecoder:
                 # Only full pages leave: the last one is still being written.
                 full = torch.arange(num_pages) < length // ps
                 live.pages.release(torch.nonzero(full & ~keep).flatten(), tiers, moves)
-                live.pages.restore(plan, tiers, moves, note_refusal=False)
+                live.pages.restore(plan, self._promoting(), moves, note_refusal=False)
         if self.released.counts.pages_released:
             self.released.reopen = True
         step.add_release(self.released.take_counts())
