@@ -24,7 +24,8 @@ With ``--hot-set-policy`` (not ``off``), decode of requests longer than
 (``sgl_importance.hot_set``): the backend keeps the page summaries up to date on
 every KV write (prefill and decode) and hands the decoder each step's requests,
 with their ``req_to_token`` rows when pages may be released to the host pool
-(``scheduler/hot_set_release.py``).
+(``scheduler/hot_set_release.py``). That part is ``hot_set_attention.HotSetAttention``,
+which ``importance_triton`` runs too.
 
 Greedy tokens equal torch_native's on the embedded model (``test_attention_torch``);
 logprobs differ by bf16 rounding. Unlike torch_native, decode honours a layer's logit
@@ -42,7 +43,7 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_importance.attention.common import last_attention_layer_id, page_table_for
-from sgl_importance.config import config_of
+from sgl_importance.attention.hot_set_attention import build_hot_set
 from sgl_kernel_ext import (
     PagedDecodePlan,
     PagedDecodeWorkspace,
@@ -79,11 +80,12 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
         self.page_ids: Optional[torch.Tensor] = None
         self.page_tokens: Optional[torch.Tensor] = None
         self.paged_workspace = PagedDecodeWorkspace()
-        self.hot_set = _build_hot_set(model_runner, self.last_layer_id)
-        self.hot_set_metrics = _build_hot_set_metrics(model_runner) if self.hot_set else None
+        self.hot_set = build_hot_set(model_runner, self.last_layer_id, self.page_table)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         super().init_forward_metadata(forward_batch)
+        if self.hot_set is not None:
+            self.hot_set.fence()
         self.kv_indptr = self.kv_indices = None
         self.decode_plan = self.page_indptr = self.page_ids = self.page_tokens = None
         if forward_batch.forward_mode.is_decode() and forward_batch.encoder_lens is None:
@@ -98,21 +100,13 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
                 self.decode_plan = plan
                 self.page_indptr, self.page_ids, self.page_tokens = plan.page_indptr, plan.page_ids, plan.page_tokens
             if self.hot_set is not None:
-                self._begin_hot_set_step(forward_batch)
-
-    def _begin_hot_set_step(self, forward_batch: ForwardBatch) -> None:
-        bounds = self.kv_indptr.tolist()
-        slots = [self.kv_indices[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
-        rids = forward_batch.rids
-        if rids is None:
-            rids = [f"row-{r}" for r in forward_batch.req_pool_indices.tolist()]
-        rows = None
-        if self.hot_set.released.enabled:
-            # Views of the requests' req_to_token rows: releases and promotions
-            # rewrite them, and SGLang reads them for the next step's slots.
-            table = self.req_to_token_pool.req_to_token
-            rows = [table[r] for r in forward_batch.req_pool_indices.tolist()]
-        self.hot_set.begin_step(list(rids), slots, rows)
+                self.hot_set.begin_step(
+                    forward_batch.rids,
+                    forward_batch.req_pool_indices,
+                    self.kv_indptr,
+                    self.kv_indices,
+                    self.req_to_token_pool.req_to_token,
+                )
 
     def forward_extend(
         self,
@@ -160,9 +154,7 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
         return o
 
     def _summarise(self, layer: RadixAttention, slots: torch.Tensor) -> None:
-        # Read back what the pool stored (its dtype and scaling), not the layer's k.
-        keys = self.token_to_kv_pool.get_key_buffer(layer.layer_id)[slots.to(torch.int64)]
-        self.hot_set.summaries.update(layer.layer_id, slots, keys)
+        self.hot_set.kv_written(layer.layer_id, slots, self.token_to_kv_pool.get_key_buffer(layer.layer_id))
 
     def _decode_kv_indices(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # The same slots torch_native reads per request (req_to_token[r, :seq_len]),
@@ -205,10 +197,8 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
             o = self._decode_with_importance(q, k, v, layer, forward_batch, save_kv_cache, sinks)
         if layer.layer_id == self.last_layer_id:
             self.page_table.finish_step()
-            if self.hot_set is not None and self.kv_indptr is not None:
-                counts = self.hot_set.end_step()
-                if self.hot_set_metrics is not None:
-                    self.hot_set_metrics.add(counts.as_dict())
+            if self.hot_set is not None:
+                self.hot_set.end_step()
         return o
 
     def _decode_with_importance(
@@ -269,19 +259,15 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
     ) -> torch.Tensor:
         if save_kv_cache:
             self._summarise(layer, forward_batch.out_cache_loc)
-        result = self.hot_set.attend(
-            layer.layer_id,
+        self.hot_set.attend(
+            layer,
             q,
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            sm_scale=layer.scaling,
+            o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
             logit_cap=_logit_cap(layer),
             sinks=sinks,
         )
-        o.view(-1, layer.tp_q_head_num, layer.v_head_dim).copy_(result.output)
-        # The table files exact masses of the attended pages only: a page outside
-        # the hot set was not read this step.
-        self.page_table.add_layer(result.importance, result.kv_indptr, result.kv_indices)
         return o
 
 
@@ -358,37 +344,3 @@ def as_pages(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
 def _logit_cap(layer: Any) -> float:
     # SGLang leaves the cap None or 0 on layers without one; the kernels take 0.0 as off.
     return layer.logit_cap if layer.logit_cap and layer.logit_cap > 0 else 0.0
-
-
-def _build_hot_set(model_runner: Any, last_layer_id: int) -> Any:
-    """The hot-set decoder when ``--hot-set-policy`` is on, else None."""
-    config = config_of(model_runner.server_args)
-    params = config.hot_set_params()
-    if params is None:
-        return None
-    from sgl_importance.hot_set import HotSetDecoder, PageSummaries
-
-    pool = model_runner.token_to_kv_pool
-    keys = pool.get_key_buffer(last_layer_id)
-    page_size = model_runner.page_size
-    summaries = PageSummaries(
-        last_layer_id + 1,
-        -(-keys.shape[0] // page_size),
-        keys.shape[1],
-        keys.shape[2],
-        page_size=page_size,
-        dtype=keys.dtype,
-        device=keys.device,
-    )
-    return HotSetDecoder(params, summaries, page_size=page_size, threshold=config.hot_set_threshold)
-
-
-def _build_hot_set_metrics(model_runner: Any) -> Any:
-    if not model_runner.server_args.enable_metrics:
-        return None
-    from sglang.srt.runtime_context import get_parallel
-
-    from sgl_importance.metrics import HotSetMetrics
-
-    # SGLang keeps a process's ranks in its runtime context, not on the model runner.
-    return HotSetMetrics({"tp_rank": get_parallel().tp_rank})

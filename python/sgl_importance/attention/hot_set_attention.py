@@ -1,0 +1,201 @@
+"""The per-request hot set as both importance backends run it.
+
+``importance_torch`` and ``importance_triton`` differ in how they read pages exactly
+(``decode_importance_paged`` on the CPU, ``TritonPageListDecode`` on a GPU) and in
+where their decode metadata comes from; the rest of the hot set is the same and lives
+here:
+
+- every KV write (prefill, extend, decode) refreshes the written pages' key min/max
+  summaries from what the pool stored (``kv_written``);
+- a decode step begins with the batch's requests and their slots, with their
+  ``req_to_token`` rows where pages may be released (``begin_step``), attends layer by
+  layer (``attend``, which files the attended pages' exact masses in the page table)
+  and ends after the last layer (``end_step``: the step's counts, into the
+  ``sgl_importance:hot_set_*`` series with ``--enable-metrics``);
+- promotions run on a ``PromotionStream`` on the pool's device (a side stream on
+  CUDA), fenced before a layer reads pages and before any other forward (``fence``).
+
+The guard's 8-bit shadow is written by the decoder itself, from the pool, the first
+step a page is full (``HotSetDecoder._write_shadow``); nothing here keeps it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from sgl_importance.config import config_of
+from sgl_importance.importance.page_table import PageImportanceTable
+
+
+class HotSetAttention:
+    """A backend's hot set: the decoder, the page table it files into, its metrics.
+
+    Args:
+        decoder: ``hot_set.HotSetDecoder`` for this model runner's pool.
+        page_table: the process's page table.
+        metrics: ``metrics.HotSetMetrics`` or None (``--enable-metrics`` off).
+    """
+
+    def __init__(self, decoder: Any, page_table: PageImportanceTable, metrics: Any = None) -> None:
+        self.decoder = decoder
+        self.page_table = page_table
+        self.metrics = metrics
+        # A decode step begun and not yet ended (end_step runs after its last layer).
+        self.in_step = False
+
+    @property
+    def summaries(self) -> Any:
+        return self.decoder.summaries
+
+    @property
+    def released(self) -> Any:
+        return self.decoder.released
+
+    def kv_written(self, layer_id: int, slots: torch.Tensor, key_buffer: torch.Tensor) -> None:
+        """Refresh the summaries of the pages holding ``slots`` after a KV write.
+
+        Args:
+            slots: the token slots just written; key_buffer: the layer's key pool, read
+                back so the summaries follow what the pool stored (its dtype and scaling).
+        """
+        self.summaries.update(layer_id, slots, key_buffer[slots.to(torch.int64)])
+
+    def begin_step(
+        self,
+        rids: Optional[Sequence[str]],
+        req_pool_indices: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        req_to_token: torch.Tensor,
+    ) -> None:
+        """Plan a decode step for the batch.
+
+        Args:
+            rids: the requests' ids (``ForwardBatch.rids``); None names them by row.
+            req_pool_indices: the requests' ``req_to_token`` rows.
+            kv_indptr, kv_indices: request ``i`` holds ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]``,
+                its slots in sequence order (``req_to_token[row, :seq_len]``).
+            req_to_token: SGLang's table, whose rows releases and promotions rewrite.
+        """
+        self.fence()
+        bounds = kv_indptr.tolist()
+        slots = [kv_indices[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
+        rows_idx = req_pool_indices.tolist()
+        if rids is None:
+            rids = [f"row-{r}" for r in rows_idx]
+        rows = None
+        if self.released.enabled:
+            # Views of the requests' rows: releases and promotions rewrite them, and
+            # SGLang reads them for the next step's slots.
+            rows = [req_to_token[r] for r in rows_idx]
+        self.decoder.begin_step(list(rids), slots, rows)
+        self.in_step = True
+
+    def attend(
+        self,
+        layer: Any,
+        q: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        logit_cap: float,
+        sinks: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """One layer over the batch's hot sets, into ``out``; files the attended pages' masses.
+
+        Args:
+            layer: the ``RadixAttention`` layer (``layer_id``, ``scaling``).
+            q: ``[bs, q_heads, D]``; k_buffer, v_buffer: the layer's KV pool, this step's
+                token already written (and summarised).
+            out: ``[bs, q_heads, Dv]`` (a view of the layer's output), written in place.
+            logit_cap: the layer's soft cap, 0.0 for none.
+
+        Returns:
+            ``out``.
+        """
+        result = self.decoder.attend(
+            layer.layer_id, q, k_buffer, v_buffer, sm_scale=layer.scaling, logit_cap=logit_cap, sinks=sinks
+        )
+        out.copy_(result.output)
+        # Exact masses of the attended pages only: a page outside the hot set was not
+        # read this step (its estimate ranks it for promotion, never as importance).
+        device = self.page_table.device
+        self.page_table.add_layer(
+            result.importance.to(device, torch.float32), result.kv_indptr.to(device), result.kv_indices.to(device)
+        )
+        return out
+
+    def end_step(self) -> Any:
+        """After the step's last layer: fold it, plan the next one (promotions issued
+        now, one step ahead). Returns the step's ``HotSetCounts``, or None outside a step."""
+        if not self.in_step:
+            return None
+        self.in_step = False
+        counts = self.decoder.end_step()
+        if self.metrics is not None:
+            self.metrics.add(counts.as_dict())
+        return counts
+
+    def fence(self) -> None:
+        """Make the current stream wait for promotions still in flight (a no-op without any)."""
+        if self.decoder.promotions is not None:
+            self.decoder.promotions.fence()
+
+
+def build_hot_set(
+    model_runner: Any,
+    last_layer_id: int,
+    page_table: PageImportanceTable,
+    *,
+    exact: Any = None,
+) -> Optional[HotSetAttention]:
+    """The backend's hot set when ``--hot-set-policy`` is on, else None.
+
+    Args:
+        model_runner: SGLang's model runner (its server args, KV pool, page size).
+        last_layer_id: the last attention layer; the summaries cover layers up to it.
+        page_table: where attended pages' masses are filed.
+        exact: the decoder's exact page reader (default: ``decode_importance_paged``).
+    """
+    config = config_of(model_runner.server_args)
+    params = config.hot_set_params()
+    if params is None:
+        return None
+    from sgl_importance.hot_set import HotSetDecoder, PageSummaries
+    from sgl_importance.hot_set.promotion import PromotionStream
+
+    pool = model_runner.token_to_kv_pool
+    keys = pool.get_key_buffer(last_layer_id)
+    page_size = model_runner.page_size
+    summaries = PageSummaries(
+        last_layer_id + 1,
+        -(-keys.shape[0] // page_size),
+        keys.shape[1],
+        keys.shape[2],
+        page_size=page_size,
+        dtype=keys.dtype,
+        device=keys.device,
+    )
+    decoder = HotSetDecoder(
+        params,
+        summaries,
+        page_size=page_size,
+        threshold=config.hot_set_threshold,
+        exact=exact,
+        promotions=PromotionStream(keys.device),
+    )
+    return HotSetAttention(decoder, page_table, _build_metrics(model_runner))
+
+
+def _build_metrics(model_runner: Any) -> Any:
+    if not model_runner.server_args.enable_metrics:
+        return None
+    from sglang.srt.runtime_context import get_parallel
+
+    from sgl_importance.metrics import HotSetMetrics
+
+    # SGLang keeps a process's ranks in its runtime context, not on the model runner.
+    return HotSetMetrics({"tp_rank": get_parallel().tp_rank})
