@@ -19,7 +19,7 @@ MAX_RETRY_S = 86400.0
 MAX_TRACE_ROWS = 10_000_000_000
 # Kept in step with hot_set.selection.POLICIES (config imports no torch module).
 HOT_SET_POLICIES = ("off", "dense", "window", "quest", "lru", "importance")
-HOT_SET_BACKENDS = ("importance_torch",)
+HOT_SET_BACKENDS = ("importance_torch", "importance_triton")
 MAX_HOT_SET_PAGES = 1 << 20
 MAX_HOT_SET_SINKS = 64
 MAX_HOT_SET_THRESHOLD = 1 << 30
@@ -277,7 +277,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.hot_set_policy,
         help="Per-request hot set for long requests: decode attends only over sink pages, "
         "a recent window and the pages the policy keeps (off = every page). Needs "
-        "--attention-backend importance_torch.",
+        "--attention-backend importance_torch or importance_triton (the latter without CUDA "
+        "graphs: --cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled).",
     )
     group.add_argument(
         "--hot-set-budget",

@@ -17,7 +17,7 @@ imports nothing heavy in processes that never reach them.
 | torch_cpu: HiCache host pool (torch copies)      | platform/host_pool.py         |
 | torch_cpu: CPU streams for the L2 engine         | platform/streams.py           |
 | backends `importance_torch`, `importance_triton` | attention/                    |
-| `--hot-set-*`: hot-set decode in importance_torch | hot_set/, attention/torch_backend.py |
+| `--hot-set-*`: hot-set decode in both backends  | hot_set/, attention/hot_set_attention.py |
 | hot set: keep long prompts out of the tree, release pages, leave cleanly | scheduler/hot_set_release.py |
 | hot set: a request's own `custom_params.hot_set` (400 if invalid) | prompt_check.py, scheduler/hot_set_requests.py |
 | zero a page's importance when it is freed        | importance/allocator_reset.py |

@@ -159,6 +159,17 @@ ATTRIBUTES = [
         Name("sglang.srt.model_executor.forward_batch_info.ForwardBatch", n, "attention/torch_backend.py")
         for n in ("encoder_lens", "extend_seq_lens", "seq_lens", "req_pool_indices", "out_cache_loc")
     ),
+    Name("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "rids", "attention/"),
+    # The hot set in importance_triton (attention/triton_backend.py).
+    *(
+        Name("sglang.srt.layers.attention.triton_backend.TritonAttnBackend", n, "attention/triton_backend.py")
+        for n in ("req_to_token", "max_kv_splits", "forward_metadata")
+    ),
+    *(
+        Name("sglang.srt.layers.attention.triton_backend.ForwardMetadata", n, "attention/triton_backend.py")
+        for n in ("kv_indptr", "kv_indices")
+    ),
+    Name("sglang.srt.model_executor.model_runner.ModelRunner", "sliding_window_size", "attention/triton_backend.py"),
     Name(SERVER_ARGS, "dtype", "platform/torch_cpu.py"),
     # Per-request hot-set parameters (prompt_check.py, scheduler/hot_set_requests.py).
     Name("sglang.srt.managers.io_struct.GenerateReqInput", "sampling_params", "prompt_check.py"),

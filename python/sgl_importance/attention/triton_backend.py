@@ -20,6 +20,18 @@ per wrapper; with page size 1 and long contexts prefer ``--page-size 16`` or mor
 Layers the kernel does not serve (MLA, decode context parallelism, sliding window,
 fp8 KV with scales, a KV dtype other than the query's, ``score_mod``, xAI
 temperature) keep the parent's decode and record no importance.
+
+With ``--hot-set-policy`` (not ``off``), decode runs each request's hot set as
+``importance_torch`` does (``hot_set_attention.HotSetAttention``: page summaries kept
+on every KV write, the step planned in ``init_forward_metadata``, one ``attend`` per
+layer, the step ended after the last layer), with ``TritonPageListDecode`` as the
+exact reader and promotions on a side stream fenced before the layers read. A
+hot-set step is data dependent (which pages, how many, what the guard reads, host
+copies), so it cannot be replayed from a CUDA graph: with the hot set on, this
+backend refuses CUDA graph capture (``init_cuda_graph_state`` raises, naming the
+flags that turn it off), and every step runs eagerly. The hot set also needs every
+decode layer served by the kernel (no MLA, decode context parallelism, sliding
+window, or KV dtype other than the model's), checked when the backend is built.
 """
 
 from __future__ import annotations
@@ -31,7 +43,9 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend, logit_
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_importance.attention.common import last_attention_layer_id, page_table_for
+from sgl_importance.attention.hot_set_attention import build_hot_set
 from sgl_kernel_ext.decode_importance import DecodeImportanceWrapper
+from sgl_kernel_ext.page_list import TritonPageListDecode
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -58,6 +72,19 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
         self.eager_wrapper: Optional[DecodeImportanceWrapper] = None
         # The wrapper the next forward_decode uses, chosen by the metadata init.
         self.decode_wrapper: Optional[DecodeImportanceWrapper] = None
+        self.hot_set = build_hot_set(
+            model_runner,
+            self.last_layer_id,
+            self.page_table,
+            exact=TritonPageListDecode(max_splits=self.max_kv_splits),
+        )
+        if self.hot_set is not None:
+            check_hot_set_serves(
+                self._serves_with_importance(),
+                sliding_window=model_runner.sliding_window_size,
+                kv_cache_dtype=self.kv_cache_dtype,
+                model_dtype=self.model_dtype,
+            )
 
     def _new_wrapper(self, max_batch_size: int) -> DecodeImportanceWrapper:
         return DecodeImportanceWrapper(
@@ -80,6 +107,8 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
     # -- metadata: pick the wrapper; the parent builds kv_indptr / kv_indices -------
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args: Any, **kwargs: Any) -> None:
+        # SGLang calls this only to capture graphs: refuse before anything is captured.
+        refuse_cuda_graphs_with_hot_set(self.hot_set is not None)
         super().init_cuda_graph_state(max_bs, max_num_tokens, *args, **kwargs)
         if self._serves_with_importance():
             self.graph_wrapper = self._new_wrapper(max_num_tokens)
@@ -92,6 +121,19 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         super().init_forward_metadata(forward_batch)
         self.decode_wrapper = None
+        if self.hot_set is not None:
+            # Promotions of the last step must land before this forward reads or frees pages.
+            self.hot_set.fence()
+            if forward_batch.forward_mode.is_decode():
+                metadata = self.forward_metadata
+                self.hot_set.begin_step(
+                    forward_batch.rids,
+                    forward_batch.req_pool_indices,
+                    metadata.kv_indptr,
+                    metadata.kv_indices,
+                    self.req_to_token,
+                )
+            return
         if forward_batch.forward_mode.is_decode() and self._serves_with_importance():
             bs = self.forward_metadata.kv_indptr.numel() - 1
             wrapper = self.eager_wrapper
@@ -105,7 +147,7 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
 
     def _records(self, q: torch.Tensor, layer: RadixAttention, score_mod: Any) -> bool:
         return (
-            self.decode_wrapper is not None
+            (self.decode_wrapper is not None or (self.hot_set is not None and self.hot_set.in_step))
             and score_mod is None
             and q.dtype == self.kv_cache_dtype
             and (layer.sliding_window_size is None or layer.sliding_window_size < 0)
@@ -143,7 +185,29 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
             )
         if layer.layer_id == self.last_layer_id:
             self.page_table.finish_step()
+            if self.hot_set is not None:
+                self.hot_set.end_step()
         return o
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
+        if self.hot_set is not None and save_kv_cache and k is not None and not layer.is_cross_attention:
+            # The prompt's pages get their summaries as the parent stores them.
+            self._summarise(layer, forward_batch.out_cache_loc)
+        return o
+
+    def _summarise(self, layer: RadixAttention, slots: torch.Tensor) -> None:
+        self.hot_set.kv_written(layer.layer_id, slots, self.token_to_kv_pool.get_key_buffer(layer.layer_id))
 
     def _decode_with_importance(
         self,
@@ -166,6 +230,19 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
                 k,
                 v,
             )
+        if self.hot_set is not None:
+            if save_kv_cache:
+                self._summarise(layer, forward_batch.out_cache_loc)
+            self.hot_set.attend(
+                layer,
+                q,
+                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+                o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
+                logit_cap=logit_capping_mod(layer.logit_capping_method, layer.logit_cap),
+                sinks=sinks,
+            )
+            return o
         kv_indptr = self.forward_metadata.kv_indptr
         kv_indices = self.forward_metadata.kv_indices
         result = self.decode_wrapper.run(
@@ -181,3 +258,47 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
         )
         self.page_table.add_layer(result.importance, kv_indptr, kv_indices)
         return o
+
+
+def refuse_cuda_graphs_with_hot_set(hot_set: bool) -> None:
+    """Raise if CUDA graphs would be captured while the hot set is on.
+
+    A hot-set step chooses its pages, their count, the guard's reads and host copies
+    from the step's data, on the host; a graph would replay the captured step's
+    choices. SGLang captures only where its CUDA graph backends are not disabled.
+
+    Raises:
+        ValueError: naming the flags that run every step eagerly.
+    """
+    if hot_set:
+        raise ValueError(
+            "--hot-set-policy with --attention-backend importance_triton decodes data-dependent page "
+            "lists that a CUDA graph cannot replay; start the server with --cuda-graph-backend-decode "
+            "disabled --cuda-graph-backend-prefill disabled (or --disable-cuda-graph)"
+        )
+
+
+def check_hot_set_serves(
+    serves: bool, *, sliding_window: Optional[int], kv_cache_dtype: torch.dtype, model_dtype: torch.dtype
+) -> None:
+    """Raise unless every decode layer can run the hot set's page-list kernel.
+
+    A layer left to the parent's decode would read released pages' padding slots as
+    if they were the request's tokens.
+
+    Args:
+        serves: the backend-wide conditions hold (no MLA, no decode context parallelism,
+            a power-of-two page size).
+
+    Raises:
+        ValueError: naming what the hot set cannot serve.
+    """
+    why = None
+    if not serves:
+        why = "MLA, decode context parallelism or a page size that is not a power of two"
+    elif sliding_window is not None and sliding_window > 0:
+        why = f"sliding-window attention (window {sliding_window})"
+    elif kv_cache_dtype != model_dtype:
+        why = f"a KV cache dtype ({kv_cache_dtype}) other than the model's ({model_dtype})"
+    if why is not None:
+        raise ValueError(f"--hot-set-policy with --attention-backend importance_triton cannot serve {why}")
