@@ -127,6 +127,15 @@ def kv_bytes_per_page(shape: dict[str, int], dtype_bytes: int, page: int = PAGE)
     return 2 * page * shape["kv_heads"] * shape["head_dim"] * dtype_bytes * shape["layers"]
 
 
+def shadow_bytes_per_page(shape: dict[str, int], dtype_bytes: int, page: int = PAGE) -> int:
+    """Bytes of the guard's 8-bit shadow of one page in every layer (``hot_set/shadow.py``):
+    K and V codes, their per-channel min and step in the pool's dtype, and the float32
+    terms of the bound (key magnitude and value error per page, value norm per token)."""
+    kv, d = shape["kv_heads"], shape["head_dim"]
+    per_layer = kv * (2 * page * d + 4 * d * dtype_bytes + 4 * (2 + page))
+    return per_layer * shape["layers"]
+
+
 def dense_pages_per_step(length: int, batch: int, new_tokens: int, page: int = PAGE) -> float:
     """Pages dense attention reads per layer and step, summed over the batch, averaged over
     the decode steps (the sequence grows by one token a step)."""
@@ -327,6 +336,9 @@ def measure_server(
                     dense = metric(after, "sgl_importance:hot_set_pages_dense_total") - metric(
                         before, "sgl_importance:hot_set_pages_dense_total"
                     )
+                    estimated = metric(after, "sgl_importance:hot_set_pages_estimated_total") - metric(
+                        before, "sgl_importance:hot_set_pages_estimated_total"
+                    )
                     row = {
                         "config": config["name"],
                         "length": length,
@@ -335,6 +347,7 @@ def measure_server(
                         "step_mean_s": statistics.fmean(means),
                         "steps": len(steps),
                         "hot_ratio": attended / dense if dense > 0 else None,
+                        "estimated_ratio": estimated / dense if dense > 0 else 0.0,
                         "bandwidth_gbs": bandwidth,
                         "load": load,
                         "output_ids": [r["output_ids"] for r in results],
@@ -357,13 +370,15 @@ def complete_rows(rows: list[dict], shape: dict[str, int], dtype_bytes: int, new
     """Add the computed columns: pages, bytes, time to read them once, ratios."""
     weights = weight_bytes(shape, dtype_bytes)
     per_page = kv_bytes_per_page(shape, dtype_bytes)
+    per_shadow_page = shadow_bytes_per_page(shape, dtype_bytes)
     best_bw = max((r["bandwidth_gbs"] for r in rows), default=float("nan"))
     out = []
     for r in rows:
         r = dict(r)
         dense_pages = dense_pages_per_step(r["length"], r["batch"], new_tokens)
         r["pages_per_step"] = dense_pages * (r["hot_ratio"] if r["hot_ratio"] is not None else 1.0)
-        r["bytes_per_step"] = weights + r["pages_per_step"] * per_page
+        r["shadow_pages_per_step"] = dense_pages * r.get("estimated_ratio", 0.0)
+        r["bytes_per_step"] = weights + r["pages_per_step"] * per_page + r["shadow_pages_per_step"] * per_shadow_page
         r["best_bandwidth_gbs"] = best_bw
         r["read_once_s"] = r["bytes_per_step"] / (best_bw * 1e9)
         r["tok_s"] = r["batch"] / r["step_s"]
@@ -382,9 +397,10 @@ def _ratio(x: Optional[float]) -> str:
 
 def table_lines(rows: list[dict]) -> list[str]:
     lines = [
-        "| length | batch | config | tok/s | step ms (median) | step ms (mean) | pages/step | MB read/step "
+        "| length | batch | config | tok/s | step ms (median) | step ms (mean) | pages/step | shadow pages/step "
+        "| MB read/step "
         "| read once at bw, ms | step / read once | vs dense | vs transformers |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     order = {name: i for i, name in enumerate(ALL_CONFIGS)}
     for r in sorted(rows, key=lambda r: (r["length"], r["batch"], order.get(r["config"], 99), r["config"])):
@@ -396,6 +412,7 @@ def table_lines(rows: list[dict]) -> list[str]:
             f"{r['step_s'] * 1e3:.1f}",
             f"{r['step_mean_s'] * 1e3:.1f}",
             f"{r['pages_per_step']:.0f}",
+            f"{r.get('shadow_pages_per_step', 0.0):.0f}",
             f"{r['bytes_per_step'] / 1e6:.0f}",
             f"{r['read_once_s'] * 1e3:.1f}",
             f"{r['step_s'] / r['read_once_s']:.1f}",
@@ -423,8 +440,10 @@ def write_report(rows: list[dict], meta: dict[str, Any], out: Path) -> str:
             f"{max(loads, default=float('nan')):.1f}.",
             "",
             "pages/step: pages read per layer and step, summed over the batch (hot set: dense's pages x "
-            "pages_attended / pages_dense from /metrics). MB read/step: the weights once + those pages' K and V in "
-            "every layer. vs dense / vs transformers: tok/s over that configuration's at the same length and batch.",
+            "pages_attended / pages_dense from /metrics); shadow pages/step: the pages the guard estimated from "
+            "their 8-bit shadow instead (pages_estimated). MB read/step: the weights once + those pages' K and V in "
+            "every layer + the shadow pages' codes, ranges and bound terms. vs dense / vs transformers: tok/s over "
+            "that configuration's at the same length and batch.",
             "",
             *table_lines(rows),
             "",
