@@ -350,26 +350,24 @@ class _OnFakeCuda:
         return self.mode.tag(tuple(result)) and result
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="HotSetDecoder keeps its tallies, guard thresholds, outside plans and shadow ids as host "
-    "tensors and mixes them with the exact reader's device results (hot_set/decode.py, estimate.py, "
-    "shadow.py): on a GPU the first hot-set layer would raise. The decoder must become device-clean "
-    "before importance_triton's hot set can run on one; this test then passes and loses the marker.",
-)
-@pytest.mark.parametrize("guard,release", [(1.0, False), (0.05, True)])
-def test_triton_backend_hot_set_keeps_host_and_device_tensors_apart(guard, release):
+@pytest.mark.parametrize(
+    "policy,guard,release,promotions",
+    [("importance", 1.0, False, True), ("importance", 0.05, True, True), ("importance", 1.0, True, False),
+     ("quest", 0.05, False, True)],
+)  # fmt: skip
+def test_triton_backend_hot_set_keeps_host_and_device_tensors_apart(policy, guard, release, promotions):
     # Everything SGLang keeps on the GPU (pool, req_to_token, page table, the batch, q/k/v)
     # is on a stand-in CUDA device; no op may mix it with host tensors, as CUDA refuses to.
+    # Planning stays on the host; the layers' arithmetic and the step's tally on the device.
     from support.fake_cuda import FakeCuda
 
-    params = HotSetParams(policy="importance", budget=3, window=1, sinks=1, guard_threshold=guard)
+    params = HotSetParams(policy=policy, budget=3, window=1, sinks=1, guard_threshold=guard)
     pages = dict(device_pages=40, host_pages=64) if release else dict(device_pages=64, host_pages=0)
     g = torch.Generator().manual_seed(5)
     lengths = [5, 30, 41]
     prompts = [[torch.randn(LAYERS, n, KV_HEADS, DIM, generator=g) for _ in range(2)] for n in lengths]
     with FakeCuda() as mode:
-        world = World("triton", params, release=release, device="cuda", **pages)
+        world = World("triton", params, release=release, promotions=promotions, device="cuda", **pages)
         decoder = world.backend.hot_set.decoder
         decoder._read = _OnFakeCuda(mode, decoder._read)
         for i, (k, v) in enumerate(prompts):
@@ -377,5 +375,7 @@ def test_triton_backend_hot_set_keeps_host_and_device_tensors_apart(guard, relea
         for _ in range(3):
             shapes = [(LAYERS, len(lengths), KV_HEADS, DIM)] * 2 + [(LAYERS, len(lengths), Q_HEADS, DIM)]
             world.step(*(torch.randn(*shape, generator=g) for shape in shapes))
-    assert decoder.totals.steps > 0
+    assert decoder.totals.steps > 0 and (not release or decoder.totals.pages_released > 0)
+    if not promotions:
+        assert decoder.totals.pages_read_from_host > 0  # staged from the host pool
     assert not mode.violations, "\n".join(f"{where}: {why}" for where, why in mode.violations.items())

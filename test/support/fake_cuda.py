@@ -140,7 +140,8 @@ class FakeCuda(TorchFunctionMode):
         if target is None:
             return self.tag(out) if self.on_device(src) else out
         if _cuda(target):
-            return self.tag(out)
+            # A host tensor moved over is a new tensor: the host one stays on the host.
+            return self.tag(out.clone() if out is src and not self.on_device(src) else out)
         if self.on_device(src):
             out = out.clone() if out is src else out
             self._untag(out)

@@ -81,6 +81,8 @@ class HotSetAttention:
         """
         self.fence()
         bounds = kv_indptr.tolist()
+        # The decoder plans on the host: one copy of the batch's slots, not one per request.
+        kv_indices = kv_indices[: bounds[-1]].cpu()
         slots = [kv_indices[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
         rows_idx = req_pool_indices.tolist()
         if rids is None:

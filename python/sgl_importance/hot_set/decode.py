@@ -38,7 +38,7 @@ Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple, Optional, Protocol, Sequence
 
 import torch
@@ -266,7 +266,7 @@ class HotSetDecoder:
             self._drop(rid)
         self._live = []
         for i, (rid, req_slots) in enumerate(zip(rids, slots)):
-            req_slots = req_slots.to(torch.int64)
+            req_slots = req_slots.to("cpu", torch.int64)  # planned on the host
             if req_slots.numel() <= self.threshold:
                 self._drop(rid)
                 self._live.append(_Live(req_slots, None))
@@ -284,7 +284,7 @@ class HotSetDecoder:
             if pages is not None:
                 # Promotions the previous step could not place: try again now.
                 pages.restore(planned, self._promoting(), self.released.counts)
-                req_slots = rows[i][: req_slots.numel()].to(torch.int64)
+                req_slots = rows[i][: req_slots.numel()].to("cpu", torch.int64)
             tokens = torch.full((num_pages,), ps, dtype=torch.int64)
             tokens[-1] = req_slots.numel() - (num_pages - 1) * ps
             f64 = dict(dtype=torch.float64)
@@ -472,7 +472,7 @@ class HotSetDecoder:
             planned = [live.planned for live in self._live]
             self._exact = self._exact_plan(planned, k_pages.shape[0])
             self._outside = self._outside_plan(planned)
-            self._tally = self._new_tally()
+            self._tally = self._new_tally(q.device)
         exact, outside_plan = self._exact, self._outside
         per_layer = any(live.tracked is not None and live.tracked.state.params.policy == "quest" for live in self._live)
         if per_layer:
@@ -483,7 +483,7 @@ class HotSetDecoder:
             q, k_pages, v_pages, exact.plan, sinks=sinks, extra_k_pages=extra_k, extra_v_pages=extra_v, **run
         )
         output = result.output
-        share = torch.ones(q.shape[0], q.shape[1])  # exact pages' share of the combined denominator
+        share = q.new_ones(q.shape[:2], dtype=torch.float32)  # exact pages' share of the combined denominator
         if not outside_plan.empty:
             output = output.clone()
             rows = outside_plan.rows
@@ -505,8 +505,8 @@ class HotSetDecoder:
         keys, values = k_flat[dev], v_flat[dev]
         if host.numel():
             host_k, host_v = self.released.tiers.host_layer(layer_id, host)
-            keys = torch.cat((keys, host_k.to(keys.dtype)))
-            values = torch.cat((values, host_v.to(values.dtype)))
+            keys = torch.cat((keys, host_k.to(keys.device, keys.dtype)))
+            values = torch.cat((values, host_v.to(values.device, values.dtype)))
         self.shadow.write(layer_id, ids, keys.view(-1, ps, *shape[1:]), values.view(-1, ps, *v_pages.shape[2:]))
 
     def _staged(self, layer_id: int, host_slots: torch.Tensor):
@@ -529,7 +529,7 @@ class HotSetDecoder:
                     q[b], live.tracked.key_min[layer_id], live.tracked.key_max[layer_id],
                     sm_scale=sm_scale, logit_cap=logit_cap,
                 )  # fmt: skip
-                listed = quest_layer_pages(bounds, live.tracked.state.params)
+                listed = quest_layer_pages(bounds.cpu(), live.tracked.state.params)  # planned on the host
             lists.append(listed)
         return self._exact_plan(lists, pool_pages), self._outside_plan(lists)
 
@@ -538,8 +538,9 @@ class HotSetDecoder:
         rows = outside_plan.rows
         lse, out = result.lse[rows], result.output[rows]
         combined = combine(lse, out, estimate)
-        thresholds = torch.tensor([self._live[int(r)].tracked.state.params.guard_threshold for r in rows])
-        valid = outside_plan.valid
+        dev = lse.device
+        thresholds = torch.tensor([self._live[int(r)].tracked.state.params.guard_threshold for r in rows], device=dev)
+        valid = outside_plan.valid.to(dev)
         keep = valid.clone()
         for round_ in range(GUARD_ROUNDS + 1):
             need = combined.relative > thresholds
@@ -560,7 +561,7 @@ class HotSetDecoder:
         # Estimated masses (of the combined denominator) rank unread pages for promotion.
         ratio = torch.exp(estimate.lse - combined.lse).nan_to_num(0.0)  # [n, Hq]
         mass = (estimate.page_share * ratio[..., None]).amax(dim=1).double()  # [n, P]
-        tally = self._tally if not per_layer else self._new_outside_tally(outside_plan)
+        tally = self._tally if not per_layer else self._new_outside_tally(outside_plan, dev)
         torch.maximum(tally.outside_mass, mass, out=tally.outside_mass)
         tally.outside_read |= read
         tally.guard_reads += read.any(dim=1)
@@ -575,6 +576,7 @@ class HotSetDecoder:
         rows = outside_plan.rows
         lists: list[torch.Tensor] = []
         subset = []
+        chosen = chosen.cpu()  # the lists are planned on the host
         for i, row in enumerate(rows.tolist()):
             subset.append(self._live[row])
             lists.append(outside_plan.logical[i][chosen[i]])
@@ -588,36 +590,38 @@ class HotSetDecoder:
         res = self._read(q[rows], k_pages, v_pages, plan.plan, extra_k_pages=extra_k, extra_v_pages=extra_v, **run)
         for live, listed in zip(subset, lists):
             live.counts.pages_read_from_host += int(_released_among(live.pages, listed).sum())
-        lse = torch.where(plan.plan.live[:, None], res.lse, float("-inf"))
+        lse = torch.where(plan.plan.live.to(res.lse.device)[:, None], res.lse, float("-inf"))
         return lse, res.output
 
-    def _new_tally(self) -> _StepTally:
+    def _new_tally(self, device: torch.device) -> _StepTally:
+        # On the layers' device: folded into the requests (on the host) once per step.
         width = self._exact.plan.max_pages
         bs = len(self._live)
         by_max = torch.tensor(
-            [live.tracked is not None and live.tracked.state.params.ranks_by_max for live in self._live]
+            [live.tracked is not None and live.tracked.state.params.ranks_by_max for live in self._live],
+            device=device,
         )
-        tally = _StepTally(torch.zeros(bs, width, dtype=torch.float64), by_max)
-        self._add_outside_tally(tally, self._outside)
+        tally = _StepTally(torch.zeros(bs, width, dtype=torch.float64, device=device), by_max)
+        self._add_outside_tally(tally, self._outside, device)
         guard_off = [live for live in self._live if live.tracked is not None and not live.guard_on]
         if guard_off:
             width = max(live.tokens.numel() for live in guard_off)
-            tally.bound_mass = torch.zeros(len(guard_off), width, dtype=torch.float64)
+            tally.bound_mass = torch.zeros(len(guard_off), width, dtype=torch.float64, device=device)
         return tally
 
-    def _new_outside_tally(self, outside_plan: OutsidePlan) -> _StepTally:
+    def _new_outside_tally(self, outside_plan: OutsidePlan, device: torch.device) -> _StepTally:
         tally = _StepTally(torch.zeros(0, 0, dtype=torch.float64), torch.zeros(0, dtype=torch.bool))
-        self._add_outside_tally(tally, outside_plan)
+        self._add_outside_tally(tally, outside_plan, device)
         return tally
 
     @staticmethod
-    def _add_outside_tally(tally: _StepTally, outside_plan: OutsidePlan) -> None:
+    def _add_outside_tally(tally: _StepTally, outside_plan: OutsidePlan, device: torch.device) -> None:
         n, width = outside_plan.shadow.shape
-        tally.outside_mass = torch.zeros(n, width, dtype=torch.float64)
-        tally.outside_read = torch.zeros(n, width, dtype=torch.bool)
-        tally.guard_reads = torch.zeros(n, dtype=torch.int64)
-        tally.pages_guard_read = torch.zeros(n, dtype=torch.int64)
-        tally.pages_estimated = torch.zeros(n, dtype=torch.int64)
+        tally.outside_mass = torch.zeros(n, width, dtype=torch.float64, device=device)
+        tally.outside_read = torch.zeros(n, width, dtype=torch.bool, device=device)
+        tally.guard_reads = torch.zeros(n, dtype=torch.int64, device=device)
+        tally.pages_guard_read = torch.zeros(n, dtype=torch.int64, device=device)
+        tally.pages_estimated = torch.zeros(n, dtype=torch.int64, device=device)
 
     def _tally_exact(self, layer_id, q, result, exact: _ExactPlan, share, run, per_layer: bool) -> None:
         """Fold one layer's exact masses into the step's tally (or, when the lists change
@@ -632,7 +636,7 @@ class HotSetDecoder:
                 if live.tracked is None:
                     continue
                 listed = exact.logical[b]
-                m = masses[b, : listed.numel()]
+                m = masses[b, : listed.numel()].cpu()
                 if bool(tally.by_max[b]):
                     live.mass[listed] = torch.maximum(live.mass[listed], m.amax(dim=1))
                 else:
@@ -660,7 +664,7 @@ class HotSetDecoder:
         kmax = pad(maxs, batch_first=True, padding_value=float("-inf"))
         index = torch.tensor(rows)
         bounds = key_bound(q[index], kmin, kmax, **run).double()  # [m, Pmax, Hq]
-        tokens = pad([self._live[b].tokens for b in rows], batch_first=True).double()
+        tokens = pad([self._live[b].tokens for b in rows], batch_first=True).to(q.device, torch.float64)
         log_mass = bounds + tokens.log()[..., None] - result.lse[index].double()[:, None, :]
         page_bound = log_mass.amax(dim=2).clamp(max=0.0).exp().nan_to_num(0.0)
         width = page_bound.shape[1]
@@ -668,6 +672,7 @@ class HotSetDecoder:
         tally[:, :width] = torch.maximum(tally[:, :width], page_bound)
 
     def _fold_outside(self, outside_plan: OutsidePlan, tally: _StepTally, layers: int) -> None:
+        tally = _on_host(tally)
         for i, row in enumerate(outside_plan.rows.tolist()):
             live = self._live[row]
             cols = outside_plan.valid[i]
@@ -687,6 +692,7 @@ class HotSetDecoder:
         tally, exact = self._tally, self._exact
         if tally is None:
             return
+        tally = _on_host(tally)  # one copy per step from the layers' device
         guard_off = 0
         for b, live in enumerate(self._live):
             if live.tracked is None:
@@ -757,6 +763,13 @@ class HotSetDecoder:
         self._exact = self._outside = self._pending = self._tally = None
         self.totals.add(step)
         return step
+
+
+def _on_host(tally: _StepTally) -> _StepTally:
+    """The tally with its tensors on the host, where the requests' state lives."""
+    return replace(
+        tally, **{f.name: v.cpu() for f in fields(tally) if isinstance(v := getattr(tally, f.name), torch.Tensor)}
+    )
 
 
 def _merge(lse_a, out_a, lse_b, out_b):

@@ -141,7 +141,7 @@ def estimate_outside(
     logits = torch.matmul(qf, keys.transpose(-1, -2), out=workspace.get("shadow_logits", (hkv, n, g, tokens), f32, dev))
     if logit_cap > 0:
         logits.div_(logit_cap).tanh_().mul_(logit_cap)
-    pad = (~plan.valid).repeat_interleave(ps, dim=1)  # [n, P*ps]
+    pad = (~plan.valid).to(dev).repeat_interleave(ps, dim=1)  # [n, P*ps]
     logits.masked_fill_(pad[None, :, None, :], NEG_INF)
     peak = logits.amax(dim=-1)  # [Hkv, n, g]
     safe_peak = torch.where(torch.isfinite(peak), peak, 0.0)
@@ -287,7 +287,7 @@ def pages_to_read(combined: Combined, valid: torch.Tensor, threshold: float) -> 
     fits[:, -1] = True
     k = fits.to(torch.int64).argmax(dim=1)  # first k that fits
     k = torch.where(need, k, 0)
-    ranks = torch.arange(order.shape[1])[None, :]
+    ranks = torch.arange(order.shape[1], device=order.device)[None, :]
     take = (ranks < k[:, None]) & torch.gather(valid, 1, order)
     chosen.scatter_(1, order, take)
     return chosen

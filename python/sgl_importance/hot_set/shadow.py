@@ -185,7 +185,8 @@ class ShadowPool:
             self._grow(self._next + fresh)
         ids = reuse + list(range(self._next, self._next + fresh))
         self._next += fresh
-        return torch.tensor(ids, dtype=torch.int64, device=self.device)
+        # Ids are the decoder's bookkeeping, planned on the host; reads move them over.
+        return torch.tensor(ids, dtype=torch.int64)
 
     def free(self, ids: torch.Tensor) -> None:
         self._free.extend(int(i) for i in ids.tolist() if i > 0)
@@ -219,7 +220,7 @@ class ShadowPool:
 
     def pages(self, layer: int, ids: torch.Tensor) -> ShadowPages:
         """One layer's shadow of ``ids`` (any shape, flattened in order)."""
-        flat = ids.reshape(-1)
+        flat = ids.reshape(-1).to(self.device)
         h, cap = self.num_kv_heads, self.capacity
         # One gather of whole rows over (head, page): index_select on a middle dimension
         # copied ~5x slower on a CPU.
