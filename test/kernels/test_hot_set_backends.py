@@ -41,6 +41,7 @@ from sgl_importance.hot_set.promotion import PromotionStream  # noqa: E402
 from sgl_importance.hot_set.release import Released  # noqa: E402
 from sgl_importance.importance.page_table import PageImportanceTable  # noqa: E402
 from sgl_kernel_ext import PagedDecodeWorkspace, TritonPageListDecode  # noqa: E402
+from support.array_tiers import ArrayTiers  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")]
 
@@ -54,25 +55,20 @@ OUT_ATOL = 2e-5
 IMP_ATOL = 2e-6
 
 
-class ArrayKV:
-    """SGLang's KV pool (``set_kv_buffer``/``get_*_buffer``) and ``release.Tiers`` over
-    plain tensors: a device pool whose page 0 is padding, and a host pool.
-
-    ``promotions=False``: no device page for a promotion (new tokens still get theirs).
-    """
+class ArrayKV(ArrayTiers):
+    """SGLang's KV pool (``set_kv_buffer``/``get_*_buffer``) over ``ArrayTiers``' device pool."""
 
     def __init__(self, device_pages: int, host_pages: int, promotions: bool = True, device: str = "cpu") -> None:
-        self.page_size = PAGE
-        self.promotions = promotions
-        self.device = device
-        shape = (LAYERS, (device_pages + 1) * PAGE, KV_HEADS, DIM)
-        self.k, self.v = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
-        host_shape = (LAYERS, max(host_pages, 1) * PAGE, KV_HEADS, DIM)
-        self.hk, self.hv = torch.zeros(host_shape), torch.zeros(host_shape)
-        self.free_device_pages = list(range(1, device_pages + 1))
-        self.free_host_pages = list(range(host_pages))
-
-    # -- the pool, as the backends use it --
+        super().__init__(
+            layers=LAYERS,
+            kv_heads=KV_HEADS,
+            dim=DIM,
+            page_size=PAGE,
+            device_pages=device_pages,
+            host_pages=host_pages,
+            promotions=promotions,
+            device=device,
+        )
 
     def set_kv_buffer(self, layer, loc, k, v, *args, **kwargs) -> None:
         slots = loc.loc.to(torch.int64)
@@ -84,47 +80,6 @@ class ArrayKV:
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         return self.v[layer_id]
-
-    # -- release.Tiers --
-
-    @staticmethod
-    def _slots(pages: list[int]) -> torch.Tensor:
-        return (torch.tensor(pages)[:, None] * PAGE + torch.arange(PAGE)).flatten()
-
-    def alloc_device(self, num_pages, for_tokens=False):
-        if num_pages > len(self.free_device_pages) or not (for_tokens or self.promotions):
-            return None
-        pages, self.free_device_pages = self.free_device_pages[:num_pages], self.free_device_pages[num_pages:]
-        return self._slots(pages).to(self.device)
-
-    def free_device(self, slots):
-        self.free_device_pages += sorted(set((slots // PAGE).tolist()))
-
-    def alloc_host(self, num_pages):
-        if num_pages > len(self.free_host_pages):
-            return None
-        pages, self.free_host_pages = self.free_host_pages[:num_pages], self.free_host_pages[num_pages:]
-        return self._slots(pages)
-
-    def free_host(self, slots):
-        self.free_host_pages += sorted(set((slots // PAGE).tolist()))
-
-    # The copies between tiers are SGLang's transfer kernels' (across devices by design):
-    # outside what test_..._apart checks.
-
-    def to_host(self, device_slots, host_slots):
-        with torch._C.DisableTorchFunction():
-            self.hk[:, host_slots] = self.k[:, device_slots]
-            self.hv[:, host_slots] = self.v[:, device_slots]
-
-    def to_device(self, host_slots, device_slots):
-        with torch._C.DisableTorchFunction():
-            self.k[:, device_slots] = self.hk[:, host_slots]
-            self.v[:, device_slots] = self.hv[:, host_slots]
-
-    def host_layer(self, layer_id, host_slots):
-        with torch._C.DisableTorchFunction():
-            return self.hk[layer_id, host_slots].clone(), self.hv[layer_id, host_slots].clone()
 
 
 def _layer(layer_id: int) -> SimpleNamespace:

@@ -23,6 +23,7 @@ pytest.importorskip("triton", reason="triton is not installed; the Triton decode
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries  # noqa: E402
 from sgl_importance.hot_set.release import Released  # noqa: E402
 from sgl_kernel_ext import TritonPageListDecode  # noqa: E402
+from support.array_tiers import ArrayTiers  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")]
 
@@ -34,62 +35,14 @@ OUT_ATOL = 2e-5
 IMP_ATOL = 2e-6
 
 
-class ArrayTiers:
-    """``release.Tiers`` over plain tensors: a device pool (page 0 is padding) and a host pool.
-
-    ``promotions=False``: the device has no page for a promotion (new tokens still get
-    theirs), so every released page a plan lists is read from its host copy.
-    """
-
-    def __init__(self, device_pages: int, host_pages: int, promotions: bool = True) -> None:
-        self.page_size = PAGE
-        self.promotions = promotions
-        shape = (LAYERS, (device_pages + 1) * PAGE, KV_HEADS, DIM)
-        self.k, self.v = torch.zeros(shape), torch.zeros(shape)
-        host_shape = (LAYERS, max(host_pages, 1) * PAGE, KV_HEADS, DIM)
-        self.hk, self.hv = torch.zeros(host_shape), torch.zeros(host_shape)
-        self.free_device_pages = list(range(1, device_pages + 1))
-        self.free_host_pages = list(range(host_pages))
-
-    @staticmethod
-    def _slots(pages: list[int]) -> torch.Tensor:
-        return (torch.tensor(pages)[:, None] * PAGE + torch.arange(PAGE)).flatten()
-
-    def alloc_device(self, num_pages, for_tokens=False):
-        if num_pages > len(self.free_device_pages) or not (for_tokens or self.promotions):
-            return None
-        pages, self.free_device_pages = self.free_device_pages[:num_pages], self.free_device_pages[num_pages:]
-        return self._slots(pages)
-
-    def free_device(self, slots):
-        self.free_device_pages += sorted(set((slots // PAGE).tolist()))
-
-    def alloc_host(self, num_pages):
-        if num_pages > len(self.free_host_pages):
-            return None
-        pages, self.free_host_pages = self.free_host_pages[:num_pages], self.free_host_pages[num_pages:]
-        return self._slots(pages)
-
-    def free_host(self, slots):
-        self.free_host_pages += sorted(set((slots // PAGE).tolist()))
-
-    def to_host(self, device_slots, host_slots):
-        self.hk[:, host_slots] = self.k[:, device_slots]
-        self.hv[:, host_slots] = self.v[:, device_slots]
-
-    def to_device(self, host_slots, device_slots):
-        self.k[:, device_slots] = self.hk[:, host_slots]
-        self.v[:, device_slots] = self.hv[:, host_slots]
-
-    def host_layer(self, layer_id, host_slots):
-        return self.hk[layer_id, host_slots].clone(), self.hv[layer_id, host_slots].clone()
-
-
 class World:
     """A decoder over a pool, fed requests token by token (the same in every world)."""
 
     def __init__(self, params: HotSetParams, *, device_pages, host_pages, release, promotions=True, exact=None):
-        self.tiers = ArrayTiers(device_pages, host_pages, promotions)
+        self.tiers = ArrayTiers(
+            layers=LAYERS, kv_heads=KV_HEADS, dim=DIM, page_size=PAGE,
+            device_pages=device_pages, host_pages=host_pages, promotions=promotions,
+        )  # fmt: skip
         self.released = Released()
         if release:
             self.released.enable(self.tiers, threshold=8)

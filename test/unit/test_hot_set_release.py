@@ -9,61 +9,17 @@ import torch
 
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries
 from sgl_importance.hot_set.release import RELEASED_SLOT, ReleaseCounts, Released, RequestPages, subtract_pages
+from support.array_tiers import ArrayTiers
 
 PAGE = 4
 KV_HEADS, GROUP, DIM = 2, 2, 8
 LAYERS = 2
 
 
-class ArrayTiers:
-    """``release.Tiers`` over plain tensors: a device pool (page 0 is padding) and a host pool."""
-
-    def __init__(self, device_pages: int, host_pages: int) -> None:
-        self.page_size = PAGE
-        shape = (LAYERS, (device_pages + 1) * PAGE, KV_HEADS, DIM)
-        self.k, self.v = torch.zeros(shape), torch.zeros(shape)
-        host_shape = (LAYERS, host_pages * PAGE, KV_HEADS, DIM)
-        self.hk, self.hv = torch.zeros(host_shape), torch.zeros(host_shape)
-        self.free_device_pages = list(range(1, device_pages + 1))
-        self.free_host_pages = list(range(host_pages))
-        self.peak_used = 0
-        self.device_pages = device_pages
-
-    @staticmethod
-    def _slots(pages: list[int]) -> torch.Tensor:
-        return (torch.tensor(pages)[:, None] * PAGE + torch.arange(PAGE)).flatten()
-
-    def alloc_device(self, num_pages):
-        if num_pages > len(self.free_device_pages):
-            return None
-        pages, self.free_device_pages = self.free_device_pages[:num_pages], self.free_device_pages[num_pages:]
-        self.peak_used = max(self.peak_used, self.device_pages - len(self.free_device_pages))
-        return self._slots(pages)
-
-    def free_device(self, slots):
-        pages = sorted(set((slots // PAGE).tolist()))
-        assert 0 not in pages and not set(pages) & set(self.free_device_pages), "double or padding free"
-        self.free_device_pages += pages
-
-    def alloc_host(self, num_pages):
-        if num_pages > len(self.free_host_pages):
-            return None
-        pages, self.free_host_pages = self.free_host_pages[:num_pages], self.free_host_pages[num_pages:]
-        return self._slots(pages)
-
-    def free_host(self, slots):
-        self.free_host_pages += sorted(set((slots // PAGE).tolist()))
-
-    def to_host(self, device_slots, host_slots):
-        self.hk[:, host_slots] = self.k[:, device_slots]
-        self.hv[:, host_slots] = self.v[:, device_slots]
-
-    def to_device(self, host_slots, device_slots):
-        self.k[:, device_slots] = self.hk[:, host_slots]
-        self.v[:, device_slots] = self.hv[:, host_slots]
-
-    def host_layer(self, layer_id, host_slots):
-        return self.hk[layer_id, host_slots].clone(), self.hv[layer_id, host_slots].clone()
+def array_tiers(device_pages: int, host_pages: int) -> ArrayTiers:
+    return ArrayTiers(
+        layers=LAYERS, kv_heads=KV_HEADS, dim=DIM, page_size=PAGE, device_pages=device_pages, host_pages=host_pages
+    )
 
 
 def test_subtract_pages_leaves_out_exactly_the_released_positions():
@@ -84,7 +40,7 @@ def filled_request(tiers: ArrayTiers, num_pages: int, seed: int = 0):
 
 
 def test_a_released_page_comes_back_with_the_same_kv_in_another_device_page():
-    tiers = ArrayTiers(device_pages=8, host_pages=8)
+    tiers = array_tiers(device_pages=8, host_pages=8)
     row, slots = filled_request(tiers, 5)
     before_k, before_v = tiers.k[:, slots].clone(), tiers.v[:, slots].clone()
     pages, counts = RequestPages(row, first_owned_page=1, page_size=PAGE), ReleaseCounts()
@@ -110,7 +66,7 @@ def test_a_released_page_comes_back_with_the_same_kv_in_another_device_page():
 
 
 def test_no_free_page_is_counted_and_nothing_moves():
-    tiers = ArrayTiers(device_pages=6, host_pages=1)
+    tiers = array_tiers(device_pages=6, host_pages=1)
     row, _ = filled_request(tiers, 4)
     pages, counts = RequestPages(row, first_owned_page=0, page_size=PAGE), ReleaseCounts()
     pages.release(torch.tensor([1, 2]), tiers, counts)  # two pages, one host page
@@ -181,9 +137,9 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_
     # Three requests of 20 pages (60 pages with what they generate) on a 32-page
     # device: each is prefilled after the previous ones released what their hot
     # sets (4 pages) leave out. The reference keeps everything on a large device.
-    reference = Placed(ArrayTiers(device_pages=200, host_pages=0), Released(), guard)
+    reference = Placed(array_tiers(device_pages=200, host_pages=0), Released(), guard)
     released = Released()
-    small = ArrayTiers(device_pages=32, host_pages=100)
+    small = array_tiers(device_pages=32, host_pages=100)
     released.enable(small, threshold=8)
     physical = Placed(small, released, guard)
     g = torch.Generator().manual_seed(7)

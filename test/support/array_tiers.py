@@ -1,0 +1,86 @@
+"""``release.Tiers`` over plain tensors, for the hot-set tests that release pages.
+
+A device pool whose page 0 is padding and a host pool, both ``[layers, slots, kv_heads,
+dim]``. It checks what SGLang's pools would trip on later: a page freed twice, or the
+padding page freed, fails at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ArrayTiers:
+    """Device and host KV pools as tensors, with page allocators.
+
+    Args:
+        device_pages, host_pages: pages in each pool (the device gets one more: padding).
+        promotions: False: the device has no page for a promotion (new tokens still get
+            theirs), so every released page a plan lists is read from its host copy.
+        device: where the device pool lives (a stand-in device in the fake-CUDA tests).
+    """
+
+    def __init__(
+        self,
+        *,
+        layers: int,
+        kv_heads: int,
+        dim: int,
+        page_size: int,
+        device_pages: int,
+        host_pages: int,
+        promotions: bool = True,
+        device: str = "cpu",
+    ) -> None:
+        self.page_size = page_size
+        self.promotions = promotions
+        self.device = device
+        self.device_pages = device_pages
+        shape = (layers, (device_pages + 1) * page_size, kv_heads, dim)
+        self.k, self.v = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+        host_shape = (layers, max(host_pages, 1) * page_size, kv_heads, dim)
+        self.hk, self.hv = torch.zeros(host_shape), torch.zeros(host_shape)
+        self.free_device_pages = list(range(1, device_pages + 1))
+        self.free_host_pages = list(range(host_pages))
+        self.peak_used = 0  # most device pages held at once
+
+    def _slots(self, pages: list[int]) -> torch.Tensor:
+        return (torch.tensor(pages)[:, None] * self.page_size + torch.arange(self.page_size)).flatten()
+
+    def alloc_device(self, num_pages: int, for_tokens: bool = False):
+        if num_pages > len(self.free_device_pages) or not (for_tokens or self.promotions):
+            return None
+        pages, self.free_device_pages = self.free_device_pages[:num_pages], self.free_device_pages[num_pages:]
+        self.peak_used = max(self.peak_used, self.device_pages - len(self.free_device_pages))
+        return self._slots(pages).to(self.device)
+
+    def free_device(self, slots: torch.Tensor) -> None:
+        pages = sorted(set((slots // self.page_size).tolist()))
+        assert 0 not in pages and not set(pages) & set(self.free_device_pages), "double or padding free"
+        self.free_device_pages += pages
+
+    def alloc_host(self, num_pages: int):
+        if num_pages > len(self.free_host_pages):
+            return None
+        pages, self.free_host_pages = self.free_host_pages[:num_pages], self.free_host_pages[num_pages:]
+        return self._slots(pages)
+
+    def free_host(self, slots: torch.Tensor) -> None:
+        self.free_host_pages += sorted(set((slots // self.page_size).tolist()))
+
+    # The copies between the pools are SGLang's transfer kernels' (across devices by
+    # design): outside what the fake-CUDA tests check, hence no torch-function dispatch.
+
+    def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        with torch._C.DisableTorchFunction():
+            self.hk[:, host_slots] = self.k[:, device_slots]
+            self.hv[:, host_slots] = self.v[:, device_slots]
+
+    def to_device(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+        with torch._C.DisableTorchFunction():
+            self.k[:, device_slots] = self.hk[:, host_slots]
+            self.v[:, device_slots] = self.hv[:, host_slots]
+
+    def host_layer(self, layer_id: int, host_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch._C.DisableTorchFunction():
+            return self.hk[layer_id, host_slots].clone(), self.hv[layer_id, host_slots].clone()
