@@ -137,6 +137,13 @@ class _Live:
         params = self.tracked.state.params
         return params.guard_threshold < 1.0 and params.policy != "dense"
 
+    @property
+    def bounds_unread(self) -> bool:
+        """Guard off: unread pages are ranked by their key min/max bound each layer. A
+        dense request reads every page, so there is nothing to rank (and the bound over
+        all its pages cost a dense hot-set step ~15 % at 4 x 7.5K)."""
+        return self.tracked is not None and not self.guard_on and self.tracked.state.params.policy != "dense"
+
 
 @dataclass
 class _ExactPlan:
@@ -603,7 +610,7 @@ class HotSetDecoder:
         )
         tally = _StepTally(torch.zeros(bs, width, dtype=torch.float64, device=device), by_max)
         self._add_outside_tally(tally, self._outside, device)
-        guard_off = [live for live in self._live if live.tracked is not None and not live.guard_on]
+        guard_off = [live for live in self._live if live.bounds_unread]
         if guard_off:
             width = max(live.tokens.numel() for live in guard_off)
             tally.bound_mass = torch.zeros(len(guard_off), width, dtype=torch.float64, device=device)
@@ -656,7 +663,7 @@ class HotSetDecoder:
     def _tally_bounds(self, layer_id, q, result, run) -> None:
         """Guard off, nothing estimated: rank unread pages by their key min/max bound
         (Quest's), as a mass against the attended denominator, largest over heads."""
-        rows = [b for b, live in enumerate(self._live) if live.tracked is not None and not live.guard_on]
+        rows = [b for b, live in enumerate(self._live) if live.bounds_unread]
         mins = [self._live[b].tracked.key_min[layer_id] for b in rows]
         maxs = [self._live[b].tracked.key_max[layer_id] for b in rows]
         pad = torch.nn.utils.rnn.pad_sequence
@@ -698,7 +705,7 @@ class HotSetDecoder:
             if live.tracked is None:
                 continue
             live.counts.pages_dense += live.tokens.numel() * self._step_layers
-            if tally.bound_mass is not None and not live.guard_on:
+            if tally.bound_mass is not None and live.bounds_unread:
                 num = live.tokens.numel()
                 torch.maximum(live.outside_mass, tally.bound_mass[guard_off, :num], out=live.outside_mass)
                 guard_off += 1
