@@ -78,8 +78,10 @@ class HotSetAttention:
             kv_indptr, kv_indices: request ``i`` holds ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]``,
                 its slots in sequence order (``req_to_token[row, :seq_len]``).
             req_to_token: SGLang's table, whose rows releases and promotions rewrite.
+
+        The backend has fenced the last step's promotions already (``fence`` at the top of
+        its ``init_forward_metadata``, for every forward), so this does not fence again.
         """
-        self.fence()
         bounds = kv_indptr.tolist()
         # The decoder plans on the host: one copy of the batch's slots, not one per request.
         kv_indices = kv_indices[: bounds[-1]].cpu()
