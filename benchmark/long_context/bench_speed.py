@@ -128,12 +128,17 @@ def kv_bytes_per_page(shape: dict[str, int], dtype_bytes: int, page: int = PAGE)
 
 
 def shadow_bytes_per_page(shape: dict[str, int], dtype_bytes: int, page: int = PAGE) -> int:
-    """Bytes of the guard's 8-bit shadow of one page in every layer (``hot_set/shadow.py``):
-    K and V codes, their per-channel min and step in the pool's dtype, and the float32
-    terms of the bound (key magnitude and value error per page, value norm per token)."""
-    kv, d = shape["kv_heads"], shape["head_dim"]
-    per_layer = kv * (2 * page * d + 4 * d * dtype_bytes + 4 * (2 + page))
-    return per_layer * shape["layers"]
+    """Bytes of the guard's 8-bit shadow of one page in every layer, as ``ShadowPool``
+    lays it out (codes, per-channel ranges in the pool's dtype, the bound's terms)."""
+    import torch
+
+    from sgl_importance.hot_set.shadow import ShadowPool
+
+    dtype = {4: torch.float32, 2: torch.bfloat16}[dtype_bytes]
+    pool = ShadowPool(
+        shape["layers"], shape["kv_heads"], shape["head_dim"], page_size=page, dtype=dtype, initial_pages=2
+    )
+    return round(pool.bytes_per_token() * page)
 
 
 def dense_pages_per_step(length: int, batch: int, new_tokens: int, page: int = PAGE) -> float:
