@@ -26,6 +26,15 @@ MAX_HOT_SET_THRESHOLD = 1 << 30
 BUDGET_RANGE = "an integer number of pages >= 1, or a fraction in (0, 1] written with a '.'"
 MAX_REQUEST_SEQUENCES = 1 << 20
 MAX_REQUEST_LOGPROBS = 1 << 20
+# --importance-storage-precision: off, importance-graded, and the uniform baselines.
+STORAGE_PRECISIONS = ("off", "graded", "uniform8", "uniform4")
+# --importance-storage-precision-config keys and defaults: fraction of a node's pages
+# kept at the model's dtype (sinks included), fraction at 4 bits, leading pages of a
+# sequence that are attention sinks (always kept), and how pages are ranked
+# ("importance", or "blind": the same fractions by a hash of the key, a control).
+# The defaults store ~1/4 of float32's bytes (5 % full, 35 % int8, 60 % int4).
+STORAGE_PRECISION_DEFAULTS = {"keep": 0.05, "cold": 0.6, "sink_pages": 1, "order": "importance"}
+STORAGE_PRECISION_ORDERS = ("importance", "blind")
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,10 @@ class ImportanceConfig:
     storage_integrity: str = "on"
     # Seconds storage-tier writes stay paused after repeated failures before a retry.
     storage_retry_s: float = 30.0
+    # Encoding of storage-tier pages (cache/encoding.py); "off" = the model's dtype.
+    storage_precision: str = "off"
+    # JSON of the graded thresholds (STORAGE_PRECISION_DEFAULTS); None = the defaults.
+    storage_precision_config: Optional[str] = None
     # Per-request hot set for long requests (hot_set/); "off" = every page attended.
     hot_set_policy: str = "off"
     # Pages per request (int >= 1) or fraction of the request's pages (float).
@@ -95,6 +108,17 @@ class ImportanceConfig:
                 f"--importance-storage-retry-s {self.storage_retry_s!r} is invalid; "
                 f"allowed: a number of seconds in (0, {MAX_RETRY_S:.0f}]"
             )
+        if self.storage_precision not in STORAGE_PRECISIONS:
+            raise ValueError(
+                f"--importance-storage-precision {self.storage_precision!r} is invalid; "
+                f"allowed: {', '.join(STORAGE_PRECISIONS)}"
+            )
+        if self.storage_precision != "off" and self.storage_integrity == "off":
+            raise ValueError(
+                f"--importance-storage-precision {self.storage_precision} needs --importance-storage-integrity on "
+                "(the page's class lives in the integrity trailer)"
+            )
+        self.storage_precision_thresholds()
         self._check_hot_set()
         for name, low, high in (
             ("request_max_sequences", 1, MAX_REQUEST_SEQUENCES),
@@ -103,6 +127,43 @@ class ImportanceConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not (low <= value <= high):
                 raise ValueError(f"{_flag(name)} {value!r} is invalid; allowed: an integer in [{low}, {high}]")
+
+    def storage_precision_thresholds(self) -> dict[str, Any]:
+        """The graded thresholds: ``STORAGE_PRECISION_DEFAULTS`` overridden by the JSON flag.
+
+        Raises:
+            ValueError: naming ``--importance-storage-precision-config``, the key and what is allowed.
+        """
+        flag = "--importance-storage-precision-config"
+        values = dict(STORAGE_PRECISION_DEFAULTS)
+        if self.storage_precision_config is None:
+            return values
+        import json
+
+        try:
+            given = json.loads(self.storage_precision_config)
+        except (TypeError, ValueError):
+            given = None
+        if not isinstance(given, dict):
+            raise ValueError(f"{flag} {self.storage_precision_config!r} is invalid; allowed: a JSON object")
+        unknown = sorted(set(given) - set(values))
+        if unknown:
+            raise ValueError(f"{flag} has unknown keys {unknown}; allowed: {', '.join(values)}")
+        values.update(given)
+        for key in ("keep", "cold"):
+            v = values[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 <= v <= 1.0):
+                raise ValueError(f"{flag} {key}={v!r} is invalid; allowed: a fraction in [0, 1]")
+        if values["keep"] + values["cold"] > 1.0:
+            raise ValueError(f"{flag} keep + cold = {values['keep'] + values['cold']:g} is invalid; allowed: <= 1")
+        sinks = values["sink_pages"]
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or not (0 <= sinks <= MAX_HOT_SET_SINKS):
+            raise ValueError(f"{flag} sink_pages={sinks!r} is invalid; allowed: an integer in [0, {MAX_HOT_SET_SINKS}]")
+        if values["order"] not in STORAGE_PRECISION_ORDERS:
+            raise ValueError(
+                f"{flag} order={values['order']!r} is invalid; allowed: {', '.join(STORAGE_PRECISION_ORDERS)}"
+            )
+        return values
 
     def _check_hot_set(self) -> None:
         check_hot_set(
@@ -270,6 +331,24 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=defaults.storage_retry_s,
         help="Seconds storage-tier writes stay paused after repeated failures.",
+    )
+    group.add_argument(
+        "--importance-storage-precision",
+        choices=STORAGE_PRECISIONS,
+        default=defaults.storage_precision,
+        help="Encoding of storage-tier pages. graded: attention-sink pages and the most "
+        "important at the model's dtype, the coldest at 4 bits, the rest at 8 bits (keys "
+        "quantised per channel, values per token; thresholds in "
+        "--importance-storage-precision-config); uniform8 / uniform4: every page at 8 / 4 "
+        "bits (baselines); off: the model's dtype. Needs --importance-storage-integrity on.",
+    )
+    group.add_argument(
+        "--importance-storage-precision-config",
+        default=defaults.storage_precision_config,
+        help='JSON thresholds for --importance-storage-precision graded, e.g. {"keep": 0.05, '
+        '"cold": 0.6, "sink_pages": 1, "order": "importance"} (the defaults): fractions of '
+        "each written node's pages kept at the model's dtype and put at 4 bits, leading "
+        "sink pages always kept, and the ranking (importance, or blind: by key hash, a control).",
     )
     group.add_argument(
         "--hot-set-policy",

@@ -20,6 +20,8 @@ mode.
 | `sgl_importance:hot_set_*_total`                | per-request hot set (``HotSetMetrics``): steps, promotions, hits, late arrivals, guard fallbacks, pages attended vs dense |
 | `sgl_importance:storage_corrupt_pages_total{reason}` | storage-tier pages refused on read (checksum, short, format, layout, unreadable) |
 | `sgl_importance:storage_write_pauses_total` | times storage-tier writes were paused after repeated failures |
+| `sgl_importance:storage_pages_total{op,precision}` | `--importance-storage-precision`: pages written / read per class (full, int8, int4) |
+| `sgl_importance:storage_page_bytes_total{op,precision}` | the same pages' stored bytes (trailer excluded) |
 | `sgl_importance:shared_importance_pages_total{event}` | Mooncake tier: importance records published / fetched / restored |
 
 The two storage series are counted by the storage tier's I/O threads, which run in
@@ -159,8 +161,27 @@ class StorageIntegrityMetrics:
             registry=registry,
         )
 
+        self.pages = Counter(
+            "sgl_importance:storage_pages_total",
+            "Storage-tier pages written and read with --importance-storage-precision on, by "
+            "operation and stored class (full: the model's dtype; int8, int4: quantised).",
+            labelnames=[*names, "op", "precision"],
+            registry=registry,
+        )
+        self.page_bytes = Counter(
+            "sgl_importance:storage_page_bytes_total",
+            "Stored bytes (integrity trailer excluded) of the pages in storage_pages_total.",
+            labelnames=[*names, "op", "precision"],
+            registry=registry,
+        )
+
     def corrupt(self, reason: str) -> None:
         self.corrupt_pages.labels(**self.labels, reason=reason).inc()
+
+    def page(self, op: str, precision: str, nbytes: int) -> None:
+        """One page written or read in class ``precision``, ``nbytes`` stored."""
+        self.pages.labels(**self.labels, op=op, precision=precision).inc()
+        self.page_bytes.labels(**self.labels, op=op, precision=precision).inc(nbytes)
 
     def paused(self) -> None:
         self.write_pauses.labels(**self.labels).inc()

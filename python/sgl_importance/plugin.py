@@ -26,6 +26,7 @@ imports nothing heavy in processes that never reach them.
 | FULL component override under `importance`      | cache/components.py           |
 | fold the page table into tree nodes per batch    | scheduler/fold.py             |
 | L3 admission: gate writes to the storage tier    | cache/admission.py            |
+| grade pages' storage precision before the write  | cache/stored.py, cache/encoding.py |
 | prefetch host→device with the batch's load-back  | cache/prefetch.py             |
 | importance back onto nodes rebuilt from storage  | cache/stored.py               |
 | storage fetch retries, most important first      | cache/stored.py               |
@@ -186,6 +187,14 @@ def _gate_storage_write(original: Callable[..., Any], cache: Any, node_id: Any) 
     from sgl_importance.cache.admission import gate_storage_write
 
     return gate_storage_write(original, cache, node_id)
+
+
+def _grade_storage_pages(cache: Any, node_id: Any) -> None:
+    from sgl_importance.cache.stored import grade_before_storage_write
+
+    # Before the write is queued, on the scheduler thread: the storage I/O thread
+    # seals each page in the class graded here (--importance-storage-precision graded).
+    grade_before_storage_write(cache, node_id)
 
 
 def _seal_storage_pages(original: Callable[..., Any], factory: Any, *args: Any, **kwargs: Any) -> Any:
@@ -412,6 +421,11 @@ def load() -> None:
             "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.write_backup_storage",
             _gate_storage_write,
             HookType.AROUND,
+        )
+        register(
+            "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.write_backup_storage",
+            _grade_storage_pages,
+            HookType.BEFORE,
         )
         register("sglang.srt.managers.scheduler.Scheduler.__init__", _note_scheduler, HookType.AFTER)
         # Hot-set page release (a pass-through unless the hot set and HiCache are on).

@@ -6,7 +6,9 @@ it does not do, which the integrity wrapper (``integrity.py``) needs:
 
 - name the file of a key (for the one log line per damaged file),
 - delete a damaged page so the next write stores a good copy,
-- clean up ``.tmp`` files that a killed process left behind.
+- clean up ``.tmp`` files that a killed process left behind,
+- read a page file whole, whatever its length (encoded pages are shorter than
+  the host pool's page, and ``HiCacheFile.get`` reads exactly a page's bytes).
 
 And one check at launch: the directory must be a directory (or creatable).
 A path that is a regular file, or cannot be created, stops start-up with one
@@ -119,4 +121,19 @@ def file_tier_ops(backend: Any) -> TierOps:
         # A directory removed while serving comes back when writes are retried.
         os.makedirs(directory, exist_ok=True)
 
-    return TierOps(where=path_of, drop=drop, prepare=prepare)
+    def read(key: str) -> Optional[bytearray]:
+        suffixed = backend._get_suffixed_key(key)
+        path = path_of(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                n = f.readinto(data)
+        except FileNotFoundError:
+            if backend.metadata_cache is not None:
+                backend.metadata_cache.remove(suffixed)
+            return None
+        # As HiCacheFile.get does: a read refreshes the page's recency for eviction.
+        backend._evictor.touch(suffixed, path)
+        return data[:n] if n != len(data) else data
+
+    return TierOps(where=path_of, drop=drop, prepare=prepare, read=read)

@@ -9,6 +9,22 @@ reads as if it were right. ``IntegrityStorage`` wraps any ``HiCacheStorage`` (th
     trailer = magic "SGIK" | version u16 | reserved u16 | fingerprint u64
               | payload length u64 | xxh3-64(key | fingerprint | length | payload)
 
+With ``--importance-storage-precision`` on, pages may be stored encoded
+(``encoding.py``: the model's dtype, 8 or 4 bits) and the trailer is version 2:
+
+    payload (the encoded bytes) | trailer (32 bytes)
+    trailer = magic "SGIK" | version 2 u16 | class u16 | fingerprint u64
+              | payload length u64 | xxh3-64(key | fingerprint | length | version | class | payload)
+
+The class sits in the u16 that version 1 reserves, and the checksum covers it, so
+a flipped class is a checksum miss, never a page decoded the wrong way. A reader
+with the flag off accepts version 1 only: an encoded page is a miss to it (short
+for the ``file`` tier, format for Mooncake), dropped and recomputed. A reader with
+the flag on reads both versions, whatever class the writer chose (a page written by
+another server decodes by its own trailer), into the host pool's dtype. Encoded
+pages vary in size, so they are read whole (``TierOps.read``, the ``file`` and
+Mooncake tiers); a backend without it is sealed and verified as before, unencoded.
+
 The fingerprint hashes the model, dtype, page size, host layout and page shape,
 so a page written by another configuration never reads as a hit. Every read is
 verified; a page that is missing its trailer, short, foreign or whose checksum
@@ -40,10 +56,14 @@ import torch
 import xxhash
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageFailureInjector
 
+from sgl_importance.cache import encoding
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"SGIK"
 VERSION = 1
+# Pages sealed with --importance-storage-precision on: the class in the u16 after it.
+ENCODED_VERSION = 2
 TRAILER = struct.Struct("<4sHHQQQ")
 TRAILER_BYTES = TRAILER.size  # 32
 
@@ -65,6 +85,14 @@ def _digest(key: str, fingerprint: int, payload: memoryview) -> int:
     h = xxhash.xxh3_64()
     h.update(key.encode())
     h.update(struct.pack("<QQ", fingerprint, len(payload)))
+    h.update(payload)
+    return h.intdigest()
+
+
+def _digest_encoded(key: str, fingerprint: int, cls: int, payload: memoryview) -> int:
+    h = xxhash.xxh3_64()
+    h.update(key.encode())
+    h.update(struct.pack("<QQHH", fingerprint, len(payload), ENCODED_VERSION, cls))
     h.update(payload)
     return h.intdigest()
 
@@ -101,6 +129,81 @@ def check(key: str, sealed: torch.Tensor, fingerprint: int, payload_bytes: int) 
     return None
 
 
+def seal_encoded(key: str, data: torch.Tensor, fingerprint: int, cls: int) -> torch.Tensor:
+    """A version-2 page: ``data`` (the page's bytes in class ``cls``) and its trailer."""
+    raw = _bytes_of(data)
+    n = raw.nbytes
+    out = torch.empty(n + TRAILER_BYTES, dtype=torch.uint8)
+    buf = out.numpy()
+    buf[:n] = raw
+    checksum = _digest_encoded(key, fingerprint, cls, memoryview(raw))
+    TRAILER.pack_into(buf, n, MAGIC, ENCODED_VERSION, cls, fingerprint, n, checksum)
+    return out
+
+
+def check_whole(key: str, stored: np.ndarray, fingerprint: int) -> tuple[Optional[str], int, int]:
+    """Verify a whole stored object (either version) as read back for ``key``.
+
+    Returns:
+        (why it is not a good page or None, its class, its payload length). The
+        caller still checks the length against what the class and pool need.
+    """
+    size = stored.nbytes
+    if size < TRAILER_BYTES:
+        return SHORT, encoding.FULL, 0
+    magic, version, cls, stored_fp, length, checksum = TRAILER.unpack_from(stored, size - TRAILER_BYTES)
+    if magic != MAGIC or version not in (VERSION, ENCODED_VERSION):
+        return FORMAT, encoding.FULL, 0
+    if length != size - TRAILER_BYTES:
+        return SHORT, encoding.FULL, 0
+    if stored_fp != fingerprint:
+        return LAYOUT, encoding.FULL, 0
+    payload = memoryview(stored[:length])
+    if version == VERSION:
+        ok = cls == 0 and _digest(key, fingerprint, payload) == checksum
+        return (None if ok else CHECKSUM), encoding.FULL, length
+    if _digest_encoded(key, fingerprint, cls, payload) != checksum:
+        return CHECKSUM, encoding.FULL, 0
+    if cls not in encoding.CLASS_NAMES:
+        return FORMAT, encoding.FULL, 0
+    return None, cls, length
+
+
+def page_geometry(pool: Any) -> Optional[encoding.PageGeometry]:
+    """The geometry of an MHA host pool's pages, or None for a pool whose pages are
+    not one K and one V tensor per layer (those are stored at the model's dtype)."""
+    try:
+        layout = str(pool.layout)
+        geometry = encoding.PageGeometry(
+            layers=int(pool.layer_num),
+            tokens=int(pool.page_size),
+            heads=int(pool.head_num),
+            dim=int(pool.head_dim),
+            layout=layout,
+        )
+        page = pool.get_dummy_flat_data_page()
+    except (AttributeError, ValueError, TypeError, NotImplementedError):
+        return None
+    if page.numel() != geometry.numel or not page.dtype.is_floating_point:
+        return None
+    return geometry
+
+
+@dataclass
+class Precision:
+    """How the wrapper encodes pages (``--importance-storage-precision`` other than off).
+
+    Args:
+        setting: the flag's value (graded, uniform8, uniform4).
+        classify: the class of a page by its storage key (KV pages only).
+        on_page: called with ("write" or "read", class, stored payload bytes) per page.
+    """
+
+    setting: str
+    classify: Callable[[str], int]
+    on_page: Optional[Callable[[str, int, int], None]] = None
+
+
 @dataclass
 class TierOps:
     """What the wrapper needs to know about one concrete backend beyond the interface.
@@ -109,11 +212,14 @@ class TierOps:
         where: a human-readable location of a key (a file path), for the log.
         drop: remove a damaged key so that the next write stores it again.
         prepare: called before writes resume after a pause (e.g. recreate a directory).
+        read: the whole stored object of a key (any length; None when absent), which
+            encoded pages need.
     """
 
     where: Callable[[str], str] = lambda key: key
     drop: Optional[Callable[[str], None]] = None
     prepare: Optional[Callable[[], None]] = None
+    read: Optional[Callable[[str], Any]] = None
 
 
 class WriteBreaker:
@@ -190,6 +296,7 @@ class IntegrityStorage(HiCacheStorage):
         ops: backend specifics (location for the log, dropping a damaged key).
         on_corrupt: called with the reason for each refused page (the metric).
         breaker: the write breaker (None: never pause).
+        precision: page encoding (None: every page at the model's dtype, version 1).
     """
 
     def __init__(
@@ -199,6 +306,7 @@ class IntegrityStorage(HiCacheStorage):
         ops: Optional[TierOps] = None,
         on_corrupt: Optional[Callable[[str], None]] = None,
         breaker: Optional[WriteBreaker] = None,
+        precision: Optional[Precision] = None,
     ) -> None:
         self.inner = inner
         self.identity = dict(identity)
@@ -213,6 +321,15 @@ class IntegrityStorage(HiCacheStorage):
         self._local = threading.local()
         # Pages refused since start (the metric counts the same, when metrics are on).
         self.damaged_pages = 0
+        if precision is not None and self.ops.read is None:
+            logger.warning(
+                "sgl-importance: --importance-storage-precision %s needs whole-page reads, which "
+                "this storage backend lacks; its pages stay at the model's dtype",
+                precision.setting,
+            )
+            precision = None
+        self.precision = precision
+        self._geometries: dict[int, Optional[encoding.PageGeometry]] = {}
 
     # -- host pools ---------------------------------------------------------------------
 
@@ -246,9 +363,18 @@ class IntegrityStorage(HiCacheStorage):
 
     # -- single pages -------------------------------------------------------------------
 
-    def _read(self, key: str, target: torch.Tensor, fingerprint: int) -> Optional[torch.Tensor]:
+    def _geometry(self, pool: Any) -> Optional[encoding.PageGeometry]:
+        if pool is None:
+            return None
+        if id(pool) not in self._geometries:
+            self._geometries[id(pool)] = page_geometry(pool)
+        return self._geometries[id(pool)]
+
+    def _read(self, key: str, target: torch.Tensor, fingerprint: int, kv_pool: Any = None) -> Optional[torch.Tensor]:
         if key in self._refused:
             return None
+        if self.precision is not None:
+            return self._read_whole(key, target, fingerprint, kv_pool)
         payload_bytes = target.numel() * target.element_size()
         scratch = self._scratch_for(payload_bytes + TRAILER_BYTES)
         try:
@@ -271,6 +397,59 @@ class IntegrityStorage(HiCacheStorage):
             target.copy_(scratch[:payload_bytes].view(target.dtype).view(target.shape))
         return target
 
+    def _read_whole(self, key: str, target: torch.Tensor, fingerprint: int, kv_pool: Any) -> Optional[torch.Tensor]:
+        """Read an object of any length, verify it and decode it into ``target``."""
+        try:
+            data = self.ops.read(key)
+        except Exception as e:
+            self._damaged(key, UNREADABLE, e)
+            return None
+        if data is None:
+            return None
+        stored = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+        reason, cls, length = check_whole(key, stored, fingerprint)
+        payload_bytes = target.numel() * target.element_size()
+        geometry = self._geometry(kv_pool)
+        if reason is None:
+            if cls == encoding.FULL:
+                fits = length == payload_bytes
+            else:
+                fits = geometry is not None and length == encoding.encoded_nbytes(geometry, cls, target.dtype)
+            if not fits:
+                reason = LAYOUT
+        if reason is not None:
+            self._damaged(key, reason)
+            return None
+        if cls == encoding.FULL:
+            page_bytes = stored[:length]
+        else:
+            page = encoding.decode(torch.from_numpy(stored[:length].copy()), geometry, cls, target.dtype)
+            page_bytes = _bytes_of(page)
+        if target.is_contiguous():
+            np.copyto(_bytes_of(target), page_bytes)
+        else:
+            target.copy_(torch.from_numpy(page_bytes.copy()).view(target.dtype).view(target.shape))
+        if self.precision.on_page is not None:
+            self.precision.on_page("read", cls, length)
+        return target
+
+    def _seal(self, key: str, value: torch.Tensor, fingerprint: int, kv_pool: Any) -> tuple[torch.Tensor, int]:
+        """The stored object of a page, and its class."""
+        if self.precision is None:
+            return seal(key, value, fingerprint), encoding.FULL
+        geometry = self._geometry(kv_pool)
+        data: Optional[torch.Tensor] = None
+        cls = encoding.FULL
+        if geometry is not None and value.numel() == geometry.numel:
+            cls = self.precision.classify(key)
+            if cls != encoding.FULL:
+                data = encoding.encode(value.reshape(-1), geometry, cls)
+                if data is None:  # not representable with float16 scales
+                    cls = encoding.FULL
+        if data is None:
+            data = value.contiguous().view(torch.uint8).reshape(-1)
+        return seal_encoded(key, data, fingerprint, cls), cls
+
     def _scratch_for(self, nbytes: int) -> torch.Tensor:
         # One read buffer per I/O thread (prefetch and backup run on their own threads):
         # a fresh page-sized allocation per read faulted its memory in every time and
@@ -281,7 +460,7 @@ class IntegrityStorage(HiCacheStorage):
             self._local.scratch = buf
         return buf
 
-    def _write(self, key: str, value: torch.Tensor, fingerprint: int) -> bool:
+    def _write(self, key: str, value: torch.Tensor, fingerprint: int, kv_pool: Any = None) -> bool:
         if self.breaker is not None:
             if not self.breaker.allow():
                 return False
@@ -291,12 +470,15 @@ class IntegrityStorage(HiCacheStorage):
                 except OSError:
                     pass
         try:
-            ok = bool(self.inner.set(key, seal(key, value, fingerprint)))
+            sealed, cls = self._seal(key, value, fingerprint, kv_pool)
+            ok = bool(self.inner.set(key, sealed))
         except Exception as e:
             logger.debug("storage write of %s failed: %s", key, e)
             ok = False
         if ok:
             self._refused.discard(key)
+            if self.precision is not None and self.precision.on_page is not None:
+                self.precision.on_page("write", cls, sealed.numel() - TRAILER_BYTES)
         if self.breaker is not None:
             self.breaker.record(ok)
         return ok
@@ -332,7 +514,7 @@ class IntegrityStorage(HiCacheStorage):
     ) -> Optional[torch.Tensor]:
         if target_location is None:
             target_location = self.mem_pool_host.get_dummy_flat_data_page()
-        return self._read(key, target_location, self._kv_fingerprint())
+        return self._read(key, target_location, self._kv_fingerprint(), self.mem_pool_host)
 
     def set(
         self,
@@ -341,7 +523,7 @@ class IntegrityStorage(HiCacheStorage):
         target_location: Optional[Any] = None,
         target_sizes: Optional[Any] = None,
     ) -> bool:
-        return self._write(key, value, self._kv_fingerprint())
+        return self._write(key, value, self._kv_fingerprint(), self.mem_pool_host)
 
     def batch_get(
         self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
@@ -356,11 +538,11 @@ class IntegrityStorage(HiCacheStorage):
                 # Storage is read as a prefix: nothing after a miss is used.
                 out.extend([None] * (len(keys) - len(out)))
                 if self.damaged_pages > damaged_before:
-                    self._sweep(keys[i + 1 :], self.mem_pool_host, self._kv_fingerprint())
+                    self._sweep(keys[i + 1 :], self.mem_pool_host, self._kv_fingerprint(), self.mem_pool_host)
                 break
         return out
 
-    def _sweep(self, keys: List[str], pool: Any, fingerprint: int) -> None:
+    def _sweep(self, keys: List[str], pool: Any, fingerprint: int, kv_pool: Any = None) -> None:
         """Verify (and drop if damaged) the pages after a damaged one.
 
         Damage rarely comes alone (a bad disk region, a stray process); without this
@@ -368,7 +550,7 @@ class IntegrityStorage(HiCacheStorage):
         the rest would be kept, skipped on rewrite, and refused one request at a time.
         """
         for key in keys:
-            self._read(key, pool.get_dummy_flat_data_page(), fingerprint)
+            self._read(key, pool.get_dummy_flat_data_page(), fingerprint, kv_pool)
 
     def batch_set(
         self,
@@ -401,13 +583,15 @@ class IntegrityStorage(HiCacheStorage):
     def _pages_into_pool(self, pool: Any, pool_name: Any, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
         page_size = int(pool.page_size)
         fingerprint = self.fingerprint_of(pool, pool_name)
+        # Only KV pages are encoded; sidecar pools' pages stay at their dtype.
+        kv_pool = pool if str(pool_name) == "kv" else None
         results = [False] * len(keys)
         for i, key in enumerate(keys):
             damaged_before = self.damaged_pages
-            page = self._read(key, pool.get_dummy_flat_data_page(), fingerprint)
+            page = self._read(key, pool.get_dummy_flat_data_page(), fingerprint, kv_pool)
             if page is None:
                 if self.damaged_pages > damaged_before:
-                    self._sweep(keys[i + 1 :], pool, fingerprint)
+                    self._sweep(keys[i + 1 :], pool, fingerprint, kv_pool)
                 break
             pool.set_from_flat_data_page(int(host_indices[i * page_size]), page)
             results[i] = True
@@ -416,10 +600,11 @@ class IntegrityStorage(HiCacheStorage):
     def _pages_from_pool(self, pool: Any, pool_name: Any, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
         page_size = int(pool.page_size)
         fingerprint = self.fingerprint_of(pool, pool_name)
+        kv_pool = pool if str(pool_name) == "kv" else None
         results = [False] * len(keys)
         for i, key in enumerate(keys):
             page = pool.get_data_page(int(host_indices[i * page_size]), flat=True)
-            if not self._write(key, page, fingerprint):
+            if not self._write(key, page, fingerprint, kv_pool):
                 break
             results[i] = True
         return results
@@ -487,6 +672,8 @@ def wrap_backend(
     *,
     retry_s: float,
     enable_metrics: bool,
+    precision: str = "off",
+    thresholds: Optional[dict] = None,
 ) -> IntegrityStorage:
     """``backend`` as SGLang built it, sealed and verified (see the module docstring).
 
@@ -496,6 +683,8 @@ def wrap_backend(
         storage_config: SGLang's ``HiCacheStorageConfig`` (model, ranks).
         retry_s: seconds writes stay paused after repeated failures.
         enable_metrics: count refused pages and pauses on ``/metrics``.
+        precision: ``--importance-storage-precision`` (off: pages at the model's dtype).
+        thresholds: the graded thresholds (``ImportanceConfig.storage_precision_thresholds``).
     """
     from sgl_importance.cache import file_tier
 
@@ -542,7 +731,39 @@ def wrap_backend(
         ops=ops,
         on_corrupt=metrics.corrupt if metrics is not None else None,
         breaker=breaker,
+        precision=make_precision(precision, thresholds, metrics),
     )
+
+
+def make_precision(setting: str, thresholds: Optional[dict], metrics: Any = None) -> Optional[Precision]:
+    """The wrapper's ``Precision`` for a flag value (None for off). Under ``graded`` this
+    also installs the process's page grading (``stored.PageClasses``), which the hook
+    before ``write_backup_storage`` fills."""
+    if setting == "off":
+        return None
+    if setting == "uniform8":
+        classify: Callable[[str], int] = lambda key: encoding.INT8  # noqa: E731
+    elif setting == "uniform4":
+        classify = lambda key: encoding.INT4  # noqa: E731
+    elif setting == "graded":
+        from sgl_importance.cache import stored
+        from sgl_importance.config import STORAGE_PRECISION_DEFAULTS
+
+        t = {**STORAGE_PRECISION_DEFAULTS, **(thresholds or {})}
+        classes = stored.PageClasses(keep=t["keep"], cold=t["cold"], sink_pages=t["sink_pages"], order=t["order"])
+        stored.set_page_classes(classes)
+        classify = classes.class_of
+    else:
+        raise ValueError(f"unknown storage precision {setting!r}")
+
+    on_page = None
+    if metrics is not None:
+
+        def on_page(op: str, cls: int, nbytes: int) -> None:
+            metrics.page(op, encoding.CLASS_NAMES[cls], nbytes)
+
+    logger.info("sgl-importance: storage tier pages are encoded (%s)", setting)
+    return Precision(setting, classify, on_page)
 
 
 def create_with_integrity(
@@ -573,4 +794,6 @@ def create_with_integrity(
         storage_config,
         retry_s=config.storage_retry_s,
         enable_metrics=server_args is not None and bool(server_args.enable_metrics),
+        precision=config.storage_precision,
+        thresholds=config.storage_precision_thresholds(),
     )

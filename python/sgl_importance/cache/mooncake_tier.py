@@ -114,6 +114,11 @@ class MooncakePages(HiCacheStorage):
             self.shared.fetch(keys[:found])
         return found
 
+    def read_object(self, key: str) -> Optional[bytes]:
+        """The whole stored object of a page (any length), or None when absent."""
+        data = self.store.get(self._object(key))
+        return data if data else None
+
     def drop(self, key: str) -> None:
         """Remove a damaged page so the next write stores a good copy."""
         rc = self.store.remove(self._object(key))
@@ -140,7 +145,7 @@ class MooncakePages(HiCacheStorage):
 
 
 def mooncake_tier_ops(pages: MooncakePages) -> TierOps:
-    return TierOps(where=lambda key: f"mooncake:{pages._object(key)}", drop=pages.drop)
+    return TierOps(where=lambda key: f"mooncake:{pages._object(key)}", drop=pages.drop, read=pages.read_object)
 
 
 def master_address(extra_config: Optional[dict]) -> Optional[str]:

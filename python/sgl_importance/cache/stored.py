@@ -18,6 +18,17 @@ With a shared storage tier (Mooncake Store) each dropped page's importance is
 also published next to the page (``shared_importance.py``), and what other
 instances published counts here too: the larger of the two per page.
 
+The same page hashes carry each page's storage *class* under
+``--importance-storage-precision graded`` (:class:`PageClasses`): when SGLang sends
+a node to the storage tier (``write_backup_storage``, on the scheduler thread),
+its pages are ranked by the importance they earned — each page's accumulated
+attention mass from the page table while the node is on the device, else the
+node's importance for all of them — and graded (``encoding.grade``); the storage
+I/O thread reads the class by hash when it seals the page (``integrity.py``). A
+node the tree never attended ranks by position (only sinks kept). With L3
+admission (``storage_min_importance``) nodes reach the storage tier only once
+attended, so their pages are graded by what decode read.
+
 Bounded: the most recently dropped ``capacity`` pages are remembered (LRU), one
 float per page hash; pages never attended are not stored. Duck-typed over
 SGLang's nodes (``hash_value``: one hash per page, None until hashed); SGLang's
@@ -26,10 +37,11 @@ page-hash function is imported only to rank retries.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence
 
-from sgl_importance.cache import shared_importance
+from sgl_importance.cache import encoding, shared_importance
 from sgl_importance.cache.policy_state import core_strategy, importance_strategy
 from sgl_importance.importance.node_state import has_importance, node_importance, node_state
 
@@ -98,6 +110,137 @@ class StoredImportance:
 
     def __len__(self) -> int:
         return len(self._by_hash)
+
+
+class PageClasses:
+    """Page hash → storage class, decided when the page's node is sent to storage.
+
+    Args:
+        keep: fraction of a node's pages at the model's dtype (sinks included).
+        cold: fraction of a node's pages at 4 bits.
+        sink_pages: leading pages of a sequence that are attention sinks (kept).
+        order: ``"importance"`` or ``"blind"`` (see ``encoding.grade``).
+        capacity: page hashes remembered (written pages are sealed within
+            moments of their node's grading, so this only has to cover the queue).
+    """
+
+    def __init__(
+        self,
+        *,
+        keep: float,
+        cold: float,
+        sink_pages: int,
+        order: str = "importance",
+        capacity: int = DEFAULT_CAPACITY,
+    ) -> None:
+        self.keep = keep
+        self.cold = cold
+        self.sink_pages = sink_pages
+        self.order = order
+        self.capacity = capacity
+        self._by_hash: "OrderedDict[str, int]" = OrderedDict()
+        # The scheduler thread assigns, storage I/O threads read.
+        self._lock = threading.Lock()
+        # Pages sealed without a grading (written outside write_backup_storage).
+        self.ungraded = 0
+
+    def assign(self, hashes: Sequence[str], scores: Sequence[float], first_page: int) -> list[int]:
+        """Grade one node's pages (``first_page``: the node's first page in its sequence)."""
+        sink = [first_page + i < self.sink_pages for i in range(len(hashes))]
+        classes = encoding.grade(scores, sink=sink, keep=self.keep, cold=self.cold, order=self.order, keys=hashes)
+        with self._lock:
+            for h, c in zip(hashes, classes):
+                self._by_hash[h] = c
+                self._by_hash.move_to_end(h)
+            while len(self._by_hash) > self.capacity:
+                self._by_hash.popitem(last=False)
+        return classes
+
+    def class_of(self, page_hash: str) -> int:
+        """The class to seal ``page_hash`` in (int8 for a page never graded)."""
+        with self._lock:
+            cls = self._by_hash.get(page_hash)
+        if cls is None:
+            self.ungraded += 1
+            return encoding.INT8
+        return cls
+
+
+# The scheduler process's grading (one storage backend per scheduler); set by the
+# storage wrapper under --importance-storage-precision graded.
+_classes: Optional[PageClasses] = None
+
+
+def page_classes() -> Optional[PageClasses]:
+    return _classes
+
+
+def set_page_classes(classes: Optional[PageClasses]) -> None:
+    global _classes
+    _classes = classes
+
+
+def node_page_scores(node: Any, pages: int, page_size: int) -> list[float]:
+    """Importance of each of a node's first ``pages`` pages: their accumulated attention
+    mass in the page table while the node is on the device, else the node's importance."""
+    from sgl_importance.importance.node_state import peek_state
+    from sgl_importance.importance.page_table import current_page_table
+
+    table = current_page_table()
+    value = _device_value(node)
+    if table is not None and value is not None and value.numel() >= pages * page_size:
+        state = peek_state(node)
+        cached = state.pages if state is not None else None
+        if cached is not None and cached[0] is value:
+            ids = cached[1][:pages]
+        else:
+            ids = (value[: pages * page_size : page_size] // page_size).long()
+        return table.accumulated[ids.to(table.accumulated.device)].tolist()
+    return [node_importance(node)] * pages
+
+
+def _device_value(node: Any) -> Any:
+    data = getattr(node, "component_data", None)
+    if not data:
+        return None
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    entry = data[int(ComponentType.FULL)]  # a list indexed by component type
+    value = None if entry is None else entry.value
+    return None if value is None or value.numel() == 0 else value
+
+
+def _start_token(node: Any) -> int:
+    from sgl_importance.importance.node_state import peek_state
+
+    state = peek_state(node)
+    if state is not None and state.start is not None:
+        return state.start
+    start = 0
+    cur = node.parent
+    while cur is not None and cur.parent is not None:
+        start += len(cur.key)
+        cur = cur.parent
+    return start
+
+
+def grade_before_storage_write(cache: Any, node_id: Any) -> int:
+    """Before ``UnifiedRadixCache.write_backup_storage(node_id)``: grade the node's pages
+    (under ``--importance-storage-precision graded``). Returns the pages graded."""
+    classes = page_classes()
+    if classes is None:
+        return 0
+    try:
+        node = cache.tree_core.node_by_id(node_id)
+    except KeyError:
+        return 0
+    hashes = node.hash_value
+    if not hashes:
+        return 0
+    page_size = int(cache.page_size)
+    scores = node_page_scores(node, len(hashes), page_size)
+    classes.assign(list(hashes), scores, _start_token(node) // page_size)
+    return len(hashes)
 
 
 def restore_after_insert_host(tree_core: Any, result: Any) -> int:
