@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import shutil
 import statistics
 import sys
@@ -74,6 +75,7 @@ def server_args(policy: str, tier: str, a: argparse.Namespace) -> list[str]:
         "--hicache-storage-prefetch-policy", "wait_complete",
         "--enable-cache-report",
         "--enable-metrics",
+        *shlex.split(a.server_args),
     ]  # fmt: skip
 
 
@@ -191,6 +193,9 @@ def run_arm(tier: str, policy: str, texts: list[str], a: argparse.Namespace, mod
         "shared_restored_pages": sum(
             metric(t, "sgl_importance:shared_importance_pages_total", event="restored") for t in scrapes
         ),
+        # Pages and bytes the servers wrote to the storage tier (trailers excluded).
+        "stored_pages": sum(metric(t, "sgl_importance:storage_pages_total", op="write") for t in scrapes),
+        "stored_bytes": sum(metric(t, "sgl_importance:storage_page_bytes_total", op="write") for t in scrapes),
         "shared_published_pages": sum(
             metric(t, "sgl_importance:shared_importance_pages_total", event="published") for t in scrapes
         ),
@@ -270,6 +275,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-total-tokens", type=int, default=1024)
     p.add_argument("--hicache-ratio", type=float, default=2.0)
     p.add_argument("--memory-wait-s", type=float, default=1800)
+    p.add_argument(
+        "--server-args", default="", help="more launch_server flags for every server, e.g. "
+        "'--importance-storage-precision graded'"
+    )  # fmt: skip
     a = p.parse_args(argv)
     if a.smoke:
         a.docs, a.requests, a.output_len = 3, 6, 2

@@ -20,7 +20,7 @@ mode.
 | `sgl_importance:hot_set_*_total`                | per-request hot set (``HotSetMetrics``): steps, promotions, hits, late arrivals, guard fallbacks, pages attended vs dense |
 | `sgl_importance:storage_corrupt_pages_total{reason}` | storage-tier pages refused on read (checksum, short, format, layout, unreadable) |
 | `sgl_importance:storage_write_pauses_total` | times storage-tier writes were paused after repeated failures |
-| `sgl_importance:storage_pages_total{op,precision}` | `--importance-storage-precision`: pages written / read per class (full, int8, int4) |
+| `sgl_importance:storage_pages_total{op,precision}` | storage-tier pages written / read per stored class (full, int8, int4; all full with `--importance-storage-precision off`) |
 | `sgl_importance:storage_page_bytes_total{op,precision}` | the same pages' stored bytes (trailer excluded) |
 | `sgl_importance:shared_importance_pages_total{event}` | Mooncake tier: importance records published / fetched / restored |
 
@@ -33,6 +33,8 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Optional
 
 TIERS = ("device", "host")
+# Stored page classes by code, as cache/encoding.py numbers them.
+PAGE_CLASSES = ("full", "int8", "int4")
 # Normalised importance lives in [0, 1]; dense at the bottom, where eviction acts.
 IMPORTANCE_BUCKETS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
 
@@ -163,8 +165,8 @@ class StorageIntegrityMetrics:
 
         self.pages = Counter(
             "sgl_importance:storage_pages_total",
-            "Storage-tier pages written and read with --importance-storage-precision on, by "
-            "operation and stored class (full: the model's dtype; int8, int4: quantised).",
+            "Storage-tier pages written and read, by operation and stored class (full: the "
+            "model's dtype; int8, int4: quantised by --importance-storage-precision).",
             labelnames=[*names, "op", "precision"],
             registry=registry,
         )
@@ -182,6 +184,10 @@ class StorageIntegrityMetrics:
         """One page written or read in class ``precision``, ``nbytes`` stored."""
         self.pages.labels(**self.labels, op=op, precision=precision).inc()
         self.page_bytes.labels(**self.labels, op=op, precision=precision).inc(nbytes)
+
+    def page_of_class(self, op: str, cls: int, nbytes: int) -> None:
+        """``page`` by class code (``cache/encoding.py``: 0 full, 1 int8, 2 int4)."""
+        self.page(op, PAGE_CLASSES[cls], nbytes)
 
     def paused(self) -> None:
         self.write_pauses.labels(**self.labels).inc()

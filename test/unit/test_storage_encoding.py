@@ -219,8 +219,7 @@ class Tier:
             thresholds=thresholds,
         )
         self.storage.on_corrupt = self.corrupt.append
-        if self.storage.precision is not None:
-            self.storage.precision.on_page = lambda op, cls, n: self.pages.append((op, cls, n))
+        self.storage.on_page = lambda op, cls, n: self.pages.append((op, cls, n))
         self.storage.register_mem_pool_host(self.pool)
 
     @staticmethod
@@ -329,6 +328,15 @@ def test_a_server_with_the_flag_off_refuses_an_encoded_page_as_a_miss_and_recomp
     assert reader.write(["k0"], [0]) == [True]
     assert reader.read(["k0"], [4]) == [True]
     assert torch.equal(reader.pool.pages[4], reader.pool.pages[0])
+
+
+def test_pages_written_with_the_flag_off_are_counted_as_full(tier_dir):
+    tier = Tier("off")
+    tier.pool.fill_random(11)
+    tier.write(["k0"], [0])
+    tier.read(["k0"], [4])
+    n = tier.pool.geometry.numel * 4
+    assert tier.pages == [("write", FULL, n), ("read", FULL, n)]
 
 
 def test_a_server_with_the_flag_on_serves_pages_written_unencoded(tier_dir):
@@ -501,10 +509,9 @@ def test_per_class_pages_and_bytes_are_counted_on_their_own_series():
 
     registry = CollectorRegistry()
     metrics = StorageIntegrityMetrics({"tp_rank": 0}, registry=registry)
-    precision = make_precision("uniform4", None, metrics)
-    precision.on_page("write", INT4, 120)
-    precision.on_page("write", INT4, 120)
-    precision.on_page("read", FULL, 400)
+    metrics.page_of_class("write", INT4, 120)
+    metrics.page_of_class("write", INT4, 120)
+    metrics.page_of_class("read", FULL, 400)
     labels = {"tp_rank": "0"}
     get = registry.get_sample_value
     assert get("sgl_importance:storage_pages_total", {**labels, "op": "write", "precision": "int4"}) == 2

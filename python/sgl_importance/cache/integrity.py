@@ -196,12 +196,10 @@ class Precision:
     Args:
         setting: the flag's value (graded, uniform8, uniform4).
         classify: the class of a page by its storage key (KV pages only).
-        on_page: called with ("write" or "read", class, stored payload bytes) per page.
     """
 
     setting: str
     classify: Callable[[str], int]
-    on_page: Optional[Callable[[str, int, int], None]] = None
 
 
 @dataclass
@@ -297,6 +295,8 @@ class IntegrityStorage(HiCacheStorage):
         on_corrupt: called with the reason for each refused page (the metric).
         breaker: the write breaker (None: never pause).
         precision: page encoding (None: every page at the model's dtype, version 1).
+        on_page: called with ("write" or "read", class, stored payload bytes) for each
+            page written or served (the per-class metric).
     """
 
     def __init__(
@@ -307,8 +307,10 @@ class IntegrityStorage(HiCacheStorage):
         on_corrupt: Optional[Callable[[str], None]] = None,
         breaker: Optional[WriteBreaker] = None,
         precision: Optional[Precision] = None,
+        on_page: Optional[Callable[[str, int, int], None]] = None,
     ) -> None:
         self.inner = inner
+        self.on_page = on_page
         self.identity = dict(identity)
         self.ops = ops or TierOps()
         self.on_corrupt = on_corrupt
@@ -395,6 +397,8 @@ class IntegrityStorage(HiCacheStorage):
             np.copyto(_bytes_of(target), scratch.numpy()[:payload_bytes])
         else:
             target.copy_(scratch[:payload_bytes].view(target.dtype).view(target.shape))
+        if self.on_page is not None:
+            self.on_page("read", encoding.FULL, payload_bytes)
         return target
 
     def _read_whole(self, key: str, target: torch.Tensor, fingerprint: int, kv_pool: Any) -> Optional[torch.Tensor]:
@@ -429,8 +433,8 @@ class IntegrityStorage(HiCacheStorage):
             np.copyto(_bytes_of(target), page_bytes)
         else:
             target.copy_(torch.from_numpy(page_bytes.copy()).view(target.dtype).view(target.shape))
-        if self.precision.on_page is not None:
-            self.precision.on_page("read", cls, length)
+        if self.on_page is not None:
+            self.on_page("read", cls, length)
         return target
 
     def _seal(self, key: str, value: torch.Tensor, fingerprint: int, kv_pool: Any) -> tuple[torch.Tensor, int]:
@@ -477,8 +481,8 @@ class IntegrityStorage(HiCacheStorage):
             ok = False
         if ok:
             self._refused.discard(key)
-            if self.precision is not None and self.precision.on_page is not None:
-                self.precision.on_page("write", cls, sealed.numel() - TRAILER_BYTES)
+            if self.on_page is not None:
+                self.on_page("write", cls, sealed.numel() - TRAILER_BYTES)
         if self.breaker is not None:
             self.breaker.record(ok)
         return ok
@@ -731,11 +735,12 @@ def wrap_backend(
         ops=ops,
         on_corrupt=metrics.corrupt if metrics is not None else None,
         breaker=breaker,
-        precision=make_precision(precision, thresholds, metrics),
+        precision=make_precision(precision, thresholds),
+        on_page=metrics.page_of_class if metrics is not None else None,
     )
 
 
-def make_precision(setting: str, thresholds: Optional[dict], metrics: Any = None) -> Optional[Precision]:
+def make_precision(setting: str, thresholds: Optional[dict]) -> Optional[Precision]:
     """The wrapper's ``Precision`` for a flag value (None for off). Under ``graded`` this
     also installs the process's page grading (``stored.PageClasses``), which the hook
     before ``write_backup_storage`` fills."""
@@ -756,14 +761,8 @@ def make_precision(setting: str, thresholds: Optional[dict], metrics: Any = None
     else:
         raise ValueError(f"unknown storage precision {setting!r}")
 
-    on_page = None
-    if metrics is not None:
-
-        def on_page(op: str, cls: int, nbytes: int) -> None:
-            metrics.page(op, encoding.CLASS_NAMES[cls], nbytes)
-
     logger.info("sgl-importance: storage tier pages are encoded (%s)", setting)
-    return Precision(setting, classify, on_page)
+    return Precision(setting, classify)
 
 
 def create_with_integrity(
