@@ -42,6 +42,7 @@ from typing import Optional
 
 import torch
 
+from . import native as _native
 from .output import DecodeImportanceOutput
 
 # Float32 bytes of K (or V) gathered at a time, all requests of the batch together.
@@ -224,6 +225,7 @@ def decode_importance_paged(
     extra_v_pages: Optional[torch.Tensor] = None,
     chunk_pages: Optional[int] = None,
     workspace: Optional[PagedDecodeWorkspace] = None,
+    native: Optional[bool] = None,
 ) -> DecodeImportanceOutput:
     """Attention output, lse and page importance of one decode step over page lists.
 
@@ -243,6 +245,10 @@ def decode_importance_paged(
         chunk_pages: pages of each request gathered at a time; None: as many as keep
             ``DEFAULT_CHUNK_BYTES`` of float32 K for the whole batch; 0: all at once.
         workspace: scratch reused across calls (a fresh one when None).
+        native: run the C kernel (``native.py``: one pass over the listed pages, read in
+            place). None: when it is built and the inputs suit it (CPU tensors, a
+            contiguous float32/bf16/f16 pool), else the torch path below; True: the C
+            kernel or an error; False: the torch path.
 
     Returns:
         DecodeImportanceOutput: ``output`` float32 ``[bs, q_heads, Dv]``, ``lse`` float32,
@@ -265,6 +271,14 @@ def decode_importance_paged(
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     ws = workspace if workspace is not None else PagedDecodeWorkspace()
+    if native is not False:
+        lib = _native.library() if bs else None
+        if lib is not None and _native_fits(q, k_pages, v_pages, extra_k_pages, extra_v_pages):
+            return _decode_native(
+                lib, q, k_pages, v_pages, plan, sm_scale, logit_cap, sinks, extra_k_pages, extra_v_pages, ws
+            )
+        if native:
+            raise RuntimeError("native=True, but the C decode kernel is not built or does not take these inputs")
     f32, dev = torch.float32, q.device
     max_pages = plan.max_pages
     tokens = max_pages * page_size
@@ -320,6 +334,82 @@ def decode_importance_paged(
         importance=per_kv.mean(dim=-1),
         importance_per_kv_head=per_kv,
     )
+
+
+_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Per work item the kernel keeps group x page_size logits and group x Dv sums on its stack.
+_NATIVE_MAX_STACK_FLOATS = 1 << 16
+
+
+def _native_fits(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    extra_k: Optional[torch.Tensor],
+    extra_v: Optional[torch.Tensor],
+) -> bool:
+    pools = [k_pages, v_pages] + ([extra_k, extra_v] if extra_k is not None else [])
+    group = q.shape[1] // k_pages.shape[2]
+    return (
+        q.device.type == "cpu"
+        and all(t.device.type == "cpu" and t.dtype == k_pages.dtype and t.is_contiguous() for t in pools)
+        and k_pages.dtype in _NATIVE_DTYPES
+        and group * (k_pages.shape[1] + v_pages.shape[-1]) + q.shape[-1] <= _NATIVE_MAX_STACK_FLOATS
+    )
+
+
+def _decode_native(
+    lib,
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    plan: PagedDecodePlan,
+    sm_scale: float,
+    logit_cap: float,
+    sinks: Optional[torch.Tensor],
+    extra_k: Optional[torch.Tensor],
+    extra_v: Optional[torch.Tensor],
+    ws: PagedDecodeWorkspace,
+) -> DecodeImportanceOutput:
+    bs, num_q_heads, head_dim = q.shape
+    num_pages, page_size, kv_heads, _ = k_pages.shape
+    v_dim, group, max_pages = v_pages.shape[-1], num_q_heads // kv_heads, plan.max_pages
+    threads = torch.get_num_threads()
+    # Enough (request, KV head, split) items to keep every thread busy, each split at
+    # least 8 pages long so the merge stays small.
+    splits = max(1, min(-(-4 * threads // (bs * kv_heads)), -(-max_pages // 8)))
+    f32, cpu = torch.float32, q.device
+    qf = (q.to(f32) * sm_scale).contiguous()
+    table = plan.table.to(torch.int64).contiguous()
+    tokens = plan.tokens.to(torch.int64).contiguous()
+    live = plan.live.to(torch.uint8).contiguous()
+    sink_logits = sinks.to(f32).contiguous() if sinks is not None else None
+    page_max = ws.get("native_page_max", (bs, kv_heads, max_pages, group), f32, cpu)
+    page_sum = ws.get("native_page_sum", (bs, kv_heads, max_pages, group), f32, cpu)
+    split_max = ws.get("native_split_max", (bs, kv_heads, splits, group), f32, cpu)
+    split_sum = ws.get("native_split_sum", (bs, kv_heads, splits, group), f32, cpu)
+    split_acc = ws.get("native_split_acc", (bs, kv_heads, splits, group, v_dim), f32, cpu)
+    out = torch.empty(bs, num_q_heads, v_dim, dtype=f32)
+    lse = torch.empty(bs, num_q_heads, dtype=f32)
+    mass = torch.empty(bs, max_pages, kv_heads, dtype=f32)
+
+    def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+        return t.data_ptr() if t is not None else None
+
+    rc = lib.sgl_paged_decode(
+        ptr(qf), ptr(k_pages), ptr(v_pages), ptr(extra_k), ptr(extra_v),
+        ptr(table), ptr(tokens), ptr(live), ptr(sink_logits),
+        num_pages, extra_k.shape[0] if extra_k is not None else 0, bs, max_pages,
+        page_size, kv_heads, group, head_dim, v_dim,
+        _NATIVE_DTYPES[k_pages.dtype], splits, float(logit_cap),
+        ptr(page_max), ptr(page_sum), ptr(split_max), ptr(split_sum), ptr(split_acc),
+        ptr(out), ptr(lse), ptr(mass), threads,
+    )  # fmt: skip
+    if rc == -2:
+        raise IndexError(f"a listed page is outside the pool ({num_pages} pages) and the staging pages")
+    if rc != 0:
+        raise RuntimeError(f"sgl_paged_decode returned {rc}")
+    return DecodeImportanceOutput(output=out, lse=lse, importance=mass.mean(dim=-1), importance_per_kv_head=mass)
 
 
 class _Gather:

@@ -1,6 +1,7 @@
 """The batched page-list decode (``decode_importance_paged``) against the float64 reference.
 
-Plain torch, no Triton. Each case lays out random K/V as a pool of pages, gives every
+Every test runs twice: on the torch path and on the C kernel (``native.py``; skipped
+where no C compiler builds it). No Triton. Each case lays out random K/V as a pool of pages, gives every
 request a page list (random physical pages, in any order), and checks output, lse and
 both importance tensors against ``decode_importance_reference`` run on the same
 tokens' slots. Fresh random numbers each run (seed in every failure message; pin one
@@ -19,6 +20,7 @@ from sgl_kernel_ext import (
     PagedDecodeWorkspace,
     decode_importance_paged,
     decode_importance_reference,
+    native,
     plan_from_slots,
     plan_paged_decode,
 )
@@ -28,6 +30,19 @@ OUT_RTOL = 2e-6
 LSE_ATOL = 2e-5
 IMP_ATOL = 1e-6
 HEADS = [(4, 4), (9, 3), (8, 2), (32, 1)]  # MHA, SmolLM2, Llama's 4:1, MQA
+
+
+_path = {"native": False}
+
+
+@pytest.fixture(autouse=True, params=["torch", "native"])
+def decode_path(request):
+    """Which implementation ``fast`` runs: the torch path or the C kernel."""
+    if request.param == "native" and native.library() is None:
+        pytest.skip("the C decode kernel could not be built here (no C compiler?)")
+    _path["native"] = request.param == "native"
+    yield request.param
+    _path["native"] = False
 
 
 def _seed() -> int:
@@ -100,6 +115,10 @@ def reference_of(q, k, v, page_indptr, page_ids, page_tokens, page_size, max_pag
 
 def fast(q, k, v, plan, page_size, **kw):
     heads, dim = k.shape[1], k.shape[2]
+    # The C kernel takes staging pages of the pool's dtype only; others go the torch way.
+    extra = kw.get("extra_k_pages")
+    if extra is None or extra.dtype == k.dtype:
+        kw.setdefault("native", _path["native"])
     return decode_importance_paged(q, k.view(-1, page_size, heads, dim), v.view(-1, page_size, heads, dim), plan, **kw)
 
 
@@ -331,3 +350,39 @@ def test_a_dense_step_from_slot_rows_matches_the_reference_on_the_same_slots(dty
     got = fast(q, k, v, plan, 16, workspace=PagedDecodeWorkspace(), chunk_pages=3)
     assert_close(got, ref, seed)
     assert got.importance[2, 0] == 0
+
+
+def test_a_listed_page_outside_the_pool_is_an_error_not_a_read_of_other_memory():
+    seed = _seed()
+    q, k, v, indptr, ids, toks = make_case([3, 2], seed=seed)
+    bad = ids.clone()
+    bad[1] = k.shape[0] // 16 + 5
+    plan = plan_paged_decode(indptr, bad, toks, page_size=16)
+    with pytest.raises((IndexError, RuntimeError)):
+        fast(q, k, v, plan, 16)
+
+
+def test_the_kernel_path_and_the_torch_path_agree_on_a_long_bf16_context(decode_path):
+    # Many pages per request and several splits per (request, KV head) in the C kernel.
+    seed = _seed()
+    q, k, v, indptr, ids, toks = make_case([300, 41], dtype=torch.bfloat16, seed=seed)
+    plan = plan_paged_decode(indptr, ids, toks, page_size=16)
+    got = fast(q, k, v, plan, 16)
+    ref = reference_of(q, k, v, indptr, ids, toks, 16, plan.max_pages)
+    assert_close(got, ref, seed)
+
+
+def test_without_a_compiler_the_kernel_is_not_built_and_the_torch_path_runs(monkeypatch, decode_path):
+    if decode_path != "torch":
+        pytest.skip("one run is enough")
+    monkeypatch.setenv("CC", "no-such-compiler-sgl")
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.library() is None
+    seed = _seed()
+    q, k, v, indptr, ids, toks = make_case([4], seed=seed)
+    plan = plan_paged_decode(indptr, ids, toks, page_size=16)
+    with pytest.raises(RuntimeError, match="not built"):
+        fast(q, k, v, plan, 16, native=True)
+    assert_close(
+        fast(q, k, v, plan, 16, native=None), reference_of(q, k, v, indptr, ids, toks, 16, plan.max_pages), seed
+    )

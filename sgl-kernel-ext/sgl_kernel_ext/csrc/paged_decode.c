@@ -1,0 +1,214 @@
+/* Decode attention over page lists with per-page attention mass, for CPUs.
+ *
+ * The contract of sgl_kernel_ext.decode_importance_paged (see paged.py), read
+ * straight from the KV pool: no gathered copy of the context, no float32 copy of
+ * a bf16/f16 pool, one pass over K and V. Work items are (request, KV head, split
+ * of the page list); each keeps an online softmax over its pages and records, per
+ * page and query head, the page's logit maximum and its sum of exp(logit - max).
+ * A merge pass then combines the splits, and each page's mass follows from its
+ * (max, sum) and the final (max, denominator) without touching the page again.
+ *
+ * Threads: OpenMP, the runtime torch itself loads (libgomp), so the two share
+ * one pool; the caller passes torch's thread count.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+/* e^x for x <= 0 to float32 rounding (Taylor degree 7 of 2^f on |f| <= 1/2,
+ * relative error < 1e-8 before rounding). Plain arithmetic, so loops over it
+ * vectorise, unlike libm's expf. Below -87 the result is flushed to 0. */
+static inline float exp_nonpos(float x) {
+    float c = x < -87.0f ? -87.0f : x;
+    float t = c * 1.44269504088896341f;
+    float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float f = (t - n) * 0.693147180559945309f;
+    float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720 + f * (1.0f / 5040)))))));
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return x < -87.0f ? 0.0f : p * scale;
+}
+
+/* Row `row` (elements [row * n, row * n + n)) of a pool of `dtype` as float32. */
+static inline const float *row_f32(const void *base, int dtype, int64_t offset, int n, float *tmp) {
+    if (dtype == DT_F32) return (const float *)base + offset;
+    if (dtype == DT_BF16) {
+        const uint16_t *p = (const uint16_t *)base + offset;
+        for (int i = 0; i < n; i++) {
+            uint32_t u = (uint32_t)p[i] << 16;
+            memcpy(&tmp[i], &u, 4);
+        }
+    } else {
+        const _Float16 *p = (const _Float16 *)base + offset;
+        for (int i = 0; i < n; i++) tmp[i] = (float)p[i];
+    }
+    return tmp;
+}
+
+typedef struct {
+    const float *q;        /* [bs, kv, group, d], already times sm_scale */
+    const void *k_pool;    /* [num_pages, page_size, kv, d] */
+    const void *v_pool;    /* [num_pages, page_size, kv, dv] */
+    const void *k_extra;   /* [extra_pages, page_size, kv, d] or NULL */
+    const void *v_extra;
+    const int64_t *table;  /* [bs, max_pages] page ids; >= num_pages: extra page */
+    const int64_t *tokens; /* [bs, max_pages] valid tokens per listed page */
+    int64_t num_pages, bs, max_pages, page_size, kv, group, d, dv;
+    int dtype, splits;
+    float logit_cap;
+    float *page_max;   /* [bs, kv, max_pages, group] */
+    float *page_sum;   /* [bs, kv, max_pages, group] */
+    float *split_max;  /* [bs, kv, splits, group] */
+    float *split_sum;  /* [bs, kv, splits, group] */
+    float *split_acc;  /* [bs, kv, splits, group, dv] */
+} Args;
+
+/* One split of (b, h). Inlined into copies with G, D and DV fixed at compile time
+ * for the common shapes, so the compiler unrolls the dot products and keeps the
+ * group's sums in registers. */
+static inline __attribute__((always_inline)) void run_split_shape(const Args *a, int64_t b, int64_t h, int64_t s,
+                                                                   const int64_t G, const int64_t D, const int64_t DV) {
+    const int64_t P = a->page_size, KV = a->kv;
+    const int64_t per = (a->max_pages + a->splits - 1) / a->splits;
+    const int64_t j0 = s * per, j1 = j0 + per < a->max_pages ? j0 + per : a->max_pages;
+    const float *q = a->q + (b * KV + h) * G * D;
+    float M[G], L[G], acc[G * DV], logit[G * P], tmp[D > DV ? D : DV];
+    for (int64_t g = 0; g < G; g++) M[g] = -INFINITY, L[g] = 0.0f;
+    memset(acc, 0, sizeof(float) * G * DV);
+    for (int64_t j = j0; j < j1; j++) {
+        const int64_t col = b * a->max_pages + j;
+        float *pmax = a->page_max + ((b * KV + h) * a->max_pages + j) * G;
+        float *psum = a->page_sum + ((b * KV + h) * a->max_pages + j) * G;
+        const int64_t n = a->tokens[col];
+        if (n <= 0) {
+            for (int64_t g = 0; g < G; g++) pmax[g] = -INFINITY, psum[g] = 0.0f;
+            continue;
+        }
+        int64_t id = a->table[col];
+        const void *kb = a->k_pool, *vb = a->v_pool;
+        if (id >= a->num_pages) id -= a->num_pages, kb = a->k_extra, vb = a->v_extra;
+        for (int64_t t = 0; t < n; t++) {
+            const float *k = row_f32(kb, a->dtype, ((id * P + t) * KV + h) * D, (int)D, tmp);
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = q + g * D;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t i = 0; i < D; i++) dot += qg[i] * k[i];
+                if (a->logit_cap > 0.0f) dot = a->logit_cap * tanhf(dot / a->logit_cap);
+                logit[g * P + t] = dot;
+            }
+        }
+        float beta[G];
+        for (int64_t g = 0; g < G; g++) {
+            float *lg = logit + g * P;
+            float m = lg[0];
+            for (int64_t t = 1; t < n; t++) m = lg[t] > m ? lg[t] : m;
+            float l = 0.0f;
+#pragma omp simd reduction(+ : l)
+            for (int64_t t = 0; t < n; t++) {
+                lg[t] = exp_nonpos(lg[t] - m);
+                l += lg[t];
+            }
+            pmax[g] = m, psum[g] = l;
+            if (m > M[g]) { /* rescale what this split has so far to the new maximum */
+                float alpha = M[g] == -INFINITY ? 0.0f : exp_nonpos(M[g] - m);
+                L[g] *= alpha;
+                for (int64_t i = 0; i < DV; i++) acc[g * DV + i] *= alpha;
+                M[g] = m;
+                beta[g] = 1.0f;
+            } else {
+                beta[g] = exp_nonpos(m - M[g]);
+            }
+            L[g] += beta[g] * l;
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const float *v = row_f32(vb, a->dtype, ((id * P + t) * KV + h) * DV, (int)DV, tmp);
+            for (int64_t g = 0; g < G; g++) {
+                const float w = beta[g] * logit[g * P + t];
+                float *ag = acc + g * DV;
+#pragma omp simd
+                for (int64_t i = 0; i < DV; i++) ag[i] += w * v[i];
+            }
+        }
+    }
+    const int64_t base = ((b * KV + h) * a->splits + s) * G;
+    for (int64_t g = 0; g < G; g++) a->split_max[base + g] = M[g], a->split_sum[base + g] = L[g];
+    memcpy(a->split_acc + base * DV, acc, sizeof(float) * G * DV);
+}
+
+static void run_split(const Args *a, int64_t b, int64_t h, int64_t s) {
+    const int64_t G = a->group, D = a->d, DV = a->dv;
+#define SHAPE(g, d)                                                    \
+    if (G == g && D == d && DV == d) return run_split_shape(a, b, h, s, g, d, d);
+#define SHAPES(d) SHAPE(1, d) SHAPE(2, d) SHAPE(3, d) SHAPE(4, d) SHAPE(5, d) SHAPE(6, d) SHAPE(7, d) SHAPE(8, d)
+    SHAPES(64)
+    SHAPES(128)
+#undef SHAPES
+#undef SHAPE
+    run_split_shape(a, b, h, s, G, D, DV);
+}
+
+/* Combine the splits of (b, h): output, lse and the masses of its pages. */
+static void merge(const Args *a, int64_t b, int64_t h, const float *sinks, const uint8_t *live, float *out,
+                  float *lse, float *mass) {
+    const int64_t G = a->group, DV = a->dv, KV = a->kv, S = a->splits, MP = a->max_pages;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t qh = h * G + g;
+        float *o = out + (b * KV * G + qh) * DV;
+        if (!live[b]) {
+            memset(o, 0, sizeof(float) * DV);
+            lse[b * KV * G + qh] = 0.0f;
+            continue;
+        }
+        const int64_t base = (b * KV + h) * S * G;
+        float peak = sinks ? sinks[qh] : -INFINITY;
+        for (int64_t s = 0; s < S; s++) peak = a->split_max[base + s * G + g] > peak ? a->split_max[base + s * G + g] : peak;
+        float denom = sinks ? exp_nonpos(sinks[qh] - peak) : 0.0f;
+        memset(o, 0, sizeof(float) * DV);
+        for (int64_t s = 0; s < S; s++) {
+            const float m = a->split_max[base + s * G + g];
+            if (m == -INFINITY) continue;
+            const float w = exp_nonpos(m - peak);
+            denom += w * a->split_sum[base + s * G + g];
+            const float *acc = a->split_acc + (base + s * G + g) * DV;
+            for (int64_t i = 0; i < DV; i++) o[i] += w * acc[i];
+        }
+        const float inv = 1.0f / denom;
+        for (int64_t i = 0; i < DV; i++) o[i] *= inv;
+        lse[b * KV * G + qh] = peak + logf(denom);
+        /* mass[b, j, h] is the mean over the group of each head's share */
+        const float *pmax = a->page_max + (b * KV + h) * MP * G;
+        const float *psum = a->page_sum + (b * KV + h) * MP * G;
+        for (int64_t j = 0; j < MP; j++) {
+            const float m = pmax[j * G + g];
+            const float share = m == -INFINITY ? 0.0f : exp_nonpos(m - peak) * psum[j * G + g] * inv;
+            mass[(b * MP + j) * KV + h] += share / (float)G;
+        }
+    }
+}
+
+/* Returns 0; -1 for arguments it cannot serve, -2 when a listed page with tokens
+ * is outside the pool and the staging pages. */
+int sgl_paged_decode(const float *q, const void *k_pool, const void *v_pool, const void *k_extra, const void *v_extra,
+                     const int64_t *table, const int64_t *tokens, const uint8_t *live, const float *sinks,
+                     int64_t num_pages, int64_t extra_pages, int64_t bs, int64_t max_pages, int64_t page_size, int64_t kv, int64_t group,
+                     int64_t d, int64_t dv, int dtype, int splits, float logit_cap, float *page_max, float *page_sum,
+                     float *split_max, float *split_sum, float *split_acc, float *out, float *lse, float *mass,
+                     int threads) {
+    if (dtype < DT_F32 || dtype > DT_F16 || splits < 1 || page_size < 1 || group < 1) return -1;
+    for (int64_t c = 0; c < bs * max_pages; c++)
+        if (tokens[c] > 0 && (table[c] < 0 || table[c] >= num_pages + (k_extra ? extra_pages : 0) || tokens[c] > page_size))
+            return -2;
+    Args a = {q, k_pool, v_pool, k_extra, v_extra, table, tokens, num_pages, bs, max_pages, page_size, kv, group, d, dv,
+              dtype, splits, logit_cap, page_max, page_sum, split_max, split_sum, split_acc};
+    const int64_t items = bs * kv * splits;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t it = 0; it < items; it++) run_split(&a, it / (kv * splits), (it / splits) % kv, it % splits);
+    memset(mass, 0, sizeof(float) * bs * max_pages * kv);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t it = 0; it < bs * kv; it++) merge(&a, it / kv, it % kv, sinks, live, out, lse, mass);
+    return 0;
+}
