@@ -7,8 +7,11 @@ invocation, one measurement after another (never two at once):
    (``--dtype``, SDPA attention, its own KV cache), greedy decode of the same prompts,
    each step timed;
 2. ``reference`` — a plain ``importance_torch`` server (no hot set, HiCache on) with
-   ``SGL_IMPORTANCE_DECODE=reference``: the slot-by-slot reference decode (the "before");
-3. ``dense`` — the same server with the default batched page-list decode (the "after");
+   ``SGL_IMPORTANCE_DECODE=reference``: the slot-by-slot reference decode;
+   ``dense-torch`` — the same with ``SGL_IMPORTANCE_DECODE=torch``: the batched
+   page-list decode in torch (gather, then matmuls);
+3. ``dense`` — the same server with the default decode (sgl_kernel_ext's C kernel,
+   reading the pool in place);
 4. ``hot-*`` — one hot-set server (``--hot-set-policy importance``, HiCache on) decoding
    each configuration chosen per request through ``custom_params.hot_set``:
    ``hot-dense`` (policy dense), ``hot-10`` / ``hot-20`` / ``hot-30`` (importance at that
@@ -63,7 +66,17 @@ from bench_hot_set import PAGE, essay_text, model_path  # noqa: E402
 from sgl_importance.local_server import LocalServer, metric  # noqa: E402
 
 GUARD_DEFAULT = "server default"
-ALL_CONFIGS = ("transformers", "reference", "dense", "hot-dense", "hot-10", "hot-20", "hot-30", "hot-20-guard")
+ALL_CONFIGS = (
+    "transformers",
+    "reference",
+    "dense-torch",
+    "dense",
+    "hot-dense",
+    "hot-10",
+    "hot-20",
+    "hot-30",
+    "hot-20-guard",
+)
 DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+), .*?gen throughput \(token/s\): ([\d.]+)")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -79,7 +92,7 @@ def parse_config(name: str) -> dict[str, Any]:
     """
     if name == "transformers":
         return {"name": name, "server": None, "hot_set": None}
-    if name in ("reference", "dense"):
+    if name in ("reference", "dense-torch", "dense"):
         return {"name": name, "server": name, "hot_set": None}
     if name == "hot-dense":
         return {"name": name, "server": "hot", "hot_set": {"policy": "dense"}}
@@ -259,8 +272,8 @@ def server_args(kind: str, a, max_tokens: int) -> tuple[list[str], dict[str, str
         "--context-length", "8192", "--max-total-tokens", str(max_tokens), "--decode-log-interval", "1",
     ]  # fmt: skip
     env = {}
-    if kind == "reference":
-        env["SGL_IMPORTANCE_DECODE"] = "reference"
+    if kind in ("reference", "dense-torch"):
+        env["SGL_IMPORTANCE_DECODE"] = "torch" if kind == "dense-torch" else "reference"
     if kind == "hot":
         args += ["--hot-set-policy", "importance", "--hot-set-threshold", str(a.threshold)]
     return args, env
@@ -531,7 +544,9 @@ def main() -> None:
     rows: list[dict] = []
     failed = []
     steps = [("transformers", None)] if any(c["server"] is None for c in configs) else []
-    steps += [(kind, [c for c in configs if c["server"] == kind]) for kind in ("reference", "dense", "hot")]
+    steps += [
+        (kind, [c for c in configs if c["server"] == kind]) for kind in ("reference", "dense-torch", "dense", "hot")
+    ]
     for kind, mine in steps:
         if mine == []:
             continue

@@ -14,9 +14,12 @@ each request's page importance; the backend files it in the process's
 ``PageImportanceTable``. The step's page lists are packed once in
 ``init_forward_metadata`` (``self.decode_plan``, with ``page_indptr`` / ``page_ids`` /
 ``page_tokens`` beside it) and every layer reads the pool as pages, batched over the
-requests. ``SGL_IMPORTANCE_DECODE=reference`` in the server's environment selects
-``decode_importance_reference`` instead (one Python iteration per request and layer,
-slot by slot), for A/B runs; the default is ``paged``. For the CPU (torch_cpu
+requests; the pages are read by sgl_kernel_ext's C kernel where it builds (one pass
+straight from the pool), else by its torch path. ``SGL_IMPORTANCE_DECODE`` in the
+server's environment picks, for A/B runs: ``paged`` (the default, as above), ``torch``
+(the torch path even where the C kernel builds) or ``reference``
+(``decode_importance_reference``: one Python iteration per request and layer, slot by
+slot). For the CPU (torch_cpu
 platform), where CUDA graphs are off.
 
 With ``--hot-set-policy`` (not ``off``), decode of requests longer than
@@ -59,7 +62,7 @@ if TYPE_CHECKING:
 # Which dense decode runs: the batched page-list path, or the slot-by-slot reference
 # (for A/B timing and as a fallback); read once when the backend is built.
 DECODE_ENV = "SGL_IMPORTANCE_DECODE"
-DECODE_IMPLS = ("paged", "reference")
+DECODE_IMPLS = ("paged", "torch", "reference")
 
 
 class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
@@ -90,7 +93,7 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
         self.decode_plan = self.page_indptr = self.page_ids = self.page_tokens = None
         if forward_batch.forward_mode.is_decode() and forward_batch.encoder_lens is None:
             self.kv_indptr, self.kv_indices = self._decode_kv_indices(forward_batch)
-            if self.decode_impl == "paged":
+            if self.decode_impl != "reference":
                 plan = plan_from_slots(
                     self.req_to_token_pool.req_to_token,
                     forward_batch.req_pool_indices,
@@ -231,6 +234,7 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
                 logit_cap=_logit_cap(layer),
                 sinks=sinks,
                 workspace=self.paged_workspace,
+                native=False if self.decode_impl == "torch" else None,
             )
         else:
             result = decode_importance_reference(
