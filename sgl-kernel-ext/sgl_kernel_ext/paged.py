@@ -337,7 +337,7 @@ def decode_importance_paged(
 
 
 _NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Per work item the kernel keeps group x page_size logits and group x Dv sums on its stack.
+# Per work item the kernel keeps q_heads x page_size logits and q_heads x Dv sums on its stack.
 _NATIVE_MAX_STACK_FLOATS = 1 << 16
 
 
@@ -349,12 +349,12 @@ def _native_fits(
     extra_v: Optional[torch.Tensor],
 ) -> bool:
     pools = [k_pages, v_pages] + ([extra_k, extra_v] if extra_k is not None else [])
-    group = q.shape[1] // k_pages.shape[2]
     return (
         q.device.type == "cpu"
         and all(t.device.type == "cpu" and t.dtype == k_pages.dtype and t.is_contiguous() for t in pools)
         and k_pages.dtype in _NATIVE_DTYPES
-        and group * (k_pages.shape[1] + v_pages.shape[-1]) + q.shape[-1] <= _NATIVE_MAX_STACK_FLOATS
+        and q.shape[1] * (k_pages.shape[1] + v_pages.shape[-1] + 3) + q.shape[-1] * k_pages.shape[2]
+        <= _NATIVE_MAX_STACK_FLOATS
     )
 
 
@@ -375,9 +375,9 @@ def _decode_native(
     num_pages, page_size, kv_heads, _ = k_pages.shape
     v_dim, group, max_pages = v_pages.shape[-1], num_q_heads // kv_heads, plan.max_pages
     threads = torch.get_num_threads()
-    # Enough (request, KV head, split) items to keep every thread busy, each split at
-    # least 8 pages long so the merge stays small.
-    splits = max(1, min(-(-4 * threads // (bs * kv_heads)), -(-max_pages // 8)))
+    # Enough (request, split) items to keep every thread busy, each split at least 8
+    # pages long so the merge stays small.
+    splits = max(1, min(-(-4 * threads // bs), -(-max_pages // 8)))
     f32, cpu = torch.float32, q.device
     qf = (q.to(f32) * sm_scale).contiguous()
     table = plan.table.to(torch.int64).contiguous()

@@ -2,8 +2,8 @@
  *
  * The contract of sgl_kernel_ext.decode_importance_paged (see paged.py), read
  * straight from the KV pool: no gathered copy of the context, no float32 copy of
- * a bf16/f16 pool, one pass over K and V. Work items are (request, KV head, split
- * of the page list); each keeps an online softmax over its pages and records, per
+ * a bf16/f16 pool, one pass over K and V. Work items are (request, split of its
+ * page list); each keeps an online softmax over its pages and records, per
  * page and query head, the page's logit maximum and its sum of exp(logit - max).
  * A merge pass then combines the splits, and each page's mass follows from its
  * (max, sum) and the final (max, denominator) without touching the page again.
@@ -23,7 +23,7 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 static inline float exp_nonpos(float x) {
     float c = x < -87.0f ? -87.0f : x;
     float t = c * 1.44269504088896341f;
-    float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float n = __builtin_rintf(t); /* nearest; an add-and-subtract trick would not survive -fassociative-math */
     float f = (t - n) * 0.693147180559945309f;
     float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720 + f * (1.0f / 5040)))))));
     int32_t bits = ((int32_t)n + 127) << 23;
@@ -32,20 +32,21 @@ static inline float exp_nonpos(float x) {
     return x < -87.0f ? 0.0f : p * scale;
 }
 
-/* Row `row` (elements [row * n, row * n + n)) of a pool of `dtype` as float32. */
-static inline const float *row_f32(const void *base, int dtype, int64_t offset, int n, float *tmp) {
+/* `n` elements of a pool of `dtype` from `offset`, as float32: the pool itself when
+ * it is float32, else converted into `tile`. */
+static inline const float *page_f32(const void *base, int dtype, int64_t offset, int64_t n, float *tile) {
     if (dtype == DT_F32) return (const float *)base + offset;
     if (dtype == DT_BF16) {
         const uint16_t *p = (const uint16_t *)base + offset;
-        for (int i = 0; i < n; i++) {
+        for (int64_t i = 0; i < n; i++) {
             uint32_t u = (uint32_t)p[i] << 16;
-            memcpy(&tmp[i], &u, 4);
+            memcpy(&tile[i], &u, 4);
         }
     } else {
         const _Float16 *p = (const _Float16 *)base + offset;
-        for (int i = 0; i < n; i++) tmp[i] = (float)p[i];
+        for (int64_t i = 0; i < n; i++) tile[i] = (float)p[i];
     }
-    return tmp;
+    return tile;
 }
 
 typedef struct {
@@ -66,44 +67,51 @@ typedef struct {
     float *split_acc;  /* [bs, kv, splits, group, dv] */
 } Args;
 
-/* One split of (b, h). Inlined into copies with G, D and DV fixed at compile time
- * for the common shapes, so the compiler unrolls the dot products and keeps the
- * group's sums in registers. */
-static inline __attribute__((always_inline)) void run_split_shape(const Args *a, int64_t b, int64_t h, int64_t s,
-                                                                   const int64_t G, const int64_t D, const int64_t DV) {
-    const int64_t P = a->page_size, KV = a->kv;
-    const int64_t per = (a->max_pages + a->splits - 1) / a->splits;
-    const int64_t j0 = s * per, j1 = j0 + per < a->max_pages ? j0 + per : a->max_pages;
-    const float *q = a->q + (b * KV + h) * G * D;
-    float M[G], L[G], acc[G * DV], logit[G * P], tmp[D > DV ? D : DV];
-    for (int64_t g = 0; g < G; g++) M[g] = -INFINITY, L[g] = 0.0f;
-    memset(acc, 0, sizeof(float) * G * DV);
+/* One split of request b's page list, every KV head at once: a token's K (and V)
+ * row holds all its KV heads side by side, so each row is read once, in order.
+ * (Items per KV head would read every row once per head; past the last-level
+ * cache that is once from memory per head.) Inlined into copies with G, D and DV
+ * fixed at compile time for the common shapes, so the compiler unrolls the dot
+ * products and keeps each head's sums in registers. */
+static inline __attribute__((always_inline)) void run_split_shape(const Args *a, int64_t b, int64_t s, const int64_t G,
+                                                                   const int64_t D, const int64_t DV) {
+    const int64_t P = a->page_size, KV = a->kv, MP = a->max_pages;
+    const int64_t per = (MP + a->splits - 1) / a->splits;
+    const int64_t j0 = s * per, j1 = j0 + per < MP ? j0 + per : MP;
+    const float *q = a->q + b * KV * G * D;
+    float M[KV * G], L[KV * G], beta[KV * G], acc[KV * G * DV], logit[KV * G * P], tile[P * KV * (D > DV ? D : DV)];
+    for (int64_t x = 0; x < KV * G; x++) M[x] = -INFINITY, L[x] = 0.0f;
+    memset(acc, 0, sizeof(float) * KV * G * DV);
     for (int64_t j = j0; j < j1; j++) {
-        const int64_t col = b * a->max_pages + j;
-        float *pmax = a->page_max + ((b * KV + h) * a->max_pages + j) * G;
-        float *psum = a->page_sum + ((b * KV + h) * a->max_pages + j) * G;
-        const int64_t n = a->tokens[col];
+        const int64_t col = b * MP + j, n = a->tokens[col];
         if (n <= 0) {
-            for (int64_t g = 0; g < G; g++) pmax[g] = -INFINITY, psum[g] = 0.0f;
+            for (int64_t h = 0; h < KV; h++)
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t at = ((b * KV + h) * MP + j) * G + g;
+                    a->page_max[at] = -INFINITY, a->page_sum[at] = 0.0f;
+                }
             continue;
         }
         int64_t id = a->table[col];
         const void *kb = a->k_pool, *vb = a->v_pool;
         if (id >= a->num_pages) id -= a->num_pages, kb = a->k_extra, vb = a->v_extra;
+        const float *kp = page_f32(kb, a->dtype, id * P * KV * D, n * KV * D, tile);
         for (int64_t t = 0; t < n; t++) {
-            const float *k = row_f32(kb, a->dtype, ((id * P + t) * KV + h) * D, (int)D, tmp);
-            for (int64_t g = 0; g < G; g++) {
-                const float *qg = q + g * D;
-                float dot = 0.0f;
+            const float *krow = kp + t * KV * D;
+            for (int64_t h = 0; h < KV; h++) {
+                const float *k = krow + h * D;
+                for (int64_t g = 0; g < G; g++) {
+                    const float *qg = q + (h * G + g) * D;
+                    float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t i = 0; i < D; i++) dot += qg[i] * k[i];
-                if (a->logit_cap > 0.0f) dot = a->logit_cap * tanhf(dot / a->logit_cap);
-                logit[g * P + t] = dot;
+                    for (int64_t i = 0; i < D; i++) dot += qg[i] * k[i];
+                    if (a->logit_cap > 0.0f) dot = a->logit_cap * tanhf(dot / a->logit_cap);
+                    logit[(h * G + g) * P + t] = dot;
+                }
             }
         }
-        float beta[G];
-        for (int64_t g = 0; g < G; g++) {
-            float *lg = logit + g * P;
+        for (int64_t x = 0; x < KV * G; x++) {
+            float *lg = logit + x * P;
             float m = lg[0];
             for (int64_t t = 1; t < n; t++) m = lg[t] > m ? lg[t] : m;
             float l = 0.0f;
@@ -112,43 +120,51 @@ static inline __attribute__((always_inline)) void run_split_shape(const Args *a,
                 lg[t] = exp_nonpos(lg[t] - m);
                 l += lg[t];
             }
-            pmax[g] = m, psum[g] = l;
-            if (m > M[g]) { /* rescale what this split has so far to the new maximum */
-                float alpha = M[g] == -INFINITY ? 0.0f : exp_nonpos(M[g] - m);
-                L[g] *= alpha;
-                for (int64_t i = 0; i < DV; i++) acc[g * DV + i] *= alpha;
-                M[g] = m;
-                beta[g] = 1.0f;
+            const int64_t h = x / G, g = x % G, at = ((b * KV + h) * MP + j) * G + g;
+            a->page_max[at] = m, a->page_sum[at] = l;
+            if (m > M[x]) { /* rescale what this split has so far to the new maximum */
+                const float alpha = M[x] == -INFINITY ? 0.0f : exp_nonpos(M[x] - m);
+                L[x] *= alpha;
+                for (int64_t i = 0; i < DV; i++) acc[x * DV + i] *= alpha;
+                M[x] = m;
+                beta[x] = 1.0f;
             } else {
-                beta[g] = exp_nonpos(m - M[g]);
+                beta[x] = exp_nonpos(m - M[x]);
             }
-            L[g] += beta[g] * l;
+            L[x] += beta[x] * l;
         }
-        for (int64_t t = 0; t < n; t++) {
-            const float *v = row_f32(vb, a->dtype, ((id * P + t) * KV + h) * DV, (int)DV, tmp);
-            for (int64_t g = 0; g < G; g++) {
-                const float w = beta[g] * logit[g * P + t];
-                float *ag = acc + g * DV;
+        /* Per query head, the page's tokens in turn: its DV sums stay in registers. */
+        const float *vp = page_f32(vb, a->dtype, id * P * KV * DV, n * KV * DV, tile);
+        for (int64_t x = 0; x < KV * G; x++) {
+            const float *v = vp + (x / G) * DV;
+            const float *w = logit + x * P;
+            float r[DV];
+            for (int64_t i = 0; i < DV; i++) r[i] = acc[x * DV + i];
+            for (int64_t t = 0; t < n; t++) {
+                const float wt = beta[x] * w[t];
 #pragma omp simd
-                for (int64_t i = 0; i < DV; i++) ag[i] += w * v[i];
+                for (int64_t i = 0; i < DV; i++) r[i] += wt * v[t * KV * DV + i];
             }
+            for (int64_t i = 0; i < DV; i++) acc[x * DV + i] = r[i];
         }
     }
-    const int64_t base = ((b * KV + h) * a->splits + s) * G;
-    for (int64_t g = 0; g < G; g++) a->split_max[base + g] = M[g], a->split_sum[base + g] = L[g];
-    memcpy(a->split_acc + base * DV, acc, sizeof(float) * G * DV);
+    for (int64_t h = 0; h < KV; h++) {
+        const int64_t base = ((b * KV + h) * a->splits + s) * G;
+        for (int64_t g = 0; g < G; g++) a->split_max[base + g] = M[h * G + g], a->split_sum[base + g] = L[h * G + g];
+        memcpy(a->split_acc + base * DV, acc + h * G * DV, sizeof(float) * G * DV);
+    }
 }
 
-static void run_split(const Args *a, int64_t b, int64_t h, int64_t s) {
+static void run_split(const Args *a, int64_t b, int64_t s) {
     const int64_t G = a->group, D = a->d, DV = a->dv;
-#define SHAPE(g, d)                                                    \
-    if (G == g && D == d && DV == d) return run_split_shape(a, b, h, s, g, d, d);
+#define SHAPE(g, d) \
+    if (G == g && D == d && DV == d) return run_split_shape(a, b, s, g, d, d);
 #define SHAPES(d) SHAPE(1, d) SHAPE(2, d) SHAPE(3, d) SHAPE(4, d) SHAPE(5, d) SHAPE(6, d) SHAPE(7, d) SHAPE(8, d)
     SHAPES(64)
     SHAPES(128)
 #undef SHAPES
 #undef SHAPE
-    run_split_shape(a, b, h, s, G, D, DV);
+    run_split_shape(a, b, s, G, D, DV);
 }
 
 /* Combine the splits of (b, h): output, lse and the masses of its pages. */
@@ -204,9 +220,8 @@ int sgl_paged_decode(const float *q, const void *k_pool, const void *v_pool, con
             return -2;
     Args a = {q, k_pool, v_pool, k_extra, v_extra, table, tokens, num_pages, bs, max_pages, page_size, kv, group, d, dv,
               dtype, splits, logit_cap, page_max, page_sum, split_max, split_sum, split_acc};
-    const int64_t items = bs * kv * splits;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t it = 0; it < items; it++) run_split(&a, it / (kv * splits), (it / splits) % kv, it % splits);
+    for (int64_t it = 0; it < bs * splits; it++) run_split(&a, it / splits, it % splits);
     memset(mass, 0, sizeof(float) * bs * max_pages * kv);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t it = 0; it < bs * kv; it++) merge(&a, it / kv, it % kv, sinks, live, out, lse, mass);
