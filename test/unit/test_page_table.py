@@ -218,3 +218,29 @@ def test_plugin_hooks_zero_the_pages_sglang_allocators_free(hooked):
     assert out["token_free"] == [s0]
     assert out["token_in_group"] == [s0]
     assert out["token_group_end"] == sorted([s0, s1, s2])
+
+
+@pytest.mark.parametrize("reduce", ["mean", "max"])
+def test_layers_folded_per_mapping_give_the_table_a_scatter_per_layer_gives(reduce):
+    # Same mapping objects layer after layer (folded, one scatter) vs a fresh copy of
+    # the mapping every layer (one scatter each), with the mapping changing mid-step
+    # and a page freed mid-step: the same table either way.
+    gen = torch.Generator().manual_seed(0)
+    other_indptr, other_indices = one_request(list(range(24, 28)) + list(range(8, 12)))
+    folded = PageImportanceTable(8, page_size=PAGE, reduce=reduce)
+    per_layer = PageImportanceTable(8, page_size=PAGE, reduce=reduce)
+    for step in range(3):
+        for layer in range(6):
+            same = layer < 4
+            indptr, indices = (INDPTR, INDICES) if same else (other_indptr, other_indices)
+            imp = torch.rand(1, 3 if same else 2, generator=gen)
+            folded.add_layer(imp, indptr, indices)
+            per_layer.add_layer(imp, indptr.clone(), indices.clone())
+            if step == 1 and layer == 2:
+                for table in (folded, per_layer):
+                    table.reset_pages(torch.tensor([5]))
+        folded.finish_step()
+        per_layer.finish_step()
+    assert torch.allclose(folded.last, per_layer.last)
+    assert torch.allclose(folded.accumulated, per_layer.accumulated)
+    assert folded.accumulated[[2, 3, 5, 6]].gt(0).all()

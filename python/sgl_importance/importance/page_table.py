@@ -80,6 +80,10 @@ class PageImportanceTable:
         self._recorded = torch.zeros((), dtype=torch.int64, device=self.device)
         # Host-side, so the mean's divisor is a constant a captured graph keeps.
         self._layers_in_step = 0
+        # On a CPU, layers that share one page mapping are reduced per request first
+        # ([bs, max_pages]) and scattered once per mapping (see add_layer).
+        self._pending: Optional[torch.Tensor] = None
+        self._pending_lists: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         # Host-side count of resets, so a dump can tell the table changed.
         self.resets = 0
 
@@ -110,7 +114,31 @@ class PageImportanceTable:
         Args:
             importance: ``[bs, max_pages]`` float32, what the decode kernel returned.
             kv_indptr: int32 ``[>= bs + 1]``; kv_indices: the token slots the kernel read.
+
+        On a CPU the layers of a step that pass the same ``kv_indptr`` / ``kv_indices``
+        objects (a dense step: every layer reads the same pages) are summed (or maxed)
+        per request and scattered once, when the mapping changes or the step closes:
+        the same table, one scatter per step instead of one per layer. A GPU keeps the
+        scatter per layer, which a captured graph replays as it is.
         """
+        if self.device.type == "cpu":
+            lists = self._pending_lists
+            if lists is not None and (lists[0] is not kv_indptr or lists[1] is not kv_indices):
+                self._flush_pending()
+            if self._pending is None or self._pending.shape != importance.shape:
+                self._flush_pending()
+                self._pending = importance.to(torch.float32, copy=True)
+                self._pending_lists = (kv_indptr, kv_indices)
+            elif self.reduce == "mean":
+                self._pending.add_(importance)
+            else:
+                torch.maximum(self._pending, importance, out=self._pending)
+            self._layers_in_step += 1
+            return
+        self._scatter(importance, kv_indptr, kv_indices)
+        self._layers_in_step += 1
+
+    def _scatter(self, importance: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
         scatter_page_importance(
             importance,
             kv_indptr,
@@ -119,10 +147,15 @@ class PageImportanceTable:
             page_size=self.page_size,
             reduce="add" if self.reduce == "mean" else "max",
         )
-        self._layers_in_step += 1
+
+    def _flush_pending(self) -> None:
+        if self._pending is not None:
+            self._scatter(self._pending, *self._pending_lists)
+        self._pending = self._pending_lists = None
 
     def finish_step(self) -> None:
         """Close the decode step: record it if the sample interval says so."""
+        self._flush_pending()
         if self.reduce == "mean" and self._layers_in_step > 1:
             self._step.mul_(1.0 / self._layers_in_step)
         record = torch.remainder(self._steps, self.sample_interval) == 0
@@ -139,6 +172,7 @@ class PageImportanceTable:
         """Forget the importance of pages the allocator just freed."""
         if page_ids.numel() == 0:
             return
+        self._flush_pending()  # what the step's layers so far gave them goes too
         ids = page_ids.to(device=self.device, dtype=torch.int64)
         # An id outside the table (another pool's page) maps to the padding page,
         # which nothing reads, instead of failing or syncing to filter it out.
@@ -149,6 +183,7 @@ class PageImportanceTable:
 
     def reset_all(self) -> None:
         """Forget everything per page (the allocator cleared its free list)."""
+        self._pending = self._pending_lists = None
         for values in (self.last, self.accumulated, self._step):
             values.zero_()
         self.resets += 1
