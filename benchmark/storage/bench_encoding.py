@@ -208,6 +208,7 @@ def read_journal(out: Path) -> list[dict]:
 def summarise(rows: list[dict], storage: dict) -> dict:
     """Per setting: bytes, bits per element, and per task/length hits from storage vs dense."""
     dense = {(r["task"], r["length"], r["trial"]): r["warm_correct"] for r in rows if r["setting"] == "off"}
+    dense_text = {(r["task"], r["length"], r["trial"]): r["warm_text"] for r in rows if r["setting"] == "off"}
     out: dict = {}
     for setting in SETTINGS:
         mine = [r for r in rows if r["setting"] == setting]
@@ -217,7 +218,7 @@ def summarise(rows: list[dict], storage: dict) -> dict:
         pages, total = s.get("pages", 0), s.get("bytes", 0)
         per_page = total / pages if pages else float("nan")
         cells: dict = defaultdict(
-            lambda: {"n": 0, "hits": 0, "dense_hits": 0, "storage_tokens": 0, "prompt": 0, "fact_full": 0}
+            lambda: {"n": 0, "hits": 0, "dense_hits": 0, "storage_tokens": 0, "prompt": 0, "fact_full": 0, "same": 0}
         )
         for r in mine:
             for key in ((r["task"], r["length"]), (r["task"], "all")):
@@ -228,6 +229,8 @@ def summarise(rows: list[dict], storage: dict) -> dict:
                 c["storage_tokens"] += r["storage_tokens"]
                 c["prompt"] += r["prompt_tokens"]
                 c["fact_full"] += int(r.get("fact_class") == 0)
+                # The whole answer token for token as dense's: more sensitive than a hit.
+                c["same"] += int(dense_text.get((r["task"], r["length"], r["trial"])) == r["text"])
         out[setting] = {
             "pages": pages,
             "bytes_per_page": per_page,
@@ -242,8 +245,8 @@ def summarise(rows: list[dict], storage: dict) -> dict:
 def table(summary: dict) -> str:
     lines = [
         "| setting | bytes/page | bytes/token | vs float32 | bits/element | task | length | hits (storage) | "
-        "dense hits | kept | storage tokens / prompt | fact page at float32 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "dense hits | kept | same answer as dense | storage tokens / prompt | fact page at float32 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for setting, s in summary.items():
         for key in sorted(s["cells"], key=lambda k: (k.split("/")[0], k.split("/")[1] == "all", k)):
@@ -253,9 +256,41 @@ def table(summary: dict) -> str:
             lines.append(
                 f"| {setting} | {s['bytes_per_page']:,.0f} | {s['bytes_per_token']:,.0f} | {s['vs_float32']:.3f} | "
                 f"{s['bits_per_element']:.2f} | {task} | {length} | {c['hits']}/{c['n']} | "
-                f"{c['dense_hits']}/{c['n']} | {kept:.0%} | {c['storage_tokens'] / max(c['prompt'], 1):.2f} | "
+                f"{c['dense_hits']}/{c['n']} | {kept:.0%} | {c['same']}/{c['n']} | "
+                f"{c['storage_tokens'] / max(c['prompt'], 1):.2f} | "
                 f"{c['fact_full']}/{c['n']} |"
             )
+    return "\n".join(lines)
+
+
+PAIRS = (("graded", "blind"), ("graded", "uniform4"), ("graded", "uniform8"), ("graded-low", "uniform4"))
+
+
+def paired(rows: list[dict]) -> str:
+    """Per task, trials where one setting answered as dense and the other did not (both
+    ways), and the two-sided sign-test p-value of that split."""
+    dense = {(r["task"], r["length"], r["trial"]): r["warm_text"] for r in rows if r["setting"] == "off"}
+    by = {(r["setting"], r["task"], r["length"], r["trial"]): r for r in rows}
+    lines = [
+        "| A | B | task | A same as dense, B not | B same, A not | sign test p | A hit, B miss | B hit, A miss |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for a_name, b_name in PAIRS:
+        for task in sorted({r["task"] for r in rows}):
+            ab = ba = hab = hba = 0
+            for (setting, t, length, trial), a in by.items():
+                b = by.get((b_name, t, length, trial))
+                if setting != a_name or t != task or b is None:
+                    continue
+                ref = dense.get((t, length, trial))
+                a_same, b_same = a["text"] == ref, b["text"] == ref
+                ab += a_same and not b_same
+                ba += b_same and not a_same
+                hab += a["correct"] and not b["correct"]
+                hba += b["correct"] and not a["correct"]
+            if ab or ba or hab or hba:
+                p = grid.sign_test(ab, ba)
+                lines.append(f"| {a_name} | {b_name} | {task} | {ab} | {ba} | {p:.3f} | {hab} | {hba} |")
     return "\n".join(lines)
 
 
@@ -330,6 +365,8 @@ def main() -> None:
     summary = summarise(read_journal(out), storage)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(table(summary))
+    print()
+    print(paired(read_journal(out)))
     plot(summary, out / "encoding_accuracy.png")
 
 
