@@ -49,12 +49,44 @@ def prompts(token_ids):
     return {"fits": token_ids(text, 600), "exceeds": token_ids(text, 1200)}
 
 
+# Dense's top two log-probabilities closer than this are a tie for a greedy check: a
+# perturbation as small as float32 rounding may pick either.
+NEAR_TIE = 0.1
+
+
 @pytest.fixture(scope="module")
-def dense_outputs(launch, prompts):
+def dense_run(launch, prompts):
+    """Dense greedy tokens of each prompt, and dense's top two (logprob, id) per step."""
     server = launch(BASE_ARGS)
-    outputs = {name: generate_ids(server, ids, MAX_NEW, timeout=900)["output_ids"] for name, ids in prompts.items()}
+    outputs, tops = {}, {}
+    for name, ids in prompts.items():
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+        }
+        r = requests.post(server.url + "/generate", json=body, timeout=900)
+        r.raise_for_status()
+        outputs[name] = r.json()["output_ids"]
+        tops[name] = [[(lp, tid) for lp, tid, _ in step] for step in r.json()["meta_info"]["output_top_logprobs"]]
     server.stop()  # one server at a time
-    return outputs
+    return outputs, tops
+
+
+@pytest.fixture(scope="module")
+def dense_outputs(dense_run):
+    return dense_run[0]
+
+
+def assert_follows_dense_until_a_tie(ids: list[int], dense: list[int], tops: list[list[tuple[float, int]]]) -> None:
+    """Greedy tokens equal dense's at every step where dense's choice is clear; at the
+    first near-tie either tied token is right, and the texts may part there."""
+    for step, (got, want, top) in enumerate(zip(ids, dense, tops)):
+        if top[0][0] - top[1][0] < NEAR_TIE:
+            assert got in (top[0][1], top[1][1]), f"step {step}: {got} is neither of dense's tied {top}"
+            return
+        assert got == want, f"step {step}: {ids} vs dense {dense}"
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +107,7 @@ def test_a_budget_covering_the_whole_context_decodes_exactly_like_dense(hot_set_
     assert steps == MAX_NEW - 1
 
 
-def test_a_small_budget_serves_and_the_metrics_count_it(hot_set_server, prompts, dense_outputs):
+def test_a_small_budget_serves_and_the_metrics_count_it(hot_set_server, prompts, dense_run):
     before = scrape(hot_set_server)
     ids = generate_ids(hot_set_server, prompts["exceeds"], MAX_NEW, timeout=900)["output_ids"]
     assert len(ids) == MAX_NEW
@@ -101,8 +133,11 @@ def test_a_small_budget_serves_and_the_metrics_count_it(hot_set_server, prompts,
     assert delta("guard_reads") <= delta("guard_checks")
     assert delta("pages_estimated") + delta("pages_attended") >= delta("pages_dense")
     assert delta("guard_fallbacks") <= hot_steps
-    # The guard keeps each layer within 10 % of dense attention; greedy tokens follow.
-    assert ids == dense_outputs["exceeds"]
+    # The guard keeps each layer within 10 % of dense attention; greedy tokens follow
+    # wherever dense's choice is clear. (This prompt's third token is an exact tie in
+    # bfloat16, "'m" vs "'ve": rounding-level changes to attention pick either.)
+    outputs, tops = dense_run
+    assert_follows_dense_until_a_tie(ids, outputs["exceeds"], tops["exceeds"])
 
 
 def test_requests_whose_kv_exceeds_the_device_pool_decode_together(hot_set_server, token_ids):
