@@ -301,30 +301,32 @@ def plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     tasks = sorted({k.split("/")[0] for s in summary.values() for k in s["cells"]})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6), sharey=True)
-    axes = axes if len(tasks) > 1 else [axes]
+    fig, grid_axes = plt.subplots(2, len(tasks), figsize=(4.2 * len(tasks), 6.6), sharey=True, squeeze=False)
     families = {
         "uniform": (["uniform4", "uniform8", "off"], "o-", "uniform"),
         "graded": (["graded-low", "graded"], "s-", "importance-graded"),
         "blind": (["blind"], "x", "graded fractions, blind to importance"),
     }
-    for ax, task in zip(axes, tasks):
-        for names, style, label in families.values():
-            xs, ys = [], []
-            for name in names:
-                s = summary.get(name)
-                c = s and s["cells"].get(f"{task}/all")
-                if c and c["n"]:
-                    xs.append(s["bits_per_element"])
-                    ys.append(c["hits"] / c["n"])
-            if xs:
-                ax.plot(xs, ys, style, label=label)
-        ax.set_title(task)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("stored bits per element (float32 = 32)")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("hits, prefix served from storage")
-    axes[-1].legend(fontsize=7, loc="lower right")
+    rows = (("hits", "hits, prefix served from storage"), ("same", "answers identical to dense"))
+    for (field, ylabel), axes in zip(rows, grid_axes):
+        for ax, task in zip(axes, tasks):
+            for names, style, label in families.values():
+                xs, ys = [], []
+                for name in names:
+                    s = summary.get(name)
+                    c = s and s["cells"].get(f"{task}/all")
+                    if c and c["n"]:
+                        xs.append(s["bits_per_element"])
+                        ys.append(c[field] / c["n"])
+                if xs:
+                    ax.plot(xs, ys, style, label=label)
+            ax.set_title(task)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("stored bits per element (float32 = 32)")
+            ax.set_ylim(0, 1.05)
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel(ylabel)
+    grid_axes[-1][-1].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
