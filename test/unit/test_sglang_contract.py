@@ -91,7 +91,13 @@ ATTRIBUTES = [
         Name(CACHE, n, "cache/prefetch.py")
         for n in ("supports_swa", "supports_mamba", "is_root", "inc_lock_ref", "dec_lock_ref", "load_back")
     ),
-    Name(CACHE, "write_backup_storage", "cache/admission.py"),
+    Name(CACHE, "write_backup_storage", "cache/admission.py, cache/stored.py (grading)"),
+    # The MHA host pool's page geometry, which storage encoding reads (a rename would
+    # silently store every page at the model's dtype).
+    *(
+        Name(f"{MEM}.pool_host.mha.MHATokenToKVPoolHost", n, "cache/integrity.py")
+        for n in ("layout", "layer_num", "page_size", "head_num", "head_dim", "get_dummy_flat_data_page")
+    ),
     Name("sglang.srt.observability.metrics_collector.RadixCacheMetricsCollector", "labels", "metrics.py"),
     Name(f"{MEM}.prefill_budget.PrefillBudget", "remaining_total", "cache/prefetch.py"),
     Name(f"{MEM}.prefill_budget.PrefillBudget", "remaining_current", "cache/prefetch.py"),
