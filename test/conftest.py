@@ -67,6 +67,23 @@ def launch(model_path: str, tmp_path_factory) -> Iterator:
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def mooncake_store(tmp_path_factory):
+    """A local Mooncake Store (master + segment holder) on free ports, one per test module
+    so no module sees another's pages; the module is skipped where Mooncake cannot run."""
+    from sgl_importance.local_store import LocalStore, store_unavailable
+
+    reason = store_unavailable()
+    if reason is not None:
+        pytest.skip(f"Mooncake Store cannot run here: {reason}")
+    store = LocalStore(tmp_path_factory.mktemp("mooncake"), segment="512MB")
+    try:
+        store.start()
+        yield store
+    finally:
+        store.stop()
+
+
 def pytest_collection_modifyitems(items: list) -> None:
     """Slow modules first, then the other e2e modules, then unit and kernel tests.
 

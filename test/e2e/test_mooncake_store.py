@@ -21,7 +21,6 @@ import pytest
 import requests
 
 from sgl_importance.local_server import metric
-from sgl_importance.local_store import LocalStore, store_unavailable
 from support.server import Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -32,19 +31,6 @@ RETRY_S = 3
 
 def document(name: str, items: int = 100) -> str:
     return f"Document {name}: " + " ".join(f"{name}item{j}" for j in range(items))
-
-
-@pytest.fixture(scope="session")
-def mooncake_store(tmp_path_factory):
-    reason = store_unavailable()
-    if reason is not None:
-        pytest.skip(f"Mooncake Store cannot run here: {reason}")
-    store = LocalStore(tmp_path_factory.mktemp("mooncake"), segment="512MB")
-    try:
-        store.start()
-        yield store
-    finally:
-        store.stop()
 
 
 def server_args() -> list[str]:

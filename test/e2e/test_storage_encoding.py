@@ -17,7 +17,6 @@ import pytest
 import requests
 
 from sgl_importance.local_server import metric
-from sgl_importance.local_store import LocalStore, store_unavailable
 from support.server import output_ids_and_logprobs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -133,19 +132,6 @@ def test_a_server_with_the_flag_off_refuses_encoded_pages_and_answers_like_dense
     assert ids == dense_ids
     assert logprobs == pytest.approx(dense_logprobs, abs=1e-4)
     server.stop()
-
-
-@pytest.fixture(scope="module")
-def mooncake_store(tmp_path_factory):
-    reason = store_unavailable()
-    if reason is not None:
-        pytest.skip(f"Mooncake Store cannot run here: {reason}")
-    store = LocalStore(tmp_path_factory.mktemp("mooncake"), segment="256MB")
-    try:
-        store.start()
-        yield store
-    finally:
-        store.stop()
 
 
 def test_mooncake_stores_and_serves_encoded_pages(mooncake_store, launch, file_tier):
