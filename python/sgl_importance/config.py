@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 REDUCTIONS = ("mean", "max")
 SWITCH = ("on", "off")
@@ -440,3 +440,13 @@ def config_of(server_args: Any) -> ImportanceConfig:
     # Absent where ServerArgs was built without from_cli_args (the Engine API, tests).
     config = getattr(server_args, "_importance", None)
     return config if isinstance(config, ImportanceConfig) else ImportanceConfig()
+
+
+def from_cli_args(original: Callable[..., Any], cls: Any, args: argparse.Namespace) -> Any:
+    """Around ``ServerArgs.from_cli_args``: validate the flags before SGLang builds
+    anything (a bad value stops start-up naming the flag, not later in a child
+    process), then keep the config on the server args (``config_of``)."""
+    config = from_namespace(args)
+    server_args = original(cls, args)
+    server_args._importance = config
+    return server_args

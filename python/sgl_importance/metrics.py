@@ -193,9 +193,6 @@ class StorageIntegrityMetrics:
         self.write_pauses.labels(**self.labels).inc()
 
 
-_storage_instance: Optional[StorageIntegrityMetrics] = None
-
-
 class SharedImportanceMetrics:
     """Series of the importance shared through the storage tier (``cache/shared_importance.py``)."""
 
@@ -218,43 +215,41 @@ class SharedImportanceMetrics:
             self.pages.labels(**self.labels, event=event).inc(pages)
 
 
-_shared_instance: Optional[SharedImportanceMetrics] = None
+class Metrics:
+    """The process's series, each built on first use (``prometheus_client`` registers a
+    series name once per process; SGLang builds one tree cache and one storage backend
+    per scheduler process). Owned by the runtime."""
 
+    def __init__(self) -> None:
+        self._importance: Optional[ImportanceMetrics] = None
+        self._shared: Optional[SharedImportanceMetrics] = None
+        self._storage: Optional[StorageIntegrityMetrics] = None
 
-def shared_importance_metrics(labels: Mapping[str, Any]) -> SharedImportanceMetrics:
-    global _shared_instance
-    if _shared_instance is None:
-        _shared_instance = SharedImportanceMetrics(labels)
-    return _shared_instance
+    def importance(self, cache: Any) -> Optional[ImportanceMetrics]:
+        """The series for ``cache``, or None when SGLang's metrics are off.
 
+        Args:
+            cache: SGLang's radix cache; its ``metrics_collector`` is None unless
+                ``--enable-metrics``, and carries the rank labels.
+        """
+        collector = cache.metrics_collector
+        if collector is None:
+            return None
+        if self._importance is None:
+            self._importance = ImportanceMetrics(collector.labels or {})
+        return self._importance
 
-def storage_integrity_metrics(labels: Mapping[str, Any]) -> StorageIntegrityMetrics:
-    """The process's storage integrity series (one storage backend per scheduler)."""
-    global _storage_instance
-    if _storage_instance is None:
-        _storage_instance = StorageIntegrityMetrics(labels)
-    return _storage_instance
+    def shared(self, labels: Mapping[str, Any]) -> SharedImportanceMetrics:
+        """Series of the importance shared through the storage tier."""
+        if self._shared is None:
+            self._shared = SharedImportanceMetrics(labels)
+        return self._shared
 
-
-# prometheus_client registers each series name once per process; SGLang builds one
-# tree cache per scheduler process, so one instance serves it.
-_instance: Optional[ImportanceMetrics] = None
-
-
-def importance_metrics(cache: Any) -> Optional[ImportanceMetrics]:
-    """The process's series for ``cache``, or None when SGLang's metrics are off.
-
-    Args:
-        cache: SGLang's radix cache; its ``metrics_collector`` is None unless
-            ``--enable-metrics``, and carries the rank labels.
-    """
-    global _instance
-    collector = cache.metrics_collector
-    if collector is None:
-        return None
-    if _instance is None:
-        _instance = ImportanceMetrics(collector.labels or {})
-    return _instance
+    def storage(self, labels: Mapping[str, Any]) -> StorageIntegrityMetrics:
+        """The storage integrity series (one storage backend per scheduler)."""
+        if self._storage is None:
+            self._storage = StorageIntegrityMetrics(labels)
+        return self._storage
 
 
 # HotSetCounts field -> (series suffix, help). Counted per request and decode step.

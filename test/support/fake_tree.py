@@ -214,7 +214,7 @@ class AdmissionCache(FakeCache):
 
     @property
     def aggregator(self) -> Any:
-        return self.tree_core.eviction_strategy.aggregator
+        return self.tree_core.eviction_strategy.policy.aggregator
 
     def add(
         self,

@@ -7,7 +7,6 @@ import torch
 
 from sgl_importance.importance.node_state import has_importance, node_importance
 from sgl_importance.importance.page_table import PageImportanceTable
-from sgl_importance.scheduler import fold
 from sgl_importance.scheduler.fold import fold_after_batch, observe
 from support.fake_tree import FULL, FakeCache, FakeTreeCore, decode_batch, request, scheduler_of
 
@@ -53,9 +52,10 @@ def test_page_ids_are_cached_until_the_nodes_value_is_replaced():
 def test_fold_after_batch_updates_nodes_only_for_decode_batches_under_the_policy(monkeypatch):
     from sgl_importance.cache.strategy import ImportanceStrategy
 
-    core = build(ImportanceStrategy(sink_pages=0))
+    strategy = ImportanceStrategy(sink_pages=0)
+    core = build(strategy)
     table = PageImportanceTable(32, page_size=PAGE)
-    monkeypatch.setattr(fold, "current_page_table", lambda: table)
+    strategy.policy.page_tables.current = table
     slots = torch.cat([torch.arange(16, 24), torch.arange(40, 44)])
     table.add_layer(torch.tensor([[0.25, 0.25, 0.5]]), torch.tensor([0, 12], dtype=torch.int32), slots)
     table.finish_step()

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sgl_importance import metrics as m
-from sgl_importance.metrics import ImportanceMetrics, importance_metrics
+from sgl_importance.metrics import ImportanceMetrics, Metrics
 from support.fake_tree import FakeCache, FakeTreeCore
 
 LABELS = {"cache_type": "UnifiedRadixCache", "tp_rank": 0, "pp_rank": 0, "dp_rank": 0}
@@ -43,20 +43,20 @@ def test_a_fold_counts_its_steps_sets_the_scale_and_records_each_nodes_importanc
 
 
 def test_no_series_exist_while_sglangs_metrics_are_off(monkeypatch):
-    monkeypatch.setattr(m, "_instance", None)
-    assert importance_metrics(FakeCache(FakeTreeCore())) is None  # metrics_collector None
-    assert m._instance is None
+    metrics = Metrics()
+    assert metrics.importance(FakeCache(FakeTreeCore())) is None  # metrics_collector None
+    assert metrics._importance is None
 
 
 def test_the_series_carry_the_labels_of_sglangs_collector(monkeypatch):
     # Built with a stand-in: the real series register once per process registry.
-    monkeypatch.setattr(m, "_instance", None)
     monkeypatch.setattr(m, "ImportanceMetrics", lambda labels: types.SimpleNamespace(labels=labels))
+    metrics = Metrics()  # the process's (the runtime owns one)
     cache = FakeCache(FakeTreeCore())
     cache.metrics_collector = types.SimpleNamespace(labels=LABELS)
-    series = importance_metrics(cache)
+    series = metrics.importance(cache)
     assert series.labels == LABELS
-    assert importance_metrics(cache) is series  # one instance per process
+    assert metrics.importance(cache) is series  # one instance per process
 
 
 def test_hot_set_counts_land_in_one_counter_per_field():

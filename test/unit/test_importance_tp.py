@@ -22,7 +22,6 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sgl_importance.cache.components import use_importance_components
 from sgl_importance.importance.node_state import node_importance, node_state
 from sgl_importance.importance.page_table import PageImportanceTable
-from sgl_importance.scheduler import fold
 from sgl_importance.scheduler.fold import fold_after_batch, tree_group
 from support.fake_tree import FakeCache, FakeTreeCore, decode_batch, request, scheduler_of
 
@@ -69,7 +68,7 @@ def _rank_main(rank: int, port: int, out: str) -> None:
         group = dist.new_group(list(range(WORLD)), backend="gloo")
         core = _tree()
         table = PageImportanceTable(NUM_PAGES, page_size=PAGE)
-        fold.current_page_table = lambda: table
+        core.eviction_strategy.policy.page_tables.current = table
         tree_cache = FakeCache(core)
         tree_cache.tp_group, tree_cache.tp_world_size = group, WORLD
         scheduler = scheduler_of(tree_cache)
@@ -79,7 +78,7 @@ def _rank_main(rank: int, port: int, out: str) -> None:
             for masses in per_rank[rank]:
                 _record(table, masses)
             folded.append(fold_after_batch(scheduler, decode))
-        aggregator = core.eviction_strategy.aggregator
+        aggregator = core.eviction_strategy.policy.aggregator
         result = {
             "folded": folded,
             "importance": [node_importance(core.nodes[i]) for i in sorted(core.nodes)],
@@ -163,11 +162,11 @@ def _params(**kwargs):
 
 def test_tensor_parallelism_is_accepted_under_the_importance_policy():
     params = _params(tp_cache_group=object(), pp_size=1, attn_cp_size=1)
-    use_importance_components(params)
+    use_importance_components(None, params)
     assert params.component_registry_override
 
 
 @pytest.mark.parametrize("layout, flag", [({"pp_size": 2}, "--pp-size 2"), ({"attn_cp_size": 2}, "--attn-cp-size 2")])
 def test_pipeline_and_context_parallelism_are_refused_naming_the_flag(layout, flag):
     with pytest.raises(ValueError, match=flag):
-        use_importance_components(_params(**layout))
+        use_importance_components(None, _params(**layout))

@@ -137,29 +137,23 @@ def test_invalid_settings_are_rejected():
 
 
 def test_backends_of_one_process_share_one_table():
-    pt.clear_page_table()
-    try:
-        first = pt.get_or_create_page_table(64, page_size=16)
-        assert pt.get_or_create_page_table(64, page_size=16) is first
-        assert pt.current_page_table() is first
-    finally:
-        pt.clear_page_table()
+    tables = pt.PageTables()  # the process's (its runtime owns one)
+    first = tables.get_or_create(64, page_size=16)
+    assert tables.get_or_create(64, page_size=16) is first
+    assert tables.current is first
 
 
 def test_dump_writes_a_snapshot_only_when_the_table_changed(tmp_path):
-    pt.clear_page_table()
-    try:
-        table = pt.get_or_create_page_table(32, page_size=PAGE)
-        run_step(table, (0.5, 0.3, 0.2))
-        path = pt.dump_current_table(str(tmp_path))
-        state = torch.load(path)
-        assert state["steps"] == 1 and state["accumulated"][2].item() == pytest.approx(0.5)
-        assert pt.dump_current_table(str(tmp_path)) is None
-        table.reset_pages(torch.tensor([2]))
-        assert pt.dump_current_table(str(tmp_path)) == path
-        assert torch.load(path)["accumulated"][2].item() == 0.0
-    finally:
-        pt.clear_page_table()
+    tables = pt.PageTables()
+    table = tables.get_or_create(32, page_size=PAGE)
+    run_step(table, (0.5, 0.3, 0.2))
+    path = tables.dump(directory=str(tmp_path))
+    state = torch.load(path)
+    assert state["steps"] == 1 and state["accumulated"][2].item() == pytest.approx(0.5)
+    assert tables.dump(directory=str(tmp_path)) is None
+    table.reset_pages(torch.tensor([2]))
+    assert tables.dump(directory=str(tmp_path)) == path
+    assert torch.load(path)["accumulated"][2].item() == 0.0
 
 
 # The plugin's hooks on SGLang's real allocators, in the hooked interpreter
@@ -168,7 +162,9 @@ _ALLOCATOR_SCRIPT = r"""
 import json, torch
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-from sgl_importance.importance import page_table as pt
+from sgl_importance import runtime
+
+tables = runtime.current().page_tables  # what the plugin's allocator hooks are handed
 
 def zeroed(table):
     return [i for i, x in enumerate(table.accumulated.tolist()) if x == 0.0]
@@ -176,7 +172,7 @@ def zeroed(table):
 out = {}
 cpu = dict(dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
 paged = PagedTokenToKVPoolAllocator(64, page_size=4, **cpu)
-table = pt.get_or_create_page_table(64, page_size=4)
+table = tables.get_or_create(64, page_size=4)
 table.accumulated.fill_(1.0)
 slots = paged.alloc(12)
 out["paged_pages"] = sorted(set((slots // 4).tolist()))
@@ -190,9 +186,9 @@ out["paged_group_end"] = zeroed(table)
 paged.clear()
 out["paged_clear"] = float(table.accumulated.sum())
 
-pt.clear_page_table()
+tables.current = None
 token = TokenToKVPoolAllocator(16, **cpu)
-table = pt.get_or_create_page_table(16, page_size=1)
+table = tables.get_or_create(16, page_size=1)
 table.accumulated.fill_(1.0)
 slots = token.alloc(3)
 out["token_slots"] = slots.tolist()

@@ -178,7 +178,7 @@ class LiveTree:
             slots,
         )
         self.table.finish_step()
-        self.strategy.aggregator.fold(self.table, observations)
+        self.strategy.policy.aggregator.fold(self.table, observations)
 
 
 def live_eviction_order(requests: list, config: dict) -> list[int]:

@@ -61,7 +61,7 @@ params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool
     page_size=P, eviction_policy="importance", eviction_policy_config=None, tree_components=(ComponentType.FULL,))
 cache = UnifiedRadixCache(params)
 core = cache.tree_core
-stored = core.eviction_strategy.stored
+stored = core.eviction_strategy.policy.stored
 dropped = type("Dropped", (), {"hash_value": ["h0", "h1"], "hit_count": 0})()
 node_state(dropped).importance = 0.8
 stored.remember(dropped)
@@ -82,7 +82,6 @@ def test_storage_retries_are_reissued_most_important_first(monkeypatch):
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    from sgl_importance.cache import prefetch
     from sgl_importance.cache.stored import rank_storage_retries
 
     page = 16
@@ -91,20 +90,19 @@ def test_storage_retries_are_reissued_most_important_first(monkeypatch):
     # The hot document's pages were dropped while important, hashed as SGLang keys them.
     stored.remember(node(get_storage_hash_str(RadixKey(hot_doc), None, page_size=page), 0.8))
     strategy = ImportanceStrategy()
-    strategy.stored = stored
+    strategy.policy.stored = stored
     cache = FakeCache(FakeTreeCore(strategy, page_size=page))
     scheduler = scheduler_of(cache)
-    monkeypatch.setattr(prefetch, "_scheduler_ref", lambda: scheduler)
 
     def req(rid, tokens):
         return request(rid=rid, full_untruncated_fill_ids=tokens + [1, 2, 3], prefix_len=0, last_host_node=0)
 
     ready = [(req("cold", cold_doc), None), (req("hot", hot_doc), None)]
-    ranked = rank_storage_retries(lambda retries, queue, *a: list(ready), None, [])
+    ranked = rank_storage_retries(scheduler, lambda retries, queue, *a: list(ready), None, [])
     assert [r.rid for r, _ in ranked] == ["hot", "cold"]
     # Nothing remembered: SGLang's order stands.
-    monkeypatch.setattr(strategy, "stored", StoredImportance())
-    assert [r.rid for r, _ in rank_storage_retries(lambda *a: list(ready), None, [])] == ["cold", "hot"]
+    monkeypatch.setattr(strategy.policy, "stored", StoredImportance())
+    assert [r.rid for r, _ in rank_storage_retries(scheduler, lambda *a: list(ready), None, [])] == ["cold", "hot"]
 
 
 def test_a_retry_whose_matched_node_was_deleted_is_ranked_without_reading_the_tree(monkeypatch):
@@ -113,7 +111,6 @@ def test_a_retry_whose_matched_node_was_deleted_is_ranked_without_reading_the_tr
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    from sgl_importance.cache import prefetch
     from sgl_importance.cache.stored import rank_storage_retries
 
     page = 16
@@ -127,11 +124,11 @@ def test_a_retry_whose_matched_node_was_deleted_is_ranked_without_reading_the_tr
         raise KeyError(node_id)
 
     strategy = ImportanceStrategy()
-    strategy.stored = stored
+    strategy.policy.stored = stored
     cache = FakeCache(FakeTreeCore(strategy, page_size=page))
     # Every way into the tree raises, as for a deleted node.
     cache.tree_core.node_by_id = cache.get_last_hash_value = cache.is_root = deleted
-    monkeypatch.setattr(prefetch, "_scheduler_ref", lambda: scheduler_of(cache))
+    scheduler = scheduler_of(cache)
 
     def req(rid, tokens):
         return request(
@@ -140,7 +137,7 @@ def test_a_retry_whose_matched_node_was_deleted_is_ranked_without_reading_the_tr
         )  # fmt: skip
 
     ready = [(req("cold", cold_doc), None), (req("hot", hot_doc), None)]
-    assert [r.rid for r, _ in rank_storage_retries(lambda *a: list(ready), None, [])] == ["hot", "cold"]
+    assert [r.rid for r, _ in rank_storage_retries(scheduler, lambda *a: list(ready), None, [])] == ["hot", "cold"]
 
 
 def test_a_tenants_pages_never_rank_another_tenants_retry(monkeypatch):

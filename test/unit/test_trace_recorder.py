@@ -17,6 +17,7 @@ import torch
 from sgl_importance.config import ImportanceConfig, add_cli_args, from_namespace
 from sgl_importance.trace import recorder as rec
 from sgl_importance.trace.table_io import read_accesses, read_all, read_meta, read_requests
+from sgl_importance.trace.tracing import Tracing
 from support.fake_tree import FakeCache, FakeNode, FakeTreeCore, request, scheduler_of
 
 PAGE = 4
@@ -222,9 +223,9 @@ def test_writer_closes_the_trace_when_the_watched_process_dies(tmp_path):
 
 def test_around_the_result_records_before_the_scheduler_frees_the_requests(tmp_path, monkeypatch):
     out = tmp_path / "trace"
-    cap = rec.StepCapture()
-    monkeypatch.setattr(rec, "_capture", cap)
-    monkeypatch.setattr(rec, "_recorder", rec.Recorder(str(out), max_rows=100, meta={}))
+    tracing = Tracing()
+    cap = tracing.capture
+    tracing.recorder = rec.Recorder(str(out), max_rows=100, meta={})
     req_to_token = two_request_step(cap, table())
     reqs = [FakeReq("a", 1), FakeReq("b", 2)]
 
@@ -235,22 +236,24 @@ def test_around_the_result_records_before_the_scheduler_frees_the_requests(tmp_p
         return "result"
 
     scheduler = scheduler_of(FakeCache(FakeTreeCore()))
-    assert rec.around_batch_result(process_batch_result, scheduler, fake_batch(reqs, req_to_token)) == "result"
-    rec._recorder.close()
+    assert tracing.around_batch_result(process_batch_result, scheduler, fake_batch(reqs, req_to_token)) == "result"
+    tracing.recorder.close()
     wait_complete(out)
     assert len(read_accesses(out)) == 3
 
 
 def test_a_recording_fault_stops_recording_but_not_the_scheduler(tmp_path, monkeypatch):
-    cap = rec.StepCapture()
-    monkeypatch.setattr(rec, "_capture", cap)
-    monkeypatch.setattr(rec, "_recorder", rec.Recorder(str(tmp_path / "trace"), max_rows=100, meta={}))
+    tracing = Tracing()
+    cap = tracing.capture
+    tracing.recorder = rec.Recorder(str(tmp_path / "trace"), max_rows=100, meta={})
     two_request_step(cap, table())
     broken = SimpleNamespace(
         reqs=[FakeReq("a", 1), FakeReq("b", 2)], forward_mode=SimpleNamespace(is_decode=lambda: True)
     )
-    assert rec.around_batch_result(lambda s, b: "result", scheduler_of(FakeCache(FakeTreeCore())), broken) == "result"
-    assert rec._recorder is None
+    assert (
+        tracing.around_batch_result(lambda s, b: "result", scheduler_of(FakeCache(FakeTreeCore())), broken) == "result"
+    )
+    assert tracing.recorder is None
     wait_complete(tmp_path / "trace")
 
 
@@ -320,9 +323,9 @@ def test_a_vanished_node_costs_only_its_own_request_its_path():
 
 def test_a_finished_request_is_filed_once_with_its_path_counts_and_times(tmp_path, monkeypatch):
     out = tmp_path / "trace"
-    cap = rec.StepCapture()
-    monkeypatch.setattr(rec, "_capture", cap)
-    monkeypatch.setattr(rec, "_recorder", rec.Recorder(str(out), max_rows=100, meta={"page_size": PAGE}))
+    tracing = Tracing()
+    cap = tracing.capture
+    tracing.recorder = rec.Recorder(str(out), max_rows=100, meta={"page_size": PAGE})
     req_to_token = two_request_step(cap, table())
     # At finish SGLang has inserted prompt + output: the path grew by a second node.
     tree, (first, second) = path_tree(4, 4)
@@ -335,10 +338,10 @@ def test_a_finished_request_is_filed_once_with_its_path_counts_and_times(tmp_pat
         return "result"
 
     batch = fake_batch([a, b], req_to_token)
-    assert rec.around_batch_result(process_batch_result, scheduler, batch) == "result"
+    assert tracing.around_batch_result(process_batch_result, scheduler, batch) == "result"
     # Overlap scheduling shows the finished request in one more batch: no second row.
-    assert rec._recorder.finish_requests(batch, 5, tree) == 0
-    rec._recorder.close()
+    assert tracing.recorder.finish_requests(batch, 5, tree) == 0
+    tracing.recorder.close()
     wait_complete(out)
     req = read_requests(out)
     assert list(req.labels()) == ["chat-c2-t3"]

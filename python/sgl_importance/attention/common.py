@@ -5,14 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from sgl_importance.config import config_of
-from sgl_importance.importance.page_table import PageImportanceTable, get_or_create_page_table
+from sgl_importance.importance.page_table import PageImportanceTable, PageTables
 
 
-def page_table_for(model_runner: Any) -> PageImportanceTable:
-    """The process's page table, sized to this model runner's KV pool."""
+def page_table_for(tables: PageTables, model_runner: Any) -> PageImportanceTable:
+    """The process's page table (in ``tables``), sized to this model runner's KV pool."""
     config = config_of(model_runner.server_args)
     pool = model_runner.token_to_kv_pool
-    return get_or_create_page_table(
+    return tables.get_or_create(
         pool.size,
         page_size=model_runner.page_size,
         reduce=config.reduce,

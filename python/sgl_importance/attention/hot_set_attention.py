@@ -27,6 +27,7 @@ import torch
 
 from sgl_importance.config import config_of
 from sgl_importance.importance.page_table import PageImportanceTable
+from sgl_importance.runtime import Runtime
 
 
 class HotSetAttention:
@@ -150,6 +151,7 @@ class HotSetAttention:
 
 
 def build_hot_set(
+    runtime: Runtime,
     model_runner: Any,
     last_layer_id: int,
     page_table: PageImportanceTable,
@@ -159,6 +161,8 @@ def build_hot_set(
     """The backend's hot set when ``--hot-set-policy`` is on, else None.
 
     Args:
+        runtime: the scheduler process's state: its release record and the
+            requests' own hot-set parameters.
         model_runner: SGLang's model runner (its server args, KV pool, page size).
         last_layer_id: the last attention layer; the summaries cover layers up to it.
         page_table: where attended pages' masses are filed.
@@ -190,6 +194,8 @@ def build_hot_set(
         threshold=config.hot_set_threshold,
         exact=exact,
         promotions=PromotionStream(keys.device),
+        released=runtime.released,
+        request_params=runtime.request_params,
     )
     return HotSetAttention(decoder, page_table, _build_metrics(model_runner))
 

@@ -47,6 +47,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_importance.attention.common import last_attention_layer_id, page_table_for
 from sgl_importance.attention.hot_set_attention import build_hot_set
+from sgl_importance.runtime import Runtime
 from sgl_kernel_ext import (
     PagedDecodePlan,
     PagedDecodeWorkspace,
@@ -68,10 +69,11 @@ DECODE_IMPLS = ("paged", "torch", "reference")
 class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
     """``torch_native`` plus page importance on decode."""
 
-    def __init__(self, model_runner: Any) -> None:
+    def __init__(self, runtime: Runtime, model_runner: Any) -> None:
+        # runtime: the scheduler process's state (page tables, hot-set records).
         super().__init__(model_runner)
         self.page_size = model_runner.page_size
-        self.page_table = page_table_for(model_runner)
+        self.page_table = page_table_for(runtime.page_tables, model_runner)
         self.last_layer_id = last_attention_layer_id(model_runner)
         self.kv_indptr: Optional[torch.Tensor] = None
         self.kv_indices: Optional[torch.Tensor] = None
@@ -83,7 +85,7 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
         self.page_ids: Optional[torch.Tensor] = None
         self.page_tokens: Optional[torch.Tensor] = None
         self.paged_workspace = PagedDecodeWorkspace()
-        self.hot_set = build_hot_set(model_runner, self.last_layer_id, self.page_table)
+        self.hot_set = build_hot_set(runtime, model_runner, self.last_layer_id, self.page_table)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         super().init_forward_metadata(forward_batch)

@@ -44,6 +44,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_importance.attention.common import last_attention_layer_id, page_table_for
 from sgl_importance.attention.hot_set_attention import build_hot_set
+from sgl_importance.runtime import Runtime
 from sgl_kernel_ext.decode_importance import DecodeImportanceWrapper
 from sgl_kernel_ext.page_list import TritonPageListDecode
 
@@ -59,9 +60,10 @@ def _cdiv(a: int, b: int) -> int:
 class ImportanceTritonAttnBackend(TritonAttnBackend):
     """``triton`` plus page importance on decode."""
 
-    def __init__(self, model_runner: Any, **kwargs: Any) -> None:
+    def __init__(self, runtime: Runtime, model_runner: Any, **kwargs: Any) -> None:
+        # runtime: the scheduler process's state (page tables, hot-set records).
         super().__init__(model_runner, **kwargs)
-        self.page_table = page_table_for(model_runner)
+        self.page_table = page_table_for(runtime.page_tables, model_runner)
         self.last_layer_id = last_attention_layer_id(model_runner)
         self.max_pages = _cdiv(self.max_context_len, self.page_size)
         self.max_decode_bs = model_runner.req_to_token_pool.size
@@ -73,6 +75,7 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
         # The wrapper the next forward_decode uses, chosen by the metadata init.
         self.decode_wrapper: Optional[DecodeImportanceWrapper] = None
         self.hot_set = build_hot_set(
+            runtime,
             model_runner,
             self.last_layer_id,
             self.page_table,

@@ -32,11 +32,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
-from sgl_importance.cache import shared_importance
-from sgl_importance.cache.policy_state import importance_strategy
+from sgl_importance.cache.policy_state import policy_of
 from sgl_importance.importance.node_state import node_pinned, node_state, peek_state
 from sgl_importance.importance.persistent import ImportanceAggregator
-from sgl_importance.metrics import importance_metrics
 
 # A node's ``NodeImportance.storage``: None (never decided), DEFERRED or ADMITTED.
 DEFERRED = "deferred"
@@ -60,10 +58,11 @@ class StorageAdmission:
     def active(self) -> bool:
         return self.min_hits > 0 or self.min_importance > 0.0
 
-    def qualifies(self, node: Any, aggregator: ImportanceAggregator) -> bool:
+    def qualifies(self, node: Any, aggregator: ImportanceAggregator, shared: Any = None) -> bool:
+        """Whether ``node`` may be written; ``shared``: the importance other instances
+        published through a shared store (``storage/shared``), or None."""
         if not self.active or node_pinned(node):
             return True
-        shared = shared_importance.current()
         hashes = node.hash_value or ()
         if self.min_hits > 0:
             # Hits any instance sharing the storage tier saw count (theirs from the store).
@@ -90,17 +89,15 @@ def _storage_decision(node: Any) -> Optional[str]:
     return None if state is None else state.storage
 
 
-def _policy(cache: Any) -> tuple[Optional[StorageAdmission], Optional[ImportanceAggregator]]:
-    strategy = importance_strategy(cache)
-    if strategy is None or not strategy.admission.active:
-        return None, None
-    return strategy.admission, strategy.aggregator
+def _active_policy(cache: Any) -> Any:
+    policy = policy_of(cache)
+    return policy if policy is not None and policy.admission.active else None
 
 
 def gate_storage_write(original: Callable[[Any, Any], None], cache: Any, node_id: Any) -> None:
     """Around ``UnifiedRadixCache.write_backup_storage(node_id)``: write or defer."""
-    admission, aggregator = _policy(cache)
-    if admission is None or aggregator is None:
+    policy = _active_policy(cache)
+    if policy is None:
         return original(cache, node_id)
     try:
         node = cache.tree_core.node_by_id(node_id)
@@ -108,15 +105,15 @@ def gate_storage_write(original: Callable[[Any, Any], None], cache: Any, node_id
         return original(cache, node_id)
     if _storage_decision(node) == ADMITTED:
         return original(cache, node_id)
-    if admission.qualifies(node, aggregator) or any(
+    shared = policy.shared
+    if policy.admission.qualifies(node, policy.aggregator, shared) or any(
         _storage_decision(child) == ADMITTED for child in node.children.values()
     ):
-        _count(cache, "admitted", node)
+        _count(policy, cache, "admitted", node)
         node_state(node).storage = ADMITTED
         return original(cache, node_id)
-    _count(cache, "deferred", node)
+    _count(policy, cache, "deferred", node)
     node_state(node).storage = DEFERRED
-    shared = shared_importance.current()
     if shared is not None:
         # Read off this thread; the next fold that attends the node re-examines it.
         shared.want(node.hash_value or ())
@@ -126,12 +123,16 @@ def gate_storage_write(original: Callable[[Any, Any], None], cache: Any, node_id
 def admit_deferred(cache: Any, nodes: Iterable[Any]) -> int:
     """Write the deferred nodes among ``nodes`` that now qualify, with their deferred
     ancestors first. Returns the number of nodes written."""
-    admission, aggregator = _policy(cache)
-    if admission is None or aggregator is None:
+    policy = _active_policy(cache)
+    if policy is None:
         return 0
     written = 0
     for node in nodes:
-        if _storage_decision(node) != DEFERRED or not node.backuped or not admission.qualifies(node, aggregator):
+        if (
+            _storage_decision(node) != DEFERRED
+            or not node.backuped
+            or not policy.admission.qualifies(node, policy.aggregator, policy.shared)
+        ):
             continue
         chain = []
         cur = node
@@ -142,14 +143,14 @@ def admit_deferred(cache: Any, nodes: Iterable[Any]) -> int:
         for item in reversed(chain):
             # Marked first, so the gate lets the write through.
             node_state(item).storage = ADMITTED
-            _count(cache, "late", item)
+            _count(policy, cache, "late", item)
             cache.write_backup_storage(item.id)
             written += 1
     return written
 
 
-def _count(cache: Any, decision: str, node: Any) -> None:
-    metrics = importance_metrics(cache)
+def _count(policy: Any, cache: Any, decision: str, node: Any) -> None:
+    metrics = policy.metrics.importance(cache)
     if metrics is not None:
         metrics.storage_decision(decision, len(node.key))
 

@@ -28,9 +28,9 @@ from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
 
 from sgl_importance.cache.admission import split_state
+from sgl_importance.cache.policy import CachePolicy
 from sgl_importance.cache.prefetch import mark_evicted
-from sgl_importance.cache.strategy import POLICY_NAME, ImportanceStrategy
-from sgl_importance.metrics import importance_metrics
+from sgl_importance.importance.priority import POLICY_NAME
 
 
 class ImportanceFullComponent(FullComponent):
@@ -38,14 +38,14 @@ class ImportanceFullComponent(FullComponent):
     are counted by tier when SGLang's metrics are on."""
 
     @property
-    def _strategy(self) -> ImportanceStrategy:
+    def _policy(self) -> CachePolicy:
         # Installed only under ``importance`` (use_importance_components), so the tree
         # core built this cache's strategy from the policy name: always ours.
-        return self.tree_core.eviction_strategy
+        return self.tree_core.eviction_strategy.policy
 
     def redistribute_on_node_split(self, new_parent: Any, child: Any) -> None:
         super().redistribute_on_node_split(new_parent, child)
-        self._strategy.aggregator.split(new_parent, child, len(new_parent.key), self.tree_core.page_size)
+        self._policy.aggregator.split(new_parent, child, len(new_parent.key), self.tree_core.page_size)
         split_state(new_parent, child)
 
     def evict_component(
@@ -57,16 +57,17 @@ class ImportanceFullComponent(FullComponent):
         target: EvictLayer = EvictLayer.DEVICE,
     ) -> tuple[int, int]:
         freed, host_freed = super().evict_component(node, device_frees, host_frees, cache_actions, target=target)
+        policy = self._policy
+        metrics = policy.metrics.importance(self.cache) if freed or host_freed else None
         if freed:
-            mark_evicted(self.cache, node, freed)
+            mark_evicted(metrics, node, freed)
             self._remember_if_warm(node)
         if host_freed and self.cache.enable_storage:
             # Leaving the tree for good; the storage tier may bring it back.
-            self._strategy.stored.remember(node)
+            policy.stored.remember(node)
         if freed or host_freed:
-            metrics = importance_metrics(self.cache)
             if metrics is not None:
-                normalised = self._strategy.aggregator.normalised(node)
+                normalised = policy.aggregator.normalised(node)
                 if freed:
                     metrics.evicted("device", freed, normalised)
                 if host_freed:
@@ -75,22 +76,23 @@ class ImportanceFullComponent(FullComponent):
 
     def _remember_if_warm(self, node: Any) -> None:
         # Demoted (host copy kept) while important: a candidate to warm back.
-        strategy = self._strategy
+        policy = self._policy
         if not node.backuped:
             return
-        threshold = strategy.config.prefetch_min_importance
-        if threshold > 0.0 and strategy.aggregator.normalised(node) >= threshold:
-            strategy.warm.add(node)
+        threshold = policy.config.prefetch_min_importance
+        if threshold > 0.0 and policy.aggregator.normalised(node) >= threshold:
+            policy.warm.add(node)
 
 
 def uses_importance_policy(params: Any) -> bool:
     return (params.eviction_policy or "").lower() == POLICY_NAME
 
 
-def use_importance_components(params: Any) -> None:
+def use_importance_components(cache: Any, params: Any) -> None:
     """Before ``UnifiedRadixCache(params)``: install the FULL override for ``importance``.
 
-    Mutates ``params`` (a ``CacheInitParams``); other policies are left untouched.
+    Mutates ``params`` (a ``CacheInitParams``; ``cache`` is the one being built, not
+    read); other policies are left untouched.
     """
     if not uses_importance_policy(params) or params.disable:
         return

@@ -56,9 +56,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from sgl_importance.cache.policy_state import importance_strategy
+from sgl_importance.cache.policy_state import policy_of
 from sgl_importance.importance.node_state import node_importance, node_state, peek_state
-from sgl_importance.metrics import importance_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -67,32 +66,12 @@ WAITING_SCAN = 16
 # Host nodes considered for warming per batch (the most important ones).
 WARM_SCAN = 16
 
-_scheduler_ref: Optional[Callable[[], Any]] = None
-_adder_ref: Optional[Callable[[], Any]] = None
-
-
-def note_scheduler(scheduler: Any) -> None:
-    """After ``Scheduler.__init__``: remember the scheduler (its waiting queue)."""
-    global _scheduler_ref
-    _scheduler_ref = weakref.ref(scheduler)
-
-
-def current_scheduler() -> Any:
-    """The scheduler of this process (None before it is built, or in a test)."""
-    return _scheduler_ref() if _scheduler_ref is not None else None
-
 
 def note_prefill_adder(adder: Any) -> None:
     """After ``PrefillAdder.__init__``: the budget of the batch being built."""
-    global _adder_ref
-    _adder_ref = weakref.ref(adder)
-
-
-def _take_adder() -> Any:
-    # Used once: the adder belongs to the batch whose load-back starts next.
-    global _adder_ref
-    ref, _adder_ref = _adder_ref, None
-    return ref() if ref is not None else None
+    policy = policy_of(adder.tree_cache)
+    if policy is not None:
+        policy.note_adder(adder)
 
 
 @dataclass
@@ -292,7 +271,8 @@ def plan(
         waiting_queue: the scheduler's waiting requests, head first.
     """
     tree_core = cache.tree_core
-    config = strategy.config
+    policy = strategy.policy
+    config = policy.config
     chosen: list[Candidate] = []
     taken: set = set()
     # Nodes the chosen loads lock (paths and their ancestors): counted once, never victims.
@@ -305,7 +285,7 @@ def plan(
         ("waiting", waiting_candidates(tree_core, waiting_queue)),
         (
             "warm",
-            warm_candidates(tree_core, strategy.warm, strategy.aggregator, config.prefetch_min_importance),
+            warm_candidates(tree_core, policy.warm, policy.aggregator, config.prefetch_min_importance),
         ),
     ]
     for reason, nodes in sources:
@@ -364,11 +344,11 @@ def _eligible(cache: Any) -> bool:
 
 def prefetch_with_batch_load(original: Callable[[Any], int], cache: Any) -> int:
     """Around ``UnifiedRadixCache.ready_to_load_host_cache``: queue prefetches first."""
-    adder = _take_adder()
-    strategy = importance_strategy(cache)
-    if adder is not None and strategy is not None and _eligible(cache):
+    policy = policy_of(cache)
+    adder = None if policy is None else policy.take_adder()
+    if adder is not None and _eligible(cache):
         try:
-            issue(cache, strategy, adder)
+            issue(cache, cache.tree_core.eviction_strategy, adder)
         except Exception:  # a failed prefetch must never fail the batch
             logger.exception("importance prefetch failed; batch continues without it")
     return original(cache)
@@ -376,12 +356,13 @@ def prefetch_with_batch_load(original: Callable[[Any], int], cache: Any) -> int:
 
 def issue(cache: Any, strategy: Any, adder: Any) -> list[Candidate]:
     """Plan and queue this batch's prefetches; returns the ones queued."""
-    cap = strategy.config.prefetch_max_tokens
+    policy = strategy.policy
+    cap = policy.config.prefetch_max_tokens
     if cap <= 0:
         return []
     budget_obj = adder.memory_budget
     page = cache.page_size
-    scheduler = current_scheduler()
+    scheduler = policy.scheduler
     waiting: Iterable[Any] = ()
     # None before the scheduler is built (and in unit tests): no waiting queue to scan.
     if scheduler is not None:
@@ -401,7 +382,7 @@ def issue(cache: Any, strategy: Any, adder: Any) -> list[Candidate]:
         if not _consensus(cache, chosen):
             logger.warning("importance prefetch: ranks planned different loads; skipping this batch")
             return []
-        return _load(cache, chosen, budget_obj, page)
+        return _load(cache, policy.metrics.importance(cache), chosen, budget_obj, page)
     finally:
         for node_id, params in locks:
             cache.dec_lock_ref(node_id, params)
@@ -422,8 +403,7 @@ def _lock_admitted_prefixes(cache: Any, reqs: Iterable[Any]) -> list:
     return locks
 
 
-def _load(cache: Any, chosen: list[Candidate], budget_obj: Any, page: int) -> list[Candidate]:
-    metrics = importance_metrics(cache)
+def _load(cache: Any, metrics: Any, chosen: list[Candidate], budget_obj: Any, page: int) -> list[Candidate]:
     queued = []
     for c in chosen:
         # Re-checked live: an earlier load of this batch may have used the room.
@@ -448,9 +428,10 @@ def _load(cache: Any, chosen: list[Candidate], budget_obj: Any, page: int) -> li
     return queued
 
 
-def mark_used(cache: Any, nodes: Iterable[Any]) -> None:
-    """Prefetched nodes a running request attended: the prefetch paid off."""
-    metrics = None
+def mark_used(metrics: Any, nodes: Iterable[Any]) -> None:
+    """Prefetched nodes a running request attended: the prefetch paid off.
+
+    ``metrics``: the cache's ``ImportanceMetrics``, or None when SGLang's are off."""
     for node in nodes:
         state = peek_state(node)
         if state is None:
@@ -460,20 +441,16 @@ def mark_used(cache: Any, nodes: Iterable[Any]) -> None:
         if reason is None:
             continue
         state.prefetched = None
-        if metrics is None:
-            metrics = importance_metrics(cache)
-            if metrics is None:
-                return
-        metrics.prefetch(reason, "used", len(node.key))
+        if metrics is not None:
+            metrics.prefetch(reason, "used", len(node.key))
 
 
-def mark_evicted(cache: Any, node: Any, tokens: int) -> None:
+def mark_evicted(metrics: Any, node: Any, tokens: int) -> None:
     """The device tier evicted ``node``: a pending prefetch of it was wasted."""
     state = peek_state(node)
     if state is None or state.prefetched is None:
         return
     reason, state.prefetched = state.prefetched, None
     state.prefetch_wasted = True
-    metrics = importance_metrics(cache)
     if metrics is not None:
         metrics.prefetch(reason, "wasted", tokens)

@@ -41,8 +41,8 @@ import threading
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence
 
-from sgl_importance.cache import encoding, shared_importance
-from sgl_importance.cache.policy_state import core_strategy, importance_strategy
+from sgl_importance.cache import encoding
+from sgl_importance.cache.policy_state import core_policy, policy_of
 from sgl_importance.importance.node_state import has_importance, node_importance, node_state
 
 # Pages of a request's storage span looked up to rank its retry.
@@ -55,15 +55,18 @@ DEFAULT_CAPACITY = 1 << 16
 class StoredImportance:
     """Page hash → importance of the node the page belonged to when dropped."""
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, shared: Callable[[], Any] = lambda: None) -> None:
         self.capacity = capacity
         self._by_hash: "OrderedDict[str, float]" = OrderedDict()
+        # The importance shared through a Mooncake store (``storage/shared``), read
+        # when needed: the runtime starts it after the cache (and this) is built.
+        self.shared = shared
 
     def remember(self, node: Any) -> int:
         """Record ``node``'s importance under each of its page hashes; returns pages recorded."""
         value = node_importance(node)
         hashes = node.hash_value
-        shared = shared_importance.current()
+        shared = self.shared()
         if shared is not None and hashes:
             # Leaving this instance: the store keeps what it learnt for the others.
             shared.publish(hashes, value, node.hit_count)
@@ -86,7 +89,7 @@ class StoredImportance:
         known = [v for v in values if v is not None]
         if not known:
             return None
-        shared = shared_importance.current()
+        shared = self.shared()
         if shared is not None:
             shared.count("restored", sum(1 for h in hashes if shared.record(h) is not None))
         value = sum(known) / len(values)
@@ -97,7 +100,7 @@ class StoredImportance:
         # This process's memory and the shared store's record (when the storage tier
         # is shared): the larger, as the shared merge rule combines them.
         local = self._by_hash.get(page_hash)
-        shared = shared_importance.current()
+        shared = self.shared()
         remote = shared.importance(page_hash) if shared is not None else None
         if remote is None:
             return local
@@ -166,27 +169,12 @@ class PageClasses:
         return cls
 
 
-# The scheduler process's grading (one storage backend per scheduler); set by the
-# storage wrapper under --importance-storage-precision graded.
-_classes: Optional[PageClasses] = None
-
-
-def page_classes() -> Optional[PageClasses]:
-    return _classes
-
-
-def set_page_classes(classes: Optional[PageClasses]) -> None:
-    global _classes
-    _classes = classes
-
-
-def node_page_scores(node: Any, pages: int, page_size: int) -> list[float]:
+def node_page_scores(node: Any, pages: int, page_size: int, table: Any = None) -> list[float]:
     """Importance of each of a node's first ``pages`` pages: their accumulated attention
-    mass in the page table while the node is on the device, else the node's importance."""
+    mass in ``table`` (the page table) while the node is on the device, else the node's
+    importance."""
     from sgl_importance.importance.node_state import peek_state
-    from sgl_importance.importance.page_table import current_page_table
 
-    table = current_page_table()
     value = _device_value(node)
     if table is not None and value is not None and value.numel() >= pages * page_size:
         state = peek_state(node)
@@ -224,10 +212,14 @@ def _start_token(node: Any) -> int:
     return start
 
 
-def grade_before_storage_write(cache: Any, node_id: Any) -> int:
+def grade_before_storage_write(classes: Optional[PageClasses], tables: Any, cache: Any, node_id: Any) -> int:
     """Before ``UnifiedRadixCache.write_backup_storage(node_id)``: grade the node's pages
-    (under ``--importance-storage-precision graded``). Returns the pages graded."""
-    classes = page_classes()
+    (under ``--importance-storage-precision graded``). Returns the pages graded.
+
+    Args:
+        classes: the process's grading (the runtime's), None when grading is off.
+        tables: the process's ``PageTables``.
+    """
     if classes is None:
         return 0
     try:
@@ -238,7 +230,7 @@ def grade_before_storage_write(cache: Any, node_id: Any) -> int:
     if not hashes:
         return 0
     page_size = int(cache.page_size)
-    scores = node_page_scores(node, len(hashes), page_size)
+    scores = node_page_scores(node, len(hashes), page_size, tables.current)
     classes.assign(list(hashes), scores, _start_token(node) // page_size)
     return len(hashes)
 
@@ -250,11 +242,11 @@ def restore_after_insert_host(tree_core: Any, result: Any) -> int:
     this tree (a refilled node that kept its object keeps its own value).
     Returns the number of nodes restored.
     """
-    strategy = core_strategy(tree_core)
+    policy = core_policy(tree_core)
     node_id = result.inserted_host_node
-    if strategy is None or node_id is None:
+    if policy is None or node_id is None:
         return 0
-    stored = strategy.stored
+    stored = policy.stored
     restored = 0
     node = tree_core.node_by_id(node_id)
     while node is not None and node.parent is not None and not has_importance(node):
@@ -291,9 +283,17 @@ def request_storage_importance(stored: StoredImportance, cache: Any, req: Any) -
 
 
 def rank_storage_retries(
-    original: Callable[..., list], retries: Any, waiting_queue: Sequence[Any], *args: Any, **kwargs: Any
+    scheduler: Any,
+    original: Callable[..., list],
+    retries: Any,
+    waiting_queue: Sequence[Any],
+    *args: Any,
+    **kwargs: Any,
 ) -> list:
     """Around ``StoragePrefetchRetries.pop_ready``: the due retries, most important first.
+
+    ``scheduler``: the process's scheduler (the retries know no cache), None before
+    it is built.
 
     Only the order changes (which retries are due is SGLang's decision), and only
     under ``importance`` with something remembered; ties keep the queue order.
@@ -301,13 +301,10 @@ def rank_storage_retries(
     ready = original(retries, waiting_queue, *args, **kwargs)
     if len(ready) < 2:
         return ready
-    from sgl_importance.cache.prefetch import current_scheduler
-
-    scheduler = current_scheduler()
-    strategy = None if scheduler is None else importance_strategy(scheduler.tree_cache)
-    if strategy is None or not (len(strategy.stored) or shared_importance.current()):
+    policy = None if scheduler is None else policy_of(scheduler.tree_cache)
+    if policy is None or not (len(policy.stored) or policy.shared is not None):
         return ready
-    cache, stored = scheduler.tree_cache, strategy.stored
+    cache, stored = scheduler.tree_cache, policy.stored
     scores = [request_storage_importance(stored, cache, req) for req, _ in ready]
     order = sorted(range(len(ready)), key=lambda i: -scores[i])
     return [ready[i] for i in order]

@@ -18,8 +18,9 @@ others when ``pin_sinks`` is on. Ties fall back to ``last_access_time``, so with
 ``importance_weight=0, reuse_weight=0, pin_sinks=false`` the order is exactly LRU —
 the A/B baseline inside the same code path.
 
-The same instance carries the L3 admission rule (``cache/admission.py``) and the
-prefetch's candidates (``cache/prefetch.py``).
+The strategy is SGLang's shape and nothing more: priorities. The cache's state (the
+aggregator, L3 admission, the prefetch's candidates, stored importance) is a
+``CachePolicy`` (``cache/policy.py``) the runtime owns and hands in.
 Configured through SGLang's ``--radix-eviction-policy-config`` JSON (the
 strategy's constructor keywords, ``importance.priority.ImportancePolicyConfig``); an unknown key or
 an out-of-range value fails at start-up naming the flag, the key, the value and the
@@ -28,38 +29,35 @@ allowed range.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
-from sgl_importance.cache.admission import StorageAdmission
-from sgl_importance.cache.prefetch import WarmIndex
-from sgl_importance.cache.stored import StoredImportance
+from sgl_importance.cache.policy import CachePolicy
 from sgl_importance.importance.node_state import node_importance, node_pinned
-from sgl_importance.importance.persistent import ImportanceAggregator
 from sgl_importance.importance.priority import (
     POLICY_NAME,
-    ImportancePolicyConfig,
     PriorityWeights,
     eviction_priority,
     parse_policy_config,
 )
 
-_clock_module: Any = None
 
-
-def sglang_access_clock() -> float:
+class SGLangAccessClock:
     """The current value of SGLang's logical clock behind ``last_access_time``.
 
     The unified tree stamps nodes from a module-level counter; reading it (without
-    advancing it) gives "now" on the same scale. Resolved once: this runs per leaf.
+    advancing it) gives "now" on the same scale. The module is resolved once per
+    clock: this runs per leaf.
     """
-    global _clock_module
-    if _clock_module is None:
+
+    def __init__(self) -> None:
         from sglang.srt.mem_cache.unified_cache.components import base
 
-        _clock_module = base
-    return float(_clock_module._LAST_ACCESS_TIME_COUNTER_FLOAT)
+        self._base = base
+
+    def __call__(self) -> float:
+        return float(self._base._LAST_ACCESS_TIME_COUNTER_FLOAT)
 
 
 class ImportanceStrategy(EvictionStrategy):
@@ -72,32 +70,28 @@ class ImportanceStrategy(EvictionStrategy):
     reuse better than its last access time. Leaves are evicted in increasing order
     of that normalised mass blended with recency and hit count; attention sinks last.
 
-    Each instance owns the :class:`ImportanceAggregator` the scheduler folds the
-    page table into (``self.aggregator``), the L3 admission rule
-    (``self.admission``), the prefetch's warm candidates (``self.warm``) and the
-    importance of pages dropped to the storage tier (``self.stored``);
-    ``get_priority`` reads only plain Python fields.
+    ``get_priority`` reads only plain Python fields: three on the node, and the
+    scale of the cache's aggregator (``policy``, a ``CachePolicy``).
+
+    Args:
+        policy: the cache's state, from the runtime (``Runtime.cache_policy``).
+            SGLang's own factory call (keywords only) builds a private one.
+        **config: the policy's keywords, when no ``policy`` is given.
     """
 
-    def __init__(self, **config: Any) -> None:
-        self.config = ImportancePolicyConfig.from_mapping(config)
-        c = self.config
-        self.aggregator = ImportanceAggregator(decay=c.decay, sink_pages=c.sink_pages)
-        self.admission = StorageAdmission(min_hits=c.storage_min_hits, min_importance=float(c.storage_min_importance))
-        # Nodes demoted while important: what the prefetch warms back.
-        self.warm = WarmIndex()
-        # Importance of pages dropped to the storage tier, for the nodes rebuilt from it.
-        self.stored = StoredImportance()
+    def __init__(self, policy: Optional[CachePolicy] = None, **config: Any) -> None:
+        self.policy = policy if policy is not None else CachePolicy(config)
         # Resolved once: get_priority runs once per evictable leaf per pass.
-        self._weights = PriorityWeights.of(c)
+        self._weights = PriorityWeights.of(self.policy.config)
+        self._aggregator = self.policy.aggregator
         # "Now" on last_access_time's scale; tests substitute their own clock.
-        self.clock: Callable[[], float] = sglang_access_clock
+        self.clock: Callable[[], float] = SGLangAccessClock()
 
     def fresh_priority(self) -> tuple[int, float, float]:
         """The priority of a node inserted now, never attended nor hit: what every
         new request's KV gets. A node below it is evicted before any of those."""
         now = self.clock()
-        return eviction_priority(self._weights, 0.0, False, now, 0, now, self.aggregator.scale)
+        return eviction_priority(self._weights, 0.0, False, now, 0, now, self._aggregator.scale)
 
     def get_priority(self, node: Any) -> tuple[int, float, float]:
         """(tier, blended score, last_access_time); smaller is evicted first."""
@@ -108,7 +102,7 @@ class ImportanceStrategy(EvictionStrategy):
             node.last_access_time,
             node.hit_count,
             self.clock(),
-            self.aggregator.scale,
+            self._aggregator.scale,
         )
 
 

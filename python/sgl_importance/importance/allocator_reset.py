@@ -12,7 +12,8 @@ where SGLang's dense allocators give pages back:
   is open is skipped here and counted when the group closes;
 - ``clear()`` of both (``/flush_cache``, start-up): every page at once.
 
-Duck-typed over the allocator; nothing here imports SGLang.
+Each takes the process's ``PageTables`` (the runtime's) first. Duck-typed over the
+allocator; nothing here imports SGLang.
 """
 
 from __future__ import annotations
@@ -21,28 +22,28 @@ from typing import Any
 
 import torch
 
-from sgl_importance.importance.page_table import current_page_table
+from sgl_importance.importance.page_table import PageTables
 
 
-def pages_released(allocator: Any, *page_ids: torch.Tensor) -> None:
+def pages_released(tables: PageTables, allocator: Any, *page_ids: torch.Tensor) -> None:
     """After ``PagedTokenToKVPoolAllocator._release_page_ids(*page_ids)``."""
-    table = current_page_table()
+    table = tables.current
     if table is None:
         return
     for ids in page_ids:
         table.reset_pages(ids)
 
 
-def slots_freed(allocator: Any, free_index: torch.Tensor) -> None:
+def slots_freed(tables: PageTables, allocator: Any, free_index: torch.Tensor) -> None:
     """After ``TokenToKVPoolAllocator.free(free_index)`` (page size 1)."""
-    table = current_page_table()
+    table = tables.current
     if table is None or allocator.free_group is not None:
         return
     table.reset_pages(free_index)
 
 
-def allocator_cleared(allocator: Any) -> None:
+def allocator_cleared(tables: PageTables, allocator: Any) -> None:
     """After an allocator's ``clear()``."""
-    table = current_page_table()
+    table = tables.current
     if table is not None:
         table.reset_all()

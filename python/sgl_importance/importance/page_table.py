@@ -25,7 +25,7 @@ scheduler's stream; under overlap scheduling it may run beside a forward that no
 longer reads the freed page).
 
 Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang. The per-process
-table is reached through :func:`current_page_table`.
+table lives in a :class:`PageTables` the runtime owns.
 """
 
 from __future__ import annotations
@@ -216,71 +216,64 @@ class PageImportanceTable:
         }
 
 
-# One table per process: SGLang runs one target model runner per scheduler process,
-# and both the decode backends and the allocator hook must reach the same object.
-_current: Optional[PageImportanceTable] = None
-
-
-def current_page_table() -> Optional[PageImportanceTable]:
-    """The table of this process's model runner, or None before a backend made one."""
-    return _current
-
-
-def get_or_create_page_table(
-    pool_tokens: int,
-    *,
-    page_size: int,
-    reduce: str = "mean",
-    sample_interval: int = 1,
-    device: torch.device | str = "cpu",
-) -> PageImportanceTable:
-    """The process's table, created on first use (several backends may share it)."""
-    global _current
-    num_pages = pool_tokens // page_size + 1
-    if _current is None or not _current.matches(num_pages, page_size, device):
-        _current = PageImportanceTable(
-            num_pages,
-            page_size=page_size,
-            reduce=reduce,
-            sample_interval=sample_interval,
-            device=device,
-        )
-    return _current
-
-
-def clear_page_table() -> None:
-    """Drop the process's table (tests)."""
-    global _current
-    _current = None
-
-
 # Opt-in debug dump, so tests and people can see the table from outside the server.
 DUMP_DIR_ENV = "SGL_IMPORTANCE_DUMP_DIR"
-_last_dumped: Optional[tuple[int, int, int]] = None
 
 
 def dump_path(directory: str, pid: Optional[int] = None) -> str:
     return os.path.join(directory, f"page_table-{os.getpid() if pid is None else pid}.pt")
 
 
-def dump_current_table(directory: Optional[str] = None) -> Optional[str]:
-    """Write the current table's snapshot to ``$SGL_IMPORTANCE_DUMP_DIR`` when it changed.
+class PageTables:
+    """The process's page table: one, since SGLang runs one target model runner per
+    scheduler process, and the decode backends, the allocator hooks and the fold must
+    all reach the same object. Owned by the runtime (``runtime.py``)."""
 
-    Written to a temporary name and renamed, so a reader never sees half a file.
-    Returns the path written, or None when there was nothing new.
-    """
-    global _last_dumped
-    directory = directory or os.environ.get(DUMP_DIR_ENV)
-    table = _current
-    if not directory or table is None:
-        return None
-    state = table.snapshot()
-    version = (id(table), state["steps"], table.resets)
-    if version == _last_dumped:
-        return None
-    os.makedirs(directory, exist_ok=True)
-    path = dump_path(directory)
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    _last_dumped = version
-    return path
+    def __init__(self) -> None:
+        self.current: Optional[PageImportanceTable] = None
+        # (table, steps, resets) of the last dump, to skip unchanged ones.
+        self._dumped: Optional[tuple[int, int, int]] = None
+        # The fold warns once when a policy needs a table no backend made.
+        self.warned_missing = False
+
+    def get_or_create(
+        self,
+        pool_tokens: int,
+        *,
+        page_size: int,
+        reduce: str = "mean",
+        sample_interval: int = 1,
+        device: torch.device | str = "cpu",
+    ) -> PageImportanceTable:
+        """The table, created on first use (several backends may share it)."""
+        num_pages = pool_tokens // page_size + 1
+        if self.current is None or not self.current.matches(num_pages, page_size, device):
+            self.current = PageImportanceTable(
+                num_pages,
+                page_size=page_size,
+                reduce=reduce,
+                sample_interval=sample_interval,
+                device=device,
+            )
+        return self.current
+
+    def dump(self, *, directory: Optional[str] = None) -> Optional[str]:
+        """Write the table's snapshot to ``$SGL_IMPORTANCE_DUMP_DIR`` when it changed.
+
+        Written to a temporary name and renamed, so a reader never sees half a file.
+        Returns the path written, or None when there was nothing new.
+        """
+        directory = directory or os.environ.get(DUMP_DIR_ENV)
+        table = self.current
+        if not directory or table is None:
+            return None
+        state = table.snapshot()
+        version = (id(table), state["steps"], table.resets)
+        if version == self._dumped:
+            return None
+        os.makedirs(directory, exist_ok=True)
+        path = dump_path(directory)
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        self._dumped = version
+        return path

@@ -11,7 +11,7 @@ plain torch in SGLang, works unchanged.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -37,6 +37,11 @@ def check_hicache_support(layout: str | None, io_backend: str | None) -> None:
             f"--hicache-io-backend {io_backend!r} is not supported on the torch_cpu "
             f"platform; choose one of {', '.join(SUPPORTED_IO_BACKENDS)}"
         )
+
+
+def host_pool_cls(original: Callable[..., type], buffer_info: Any) -> type:
+    """Around ``get_mha_host_pool_cls(buffer_info)``: the torch_cpu host pool class."""
+    return torch_host_pool_cls(original(buffer_info))
 
 
 def torch_host_pool_cls(upstream: type) -> type:

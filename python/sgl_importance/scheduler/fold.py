@@ -34,25 +34,21 @@ from typing import Any, Iterable, Optional
 import torch
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-from sgl_importance.cache import shared_importance
 from sgl_importance.cache.admission import admit_deferred
-from sgl_importance.cache.policy_state import importance_strategy
+from sgl_importance.cache.policy_state import policy_of
 from sgl_importance.cache.prefetch import mark_used
 from sgl_importance.importance.node_state import node_importance, node_state
-from sgl_importance.importance.page_table import current_page_table
 from sgl_importance.importance.persistent import ImportanceAggregator, Observation
-from sgl_importance.metrics import importance_metrics
 
 logger = logging.getLogger(__name__)
 
 _FULL = int(ComponentType.FULL)
-_warned_no_table = False
 
 
 def aggregator_of(tree_cache: Any) -> Optional[ImportanceAggregator]:
-    """The aggregator of the cache's ``importance`` strategy, or None under other policies."""
-    strategy = importance_strategy(tree_cache)
-    return None if strategy is None else strategy.aggregator
+    """The aggregator of the cache's ``importance`` policy, or None under other policies."""
+    policy = policy_of(tree_cache)
+    return None if policy is None else policy.aggregator
 
 
 def fold_after_batch(scheduler: Any, batch: Any) -> int:
@@ -63,28 +59,29 @@ def fold_after_batch(scheduler: Any, batch: Any) -> int:
         was no decode batch, or no new step was recorded).
     """
     tree_cache = scheduler.tree_cache
-    aggregator = aggregator_of(tree_cache)
-    if aggregator is None or batch is None or not batch.forward_mode.is_decode():
+    policy = policy_of(tree_cache)
+    if policy is None or batch is None or not batch.forward_mode.is_decode():
         return 0
-    table = current_page_table()
+    aggregator = policy.aggregator
+    table = policy.page_tables.current
     if table is None:
-        _warn_no_table()
+        _warn_no_table(policy.page_tables)
         return 0
+    metrics = policy.metrics.importance(tree_cache)
     observations = list(observe(tree_cache.tree_core, batch.reqs, table.page_size))
-    mark_used(tree_cache, (o.node for o in observations))
+    mark_used(metrics, (o.node for o in observations))
     # Past this line every rank of the tree group must reach the collective.
     steps = aggregator.fold(table, observations, tree_group(tree_cache))
     if steps:
         # Deferred nodes that earned importance now go to the storage tier.
         admit_deferred(tree_cache, (o.node for o in observations))
-        shared = shared_importance.current()
+        shared = policy.shared
         if shared is not None:
             # Queued only; the shared store is written off this thread.
             for o in observations:
                 hashes = o.node.hash_value
                 if hashes:
                     shared.publish(hashes, node_importance(o.node), o.node.hit_count)
-        metrics = importance_metrics(tree_cache)
         if metrics is not None:
             normalised = [aggregator.normalised(o.node) for o in observations]
             metrics.folded(steps, aggregator.scale, normalised)
@@ -150,10 +147,9 @@ def _device_pages(node: Any, page_size: int) -> Optional[torch.Tensor]:
     return pages
 
 
-def _warn_no_table() -> None:
-    global _warned_no_table
-    if not _warned_no_table:
-        _warned_no_table = True
+def _warn_no_table(tables: Any) -> None:
+    if not tables.warned_missing:
+        tables.warned_missing = True
         logger.warning(
             "--radix-eviction-policy importance: no page importance is recorded with "
             "this attention backend; eviction falls back to recency and reuse. "

@@ -1,7 +1,8 @@
 """Opt-in recording of per-step page importance, scheduler side (``--importance-trace-dir``).
 
-Three pieces, each reached from one hook in ``plugin.py`` (registered only when the
-flag is on, so an unrecorded server runs none of this):
+Three pieces, held for the scheduler process by ``trace/tracing.py``'s ``Tracing``
+(the runtime's), each reached from one hook in ``plugin.py`` (registered only when
+the flag is on, so an unrecorded server runs none of this):
 
 - :class:`StepCapture` watches the process's ``PageImportanceTable``: it keeps the
   decode step's per-request importance ``[bs, max_pages]`` reduced over layers the
@@ -51,7 +52,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -422,84 +423,3 @@ def _page_nodes(path: Optional[RadixPath], n_pages: int, page_size: int) -> np.n
     inside = which < len(ids)
     nodes[inside] = np.asarray(ids, np.int64)[which[inside]]
     return nodes
-
-
-# -- process-wide state, reached from plugin.py's hooks ---------------------------
-
-_capture: Optional[StepCapture] = None
-_recorder: Optional[Recorder] = None
-
-
-def capture() -> StepCapture:
-    global _capture
-    if _capture is None:
-        _capture = StepCapture()
-    return _capture
-
-
-def start_recorder(scheduler: Any) -> Optional[Recorder]:
-    """After ``Scheduler.__init__``: start the writer for rank 0 when the flag is on."""
-    global _recorder
-    from sglang.srt.runtime_context import get_parallel
-
-    from sgl_importance.config import config_of
-
-    server_args = scheduler.server_args
-    config = config_of(server_args)
-    if config.trace_dir is None or _recorder is not None:
-        return _recorder
-    # SGLang keeps a process's ranks in its runtime context, not on the scheduler.
-    parallel = get_parallel()
-    if parallel.tp_rank != 0 or (parallel.dp_rank or 0) != 0:
-        return None
-    out = os.environ.get(TRACE_ENV) or str(Path(config.trace_dir).expanduser().resolve())
-    meta = {
-        "page_size": int(server_args.page_size),
-        "model": str(server_args.served_model_name or server_args.model_path),
-        "workload": "live",
-        "extra": {
-            "source": "sgl_importance.trace.recorder",
-            "reduce": config.reduce,
-            "sample_interval": config.sample_interval,
-            "attention_backend": str(server_args.attention_backend),
-        },
-    }
-    _recorder = Recorder(out, max_rows=config.trace_max_rows, meta=meta)
-    logger.info("recording page importance to %s", out)
-    return _recorder
-
-
-def on_add_layer(table: Any, importance: Any, kv_indptr: Any, kv_indices: Any) -> None:
-    capture().add_layer(table, importance, kv_indptr, kv_indices)
-
-
-def on_finish_step(table: Any) -> None:
-    capture().finish_step(table)
-
-
-def around_batch_result(original: Callable[..., Any], scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """Around ``Scheduler.process_batch_result``: record before (requests still hold
-    their KV rows), file finished requests and push after (they are known, and inserted)."""
-    # Only the unified radix cache has a tree core (see cache/policy_state.py).
-    tree_core = getattr(scheduler.tree_cache, "tree_core", None)
-    if _recorder is not None:
-        _guarded(lambda: _recorder.record_batch(capture(), batch, tree_core))
-    result = original(scheduler, batch, *args, **kwargs)
-    if _recorder is not None:
-        # After: SGLang has inserted the finished requests (prompt and output) into the tree.
-        _guarded(lambda: _recorder.finish_requests(batch, capture().steps, tree_core))
-    if _recorder is not None:
-        _guarded(lambda: _recorder.push_if_due(batch))
-    return result
-
-
-def _guarded(step: Callable[[], Any]) -> None:
-    global _recorder
-    try:
-        step()
-    except Exception:
-        # A recording fault must not take serving down: stop recording, keep the trace so far.
-        logger.exception("page-importance recording failed; recording stops, the trace is closed")
-        recorder, _recorder = _recorder, None
-        if recorder is not None:
-            recorder.close()

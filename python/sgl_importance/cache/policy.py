@@ -1,0 +1,78 @@
+"""CachePolicy: everything the ``importance`` policy keeps for one SGLang cache.
+
+The runtime (``runtime.py``) builds one per tree core when SGLang asks for the
+``importance`` eviction strategy, and hands it to that strategy; every hook reaches
+it from the cache it was given (``policy_state.policy_of``). It holds:
+
+- ``config``: the policy's ``--radix-eviction-policy-config``;
+- ``aggregator``: the fold of the page table into node importance, and its scale;
+- ``admission``: the L3 admission rule; ``warm``: the prefetch's warm candidates;
+  ``stored``: the importance of pages dropped to the storage tier;
+- what the runtime shares with it: the process's page tables and metrics, the
+  shared importance once a scheduler hook started it, and the scheduler and the
+  prefill adder of the batch being built (weak references, set by hooks).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Mapping, Optional
+
+from sgl_importance.cache.admission import StorageAdmission
+from sgl_importance.cache.prefetch import WarmIndex
+from sgl_importance.cache.stored import StoredImportance
+from sgl_importance.importance.page_table import PageTables
+from sgl_importance.importance.persistent import ImportanceAggregator
+from sgl_importance.importance.priority import ImportancePolicyConfig
+from sgl_importance.metrics import Metrics
+
+
+class CachePolicy:
+    """The ``importance`` policy's state for one cache (see the module docstring).
+
+    Args:
+        config: the strategy's keywords (``ImportancePolicyConfig.from_mapping``).
+        page_tables: the process's page table holder (``PageTables``).
+        metrics: the process's series (``Metrics``).
+    """
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        page_tables: Optional[PageTables] = None,
+        metrics: Optional[Metrics] = None,
+    ) -> None:
+        self.config = ImportancePolicyConfig.from_mapping(config)
+        c = self.config
+        self.aggregator = ImportanceAggregator(decay=c.decay, sink_pages=c.sink_pages)
+        self.admission = StorageAdmission(min_hits=c.storage_min_hits, min_importance=float(c.storage_min_importance))
+        # Nodes demoted while important: what the prefetch warms back.
+        self.warm = WarmIndex()
+        # Importance of pages dropped to the storage tier, for the nodes rebuilt from it.
+        self.stored = StoredImportance()
+        self.page_tables = page_tables if page_tables is not None else PageTables()
+        self.metrics = metrics if metrics is not None else Metrics()
+        # Importance shared through a Mooncake store (``storage/shared``); set by the
+        # runtime when the scheduler started it, None otherwise.
+        self.shared: Any = None
+        self._scheduler: Optional[weakref.ref] = None
+        self._adder: Optional[weakref.ref] = None
+        self.stored.shared = lambda: self.shared
+
+    @property
+    def scheduler(self) -> Any:
+        """The scheduler of this process (None before it is built, or in a test)."""
+        return self._scheduler() if self._scheduler is not None else None
+
+    @scheduler.setter
+    def scheduler(self, scheduler: Any) -> None:
+        self._scheduler = None if scheduler is None else weakref.ref(scheduler)
+
+    def note_adder(self, adder: Any) -> None:
+        """The prefill adder of the batch being built (its memory budget)."""
+        self._adder = weakref.ref(adder)
+
+    def take_adder(self) -> Any:
+        """The noted adder, once: it belongs to the batch whose load-back starts next."""
+        ref, self._adder = self._adder, None
+        return ref() if ref is not None else None
