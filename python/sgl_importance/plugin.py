@@ -108,7 +108,7 @@ async def _checked_json(original: Callable[..., Any], request: Any) -> Any:
 def _check_generate_request(
     original: Callable[..., Any], tokenizer_manager: Any, obj: Any, *args: Any, **kwargs: Any
 ) -> Any:
-    from sgl_importance.request_check import checked_generate
+    from sgl_importance.request_check.hook import checked_generate
 
     # Around, not before: the check must raise on the first step of the async
     # generator, where SGLang's own request errors surface on every endpoint.
