@@ -56,7 +56,7 @@ HOOKS = (
     Hook("managers.tokenizer_manager.TokenizerManager._validate_one_request", "prompt_check:check_hot_set_request", "before", "http"),
     Hook("managers.tokenizer_manager.TokenizerManager._validate_one_request", "prompt_check:check_before_validation", "before", "http"),
     # Around: the check raises on the generator's first step, where SGLang's own errors do.
-    Hook("managers.tokenizer_manager.TokenizerManager.generate_request", "request_check:checked_generate", "around", "http"),
+    Hook("managers.tokenizer_manager.TokenizerManager.generate_request", "request_check.hook:checked_generate", "around", "http"),
     Hook("entrypoints.http_server.ORJSONRequest.json", "serving:checked_json", "around", "http"),
     Hook("importance_torch", "attention.torch_backend:ImportanceTorchAttnBackend", "backend", "any", ("runtime",)),
     Hook("importance_triton", "attention.triton_backend:ImportanceTritonAttnBackend", "backend", "any", ("runtime",)),

@@ -69,7 +69,7 @@ def openai_prompt_field(request: Any) -> str | None:
 async def check_openai_request(original: Callable[..., Any], handler: Any, request: Any, raw_request: Any) -> Any:
     """AROUND-hook for ``OpenAIServingBase.handle_request``: every OpenAI check."""
     from sgl_importance.prompt_check import naming_prompt_field
-    from sgl_importance.request_check import InvalidFieldError, check_chat_template_kwargs
+    from sgl_importance.request_check.chat_template import InvalidFieldError, check_chat_template_kwargs
 
     try:
         check_chat_template_kwargs(getattr(request, "chat_template_kwargs", None))

@@ -8,16 +8,11 @@ import types
 import pytest
 
 from sgl_importance.prompt_check import naming_prompt_field
-from sgl_importance.request_check import (
-    MAX_STOP_REGEX_PATHS,
-    MAX_TOP_K,
-    InvalidFieldError,
-    RequestLimits,
-    caller_field,
-    check_generate_request,
-    checked_generate,
-    stop_regex_cost,
-)
+from sgl_importance.request_check.fields import InvalidFieldError, RequestLimits, caller_field
+from sgl_importance.request_check.generate import check_generate_request
+from sgl_importance.request_check.hook import checked_generate
+from sgl_importance.request_check.sampling import MAX_TOP_K
+from sgl_importance.request_check.stop import MAX_STOP_REGEX_PATHS, stop_regex_cost
 
 VOCAB = 1000
 LIMITS = RequestLimits(
@@ -296,7 +291,7 @@ def test_an_embedding_request_is_not_checked():
 def _real_limits() -> RequestLimits:
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    from sgl_importance.request_check import INTERNAL_SAMPLING_FIELDS
+    from sgl_importance.request_check.hook import INTERNAL_SAMPLING_FIELDS
 
     return RequestLimits(
         vocab_size=VOCAB,
@@ -310,7 +305,7 @@ def _real_limits() -> RequestLimits:
 def test_the_session_fields_checked_are_sglangs():
     from sglang.srt.managers.io_struct import SessionParams
 
-    from sgl_importance.request_check import SESSION_FIELDS
+    from sgl_importance.request_check.generate import SESSION_FIELDS
 
     assert set(SESSION_FIELDS) == set(SessionParams.__struct_fields__)
 
@@ -335,7 +330,7 @@ def test_sglangs_own_request_objects_are_checked_as_built_from_a_body():
 
 
 def test_chat_template_kwargs_may_not_set_the_template_calls_own_parameters():
-    from sgl_importance.request_check import check_chat_template_kwargs
+    from sgl_importance.request_check.chat_template import check_chat_template_kwargs
 
     check_chat_template_kwargs({"enable_thinking": False, "custom": 3})
     for key in ("add_generation_prompt", "chat_template", "tokenize"):
@@ -349,7 +344,7 @@ def test_the_reserved_template_kwargs_are_the_tokenizers_apply_chat_template_par
 
     from transformers import PreTrainedTokenizerBase
 
-    from sgl_importance.request_check import CHAT_TEMPLATE_PARAMETERS
+    from sgl_importance.request_check.chat_template import CHAT_TEMPLATE_PARAMETERS
 
     named = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"self", "kwargs"}
     assert named <= CHAT_TEMPLATE_PARAMETERS

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sgl_importance.sim.policies import Policy, StreamContext, register
+from sgl_importance.sim.policy_base import Policy, StreamContext
 
 
 def demanded_rows(ev_row_ptr: np.ndarray, ev_demand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -49,10 +49,10 @@ def next_use(row_keys: np.ndarray, ev_row_ptr: np.ndarray, ev_demand: np.ndarray
     return out
 
 
-@register("belady")
 class Belady(Policy):
     """Belady's MIN: evict the page whose next demand is farthest in the future (offline)."""
 
+    name = "belady"
     offline = True
 
     def reset(self, ctx: StreamContext) -> None:

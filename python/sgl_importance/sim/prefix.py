@@ -44,10 +44,9 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from sgl_importance.importance.priority import SINK_PAGES_MAX
-from sgl_importance.sim import belady as _belady  # noqa: F401  (registers "belady")
-from sgl_importance.sim import shipped as _shipped  # noqa: F401  (registers "shipped")
 from sgl_importance.sim.metrics import Counts, ReplayResult
-from sgl_importance.sim.policies import Policy, StreamContext, make_policy
+from sgl_importance.sim.policies import make_policy
+from sgl_importance.sim.policy_base import Policy, StreamContext
 from sgl_importance.trace.schema import TraceMeta
 from sgl_importance.trace.splits import resolve_splits
 from sgl_importance.trace.tables import Accesses, Requests

@@ -34,10 +34,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from sgl_importance.sim import belady as _belady  # noqa: F401  (registers "belady")
-from sgl_importance.sim import shipped as _shipped  # noqa: F401  (registers "shipped")
 from sgl_importance.sim.metrics import Counts, ReplayResult
-from sgl_importance.sim.policies import Policy, StreamContext, make_policy
+from sgl_importance.sim.policies import make_policy
+from sgl_importance.sim.policy_base import HotCache, Policy, StreamContext
 from sgl_importance.trace.tables import Accesses
 
 
@@ -240,25 +239,6 @@ def prepare_hot(trace: Accesses, demand: str = "mass:0.9", scope: str = "request
         row_page=page_id.astype(np.int64),
         row_position=position.astype(np.int32),
     )
-
-
-class HotCache:
-    """Residency of one stream's pages under a page budget."""
-
-    def __init__(self, n_keys: int, budget: int, policy: Policy) -> None:
-        self.resident = np.zeros(n_keys, bool)
-        self.n_res = 0
-        self.budget = int(budget)
-        self.policy = policy
-
-    def evict(self, keys: np.ndarray) -> None:
-        self.resident[keys] = False
-        self.n_res -= keys.shape[0]
-        self.policy.evicted(keys)
-
-    def admit(self, keys: np.ndarray) -> None:
-        self.resident[keys] = True
-        self.n_res += keys.shape[0]
 
 
 @dataclass

@@ -51,7 +51,7 @@ from sgl_importance.importance.priority import (
     eviction_priority,
     parse_policy_config,
 )
-from sgl_importance.sim.policies import Policy, StreamContext, register
+from sgl_importance.sim.policy_base import Policy, StreamContext
 
 # SGLang stamps a matched path from the leaf up, each ancestor this much earlier.
 ANCESTOR_STEP = 1e-5
@@ -67,7 +67,6 @@ def _spec_value(text: Any) -> Any:
         return text  # the config's check names the key and the allowed range
 
 
-@register("shipped")
 class Shipped(Policy):
     """The deployed radix eviction priority (``cache/strategy.py``), ranked at eviction time.
 
@@ -76,6 +75,7 @@ class Shipped(Policy):
     ``--radix-eviction-policy-config``.
     """
 
+    name = "shipped"
     ranks_at_eviction = True
     raw_params = True
 

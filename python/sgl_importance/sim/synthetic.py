@@ -159,6 +159,41 @@ def _base_for(
     return base
 
 
+def _topical(
+    rid: int,
+    turn: int,
+    arrival: int,
+    nodes: list[int],
+    tokens: list[int],
+    out_node: int,
+    n_decode: int,
+    base: np.ndarray,
+    *,
+    active: np.ndarray,
+    q: float,
+) -> _Req:
+    """A chat-like request: its prompt's structure, a recency bump 1.5 pages wide, and
+    ``active`` pages that each fire (gain 4) with probability ``q`` per step.
+
+    The path lists are copied: the generators keep growing theirs for the next turn.
+    """
+    return _Req(
+        rid,
+        turn,
+        arrival,
+        list(nodes),
+        list(tokens),
+        out_node,
+        n_decode,
+        base,
+        recency=3.0,
+        width=1.5,
+        active=active,
+        q=q,
+        gain=4.0,
+    )
+
+
 class _Ids:
     def __init__(self) -> None:
         self.next = 1
@@ -192,23 +227,7 @@ def _multi_turn(rng: np.random.Generator, scale: float, ps: int) -> list[_Req]:
                 cand = np.setdiff1d(cand, topical)
                 topical = np.concatenate([topical, rng.choice(cand, size=min(3, cand.shape[0]), replace=False)])
             out = new()
-            reqs.append(
-                _Req(
-                    rid,
-                    turn,
-                    t0,
-                    list(nodes),
-                    list(toks),
-                    out,
-                    n_dec,
-                    base,
-                    recency=3.0,
-                    width=1.5,
-                    active=topical.copy(),
-                    q=0.2,
-                    gain=4.0,
-                )
-            )
+            reqs.append(_topical(rid, turn, t0, nodes, toks, out, n_dec, base, active=topical.copy(), q=0.2))
             rid += 1
             nodes.append(out)
             toks.append(n_dec)
@@ -235,21 +254,7 @@ def _rag(rng: np.random.Generator, scale: float, ps: int) -> list[_Req]:
         off = math.ceil(128 / ps)
         n_dec = int(rng.integers(96, 160))
         reqs.append(
-            _Req(
-                rid,
-                0,
-                t,
-                nodes,
-                toks,
-                new(),
-                n_dec,
-                base,
-                recency=3.0,
-                width=1.5,
-                active=off + key_pages[d],
-                q=0.4 if hot else 0.25,
-                gain=4.0,
-            )
+            _topical(rid, 0, t, nodes, toks, new(), n_dec, base, active=off + key_pages[d], q=0.4 if hot else 0.25)
         )
         t += int(rng.integers(20, 60))
     return reqs
@@ -273,23 +278,7 @@ def _agent(rng: np.random.Generator, scale: float, ps: int) -> list[_Req]:
             base = _base_for(nodes, toks, ps, gains)
             n_dec = int(rng.integers(48, 96))
             act = new()
-            reqs.append(
-                _Req(
-                    rid,
-                    it,
-                    t,
-                    list(nodes),
-                    list(toks),
-                    act,
-                    n_dec,
-                    base,
-                    recency=3.0,
-                    width=1.5,
-                    active=tool_pages,
-                    q=0.3,
-                    gain=4.0,
-                )
-            )
+            reqs.append(_topical(rid, it, t, nodes, toks, act, n_dec, base, active=tool_pages, q=0.3))
             rid += 1
             obs = new()
             nodes += [act, obs]
