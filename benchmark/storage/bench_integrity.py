@@ -57,7 +57,7 @@ def storage_config():
 def make_backend(directory: Path, wrapped: bool, pool: FlatPool):
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
-    from sgl_importance.cache.integrity import wrap_backend
+    from sgl_importance.storage.factory import wrap_backend
 
     os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(directory)
     backend = HiCacheFile(storage_config())

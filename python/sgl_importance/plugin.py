@@ -26,14 +26,14 @@ imports nothing heavy in processes that never reach them.
 | FULL component override under `importance`      | cache/components.py           |
 | fold the page table into tree nodes per batch    | scheduler/fold.py             |
 | L3 admission: gate writes to the storage tier    | cache/admission.py            |
-| grade pages' storage precision before the write  | cache/stored.py, cache/encoding.py |
+| grade pages' storage precision before the write  | cache/stored.py, storage/precision.py |
 | prefetch host→device with the batch's load-back  | cache/prefetch.py             |
 | importance back onto nodes rebuilt from storage  | cache/stored.py               |
 | storage fetch retries, most important first      | cache/stored.py               |
-| storage pages sealed + verified; writes pause    | cache/integrity.py            |
-| `file` tier: directory check, leftovers, drops   | cache/file_tier.py            |
-| `mooncake` tier: master check, whole sealed pages| cache/mooncake_tier.py        |
-| importance shared next to pages in Mooncake Store| cache/shared_importance.py    |
+| storage pages sealed + verified; writes pause    | storage/factory.py, storage/wrapper.py |
+| `file` backend: directory check, leftovers, drops| storage/file.py               |
+| `mooncake` backend: master check, whole pages    | storage/mooncake.py           |
+| importance shared next to pages in Mooncake Store| storage/shared_importance.py  |
 | `--importance-trace-dir`: per-step page trace    | trace/recorder.py, writer_process.py |
 
 Private SGLang names the plugin relies on (SGLang may change them without notice;
@@ -45,9 +45,9 @@ the plugin reads on SGLang's objects, against the installed SGLang):
 | `mem_cache.utils._EVICTION_POLICY_FACTORIES` (policy name) | plugin.py                   |
 | `components.base._LAST_ACCESS_TIME_COUNTER_FLOAT` (clock)  | cache/strategy.py           |
 | `UnifiedRadixCache._all_reduce` (rank consensus)           | cache/prefetch.py           |
-| `HiCacheFile._get_suffixed_key` (page file names)          | cache/file_tier.py          |
-| `HiCacheFile._evictor` (forget a dropped page)             | cache/file_tier.py          |
-| `HiCacheStorageFailureInjector._backend` (unwrap)          | cache/integrity.py          |
+| `HiCacheFile._get_suffixed_key` (page file names)          | storage/file.py             |
+| `HiCacheFile._evictor` (forget a dropped page)             | storage/file.py             |
+| `HiCacheStorageFailureInjector._backend` (unwrap)          | storage/factory.py          |
 | `TritonAttnBackend._set_kv_buffer`                         | attention/triton_backend.py |
 | hook `PagedTokenToKVPoolAllocator._release_page_ids`       | importance/allocator_reset.py |
 | hook `TokenizerManager._validate_one_request`              | prompt_check.py             |
@@ -198,7 +198,7 @@ def _grade_storage_pages(cache: Any, node_id: Any) -> None:
 
 
 def _seal_storage_pages(original: Callable[..., Any], factory: Any, *args: Any, **kwargs: Any) -> Any:
-    from sgl_importance.cache.integrity import create_with_integrity
+    from sgl_importance.storage.factory import create_with_integrity
 
     # Around the factory, so every backend name (file, mooncake, dynamic) is wrapped
     # once, outside SGLang's own test failure injector.
@@ -206,14 +206,14 @@ def _seal_storage_pages(original: Callable[..., Any], factory: Any, *args: Any, 
 
 
 def _check_storage_dir(cls: Any, args: Any) -> None:
-    from sgl_importance.cache.file_tier import check_cli_args
+    from sgl_importance.storage.file import check_cli_args
 
     # In the launcher: a storage path that is a regular file stops start-up in one line.
     check_cli_args(args)
 
 
 def _check_mooncake_master(cls: Any, args: Any) -> None:
-    from sgl_importance.cache.mooncake_tier import check_cli_args
+    from sgl_importance.storage.mooncake import check_cli_args
 
     # In the launcher: an unreachable MOONCAKE_MASTER stops start-up in one line,
     # not in a scheduler traceback after the model loaded.

@@ -1,5 +1,5 @@
 """Importance shared next to the pages in a storage tier every instance reads
-(cache/shared_importance.py): its record format, its merge rule, and what the
+(storage/shared_importance.py): its record format, its merge rule, and what the
 tree's importance code does with it. No server; the store is a dict with the two
 calls Mooncake's client offers for it."""
 
@@ -12,11 +12,11 @@ import types
 import msgpack
 import pytest
 
-from sgl_importance.cache import shared_importance as si
 from sgl_importance.cache.admission import DEFERRED, admit_deferred
-from sgl_importance.cache.mooncake_tier import check_master
 from sgl_importance.cache.stored import StoredImportance
 from sgl_importance.importance.node_state import node_state, peek_state
+from sgl_importance.storage import shared_importance as si
+from sgl_importance.storage.mooncake import check_master
 from support.fake_tree import AdmissionCache
 
 HOUR = 3600.0
@@ -249,7 +249,7 @@ def test_an_unreachable_master_is_refused_in_one_line_naming_it(monkeypatch):
 def test_the_launcher_check_reads_the_master_from_the_extra_config_before_the_env(monkeypatch):
     import argparse
 
-    from sgl_importance.cache.mooncake_tier import check_cli_args
+    from sgl_importance.storage.mooncake import check_cli_args
 
     monkeypatch.delenv("MOONCAKE_CLIENT", raising=False)
     monkeypatch.delenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", raising=False)

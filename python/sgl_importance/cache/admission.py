@@ -20,7 +20,7 @@ Guarantees:
   cancelled, an acknowledged storage copy is never removed, and the host copy is
   untouched (SGLang's host locks still guard the in-flight write).
 
-With a shared storage tier (``shared_importance.py``) hits and importance other
+With a shared storage tier (``storage/shared_importance.py``) hits and importance other
 instances published for the node's pages count as well: ``hits`` is this
 instance's plus the others', importance the larger of its own and the shared one.
 
@@ -32,11 +32,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
-from sgl_importance.cache import shared_importance
 from sgl_importance.cache.policy_state import importance_strategy
 from sgl_importance.importance.node_state import node_pinned, node_state, peek_state
 from sgl_importance.importance.persistent import ImportanceAggregator
 from sgl_importance.metrics import importance_metrics
+from sgl_importance.storage import shared_importance
 
 # A node's ``NodeImportance.storage``: None (never decided), DEFERRED or ADMITTED.
 DEFERRED = "deferred"

@@ -34,7 +34,6 @@ from typing import Any, Iterable, Optional
 import torch
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-from sgl_importance.cache import shared_importance
 from sgl_importance.cache.admission import admit_deferred
 from sgl_importance.cache.policy_state import importance_strategy
 from sgl_importance.cache.prefetch import mark_used
@@ -42,6 +41,7 @@ from sgl_importance.importance.node_state import node_importance, node_state
 from sgl_importance.importance.page_table import current_page_table
 from sgl_importance.importance.persistent import ImportanceAggregator, Observation
 from sgl_importance.metrics import importance_metrics
+from sgl_importance.storage import shared_importance
 
 logger = logging.getLogger(__name__)
 

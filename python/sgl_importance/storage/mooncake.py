@@ -1,8 +1,8 @@
-"""SGLang's ``mooncake`` storage tier under the integrity wrapper, and its launcher check.
+"""The adapter for SGLang's ``mooncake`` storage backend under the sealing wrapper, and its launcher check.
 
 SGLang's ``MooncakeStore`` is zero-copy: its ``get``/``set`` take host-pool
 pointers and store each page as two objects (``<key>_<rank>_k``, ``_v``). The
-integrity wrapper (``integrity.py``) needs to store a *sealed* page — the bytes
+sealing wrapper (``wrapper.py``) needs to store a *sealed* page — the bytes
 plus a trailer — under one key, and to read it back whole to verify it.
 :class:`MooncakePages` gives the wrapper exactly that over the store client
 SGLang already set up (``backend.store``, a ``MooncakeDistributedStore``): one
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from sgl_importance.cache.integrity import TierOps
+from sgl_importance.storage.wrapper import BackendOps
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +144,8 @@ class MooncakePages(HiCacheStorage):
         return getattr(self.backend, name)
 
 
-def mooncake_tier_ops(pages: MooncakePages) -> TierOps:
-    return TierOps(where=lambda key: f"mooncake:{pages._object(key)}", drop=pages.drop, read=pages.read_object)
+def mooncake_ops(pages: MooncakePages) -> BackendOps:
+    return BackendOps(where=lambda key: f"mooncake:{pages._object(key)}", drop=pages.drop, read=pages.read_object)
 
 
 def master_address(extra_config: Optional[dict]) -> Optional[str]:
@@ -203,10 +203,13 @@ def check_cli_args(args: Any) -> None:
 
 def start_shared_importance(pages: MooncakePages, rank: int) -> Any:
     """The scheduler's shared importance over this store, under ``--radix-eviction-policy
-    importance`` (None otherwise: no other policy reads importance)."""
+    importance`` (None otherwise: no other policy reads importance).
+
+    Called by the factory when it builds the adapter; kept apart so that a scheduler
+    hook can start it instead."""
     from sglang.srt.runtime_context import get_server_args
 
-    from sgl_importance.cache import shared_importance
+    from sgl_importance.storage import shared_importance
 
     try:
         server_args = get_server_args()

@@ -1,6 +1,6 @@
 """Page importance that travels with the pages, through a shared storage tier.
 
-``stored.py`` remembers, per process, the importance of pages dropped to the
+``cache/stored.py`` remembers, per process, the importance of pages dropped to the
 storage tier. When the tier is shared (Mooncake Store: every instance reads what
 any instance wrote), a server that fetches a prefix another instance computed
 would rebuild its nodes at importance 0 and never see the other instance's hits.
