@@ -57,12 +57,12 @@ def storage_config():
 def make_backend(directory: Path, wrapped: bool, pool: FlatPool):
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
-    from sgl_importance.cache.integrity import wrap_backend
+    from sgl_importance.storage.factory import wrap_backend
 
     os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(directory)
     backend = HiCacheFile(storage_config())
     if wrapped:
-        backend = wrap_backend(backend, "file", storage_config(), retry_s=30.0, enable_metrics=False)
+        backend = wrap_backend(backend, "file", storage_config(), retry_s=30.0)
     backend.register_mem_pool_host(pool)
     return backend
 

@@ -49,11 +49,11 @@ class ImportanceConfig:
     trace_dir: Optional[str] = None
     # Bound on the access rows one trace keeps; later rows are dropped and counted.
     trace_max_rows: int = 5_000_000
-    # Seal and verify every storage-tier page (cache/integrity.py); "off" = SGLang's raw pages.
+    # Seal and verify every storage-tier page (storage/wrapper.py); "off" = SGLang's raw pages.
     storage_integrity: str = "on"
     # Seconds storage-tier writes stay paused after repeated failures before a retry.
     storage_retry_s: float = 30.0
-    # Encoding of storage-tier pages (cache/encoding.py); "off" = the model's dtype.
+    # Encoding of storage-tier pages (storage/encoding.py); "off" = the model's dtype.
     storage_precision: str = "off"
     # JSON of the graded thresholds (STORAGE_PRECISION_DEFAULTS); None = the defaults.
     storage_precision_config: Optional[str] = None

@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Optional
 
 TIERS = ("device", "host")
-# Stored page classes by code, as cache/encoding.py numbers them.
+# Stored page classes by code, as storage/encoding.py numbers them.
 PAGE_CLASSES = ("full", "int8", "int4")
 # Normalised importance lives in [0, 1]; dense at the bottom, where eviction acts.
 IMPORTANCE_BUCKETS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
@@ -135,7 +135,7 @@ class ImportanceMetrics:
 
 
 class StorageIntegrityMetrics:
-    """Series of the storage tier's integrity wrapper (``cache/integrity.py``).
+    """Series of the storage tier's integrity wrapper (``storage/wrapper.py``).
 
     Args:
         labels: the storage ranks (``tp_rank``, ``pp_rank``).
@@ -186,7 +186,7 @@ class StorageIntegrityMetrics:
         self.page_bytes.labels(**self.labels, op=op, precision=precision).inc(nbytes)
 
     def page_of_class(self, op: str, cls: int, nbytes: int) -> None:
-        """``page`` by class code (``cache/encoding.py``: 0 full, 1 int8, 2 int4)."""
+        """``page`` by class code (``storage/encoding.py``: 0 full, 1 int8, 2 int4)."""
         self.page(op, PAGE_CLASSES[cls], nbytes)
 
     def paused(self) -> None:
@@ -194,7 +194,7 @@ class StorageIntegrityMetrics:
 
 
 class SharedImportanceMetrics:
-    """Series of the importance shared through the storage tier (``cache/shared_importance.py``)."""
+    """Series of the importance shared through the storage tier (``storage/shared_importance.py``)."""
 
     def __init__(self, labels: Mapping[str, Any], registry: Any = None) -> None:
         from prometheus_client import REGISTRY, Counter

@@ -17,9 +17,9 @@ reads, against the installed SGLang):
 | `mem_cache.utils._EVICTION_POLICY_FACTORIES` (policy name) | plugin.py                   |
 | `components.base._LAST_ACCESS_TIME_COUNTER_FLOAT` (clock)  | cache/strategy.py           |
 | `UnifiedRadixCache._all_reduce` (rank consensus)           | cache/prefetch.py           |
-| `HiCacheFile._get_suffixed_key` (page file names)          | cache/file_tier.py          |
-| `HiCacheFile._evictor` (forget a dropped page)             | cache/file_tier.py          |
-| `HiCacheStorageFailureInjector._backend` (unwrap)          | cache/integrity.py          |
+| `HiCacheFile._get_suffixed_key` (page file names)          | storage/file.py             |
+| `HiCacheFile._evictor` (forget a dropped page)             | storage/file.py             |
+| `HiCacheStorageFailureInjector._backend` (unwrap)          | storage/factory.py          |
 | `TritonAttnBackend._set_kv_buffer`                         | attention/triton_backend.py |
 | hook `PagedTokenToKVPoolAllocator._release_page_ids`       | importance/allocator_reset.py |
 | hook `TokenizerManager._validate_one_request`              | prompt_check.py             |
@@ -87,11 +87,11 @@ HOOKS = (
     Hook("mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore.insert_host", "cache.stored:restore_after_insert_host", "after", "scheduler"),
     Hook("mem_cache.storage_prefetch.StoragePrefetchRetries.pop_ready", "cache.stored:rank_storage_retries", "around", "scheduler", ("scheduler",)),
     # Around the factory: every backend name is wrapped once, outside SGLang's failure injector.
-    Hook("mem_cache.storage.backend_factory.StorageBackendFactory.create_backend", "cache.integrity:create_with_integrity", "around", "scheduler"),
+    Hook("mem_cache.storage.backend_factory.StorageBackendFactory.create_backend", "runtime:Runtime.storage_backend", "around", "scheduler", ("runtime",)),
     # Launcher checks: a bad value stops start-up in one line, before any model loads.
     Hook("server_args.ServerArgs.from_cli_args", "trace.recorder:export_trace_dir", "check", "any"),
-    Hook("server_args.ServerArgs.from_cli_args", "cache.file_tier:check_cli_args", "check", "any"),
-    Hook("server_args.ServerArgs.from_cli_args", "cache.mooncake_tier:check_cli_args", "check", "any"),
+    Hook("server_args.ServerArgs.from_cli_args", "storage.file:check_cli_args", "check", "any"),
+    Hook("server_args.ServerArgs.from_cli_args", "storage.mooncake:check_cli_args", "check", "any"),
     Hook("managers.scheduler.Scheduler.__init__", "trace.tracing:Tracing.start", "after", "trace", ("tracing",)),
     Hook("sgl_importance.importance.page_table.PageImportanceTable.add_layer", "trace.tracing:Tracing.on_add_layer", "after", "trace", ("tracing",)),
     Hook("sgl_importance.importance.page_table.PageImportanceTable.finish_step", "trace.tracing:Tracing.on_finish_step", "after", "trace", ("tracing",)),

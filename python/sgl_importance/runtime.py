@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from sgl_importance.cache.policy import CachePolicy
 from sgl_importance.cache.strategy import ImportanceStrategy
@@ -30,6 +30,8 @@ from sgl_importance.hot_set.release import RELEASED, Released
 from sgl_importance.hot_set.request_params import REQUEST_PARAMS, RequestParams
 from sgl_importance.importance.page_table import PageTables
 from sgl_importance.metrics import Metrics
+from sgl_importance.storage.factory import create_with_integrity, share_importance
+from sgl_importance.storage.precision import PageClasses, page_classes_for
 from sgl_importance.trace.tracing import Tracing
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,13 @@ class Runtime:
         self.released: Released = RELEASED
         self.request_params: RequestParams = REQUEST_PARAMS
         self.tracing = Tracing()
+        # The storage grading under --importance-storage-precision graded (else None).
+        c = self.config
+        self.page_classes: Optional[PageClasses] = page_classes_for(
+            c.storage_precision, c.storage_precision_thresholds()
+        )
+        # Importance shared next to the pages of a Mooncake store, once one is built.
+        self.shared_importance: Any = None
         self._scheduler: Optional[weakref.ref] = None
 
     @property
@@ -67,8 +76,49 @@ class Runtime:
         """A new cache's policy state, sharing this runtime's page tables and metrics."""
         policy = CachePolicy(config, self.page_tables, self.metrics)
         policy.scheduler = self.scheduler
+        policy.shared = self.shared_importance
         self.policies.append(policy)
         return policy
+
+    def storage_backend(
+        self,
+        original: Callable[..., Any],
+        factory: Any,
+        backend_name: str,
+        storage_config: Any,
+        mem_pool_host: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """Around ``StorageBackendFactory.create_backend`` (at start-up or attached later):
+        SGLang's backend with its pages sealed (``storage/factory.py``) and, over a
+        Mooncake store under the ``importance`` policy, importance shared next to them."""
+        backend = create_with_integrity(
+            original,
+            factory,
+            backend_name,
+            storage_config,
+            mem_pool_host,
+            *args,
+            classes=self.page_classes,
+            metrics=self.metrics,
+            **kwargs,
+        )
+        self._share_importance(backend, storage_config.tp_rank)
+        return backend
+
+    def _share_importance(self, backend: Any, rank: int) -> None:
+        from sglang.srt.runtime_context import get_server_args
+
+        try:
+            server_args = get_server_args()
+        except Exception:  # built outside a launched server (tests, tools)
+            server_args = None
+        policy = server_args.radix_eviction_policy if server_args is not None else None
+        metrics = self.metrics if server_args is not None and server_args.enable_metrics else None
+        self.shared_importance = share_importance(backend, rank, policy, metrics)
+        for cache_policy in self.policies:
+            cache_policy.shared = self.shared_importance
 
     def attach_scheduler(self, scheduler: Any) -> None:
         """After ``Scheduler.__init__``: the caches are built; hand them the scheduler."""

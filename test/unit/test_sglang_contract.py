@@ -95,7 +95,7 @@ ATTRIBUTES = [
     # The MHA host pool's page geometry, which storage encoding reads (a rename would
     # silently store every page at the model's dtype).
     *(
-        Name(f"{MEM}.pool_host.mha.MHATokenToKVPoolHost", n, "cache/integrity.py")
+        Name(f"{MEM}.pool_host.mha.MHATokenToKVPoolHost", n, "storage/page.py, storage/wrapper.py")
         for n in ("layout", "layer_num", "page_size", "head_num", "head_dim", "get_dummy_flat_data_page")
     ),
     Name("sglang.srt.observability.metrics_collector.RadixCacheMetricsCollector", "labels", "metrics.py"),
@@ -186,27 +186,27 @@ ATTRIBUTES = [
     Name("sglang.srt.sampling.sampling_params.SamplingParams", "custom_params", "scheduler/hot_set_requests.py"),
     Name(REQ, "finished", "scheduler/hot_set_requests.py"),
     Name(SCHEDULER, "server_args", "scheduler/hot_set_requests.py"),
-    # SGLang's Mooncake backend, which cache/mooncake_tier.py stores sealed pages through.
-    *(Name(f"{MOONCAKE}.MooncakeStore", n, "cache/mooncake_tier.py") for n in ("store", "config_prefix")),
-    Name(f"{MOONCAKE}.MooncakeStore", "config", "cache/integrity.py"),
-    Name(f"{MOONCAKE}.MooncakeStoreConfig", "master_server_address", "cache/integrity.py"),
+    # SGLang's Mooncake backend, which storage/mooncake.py stores sealed pages through.
+    *(Name(f"{MOONCAKE}.MooncakeStore", n, "storage/mooncake.py") for n in ("store", "config_prefix")),
+    Name(f"{MOONCAKE}.MooncakeStore", "config", "storage/factory.py"),
+    Name(f"{MOONCAKE}.MooncakeStoreConfig", "master_server_address", "storage/factory.py"),
     # The file tier's backend, and the host pools whose pages the storage tier seals.
-    Name(f"{MEM}.hicache_storage.HiCacheFile", "file_path", "cache/integrity.py, cache/file_tier.py"),
-    Name(f"{MEM}.hicache_storage.HiCacheFile", "metadata_cache", "cache/file_tier.py"),
-    Name(f"{MEM}.hicache_storage.MetadataCache", "remove", "cache/file_tier.py"),
-    Name(f"{MEM}.storage.file.lru_file_evictor.LRUFileEvictor", "abort", "cache/file_tier.py"),
-    *(Name(f"{MEM}.pool_host.base.HostKVCache", n, "cache/integrity.py") for n in ("dtype", "page_size", "layout")),
+    Name(f"{MEM}.hicache_storage.HiCacheFile", "file_path", "storage/factory.py, storage/file.py"),
+    Name(f"{MEM}.hicache_storage.HiCacheFile", "metadata_cache", "storage/file.py"),
+    Name(f"{MEM}.hicache_storage.MetadataCache", "remove", "storage/file.py"),
+    Name(f"{MEM}.storage.file.lru_file_evictor.LRUFileEvictor", "abort", "storage/file.py"),
+    *(Name(f"{MEM}.pool_host.base.HostKVCache", n, "storage/wrapper.py") for n in ("dtype", "page_size", "layout")),
     # Server arguments: the launcher checks read the parsed namespace (before from_cli_args),
     # the scheduler-side code the ServerArgs built from it.
     *(
-        Name(LAUNCHER_ARGS, n, "cache/file_tier.py, cache/mooncake_tier.py")
+        Name(LAUNCHER_ARGS, n, "storage/file.py, storage/mooncake.py")
         for n in ("hicache_storage_backend", "hicache_storage_backend_extra_config")
     ),
-    Name(LAUNCHER_ARGS, "enable_hierarchical_cache", "cache/file_tier.py"),
+    Name(LAUNCHER_ARGS, "enable_hierarchical_cache", "storage/file.py"),
     *(Name(LAUNCHER_ARGS, n, "cache/strategy.py") for n in ("radix_eviction_policy", "radix_eviction_policy_config")),
     *(Name(LAUNCHER_ARGS, n, "config.py") for n in ("attention_backend", "decode_attention_backend")),
-    Name(SERVER_ARGS, "enable_metrics", "cache/integrity.py, cache/mooncake_tier.py, attention/torch_backend.py"),
-    Name(SERVER_ARGS, "radix_eviction_policy", "cache/mooncake_tier.py"),
+    Name(SERVER_ARGS, "enable_metrics", "storage/factory.py, storage/mooncake.py, attention/torch_backend.py"),
+    Name(SERVER_ARGS, "radix_eviction_policy", "storage/mooncake.py"),
     Name("sglang.srt.model_executor.model_runner.ModelRunner", "server_args", "attention/"),
     # Hot-set page release (scheduler/hot_set_release.py).
     *(Name(CACHE, n, "scheduler/hot_set_release.py") for n in ("host_pool_group", "evict_host")),
@@ -239,9 +239,9 @@ PRIVATE = [
     Name(f"{MEM}.utils", "_EVICTION_POLICY_FACTORIES", "plugin.py"),
     Name(f"{MEM}.unified_cache.components.base", "_LAST_ACCESS_TIME_COUNTER_FLOAT", "cache/strategy.py"),
     Name(CACHE, "_all_reduce", "cache/prefetch.py"),
-    Name(f"{MEM}.hicache_storage.HiCacheFile", "_get_suffixed_key", "cache/file_tier.py"),
-    Name(f"{MEM}.hicache_storage.HiCacheFile", "_evictor", "cache/file_tier.py"),
-    Name(f"{MEM}.hicache_storage.HiCacheStorageFailureInjector", "_backend", "cache/integrity.py"),
+    Name(f"{MEM}.hicache_storage.HiCacheFile", "_get_suffixed_key", "storage/file.py"),
+    Name(f"{MEM}.hicache_storage.HiCacheFile", "_evictor", "storage/file.py"),
+    Name(f"{MEM}.hicache_storage.HiCacheStorageFailureInjector", "_backend", "storage/factory.py"),
     Name(
         "sglang.srt.layers.attention.triton_backend.TritonAttnBackend",
         "_set_kv_buffer",

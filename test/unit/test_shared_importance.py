@@ -1,5 +1,5 @@
 """Importance shared next to the pages in a storage tier every instance reads
-(cache/shared_importance.py): its record format, its merge rule, and what the
+(storage/shared_importance.py): its record format, its merge rule, and what the
 tree's importance code does with it. No server; the store is a dict with the two
 calls Mooncake's client offers for it."""
 
@@ -12,11 +12,11 @@ import types
 import msgpack
 import pytest
 
-from sgl_importance.cache import shared_importance as si
 from sgl_importance.cache.admission import DEFERRED, admit_deferred
-from sgl_importance.cache.mooncake_tier import check_master
 from sgl_importance.cache.stored import StoredImportance
 from sgl_importance.importance.node_state import node_state, peek_state
+from sgl_importance.storage import shared_importance as si
+from sgl_importance.storage.mooncake import check_master
 from support.fake_tree import AdmissionCache
 
 HOUR = 3600.0
@@ -42,13 +42,6 @@ class DictStore:
             raise RuntimeError("master unreachable")
         self.data.update(zip(keys, (bytes(v) for v in values)))
         return 0
-
-
-@pytest.fixture(autouse=True)
-def no_current_instance():
-    si.set_current(None)
-    yield
-    si.set_current(None)
 
 
 def test_a_record_reads_back_as_written():
@@ -176,14 +169,12 @@ def test_a_node_rebuilt_from_pages_another_instance_computed_gets_their_importan
     store = DictStore()
     writer, reader = pair(store)
     # The writer drops the node to storage: its StoredImportance publishes it.
-    si.set_current(writer)
-    StoredImportance().remember(node(["p1", "p2"], 0.4, hits=1))
+    StoredImportance(shared=lambda: writer).remember(node(["p1", "p2"], 0.4, hits=1))
     writer.flush()
     # Another process: nothing remembered locally, the hit query read the records.
-    si.set_current(reader)
     reader.fetch(["p1", "p2"])
     rebuilt = node(["p1", "p2"])
-    assert StoredImportance().recall(rebuilt) == pytest.approx(0.4)
+    assert StoredImportance(shared=lambda: reader).recall(rebuilt) == pytest.approx(0.4)
     assert peek_state(rebuilt).importance == pytest.approx(0.4)
 
 
@@ -192,9 +183,8 @@ def test_the_local_memory_and_the_shared_record_combine_to_the_larger():
     a, b = pair(store)
     a.publish(["p"], 0.9, hits=0)
     a.flush()
-    si.set_current(b)
     b.fetch(["p"])
-    stored = StoredImportance()
+    stored = StoredImportance(shared=lambda: b)
     stored._by_hash["p"] = 0.2
     assert stored.page_value("p") == pytest.approx(0.9)
 
@@ -204,8 +194,8 @@ def test_hits_another_instance_saw_qualify_a_node_for_the_storage_tier():
     a, b = pair(store)
     a.publish(["p"], 0.0, hits=2)
     a.flush()
-    si.set_current(b)
     cache = AdmissionCache(storage_min_hits=3)
+    cache.tree_core.eviction_strategy.policy.shared = b  # what the runtime hands each policy
     n = cache.add(hits=1, hashes=["p"])
     cache.write_backup_storage(n.id)
     # Deferred: this instance has seen one hit and has not read the record yet...
@@ -249,7 +239,7 @@ def test_an_unreachable_master_is_refused_in_one_line_naming_it(monkeypatch):
 def test_the_launcher_check_reads_the_master_from_the_extra_config_before_the_env(monkeypatch):
     import argparse
 
-    from sgl_importance.cache.mooncake_tier import check_cli_args
+    from sgl_importance.storage.mooncake import check_cli_args
 
     monkeypatch.delenv("MOONCAKE_CLIENT", raising=False)
     monkeypatch.delenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", raising=False)

@@ -1,6 +1,6 @@
 """Storage-tier page encoding: pages stored at the model's dtype, 8 or 4 bits by class.
 
-The encoding itself (``cache/encoding.py``: round trips within each class's bound,
+The encoding itself (``storage/encoding.py``: round trips within each class's bound,
 keys per channel and values per token, determinism, sizes, grading), and the
 integrity wrapper storing classes through SGLang's real ``file`` backend and a
 dict-backed Mooncake store (class in the trailer under the checksum, pages refused
@@ -19,20 +19,21 @@ import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
 
-from sgl_importance.cache import encoding, stored
-from sgl_importance.cache.encoding import FULL, INT4, INT8, LAYOUT_AXES, PageGeometry
-from sgl_importance.cache.integrity import (
+from sgl_importance.cache import stored
+from sgl_importance.config import ImportanceConfig
+from sgl_importance.storage import encoding
+from sgl_importance.storage.encoding import FULL, INT4, INT8, LAYOUT_AXES, PageGeometry
+from sgl_importance.storage.factory import wrap_backend
+from sgl_importance.storage.page import (
     CHECKSUM,
     ENCODED_VERSION,
     SHORT,
     TRAILER,
     TRAILER_BYTES,
     check_whole,
-    make_precision,
     seal_encoded,
-    wrap_backend,
 )
-from sgl_importance.config import ImportanceConfig
+from sgl_importance.storage.precision import PageClasses, make_precision, page_classes_for
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 8, 4
 # SmolLM2-135M, the model the servers here run: 30 layers, 3 KV heads, 64 channels.
@@ -209,14 +210,15 @@ class Tier:
         self.corrupt: list[str] = []
         self.pages: list[tuple[str, int, int]] = []
         self.pool = MHAPool(**pool_kwargs)
+        # The process's grading under "graded" (the runtime's).
+        self.classes = page_classes_for(precision, thresholds)
         self.storage = wrap_backend(
             HiCacheFile(storage_config()),
             "file",
             storage_config(),
             retry_s=30.0,
-            enable_metrics=False,
             precision=precision,
-            thresholds=thresholds,
+            classes=self.classes,
         )
         self.storage.on_corrupt = self.corrupt.append
         self.storage.on_page = lambda op, cls, n: self.pages.append((op, cls, n))
@@ -241,12 +243,6 @@ def tier_dir(tmp_path, monkeypatch) -> Path:
     directory = tmp_path / "hicache"
     monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(directory))
     return directory
-
-
-@pytest.fixture(autouse=True)
-def no_grading_left_behind():
-    yield
-    stored.set_page_classes(None)
 
 
 def canonical_error(pool: MHAPool, a: int, b: int) -> torch.Tensor:
@@ -368,7 +364,7 @@ def test_mixed_classes_in_one_prefix_round_trip_each_within_its_own_bound(tier_d
     tier = Tier("graded", thresholds={"keep": 0.25, "cold": 0.5, "sink_pages": 1})
     tier.pool.fill_random(6)
     keys = ["p0", "p1", "p2", "p3"]
-    classes = stored.page_classes().assign(keys, [0.0, 0.9, 0.5, 0.1], first_page=0)
+    classes = tier.classes.assign(keys, [0.0, 0.9, 0.5, 0.1], first_page=0)
     assert classes == [FULL, INT8, INT4, INT4]  # sink; then by importance: 0.9 int8, coldest int4
     assert tier.write(keys, [0, 1, 2, 3]) == [True] * 4
     assert tier.read(keys, [4, 5, 6, 7]) == [True] * 4
@@ -385,7 +381,7 @@ def test_a_page_never_graded_is_stored_at_8_bits_and_counted(tier_dir):
     tier.pool.fill_random(8)
     tier.write(["stray"], [0])
     assert [p[1] for p in tier.pages] == [INT8]
-    assert stored.page_classes().ungraded == 1
+    assert tier.classes.ungraded == 1
 
 
 class FlatPool(MHAPool):
@@ -434,12 +430,15 @@ class DictStore:
 
 
 def mooncake_tier(store: DictStore, precision: str) -> tuple:
-    from sgl_importance.cache.integrity import IntegrityStorage
-    from sgl_importance.cache.mooncake_tier import MooncakePages, mooncake_tier_ops
+    from sgl_importance.storage.mooncake import MooncakePages, mooncake_ops
+    from sgl_importance.storage.wrapper import IntegrityStorage
 
     pages = MooncakePages(SimpleNamespace(store=store, config_prefix="m"), rank=0)
     wrapped = IntegrityStorage(
-        pages, {"model": "m"}, ops=mooncake_tier_ops(pages), precision=make_precision(precision, None)
+        pages,
+        {"model": "m"},
+        ops=mooncake_ops(pages),
+        precision=make_precision(precision, page_classes_for(precision, None)),
     )
     pool = MHAPool()
     wrapped.register_mem_pool_host(pool)
@@ -537,16 +536,15 @@ def fake_node(hashes: list[str], slots: torch.Tensor, parent=None, start_tokens:
 def test_pages_are_graded_by_their_accumulated_attention_when_their_node_is_written(monkeypatch):
     from sgl_importance.importance import page_table
 
-    table = page_table.PageImportanceTable(16, page_size=PAGE)
+    tables = page_table.PageTables()
+    table = tables.current = page_table.PageImportanceTable(16, page_size=PAGE)
     table.accumulated[:] = torch.tensor([0.0, 0, 0, 0, 0.9, 0.1, 0.8, 0.0, 0.05, 0.3, 0, 0, 0, 0, 0, 0])
-    monkeypatch.setattr(page_table, "_current", table)
-    classes = stored.PageClasses(keep=0.2, cold=0.4, sink_pages=1)
-    stored.set_page_classes(classes)
+    classes = PageClasses(keep=0.2, cold=0.4, sink_pages=1)
     # Device pages 4..9 hold the node's six pages; it starts at token 32 (page 8: no sink).
     slots = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in range(4, 10)])
     node = fake_node([f"h{i}" for i in range(6)], slots, start_tokens=32)
     cache = SimpleNamespace(page_size=PAGE, tree_core=SimpleNamespace(node_by_id=lambda i: node))
-    assert stored.grade_before_storage_write(cache, 1) == 6
+    assert stored.grade_before_storage_write(classes, tables, cache, 1) == 6
     got = [classes.class_of(f"h{i}") for i in range(6)]
     # scores 0.9 0.1 0.8 0.0 0.05 0.3: keep 1 (0.9), cold 2 (0.0, 0.05), the rest int8
     assert got == [FULL, INT8, INT8, INT4, INT4, INT8]
@@ -555,16 +553,16 @@ def test_pages_are_graded_by_their_accumulated_attention_when_their_node_is_writ
 def test_the_first_page_of_a_sequence_is_a_sink_and_kept(monkeypatch):
     from sgl_importance.importance import page_table
 
-    monkeypatch.setattr(page_table, "_current", None)
-    classes = stored.PageClasses(keep=0.0, cold=1.0, sink_pages=1)
-    stored.set_page_classes(classes)
+    tables = page_table.PageTables()  # no table: a node's pages score its importance
+    classes = PageClasses(keep=0.0, cold=1.0, sink_pages=1)
     slots = torch.arange(3 * PAGE)
     node = fake_node(["a", "b", "c"], slots)
     cache = SimpleNamespace(page_size=PAGE, tree_core=SimpleNamespace(node_by_id=lambda i: node))
-    stored.grade_before_storage_write(cache, 1)
+    stored.grade_before_storage_write(classes, tables, cache, 1)
     assert [classes.class_of(h) for h in "abc"] == [FULL, INT4, INT4]
 
 
 def test_grading_is_a_no_op_unless_the_setting_is_graded():
-    stored.set_page_classes(None)
-    assert stored.grade_before_storage_write(SimpleNamespace(), 1) == 0
+    from sgl_importance.importance.page_table import PageTables
+
+    assert stored.grade_before_storage_write(None, PageTables(), SimpleNamespace(), 1) == 0

@@ -15,22 +15,12 @@ import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorage, HiCacheStorageConfig
 
-from sgl_importance.cache import file_tier
-from sgl_importance.cache.integrity import (
-    CHECKSUM,
-    FORMAT,
-    LAYOUT,
-    MAX_WRITE_FAILURES,
-    SHORT,
-    TRAILER_BYTES,
-    IntegrityStorage,
-    WriteBreaker,
-    check,
-    layout_fingerprint,
-    seal,
-    wrap_backend,
-)
 from sgl_importance.config import ImportanceConfig
+from sgl_importance.storage import file
+from sgl_importance.storage.breaker import MAX_WRITE_FAILURES, WriteBreaker
+from sgl_importance.storage.factory import wrap_backend
+from sgl_importance.storage.page import CHECKSUM, FORMAT, LAYOUT, SHORT, TRAILER_BYTES, check, layout_fingerprint, seal
+from sgl_importance.storage.wrapper import IntegrityStorage
 
 PAGE = 4
 WIDTH = 24  # elements per token in the flat page
@@ -75,7 +65,7 @@ class Tier:
         self.corrupt: list[str] = []
         self.pool = HostPool(**pool_kwargs)
         inner = HiCacheFile(storage_config(model))
-        self.storage = wrap_backend(inner, "file", storage_config(model), retry_s=30.0, enable_metrics=False)
+        self.storage = wrap_backend(inner, "file", storage_config(model), retry_s=30.0)
         self.storage.on_corrupt = self.corrupt.append
         self.storage.register_mem_pool_host(self.pool)
         self.directory = directory
@@ -342,21 +332,21 @@ def test_a_regular_file_at_the_storage_path_is_refused_in_one_line(tmp_path):
     path = tmp_path / "hicache"
     path.write_text("not a directory")
     with pytest.raises(ValueError) as err:
-        file_tier.check_storage_dir(str(path))
+        file.check_storage_dir(str(path))
     message = str(err.value)
     assert "\n" not in message and str(path) in message and "regular file" in message
 
 
 def test_a_missing_storage_directory_is_created(tmp_path):
     path = tmp_path / "a" / "b"
-    file_tier.check_storage_dir(str(path))
+    file.check_storage_dir(str(path))
     assert path.is_dir()
 
 
 def test_unfinished_temporary_files_are_removed_and_pages_kept(tmp_path):
     (tmp_path / ".0123abcd.tmp").write_bytes(b"partial")
     (tmp_path / "page_m_0_1.bin").write_bytes(b"page")
-    assert file_tier.remove_leftovers(str(tmp_path)) == 1
+    assert file.remove_leftovers(str(tmp_path)) == 1
     assert sorted(os.listdir(tmp_path)) == ["page_m_0_1.bin"]
 
 

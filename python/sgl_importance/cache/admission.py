@@ -20,7 +20,7 @@ Guarantees:
   cancelled, an acknowledged storage copy is never removed, and the host copy is
   untouched (SGLang's host locks still guard the in-flight write).
 
-With a shared storage tier (``shared_importance.py``) hits and importance other
+With a shared storage tier (``storage/shared_importance.py``) hits and importance other
 instances published for the node's pages count as well: ``hits`` is this
 instance's plus the others', importance the larger of its own and the shared one.
 

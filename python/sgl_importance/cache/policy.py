@@ -48,8 +48,9 @@ class CachePolicy:
         self.admission = StorageAdmission(min_hits=c.storage_min_hits, min_importance=float(c.storage_min_importance))
         # Nodes demoted while important: what the prefetch warms back.
         self.warm = WarmIndex()
-        # Importance of pages dropped to the storage tier, for the nodes rebuilt from it.
-        self.stored = StoredImportance()
+        # Importance of pages dropped to the storage tier, for the nodes rebuilt from it
+        # (and the shared records, read when needed: they start after this is built).
+        self.stored = StoredImportance(shared=lambda: self.shared)
         self.page_tables = page_tables if page_tables is not None else PageTables()
         self.metrics = metrics if metrics is not None else Metrics()
         # Importance shared through a Mooncake store (``storage/shared``); set by the
@@ -57,7 +58,6 @@ class CachePolicy:
         self.shared: Any = None
         self._scheduler: Optional[weakref.ref] = None
         self._adder: Optional[weakref.ref] = None
-        self.stored.shared = lambda: self.shared
 
     @property
     def scheduler(self) -> Any:

@@ -15,16 +15,16 @@ deferred ones in waiting-queue order (``StoragePrefetchRetries.pop_ready``); und
 are re-issued first (:func:`rank_storage_retries`).
 
 With a shared storage tier (Mooncake Store) each dropped page's importance is
-also published next to the page (``shared_importance.py``), and what other
+also published next to the page (``storage/shared_importance.py``), and what other
 instances published counts here too: the larger of the two per page.
 
 The same page hashes carry each page's storage *class* under
-``--importance-storage-precision graded`` (:class:`PageClasses`): when SGLang sends
+``--importance-storage-precision graded`` (``storage/precision.py``): when SGLang sends
 a node to the storage tier (``write_backup_storage``, on the scheduler thread),
 its pages are ranked by the importance they earned — each page's accumulated
 attention mass from the page table while the node is on the device, else the
 node's importance for all of them — and graded (``encoding.grade``); the storage
-I/O thread reads the class by hash when it seals the page (``integrity.py``). A
+I/O thread reads the class by hash when it seals the page (``storage/wrapper.py``). A
 node the tree never attended ranks by position (only sinks kept). With L3
 admission (``storage_min_importance``) nodes reach the storage tier only once
 attended, so their pages are graded by what decode read.
@@ -37,11 +37,9 @@ page-hash function is imported only to rank retries.
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence
 
-from sgl_importance.cache import encoding
 from sgl_importance.cache.policy_state import core_policy, policy_of
 from sgl_importance.importance.node_state import has_importance, node_importance, node_state
 
@@ -115,60 +113,6 @@ class StoredImportance:
         return len(self._by_hash)
 
 
-class PageClasses:
-    """Page hash → storage class, decided when the page's node is sent to storage.
-
-    Args:
-        keep: fraction of a node's pages at the model's dtype (sinks included).
-        cold: fraction of a node's pages at 4 bits.
-        sink_pages: leading pages of a sequence that are attention sinks (kept).
-        order: ``"importance"`` or ``"blind"`` (see ``encoding.grade``).
-        capacity: page hashes remembered (written pages are sealed within
-            moments of their node's grading, so this only has to cover the queue).
-    """
-
-    def __init__(
-        self,
-        *,
-        keep: float,
-        cold: float,
-        sink_pages: int,
-        order: str = "importance",
-        capacity: int = DEFAULT_CAPACITY,
-    ) -> None:
-        self.keep = keep
-        self.cold = cold
-        self.sink_pages = sink_pages
-        self.order = order
-        self.capacity = capacity
-        self._by_hash: "OrderedDict[str, int]" = OrderedDict()
-        # The scheduler thread assigns, storage I/O threads read.
-        self._lock = threading.Lock()
-        # Pages sealed without a grading (written outside write_backup_storage).
-        self.ungraded = 0
-
-    def assign(self, hashes: Sequence[str], scores: Sequence[float], first_page: int) -> list[int]:
-        """Grade one node's pages (``first_page``: the node's first page in its sequence)."""
-        sink = [first_page + i < self.sink_pages for i in range(len(hashes))]
-        classes = encoding.grade(scores, sink=sink, keep=self.keep, cold=self.cold, order=self.order, keys=hashes)
-        with self._lock:
-            for h, c in zip(hashes, classes):
-                self._by_hash[h] = c
-                self._by_hash.move_to_end(h)
-            while len(self._by_hash) > self.capacity:
-                self._by_hash.popitem(last=False)
-        return classes
-
-    def class_of(self, page_hash: str) -> int:
-        """The class to seal ``page_hash`` in (int8 for a page never graded)."""
-        with self._lock:
-            cls = self._by_hash.get(page_hash)
-        if cls is None:
-            self.ungraded += 1
-            return encoding.INT8
-        return cls
-
-
 def node_page_scores(node: Any, pages: int, page_size: int, table: Any = None) -> list[float]:
     """Importance of each of a node's first ``pages`` pages: their accumulated attention
     mass in ``table`` (the page table) while the node is on the device, else the node's
@@ -212,7 +156,7 @@ def _start_token(node: Any) -> int:
     return start
 
 
-def grade_before_storage_write(classes: Optional[PageClasses], tables: Any, cache: Any, node_id: Any) -> int:
+def grade_before_storage_write(classes: Any, tables: Any, cache: Any, node_id: Any) -> int:
     """Before ``UnifiedRadixCache.write_backup_storage(node_id)``: grade the node's pages
     (under ``--importance-storage-precision graded``). Returns the pages graded.
 

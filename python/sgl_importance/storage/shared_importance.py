@@ -1,6 +1,6 @@
 """Page importance that travels with the pages, through a shared storage tier.
 
-``stored.py`` remembers, per process, the importance of pages dropped to the
+``cache/stored.py`` remembers, per process, the importance of pages dropped to the
 storage tier. When the tier is shared (Mooncake Store: every instance reads what
 any instance wrote), a server that fetches a prefix another instance computed
 would rebuild its nodes at importance 0 and never see the other instance's hits.
@@ -291,17 +291,3 @@ class SharedImportance:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.flush()
-
-
-# The scheduler process's instance (one storage backend per scheduler); set by the
-# storage tier when it is shared, read by the tree's importance code.
-_current: Optional[SharedImportance] = None
-
-
-def current() -> Optional[SharedImportance]:
-    return _current
-
-
-def set_current(shared: Optional[SharedImportance]) -> None:
-    global _current
-    _current = shared

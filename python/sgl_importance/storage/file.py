@@ -1,8 +1,8 @@
-"""SGLang's ``file`` storage tier: its directory, its leftovers, its damaged pages.
+"""The adapter for SGLang's ``file`` storage backend: its directory, its leftovers, its damaged pages.
 
 ``HiCacheFile`` writes each page to ``<dir>/.<uuid>.tmp`` and renames it to
 ``<dir>/<key><suffix>.bin``; it never rewrites a key that exists. Three things
-it does not do, which the integrity wrapper (``integrity.py``) needs:
+it does not do, which the sealing wrapper (``wrapper.py``) needs:
 
 - name the file of a key (for the one log line per damaged file),
 - delete a damaged page so the next write stores a good copy,
@@ -13,7 +13,7 @@ it does not do, which the integrity wrapper (``integrity.py``) needs:
 And one check at launch: the directory must be a directory (or creatable).
 A path that is a regular file, or cannot be created, stops start-up with one
 line naming the path and the reason; an existing directory that is not
-writable is accepted (a read-only tier still serves its pages; writes pause).
+writable is accepted (a read-only directory still serves its pages; writes pause).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import logging
 import os
 from typing import Any, Optional
 
-from sgl_importance.cache.integrity import TierOps
+from sgl_importance.storage.wrapper import BackendOps
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def storage_dir(extra_config: Optional[dict]) -> str:
 
 
 def check_storage_dir(path: str) -> None:
-    """Refuse a path the file tier can never use; create a missing directory.
+    """Refuse a path the ``file`` backend can never use; create a missing directory.
 
     Raises:
         ValueError: one line naming the directory and the reason.
@@ -59,7 +59,7 @@ def check_storage_dir(path: str) -> None:
 
 
 def check_cli_args(args: Any) -> None:
-    """Launcher check of the file tier's directory (``ServerArgs.from_cli_args``)."""
+    """Launcher check of the ``file`` backend's directory (``ServerArgs.from_cli_args``)."""
     if args.hicache_storage_backend != "file":
         return
     if not args.enable_hierarchical_cache:
@@ -99,8 +99,8 @@ def remove_leftovers(path: str) -> int:
     return removed
 
 
-def file_tier_ops(backend: Any) -> TierOps:
-    """``TierOps`` for a ``HiCacheFile`` (duck-typed on its attributes)."""
+def file_ops(backend: Any) -> BackendOps:
+    """``BackendOps`` for a ``HiCacheFile`` (duck-typed on its attributes)."""
     directory = backend.file_path
 
     def path_of(key: str) -> str:
@@ -136,4 +136,4 @@ def file_tier_ops(backend: Any) -> TierOps:
         backend._evictor.touch(suffixed, path)
         return data[:n] if n != len(data) else data
 
-    return TierOps(where=path_of, drop=drop, prepare=prepare, read=read)
+    return BackendOps(where=path_of, drop=drop, prepare=prepare, read=read)

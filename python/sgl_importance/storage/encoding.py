@@ -1,6 +1,6 @@
 """Storage-tier page encodings: the model's dtype, 8 bits or 4 bits per element.
 
-A page that leaves the process for the storage tier (``integrity.py`` seals it)
+A page that leaves the process for the storage tier (``page.py`` seals it)
 is stored in one of three *classes*:
 
 | class  | code | elements                         | scales (float16, in the page)         |

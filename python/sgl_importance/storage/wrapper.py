@@ -1,209 +1,53 @@
-"""Integrity of every page that leaves the process for the storage tier.
+"""The wrapper that seals every page on its way to a storage backend and verifies it back.
 
-SGLang's storage backends move raw page bytes: nothing says which key, model or
-layout they belong to, and a flipped bit on disk comes back as KV that attention
-reads as if it were right. ``IntegrityStorage`` wraps any ``HiCacheStorage`` (the
-``file`` tier, Mooncake, ...) and stores each page as
-
-    payload (the page's bytes, unchanged, at offset 0) | trailer (32 bytes)
-    trailer = magic "SGIK" | version u16 | reserved u16 | fingerprint u64
-              | payload length u64 | xxh3-64(key | fingerprint | length | payload)
-
-With ``--importance-storage-precision`` on, pages may be stored encoded
-(``encoding.py``: the model's dtype, 8 or 4 bits) and the trailer is version 2:
-
-    payload (the encoded bytes) | trailer (32 bytes)
-    trailer = magic "SGIK" | version 2 u16 | class u16 | fingerprint u64
-              | payload length u64 | xxh3-64(key | fingerprint | length | version | class | payload)
-
-The class sits in the u16 that version 1 reserves, and the checksum covers it, so
-a flipped class is a checksum miss, never a page decoded the wrong way. A reader
-with the flag off accepts version 1 only: an encoded page is a miss to it (short
-for the ``file`` tier, format for Mooncake), dropped and recomputed. A reader with
-the flag on reads both versions, whatever class the writer chose (a page written by
-another server decodes by its own trailer), into the host pool's dtype. Encoded
-pages vary in size, so they are read whole (``TierOps.read``, the ``file`` and
-Mooncake tiers); a backend without it is sealed and verified as before, unencoded.
-
-The fingerprint hashes the model, dtype, page size, host layout and page shape,
-so a page written by another configuration never reads as a hit. Every read is
+``IntegrityStorage`` wraps any ``HiCacheStorage`` (the ``file`` backend, Mooncake,
+...) and stores each page in the sealed format of ``page.py``. Every read is
 verified; a page that is missing its trailer, short, foreign or whose checksum
 disagrees is a *miss*: it is dropped (so a good copy can be written again),
 counted, logged once per location, and the prefix is recomputed by prefill.
 
-xxh3-64 rather than CRC32C: it ships with SGLang already (no new wheel), runs at
-memory bandwidth, and 64 bits make an undetected random corruption far less
-likely than 32. It guards against accidents (media, truncation, stale files),
-not against an attacker who can write the directory.
+With ``--importance-storage-precision`` on, KV pages are encoded in the class
+``precision.py`` picks for them. Encoded pages vary in size, so they are read
+whole (``BackendOps.read``, the ``file`` and Mooncake adapters); a backend without
+it is sealed and verified as before, unencoded.
 
-Writes go through a breaker: after ``max_failures`` consecutive failed writes
-(disk full, read-only, directory gone) the wrapper stops writing, warns once, and
-tries again after ``retry_s``; device and host tiers keep serving meanwhile.
-Reads never raise: an I/O error is a miss.
+Writes go through the write breaker (``breaker.py``); device and host tiers keep
+serving while it holds writes. Reads never raise: an I/O error is a miss.
 """
 
 from __future__ import annotations
 
 import logging
-import struct
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, List, Optional
 
 import numpy as np
 import torch
-import xxhash
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageFailureInjector
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from sgl_importance.cache import encoding
+from sgl_importance.storage import encoding
+from sgl_importance.storage.breaker import WriteBreaker
+from sgl_importance.storage.page import (
+    LAYOUT,
+    SHORT,
+    TRAILER_BYTES,
+    UNREADABLE,
+    bytes_of,
+    check,
+    check_whole,
+    layout_fingerprint,
+    page_geometry,
+    seal,
+    seal_encoded,
+)
+from sgl_importance.storage.precision import Precision
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"SGIK"
-VERSION = 1
-# Pages sealed with --importance-storage-precision on: the class in the u16 after it.
-ENCODED_VERSION = 2
-TRAILER = struct.Struct("<4sHHQQQ")
-TRAILER_BYTES = TRAILER.size  # 32
-
-# Reasons a stored page is refused (the `reason` label of the corrupt counter).
-SHORT = "short"  # fewer bytes than a sealed page: truncated, or a partial write
-FORMAT = "format"  # no trailer of ours: zero-filled, overwritten, or a raw SGLang page
-LAYOUT = "layout"  # sealed by another model / dtype / page size / layout
-CHECKSUM = "checksum"  # bytes changed after they were written
-UNREADABLE = "unreadable"  # the backend raised while reading
-
-
-def layout_fingerprint(**fields: Any) -> int:
-    """A 64-bit digest of the fields that decide how a page's bytes are read."""
-    text = ";".join(f"{k}={fields[k]!r}" for k in sorted(fields))
-    return xxhash.xxh3_64_intdigest(text.encode())
-
-
-def _digest(key: str, fingerprint: int, payload: memoryview) -> int:
-    h = xxhash.xxh3_64()
-    h.update(key.encode())
-    h.update(struct.pack("<QQ", fingerprint, len(payload)))
-    h.update(payload)
-    return h.intdigest()
-
-
-def _digest_encoded(key: str, fingerprint: int, cls: int, payload: memoryview) -> int:
-    h = xxhash.xxh3_64()
-    h.update(key.encode())
-    h.update(struct.pack("<QQHH", fingerprint, len(payload), ENCODED_VERSION, cls))
-    h.update(payload)
-    return h.intdigest()
-
-
-def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor's bytes as a flat uint8 array sharing its memory (CPU, contiguous)."""
-    return tensor.contiguous().view(torch.uint8).reshape(-1).numpy()
-
-
-def seal(key: str, payload: torch.Tensor, fingerprint: int) -> torch.Tensor:
-    """The page as stored: its bytes followed by the trailer (a new uint8 tensor)."""
-    data = _bytes_of(payload)
-    n = data.nbytes
-    out = torch.empty(n + TRAILER_BYTES, dtype=torch.uint8)
-    buf = out.numpy()
-    buf[:n] = data
-    checksum = _digest(key, fingerprint, memoryview(data))
-    TRAILER.pack_into(buf, n, MAGIC, VERSION, 0, fingerprint, n, checksum)
-    return out
-
-
-def check(key: str, sealed: torch.Tensor, fingerprint: int, payload_bytes: int) -> Optional[str]:
-    """Why ``sealed`` (as read back for ``key``) is not a good page, or None if it is."""
-    buf = _bytes_of(sealed)
-    if buf.nbytes < payload_bytes + TRAILER_BYTES:
-        return SHORT
-    magic, version, _, stored_fp, length, checksum = TRAILER.unpack_from(buf, payload_bytes)
-    if magic != MAGIC or version != VERSION:
-        return FORMAT
-    if stored_fp != fingerprint or length != payload_bytes:
-        return LAYOUT
-    if _digest(key, fingerprint, memoryview(buf[:payload_bytes])) != checksum:
-        return CHECKSUM
-    return None
-
-
-def seal_encoded(key: str, data: torch.Tensor, fingerprint: int, cls: int) -> torch.Tensor:
-    """A version-2 page: ``data`` (the page's bytes in class ``cls``) and its trailer."""
-    raw = _bytes_of(data)
-    n = raw.nbytes
-    out = torch.empty(n + TRAILER_BYTES, dtype=torch.uint8)
-    buf = out.numpy()
-    buf[:n] = raw
-    checksum = _digest_encoded(key, fingerprint, cls, memoryview(raw))
-    TRAILER.pack_into(buf, n, MAGIC, ENCODED_VERSION, cls, fingerprint, n, checksum)
-    return out
-
-
-def check_whole(key: str, stored: np.ndarray, fingerprint: int) -> tuple[Optional[str], int, int]:
-    """Verify a whole stored object (either version) as read back for ``key``.
-
-    Returns:
-        (why it is not a good page or None, its class, its payload length). The
-        caller still checks the length against what the class and pool need.
-    """
-    size = stored.nbytes
-    if size < TRAILER_BYTES:
-        return SHORT, encoding.FULL, 0
-    magic, version, cls, stored_fp, length, checksum = TRAILER.unpack_from(stored, size - TRAILER_BYTES)
-    if magic != MAGIC or version not in (VERSION, ENCODED_VERSION):
-        return FORMAT, encoding.FULL, 0
-    if length != size - TRAILER_BYTES:
-        return SHORT, encoding.FULL, 0
-    if stored_fp != fingerprint:
-        return LAYOUT, encoding.FULL, 0
-    payload = memoryview(stored[:length])
-    if version == VERSION:
-        ok = cls == 0 and _digest(key, fingerprint, payload) == checksum
-        return (None if ok else CHECKSUM), encoding.FULL, length
-    if _digest_encoded(key, fingerprint, cls, payload) != checksum:
-        return CHECKSUM, encoding.FULL, 0
-    if cls not in encoding.CLASS_NAMES:
-        return FORMAT, encoding.FULL, 0
-    return None, cls, length
-
-
-def page_geometry(pool: Any) -> Optional[encoding.PageGeometry]:
-    """The geometry of an MHA host pool's pages, or None for a pool whose pages are
-    not one K and one V tensor per layer (those are stored at the model's dtype)."""
-    try:
-        layout = str(pool.layout)
-        geometry = encoding.PageGeometry(
-            layers=int(pool.layer_num),
-            tokens=int(pool.page_size),
-            heads=int(pool.head_num),
-            dim=int(pool.head_dim),
-            layout=layout,
-        )
-        page = pool.get_dummy_flat_data_page()
-    except (AttributeError, ValueError, TypeError, NotImplementedError):
-        return None
-    if page.numel() != geometry.numel or not page.dtype.is_floating_point:
-        return None
-    return geometry
-
 
 @dataclass
-class Precision:
-    """How the wrapper encodes pages (``--importance-storage-precision`` other than off).
-
-    Args:
-        setting: the flag's value (graded, uniform8, uniform4).
-        classify: the class of a page by its storage key (KV pages only).
-    """
-
-    setting: str
-    classify: Callable[[str], int]
-
-
-@dataclass
-class TierOps:
+class BackendOps:
     """What the wrapper needs to know about one concrete backend beyond the interface.
 
     Args:
@@ -218,65 +62,6 @@ class TierOps:
     drop: Optional[Callable[[str], None]] = None
     prepare: Optional[Callable[[], None]] = None
     read: Optional[Callable[[str], Any]] = None
-
-
-class WriteBreaker:
-    """Stop writing after ``max_failures`` consecutive failures; retry after ``retry_s``.
-
-    ``clock`` is injectable so tests can move time without sleeping.
-    """
-
-    def __init__(
-        self,
-        max_failures: int,
-        retry_s: float,
-        describe: str,
-        clock: Callable[[], float] = time.monotonic,
-        on_pause: Optional[Callable[[], None]] = None,
-    ) -> None:
-        self.max_failures = max_failures
-        self.retry_s = retry_s
-        self.describe = describe
-        self.clock = clock
-        self.on_pause = on_pause
-        self._failures = 0
-        self._open_until: Optional[float] = None
-        self._warned = False
-        self._lock = threading.Lock()
-
-    @property
-    def paused(self) -> bool:
-        return self._open_until is not None
-
-    def allow(self) -> bool:
-        """Whether a write may be tried now (True again once ``retry_s`` passed)."""
-        with self._lock:
-            return self._open_until is None or self.clock() >= self._open_until
-
-    def record(self, ok: bool) -> None:
-        with self._lock:
-            if ok:
-                if self._open_until is not None:
-                    logger.warning("sgl-importance: storage tier writes resumed (%s)", self.describe)
-                self._failures = 0
-                self._open_until = None
-                self._warned = False
-                return
-            self._failures += 1
-            if self._failures >= self.max_failures:
-                self._open_until = self.clock() + self.retry_s
-                if not self._warned and self.on_pause is not None:
-                    self.on_pause()
-                if not self._warned:
-                    # One line per outage, not one per retry.
-                    self._warned = True
-                    logger.warning(
-                        "sgl-importance: storage tier writes paused after %d consecutive failures "
-                        "(%s); serving from device and host, retrying every %.0f s",
-                        self._failures,
-                        self.describe,
-                        self.retry_s,
-                    )
 
 
 class IntegrityStorage(HiCacheStorage):
@@ -303,7 +88,7 @@ class IntegrityStorage(HiCacheStorage):
         self,
         inner: HiCacheStorage,
         identity: dict,
-        ops: Optional[TierOps] = None,
+        ops: Optional[BackendOps] = None,
         on_corrupt: Optional[Callable[[str], None]] = None,
         breaker: Optional[WriteBreaker] = None,
         precision: Optional[Precision] = None,
@@ -312,7 +97,7 @@ class IntegrityStorage(HiCacheStorage):
         self.inner = inner
         self.on_page = on_page
         self.identity = dict(identity)
-        self.ops = ops or TierOps()
+        self.ops = ops or BackendOps()
         self.on_corrupt = on_corrupt
         self.breaker = breaker
         self._fingerprints: dict[Any, int] = {}
@@ -394,7 +179,7 @@ class IntegrityStorage(HiCacheStorage):
         # numpy, not Tensor.copy_: one page is small, and torch's intra-op threads
         # cost more to wake than the copy itself on a busy CPU (10x in the benchmark).
         if target.is_contiguous():
-            np.copyto(_bytes_of(target), scratch.numpy()[:payload_bytes])
+            np.copyto(bytes_of(target), scratch.numpy()[:payload_bytes])
         else:
             target.copy_(scratch[:payload_bytes].view(target.dtype).view(target.shape))
         if self.on_page is not None:
@@ -428,9 +213,9 @@ class IntegrityStorage(HiCacheStorage):
             page_bytes = stored[:length]
         else:
             page = encoding.decode(torch.from_numpy(stored[:length].copy()), geometry, cls, target.dtype)
-            page_bytes = _bytes_of(page)
+            page_bytes = bytes_of(page)
         if target.is_contiguous():
-            np.copyto(_bytes_of(target), page_bytes)
+            np.copyto(bytes_of(target), page_bytes)
         else:
             target.copy_(torch.from_numpy(page_bytes.copy()).view(target.dtype).view(target.shape))
         if self.on_page is not None:
@@ -662,137 +447,3 @@ class IntegrityStorage(HiCacheStorage):
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
-
-
-# Consecutive failed page writes before writes pause (one batch of SGLang's backup
-# stops at its first failure, so this is a few batches, not a few pages).
-MAX_WRITE_FAILURES = 4
-
-
-def wrap_backend(
-    backend: HiCacheStorage,
-    backend_name: str,
-    storage_config: Any,
-    *,
-    retry_s: float,
-    enable_metrics: bool,
-    precision: str = "off",
-    thresholds: Optional[dict] = None,
-) -> IntegrityStorage:
-    """``backend`` as SGLang built it, sealed and verified (see the module docstring).
-
-    Args:
-        backend: what ``StorageBackendFactory.create_backend`` returned.
-        backend_name: ``--hicache-storage-backend``.
-        storage_config: SGLang's ``HiCacheStorageConfig`` (model, ranks).
-        retry_s: seconds writes stay paused after repeated failures.
-        enable_metrics: count refused pages and pauses on ``/metrics``.
-        precision: ``--importance-storage-precision`` (off: pages at the model's dtype).
-        thresholds: the graded thresholds (``ImportanceConfig.storage_precision_thresholds``).
-    """
-    from sgl_importance.cache import file_tier
-
-    ranks = {"tp_rank": storage_config.tp_rank, "pp_rank": storage_config.pp_rank}
-    identity = {
-        "model": storage_config.model_name or "",
-        "tp_size": storage_config.tp_size,
-        "pp_size": storage_config.pp_size,
-        **ranks,
-    }
-    ops = TierOps()
-    describe = f"backend {backend_name}"
-    # The failure injector SGLang may put around the backend hides its attributes.
-    concrete = backend._backend if isinstance(backend, HiCacheStorageFailureInjector) else backend
-    if backend_name == "file" and hasattr(concrete, "file_path"):
-        ops = file_tier.file_tier_ops(concrete)
-        describe = f"directory {concrete.file_path}"
-        if storage_config.tp_rank == 0:
-            file_tier.remove_leftovers(concrete.file_path)
-    elif backend_name == "mooncake" and hasattr(concrete, "store"):
-        from sgl_importance.cache import mooncake_tier
-
-        # Sealed pages need whole-object get/set; SGLang's zero-copy paths split
-        # each page in two. Pages and their importance share the model prefix.
-        backend = mooncake_tier.MooncakePages(concrete, storage_config.tp_rank)
-        backend.shared = mooncake_tier.start_shared_importance(backend, storage_config.tp_rank)
-        ops = mooncake_tier.mooncake_tier_ops(backend)
-        describe = f"mooncake master {concrete.config.master_server_address}"
-    metrics = None
-    if enable_metrics:
-        from sgl_importance.metrics import storage_integrity_metrics
-
-        metrics = storage_integrity_metrics(ranks)
-    breaker = WriteBreaker(
-        MAX_WRITE_FAILURES,
-        retry_s,
-        describe,
-        on_pause=metrics.paused if metrics is not None else None,
-    )
-    logger.info("sgl-importance: storage tier pages are sealed and verified (%s)", describe)
-    return IntegrityStorage(
-        backend,
-        identity,
-        ops=ops,
-        on_corrupt=metrics.corrupt if metrics is not None else None,
-        breaker=breaker,
-        precision=make_precision(precision, thresholds),
-        on_page=metrics.page_of_class if metrics is not None else None,
-    )
-
-
-def make_precision(setting: str, thresholds: Optional[dict]) -> Optional[Precision]:
-    """The wrapper's ``Precision`` for a flag value (None for off). Under ``graded`` this
-    also installs the process's page grading (``stored.PageClasses``), which the hook
-    before ``write_backup_storage`` fills."""
-    if setting == "off":
-        return None
-    if setting == "uniform8":
-        classify: Callable[[str], int] = lambda key: encoding.INT8  # noqa: E731
-    elif setting == "uniform4":
-        classify = lambda key: encoding.INT4  # noqa: E731
-    elif setting == "graded":
-        from sgl_importance.cache import stored
-        from sgl_importance.config import STORAGE_PRECISION_DEFAULTS
-
-        t = {**STORAGE_PRECISION_DEFAULTS, **(thresholds or {})}
-        classes = stored.PageClasses(keep=t["keep"], cold=t["cold"], sink_pages=t["sink_pages"], order=t["order"])
-        stored.set_page_classes(classes)
-        classify = classes.class_of
-    else:
-        raise ValueError(f"unknown storage precision {setting!r}")
-
-    logger.info("sgl-importance: storage tier pages are encoded (%s)", setting)
-    return Precision(setting, classify)
-
-
-def create_with_integrity(
-    original: Callable[..., HiCacheStorage],
-    factory: Any,
-    backend_name: str,
-    storage_config: Any,
-    mem_pool_host: Any,
-    **kwargs: Any,
-) -> HiCacheStorage:
-    """Around ``StorageBackendFactory.create_backend``: every backend, wrapped unless
-    ``--importance-storage-integrity off``."""
-    from sglang.srt.runtime_context import get_server_args
-
-    from sgl_importance.config import config_of
-
-    backend = original(factory, backend_name, storage_config, mem_pool_host, **kwargs)
-    try:
-        server_args = get_server_args()
-    except Exception:  # built outside a launched server (tests, tools)
-        server_args = None
-    config = config_of(server_args)
-    if config.storage_integrity == "off":
-        return backend
-    return wrap_backend(
-        backend,
-        backend_name,
-        storage_config,
-        retry_s=config.storage_retry_s,
-        enable_metrics=server_args is not None and bool(server_args.enable_metrics),
-        precision=config.storage_precision,
-        thresholds=config.storage_precision_thresholds(),
-    )

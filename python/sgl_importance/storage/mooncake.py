@@ -1,8 +1,8 @@
-"""SGLang's ``mooncake`` storage tier under the integrity wrapper, and its launcher check.
+"""The adapter for SGLang's ``mooncake`` storage backend under the sealing wrapper, and its launcher check.
 
 SGLang's ``MooncakeStore`` is zero-copy: its ``get``/``set`` take host-pool
 pointers and store each page as two objects (``<key>_<rank>_k``, ``_v``). The
-integrity wrapper (``integrity.py``) needs to store a *sealed* page — the bytes
+sealing wrapper (``wrapper.py``) needs to store a *sealed* page — the bytes
 plus a trailer — under one key, and to read it back whole to verify it.
 :class:`MooncakePages` gives the wrapper exactly that over the store client
 SGLang already set up (``backend.store``, a ``MooncakeDistributedStore``): one
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from sgl_importance.cache.integrity import TierOps
+from sgl_importance.storage.wrapper import BackendOps
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +144,8 @@ class MooncakePages(HiCacheStorage):
         return getattr(self.backend, name)
 
 
-def mooncake_tier_ops(pages: MooncakePages) -> TierOps:
-    return TierOps(where=lambda key: f"mooncake:{pages._object(key)}", drop=pages.drop, read=pages.read_object)
+def mooncake_ops(pages: MooncakePages) -> BackendOps:
+    return BackendOps(where=lambda key: f"mooncake:{pages._object(key)}", drop=pages.drop, read=pages.read_object)
 
 
 def master_address(extra_config: Optional[dict]) -> Optional[str]:
@@ -201,31 +201,23 @@ def check_cli_args(args: Any) -> None:
     check_master(master_address(extra_config if isinstance(extra_config, dict) else None))
 
 
-def start_shared_importance(pages: MooncakePages, rank: int) -> Any:
-    """The scheduler's shared importance over this store, under ``--radix-eviction-policy
-    importance`` (None otherwise: no other policy reads importance)."""
-    from sglang.srt.runtime_context import get_server_args
+def start_shared_importance(pages: MooncakePages, rank: int, metrics: Any = None) -> Any:
+    """Importance shared next to the pages of this store, started (the runtime calls it
+    when the storage backend is built under ``--radix-eviction-policy importance``).
 
-    from sgl_importance.cache import shared_importance
+    Args:
+        pages: the adapter; its reads fetch the records of the pages they find.
+        rank: this scheduler's tensor-parallel rank (records are per rank).
+        metrics: the process's ``metrics.Metrics`` with ``--enable-metrics``, else None.
+    """
+    from sgl_importance.storage import shared_importance
 
-    try:
-        server_args = get_server_args()
-    except Exception:  # built outside a launched server (tests, tools)
-        server_args = None
-    policy = server_args.radix_eviction_policy if server_args is not None else None
-    if policy != "importance":
-        logger.info("sgl-importance: page importance is not shared (policy %r)", policy)
-        return None
-    count = None
-    if server_args.enable_metrics:
-        from sgl_importance.metrics import shared_importance_metrics
-
-        count = shared_importance_metrics({"tp_rank": rank}).count
+    count = metrics.shared({"tp_rank": rank}).count if metrics is not None else None
     writer = f"{socket.gethostname()}-{os.getpid()}-r{rank}"
     shared = shared_importance.SharedImportance(
         writer, key_of=lambda h: f"{pages.key_of(h)}_{rank}", store=pages.store, count=count
     )
     shared.start()
-    shared_importance.set_current(shared)
+    pages.shared = shared
     logger.info("sgl-importance: page importance shared next to the pages in the store (as %s)", writer)
     return shared
