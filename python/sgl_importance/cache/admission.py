@@ -34,8 +34,8 @@ from typing import Any, Callable, Iterable, Optional
 
 from sgl_importance.cache import shared_importance
 from sgl_importance.cache.policy_state import importance_strategy
+from sgl_importance.importance.aggregator import ImportanceAggregator
 from sgl_importance.importance.node_state import node_pinned, node_state, peek_state
-from sgl_importance.importance.persistent import ImportanceAggregator
 from sgl_importance.metrics import importance_metrics
 
 # A node's ``NodeImportance.storage``: None (never decided), DEFERRED or ADMITTED.

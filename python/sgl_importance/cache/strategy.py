@@ -7,13 +7,13 @@ strategy reads three O(1) node fields and hands them to the pure
 policy replays), which blends:
 
 - persistent importance (the node's ``NodeImportance.importance``, folded from the
-  decode kernels' page importance by ``importance/persistent.py``), normalised by
+  decode kernels' page importance by ``importance/aggregator.py``), normalised by
   the aggregator's running maximum to [0, 1];
 - recency: ``exp(-age / recency_horizon)`` over SGLang's logical access clock
   (``node.last_access_time``);
 - reuse: ``hit_count / (hit_count + 1)``.
 
-Attention-sink nodes (``NodeImportance.pinned``) form a tier evicted after all
+Attention-sink nodes (``NodeImportance.pinned``) form a band evicted after all
 others when ``pin_sinks`` is on. Ties fall back to ``last_access_time``, so with
 ``importance_weight=0, reuse_weight=0, pin_sinks=false`` the order is exactly LRU —
 the A/B baseline inside the same code path.
@@ -35,8 +35,8 @@ from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 from sgl_importance.cache.admission import StorageAdmission
 from sgl_importance.cache.prefetch import WarmIndex
 from sgl_importance.cache.stored import StoredImportance
+from sgl_importance.importance.aggregator import ImportanceAggregator
 from sgl_importance.importance.node_state import node_importance, node_pinned
-from sgl_importance.importance.persistent import ImportanceAggregator
 from sgl_importance.importance.priority import (
     POLICY_NAME,
     ImportancePolicyConfig,
@@ -100,7 +100,7 @@ class ImportanceStrategy(EvictionStrategy):
         return eviction_priority(self._weights, 0.0, False, now, 0, now, self.aggregator.scale)
 
     def get_priority(self, node: Any) -> tuple[int, float, float]:
-        """(tier, blended score, last_access_time); smaller is evicted first."""
+        """(band, blended score, last_access_time); smaller is evicted first."""
         return eviction_priority(
             self._weights,
             node_importance(node),

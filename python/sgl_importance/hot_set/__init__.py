@@ -7,7 +7,7 @@ shadow (``shadow.py``) in the same softmax, and the error of each layer's attent
 output is bounded; where the bound exceeds ``--hot-set-guard-threshold`` the most
 suspect pages are read exactly (``estimate.py``). ``decode.py`` runs a step. Page
 summaries (``summaries.py``, key min/max) rank unread pages when the guard is off and
-drive the ``quest`` baseline. With a host pool, ``release.py`` gives back the device
+drive the ``quest`` baseline. With a host pool, ``residency.py`` gives back the device
 pages a request's hot set leaves out and copies planned ones back; without one, every
 page stays on the device and only what is read changes.
 

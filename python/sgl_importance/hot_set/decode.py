@@ -2,7 +2,7 @@
 
 The granularity is the *step*: a request reads the same planned pages exactly in
 every layer of a step. SGLang stores all layers of a page in one physical page, so
-what a device can hold — and what ``release.py`` gives back and copies in — is a page
+what a device can hold — and what ``residency.py`` gives back and copies in — is a page
 across all layers. The ``quest`` baseline is the exception: it keeps every page on
 the device, as Quest does, and picks each layer's pages from that layer's query
 (``selection.quest_layer_pages``).
@@ -44,9 +44,9 @@ from typing import NamedTuple, Optional, Protocol, Sequence
 import torch
 
 from sgl_importance.hot_set.estimate import OutsidePlan, combine, estimate_outside, pages_to_read
-from sgl_importance.hot_set.promotion import PromotionStream, StreamedTiers
-from sgl_importance.hot_set.release import RELEASED, Released, RequestPages, Tiers
+from sgl_importance.hot_set.promotion import PromotionStream, StreamedPagePools
 from sgl_importance.hot_set.request_params import REQUEST_PARAMS, RequestParams
+from sgl_importance.hot_set.residency import RELEASED, PagePools, Released, RequestPages
 from sgl_importance.hot_set.selection import HotSetCounts, HotSetParams, RequestHotSet, quest_layer_pages
 from sgl_importance.hot_set.shadow import ShadowPool
 from sgl_importance.hot_set.summaries import PageSummaries, key_bound
@@ -190,7 +190,7 @@ class HotSetDecoder:
         summaries: the physical page summaries the KV writes keep up to date.
         page_size: tokens per page.
         threshold: requests longer than this many tokens use the hot set.
-        released: the process's release record (``release.RELEASED``); requests it
+        released: the process's release record (``residency.RELEASED``); requests it
             admitted give back device pages outside their hot set.
         request_params: parameters requests chose for themselves
             (``request_params.REQUEST_PARAMS``); others decode with ``params``.
@@ -314,11 +314,11 @@ class HotSetDecoder:
         self._exact = self._outside = self._tally = None
         self._step_layers = 0
 
-    def _promoting(self) -> Tiers:
-        """The tiers promotions copy through: on the promotion stream where there is one."""
+    def _promoting(self) -> PagePools:
+        """The pools promotions copy through: on the promotion stream where there is one."""
         if self.promotions is None:
-            return self.released.tiers
-        return StreamedTiers(self.released.tiers, self.promotions)
+            return self.released.pools
+        return StreamedPagePools(self.released.pools, self.promotions)
 
     def _drop(self, rid: str) -> None:
         tracked = self.tracked.pop(rid, None)
@@ -511,7 +511,7 @@ class HotSetDecoder:
         k_flat, v_flat = k_pages.view(-1, *shape[1:]), v_pages.view(-1, *v_pages.shape[2:])
         keys, values = k_flat[dev], v_flat[dev]
         if host.numel():
-            host_k, host_v = self.released.tiers.host_layer(layer_id, host)
+            host_k, host_v = self.released.pools.host_layer(layer_id, host)
             keys = torch.cat((keys, host_k.to(keys.device, keys.dtype)))
             values = torch.cat((values, host_v.to(values.device, values.dtype)))
         self.shadow.write(layer_id, ids, keys.view(-1, ps, *shape[1:]), values.view(-1, ps, *v_pages.shape[2:]))
@@ -519,7 +519,7 @@ class HotSetDecoder:
     def _staged(self, layer_id: int, host_slots: torch.Tensor):
         if host_slots.numel() == 0:
             return None, None
-        k, v = self.released.tiers.host_layer(layer_id, host_slots)
+        k, v = self.released.pools.host_layer(layer_id, host_slots)
         ps = self.page_size
         return k.view(-1, ps, *k.shape[1:]), v.view(-1, ps, *v.shape[1:])
 
@@ -756,12 +756,12 @@ class HotSetDecoder:
             plan, counts = state.plan(num_pages)
             live.tracked.next_plan = (num_pages, plan, counts)
             if live.pages is not None:
-                tiers, moves = self.released.tiers, self.released.counts
+                pools, moves = self.released.pools, self.released.counts
                 keep = torch.zeros(num_pages, dtype=torch.bool)
                 keep[plan] = True
                 # Only full pages leave: the last one is still being written.
                 full = torch.arange(num_pages) < length // ps
-                live.pages.release(torch.nonzero(full & ~keep).flatten(), tiers, moves)
+                live.pages.release(torch.nonzero(full & ~keep).flatten(), pools, moves)
                 live.pages.restore(plan, self._promoting(), moves, note_refusal=False)
         if self.released.counts.pages_released:
             self.released.reopen = True

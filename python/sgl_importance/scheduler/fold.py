@@ -38,9 +38,9 @@ from sgl_importance.cache import shared_importance
 from sgl_importance.cache.admission import admit_deferred
 from sgl_importance.cache.policy_state import importance_strategy
 from sgl_importance.cache.prefetch import mark_used
+from sgl_importance.importance.aggregator import ImportanceAggregator, Observation
 from sgl_importance.importance.node_state import node_importance, node_state
 from sgl_importance.importance.page_table import current_page_table
-from sgl_importance.importance.persistent import ImportanceAggregator, Observation
 from sgl_importance.metrics import importance_metrics
 
 logger = logging.getLogger(__name__)

@@ -1,11 +1,15 @@
-"""Scheduler side of hot-set page release: who may release, and leaving cleanly.
+"""Scheduler hooks of hot-set page release: who may release, and leaving cleanly.
+
+The record these hooks act on (``RELEASED``, ``RequestPages``) and the page moves are
+``hot_set/residency.py``; here are the hooks plugin.py calls and ``HiCachePagePools``,
+the adapter of ``residency.PagePools`` over SGLang's allocator and host pool.
 
 With ``--hot-set-policy`` on and HiCache's host pool present (``--enable-hierarchical-cache``),
 a request whose prompt is longer than ``--hot-set-threshold`` is kept out of the
 radix tree while it runs: the checkpoints SGLang makes after each prefill chunk
 are skipped for it (the path SGLang takes for requests barred from the tree), so
 its pages past the matched prefix are its own and the decoder may give them back
-(``hot_set/release.py``). When it leaves:
+(``hot_set/residency.py``). When it leaves:
 
 - finished (``release_kv_cache`` with ``checkpoint``): its released pages are
   copied back into free device pages (evicting unlocked tree nodes if needed) and
@@ -27,7 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from sgl_importance.config import config_of
-from sgl_importance.hot_set.release import RELEASED, RequestPages, subtract_pages
+from sgl_importance.hot_set.residency import RELEASED, RequestPages, subtract_pages
 from sgl_importance.scheduler.hot_set_requests import forget_request
 
 logger = logging.getLogger(__name__)
@@ -37,8 +41,8 @@ logger = logging.getLogger(__name__)
 _leaving: dict[int, RequestPages] = {}
 
 
-class PoolTiers:
-    """``release.Tiers`` over SGLang's allocator and HiCache's host pool."""
+class HiCachePagePools:
+    """``residency.PagePools`` over SGLang's allocator and HiCache's host pool."""
 
     def __init__(self, tree_cache: Any) -> None:
         self.tree_cache = tree_cache
@@ -85,7 +89,7 @@ def enable(scheduler: Any) -> None:
             "are not attended but stay on the device (no host pool to release them to)"
         )
         return
-    RELEASED.enable(PoolTiers(tree_cache), config.hot_set_threshold)
+    RELEASED.enable(HiCachePagePools(tree_cache), config.hot_set_threshold)
     logger.info("hot set releases device pages of requests longer than %d tokens", RELEASED.threshold)
 
 
@@ -148,7 +152,7 @@ def _restore_all(pages: RequestPages, tree_cache: Any) -> None:
     need = held.numel() * pages.page_size
     if tree_cache.token_to_kv_pool_allocator.available_size() < need:
         evict_from_tree_cache(tree_cache, need)
-    pages.restore(held, RELEASED.tiers, RELEASED.counts)
+    pages.restore(held, RELEASED.pools, RELEASED.counts)
 
 
 def free_row_around_released(original: Callable[..., Any], cache: Any, kv: Any, ranges: Any) -> Any:
