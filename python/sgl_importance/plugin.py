@@ -75,12 +75,12 @@ HOOKS = (
     # Graded on the scheduler thread before the write is queued; the I/O thread seals in that class.
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.write_backup_storage", "cache.stored:grade_before_storage_write", "before", "scheduler", ("page_classes", "page_tables")),
     Hook("managers.scheduler.Scheduler.__init__", "runtime:Runtime.attach_scheduler", "after", "scheduler", ("runtime",)),
-    Hook("managers.scheduler.Scheduler.__init__", "scheduler.hot_set_release:enable", "after", "scheduler"),
-    Hook("managers.scheduler.Scheduler.process_batch_result", "scheduler.hot_set_release:reopen_admission", "after", "scheduler"),
-    Hook("managers.scheduler.Scheduler.handle_generate_request", "scheduler.hot_set_requests:note_request", "before", "scheduler"),
-    Hook("mem_cache.common.checkpoint_kv_cache", "scheduler.hot_set_release:checkpoint_unless_released", "around", "scheduler"),
-    Hook("mem_cache.common.release_kv_cache", "scheduler.hot_set_release:release_with_pages", "around", "scheduler"),
-    Hook("mem_cache.base_prefix_cache.BasePrefixCache.free_kv_row", "scheduler.hot_set_release:free_row_around_released", "around", "scheduler"),
+    Hook("managers.scheduler.Scheduler.__init__", "scheduler.hot_set_release:enable", "after", "scheduler", ("released",)),
+    Hook("managers.scheduler.Scheduler.process_batch_result", "scheduler.hot_set_release:reopen_admission", "after", "scheduler", ("released",)),
+    Hook("managers.scheduler.Scheduler.handle_generate_request", "scheduler.hot_set_requests:note_request", "before", "scheduler", ("request_params",)),
+    Hook("mem_cache.common.checkpoint_kv_cache", "scheduler.hot_set_release:checkpoint_unless_released", "around", "scheduler", ("released",)),
+    Hook("mem_cache.common.release_kv_cache", "scheduler.hot_set_release:release_with_pages", "around", "scheduler", ("released", "request_params")),
+    Hook("mem_cache.base_prefix_cache.BasePrefixCache.free_kv_row", "scheduler.hot_set_release:free_row_around_released", "around", "scheduler", ("released",)),
     Hook("managers.schedule_policy.PrefillAdder.__init__", "cache.prefetch:note_prefill_adder", "after", "scheduler"),
     # Around: prefetches are queued before SGLang merges the load queue into one copy.
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.ready_to_load_host_cache", "cache.prefetch:prefetch_with_batch_load", "around", "scheduler"),

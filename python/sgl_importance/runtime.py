@@ -26,8 +26,8 @@ from typing import Any, Callable, Mapping, Optional
 from sgl_importance.cache.policy import CachePolicy
 from sgl_importance.cache.strategy import ImportanceStrategy
 from sgl_importance.config import ImportanceConfig, config_of
-from sgl_importance.hot_set.release import RELEASED, Released
-from sgl_importance.hot_set.request_params import REQUEST_PARAMS, RequestParams
+from sgl_importance.hot_set.request_params import RequestParams
+from sgl_importance.hot_set.residency import Released
 from sgl_importance.importance.page_table import PageTables
 from sgl_importance.metrics import Metrics
 from sgl_importance.storage.factory import create_with_integrity, share_importance
@@ -50,8 +50,9 @@ class Runtime:
         self.metrics = Metrics()
         # One per cache under --radix-eviction-policy importance (SGLang builds one).
         self.policies: list[CachePolicy] = []
-        self.released: Released = RELEASED
-        self.request_params: RequestParams = REQUEST_PARAMS
+        # The hot set's release record and the parameters requests chose for themselves.
+        self.released = Released()
+        self.request_params = RequestParams()
         self.tracing = Tracing()
         # The storage grading under --importance-storage-precision graded (else None).
         c = self.config

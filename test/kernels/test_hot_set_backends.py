@@ -38,10 +38,10 @@ from sgl_importance.attention.torch_backend import ImportanceTorchAttnBackend  #
 from sgl_importance.attention.triton_backend import ImportanceTritonAttnBackend  # noqa: E402
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries  # noqa: E402
 from sgl_importance.hot_set.promotion import PromotionStream  # noqa: E402
-from sgl_importance.hot_set.release import Released  # noqa: E402
+from sgl_importance.hot_set.residency import Released  # noqa: E402
 from sgl_importance.importance.page_table import PageImportanceTable  # noqa: E402
 from sgl_kernel_ext import PagedDecodeWorkspace, TritonPageListDecode  # noqa: E402
-from support.array_tiers import ArrayTiers  # noqa: E402
+from support.array_pools import ArrayPools  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")]
 
@@ -55,8 +55,8 @@ OUT_ATOL = 2e-5
 IMP_ATOL = 2e-6
 
 
-class ArrayKV(ArrayTiers):
-    """SGLang's KV pool (``set_kv_buffer``/``get_*_buffer``) over ``ArrayTiers``' device pool."""
+class ArrayKV(ArrayPools):
+    """SGLang's KV pool (``set_kv_buffer``/``get_*_buffer``) over ``ArrayPools``' device pool."""
 
     def __init__(self, device_pages: int, host_pages: int, promotions: bool = True, device: str = "cpu") -> None:
         super().__init__(

@@ -21,9 +21,9 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed; the Triton decode kernels cannot run")
 
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries  # noqa: E402
-from sgl_importance.hot_set.release import Released  # noqa: E402
+from sgl_importance.hot_set.residency import Released  # noqa: E402
 from sgl_kernel_ext import TritonPageListDecode  # noqa: E402
-from support.array_tiers import ArrayTiers  # noqa: E402
+from support.array_pools import ArrayPools  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")]
 
@@ -39,7 +39,7 @@ class World:
     """A decoder over a pool, fed requests token by token (the same in every world)."""
 
     def __init__(self, params: HotSetParams, *, device_pages, host_pages, release, promotions=True, exact=None):
-        self.tiers = ArrayTiers(
+        self.tiers = ArrayPools(
             layers=LAYERS, kv_heads=KV_HEADS, dim=DIM, page_size=PAGE,
             device_pages=device_pages, host_pages=host_pages, promotions=promotions,
         )  # fmt: skip

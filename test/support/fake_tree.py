@@ -76,7 +76,7 @@ def _set(
     if hits is not None:
         node.hit_count = hits
     if importance is not None:
-        # What a fold leaves on a node (importance/persistent.py).
+        # What a fold leaves on a node (importance/aggregator.py).
         state = node_state(node)
         state.importance, state.pinned = importance, pinned
     if hashes is not None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sgl_importance.config import from_namespace
-from sgl_importance.hot_set.promotion import PromotionStream, StreamedTiers
+from sgl_importance.hot_set.promotion import PromotionStream, StreamedPagePools
 
 
 def _args(backend: str, decode_backend=None) -> argparse.Namespace:
@@ -52,7 +52,7 @@ def test_the_triton_backend_refuses_a_hot_set_some_layer_could_not_serve(serves,
         check_hot_set_serves(serves, sliding_window=window, kv_cache_dtype=kv_dtype, model_dtype=torch.bfloat16)
 
 
-class _Tiers:
+class _Pools:
     page_size = 4
 
     def __init__(self) -> None:
@@ -67,25 +67,25 @@ class _Tiers:
 
 
 def test_promotions_off_cuda_copy_where_issued_and_leave_nothing_to_fence():
-    tiers = _Tiers()
+    tiers = _Pools()
     promotions = PromotionStream("cpu")
-    streamed = StreamedTiers(tiers, promotions)
+    streamed = StreamedPagePools(tiers, promotions)
     streamed.to_device(torch.tensor([6, 7]), torch.tensor([0, 1]))
     assert tiers.device[:2].tolist() == [7.0, 8.0]
     assert not promotions.pending
     promotions.fence()
-    # Everything but the promotion is the wrapped tiers' own.
+    # Everything but the promotion is the wrapped pools' own.
     assert streamed.page_size == 4 and streamed.alloc_device(1).tolist() == [0, 1, 2, 3]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a side stream needs a CUDA device")
 def test_promotions_on_cuda_run_on_a_side_stream_and_land_before_the_fence_returns():
-    tiers = _Tiers()
+    tiers = _Pools()
     tiers.device = torch.zeros(1 << 20, device="cuda")
     tiers.host = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
     promotions = PromotionStream("cuda")
     slots = torch.arange(1 << 20)
-    StreamedTiers(tiers, promotions).to_device(slots, slots)
+    StreamedPagePools(tiers, promotions).to_device(slots, slots)
     assert promotions.pending and promotions.stream != torch.cuda.current_stream()
     promotions.fence()
     # Ordered on the current stream after the copy: reads what it wrote.

@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries
-from sgl_importance.hot_set.release import RELEASED_SLOT, ReleaseCounts, Released, RequestPages, subtract_pages
-from support.array_tiers import ArrayTiers
+from sgl_importance.hot_set.residency import RELEASED_SLOT, ReleaseCounts, Released, RequestPages, subtract_pages
+from support.array_pools import ArrayPools
 
 PAGE = 4
 KV_HEADS, GROUP, DIM = 2, 2, 8
 LAYERS = 2
 
 
-def array_tiers(device_pages: int, host_pages: int) -> ArrayTiers:
-    return ArrayTiers(
+def array_pools(device_pages: int, host_pages: int) -> ArrayPools:
+    return ArrayPools(
         layers=LAYERS, kv_heads=KV_HEADS, dim=DIM, page_size=PAGE, device_pages=device_pages, host_pages=host_pages
     )
 
@@ -29,7 +29,7 @@ def test_subtract_pages_leaves_out_exactly_the_released_positions():
     assert subtract_pages([(0, 8)], [], 4) == [(0, 8)]
 
 
-def filled_request(tiers: ArrayTiers, num_pages: int, seed: int = 0):
+def filled_request(tiers: ArrayPools, num_pages: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     slots = tiers.alloc_device(num_pages)
     tiers.k[:, slots] = torch.randn(LAYERS, slots.numel(), KV_HEADS, DIM, generator=g)
@@ -40,7 +40,7 @@ def filled_request(tiers: ArrayTiers, num_pages: int, seed: int = 0):
 
 
 def test_a_released_page_comes_back_with_the_same_kv_in_another_device_page():
-    tiers = array_tiers(device_pages=8, host_pages=8)
+    tiers = array_pools(device_pages=8, host_pages=8)
     row, slots = filled_request(tiers, 5)
     before_k, before_v = tiers.k[:, slots].clone(), tiers.v[:, slots].clone()
     pages, counts = RequestPages(row, first_owned_page=1, page_size=PAGE), ReleaseCounts()
@@ -66,7 +66,7 @@ def test_a_released_page_comes_back_with_the_same_kv_in_another_device_page():
 
 
 def test_no_free_page_is_counted_and_nothing_moves():
-    tiers = array_tiers(device_pages=6, host_pages=1)
+    tiers = array_pools(device_pages=6, host_pages=1)
     row, _ = filled_request(tiers, 4)
     pages, counts = RequestPages(row, first_owned_page=0, page_size=PAGE), ReleaseCounts()
     pages.release(torch.tensor([1, 2]), tiers, counts)  # two pages, one host page
@@ -101,7 +101,7 @@ class Request:
 class Placed:
     """A decoder over a pool; ``place`` writes a request's new tokens into it."""
 
-    def __init__(self, tiers: ArrayTiers, released: Released, guard: float) -> None:
+    def __init__(self, tiers: ArrayPools, released: Released, guard: float) -> None:
         self.tiers = tiers
         self.summaries = PageSummaries(LAYERS, tiers.k.shape[1] // PAGE, KV_HEADS, DIM, page_size=PAGE)
         params = HotSetParams(policy="importance", budget=4, window=1, sinks=1, guard_threshold=guard)
@@ -137,9 +137,9 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_
     # Three requests of 20 pages (60 pages with what they generate) on a 32-page
     # device: each is prefilled after the previous ones released what their hot
     # sets (4 pages) leave out. The reference keeps everything on a large device.
-    reference = Placed(array_tiers(device_pages=200, host_pages=0), Released(), guard)
+    reference = Placed(array_pools(device_pages=200, host_pages=0), Released(), guard)
     released = Released()
-    small = array_tiers(device_pages=32, host_pages=100)
+    small = array_pools(device_pages=32, host_pages=100)
     released.enable(small, threshold=8)
     physical = Placed(small, released, guard)
     g = torch.Generator().manual_seed(7)

@@ -11,8 +11,8 @@ import torch
 from sglang.srt.mem_cache.evict_policy import LRUStrategy
 
 from sgl_importance.cache.strategy import ImportanceStrategy, check_cli_args
+from sgl_importance.importance.aggregator import Observation
 from sgl_importance.importance.page_table import PageImportanceTable
-from sgl_importance.importance.persistent import Observation
 from support.fake_tree import detached_node
 
 PAGE = 4

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sgl_importance.importance.aggregator import ImportanceAggregator, Observation
 from sgl_importance.importance.node_state import (
     has_importance,
     node_importance,
@@ -17,7 +18,6 @@ from sgl_importance.importance.node_state import (
     peek_state,
 )
 from sgl_importance.importance.page_table import PageImportanceTable
-from sgl_importance.importance.persistent import ImportanceAggregator, Observation
 from support.fake_tree import detached_node as node
 
 PAGE = 4

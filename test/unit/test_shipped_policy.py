@@ -30,8 +30,8 @@ import pytest
 import torch
 
 from sgl_importance.cache.strategy import ImportanceStrategy
+from sgl_importance.importance.aggregator import Observation
 from sgl_importance.importance.page_table import PageImportanceTable
-from sgl_importance.importance.persistent import Observation
 from sgl_importance.sim.policies import make_policy
 from sgl_importance.sim.prefix import prepare_prefix, replay_prefix
 from sgl_importance.sim.shipped import ANCESTOR_STEP, Shipped

@@ -33,8 +33,8 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional
 
 from sgl_importance.cache.policy_state import policy_of
+from sgl_importance.importance.aggregator import ImportanceAggregator
 from sgl_importance.importance.node_state import node_pinned, node_state, peek_state
-from sgl_importance.importance.persistent import ImportanceAggregator
 
 # A node's ``NodeImportance.storage``: None (never decided), DEFERRED or ADMITTED.
 DEFERRED = "deferred"

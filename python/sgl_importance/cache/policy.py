@@ -21,8 +21,8 @@ from typing import Any, Mapping, Optional
 from sgl_importance.cache.admission import StorageAdmission
 from sgl_importance.cache.prefetch import WarmIndex
 from sgl_importance.cache.stored import StoredImportance
+from sgl_importance.importance.aggregator import ImportanceAggregator
 from sgl_importance.importance.page_table import PageTables
-from sgl_importance.importance.persistent import ImportanceAggregator
 from sgl_importance.importance.priority import ImportancePolicyConfig
 from sgl_importance.metrics import Metrics
 

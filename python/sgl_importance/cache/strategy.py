@@ -7,13 +7,13 @@ strategy reads three O(1) node fields and hands them to the pure
 policy replays), which blends:
 
 - persistent importance (the node's ``NodeImportance.importance``, folded from the
-  decode kernels' page importance by ``importance/persistent.py``), normalised by
+  decode kernels' page importance by ``importance/aggregator.py``), normalised by
   the aggregator's running maximum to [0, 1];
 - recency: ``exp(-age / recency_horizon)`` over SGLang's logical access clock
   (``node.last_access_time``);
 - reuse: ``hit_count / (hit_count + 1)``.
 
-Attention-sink nodes (``NodeImportance.pinned``) form a tier evicted after all
+Attention-sink nodes (``NodeImportance.pinned``) form a band evicted after all
 others when ``pin_sinks`` is on. Ties fall back to ``last_access_time``, so with
 ``importance_weight=0, reuse_weight=0, pin_sinks=false`` the order is exactly LRU —
 the A/B baseline inside the same code path.
@@ -94,7 +94,7 @@ class ImportanceStrategy(EvictionStrategy):
         return eviction_priority(self._weights, 0.0, False, now, 0, now, self._aggregator.scale)
 
     def get_priority(self, node: Any) -> tuple[int, float, float]:
-        """(tier, blended score, last_access_time); smaller is evicted first."""
+        """(band, blended score, last_access_time); smaller is evicted first."""
         return eviction_priority(
             self._weights,
             node_importance(node),

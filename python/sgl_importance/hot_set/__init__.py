@@ -5,11 +5,15 @@ its hot set exactly: sink pages, a recent window and the pages a policy keeps
 (``selection.py``). With the guard on, every other page is estimated from its 8-bit
 shadow (``shadow.py``) in the same softmax, and the error of each layer's attention
 output is bounded; where the bound exceeds ``--hot-set-guard-threshold`` the most
-suspect pages are read exactly (``estimate.py``). ``decode.py`` runs a step. Page
-summaries (``summaries.py``, key min/max) rank unread pages when the guard is off and
-drive the ``quest`` baseline. With a host pool, ``release.py`` gives back the device
-pages a request's hot set leaves out and copies planned ones back; without one, every
-page stays on the device and only what is read changes.
+suspect pages are read exactly (``estimate.py``, ``guard.py``). ``decode.py`` runs a
+step: which pages each layer reads (``page_lists.py``), what the layers found, folded
+once per step (``step_tally.py``), into the decoder's records of its requests
+(``request_state.py``). Page summaries (``summaries.py``, key min/max) rank unread
+pages when the guard is off and drive the ``quest`` baseline. With a host pool,
+``residency.py`` gives back the device pages a request's hot set leaves out and copies
+planned ones back (promotions on a side stream, ``promotion.py``); without one, every
+page stays on the device and only what is read changes. ``request_params.py`` holds
+the parameters requests chose for themselves.
 
 Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 """

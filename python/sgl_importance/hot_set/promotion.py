@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from sgl_importance.hot_set.release import Tiers
+from sgl_importance.hot_set.residency import PagePools
 
 
 class PromotionStream:
@@ -71,19 +71,19 @@ class PromotionStream:
         self._held.clear()
 
 
-class StreamedTiers:
-    """``release.Tiers`` whose promotions (``to_device``) run on a ``PromotionStream``.
+class StreamedPagePools:
+    """``residency.PagePools`` whose promotions (``to_device``) run on a ``PromotionStream``.
 
-    Everything else is the wrapped tiers' own: releases (``to_host``) stay on the
+    Everything else is the wrapped pools' own: releases (``to_host``) stay on the
     forward stream, which orders them after the step that last wrote the pages.
     """
 
-    def __init__(self, tiers: Tiers, promotions: PromotionStream) -> None:
-        self.tiers = tiers
+    def __init__(self, pools: PagePools, promotions: PromotionStream) -> None:
+        self.pools = pools
         self.promotions = promotions
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.tiers, name)
+        return getattr(self.pools, name)
 
     def to_device(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
-        self.promotions.run(lambda: self.tiers.to_device(host_slots, device_slots), host_slots, device_slots)
+        self.promotions.run(lambda: self.pools.to_device(host_slots, device_slots), host_slots, device_slots)

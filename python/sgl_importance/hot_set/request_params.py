@@ -46,6 +46,3 @@ class RequestParams:
 
     def __len__(self) -> int:
         return len(self._params)
-
-
-REQUEST_PARAMS = RequestParams()

@@ -17,7 +17,7 @@ baselines and the importance hot set run the same code:
 - ``importance``: the same resident set, demoted by persistent importance: the
   exact masses the decode returns for resident pages — by default a page's largest
   over layers and KV heads in the step (``HotSetParams.reduce``) — folded with the
-  EMA radix nodes use (``importance.persistent.ema_fold``), read bias-corrected so
+  EMA radix nodes use (``importance.aggregator.ema_fold``), read bias-corrected so
   a page observed for few steps is comparable with one observed for many.
 
 ``lru`` and ``importance`` promote a non-resident page when its *outside mass* says it
@@ -41,7 +41,7 @@ from typing import Optional, Union
 
 import torch
 
-from sgl_importance.importance.persistent import ema_fold
+from sgl_importance.importance.aggregator import ema_fold
 
 POLICIES = ("off", "dense", "window", "quest", "lru", "importance")
 REDUCTIONS = ("mean", "max")
@@ -117,7 +117,7 @@ class HotSetCounts:
     pages_estimated: int = 0  # pages estimated from their shadow, summed over layers
     pages_dense: int = 0  # pages dense attention would have read, over layers
     pages_read_from_host: int = 0  # attended pages read from their host copy, over layers
-    # Page moves of released requests (``release.ReleaseCounts``).
+    # Page moves of released requests (``residency.ReleaseCounts``).
     pages_released: int = 0
     pages_copied_out: int = 0
     pages_copied_in: int = 0
@@ -131,7 +131,7 @@ class HotSetCounts:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     def add_release(self, moves: object) -> None:
-        """Add a ``release.ReleaseCounts`` (same field names)."""
+        """Add a ``residency.ReleaseCounts`` (same field names)."""
         for f in fields(moves):
             setattr(self, f.name, getattr(self, f.name) + getattr(moves, f.name))
 

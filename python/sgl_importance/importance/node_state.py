@@ -28,7 +28,7 @@ class NodeImportance:
 
     Attributes:
         importance: moving average of the node's attention density
-            (``persistent.py``), or restored from the storage tier (``cache/stored.py``);
+            (``aggregator.py``), or restored from the storage tier (``cache/stored.py``);
             None while neither happened.
         pinned: the node lies inside the attention-sink pages of its sequence.
         step: the aggregator's clock when the node was last attended.

@@ -8,14 +8,14 @@ about the deployed policy. Plain Python: no SGLang, no torch, no numpy.
 
 The priority blends three O(1) fields of a node:
 
-- persistent importance (an EMA of attention density, ``importance/persistent.py``)
+- persistent importance (an EMA of attention density, ``importance/aggregator.py``)
   divided by the aggregator's running maximum and clipped to [0, 1];
 - recency ``exp(-age / recency_horizon)`` on SGLang's logical access clock;
 - reuse ``hit_count / (hit_count + 1)``.
 
-Attention-sink nodes form a tier evicted after every other node when ``pin_sinks``
-is on; ties fall back to the last access time, so with ``importance_weight=0,
-reuse_weight=0, pin_sinks=false`` the order is exactly LRU.
+Attention-sink nodes form a band (the priority's first element) evicted after every
+other node when ``pin_sinks`` is on; ties fall back to the last access time, so with
+``importance_weight=0, reuse_weight=0, pin_sinks=false`` the order is exactly LRU.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class ImportancePolicyConfig:
     recency_horizon: float = 1024.0
     # Evict attention-sink nodes after every other node.
     pin_sinks: bool = True
-    # EMA factor per attended decode step (see importance/persistent.py).
+    # EMA factor per attended decode step (see importance/aggregator.py).
     decay: float = 0.98
     # Leading pages of a sequence treated as attention sinks.
     sink_pages: int = 1
@@ -178,7 +178,10 @@ def eviction_priority(
     now: float,
     scale: float,
 ) -> tuple[int, float, float]:
-    """(tier, blended score, last access); the smallest is evicted first.
+    """(band, blended score, last access); the smallest is evicted first.
+
+    The band is 1 for a pinned sink node (``pin_sinks`` on), else 0: it orders before
+    the score, so every other node is evicted first.
 
     Args:
         weights: the resolved config.
@@ -198,5 +201,5 @@ def eviction_priority(
         score += weights.recency * (math.exp(-age * weights.inv_horizon) if age > 0 else 1.0)
     if weights.reuse:
         score += weights.reuse * hit_count / (hit_count + 1.0)
-    tier = 1 if weights.pin_sinks and pinned else 0
-    return (tier, score, last_access)
+    band = 1 if weights.pin_sinks and pinned else 0
+    return (band, score, last_access)

@@ -37,8 +37,8 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sgl_importance.cache.admission import admit_deferred
 from sgl_importance.cache.policy_state import policy_of
 from sgl_importance.cache.prefetch import mark_used
+from sgl_importance.importance.aggregator import ImportanceAggregator, Observation
 from sgl_importance.importance.node_state import node_importance, node_state
-from sgl_importance.importance.persistent import ImportanceAggregator, Observation
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,16 @@
-"""Scheduler side of hot-set page release: who may release, and leaving cleanly.
+"""Scheduler hooks of hot-set page release: who may release, and leaving cleanly.
+
+The record these hooks act on (the runtime's ``Released``, passed in as ``released``;
+``RequestPages``) and the page moves are
+``hot_set/residency.py``; here are the hooks plugin.py calls and ``HiCachePagePools``,
+the adapter of ``residency.PagePools`` over SGLang's allocator and host pool.
 
 With ``--hot-set-policy`` on and HiCache's host pool present (``--enable-hierarchical-cache``),
 a request whose prompt is longer than ``--hot-set-threshold`` is kept out of the
 radix tree while it runs: the checkpoints SGLang makes after each prefill chunk
 are skipped for it (the path SGLang takes for requests barred from the tree), so
 its pages past the matched prefix are its own and the decoder may give them back
-(``hot_set/release.py``). When it leaves:
+(``hot_set/residency.py``). When it leaves:
 
 - finished (``release_kv_cache`` with ``checkpoint``): its released pages are
   copied back into free device pages (evicting unlocked tree nodes if needed) and
@@ -27,18 +32,15 @@ from typing import Any, Callable, Optional
 import torch
 
 from sgl_importance.config import config_of
-from sgl_importance.hot_set.release import RELEASED, RequestPages, subtract_pages
+from sgl_importance.hot_set.request_params import RequestParams
+from sgl_importance.hot_set.residency import Released, RequestPages, subtract_pages
 from sgl_importance.scheduler.hot_set_requests import forget_request
 
 logger = logging.getLogger(__name__)
 
-# req_pool_idx -> the record of a request being released right now (free_kv_row
-# runs inside release_kv_cache and sees only the kv record).
-_leaving: dict[int, RequestPages] = {}
 
-
-class PoolTiers:
-    """``release.Tiers`` over SGLang's allocator and HiCache's host pool."""
+class HiCachePagePools:
+    """``residency.PagePools`` over SGLang's allocator and HiCache's host pool."""
 
     def __init__(self, tree_cache: Any) -> None:
         self.tree_cache = tree_cache
@@ -73,7 +75,7 @@ class PoolTiers:
         return self.host_pool.gather_layer(layer_id, host_slots)
 
 
-def enable(scheduler: Any) -> None:
+def enable(released: Released, scheduler: Any) -> None:
     """After ``Scheduler.__init__``: turn release on where the hot set and a host pool are."""
     config = config_of(scheduler.server_args)
     if config.hot_set_params() is None:
@@ -85,75 +87,83 @@ def enable(scheduler: Any) -> None:
             "are not attended but stay on the device (no host pool to release them to)"
         )
         return
-    RELEASED.enable(PoolTiers(tree_cache), config.hot_set_threshold)
-    logger.info("hot set releases device pages of requests longer than %d tokens", RELEASED.threshold)
+    released.enable(HiCachePagePools(tree_cache), config.hot_set_threshold)
+    logger.info("hot set releases device pages of requests longer than %d tokens", released.threshold)
 
 
-def reopen_admission(scheduler: Any) -> None:
+def reopen_admission(released: Released, scheduler: Any) -> None:
     """After a batch: if the hot set gave device pages back, let the scheduler admit again.
 
     SGLang stops trying to prefill waiting requests once an attempt found no room
     (``batch_is_full``) and tries again only when a request leaves; pages released
     mid-request would otherwise sit free until then.
     """
-    if RELEASED.reopen:
-        RELEASED.reopen = False
+    if released.reopen:
+        released.reopen = False
         scheduler.running_batch.batch_is_full = False
 
 
-def checkpoint_unless_released(original: Callable[..., Any], req: Any, tree_cache: Any) -> Any:
+def checkpoint_unless_released(released: Released, original: Callable[..., Any], req: Any, tree_cache: Any) -> Any:
     """Around ``checkpoint_kv_cache``: keep a long prompt's pages out of the tree."""
-    if not RELEASED.enabled or req.skip_radix_cache_insert or len(req.origin_input_ids) <= RELEASED.threshold:
+    if not released.enabled or req.skip_radix_cache_insert or len(req.origin_input_ids) <= released.threshold:
         return original(req, tree_cache)
     page_size = tree_cache.token_to_kv_pool_allocator.page_size
-    RELEASED.admit(req.rid, -(-req.kv.cache_protected_len // page_size))
+    released.admit(req.rid, -(-req.kv.cache_protected_len // page_size))
     # What SGLang does for a request barred from the tree: resume after this extend.
     req.prefix_len = req.extend_end
     return None
 
 
-def release_with_pages(original: Callable[..., Any], req: Any, tree_cache: Any, *, checkpoint: bool) -> Any:
+def release_with_pages(
+    released: Released,
+    request_params: RequestParams,
+    original: Callable[..., Any],
+    req: Any,
+    tree_cache: Any,
+    *,
+    checkpoint: bool,
+) -> Any:
     """Around ``release_kv_cache``: bring released pages back or keep them out of the free."""
-    forget_request(req)
-    if not RELEASED.admitted(req.rid):
+    forget_request(request_params, req)
+    if not released.admitted(req.rid):
         return original(req, tree_cache, checkpoint=checkpoint)
-    pages = RELEASED.peek(req.rid)
+    pages = released.peek(req.rid)
     try:
         if pages is not None and bool(pages.released.any()):
             inserting = checkpoint and not req.skip_radix_cache_insert
             if inserting:
-                _restore_all(pages, tree_cache)
+                _restore_all(released, pages, tree_cache)
             if bool(pages.released.any()):
                 if inserting:
-                    RELEASED.counts.finished_uncached += 1
+                    released.counts.finished_uncached += 1
                     logger.info(
                         "hot set: request %s leaves %d pages on the host; it is not inserted into the tree",
                         req.rid,
                         int(pages.released.sum()),
                     )
                 req.skip_radix_cache_insert = True
-                _leaving[req.kv.req_pool_idx] = pages
+                released.leaving[req.kv.req_pool_idx] = pages
             elif inserting:
-                RELEASED.counts.finished_reinserted += 1
+                released.counts.finished_reinserted += 1
         return original(req, tree_cache, checkpoint=checkpoint)
     finally:
-        _leaving.clear()
-        RELEASED.forget(req.rid)
+        released.leaving.clear()
+        released.forget(req.rid)
 
 
-def _restore_all(pages: RequestPages, tree_cache: Any) -> None:
+def _restore_all(released: Released, pages: RequestPages, tree_cache: Any) -> None:
     from sglang.srt.mem_cache.common import evict_from_tree_cache
 
     held = pages.released_pages()
     need = held.numel() * pages.page_size
     if tree_cache.token_to_kv_pool_allocator.available_size() < need:
         evict_from_tree_cache(tree_cache, need)
-    pages.restore(held, RELEASED.tiers, RELEASED.counts)
+    pages.restore(held, released.pools, released.counts)
 
 
-def free_row_around_released(original: Callable[..., Any], cache: Any, kv: Any, ranges: Any) -> Any:
+def free_row_around_released(released: Released, original: Callable[..., Any], cache: Any, kv: Any, ranges: Any) -> Any:
     """Around ``free_kv_row``: a leaving request frees only positions it still holds."""
-    pages = _leaving.get(kv.req_pool_idx)
+    pages = released.leaving.get(kv.req_pool_idx)
     if pages is not None:
         ranges = subtract_pages(list(ranges), pages.released_pages().tolist(), pages.page_size)
     return original(cache, kv, ranges)

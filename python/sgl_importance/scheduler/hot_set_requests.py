@@ -16,21 +16,22 @@ from __future__ import annotations
 from typing import Any
 
 from sgl_importance.config import REQUEST_HOT_SET_KEY, config_of
-from sgl_importance.hot_set.request_params import REQUEST_PARAMS
+from sgl_importance.hot_set.request_params import RequestParams
 
 
-def note_request(scheduler: Any, recv_req: Any) -> None:
-    """Before ``Scheduler.handle_generate_request``: note the request's own parameters."""
+def note_request(request_params: RequestParams, scheduler: Any, recv_req: Any) -> None:
+    """Before ``Scheduler.handle_generate_request``: note the request's own parameters
+    in ``request_params`` (the runtime's)."""
     custom = recv_req.sampling_params.custom_params
     if not isinstance(custom, dict) or REQUEST_HOT_SET_KEY not in custom:
         return
     # Validated in the tokenizer manager already; parsing again yields the params
     # (and a request that reached the scheduler another way still fails loudly).
     params = config_of(scheduler.server_args).request_hot_set_params(custom[REQUEST_HOT_SET_KEY])
-    REQUEST_PARAMS.note(recv_req.rid, params)
+    request_params.note(recv_req.rid, params)
 
 
-def forget_request(req: Any) -> None:
+def forget_request(request_params: RequestParams, req: Any) -> None:
     """When a request's KV is released: forget its parameters if it is leaving."""
     if req.finished():
-        REQUEST_PARAMS.forget(req.rid)
+        request_params.forget(req.rid)

@@ -5,7 +5,7 @@ The priority is ``importance.priority.eviction_priority`` — the function
 keys of ``--radix-eviction-policy-config``, parsed by the same code). What the
 simulator supplies is the node state the server keeps, rebuilt from the trace:
 
-- importance: the EMA of ``importance/persistent.py`` — per attended decode step
+- importance: the EMA of ``importance/aggregator.py`` — per attended decode step
   ``old * decay + density * (1 - decay)``, density = attention mass per content
   page (sink pages left out), and the aggregator's running maximum ``scale``
   (the largest importance folded, decaying by ``decay`` per step);

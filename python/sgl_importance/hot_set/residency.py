@@ -9,9 +9,12 @@ the padding page 0, which every decode kernel here masks. A promotion allocates 
 device page, copies the host page in and rewrites the row. Pages shared with the
 tree (the matched prefix) and the page being written stay on the device.
 
-``Tiers`` is what this needs from SGLang (adapted in ``scheduler/hot_set_release.py``);
-``Released`` is the process-wide record of the requests eligible for release, so
-the scheduler-side hooks (finish, abort, retract) and the decoder see one state.
+This module holds the record and the page moves: ``RequestPages`` (one request's
+residency and host copies), ``Released`` (the process-wide record of the requests
+eligible for release, so the scheduler's hooks and the decoder see one state) and
+``PagePools``, what the moves need from SGLang. The hooks that act on the record
+when a request is admitted or leaves (finish, abort, retract), and the adapter of
+``PagePools`` over SGLang's pools, are ``scheduler/hot_set_release.py``.
 Plain torch; nothing here imports SGLang.
 """
 
@@ -30,8 +33,9 @@ logger = logging.getLogger(__name__)
 RELEASED_SLOT = 0
 
 
-class Tiers(Protocol):
-    """SGLang's device allocator and host pool, as the hot set uses them."""
+class PagePools(Protocol):
+    """The device and host page pools (SGLang's allocator and HiCache's host pool):
+    what releasing and promoting a page needs of them."""
 
     page_size: int
 
@@ -93,7 +97,7 @@ class RequestPages:
     def _positions(self, pages: torch.Tensor) -> torch.Tensor:
         return (pages[:, None] * self.page_size + torch.arange(self.page_size)[None, :]).flatten()
 
-    def release(self, pages: torch.Tensor, tiers: Tiers, counts: ReleaseCounts) -> None:
+    def release(self, pages: torch.Tensor, pools: PagePools, counts: ReleaseCounts) -> None:
         """Give back the device pages of ``pages`` (full, owned, resident logical pages)."""
         self._grow(int(pages.max()) + 1 if pages.numel() else 0)
         pages = pages[(pages >= self.first_owned_page) & ~self.released[pages]]
@@ -101,22 +105,22 @@ class RequestPages:
             return
         uncopied = pages[self.host[pages, 0] < 0]
         if uncopied.numel():
-            host = tiers.alloc_host(uncopied.numel())
+            host = pools.alloc_host(uncopied.numel())
             if host is None:
                 counts.releases_refused += pages.numel()
                 return
             host = host.view(-1, self.page_size).to(torch.int64)
-            tiers.to_host(self.row[self._positions(uncopied)].to(torch.int64), host.flatten())
+            pools.to_host(self.row[self._positions(uncopied)].to(torch.int64), host.flatten())
             self.host[uncopied] = host
             counts.pages_copied_out += uncopied.numel()
         positions = self._positions(pages)
-        tiers.free_device(self.row[positions].to(torch.int64))
+        pools.free_device(self.row[positions].to(torch.int64))
         self.row[positions] = RELEASED_SLOT
         self.released[pages] = True
         counts.pages_released += pages.numel()
 
     def restore(
-        self, pages: torch.Tensor, tiers: Tiers, counts: ReleaseCounts, *, note_refusal: bool = True
+        self, pages: torch.Tensor, pools: PagePools, counts: ReleaseCounts, *, note_refusal: bool = True
     ) -> torch.Tensor:
         """Bring released ``pages`` back to the device; returns those still released.
 
@@ -127,13 +131,13 @@ class RequestPages:
         pages = pages[self.released[pages]]
         if pages.numel() == 0:
             return pages
-        slots = tiers.alloc_device(pages.numel())
+        slots = pools.alloc_device(pages.numel())
         if slots is None:
             if note_refusal:
                 counts.promotions_refused += pages.numel()
             return pages
         slots = slots.to(torch.int64)
-        tiers.to_device(self.host[pages].flatten(), slots)
+        pools.to_device(self.host[pages].flatten(), slots)
         self.row[self._positions(pages)] = slots.to(self.row.dtype)
         self.released[pages] = False
         counts.pages_copied_in += pages.numel()
@@ -146,11 +150,11 @@ class RequestPages:
         """Host slots of released ``pages``, page by page."""
         return self.host[pages].flatten()
 
-    def drop(self, tiers: Tiers) -> None:
+    def drop(self, pools: PagePools) -> None:
         """Free the host copies (the request is leaving)."""
         copied = self.host[:, 0] >= 0
         if bool(copied.any()):
-            tiers.free_host(self.host[copied].flatten())
+            pools.free_host(self.host[copied].flatten())
         self.host = self.host[:0]
         self.released = self.released[:0]
 
@@ -176,20 +180,23 @@ class Released:
     """The requests eligible for release in this process, by rid."""
 
     def __init__(self) -> None:
-        self.tiers: Optional[Tiers] = None
+        self.pools: Optional[PagePools] = None
         self.threshold: Optional[int] = None  # prompt tokens; None: release is off
         self._first_owned: dict[str, int] = {}
         self._pages: dict[str, RequestPages] = {}
         self.counts = ReleaseCounts()
         # Set when a step gave device pages back: the scheduler may admit again.
         self.reopen = False
+        # req_pool_idx -> the pages of a request being released right now (free_kv_row
+        # runs inside release_kv_cache and sees only the kv record).
+        self.leaving: dict[int, RequestPages] = {}
 
     @property
     def enabled(self) -> bool:
-        return self.tiers is not None and self.threshold is not None
+        return self.pools is not None and self.threshold is not None
 
-    def enable(self, tiers: Tiers, threshold: int) -> None:
-        self.tiers, self.threshold = tiers, threshold
+    def enable(self, pools: PagePools, threshold: int) -> None:
+        self.pools, self.threshold = pools, threshold
 
     def admit(self, rid: str, first_owned_page: int) -> None:
         """``rid`` keeps its pages from ``first_owned_page`` on out of the tree."""
@@ -215,12 +222,9 @@ class Released:
         """The request left: free its host copies and its record."""
         self._first_owned.pop(rid, None)
         pages = self._pages.pop(rid, None)
-        if pages is not None and self.tiers is not None:
-            pages.drop(self.tiers)
+        if pages is not None and self.pools is not None:
+            pages.drop(self.pools)
 
     def take_counts(self) -> ReleaseCounts:
         counts, self.counts = self.counts, ReleaseCounts()
         return counts
-
-
-RELEASED = Released()

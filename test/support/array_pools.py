@@ -1,4 +1,4 @@
-"""``release.Tiers`` over plain tensors, for the hot-set tests that release pages.
+"""``residency.PagePools`` over plain tensors, for the hot-set tests that release pages.
 
 A device pool whose page 0 is padding and a host pool, both ``[layers, slots, kv_heads,
 dim]``. It checks what SGLang's pools would trip on later: a page freed twice, or the
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 
-class ArrayTiers:
+class ArrayPools:
     """Device and host KV pools as tensors, with page allocators.
 
     Args:

@@ -1,4 +1,7 @@
-"""Persistent importance: the page table folded into radix-tree nodes.
+"""The importance aggregator: the page table folded into radix-tree nodes.
+
+Persistent importance is what a node keeps *across* decode steps; this module holds
+the fold that builds it (:class:`ImportanceAggregator`) and the reads it needs.
 
 The page table (``page_table.py``) knows how much attention each *physical* page got
 in the last recorded decode step, and forgets it when the allocator frees the page.

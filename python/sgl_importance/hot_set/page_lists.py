@@ -1,0 +1,168 @@
+"""Which pages each layer of a hot-set step reads, as lists the kernels take.
+
+- part 1 (``plan_exact``): each request's listed logical pages as physical page ids
+  for ``sgl_kernel_ext.plan_paged_decode``; a released page is staged from its host
+  copy and gets an id past the pool's last page, and the page-table slots show it as
+  the padding slot;
+- part 2 (``plan_outside``): the full pages a guarded request does not read exactly,
+  by their shadow ids (``estimate.OutsidePlan``);
+- the ``quest`` baseline's per-layer lists, picked from that layer's query
+  (``quest_lists``);
+- the full pages whose 8-bit shadow is still to be written (``pending_shadow_pages``).
+
+Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from sgl_importance.hot_set.estimate import OutsidePlan
+from sgl_importance.hot_set.request_state import LiveRequest, page_slots, released_among
+from sgl_importance.hot_set.selection import quest_layer_pages
+from sgl_importance.hot_set.shadow import ShadowPool
+from sgl_importance.hot_set.summaries import key_bound
+from sgl_kernel_ext import PagedDecodePlan, plan_paged_decode
+
+
+@dataclass
+class ExactPlan:
+    """Part 1 of a layer: the pages each request reads exactly, as the kernel takes them."""
+
+    plan: PagedDecodePlan
+    logical: list[torch.Tensor]  # per request: the logical pages listed
+    staged_host: torch.Tensor  # host slots of the staged pages, page after page
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+
+
+def plan_exact(
+    live: Sequence[LiveRequest], lists: Sequence[Optional[torch.Tensor]], pool_pages: int, page_size: int
+) -> ExactPlan:
+    """Part 1: each request's listed logical pages, as physical or staged page ids.
+
+    Args:
+        live: the requests, in batch order.
+        lists: ``lists[i]`` the logical pages request i reads (ascending); None reads
+            every page (a short request).
+        pool_pages: pages in the layer's pool; staged pages get ids from here on.
+        page_size: tokens per page.
+    """
+    ps = page_size
+    ids, tokens, logical, staged, slot_lists = [], [], [], [], []
+    for req, listed in zip(live, lists):
+        num_pages = -(-req.slots.numel() // ps)
+        if listed is None:
+            listed = torch.arange(num_pages)
+        logical.append(listed)
+        first = req.slots[listed * ps]
+        physical = torch.div(first, ps, rounding_mode="floor")
+        count = torch.full((listed.numel(),), ps, dtype=torch.int64)
+        if listed.numel() and int(listed[-1]) == num_pages - 1:
+            count[-1] = req.slots.numel() - (num_pages - 1) * ps
+        held = released_among(req.pages, listed)
+        if bool(held.any()):
+            where = torch.nonzero(held).flatten()
+            base = sum(s.numel() for s in staged) // ps
+            physical = physical.clone()
+            physical[where] = pool_pages + base + torch.arange(where.numel())
+            staged.append(req.pages.host_slots(listed[held]))
+        ids.append(physical)
+        tokens.append(count)
+        # Slots for the page table: a staged page shows the padding slot.
+        req_slots = page_slots(req.slots, listed, ps)
+        if bool(held.any()):
+            mask = held.repeat_interleave(count)
+            req_slots = torch.where(mask, 0, req_slots)
+        slot_lists.append(req_slots)
+    indptr = torch.zeros(len(ids) + 1, dtype=torch.int64)
+    if ids:
+        indptr[1:] = torch.cumsum(torch.tensor([i.numel() for i in ids]), 0)
+    plan = plan_paged_decode(
+        indptr,
+        torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64),
+        torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.int64),
+        page_size=ps,
+    )
+    kv_indptr = torch.zeros(len(slot_lists) + 1, dtype=torch.int32)
+    if slot_lists:
+        kv_indptr[1:] = torch.cumsum(torch.tensor([s.numel() for s in slot_lists]), 0).to(torch.int32)
+    kv_indices = torch.cat(slot_lists) if slot_lists else torch.zeros(0, dtype=torch.int64)
+    staged_host = torch.cat(staged) if staged else torch.zeros(0, dtype=torch.int64)
+    return ExactPlan(plan, logical, staged_host, kv_indptr, kv_indices)
+
+
+def plan_outside(live: Sequence[LiveRequest], lists: Sequence[Optional[torch.Tensor]]) -> OutsidePlan:
+    """Part 2: the full pages each guarded request does not read exactly."""
+    rows, shadow, logical = [], [], []
+    for i, (req, listed) in enumerate(zip(live, lists)):
+        if not req.guard_on or listed is None:
+            continue
+        full = req.tracked.shadow.numel()
+        outside = torch.ones(full, dtype=torch.bool)
+        outside[listed[listed < full]] = False
+        pages = torch.nonzero(outside).flatten()
+        if pages.numel():
+            rows.append(i)
+            shadow.append(req.tracked.shadow[pages])
+            logical.append(pages)
+    return OutsidePlan.build(rows, shadow, logical)
+
+
+def quest_lists(
+    live: Sequence[LiveRequest], layer_id: int, q: torch.Tensor, *, sm_scale: float, logit_cap: float
+) -> list[Optional[torch.Tensor]]:
+    """The ``quest`` baseline picks each layer's pages from that layer's query (a loop
+    over its requests); the other requests keep their planned lists."""
+    lists: list[Optional[torch.Tensor]] = []
+    for b, req in enumerate(live):
+        listed = req.planned
+        if req.tracked is not None and req.tracked.state.params.policy == "quest" and req.counts.warmups == 0:
+            bounds = key_bound(
+                q[b], req.tracked.key_min[layer_id], req.tracked.key_max[layer_id],
+                sm_scale=sm_scale, logit_cap=logit_cap,
+            )  # fmt: skip
+            listed = quest_layer_pages(bounds.cpu(), req.tracked.state.params)  # planned on the host
+        lists.append(listed)
+    return lists
+
+
+def pending_shadow_pages(
+    live: Sequence[LiveRequest], shadow: Callable[[], ShadowPool], page_size: int
+) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Full pages of guarded requests without a shadow yet: (ids, device slots, host slots).
+
+    Allocates their shadow ids (appended to each request's ``shadow``) from
+    ``shadow()``, the decoder's pool, which is created on first use, so only where a
+    guarded request has a page to shadow; the decoder writes them layer by layer in
+    ``attend``. A page is full once its last token is
+    written; it was the request's last page then, so it is read from the device, or,
+    if the step that filled it already released it, from its host copy.
+    """
+    ps = page_size
+    ids, dev, host = [], [], []
+    for req in live:
+        if not req.guard_on:
+            continue
+        tracked = req.tracked
+        full = req.slots.numel() // ps
+        known = tracked.shadow.numel()
+        if full <= known:
+            continue
+        new = torch.arange(known, full)
+        fresh = shadow().alloc(new.numel())
+        tracked.shadow = torch.cat((tracked.shadow, fresh))
+        held = released_among(req.pages, new)
+        ids.append(fresh[~held])
+        dev.append(page_slots(req.slots, new[~held], ps))
+        if bool(held.any()):
+            ids.append(fresh[held])
+            dev.append(torch.zeros(0, dtype=torch.int64))
+            host.append(req.pages.host_slots(new[held]))
+    if not ids:
+        return None
+    host_slots = torch.cat(host) if host else torch.zeros(0, dtype=torch.int64)
+    return torch.cat(ids), torch.cat(dev), host_slots
