@@ -64,6 +64,8 @@ import os
 import sys
 from typing import Any, Callable
 
+from sgl_importance.env import ANNOUNCE_ENV, DUMP_DIR_ENV, PLATFORM_ENV, TRACE_DIR_ENV
+
 _loaded = False
 
 
@@ -331,13 +333,13 @@ def _trace_batch(original: Callable[..., Any], scheduler: Any, batch: Any, *args
 def _torch_cpu_selected() -> bool:
     from sgl_importance.platform import PLATFORM_NAME
 
-    return os.environ.get("SGLANG_PLATFORM") == PLATFORM_NAME
+    return os.environ.get(PLATFORM_ENV) == PLATFORM_NAME
 
 
 def _announce() -> None:
     # Plugins load before SGLang configures logging, so a logger line would be
     # lost; this opt-in notice answers "is the plugin loaded in this process?".
-    if os.environ.get("SGL_IMPORTANCE_ANNOUNCE") == "1":
+    if os.environ.get(ANNOUNCE_ENV) == "1":
         print(f"[sgl-importance] plugin loaded (pid {os.getpid()})", file=sys.stderr, flush=True)
 
 
@@ -389,7 +391,7 @@ def load() -> None:
     ):
         register(f"sglang.srt.mem_cache.allocator.{target}", hook, HookType.AFTER)
     # Only the scheduler process (it loaded SGLang's scheduler before calling load()).
-    if os.environ.get("SGL_IMPORTANCE_DUMP_DIR") and "sglang.srt.managers.scheduler" in sys.modules:
+    if os.environ.get(DUMP_DIR_ENV) and "sglang.srt.managers.scheduler" in sys.modules:
         register(
             "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
             _dump_page_table,
@@ -471,7 +473,7 @@ def load() -> None:
     register("sglang.srt.server_args.ServerArgs.from_cli_args", _export_trace_dir, HookType.BEFORE)
     register("sglang.srt.server_args.ServerArgs.from_cli_args", _check_storage_dir, HookType.BEFORE)
     register("sglang.srt.server_args.ServerArgs.from_cli_args", _check_mooncake_master, HookType.BEFORE)
-    if os.environ.get("SGL_IMPORTANCE_TRACE_DIR") and "sglang.srt.managers.scheduler" in sys.modules:
+    if os.environ.get(TRACE_DIR_ENV) and "sglang.srt.managers.scheduler" in sys.modules:
         table = "sgl_importance.importance.page_table.PageImportanceTable"
         register("sglang.srt.managers.scheduler.Scheduler.__init__", _start_trace_recorder, HookType.AFTER)
         register(f"{table}.add_layer", _trace_layer, HookType.AFTER)
