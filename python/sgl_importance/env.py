@@ -1,6 +1,31 @@
-"""Names of the environment variables the plugin reads (placeholder until the config branch lands)."""
+"""Names of the environment variables the plugin reads or sets, one constant each.
 
-DUMP_DIR_ENV = "SGL_IMPORTANCE_DUMP_DIR"
+A leaf with no imports, so ``plugin.load()`` can test a variable in every process
+before it imports anything heavier.
+"""
+
+from __future__ import annotations
+
+# Ours.
+# Set by the launcher from --importance-trace-dir; the scheduler records a trace there.
 TRACE_DIR_ENV = "SGL_IMPORTANCE_TRACE_DIR"
-PLATFORM_ENV = "SGLANG_PLATFORM"
+# Opt-in debug dump of the page-importance table after each step.
+DUMP_DIR_ENV = "SGL_IMPORTANCE_DUMP_DIR"
+# "1": each process prints a line when the plugin loads.
 ANNOUNCE_ENV = "SGL_IMPORTANCE_ANNOUNCE"
+# Which dense decode the torch backend runs (paged, torch, reference).
+DECODE_ENV = "SGL_IMPORTANCE_DECODE"
+
+# SGLang's.
+PLATFORM_ENV = "SGLANG_PLATFORM"
+FILE_STORAGE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+MOONCAKE_CONFIG_PATH_ENV = "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"
+
+# Mooncake's (read by its client inside SGLang's mooncake storage backend).
+MOONCAKE_MASTER_ENV = "MOONCAKE_MASTER"
+MOONCAKE_CLIENT_ENV = "MOONCAKE_CLIENT"
+MOONCAKE_PROTOCOL_ENV = "MOONCAKE_PROTOCOL"
+MOONCAKE_METADATA_SERVER_ENV = "MOONCAKE_TE_META_DATA_SERVER"
+MOONCAKE_SEGMENT_SIZE_ENV = "MOONCAKE_GLOBAL_SEGMENT_SIZE"
+MOONCAKE_HOSTNAME_ENV = "MOONCAKE_LOCAL_HOSTNAME"
+MOONCAKE_METRICS_PORT_ENV = "MOONCAKE_MASTER_METRICS_PORT"

@@ -21,6 +21,8 @@ from typing import Mapping, Optional, Sequence
 
 import requests
 
+from sgl_importance.env import PLATFORM_ENV
+
 SERVED_NAME = "SmolLM2-135M-Instruct"
 STARTUP_TIMEOUT_S = 300
 
@@ -75,7 +77,7 @@ class LocalServer:
         ]  # fmt: skip
         full_env = dict(os.environ)
         if platform is not None:
-            full_env["SGLANG_PLATFORM"] = platform
+            full_env[PLATFORM_ENV] = platform
         full_env.update(env or {})
         self._log = open(self.log_path, "w")
         # A session of its own, so stop() can reach every process it spawned.

@@ -27,6 +27,14 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from sgl_importance.env import (
+    MOONCAKE_HOSTNAME_ENV,
+    MOONCAKE_MASTER_ENV,
+    MOONCAKE_METADATA_SERVER_ENV,
+    MOONCAKE_METRICS_PORT_ENV,
+    MOONCAKE_PROTOCOL_ENV,
+    MOONCAKE_SEGMENT_SIZE_ENV,
+)
 from sgl_importance.local_server import free_port
 
 # The holder's segment: every page of every server sharing the store lives here.
@@ -94,12 +102,12 @@ class LocalStore:
         ``segment_bytes`` 0: the server holds no pages itself (the holder does).
         """
         return {
-            "MOONCAKE_MASTER": self.master_address,
-            "MOONCAKE_PROTOCOL": "tcp",
-            "MOONCAKE_TE_META_DATA_SERVER": self.metadata_server,
-            "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(segment_bytes),
-            "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
-            "MOONCAKE_MASTER_METRICS_PORT": str(self.metrics_port),
+            MOONCAKE_MASTER_ENV: self.master_address,
+            MOONCAKE_PROTOCOL_ENV: "tcp",
+            MOONCAKE_METADATA_SERVER_ENV: self.metadata_server,
+            MOONCAKE_SEGMENT_SIZE_ENV: str(segment_bytes),
+            MOONCAKE_HOSTNAME_ENV: "127.0.0.1",
+            MOONCAKE_METRICS_PORT_ENV: str(self.metrics_port),
         }
 
     def start(self) -> "LocalStore":

@@ -109,13 +109,15 @@ def check_hot_set_request(tokenizer_manager: Any, obj: Any) -> None:
     The scheduler parses them again (``scheduler/hot_set_requests.py``); checking here
     turns a bad value into the caller's error instead of a scheduler failure.
     """
-    from sgl_importance.config import REQUEST_HOT_SET_KEY, config_of
+    from sgl_importance.config import config_of
+    from sgl_importance.hot_set.params import request_hot_set_params
+    from sgl_importance.vocabulary import REQUEST_HOT_SET_KEY
 
     sampling = obj.sampling_params
     custom = sampling.get("custom_params") if isinstance(sampling, dict) else None
     if not isinstance(custom, dict) or REQUEST_HOT_SET_KEY not in custom:
         return
     try:
-        config_of(tokenizer_manager.server_args).request_hot_set_params(custom[REQUEST_HOT_SET_KEY])
+        request_hot_set_params(config_of(tokenizer_manager.server_args), custom[REQUEST_HOT_SET_KEY])
     except ValueError as err:
         raise InvalidRequestError(str(err)) from None

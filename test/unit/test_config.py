@@ -4,6 +4,7 @@ import re
 import pytest
 
 from sgl_importance.config import ImportanceConfig, add_cli_args, config_of, from_namespace
+from sgl_importance.hot_set.params import hot_set_params, request_hot_set_params
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -43,7 +44,7 @@ def test_config_of_falls_back_to_defaults_for_args_built_without_the_cli():
 
 def test_hot_set_is_off_by_default():
     config = from_namespace(parse())
-    assert config.hot_set_policy == "off" and config.hot_set_params() is None
+    assert config.hot_set_policy == "off" and hot_set_params(config) is None
 
 
 def test_hot_set_flags_reach_the_policy_parameters():
@@ -51,7 +52,7 @@ def test_hot_set_flags_reach_the_policy_parameters():
         "--hot-set-policy", "quest", "--hot-set-budget", "0.3", "--hot-set-window", "2",
         "--hot-set-sinks", "0", "--hot-set-threshold", "100", "--hot-set-guard-threshold", "0.5",
     )  # fmt: skip
-    params = from_namespace(args).hot_set_params()
+    params = hot_set_params(from_namespace(args))
     assert (params.policy, params.budget, params.window, params.sinks, params.guard_threshold) == (
         "quest",
         0.3,
@@ -64,7 +65,7 @@ def test_hot_set_flags_reach_the_policy_parameters():
 def test_hot_set_budget_is_pages_without_a_dot_and_a_fraction_with_one():
     assert from_namespace(parse("--hot-set-budget", "40")).hot_set_budget == 40
     assert from_namespace(parse("--hot-set-budget", "1.0")).hot_set_budget == 1.0
-    assert from_namespace(parse("--hot-set-budget", "40")).hot_set_params() is None  # still off
+    assert hot_set_params(from_namespace(parse("--hot-set-budget", "40"))) is None  # still off
 
 
 @pytest.mark.parametrize(
@@ -115,11 +116,11 @@ def test_hot_set_needs_the_importance_torch_decode_backend():
 
 def test_a_request_may_override_the_servers_hot_set_settings():
     config = ImportanceConfig(hot_set_policy="importance", hot_set_budget=0.2, hot_set_window=4)
-    params = config.request_hot_set_params({"policy": "quest", "budget": 40, "guard_threshold": 1.0})
+    params = request_hot_set_params(config, {"policy": "quest", "budget": 40, "guard_threshold": 1.0})
     assert (params.policy, params.budget, params.window, params.guard_threshold) == ("quest", 40, 4, 1.0)
     assert params.reduce == "max"  # the server's --hot-set-reduce
-    assert config.request_hot_set_params({"reduce": "mean"}).reduce == "mean"
-    assert ImportanceConfig(hot_set_policy="lru", hot_set_reduce="mean").hot_set_params().reduce == "mean"
+    assert request_hot_set_params(config, {"reduce": "mean"}).reduce == "mean"
+    assert hot_set_params(ImportanceConfig(hot_set_policy="lru", hot_set_reduce="mean")).reduce == "mean"
 
 
 @pytest.mark.parametrize(
@@ -137,9 +138,9 @@ def test_a_request_may_override_the_servers_hot_set_settings():
 )
 def test_a_bad_request_hot_set_value_names_the_key_the_value_and_the_range(value, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        ImportanceConfig(hot_set_policy="importance").request_hot_set_params(value)
+        request_hot_set_params(ImportanceConfig(hot_set_policy="importance"), value)
 
 
 def test_request_hot_set_settings_need_a_server_with_the_hot_set_on():
     with pytest.raises(ValueError, match="needs a server started with --hot-set-policy"):
-        ImportanceConfig().request_hot_set_params({"policy": "dense"})
+        request_hot_set_params(ImportanceConfig(), {"policy": "dense"})

@@ -56,7 +56,7 @@ def test_empty_trace_dir_is_rejected_with_the_flag_name():
 
 
 def test_export_sets_the_environment_only_when_recording(tmp_path, monkeypatch):
-    monkeypatch.delenv(rec.TRACE_ENV, raising=False)
+    monkeypatch.delenv(rec.TRACE_DIR_ENV, raising=False)
     rec.export_trace_dir(parse("--importance-trace-dir", str(tmp_path / "t")))
     assert rec.recording_requested()
     rec.export_trace_dir(parse())
@@ -64,7 +64,7 @@ def test_export_sets_the_environment_only_when_recording(tmp_path, monkeypatch):
 
 
 def test_export_refuses_a_directory_that_already_holds_a_trace(tmp_path, monkeypatch):
-    monkeypatch.delenv(rec.TRACE_ENV, raising=False)
+    monkeypatch.delenv(rec.TRACE_DIR_ENV, raising=False)
     (tmp_path / "accesses-00000.parquet").write_bytes(b"")
     with pytest.raises(ValueError, match="already holds a trace"):
         rec.export_trace_dir(parse("--importance-trace-dir", str(tmp_path)))

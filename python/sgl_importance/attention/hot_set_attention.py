@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from sgl_importance.config import config_of
+from sgl_importance.hot_set.params import hot_set_params
 from sgl_importance.importance.page_table import PageImportanceTable
 from sgl_importance.runtime import Runtime
 
@@ -169,7 +170,7 @@ def build_hot_set(
         exact: the decoder's exact page reader (default: ``decode_importance_paged``).
     """
     config = config_of(model_runner.server_args)
-    params = config.hot_set_params()
+    params = hot_set_params(config)
     if params is None:
         return None
     from sgl_importance.hot_set import HotSetDecoder, PageSummaries

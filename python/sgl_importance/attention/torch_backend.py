@@ -47,6 +47,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_importance.attention.common import last_attention_layer_id, page_table_for
 from sgl_importance.attention.hot_set_attention import build_hot_set
+from sgl_importance.env import DECODE_ENV
 from sgl_importance.runtime import Runtime
 from sgl_kernel_ext import (
     PagedDecodePlan,
@@ -62,7 +63,6 @@ if TYPE_CHECKING:
 
 # Which dense decode runs: the batched page-list path, or the slot-by-slot reference
 # (for A/B timing and as a fallback); read once when the backend is built.
-DECODE_ENV = "SGL_IMPORTANCE_DECODE"
 DECODE_IMPLS = ("paged", "torch", "reference")
 
 

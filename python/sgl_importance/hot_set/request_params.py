@@ -2,7 +2,7 @@
 
 A request may override the server's policy, budget, window, sinks and guard
 threshold for its own decode (``custom_params.hot_set``, validated by
-``ImportanceConfig.request_hot_set_params`` in the tokenizer manager, so a bad
+``params.request_hot_set_params`` in the tokenizer manager, so a bad
 value is a 400 and never reaches the scheduler). The scheduler notes them when the
 request arrives (``scheduler/hot_set_requests.py``); the decoder reads them when it
 first tracks the request; the scheduler forgets them when the request leaves.

@@ -42,16 +42,16 @@ from typing import Optional, Union
 import torch
 
 from sgl_importance.importance.aggregator import ema_fold
+from sgl_importance.vocabulary import HOT_SET_POLICIES as POLICIES
+from sgl_importance.vocabulary import REDUCTIONS
 
-POLICIES = ("off", "dense", "window", "quest", "lru", "importance")
-REDUCTIONS = ("mean", "max")
 # Share of the free budget a resident set may swap per step (see module docstring).
 SWAP_FRACTION = 1 / 8
 
 
 @dataclass(frozen=True)
 class HotSetParams:
-    """One policy's settings (validated by ``config.ImportanceConfig``).
+    """One policy's settings (validated by ``config.ImportanceConfig``, built by ``params.py``).
 
     Attributes:
         policy: one of ``POLICIES`` except ``off``.

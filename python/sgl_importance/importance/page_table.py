@@ -35,9 +35,9 @@ from typing import Any, Optional
 
 import torch
 
+from sgl_importance.env import DUMP_DIR_ENV
+from sgl_importance.vocabulary import REDUCTIONS
 from sgl_kernel_ext import scatter_page_importance
-
-REDUCTIONS = ("mean", "max")
 
 
 class PageImportanceTable:
@@ -217,7 +217,6 @@ class PageImportanceTable:
 
 
 # Opt-in debug dump, so tests and people can see the table from outside the server.
-DUMP_DIR_ENV = "SGL_IMPORTANCE_DUMP_DIR"
 
 
 def dump_path(directory: str, pid: Optional[int] = None) -> str:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 
+from sgl_importance.env import PLATFORM_ENV
+
 PLATFORM_NAME = "torch_cpu"
 
 
 def activate() -> str | None:
-    if os.environ.get("SGLANG_PLATFORM") != PLATFORM_NAME:
+    if os.environ.get(PLATFORM_ENV) != PLATFORM_NAME:
         return None
     return "sgl_importance.platform.torch_cpu.TorchCpuPlatform"

@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from sgl_importance.config import config_of
+from sgl_importance.hot_set.params import hot_set_params
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import Released, RequestPages, subtract_pages
 from sgl_importance.scheduler.hot_set_requests import forget_request
@@ -78,7 +79,7 @@ class HiCachePagePools:
 def enable(released: Released, scheduler: Any) -> None:
     """After ``Scheduler.__init__``: turn release on where the hot set and a host pool are."""
     config = config_of(scheduler.server_args)
-    if config.hot_set_params() is None:
+    if hot_set_params(config) is None:
         return
     tree_cache = scheduler.tree_cache
     if tree_cache.cache_controller is None:

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sgl_importance.config import REQUEST_HOT_SET_KEY, config_of
+from sgl_importance.config import config_of
+from sgl_importance.hot_set.params import request_hot_set_params
 from sgl_importance.hot_set.request_params import RequestParams
+from sgl_importance.vocabulary import REQUEST_HOT_SET_KEY
 
 
 def note_request(request_params: RequestParams, scheduler: Any, recv_req: Any) -> None:
@@ -27,7 +29,7 @@ def note_request(request_params: RequestParams, scheduler: Any, recv_req: Any) -
         return
     # Validated in the tokenizer manager already; parsing again yields the params
     # (and a request that reached the scheduler another way still fails loudly).
-    params = config_of(scheduler.server_args).request_hot_set_params(custom[REQUEST_HOT_SET_KEY])
+    params = request_hot_set_params(config_of(scheduler.server_args), custom[REQUEST_HOT_SET_KEY])
     request_params.note(recv_req.rid, params)
 
 

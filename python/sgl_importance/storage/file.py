@@ -22,17 +22,17 @@ import logging
 import os
 from typing import Any, Optional
 
+from sgl_importance.env import FILE_STORAGE_DIR_ENV
 from sgl_importance.storage.wrapper import BackendOps
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DIR = "/tmp/hicache"
-ENV_DIR = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 
 
 def storage_dir(extra_config: Optional[dict]) -> str:
     """The directory ``HiCacheFile`` will use, by its own precedence."""
-    return os.environ.get(ENV_DIR) or (extra_config or {}).get("file_storage_path") or DEFAULT_DIR
+    return os.environ.get(FILE_STORAGE_DIR_ENV) or (extra_config or {}).get("file_storage_path") or DEFAULT_DIR
 
 
 def check_storage_dir(path: str) -> None:
@@ -47,14 +47,14 @@ def check_storage_dir(path: str) -> None:
         raise ValueError(
             f"--hicache-storage-backend file: storage directory {path!r} is not a directory "
             f"(a {'broken link' if os.path.islink(path) else 'regular file'} is there); "
-            f"remove it or point {ENV_DIR} elsewhere"
+            f"remove it or point {FILE_STORAGE_DIR_ENV} elsewhere"
         )
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise ValueError(
             f"--hicache-storage-backend file: storage directory {path!r} cannot be created "
-            f"({e.strerror or e}); create it or point {ENV_DIR} elsewhere"
+            f"({e.strerror or e}); create it or point {FILE_STORAGE_DIR_ENV} elsewhere"
         ) from None
 
 

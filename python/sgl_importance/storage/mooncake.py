@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+from sgl_importance.env import MOONCAKE_CLIENT_ENV, MOONCAKE_CONFIG_PATH_ENV, MOONCAKE_MASTER_ENV
 from sgl_importance.storage.wrapper import BackendOps
 
 logger = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ def master_address(extra_config: Optional[dict]) -> Optional[str]:
     extra = extra_config or {}
     if extra.get("master_server_address"):
         return str(extra["master_server_address"])
-    return os.environ.get("MOONCAKE_MASTER") or None
+    return os.environ.get(MOONCAKE_MASTER_ENV) or None
 
 
 def check_master(address: Optional[str]) -> None:
@@ -162,11 +163,11 @@ def check_master(address: Optional[str]) -> None:
     Raises:
         ValueError: one line naming the address and the reason.
     """
-    if os.environ.get("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH") or os.environ.get("MOONCAKE_CLIENT"):
+    if os.environ.get(MOONCAKE_CONFIG_PATH_ENV) or os.environ.get(MOONCAKE_CLIENT_ENV):
         return  # configured another way (config file, standalone client): SGLang checks it
     if not address:
         raise ValueError(
-            "--hicache-storage-backend mooncake: MOONCAKE_MASTER is not set (host:port of a "
+            f"--hicache-storage-backend mooncake: {MOONCAKE_MASTER_ENV} is not set (host:port of a "
             "mooncake_master); `make store` starts a local one and prints the variables"
         )
     host, _, port = address.rpartition(":")
@@ -176,7 +177,7 @@ def check_master(address: Optional[str]) -> None:
     except (OSError, ValueError) as e:
         # strerror: an OSError's; a malformed port raises a ValueError, which has none.
         raise ValueError(
-            f"--hicache-storage-backend mooncake: master {address} (MOONCAKE_MASTER) is unreachable "
+            f"--hicache-storage-backend mooncake: master {address} ({MOONCAKE_MASTER_ENV}) is unreachable "
             f"({getattr(e, 'strerror', None) or e}); start one (`make store`) or fix the address"
         ) from None
 

@@ -56,13 +56,11 @@ from typing import Any, Optional
 
 import numpy as np
 
+from sgl_importance.env import TRACE_DIR_ENV
 from sgl_importance.trace.writer_process import RECORD_DTYPE
 
 logger = logging.getLogger(__name__)
 
-# Set by the launcher from the validated flag, inherited by the scheduler process,
-# where plugin.load() reads it to decide whether to register the recording hooks.
-TRACE_ENV = "SGL_IMPORTANCE_TRACE_DIR"
 BUFFER_ROWS = 65_536
 PUSH_INTERVAL_NS = 1_000_000_000
 # Captured steps waiting for their batch's result; more than this and the oldest go.
@@ -82,7 +80,7 @@ def export_trace_dir(args: Any) -> None:
 
     config = from_namespace(args)
     if config.trace_dir is None:
-        os.environ.pop(TRACE_ENV, None)
+        os.environ.pop(TRACE_DIR_ENV, None)
         return
     out = Path(config.trace_dir).expanduser().resolve()
     if any(out.glob("accesses-*.parquet")):
@@ -90,11 +88,11 @@ def export_trace_dir(args: Any) -> None:
             f"--importance-trace-dir {config.trace_dir!r} is invalid; it already holds a trace "
             "(allowed: an empty or new directory)"
         )
-    os.environ[TRACE_ENV] = str(out)
+    os.environ[TRACE_DIR_ENV] = str(out)
 
 
 def recording_requested() -> bool:
-    return bool(os.environ.get(TRACE_ENV))
+    return bool(os.environ.get(TRACE_DIR_ENV))
 
 
 @dataclass

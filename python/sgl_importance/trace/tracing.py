@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from sgl_importance.trace.recorder import TRACE_ENV, Recorder, StepCapture
+from sgl_importance.env import TRACE_DIR_ENV
+from sgl_importance.trace.recorder import Recorder, StepCapture
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class Tracing:
         parallel = get_parallel()
         if parallel.tp_rank != 0 or (parallel.dp_rank or 0) != 0:
             return None
-        out = os.environ.get(TRACE_ENV) or str(Path(config.trace_dir).expanduser().resolve())
+        out = os.environ.get(TRACE_DIR_ENV) or str(Path(config.trace_dir).expanduser().resolve())
         meta = {
             "page_size": int(server_args.page_size),
             "model": str(server_args.served_model_name or server_args.model_path),
