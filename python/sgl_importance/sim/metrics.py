@@ -93,11 +93,6 @@ def fraction_of(value: float, best: float) -> float:
     return value / best if best else float("nan")
 
 
-def index_results(results: Iterable[ReplayResult]) -> dict[tuple[str, str, float], ReplayResult]:
-    """(regime, policy, budget_frac) -> result."""
-    return {(r.regime, r.policy, r.budget_frac): r for r in results}
-
-
 def baseline_name(names: Iterable[str], want: str) -> str | None:
     """The policy label that is ``want`` or starts with ``want:``, if present."""
     for n in names:

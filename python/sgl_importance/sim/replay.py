@@ -82,10 +82,6 @@ class HotStreams:
     def n_demanded(self) -> int:
         return int(self.ev_demand.sum())
 
-    def stream_rows(self, s: int) -> tuple[int, int]:
-        e0, e1 = self.stream_ev_ptr[s], self.stream_ev_ptr[s + 1]
-        return int(self.ev_row_ptr[e0]), int(self.ev_row_ptr[e1])
-
 
 def parse_demand(demand: str) -> tuple[str, float]:
     """``"topk:K"`` / ``"mass:P"`` / ``"all"`` -> (kind, value); raises ValueError."""
