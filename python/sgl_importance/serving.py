@@ -10,7 +10,7 @@ LoRA adapters (alone or as ``base:adapter``), and SGLang's placeholder
 A prompt the model cannot read is refused in the tokenizer manager
 (``prompt_check.py``); around an OpenAI request we tell that check the name the
 caller gave the prompt (``messages``, ``prompt`` or ``input``), so the 400 names it.
-The same name tells ``request_check.py`` which endpoint built the request, so its
+The same name tells ``request_check/`` which endpoint built the request, so its
 400s use the endpoint's field names (``top_logprobs`` on chat, ``logprobs`` on
 completions).
 
