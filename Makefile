@@ -75,7 +75,7 @@ format: install
 	$(BIN)/ruff format $(LINT_PATHS)
 
 bench-kernel: install
-	$(BIN)/python benchmark/kernel/bench_decode.py $(BENCH_ARGS)
+	$(BIN)/python -m benchmark.kernel.bench_decode $(BENCH_ARGS)
 
 # Hit rate from traces the server itself records (rag, chat, agent, cot): records
 # each trace missing from $(HIT_RATE_OUT)/traces with scripts/collect_traces.py,
@@ -84,21 +84,21 @@ bench-kernel: install
 HIT_RATE_OUT ?= benchmark/hit_rate/out
 HIT_RATE_ARGS ?=
 bench-hit-rate: model
-	$(BIN)/python benchmark/hit_rate/bench_hit_rate.py --out $(HIT_RATE_OUT) $(HIT_RATE_ARGS)
+	$(BIN)/python -m benchmark.hit_rate.bench_hit_rate --out $(HIT_RATE_OUT) $(HIT_RATE_ARGS)
 
 bench-hit-rate-synth: install
-	$(BIN)/python benchmark/hit_rate/bench_hit_rate.py --synthetic --out $(HIT_RATE_OUT)/synthetic $(HIT_RATE_ARGS)
+	$(BIN)/python -m benchmark.hit_rate.bench_hit_rate --synthetic --out $(HIT_RATE_OUT)/synthetic $(HIT_RATE_ARGS)
 
 # lru vs slru vs importance under SGLang's own load generator, one server after
 # another on the same request stream; table, JSON and plot in benchmark/serving/out.
 BENCH_SERVING_ARGS ?=
 bench-serving: install
-	$(BIN)/python benchmark/serving/bench_policies.py $(BENCH_SERVING_ARGS)
+	$(BIN)/python -m benchmark.serving.bench_policies $(BENCH_SERVING_ARGS)
 
 # The file tier with and without page integrity (seal + verify); no server, ~1 min.
 BENCH_STORAGE_ARGS ?=
 bench-storage: install
-	$(BIN)/python benchmark/storage/bench_integrity.py --out benchmark/storage/out $(BENCH_STORAGE_ARGS)
+	$(BIN)/python -m benchmark.storage.bench_integrity --out benchmark/storage/out $(BENCH_STORAGE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -32,21 +32,16 @@ import importlib.util
 import os
 import random
 import socket
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-import requests
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "python"))
-
-from sgl_importance.local_server import SERVED_NAME as SERVED  # noqa: E402
-from sgl_importance.local_server import LocalServer  # noqa: E402
-from sgl_importance.trace.table_io import read_meta, write_meta  # noqa: E402
+from sgl_importance import client
+from sgl_importance.local_server import PORT_CLASH, LocalServer, model_path, start_with_retry
+from sgl_importance.local_server import SERVED_NAME as SERVED
+from sgl_importance.trace.table_io import read_meta, write_meta
 
 PAGE = 16
 
@@ -142,17 +137,19 @@ class Server(LocalServer):
             port=free_port(),
         )  # fmt: skip
         self.done = 0
+
+    @classmethod
+    def ready(cls, model_path: str, trace_dir: Path, log: Path, extra: list[str]) -> Server:
+        """A started server (again on a port clash), or SystemExit naming its log."""
         try:
-            self.wait_ready(600)
+            return start_with_retry(lambda: cls(model_path, trace_dir, log, extra), retry_on=(PORT_CLASH,), timeout=600)
         except (RuntimeError, TimeoutError) as e:
-            self.stop()
             raise SystemExit(f"server did not start; see {log}") from e
 
     def chat(self, messages: list[dict], rid: str, max_tokens: int) -> str:
-        body = {"model": SERVED, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "rid": rid}
-        r = requests.post(self.url + "/v1/chat/completions", json=body, timeout=3600)
-        r.raise_for_status()
-        out = r.json()
+        out = client.chat(
+            self.url, model=SERVED, messages=messages, max_tokens=max_tokens, temperature=0, rid=rid, timeout=3600
+        )
         self.done += 1
         usage = out.get("usage") or {}
         print(
@@ -284,10 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(names) - set(WORKLOADS)
     if unknown:
         raise SystemExit(f"--workloads: unknown {sorted(unknown)}; allowed: {', '.join(WORKLOADS)}")
-    model = a.model_path or subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "prepare_model.py"), "--print-path"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
+    model = a.model_path or model_path()
     a.out.mkdir(parents=True, exist_ok=True)
     for name in names:
         out = a.out / name
@@ -298,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{out} already holds a trace; remove it or pick another --out")
         t0 = time.time()
         print(f"{name}: starting the server (log: {a.out / (name + '.server.log')})", flush=True)
-        server = Server(model, out, a.out / f"{name}.server.log", a.server_arg)
+        server = Server.ready(model, out, a.out / f"{name}.server.log", a.server_arg)
         try:
             params = WORKLOADS[name](server, a.scale, random.Random(a.seed))
         finally:

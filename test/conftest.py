@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Iterator
 
 import pytest
 
+from sgl_importance import local_server
 from support.server import Server
-
-REPO = Path(__file__).resolve().parents[1]
 
 # Under `make test` (pytest-xdist) each worker gets its share of the cores for
 # OpenMP, in its own torch and in every server and interpreter it starts: two
@@ -25,13 +21,7 @@ if _WORKERS > 1:
 
 @pytest.fixture(scope="session")
 def model_path() -> str:
-    out = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "prepare_model.py"), "--print-path"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return out.stdout.strip()
+    return local_server.model_path()
 
 
 @pytest.fixture(scope="session")
@@ -52,15 +42,18 @@ def token_ids(model_path: str):
 
 @pytest.fixture(scope="module")
 def launch(model_path: str, tmp_path_factory) -> Iterator:
-    """Factory: launch(args, env) -> ready Server; all are stopped at module end."""
+    """Factory: launch(args, env) -> ready Server (started again on a port clash); all
+    are stopped at module end."""
     servers: list[Server] = []
 
     def _launch(args: list[str] = (), env: dict[str, str] | None = None) -> Server:
         log = tmp_path_factory.mktemp("server") / "server.log"
-        server = Server(model_path, list(args), env or {}, log)
-        servers.append(server)
-        server.wait_ready()
-        return server
+
+        def start() -> Server:
+            servers.append(Server(model_path, list(args), env or {}, log))
+            return servers[-1]
+
+        return local_server.start_with_retry(start)
 
     yield _launch
     for server in servers:

@@ -1,7 +1,7 @@
 """Hit-rate benchmark: record live traces from the server, replay them, analyse, summarise.
 
-    python benchmark/hit_rate/bench_hit_rate.py --out benchmark/hit_rate/out [--workloads rag,chat,agent,cot]
-    python benchmark/hit_rate/bench_hit_rate.py --synthetic --out benchmark/hit_rate/out/synthetic
+    python -m benchmark.hit_rate.bench_hit_rate --out benchmark/hit_rate/out [--workloads rag,chat,agent,cot]
+    python -m benchmark.hit_rate.bench_hit_rate --synthetic --out benchmark/hit_rate/out/synthetic
 
 Live (default), for each workload:
 
@@ -149,7 +149,6 @@ def h1_rows(results: list[dict[str, Any]], regime: str, scope: str) -> list[str]
 
 
 def trace_stats(trace: Path) -> str:
-    sys.path.insert(0, str(REPO / "python"))
     import numpy as np
 
     from sgl_importance.trace.table_io import read_all

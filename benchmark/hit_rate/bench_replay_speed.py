@@ -1,6 +1,6 @@
 """Replay speed of every simulator policy on a synthetic trace of ~2M demanded page accesses.
 
-    PYTHONPATH=python python benchmark/hit_rate/bench_replay_speed.py [--demand topk:32] [--budget 0.2]
+    python -m benchmark.hit_rate.bench_replay_speed [--demand topk:32] [--budget 0.2]
 
 Prints one line per policy: wall seconds of the replay (best of --repeat),
 demanded page accesses per second, events (decode steps x requests) per
@@ -36,11 +36,9 @@ import platform
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
-
-from sgl_importance.sim.policies import POLICIES  # noqa: E402
-from sgl_importance.sim.replay import prepare_hot, replay_hot  # noqa: E402
-from sgl_importance.sim.synthetic import synthesize  # noqa: E402
+from sgl_importance.sim.policies import POLICIES
+from sgl_importance.sim.replay import prepare_hot, replay_hot
+from sgl_importance.sim.synthetic import synthesize
 
 
 def main() -> int:

@@ -6,8 +6,11 @@ step for one layer, the on/off ratio, and the achieved K+V read bandwidth next t
 measured device-to-device copy bandwidth. Writes results.md, results.json and
 results.png into --out. See README.md beside this file.
 
-    python benchmark/kernel/bench_decode.py --out /tmp/bench          # GPU
-    python benchmark/kernel/bench_decode.py --smoke --out /tmp/smoke  # CPU, interpreter
+    python -m benchmark.kernel.bench_decode --out /tmp/bench          # GPU
+    python -m benchmark.kernel.bench_decode --smoke --out /tmp/smoke  # CPU, interpreter
+
+Run from the repository root; where sgl-kernel-ext is not installed (a bare GPU
+machine), put it on the path: ``PYTHONPATH=sgl-kernel-ext python -m ...``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -83,7 +87,6 @@ def main(argv=None):
     args = parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
-    sys.path.insert(0, str(REPO / "sgl-kernel-ext"))
 
     import torch
 
@@ -97,6 +100,9 @@ def main(argv=None):
     baselines = {} if (args.no_baselines or args.smoke) else load_baselines()
     copy_gbps = measure_copy_bandwidth(torch, device, timer)
     print(f"device copy bandwidth: {copy_gbps:.0f} GB/s; baselines: {sorted(baselines) or 'none'}")
+    setup = Setup(
+        torch, args, timer, device, dtype, copy_gbps, baselines, DecodeImportanceWrapper, decode_importance_reference
+    )
 
     rows: list[Row] = []
     for model in args.models.split(","):
@@ -110,24 +116,7 @@ def main(argv=None):
                         if need > args.mem_fraction * free:
                             print(f"skip {model} P={page_size} bs={bs} ctx={ctx}: needs {need / 2**30:.1f} GiB")
                             continue
-                    row = bench_one(
-                        torch,
-                        args,
-                        timer,
-                        device,
-                        dtype,
-                        model,
-                        q_heads,
-                        kv_heads,
-                        head_dim,
-                        page_size,
-                        bs,
-                        ctx,
-                        copy_gbps,
-                        baselines,
-                        DecodeImportanceWrapper,
-                        decode_importance_reference,
-                    )
+                    row = bench_one(setup, model, page_size, bs, ctx)
                     rows.append(row)
                     print(format_row(row))
                     if device == "cuda":
@@ -183,27 +172,28 @@ def build_batch(torch, bs, ctx, page_size, q_heads, kv_heads, head_dim, dtype, d
     return q, k, v, kv_indptr, kv_indices
 
 
-def bench_one(
-    torch,
-    args,
-    timer,
-    device,
-    dtype,
-    model,
-    q_heads,
-    kv_heads,
-    head_dim,
-    page_size,
-    bs,
-    ctx,
-    copy_gbps,
-    baselines,
-    Wrapper,
-    reference,
-):
+@dataclass
+class Setup:
+    """What every configuration of one run shares: the device, the timer, the
+    measured copy bandwidth, the baselines and the kernel under test."""
+
+    torch: Any
+    args: argparse.Namespace
+    timer: Any
+    device: str
+    dtype: Any
+    copy_gbps: float
+    baselines: dict
+    Wrapper: Any
+    reference: Any
+
+
+def bench_one(setup: Setup, model: str, page_size: int, bs: int, ctx: int) -> Row:
+    torch, args, device, dtype, reference = setup.torch, setup.args, setup.device, setup.dtype, setup.reference
+    q_heads, kv_heads, head_dim = MODELS[model]
     q, k, v, indptr, indices = build_batch(torch, bs, ctx, page_size, q_heads, kv_heads, head_dim, dtype, device)
     max_pages = math.ceil(ctx / page_size)
-    wrapper = Wrapper(
+    wrapper = setup.Wrapper(
         bs,
         q_heads,
         kv_heads,
@@ -220,7 +210,7 @@ def bench_one(
         return lambda: wrapper.run(q, k, v, indptr, indices, num_splits=num_splits, importance=importance)
 
     fns = {"on": step(True), "off": step(False)}
-    for name, make in baselines.items():
+    for name, make in setup.baselines.items():
         try:
             fns[name] = make(torch, q, k, v, indptr, indices, page_size, num_splits, args.max_splits)
         except Exception as exc:  # a baseline's API drifted: report, keep going
@@ -229,7 +219,7 @@ def bench_one(
     use_graph = device == "cuda" and not args.no_cuda_graph
     if use_graph:
         fns = {name: as_graph(torch, fn) for name, fn in fns.items()}
-    times = timer.interleaved(fns, args.warmup, args.iters)
+    times = setup.timer.interleaved(fns, args.warmup, args.iters)
 
     max_rel_err = None
     if bs * ctx <= 8 * 4096:  # cheap enough to check against the torch reference
@@ -253,7 +243,7 @@ def bench_one(
         kv_bytes=kv_bytes,
         on_gbps=kv_bytes / on / 1e6,
         off_gbps=kv_bytes / off / 1e6,
-        copy_gbps=copy_gbps,
+        copy_gbps=setup.copy_gbps,
         baselines_ms=times,
         max_rel_err=max_rel_err,
     )

@@ -17,8 +17,11 @@ selection allows), across all ``--layers`` layers, in bytes and as time at a mea
 pinned host->device copy bandwidth. Writes results.md, results.json and
 results_page_list.png into --out. See README.md beside this file.
 
-    python benchmark/kernel/bench_page_list.py --out /tmp/bench-page-list          # GPU
-    python benchmark/kernel/bench_page_list.py --smoke --out /tmp/page-list-smoke  # CPU, interpreter
+    python -m benchmark.kernel.bench_page_list --out /tmp/bench-page-list          # GPU
+    python -m benchmark.kernel.bench_page_list --smoke --out /tmp/page-list-smoke  # CPU, interpreter
+
+Run from the repository root; where nothing is installed (a bare GPU machine), put
+both packages on the path: ``PYTHONPATH=sgl-kernel-ext:python python -m ...``.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmark.kernel.bench_decode import MODELS, CpuTimer, CudaTimer, as_graph, build_batch, run_meta, write_outputs
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import MODELS, CpuTimer, CudaTimer, as_graph, build_batch, run_meta, write_outputs  # noqa: E402
 
 SINKS, WINDOW = 1, 4
 
@@ -82,8 +85,6 @@ def main(argv=None):
     args = parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import
-    sys.path.insert(0, str(REPO / "sgl-kernel-ext"))
-    sys.path.insert(0, str(REPO / "python"))
     import torch
 
     from sgl_importance.hot_set.selection import SWAP_FRACTION

@@ -24,7 +24,7 @@ A section "why not summaries" gives the same error and bound for two per-page su
 estimates (key centroid with value means; 8-bit keys with value means), which the
 issue suggested and which do not certify this model's diffuse heads.
 
-    python benchmark/long_context/bench_bound.py --out /tmp/bench_bound
+    python -m benchmark.long_context.bench_bound --out /tmp/bench_bound
 """
 
 from __future__ import annotations
@@ -39,10 +39,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_hot_set import PAGE, make_trials, model_path  # noqa: E402
-
-from sgl_importance.hot_set import (  # noqa: E402
+from benchmark.long_context.bench_hot_set import PAGE, make_trials
+from sgl_importance.hot_set import (
     HotSetParams,
     OutsidePlan,
     RequestHotSet,
@@ -51,6 +49,7 @@ from sgl_importance.hot_set import (  # noqa: E402
     estimate_outside,
     pages_to_read,
 )
+from sgl_importance.local_server import model_path
 
 torch.set_grad_enabled(False)
 
@@ -305,7 +304,7 @@ def write(rows, thresholds, a, minutes: float) -> None:
                 + " | ".join(f"{s['certified'][t]:.0%}" for t in thresholds)
                 + " |"
             )
-    command = "python benchmark/long_context/bench_bound.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    command = "python -m benchmark.long_context.bench_bound " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     text = (
         "# The guard's bound (bench_bound.py)\n\n"
         f"Command (took {minutes:.0f} min):\n\n```\n{command.strip()}\n```\n\n"

@@ -18,7 +18,7 @@ many greedy outputs equal dense's, and the peak resident memory of the server's 
 what the guard costs). Writes RESULTS_capacity.md and capacity.png into --out and prints
 the table.
 
-    python benchmark/long_context/bench_capacity.py --out /tmp/bench_capacity
+    python -m benchmark.long_context.bench_capacity --out /tmp/bench_capacity
 """
 
 from __future__ import annotations
@@ -33,12 +33,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import requests
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_hot_set import PAGE, essay_text, model_path  # noqa: E402
-
-from sgl_importance.local_server import LocalServer  # noqa: E402
+from benchmark.long_context.bench_hot_set import PAGE, essay_text
+from sgl_importance.client import flush_cache, generate, greedy
+from sgl_importance.local_server import LocalServer, model_path
 
 DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+), .*gen throughput \(token/s\): ([\d.]+)")
 
@@ -64,27 +61,21 @@ def run_config(name: str, extra: list[str], prompts: list[list[int]], a, out: Pa
     try:
         server.wait_ready()
 
-        def generate(ids: list[int]) -> dict:
-            body = {
-                "input_ids": ids,
-                "sampling_params": {"max_new_tokens": a.max_new, "temperature": 0, "ignore_eos": True},
-            }
-            r = requests.post(server.url + "/generate", json=body, timeout=3600)
-            r.raise_for_status()
-            return r.json()
+        def decode(ids: list[int]) -> dict:
+            return generate(server.url, input_ids=ids, sampling_params=greedy(a.max_new, ignore_eos=True), timeout=3600)
 
         solo_prompt, prompts = prompts[0], prompts[1:]
-        generate(solo_prompt[: a.length // 2])  # warm-up, not measured
+        decode(solo_prompt[: a.length // 2])  # warm-up, not measured
         mark = len(server.log())
-        generate(solo_prompt)  # batch 1, a prompt the concurrent requests do not share
+        decode(solo_prompt)  # batch 1, a prompt the concurrent requests do not share
         solo = _decode_lines(server.log()[mark:])
         # Empty the tree: a concurrent request matching a cached prompt would keep
         # that prefix on the device (shared pages are never released).
-        requests.post(server.url + "/flush_cache", params={"timeout": 60}, timeout=120).raise_for_status()
+        flush_cache(server.url).raise_for_status()
         mark = len(server.log())
         start = time.time()
         with ThreadPoolExecutor(len(prompts)) as pool:
-            results = list(pool.map(generate, prompts))
+            results = list(pool.map(decode, prompts))
         wall = time.time() - start
         lines = _decode_lines(server.log()[mark:])
         peak_mb = _peak_rss_mb(server.proc.pid)
@@ -167,7 +158,7 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
         )
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     table = "\n".join(lines)
-    command = "python benchmark/long_context/bench_capacity.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    command = "python -m benchmark.long_context.bench_capacity " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     text = (
         "# Capacity: long requests from a fixed device pool (bench_capacity.py)\n\n"
         f"Command (took {minutes:.0f} min):\n\n"

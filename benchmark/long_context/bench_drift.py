@@ -11,7 +11,7 @@ configuration it reports how many tokens match dense's before the first differen
 and the pages read against dense's, with a plot of the share of continuations still
 identical to dense's after each token.
 
-    python benchmark/long_context/bench_drift.py --out /tmp/drift
+    python -m benchmark.long_context.bench_drift --out /tmp/drift
 
 Results: RESULTS.md (table and command), drift.png and ``runs.jsonl`` (one line per
 request; a re-run with the same ``--out`` skips what is there).
@@ -29,12 +29,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import requests
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_hot_set import PAGE, essay_text, model_path  # noqa: E402
-
-from sgl_importance.local_server import LocalServer, metric  # noqa: E402
+from benchmark.long_context.bench_hot_set import PAGE, essay_text
+from sgl_importance.client import generate, greedy, metrics_text
+from sgl_importance.local_server import LocalServer, metric, model_path
 
 # name -> custom_params.hot_set (the server's default guard threshold unless set).
 CONFIGS = {
@@ -58,27 +55,18 @@ def decode(server: LocalServer, group: list[list[int]], hot_set: dict, tokens: i
     """Greedy continuations of ``group`` (at once, so the server batches them) and the
     group's hot-set counters."""
 
-    def one(ids: list[int]) -> list[int]:
-        body = {
-            "input_ids": ids,
-            "sampling_params": {
-                "max_new_tokens": tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "custom_params": {"hot_set": hot_set},
-            },
-        }
-        r = requests.post(server.url + "/generate", json=body, timeout=7200)
-        r.raise_for_status()
-        return r.json()["output_ids"]
+    sampling = greedy(tokens, ignore_eos=True, custom_params={"hot_set": hot_set})
 
-    before = requests.get(server.url + "/metrics", timeout=60).text
+    def one(ids: list[int]) -> list[int]:
+        return generate(server.url, input_ids=ids, sampling_params=sampling, timeout=7200)["output_ids"]
+
+    before = metrics_text(server.url)
     pool = ThreadPoolExecutor(len(group))
     try:
         outputs = list(pool.map(one, group))
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    after = requests.get(server.url + "/metrics", timeout=60).text
+    after = metrics_text(server.url)
     names = {c: f"sgl_importance:hot_set_{c}_total" for c in COUNTERS}
     counts = {c: metric(after, name) - metric(before, name) for c, name in names.items()}
     return outputs, counts
@@ -108,7 +96,7 @@ def main() -> None:
         ap.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}")
     a.out.mkdir(parents=True, exist_ok=True)
     journal = a.out / "runs.jsonl"
-    command = "python benchmark/long_context/bench_drift.py " + shlex.join(sys.argv[1:])
+    command = "python -m benchmark.long_context.bench_drift " + shlex.join(sys.argv[1:])
     started = time.time()
     if not a.report:
         (a.out / "command.txt").write_text(command + "\n")

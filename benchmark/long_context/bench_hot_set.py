@@ -34,8 +34,8 @@ runs every n-th trial, so n processes, each with its own server and journal
 ``trials-i.jsonl``, can share the grid), RESULTS.md
 (tables and the command) and hot_set_accuracy.png.
 
-    python benchmark/long_context/bench_hot_set.py --out /tmp/bench_hot_set             # full grid, hours
-    python benchmark/long_context/bench_hot_set.py --n 2 --lengths 2048 --out /tmp/hs   # a smoke run
+    python -m benchmark.long_context.bench_hot_set --out /tmp/bench_hot_set             # full grid, hours
+    python -m benchmark.long_context.bench_hot_set --n 2 --lengths 2048 --out /tmp/hs   # a smoke run
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ import json
 import math
 import random
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,9 +55,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
-import requests
-
-from sgl_importance.local_server import LocalServer, metric
+from sgl_importance.client import generate, greedy, metrics_text
+from sgl_importance.local_server import LocalServer, metric, model_path
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = 16
@@ -74,14 +72,6 @@ NAMES = (
 TASKS = ("needle", "kv", "adversarial")
 MAX_NEW = {"needle": 8, "kv": 8, "adversarial": 24}
 REDUCE_DEFAULT = "max"  # the server's --hot-set-reduce default; only the importance policy reads it
-
-
-def model_path() -> str:
-    out = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "prepare_model.py"), "--print-path"],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    return out.stdout.strip()
 
 
 def essay_text() -> str:
@@ -163,17 +153,8 @@ def config_key(hot_set: dict) -> str:
 
 
 def _generate(server: LocalServer, trial: dict, hot_set: dict) -> str:
-    body = {
-        "input_ids": trial["ids"],
-        "sampling_params": {
-            "max_new_tokens": MAX_NEW[trial["task"]],
-            "temperature": 0,
-            "custom_params": {"hot_set": hot_set},
-        },
-    }
-    r = requests.post(server.url + "/generate", json=body, timeout=3600)
-    r.raise_for_status()
-    return r.json()["text"]
+    sampling = greedy(MAX_NEW[trial["task"]], custom_params={"hot_set": hot_set})
+    return generate(server.url, input_ids=trial["ids"], sampling_params=sampling, timeout=3600)["text"]
 
 
 def run_group(server: LocalServer, trials: list[dict], hot_set: dict) -> list[dict]:
@@ -184,7 +165,7 @@ def run_group(server: LocalServer, trials: list[dict], hot_set: dict) -> list[di
     the group's sums, split evenly over its rows: per-request values are approximate,
     a cell's totals (what the report prints) are exact, since a group never mixes
     cells or configurations."""
-    before = requests.get(server.url + "/metrics", timeout=60).text
+    before = metrics_text(server.url)
     # Not a `with` block: on Ctrl-C it would wait for the requests in flight (minutes
     # at 8K) before the caller could stop the server that would end them.
     pool = ThreadPoolExecutor(len(trials))
@@ -192,7 +173,7 @@ def run_group(server: LocalServer, trials: list[dict], hot_set: dict) -> list[di
         texts = list(pool.map(lambda t: _generate(server, t, hot_set), trials))
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    after = requests.get(server.url + "/metrics", timeout=60).text
+    after = metrics_text(server.url)
     deltas = {}
     for c in COUNTERS:
         name = f"sgl_importance:hot_set_{c}_total"
@@ -268,7 +249,7 @@ def main() -> None:
         i = argv.index("--shard")
         argv = argv[:i] + argv[i + 2 :]
     argv = [x for x in argv if not x.startswith("--shard=")]
-    command_file.write_text("python benchmark/long_context/bench_hot_set.py " + shlex.join(argv) + "\n")
+    command_file.write_text("python -m benchmark.long_context.bench_hot_set " + shlex.join(argv) + "\n")
     done = set()
     for row in read_journals(out):
         done.add((row["task"], row["length"], row["trial"], row["config"]))

@@ -38,8 +38,8 @@ and the ratio of its tok/s to dense's and to transformers'.
 Writes RESULTS.md (the table and the command), results.json and speed.png (step time
 vs pages read) into ``--out``.
 
-    python benchmark/long_context/bench_speed.py --out /tmp/bench_speed          # full grid
-    python benchmark/long_context/bench_speed.py --smoke --out /tmp/bench_speed  # minutes
+    python -m benchmark.long_context.bench_speed --out /tmp/bench_speed          # full grid
+    python -m benchmark.long_context.bench_speed --smoke --out /tmp/bench_speed  # minutes
 """
 
 from __future__ import annotations
@@ -58,12 +58,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
-import requests
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_hot_set import PAGE, essay_text, model_path  # noqa: E402
-
-from sgl_importance.local_server import LocalServer, metric  # noqa: E402
+from benchmark.long_context.bench_hot_set import PAGE, essay_text
+from sgl_importance.client import generate, greedy, metrics_text
+from sgl_importance.local_server import LocalServer, metric, model_path
 
 GUARD_DEFAULT = "server default"
 ALL_CONFIGS = (
@@ -309,23 +306,21 @@ def measure_server(
     server = LocalServer(model_dir, args, logs / f"server_{kind}.log", env=env)
     rows = []
 
-    def generate(ids: list[int], new: int, hot_set: Optional[dict]) -> dict:
-        params: dict[str, Any] = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
+    def decode(ids: list[int], new: int, hot_set: Optional[dict]) -> dict:
+        params = greedy(new, ignore_eos=True)
         if hot_set is not None:
             params["custom_params"] = {"hot_set": hot_set}
-        r = requests.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": params}, timeout=3600)
-        r.raise_for_status()
-        return r.json()
+        return generate(server.url, input_ids=ids, sampling_params=params, timeout=3600)
 
     def at_once(ids: list[list[int]], new: int, hot_set: Optional[dict]) -> list[dict]:
         pool = ThreadPoolExecutor(len(ids))
         try:
-            return list(pool.map(lambda p: generate(p, new, hot_set), ids))
+            return list(pool.map(lambda p: decode(p, new, hot_set), ids))
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def scrape() -> str:
-        return requests.get(server.url + "/metrics", timeout=60).text
+        return metrics_text(server.url)
 
     try:
         server.wait_ready(timeout=900)
@@ -567,7 +562,7 @@ def main() -> None:
     shape = model_shape(AutoConfig.from_pretrained(model_dir).to_dict())
     rows = complete_rows(rows, shape, DTYPE_BYTES[a.dtype], a.new_tokens)
     meta = {
-        "command": "python benchmark/long_context/bench_speed.py " + shlex.join(sys.argv[1:]),
+        "command": "python -m benchmark.long_context.bench_speed " + shlex.join(sys.argv[1:]),
         "minutes": (time.time() - started) / 60,
         "machine": f"{platform.machine()}, {_cpu_name()}, {torch.get_num_threads()} torch threads",
         "model": Path(model_dir).name,

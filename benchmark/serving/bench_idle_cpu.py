@@ -4,19 +4,17 @@ Starts the embedded model's server twice, one after the other, lets each sit idl
 and reads the CPU time of its whole process group from /proc. Prints a table and
 saves a bar plot beside it.
 
-    .venv/bin/python benchmark/serving/bench_idle_cpu.py [--idle-s 10] [--out DIR]
+    .venv/bin/python -m benchmark.serving.bench_idle_cpu [--idle-s 10] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from sgl_importance.local_server import LocalServer
+from sgl_importance.local_server import LocalServer, model_path, start_with_retry
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,9 +33,8 @@ def group_cpu_seconds(pgid: int) -> float:
 
 
 def idle_cpu(model: str, sleep_on_idle: bool, idle_s: float, log: Path) -> float:
-    server = LocalServer(model, ["--page-size", "16"], log, sleep_on_idle=sleep_on_idle)
+    server = start_with_retry(lambda: LocalServer(model, ["--page-size", "16"], log, sleep_on_idle=sleep_on_idle))
     try:
-        server.wait_ready()
         time.sleep(3)  # let the warm-up request and start-up work finish
         before = group_cpu_seconds(server.proc.pid)
         time.sleep(idle_s)
@@ -52,10 +49,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "benchmark" / "serving" / "out")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    model = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "prepare_model.py"), "--print-path"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
+    model = model_path()
     rows = []
     for flag in (False, True):
         rows.append((flag, idle_cpu(model, flag, args.idle_s, args.out / f"idle-{int(flag)}.log")))

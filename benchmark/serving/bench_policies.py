@@ -11,8 +11,8 @@ per-request ``cached_tokens_details`` and from ``sglang:cached_tokens_total``),
 evictions, host→device load-backs and storage traffic. Writes results.json,
 results.md and results.png into --out and prints the markdown table.
 
-    python benchmark/serving/bench_policies.py                    # ~12 min on 2 CPU cores
-    python benchmark/serving/bench_policies.py --smoke --out /tmp/bench-serving-smoke
+    python -m benchmark.serving.bench_policies                    # ~12 min on 2 CPU cores
+    python -m benchmark.serving.bench_policies --smoke --out /tmp/bench-serving-smoke
 
 The client's generated dataset is cached under ``--out``/client-home (its HOME), so
 all policies replay the identical stream; the script checks that they did.
@@ -31,9 +31,16 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import requests
-
-from sgl_importance.local_server import SERVED_NAME, LocalServer, metric
+from sgl_importance.client import load_generator, metrics_text
+from sgl_importance.local_server import (
+    HOST_MEMORY,
+    PORT_CLASH,
+    SERVED_NAME,
+    LocalServer,
+    metric,
+    model_path,
+    start_with_retry,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 POLICIES = ("lru", "slru", "importance")
@@ -102,16 +109,6 @@ FULL = (Workload(24, 4, 512, 64, 16, 1.1, 2), Pools(2048, 16, 2.0))
 SMOKE = (Workload(4, 2, 128, 16, 4, 1.1, 2), Pools(512, 16, 2.0))
 
 
-def model_path() -> str:
-    out = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "prepare_model.py"), "--print-path"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return out.stdout.strip()
-
-
 def server_counters(text: str) -> dict:
     """The cache series this benchmark reports, from one /metrics scrape."""
     return {
@@ -162,47 +159,25 @@ def run_policy(
 
     code = git_state()
     started = time.time()
-    for attempt in range(1, START_ATTEMPTS + 1):
+
+    def start() -> LocalServer:
         wait_for_host_memory(policy, args.memory_wait_s)
         server = LocalServer(model, server_args, run_dir / "server.log", server_env, platform=args.platform or None)
         print(f"[{policy}] starting server on port {server.port}", flush=True)
-        try:
-            server.wait_ready(STARTUP_TIMEOUT_S)
-            break
-        except RuntimeError as e:
-            server.stop()
-            # On a shared machine SGLang's host-memory check can refuse the host tier
-            # while other processes hold memory; that is worth another try.
-            if "Not enough host memory" not in str(e) or attempt == START_ATTEMPTS:
-                raise
-            print(f"[{policy}] start-up refused the host tier (host memory); retrying", flush=True)
-            time.sleep(30)
+        return server
+
+    # On a shared machine SGLang's host-memory check can refuse the host tier while
+    # other processes hold memory; that is worth another try.
+    server = start_with_retry(
+        start, attempts=START_ATTEMPTS, retry_on=(HOST_MEMORY, PORT_CLASH), pause_s=30,
+        timeout=STARTUP_TIMEOUT_S, label=policy,
+    )  # fmt: skip
     url = server.url
-    client_cmd = [
-        sys.executable, "-m", "sglang.benchmark.serving",
-        "--backend", "sglang",
-        "--host", "127.0.0.1", "--port", str(server.port),
-        # A local path for --model and --tokenizer: with only the served name the
-        # client would look the tokenizer up on the Hugging Face hub.
-        "--model", model,
-        "--served-model-name", SERVED_NAME,
-        "--tokenizer", model,
-        *workload.client_args(),
-        # No warm-up request: it would be the stream's first prompt, sent twice.
-        "--warmup-requests", "0",
-        "--cache-report",
-        "--output-file", str(result_file),
-        "--output-details",
-        "--disable-tqdm",
-    ]  # fmt: skip
-    client_env = {
-        **os.environ,
-        # The client caches its generated dataset under ~/.cache/sglang/benchmark,
-        # keyed without the tokenizer's path: keep it ours and shared by the runs.
-        "HOME": str(args.out / "client-home"),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
+    # The client caches its generated dataset under HOME/.cache/sglang/benchmark, keyed
+    # without the tokenizer's path: keep it ours and shared by the runs.
+    client_cmd, client_env = load_generator(
+        server.port, model, SERVED_NAME, workload.client_args(), result_file, home=args.out / "client-home"
+    )
     try:
         ready = time.time()
         load_before = os.getloadavg()[0]
@@ -210,14 +185,14 @@ def run_policy(
         with open(run_dir / "client.log", "w") as client_log:
             proc = subprocess.run(client_cmd, env=client_env, stdout=client_log, stderr=subprocess.STDOUT, cwd=run_dir)
         client_s = time.time() - ready
-        metrics_text = requests.get(url + "/metrics", timeout=60).text
+        scrape = metrics_text(url)
     finally:
         server.stop()
-    (run_dir / "metrics.txt").write_text(metrics_text)
+    (run_dir / "metrics.txt").write_text(scrape)
     run = {
         "code": code,
         "startup_s": ready - started,
-        "start_attempts": attempt,
+        "start_attempts": server.start_attempts,
         "client_wall_s": client_s,
         # The machine's 1-minute load average before and after the client ran: other
         # processes on a shared machine shift TTFT between runs, not the hits by tier.

@@ -17,8 +17,8 @@ shared-importance records restored. The client is this script (streaming
 ``/generate`` with ``return_cached_tokens_details``), two requests in flight, one
 per server: SGLang's own load generator talks to one server at a time.
 
-    python benchmark/serving/bench_shared_store.py                 # ~12 min on 2 CPU cores
-    python benchmark/serving/bench_shared_store.py --smoke --out /tmp/bench-shared
+    python -m benchmark.serving.bench_shared_store                 # ~12 min on 2 CPU cores
+    python -m benchmark.serving.bench_shared_store --smoke --out /tmp/bench-shared
 
 Writes results.json, results.md, results.png into --out (default
 benchmark/serving/out/shared_store) and prints the table.
@@ -40,12 +40,12 @@ from pathlib import Path
 
 import requests
 
-from sgl_importance.local_server import LocalServer, metric
+from benchmark.serving.bench_policies import git_state, wait_for_host_memory
+from sgl_importance.client import metrics_text
+from sgl_importance.local_server import HOST_MEMORY, PORT_CLASH, LocalServer, metric, model_path, start_with_retry
 from sgl_importance.local_store import LocalStore, store_unavailable
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_policies import git_state, model_path, wait_for_host_memory  # noqa: E402
 
 START_ATTEMPTS = 4
 ARMS = (("store", "importance"), ("store", "lru"), ("file", "importance"), ("file", "lru"))
@@ -127,23 +127,25 @@ def run_arm(tier: str, policy: str, texts: list[str], a: argparse.Namespace, mod
     try:
         wait_for_host_memory(name, a.memory_wait_s)
         started = time.time()
-        servers = [
-            LocalServer(model, server_args(policy, tier, a), run_dir / f"server{i}.log", envs[i]) for i in range(2)
-        ]
+
+        def server(i: int) -> LocalServer:
+            return LocalServer(model, server_args(policy, tier, a), run_dir / f"server{i}.log", envs[i])
+
+        # Both start at once; one that SGLang's fixed 10 GiB host-memory reserve refused
+        # (a shared machine) starts again on its own once memory is back.
+        servers = [server(i) for i in range(2)]
         for i in range(2):
-            for attempt in range(1, START_ATTEMPTS + 1):
-                try:
-                    servers[i].wait_ready(600)
-                    break
-                except RuntimeError as e:
-                    servers[i].stop()
-                    # SGLang's fixed 10 GiB host-memory reserve, on a shared machine.
-                    if "Not enough host memory" not in str(e) or attempt == START_ATTEMPTS:
-                        raise
-                    print(f"[{name}] server {i}: host tier refused (host memory); retrying", flush=True)
-                    time.sleep(30)
+            starting = [servers[i]]
+
+            def again(i: int = i, starting: list = starting) -> LocalServer:
+                if not starting:
                     wait_for_host_memory(name, a.memory_wait_s)
-                    servers[i] = LocalServer(model, server_args(policy, tier, a), run_dir / f"server{i}.log", envs[i])
+                    starting.append(server(i))
+                servers[i] = starting.pop()
+                return servers[i]
+
+            retry_on = (HOST_MEMORY, PORT_CLASH)
+            start_with_retry(again, attempts=START_ATTEMPTS, retry_on=retry_on, pause_s=30, timeout=600, label=name)
         startup_s = time.time() - started
         print(f"[{name}] ready in {startup_s:.0f}s; {len(texts)} requests round-robin", flush=True)
         results: list = [None] * len(texts)
@@ -161,7 +163,7 @@ def run_arm(tier: str, policy: str, texts: list[str], a: argparse.Namespace, mod
         for t in lanes:
             t.join()
         wall = time.time() - t0
-        scrapes = [requests.get(s.url + "/metrics", timeout=60).text for s in servers]
+        scrapes = [metrics_text(s.url) for s in servers]
         load_after = os.getloadavg()[0]
     finally:
         for s in servers:

@@ -18,7 +18,7 @@ Settings: ``off``, ``graded`` (the defaults), ``graded-low`` (fewer bytes),
 ``blind`` (graded's class fractions with pages picked by key hash: the control
 for what importance adds at equal bytes), ``uniform8``, ``uniform4``.
 
-    python benchmark/storage/bench_encoding.py --n 10 --lengths 2048,4096
+    python -m benchmark.storage.bench_encoding --n 10 --lengths 2048,4096
 
 Prints a table per task and writes ``summary.json``, ``trials.jsonl`` and
 ``encoding_accuracy.png`` under ``--out``; ``--report`` re-reads the journal.
@@ -38,13 +38,11 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import requests
+from benchmark.long_context import bench_hot_set as grid  # make_trials, MAX_NEW
+from sgl_importance.client import flush_cache, generate, greedy
+from sgl_importance.local_server import LocalServer, model_path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "long_context"))
-import bench_hot_set as grid  # noqa: E402  (make_trials, model_path, MAX_NEW)
-
-from sgl_importance.local_server import LocalServer  # noqa: E402
 
 PAGE = 16
 TRAILER = 32
@@ -80,15 +78,14 @@ def server_args(setting: str, longest: int, batch: int) -> list[str]:
     return args
 
 
-def generate(server: LocalServer, trial: dict) -> dict:
-    body = {
-        "input_ids": trial["ids"],
-        "sampling_params": {"max_new_tokens": grid.MAX_NEW[trial["task"]], "temperature": 0},
-        "return_cached_tokens_details": True,
-    }
-    r = requests.post(server.url + "/generate", json=body, timeout=3600)
-    r.raise_for_status()
-    out = r.json()
+def answer(server: LocalServer, trial: dict) -> dict:
+    out = generate(
+        server.url,
+        input_ids=trial["ids"],
+        sampling_params=greedy(grid.MAX_NEW[trial["task"]]),
+        return_cached_tokens_details=True,
+        timeout=3600,
+    )
     details = out["meta_info"].get("cached_tokens_details") or {}
     return {"text": out["text"], "storage": details.get("storage", 0)}
 
@@ -136,7 +133,7 @@ def fact_pages(tokenizer, ids: list[int], answer: str) -> list[int]:
 
 def flush(server: LocalServer) -> None:
     for _ in range(60):
-        r = requests.post(server.url + "/flush_cache", params={"timeout": 60}, timeout=120)
+        r = flush_cache(server.url)
         if r.status_code == 200:
             return
         time.sleep(1)
@@ -158,7 +155,7 @@ def run_setting(setting: str, trials: list[dict], a, model: str, done: set, sink
                 continue
             started = time.time()
             with ThreadPoolExecutor(len(left)) as pool:
-                warm = list(pool.map(lambda t: generate(server, t), left))
+                warm = list(pool.map(lambda t: answer(server, t), left))
             settle(directory)
             facts = []
             for t in left:
@@ -167,7 +164,7 @@ def run_setting(setting: str, trials: list[dict], a, model: str, done: set, sink
                 facts.append(min((classes[p] for p in fact_pages(tokenizer, t["ids"], t["answer"])), default=-1))
             flush(server)
             with ThreadPoolExecutor(len(left)) as pool:
-                cold = list(pool.map(lambda t: generate(server, t), left))
+                cold = list(pool.map(lambda t: answer(server, t), left))
             flush(server)  # the next group starts from an empty device and host too
             for trial, w, c, fact in zip(left, warm, cold, facts):
                 row = {"setting": setting, "task": trial["task"], "length": trial["length"], "trial": trial["trial"]}
@@ -348,9 +345,9 @@ def main() -> None:
     storage = json.loads(storage_file.read_text()) if storage_file.exists() else {}
     if not a.report:
         (out / "command.txt").write_text(
-            "python benchmark/storage/bench_encoding.py " + shlex.join(sys.argv[1:]) + "\n"
+            "python -m benchmark.storage.bench_encoding " + shlex.join(sys.argv[1:]) + "\n"
         )
-        model = grid.model_path()
+        model = model_path()
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model)

@@ -7,7 +7,7 @@ verify + one memcpy on read). Reads are served from the OS page cache (the files
 were just written), which is the case where the wrapper's CPU work shows most.
 Also times xxh3-64 alone over the same pages, to separate hashing from I/O.
 
-    python benchmark/storage/bench_integrity.py --out benchmark/storage/out
+    python -m benchmark.storage.bench_integrity --out benchmark/storage/out
 """
 
 from __future__ import annotations

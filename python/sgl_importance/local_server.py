@@ -1,11 +1,13 @@
 """A local ``python -m sglang.launch_server`` as a child process, and /metrics reading.
 
 What the end-to-end tests, ``scripts/collect_traces.py`` and the benchmarks share:
-start the server in its own session with its output in a log file, wait until
-``/health_generate`` answers, stop it the way a process manager would (SIGTERM to
-the launcher, which drains and stops its children; then SIGKILL to whatever of its
-session is left), and sum one series out of a Prometheus scrape. SGLang runs only
-as the subprocess; nothing here imports it.
+find the embedded model, start the server in its own session with its output in a
+log file, wait until ``/health_generate`` answers (starting it again where the
+start-up failed for a passing reason), stop it the way a process manager would
+(SIGTERM to the launcher, which drains and stops its children; then SIGKILL to
+whatever of its session is left), and sum one series out of a Prometheus scrape.
+The requests sent to a running server are in ``sgl_importance.client``. SGLang runs
+only as the subprocess; nothing here imports it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence, TypeVar
 
 import requests
 
@@ -25,6 +27,30 @@ from sgl_importance.env import PLATFORM_ENV
 
 SERVED_NAME = "SmolLM2-135M-Instruct"
 STARTUP_TIMEOUT_S = 300
+# Start-up failures worth another start, by what the server's log says. A port clash:
+# another process bound the port between free_port() and the server. Host memory:
+# SGLang refuses a host tier while less than a fixed 10 GiB of RAM is available
+# (pool_host/base.py), which on a machine shared with other servers passes.
+PORT_CLASH = "address already in use"
+HOST_MEMORY = "Not enough host memory"
+# The source checkout's model script (this file is python/sgl_importance/local_server.py).
+PREPARE_MODEL = Path(__file__).resolve().parents[2] / "scripts" / "prepare_model.py"
+
+
+def model_path() -> str:
+    """The embedded model's folder, converted on first use (``scripts/prepare_model.py
+    --print-path``, run as a subprocess: checking the folder hashes every weight, which
+    the caller has no use for in its own memory).
+
+    Raises:
+        FileNotFoundError: the package is not in a source checkout (pass a model path).
+    """
+    if not PREPARE_MODEL.is_file():
+        raise FileNotFoundError(f"{PREPARE_MODEL} not found: pass the model folder explicitly")
+    out = subprocess.run(
+        [sys.executable, str(PREPARE_MODEL), "--print-path"], check=True, capture_output=True, text=True
+    )
+    return out.stdout.strip()
 
 
 def free_port() -> int:
@@ -79,6 +105,8 @@ class LocalServer:
         if platform is not None:
             full_env[PLATFORM_ENV] = platform
         full_env.update(env or {})
+        # How many starts start_with_retry() needed for this one.
+        self.start_attempts = 1
         self._log = open(self.log_path, "w")
         # A session of its own, so stop() can reach every process it spawned.
         self.proc = subprocess.Popen(
@@ -127,6 +155,58 @@ class LocalServer:
         if not self._log.closed:
             self._log.close()
         return code
+
+
+Started = TypeVar("Started", bound=LocalServer)
+
+
+def start_with_retry(
+    make: Callable[[], Started],
+    *,
+    attempts: int = 3,
+    retry_on: Sequence[str] = (PORT_CLASH,),
+    pause_s: float = 0.0,
+    timeout: float = STARTUP_TIMEOUT_S,
+    label: Optional[str] = None,
+) -> Started:
+    """Start a server with ``make()`` and wait until it is ready; where it exited for
+    one of the reasons in ``retry_on``, stop it and call ``make()`` again (a fresh
+    port, a fresh log), up to ``attempts`` starts.
+
+    Args:
+        make: builds (and so starts) one server; it may wait for resources first.
+        attempts: starts at the most.
+        retry_on: texts of the failure (case ignored) that are worth another start.
+        pause_s: seconds between a failed start and the next.
+        timeout: seconds each start may take to become ready.
+        label: where given, each retry prints a line ``[label] ...``.
+
+    Returns:
+        The ready server, its ``start_attempts`` set.
+
+    Raises:
+        RuntimeError: the server exited for another reason, or on the last start.
+        TimeoutError: a start was not ready in ``timeout`` (never retried).
+    """
+    for attempt in range(1, attempts + 1):
+        server = make()
+        try:
+            server.wait_ready(timeout)
+        except RuntimeError as e:
+            server.stop()
+            reason = next((r for r in retry_on if r.lower() in str(e).lower()), None)
+            if reason is None or attempt == attempts:
+                raise
+            if label is not None:
+                print(f"[{label}] start-up failed ({reason}); retrying in {pause_s:.0f}s", flush=True)
+            time.sleep(pause_s)
+            continue
+        except BaseException:
+            server.stop()  # Ctrl-C while it starts: leave no server behind
+            raise
+        server.start_attempts = attempt
+        return server
+    raise ValueError(f"attempts must be at least 1, got {attempts}")
 
 
 def metric(text: str, name: str, **labels: str) -> float:

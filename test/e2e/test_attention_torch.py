@@ -10,8 +10,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
 
+from sgl_importance.client import flush_cache
 from support.page_table_dump import read_dump
 from support.server import output_ids_and_logprobs
 
@@ -98,7 +98,7 @@ def test_batched_requests_get_the_tokens_they_get_alone(importance_server, impor
 
 def test_flush_cache_forgets_all_page_importance(importance_server, dump_dir):
     before = read_dump(dump_dir, lambda s: s["recorded_steps"] > 0)
-    r = requests.post(importance_server.url + "/flush_cache", params={"timeout": 60}, timeout=120)
+    r = flush_cache(importance_server.url)
     assert r.status_code == 200, r.text
     # Longer than a page: a request's unfinished last page is freed when it ends.
     prompt = "The quick brown fox jumps over the lazy dog. " * 4

@@ -13,13 +13,11 @@ served name only, it would ask the Hugging Face hub for a tokenizer), and its
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
-import requests
 
+from sgl_importance.client import load_generator, metrics_text
 from sgl_importance.local_server import SERVED_NAME, metric
 
 pytestmark = pytest.mark.e2e
@@ -54,13 +52,7 @@ def bench(launch, model_path, tmp_path_factory):
     )  # fmt: skip
     client_dir = tmp_path_factory.mktemp("bench-client")
     result_file = client_dir / "result.jsonl"
-    cmd = [
-        sys.executable, "-m", "sglang.benchmark.serving",
-        "--backend", "sglang",
-        "--host", "127.0.0.1", "--port", str(server.port),
-        "--model", model_path,
-        "--served-model-name", SERVED_NAME,
-        "--tokenizer", model_path,
+    workload = [
         "--dataset-name", "generated-shared-prefix",
         "--gsp-num-groups", str(GROUPS),
         "--gsp-prompts-per-group", str(PROMPTS_PER_GROUP),
@@ -69,22 +61,12 @@ def bench(launch, model_path, tmp_path_factory):
         "--gsp-output-len", "8",
         "--num-prompts", str(NUM_PROMPTS),
         "--max-concurrency", str(CONCURRENCY),
-        "--warmup-requests", "0",
-        "--cache-report",
-        "--output-file", str(result_file),
-        "--output-details",
-        "--disable-tqdm",
     ]  # fmt: skip
-    env = {
-        **os.environ,
-        "HOME": str(client_dir),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
+    cmd, env = load_generator(server.port, model_path, SERVED_NAME, workload, result_file, home=client_dir)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S, cwd=client_dir)
     output = proc.stdout + proc.stderr
     try:
-        metrics = requests.get(server.url + "/metrics", timeout=60).text
+        metrics = metrics_text(server.url)
     finally:
         server.stop()
     assert proc.returncode == 0, output[-4000:]

@@ -9,8 +9,8 @@ change answers: output ids and logprobs equal the uncached run.
 from __future__ import annotations
 
 import pytest
-import requests
 
+from sgl_importance.client import flush_cache
 from support.server import output_ids_and_logprobs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -38,7 +38,7 @@ def run_round_trip(server) -> None:
     assert output_ids_and_logprobs(from_host)[0] == reference[0]
     assert output_ids_and_logprobs(from_host)[1] == pytest.approx(reference[1], abs=1e-6)
 
-    r = requests.post(server.url + "/flush_cache", params={"timeout": 60}, timeout=120)
+    r = flush_cache(server.url)
     assert r.status_code == 200, r.text
     from_storage = server.generate(document(0))
     details = from_storage["meta_info"]["cached_tokens_details"]

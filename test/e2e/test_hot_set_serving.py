@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from sgl_importance.client import metrics_text
 from sgl_importance.local_server import metric
 from support.server import generate_ids
 
@@ -95,7 +96,7 @@ def hot_set_server(launch, dense_outputs):
 
 
 def scrape(server) -> str:
-    return requests.get(server.url + "/metrics", timeout=60).text
+    return metrics_text(server.url)
 
 
 def test_a_budget_covering_the_whole_context_decodes_exactly_like_dense(hot_set_server, prompts, dense_outputs):

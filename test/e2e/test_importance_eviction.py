@@ -26,10 +26,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import requests
 
+from sgl_importance.client import flush_cache, metrics_text
 from sgl_importance.local_server import metric
-from support.server import generate_ids, launch_and_fail
+from support.prompts import asked_document
+from support.server import generate_ids, importance_torch_args, launch_and_fail
 
 pytestmark = pytest.mark.e2e
 
@@ -41,11 +42,7 @@ ONE_OFF_TOKENS = 192
 # Reuse weight 0: hits must not be what keeps the document. L3 admission: a node
 # reaches the file tier with 2 hits or a tenth of the hottest node's importance.
 IMPORTANCE_CONFIG = {"reuse_weight": 0, "storage_min_hits": 2, "storage_min_importance": 0.1}
-COMMON = [
-    "--page-size", str(PAGE),
-    "--max-total-tokens", str(DEVICE_TOKENS),
-    "--attention-backend", "importance_torch",
-]  # fmt: skip
+COMMON = importance_torch_args(PAGE, DEVICE_TOKENS)
 TIERED = [
     "--enable-hierarchical-cache",
     "--hicache-ratio", "4",
@@ -58,29 +55,26 @@ TIERED = [
 
 @pytest.fixture(scope="module")
 def prompts(token_ids):
-    ids = token_ids
+    facts = (f"Fact {i}: the code word for room {i} is {chr(65 + i % 26)}{i * 7 % 97}." for i in range(80))
 
-    document = ids(
-        " ".join(f"Fact {i}: the code word for room {i} is {chr(65 + i % 26)}{i * 7 % 97}." for i in range(80)),
-        DOC_TOKENS,
-    )
+    def question(i: int) -> str:
+        return f" Question {i}: what is the code word for room {i * 3 + 1}? Answer:"
 
-    def question(i: int) -> list[int]:
-        return ids(f" Question {i}: what is the code word for room {i * 3 + 1}? Answer:", QUESTION_TOKENS)
+    ask = asked_document(token_ids, facts, DOC_TOKENS, question, QUESTION_TOKENS)
 
     def one_off(i: int) -> list[int]:
-        return ids(
+        return token_ids(
             " ".join(f"Note {i}-{j}: item {i * 31 + j} weighs {j * 13 % 101} grams." for j in range(60)),
             ONE_OFF_TOKENS,
         )
 
     workload = (
-        [("document", document + question(i), 12) for i in range(3)]
+        [("document", ask(i), 12) for i in range(3)]
         + [("one-off", one_off(i), 2) for i in range(6)]
-        + [("document again", document + question(9), 12)]
+        + [("document again", ask(9), 12)]
     )
     # After /flush_cache empties device and host: which of them does the file tier hold?
-    from_storage = [("document", document + question(10), 2), ("one-off", one_off(5), 2)]
+    from_storage = [("document", ask(10), 2), ("one-off", one_off(5), 2)]
     return workload, from_storage
 
 
@@ -96,9 +90,9 @@ def run_workload(server, prompts, tiered: bool = True, read_metrics: bool = Fals
     try:
         outputs = [generate_ids(server, ids, n) for _, ids, n in workload]
         if read_metrics:
-            metrics = requests.get(server.url + "/metrics", timeout=60).text
+            metrics = metrics_text(server.url)
         if tiered:
-            r = requests.post(server.url + "/flush_cache", params={"timeout": 60}, timeout=120)
+            r = flush_cache(server.url)
             assert r.status_code == 200, r.text
             for name, ids, n in from_storage:
                 details = generate_ids(server, ids, n)["meta_info"].get("cached_tokens_details") or {}

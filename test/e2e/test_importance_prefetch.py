@@ -20,10 +20,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import requests
 
+from sgl_importance.client import metrics_text
 from sgl_importance.local_server import metric
-from support.server import generate_ids
+from support.prompts import asked_document
+from support.server import generate_ids, importance_torch_args
 
 pytestmark = pytest.mark.e2e
 
@@ -33,43 +34,37 @@ DOC_TOKENS = 384
 QUESTION_TOKENS = 32
 FLOOD_TOKENS = 640
 SHORT_TOKENS = 48
-COMMON = [
-    "--page-size", str(PAGE),
-    "--max-total-tokens", str(DEVICE_TOKENS),
-    "--attention-backend", "importance_torch",
+COMMON = importance_torch_args(
+    PAGE, DEVICE_TOKENS,
     "--enable-hierarchical-cache",
     "--hicache-ratio", "4",
     "--radix-eviction-policy", "importance",
     "--enable-metrics",
     "--enable-cache-report",
-]  # fmt: skip
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def prompts(token_ids):
-    ids = token_ids
+    facts = (f"Entry {i}: locker {i} holds {i * 11 % 89} blue marbles." for i in range(80))
 
-    document = ids(
-        " ".join(f"Entry {i}: locker {i} holds {i * 11 % 89} blue marbles." for i in range(80)),
-        DOC_TOKENS,
-    )
+    def question(i: int) -> str:
+        return f" Question {i}: how many marbles are in locker {i * 5 + 2}? Answer:"
 
-    def question(i: int) -> list[int]:
-        return ids(f" Question {i}: how many marbles are in locker {i * 5 + 2}? Answer:", QUESTION_TOKENS)
-
-    flood = ids(" ".join(f"Log line {j}: sensor {j % 17} read {j * 37 % 1000}." for j in range(200)), FLOOD_TOKENS)
-    short = ids(" ".join(f"Say hello to guest number {j}." for j in range(20)), SHORT_TOKENS)
+    ask = asked_document(token_ids, facts, DOC_TOKENS, question, QUESTION_TOKENS)
+    flood = " ".join(f"Log line {j}: sensor {j % 17} read {j * 37 % 1000}." for j in range(200))
+    short = " ".join(f"Say hello to guest number {j}." for j in range(20))
     return (
-        [("document", document + question(i), 12) for i in range(3)]
-        + [("flood", flood, 2), ("short", short, 4)]
-        + [("document again", document + question(7), 12)]
+        [("document", ask(i), 12) for i in range(3)]
+        + [("flood", token_ids(flood, FLOOD_TOKENS), 2), ("short", token_ids(short, SHORT_TOKENS), 4)]
+        + [("document again", ask(7), 12)]
     )
 
 
 def run(server, prompts) -> dict:
     try:
         outputs = [generate_ids(server, ids, n) for _, ids, n in prompts]
-        text = requests.get(server.url + "/metrics", timeout=60).text
+        text = metrics_text(server.url)
     finally:
         server.stop()
     return {

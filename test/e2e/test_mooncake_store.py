@@ -20,7 +20,8 @@ import time
 import pytest
 import requests
 
-from sgl_importance.local_server import metric
+from sgl_importance.client import flush_cache, metrics_text
+from sgl_importance.local_server import HOST_MEMORY, PORT_CLASH, metric, start_with_retry
 from support.server import Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -57,16 +58,12 @@ START_ATTEMPTS = 4
 
 
 def start(model_path: str, env: dict, log) -> "Server":
-    for attempt in range(1, START_ATTEMPTS + 1):
-        server = Server(model_path, server_args(), env, log)
-        try:
-            server.wait_ready()
-            return server
-        except RuntimeError as e:
-            server.stop()
-            if "Not enough host memory" not in str(e) or attempt == START_ATTEMPTS:
-                raise
-            time.sleep(20)
+    return start_with_retry(
+        lambda: Server(model_path, server_args(), env, log),
+        attempts=START_ATTEMPTS,
+        retry_on=(HOST_MEMORY, PORT_CLASH),
+        pause_s=20,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +103,12 @@ def ask(server, name: str, max_new_tokens: int = 12, question: str = "") -> dict
 
 
 def flush(server) -> None:
-    r = requests.post(server.url + "/flush_cache", params={"timeout": 60}, timeout=120)
+    r = flush_cache(server.url)
     assert r.status_code == 200, r.text
 
 
 def shared_pages(server, event: str) -> float:
-    text = requests.get(server.url + "/metrics", timeout=30).text
+    text = metrics_text(server.url, timeout=30)
     return metric(text, "sgl_importance:shared_importance_pages_total", event=event)
 
 

@@ -31,6 +31,7 @@ import requests
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
+from sgl_importance.client import metrics_text
 from sgl_importance.local_server import SERVED_NAME, metric
 
 EXAMPLES = int(os.environ.get("SGL_IMPORTANCE_FUZZ_EXAMPLES", "300"))
@@ -441,7 +442,7 @@ def test_no_request_body_stops_the_server(server):
     assert "Traceback" not in log, log[max(0, log.index("Traceback") - 2000) :][:6000]
     assert "memory leak detected" not in log
     # The longer prompts decoded through the hot set.
-    scrape = requests.get(server.url + "/metrics", timeout=30).text
+    scrape = metrics_text(server.url, timeout=30)
     hot_set_steps = metric(scrape, "sgl_importance:hot_set_steps_total")
     assert hot_set_steps > 0
     print(

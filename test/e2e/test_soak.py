@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from sgl_importance.client import metrics_text
 from sgl_importance.local_server import SERVED_NAME, metric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -106,7 +107,7 @@ def wait_until_idle(server, timeout: float = 120) -> str:
     one at the deadline; the caller's assertions then say what was left)."""
     deadline = time.time() + timeout
     while True:
-        scrape = requests.get(server.url + "/metrics", timeout=30).text
+        scrape = metrics_text(server.url, timeout=30)
         idle = metric(scrape, "sglang:num_running_reqs") == 0 and metric(scrape, "sglang:num_queue_reqs") == 0
         if idle or time.time() > deadline:
             return scrape
@@ -136,7 +137,7 @@ def test_mixed_concurrent_load_with_storage_tier_serves_everything_and_leaks_not
     )  # fmt: skip
     before = canary(server)
     # SGLang counts its own warm-up and health probes as requests too.
-    requests_before = metric(requests.get(server.url + "/metrics", timeout=30).text, "sglang:num_requests_total")
+    requests_before = metric(metrics_text(server.url, timeout=30), "sglang:num_requests_total")
     work = build_workload(token_ids, random.Random(SEED))
 
     started = time.time()

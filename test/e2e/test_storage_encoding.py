@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-import requests
 
+from sgl_importance.client import flush_cache, metrics_text
 from sgl_importance.local_server import metric
 from support.server import output_ids_and_logprobs
 
@@ -52,7 +52,7 @@ def document() -> str:
 
 
 def flush(server) -> None:
-    r = requests.post(server.url + "/flush_cache", params={"timeout": 60}, timeout=120)
+    r = flush_cache(server.url)
     assert r.status_code == 200, r.text
 
 
@@ -61,7 +61,7 @@ def storage_tokens(out: dict) -> int:
 
 
 def metrics(server) -> str:
-    return requests.get(server.url + "/metrics", timeout=30).text
+    return metrics_text(server.url, timeout=30)
 
 
 def page_files(directory: Path) -> list[Path]:

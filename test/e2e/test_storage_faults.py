@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from sgl_importance.client import metrics_text
 from sgl_importance.local_server import metric
 from support.server import launch_and_fail, output_ids_and_logprobs
 
@@ -55,7 +56,7 @@ def wait_for(condition, timeout: float = 120.0, what: str = "condition") -> None
 
 
 def corrupt_count(server) -> float:
-    return metric(requests.get(server.url + "/metrics", timeout=30).text, CORRUPT)
+    return metric(metrics_text(server.url, timeout=30), CORRUPT)
 
 
 def flush(server) -> None:

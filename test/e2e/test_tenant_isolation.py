@@ -13,7 +13,8 @@ remembered importance of stored pages.
 from __future__ import annotations
 
 import pytest
-import requests
+
+from sgl_importance.client import flush_cache
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -77,7 +78,7 @@ def push_out_of_device(server, tag: str) -> None:
 def flush(server) -> bool:
     # Right after a response the scheduler may not be idle yet; SGLang's
     # `timeout` defers the flush until it is, instead of refusing it.
-    r = requests.post(server.url + "/flush_cache", params={"timeout": 60}, timeout=120)
+    r = flush_cache(server.url)
     return r.status_code == 200
 
 

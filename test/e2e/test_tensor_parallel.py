@@ -26,8 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from sgl_importance.local_server import metric
-from support.server import Server
+from sgl_importance.client import generate, greedy, metrics_text
+from sgl_importance.local_server import metric, start_with_retry
+from support.server import Server, importance_torch_args
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -40,13 +41,7 @@ SEQUENTIAL = 6
 CONCURRENT = 3
 # Three ranks start in minutes on a busy 2-core machine, beyond conftest's default.
 STARTUP_TIMEOUT_S = 900
-COMMON = [
-    "--page-size", str(PAGE),
-    "--max-total-tokens", str(DEVICE_TOKENS),
-    "--attention-backend", "importance_torch",
-    "--radix-eviction-policy", "importance",
-    "--enable-metrics",
-]  # fmt: skip
+COMMON = importance_torch_args(PAGE, DEVICE_TOKENS, "--radix-eviction-policy", "importance", "--enable-metrics")
 
 
 def _bind_ranks(ranks: int) -> str:
@@ -76,31 +71,25 @@ def run_workload(server, prompts: list[list[int]]) -> dict:
     Together they hold several times the device pool, so nodes are evicted.
     """
 
-    def generate(input_ids: list[int]) -> list[int]:
-        body = {
-            "input_ids": input_ids,
-            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0},
-        }
+    def output_ids(input_ids: list[int]) -> list[int]:
         # Generous: three ranks on two cores take seconds per decode step.
-        r = requests.post(server.url + "/generate", json=body, timeout=900)
-        r.raise_for_status()
-        return r.json()["output_ids"]
+        out = generate(server.url, input_ids=input_ids, sampling_params=greedy(NEW_TOKENS), timeout=900)
+        return out["output_ids"]
 
-    outputs = [generate(p) for p in prompts[:SEQUENTIAL]]
+    outputs = [output_ids(p) for p in prompts[:SEQUENTIAL]]
     with ThreadPoolExecutor(CONCURRENT) as pool:
-        outputs += list(pool.map(generate, prompts[SEQUENTIAL:]))
-    outputs.append(generate(prompts[0]))
+        outputs += list(pool.map(output_ids, prompts[SEQUENTIAL:]))
+    outputs.append(output_ids(prompts[0]))
     alive = requests.get(server.url + "/health_generate", timeout=300).status_code
-    metrics = requests.get(server.url + "/metrics", timeout=60).text
+    metrics = metrics_text(server.url)
     server.stop()  # free the cores for the next server
     return {"outputs": outputs, "alive": alive, "metrics": metrics, "log": server.log()}
 
 
 def serve_workload(model_path, prompts, tmp_path_factory, args: list[str], env: dict) -> dict:
     log = tmp_path_factory.mktemp("server") / "server.log"
-    server = Server(model_path, args, env, log)
+    server = start_with_retry(lambda: Server(model_path, args, env, log), timeout=STARTUP_TIMEOUT_S)
     try:
-        server.wait_ready(STARTUP_TIMEOUT_S)
         return run_workload(server, prompts)
     finally:
         server.stop()

@@ -24,14 +24,9 @@ from sgl_kernel_ext import (  # noqa: E402
     split_bounds,
 )
 from sgl_kernel_ext.plan import decode_geometry  # noqa: E402
+from support.kernel_device import DEVICE, EMPTY_PAGES_WARN  # noqa: E402
 
-pytestmark = [
-    # empty pages have log-sum-exp log2(0) = -inf by design; numpy warns about it
-    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
-]
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+pytestmark = [EMPTY_PAGES_WARN]
 
 OUT_RTOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 IMP_ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-3}
@@ -95,6 +90,15 @@ def lengths_for(page_size):
     return [1, 2 * page_size + 5, min(200, 3 * page_size + page_size // 2)]
 
 
+def ragged_batch(page_size, heads, dtype):
+    """A fresh seed, a ``make_batch`` over ``lengths_for(page_size)`` and the pages the
+    longest request spans: ``(seed, (q, k, v, indptr, indices), max_pages)``."""
+    seed = _seed()
+    lengths = lengths_for(page_size)
+    batch = make_batch(lengths, q_heads=heads[0], kv_heads=heads[1], page_size=page_size, dtype=dtype, seed=seed)
+    return seed, batch, -(-max(lengths) // page_size)
+
+
 def run_kernel(q, k, v, indptr, indices, *, page_size, max_pages, num_splits=3, poison=True, **kw):
     importance = kw.pop("importance", True)
     w = DecodeImportanceWrapper(
@@ -152,12 +156,8 @@ def assert_matches(got, ref, dtype, seed, what=""):
 @pytest.mark.parametrize("page_size", [1, 16, 32, 64])
 @pytest.mark.parametrize("heads", HEADS, ids=[f"{h}q{kv}kv" for h, kv in HEADS])
 def test_output_lse_and_page_importance_match_float64_reference(dtype, page_size, heads):
-    seed = _seed()
-    lengths = lengths_for(page_size)
-    q, k, v, indptr, indices = make_batch(
-        lengths, q_heads=heads[0], kv_heads=heads[1], page_size=page_size, dtype=dtype, seed=seed
-    )
-    max_pages = -(-max(lengths) // page_size) + 2
+    seed, (q, k, v, indptr, indices), spanned = ragged_batch(page_size, heads, dtype)
+    max_pages = spanned + 2
     _, got = run_kernel(q, k, v, indptr, indices, page_size=page_size, max_pages=max_pages)
     ref = reference(q, k, v, indptr, indices, page_size=page_size, max_pages=max_pages)
     assert_matches(got, ref, dtype, seed)
@@ -165,12 +165,7 @@ def test_output_lse_and_page_importance_match_float64_reference(dtype, page_size
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_fp16_matches_float64_reference(page_size):
-    seed = _seed()
-    lengths = lengths_for(page_size)
-    q, k, v, indptr, indices = make_batch(
-        lengths, q_heads=8, kv_heads=2, page_size=page_size, dtype=torch.float16, seed=seed
-    )
-    max_pages = -(-max(lengths) // page_size)
+    seed, (q, k, v, indptr, indices), max_pages = ragged_batch(page_size, (8, 2), torch.float16)
     _, got = run_kernel(q, k, v, indptr, indices, page_size=page_size, max_pages=max_pages)
     ref = reference(q, k, v, indptr, indices, page_size=page_size, max_pages=max_pages)
     assert_matches(got, ref, torch.float16, seed)
@@ -180,12 +175,8 @@ def test_fp16_matches_float64_reference(page_size):
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3)], ids=["mha", "9q3kv"])
 def test_importance_of_each_request_sums_to_one_without_sinks(dtype, page_size, heads):
-    seed = _seed()
-    lengths = lengths_for(page_size)
-    q, k, v, indptr, indices = make_batch(
-        lengths, q_heads=heads[0], kv_heads=heads[1], page_size=page_size, dtype=dtype, seed=seed
-    )
-    _, got = run_kernel(q, k, v, indptr, indices, page_size=page_size, max_pages=-(-max(lengths) // page_size))
+    seed, (q, k, v, indptr, indices), max_pages = ragged_batch(page_size, heads, dtype)
+    _, got = run_kernel(q, k, v, indptr, indices, page_size=page_size, max_pages=max_pages)
     sums = got.importance.double().sum(dim=1).cpu()
     assert torch.allclose(sums, torch.ones_like(sums), atol=1e-3), f"seed={seed} sums={sums}"
     per_kv_sums = got.importance_per_kv_head.double().sum(dim=1).cpu()
@@ -196,12 +187,7 @@ def test_importance_of_each_request_sums_to_one_without_sinks(dtype, page_size, 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "8q2kv"])
 def test_sinks_join_the_denominator_so_importance_sums_to_one_minus_sink_probability(dtype, page_size, heads):
-    seed = _seed()
-    lengths = lengths_for(page_size)
-    q, k, v, indptr, indices = make_batch(
-        lengths, q_heads=heads[0], kv_heads=heads[1], page_size=page_size, dtype=dtype, seed=seed
-    )
-    max_pages = -(-max(lengths) // page_size)
+    seed, (q, k, v, indptr, indices), max_pages = ragged_batch(page_size, heads, dtype)
     # Each head's sink within one unit of its largest log-sum-exp over the batch, so
     # every request's sink probability is >= sigmoid(-1) whatever the seed (a random
     # scale could leave the sinks negligible and the check below vacuous).
@@ -223,13 +209,8 @@ def test_sinks_join_the_denominator_so_importance_sums_to_one_minus_sink_probabi
 @pytest.mark.parametrize("page_size", [1, 32])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3)], ids=["mha", "9q3kv"])
 def test_logit_soft_cap_is_applied_before_softmax_and_importance(dtype, page_size, heads):
-    seed = _seed()
-    lengths = lengths_for(page_size)
-    q, k, v, indptr, indices = make_batch(
-        lengths, q_heads=heads[0], kv_heads=heads[1], page_size=page_size, dtype=dtype, seed=seed
-    )
+    seed, (q, k, v, indptr, indices), max_pages = ragged_batch(page_size, heads, dtype)
     cap = 1.5  # below the logit spread, so capping changes the answer
-    max_pages = -(-max(lengths) // page_size)
     _, got = run_kernel(q, k, v, indptr, indices, page_size=page_size, max_pages=max_pages, logit_cap=cap)
     ref = reference(q, k, v, indptr, indices, page_size=page_size, max_pages=max_pages, logit_cap=cap)
     uncapped = reference(q, k, v, indptr, indices, page_size=page_size, max_pages=max_pages)

@@ -42,8 +42,9 @@ from sgl_importance.hot_set.residency import Released  # noqa: E402
 from sgl_importance.importance.page_table import PageImportanceTable  # noqa: E402
 from sgl_kernel_ext import PagedDecodeWorkspace, TritonPageListDecode  # noqa: E402
 from support.array_pools import ArrayPools  # noqa: E402
+from support.kernel_device import EMPTY_PAGES_WARN  # noqa: E402
 
-pytestmark = [pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")]
+pytestmark = [EMPTY_PAGES_WARN]
 
 PAGE = 4
 KV_HEADS, GROUP, DIM = 2, 2, 16
@@ -60,15 +61,9 @@ class ArrayKV(ArrayPools):
 
     def __init__(self, device_pages: int, host_pages: int, promotions: bool = True, device: str = "cpu") -> None:
         super().__init__(
-            layers=LAYERS,
-            kv_heads=KV_HEADS,
-            dim=DIM,
-            page_size=PAGE,
-            device_pages=device_pages,
-            host_pages=host_pages,
-            promotions=promotions,
-            device=device,
-        )
+            layers=LAYERS, kv_heads=KV_HEADS, dim=DIM, page_size=PAGE,
+            device_pages=device_pages, host_pages=host_pages, promotions=promotions, device=device,
+        )  # fmt: skip
 
     def set_kv_buffer(self, layer, loc, k, v, *args, **kwargs) -> None:
         slots = loc.loc.to(torch.int64)
@@ -85,20 +80,10 @@ class ArrayKV(ArrayPools):
 def _layer(layer_id: int) -> SimpleNamespace:
     """What the backends read on SGLang's ``RadixAttention``."""
     return SimpleNamespace(
-        layer_id=layer_id,
-        scaling=SCALE,
-        logit_cap=0.0,
-        logit_capping_method="tanh",
-        tp_q_head_num=Q_HEADS,
-        tp_k_head_num=KV_HEADS,
-        qk_head_dim=DIM,
-        v_head_dim=DIM,
-        is_cross_attention=False,
-        sliding_window_size=None,
-        k_scale=None,
-        v_scale=None,
-        xai_temperature_len=0,
-    )
+        layer_id=layer_id, scaling=SCALE, logit_cap=0.0, logit_capping_method="tanh",
+        tp_q_head_num=Q_HEADS, tp_k_head_num=KV_HEADS, qk_head_dim=DIM, v_head_dim=DIM,
+        is_cross_attention=False, sliding_window_size=None, k_scale=None, v_scale=None, xai_temperature_len=0,
+    )  # fmt: skip
 
 
 def _slot_lists(req_to_token, req_pool_indices, seq_lens):

@@ -24,8 +24,9 @@ from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries  #
 from sgl_importance.hot_set.residency import Released  # noqa: E402
 from sgl_kernel_ext import TritonPageListDecode  # noqa: E402
 from support.array_pools import ArrayPools  # noqa: E402
+from support.kernel_device import EMPTY_PAGES_WARN  # noqa: E402
 
-pytestmark = [pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")]
+pytestmark = [EMPTY_PAGES_WARN]
 
 PAGE = 4
 KV_HEADS, GROUP, DIM = 2, 2, 16

@@ -26,14 +26,9 @@ from sgl_kernel_ext import (  # noqa: E402
     page_list_slots,
     plan_paged_decode,
 )
+from support.kernel_device import DEVICE, EMPTY_PAGES_WARN  # noqa: E402
 
-pytestmark = [
-    # empty pages have log-sum-exp log2(0) = -inf by design; numpy warns about it
-    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
-]
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+pytestmark = [EMPTY_PAGES_WARN]
 
 # Both float32 (the kernel's fp32 dots are IEEE): rounding only. bf16 inputs: the
 # compiled kernel rounds the softmax weights to bf16 for the P.V dot.

@@ -1,4 +1,9 @@
-"""The server the e2e tests start, and the calls most of them make on it."""
+"""The server the e2e tests start, and the calls most of them make on it.
+
+Starting, stopping and the requests themselves are ``sgl_importance.local_server``
+and ``sgl_importance.client``, shared with the benchmarks and scripts; what is here
+is the tests' own shape of them (the fixtures are in ``test/conftest.py``).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import requests
-
+from sgl_importance.client import generate, greedy
 from sgl_importance.local_server import LocalServer
 
 
@@ -21,28 +25,30 @@ class Server(LocalServer):
 
     def generate(self, text: str, max_new_tokens: int = 8, **extra) -> dict:
         """Greedy /generate of ``text`` with logprobs and the cache report."""
-        body = {
-            "text": text,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
-            "return_logprob": True,
-            "return_cached_tokens_details": True,
-            **extra,
-        }
-        r = requests.post(self.url + "/generate", json=body, timeout=300)
-        r.raise_for_status()
-        return r.json()
+        body = {"return_logprob": True, "return_cached_tokens_details": True, **extra}
+        return generate(self.url, text=text, sampling_params=greedy(max_new_tokens), **body)
 
 
 def generate_ids(server: LocalServer, input_ids: list[int], max_new_tokens: int, timeout: float = 300) -> dict:
     """Greedy /generate of exact token ids, with the cache report."""
-    body = {
-        "input_ids": input_ids,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
-        "return_cached_tokens_details": True,
-    }
-    r = requests.post(server.url + "/generate", json=body, timeout=timeout)
-    r.raise_for_status()
-    return r.json()
+    return generate(
+        server.url,
+        input_ids=input_ids,
+        sampling_params=greedy(max_new_tokens),
+        return_cached_tokens_details=True,
+        timeout=timeout,
+    )
+
+
+def importance_torch_args(page: int, device_tokens: int, *more: str) -> list[str]:
+    """Launcher flags most e2e servers share: pages of ``page`` tokens, a device pool
+    of ``device_tokens`` and the ``importance_torch`` backend, then ``more``."""
+    return [
+        "--page-size", str(page),
+        "--max-total-tokens", str(device_tokens),
+        "--attention-backend", "importance_torch",
+        *more,
+    ]  # fmt: skip
 
 
 def output_ids_and_logprobs(response: dict) -> tuple[list[int], list[float]]:

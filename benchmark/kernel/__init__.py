@@ -1,0 +1,1 @@
+"""Decode kernels with page importance on a GPU (or, ``--smoke``, under the Triton interpreter); see README.md."""

@@ -1,0 +1,1 @@
+"""The storage tier: page integrity and page encoding; see RESULTS.md."""
