@@ -34,7 +34,7 @@ import importlib
 import inspect
 import os
 import sys
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 from sgl_importance.env import ANNOUNCE_ENV, DUMP_DIR_ENV, PLATFORM_ENV, TRACE_DIR_ENV
 
@@ -128,19 +128,19 @@ def _resolve(call: str) -> Callable[..., Any]:
 
 
 def _fitted(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` called with as many positional arguments and such keywords as it declares."""
+    """``fn`` called with as many positional arguments and such keywords as it declares
+    (``result``, which only an ``after`` hook passes, by keyword); worked out once."""
     params = inspect.signature(fn).parameters.values()
-    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        positional = None
-    names = None if any(p.kind is p.VAR_KEYWORD for p in params) else {p.name for p in params}
+    names = {p.name for p in params}
+    any_keyword = any(p.kind is p.VAR_KEYWORD for p in params)
+    positional: Optional[int] = None  # None: it takes *args, so all of them
+    if not any(p.kind is p.VAR_POSITIONAL for p in params):
+        positional = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "result" for p in params)
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        if names is not None:
+        if kwargs and not any_keyword:
             kwargs = {k: v for k, v in kwargs.items() if k in names}
-        if positional is not None:  # those given by keyword (``result``) are not positional
-            args = args[: sum(name not in kwargs for name in positional)]
-        return fn(*args, **kwargs)
+        return fn(*args[:positional], **kwargs)
 
     return call
 

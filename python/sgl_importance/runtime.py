@@ -30,7 +30,7 @@ from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import Released
 from sgl_importance.importance.page_table import PageTables
 from sgl_importance.metrics import Metrics
-from sgl_importance.storage.factory import create_with_integrity, share_importance
+from sgl_importance.storage.factory import share_importance, wrap_backend
 from sgl_importance.storage.precision import PageClasses, page_classes_for
 from sgl_importance.trace.tracing import Tracing
 
@@ -42,14 +42,16 @@ class Runtime:
 
     Args:
         config: the validated ``--importance-*`` flags (defaults when None).
+        server_args: SGLang's server args (None outside a launched server).
     """
 
-    def __init__(self, config: Optional[ImportanceConfig] = None) -> None:
+    def __init__(self, config: Optional[ImportanceConfig] = None, server_args: Any = None) -> None:
         self.config = config if config is not None else ImportanceConfig()
+        # What of SGLang's flags the storage hook reads (defaults outside a server).
+        self.eviction_policy = server_args.radix_eviction_policy if server_args is not None else None
+        self.enable_metrics = bool(server_args.enable_metrics) if server_args is not None else False
         self.page_tables = PageTables()
         self.metrics = Metrics()
-        # One per cache under --radix-eviction-policy importance (SGLang builds one).
-        self.policies: list[CachePolicy] = []
         # The hot set's release record and the parameters requests chose for themselves.
         self.released = Released()
         self.request_params = RequestParams()
@@ -74,12 +76,16 @@ class Runtime:
         return ImportanceStrategy(self.cache_policy(config))
 
     def cache_policy(self, config: Mapping[str, Any]) -> CachePolicy:
-        """A new cache's policy state, sharing this runtime's page tables and metrics."""
-        policy = CachePolicy(config, self.page_tables, self.metrics)
-        policy.scheduler = self.scheduler
-        policy.shared = self.shared_importance
-        self.policies.append(policy)
-        return policy
+        """A new cache's policy state, sharing this runtime's page tables and metrics
+        (the cache's strategy holds it; ``cache/policy_state.policy_of`` finds it)."""
+        # The scheduler and the shared importance come after the cache: read when needed.
+        return CachePolicy(
+            config,
+            self.page_tables,
+            self.metrics,
+            scheduler=lambda: self.scheduler,
+            shared=lambda: self.shared_importance,
+        )
 
     def storage_backend(
         self,
@@ -92,40 +98,29 @@ class Runtime:
         **kwargs: Any,
     ) -> Any:
         """Around ``StorageBackendFactory.create_backend`` (at start-up or attached later):
-        SGLang's backend with its pages sealed (``storage/factory.py``) and, over a
-        Mooncake store under the ``importance`` policy, importance shared next to them."""
-        backend = create_with_integrity(
-            original,
-            factory,
+        SGLang's backend with its pages sealed (``storage/factory.py``) unless
+        ``--importance-storage-integrity off``, and, over a Mooncake store under the
+        ``importance`` policy, importance shared next to them."""
+        backend = original(factory, backend_name, storage_config, mem_pool_host, *args, **kwargs)
+        c = self.config
+        if c.storage_integrity == "off":
+            return backend
+        metrics = self.metrics if self.enable_metrics else None
+        backend = wrap_backend(
+            backend,
             backend_name,
             storage_config,
-            mem_pool_host,
-            *args,
+            retry_s=c.storage_retry_s,
+            metrics=metrics,
+            precision=c.storage_precision,
             classes=self.page_classes,
-            metrics=self.metrics,
-            **kwargs,
         )
-        self._share_importance(backend, storage_config.tp_rank)
+        self.shared_importance = share_importance(backend, storage_config.tp_rank, self.eviction_policy, metrics)
         return backend
 
-    def _share_importance(self, backend: Any, rank: int) -> None:
-        from sglang.srt.runtime_context import get_server_args
-
-        try:
-            server_args = get_server_args()
-        except Exception:  # built outside a launched server (tests, tools)
-            server_args = None
-        policy = server_args.radix_eviction_policy if server_args is not None else None
-        metrics = self.metrics if server_args is not None and server_args.enable_metrics else None
-        self.shared_importance = share_importance(backend, rank, policy, metrics)
-        for cache_policy in self.policies:
-            cache_policy.shared = self.shared_importance
-
     def attach_scheduler(self, scheduler: Any) -> None:
-        """After ``Scheduler.__init__``: the caches are built; hand them the scheduler."""
+        """After ``Scheduler.__init__``: the scheduler the caches' policies read."""
         self._scheduler = weakref.ref(scheduler)
-        for policy in self.policies:
-            policy.scheduler = scheduler
 
 
 # The registry: the process's runtime (see the module docstring).
@@ -143,7 +138,7 @@ def current() -> Runtime:
 def start(scheduler: Any, server_args: Any, *args: Any, **kwargs: Any) -> Runtime:
     """Before ``Scheduler.__init__(server_args, ...)``: a fresh runtime from the flags."""
     global _current
-    _current = Runtime(config_of(server_args))
+    _current = Runtime(config_of(server_args), server_args)
     return _current
 
 

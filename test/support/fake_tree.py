@@ -204,12 +204,14 @@ class FakeCache:
 
 class AdmissionCache(FakeCache):
     """The fake cache with SGLang's ``write_backup_storage`` behind the plugin's L3
-    admission gate (as its AROUND hook makes it behave); writes are recorded."""
+    admission gate (as its AROUND hook makes it behave); writes are recorded.
+    ``shared``: the importance other instances published, as the runtime hands it in."""
 
-    def __init__(self, **config: Any) -> None:
+    def __init__(self, shared: Any = None, **config: Any) -> None:
+        from sgl_importance.cache.policy import CachePolicy
         from sgl_importance.cache.strategy import ImportanceStrategy
 
-        super().__init__(FakeTreeCore(ImportanceStrategy(**config)))
+        super().__init__(FakeTreeCore(ImportanceStrategy(CachePolicy(config, shared=lambda: shared))))
         self.written: list[int] = []
 
     @property

@@ -194,8 +194,7 @@ def test_hits_another_instance_saw_qualify_a_node_for_the_storage_tier():
     a, b = pair(store)
     a.publish(["p"], 0.0, hits=2)
     a.flush()
-    cache = AdmissionCache(storage_min_hits=3)
-    cache.tree_core.eviction_strategy.policy.shared = b  # what the runtime hands each policy
+    cache = AdmissionCache(shared=b, storage_min_hits=3)
     n = cache.add(hits=1, hashes=["p"])
     cache.write_backup_storage(n.id)
     # Deferred: this instance has seen one hit and has not read the record yet...

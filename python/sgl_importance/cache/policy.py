@@ -8,15 +8,16 @@ it from the cache it was given (``policy_state.policy_of``). It holds:
 - ``aggregator``: the fold of the page table into node importance, and its scale;
 - ``admission``: the L3 admission rule; ``warm``: the prefetch's warm candidates;
   ``stored``: the importance of pages dropped to the storage tier;
-- what the runtime shares with it: the process's page tables and metrics, the
-  shared importance once a scheduler hook started it, and the scheduler and the
-  prefill adder of the batch being built (weak references, set by hooks).
+- what the runtime shares with it: the process's page tables and metrics, and, read
+  through the runtime when needed (they come later than the cache), the scheduler
+  and the shared importance; the prefill adder of the batch being built (a weak
+  reference, set by its hook).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from sgl_importance.cache.admission import StorageAdmission
 from sgl_importance.cache.prefetch import WarmIndex
@@ -34,6 +35,8 @@ class CachePolicy:
         config: the strategy's keywords (``ImportancePolicyConfig.from_mapping``).
         page_tables: the process's page table holder (``PageTables``).
         metrics: the process's series (``Metrics``).
+        scheduler: the process's scheduler, or None before it is built (or in a test).
+        shared: the importance shared through a Mooncake store (``storage/``), or None.
     """
 
     def __init__(
@@ -41,6 +44,9 @@ class CachePolicy:
         config: Mapping[str, Any],
         page_tables: Optional[PageTables] = None,
         metrics: Optional[Metrics] = None,
+        *,
+        scheduler: Callable[[], Any] = lambda: None,
+        shared: Callable[[], Any] = lambda: None,
     ) -> None:
         self.config = ImportancePolicyConfig.from_mapping(config)
         c = self.config
@@ -48,25 +54,23 @@ class CachePolicy:
         self.admission = StorageAdmission(min_hits=c.storage_min_hits, min_importance=float(c.storage_min_importance))
         # Nodes demoted while important: what the prefetch warms back.
         self.warm = WarmIndex()
-        # Importance of pages dropped to the storage tier, for the nodes rebuilt from it
-        # (and the shared records, read when needed: they start after this is built).
-        self.stored = StoredImportance(shared=lambda: self.shared)
+        # Importance of pages dropped to the storage tier, for the nodes rebuilt from it.
+        self.stored = StoredImportance(shared=shared)
         self.page_tables = page_tables if page_tables is not None else PageTables()
         self.metrics = metrics if metrics is not None else Metrics()
-        # Importance shared through a Mooncake store (``storage/shared``); set by the
-        # runtime when the scheduler started it, None otherwise.
-        self.shared: Any = None
-        self._scheduler: Optional[weakref.ref] = None
+        self._scheduler = scheduler
+        self._shared = shared
         self._adder: Optional[weakref.ref] = None
 
     @property
     def scheduler(self) -> Any:
         """The scheduler of this process (None before it is built, or in a test)."""
-        return self._scheduler() if self._scheduler is not None else None
+        return self._scheduler()
 
-    @scheduler.setter
-    def scheduler(self, scheduler: Any) -> None:
-        self._scheduler = None if scheduler is None else weakref.ref(scheduler)
+    @property
+    def shared(self) -> Any:
+        """Importance shared through a Mooncake store, None without one."""
+        return self._shared()
 
     def note_adder(self, adder: Any) -> None:
         """The prefill adder of the batch being built (its memory budget)."""

@@ -236,24 +236,13 @@ class PageTables:
         self.warned_missing = False
 
     def get_or_create(
-        self,
-        pool_tokens: int,
-        *,
-        page_size: int,
-        reduce: str = "mean",
-        sample_interval: int = 1,
-        device: torch.device | str = "cpu",
+        self, pool_tokens: int, *, page_size: int, device: torch.device | str = "cpu", **settings: Any
     ) -> PageImportanceTable:
-        """The table, created on first use (several backends may share it)."""
+        """The table for a pool of ``pool_tokens``, created on first use (several backends
+        may share it); ``settings``: ``PageImportanceTable``'s ``reduce`` and ``sample_interval``."""
         num_pages = pool_tokens // page_size + 1
         if self.current is None or not self.current.matches(num_pages, page_size, device):
-            self.current = PageImportanceTable(
-                num_pages,
-                page_size=page_size,
-                reduce=reduce,
-                sample_interval=sample_interval,
-                device=device,
-            )
+            self.current = PageImportanceTable(num_pages, page_size=page_size, device=device, **settings)
         return self.current
 
     def dump(self, *, directory: Optional[str] = None) -> Optional[str]:

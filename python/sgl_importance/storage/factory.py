@@ -10,7 +10,7 @@ sealed through its own ``get``/``set``. Only the hook around SGLang's
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageFailureInjector
 
@@ -94,49 +94,8 @@ def wrap_backend(
     )
 
 
-def create_with_integrity(
-    original: Callable[..., HiCacheStorage],
-    factory: Any,
-    backend_name: str,
-    storage_config: Any,
-    mem_pool_host: Any,
-    *args: Any,
-    classes: Optional[PageClasses] = None,
-    metrics: Any = None,
-    **kwargs: Any,
-) -> HiCacheStorage:
-    """Around ``StorageBackendFactory.create_backend``: every backend, wrapped unless
-    ``--importance-storage-integrity off``.
-
-    Args:
-        classes: the process's page grading (``--importance-storage-precision graded``).
-        metrics: the process's ``metrics.Metrics`` (read only with ``--enable-metrics``).
-    """
-    from sglang.srt.runtime_context import get_server_args
-
-    from sgl_importance.config import config_of
-
-    backend = original(factory, backend_name, storage_config, mem_pool_host, *args, **kwargs)
-    try:
-        server_args = get_server_args()
-    except Exception:  # built outside a launched server (tests, tools)
-        server_args = None
-    config = config_of(server_args)
-    if config.storage_integrity == "off":
-        return backend
-    return wrap_backend(
-        backend,
-        backend_name,
-        storage_config,
-        retry_s=config.storage_retry_s,
-        metrics=metrics if server_args is not None and server_args.enable_metrics else None,
-        precision=config.storage_precision,
-        classes=classes,
-    )
-
-
 def share_importance(backend: HiCacheStorage, rank: int, policy: Optional[str], metrics: Any = None) -> Any:
-    """Importance shared next to the pages of ``backend`` (what ``create_with_integrity``
+    """Importance shared next to the pages of ``backend`` (what ``wrap_backend``
     returned) when it stores in a Mooncake store under the ``importance`` eviction
     ``policy`` (no other policy reads importance), started; None otherwise."""
     pages = getattr(backend, "inner", None)
