@@ -270,7 +270,19 @@ HOT_SET_SERIES = {
     ),
     "pages_attended": ("pages_attended", "Pages read exactly by hot-set requests, summed over layers."),
     "pages_guard_read": ("pages_guard_read", "Pages the guard read exactly, summed over layers."),
-    "pages_estimated": ("pages_estimated", "Pages estimated from their 8-bit shadow, summed over layers."),
+    "guard_full_reads": (
+        "guard_full_reads",
+        "Request layer-steps whose sampled bound exceeded --hot-set-guard-threshold: every unread page read exactly.",
+    ),
+    "guard_refused": (
+        "guard_refused",
+        "Hot-set requests refused a guard (no room left in the guard pool for their key codes); decoded unguarded.",
+    ),
+    "pages_estimated": (
+        "pages_estimated",
+        "Unread pages accounted for by the guard's sampled estimate, summed over layers.",
+    ),
+    "pages_sampled": ("pages_sampled", "Sampled unread pages the guard read, summed over layers."),
     "pages_dense": ("pages_dense", "Pages dense attention would have read for the same steps and layers."),
     "pages_read_from_host": (
         "pages_read_from_host",

@@ -257,12 +257,16 @@ def test_triton_backend_decodes_the_hot_set_as_the_torch_backend(guard):
     # A short request (dense) beside two long ones; the device holds everything.
     params = HotSetParams(policy="importance", budget=3, window=1, sinks=1, guard_threshold=guard)
     totals = run_both(params, steps=3, lengths=[5, 30, 41], device_pages=64, host_pages=0, release=False)
-    assert totals["steps"] == 6 and totals["pages_attended"] < totals["pages_dense"]
+    assert totals["steps"] == 6 and totals["pages_attended"] <= totals["pages_dense"]
     if guard < 1.0:
-        assert totals["guard_checks"] > 0 and totals["pages_estimated"] > 0
+        # A 3-page budget leaves no room for a page sample: the guard reads what the
+        # bound cannot vouch for, from the same pages in both backends.
+        assert totals["guard_checks"] > 0 and totals["guard_reads"] > 0
+    else:
+        assert totals["pages_attended"] < totals["pages_dense"]
 
 
-@pytest.mark.parametrize("guard,promotions", [(1.0, False), (0.05, True)])
+@pytest.mark.parametrize("guard,promotions", [(1.0, False), (0.05, True), (1.0, True)])
 def test_triton_backend_releases_and_promotes_pages_as_the_torch_backend(guard, promotions):
     # Pages outside each request's 3-page hot set go to the host pool and come back when
     # planned; with no device page for a promotion they are read from the host copy.
@@ -271,8 +275,10 @@ def test_triton_backend_releases_and_promotes_pages_as_the_torch_backend(guard, 
         params, steps=4, lengths=[33, 30], device_pages=40, host_pages=64, release=True, promotions=promotions
     )
     assert totals["pages_released"] > 0
-    if promotions:
+    if promotions and guard == 1.0:
         assert totals["pages_copied_in"] > 0
+    elif promotions:
+        assert totals["guard_reads"] > 0
     else:
         assert totals["promotions_refused"] > 0 and totals["pages_read_from_host"] > 0
 

@@ -2,10 +2,12 @@
 
 A request longer than ``--hot-set-threshold`` tokens reads, in each decode step, only
 its hot set exactly: sink pages, a recent window and the pages a policy keeps
-(``selection.py``). With the guard on, every other page is estimated from its 8-bit
-shadow (``shadow.py``) in the same softmax, and the error of each layer's attention
-output is bounded; where the bound exceeds ``--hot-set-guard-threshold`` the most
-suspect pages are read exactly (``estimate.py``, ``guard.py``). ``decode.py`` runs a
+(``selection.py``). With the guard on, every other page is accounted for in the same
+softmax: its 4-bit key codes (``key_codes.py``) bound its tokens' logits, so pages that
+could be heavy are read exactly, and the rest is estimated from a uniform sample of
+pages (``sample.py``) with a statistical bound on each layer's output error; where the
+bound exceeds ``--hot-set-guard-threshold`` every unread page is read exactly
+(``estimate.py``, ``guard.py``). ``decode.py`` runs a
 step: which pages each layer reads (``page_lists.py``), what the layers found, folded
 once per step (``step_tally.py``), into the decoder's records of its requests
 (``request_state.py``). Page summaries (``summaries.py``, key min/max) rank unread
@@ -19,7 +21,17 @@ Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 """
 
 from sgl_importance.hot_set.decode import HotSetDecoder, LayerResult
-from sgl_importance.hot_set.estimate import Combined, Outside, OutsidePlan, combine, estimate_outside, pages_to_read
+from sgl_importance.hot_set.estimate import (
+    Combined,
+    Outside,
+    OutsidePlan,
+    Sampled,
+    combine,
+    estimate_outside,
+    heavy_pages,
+    sampled_pages,
+)
+from sgl_importance.hot_set.key_codes import GuardPool
 from sgl_importance.hot_set.selection import (
     POLICIES,
     HotSetCounts,
@@ -27,7 +39,6 @@ from sgl_importance.hot_set.selection import (
     RequestHotSet,
     fixed_mask,
 )
-from sgl_importance.hot_set.shadow import ShadowPool
 from sgl_importance.hot_set.summaries import PageSummaries, key_bound
 
 __all__ = [
@@ -35,16 +46,18 @@ __all__ = [
     "Combined",
     "HotSetCounts",
     "HotSetDecoder",
+    "GuardPool",
     "HotSetParams",
     "LayerResult",
     "Outside",
     "OutsidePlan",
     "PageSummaries",
     "RequestHotSet",
-    "ShadowPool",
+    "Sampled",
     "combine",
     "estimate_outside",
     "fixed_mask",
+    "heavy_pages",
     "key_bound",
-    "pages_to_read",
+    "sampled_pages",
 ]

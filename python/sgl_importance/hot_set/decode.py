@@ -42,19 +42,24 @@ Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
 from typing import NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
-from sgl_importance.hot_set.estimate import OutsidePlan, estimate_outside
+from sgl_importance.hot_set.estimate import OutsidePlan, estimate_outside, sampled_pages
 from sgl_importance.hot_set.guard import guard_layer
-from sgl_importance.hot_set.page_lists import ExactPlan, pending_shadow_pages, plan_exact, plan_outside, quest_lists
+from sgl_importance.hot_set.key_codes import GuardPool
+from sgl_importance.hot_set.page_lists import ExactPlan, SamplePlan, plan_exact, plan_outside, quest_lists
 from sgl_importance.hot_set.promotion import PromotionStream, StreamedPagePools
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.request_state import LiveRequest, TrackedRequest, released_among
 from sgl_importance.hot_set.residency import PagePools, Released
-from sgl_importance.hot_set.selection import HotSetCounts, HotSetParams, RequestHotSet
-from sgl_importance.hot_set.shadow import ShadowPool
+from sgl_importance.hot_set.sample import PageDraw
+from sgl_importance.hot_set.sample import inclusion as sample_inclusion
+from sgl_importance.hot_set.sample import reserve as sample_reserve
+from sgl_importance.hot_set.selection import HotSetCounts, HotSetParams, RequestHotSet, fixed_mask
 from sgl_importance.hot_set.step_tally import StepTally
 from sgl_importance.hot_set.summaries import PageSummaries
 from sgl_kernel_ext import (
@@ -63,6 +68,12 @@ from sgl_kernel_ext import (
     PagedDecodeWorkspace,
     decode_importance_paged,
 )
+
+
+logger = logging.getLogger(__name__)
+
+# Guard pages of a decoder built without a pool (tests, benchmarks), per device page.
+DEFAULT_GUARD_PAGES_PER_POOL_PAGE = 4
 
 
 class ExactAttention(Protocol):
@@ -118,8 +129,9 @@ class HotSetDecoder:
             None); requests it admitted give back device pages outside their hot set.
         request_params: parameters requests chose for themselves
             (the runtime's; a private, empty one when None); others decode with ``params``.
-        shadow: the 8-bit copies the guard estimates unread pages from (default: a pool
-            shaped like ``summaries``, created on first use).
+        guard: the guard's key-code pool (allocated once at start-up by the backend;
+            default: one of ``DEFAULT_GUARD_PAGES_PER_POOL_PAGE`` times the pool's pages,
+            created on first use).
         exact: what reads pages exactly (default: ``decode_importance_paged``).
         promotions: where promotions' copies run (default: in line, where issued).
     """
@@ -133,7 +145,7 @@ class HotSetDecoder:
         threshold: int,
         released: Optional[Released] = None,
         request_params: Optional[RequestParams] = None,
-        shadow: Optional[ShadowPool] = None,
+        guard: Optional[GuardPool] = None,
         exact: Optional[ExactAttention] = None,
         promotions: Optional[PromotionStream] = None,
     ) -> None:
@@ -143,15 +155,16 @@ class HotSetDecoder:
         self.page_size = page_size
         self.threshold = threshold
         self.released = released if released is not None else Released()
-        self._shadow = shadow
+        self._guard = guard
         self.tracked: dict[str, TrackedRequest] = {}
         self.totals = HotSetCounts()
         self._live: list[LiveRequest] = []
         self._exact: Optional[ExactPlan] = None
         self._outside: Optional[OutsidePlan] = None
-        self._pending: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+        self._sample: Optional[SamplePlan] = None
         self._tally: Optional[StepTally] = None
         self._step_layers = 0
+        self._pool_pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (K, V) viewed as pages
         self._workspace = PagedDecodeWorkspace()
         self._read = exact or self._read_paged
         self.promotions = promotions
@@ -161,18 +174,18 @@ class HotSetDecoder:
         return {rid: t.state for rid, t in self.tracked.items()}
 
     @property
-    def shadow(self) -> ShadowPool:
-        if self._shadow is None:
-            layers, _, kv_heads, dim = self.summaries.key_min.shape
-            self._shadow = ShadowPool(
+    def guard(self) -> GuardPool:
+        if self._guard is None:
+            layers, pages, kv_heads, dim = self.summaries.key_min.shape
+            self._guard = GuardPool(
                 layers,
                 kv_heads,
                 dim,
                 page_size=self.page_size,
-                dtype=self.summaries.key_min.dtype,
+                capacity_pages=pages * DEFAULT_GUARD_PAGES_PER_POOL_PAGE,
                 device=self.summaries.key_min.device,
             )
-        return self._shadow
+        return self._guard
 
     # -- planning, once per step ---------------------------------------------------
 
@@ -205,16 +218,16 @@ class HotSetDecoder:
             tracked = self.tracked.get(rid)
             if tracked is None:
                 params = self.request_params.get(rid) or self.params
-                tracked = self.tracked[rid] = TrackedRequest(RequestHotSet(params))
+                tracked = self.tracked[rid] = TrackedRequest(RequestHotSet(params), draw=PageDraw(rid))
             pages = None
             if rows is not None and self.released.enabled:
                 pages = self.released.pages_of(rid, rows[i], ps)
             num_pages = -(-req_slots.numel() // ps)
             tracked.refresh_summaries(self.summaries, req_slots, pages, num_pages, ps)
-            planned, counts = self._plan(tracked, num_pages)
+            (planned, sample), counts = self._plan(tracked, num_pages)
             if pages is not None:
                 # Promotions the previous step could not place: try again now.
-                pages.restore(planned, self._promoting(), self.released.counts)
+                pages.restore(_union(planned, sample), self._promoting(), self.released.counts)
                 req_slots = rows[i][: req_slots.numel()].to("cpu", torch.int64)
             tokens = torch.full((num_pages,), ps, dtype=torch.int64)
             tokens[-1] = req_slots.numel() - (num_pages - 1) * ps
@@ -225,6 +238,7 @@ class HotSetDecoder:
                     tracked,
                     pages=pages,
                     planned=planned,
+                    sample=sample,
                     tokens=tokens,
                     mass_over_layers=torch.zeros(num_pages, **f64),
                     layers=torch.zeros(num_pages, dtype=torch.int64),
@@ -233,9 +247,8 @@ class HotSetDecoder:
                     counts=counts,
                 )
             )
-        self._pending = pending_shadow_pages(self._live, lambda: self.shadow, ps)
         # Part 1 and 2 lists are built by the first layer, which knows the pool's size.
-        self._exact = self._outside = self._tally = None
+        self._exact = self._outside = self._sample = self._tally = None
         self._step_layers = 0
 
     def _promoting(self) -> PagePools:
@@ -246,14 +259,38 @@ class HotSetDecoder:
 
     def _drop(self, rid: str) -> None:
         tracked = self.tracked.pop(rid, None)
-        if tracked is not None and self._shadow is not None and tracked.shadow.numel():
-            self._shadow.free(tracked.shadow)
+        if tracked is not None and tracked.codes.numel():
+            self.guard.free(tracked.codes)
 
-    def _plan(self, tracked: TrackedRequest, num_pages: int) -> tuple[torch.Tensor, HotSetCounts]:
+    def _plan(self, tracked: TrackedRequest, num_pages: int) -> tuple[tuple[torch.Tensor, torch.Tensor], HotSetCounts]:
         ahead, tracked.next_plan = tracked.next_plan, None
         if ahead is not None and ahead[0] == num_pages:
             return ahead[1], ahead[2]
-        return tracked.state.plan(num_pages)
+        return self._plan_pages(tracked, num_pages)
+
+    def _plan_pages(
+        self, tracked: TrackedRequest, num_pages: int
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], HotSetCounts]:
+        """(the pages read exactly, the sampled rest pages), and the plan's counts.
+
+        A guarded request's budget keeps room for its expected sample, and the plan is
+        chosen without looking at which pages are sampled (the estimate needs that).
+        """
+        state = tracked.state
+        coded = tracked.codes.numel()
+        guarded = coded > 0 and not tracked.guard_refused and state.params.guard_threshold < 1.0
+        tracked.sample_pi = 1.0
+        if not guarded or state.step == 0 or state.params.policy in ("dense", "quest"):
+            planned, counts = state.plan(num_pages)
+            return (planned, _NONE), counts
+        p = state.params
+        budget = p.budget_pages(num_pages)
+        room = budget - int(fixed_mask(num_pages, p.sinks, p.window).sum())
+        pi = tracked.sample_pi = sample_inclusion(coded, room)
+        planned, counts = state.plan(num_pages, reserve=sample_reserve(pi, num_pages, budget))
+        members = tracked.draw.members(coded, pi)
+        members[planned[planned < coded]] = False
+        return (planned, torch.nonzero(members).flatten()), counts
 
     # -- one layer -----------------------------------------------------------------
 
@@ -279,16 +316,18 @@ class HotSetDecoder:
         whole = k_buffer.shape[0] // ps * ps  # a pool's rows past its last whole page are never a page
         k_pages = k_buffer[:whole].view(-1, ps, *k_buffer.shape[1:])
         v_pages = v_buffer[:whole].view(-1, ps, *v_buffer.shape[1:])
-        self._write_shadow(layer_id, k_pages, v_pages)
+        self._pool_pages[layer_id] = (k_pages, v_pages)  # the key codes are written from it at end_step
         if self._exact is None:
             planned = [live.planned for live in self._live]
             self._exact = plan_exact(self._live, planned, k_pages.shape[0], ps)
             self._outside = plan_outside(self._live, planned)
+            self._sample = SamplePlan.build(self._live, self._outside, ps)
             self._tally = StepTally.for_step(self._live, self._exact, self._outside, q.device)
-        exact, outside_plan = self._exact, self._outside
+        exact, outside_plan, sample_plan = self._exact, self._outside, self._sample
         per_layer = any(live.tracked is not None and live.tracked.state.params.policy == "quest" for live in self._live)
         if per_layer:
             exact, outside_plan = self._quest_layer(layer_id, q, k_pages.shape[0], sm_scale, logit_cap)
+            sample_plan = SamplePlan.build(self._live, outside_plan, ps)
         run = dict(sm_scale=sm_scale, logit_cap=logit_cap)
         extra_k, extra_v = self._staged(layer_id, exact.staged_host)
         result = self._read(
@@ -299,27 +338,14 @@ class HotSetDecoder:
         if not outside_plan.empty:
             output = output.clone()
             rows = outside_plan.rows
-            estimate = estimate_outside(q[rows], self.shadow, layer_id, outside_plan, workspace=self._workspace, **run)
-            combined = self._guard(layer_id, q, k_pages, v_pages, result, estimate, outside_plan, run, per_layer)
-            output[rows] = combined.output
+            combined = self._guard_layer(
+                layer_id, q, k_pages, v_pages, result, outside_plan, sample_plan, run, per_layer
+            )
+            output[rows] = combined.output.to(output.dtype)
             share[rows] = combined.exact_share
         self._tally.add_exact(self._live, layer_id, q, result, exact, share, run, per_layer)
         self._step_layers += 1
         return LayerResult(output, _rescaled(result, share), exact.kv_indptr, exact.kv_indices)
-
-    def _write_shadow(self, layer_id: int, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
-        if self._pending is None:
-            return
-        ids, dev, host = self._pending
-        ps = self.page_size
-        shape = k_pages.shape[1:]
-        k_flat, v_flat = k_pages.view(-1, *shape[1:]), v_pages.view(-1, *v_pages.shape[2:])
-        keys, values = k_flat[dev], v_flat[dev]
-        if host.numel():
-            host_k, host_v = self.released.pools.host_layer(layer_id, host)
-            keys = torch.cat((keys, host_k.to(keys.device, keys.dtype)))
-            values = torch.cat((values, host_v.to(values.device, values.dtype)))
-        self.shadow.write(layer_id, ids, keys.view(-1, ps, *shape[1:]), values.view(-1, ps, *v_pages.shape[2:]))
 
     def _staged(self, layer_id: int, host_slots: torch.Tensor):
         if host_slots.numel() == 0:
@@ -338,21 +364,44 @@ class HotSetDecoder:
         lists = quest_lists(self._live, layer_id, q, sm_scale=sm_scale, logit_cap=logit_cap)
         return plan_exact(self._live, lists, pool_pages, self.page_size), plan_outside(self._live, lists)
 
-    def _guard(self, layer_id, q, k_pages, v_pages, result, estimate, outside_plan, run, per_layer: bool):
-        """Part 3: fold the estimate in; read exactly what the bound cannot vouch for."""
+    def _sample_pages(self, layer_id: int, k_pages, v_pages, sample: SamplePlan):
+        """The sampled pages' K and V ``[n, S, page_size, Hkv, D]`` (host copies where released)."""
+        keys, values = k_pages[sample.physical], v_pages[sample.physical]
+        if sample.host_index.numel():
+            host_k, host_v = self.released.pools.host_layer(layer_id, sample.host_index.new_tensor(sample.host_slots))
+            flat_k, flat_v = keys.view(-1, *keys.shape[2:]), values.view(-1, *values.shape[2:])
+            index = sample.host_index.to(keys.device)
+            flat_k[index] = host_k.to(keys.device, keys.dtype).view(-1, *keys.shape[2:])
+            flat_v[index] = host_v.to(values.device, values.dtype).view(-1, *values.shape[2:])
+        return keys, values
+
+    def _guard_layer(self, layer_id, q, k_pages, v_pages, result, outside_plan, sample_plan, run, per_layer: bool):
+        """Part 2: the rest pages' intervals, heavy ones read, the rest from the sample."""
         rows = outside_plan.rows
         dev = result.lse.device
-        thresholds = torch.tensor([self._live[int(r)].tracked.state.params.guard_threshold for r in rows], device=dev)
+        guarded = [self._live[int(r)] for r in rows]
+        thresholds = torch.tensor([live.tracked.state.params.guard_threshold for live in guarded], device=dev)
+        # The plan's pages' key ranges for this layer: what their codes were written against.
+        index = outside_plan.logical.clamp_min(0)
+        key_min = torch.stack([live.tracked.key_min[layer_id][index[i]] for i, live in enumerate(guarded)])
+        key_max = torch.stack([live.tracked.key_max[layer_id][index[i]] for i, live in enumerate(guarded)])
+        q_rows = q[rows]
+        outside = estimate_outside(q_rows, self.guard, layer_id, outside_plan, key_min, key_max, **run)
+        keys, values = self._sample_pages(layer_id, k_pages, v_pages, sample_plan)
+        sampled = sampled_pages(q_rows, keys, values, sample_plan.valid, **run)
         outcome = guard_layer(
             result.lse[rows],
-            result.output[rows],
-            estimate,
+            result.output[rows].float(),
+            outside,
+            sampled,
             outside_plan.valid.to(dev),
+            outside_plan.sampled.to(dev),
+            outside_plan.inclusion.to(dev),
             thresholds,
             lambda chosen: self._read_exactly(layer_id, q, k_pages, v_pages, outside_plan, chosen, run),
         )
         tally = self._tally if not per_layer else StepTally.for_outside(outside_plan, dev)
-        tally.add_guard(outcome)
+        tally.add_guard(outcome, outside_plan)
         if per_layer:
             tally.fold_outside(self._live, outside_plan, layers=1)
         return outcome.combined
@@ -365,20 +414,21 @@ class HotSetDecoder:
         chosen = chosen.cpu()  # the lists are planned on the host
         for i, row in enumerate(rows.tolist()):
             subset.append(self._live[row])
-            lists.append(outside_plan.logical[i][chosen[i]])
+            lists.append(outside_plan.logical[i][chosen[i]].sort().values)
         plan = plan_exact(subset, lists, k_pages.shape[0], self.page_size)
         extra_k, extra_v = self._staged(layer_id, plan.staged_host)
         res = self._read(q[rows], k_pages, v_pages, plan.plan, extra_k_pages=extra_k, extra_v_pages=extra_v, **run)
         for live, listed in zip(subset, lists):
             live.counts.pages_read_from_host += int(released_among(live.pages, listed).sum())
         lse = torch.where(plan.plan.live.to(res.lse.device)[:, None], res.lse, float("-inf"))
-        return lse, res.output
+        return lse, res.output.float()
 
     # -- after the last layer ------------------------------------------------------
 
     def end_step(self) -> HotSetCounts:
-        """Fold the step into each long request's state, then plan the next step:
-        release what it leaves out, promote what it adds. Returns the step's counts."""
+        """Fold the step into each long request's state, code its newly full pages, then
+        plan the next step: release what it leaves out, promote what it adds. Returns
+        the step's counts."""
         step = HotSetCounts()
         ps = self.page_size
         if self._tally is not None:
@@ -399,27 +449,85 @@ class HotSetDecoder:
             live.counts.steps = 1
             live.counts.late_arrivals = int(late.sum())
             live.counts.guard_fallbacks = int(bool(live.guarded.any()))
+            length = live.slots.numel()
+            # Code the pages full now while every one of them is still on the device.
+            live.counts.guard_refused = self._code_pages(live, length // ps)
             step.add(live.counts)
             # The next step decodes one more token: plan it now, one step ahead.
-            length = live.slots.numel()
             num_pages = -(-(length + 1) // ps)
-            plan, counts = state.plan(num_pages)
-            live.tracked.next_plan = (num_pages, plan, counts)
+            (plan, sample), counts = self._plan_pages(live.tracked, num_pages)
+            live.tracked.next_plan = (num_pages, (plan, sample), counts)
             if live.pages is not None:
                 pools, moves = self.released.pools, self.released.counts
                 keep = torch.zeros(num_pages, dtype=torch.bool)
                 keep[plan] = True
+                keep[sample] = True
                 # Only full pages leave: the last one is still being written.
                 full = torch.arange(num_pages) < length // ps
                 live.pages.release(torch.nonzero(full & ~keep).flatten(), pools, moves)
-                live.pages.restore(plan, self._promoting(), moves, note_refusal=False)
+                live.pages.restore(_union(plan, sample), self._promoting(), moves, note_refusal=False)
         if self.released.counts.pages_released:
             self.released.reopen = True
         step.add_release(self.released.take_counts())
         self._live = []
-        self._exact = self._outside = self._pending = self._tally = None
+        self._exact = self._outside = self._sample = self._tally = None
         self.totals.add(step)
         return step
+
+    def _code_pages(self, live: LiveRequest, full: int) -> int:
+        """Write the key codes of a guarded request's pages that are full and uncoded.
+
+        Every layer, from the device pool: a page is coded at the end of the step that
+        filled it (or, for a request new to the guard, of its first step), before any
+        release. Returns 1 when the guard pool refused the request (it then decodes
+        unguarded), else 0.
+        """
+        tracked = live.tracked
+        params = tracked.state.params
+        if tracked.guard_refused or params.guard_threshold >= 1.0 or params.policy == "dense":
+            return 0
+        coded = tracked.codes.numel()
+        if full <= coded or not self._pool_pages:
+            return 0
+        new = torch.arange(coded, full)
+        held = released_among(live.pages, new)
+        if bool(held.any()):
+            # Released before it was coded (the request was admitted to the guard late):
+            # such a request stays unguarded rather than read its pages back.
+            return self._refuse(tracked)
+        ids = self.guard.alloc(new.numel())
+        if ids is None:
+            return self._refuse(tracked)
+        physical = torch.div(live.slots[new * self.page_size], self.page_size, rounding_mode="floor")
+        for layer, (k_pages, v_pages) in self._pool_pages.items():
+            index = physical.to(k_pages.device)
+            keys = k_pages[index]
+            low, high = keys.amin(dim=1), keys.amax(dim=1)
+            # The codes' range is the page's own key min/max: keep it as the request's summary.
+            tracked.key_min[layer][new] = low.to(tracked.key_min.dtype)
+            tracked.key_max[layer][new] = high.to(tracked.key_max.dtype)
+            self.guard.write(layer, ids, keys, low, high, v_pages[index])
+        tracked.codes = torch.cat((tracked.codes, ids))
+        return 0
+
+    def _refuse(self, tracked: TrackedRequest) -> int:
+        tracked.guard_refused = True
+        tracked.state.params = replace(tracked.state.params, guard_threshold=1.0)
+        if tracked.codes.numel():
+            self.guard.free(tracked.codes)
+            tracked.codes = tracked.codes[:0]
+        logger.warning("hot set: no room in the guard pool for a request's key codes; it decodes without a guard")
+        return 1
+
+
+_NONE = torch.zeros(0, dtype=torch.int64)
+
+
+def _union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two lists of logical pages as one, ascending."""
+    if b.numel() == 0:
+        return a
+    return torch.unique(torch.cat((a, b)))
 
 
 def _rescaled(result: DecodeImportanceOutput, share: torch.Tensor) -> torch.Tensor:

@@ -1,198 +1,247 @@
-"""The pages a step does not read: estimated from the shadow, with a bound on the error.
+"""The pages a step does not read: their logit intervals, a sampled estimate, its bound.
 
-A hot-set step reads its planned pages exactly. For every other full page it reads the
-page's 8-bit shadow (``shadow.py``) and folds the estimate into the same softmax, so
-the estimate also corrects the output. The guard (``guard.py``) then bounds the error
-of the layer's attention output and reads exactly, most suspect first, the pages it
-cannot vouch for.
+A guarded hot-set step reads its planned pages exactly (part 1). Every other full page
+of the request (its *rest*) is accounted for in the same softmax:
 
-The bound, per query head, for the outside tokens ``t`` with exact logit ``l_t``,
-estimated logit ``m_t`` (shadow keys), shadow value ``u_t`` and exact value ``v_t``:
+- **Logit intervals** (``estimate_outside``): each rest page's 4-bit key codes
+  (``key_codes.py``) give every token an estimated logit ``m_t`` and
+  ``|l_t - m_t| <= e_p``; so a page's mass is at most ``sum_t exp(m_t + e_p)``. A page
+  whose upper share of the softmax could exceed ``HEAVY`` times the uniform share of
+  the rest is read exactly (``heavy_pages``): deterministic, whatever the sample.
+- **A sampled estimate** (``sampled_pages``, ``combine``): the rest pages in the
+  request's uniform sample (``sample.py``, inclusion probability ``pi``; they are
+  planned, so resident) are read exactly, each page's own numerator and
+  denominator, and stand for the whole remaining rest with weight ``1 / pi``
+  (Horvitz-Thompson): ``o_hat = (N_E + sum_S N_p / pi) / (D_E + sum_S D_p / pi)``.
+- **The bound**: with ``y_p = N_p - o_hat D_p``, the estimate's error is, to first
+  order, ``sum_p (Z_p / pi - 1) y_p / D`` over the remaining rest pages (``Z_p`` the
+  sample indicator), of variance ``(1 - pi) / pi sum ||y_p||^2 / D^2``, estimated
+  unbiasedly from the sample as ``V = (1 - pi) / pi^2 sum_S ||y_p||^2 / D_hat^2``
+  (summed over query heads: the vector ``o_proj`` reads). The layer's bound is
+  ``B = Z * sqrt(V)``, and ``||o - o_hat|| / ||o|| <= B / (||o_hat|| - B)``.
 
-- ``|l_t - m_t| <= e_p = sm_scale * sum_d |q_d| dk_{p,d}`` with ``dk`` the key
-  rounding error of page ``p`` (a soft cap is 1-Lipschitz and keeps it);
-- ``||v_t - u_t|| <= dv_p`` (the value rounding error, L2 over channels).
-
-With ``W`` and ``Ŵ`` the exact and estimated softmax denominators (over every token,
-the attended ones exact in both), the estimated output ``ô`` satisfies
-``W (o - ô) = sum_t [(e^l_t - e^m_t)(u_t - ô) + e^l_t (v_t - u_t)]``, so
-
-    ||o - ô|| <= sum_p e^{m} [(e^{e_p} - 1)(||u_t|| + ||ô||) + e^{e_p} dv_p] / W_lo,
-    W_lo = Ŵ - sum_t e^m_t (1 - e^{-e_p}) <= W,
-
-summed over the tokens of each outside page. Every term is known after the step:
-deterministic, no sampling. Per layer the guard combines the heads (L2 over every
-query head's output, the vector ``o_proj`` reads) and bounds the relative error
-``||o - ô|| / ||o|| <= B / (||ô|| - B)``.
+The guarantee, per layer and not end to end: *with probability at least 1 - DELTA
+over the page sample, under the normal approximation of the sampled estimate, the
+relative L2 error of the layer's attention output (all query heads) is at most the
+reported bound; where the bound exceeds the request's threshold, every rest page is
+read exactly and the output is exact.* ``benchmark/long_context/bench_bound.py``
+counts how often the exact error exceeds the bound.
 
 Plain torch; nothing here imports SGLang.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-from sgl_importance.hot_set.shadow import ShadowPages, ShadowPool
-from sgl_kernel_ext import PagedDecodeWorkspace
+from sgl_importance.hot_set.key_codes import ROUNDING_MARGIN, GuardPool, steps, unpack
 
 NEG_INF = float("-inf")
+DELTA = 0.05  # the bound's failure probability per layer-step
+Z = 1.959964  # two-sided normal quantile for DELTA; a norm's tail over any dimension is within it
+HEAVY = 8.0  # a rest page whose upper share could exceed HEAVY x the rest's uniform share is read
 
 
 @dataclass
 class OutsidePlan:
-    """The shadow pages each long request of a step estimates, padded to one table.
+    """The rest pages of each guarded request of a step, padded to one table.
 
-    Attributes:
+    Attributes (``n`` guarded requests, ``P`` columns):
         rows: int64 ``[n]``: each request's row in the decode batch.
-        shadow: int64 ``[n, P]`` shadow ids (0 on padding).
-        logical: int64 ``[n, P]`` the request's logical page of each column (-1 on padding).
+        codes: int64 ``[n, P]`` guard ids of the pages' key codes (0 on padding).
+        logical: int64 ``[n, P]`` the request's logical page (-1 on padding).
         valid: bool ``[n, P]``.
+        sampled: bool ``[n, P]``: the page is in the request's sample.
+        inclusion: float32 ``[n]``: each request's ``pi``.
     """
 
     rows: torch.Tensor
-    shadow: torch.Tensor
+    codes: torch.Tensor
     logical: torch.Tensor
     valid: torch.Tensor
+    sampled: torch.Tensor
+    inclusion: torch.Tensor
 
     @property
     def empty(self) -> bool:
         return self.rows.numel() == 0 or not bool(self.valid.any())
 
     @staticmethod
-    def build(rows: list[int], shadow: list[torch.Tensor], logical: list[torch.Tensor]) -> "OutsidePlan":
-        """Pad per-request lists (``shadow[i]`` and ``logical[i]`` for batch row ``rows[i]``)."""
+    def build(
+        rows: list[int],
+        codes: list[torch.Tensor],
+        logical: list[torch.Tensor],
+        sampled: list[torch.Tensor],
+        inclusion: list[float],
+    ) -> "OutsidePlan":
+        """Pad per-request lists (for batch row ``rows[i]``)."""
         n = len(rows)
-        width = max([s.numel() for s in shadow] + [1])
+        width = max([c.numel() for c in codes] + [1])
         table = torch.zeros(n, width, dtype=torch.int64)
         pages = torch.full((n, width), -1, dtype=torch.int64)
-        for i, (s, p) in enumerate(zip(shadow, logical)):
-            table[i, : s.numel()] = s
+        in_sample = torch.zeros(n, width, dtype=torch.bool)
+        for i, (c, p, s) in enumerate(zip(codes, logical, sampled)):
+            table[i, : c.numel()] = c
             pages[i, : p.numel()] = p
-        return OutsidePlan(torch.tensor(rows, dtype=torch.int64), table, pages, pages >= 0)
+            in_sample[i, : s.numel()] = s
+        return OutsidePlan(
+            torch.tensor(rows, dtype=torch.int64),
+            table,
+            pages,
+            pages >= 0,
+            in_sample,
+            torch.tensor(inclusion, dtype=torch.float32),
+        )
 
 
 @dataclass
 class Outside:
-    """One layer's estimate of the outside pages of each planned request.
+    """One layer's logit intervals of the rest pages (``[n, Hq, P]`` each).
 
-    Attributes (``n`` requests, ``P`` columns of the plan, ``Hq`` query heads):
-        lse: ``[n, Hq]`` log of the estimated outside denominator (-inf: nothing outside).
-        output: ``[n, Hq, Dv]`` estimated outside output (normalised by its own denominator).
-        page_share: ``[n, Hq, P]`` each page's share of that denominator.
-        page_norm: ``[n, Hq, P]`` softmax-weighted mean of ``||u_t||`` over the page.
-        logit_error: ``[n, Hq, P]`` ``e_p``.
-        value_error: ``[n, Hq, P]`` ``dv_p``.
+    Attributes:
+        page_lse: log of each page's estimated mass, ``log sum_t exp(m_t)`` (-inf on padding).
+        logit_error: ``e_p``: every token's logit within it of its estimate.
+        value_norm: the page's largest value norm (of the query head's KV head).
     """
 
-    lse: torch.Tensor
-    output: torch.Tensor
-    page_share: torch.Tensor
-    page_norm: torch.Tensor
+    page_lse: torch.Tensor
     logit_error: torch.Tensor
-    value_error: torch.Tensor
-    # Kept to compute the estimated numerator of pages the guard reads exactly.
-    _weights: torch.Tensor  # [Hkv, n, g, P, ps], exp(m_t - peak)
-    _values: torch.Tensor  # [Hkv, n, P, ps, Dv]
-    _peak: torch.Tensor  # [Hkv, n, g]
+    value_norm: torch.Tensor
 
-    def page_numerators(self, row: int, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log denominator ``[Hq, k]``, numerator/denominator ``[Hq, k, Dv]``) of pages ``cols`` of ``row``."""
-        w = self._weights[:, row][:, :, cols]  # [Hkv, g, k, ps]
-        v = self._values[:, row][:, cols]  # [Hkv, k, ps, Dv]
-        z = w.sum(-1)
-        num = torch.einsum("hgkt,hktd->hgkd", w, v) / z.clamp_min(1e-30)[..., None]
-        lse = z.log() + self._peak[:, row][:, :, None]
-        hkv, g = w.shape[:2]
-        return lse.reshape(hkv * g, -1), num.reshape(hkv * g, cols.numel(), -1)
+
+def _per_q_head(x: torch.Tensor, n: int, hq: int) -> torch.Tensor:
+    """``[Hkv, n, g, ...]`` -> ``[n, Hq, ...]``."""
+    return x.transpose(0, 1).reshape(n, hq, *x.shape[3:])
 
 
 def estimate_outside(
     q: torch.Tensor,
-    pool: ShadowPool,
+    pool: GuardPool,
     layer: int,
     plan: OutsidePlan,
+    key_min: torch.Tensor,
+    key_max: torch.Tensor,
     *,
     sm_scale: float,
     logit_cap: float = 0.0,
-    workspace: Optional[PagedDecodeWorkspace] = None,
 ) -> Outside:
-    """Attend the plan's shadow pages of one layer: the estimate and its error terms.
+    """Every rest page's estimated log-mass and logit error, from its key codes.
 
     Args:
-        q: ``[n, Hq, D]`` the planned requests' queries (rows of the batch, in plan order).
-        workspace: buffers to reuse across layers (on a CPU a fresh tensor of a step's
-            size costs page faults); the result holds views of them until the next call.
+        q: ``[n, Hq, D]`` the guarded requests' queries (plan order).
+        key_min, key_max: ``[n, P, Hkv, D]``: the plan's pages' per-channel key range,
+            the one their codes were written against.
     """
-    workspace = workspace or PagedDecodeWorkspace()
-    n, num_q_heads, head_dim = q.shape
-    num_pages = plan.shadow.shape[1]
-    ps = pool.page_size
+    n, hq, d = q.shape
     hkv = pool.num_kv_heads
-    g = num_q_heads // hkv
-    tokens = num_pages * ps
-    dev, f32 = q.device, torch.float32
-    pages: ShadowPages = pool.pages(layer, plan.shadow)
-    # [Hkv, n, g, D]: a KV head's query heads share one matrix per request.
-    qf = (q.float() * sm_scale).view(n, hkv, g, head_dim).transpose(0, 1)
-    keys = pages.keys(workspace.get("shadow_keys", pages.k_codes.shape, f32, dev)).view(hkv, n, tokens, head_dim)
-    logits = torch.matmul(qf, keys.transpose(-1, -2), out=workspace.get("shadow_logits", (hkv, n, g, tokens), f32, dev))
+    g = hq // hkv
+    dev = q.device
+    packed, norms = pool.gather(layer, plan.codes)  # [Hkv, n, P, ps, D/2], [Hkv, n, P]
+    codes = unpack(packed.to(dev))  # [Hkv, n, P, ps, D]
+    low = key_min.to(dev).permute(2, 0, 1, 3).float()  # [Hkv, n, P, D]
+    step = steps(key_min, key_max).to(dev).permute(2, 0, 1, 3)
+    qf = (q.float() * sm_scale).view(n, hkv, g, d).transpose(0, 1)  # [Hkv, n, g, D]
+    # q . k_hat = q . min + sum_d (q_d step_d) code_d, per page.
+    base = torch.einsum("hngd,hnpd->hnpg", qf, low)
+    scaled_q = qf[:, :, None] * step[:, :, :, None]  # [Hkv, n, P, g, D]
+    logits = torch.matmul(scaled_q, codes.transpose(-1, -2)) + base[..., None]  # [Hkv, n, P, g, ps]
     if logit_cap > 0:
-        logits.div_(logit_cap).tanh_().mul_(logit_cap)
-    pad = (~plan.valid).to(dev).repeat_interleave(ps, dim=1)  # [n, P*ps]
-    logits.masked_fill_(pad[None, :, None, :], NEG_INF)
-    peak = logits.amax(dim=-1)  # [Hkv, n, g]
-    safe_peak = torch.where(torch.isfinite(peak), peak, 0.0)
-    weights = logits.sub_(safe_peak[..., None]).exp_()  # in place: the logits are not needed again
-    values = pages.values(workspace.get("shadow_values", pages.v_codes.shape, f32, dev)).view(hkv, n, tokens, -1)
-    numerator = torch.matmul(weights, values)  # [Hkv, n, g, Dv]
-    z_pages = weights.view(hkv, n, g, num_pages, ps).sum(-1)  # [Hkv, n, g, P]
-    z = z_pages.sum(-1)  # [Hkv, n, g]
-    lse = torch.where(z > 0, z.log() + safe_peak, NEG_INF)
-    inv = torch.where(z > 0, 1.0 / z, 0.0)
-    output = numerator * inv[..., None]
-    norms = pages.v_norm.view(hkv, n, 1, num_pages, ps)
-    weighted_norm = (weights.view(hkv, n, g, num_pages, ps) * norms).sum(-1)
-    page_norm = weighted_norm / z_pages.clamp_min(1e-30)
-    logit_error = pages.logit_error(qf)  # [Hkv, n, g, P]
-    value_error = pages.v_error.view(hkv, n, 1, num_pages).expand(hkv, n, g, num_pages)
+        logits = torch.tanh(logits / logit_cap) * logit_cap  # 1-Lipschitz: the error stays
+    page_lse = torch.logsumexp(logits, dim=-1)  # [Hkv, n, P, g]
+    magnitude = torch.maximum(low.abs(), (low + step * 15).abs()).amax(-1)  # [Hkv, n, P]
+    qa = qf.abs()
+    error = torch.einsum("hngd,hnpd->hnpg", qa, step) * 0.5
+    error = error + qa.sum(-1)[:, :, None, :] * magnitude[..., None] * ROUNDING_MARGIN
+    pad = ~plan.valid.to(dev)
+    page_lse = page_lse.masked_fill(pad[None, :, :, None], NEG_INF)
 
-    def per_q_head(x: torch.Tensor) -> torch.Tensor:  # [Hkv, n, g, ...] -> [n, Hq, ...]
-        return x.transpose(0, 1).reshape(n, num_q_heads, *x.shape[3:])
+    def heads(x: torch.Tensor) -> torch.Tensor:  # [Hkv, n, P, g] -> [n, Hq, P]
+        return _per_q_head(x.transpose(2, 3), n, hq)
 
-    return Outside(
-        lse=per_q_head(lse),
-        output=per_q_head(output),
-        page_share=per_q_head(z_pages * inv[..., None]),
-        page_norm=per_q_head(page_norm),
-        logit_error=per_q_head(logit_error),
-        value_error=per_q_head(value_error),
-        _weights=weights.view(hkv, n, g, num_pages, ps),
-        _values=values.view(hkv, n, num_pages, ps, -1),
-        _peak=safe_peak,
-    )
+    value_norm = norms.to(dev)[:, :, :, None].expand(hkv, n, norms.shape[2], g)
+    return Outside(heads(page_lse), heads(error), heads(value_norm))
+
+
+def heavy_pages(lse_exact: torch.Tensor, outside: Outside, valid: torch.Tensor) -> torch.Tensor:
+    """bool ``[n, P]``: rest pages whose upper mass could exceed ``HEAVY`` times the
+    rest's uniform share of the softmax in some query head (read exactly).
+
+    Args:
+        lse_exact: ``[n, Hq]`` log denominator of the pages read exactly.
+    """
+    upper = outside.page_lse + outside.logit_error  # [n, Hq, P]
+    # The denominator is at least what was read exactly plus every rest page's lower mass.
+    lower = torch.logsumexp(outside.page_lse - outside.logit_error, dim=-1)
+    floor = torch.logaddexp(lse_exact, lower)  # [n, Hq]
+    rest = valid.sum(dim=1).clamp_min(1).to(upper.dtype)  # [n]
+    share = upper - floor[..., None]
+    limit = math.log(HEAVY) - rest.log()
+    return valid & (share > limit[:, None, None]).any(dim=1)
+
+
+@dataclass
+class Sampled:
+    """The sampled rest pages of one layer, each read exactly on its own.
+
+    Attributes (``S`` sampled columns):
+        lse: ``[n, Hq, S]`` each page's log denominator (-inf on padding).
+        output: ``[n, Hq, S, Dv]`` each page's own softmax output.
+    """
+
+    lse: torch.Tensor
+    output: torch.Tensor
+
+
+def sampled_pages(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+) -> Sampled:
+    """Per-page exact attention over sampled pages.
+
+    Args:
+        q: ``[n, Hq, D]``.
+        keys, values: ``[n, S, page_size, Hkv, D]`` the pages' K and V.
+        valid: bool ``[n, S]``.
+    """
+    n, hq, d = q.shape
+    hkv = keys.shape[3]
+    g = hq // hkv
+    qf = (q.float() * sm_scale).view(n, hkv, g, d).transpose(0, 1)  # [Hkv, n, g, D]
+    k = keys.float().permute(3, 0, 1, 2, 4)  # [Hkv, n, S, ps, D]
+    v = values.float().permute(3, 0, 1, 2, 4)
+    logits = torch.matmul(qf[:, :, None], k.transpose(-1, -2))  # [Hkv, n, S, g, ps]
+    if logit_cap > 0:
+        logits = torch.tanh(logits / logit_cap) * logit_cap
+    lse = torch.logsumexp(logits, dim=-1)  # [Hkv, n, S, g]
+    weights = torch.exp(logits - lse[..., None])
+    out = torch.matmul(weights, v)  # [Hkv, n, S, g, Dv]
+    lse = lse.masked_fill(~valid.to(q.device)[None, :, :, None], NEG_INF)
+    return Sampled(_per_q_head(lse.transpose(2, 3), n, hq), _per_q_head(out.transpose(2, 3), n, hq))
 
 
 @dataclass
 class Combined:
-    """Exact pages and the outside estimate in one softmax, with the error bound.
+    """The exact pages and the sampled estimate of the rest in one softmax, with the bound.
 
     Attributes (``n`` requests):
-        output: ``[n, Hq, Dv]`` the step's output ``ô``.
-        lse: ``[n, Hq]`` log of the combined denominator.
+        output: ``[n, Hq, Dv]`` the layer's output ``o_hat``.
+        lse: ``[n, Hq]`` log of the combined (estimated) denominator.
         exact_share: ``[n, Hq]`` share of that denominator the exact pages hold.
-        contribution: ``[n, Hq, P]`` each outside page's term of the bound, already
-            divided by ``W_lo`` (the bound per head is their sum).
-        bound: ``[n]`` upper bound of ``||o - ô||`` (L2 over the query heads).
-        relative: ``[n]`` upper bound of ``||o - ô|| / ||o||`` (inf when vacuous).
+        bound: ``[n]`` ``B``, the bound of ``||o - o_hat||`` (L2 over the query heads).
+        relative: ``[n]`` bound of ``||o - o_hat|| / ||o||`` (inf when it cannot vouch).
     """
 
     output: torch.Tensor
     lse: torch.Tensor
     exact_share: torch.Tensor
-    contribution: torch.Tensor
     bound: torch.Tensor
     relative: torch.Tensor
 
@@ -200,94 +249,62 @@ class Combined:
 def combine(
     lse_exact: torch.Tensor,
     out_exact: torch.Tensor,
-    outside: Outside,
-    keep: Optional[torch.Tensor] = None,
+    sampled: Sampled,
+    inclusion: torch.Tensor,
+    uncovered: torch.Tensor,
 ) -> Combined:
-    """Fold the estimate into the exact pages' softmax and bound the result's error.
+    """The Horvitz-Thompson estimate of the rest folded into the exact pages' softmax.
 
     Args:
-        lse_exact: ``[n, Hq]`` log denominator of the exactly read tokens (sinks included).
-        out_exact: ``[n, Hq, Dv]`` their output.
-        outside: the estimate of the remaining pages.
-        keep: bool ``[n, P]``: outside pages still estimated (default: every valid one);
-            the others were read exactly and are part of ``lse_exact``/``out_exact``.
+        lse_exact, out_exact: ``[n, Hq]``, ``[n, Hq, Dv]`` over every page read exactly.
+        sampled: the rest's sampled pages still estimated (the others masked out).
+        inclusion: ``[n]`` ``pi`` per request.
+        uncovered: bool ``[n]``: rest pages remain but none of them is sampled (the
+            estimate cannot vouch for them: ``relative`` is inf).
     """
-    share = outside.page_share
-    if keep is not None:
-        share = share * keep[:, None, :]
-    kept = share.sum(-1)  # [n, Hq] share of the outside denominator still estimated
-    lse_out = torch.where(kept > 0, outside.lse + kept.clamp_min(1e-38).log(), NEG_INF)
-    # The kept pages' output: the full estimate minus what the dropped pages gave.
-    out_out = outside.output
-    if keep is not None:
-        dropped = outside.page_share * (~keep)[:, None, :]
-        if bool(dropped.any()):
-            out_out = _without_pages(outside, keep, kept)
-    lse = torch.logaddexp(lse_exact, lse_out)
+    pi = inclusion.to(lse_exact.device, torch.float32)
+    lse_pages = sampled.lse
+    any_sampled = torch.isfinite(lse_pages).any(dim=-1)  # [n, Hq]
+    lse_s = torch.logsumexp(lse_pages, dim=-1)  # [n, Hq]
+    safe_s = torch.where(any_sampled, lse_s, 0.0)
+    within = torch.where(torch.isfinite(lse_pages), torch.exp(lse_pages - safe_s[..., None]), 0.0)
+    out_s = (within[..., None] * sampled.output).sum(dim=2)  # [n, Hq, Dv]
+    lse_s = torch.where(any_sampled, lse_s - pi.log()[:, None], NEG_INF)  # weighted by 1 / pi
+    lse = torch.logaddexp(lse_exact, lse_s)
     lse = torch.where(torch.isfinite(lse), lse, 0.0)
-    exact_share = torch.where(torch.isfinite(lse_exact), torch.exp(lse_exact - lse), 0.0)
-    out_share = torch.where(torch.isfinite(lse_out), torch.exp(lse_out - lse), 0.0)
-    output = exact_share[..., None] * out_exact + out_share[..., None] * out_out
-    # Each page's share of the combined denominator, and the bound's terms.
-    rho = torch.where(torch.isfinite(outside.lse), torch.exp(outside.lse - lse), 0.0)[..., None] * share
-    grow = torch.expm1(outside.logit_error)
-    head_norm = output.norm(dim=-1)  # [n, Hq]
-    terms = rho * (grow * (outside.page_norm + head_norm[..., None]) + (grow + 1.0) * outside.value_error)
-    w_lo = 1.0 - (rho * -torch.expm1(-outside.logit_error)).sum(-1)  # [n, Hq], W_lo / Ŵ
-    contribution = terms / w_lo.clamp_min(1e-30)[..., None]
-    contribution = torch.where(w_lo[..., None] > 0, contribution, float("inf"))
-    bound = contribution.sum(-1).norm(dim=-1)  # [n]
+    a = torch.where(torch.isfinite(lse_exact), torch.exp(lse_exact - lse), 0.0)
+    b = torch.where(torch.isfinite(lse_s), torch.exp(lse_s - lse), 0.0)
+    output = a[..., None] * out_exact + b[..., None] * out_s
+    # y_p / D_hat per sampled page, and the variance of the estimate from them.
+    share = torch.where(torch.isfinite(lse_pages), torch.exp(lse_pages - lse[..., None]), 0.0)
+    y = share[..., None] * (sampled.output - output[:, :, None])
+    variance = (1.0 - pi) / pi.square() * y.square().sum(dim=(1, 2, 3))  # [n]
+    bound = Z * variance.clamp_min(0.0).sqrt()
     size = output.flatten(1).norm(dim=-1)
     relative = torch.where(bound < size, bound / (size - bound), float("inf"))
-    return Combined(output, lse, exact_share, contribution, bound, relative)
+    relative = torch.where(bound == 0, 0.0, relative)
+    relative = torch.where(uncovered, float("inf"), relative)
+    return Combined(output, lse, a, bound, relative)
 
 
-def _without_pages(outside: Outside, keep: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """The outside output over the kept pages only (rows with dropped pages recomputed)."""
-    out = outside.output.clone()
-    for row in torch.nonzero((~keep & (outside.page_share.sum(1) > 0)).any(dim=1)).flatten().tolist():
-        cols = torch.nonzero(~keep[row] & (outside.page_share[row].sum(0) > 0)).flatten()
-        _, num = outside.page_numerators(row, cols)  # [Hq, k, Dv] normalised per page
-        share = outside.page_share[row][:, cols]  # [Hq, k]
-        dropped = (share[..., None] * num).sum(1)
-        remain = kept[row].clamp_min(1e-38)[:, None]
-        out[row] = torch.where(kept[row][:, None] > 0, (outside.output[row] - dropped) / remain, 0.0)
-    return out
+def negligible_rest(lse_exact: torch.Tensor, out_exact: torch.Tensor, outside: Outside, keep: torch.Tensor) -> Combined:
+    """The exact pages alone, with a deterministic bound on leaving the rest out.
 
-
-def pages_to_read(combined: Combined, valid: torch.Tensor, threshold: float) -> torch.Tensor:
-    """The fewest outside pages, most suspect first, whose exact reading brings each
-    request's relative bound to at most ``threshold``.
-
-    A page's suspicion is its summed term of the bound over query heads. Reading a page
-    removes its term; it also raises ``W_lo``, which is ignored here (the selection is
-    conservative), and moves ``ô`` a little, so the caller recombines and checks again.
+    With ``D_R`` the rest's mass, ``o - o_E = D_R / (D_E + D_R) (o_R - o_E)``, so per head
+    ``||o - o_E|| <= a (V + ||o_E||)``, ``a = D_hi / (D_E + D_hi)`` for the rest's upper
+    mass ``D_hi = sum_p exp(lse_p + e_p)`` and its largest value norm ``V``; L2 over heads.
 
     Args:
-        valid: bool ``[n, P]`` pages that may be read.
-        threshold: allowed relative error, > 0.
-
-    Returns:
-        bool ``[n, P]``, all False where the bound already holds.
+        keep: bool ``[n, P]``: the rest pages left out.
     """
-    contribution = combined.contribution.masked_fill(~valid[:, None, :], 0.0)
-    need = combined.relative > threshold
-    chosen = torch.zeros_like(valid)
-    if not bool(need.any()):
-        return chosen
-    score = contribution.sum(1).masked_fill(~valid, -1.0)  # [n, P]
-    order = torch.argsort(score, dim=1, descending=True)
-    ordered = torch.gather(contribution, 2, order[:, None, :].expand_as(contribution))
-    # rest[k]: the bound per head with the first k pages read (suffix sums).
-    suffix = ordered.flip(-1).cumsum(-1).flip(-1)
-    rest = torch.cat((suffix, torch.zeros_like(suffix[..., :1])), dim=-1).norm(dim=1)  # [n, P + 1]
-    size = combined.output.flatten(1).norm(dim=-1)
-    limit = threshold / (1.0 + threshold) * size
-    fits = rest <= limit[:, None]
-    fits[:, -1] = True
-    k = fits.to(torch.int64).argmax(dim=1)  # first k that fits
-    k = torch.where(need, k, 0)
-    ranks = torch.arange(order.shape[1], device=order.device)[None, :]
-    take = (ranks < k[:, None]) & torch.gather(valid, 1, order)
-    chosen.scatter_(1, order, take)
-    return chosen
+    upper = (outside.page_lse + outside.logit_error).masked_fill(~keep[:, None, :], NEG_INF)
+    lse_hi = torch.logsumexp(upper, dim=-1)  # [n, Hq]
+    alpha = torch.where(torch.isfinite(lse_hi), torch.sigmoid(lse_hi - lse_exact), 0.0)
+    largest = outside.value_norm.masked_fill(~keep[:, None, :], 0.0).amax(dim=-1)  # [n, Hq]
+    head = out_exact.norm(dim=-1)
+    bound = (alpha * (largest + head)).norm(dim=-1)  # [n]
+    size = out_exact.flatten(1).norm(dim=-1)
+    relative = torch.where(bound < size, bound / (size - bound), float("inf"))
+    relative = torch.where(bound == 0, 0.0, relative)
+    lse = torch.where(torch.isfinite(lse_exact), lse_exact, 0.0)
+    return Combined(out_exact, lse, torch.ones_like(lse), bound, relative)

@@ -1,11 +1,15 @@
-"""Part 3 of a guarded layer: read exactly what the error bound cannot vouch for.
+"""Part 2 of a guarded layer: account for the rest pages, read what cannot be vouched for.
 
-The exact part (part 1) and the estimate of every unread page (part 2,
-``estimate.estimate_outside``) are folded into one softmax with a bound on the error
-of the layer's output (``estimate.combine``). Where a request's bound exceeds its
-``guard_threshold``, the most suspect outside pages are read exactly
-(``estimate.pages_to_read``), merged into the exact part, and the bound is computed
-again; after ``GUARD_ROUNDS`` such rounds, every outside page still estimated is read.
+The exact part (part 1, the planned pages) comes in; then, per guarded request:
+
+1. the rest pages whose key codes say they could be heavy are read exactly
+   (``estimate.heavy_pages``; deterministic) and merged into the exact part;
+2. the remaining rest is estimated from its sampled pages (``estimate.combine``),
+   with a statistical bound on the layer's output error; where that bound is too wide
+   but the rest's upper mass is so small that leaving it out is within the threshold
+   (``estimate.negligible_rest``, deterministic), the rest is left out;
+3. where that bound exceeds the request's ``guard_threshold``, every remaining rest
+   page is read exactly (the *fallback*; the output is then exact).
 
 Plain torch; nothing here imports SGLang.
 """
@@ -16,69 +20,91 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from sgl_importance.hot_set.estimate import Combined, Outside, combine, pages_to_read
+from sgl_importance.hot_set.estimate import Combined, Outside, Sampled, combine, heavy_pages, negligible_rest
 
-# Re-reads of the guard before it reads every outside page of a layer.
-GUARD_ROUNDS = 2
+NEG_INF = float("-inf")
 
 
 class GuardOutcome(NamedTuple):
-    """One guarded layer over the outside plan's ``[n, P]`` pages.
+    """One guarded layer over the outside plan's ``[n, P]`` rest pages.
 
     Attributes:
         combined: the output, lse and bound with the guard's reads merged in.
-        read: bool ``[n, P]``: outside pages read exactly in this layer.
-        estimated: bool ``[n, P]``: outside pages left to their estimate.
-        mass: float64 ``[n, P]``: each outside page's estimated mass of the combined
-            denominator, the largest over query heads (ranks unread pages for promotion).
+        read: bool ``[n, P]``: rest pages read exactly (heavy or fallback) in this layer.
+        estimated: bool ``[n, P]``: rest pages left to the sampled estimate.
+        fallback: bool ``[n]``: requests whose remaining rest was read whole.
+        mass: float64 ``[n, P]``: each rest page's estimated share of the combined
+            denominator, largest over query heads (ranks unread pages for promotion).
     """
 
     combined: Combined
     read: torch.Tensor
     estimated: torch.Tensor
+    fallback: torch.Tensor
     mass: torch.Tensor
 
 
 def guard_layer(
     lse: torch.Tensor,
     out: torch.Tensor,
-    estimate: Outside,
+    outside: Outside,
+    sampled: Sampled,
     valid: torch.Tensor,
+    in_sample: torch.Tensor,
+    inclusion: torch.Tensor,
     thresholds: torch.Tensor,
     read_exactly: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
 ) -> GuardOutcome:
-    """Fold the estimate in; read exactly what the bound cannot vouch for.
+    """Heavy pages exactly, the rest from the sample, a fallback where the bound is too wide.
 
     Args:
-        lse, out: the exact part's ``[n, Hq]`` lse and ``[n, Hq, Dv]`` output of the
-            guarded requests.
-        estimate: the outside pages' estimate for the same requests.
-        valid: bool ``[n, P]``: the outside plan's real (not padding) entries.
+        lse, out: the exact part's ``[n, Hq]`` lse and ``[n, Hq, Dv]`` output.
+        outside: the rest pages' logit intervals.
+        sampled: the sampled rest pages: the plan's first columns (each request lists
+            its sampled pages first), read where ``in_sample``.
+        valid, in_sample: bool ``[n, P]``: the plan's real entries, and those sampled.
+        inclusion: ``[n]`` each request's ``pi``.
         thresholds: ``[n]`` each request's ``guard_threshold``.
         read_exactly: bool ``[n, P]`` chosen pages -> their exact ``(lse, output)``.
     """
-    combined = combine(lse, out, estimate)
-    keep = valid.clone()
-    for round_ in range(GUARD_ROUNDS + 1):
-        need = combined.relative > thresholds
-        if not bool(need.any()):
-            break
-        chosen = keep & need[:, None]  # the last round: every outside page
-        if round_ < GUARD_ROUNDS:
-            picked = torch.zeros_like(valid)
-            for t in thresholds[need].unique().tolist():
-                picked |= pages_to_read(combined, keep, float(t)) & (need & (thresholds == t))[:, None]
-            if bool(picked.any()):
-                chosen = picked
-        lse_a, out_a = read_exactly(chosen)
+    read = heavy_pages(lse, outside, valid)
+    if bool(read.any()):
+        lse_a, out_a = read_exactly(read)
         lse, out = merge_parts(lse, out, lse_a, out_a)
-        keep &= ~chosen
-        combined = combine(lse, out, estimate, keep)
-    read = valid & ~keep
+    combined = _combine(lse, out, sampled, valid & ~read, in_sample, inclusion)
+    # Where the sample cannot vouch, the rest may still be too light to matter at all.
+    light = negligible_rest(lse, out, outside, valid & ~read)
+    use_light = (combined.relative > thresholds) & (light.relative <= thresholds)
+    combined = _choose(use_light, light, combined)
+    fallback = combined.relative > thresholds
+    if bool(fallback.any()):
+        rest = valid & ~read & fallback[:, None]
+        lse_b, out_b = read_exactly(rest)
+        lse, out = merge_parts(lse, out, lse_b, out_b)
+        read = read | rest
+        combined = _choose(use_light, light, _combine(lse, out, sampled, valid & ~read, in_sample, inclusion))
+    estimated = valid & ~read
     # Estimated masses (of the combined denominator) rank unread pages for promotion.
-    ratio = torch.exp(estimate.lse - combined.lse).nan_to_num(0.0)  # [n, Hq]
-    mass = (estimate.page_share * ratio[..., None]).amax(dim=1).double()  # [n, P]
-    return GuardOutcome(combined, read, keep, mass)
+    share = torch.exp(outside.page_lse - combined.lse[..., None]).nan_to_num(0.0)
+    mass = share.amax(dim=1).double().masked_fill(~valid, 0.0)
+    return GuardOutcome(combined, read, estimated, fallback, mass)
+
+
+def _combine(
+    lse: torch.Tensor,
+    out: torch.Tensor,
+    sampled: Sampled,
+    keep: torch.Tensor,
+    in_sample: torch.Tensor,
+    inclusion: torch.Tensor,
+) -> Combined:
+    """``combine`` over the sampled pages still estimated (``keep``); the plan lists each
+    request's sampled pages first, so ``sampled`` covers its first columns only."""
+    width = sampled.lse.shape[-1]
+    kept = (keep & in_sample)[:, :width]
+    lse_pages = sampled.lse.masked_fill(~kept[:, None, :], NEG_INF)
+    uncovered = keep.any(dim=1) & ~kept.any(dim=1)
+    return combine(lse, out, Sampled(lse_pages, sampled.output), inclusion, uncovered)
 
 
 def merge_parts(
@@ -90,3 +116,9 @@ def merge_parts(
     wa = torch.where(torch.isfinite(lse_a), torch.exp(lse_a - safe), 0.0)[..., None]
     wb = torch.where(torch.isfinite(lse_b), torch.exp(lse_b - safe), 0.0)[..., None]
     return lse, wa * out_a + wb * out_b
+
+
+def _choose(which: torch.Tensor, a: Combined, b: Combined) -> Combined:
+    """Per request, ``a`` where ``which`` else ``b``."""
+    pick = lambda x, y: torch.where(which.view(-1, *([1] * (x.dim() - 1))), x, y)  # noqa: E731
+    return Combined(*(pick(x, y) for x, y in zip(a.__dict__.values(), b.__dict__.values())))

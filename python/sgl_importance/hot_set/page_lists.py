@@ -4,11 +4,11 @@
   for ``sgl_kernel_ext.plan_paged_decode``; a released page is staged from its host
   copy and gets an id past the pool's last page, and the page-table slots show it as
   the padding slot;
-- part 2 (``plan_outside``): the full pages a guarded request does not read exactly,
-  by their shadow ids (``estimate.OutsidePlan``);
+- part 2 (``plan_outside``): the full pages a guarded request does not read exactly
+  (its rest), by the guard ids of their key codes, sampled pages first
+  (``estimate.OutsidePlan``), and where the sampled ones are (``SamplePlan``);
 - the ``quest`` baseline's per-layer lists, picked from that layer's query
-  (``quest_lists``);
-- the full pages whose 8-bit shadow is still to be written (``pending_shadow_pages``).
+  (``quest_lists``).
 
 Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 """
@@ -16,14 +16,13 @@ Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from sgl_importance.hot_set.estimate import OutsidePlan
 from sgl_importance.hot_set.request_state import LiveRequest, page_slots, released_among
 from sgl_importance.hot_set.selection import quest_layer_pages
-from sgl_importance.hot_set.shadow import ShadowPool
 from sgl_importance.hot_set.summaries import key_bound
 from sgl_kernel_ext import PagedDecodePlan, plan_paged_decode
 
@@ -96,20 +95,67 @@ def plan_exact(
 
 
 def plan_outside(live: Sequence[LiveRequest], lists: Sequence[Optional[torch.Tensor]]) -> OutsidePlan:
-    """Part 2: the full pages each guarded request does not read exactly."""
-    rows, shadow, logical = [], [], []
+    """Part 2: the coded full pages each guarded request does not read exactly (its
+    rest), its sampled pages first."""
+    rows, codes, logical, sampled, inclusion = [], [], [], [], []
     for i, (req, listed) in enumerate(zip(live, lists)):
         if not req.guard_on or listed is None:
             continue
-        full = req.tracked.shadow.numel()
+        tracked = req.tracked
+        full = tracked.codes.numel()
         outside = torch.ones(full, dtype=torch.bool)
         outside[listed[listed < full]] = False
-        pages = torch.nonzero(outside).flatten()
+        members = tracked.draw.members(full, tracked.sample_pi)
+        first = torch.nonzero(outside & members).flatten()
+        then = torch.nonzero(outside & ~members).flatten()
+        pages = torch.cat((first, then))
         if pages.numel():
             rows.append(i)
-            shadow.append(req.tracked.shadow[pages])
+            codes.append(tracked.codes[pages])
             logical.append(pages)
-    return OutsidePlan.build(rows, shadow, logical)
+            sampled.append(torch.arange(pages.numel()) < first.numel())
+            inclusion.append(tracked.sample_pi)
+    return OutsidePlan.build(rows, codes, logical, sampled, inclusion)
+
+
+@dataclass
+class SamplePlan:
+    """Where the sampled rest pages of a step's outside plan are, ``[n, S]``.
+
+    ``S`` is the most sampled pages of any request (the plan's first columns).
+    A sampled page is planned, so resident; one whose promotion was refused is read
+    from its host copy (``host_index`` into the flattened table, ``host_slots``).
+    """
+
+    physical: torch.Tensor  # int64 [n, S], device page id (0 on padding or host)
+    valid: torch.Tensor  # bool [n, S]
+    host_index: torch.Tensor  # int64 [k]
+    host_slots: torch.Tensor  # int64 [k * page_size]
+
+    @staticmethod
+    def build(live: Sequence[LiveRequest], outside: OutsidePlan, page_size: int) -> "SamplePlan":
+        width = int(outside.sampled.sum(dim=1).max()) if outside.rows.numel() else 0
+        n = outside.rows.numel()
+        physical = torch.zeros(n, width, dtype=torch.int64)
+        valid = outside.sampled[:, :width].clone()
+        host_index, host_slots = [], []
+        for i, row in enumerate(outside.rows.tolist()):
+            req = live[row]
+            pages = outside.logical[i, :width][valid[i]]
+            held = released_among(req.pages, pages)
+            physical[i, : pages.numel()] = torch.div(req.slots[pages * page_size], page_size, rounding_mode="floor")
+            if bool(held.any()):
+                where = torch.nonzero(held).flatten()
+                physical[i, where] = 0
+                host_index.append(i * width + where)
+                host_slots.append(req.pages.host_slots(pages[held]))
+        empty = torch.zeros(0, dtype=torch.int64)
+        return SamplePlan(
+            physical,
+            valid,
+            torch.cat(host_index) if host_index else empty,
+            torch.cat(host_slots) if host_slots else empty,
+        )
 
 
 def quest_lists(
@@ -128,41 +174,3 @@ def quest_lists(
             listed = quest_layer_pages(bounds.cpu(), req.tracked.state.params)  # planned on the host
         lists.append(listed)
     return lists
-
-
-def pending_shadow_pages(
-    live: Sequence[LiveRequest], shadow: Callable[[], ShadowPool], page_size: int
-) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Full pages of guarded requests without a shadow yet: (ids, device slots, host slots).
-
-    Allocates their shadow ids (appended to each request's ``shadow``) from
-    ``shadow()``, the decoder's pool, which is created on first use, so only where a
-    guarded request has a page to shadow; the decoder writes them layer by layer in
-    ``attend``. A page is full once its last token is
-    written; it was the request's last page then, so it is read from the device, or,
-    if the step that filled it already released it, from its host copy.
-    """
-    ps = page_size
-    ids, dev, host = [], [], []
-    for req in live:
-        if not req.guard_on:
-            continue
-        tracked = req.tracked
-        full = req.slots.numel() // ps
-        known = tracked.shadow.numel()
-        if full <= known:
-            continue
-        new = torch.arange(known, full)
-        fresh = shadow().alloc(new.numel())
-        tracked.shadow = torch.cat((tracked.shadow, fresh))
-        held = released_among(req.pages, new)
-        ids.append(fresh[~held])
-        dev.append(page_slots(req.slots, new[~held], ps))
-        if bool(held.any()):
-            ids.append(fresh[held])
-            dev.append(torch.zeros(0, dtype=torch.int64))
-            host.append(req.pages.host_slots(new[held]))
-    if not ids:
-        return None
-    host_slots = torch.cat(host) if host else torch.zeros(0, dtype=torch.int64)
-    return torch.cat(ids), torch.cat(dev), host_slots

@@ -1,8 +1,9 @@
 """The hot-set decoder's records of its requests, by logical page.
 
 ``TrackedRequest`` is what a long request keeps across decode steps: its hot set
-(``selection.RequestHotSet``), the key min/max summaries of its pages, the ids of its
-pages' 8-bit shadows and the plan made one step ahead. ``LiveRequest`` is a request of
+(``selection.RequestHotSet``), the key min/max summaries of its pages, the guard ids of
+its pages' key codes (``key_codes.py``), its page sample's draws (``sample.py``) and the
+plan made one step ahead. ``LiveRequest`` is a request of
 the step in progress, with what the step's layers found about its pages (exact masses,
 estimated masses of unread pages, the guard's reads, the step's counts).
 ``page_slots`` and ``released_among`` map logical pages to token slots and to the
@@ -19,6 +20,7 @@ from typing import Optional
 import torch
 
 from sgl_importance.hot_set.residency import RequestPages
+from sgl_importance.hot_set.sample import PageDraw
 from sgl_importance.hot_set.selection import HotSetCounts, RequestHotSet
 from sgl_importance.hot_set.summaries import PageSummaries
 
@@ -30,7 +32,10 @@ class TrackedRequest:
     state: RequestHotSet
     key_min: Optional[torch.Tensor] = None  # [layers, pages, kv_heads, D], by logical page
     key_max: Optional[torch.Tensor] = None
-    shadow: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # id per full page
+    draw: Optional[PageDraw] = None  # the page sample's draws (guarded requests)
+    codes: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # guard id per full page
+    sample_pi: float = 1.0  # the sample's inclusion probability in the current plan
+    guard_refused: bool = False  # the guard pool had no room for its codes: decodes unguarded
     next_plan: Optional[tuple[int, torch.Tensor, HotSetCounts]] = None  # (pages, plan, counts)
 
     def refresh_summaries(
@@ -51,7 +56,8 @@ class TrackedRequest:
             page_size: tokens per page.
         """
         # Pages from the last known one on may have new keys (decode writes into the
-        # last page); a released page was full and copied while it was resident.
+        # last page); a released page was full and copied while it was resident. A
+        # coded page keeps the range its codes were written against.
         known = 0 if self.key_min is None else self.key_min.shape[1]
         if known < num_pages:
             shape = list(summaries.key_min.shape)
@@ -63,7 +69,7 @@ class TrackedRequest:
             else:
                 self.key_min = torch.cat((self.key_min, grow_min), dim=1)
                 self.key_max = torch.cat((self.key_max, grow_max), dim=1)
-        fresh = torch.arange(max(0, known - 1), num_pages)
+        fresh = torch.arange(max(0, known - 1, self.codes.numel()), num_pages)
         fresh = fresh[~released_among(pages, fresh)]
         physical = torch.div(slots[fresh * page_size], page_size, rounding_mode="floor")
         self.key_min[:, fresh] = summaries.key_min[:, physical]
@@ -78,6 +84,7 @@ class LiveRequest:
     tracked: Optional[TrackedRequest]  # None: short request, attends densely
     pages: Optional[RequestPages] = None  # None: nothing of it can be released
     planned: Optional[torch.Tensor] = None  # logical pages read exactly, ascending
+    sample: Optional[torch.Tensor] = None  # sampled rest pages (guarded): kept resident, read per page
     tokens: Optional[torch.Tensor] = None  # tokens in each logical page
     mass_over_layers: Optional[torch.Tensor] = None  # exact mass: summed over layers, or the largest (ranks_by_max)
     layers: Optional[torch.Tensor] = None  # layers that read each page exactly
@@ -88,7 +95,7 @@ class LiveRequest:
     @property
     def guard_on(self) -> bool:
         """Whether unread pages are estimated and the error bounded (dense reads everything)."""
-        if self.tracked is None:
+        if self.tracked is None or self.tracked.guard_refused:
             return False
         params = self.tracked.state.params
         return params.guard_threshold < 1.0 and params.policy != "dense"

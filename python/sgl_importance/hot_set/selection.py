@@ -111,10 +111,13 @@ class HotSetCounts:
     late_arrivals: int = 0  # pages the guard read that the plan had left out
     guard_fallbacks: int = 0  # request-steps in which the guard read pages in some layer
     guard_checks: int = 0  # request-layer-steps whose output error the guard bounded
-    guard_reads: int = 0  # ... of which the guard read pages exactly to meet its threshold
+    guard_reads: int = 0  # ... of which the guard read pages exactly (heavy pages or the whole rest)
+    guard_full_reads: int = 0  # ... of which the bound exceeded the threshold: the whole rest read
+    guard_refused: int = 0  # requests refused a guard: no room for their key codes (decoded unguarded)
     pages_attended: int = 0  # pages read exactly, summed over layers (the guard's reads included)
     pages_guard_read: int = 0  # pages the guard read exactly, summed over layers
-    pages_estimated: int = 0  # pages estimated from their shadow, summed over layers
+    pages_estimated: int = 0  # rest pages left to the sampled estimate, summed over layers
+    pages_sampled: int = 0  # sampled rest pages read (each on its own), summed over layers
     pages_dense: int = 0  # pages dense attention would have read, over layers
     pages_read_from_host: int = 0  # attended pages read from their host copy, over layers
     # Page moves of released requests (``residency.ReleaseCounts``).
@@ -185,11 +188,13 @@ class RequestHotSet:
         value[seen] = self.ema[seen] / (1.0 - self.params.decay ** self.observed[seen].double())
         return value
 
-    def plan(self, num_pages: int) -> tuple[torch.Tensor, HotSetCounts]:
+    def plan(self, num_pages: int, reserve: int = 0) -> tuple[torch.Tensor, HotSetCounts]:
         """The logical pages the next step attends, ascending, and what the plan cost.
 
         Args:
             num_pages: the request's pages now (its last one holds the token decoded).
+            reserve: budget pages kept for others (the guard's page sample), chosen
+                without looking at them.
         """
         previous = min(self.num_pages, num_pages)
         self._grow(num_pages, shrink=True)
@@ -200,7 +205,7 @@ class RequestHotSet:
             counts.warmups = int(self.step == 0)
         else:
             fixed = fixed_mask(num_pages, p.sinks, p.window)
-            slots = max(0, p.budget_pages(num_pages) - int(fixed.sum()))
+            slots = max(0, p.budget_pages(num_pages) - int(fixed.sum()) - reserve)
             if p.policy == "quest":
                 # Chosen per layer from the current query (quest_layer_pages); the
                 # step keeps every page on the device.

@@ -42,6 +42,8 @@ class StepTally:
     outside_mass: Optional[torch.Tensor] = None  # float64 [n, P] largest estimated mass
     outside_read: Optional[torch.Tensor] = None  # bool [n, P] read by the guard in some layer
     guard_reads: Optional[torch.Tensor] = None  # int64 [n] layers in which the guard read
+    guard_full_reads: Optional[torch.Tensor] = None  # int64 [n] layers in which it read the whole rest
+    pages_sampled: Optional[torch.Tensor] = None  # int64 [n], over layers
     pages_guard_read: Optional[torch.Tensor] = None  # int64 [n], over layers
     pages_estimated: Optional[torch.Tensor] = None  # int64 [n], over layers
     bound_mass: Optional[torch.Tensor] = None  # float64 [m, Pmax] guard-off rows: largest key-bound mass
@@ -74,12 +76,14 @@ class StepTally:
         return tally
 
     def _zero_outside(self, outside: OutsidePlan, device: torch.device) -> None:
-        n, width = outside.shadow.shape
+        n, width = outside.codes.shape
         self.outside_mass = torch.zeros(n, width, dtype=torch.float64, device=device)
         self.outside_read = torch.zeros(n, width, dtype=torch.bool, device=device)
         self.guard_reads = torch.zeros(n, dtype=torch.int64, device=device)
         self.pages_guard_read = torch.zeros(n, dtype=torch.int64, device=device)
         self.pages_estimated = torch.zeros(n, dtype=torch.int64, device=device)
+        self.guard_full_reads = torch.zeros(n, dtype=torch.int64, device=device)
+        self.pages_sampled = torch.zeros(n, dtype=torch.int64, device=device)
 
     def on_host(self) -> "StepTally":
         """The tally with its tensors on the host, where the requests' state lives."""
@@ -89,13 +93,15 @@ class StepTally:
 
     # -- one layer -----------------------------------------------------------------
 
-    def add_guard(self, outcome: GuardOutcome) -> None:
+    def add_guard(self, outcome: GuardOutcome, outside: OutsidePlan) -> None:
         """One layer's guard: the largest estimated masses, the pages it read."""
         torch.maximum(self.outside_mass, outcome.mass, out=self.outside_mass)
         self.outside_read |= outcome.read
         self.guard_reads += outcome.read.any(dim=1)
+        self.guard_full_reads += outcome.fallback
         self.pages_guard_read += outcome.read.sum(dim=1)
         self.pages_estimated += outcome.estimated.sum(dim=1)
+        self.pages_sampled += (outcome.estimated & outside.sampled.to(outcome.read.device)).sum(dim=1)
 
     def add_exact(
         self,
@@ -179,6 +185,9 @@ class StepTally:
             req.counts.pages_guard_read += reads
             req.counts.pages_attended += reads
             req.counts.pages_estimated += int(tally.pages_estimated[i])
+            req.counts.guard_full_reads += int(tally.guard_full_reads[i])
+            req.counts.pages_sampled += int(tally.pages_sampled[i])
+            req.counts.pages_attended += int(tally.pages_sampled[i])  # read exactly, each page on its own
 
     def fold(self, live: Sequence[LiveRequest], exact: ExactPlan, outside: OutsidePlan, step_layers: int) -> None:
         """Once per step: the tally into each request's accumulators.
