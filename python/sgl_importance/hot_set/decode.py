@@ -49,7 +49,7 @@ from typing import NamedTuple, Optional, Protocol, Sequence
 import torch
 
 from sgl_importance.hot_set.estimate import OutsidePlan, estimate_outside, sampled_pages
-from sgl_importance.hot_set.guard import guard_layer
+from sgl_importance.hot_set.guard import GuardOutcome, guard_layer
 from sgl_importance.hot_set.key_codes import GuardPool
 from sgl_importance.hot_set.page_lists import ExactPlan, SamplePlan, plan_exact, plan_outside, quest_lists
 from sgl_importance.hot_set.promotion import PromotionStream, StreamedPagePools
@@ -168,6 +168,7 @@ class HotSetDecoder:
         self._workspace = PagedDecodeWorkspace()
         self._read = exact or self._read_paged
         self.promotions = promotions
+        self.last_guard: Optional[GuardOutcome] = None
 
     @property
     def states(self) -> dict[str, RequestHotSet]:
@@ -400,6 +401,7 @@ class HotSetDecoder:
             thresholds,
             lambda chosen: self._read_exactly(layer_id, q, k_pages, v_pages, outside_plan, chosen, run),
         )
+        self.last_guard = outcome  # what the layer's guard did (benchmarks read its bound)
         tally = self._tally if not per_layer else StepTally.for_outside(outside_plan, dev)
         tally.add_guard(outcome, outside_plan)
         if per_layer:
