@@ -14,7 +14,7 @@ reports the most requests decoding in one step (from the server log), the wall t
 for all of them, decode tokens/s (the median of the per-step rates SGLang logs at
 batch 1, one request sent alone first, and at the largest batch reached) and how
 many greedy outputs equal dense's, and the peak resident memory of the server's processes
-(the guard's 8-bit shadow lives beside the device pool, so the pool alone does not show
+(guard state lives beside the device pool, so the pool alone does not show
 what the guard costs). Writes RESULTS_capacity.md and capacity.png into --out and prints
 the table.
 

@@ -137,18 +137,11 @@ def kv_bytes_per_page(shape: dict[str, int], dtype_bytes: int, page: int = PAGE)
     return 2 * page * shape["kv_heads"] * shape["head_dim"] * dtype_bytes * shape["layers"]
 
 
-def shadow_bytes_per_page(shape: dict[str, int], dtype_bytes: int, page: int = PAGE) -> int:
-    """Bytes of the guard's 8-bit shadow of one page in every layer, as ``ShadowPool``
-    lays it out (codes, per-channel ranges in the pool's dtype, the bound's terms)."""
-    import torch
+def code_bytes_per_page(shape: dict[str, int], page: int = PAGE) -> int:
+    """Bytes of the guard's key codes of one page in every layer (``key_codes.bytes_per_token``)."""
+    from sgl_importance.hot_set.key_codes import bytes_per_token
 
-    from sgl_importance.hot_set.shadow import ShadowPool
-
-    dtype = {4: torch.float32, 2: torch.bfloat16}[dtype_bytes]
-    pool = ShadowPool(
-        shape["layers"], shape["kv_heads"], shape["head_dim"], page_size=page, dtype=dtype, initial_pages=2
-    )
-    return round(pool.bytes_per_token() * page)
+    return round(bytes_per_token(shape["head_dim"], page) * page * shape["layers"] * shape["kv_heads"])
 
 
 def dense_pages_per_step(length: int, batch: int, new_tokens: int, page: int = PAGE) -> float:
@@ -383,15 +376,15 @@ def complete_rows(rows: list[dict], shape: dict[str, int], dtype_bytes: int, new
     """Add the computed columns: pages, bytes, time to read them once, ratios."""
     weights = weight_bytes(shape, dtype_bytes)
     per_page = kv_bytes_per_page(shape, dtype_bytes)
-    per_shadow_page = shadow_bytes_per_page(shape, dtype_bytes)
+    per_code_page = code_bytes_per_page(shape)
     best_bw = max((r["bandwidth_gbs"] for r in rows), default=float("nan"))
     out = []
     for r in rows:
         r = dict(r)
         dense_pages = dense_pages_per_step(r["length"], r["batch"], new_tokens)
         r["pages_per_step"] = dense_pages * (r["hot_ratio"] if r["hot_ratio"] is not None else 1.0)
-        r["shadow_pages_per_step"] = dense_pages * r.get("estimated_ratio", 0.0)
-        r["bytes_per_step"] = weights + r["pages_per_step"] * per_page + r["shadow_pages_per_step"] * per_shadow_page
+        r["coded_pages_per_step"] = dense_pages * r.get("estimated_ratio", 0.0)
+        r["bytes_per_step"] = weights + r["pages_per_step"] * per_page + r["coded_pages_per_step"] * per_code_page
         r["best_bandwidth_gbs"] = best_bw
         r["read_once_s"] = r["bytes_per_step"] / (best_bw * 1e9)
         r["tok_s"] = r["batch"] / r["step_s"]
@@ -410,7 +403,7 @@ def _ratio(x: Optional[float]) -> str:
 
 def table_lines(rows: list[dict]) -> list[str]:
     lines = [
-        "| length | batch | config | tok/s | step ms (median) | step ms (mean) | pages/step | shadow pages/step "
+        "| length | batch | config | tok/s | step ms (median) | step ms (mean) | pages/step | coded pages/step "
         "| MB read/step "
         "| read once at bw, ms | step / read once | vs dense | vs transformers |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -425,7 +418,7 @@ def table_lines(rows: list[dict]) -> list[str]:
             f"{r['step_s'] * 1e3:.1f}",
             f"{r['step_mean_s'] * 1e3:.1f}",
             f"{r['pages_per_step']:.0f}",
-            f"{r.get('shadow_pages_per_step', 0.0):.0f}",
+            f"{r.get('coded_pages_per_step', 0.0):.0f}",
             f"{r['bytes_per_step'] / 1e6:.0f}",
             f"{r['read_once_s'] * 1e3:.1f}",
             f"{r['step_s'] / r['read_once_s']:.1f}",
@@ -453,9 +446,10 @@ def write_report(rows: list[dict], meta: dict[str, Any], out: Path) -> str:
             f"{max(loads, default=float('nan')):.1f}.",
             "",
             "pages/step: pages read per layer and step, summed over the batch (hot set: dense's pages x "
-            "pages_attended / pages_dense from /metrics); shadow pages/step: the pages the guard estimated from "
-            "their 8-bit shadow instead (pages_estimated). MB read/step: the weights once + those pages' K and V in "
-            "every layer + the shadow pages' codes, ranges and bound terms. vs dense / vs transformers: tok/s over "
+            "pages_attended / pages_dense from /metrics, the guard's sampled pages included); coded pages/step: the "
+            "unread pages the guard accounted for from their 4-bit key codes (pages_estimated). MB read/step: the "
+            "weights once + those pages' K and V in every layer + the coded pages' key codes. "
+            "vs dense / vs transformers: tok/s over "
             "that configuration's at the same length and batch.",
             "",
             *table_lines(rows),

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries
+from sgl_importance.hot_set.key_codes import quantise
 from sgl_importance.hot_set.residency import RELEASED_SLOT, ReleaseCounts, Released, RequestPages, subtract_pages
 from support.array_pools import ArrayPools
 
@@ -177,3 +178,33 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_
     for req in copies:
         released.forget(req.rid)
     assert len(small.free_host_pages) == 100
+
+
+def test_key_codes_land_under_their_own_page_when_two_requests_fill_and_release_pages_in_one_step():
+    released = Released()
+    pools = array_pools(device_pages=120, host_pages=120)
+    released.enable(pools, threshold=8)
+    placed = Placed(pools, released, guard=0.1)
+    # Two guarded requests; the second is one token short of filling its last page, so
+    # the step that fills it also releases it (outside a 4-page hot set).
+    first, second = Request("a", 12, seed=1), Request("b", 10, seed=2)
+    for req in (first, second):
+        placed.place(req)
+        released.admit(req.rid, first_owned_page=0)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(PAGE + 1):
+        for req in (first, second):
+            req.grow()
+            placed.place(req)
+        placed.step(torch.randn(LAYERS, 2, KV_HEADS * 2, 8, generator=g))
+    decoder = placed.decoder
+    assert decoder.totals.pages_released > 0
+    for req in (first, second):
+        tracked = decoder.tracked[req.rid]
+        codes = tracked.codes
+        assert codes.numel() >= (req.length - 1) // PAGE  # every page full before this step is coded
+        for layer in range(LAYERS):
+            pages = req.k[layer, : codes.numel() * PAGE].view(codes.numel(), PAGE, *req.k.shape[2:])
+            want = quantise(pages, pages.amin(dim=1), pages.amax(dim=1))
+            got, _ = decoder.guard.gather(layer, codes)
+            assert torch.equal(got, want)

@@ -15,8 +15,8 @@ here:
 - promotions run on a ``PromotionStream`` on the pool's device (a side stream on
   CUDA), fenced before a layer reads pages and before any other forward (``fence``).
 
-The guard's 8-bit shadow is written by the decoder itself, from the pool, the first
-step a page is full (``HotSetDecoder._write_shadow``); nothing here keeps it.
+The guard's key codes are written by the decoder itself, from the pool, at the end of
+the step that filled a page (``HotSetDecoder._code_pages``); nothing here keeps them.
 """
 
 from __future__ import annotations

@@ -13,13 +13,18 @@ A layer attends in up to three parts, one batched call each for the whole batch:
    requests read every page here), released ones from their host copy, staged
    (``page_lists.plan_exact``);
 2. with the guard on (``guard_threshold < 1``), every other full page of a long
-   request from its 8-bit shadow (``estimate.estimate_outside``), folded into the
-   same softmax, with a deterministic bound on the error of the layer's output
-   (``estimate.combine``);
-3. where that bound exceeds the threshold, the most suspect outside pages exactly
-   (``estimate.pages_to_read``), after which the bound is computed again; if it
-   still exceeds the threshold, every outside page is read (counted either way;
+   request (its *rest*) through its 4-bit key codes (``estimate.estimate_outside``):
+   pages that could be heavy are read exactly, the rest is estimated from the
+   request's uniform page sample (resident, planned beside the hot set and read page
+   by page, ``estimate.sampled_pages``), folded into the same softmax with a bound on
+   the layer's output error (``estimate.combine``, ``estimate.negligible_rest``);
+3. where that bound exceeds the threshold, every rest page exactly (counted;
    ``guard.guard_layer``).
+
+Key codes are written at ``end_step`` for the pages full by then, from the device
+pool, before any release (so a page released in the step that filled it is coded
+from its own keys), into a ``key_codes.GuardPool`` of fixed size: a request it cannot
+hold decodes unguarded, counted (``guard_refused``).
 
 ``HotSetDecoder`` is driven by an attention backend: ``begin_step`` once per decode
 batch, ``attend`` once per layer, ``end_step`` after the last layer. ``end_step``
@@ -30,8 +35,8 @@ host copy for that step and counted; nothing is skipped. Promotions go through a
 ``promotion.PromotionStream`` where one is given (a side stream on CUDA), and every
 ``attend`` first fences them, so a layer never reads a page still being copied.
 
-Exact pages get exact masses (normalised by the step's combined denominator); pages
-estimated from the shadow get estimated masses, which rank them for promotion. With
+Exact pages get exact masses (normalised by the step's combined denominator); rest
+pages get masses estimated from their key codes, which rank them for promotion. With
 the guard off, a non-attended page is ranked by its key min/max bound (Quest's), kept
 per request by logical page so a released page keeps it. What the layers find is
 tallied as tensors and folded into each request once per step (``step_tally.py``);
@@ -68,7 +73,6 @@ from sgl_kernel_ext import (
     PagedDecodeWorkspace,
     decode_importance_paged,
 )
-
 
 logger = logging.getLogger(__name__)
 

@@ -277,7 +277,7 @@ class RequestHotSet:
             masses: ``[pages]`` exact mass of each attended page, reduced over the
                 layers that attended it and the heads as ``params.reduce`` says.
             outside_mass: ``[pages]`` mass of each page the step did not read exactly,
-                largest over layers and heads: estimated from its shadow when the guard is
+                largest over layers and heads: estimated from its key codes when the guard is
                 on, else the upper bound its key min/max gives; ranks pages for promotion.
             needed: bool ``[pages]``, pages the guard read exactly outside the plan (the
                 promotion candidates when the guard is on); None: none.
