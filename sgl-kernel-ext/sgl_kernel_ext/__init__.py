@@ -1,11 +1,13 @@
 """Kernels for importance-guided KV tiering: decode attention that also returns how
 much attention mass each KV page received (Triton, and a batched page-list torch path
 for CPUs), the same Triton kernel over a step's page lists (``page_list``), its torch
-reference, and a scatter of that importance into a per-physical-page table.
+reference, a scatter of that importance into a per-physical-page table, and the hot-set
+guard's page log-masses from 4-bit key codes (``key_codes``).
 
 Knows nothing of SGLang; it only shares SGLang's KV layout (see ``decode_importance``).
 """
 
+from .key_codes import key_code_pages, key_code_pages_torch
 from .output import DecodeImportanceOutput
 from .page_table import HAS_TRITON, scatter_page_importance
 from .paged import (
@@ -28,6 +30,8 @@ __all__ = [
     "decode_importance_paged",
     "decode_importance_reference",
     "default_num_splits",
+    "key_code_pages",
+    "key_code_pages_torch",
     "plan_from_slots",
     "plan_paged_decode",
     "scatter_page_importance",

@@ -114,3 +114,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         p, p, p,  # out, lse, mass
         i32,  # threads
     ]  # fmt: skip
+    lib.sgl_key_code_pages.restype = i32
+    lib.sgl_key_code_pages.argtypes = [
+        p, p, p, p, p, p,  # q, codes, ids, low, step, valid
+        i64, i64, i64, i64, i64, i64, i64,  # kv, n, group, d, listed, page_size, rows
+        f32, f32,  # logit_cap, margin
+        p, p,  # lse, err
+        i32,  # threads
+    ]  # fmt: skip

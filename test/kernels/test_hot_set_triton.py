@@ -116,7 +116,8 @@ def test_the_triton_reader_attends_the_same_pages_as_the_torch_path(guard):
     totals = run_both(params, steps=4, lengths=[5, 30, 41], device_pages=64, host_pages=0, release=False)
     assert totals["steps"] == 8 and totals["warmups"] == 2
     if guard < 1.0:
-        assert totals["guard_checks"] > 0 and totals["pages_estimated"] > 0
+        # No room for a page sample in a 3-page hot set: the guard reads what it cannot vouch for.
+        assert totals["guard_checks"] > 0 and totals["guard_reads"] > 0
 
 
 def test_the_triton_reader_follows_quests_per_layer_lists():

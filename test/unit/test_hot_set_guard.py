@@ -19,7 +19,8 @@ from sgl_importance.hot_set.estimate import (
     sampled_pages,
 )
 from sgl_importance.hot_set.guard import guard_layer
-from sgl_importance.hot_set.key_codes import bytes_per_token, kv_bytes_per_token, quantise, steps, unpack
+from sgl_importance.hot_set.key_codes import bytes_per_token, kv_bytes_per_token, quantise, steps
+from sgl_kernel_ext.key_codes import unpack
 
 PAGE = 4
 KV_HEADS, GROUP, DIM = 2, 3, 8
@@ -148,29 +149,33 @@ def test_reading_every_rest_page_gives_the_exact_output():
     assert float(outcome.combined.relative[0]) == 0.0
 
 
-def test_the_sampled_bound_fails_no_more_often_than_its_stated_probability():
-    # A diffuse layer (small logits): 200 pages, 2 read exactly, the rest estimated from
-    # a Bernoulli(pi) page sample; over many independent draws the exact error exceeds
-    # the bound on at most about DELTA of them.
+@pytest.mark.parametrize("pi", [0.08, 0.2])
+def test_the_sampled_bound_fails_no_more_often_than_its_stated_probability(pi):
+    # A diffuse layer: 200 pages, 2 read exactly (their values apart from the rest's),
+    # the rest estimated from a Bernoulli(pi) page sample; over many independent draws
+    # the exact error exceeds the bound on at most about DELTA of them.
     g = torch.Generator().manual_seed(11)
-    num_pages, pi = 200, 0.15
-    q = torch.randn(Q_HEADS, DIM, generator=g) * 0.5
+    num_pages = 200
+    q = torch.randn(Q_HEADS, DIM, generator=g)
     keys = torch.randn(num_pages, PAGE, KV_HEADS, DIM, generator=g)
     values = torch.randn(num_pages, PAGE, KV_HEADS, DIM, generator=g) + 0.5
+    values[:2] += 3.0
     _, true = exact_attention(q, keys.flatten(0, 1), values.flatten(0, 1))
-    lse_e, out_e = exact_attention(q, keys[:2].flatten(0, 1), values[:2].flatten(0, 1))
+    plan, outside, lse_e, out_e, rest = rest_of(q, keys, values, exact_pages={0, 1})
     draws, failures, vacuous = 400, 0, 0
     for _ in range(draws):
-        members = torch.nonzero(torch.rand(num_pages - 2, generator=g) < pi).flatten() + 2
+        cols = torch.nonzero(torch.rand(rest.numel(), generator=g) < pi).flatten()
+        members = rest[cols]
         sample = sampled_pages(
             q[None], keys[members][None], values[members][None], torch.ones(1, members.numel(), dtype=torch.bool),
             sm_scale=SCALE,
         )  # fmt: skip
-        combined = combine(lse_e[None].float(), out_e[None].float(), sample, torch.tensor([pi]), torch.tensor([False]))
+        combined = combine(lse_e, out_e, sample, torch.tensor([pi]), torch.tensor([False]))
         error = float((combined.output[0].double() - true).norm() / true.norm())
         vacuous += int(not torch.isfinite(combined.relative[0]))
         failures += int(error > float(combined.relative[0]))
-    assert vacuous == 0
+    print(f"pi {pi}: {failures} of {draws} draws over the bound, {vacuous} vacuous")
+    assert vacuous <= DELTA * draws  # a vacuous bound is safe (the guard reads everything), but rare
     assert failures <= 2 * DELTA * draws
 
 

@@ -47,12 +47,11 @@ Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 
 from __future__ import annotations
 
-import logging
-from dataclasses import replace
 from typing import NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
+from sgl_importance.hot_set.coding import code_pages
 from sgl_importance.hot_set.estimate import OutsidePlan, estimate_outside, sampled_pages
 from sgl_importance.hot_set.guard import GuardOutcome, guard_layer
 from sgl_importance.hot_set.key_codes import GuardPool
@@ -73,8 +72,6 @@ from sgl_kernel_ext import (
     PagedDecodeWorkspace,
     decode_importance_paged,
 )
-
-logger = logging.getLogger(__name__)
 
 # Guard pages of a decoder built without a pool (tests, benchmarks), per device page.
 DEFAULT_GUARD_PAGES_PER_POOL_PAGE = 4
@@ -457,7 +454,7 @@ class HotSetDecoder:
             live.counts.guard_fallbacks = int(bool(live.guarded.any()))
             length = live.slots.numel()
             # Code the pages full now while every one of them is still on the device.
-            live.counts.guard_refused = self._code_pages(live, length // ps)
+            live.counts.guard_refused = code_pages(self.guard, live, length // ps, self._pool_pages, ps)
             step.add(live.counts)
             # The next step decodes one more token: plan it now, one step ahead.
             num_pages = -(-(length + 1) // ps)
@@ -479,51 +476,6 @@ class HotSetDecoder:
         self._exact = self._outside = self._sample = self._tally = None
         self.totals.add(step)
         return step
-
-    def _code_pages(self, live: LiveRequest, full: int) -> int:
-        """Write the key codes of a guarded request's pages that are full and uncoded.
-
-        Every layer, from the device pool: a page is coded at the end of the step that
-        filled it (or, for a request new to the guard, of its first step), before any
-        release. Returns 1 when the guard pool refused the request (it then decodes
-        unguarded), else 0.
-        """
-        tracked = live.tracked
-        params = tracked.state.params
-        if tracked.guard_refused or params.guard_threshold >= 1.0 or params.policy == "dense":
-            return 0
-        coded = tracked.codes.numel()
-        if full <= coded or not self._pool_pages:
-            return 0
-        new = torch.arange(coded, full)
-        held = released_among(live.pages, new)
-        if bool(held.any()):
-            # Released before it was coded (the request was admitted to the guard late):
-            # such a request stays unguarded rather than read its pages back.
-            return self._refuse(tracked)
-        ids = self.guard.alloc(new.numel())
-        if ids is None:
-            return self._refuse(tracked)
-        physical = torch.div(live.slots[new * self.page_size], self.page_size, rounding_mode="floor")
-        for layer, (k_pages, v_pages) in self._pool_pages.items():
-            index = physical.to(k_pages.device)
-            keys = k_pages[index]
-            low, high = keys.amin(dim=1), keys.amax(dim=1)
-            # The codes' range is the page's own key min/max: keep it as the request's summary.
-            tracked.key_min[layer][new] = low.to(tracked.key_min.dtype)
-            tracked.key_max[layer][new] = high.to(tracked.key_max.dtype)
-            self.guard.write(layer, ids, keys, low, high, v_pages[index])
-        tracked.codes = torch.cat((tracked.codes, ids))
-        return 0
-
-    def _refuse(self, tracked: TrackedRequest) -> int:
-        tracked.guard_refused = True
-        tracked.state.params = replace(tracked.state.params, guard_threshold=1.0)
-        if tracked.codes.numel():
-            self.guard.free(tracked.codes)
-            tracked.codes = tracked.codes[:0]
-        logger.warning("hot set: no room in the guard pool for a request's key codes; it decodes without a guard")
-        return 1
 
 
 _NONE = torch.zeros(0, dtype=torch.int64)

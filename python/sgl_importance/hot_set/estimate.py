@@ -5,14 +5,19 @@ of the request (its *rest*) is accounted for in the same softmax:
 
 - **Logit intervals** (``estimate_outside``): each rest page's 4-bit key codes
   (``key_codes.py``) give every token an estimated logit ``m_t`` and
-  ``|l_t - m_t| <= e_p``; so a page's mass is at most ``sum_t exp(m_t + e_p)``. A page
-  whose upper share of the softmax could exceed ``HEAVY`` times the uniform share of
-  the rest is read exactly (``heavy_pages``): deterministic, whatever the sample.
+  ``|l_t - m_t| <= e_p``; so a page's mass is within ``exp(+-e_p)`` of
+  ``x_p = sum_t exp(m_t)``. A page whose estimated share of the softmax exceeds
+  ``HEAVY`` times the uniform share of the rest is read exactly (``heavy_pages``),
+  whatever the sample; where the rest's *upper* mass is so small that leaving it out
+  is within the threshold, it is left out under a deterministic bound
+  (``negligible_rest``).
 - **A sampled estimate** (``sampled_pages``, ``combine``): the rest pages in the
   request's uniform sample (``sample.py``, inclusion probability ``pi``; they are
   planned, so resident) are read exactly, each page's own numerator and
   denominator, and stand for the whole remaining rest with weight ``1 / pi``
   (Horvitz-Thompson): ``o_hat = (N_E + sum_S N_p / pi) / (D_E + sum_S D_p / pi)``.
+  (A ratio estimate with the key codes' page masses as auxiliary was tried and
+  measured worse on SmolLM2: ``benchmark/long_context/RESULTS.md``.)
 - **The bound**: with ``y_p = N_p - o_hat D_p``, the estimate's error is, to first
   order, ``sum_p (Z_p / pi - 1) y_p / D`` over the remaining rest pages (``Z_p`` the
   sample indicator), of variance ``(1 - pi) / pi sum ||y_p||^2 / D^2``, estimated
@@ -37,12 +42,13 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_importance.hot_set.key_codes import ROUNDING_MARGIN, GuardPool, steps, unpack
+from sgl_importance.hot_set.key_codes import ROUNDING_MARGIN, GuardPool, steps
+from sgl_kernel_ext import key_code_pages
 
 NEG_INF = float("-inf")
 DELTA = 0.05  # the bound's failure probability per layer-step
 Z = 1.959964  # two-sided normal quantile for DELTA; a norm's tail over any dimension is within it
-HEAVY = 8.0  # a rest page whose upper share could exceed HEAVY x the rest's uniform share is read
+HEAVY = 8.0  # a rest page whose estimated share exceeds HEAVY x the rest's uniform share is read
 
 
 @dataclass
@@ -139,45 +145,42 @@ def estimate_outside(
     hkv = pool.num_kv_heads
     g = hq // hkv
     dev = q.device
-    packed, norms = pool.gather(layer, plan.codes)  # [Hkv, n, P, ps, D/2], [Hkv, n, P]
-    codes = unpack(packed.to(dev))  # [Hkv, n, P, ps, D]
-    low = key_min.to(dev).permute(2, 0, 1, 3).float()  # [Hkv, n, P, D]
-    step = steps(key_min, key_max).to(dev).permute(2, 0, 1, 3)
     qf = (q.float() * sm_scale).view(n, hkv, g, d).transpose(0, 1)  # [Hkv, n, g, D]
-    # q . k_hat = q . min + sum_d (q_d step_d) code_d, per page.
-    base = torch.einsum("hngd,hnpd->hnpg", qf, low)
-    scaled_q = qf[:, :, None] * step[:, :, :, None]  # [Hkv, n, P, g, D]
-    logits = torch.matmul(scaled_q, codes.transpose(-1, -2)) + base[..., None]  # [Hkv, n, P, g, ps]
-    if logit_cap > 0:
-        logits = torch.tanh(logits / logit_cap) * logit_cap  # 1-Lipschitz: the error stays
-    page_lse = torch.logsumexp(logits, dim=-1)  # [Hkv, n, P, g]
-    magnitude = torch.maximum(low.abs(), (low + step * 15).abs()).amax(-1)  # [Hkv, n, P]
-    qa = qf.abs()
-    error = torch.einsum("hngd,hnpd->hnpg", qa, step) * 0.5
-    error = error + qa.sum(-1)[:, :, None, :] * magnitude[..., None] * ROUNDING_MARGIN
-    pad = ~plan.valid.to(dev)
-    page_lse = page_lse.masked_fill(pad[None, :, :, None], NEG_INF)
+    # The C kernel on a CPU reads the codes straight from the pool (D / 2 bytes a token).
+    page_lse, error = key_code_pages(
+        qf.contiguous(),
+        pool.codes[layer],
+        plan.codes.to(pool.device),
+        key_min.to(dev).float(),
+        steps(key_min, key_max).to(dev),
+        plan.valid.to(dev),
+        logit_cap=logit_cap,
+        margin=ROUNDING_MARGIN,
+    )  # [Hkv, n, P, g] each
+    norms = pool.value_norm[layer].index_select(1, plan.codes.reshape(-1).to(pool.device)).view(hkv, n, -1)
 
     def heads(x: torch.Tensor) -> torch.Tensor:  # [Hkv, n, P, g] -> [n, Hq, P]
-        return _per_q_head(x.transpose(2, 3), n, hq)
+        return _per_q_head(x.to(dev).transpose(2, 3), n, hq)
 
     value_norm = norms.to(dev)[:, :, :, None].expand(hkv, n, norms.shape[2], g)
     return Outside(heads(page_lse), heads(error), heads(value_norm))
 
 
 def heavy_pages(lse_exact: torch.Tensor, outside: Outside, valid: torch.Tensor) -> torch.Tensor:
-    """bool ``[n, P]``: rest pages whose upper mass could exceed ``HEAVY`` times the
-    rest's uniform share of the softmax in some query head (read exactly).
+    """bool ``[n, P]``: rest pages whose estimated share of the softmax exceeds ``HEAVY``
+    times the rest's uniform share in some query head (read exactly).
+
+    Such a page (a retrieval head's target) is one the sample would stand for badly:
+    the ratio estimate gives every unsampled page the sampled pages' mean output. The
+    test uses the key codes' estimate, not its upper end: at 4 bits the interval is
+    up to a few nats wide, and its upper end would flag every page of a diffuse head.
 
     Args:
         lse_exact: ``[n, Hq]`` log denominator of the pages read exactly.
     """
-    upper = outside.page_lse + outside.logit_error  # [n, Hq, P]
-    # The denominator is at least what was read exactly plus every rest page's lower mass.
-    lower = torch.logsumexp(outside.page_lse - outside.logit_error, dim=-1)
-    floor = torch.logaddexp(lse_exact, lower)  # [n, Hq]
-    rest = valid.sum(dim=1).clamp_min(1).to(upper.dtype)  # [n]
-    share = upper - floor[..., None]
+    total = torch.logaddexp(lse_exact, torch.logsumexp(outside.page_lse, dim=-1))  # [n, Hq]
+    rest = valid.sum(dim=1).clamp_min(1).to(outside.page_lse.dtype)  # [n]
+    share = outside.page_lse - total[..., None]
     limit = math.log(HEAVY) - rest.log()
     return valid & (share > limit[:, None, None]).any(dim=1)
 
@@ -264,10 +267,11 @@ def combine(
     """
     pi = inclusion.to(lse_exact.device, torch.float32)
     lse_pages = sampled.lse
-    any_sampled = torch.isfinite(lse_pages).any(dim=-1)  # [n, Hq]
+    live = torch.isfinite(lse_pages)
+    any_sampled = live.any(dim=-1)  # [n, Hq]
     lse_s = torch.logsumexp(lse_pages, dim=-1)  # [n, Hq]
     safe_s = torch.where(any_sampled, lse_s, 0.0)
-    within = torch.where(torch.isfinite(lse_pages), torch.exp(lse_pages - safe_s[..., None]), 0.0)
+    within = torch.where(live, torch.exp(lse_pages - safe_s[..., None]), 0.0)
     out_s = (within[..., None] * sampled.output).sum(dim=2)  # [n, Hq, Dv]
     lse_s = torch.where(any_sampled, lse_s - pi.log()[:, None], NEG_INF)  # weighted by 1 / pi
     lse = torch.logaddexp(lse_exact, lse_s)
@@ -276,7 +280,7 @@ def combine(
     b = torch.where(torch.isfinite(lse_s), torch.exp(lse_s - lse), 0.0)
     output = a[..., None] * out_exact + b[..., None] * out_s
     # y_p / D_hat per sampled page, and the variance of the estimate from them.
-    share = torch.where(torch.isfinite(lse_pages), torch.exp(lse_pages - lse[..., None]), 0.0)
+    share = torch.where(live, torch.exp(lse_pages - lse[..., None]), 0.0)
     y = share[..., None] * (sampled.output - output[:, :, None])
     variance = (1.0 - pi) / pi.square() * y.square().sum(dim=(1, 2, 3))  # [n]
     bound = Z * variance.clamp_min(0.0).sqrt()

@@ -8,8 +8,10 @@ The exact part (part 1, the planned pages) comes in; then, per guarded request:
    with a statistical bound on the layer's output error; where that bound is too wide
    but the rest's upper mass is so small that leaving it out is within the threshold
    (``estimate.negligible_rest``, deterministic), the rest is left out;
-3. where that bound exceeds the request's ``guard_threshold``, every remaining rest
-   page is read exactly (the *fallback*; the output is then exact).
+3. where that bound exceeds the request's ``guard_threshold``, the heaviest quarter of
+   the remaining rest (by its key codes) is read exactly and the bound computed again,
+   up to ``GUARD_ROUNDS`` times; then every remaining rest page is read (the
+   *fallback*; the output is then exact).
 
 Plain torch; nothing here imports SGLang.
 """
@@ -23,6 +25,9 @@ import torch
 from sgl_importance.hot_set.estimate import Combined, Outside, Sampled, combine, heavy_pages, negligible_rest
 
 NEG_INF = float("-inf")
+# Rounds that read the heaviest READ_SHARE of the rest before the guard reads all of it.
+GUARD_ROUNDS = 2
+READ_SHARE = 0.25
 
 
 class GuardOutcome(NamedTuple):
@@ -71,23 +76,50 @@ def guard_layer(
     if bool(read.any()):
         lse_a, out_a = read_exactly(read)
         lse, out = merge_parts(lse, out, lse_a, out_a)
-    combined = _combine(lse, out, sampled, valid & ~read, in_sample, inclusion)
-    # Where the sample cannot vouch, the rest may still be too light to matter at all.
-    light = negligible_rest(lse, out, outside, valid & ~read)
-    use_light = (combined.relative > thresholds) & (light.relative <= thresholds)
-    combined = _choose(use_light, light, combined)
-    fallback = combined.relative > thresholds
-    if bool(fallback.any()):
-        rest = valid & ~read & fallback[:, None]
-        lse_b, out_b = read_exactly(rest)
+    combined = _account(lse, out, outside, sampled, valid & ~read, in_sample, inclusion, thresholds)
+    fallback = torch.zeros_like(thresholds, dtype=torch.bool)
+    for round_ in range(GUARD_ROUNDS + 1):
+        over = combined.relative > thresholds
+        if not bool(over.any()):
+            break
+        remaining = valid & ~read & over[:, None]
+        if round_ < GUARD_ROUNDS:
+            # The heaviest part of the rest by its key codes (chosen without looking at
+            # the sample, so what is left is still sampled uniformly): a lighter rest
+            # leaves the estimate less to be wrong about.
+            chosen = _heaviest(outside, remaining, READ_SHARE)
+        else:
+            chosen, fallback = remaining, over
+        lse_b, out_b = read_exactly(chosen)
         lse, out = merge_parts(lse, out, lse_b, out_b)
-        read = read | rest
-        combined = _choose(use_light, light, _combine(lse, out, sampled, valid & ~read, in_sample, inclusion))
+        read = read | chosen
+        combined = _account(lse, out, outside, sampled, valid & ~read, in_sample, inclusion, thresholds)
     estimated = valid & ~read
     # Estimated masses (of the combined denominator) rank unread pages for promotion.
     share = torch.exp(outside.page_lse - combined.lse[..., None]).nan_to_num(0.0)
     mass = share.amax(dim=1).double().masked_fill(~valid, 0.0)
     return GuardOutcome(combined, read, estimated, fallback, mass)
+
+
+def _account(lse, out, outside, sampled, keep, in_sample, inclusion, thresholds) -> Combined:
+    """The rest ``keep`` from the sample, or left out where it is too light to matter."""
+    combined = _combine(lse, out, sampled, keep, in_sample, inclusion)
+    light = negligible_rest(lse, out, outside, keep)
+    use_light = (combined.relative > thresholds) & (light.relative <= thresholds)
+    return _choose(use_light, light, combined)
+
+
+def _heaviest(outside: Outside, remaining: torch.Tensor, share: float) -> torch.Tensor:
+    """bool ``[n, P]``: per row, the ``share`` of ``remaining`` pages (rounded up) with the
+    largest estimated mass in any query head."""
+    weight = outside.page_lse.amax(dim=1).masked_fill(~remaining, NEG_INF)  # [n, P]
+    count = remaining.sum(dim=1)
+    take = torch.ceil(count.to(torch.float32) * share).to(torch.int64)
+    order = torch.argsort(weight, dim=1, descending=True)
+    ranks = torch.arange(order.shape[1], device=order.device)[None, :]
+    chosen = torch.zeros_like(remaining)
+    chosen.scatter_(1, order, ranks < take[:, None])
+    return chosen & remaining
 
 
 def _combine(

@@ -72,16 +72,6 @@ def steps(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     return (high.float() - low.float()).clamp_min(0.0) / LEVELS
 
 
-def unpack(packed: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """float32 codes ``[..., D]`` of packed ``[..., D / 2]`` (into ``out`` if given)."""
-    half = packed.shape[-1]
-    if out is None:
-        out = torch.empty((*packed.shape[:-1], 2 * half), dtype=torch.float32, device=packed.device)
-    out[..., :half].copy_(packed & LEVELS)
-    out[..., half:].copy_(packed >> 4)
-    return out
-
-
 class GuardPool:
     """4-bit key codes and value norms of full pages, by guard page id, for every layer.
 

@@ -227,3 +227,76 @@ int sgl_paged_decode(const float *q, const void *k_pool, const void *v_pool, con
     for (int64_t it = 0; it < bs * kv; it++) merge(&a, it / kv, it % kv, sinks, live, out, lse, mass);
     return 0;
 }
+
+/* The hot set's guard: each listed page's estimated log-mass from its 4-bit key codes.
+ *
+ * For KV head h, request r and listed page c (guard id ids[r, c] into this layer's
+ * code pool [kv, rows, page_size, d / 2], channel j in the low nibble and j + d/2 in
+ * the high one), every token's logit is estimated as q . (low + code * step), soft-
+ * capped, and lse[h, r, c, :] = log sum_t exp(logit) per query head of the group;
+ * err[h, r, c, :] = sum_j |q_j| step_j / 2 + sum_j |q_j| * max|key| * margin bounds
+ * every token's logit error. Reads d / 2 bytes per token: no float copy of the keys.
+ * q is scaled by sm_scale already; low and step are float32 [n, listed, kv, d]. */
+int sgl_key_code_pages(const float *q, const uint8_t *codes, const int64_t *ids, const float *low,
+                       const float *step, const uint8_t *valid, int64_t kv, int64_t n, int64_t g, int64_t d,
+                       int64_t listed, int64_t page_size, int64_t rows, float logit_cap, float margin, float *lse,
+                       float *err, int threads) {
+    if (g > 16 || d > 256 || (d & 1)) return -1;
+    const int64_t half = d / 2, items = kv * n * listed;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t h = it / (n * listed), r = (it / listed) % n, c = it % listed;
+        float *lse_out = lse + it * g, *err_out = err + it * g;
+        if (!valid[r * listed + c]) {
+            for (int64_t i = 0; i < g; i++) {
+                lse_out[i] = -INFINITY;
+                err_out[i] = 0.0f;
+            }
+            continue;
+        }
+        const float *qh = q + (h * n + r) * g * d;
+        const float *lo = low + ((r * listed + c) * kv + h) * d;
+        const float *st = step + ((r * listed + c) * kv + h) * d;
+        const uint8_t *cp = codes + (h * rows + ids[r * listed + c]) * page_size * half;
+        float qs[16][256], base[16], m[16], s[16], cf[256];
+        float mag = 0.0f;
+        for (int64_t j = 0; j < d; j++) {
+            float a = fabsf(lo[j]), b = fabsf(lo[j] + 15.0f * st[j]);
+            mag = fmaxf(mag, fmaxf(a, b));
+        }
+        for (int64_t i = 0; i < g; i++) {
+            float b = 0.0f, e = 0.0f, a = 0.0f;
+            for (int64_t j = 0; j < d; j++) {
+                float x = qh[i * d + j];
+                qs[i][j] = x * st[j];
+                b += x * lo[j];
+                e += fabsf(x) * st[j];
+                a += fabsf(x);
+            }
+            base[i] = b;
+            err_out[i] = 0.5f * e + a * mag * margin;
+            m[i] = -INFINITY;
+            s[i] = 0.0f;
+        }
+        for (int64_t t = 0; t < page_size; t++) {
+            const uint8_t *ct = cp + t * half;
+            for (int64_t j = 0; j < half; j++) {
+                cf[j] = (float)(ct[j] & 15);
+                cf[j + half] = (float)(ct[j] >> 4);
+            }
+            for (int64_t i = 0; i < g; i++) {
+                float x = base[i];
+                for (int64_t j = 0; j < d; j++) x += qs[i][j] * cf[j];
+                if (logit_cap > 0.0f) x = logit_cap * tanhf(x / logit_cap);
+                if (x > m[i]) {
+                    s[i] = s[i] * expf(m[i] - x) + 1.0f;
+                    m[i] = x;
+                } else {
+                    s[i] += expf(x - m[i]);
+                }
+            }
+        }
+        for (int64_t i = 0; i < g; i++) lse_out[i] = m[i] + logf(s[i]);
+    }
+    return 0;
+}
