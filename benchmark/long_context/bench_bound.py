@@ -216,8 +216,8 @@ def replay(prompt: dict, budget: float, tau: float, scale: float, probe: GuardPr
                     "estimated": estimated,
                     "heavy": heavy,
                     "fallback": fallback,
-                    # The sample could not vouch, the rest's upper mass could: left out.
-                    "light": not fallback and free_bound > tau,
+                    # The rest left out under the deterministic bound (its upper mass is negligible).
+                    "light": bool(outcome.negligible[0]),
                     "bound": bound,
                     "error": error,
                     "free_bound": free_bound,

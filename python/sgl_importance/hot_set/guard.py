@@ -38,6 +38,8 @@ class GuardOutcome(NamedTuple):
         read: bool ``[n, P]``: rest pages read exactly (heavy or fallback) in this layer.
         estimated: bool ``[n, P]``: rest pages left to the sampled estimate.
         fallback: bool ``[n]``: requests whose remaining rest was read whole.
+        negligible: bool ``[n]``: requests whose rest was left out under the
+            deterministic bound (``estimate.negligible_rest``).
         mass: float64 ``[n, P]``: each rest page's estimated share of the combined
             denominator, largest over query heads (ranks unread pages for promotion).
     """
@@ -46,6 +48,7 @@ class GuardOutcome(NamedTuple):
     read: torch.Tensor
     estimated: torch.Tensor
     fallback: torch.Tensor
+    negligible: torch.Tensor
     mass: torch.Tensor
 
 
@@ -98,7 +101,8 @@ def guard_layer(
     # Estimated masses (of the combined denominator) rank unread pages for promotion.
     share = torch.exp(outside.page_lse - combined.lse[..., None]).nan_to_num(0.0)
     mass = share.amax(dim=1).double().masked_fill(~valid, 0.0)
-    return GuardOutcome(combined, read, estimated, fallback, mass)
+    negligible = (combined.exact_share == 1.0).all(dim=1) & estimated.any(dim=1)
+    return GuardOutcome(combined, read, estimated, fallback, negligible, mass)
 
 
 def _account(lse, out, outside, sampled, keep, in_sample, inclusion, thresholds) -> Combined:
