@@ -201,7 +201,7 @@ class ScheduledReq:
     def __init__(self, rid: str, length: int) -> None:
         self.rid = rid
         self.kv = SimpleNamespace(req_pool_idx=3, cache_protected_len=TREE_PAGES * PAGE, kv_committed_len=length)
-        self.origin_input_ids = list(range(length))
+        self.full_untruncated_fill_ids = list(range(length))
         self.extend_end = length
         self.prefix_len = 0
         self.skip_radix_cache_insert = False
@@ -297,6 +297,29 @@ def test_a_request_grown_past_the_threshold_while_decoding_releases_only_pages_p
     assert not grown.released.admitted("r") and len(tiers.free_host_pages) == 64
 
 
+def test_a_grown_request_retracted_frees_only_what_it_holds_and_is_admitted_again_at_its_prefill():
+    grown = grow_past_threshold(steps=20)
+    tiers, released, scheduled = grown.tiers, grown.released, grown.scheduled
+    assert released.peek("r").released_pages().numel() > 0
+    release = SGLangRelease(tiers, released, grown.copy.row)
+    release_with_pages(released, RequestParams(), release, scheduled, tree_cache_of(tiers), checkpoint=False)
+    # Everything but the tree's pages is back in the allocator (freed once each: the
+    # pools fail on the released positions, which point at the padding page).
+    assert len(tiers.free_device_pages) == tiers.device_pages - TREE_PAGES
+    assert len(tiers.free_host_pages) == 64 and not released.admitted("r")
+    # Its prefill again (prompt and what it had generated, past the threshold) keeps it
+    # out of the tree, admitted past the prompt the tree matched.
+    assert not scheduled.skip_radix_cache_insert
+    scheduled.full_untruncated_fill_ids = list(range(grown.copy.length))  # SGLang's refresh_fill_ids
+    scheduled.extend_end = grown.copy.length
+    checkpointed = []
+    tree_cache = tree_cache_of(tiers)
+    checkpoint_unless_released(released, lambda req, cache: checkpointed.append(req), scheduled, tree_cache)
+    assert checkpointed == [] and released.admitted("r")
+    assert released.pages_of("r", grown.copy.row, PAGE).first_owned_page == TREE_PAGES
+    assert scheduled.prefix_len == scheduled.extend_end
+
+
 def test_only_running_requests_past_the_threshold_that_may_enter_the_tree_are_admitted_in_decode():
     released = Released()
     tiers = array_pools(device_pages=8, host_pages=8)
@@ -312,7 +335,7 @@ def test_only_running_requests_past_the_threshold_that_may_enter_the_tree_are_ad
     # A short prompt still enters the tree at prefill; an admitted request never does,
     # whatever its length.
     checkpointed = []
-    reqs["grown"].origin_input_ids = list(range(PROMPT))
+    reqs["grown"].full_untruncated_fill_ids = list(range(PROMPT))
     short = ScheduledReq("prompt", GROWN_THRESHOLD)
     for req in (short, reqs["grown"]):
         checkpoint_unless_released(released, lambda req, cache: checkpointed.append(req.rid), req, tree_cache_of(tiers))

@@ -224,7 +224,7 @@ ATTRIBUTES = [
     ),
     *(
         Name(REQ, n, "scheduler/hot_set_release.py")
-        for n in ("rid", "kv", "origin_input_ids", "skip_radix_cache_insert", "extend_end", "prefix_len")
+        for n in ("rid", "kv", "full_untruncated_fill_ids", "skip_radix_cache_insert", "extend_end", "prefix_len")
     ),
     *(
         Name("sglang.srt.managers.schedule_batch.ReqKvInfo", n, "scheduler/hot_set_release.py")

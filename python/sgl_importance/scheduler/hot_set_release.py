@@ -10,7 +10,8 @@ a request longer than ``--hot-set-threshold`` tokens is *admitted* to release: t
 decoder may give back its pages past the ones the radix tree holds for it
 (``hot_set/residency.py``). It is admitted at whichever comes first:
 
-- prefill, when its prompt is past the threshold: it is kept out of the tree
+- prefill, when the tokens it prefills (the prompt; after a retraction, the prompt
+  and what it had generated) are past the threshold: it is kept out of the tree
   while it runs: the checkpoints SGLang makes after each prefill chunk are skipped
   for it (the path SGLang takes for requests barred from the tree), so its pages
   past the matched prefix are its own;
@@ -28,7 +29,8 @@ An admitted request is never checkpointed into the tree while it runs. When it l
   When the device cannot take them back, the request is not inserted (its KV is
   freed; its matched prefix stays in the tree) and ``hot_set_uncached`` counts it.
 - aborted or retracted: nothing is inserted; the positions it released are left
-  out of what SGLang frees (they are not its pages any more).
+  out of what SGLang frees (they are not its pages any more). A retracted request
+  is prefilled again later and admitted again (by its new length).
 
 Either way its host copies are freed. Without the host pool the hot set stays
 logical: every page stays on the device (logged once at start-up).
@@ -118,7 +120,9 @@ def checkpoint_unless_released(released: Released, original: Callable[..., Any],
     """Around ``checkpoint_kv_cache``: keep a long prefill's pages out of the tree."""
     if not released.enabled or req.skip_radix_cache_insert:
         return original(req, tree_cache)
-    if not released.admitted(req.rid) and len(req.origin_input_ids) <= released.threshold:
+    # The whole prefill, every chunk alike: the prompt, and after a retraction what
+    # the request had generated too (SGLang does not grow this array mid-prefill).
+    if not released.admitted(req.rid) and len(req.full_untruncated_fill_ids) <= released.threshold:
         return original(req, tree_cache)
     page_size = tree_cache.token_to_kv_pool_allocator.page_size
     released.admit(req.rid, -(-req.kv.cache_protected_len // page_size))
@@ -176,7 +180,9 @@ def release_with_pages(
                         req.rid,
                         int(pages.released.sum()),
                     )
-                req.skip_radix_cache_insert = True
+                    # Set only to stop this insert: a retracted request keeps its flag
+                    # for the prefill that resumes it (tree insert or admission again).
+                    req.skip_radix_cache_insert = True
                 released.leaving[req.kv.req_pool_idx] = pages
             elif inserting:
                 released.counts.finished_reinserted += 1
