@@ -11,9 +11,9 @@ decoder may give back its pages past the ones the radix tree holds for it
 (``hot_set/residency.py``). It is admitted at whichever comes first:
 
 - prefill, when the tokens it prefills (the prompt; after a retraction, the prompt
-  and what it had generated) are past the threshold: it is kept out of the tree
-  while it runs: the checkpoints SGLang makes after each prefill chunk are skipped
-  for it (the path SGLang takes for requests barred from the tree), so its pages
+  and what it had generated) are past the threshold. It is kept out of the tree
+  while it runs (the checkpoints SGLang makes after each prefill chunk are skipped
+  for it, the path SGLang takes for requests barred from the tree), so its pages
   past the matched prefix are its own;
 - decode, on the step that takes it past the threshold (a short prompt generating a
   long answer): SGLang checkpointed its prompt into the tree at prefill and inserts
@@ -27,7 +27,7 @@ An admitted request is never checkpointed into the tree while it runs. When it l
   copied back into free device pages (evicting unlocked tree nodes if needed) and
   the whole sequence is inserted into the tree as usual, so prefix reuse holds.
   When the device cannot take them back, the request is not inserted (its KV is
-  freed; its matched prefix stays in the tree) and ``hot_set_uncached`` counts it.
+  freed; its matched prefix stays in the tree) and ``finished_uncached`` counts it.
 - aborted or retracted: nothing is inserted; the positions it released are left
   out of what SGLang frees (they are not its pages any more). A retracted request
   is prefilled again later and admitted again (by its new length).
