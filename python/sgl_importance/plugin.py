@@ -8,9 +8,8 @@ gets as many of SGLang's arguments as it declares (an ``after`` hook's return va
 the keyword ``result`` if it asks). Rows on one target apply in order, each wrapping
 the ones before it (so the last ``before`` runs first).
 
-Private SGLang names the plugin relies on (SGLang may change them without notice;
-``test/unit/test_sglang_contract.py`` checks each, and every public attribute the plugin
-reads, against the installed SGLang):
+Private SGLang names the plugin relies on (SGLang may change them without notice; ``test/unit/test_sglang_contract.py``
+checks each, and every public attribute the plugin reads, against the installed SGLang):
 
 | private name                                              | module                      |
 |-----------------------------------------------------------|-----------------------------|
@@ -79,6 +78,7 @@ HOOKS = (
     Hook("managers.scheduler.Scheduler.process_batch_result", "scheduler.hot_set_release:reopen_admission", "after", "scheduler", ("released",)),
     Hook("managers.scheduler.Scheduler.handle_generate_request", "scheduler.hot_set_requests:note_request", "before", "scheduler", ("request_params",)),
     Hook("mem_cache.common.checkpoint_kv_cache", "scheduler.hot_set_release:checkpoint_unless_released", "around", "scheduler", ("released",)),
+    Hook("managers.schedule_batch.ScheduleBatch.prepare_for_decode", "scheduler.hot_set_release:admit_grown", "after", "scheduler", ("released",)),  # lengths set, before the forward
     Hook("mem_cache.common.release_kv_cache", "scheduler.hot_set_release:release_with_pages", "around", "scheduler", ("released", "request_params")),
     Hook("mem_cache.base_prefix_cache.BasePrefixCache.free_kv_row", "scheduler.hot_set_release:free_row_around_released", "around", "scheduler", ("released",)),
     Hook("managers.schedule_policy.PrefillAdder.__init__", "cache.prefetch:note_prefill_adder", "after", "scheduler"),

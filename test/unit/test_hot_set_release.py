@@ -4,12 +4,21 @@ device pool decode exactly as they do with every page on the device."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries
 from sgl_importance.hot_set.key_codes import quantise
+from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import RELEASED_SLOT, ReleaseCounts, Released, RequestPages, subtract_pages
+from sgl_importance.scheduler.hot_set_release import (
+    admit_grown,
+    checkpoint_unless_released,
+    free_row_around_released,
+    release_with_pages,
+)
 from support.array_pools import ArrayPools
 
 PAGE = 4
@@ -102,11 +111,11 @@ class Request:
 class Placed:
     """A decoder over a pool; ``place`` writes a request's new tokens into it."""
 
-    def __init__(self, tiers: ArrayPools, released: Released, guard: float) -> None:
+    def __init__(self, tiers: ArrayPools, released: Released, guard: float, threshold: int = 8) -> None:
         self.tiers = tiers
         self.summaries = PageSummaries(LAYERS, tiers.k.shape[1] // PAGE, KV_HEADS, DIM, page_size=PAGE)
         params = HotSetParams(policy="importance", budget=4, window=1, sinks=1, guard_threshold=guard)
-        self.decoder = HotSetDecoder(params, self.summaries, page_size=PAGE, threshold=8, released=released)
+        self.decoder = HotSetDecoder(params, self.summaries, page_size=PAGE, threshold=threshold, released=released)
         self.requests: dict[str, Request] = {}
         self.written: dict[str, int] = {}
 
@@ -208,3 +217,157 @@ def test_key_codes_land_under_their_own_page_when_two_requests_fill_and_release_
             want = quantise(pages, pages.amin(dim=1), pages.amax(dim=1))
             got, _ = decoder.guard.gather(layer, codes)
             assert torch.equal(got, want)
+
+
+# -- a short prompt that grows past the threshold while decoding ----------------------
+
+GROWN_THRESHOLD = 24  # tokens: 6 pages
+PROMPT = 18  # tokens: SGLang's checkpoint after prefill puts its 4 full pages in the tree
+TREE_PAGES = PROMPT // PAGE
+
+
+class ScheduledReq:
+    """SGLang's ``Req`` where the release hooks read it, after the prompt's checkpoint."""
+
+    def __init__(self, rid: str, length: int) -> None:
+        self.rid = rid
+        self.kv = SimpleNamespace(req_pool_idx=3, cache_protected_len=TREE_PAGES * PAGE, kv_committed_len=length)
+        self.full_untruncated_fill_ids = list(range(length))
+        self.extend_end = length
+        self.prefix_len = 0
+        self.skip_radix_cache_insert = False
+        self.done = False
+
+    def finished(self) -> bool:
+        return self.done
+
+
+def tree_cache_of(tiers: ArrayPools) -> SimpleNamespace:
+    return SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(page_size=PAGE, available_size=lambda: 1 << 30))
+
+
+class SGLangRelease:
+    """What SGLang's ``release_kv_cache`` does with a request's row: a checkpoint inserts
+    ``[0, kv_committed_len)`` (noted here), else ``free_kv_row`` (which the plugin wraps)
+    frees the positions past the tree's; the fake pools fail on a padding or double free."""
+
+    def __init__(self, tiers: ArrayPools, released: Released, row: torch.Tensor) -> None:
+        self.tiers, self.released, self.row = tiers, released, row
+        self.inserted: list[torch.Tensor] = []
+
+    def free_kv_row(self, cache, kv, ranges) -> None:
+        for start, end in ranges:
+            self.tiers.free_device(self.row[start:end].to(torch.int64))
+
+    def __call__(self, req: ScheduledReq, tree_cache, *, checkpoint: bool) -> None:
+        if checkpoint and not req.skip_radix_cache_insert:
+            self.inserted.append(self.row[: req.kv.kv_committed_len].to(torch.int64).clone())
+            return
+        ranges = [(req.kv.cache_protected_len, req.kv.kv_committed_len)]
+        free_row_around_released(self.released, self.free_kv_row, None, req.kv, ranges)
+
+
+def grow_past_threshold(steps: int):
+    """A short prompt decoded ``steps`` steps with ``admit_grown`` run as SGLang runs it
+    (after each ``prepare_for_decode``), beside a reference that keeps every page."""
+    reference = Placed(array_pools(device_pages=200, host_pages=0), Released(), 1.0, GROWN_THRESHOLD)
+    tiers = array_pools(device_pages=64, host_pages=64)
+    released = Released()
+    released.enable(tiers, threshold=GROWN_THRESHOLD)
+    physical = Placed(tiers, released, 1.0, GROWN_THRESHOLD)
+    truth, copy = Request("r", 5, seed=3), Request("r", 5, seed=3)
+    for req in (truth, copy):
+        req.k, req.v = req.k[:, :PROMPT], req.v[:, :PROMPT]
+    reference.place(truth)
+    physical.place(copy)
+    tree_slots = copy.row[: TREE_PAGES * PAGE].clone()
+    scheduled = ScheduledReq("r", copy.length)
+    g = torch.Generator().manual_seed(11)
+    admitted_at = None
+    for _ in range(steps):
+        for req in (truth, copy):
+            req.grow()
+        reference.place(truth)
+        physical.place(copy)
+        scheduled.kv.kv_committed_len = copy.length  # this step's token included
+        admit_grown(released, SimpleNamespace(reqs=[scheduled]))
+        if released.admitted("r") and admitted_at is None:
+            admitted_at = copy.length
+        q = torch.randn(LAYERS, 1, KV_HEADS * GROUP, DIM, generator=g)
+        want, _ = reference.step(q)
+        got, _ = physical.step(q)
+        for a, b in zip(want, got):
+            assert torch.equal(a.output, b.output)
+        # The prompt's tree pages never leave: their slots are the tree's.
+        assert torch.equal(copy.row[: TREE_PAGES * PAGE], tree_slots)
+    return SimpleNamespace(
+        tiers=tiers, released=released, physical=physical, copy=copy, scheduled=scheduled, admitted_at=admitted_at
+    )
+
+
+def test_a_request_grown_past_the_threshold_while_decoding_releases_only_pages_past_its_prompt_in_the_tree():
+    grown = grow_past_threshold(steps=30)
+    # Admitted on the step the decoder starts planning it, not before.
+    assert grown.admitted_at == GROWN_THRESHOLD + 1
+    record = grown.released.peek("r")
+    assert record.first_owned_page == TREE_PAGES
+    moved = grown.physical.decoder.totals
+    assert moved.pages_released > 0 and moved.pages_copied_out > 0
+    assert record.released_pages().numel() > 0
+    assert int(record.released_pages().min()) >= TREE_PAGES
+    # Finished: every released page comes back, and the whole sequence is what the
+    # tree is given, each position holding its own K and V.
+    tiers, copy, scheduled = grown.tiers, grown.copy, grown.scheduled
+    release = SGLangRelease(tiers, grown.released, copy.row)
+    scheduled.done = True
+    release_with_pages(grown.released, RequestParams(), release, scheduled, tree_cache_of(tiers), checkpoint=True)
+    (inserted,) = release.inserted
+    assert (inserted != RELEASED_SLOT).all()
+    assert torch.equal(tiers.k[:, inserted], copy.k) and torch.equal(tiers.v[:, inserted], copy.v)
+    assert grown.released.counts.finished_reinserted == 1
+    assert not grown.released.admitted("r") and len(tiers.free_host_pages) == 64
+
+
+def test_a_grown_request_retracted_frees_only_what_it_holds_and_is_admitted_again_at_its_prefill():
+    grown = grow_past_threshold(steps=20)
+    tiers, released, scheduled = grown.tiers, grown.released, grown.scheduled
+    assert released.peek("r").released_pages().numel() > 0
+    release = SGLangRelease(tiers, released, grown.copy.row)
+    release_with_pages(released, RequestParams(), release, scheduled, tree_cache_of(tiers), checkpoint=False)
+    # Everything but the tree's pages is back in the allocator (freed once each: the
+    # pools fail on the released positions, which point at the padding page).
+    assert len(tiers.free_device_pages) == tiers.device_pages - TREE_PAGES
+    assert len(tiers.free_host_pages) == 64 and not released.admitted("r")
+    # Its prefill again (prompt and what it had generated, past the threshold) keeps it
+    # out of the tree, admitted past the prompt the tree matched.
+    assert not scheduled.skip_radix_cache_insert
+    scheduled.full_untruncated_fill_ids = list(range(grown.copy.length))  # SGLang's refresh_fill_ids
+    scheduled.extend_end = grown.copy.length
+    checkpointed = []
+    tree_cache = tree_cache_of(tiers)
+    checkpoint_unless_released(released, lambda req, cache: checkpointed.append(req), scheduled, tree_cache)
+    assert checkpointed == [] and released.admitted("r")
+    assert released.pages_of("r", grown.copy.row, PAGE).first_owned_page == TREE_PAGES
+    assert scheduled.prefix_len == scheduled.extend_end
+
+
+def test_only_running_requests_past_the_threshold_that_may_enter_the_tree_are_admitted_in_decode():
+    released = Released()
+    tiers = array_pools(device_pages=8, host_pages=8)
+    reqs = {name: ScheduledReq(name, GROWN_THRESHOLD + 1) for name in ("grown", "barred", "leaving", "short")}
+    reqs["barred"].skip_radix_cache_insert = True  # e.g. a beam row, whose pages are shared
+    reqs["leaving"].done = True
+    reqs["short"].kv.kv_committed_len = GROWN_THRESHOLD
+    admit_grown(released, SimpleNamespace(reqs=list(reqs.values())))
+    assert not any(released.admitted(name) for name in reqs)  # release is off
+    released.enable(tiers, threshold=GROWN_THRESHOLD)
+    admit_grown(released, SimpleNamespace(reqs=list(reqs.values())))
+    assert [name for name in reqs if released.admitted(name)] == ["grown"]
+    # A short prompt still enters the tree at prefill; an admitted request never does,
+    # whatever its length.
+    checkpointed = []
+    reqs["grown"].full_untruncated_fill_ids = list(range(PROMPT))
+    short = ScheduledReq("prompt", GROWN_THRESHOLD)
+    for req in (short, reqs["grown"]):
+        checkpoint_unless_released(released, lambda req, cache: checkpointed.append(req.rid), req, tree_cache_of(tiers))
+    assert checkpointed == ["prompt"] and not released.admitted("prompt")

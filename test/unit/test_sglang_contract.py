@@ -224,8 +224,13 @@ ATTRIBUTES = [
     ),
     *(
         Name(REQ, n, "scheduler/hot_set_release.py")
-        for n in ("rid", "kv", "origin_input_ids", "skip_radix_cache_insert", "extend_end")
+        for n in ("rid", "kv", "full_untruncated_fill_ids", "skip_radix_cache_insert", "extend_end", "prefix_len")
     ),
+    *(
+        Name("sglang.srt.managers.schedule_batch.ReqKvInfo", n, "scheduler/hot_set_release.py")
+        for n in ("req_pool_idx", "cache_protected_len", "kv_committed_len")
+    ),
+    Name("sglang.srt.managers.schedule_batch.ScheduleBatch", "reqs", "scheduler/hot_set_release.py"),
     Name(f"{MEM}.common", "evict_from_tree_cache", "scheduler/hot_set_release.py"),
     Name(SCHEDULER, "running_batch", "scheduler/hot_set_release.py"),
     Name("sglang.srt.managers.schedule_batch.ScheduleBatch", "batch_is_full", "scheduler/hot_set_release.py"),
@@ -267,6 +272,7 @@ HOOK_TARGETS = [
     "sglang.srt.managers.scheduler.Scheduler.__init__",
     "sglang.srt.managers.scheduler.Scheduler.handle_generate_request",
     "sglang.srt.mem_cache.common.checkpoint_kv_cache",
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode",
     "sglang.srt.mem_cache.common.release_kv_cache",
     "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.free_kv_row",
     f"{CACHE}.__init__",

@@ -1,20 +1,23 @@
 """Device pages a hot-set request gives back, and the host copies that replace them.
 
-A long request that the plugin kept out of the radix tree while it runs (its pages
-past the matched prefix are its own) releases the device pages its hot set no
-longer plans: the page is copied to SGLang's host pool the first time it leaves
-(a full page never changes again, so one copy serves every later promotion), its
-device page goes back to the allocator and its ``req_to_token`` entries point at
-the padding page 0, which every decode kernel here masks. A promotion allocates a
+A long request admitted to release (its pages past the ones the radix tree holds
+for it are its own: a long prefill kept out of the tree, or a request that grew
+past the threshold while decoding) releases the device pages its hot set no longer
+plans: the page is copied to SGLang's host pool the first time it leaves (a full
+page never changes again, so one copy serves every later promotion), its device
+page goes back to the allocator and its ``req_to_token`` entries point at the
+padding page 0, which every decode kernel here masks. A promotion allocates a
 device page, copies the host page in and rewrites the row. Pages shared with the
-tree (the matched prefix) and the page being written stay on the device.
+tree (the matched prefix, or a grown request's prompt) and the page being written
+stay on the device.
 
 This module holds the record and the page moves: ``RequestPages`` (one request's
 residency and host copies), ``Released`` (the process-wide record of the requests
 eligible for release, so the scheduler's hooks and the decoder see one state) and
 ``PagePools``, what the moves need from SGLang. The hooks that act on the record
-when a request is admitted or leaves (finish, abort, retract), and the adapter of
-``PagePools`` over SGLang's pools, are ``scheduler/hot_set_release.py``.
+when a request is admitted (at prefill, or mid-decode) or leaves (finish, abort,
+retract), and the adapter of ``PagePools`` over SGLang's pools, are
+``scheduler/hot_set_release.py``.
 Plain torch; nothing here imports SGLang.
 """
 
@@ -181,7 +184,7 @@ class Released:
 
     def __init__(self) -> None:
         self.pools: Optional[PagePools] = None
-        self.threshold: Optional[int] = None  # prompt tokens; None: release is off
+        self.threshold: Optional[int] = None  # tokens past which a request may release; None: off
         self._first_owned: dict[str, int] = {}
         self._pages: dict[str, RequestPages] = {}
         self.counts = ReleaseCounts()
@@ -199,7 +202,8 @@ class Released:
         self.pools, self.threshold = pools, threshold
 
     def admit(self, rid: str, first_owned_page: int) -> None:
-        """``rid`` keeps its pages from ``first_owned_page`` on out of the tree."""
+        """``rid``'s pages from ``first_owned_page`` on are its own (out of the tree) and
+        may be released; a second admission before it leaves keeps the first page."""
         self._first_owned.setdefault(rid, first_owned_page)
 
     def admitted(self, rid: str) -> bool:

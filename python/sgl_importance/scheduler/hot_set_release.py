@@ -6,19 +6,31 @@ The record these hooks act on (the runtime's ``Released``, passed in as ``releas
 the adapter of ``residency.PagePools`` over SGLang's allocator and host pool.
 
 With ``--hot-set-policy`` on and HiCache's host pool present (``--enable-hierarchical-cache``),
-a request whose prompt is longer than ``--hot-set-threshold`` is kept out of the
-radix tree while it runs: the checkpoints SGLang makes after each prefill chunk
-are skipped for it (the path SGLang takes for requests barred from the tree), so
-its pages past the matched prefix are its own and the decoder may give them back
-(``hot_set/residency.py``). When it leaves:
+a request longer than ``--hot-set-threshold`` tokens is *admitted* to release: the
+decoder may give back its pages past the ones the radix tree holds for it
+(``hot_set/residency.py``). It is admitted at whichever comes first:
+
+- prefill, when the tokens it prefills (the prompt; after a retraction, the prompt
+  and what it had generated) are past the threshold. It is kept out of the tree
+  while it runs (the checkpoints SGLang makes after each prefill chunk are skipped
+  for it, the path SGLang takes for requests barred from the tree), so its pages
+  past the matched prefix are its own;
+- decode, on the step that takes it past the threshold (a short prompt generating a
+  long answer): SGLang checkpointed its prompt into the tree at prefill and inserts
+  nothing more until it finishes, so the pages past ``cache_protected_len`` (the
+  partial last page of the prompt, then what it generates) are its own; the
+  prompt's tree pages stay on the device.
+
+An admitted request is never checkpointed into the tree while it runs. When it leaves:
 
 - finished (``release_kv_cache`` with ``checkpoint``): its released pages are
   copied back into free device pages (evicting unlocked tree nodes if needed) and
   the whole sequence is inserted into the tree as usual, so prefix reuse holds.
   When the device cannot take them back, the request is not inserted (its KV is
-  freed; its matched prefix stays in the tree) and ``hot_set_uncached`` counts it.
+  freed; its matched prefix stays in the tree) and ``finished_uncached`` counts it.
 - aborted or retracted: nothing is inserted; the positions it released are left
-  out of what SGLang frees (they are not its pages any more).
+  out of what SGLang frees (they are not its pages any more). A retracted request
+  is prefilled again later and admitted again (by its new length).
 
 Either way its host copies are freed. Without the host pool the hot set stays
 logical: every page stays on the device (logged once at start-up).
@@ -105,14 +117,40 @@ def reopen_admission(released: Released, scheduler: Any) -> None:
 
 
 def checkpoint_unless_released(released: Released, original: Callable[..., Any], req: Any, tree_cache: Any) -> Any:
-    """Around ``checkpoint_kv_cache``: keep a long prompt's pages out of the tree."""
-    if not released.enabled or req.skip_radix_cache_insert or len(req.origin_input_ids) <= released.threshold:
+    """Around ``checkpoint_kv_cache``: keep a long prefill's pages out of the tree."""
+    if not released.enabled or req.skip_radix_cache_insert:
+        return original(req, tree_cache)
+    # The whole prefill, every chunk alike: the prompt, and after a retraction what
+    # the request had generated too (SGLang does not grow this array mid-prefill).
+    if not released.admitted(req.rid) and len(req.full_untruncated_fill_ids) <= released.threshold:
         return original(req, tree_cache)
     page_size = tree_cache.token_to_kv_pool_allocator.page_size
     released.admit(req.rid, -(-req.kv.cache_protected_len // page_size))
     # What SGLang does for a request barred from the tree: resume after this extend.
     req.prefix_len = req.extend_end
     return None
+
+
+def admit_grown(released: Released, batch: Any) -> None:
+    """After ``ScheduleBatch.prepare_for_decode``: admit the requests this step takes
+    past the threshold (a short prompt generating a long answer).
+
+    The step's KV length (``kv_committed_len``, this step's token included) is what the
+    decoder tracks a request by, so the decoder finds it admitted on the step it starts
+    planning it. The tree holds ``[0, cache_protected_len)`` of it (the prompt, page
+    aligned; SGLang inserts no decode tokens before the request finishes): the pages
+    from there on are its own.
+    """
+    if not released.enabled:
+        return
+    threshold = released.threshold
+    for req in batch.reqs:
+        if req.kv.kv_committed_len <= threshold or released.admitted(req.rid):
+            continue
+        # Barred from the tree (beam rows share pages), or leaving: as for long prompts.
+        if req.skip_radix_cache_insert or req.finished():
+            continue
+        released.admit(req.rid, -(-req.kv.cache_protected_len // released.pools.page_size))
 
 
 def release_with_pages(
@@ -142,7 +180,9 @@ def release_with_pages(
                         req.rid,
                         int(pages.released.sum()),
                     )
-                req.skip_radix_cache_insert = True
+                    # Set only to stop this insert: a retracted request keeps its flag
+                    # for the prefill that resumes it (tree insert or admission again).
+                    req.skip_radix_cache_insert = True
                 released.leaving[req.kv.req_pool_idx] = pages
             elif inserting:
                 released.counts.finished_reinserted += 1
