@@ -151,8 +151,8 @@ def test_the_start_up_line_states_tokens_bytes_share_and_what_the_kv_pool_gave_u
 
 
 def _configurator(max_total_tokens=None, hierarchical=True):
-    server_args = types.SimpleNamespace(max_total_tokens=max_total_tokens, enable_hierarchical_cache=hierarchical)
-    return types.SimpleNamespace(server_args=server_args)
+    """Stands for SGLang's configurator, and what kv_sizing reads of it (monkeypatched)."""
+    return types.SimpleNamespace(sizing=(SMOL, max_total_tokens, hierarchical))
 
 
 def _sizing(tokens_alone: int):
@@ -169,7 +169,7 @@ def _sizing(tokens_alone: int):
 
 @pytest.fixture
 def smol_shape(monkeypatch):
-    monkeypatch.setattr(hot_set_attention, "kv_shape", lambda configurator: SMOL)
+    monkeypatch.setattr(hot_set_attention, "kv_sizing", lambda configurator: configurator.sizing)
 
 
 def test_sglangs_sizing_takes_the_cap_the_hook_passes():

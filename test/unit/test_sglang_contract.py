@@ -232,7 +232,7 @@ ATTRIBUTES = [
     # The guard's share of the KV pool's memory (attention/hot_set_attention.py: reserve_guard).
     *(
         Name(f"{MEM}.kv_cache_configurator.KVCacheConfigurator", n, "attention/hot_set_attention.py")
-        for n in ("model_config", "layer_info", "kv_cache_dtype", "page_size", "server_args")
+        for n in ("model_config", "layer_info", "kv_cache_dtype", "page_size")
     ),
     Name("sglang.srt.model_executor.pool_configurator.MemoryPoolConfig", "max_total_num_tokens", "attention/"),
     Name(
@@ -244,7 +244,10 @@ ATTRIBUTES = [
         Name("sglang.srt.configs.model_config.ModelConfig", n, "attention/hot_set_attention.py")
         for n in ("head_dim", "v_head_dim", "get_num_kv_heads")
     ),
-    *(Name(SERVER_ARGS, n, "attention/") for n in ("max_total_tokens", "enable_hierarchical_cache")),
+    Name(SERVER_ARGS, "enable_hierarchical_cache", "attention/"),
+    # Read through get_schedule() / get_memory(), SGLang's resolved settings (a bag per struct).
+    Name("sglang.srt.arg_groups.fields.schedule.Schedule", "max_total_tokens", "attention/hot_set_attention.py"),
+    Name("sglang.srt.arg_groups.fields.memory.Memory", "enable_hierarchical_cache", "attention/hot_set_attention.py"),
     Name("sglang.srt.model_executor.model_runner.ModelRunner", "max_total_num_tokens", "attention/"),
     # Modules.
     Name(f"{MEM}.radix_cache", "RadixKey", "cache/stored.py"),

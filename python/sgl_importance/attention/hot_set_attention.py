@@ -271,11 +271,9 @@ def reserve_guard(
     config = original(configurator, budget_bytes, *args, cap_tokens=cap_tokens, **kwargs)
     if cap_tokens is not None or hot_set_params(runtime.config) is None:
         return config
-    shape = kv_shape(configurator)
+    shape, cap, hierarchical = kv_sizing(configurator)
     kv_tokens_alone = config.max_total_num_tokens
-    hierarchical = _hierarchical(configurator.server_args)
     budget = guard_budget(runtime.config, shape, kv_tokens_alone, hierarchical=hierarchical)
-    cap = configurator.server_args.max_total_tokens
     if cap is not None and kv_tokens_alone == cap // shape.page_size * shape.page_size:
         budget = replace(budget, sized_by=f"--max-total-tokens {cap} bound it")
     runtime.guard_budget = budget
@@ -284,13 +282,18 @@ def reserve_guard(
     return original(configurator, budget_bytes, *args, cap_tokens=budget.kv_tokens, **kwargs)
 
 
-def kv_shape(configurator: Any) -> KVShape:
-    """This rank's KV pool shape as SGLang's ``KVCacheConfigurator`` sizes an MHA pool."""
-    from sglang.srt.runtime_context import get_parallel
+def kv_sizing(configurator: Any) -> tuple[KVShape, Optional[int], bool]:
+    """What SGLang sizes this rank's KV pool by: its shape (as ``KVCacheConfigurator``
+    sizes an MHA pool), the token cap and whether a host pool takes released pages.
+
+    The cap and the host pool are read from SGLang's resolved settings, as its own
+    sizing reads them (a platform's default ``--max-total-tokens`` is not on ServerArgs).
+    """
+    from sglang.srt.runtime_context import get_memory, get_parallel, get_schedule
 
     parallel = get_parallel()
     model = configurator.model_config
-    return KVShape(
+    shape = KVShape(
         num_layers=configurator.layer_info.num_effective_layers,
         num_kv_heads=model.get_num_kv_heads(parallel.attn_tp_size, parallel.attn_dcp_size),
         head_dim=model.head_dim,
@@ -298,3 +301,4 @@ def kv_shape(configurator: Any) -> KVShape:
         element_size=configurator.kv_cache_dtype.itemsize,
         page_size=configurator.page_size,
     )
+    return shape, get_schedule().max_total_tokens, bool(get_memory().enable_hierarchical_cache)
