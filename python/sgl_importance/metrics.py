@@ -18,6 +18,7 @@ mode.
 | `sgl_importance:storage_tokens_total{decision}` | L3 admission: tokens written / deferred / written late |
 | `sgl_importance:prefetch_tokens_total{reason,outcome}` | host→device prefetch: tokens issued / used / wasted, for waiting requests or warming |
 | `sgl_importance:hot_set_*_total`                | per-request hot set (``HotSetMetrics``): steps, promotions, hits, late arrivals, guard fallbacks, pages attended vs dense |
+| `sgl_importance:hot_set_guard_capacity_pages`, `..._guard_pages_in_use`, `..._guard_bytes` | the guard's fixed pool: pages it holds, pages holding codes (set each step), device bytes |
 | `sgl_importance:storage_corrupt_pages_total{reason}` | storage-tier pages refused on read (checksum, short, format, layout, unreadable) |
 | `sgl_importance:storage_write_pauses_total` | times storage-tier writes were paused after repeated failures |
 | `sgl_importance:storage_pages_total{op,precision}` | storage-tier pages written / read per stored class (full, int8, int4; all full with `--importance-storage-precision off`) |
@@ -304,8 +305,18 @@ HOT_SET_SERIES = {
 }
 
 
+# The guard pool's gauges: name after ``hot_set_`` -> help.
+HOT_SET_GUARD_GAUGES = {
+    "guard_capacity_pages": "Pages of key codes the guard's device pool holds (fixed at start-up; "
+    "tokens = pages x --page-size; --hot-set-guard-tokens).",
+    "guard_pages_in_use": "Guard pool pages holding key codes of guarded requests, after the last decode step.",
+    "guard_bytes": "Device bytes of the guard's pool (taken out of the KV pool's memory at start-up).",
+}
+
+
 class HotSetMetrics:
-    """``sgl_importance:hot_set_*_total`` counters (``--enable-metrics`` only).
+    """``sgl_importance:hot_set_*_total`` counters and the guard pool's gauges
+    (``--enable-metrics`` only).
 
     Args:
         labels: rank labels, so series of several ranks stay apart.
@@ -313,7 +324,7 @@ class HotSetMetrics:
     """
 
     def __init__(self, labels: Mapping[str, Any], registry: Any = None) -> None:
-        from prometheus_client import REGISTRY, Counter
+        from prometheus_client import REGISTRY, Counter, Gauge
 
         registry = REGISTRY if registry is None else registry
         labels = {k: str(v) for k, v in labels.items()}
@@ -323,6 +334,26 @@ class HotSetMetrics:
             ).labels(**labels)
             for field, (suffix, text) in HOT_SET_SERIES.items()
         }
+        # Plain values, set by the scheduler (the scrape runs in another process).
+        self._gauges = {
+            name: Gauge(
+                f"sgl_importance:hot_set_{name}",
+                text,
+                labelnames=list(labels),
+                multiprocess_mode="mostrecent",
+                registry=registry,
+            ).labels(**labels)
+            for name, text in HOT_SET_GUARD_GAUGES.items()
+        }
+
+    def guard_pool(self, capacity_pages: int, nbytes: int) -> None:
+        """The guard pool's fixed size, once at start-up."""
+        self._gauges["guard_capacity_pages"].set(capacity_pages)
+        self._gauges["guard_bytes"].set(nbytes)
+
+    def guard_in_use(self, pages: int) -> None:
+        """Pages holding key codes, after each step."""
+        self._gauges["guard_pages_in_use"].set(pages)
 
     def add(self, counts: Mapping[str, int]) -> None:
         """Add one step's counts (``HotSetCounts.as_dict()``)."""

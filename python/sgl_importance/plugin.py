@@ -1,12 +1,11 @@
 """The one place where sgl-importance touches SGLang: a table, and one loop that applies it.
 
 SGLang calls ``load()`` (entry point ``sglang.srt.plugins``) in every process it starts.
-Each row of ``HOOKS`` is one touch-point: (SGLang target, our function, kind, process).
-Functions (``"module:attribute"`` under ``sgl_importance``) are imported on first call;
-``state`` names what the process's runtime (``runtime.py``) passes in first. A function
-gets as many of SGLang's arguments as it declares (an ``after`` hook's return value as
-the keyword ``result`` if it asks). Rows on one target apply in order, each wrapping
-the ones before it (so the last ``before`` runs first).
+Each row of ``HOOKS`` is one touch-point: (SGLang target, our function, kind, process). Functions
+(``"module:attribute"`` under ``sgl_importance``) are imported on first call; ``state`` names what the
+process's runtime (``runtime.py``) passes in first. A function gets as many of SGLang's arguments as it
+declares (an ``after`` hook's return value as the keyword ``result`` if it asks). Rows on one target
+apply in order, each wrapping the ones before it (so the last ``before`` runs first).
 
 Private SGLang names the plugin relies on (SGLang may change them without notice; ``test/unit/test_sglang_contract.py``
 checks each, and every public attribute the plugin reads, against the installed SGLang):
@@ -66,8 +65,10 @@ HOOKS = (
     Hook("managers.scheduler.Scheduler.process_batch_result", "importance.page_table:PageTables.dump", "after", "dump", ("page_tables",)),
     Hook("importance", "runtime:Runtime.eviction_strategy", "policy", "any", ("runtime",)),
     Hook("server_args.ServerArgs.from_cli_args", "cache.strategy:check_cli_args", "check", "any"),
-    # The runtime exists before anything in Scheduler.__init__ builds a cache or a backend.
+    # The runtime exists before anything in Scheduler.__init__ sizes the KV pool, builds a cache or a backend.
     Hook("managers.scheduler.Scheduler.__init__", "runtime:start", "before", "scheduler"),
+    # The KV pool's tokens less the guard's pool (hot_set/guard_budget.py), before either is allocated.
+    Hook("mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget", "attention.hot_set_attention:reserve_guard", "around", "scheduler", ("runtime",)),
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.__init__", "cache.components:use_importance_components", "before", "scheduler"),
     Hook("managers.scheduler.Scheduler.process_batch_result", "scheduler.fold:fold_after_batch", "after", "scheduler"),
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.write_backup_storage", "cache.admission:gate_storage_write", "around", "scheduler"),
@@ -159,8 +160,7 @@ def _bind(hook: Hook) -> Callable[..., Any]:
             args = (*(rt if name == "runtime" else getattr(rt, name) for name in hook.state), *args)
         return fitted[0](*args, **kwargs)
 
-    # SGLang takes a before hook's return value as new arguments and an after hook's as
-    # a new result: ours return None, whatever the function returned.
+    # SGLang takes a before hook's return value as new arguments, an after hook's as a new result: ours return None.
     def after(result: Any, *args: Any, **kwargs: Any) -> None:
         target(*args, **kwargs, result=result)
 

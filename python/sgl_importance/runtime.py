@@ -3,8 +3,8 @@
 SGLang runs one scheduler per process (per tensor-parallel rank); everything the
 plugin keeps across calls in that process lives on its :class:`Runtime` — the page
 table, each cache's ``CachePolicy``, the shared importance, the storage grading,
-the hot set's release record and per-request parameters, the metrics and the
-tracing. ``plugin.py`` builds it before ``Scheduler.__init__`` runs (from the
+the hot set's release record, per-request parameters and guard budget, the metrics
+and the tracing. ``plugin.py`` builds it before ``Scheduler.__init__`` runs (from the
 validated ``--importance-*`` flags), attaches the scheduler after, and passes the
 parts each hook needs into it: the owner of state is passed in, never found.
 
@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Optional
 from sgl_importance.cache.policy import CachePolicy
 from sgl_importance.cache.strategy import ImportanceStrategy
 from sgl_importance.config import ImportanceConfig, config_of
+from sgl_importance.hot_set.guard_budget import GuardBudget
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import Released
 from sgl_importance.importance.page_table import PageTables
@@ -55,6 +56,9 @@ class Runtime:
         # The hot set's release record and the parameters requests chose for themselves.
         self.released = Released()
         self.request_params = RequestParams()
+        # The guard's pool size and what the KV pool gave up for it, set when SGLang
+        # sizes the KV pool (attention/hot_set_attention.reserve_guard); None before.
+        self.guard_budget: Optional[GuardBudget] = None
         self.tracing = Tracing()
         # The storage grading under --importance-storage-precision graded (else None).
         c = self.config

@@ -234,6 +234,26 @@ ATTRIBUTES = [
     Name(f"{MEM}.common", "evict_from_tree_cache", "scheduler/hot_set_release.py"),
     Name(SCHEDULER, "running_batch", "scheduler/hot_set_release.py"),
     Name("sglang.srt.managers.schedule_batch.ScheduleBatch", "batch_is_full", "scheduler/hot_set_release.py"),
+    # The guard's share of the KV pool's memory (attention/hot_set_attention.py: reserve_guard).
+    *(
+        Name(f"{MEM}.kv_cache_configurator.KVCacheConfigurator", n, "attention/hot_set_attention.py")
+        for n in ("model_config", "layer_info", "kv_cache_dtype", "page_size")
+    ),
+    Name("sglang.srt.model_executor.pool_configurator.MemoryPoolConfig", "max_total_num_tokens", "attention/"),
+    Name(
+        "sglang.srt.model_executor.model_runner_components.layer_setup.ModelLayerInfo",
+        "num_effective_layers",
+        "attention/hot_set_attention.py",
+    ),
+    *(
+        Name("sglang.srt.configs.model_config.ModelConfig", n, "attention/hot_set_attention.py")
+        for n in ("head_dim", "v_head_dim", "get_num_kv_heads")
+    ),
+    Name(SERVER_ARGS, "enable_hierarchical_cache", "attention/"),
+    # Read through get_schedule() / get_memory(), SGLang's resolved settings (a bag per struct).
+    Name("sglang.srt.arg_groups.fields.schedule.Schedule", "max_total_tokens", "attention/hot_set_attention.py"),
+    Name("sglang.srt.arg_groups.fields.memory.Memory", "enable_hierarchical_cache", "attention/hot_set_attention.py"),
+    Name("sglang.srt.model_executor.model_runner.ModelRunner", "max_total_num_tokens", "attention/"),
     # Modules.
     Name(f"{MEM}.radix_cache", "RadixKey", "cache/stored.py"),
     Name(f"{MEM}.utils", "get_storage_hash_str", "cache/stored.py"),
@@ -284,6 +304,7 @@ HOOK_TARGETS = [
     f"{MEM}.storage.backend_factory.StorageBackendFactory.create_backend",
     f"{MEM}.pool_host.mha.get_mha_host_pool_cls",
     f"{MEM}.l2_transfer.L2TransferEngine.__init__",
+    f"{MEM}.kv_cache_configurator.KVCacheConfigurator.config_from_budget",
 ]
 
 
@@ -425,6 +446,7 @@ def test_sglangs_disaggregation_off_is_the_value_the_prefetch_compares():
 PARALLEL = [
     ("attn_dcp_size", "cache/components.py"),
     ("tp_rank", "trace/recorder.py, attention/torch_backend.py"),
+    ("attn_tp_size", "attention/hot_set_attention.py"),
     ("dp_rank", "trace/recorder.py"),
 ]
 

@@ -16,19 +16,26 @@ here:
   CUDA), fenced before a layer reads pages and before any other forward (``fence``).
 
 The guard's key codes are written by the decoder itself, from the pool, at the end of
-the step that filled a page (``HotSetDecoder._code_pages``); nothing here keeps them.
+the step that filled a page (``hot_set/coding.py``), into a ``GuardPool`` built here
+once, at the size ``reserve_guard`` took out of the KV pool's memory when SGLang sized
+it (``hot_set/guard_budget.py``); the pool never grows.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import logging
+from dataclasses import replace
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from sgl_importance.config import config_of
+from sgl_importance.hot_set.guard_budget import KVShape, describe, guard_budget
 from sgl_importance.hot_set.params import hot_set_params
 from sgl_importance.importance.page_table import PageImportanceTable
 from sgl_importance.runtime import Runtime
+
+logger = logging.getLogger(__name__)
 
 
 class HotSetAttention:
@@ -143,6 +150,7 @@ class HotSetAttention:
         counts = self.decoder.end_step()
         if self.metrics is not None:
             self.metrics.add(counts.as_dict())
+            self.metrics.guard_in_use(self.decoder.guard.pages_in_use)
         return counts
 
     def fence(self) -> None:
@@ -173,12 +181,33 @@ def build_hot_set(
     params = hot_set_params(config)
     if params is None:
         return None
-    from sgl_importance.hot_set import HotSetDecoder, PageSummaries
+    from sgl_importance.hot_set import GuardPool, HotSetDecoder, PageSummaries
     from sgl_importance.hot_set.promotion import PromotionStream
 
     pool = model_runner.token_to_kv_pool
     keys = pool.get_key_buffer(last_layer_id)
     page_size = model_runner.page_size
+    budget = runtime.guard_budget
+    if budget is None:
+        # Built without SGLang's pool sizing (reserve_guard never ran): the same size,
+        # but outside the KV pool's memory, and the start-up line says so.
+        values = pool.get_value_buffer(last_layer_id)
+        shape = KVShape(
+            last_layer_id + 1, keys.shape[1], keys.shape[2], values.shape[2], keys.element_size(), page_size
+        )
+        hierarchical = _hierarchical(model_runner.server_args)
+        budget = guard_budget(config, shape, model_runner.max_total_num_tokens, hierarchical=hierarchical)
+        budget = replace(budget, kv_tokens=budget.kv_tokens_alone, sized_by="NOT taken out of the KV pool")
+    guard = GuardPool(
+        last_layer_id + 1, keys.shape[1], keys.shape[2], page_size=page_size, capacity_pages=budget.guard_pages,
+        device=keys.device,
+    )  # fmt: skip
+    logger.info(describe(budget))
+    if budget.guard_pages and guard.nbytes > budget.guard_bytes:
+        # Another shape than SGLang's pool sizing saw (pipeline stages, say).
+        logger.warning(
+            "hot set: the guard pool's %d bytes exceed the %d reserved for it", guard.nbytes, budget.guard_bytes
+        )
     summaries = PageSummaries(
         last_layer_id + 1,
         -(-keys.shape[0] // page_size),
@@ -197,8 +226,12 @@ def build_hot_set(
         promotions=PromotionStream(keys.device),
         released=runtime.released,
         request_params=runtime.request_params,
+        guard=guard,
     )
-    return HotSetAttention(decoder, page_table, _build_metrics(model_runner))
+    metrics = _build_metrics(model_runner)
+    if metrics is not None:
+        metrics.guard_pool(guard.capacity, guard.nbytes)
+    return HotSetAttention(decoder, page_table, metrics)
 
 
 def _build_metrics(model_runner: Any) -> Any:
@@ -210,3 +243,62 @@ def _build_metrics(model_runner: Any) -> Any:
 
     # SGLang keeps a process's ranks in its runtime context, not on the model runner.
     return HotSetMetrics({"tp_rank": get_parallel().tp_rank})
+
+
+def _hierarchical(server_args: Any) -> bool:
+    return bool(server_args.enable_hierarchical_cache)
+
+
+def reserve_guard(
+    runtime: Runtime,
+    original: Callable[..., Any],
+    configurator: Any,
+    budget_bytes: int,
+    *args: Any,
+    cap_tokens: Optional[int] = None,
+    **kwargs: Any,
+) -> Any:
+    """Around ``KVCacheConfigurator.config_from_budget``: the KV pool SGLang sizes, less
+    the guard's pool (``hot_set/guard_budget.py``), recorded on the runtime for
+    ``build_hot_set``.
+
+    SGLang turns the profiled memory into the KV pool's tokens there, capped by
+    ``--max-total-tokens``; the guard's bytes come out of that count, whichever bound
+    it, and SGLang sizes the pool again under its own cap (``cap_tokens``). A call that
+    already has a cap is SGLang's post-capture resize of a pool sized by the first call:
+    the memory it measures already excludes the guard's pool, so it passes through.
+    """
+    config = original(configurator, budget_bytes, *args, cap_tokens=cap_tokens, **kwargs)
+    if cap_tokens is not None or hot_set_params(runtime.config) is None:
+        return config
+    shape, cap, hierarchical = kv_sizing(configurator)
+    kv_tokens_alone = config.max_total_num_tokens
+    budget = guard_budget(runtime.config, shape, kv_tokens_alone, hierarchical=hierarchical)
+    if cap is not None and kv_tokens_alone == cap // shape.page_size * shape.page_size:
+        budget = replace(budget, sized_by=f"--max-total-tokens {cap} bound it")
+    runtime.guard_budget = budget
+    if budget.kv_tokens == kv_tokens_alone:
+        return config
+    return original(configurator, budget_bytes, *args, cap_tokens=budget.kv_tokens, **kwargs)
+
+
+def kv_sizing(configurator: Any) -> tuple[KVShape, Optional[int], bool]:
+    """What SGLang sizes this rank's KV pool by: its shape (as ``KVCacheConfigurator``
+    sizes an MHA pool), the token cap and whether a host pool takes released pages.
+
+    The cap and the host pool are read from SGLang's resolved settings, as its own
+    sizing reads them (a platform's default ``--max-total-tokens`` is not on ServerArgs).
+    """
+    from sglang.srt.runtime_context import get_memory, get_parallel, get_schedule
+
+    parallel = get_parallel()
+    model = configurator.model_config
+    shape = KVShape(
+        num_layers=configurator.layer_info.num_effective_layers,
+        num_kv_heads=model.get_num_kv_heads(parallel.attn_tp_size, parallel.attn_dcp_size),
+        head_dim=model.head_dim,
+        v_head_dim=model.v_head_dim,
+        element_size=configurator.kv_cache_dtype.itemsize,
+        page_size=configurator.page_size,
+    )
+    return shape, get_schedule().max_total_tokens, bool(get_memory().enable_hierarchical_cache)

@@ -38,9 +38,15 @@ LEVELS = 15  # 4-bit codes
 ROUNDING_MARGIN = 2.0**-18
 
 
+def bytes_per_page(head_dim: int, page_size: int) -> int:
+    """Device bytes of guard state per page, layer and KV head: the packed codes and
+    one float32 value norm (what ``GuardPool`` allocates per page id)."""
+    return page_size * head_dim // 2 + 4
+
+
 def bytes_per_token(head_dim: int, page_size: int) -> float:
     """Device bytes of guard state per token, layer and KV head."""
-    return head_dim / 2 + 4 / page_size
+    return bytes_per_page(head_dim, page_size) / page_size
 
 
 def kv_bytes_per_token(head_dim: int, element_size: int) -> int:
