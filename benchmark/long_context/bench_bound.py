@@ -27,12 +27,17 @@ Per length, budget and threshold it reports: the share of layer-steps certified 
 nothing more read, with heavy pages read, with the rest left out as negligible, and
 fallbacks; the exact error where certified and the bound; **violations** (certified
 layer-steps whose exact error exceeds the bound, against ``estimate.DELTA``), and the
-same for the sampled estimate before fallback; pages read exactly (planned, sampled,
+same for the sampled estimate before fallback, also by the number of pages sampled (a
+request draws its sample once: every layer and step of it shares its luck); pages read exactly (planned, sampled,
 heavy, fallback) as a share of dense, from the decoder's counters; and the guard's
 state per token (``key_codes.bytes_per_token``) against the KV.
 
     python -m benchmark.long_context.bench_bound --out /tmp/bench_bound
     python -m benchmark.long_context.bench_bound --n 1 --lengths 2048 --steps 3 --budgets 0.2 --out /tmp/bb  # smoke
+    python -m benchmark.long_context.bench_bound --report --out /tmp/bench_bound  # the tables again, from the journal
+
+Every guarded layer-step goes to ``--out``/layer_steps.jsonl; RESULTS_bound.md, bound.json and
+bound_sampled.png beside it.
 """
 
 from __future__ import annotations
@@ -239,7 +244,7 @@ def quantile(xs: list[float], q: float) -> float:
     return float(torch.tensor(xs, dtype=torch.float64).quantile(q))
 
 
-def summarise(rows: list[dict], counts: dict, alone: list[dict]) -> dict:
+def summarise(rows: list[dict], counts: dict | None, alone: list[dict]) -> dict:
     """One (length, budget, threshold) cell."""
     n = len(rows)
     certified = [r for r in rows if not r["fallback"]]
@@ -275,8 +280,10 @@ def summarise(rows: list[dict], counts: dict, alone: list[dict]) -> dict:
         "fallback_uncovered": sum(not math.isfinite(r["free_bound"]) for r in fallbacks),
         "part1_error_median": quantile([r["part1_error"] for r in rows], 0.5),
         "alone_error_median": quantile([r["error"] for r in alone], 0.5),
-        "read_share": counts["pages_attended"] / counts["pages_dense"] if counts["pages_dense"] else float("nan"),
-        "read_share_rows": sum(r["read_pages"] for r in rows) / max(1, sum(r["pages"] for r in rows)),
+        # Pages read exactly (planned, sampled, heavy, fallback) over dense's, from the rows; the
+        # decoder's own counters (pages_attended / pages_dense) where the run kept them.
+        "read_share": sum(r["read_pages"] for r in rows) / max(1, sum(r["pages"] for r in rows)),
+        "read_share_counters": counts["pages_attended"] / counts["pages_dense"] if counts else None,
         "counts": counts,
         "fallback_by_task": {
             t: sum(r["fallback"] for r in rows if r["task"] == t) / max(1, sum(r["task"] == t for r in rows))
@@ -347,6 +354,37 @@ def fallback_table(cells: list[dict], tau: float) -> str:
     return "\n".join(lines)
 
 
+SAMPLE_BINS = ((0, 1), (2, 3), (4, 7), (8, 15), (16, 10**9))
+
+
+def sample_table(rows: list[dict]) -> str:
+    """The sampled estimate's bound against its exact error, by how many rest pages were
+    sampled, and how the violations gather in requests (a request's draw serves every
+    layer and step)."""
+    finite = [r for r in rows if math.isfinite(r["free_bound"])]
+    lines = [
+        "| sampled rest pages | layer-steps | violations | exact error / bound (median) | requests | "
+        "requests violating in > half their layer-steps |",
+        "|---|---|---|---|---|---|",
+    ]
+    for lo, hi in SAMPLE_BINS:
+        got = [r for r in finite if lo <= r["sample"] <= hi]
+        if not got:
+            continue
+        bad = [r["free_error"] > r["free_bound"] + SLACK for r in got]
+        ratio = [r["free_error"] / r["free_bound"] if r["free_bound"] > 0 else float("inf") for r in got]
+        per_request: dict[tuple, list[bool]] = {}
+        for r, b in zip(got, bad):
+            per_request.setdefault((r["task"], r["trial"], r["length"], r["budget"]), []).append(b)
+        worst = sum(sum(v) > len(v) / 2 for v in per_request.values())
+        label = f"{lo}-{hi}" if hi < 10**9 else f"≥ {lo}"
+        lines.append(
+            f"| {label} | {len(got)} | {sum(bad)} ({sum(bad) / len(got):.1%}) | {quantile(ratio, 0.5):.2f} | "
+            f"{len(per_request)} | {worst} |"
+        )
+    return "\n".join(lines)
+
+
 def threshold_table(cells: list[dict], thresholds: list[float]) -> str:
     head = "| length | budget | " + " | ".join(
         f"τ = {t:g}: certified clean / heavy / fallback / violations / read" for t in thresholds
@@ -377,8 +415,21 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="decode steps per prompt (the first is dense)")
     p.add_argument("--thresholds", default="0.05,0.1,0.2")
     p.add_argument("--out", type=Path, default=Path("/tmp/bench_bound"))
+    p.add_argument("--report", action="store_true", help="rewrite the report from --out's layer_steps.jsonl")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    thresholds = [float(t) for t in a.thresholds.split(",")]
+    if a.report:
+        rows: dict[tuple, list[dict]] = {}
+        for line in (a.out / "layer_steps.jsonl").open():
+            r = json.loads(line)
+            rows.setdefault((r["length"], r["budget"], r["tau"]), []).append(r)
+        run = json.loads((a.out / "run.json").read_text()) if (a.out / "run.json").exists() else {}
+        argv = run.get("argv", sys.argv[1:])
+        described = p.parse_args(argv)  # the run's prompts and steps, for the text
+        described.out = a.out
+        report(rows, {}, thresholds, described, run.get("minutes", float("nan")), argv)
+        return
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = model_path()
@@ -386,10 +437,9 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     capture = Capture(model)
     scale = 1.0 / math.sqrt(model.config.head_dim)
-    thresholds = [float(t) for t in a.thresholds.split(",")]
     budgets = [float(b) for b in a.budgets.split(",")]
     started = time.time()
-    rows: dict[tuple, list[dict]] = {}
+    rows = {}
     counts: dict[tuple, dict] = {}
     journal = (a.out / "layer_steps.jsonl").open("w")
     with GuardProbe() as probe:
@@ -423,18 +473,23 @@ def main() -> None:
                     took = f"capture {t1 - t0:.0f} s, replays {time.time() - t1:.0f} s"
                     print(f"{prompt['rid']}: {prompt_len} tokens, {took}", flush=True)
     journal.close()
+    minutes = (time.time() - started) / 60
+    (a.out / "run.json").write_text(json.dumps({"minutes": minutes, "argv": sys.argv[1:]}))
+    report(rows, counts, thresholds, a, minutes, sys.argv[1:])
+
+
+def report(rows: dict, counts: dict, thresholds: list[float], a, minutes: float, argv: list[str]) -> None:
     cells = []
     for (length, budget, tau), got in sorted(rows.items()):
         if tau >= 1.0:
             continue
-        cell = summarise(got, counts[(length, budget, tau)], rows.get((length, budget, 1.0), []))
+        cell = summarise(got, counts.get((length, budget, tau)), rows.get((length, budget, 1.0), []))
         cell.update(length=length, budget=budget, tau=tau)
         cells.append(cell)
-    minutes = (time.time() - started) / 60
-    write(cells, thresholds, a, minutes, rows)
+    write(cells, thresholds, a, minutes, rows, argv)
 
 
-def write(cells: list[dict], thresholds: list[float], a, minutes: float, rows: dict) -> None:
+def write(cells: list[dict], thresholds: list[float], a, minutes: float, rows: dict, argv: list[str]) -> None:
     tau = GUARD_DEFAULT if GUARD_DEFAULT in thresholds else thresholds[len(thresholds) // 2]
     main_cells = [c for c in cells if c["tau"] == tau]
     total = sum(c["layer_steps"] for c in main_cells)
@@ -442,9 +497,7 @@ def write(cells: list[dict], thresholds: list[float], a, minutes: float, rows: d
     violations = sum(c["violations"] for c in main_cells)
     by_sample = sum(c["by_sample"] for c in main_cells)
     by_sample_violations = sum(c["by_sample_violations"] for c in main_cells)
-    command = "OMP_NUM_THREADS=1 python -m benchmark.long_context.bench_bound " + " ".join(
-        shlex.quote(x) for x in sys.argv[1:]
-    )
+    command = "OMP_NUM_THREADS=1 python -m benchmark.long_context.bench_bound " + " ".join(shlex.quote(x) for x in argv)
     summary = (
         f"At τ = {tau:g}: {total} guarded layer-steps, {certified:.0f} certified, {violations} violations "
         f"({violations / max(1, certified):.2%} of certified; DELTA = {DELTA:g}); of those certified on the "
@@ -465,6 +518,9 @@ def write(cells: list[dict], thresholds: list[float], a, minutes: float, rows: d
         + "\n\nThe sampled estimate before any fallback or rest left out (the guard called again with no "
         "threshold), over every guarded layer-step:\n\n"
         + fallback_table(cells, tau)
+        + "\n\nThe sampled estimate's bound by the number of rest pages sampled (every guarded layer-step at "
+        f"τ = {tau:g}; each request draws its sample once, so a draw serves all its layers and steps):\n\n"
+        + sample_table(rows_at(rows, tau))
         + "\n\nEvery threshold (certified with nothing more read / heavy pages read / fallback / violations / "
         "pages read as a share of dense):\n\n"
         + threshold_table(cells, thresholds)
@@ -476,6 +532,10 @@ def write(cells: list[dict], thresholds: list[float], a, minutes: float, rows: d
     (a.out / "bound.json").write_text(json.dumps(cells, indent=1))
     print(text)
     plot(rows, cells, tau, a.out / "bound_sampled.png")
+
+
+def rows_at(rows: dict, tau: float) -> list[dict]:
+    return [r for (_, _, t), got in sorted(rows.items()) if t == tau for r in got]
 
 
 def plot(rows: dict, cells: list[dict], tau: float, path: Path) -> None:
