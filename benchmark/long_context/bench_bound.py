@@ -238,6 +238,11 @@ def replay(prompt: dict, budget: float, tau: float, scale: float, probe: GuardPr
     return rows, counts
 
 
+def read_of(row: dict) -> int:
+    """Rest pages the guard read exactly in a layer-step (every rest page not estimated)."""
+    return row["rest"] - row["estimated"]
+
+
 def quantile(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -257,8 +262,10 @@ def summarise(rows: list[dict], counts: dict | None, alone: list[dict]) -> dict:
     share = lambda part: len(part) / n if n else float("nan")  # noqa: E731
     return {
         "layer_steps": n,
-        "clean": share([r for r in certified if r["heavy"] == 0 and not r["light"]]),
+        # Rest pages the guard read: heavy ones, the heaviest quarters of its rounds, a fallback's.
+        "clean": share([r for r in certified if read_of(r) == 0 and not r["light"]]),
         "heavy": share([r for r in rows if r["heavy"] > 0]),
+        "rounds": share([r for r in certified if read_of(r) > r["heavy"]]),
         "light": share([r for r in certified if r["light"]]),
         "fallback": share(fallbacks),
         "error_median": quantile([r["error"] for r in certified], 0.5),
@@ -315,17 +322,19 @@ def num(x: float, digits: int = 4) -> str:
 
 def main_table(cells: list[dict], tau: float) -> str:
     head = (
-        "| length | budget | layer-steps | certified, nothing more read | heavy pages read | rest left out "
-        "(negligible) | fallback | error where certified (median / max) | bound where certified (median / p90) "
-        "| violations (certified) | pages read / dense | error, guard off (median) |"
+        "| length | budget | layer-steps | certified, nothing more read | heavy pages read | certified after "
+        "reading the heaviest quarter(s) | rest left out (negligible) | fallback | error where certified "
+        "(median / max) | bound where certified (median / p90) | violations (certified) | pages read / dense "
+        "| error, guard off (median) |"
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     for c in cells:
         if c["tau"] != tau:
             continue
         lines.append(
             f"| {c['length']} | {c['budget']:.0%} | {c['layer_steps']} | {pct(c['clean'])} | {pct(c['heavy'])} | "
-            f"{pct(c['light'])} | {pct(c['fallback'])} | {num(c['error_median'])} / {num(c['error_max'])} | "
+            f"{pct(c['rounds'])} | {pct(c['light'])} | {pct(c['fallback'])} | "
+            f"{num(c['error_median'])} / {num(c['error_max'])} | "
             f"{num(c['bound_median'], 3)} / {num(c['bound_p90'], 3)} | "
             f"{c['violations']} ({pct(c['violation_rate'])}) | {pct(c['read_share'])} | "
             f"{num(c['alone_error_median'], 3)} |"
