@@ -31,8 +31,10 @@ guarded step's counters (``pages_dense``, ``pages_attended``, ``pages_sampled``,
 the sample's inclusion probability and the budget's reserve for it are
 ``sample.inclusion`` / ``sample.reserve``. The guard on appears three times: certified
 with nothing more read (planned pages plus the expected sample ``pi * rest``: its best
-case), the synthetic step as the decoder ran it (on random keys its heavy-page test
-reads most of the rest), and a fallback (the whole rest read after the sample).
+case), the synthetic step as the decoder ran it (its heavy pages and rounds read, where
+the bound asked for them), and a fallback (the whole rest read after the sample). Pages
+the guard reads beyond the plan are, where the request released them, read from their
+host copy: that column is what would cross PCIe, not HBM.
 
     python -m benchmark.long_context.bench_gpu_cost --out /tmp/gpu_cost
 """
@@ -133,7 +135,7 @@ def rows_for(tokens: int, counts: dict, plan: dict) -> list[dict]:
         ("dense", "dense", 0.0, 0.0, 0),
         ("hot set 20 %, guard off", "guard off", 2 * summary_token, 0.0, pages * SUMMARY_PAGE),
         ("hot set 20 %, guard on: certified, nothing more read", "certified", 2 * summary_token, codes_token, outside),
-        ("hot set 20 %, guard on: the synthetic step (heavy pages read)", "synthetic", 2 * summary_token,
+        ("hot set 20 %, guard on: the synthetic step as the decoder ran it", "synthetic", 2 * summary_token,
          codes_token, outside),
         ("hot set 20 %, guard on: a fallback step", "fallback", 2 * summary_token, codes_token, outside),
     ]  # fmt: skip
