@@ -35,9 +35,11 @@ state per token (``key_codes.bytes_per_token``) against the KV.
     python -m benchmark.long_context.bench_bound --out /tmp/bench_bound
     python -m benchmark.long_context.bench_bound --n 1 --lengths 2048 --steps 3 --budgets 0.2 --out /tmp/bb  # smoke
     python -m benchmark.long_context.bench_bound --report --out /tmp/bench_bound  # the tables again, from the journal
+    python -m benchmark.long_context.bench_bound --resume --out /tmp/bench_bound  # after a kill: the prompts not done
 
-Every guarded layer-step goes to ``--out``/layer_steps.jsonl; RESULTS_bound.md, bound.json and
-bound_sampled.png beside it.
+Every guarded layer-step goes to ``--out``/layer_steps.jsonl (a ``{"done": rid}`` line after
+each finished prompt); RESULTS_bound.md, bound.json, run.json (the command and its minutes) and
+bound_sampled.png beside it. An 8K prompt's prefill through transformers peaks near 8 GB.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ class Capture:
         self.k = [[] for _ in self.k]
         self.v = [[] for _ in self.v]
         queries = []
-        out = model(torch.tensor([ids]), use_cache=True)
+        out = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)  # not 8K x 49K logits
         past, token = out.past_key_values, out.logits[0, -1].argmax()
         for _ in range(steps):
             out = model(token.view(1, 1), past_key_values=past, use_cache=True)
@@ -425,15 +427,14 @@ def main() -> None:
     p.add_argument("--thresholds", default="0.05,0.1,0.2")
     p.add_argument("--out", type=Path, default=Path("/tmp/bench_bound"))
     p.add_argument("--report", action="store_true", help="rewrite the report from --out's layer_steps.jsonl")
+    p.add_argument("--resume", action="store_true", help="keep the journal's finished prompts, run the others")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     thresholds = [float(t) for t in a.thresholds.split(",")]
+    journal_path, run_path = a.out / "layer_steps.jsonl", a.out / "run.json"
+    run = json.loads(run_path.read_text()) if run_path.exists() and (a.report or a.resume) else {}
     if a.report:
-        rows: dict[tuple, list[dict]] = {}
-        for line in (a.out / "layer_steps.jsonl").open():
-            r = json.loads(line)
-            rows.setdefault((r["length"], r["budget"], r["tau"]), []).append(r)
-        run = json.loads((a.out / "run.json").read_text()) if (a.out / "run.json").exists() else {}
+        rows, _ = load_journal(journal_path)
         argv = run.get("argv", sys.argv[1:])
         described = p.parse_args(argv)  # the run's prompts and steps, for the text
         described.out = a.out
@@ -448,13 +449,20 @@ def main() -> None:
     scale = 1.0 / math.sqrt(model.config.head_dim)
     budgets = [float(b) for b in a.budgets.split(",")]
     started = time.time()
-    rows = {}
+    rows, done = load_journal(journal_path) if a.resume and journal_path.exists() else ({}, set())
     counts: dict[tuple, dict] = {}
-    journal = (a.out / "layer_steps.jsonl").open("w")
+    journal = journal_path.open("w")
+    for got in rows.values():  # a resumed journal keeps its finished prompts only
+        for r in got:
+            journal.write(json.dumps(r) + "\n")
+    for rid in sorted(done):
+        journal.write(json.dumps({"done": rid}) + "\n")
     with GuardProbe() as probe:
         for length in (int(x) for x in a.lengths.split(",")):
             for task in a.tasks.split(","):
                 for trial in make_trials(tokenizer, task, [length], a.n, 0):
+                    if f"{task}-{length}-{trial['trial']}" in done:
+                        continue
                     t0 = time.time()
                     queries, keys, values = capture.decode(model, trial["ids"], a.steps)
                     prompt_len = len(trial["ids"])
@@ -478,13 +486,31 @@ def main() -> None:
                             acc = counts.setdefault(key, dict.fromkeys(COUNTERS, 0))
                             for name in COUNTERS:
                                 acc[name] += c[name]
+                    journal.write(json.dumps({"done": prompt["rid"]}) + "\n")  # the prompt's rows are whole
                     journal.flush()
                     took = f"capture {t1 - t0:.0f} s, replays {time.time() - t1:.0f} s"
                     print(f"{prompt['rid']}: {prompt_len} tokens, {took}", flush=True)
     journal.close()
-    minutes = (time.time() - started) / 60
-    (a.out / "run.json").write_text(json.dumps({"minutes": minutes, "argv": sys.argv[1:]}))
-    report(rows, counts, thresholds, a, minutes, sys.argv[1:])
+    # A resumed run's time adds to the time its journal took before.
+    minutes = run.get("minutes", 0.0) + (time.time() - started) / 60
+    argv = [x for x in sys.argv[1:] if x != "--resume"]
+    run_path.write_text(json.dumps({"minutes": minutes, "argv": argv}))
+    report(rows, {} if done else counts, thresholds, a, minutes, argv)
+
+
+def load_journal(path: Path) -> tuple[dict, set]:
+    """The journal's rows by (length, budget, threshold), and its finished prompts. Where
+    it marks finished prompts, rows of an unfinished one (a run killed mid-prompt) are
+    left out."""
+    rows: dict[tuple, list[dict]] = {}
+    done: set[str] = set()
+    records = [json.loads(line) for line in path.open()]
+    done = {r["done"] for r in records if "done" in r}
+    for r in records:
+        if "done" in r or (done and f"{r['task']}-{r['length']}-{r['trial']}" not in done):
+            continue
+        rows.setdefault((r["length"], r["budget"], r["tau"]), []).append(r)
+    return rows, done
 
 
 def report(rows: dict, counts: dict, thresholds: list[float], a, minutes: float, argv: list[str]) -> None:
