@@ -365,6 +365,29 @@ def fallback_table(cells: list[dict], tau: float) -> str:
     return "\n".join(lines)
 
 
+def how_certified(row: dict) -> str:
+    """Which look of the guard certified a layer-step (fallbacks are not certified)."""
+    if row["light"]:
+        return "rest left out as negligible (deterministic bound)"
+    if read_of(row) > row["heavy"]:
+        return "after reading the heaviest quarter(s) of the rest"
+    return "heavy pages read, then the sample" if row["heavy"] else "nothing read: the sample at once"
+
+
+def certified_table(rows: list[dict]) -> str:
+    """Violations by the look that certified (the guard tests its bound up to four times)."""
+    lines = ["| certified | layer-steps | violations | exact error / bound (median) |", "|---|---|---|---|"]
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        if not r["fallback"]:
+            groups.setdefault(how_certified(r), []).append(r)
+    for name, got in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        bad = sum(r["error"] > r["bound"] + SLACK for r in got)
+        ratio = [r["error"] / r["bound"] if r["bound"] > 0 else float("inf") for r in got]
+        lines.append(f"| {name} | {len(got)} | {bad} ({bad / len(got):.1%}) | {quantile(ratio, 0.5):.2f} |")
+    return "\n".join(lines)
+
+
 SAMPLE_BINS = ((0, 1), (2, 3), (4, 7), (8, 15), (16, 10**9))
 
 
@@ -550,6 +573,8 @@ def write(cells: list[dict], thresholds: list[float], a, minutes: float, rows: d
         + main_table(cells, tau)
         + "\n\n"
         + summary
+        + f"\n\nViolations by the look that certified (τ = {tau:g}, every length and budget):\n\n"
+        + certified_table(rows_at(rows, tau))
         + "\n\nThe sampled estimate before any fallback or rest left out (the guard called again with no "
         "threshold), over every guarded layer-step:\n\n"
         + fallback_table(cells, tau)
