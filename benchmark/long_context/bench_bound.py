@@ -27,12 +27,19 @@ Per length, budget and threshold it reports: the share of layer-steps certified 
 nothing more read, with heavy pages read, with the rest left out as negligible, and
 fallbacks; the exact error where certified and the bound; **violations** (certified
 layer-steps whose exact error exceeds the bound, against ``estimate.DELTA``), and the
-same for the sampled estimate before fallback; pages read exactly (planned, sampled,
+same for the sampled estimate before fallback, also by the number of pages sampled (a
+request draws its sample once: every layer and step of it shares its luck); pages read exactly (planned, sampled,
 heavy, fallback) as a share of dense, from the decoder's counters; and the guard's
 state per token (``key_codes.bytes_per_token``) against the KV.
 
     python -m benchmark.long_context.bench_bound --out /tmp/bench_bound
     python -m benchmark.long_context.bench_bound --n 1 --lengths 2048 --steps 3 --budgets 0.2 --out /tmp/bb  # smoke
+    python -m benchmark.long_context.bench_bound --report --out /tmp/bench_bound  # the tables again, from the journal
+    python -m benchmark.long_context.bench_bound --resume --out /tmp/bench_bound  # after a kill: the prompts not done
+
+Every guarded layer-step goes to ``--out``/layer_steps.jsonl (a ``{"done": rid}`` line after
+each finished prompt); RESULTS_bound.md, bound.json, run.json (the command and its minutes) and
+bound_sampled.png beside it. An 8K prompt's prefill through transformers peaks near 8 GB.
 """
 
 from __future__ import annotations
@@ -96,7 +103,7 @@ class Capture:
         self.k = [[] for _ in self.k]
         self.v = [[] for _ in self.v]
         queries = []
-        out = model(torch.tensor([ids]), use_cache=True)
+        out = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)  # not 8K x 49K logits
         past, token = out.past_key_values, out.logits[0, -1].argmax()
         for _ in range(steps):
             out = model(token.view(1, 1), past_key_values=past, use_cache=True)
@@ -233,13 +240,18 @@ def replay(prompt: dict, budget: float, tau: float, scale: float, probe: GuardPr
     return rows, counts
 
 
+def read_of(row: dict) -> int:
+    """Rest pages the guard read exactly in a layer-step (every rest page not estimated)."""
+    return row["rest"] - row["estimated"]
+
+
 def quantile(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
     return float(torch.tensor(xs, dtype=torch.float64).quantile(q))
 
 
-def summarise(rows: list[dict], counts: dict, alone: list[dict]) -> dict:
+def summarise(rows: list[dict], counts: dict | None, alone: list[dict]) -> dict:
     """One (length, budget, threshold) cell."""
     n = len(rows)
     certified = [r for r in rows if not r["fallback"]]
@@ -252,8 +264,10 @@ def summarise(rows: list[dict], counts: dict, alone: list[dict]) -> dict:
     share = lambda part: len(part) / n if n else float("nan")  # noqa: E731
     return {
         "layer_steps": n,
-        "clean": share([r for r in certified if r["heavy"] == 0 and not r["light"]]),
+        # Rest pages the guard read: heavy ones, the heaviest quarters of its rounds, a fallback's.
+        "clean": share([r for r in certified if read_of(r) == 0 and not r["light"]]),
         "heavy": share([r for r in rows if r["heavy"] > 0]),
+        "rounds": share([r for r in certified if read_of(r) > r["heavy"]]),
         "light": share([r for r in certified if r["light"]]),
         "fallback": share(fallbacks),
         "error_median": quantile([r["error"] for r in certified], 0.5),
@@ -275,8 +289,10 @@ def summarise(rows: list[dict], counts: dict, alone: list[dict]) -> dict:
         "fallback_uncovered": sum(not math.isfinite(r["free_bound"]) for r in fallbacks),
         "part1_error_median": quantile([r["part1_error"] for r in rows], 0.5),
         "alone_error_median": quantile([r["error"] for r in alone], 0.5),
-        "read_share": counts["pages_attended"] / counts["pages_dense"] if counts["pages_dense"] else float("nan"),
-        "read_share_rows": sum(r["read_pages"] for r in rows) / max(1, sum(r["pages"] for r in rows)),
+        # Pages read exactly (planned, sampled, heavy, fallback) over dense's, from the rows; the
+        # decoder's own counters (pages_attended / pages_dense) where the run kept them.
+        "read_share": sum(r["read_pages"] for r in rows) / max(1, sum(r["pages"] for r in rows)),
+        "read_share_counters": counts["pages_attended"] / counts["pages_dense"] if counts else None,
         "counts": counts,
         "fallback_by_task": {
             t: sum(r["fallback"] for r in rows if r["task"] == t) / max(1, sum(r["task"] == t for r in rows))
@@ -308,17 +324,19 @@ def num(x: float, digits: int = 4) -> str:
 
 def main_table(cells: list[dict], tau: float) -> str:
     head = (
-        "| length | budget | layer-steps | certified, nothing more read | heavy pages read | rest left out "
-        "(negligible) | fallback | error where certified (median / max) | bound where certified (median / p90) "
-        "| violations (certified) | pages read / dense | error, guard off (median) |"
+        "| length | budget | layer-steps | certified, nothing more read | heavy pages read | certified after "
+        "reading the heaviest quarter(s) | rest left out (negligible) | fallback | error where certified "
+        "(median / max) | bound where certified (median / p90) | violations (certified) | pages read / dense "
+        "| error, guard off (median) |"
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     for c in cells:
         if c["tau"] != tau:
             continue
         lines.append(
             f"| {c['length']} | {c['budget']:.0%} | {c['layer_steps']} | {pct(c['clean'])} | {pct(c['heavy'])} | "
-            f"{pct(c['light'])} | {pct(c['fallback'])} | {num(c['error_median'])} / {num(c['error_max'])} | "
+            f"{pct(c['rounds'])} | {pct(c['light'])} | {pct(c['fallback'])} | "
+            f"{num(c['error_median'])} / {num(c['error_max'])} | "
             f"{num(c['bound_median'], 3)} / {num(c['bound_p90'], 3)} | "
             f"{c['violations']} ({pct(c['violation_rate'])}) | {pct(c['read_share'])} | "
             f"{num(c['alone_error_median'], 3)} |"
@@ -343,6 +361,60 @@ def fallback_table(cells: list[dict], tau: float) -> str:
             f"{c['free_checks']} | {c['free_violations']} ({pct(rate)}) | {num(c['free_error_median'])} | "
             f"{num(c['fallback_free_error_median'])} / {num(c['fallback_free_bound_median'], 3)} | "
             f"{c['fallback_uncovered']} | {num(c['part1_error_median'], 3)} |"
+        )
+    return "\n".join(lines)
+
+
+def how_certified(row: dict) -> str:
+    """Which look of the guard certified a layer-step (fallbacks are not certified)."""
+    if row["light"]:
+        return "rest left out as negligible (deterministic bound)"
+    if read_of(row) > row["heavy"]:
+        return "after reading the heaviest quarter(s) of the rest"
+    return "heavy pages read, then the sample" if row["heavy"] else "nothing read: the sample at once"
+
+
+def certified_table(rows: list[dict]) -> str:
+    """Violations by the look that certified (the guard tests its bound up to four times)."""
+    lines = ["| certified | layer-steps | violations | exact error / bound (median) |", "|---|---|---|---|"]
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        if not r["fallback"]:
+            groups.setdefault(how_certified(r), []).append(r)
+    for name, got in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        bad = sum(r["error"] > r["bound"] + SLACK for r in got)
+        ratio = [r["error"] / r["bound"] if r["bound"] > 0 else float("inf") for r in got]
+        lines.append(f"| {name} | {len(got)} | {bad} ({bad / len(got):.1%}) | {quantile(ratio, 0.5):.2f} |")
+    return "\n".join(lines)
+
+
+SAMPLE_BINS = ((0, 1), (2, 3), (4, 7), (8, 15), (16, 10**9))
+
+
+def sample_table(rows: list[dict]) -> str:
+    """The sampled estimate's bound against its exact error, by how many rest pages were
+    sampled, and how the violations gather in requests (a request's draw serves every
+    layer and step)."""
+    finite = [r for r in rows if math.isfinite(r["free_bound"])]
+    lines = [
+        "| sampled rest pages | layer-steps | violations | exact error / bound (median) | requests | "
+        "requests violating in > half their layer-steps |",
+        "|---|---|---|---|---|---|",
+    ]
+    for lo, hi in SAMPLE_BINS:
+        got = [r for r in finite if lo <= r["sample"] <= hi]
+        if not got:
+            continue
+        bad = [r["free_error"] > r["free_bound"] + SLACK for r in got]
+        ratio = [r["free_error"] / r["free_bound"] if r["free_bound"] > 0 else float("inf") for r in got]
+        per_request: dict[tuple, list[bool]] = {}
+        for r, b in zip(got, bad):
+            per_request.setdefault((r["task"], r["trial"], r["length"], r["budget"]), []).append(b)
+        worst = sum(sum(v) > len(v) / 2 for v in per_request.values())
+        label = f"{lo}-{hi}" if hi < 10**9 else f"≥ {lo}"
+        lines.append(
+            f"| {label} | {len(got)} | {sum(bad)} ({sum(bad) / len(got):.1%}) | {quantile(ratio, 0.5):.2f} | "
+            f"{len(per_request)} | {worst} |"
         )
     return "\n".join(lines)
 
@@ -377,8 +449,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="decode steps per prompt (the first is dense)")
     p.add_argument("--thresholds", default="0.05,0.1,0.2")
     p.add_argument("--out", type=Path, default=Path("/tmp/bench_bound"))
+    p.add_argument("--report", action="store_true", help="rewrite the report from --out's layer_steps.jsonl")
+    p.add_argument("--resume", action="store_true", help="keep the journal's finished prompts, run the others")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    thresholds = [float(t) for t in a.thresholds.split(",")]
+    journal_path, run_path = a.out / "layer_steps.jsonl", a.out / "run.json"
+    run = json.loads(run_path.read_text()) if run_path.exists() and (a.report or a.resume) else {}
+    if a.report:
+        rows, _ = load_journal(journal_path)
+        argv = run.get("argv", sys.argv[1:])
+        described = p.parse_args(argv)  # the run's prompts and steps, for the text
+        described.out = a.out
+        report(rows, {}, thresholds, described, run.get("minutes", float("nan")), argv)
+        return
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = model_path()
@@ -386,16 +470,22 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     capture = Capture(model)
     scale = 1.0 / math.sqrt(model.config.head_dim)
-    thresholds = [float(t) for t in a.thresholds.split(",")]
     budgets = [float(b) for b in a.budgets.split(",")]
     started = time.time()
-    rows: dict[tuple, list[dict]] = {}
+    rows, done = load_journal(journal_path) if a.resume and journal_path.exists() else ({}, set())
     counts: dict[tuple, dict] = {}
-    journal = (a.out / "layer_steps.jsonl").open("w")
+    journal = journal_path.open("w")
+    for got in rows.values():  # a resumed journal keeps its finished prompts only
+        for r in got:
+            journal.write(json.dumps(r) + "\n")
+    for rid in sorted(done):
+        journal.write(json.dumps({"done": rid}) + "\n")
     with GuardProbe() as probe:
         for length in (int(x) for x in a.lengths.split(",")):
             for task in a.tasks.split(","):
                 for trial in make_trials(tokenizer, task, [length], a.n, 0):
+                    if f"{task}-{length}-{trial['trial']}" in done:
+                        continue
                     t0 = time.time()
                     queries, keys, values = capture.decode(model, trial["ids"], a.steps)
                     prompt_len = len(trial["ids"])
@@ -419,22 +509,45 @@ def main() -> None:
                             acc = counts.setdefault(key, dict.fromkeys(COUNTERS, 0))
                             for name in COUNTERS:
                                 acc[name] += c[name]
+                    journal.write(json.dumps({"done": prompt["rid"]}) + "\n")  # the prompt's rows are whole
                     journal.flush()
                     took = f"capture {t1 - t0:.0f} s, replays {time.time() - t1:.0f} s"
                     print(f"{prompt['rid']}: {prompt_len} tokens, {took}", flush=True)
     journal.close()
+    # A resumed run's time adds to the time its journal took before.
+    minutes = run.get("minutes", 0.0) + (time.time() - started) / 60
+    argv = [x for x in sys.argv[1:] if x != "--resume"]
+    run_path.write_text(json.dumps({"minutes": minutes, "argv": argv}))
+    report(rows, {} if done else counts, thresholds, a, minutes, argv)
+
+
+def load_journal(path: Path) -> tuple[dict, set]:
+    """The journal's rows by (length, budget, threshold), and its finished prompts. Where
+    it marks finished prompts, rows of an unfinished one (a run killed mid-prompt) are
+    left out."""
+    rows: dict[tuple, list[dict]] = {}
+    done: set[str] = set()
+    records = [json.loads(line) for line in path.open()]
+    done = {r["done"] for r in records if "done" in r}
+    for r in records:
+        if "done" in r or (done and f"{r['task']}-{r['length']}-{r['trial']}" not in done):
+            continue
+        rows.setdefault((r["length"], r["budget"], r["tau"]), []).append(r)
+    return rows, done
+
+
+def report(rows: dict, counts: dict, thresholds: list[float], a, minutes: float, argv: list[str]) -> None:
     cells = []
     for (length, budget, tau), got in sorted(rows.items()):
         if tau >= 1.0:
             continue
-        cell = summarise(got, counts[(length, budget, tau)], rows.get((length, budget, 1.0), []))
+        cell = summarise(got, counts.get((length, budget, tau)), rows.get((length, budget, 1.0), []))
         cell.update(length=length, budget=budget, tau=tau)
         cells.append(cell)
-    minutes = (time.time() - started) / 60
-    write(cells, thresholds, a, minutes, rows)
+    write(cells, thresholds, a, minutes, rows, argv)
 
 
-def write(cells: list[dict], thresholds: list[float], a, minutes: float, rows: dict) -> None:
+def write(cells: list[dict], thresholds: list[float], a, minutes: float, rows: dict, argv: list[str]) -> None:
     tau = GUARD_DEFAULT if GUARD_DEFAULT in thresholds else thresholds[len(thresholds) // 2]
     main_cells = [c for c in cells if c["tau"] == tau]
     total = sum(c["layer_steps"] for c in main_cells)
@@ -442,9 +555,7 @@ def write(cells: list[dict], thresholds: list[float], a, minutes: float, rows: d
     violations = sum(c["violations"] for c in main_cells)
     by_sample = sum(c["by_sample"] for c in main_cells)
     by_sample_violations = sum(c["by_sample_violations"] for c in main_cells)
-    command = "OMP_NUM_THREADS=1 python -m benchmark.long_context.bench_bound " + " ".join(
-        shlex.quote(x) for x in sys.argv[1:]
-    )
+    command = "OMP_NUM_THREADS=1 python -m benchmark.long_context.bench_bound " + " ".join(shlex.quote(x) for x in argv)
     summary = (
         f"At τ = {tau:g}: {total} guarded layer-steps, {certified:.0f} certified, {violations} violations "
         f"({violations / max(1, certified):.2%} of certified; DELTA = {DELTA:g}); of those certified on the "
@@ -462,9 +573,14 @@ def write(cells: list[dict], thresholds: list[float], a, minutes: float, rows: d
         + main_table(cells, tau)
         + "\n\n"
         + summary
+        + f"\n\nViolations by the look that certified (τ = {tau:g}, every length and budget):\n\n"
+        + certified_table(rows_at(rows, tau))
         + "\n\nThe sampled estimate before any fallback or rest left out (the guard called again with no "
         "threshold), over every guarded layer-step:\n\n"
         + fallback_table(cells, tau)
+        + "\n\nThe sampled estimate's bound by the number of rest pages sampled (every guarded layer-step at "
+        f"τ = {tau:g}; each request draws its sample once, so a draw serves all its layers and steps):\n\n"
+        + sample_table(rows_at(rows, tau))
         + "\n\nEvery threshold (certified with nothing more read / heavy pages read / fallback / violations / "
         "pages read as a share of dense):\n\n"
         + threshold_table(cells, thresholds)
@@ -476,6 +592,10 @@ def write(cells: list[dict], thresholds: list[float], a, minutes: float, rows: d
     (a.out / "bound.json").write_text(json.dumps(cells, indent=1))
     print(text)
     plot(rows, cells, tau, a.out / "bound_sampled.png")
+
+
+def rows_at(rows: dict, tau: float) -> list[dict]:
+    return [r for (_, _, t), got in sorted(rows.items()) if t == tau for r in got]
 
 
 def plot(rows: dict, cells: list[dict], tau: float, path: Path) -> None:

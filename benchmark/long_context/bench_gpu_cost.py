@@ -1,0 +1,270 @@
+"""What the hot set would cost on a GPU: arithmetic, not measured.
+
+For a Llama-3.1-8B shape (32 layers, 8 KV heads, D 128, page 16, bf16) at 32K and 128K
+tokens of context on an H100 (80 GB, 3.35 TB/s HBM; 16 GB of weights; 10 % of the
+memory kept in reserve), per configuration — dense, the hot set at 20 % with the guard
+off, and with the guard on —:
+
+- device bytes per token of context: the KV; the physical page summaries
+  (``PageSummaries``: key min/max per pool page, layer and KV head, in the KV dtype);
+  each long request's own key min/max per logical page (``TrackedRequest.key_min/
+  key_max``: ``2 * D * 2`` bytes per page, layer and KV head); the guard's key codes
+  (``key_codes.bytes_per_token``);
+- concurrent requests that fit in ``80 GB - weights - reserve``: with every page on the
+  device, and with pages outside the hot set released to a host pool (HiCache; the device
+  then holds the hot set's pages, but every page's summaries and key codes, and one
+  request's whole KV as headroom: a prompt is prefilled onto the device before its
+  pages can leave);
+- bytes a decode step reads per request: dense all KV; guard off the hot set's pages and
+  the key min/max of every page (unread pages are ranked by their key bound each layer,
+  ``StepTally._add_bounds``); guard on the planned and sampled pages exactly and the key
+  codes and key min/max of every other page (``estimate.estimate_outside``), plus what
+  the guard reads exactly (heavy pages; a fallback reads the whole rest);
+- the decode step's time floor: bytes / bandwidth, per request, and for a full batch
+  (the weights once plus every request's reads).
+
+The per-step page counts come from the shipped decoder itself: one synthetic request of
+the given length (one layer, random keys, values around a shared mean, float32 on the
+CPU) goes through ``HotSetDecoder`` for its warm-up step and one guarded step, and the
+guarded step's counters (``pages_dense``, ``pages_attended``, ``pages_sampled``,
+``pages_estimated``, ``pages_guard_read``) give the plan's pages and what the guard read;
+the sample's inclusion probability and the budget's reserve for it are
+``sample.inclusion`` / ``sample.reserve``. The guard on appears three times: certified
+with nothing more read (planned pages plus the expected sample ``pi * rest``: its best
+case), the synthetic step as the decoder ran it (its heavy pages and rounds read, where
+the bound asked for them), and a fallback (the whole rest read after the sample). Pages
+the guard reads beyond the plan are, where the request released them, read from their
+host copy: that column is what would cross PCIe, not HBM.
+
+    python -m benchmark.long_context.bench_gpu_cost --out /tmp/gpu_cost
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries
+from sgl_importance.hot_set.key_codes import bytes_per_token, kv_bytes_per_token
+from sgl_importance.hot_set.sample import inclusion, reserve
+from sgl_importance.hot_set.selection import fixed_mask
+
+torch.set_grad_enabled(False)
+
+LAYERS, KV_HEADS, Q_HEADS, DIM, PAGE, ELEMENT = 32, 8, 32, 128, 16, 2  # Llama-3.1-8B, bf16
+HBM, BANDWIDTH, WEIGHTS, RESERVE = 80e9, 3.35e12, 16e9, 0.10  # H100 SXM
+BUDGET = 0.2
+LAYER_HEADS = LAYERS * KV_HEADS
+
+# Per layer and KV head.
+KV_PAGE = PAGE * kv_bytes_per_token(DIM, ELEMENT)  # a page's K and V
+SUMMARY_PAGE = 2 * DIM * ELEMENT  # a page's key min and max
+CODES_PAGE = PAGE * bytes_per_token(DIM, PAGE)  # a page's key codes and value norm
+
+
+def decoder_counts(tokens: int, budget: float) -> dict:
+    """The guarded step's counters of a synthetic request of ``tokens`` through the
+    shipped decoder (one layer; counts per layer)."""
+    g = torch.Generator().manual_seed(0)
+    pages = -(-tokens // PAGE)
+    pool_pages = pages + 2
+    k_buf = torch.zeros(pool_pages * PAGE, KV_HEADS, DIM)
+    v_buf = torch.zeros_like(k_buf)
+    slots = torch.arange(PAGE, PAGE + tokens + 1)
+    k_buf[slots] = torch.randn(slots.numel(), KV_HEADS, DIM, generator=g)
+    # Values share a mean direction per head, as a model's do: zero-mean random values would
+    # average to an output of norm ~1/sqrt(tokens), against which any estimate's relative
+    # error is large and the guard falls back.
+    mean = torch.randn(KV_HEADS, DIM, generator=g)
+    v_buf[slots] = mean + torch.randn(slots.numel(), KV_HEADS, DIM, generator=g)
+    summaries = PageSummaries(1, pool_pages, KV_HEADS, DIM, page_size=PAGE)
+    summaries.update(0, slots[:tokens], k_buf[slots[:tokens]])
+    decoder = HotSetDecoder(HotSetParams(policy="importance", budget=budget), summaries, page_size=PAGE, threshold=0)
+    counts = None
+    for step in range(2):
+        n = tokens + step
+        if step:
+            summaries.update(0, slots[n - 1 : n], k_buf[slots[n - 1 : n]])
+        decoder.begin_step(["r"], [slots[:n]])
+        q = torch.randn(1, Q_HEADS, DIM, generator=g)
+        decoder.attend(0, q, k_buf, v_buf, sm_scale=DIM**-0.5)
+        counts = decoder.end_step()
+    keys = ("pages_dense", "pages_attended", "pages_sampled", "pages_estimated", "pages_guard_read", "guard_full_reads")
+    return {k: getattr(counts, k) for k in keys}
+
+
+def expected_sample(tokens: int, budget: float) -> dict:
+    """The plan's sizes from the formulas the decoder uses (``_plan_pages``)."""
+    pages = -(-(tokens + 1) // PAGE)
+    full = tokens // PAGE
+    params = HotSetParams(policy="importance", budget=budget)
+    budget_pages = params.budget_pages(pages)
+    room = budget_pages - int(fixed_mask(pages, params.sinks, params.window).sum())
+    pi = inclusion(full, room)
+    kept = reserve(pi, pages, budget_pages)
+    return {"pages": pages, "budget": budget_pages, "pi": pi, "reserve": kept, "planned": budget_pages - kept}
+
+
+def rows_for(tokens: int, counts: dict, plan: dict) -> list[dict]:
+    """Per configuration: device bytes per token, requests that fit, bytes read per step."""
+    usable = HBM - WEIGHTS - RESERVE * HBM
+    kv_token = kv_bytes_per_token(DIM, ELEMENT) * LAYER_HEADS
+    summary_token = SUMMARY_PAGE / PAGE * LAYER_HEADS  # per token, either the physical or the request's
+    codes_token = bytes_per_token(DIM, PAGE) * LAYER_HEADS
+    pages = counts["pages_dense"]
+    rest = counts["pages_estimated"] + counts["pages_guard_read"]  # every full page not planned
+    planned = pages - rest
+    sample = round(plan["pi"] * rest)  # expected sampled pages among the rest
+    # Pages read exactly: (KV pages, of which possibly released, i.e. from the host copy).
+    reads = {
+        "dense": (pages, 0),
+        "guard off": (plan["budget"], 0),
+        "certified": (planned + sample, 0),
+        "synthetic": (counts["pages_attended"], counts["pages_guard_read"]),
+        # A fallback reads the whole rest after the sample was read page by page.
+        "fallback": (planned + sample + rest, rest),
+    }
+    outside = rest * (CODES_PAGE + SUMMARY_PAGE)  # every rest page's codes and key range
+    configs = [
+        ("dense", "dense", 0.0, 0.0, 0),
+        ("hot set 20 %, guard off", "guard off", 2 * summary_token, 0.0, pages * SUMMARY_PAGE),
+        ("hot set 20 %, guard on: certified, nothing more read", "certified", 2 * summary_token, codes_token, outside),
+        ("hot set 20 %, guard on: the synthetic step as the decoder ran it", "synthetic", 2 * summary_token,
+         codes_token, outside),
+        ("hot set 20 %, guard on: a fallback step", "fallback", 2 * summary_token, codes_token, outside),
+    ]  # fmt: skip
+    dense_read = pages * KV_PAGE * LAYER_HEADS
+    rows = []
+    for name, key, summaries, codes, extra in configs:
+        read_pages, from_host = reads[key]
+        read = (read_pages * KV_PAGE + extra) * LAYER_HEADS
+        per_token = kv_token + summaries + codes
+        whole = tokens * per_token
+        fit = math.floor(usable / whole)
+        if key == "dense":
+            fit_released = fit
+        else:
+            # Released: the hot set's pages on the device (their KV and physical summaries),
+            # every page's request summaries and codes, and one whole request for a prefill.
+            per_request = plan["budget"] * PAGE * (kv_token + summaries / 2) + tokens * (summaries / 2 + codes)
+            fit_released = math.floor((usable - whole) / per_request)
+        batch = max(fit_released, 1)
+        step = (WEIGHTS + batch * read) / BANDWIDTH
+        rows.append(
+            {
+                "tokens": tokens,
+                "config": name,
+                "bytes_per_token": per_token,
+                "share_of_kv": per_token / kv_token,
+                "fit_resident": fit,
+                "fit_released": fit_released,
+                "pages_read": read_pages,
+                "read_bytes": read,
+                "host_bytes": from_host * KV_PAGE * LAYER_HEADS,
+                "read_share": read / dense_read,
+                "floor_ms": read / BANDWIDTH * 1e3,
+                "batch_step_ms": step * 1e3,
+                "batch_tokens_s": batch / step,
+            }
+        )
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        "| context | configuration | device bytes / token | vs KV | requests that fit: all pages on device / "
+        "released to host | pages read / step (of dense) | bytes read / step / request | vs dense | "
+        "of which released pages (host copies, if released) | time floor / request | "
+        "full batch (released): step floor, tokens/s |"
+    )
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        lines.append(
+            f"| {r['tokens'] // 1024}K | {r['config']} | {r['bytes_per_token'] / 1024:,.1f} KiB | "
+            f"{r['share_of_kv']:.3f}× | {r['fit_resident']} / {r['fit_released']} | {r['pages_read']:,} | "
+            f"{r['read_bytes'] / 1e9:.3f} GB | {r['read_share']:.1%} | {r['host_bytes'] / 1e9:.3f} GB | "
+            f"{r['floor_ms']:.3f} ms | "
+            f"{r['batch_step_ms']:.1f} ms, {r['batch_tokens_s']:,.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({r["tokens"] for r in rows})
+    names = [r["config"] for r in rows if r["tokens"] == contexts[0]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        got = [next(r for r in rows if r["tokens"] == t and r["config"] == name) for t in contexts]
+        x = [j + i * width for j in range(len(contexts))]
+        left.bar(x, [r["read_bytes"] / 1e9 for r in got], width, label=name)
+        right.bar(x, [r["fit_released"] for r in got], width, label=name)
+    for ax in (left, right):
+        ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(contexts))])
+        ax.set_xticklabels([f"{t // 1024}K tokens" for t in contexts])
+    left.set_ylabel("GB read per decode step per request")
+    left.set_yscale("log")
+    right.set_ylabel("concurrent requests (unplanned pages released)")
+    handles, labels = left.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8)
+    fig.suptitle("Llama-3.1-8B shape on an H100: arithmetic, not measured", fontsize=10)
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", default="32768,131072", help="tokens of context")
+    p.add_argument("--out", type=Path, default=Path("/tmp/gpu_cost"))
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    rows, plans = [], []
+    for tokens in (int(x) for x in a.contexts.split(",")):
+        counts = decoder_counts(tokens, BUDGET)
+        plan = expected_sample(tokens, BUDGET)
+        plans.append({"tokens": tokens, **plan, **counts})
+        rows += rows_for(tokens, counts, plan)
+    command = "python -m benchmark.long_context.bench_gpu_cost " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    plan_lines = [
+        "| context | pages | budget pages | sample π | reserve | planned | decoder: pages read (of dense) | "
+        "sampled | estimated | read by the guard |",
+        "|" + "---|" * 10,
+    ]
+    for q in plans:
+        plan_lines.append(
+            f"| {q['tokens'] // 1024}K | {q['pages']:,} | {q['budget']:,} | {q['pi']:.4f} | {q['reserve']} | "
+            f"{q['planned']:,} | {q['pages_attended']:,} ({q['pages_dense']:,}) | {q['pages_sampled']} | "
+            f"{q['pages_estimated']:,} | {q['pages_guard_read']} |"
+        )
+    usable = HBM - WEIGHTS - RESERVE * HBM
+    text = (
+        f"Command (arithmetic, not measured; the page counts from the shipped decoder on the CPU):\n\n"
+        f"```\n{command.strip()}\n```\n\n"
+        f"Llama-3.1-8B shape ({LAYERS} layers, {KV_HEADS} KV heads, D {DIM}, page {PAGE}, bf16) on an H100: "
+        f"{HBM / 1e9:.0f} GB, {BANDWIDTH / 1e12:.2f} TB/s, {WEIGHTS / 1e9:.0f} GB of weights, "
+        f"{RESERVE:.0%} reserve: {usable / 1e9:.0f} GB for the KV and the hot set's state.\n\n"
+        "The guarded step's plan (one synthetic request, random keys; per layer):\n\n"
+        + "\n".join(plan_lines)
+        + "\n\nArithmetic, not measured:\n\n"
+        + table(rows)
+        + "\n"
+    )
+    (a.out / "RESULTS_gpu_cost.md").write_text(text)
+    (a.out / "gpu_cost.json").write_text(json.dumps({"plans": plans, "rows": rows}, indent=1))
+    print(text)
+    plot(rows, a.out / "gpu_cost.png")
+
+
+if __name__ == "__main__":
+    main()
