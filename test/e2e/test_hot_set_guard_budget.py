@@ -1,0 +1,104 @@
+"""The guard's pool inside the memory budget, in the real server.
+
+Two servers on the embedded model, one after the other, with 16-token pages and a
+2048-token device pool (``--max-total-tokens``): without a hot set (the KV pool
+alone), then with the importance hot set for requests past 128 tokens and a guard
+of 256 tokens (16 pages). The second's KV pool is smaller by the whole pages that
+hold the guard's bytes; its start-up line and ``/metrics`` state the guard's size;
+a request whose full pages do not fit in the guard's pool is served unguarded, and
+counted. No host pool: the guard's size here is stated, not auto, and a server
+without one starts on a machine short of RAM.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import requests
+
+from sgl_importance.client import metrics_text
+from sgl_importance.hot_set.guard_budget import KVShape, plan_guard
+from sgl_importance.local_server import metric
+from support.server import generate_ids, importance_torch_args
+
+pytestmark = pytest.mark.e2e
+
+PAGE = 16
+DEVICE_TOKENS = 2048
+GUARD_TOKENS = 256  # 16 pages
+THRESHOLD = 128
+MAX_NEW = 4
+HOT_SET_ARGS = [
+    "--hot-set-policy", "importance", "--hot-set-threshold", str(THRESHOLD), "--hot-set-budget", "0.5",
+    "--hot-set-guard-tokens", str(GUARD_TOKENS), "--enable-metrics",
+]  # fmt: skip
+ELEMENT_SIZE = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
+
+
+def server_tokens(server) -> int:
+    """The KV pool's tokens as the scheduler reports them."""
+    info = requests.get(server.url + "/server_info", timeout=60).json()
+    return int(info["max_total_num_tokens"])
+
+
+def model_shape(model_path: str, log: str) -> KVShape:
+    """The KV pool's shape from the model's config and the dtype the server's log names."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    dtype = re.search(r"KV Cache is allocated\. dtype: (\S+),", log).group(1)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return KVShape(config["num_hidden_layers"], config["num_key_value_heads"], head_dim, head_dim,
+                   ELEMENT_SIZE[dtype], PAGE)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def kv_tokens_alone(launch) -> int:
+    server = launch(importance_torch_args(PAGE, DEVICE_TOKENS))
+    tokens = server_tokens(server)
+    server.stop()  # one server at a time
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def guarded(launch, kv_tokens_alone):
+    return launch(importance_torch_args(PAGE, DEVICE_TOKENS, *HOT_SET_ARGS))
+
+
+def gauge(server, name: str) -> float:
+    return metric(metrics_text(server.url), f"sgl_importance:hot_set_{name}")
+
+
+def test_the_kv_pool_gives_up_the_pages_that_hold_the_guard_and_says_so(guarded, kv_tokens_alone, model_path):
+    assert kv_tokens_alone == DEVICE_TOKENS
+    log = guarded.log()
+    expected = plan_guard(kv_tokens_alone, model_shape(model_path, log), guard_tokens=GUARD_TOKENS)
+    assert expected.guard_pages == GUARD_TOKENS // PAGE and expected.kv_tokens_given_up > 0
+    assert server_tokens(guarded) == expected.kv_tokens < kv_tokens_alone
+    line = re.search(r"hot set: guard pool of .*", log).group(0)
+    assert f"guard pool of {GUARD_TOKENS} tokens ({GUARD_TOKENS // PAGE} pages)" in line
+    assert f"{kv_tokens_alone} -> {expected.kv_tokens} (--max-total-tokens {DEVICE_TOKENS} bound it)" in line
+    assert gauge(guarded, "guard_capacity_pages") == GUARD_TOKENS // PAGE
+    assert gauge(guarded, "guard_bytes") == expected.guard_bytes
+
+
+def filler(topic: str) -> str:
+    return " ".join(f"Note {i} on {topic}: item {i} sits in box {i * 7 % 13} of row {i % 5}." for i in range(120))
+
+
+def test_a_request_the_guard_pool_cannot_hold_is_served_unguarded_and_counted(guarded, token_ids):
+    refused_before = metric(metrics_text(guarded.url), "sgl_importance:hot_set_guard_refused_total")
+    # 12 full pages: within the guard's 16.
+    small = generate_ids(guarded, token_ids(filler("apples"), 200), MAX_NEW, timeout=600)
+    assert len(small["output_ids"]) == MAX_NEW
+    assert 0 < gauge(guarded, "guard_pages_in_use") <= GUARD_TOKENS // PAGE
+    # 37 full pages: more than the pool holds, and it does not grow.
+    large = generate_ids(guarded, token_ids(filler("pears"), 600), MAX_NEW, timeout=600)
+    assert len(large["output_ids"]) == MAX_NEW
+    after = metrics_text(guarded.url)
+    assert metric(after, "sgl_importance:hot_set_guard_refused_total") - refused_before == 1
+    assert metric(after, "sgl_importance:hot_set_guard_capacity_pages") == GUARD_TOKENS // PAGE
+    # The first request's codes went back when it left; the refused one holds none.
+    assert metric(after, "sgl_importance:hot_set_guard_pages_in_use") == 0
+    assert "no room in the guard pool" in guarded.log()
