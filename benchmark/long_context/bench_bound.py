@@ -115,15 +115,19 @@ class Capture:
 
 
 def exact_outputs(queries, keys, values, prompt_len: int, scale: float) -> list[torch.Tensor]:
-    """float64 attention over every token: per step ``[L, q_heads, D]``."""
+    """float64 attention over every token: per step ``[L, q_heads, D]`` (a layer at a time:
+    the whole model's keys in float64 at 8K tokens were 1.5 GB more of the peak)."""
     outs = []
     kvh = keys.shape[1]
     for s, q in enumerate(queries):
         n = prompt_len + s + 1
-        k, v = keys[:, :, :n].double(), values[:, :, :n].double()  # [L, kvh, n, D]
-        qg = q.double().view(q.shape[0], kvh, -1, q.shape[-1])  # [L, kvh, g, D]
-        weights = torch.softmax(torch.einsum("lhgd,lhnd->lhgn", qg, k) * scale, dim=-1)
-        outs.append(torch.einsum("lhgn,lhnd->lhgd", weights, v).reshape(q.shape))
+        out = torch.empty(q.shape, dtype=torch.float64)
+        for layer in range(q.shape[0]):
+            k, v = keys[layer, :, :n].double(), values[layer, :, :n].double()  # [kvh, n, D]
+            qg = q[layer].double().view(kvh, -1, q.shape[-1])  # [kvh, g, D]
+            weights = torch.softmax(torch.einsum("hgd,hnd->hgn", qg, k) * scale, dim=-1)
+            out[layer] = torch.einsum("hgn,hnd->hgd", weights, v).reshape(q.shape[1:])
+        outs.append(out)
     return outs
 
 
@@ -513,6 +517,7 @@ def main() -> None:
                     journal.flush()
                     took = f"capture {t1 - t0:.0f} s, replays {time.time() - t1:.0f} s"
                     print(f"{prompt['rid']}: {prompt_len} tokens, {took}", flush=True)
+                    del prompt, queries, keys, values  # not beside the next prompt's prefill
     journal.close()
     # A resumed run's time adds to the time its journal took before.
     minutes = run.get("minutes", 0.0) + (time.time() - started) / 60
