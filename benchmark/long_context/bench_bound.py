@@ -627,9 +627,10 @@ def plot(rows: dict, cells: list[dict], tau: float, path: Path) -> None:
             [r["free_bound"] for r in fb], [max(r["free_error"], floor) for r in fb], s=4, alpha=0.35, color="0.6",
             marker="x", label="fallback: the estimate it refused" if (length, budget) == first else None,
         )  # fmt: skip
-    lo, hi = left.get_xlim()
-    line = [max(lo, 1e-5), hi]
+    line = [1e-4, 10.0]  # refused estimates' bounds run to 1e3; the axes stop at 10
     left.plot(line, line, color="k", lw=1, label="error = bound")
+    left.set_xlim(*line)
+    left.set_ylim(floor, 10.0)
     left.axvline(tau, color="r", lw=0.8, ls="--", label=f"τ = {tau:g}")
     left.set_xscale("log")
     left.set_yscale("log")
