@@ -352,8 +352,8 @@ def fallback_table(cells: list[dict], tau: float) -> str:
     """The sampled estimate before any fallback: its error and bound, its violations."""
     head = (
         "| length | budget | sampled / rest pages (median) | sampled estimates with a finite bound | its violations "
-        "| its error (median) | fallbacks: estimate's error / bound (median) | fallbacks with no sampled page left | "
-        "planned pages alone, guarded plan (median error) |"
+        "| its error (median) | fallbacks: estimate's error / bound (median) | fallbacks where the sample could "
+        "not vouch (too few pages) | planned pages alone, guarded plan (median error) |"
     )
     lines = [head, "|" + "---|" * 9]
     for c in cells:
@@ -392,7 +392,7 @@ def certified_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-SAMPLE_BINS = ((0, 1), (2, 3), (4, 7), (8, 15), (16, 10**9))
+SAMPLE_BINS = ((0, 2), (3, 3), (4, 7), (8, 15), (16, 10**9))
 
 
 def sample_table(rows: list[dict]) -> str:
@@ -415,7 +415,7 @@ def sample_table(rows: list[dict]) -> str:
         for r, b in zip(got, bad):
             per_request.setdefault((r["task"], r["trial"], r["length"], r["budget"]), []).append(b)
         worst = sum(sum(v) > len(v) / 2 for v in per_request.values())
-        label = f"{lo}-{hi}" if hi < 10**9 else f"≥ {lo}"
+        label = (f"{lo}-{hi}" if hi > lo else str(lo)) if hi < 10**9 else f"≥ {lo}"
         lines.append(
             f"| {label} | {len(got)} | {sum(bad)} ({sum(bad) / len(got):.1%}) | {quantile(ratio, 0.5):.2f} | "
             f"{len(per_request)} | {worst} |"
