@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import sys
 import time
@@ -478,12 +479,17 @@ def main() -> None:
     started = time.time()
     rows, done = load_journal(journal_path) if a.resume and journal_path.exists() else ({}, set())
     counts: dict[tuple, dict] = {}
-    journal = journal_path.open("w")
-    for got in rows.values():  # a resumed journal keeps its finished prompts only
-        for r in got:
-            journal.write(json.dumps(r) + "\n")
-    for rid in sorted(done):
-        journal.write(json.dumps({"done": rid}) + "\n")
+    # A resumed journal keeps its finished prompts only, rewritten beside it and renamed
+    # over it whole (a kill mid-rewrite must not cut what the earlier runs found).
+    fresh = journal_path.with_suffix(".tmp")
+    with fresh.open("w") as out:
+        for got in rows.values():
+            for r in got:
+                out.write(json.dumps(r) + "\n")
+        for rid in sorted(done):
+            out.write(json.dumps({"done": rid}) + "\n")
+    os.replace(fresh, journal_path)
+    journal = journal_path.open("a")
     with GuardProbe() as probe:
         for length in (int(x) for x in a.lengths.split(",")):
             for task in a.tasks.split(","):
