@@ -272,7 +272,7 @@ def summarise(rows: list[dict], counts: dict | None, alone: list[dict]) -> dict:
         # Rest pages the guard read: heavy ones, the heaviest quarters of its rounds, a fallback's.
         "clean": share([r for r in certified if read_of(r) == 0 and not r["light"]]),
         "heavy": share([r for r in rows if r["heavy"] > 0]),
-        "rounds": share([r for r in certified if read_of(r) > r["heavy"]]),
+        "rounds": share([r for r in certified if read_of(r) > r["heavy"] and not r["light"]]),
         "light": share([r for r in certified if r["light"]]),
         "fallback": share(fallbacks),
         "error_median": quantile([r["error"] for r in certified], 0.5),
