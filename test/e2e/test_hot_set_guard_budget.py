@@ -20,7 +20,6 @@ import pytest
 import requests
 
 from sgl_importance.client import metrics_text
-from sgl_importance.hot_set.guard_budget import KVShape, plan_guard
 from sgl_importance.local_server import metric
 from support.server import generate_ids, importance_torch_args
 
@@ -44,11 +43,15 @@ def server_tokens(server) -> int:
     return int(info["max_total_num_tokens"])
 
 
-def model_shape(model_path: str, log: str) -> KVShape:
+def model_shape(model_path: str, log: str) -> "KVShape":  # noqa: F821
     """The KV pool's shape from the model's config and the dtype the server's log names."""
     config = json.loads((Path(model_path) / "config.json").read_text())
     dtype = re.search(r"KV Cache is allocated\. dtype: (\S+),", log).group(1)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    # Imported here: importing sgl_importance.hot_set at collection would import triton
+    # before test/kernels/conftest.py sets TRITON_INTERPRET for the workers.
+    from sgl_importance.hot_set.guard_budget import KVShape
+
     return KVShape(config["num_hidden_layers"], config["num_key_value_heads"], head_dim, head_dim,
                    ELEMENT_SIZE[dtype], PAGE)  # fmt: skip
 
@@ -73,6 +76,8 @@ def gauge(server, name: str) -> float:
 def test_the_kv_pool_gives_up_the_pages_that_hold_the_guard_and_says_so(guarded, kv_tokens_alone, model_path):
     assert kv_tokens_alone == DEVICE_TOKENS
     log = guarded.log()
+    from sgl_importance.hot_set.guard_budget import plan_guard
+
     expected = plan_guard(kv_tokens_alone, model_shape(model_path, log), guard_tokens=GUARD_TOKENS)
     assert expected.guard_pages == GUARD_TOKENS // PAGE and expected.kv_tokens_given_up > 0
     assert server_tokens(guarded) == expected.kv_tokens < kv_tokens_alone

@@ -220,7 +220,7 @@ class HotSetDecoder:
             tracked = self.tracked.get(rid)
             if tracked is None:
                 params = self.request_params.get(rid) or self.params
-                tracked = self.tracked[rid] = TrackedRequest(RequestHotSet(params), draw=PageDraw(rid))
+                tracked = self.tracked[rid] = TrackedRequest(RequestHotSet(params), draw=PageDraw())
             pages = None
             if rows is not None and self.released.enabled:
                 pages = self.released.pages_of(rid, rows[i], ps)

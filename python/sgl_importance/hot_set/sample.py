@@ -1,7 +1,9 @@
 """The uniform page sample the guard estimates a request's unread pages from.
 
 Each full page of a guarded request draws ``u ~ U(0, 1)`` once, from a generator
-seeded by the request id, and is in the sample while ``u < inclusion(pages)``: a
+with a fixed seed (so a request decodes the same alone or in a batch, and run after
+run; the draw is independent of every query, which is all the estimate needs), and is
+in the sample while ``u < inclusion(pages)``: a
 Bernoulli sample with inclusion probability ``pi`` that does not depend on the query,
 on importance or on which pages the hot set chose, so over the pages a step leaves
 unread (which the plan picks without looking at ``u``) the sampled ones are a uniform
@@ -21,13 +23,13 @@ Plain torch; nothing here imports SGLang.
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 
 FRACTION = 1 / 32
 MIN_PAGES = 16
 ROOM_SHARE = 0.5
+SEED = 0x5A3D1E
 
 
 def inclusion(num_full: int, room: int) -> float:
@@ -56,8 +58,8 @@ def reserve(pi: float, num_pages: int, budget: int) -> int:
 class PageDraw:
     """One request's draws, one per logical page, made as pages appear."""
 
-    def __init__(self, rid: str) -> None:
-        self._generator = torch.Generator().manual_seed(zlib.crc32(rid.encode()))
+    def __init__(self) -> None:
+        self._generator = torch.Generator().manual_seed(SEED)
         self.u = torch.zeros(0, dtype=torch.float64)
 
     def members(self, num_full: int, pi: float) -> torch.Tensor:
