@@ -297,9 +297,7 @@ def combine(
     variance = (1.0 - pi) / pi.square() * y.square().sum(dim=(1, 2, 3))  # [n]
     count = live.any(dim=1).sum(dim=-1)  # [n] sampled pages still estimated
     bound = quantile(count) * variance.clamp_min(0.0).sqrt()
-    size = output.flatten(1).norm(dim=-1)
-    relative = torch.where(bound < size, bound / (size - bound), float("inf"))
-    relative = torch.where(bound == 0, 0.0, relative)
+    relative = _relative(bound, output)
     too_few = (count < MIN_SAMPLED) & (pi < 1.0) & any_sampled.any(dim=-1)
     relative = torch.where(uncovered | too_few, float("inf"), relative)
     return Combined(output, lse, a, bound, relative)
@@ -332,8 +330,14 @@ def negligible_rest(lse_exact: torch.Tensor, out_exact: torch.Tensor, outside: O
     largest = outside.value_norm.masked_fill(~keep[:, None, :], 0.0).amax(dim=-1)  # [n, Hq]
     head = out_exact.norm(dim=-1)
     bound = (alpha * (largest + head)).norm(dim=-1)  # [n]
-    size = out_exact.flatten(1).norm(dim=-1)
-    relative = torch.where(bound < size, bound / (size - bound), float("inf"))
-    relative = torch.where(bound == 0, 0.0, relative)
+    relative = _relative(bound, out_exact)
     lse = torch.where(torch.isfinite(lse_exact), lse_exact, 0.0)
     return Combined(out_exact, lse, torch.ones_like(lse), bound, relative)
+
+
+def _relative(bound: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """``[n]`` bound of ``||o - o_hat|| / ||o||`` from ``bound`` on ``||o - o_hat||``:
+    ``B / (||o_hat|| - B)``, 0 for an exact output, inf when the bound is vacuous."""
+    size = output.flatten(1).norm(dim=-1)
+    relative = torch.where(bound < size, bound / (size - bound), float("inf"))
+    return torch.where(bound == 0, 0.0, relative)
