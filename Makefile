@@ -44,7 +44,7 @@ serve: install
 
 # A local Mooncake Store (master with its HTTP metadata server + a segment holder
 # of STORE_SEGMENT) on free ports; prints the MOONCAKE_* variables servers need and
-# writes them to $(STORE_DIR)/env. Runs until Ctrl-C. See README "Past one machine".
+# writes them to $(STORE_DIR)/env. Runs until Ctrl-C. See docs/mooncake.md.
 STORE_DIR ?= mooncake-store
 STORE_SEGMENT ?= 1GB
 store: install

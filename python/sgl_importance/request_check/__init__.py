@@ -23,8 +23,7 @@ Each check raises :class:`fields.InvalidFieldError`, which SGLang answers with a
 400 and the endpoint's usual body. The message names the field as the caller
 spelled it (``top_logprobs`` on chat, ``logprobs`` on completions,
 ``sampling_params.top_k`` on ``/generate``), its value and what is allowed.
-README.md ("Behaviour on every platform") lists each check with its limit and
-what it replaced.
+docs/requests.md lists each check with its limit and what it replaced.
 
 - ``hook.py``: the AROUND-hook body (``checked_generate``) and the server's limits;
 - ``generate.py``: :func:`check_generate_request`, every field of one request;
