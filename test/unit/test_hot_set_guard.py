@@ -179,6 +179,39 @@ def test_the_sampled_bound_fails_no_more_often_than_its_stated_probability(pi):
     assert failures <= 2 * DELTA * draws
 
 
+def test_a_sample_that_missed_the_heavier_pages_is_caught_by_the_key_codes():
+    # 12 of 198 rest pages lean towards the query (values apart from the rest's); a
+    # sample of 16 light pages only sees the light ones, so its own variance
+    # understates the error. The key codes know every page's estimated mass, and the
+    # variance they imply bounds the error (here: the bound is vacuous, so the guard
+    # reads on).
+    g = torch.Generator().manual_seed(0)
+    num_pages = 200
+    q = torch.randn(Q_HEADS, DIM, generator=g)
+    keys = torch.randn(num_pages, PAGE, KV_HEADS, DIM, generator=g)
+    values = torch.randn(num_pages, PAGE, KV_HEADS, DIM, generator=g) + 1.0
+    leaning = torch.arange(2, 14)
+    towards = q.view(KV_HEADS, GROUP, DIM).mean(dim=1)
+    keys[leaning] += 2.5 * towards / towards.norm(dim=-1, keepdim=True)
+    values[leaning] -= 1.5
+    _, true = exact_attention(q, keys.flatten(0, 1), values.flatten(0, 1))
+    plan, outside, lse_e, out_e, rest = rest_of(q, keys, values, exact_pages={0, 1})
+    cols = torch.arange(20, 36)  # rest columns 20.. are light pages
+    members = rest[cols]
+    sample = sampled_pages(
+        q[None], keys[members][None], values[members][None], torch.ones(1, cols.numel(), dtype=torch.bool),
+        sm_scale=SCALE,
+    )  # fmt: skip
+    pi, uncovered = torch.tensor([0.08]), torch.tensor([False])
+    alone = combine(lse_e, out_e, sample, pi, uncovered)
+    floored = combine(lse_e, out_e, sample, pi, uncovered, (outside.page_lse, outside.page_lse[..., cols]))
+    error = float((alone.output[0].double() - true).norm() / true.norm())
+    assert torch.equal(alone.output, floored.output)  # the floor widens the bound, nothing else
+    assert error > float(alone.relative[0])  # the sample alone: violated
+    assert error <= float(floored.relative[0])
+    assert float(floored.bound[0]) >= float(alone.bound[0])
+
+
 def test_the_guard_pool_never_grows_and_a_request_it_cannot_hold_decodes_unguarded():
     g = torch.Generator().manual_seed(0)
     layers, pages = 2, 40

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -267,6 +268,7 @@ def combine(
     sampled: Sampled,
     inclusion: torch.Tensor,
     uncovered: torch.Tensor,
+    codes: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Combined:
     """The Horvitz-Thompson estimate of the rest folded into the exact pages' softmax.
 
@@ -276,6 +278,10 @@ def combine(
         inclusion: ``[n]`` ``pi`` per request.
         uncovered: bool ``[n]``: rest pages remain but none of them is sampled (the
             estimate cannot vouch for them: ``relative`` is inf).
+        codes: the key codes' log-masses ``([n, Hq, P]`` of every rest page still
+            estimated, ``[n, Hq, S]`` of the sampled ones; -inf elsewhere``)``: the
+            variance is then at least what the codes say the whole rest holds
+            (``code_variance``).
     """
     pi = inclusion.to(lse_exact.device, torch.float32)
     lse_pages = sampled.lse
@@ -295,12 +301,40 @@ def combine(
     share = torch.where(live, torch.exp(lse_pages - lse[..., None]), 0.0)
     y = share[..., None] * (sampled.output - output[:, :, None])
     variance = (1.0 - pi) / pi.square() * y.square().sum(dim=(1, 2, 3))  # [n]
+    if codes is not None:
+        variance = torch.maximum(variance, code_variance(y, lse, pi, *codes))
     count = live.any(dim=1).sum(dim=-1)  # [n] sampled pages still estimated
     bound = quantile(count) * variance.clamp_min(0.0).sqrt()
     relative = _relative(bound, output)
     too_few = (count < MIN_SAMPLED) & (pi < 1.0) & any_sampled.any(dim=-1)
     relative = torch.where(uncovered | too_few, float("inf"), relative)
     return Combined(output, lse, a, bound, relative)
+
+
+def code_variance(
+    y: torch.Tensor, lse: torch.Tensor, pi: torch.Tensor, rest_lse: torch.Tensor, sampled_lse: torch.Tensor
+) -> torch.Tensor:
+    """``[n]`` the estimate's variance with the population's spread taken from the key codes.
+
+    The sample's own variance estimate misses what the sample missed: a handful of
+    sampled pages from a rest whose masses are heavy-tailed mostly sees the light ones,
+    and the bound then fails far more often than ``DELTA`` (bench_bound.py). Every rest
+    page has its key codes' estimated share ``x_p``, sampled or not, so
+    ``sum ||y_p||^2`` over the rest is estimated as ``sum_rest x_p^2`` times the sampled
+    pages' ``sum ||y_p||^2 / sum x_p^2`` (a ratio estimate, per query head): equal to the
+    sample's own in expectation when the sample is typical, larger when it missed the
+    heavy pages.
+
+    Args:
+        y: ``[n, Hq, S, Dv]`` the sampled pages' ``y_p / D_hat``.
+        lse: ``[n, Hq]`` the combined log denominator ``D_hat``.
+        rest_lse, sampled_lse: ``[n, Hq, P]``, ``[n, Hq, S]`` key-code log-masses.
+    """
+    x_rest = torch.exp(rest_lse - lse[..., None]).nan_to_num(0.0).square().sum(dim=-1)  # [n, Hq]
+    x_sampled = torch.exp(sampled_lse - lse[..., None]).nan_to_num(0.0).square().sum(dim=-1)
+    spread = y.square().sum(dim=(2, 3))  # [n, Hq]
+    ratio = torch.where(x_sampled > 0, spread / x_sampled.clamp_min(1e-30), 0.0)
+    return (1.0 - pi) / pi * (x_rest * ratio).sum(dim=-1)
 
 
 def quantile(count: torch.Tensor) -> torch.Tensor:

@@ -107,7 +107,7 @@ def guard_layer(
 
 def _account(lse, out, outside, sampled, keep, in_sample, inclusion, thresholds) -> Combined:
     """The rest ``keep`` from the sample, or left out where it is too light to matter."""
-    combined = _combine(lse, out, sampled, keep, in_sample, inclusion)
+    combined = _combine(lse, out, outside, sampled, keep, in_sample, inclusion)
     light = negligible_rest(lse, out, outside, keep)
     use_light = (combined.relative > thresholds) & (light.relative <= thresholds)
     return _choose(use_light, light, combined)
@@ -129,6 +129,7 @@ def _heaviest(outside: Outside, remaining: torch.Tensor, share: float) -> torch.
 def _combine(
     lse: torch.Tensor,
     out: torch.Tensor,
+    outside: Outside,
     sampled: Sampled,
     keep: torch.Tensor,
     in_sample: torch.Tensor,
@@ -140,7 +141,9 @@ def _combine(
     kept = (keep & in_sample)[:, :width]
     lse_pages = sampled.lse.masked_fill(~kept[:, None, :], NEG_INF)
     uncovered = keep.any(dim=1) & ~kept.any(dim=1)
-    return combine(lse, out, Sampled(lse_pages, sampled.output), inclusion, uncovered)
+    rest_codes = outside.page_lse.masked_fill(~keep[:, None, :], NEG_INF)
+    codes = (rest_codes, rest_codes[..., :width].masked_fill(~kept[:, None, :], NEG_INF))
+    return combine(lse, out, Sampled(lse_pages, sampled.output), inclusion, uncovered, codes)
 
 
 def merge_parts(
