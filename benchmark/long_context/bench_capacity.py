@@ -34,21 +34,30 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmark.long_context.bench_hot_set import PAGE, essay_text
-from sgl_importance.client import flush_cache, generate, greedy
-from sgl_importance.local_server import LocalServer, model_path
+from sgl_importance.client import flush_cache, generate, greedy, metrics_text
+from sgl_importance.local_server import LocalServer, metric, model_path
 
 DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+), .*gen throughput \(token/s\): ([\d.]+)")
+SOLO_NEW = 128
+RELEASED = "sgl_importance:hot_set_pages_released_total"
+KV_LINE = re.compile(r"max_total_num_tokens=(\d+)")
+GUARD_LINE = re.compile(r"hot set: guard pool of (\d+) tokens \(\d+ pages\), ([\d.]+) MiB")
 
 
-def configs(budget: float) -> dict[str, list[str]]:
-    """Dense, the hot set with the server's default guard, and with the guard off (reads
-    only the hot set: what the page saving is worth in decode speed)."""
+CONFIG_KEYS = ("dense", "guard", "guard-off")
+
+
+def configs(budget: float, keys: list[str]) -> dict[str, list[str]]:
+    """Dense (always, the baseline), then of ``keys``: the hot set with the server's
+    default guard (``guard``), and with the guard off (``guard-off``: reads only the hot
+    set, what the page saving is worth in decode speed)."""
     hot = ["--hot-set-policy", "importance", "--hot-set-budget", str(budget), "--hot-set-threshold", "512"]
-    return {
-        "dense": [],
-        f"hot set {budget:.0%}": hot,
-        f"hot set {budget:.0%} guard off": hot + ["--hot-set-guard-threshold", "1"],
+    every = {
+        "dense": ("dense", []),
+        "guard": (f"hot set {budget:.0%}", hot),
+        "guard-off": (f"hot set {budget:.0%} guard off", hot + ["--hot-set-guard-threshold", "1"]),
     }
+    return dict(every[k] for k in ["dense"] + [k for k in keys if k != "dense"])
 
 
 def run_config(name: str, extra: list[str], prompts: list[list[int]], a, out: Path) -> dict:
@@ -61,26 +70,33 @@ def run_config(name: str, extra: list[str], prompts: list[list[int]], a, out: Pa
     try:
         server.wait_ready()
 
-        def decode(ids: list[int]) -> dict:
-            return generate(server.url, input_ids=ids, sampling_params=greedy(a.max_new, ignore_eos=True), timeout=3600)
+        def decode(ids: list[int], new: int = a.max_new) -> dict:
+            return generate(server.url, input_ids=ids, sampling_params=greedy(new, ignore_eos=True), timeout=7200)
 
         solo_prompt, prompts = prompts[0], prompts[1:]
-        decode(solo_prompt[: a.length // 2])  # warm-up, not measured
+        decode(solo_prompt[: a.length // 2], 8)  # warm-up, not measured
         mark = len(server.log())
-        decode(solo_prompt)  # batch 1, a prompt the concurrent requests do not share
+        # Batch 1, a prompt the concurrent requests do not share (at most SOLO_NEW tokens:
+        # a long generation alone would take as long as the rest).
+        decode(solo_prompt, min(a.max_new, SOLO_NEW))
         solo = _decode_lines(server.log()[mark:])
         # Empty the tree: a concurrent request matching a cached prompt would keep
         # that prefix on the device (shared pages are never released).
         flush_cache(server.url).raise_for_status()
         mark = len(server.log())
+        released = metric(metrics_text(server.url), RELEASED)
         start = time.time()
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(decode, prompts))
         wall = time.time() - start
+        released = metric(metrics_text(server.url), RELEASED) - released
         lines = _decode_lines(server.log()[mark:])
         peak_mb = _peak_rss_mb(server.proc.pid)
+        log_text = server.log()
     finally:
         server.stop()
+    kv = KV_LINE.search(log_text)
+    guard = GUARD_LINE.search(log_text)
     peak = max((n for n, _ in lines), default=0)
     at_peak = [rate for n, rate in lines if n == peak]
     return {
@@ -92,6 +108,10 @@ def run_config(name: str, extra: list[str], prompts: list[list[int]], a, out: Pa
         "tps_peak": statistics.median(at_peak or [0.0]),
         "outputs": [r["output_ids"] for r in results],
         "peak_rss_mb": peak_mb,
+        "pages_released": released,
+        "kv_tokens": int(kv.group(1)) if kv else 0,
+        "guard_tokens": int(guard.group(1)) if guard else 0,
+        "guard_mib": float(guard.group(2)) if guard else 0.0,
     }
 
 
@@ -111,6 +131,13 @@ def _peak_rss_mb(pid: int) -> float:
     return total_kb / 1024
 
 
+def _first_differences(outputs: list[list[int]], dense: list[list[int]]) -> str:
+    """Tokens each greedy output shares with dense's before they first differ: min / median."""
+    firsts = sorted(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    for a, b in zip(outputs, dense))  # fmt: skip
+    return f"{firsts[0]} / {firsts[len(firsts) // 2]}" if firsts else "–"
+
+
 def _decode_lines(log: str) -> list[tuple[int, float]]:
     return [(int(m.group(1)), float(m.group(2))) for m in DECODE_LINE.finditer(log)]
 
@@ -122,8 +149,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=12, help="sent at once")
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--budget", type=float, default=0.2)
+    p.add_argument("--configs", default="guard,guard-off", help=f"beside dense, from {', '.join(CONFIG_KEYS[1:])}")
     p.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench_capacity_")))
     a = p.parse_args()
+    keys = [k for k in a.configs.split(",") if k]
+    if unknown := [k for k in keys if k not in CONFIG_KEYS]:
+        p.error(f"unknown configurations {unknown}; known: {', '.join(CONFIG_KEYS)}")
     a.out.mkdir(parents=True, exist_ok=True)
     from transformers import AutoTokenizer
 
@@ -133,7 +164,7 @@ def main() -> None:
     stride = (len(filler) - a.length) // (a.requests + 1)
     prompts = [filler[i * stride : i * stride + a.length] for i in range(a.requests + 1)]
     started = time.time()
-    rows = [run_config(name, extra, prompts, a, a.out) for name, extra in configs(a.budget).items()]
+    rows = [run_config(name, extra, prompts, a, a.out) for name, extra in configs(a.budget, keys).items()]
     write_results(rows, a, (time.time() - started) / 60, a.out)
 
 
@@ -141,8 +172,10 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
     base = rows[0]
     lines = [
         "| config | most requests decoding at once | vs dense | wall s (all) "
-        "| decode tok/s, bs 1 | decode tok/s at that batch | greedy outputs = dense | peak RSS, MB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| decode tok/s, bs 1 | decode tok/s at that batch | greedy outputs = dense | peak RSS, MB "
+        "| tokens before the first difference from dense: min / median | pages released "
+        "| KV pool tokens | guard pool: tokens, MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = r["peak"] / base["peak"] if base["peak"] else float("nan")
@@ -155,6 +188,10 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
             f"{r['tps_peak']:.1f}",
             f"{sum(x == y for x, y in zip(r['outputs'], base['outputs']))}/{a.requests}",
             f"{r.get('peak_rss_mb', 0):.0f}",
+            _first_differences(r["outputs"], base["outputs"]),
+            f"{r.get('pages_released', 0):.0f}",
+            r.get("kv_tokens", 0),
+            f"{r.get('guard_tokens', 0)}, {r.get('guard_mib', 0.0):.1f}",
         )
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     table = "\n".join(lines)
