@@ -1,22 +1,25 @@
 """Long requests served at once from a fixed device pool: dense vs the hot set.
 
 Each configuration gets a fresh ``python -m sglang.launch_server`` on torch_cpu with
-``importance_torch``, HiCache's host pool (``--enable-hierarchical-cache``), the
-same device pool (``--max-total-tokens``) and ``--decode-log-interval 1``, so that
-every decode step logs its running requests. All configurations see the same
-prompts, distinct essay slices of ``--length`` tokens: one alone (batch 1), then,
-after ``/flush_cache`` (a concurrent request matching a cached prompt would pin that
-prefix on the device), ``--requests`` more sent at once, ``--max-new`` greedy tokens
-each (``ignore_eos``).
+``importance_torch``, HiCache's host pool (``--enable-hierarchical-cache``) and
+``--decode-log-interval 1``, so that every decode step logs its running requests.
+**Equal memory**: dense gets ``--device-tokens`` of KV pool; a hot-set server gets the
+same bytes for its KV pool, its guard's pool (which the server takes out of
+``--max-total-tokens`` itself) and its key summaries (which this benchmark takes out:
+``hot_set_tokens``). All configurations see the same prompts, distinct essay slices
+of ``--length`` tokens: one alone (batch 1), then, after ``/flush_cache`` (a concurrent
+request matching a cached prompt would pin that prefix on the device), ``--requests``
+more sent at once, ``--max-new`` greedy tokens each (``ignore_eos``). Short prompts
+with thousands of new tokens are the long-generation (reasoning trace) case.
 
 Per configuration (dense; the hot set with the default guard; with the guard off) it
 reports the most requests decoding in one step (from the server log), the wall time
 for all of them, decode tokens/s (the median of the per-step rates SGLang logs at
-batch 1, one request sent alone first, and at the largest batch reached) and how
-many greedy outputs equal dense's, and the peak resident memory of the server's processes
-(guard state lives beside the device pool, so the pool alone does not show
-what the guard costs). Writes RESULTS_capacity.md and capacity.png into --out and prints
-the table.
+batch 1, one request sent alone first, and at the largest batch reached), how many
+greedy outputs equal dense's and how many tokens they share with it before the first
+difference, the pages released to the host, the KV pool's and the guard pool's sizes
+(from the server's start-up log) and the peak resident memory of the server's
+processes. Writes RESULTS_capacity.md and capacity.png into --out and prints the table.
 
     python -m benchmark.long_context.bench_capacity --out /tmp/bench_capacity
 """
@@ -35,9 +38,11 @@ from pathlib import Path
 
 from benchmark.long_context.bench_hot_set import PAGE, essay_text
 from sgl_importance.client import flush_cache, generate, greedy, metrics_text
+from sgl_importance.hot_set.guard_budget import auto_coverage
 from sgl_importance.local_server import LocalServer, metric, model_path
 
 DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+), .*gen throughput \(token/s\): ([\d.]+)")
+TOKENS_LINE = re.compile(r"Decode batch, #running-req: \d+, #token: (\d+),")
 SOLO_NEW = 128
 RELEASED = "sgl_importance:hot_set_pages_released_total"
 KV_LINE = re.compile(r"max_total_num_tokens=(\d+)")
@@ -47,11 +52,28 @@ GUARD_LINE = re.compile(r"hot set: guard pool of (\d+) tokens \(\d+ pages\), ([\
 CONFIG_KEYS = ("dense", "guard", "guard-off")
 
 
-def configs(budget: float, keys: list[str]) -> dict[str, list[str]]:
+def hot_set_tokens(device_tokens: int, budget: float) -> int:
+    """The hot-set server's ``--max-total-tokens`` for the same bytes as dense's pool.
+
+    The guard's pool is taken out of ``--max-total-tokens`` by the server itself. What
+    is not: the key min/max summaries, ``2 x D`` elements per page and KV head in the
+    KV's dtype, i.e. ``1 / PAGE`` of the KV's bytes per token, kept for every page of
+    the pool and again for every page of each hot-set request's context (up to the
+    guard's coverage, ``1 / budget`` times the pool, with pages released to the host).
+    Those come out here: ``tokens x (1 + (1 + coverage) / PAGE) <= device_tokens``.
+    """
+    coverage = auto_coverage(budget, hierarchical=True)
+    tokens = device_tokens / (1.0 + (1.0 + coverage) / PAGE)
+    return int(tokens) // PAGE * PAGE
+
+
+def configs(budget: float, keys: list[str], device_tokens: int) -> dict[str, list[str]]:
     """Dense (always, the baseline), then of ``keys``: the hot set with the server's
     default guard (``guard``), and with the guard off (``guard-off``: reads only the hot
-    set, what the page saving is worth in decode speed)."""
+    set, what the page saving is worth in decode speed), each at dense's bytes
+    (``hot_set_tokens``)."""
     hot = ["--hot-set-policy", "importance", "--hot-set-budget", str(budget), "--hot-set-threshold", "512"]
+    hot += ["--max-total-tokens", str(hot_set_tokens(device_tokens, budget))]
     every = {
         "dense": ("dense", []),
         "guard": (f"hot set {budget:.0%}", hot),
@@ -65,6 +87,9 @@ def run_config(name: str, extra: list[str], prompts: list[list[int]], a, out: Pa
         "--page-size", str(PAGE), "--attention-backend", "importance_torch", "--enable-hierarchical-cache",
         "--max-total-tokens", str(a.device_tokens), "--decode-log-interval", "1", "--enable-metrics", *extra,
     ]  # fmt: skip
+    if a.hicache_ratio:
+        args += ["--hicache-ratio", str(a.hicache_ratio)]
+    # A hot-set configuration's own --max-total-tokens comes later in ``extra`` and wins.
     log = out / f"server_{name.replace(' ', '_').replace('%', '')}.log"
     server = LocalServer(model_path(), args, log)
     try:
@@ -98,6 +123,7 @@ def run_config(name: str, extra: list[str], prompts: list[list[int]], a, out: Pa
     kv = KV_LINE.search(log_text)
     guard = GUARD_LINE.search(log_text)
     peak = max((n for n, _ in lines), default=0)
+    held = [int(m.group(1)) for m in TOKENS_LINE.finditer(log_text[mark:])]
     at_peak = [rate for n, rate in lines if n == peak]
     return {
         "config": name,
@@ -109,6 +135,7 @@ def run_config(name: str, extra: list[str], prompts: list[list[int]], a, out: Pa
         "outputs": [r["output_ids"] for r in results],
         "peak_rss_mb": peak_mb,
         "pages_released": released,
+        "device_tokens_peak": max(held, default=0),
         "kv_tokens": int(kv.group(1)) if kv else 0,
         "guard_tokens": int(guard.group(1)) if guard else 0,
         "guard_mib": float(guard.group(2)) if guard else 0.0,
@@ -149,6 +176,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=12, help="sent at once")
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--budget", type=float, default=0.2)
+    p.add_argument("--hicache-ratio", type=float, default=0.0, help="host pool over the device pool (0: SGLang's)")
     p.add_argument("--configs", default="guard,guard-off", help=f"beside dense, from {', '.join(CONFIG_KEYS[1:])}")
     p.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench_capacity_")))
     a = p.parse_args()
@@ -164,7 +192,9 @@ def main() -> None:
     stride = (len(filler) - a.length) // (a.requests + 1)
     prompts = [filler[i * stride : i * stride + a.length] for i in range(a.requests + 1)]
     started = time.time()
-    rows = [run_config(name, extra, prompts, a, a.out) for name, extra in configs(a.budget, keys).items()]
+    rows = [
+        run_config(name, extra, prompts, a, a.out) for name, extra in configs(a.budget, keys, a.device_tokens).items()
+    ]
     write_results(rows, a, (time.time() - started) / 60, a.out)
 
 
@@ -174,8 +204,9 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
         "| config | most requests decoding at once | vs dense | wall s (all) "
         "| decode tok/s, bs 1 | decode tok/s at that batch | greedy outputs = dense | peak RSS, MB "
         "| tokens before the first difference from dense: min / median | pages released "
+        "| device KV tokens in use, most in one step "
         "| KV pool tokens | guard pool: tokens, MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = r["peak"] / base["peak"] if base["peak"] else float("nan")
@@ -190,6 +221,7 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
             f"{r.get('peak_rss_mb', 0):.0f}",
             _first_differences(r["outputs"], base["outputs"]),
             f"{r.get('pages_released', 0):.0f}",
+            r.get("device_tokens_peak", 0),
             r.get("kv_tokens", 0),
             f"{r.get('guard_tokens', 0)}, {r.get('guard_mib', 0.0):.1f}",
         )
@@ -200,7 +232,10 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
         "# Capacity: long requests from a fixed device pool (bench_capacity.py)\n\n"
         f"Command (took {minutes:.0f} min):\n\n"
         f"```\n{command}\n```\n\n{a.requests} requests of {a.length} tokens at once, {a.max_new} new tokens each, "
-        f"device pool {a.device_tokens} tokens ({a.device_tokens // PAGE} pages of {PAGE}), HiCache host pool on.\n\n"
+        f"dense's device pool {a.device_tokens} tokens ({a.device_tokens // PAGE} pages of {PAGE}); the hot-set "
+        f"servers the same bytes: --max-total-tokens {hot_set_tokens(a.device_tokens, a.budget)} for their KV and "
+        "guard pools (the server takes the guard's pages out of it), the rest for their key summaries; "
+        "HiCache host pool on.\n\n"
         f"{table}\n"
     )
     (out / "RESULTS_capacity.md").write_text(text)

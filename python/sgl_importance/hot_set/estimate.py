@@ -22,9 +22,11 @@ of the request (its *rest*) is accounted for in the same softmax:
   order, ``sum_p (Z_p / pi - 1) y_p / D`` over the remaining rest pages (``Z_p`` the
   sample indicator), of variance ``(1 - pi) / pi sum ||y_p||^2 / D^2``, estimated
   unbiasedly from the sample as ``V = (1 - pi) / pi^2 sum_S ||y_p||^2 / D_hat^2``
-  (summed over query heads: the vector ``o_proj`` reads). The layer's bound is
-  ``B = t * sqrt(V)``, ``t`` Student's quantile for the sampled pages' count (the
-  variance comes from them; 1.96 for many), and
+  (summed over query heads: the vector ``o_proj`` reads), and never below what the
+  key codes' masses of *every* rest page imply (``code_variance``: a few sampled pages
+  of a heavy-tailed rest mostly see its light pages, and the sample's own ``V`` then
+  understates the error). The layer's bound is ``B = t * sqrt(V)``, ``t`` Student's
+  quantile for the sampled pages' count (the variance comes from them), and
   ``||o - o_hat|| / ||o|| <= B / (||o_hat|| - B)``; under ``MIN_SAMPLED`` sampled pages
   the estimate does not vouch.
 
