@@ -2,14 +2,15 @@
 
 Each field declares its flag once (``flags.py``: type, choices or range, help);
 the argparse arguments and the start-up validation are generated from those
-declarations. A leaf: it imports only the stdlib, ``flags`` and ``vocabulary``
+declarations. A leaf: it imports only the stdlib, ``flags`` and ``choices``
 (``hot_set/params.py`` builds the hot set's parameters from it).
 
 The flags are added to SGLang's own parser (``python -m sglang.launch_server
 --help`` lists them under "sgl-importance"). ``plugin.py`` copies the parsed
 values into ``server_args._importance``; underscore attributes survive the
-pickling of ``ServerArgs`` into the scheduler process, so every process reads
-the same validated object through ``config_of(server_args)``.
+pickling of ``ServerArgs`` into the scheduler process, so every process builds its
+runtime (``runtime.py``) from the same validated object, and everything else reads
+it from the runtime.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
+from sgl_importance.choices import HOT_SET_POLICIES, REDUCTIONS
 from sgl_importance.flags import Flag, add_arguments, check_fields, choice, flag, integer, number, specs
-from sgl_importance.vocabulary import HOT_SET_POLICIES, REDUCTIONS
 
 SWITCH = ("on", "off")
 MAX_RETRY_S = 86400.0
@@ -287,17 +288,10 @@ def from_namespace(args: argparse.Namespace) -> ImportanceConfig:
     return config
 
 
-def config_of(server_args: Any) -> ImportanceConfig:
-    """The config a process was started with (defaults when built without the CLI)."""
-    # Absent where ServerArgs was built without from_cli_args (the Engine API, tests).
-    config = getattr(server_args, "_importance", None)
-    return config if isinstance(config, ImportanceConfig) else ImportanceConfig()
-
-
 def from_cli_args(original: Callable[..., Any], cls: Any, args: argparse.Namespace) -> Any:
     """Around ``ServerArgs.from_cli_args``: validate the flags before SGLang builds
     anything (a bad value stops start-up naming the flag, not later in a child
-    process), then keep the config on the server args (``config_of``)."""
+    process), then keep the config on the server args (the runtime reads it there)."""
     config = from_namespace(args)
     server_args = original(cls, args)
     server_args._importance = config

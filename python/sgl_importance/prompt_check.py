@@ -103,21 +103,20 @@ def check_before_validation(tokenizer_manager: Any, obj: Any, input_ids: Optiona
     check_prompt(obj, input_ids, tokenizer_manager.model_config.vocab_size)
 
 
-def check_hot_set_request(tokenizer_manager: Any, obj: Any) -> None:
+def check_hot_set_request(config: Any, tokenizer_manager: Any, obj: Any) -> None:
     """Raise :class:`InvalidRequestError` (a 400) for bad ``custom_params.hot_set`` values.
 
     The scheduler parses them again (``scheduler/hot_set_requests.py``); checking here
     turns a bad value into the caller's error instead of a scheduler failure.
     """
-    from sgl_importance.config import config_of
+    from sgl_importance.choices import REQUEST_HOT_SET_KEY
     from sgl_importance.hot_set.params import request_hot_set_params
-    from sgl_importance.vocabulary import REQUEST_HOT_SET_KEY
 
     sampling = obj.sampling_params
     custom = sampling.get("custom_params") if isinstance(sampling, dict) else None
     if not isinstance(custom, dict) or REQUEST_HOT_SET_KEY not in custom:
         return
     try:
-        request_hot_set_params(config_of(tokenizer_manager.server_args), custom[REQUEST_HOT_SET_KEY])
+        request_hot_set_params(config, custom[REQUEST_HOT_SET_KEY])
     except ValueError as err:
         raise InvalidRequestError(str(err)) from None

@@ -270,7 +270,7 @@ def test_the_check_runs_on_the_first_step_of_generate_request_and_then_serves_as
     manager = types.SimpleNamespace()
 
     async def collect(obj):
-        return [out async for out in checked_generate(original, manager, obj, None, limits_for=lambda _: LIMITS)]
+        return [out async for out in checked_generate(None, original, manager, obj, None, limits_for=lambda *_: LIMITS)]
 
     assert asyncio.run(collect(request())) == ["first", "second"]
     with pytest.raises(InvalidFieldError):
@@ -283,7 +283,7 @@ def test_an_embedding_request_is_not_checked():
         yield "embedding"
 
     async def collect(obj):
-        return [out async for out in checked_generate(original, None, obj, limits_for=lambda _: LIMITS)]
+        return [out async for out in checked_generate(None, original, None, obj, limits_for=lambda *_: LIMITS)]
 
     assert asyncio.run(collect(types.SimpleNamespace(text="x", sampling_params=None))) == ["embedding"]
 
@@ -427,7 +427,7 @@ def test_a_refused_request_leaves_sglangs_abort_task_nothing_to_abort():
         yield "never"
 
     async def first():
-        async for out in checked_generate(original, None, obj, limits_for=lambda _: LIMITS):
+        async for out in checked_generate(None, original, None, obj, limits_for=lambda *_: LIMITS):
             return out
 
     with pytest.raises(InvalidFieldError):

@@ -28,7 +28,8 @@ With ``--hot-set-policy`` (not ``off``), decode of requests longer than
 every KV write (prefill and decode) and hands the decoder each step's requests,
 with their ``req_to_token`` rows when pages may be released to the host pool
 (``scheduler/hot_set_release.py``). That part is ``hot_set_attention.HotSetAttention``,
-which ``importance_triton`` runs too.
+which ``importance_triton`` runs too; the step's plumbing around the parent (the
+table, the hot set's summaries, step and layers) is ``decode_step.ImportanceDecodeSteps``.
 
 Greedy tokens equal torch_native's on the embedded model (``test_attention_torch``);
 logprobs differ by bf16 rounding. Unlike torch_native, decode honours a layer's logit
@@ -45,8 +46,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sgl_importance.attention.common import last_attention_layer_id, page_table_for
-from sgl_importance.attention.hot_set_attention import build_hot_set
+from sgl_importance.attention.decode_step import ImportanceDecodeSteps
 from sgl_importance.env import DECODE_ENV
 from sgl_importance.runtime import Runtime
 from sgl_kernel_ext import (
@@ -66,15 +66,13 @@ if TYPE_CHECKING:
 DECODE_IMPLS = ("paged", "torch", "reference")
 
 
-class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
+class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
     """``torch_native`` plus page importance on decode."""
 
     def __init__(self, runtime: Runtime, model_runner: Any) -> None:
-        # runtime: the scheduler process's state (page tables, hot-set records).
+        # runtime: the scheduler process's state (config, page importance, hot-set records).
         super().__init__(model_runner)
         self.page_size = model_runner.page_size
-        self.page_table = page_table_for(runtime.page_tables, model_runner)
-        self.last_layer_id = last_attention_layer_id(model_runner)
         self.kv_indptr: Optional[torch.Tensor] = None
         self.kv_indices: Optional[torch.Tensor] = None
         self.decode_impl = decode_impl_from_env()
@@ -85,7 +83,7 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
         self.page_ids: Optional[torch.Tensor] = None
         self.page_tokens: Optional[torch.Tensor] = None
         self.paged_workspace = PagedDecodeWorkspace()
-        self.hot_set = build_hot_set(runtime, model_runner, self.last_layer_id, self.page_table)
+        self._init_decode_steps(runtime, model_runner)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         super().init_forward_metadata(forward_batch)
@@ -105,12 +103,8 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
                 self.decode_plan = plan
                 self.page_indptr, self.page_ids, self.page_tokens = plan.page_indptr, plan.page_ids, plan.page_tokens
             if self.hot_set is not None:
-                self.hot_set.begin_step(
-                    forward_batch.rids,
-                    forward_batch.req_pool_indices,
-                    self.kv_indptr,
-                    self.kv_indices,
-                    self.req_to_token_pool.req_to_token,
+                self._begin_hot_set_step(
+                    forward_batch, self.kv_indptr, self.kv_indices, self.req_to_token_pool.req_to_token
                 )
 
     def forward_extend(
@@ -127,8 +121,7 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
             o = self._extend_causal(q, k, v, layer, forward_batch, save_kv_cache)
         else:
             o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        if self.hot_set is not None and save_kv_cache and k is not None and not layer.is_cross_attention:
-            self._summarise(layer, forward_batch.out_cache_loc)
+        self._after_extend(layer, forward_batch, save_kv_cache, k)
         return o
 
     def _extend_causal(
@@ -157,9 +150,6 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
             scaling=layer.scaling,
         )
         return o
-
-    def _summarise(self, layer: RadixAttention, slots: torch.Tensor) -> None:
-        self.hot_set.kv_written(layer.layer_id, slots, self.token_to_kv_pool.get_key_buffer(layer.layer_id))
 
     def _decode_kv_indices(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # The same slots torch_native reads per request (req_to_token[r, :seq_len]),
@@ -200,10 +190,7 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
             o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         else:
             o = self._decode_with_importance(q, k, v, layer, forward_batch, save_kv_cache, sinks)
-        if layer.layer_id == self.last_layer_id:
-            self.page_table.finish_step()
-            if self.hot_set is not None:
-                self.hot_set.end_step()
+        self._after_decode_layer(layer)
         return o
 
     def _decode_with_importance(
@@ -216,14 +203,13 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
         save_kv_cache: bool,
         sinks: Optional[torch.Tensor],
     ) -> torch.Tensor:
-        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        q, o = self._decode_output(q, layer)
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(
                 layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
             )
         if self.hot_set is not None:
-            return self._decode_hot_set(q, o, layer, forward_batch, save_kv_cache, sinks)
+            return self._decode_hot_set(q, o, layer, forward_batch, save_kv_cache, sinks, _logit_cap(layer))
         k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         if self.decode_plan is not None:
@@ -251,29 +237,7 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
                 sinks=sinks,
             )
         o.view(-1, layer.tp_q_head_num, layer.v_head_dim).copy_(result.output)
-        self.page_table.add_layer(result.importance, self.kv_indptr, self.kv_indices)
-        return o
-
-    def _decode_hot_set(
-        self,
-        q: torch.Tensor,
-        o: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool,
-        sinks: Optional[torch.Tensor],
-    ) -> torch.Tensor:
-        if save_kv_cache:
-            self._summarise(layer, forward_batch.out_cache_loc)
-        self.hot_set.attend(
-            layer,
-            q,
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
-            logit_cap=_logit_cap(layer),
-            sinks=sinks,
-        )
+        self.page_importance.add_layer(result.importance, self.kv_indptr, self.kv_indices)
         return o
 
 

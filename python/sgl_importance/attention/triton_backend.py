@@ -42,8 +42,7 @@ import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend, logit_capping_mod
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sgl_importance.attention.common import last_attention_layer_id, page_table_for
-from sgl_importance.attention.hot_set_attention import build_hot_set
+from sgl_importance.attention.decode_step import ImportanceDecodeSteps
 from sgl_importance.runtime import Runtime
 from sgl_kernel_ext.decode_importance import DecodeImportanceWrapper
 from sgl_kernel_ext.page_list import TritonPageListDecode
@@ -57,14 +56,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class ImportanceTritonAttnBackend(TritonAttnBackend):
+class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
     """``triton`` plus page importance on decode."""
 
     def __init__(self, runtime: Runtime, model_runner: Any, **kwargs: Any) -> None:
-        # runtime: the scheduler process's state (page tables, hot-set records).
+        # runtime: the scheduler process's state (config, page importance, hot-set records).
         super().__init__(model_runner, **kwargs)
-        self.page_table = page_table_for(runtime.page_tables, model_runner)
-        self.last_layer_id = last_attention_layer_id(model_runner)
         self.max_pages = _cdiv(self.max_context_len, self.page_size)
         self.max_decode_bs = model_runner.req_to_token_pool.size
         self.head_dim = model_runner.model_config.head_dim
@@ -74,13 +71,7 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
         self.eager_wrapper: Optional[DecodeImportanceWrapper] = None
         # The wrapper the next forward_decode uses, chosen by the metadata init.
         self.decode_wrapper: Optional[DecodeImportanceWrapper] = None
-        self.hot_set = build_hot_set(
-            runtime,
-            model_runner,
-            self.last_layer_id,
-            self.page_table,
-            exact=TritonPageListDecode(max_splits=self.max_kv_splits),
-        )
+        self._init_decode_steps(runtime, model_runner, exact=TritonPageListDecode(max_splits=self.max_kv_splits))
         if self.hot_set is not None:
             check_hot_set_serves(
                 self._serves_with_importance(),
@@ -129,13 +120,7 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
             self.hot_set.fence()
             if forward_batch.forward_mode.is_decode():
                 metadata = self.forward_metadata
-                self.hot_set.begin_step(
-                    forward_batch.rids,
-                    forward_batch.req_pool_indices,
-                    metadata.kv_indptr,
-                    metadata.kv_indices,
-                    self.req_to_token,
-                )
+                self._begin_hot_set_step(forward_batch, metadata.kv_indptr, metadata.kv_indices, self.req_to_token)
             return
         if forward_batch.forward_mode.is_decode() and self._serves_with_importance():
             bs = self.forward_metadata.kv_indptr.numel() - 1
@@ -186,10 +171,7 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
                 score_mod=score_mod,
                 aux_tensors=aux_tensors,
             )
-        if layer.layer_id == self.last_layer_id:
-            self.page_table.finish_step()
-            if self.hot_set is not None:
-                self.hot_set.end_step()
+        self._after_decode_layer(layer)
         return o
 
     def forward_extend(
@@ -204,13 +186,8 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
         **kwargs: Any,
     ) -> torch.Tensor:
         o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
-        if self.hot_set is not None and save_kv_cache and k is not None and not layer.is_cross_attention:
-            # The prompt's pages get their summaries as the parent stores them.
-            self._summarise(layer, forward_batch.out_cache_loc)
+        self._after_extend(layer, forward_batch, save_kv_cache, k)
         return o
-
-    def _summarise(self, layer: RadixAttention, slots: torch.Tensor) -> None:
-        self.hot_set.kv_written(layer.layer_id, slots, self.token_to_kv_pool.get_key_buffer(layer.layer_id))
 
     def _decode_with_importance(
         self,
@@ -222,8 +199,7 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
         save_kv_cache: bool,
         sinks: Optional[torch.Tensor],
     ) -> torch.Tensor:
-        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        q, o = self._decode_output(q, layer)
         if save_kv_cache:
             # The parent's write, unchanged (k_scale/v_scale are None here).
             self._set_kv_buffer(
@@ -233,19 +209,9 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
                 k,
                 v,
             )
+        logit_cap = logit_capping_mod(layer.logit_capping_method, layer.logit_cap)
         if self.hot_set is not None:
-            if save_kv_cache:
-                self._summarise(layer, forward_batch.out_cache_loc)
-            self.hot_set.attend(
-                layer,
-                q,
-                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-                o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
-                logit_cap=logit_capping_mod(layer.logit_capping_method, layer.logit_cap),
-                sinks=sinks,
-            )
-            return o
+            return self._decode_hot_set(q, o, layer, forward_batch, save_kv_cache, sinks, logit_cap)
         kv_indptr = self.forward_metadata.kv_indptr
         kv_indices = self.forward_metadata.kv_indices
         result = self.decode_wrapper.run(
@@ -255,11 +221,11 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
             kv_indptr,
             kv_indices,
             sm_scale=layer.scaling,
-            logit_cap=logit_capping_mod(layer.logit_capping_method, layer.logit_cap),
+            logit_cap=logit_cap,
             sinks=sinks,
             out=o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
         )
-        self.page_table.add_layer(result.importance, kv_indptr, kv_indices)
+        self.page_importance.add_layer(result.importance, kv_indptr, kv_indices)
         return o
 
 

@@ -41,9 +41,9 @@ from typing import Optional, Union
 
 import torch
 
+from sgl_importance.choices import HOT_SET_POLICIES as POLICIES
+from sgl_importance.choices import REDUCTIONS
 from sgl_importance.importance.aggregator import ema_fold
-from sgl_importance.vocabulary import HOT_SET_POLICIES as POLICIES
-from sgl_importance.vocabulary import REDUCTIONS
 
 # Share of the free budget a resident set may swap per step (see module docstring).
 SWAP_FRACTION = 1 / 8

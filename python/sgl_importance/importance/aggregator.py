@@ -9,7 +9,7 @@ Eviction decides over *tree nodes*, which outlive their pages (a node demoted to
 host tier keeps its identity and gets new pages on load-back). This module carries
 the signal over: after each decode batch, the scheduler hands the aggregator the
 tree nodes its running requests attend (each request's ``last_node`` and its
-ancestors), and the aggregator updates the node's :class:`NodeImportance`
+ancestors), and the aggregator updates the node's :class:`NodeState`
 (``node_state.py``, the one object the plugin keeps on a node):
 
 - ``importance``: an exponential moving average, over the decode steps in which the
@@ -46,17 +46,16 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
-from sgl_importance.importance.node_state import has_importance, node_importance, node_state
-
 # The config checks live beside the priority they configure (torch-free).
 from sgl_importance.importance.priority import validate_decay, validate_sink_pages
+from sgl_importance.node_state import has_importance, node_importance, node_state
 
 
 class Observation(NamedTuple):
     """One tree node attended in the step being folded.
 
     Attributes:
-        node: the tree node; the aggregator updates its ``NodeImportance``.
+        node: the tree node; the aggregator updates its ``NodeState``.
         start: token offset of the node's first token in its sequence (the sum of
             its ancestors' key lengths), which tells which of its pages are sinks.
         pages: physical page ids of the node's device KV, in sequence order, on

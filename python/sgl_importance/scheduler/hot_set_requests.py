@@ -15,21 +15,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from sgl_importance.config import config_of
+from sgl_importance.choices import REQUEST_HOT_SET_KEY
+from sgl_importance.config import ImportanceConfig
 from sgl_importance.hot_set.params import request_hot_set_params
 from sgl_importance.hot_set.request_params import RequestParams
-from sgl_importance.vocabulary import REQUEST_HOT_SET_KEY
 
 
-def note_request(request_params: RequestParams, scheduler: Any, recv_req: Any) -> None:
+def note_request(request_params: RequestParams, config: ImportanceConfig, scheduler: Any, recv_req: Any) -> None:
     """Before ``Scheduler.handle_generate_request``: note the request's own parameters
-    in ``request_params`` (the runtime's)."""
+    in ``request_params`` (the runtime's, as is ``config``)."""
     custom = recv_req.sampling_params.custom_params
     if not isinstance(custom, dict) or REQUEST_HOT_SET_KEY not in custom:
         return
     # Validated in the tokenizer manager already; parsing again yields the params
     # (and a request that reached the scheduler another way still fails loudly).
-    params = request_hot_set_params(config_of(scheduler.server_args), custom[REQUEST_HOT_SET_KEY])
+    params = request_hot_set_params(config, custom[REQUEST_HOT_SET_KEY])
     request_params.note(recv_req.rid, params)
 
 
