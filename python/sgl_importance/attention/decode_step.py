@@ -50,7 +50,13 @@ def last_attention_layer_id(model_runner: Any) -> int:
 
 class ImportanceDecodeSteps:
     """The decode-step plumbing both backends share; mixed in before SGLang's backend,
-    whose ``token_to_kv_pool`` it reads.
+    whose ``token_to_kv_pool`` it reads and whose ``forward_decode`` / ``forward_extend``
+    it wraps.
+
+    A backend supplies what differs: ``_records`` (whether a layer's decode is served
+    with importance), ``_store_kv`` (the parent's KV write), ``_decode_dense`` (one
+    layer over every page, filing its importance) and ``_logit_cap``; it may replace
+    ``_extend`` (the parent's extend by default).
 
     Attributes:
         page_importance: the process's ``PageImportanceTable``.
@@ -69,6 +75,63 @@ class ImportanceDecodeSteps:
         self.last_layer_id = last_attention_layer_id(model_runner)
         self.hot_set = build_hot_set(runtime, model_runner, self.last_layer_id, self.page_importance, exact=exact)
 
+    # -- what a backend supplies ----------------------------------------------------
+
+    def _records(self, q: torch.Tensor, layer: Any, kwargs: dict) -> bool:
+        """Whether this layer's decode runs here (with importance) rather than in the parent."""
+        raise NotImplementedError
+
+    def _store_kv(self, layer: Any, forward_batch: Any, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this step's K and V as the parent would."""
+        raise NotImplementedError
+
+    def _decode_dense(self, q: torch.Tensor, o: torch.Tensor, layer: Any, sinks: Optional[torch.Tensor]) -> None:
+        """One layer over every page of the batch into ``o``, its importance filed."""
+        raise NotImplementedError
+
+    def _logit_cap(self, layer: Any) -> float:
+        raise NotImplementedError
+
+    def _extend(self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, save_kv_cache: bool, *args, **kwargs):
+        return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
+
+    # -- SGLang's entry points ------------------------------------------------------
+
+    def forward_extend(
+        self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, save_kv_cache: bool = True, *args, **kwargs
+    ):
+        o = self._extend(q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
+        if self.hot_set is not None and save_kv_cache and k is not None and not layer.is_cross_attention:
+            # The prompt's pages get their summaries as the parent stores them.
+            self._summarise(layer, forward_batch.out_cache_loc)
+        return o
+
+    def forward_decode(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        layer: Any,
+        forward_batch: Any,
+        save_kv_cache: bool = True,
+        sinks: Any = None,
+        **kwargs,
+    ):
+        if self._records(q, layer, kwargs):
+            o = self._decode_with_importance(q, k, v, layer, forward_batch, save_kv_cache, sinks)
+        else:
+            if sinks is not None:
+                kwargs["sinks"] = sinks
+            o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        if layer.layer_id == self.last_layer_id:
+            # The last layer closes the step: the table's, then the hot set's.
+            self.page_importance.finish_step()
+            if self.hot_set is not None:
+                self.hot_set.end_step()
+        return o
+
+    # -- the shared steps -------------------------------------------------------------
+
     def _begin_hot_set_step(
         self, forward_batch: Any, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, req_to_token: torch.Tensor
     ) -> None:
@@ -78,44 +141,20 @@ class ImportanceDecodeSteps:
     def _summarise(self, layer: Any, slots: torch.Tensor) -> None:
         self.hot_set.kv_written(layer.layer_id, slots, self.token_to_kv_pool.get_key_buffer(layer.layer_id))
 
-    def _after_extend(self, layer: Any, forward_batch: Any, save_kv_cache: bool, k: Any) -> None:
-        """After the parent's extend: the prompt's pages get their summaries as it stores them."""
-        if self.hot_set is not None and save_kv_cache and k is not None and not layer.is_cross_attention:
-            self._summarise(layer, forward_batch.out_cache_loc)
-
-    def _after_decode_layer(self, layer: Any) -> None:
-        """After each layer's decode: the last one closes the step (table, then hot set)."""
-        if layer.layer_id == self.last_layer_id:
-            self.page_importance.finish_step()
-            if self.hot_set is not None:
-                self.hot_set.end_step()
-
-    @staticmethod
-    def _decode_output(q: torch.Tensor, layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q`` as ``[bs, q_heads, D]`` and the layer's empty output ``[bs, q_heads * Dv]``."""
-        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        return q, q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
-
-    def _decode_hot_set(
-        self,
-        q: torch.Tensor,
-        o: torch.Tensor,
-        layer: Any,
-        forward_batch: Any,
-        save_kv_cache: bool,
-        sinks: Optional[torch.Tensor],
-        logit_cap: float,
+    def _decode_with_importance(
+        self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, save_kv_cache: bool, sinks: Any
     ) -> torch.Tensor:
-        """One layer over the batch's hot sets, this step's KV already written; returns ``o``."""
+        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        if save_kv_cache and k is not None and v is not None:
+            self._store_kv(layer, forward_batch, k, v)
+        out = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
+        if self.hot_set is None:
+            self._decode_dense(q, out, layer, sinks)
+            return o
         if save_kv_cache:
             self._summarise(layer, forward_batch.out_cache_loc)
-        self.hot_set.attend(
-            layer,
-            q,
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
-            logit_cap=logit_cap,
-            sinks=sinks,
-        )
+        pool = self.token_to_kv_pool
+        k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        self.hot_set.attend(layer, q, k_buffer, v_buffer, out, logit_cap=self._logit_cap(layer), sinks=sinks)
         return o

@@ -107,36 +107,13 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
                     forward_batch, self.kv_indptr, self.kv_indices, self.req_to_token_pool.req_to_token
                 )
 
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-        **kwargs: Any,
+    def _extend(
+        self, q: Any, k: Any, v: Any, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool, **kwargs
     ) -> torch.Tensor:
-        if _plain_causal(layer) and forward_batch.encoder_lens is None and not kwargs:
-            o = self._extend_causal(q, k, v, layer, forward_batch, save_kv_cache)
-        else:
-            o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        self._after_extend(layer, forward_batch, save_kv_cache, k)
-        return o
-
-    def _extend_causal(
-        self,
-        q: torch.Tensor,
-        k: Optional[torch.Tensor],
-        v: Optional[torch.Tensor],
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool,
-    ) -> torch.Tensor:
+        if not (_plain_causal(layer) and forward_batch.encoder_lens is None and not kwargs):
+            return super()._extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         if save_kv_cache and k is not None and v is not None:
-            self.token_to_kv_pool.set_kv_buffer(
-                layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
-            )
+            self._store_kv(layer, forward_batch, k, v)
         o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
         extend_causal_attention(
             q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
@@ -151,6 +128,11 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
         )
         return o
 
+    def _store_kv(self, layer: RadixAttention, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.token_to_kv_pool.set_kv_buffer(
+            layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
+        )
+
     def _decode_kv_indices(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # The same slots torch_native reads per request (req_to_token[r, :seq_len]),
         # concatenated once per step instead of once per layer.
@@ -164,7 +146,7 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
         live = torch.arange(width, device=rows.device)[None, :] < seq_lens[:, None].to(rows.device)
         return indptr, rows[live].to(torch.int64)
 
-    def _records(self, layer: RadixAttention) -> bool:
+    def _records(self, q: torch.Tensor, layer: RadixAttention, kwargs: dict) -> bool:
         # Sliding-window and cross-attention layers read other token ranges than
         # the request's pages; they keep torch_native's decode and record nothing.
         return (
@@ -173,43 +155,13 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
             and (layer.sliding_window_size is None or layer.sliding_window_size < 0)
         )
 
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-        sinks: Optional[torch.Tensor] = None,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        if not self._records(layer):
-            if sinks is not None:
-                kwargs["sinks"] = sinks
-            o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        else:
-            o = self._decode_with_importance(q, k, v, layer, forward_batch, save_kv_cache, sinks)
-        self._after_decode_layer(layer)
-        return o
+    def _logit_cap(self, layer: RadixAttention) -> float:
+        # SGLang leaves the cap None or 0 on layers without one; the kernels take 0.0 as off.
+        return layer.logit_cap if layer.logit_cap and layer.logit_cap > 0 else 0.0
 
-    def _decode_with_importance(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool,
-        sinks: Optional[torch.Tensor],
-    ) -> torch.Tensor:
-        q, o = self._decode_output(q, layer)
-        if save_kv_cache and k is not None and v is not None:
-            self.token_to_kv_pool.set_kv_buffer(
-                layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
-            )
-        if self.hot_set is not None:
-            return self._decode_hot_set(q, o, layer, forward_batch, save_kv_cache, sinks, _logit_cap(layer))
+    def _decode_dense(
+        self, q: torch.Tensor, out: torch.Tensor, layer: RadixAttention, sinks: Optional[torch.Tensor]
+    ) -> None:
         k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         if self.decode_plan is not None:
@@ -219,7 +171,7 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
                 as_pages(v_buffer, self.page_size),
                 self.decode_plan,
                 sm_scale=layer.scaling,
-                logit_cap=_logit_cap(layer),
+                logit_cap=self._logit_cap(layer),
                 sinks=sinks,
                 workspace=self.paged_workspace,
                 native=False if self.decode_impl == "torch" else None,
@@ -233,12 +185,11 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
                 self.kv_indices,
                 page_size=self.page_size,
                 sm_scale=layer.scaling,
-                logit_cap=_logit_cap(layer),
+                logit_cap=self._logit_cap(layer),
                 sinks=sinks,
             )
-        o.view(-1, layer.tp_q_head_num, layer.v_head_dim).copy_(result.output)
+        out.copy_(result.output)
         self.page_importance.add_layer(result.importance, self.kv_indptr, self.kv_indices)
-        return o
 
 
 def _plain_causal(layer: Any) -> bool:
@@ -309,8 +260,3 @@ def as_pages(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
     """A ``[slots, heads, D]`` pool buffer viewed as ``[pages, page_size, heads, D]`` (no copy)."""
     whole = buffer.shape[0] // page_size * page_size
     return buffer[:whole].view(-1, page_size, *buffer.shape[1:])
-
-
-def _logit_cap(layer: Any) -> float:
-    # SGLang leaves the cap None or 0 on layers without one; the kernels take 0.0 as off.
-    return layer.logit_cap if layer.logit_cap and layer.logit_cap > 0 else 0.0

@@ -133,10 +133,10 @@ class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
 
     # -- decode -------------------------------------------------------------------
 
-    def _records(self, q: torch.Tensor, layer: RadixAttention, score_mod: Any) -> bool:
+    def _records(self, q: torch.Tensor, layer: RadixAttention, kwargs: dict) -> bool:
         return (
             (self.decode_wrapper is not None or (self.hot_set is not None and self.hot_set.in_step))
-            and score_mod is None
+            and kwargs.get("score_mod") is None
             and q.dtype == self.kv_cache_dtype
             and (layer.sliding_window_size is None or layer.sliding_window_size < 0)
             and layer.k_scale is None
@@ -145,73 +145,17 @@ class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
             and not layer.is_cross_attention
         )
 
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-        sinks: Optional[torch.Tensor] = None,
-        score_mod: Any = None,
-        aux_tensors: Any = None,
-    ) -> torch.Tensor:
-        if self._records(q, layer, score_mod):
-            o = self._decode_with_importance(q, k, v, layer, forward_batch, save_kv_cache, sinks)
-        else:
-            o = super().forward_decode(
-                q,
-                k,
-                v,
-                layer,
-                forward_batch,
-                save_kv_cache=save_kv_cache,
-                sinks=sinks,
-                score_mod=score_mod,
-                aux_tensors=aux_tensors,
-            )
-        self._after_decode_layer(layer)
-        return o
+    def _store_kv(self, layer: RadixAttention, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        # The parent's write, unchanged (k_scale/v_scale are None here).
+        loc = KVWriteLoc.for_batch(forward_batch, swa_loc=self.forward_metadata.swa_out_cache_loc)
+        self._set_kv_buffer(forward_batch, layer, loc, k, v)
 
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-        *args: Any,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
-        self._after_extend(layer, forward_batch, save_kv_cache, k)
-        return o
+    def _logit_cap(self, layer: RadixAttention) -> float:
+        return logit_capping_mod(layer.logit_capping_method, layer.logit_cap)
 
-    def _decode_with_importance(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool,
-        sinks: Optional[torch.Tensor],
-    ) -> torch.Tensor:
-        q, o = self._decode_output(q, layer)
-        if save_kv_cache:
-            # The parent's write, unchanged (k_scale/v_scale are None here).
-            self._set_kv_buffer(
-                forward_batch,
-                layer,
-                KVWriteLoc.for_batch(forward_batch, swa_loc=self.forward_metadata.swa_out_cache_loc),
-                k,
-                v,
-            )
-        logit_cap = logit_capping_mod(layer.logit_capping_method, layer.logit_cap)
-        if self.hot_set is not None:
-            return self._decode_hot_set(q, o, layer, forward_batch, save_kv_cache, sinks, logit_cap)
+    def _decode_dense(
+        self, q: torch.Tensor, out: torch.Tensor, layer: RadixAttention, sinks: Optional[torch.Tensor]
+    ) -> None:
         kv_indptr = self.forward_metadata.kv_indptr
         kv_indices = self.forward_metadata.kv_indices
         result = self.decode_wrapper.run(
@@ -221,12 +165,11 @@ class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
             kv_indptr,
             kv_indices,
             sm_scale=layer.scaling,
-            logit_cap=logit_cap,
+            logit_cap=self._logit_cap(layer),
             sinks=sinks,
-            out=o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
+            out=out,
         )
         self.page_importance.add_layer(result.importance, kv_indptr, kv_indices)
-        return o
 
 
 def refuse_cuda_graphs_with_hot_set(hot_set: bool) -> None:
