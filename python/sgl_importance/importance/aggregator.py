@@ -46,6 +46,8 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
+from sgl_importance.importance.ema import ema_fold
+
 # The config checks live beside the priority they configure (torch-free).
 from sgl_importance.importance.priority import validate_decay, validate_sink_pages
 from sgl_importance.node_state import has_importance, node_importance, node_state
@@ -121,16 +123,6 @@ def agree_across_ranks(flat: torch.Tensor, group: Any) -> torch.Tensor:
     total /= world
     total[-1] = count
     return total
-
-
-def ema_fold(old: Any, value: Any, keep: float) -> Any:
-    """The one moving average of persistent importance: ``old * keep + value * (1 - keep)``.
-
-    ``keep = decay ** steps`` for ``steps`` recorded steps folded at once. Shared by
-    the radix nodes (:class:`ImportanceAggregator`) and the per-request hot set
-    (``hot_set/selection.py``); works on floats and on tensors alike.
-    """
-    return old * keep + value * (1.0 - keep)
 
 
 class ImportanceAggregator:
