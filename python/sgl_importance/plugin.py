@@ -20,7 +20,7 @@ checks each, and every public attribute the plugin reads, against the installed 
 | `HiCacheStorageFailureInjector._backend` (unwrap)          | storage/factory.py          |
 | `TritonAttnBackend._set_kv_buffer`                         | attention/triton_backend.py |
 | hook `PagedTokenToKVPoolAllocator._release_page_ids`       | importance/allocator_reset.py |
-| hook `TokenizerManager._validate_one_request`              | prompt_check.py             |
+| hook `TokenizerManager._validate_one_request`              | request_check/prompt.py     |
 
 Our state on SGLang's objects: a ``NodeState`` per radix node (``node_state.py``), ``server_args._importance``
 (config.py; read once, by runtime.py), a ``CacheState`` per ``importance`` strategy (cache/state.py).
@@ -49,14 +49,14 @@ class Hook(NamedTuple):
 HOOKS = (
     Hook("server_args.ServerArgs.add_cli_args", "config:add_cli_args", "after", "any"),
     Hook("server_args.ServerArgs.from_cli_args", "config:from_cli_args", "around", "any"),
-    Hook("entrypoints.openai.serving_base.OpenAIServingBase.handle_request", "serving:check_openai_request", "around", "any"),
+    Hook("entrypoints.openai.serving_base.OpenAIServingBase.handle_request", "request_check.openai:check_openai_request", "around", "any"),
     # Wherever a tokenizer manager may run (the scheduler never builds one); its runtime holds the config.
     Hook("managers.tokenizer_manager.TokenizerManager.__init__", "runtime:start", "before", "http"),
-    Hook("managers.tokenizer_manager.TokenizerManager._validate_one_request", "prompt_check:check_hot_set_request", "before", "http", ("config",)),
-    Hook("managers.tokenizer_manager.TokenizerManager._validate_one_request", "prompt_check:check_before_validation", "before", "http"),
+    Hook("managers.tokenizer_manager.TokenizerManager._validate_one_request", "request_check.prompt:check_hot_set_request", "before", "http", ("config",)),
+    Hook("managers.tokenizer_manager.TokenizerManager._validate_one_request", "request_check.prompt:check_before_validation", "before", "http"),
     # Around: the check raises on the generator's first step, where SGLang's own errors do.
     Hook("managers.tokenizer_manager.TokenizerManager.generate_request", "request_check.hook:checked_generate", "around", "http", ("config",)),
-    Hook("entrypoints.http_server.ORJSONRequest.json", "serving:checked_json", "around", "http"),
+    Hook("entrypoints.http_server.ORJSONRequest.json", "request_check.openai:checked_json", "around", "http"),
     Hook("importance_torch", "attention.torch_backend:ImportanceTorchAttnBackend", "backend", "any", ("runtime",)),
     Hook("importance_triton", "attention.triton_backend:ImportanceTritonAttnBackend", "backend", "any", ("runtime",)),
     Hook("mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids", "importance.allocator_reset:pages_released", "after", "any", ("page_importance",)),

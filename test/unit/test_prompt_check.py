@@ -1,4 +1,4 @@
-"""Prompts the model cannot read are refused with the caller's field named (prompt_check.py)."""
+"""Prompts the model cannot read are refused with the caller's field named (request_check/prompt.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import types
 
 import pytest
 
-from sgl_importance.prompt_check import InvalidPromptError, check_prompt, naming_prompt_field
-from sgl_importance.serving import check_openai_request, openai_prompt_field
+from sgl_importance.request_check.fields import naming_prompt_field
+from sgl_importance.request_check.openai import check_openai_request, openai_prompt_field
+from sgl_importance.request_check.prompt import InvalidPromptError, check_prompt
 
 VOCAB = 100
 
@@ -98,7 +99,7 @@ def _config_and_manager(**config):
 
 
 def test_bad_per_request_hot_set_parameters_are_a_400_naming_the_key():
-    from sgl_importance.prompt_check import InvalidRequestError, check_hot_set_request
+    from sgl_importance.request_check.prompt import InvalidRequestError, check_hot_set_request
 
     manager = _config_and_manager(hot_set_policy="importance")
     obj = types.SimpleNamespace(sampling_params={"custom_params": {"hot_set": {"budget": 0}}})
@@ -108,7 +109,7 @@ def test_bad_per_request_hot_set_parameters_are_a_400_naming_the_key():
 
 
 def test_good_or_absent_per_request_hot_set_parameters_pass():
-    from sgl_importance.prompt_check import check_hot_set_request
+    from sgl_importance.request_check.prompt import check_hot_set_request
 
     manager = _config_and_manager(hot_set_policy="importance")
     for sampling in (None, {}, {"custom_params": None}, {"custom_params": {"hot_set": {"policy": "dense"}}}):
@@ -116,7 +117,7 @@ def test_good_or_absent_per_request_hot_set_parameters_pass():
 
 
 def test_per_request_hot_set_parameters_on_a_server_without_the_hot_set_are_refused():
-    from sgl_importance.prompt_check import InvalidRequestError, check_hot_set_request
+    from sgl_importance.request_check.prompt import InvalidRequestError, check_hot_set_request
 
     obj = types.SimpleNamespace(sampling_params={"custom_params": {"hot_set": {"policy": "dense"}}})
     with pytest.raises(InvalidRequestError, match="--hot-set-policy"):

@@ -130,14 +130,19 @@ ATTRIBUTES = [
     Name("sglang.srt.managers.schedule_batch.ScheduleBatch", "req_to_token_pool", "trace/recorder.py"),
     *(Name(PATH_INFO, n, "trace/recorder.py") for n in ("node_id", "path_start", "path_end")),
     # The tokenizer manager's side: OpenAI model names, prompt checks, slot frees.
-    Name("sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase", "tokenizer_manager", "serving.py"),
-    *(Name(TOKENIZER_MANAGER, n, "serving.py") for n in ("served_model_name", "server_args", "lora_registry")),
-    Name(SERVER_ARGS, "model_path", "serving.py"),
-    Name("sglang.srt.lora.lora_registry.LoRARegistry", "get_all_adapters", "serving.py"),
-    Name(TOKENIZER_MANAGER, "model_config", "prompt_check.py"),
-    *(Name(TOKENIZER_MANAGER, n, "request_check.py") for n in ("context_len", "sampling_params_class")),
+    Name(
+        "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase", "tokenizer_manager", "request_check/openai.py"
+    ),
     *(
-        Name("sglang.srt.managers.io_struct.GenerateReqInput", n, "request_check.py")
+        Name(TOKENIZER_MANAGER, n, "request_check/openai.py")
+        for n in ("served_model_name", "server_args", "lora_registry")
+    ),
+    Name(SERVER_ARGS, "model_path", "request_check/openai.py"),
+    Name("sglang.srt.lora.lora_registry.LoRARegistry", "get_all_adapters", "request_check/openai.py"),
+    Name(TOKENIZER_MANAGER, "model_config", "request_check/prompt.py"),
+    *(Name(TOKENIZER_MANAGER, n, "request_check/") for n in ("context_len", "sampling_params_class")),
+    *(
+        Name("sglang.srt.managers.io_struct.GenerateReqInput", n, "request_check/")
         for n in (
             "text",
             "input_embeds",
@@ -149,9 +154,9 @@ ATTRIBUTES = [
             "custom_labels",
         )
     ),
-    Name(SERVER_ARGS, "tokenizer_metrics_allowed_custom_labels", "request_check.py"),
+    Name(SERVER_ARGS, "tokenizer_metrics_allowed_custom_labels", "request_check/"),
     *(
-        Name(f"sglang.srt.managers.io_struct.{c}", "input_ids", "prompt_check.py")
+        Name(f"sglang.srt.managers.io_struct.{c}", "input_ids", "request_check/prompt.py")
         for c in ("GenerateReqInput", "EmbeddingReqInput")
     ),
     Name(f"{MEM}.allocator.token.TokenToKVPoolAllocator", "free_group", "importance/allocator_reset.py"),
@@ -177,8 +182,8 @@ ATTRIBUTES = [
     ),
     Name("sglang.srt.model_executor.model_runner.ModelRunner", "sliding_window_size", "attention/triton_backend.py"),
     Name(SERVER_ARGS, "dtype", "platform/torch_cpu.py"),
-    # Per-request hot-set parameters (prompt_check.py, scheduler/hot_set_requests.py).
-    Name("sglang.srt.managers.io_struct.GenerateReqInput", "sampling_params", "prompt_check.py"),
+    # Per-request hot-set parameters (request_check/prompt.py, scheduler/hot_set_requests.py).
+    Name("sglang.srt.managers.io_struct.GenerateReqInput", "sampling_params", "request_check/prompt.py"),
     *(
         Name("sglang.srt.managers.io_struct.TokenizedGenerateReqInput", n, "scheduler/hot_set_requests.py")
         for n in ("rid", "sampling_params")
@@ -397,7 +402,7 @@ def test_every_private_name_is_listed_in_plugin_py():
 
 # Private names of the standard library the plugin uses (not SGLang's).
 STDLIB_PRIVATE = {"_exit"}  # os._exit in the trace writer process
-STDLIB_PRIVATE |= {"_parser", "_constants"}  # re's parser, to bound stop regexes (request_check.py)
+STDLIB_PRIVATE |= {"_parser", "_constants"}  # re's parser, to bound stop regexes (request_check/stop.py)
 
 
 def test_every_private_name_the_plugin_reads_is_in_this_contract():

@@ -3,7 +3,7 @@
 A request may choose its own hot-set policy, budget, window, sinks and guard
 threshold with ``custom_params: {"hot_set": {...}}`` (in ``sampling_params`` on
 ``/generate``, top-level on the OpenAI endpoints). The tokenizer manager has refused
-invalid values with a 400 (``prompt_check.check_hot_set_request``); here the
+invalid values with a 400 (``request_check/prompt.check_hot_set_request``); here the
 scheduler notes the parsed parameters by rid when the request arrives and forgets
 them when it finishes or is aborted (a retracted request keeps them: it decodes
 again later). The decoder (``hot_set/decode.py``) reads them when it first tracks
