@@ -104,23 +104,10 @@ class PageImportanceTable:
         self.observer = observer
 
     @classmethod
-    def for_pool(
-        cls,
-        pool_tokens: int,
-        *,
-        page_size: int,
-        reduce: str = "mean",
-        sample_interval: int = 1,
-        device: torch.device | str = "cpu",
-    ) -> "PageImportanceTable":
-        """A table for a KV pool of ``pool_tokens`` slots: pages 1..N plus padding page 0."""
-        return cls(
-            pool_tokens // page_size + 1,
-            page_size=page_size,
-            reduce=reduce,
-            sample_interval=sample_interval,
-            device=device,
-        )
+    def for_pool(cls, pool_tokens: int, *, page_size: int, **settings: Any) -> "PageImportanceTable":
+        """A table for a KV pool of ``pool_tokens`` slots: pages 1..N plus padding page 0
+        (``settings``: the constructor's other keywords)."""
+        return cls(pool_tokens // page_size + 1, page_size=page_size, **settings)
 
     # -- the decode path (graph-capturable) --------------------------------------
 
@@ -265,10 +252,9 @@ class PageImportanceHolder:
     ) -> PageImportanceTable:
         """The table for a pool of ``pool_tokens``, created on first use (several backends
         may share it); ``settings``: ``PageImportanceTable``'s ``reduce`` and ``sample_interval``."""
-        num_pages = pool_tokens // page_size + 1
-        if self.current is None or not self.current.matches(num_pages, page_size, device):
-            self.current = PageImportanceTable(
-                num_pages, page_size=page_size, device=device, observer=self.observer, **settings
+        if self.current is None or not self.current.matches(pool_tokens // page_size + 1, page_size, device):
+            self.current = PageImportanceTable.for_pool(
+                pool_tokens, page_size=page_size, device=device, observer=self.observer, **settings
             )
         return self.current
 
