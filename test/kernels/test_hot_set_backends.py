@@ -4,7 +4,7 @@ Two worlds with the same pool, requests and queries: one drives
 ``ImportanceTorchAttnBackend``, the other ``ImportanceTritonAttnBackend``, through their
 ``init_forward_metadata`` and ``forward_decode`` (KV write, page summaries, hot-set
 attend, the step's end on the last layer). Each layer's output must agree within
-float32 rounding, the page tables must file the same importance, and the hot-set
+float32 rounding, the page importance tables must file the same importance, and the hot-set
 counts (pages attended, estimated, guarded, promoted, released, read from the host)
 must be equal, with the guard off and on and with pages released to a host pool.
 

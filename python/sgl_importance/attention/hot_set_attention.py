@@ -9,7 +9,7 @@ here:
   summaries from what the pool stored (``kv_written``);
 - a decode step begins with the batch's requests and their slots, with their
   ``req_to_token`` rows where pages may be released (``begin_step``), attends layer by
-  layer (``attend``, which files the attended pages' exact masses in the page table)
+  layer (``attend``, which files the attended pages' exact masses in the page importance table)
   and ends after the last layer (``end_step``: the step's counts, into the
   ``sgl_importance:hot_set_*`` series with ``--enable-metrics``);
 - promotions run on a ``PromotionStream`` on the pool's device (a side stream on

@@ -6,7 +6,7 @@ hooks reach it from the cache they were given (``state_of.state_of``), scheduler
 code from the runtime (``Runtime.cache_state``). It holds:
 
 - ``config``: the policy's ``--radix-eviction-policy-config``;
-- ``aggregator``: the fold of the page table into node importance, and its scale;
+- ``aggregator``: the fold of the page importance table into node importance, and its scale;
 - ``admission``: the L3 admission rule; ``warm``: the prefetch's warm candidates;
   ``stored``: the importance of pages dropped to the storage tier;
 - what the runtime shares with it: the process's metrics, and, read

@@ -22,7 +22,7 @@ The same page hashes carry each page's storage *class* under
 ``--importance-storage-precision graded`` (``storage/precision.py``): when SGLang sends
 a node to the storage tier (``write_backup_storage``, on the scheduler thread),
 its pages are ranked by the importance they earned — each page's accumulated
-attention mass from the page table while the node is on the device, else the
+attention mass from the page importance table while the node is on the device, else the
 node's importance for all of them — and graded (``encoding.grade``); the storage
 I/O thread reads the class by hash when it seals the page (``storage/wrapper.py``). A
 node the tree never attended ranks by position (only sinks kept). With L3

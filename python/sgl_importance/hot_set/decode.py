@@ -102,14 +102,14 @@ class ExactAttention(Protocol):
 
 
 class LayerResult(NamedTuple):
-    """One layer's attention over the batch, in the layout the page table takes.
+    """One layer's attention over the batch, in the layout the page importance table takes.
 
     Attributes:
         output: ``[bs, q_heads, Dv]`` float32.
         importance: ``[bs, max_pages]`` exact mass of each page read in part 1, in listed
             order, normalised by the step's combined denominator.
         kv_indptr, kv_indices: the slots of those pages (int32 / int64); a page read from
-            its host copy appears as the padding page, which the page table ignores.
+            its host copy appears as the padding page, which the page importance table ignores.
     """
 
     output: torch.Tensor
@@ -489,7 +489,7 @@ def _union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _rescaled(result: DecodeImportanceOutput, share: torch.Tensor) -> torch.Tensor:
-    """Part 1's masses per KV head as the page table takes them: of the combined
+    """Part 1's masses per KV head as the page importance table takes them: of the combined
     denominator (``share``: the exact pages' share per query head), mean over KV heads."""
     kv = result.importance_per_kv_head.shape[-1]
     group_share = share.view(share.shape[0], kv, -1).mean(-1)  # [bs, kv]

@@ -1,4 +1,4 @@
-"""After each decode batch: fold the page table into the running requests' tree nodes.
+"""After each decode batch: fold the page importance table into the running requests' tree nodes.
 
 Runs in the scheduler process right after ``Scheduler.process_batch_result`` (in the
 overlap loop, while the next batch is already running), never on the eviction path:
