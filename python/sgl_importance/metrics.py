@@ -266,31 +266,55 @@ class Metrics:
         return self._storage
 
 
-# HotSetCounts field (the series is sgl_importance:hot_set_<field>_total) -> help. Counted per request and decode step.
+# HotSetCounts field -> (series suffix, help). Counted per request and decode step.
 HOT_SET_SERIES = {
-    "steps": "Request decode steps attended over a hot set.",
-    "warmups": "Request decode steps attended densely as the request's first.",
-    "promotions": "Pages the hot-set plan added that the previous step did not attend.",
-    "hits": "Planned hot-set pages the previous step already attended.",
-    "late_arrivals": "Pages the guard added to a step that the plan had left out.",
-    "guard_fallbacks": "Request decode steps in which the guard read pages outside the hot set in some layer.",
-    "guard_checks": "Request layer-steps whose attention output error the guard bounded.",
-    "guard_reads": "Request layer-steps in which the bound exceeded --hot-set-guard-threshold and the guard read pages exactly.",
-    "pages_attended": "Pages read exactly by hot-set requests, summed over layers.",
-    "pages_guard_read": "Pages the guard read exactly, summed over layers.",
-    "guard_full_reads": "Request layer-steps whose sampled bound exceeded --hot-set-guard-threshold: every unread page read exactly.",
-    "guard_refused": "Hot-set requests refused a guard (no room left in the guard pool for their key codes); decoded unguarded.",
-    "pages_estimated": "Unread pages accounted for by the guard's sampled estimate, summed over layers.",
-    "pages_sampled": "Sampled unread pages the guard read, summed over layers.",
-    "pages_dense": "Pages dense attention would have read for the same steps and layers.",
-    "pages_read_from_host": "Attended pages read from their host copy because no device page was free for their promotion, over layers.",
-    "pages_released": "Device pages hot-set requests gave back to the allocator.",
-    "pages_copied_out": "Pages copied device to host on their first release.",
-    "pages_copied_in": "Pages promoted host to device.",
-    "promotions_refused": "Planned pages left on the host for lack of a free device page.",
-    "releases_refused": "Pages kept on the device for lack of a free host page.",
-    "finished_reinserted": "Finished hot-set requests whose released pages came back to the device and entered the radix tree.",
-    "finished_uncached": "Finished hot-set requests left out of the radix tree: the device had no room for their released pages.",
+    "steps": ("steps", "Request decode steps attended over a hot set."),
+    "warmups": ("warmups", "Request decode steps attended densely as the request's first."),
+    "promotions": ("promotions", "Pages the hot-set plan added that the previous step did not attend."),
+    "hits": ("hits", "Planned hot-set pages the previous step already attended."),
+    "late_arrivals": ("late_arrivals", "Pages the guard added to a step that the plan had left out."),
+    "guard_fallbacks": (
+        "guard_fallbacks",
+        "Request decode steps in which the guard read pages outside the hot set in some layer.",
+    ),
+    "guard_checks": ("guard_checks", "Request layer-steps whose attention output error the guard bounded."),
+    "guard_reads": (
+        "guard_reads",
+        "Request layer-steps in which the bound exceeded --hot-set-guard-threshold and the guard read pages exactly.",
+    ),
+    "pages_attended": ("pages_attended", "Pages read exactly by hot-set requests, summed over layers."),
+    "pages_guard_read": ("pages_guard_read", "Pages the guard read exactly, summed over layers."),
+    "guard_full_reads": (
+        "guard_full_reads",
+        "Request layer-steps whose sampled bound exceeded --hot-set-guard-threshold: every unread page read exactly.",
+    ),
+    "guard_refused": (
+        "guard_refused",
+        "Hot-set requests refused a guard (no room left in the guard pool for their key codes); decoded unguarded.",
+    ),
+    "pages_estimated": (
+        "pages_estimated",
+        "Unread pages accounted for by the guard's sampled estimate, summed over layers.",
+    ),
+    "pages_sampled": ("pages_sampled", "Sampled unread pages the guard read, summed over layers."),
+    "pages_dense": ("pages_dense", "Pages dense attention would have read for the same steps and layers."),
+    "pages_read_from_host": (
+        "pages_read_from_host",
+        "Attended pages read from their host copy because no device page was free for their promotion, over layers.",
+    ),
+    "pages_released": ("pages_released", "Device pages hot-set requests gave back to the allocator."),
+    "pages_copied_out": ("pages_copied_out", "Pages copied device to host on their first release."),
+    "pages_copied_in": ("pages_copied_in", "Pages promoted host to device."),
+    "promotions_refused": ("promotions_refused", "Planned pages left on the host for lack of a free device page."),
+    "releases_refused": ("releases_refused", "Pages kept on the device for lack of a free host page."),
+    "finished_reinserted": (
+        "finished_reinserted",
+        "Finished hot-set requests whose released pages came back to the device and entered the radix tree.",
+    ),
+    "finished_uncached": (
+        "finished_uncached",
+        "Finished hot-set requests left out of the radix tree: the device had no room for their released pages.",
+    ),
 }
 
 
@@ -315,8 +339,8 @@ class HotSetMetrics(_Series):
     def __init__(self, labels: Mapping[str, Any], registry: Any = None) -> None:
         super().__init__(labels, registry)
         self._counters = {
-            field: self._series("Counter", f"sgl_importance:hot_set_{field}_total", text).labels(**self.labels)
-            for field, text in HOT_SET_SERIES.items()
+            field: self._series("Counter", f"sgl_importance:hot_set_{suffix}_total", text).labels(**self.labels)
+            for field, (suffix, text) in HOT_SET_SERIES.items()
         }
         # Plain values, set by the scheduler (the scrape runs in another process).
         self._gauges = {
