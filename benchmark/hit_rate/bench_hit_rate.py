@@ -33,7 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 LIVE = ("rag", "chat", "agent", "cot")
 SYNTHETIC = ("multi_turn", "rag", "agent", "cot", "loop")
-POLICIES = "lru,lru_mass,lfu,slru,tlru,h2o,shipped,importance,blend,prefetch,belady"
+POLICIES = "lru,lru_mass,lfu,slru,tlru,h2o,shipped,decayed_mass,blend,prefetch,belady"
 # 1 = room for everything: in the prefix regime it must reproduce the server's own hits.
 BUDGETS = "0.05,0.1,0.2,0.3,0.5,1"
 H1_GAIN = 0.20
@@ -124,7 +124,7 @@ def h1_rows(results: list[dict[str, Any]], regime: str, scope: str) -> list[str]
     by = {(r["policy"], r["budget_frac"]): r for r in rs}
     rows = []
     for frac in sorted({r["budget_frac"] for r in rs}):
-        lru, imp, bel = by.get(("lru", frac)), by.get(("importance", frac)), by.get(("belady", frac))
+        lru, imp, bel = by.get(("lru", frac)), by.get(("decayed_mass", frac)), by.get(("belady", frac))
         shipped, blend = by.get(("shipped", frac)), by.get(("blend", frac))
         if lru is None or imp is None:
             continue
@@ -174,7 +174,7 @@ def summarize(out: Path, workloads: list[str], traces: Path) -> Path:
     lines = [
         "# Hit-rate benchmark summary\n",
         f"H1: the shipped policy's hit rate >= {1 + H1_GAIN:.2f} x LRU's at equal budget "
-        "(`shipped` = the server's eviction priority; `importance` and `blend` are research variants). "
+        "(`shipped` = the server's eviction priority; `decayed_mass` and `blend` are research variants). "
         f"H2: Jaccard(aggregate top-10%, per-step top-10%) >= {H2_JACCARD}.",
         "Budgets are fractions of the working set (hot set: each cache's unique pages; prefix: unique tokens).\n",
     ]
@@ -185,7 +185,7 @@ def summarize(out: Path, workloads: list[str], traces: Path) -> Path:
         except Exception as e:  # a summary line must not hide the tables
             lines.append(f"Trace: unreadable ({e}).\n")
         lines.append(
-            "| regime (scope) | budget | LRU hit | shipped hit (vs LRU) | importance | blend | best online | "
+            "| regime (scope) | budget | LRU hit | shipped hit (vs LRU) | decayed mass | blend | best online | "
             "Belady | LRU mass recall | shipped mass recall | H1 |"
         )
         lines.insert(len(lines) - 1, "(best online = best demand-fetch policy; Belady = the demand-paging optimum)\n")

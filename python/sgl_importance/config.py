@@ -2,14 +2,15 @@
 
 Each field declares its flag once (``flags.py``: type, choices or range, help);
 the argparse arguments and the start-up validation are generated from those
-declarations. A leaf: it imports only the stdlib, ``flags`` and ``vocabulary``
+declarations. A leaf: it imports only the stdlib, ``flags`` and ``choices``
 (``hot_set/params.py`` builds the hot set's parameters from it).
 
 The flags are added to SGLang's own parser (``python -m sglang.launch_server
 --help`` lists them under "sgl-importance"). ``plugin.py`` copies the parsed
 values into ``server_args._importance``; underscore attributes survive the
-pickling of ``ServerArgs`` into the scheduler process, so every process reads
-the same validated object through ``config_of(server_args)``.
+pickling of ``ServerArgs`` into the scheduler process, so every process builds its
+runtime (``runtime.py``) from the same validated object, and everything else reads
+it from the runtime.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
+from sgl_importance.choices import HOT_SET_POLICIES, REDUCTIONS
 from sgl_importance.flags import Flag, add_arguments, check_fields, choice, flag, integer, number, specs
-from sgl_importance.vocabulary import HOT_SET_POLICIES, REDUCTIONS
+from sgl_importance.validate import int_in, invalid, is_int, number_in
 
 SWITCH = ("on", "off")
 MAX_RETRY_S = 86400.0
@@ -52,9 +54,8 @@ def parse_budget(text: str) -> Union[int, float]:
 
 
 def _is_budget(budget: Any) -> bool:
-    return not isinstance(budget, bool) and (
-        (isinstance(budget, int) and budget >= 1) or (isinstance(budget, float) and 0.0 < budget <= 1.0)
-    )
+    # Pages (an int), or a fraction (a float; 1.0 is every page, 1 is one page).
+    return (is_int(budget) and budget >= 1) or (isinstance(budget, float) and 0.0 < budget <= 1.0)
 
 
 def _precision_needs_integrity(config: ImportanceConfig) -> None:
@@ -230,26 +231,20 @@ class ImportanceConfig:
         except (TypeError, ValueError):
             given = None
         if not isinstance(given, dict):
-            raise ValueError(f"{label} {self.storage_precision_config!r} is invalid; allowed: a JSON object")
+            raise invalid(f"{label} {self.storage_precision_config!r}", "a JSON object")
         unknown = sorted(set(given) - set(values))
         if unknown:
             raise ValueError(f"{label} has unknown keys {unknown}; allowed: {', '.join(values)}")
         values.update(given)
         for key in ("keep", "cold"):
-            v = values[key]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 <= v <= 1.0):
-                raise ValueError(f"{label} {key}={v!r} is invalid; allowed: a fraction in [0, 1]")
+            if not number_in(values[key], 0.0, 1.0):
+                raise invalid(f"{label} {key}={values[key]!r}", "a fraction in [0, 1]")
         if values["keep"] + values["cold"] > 1.0:
-            raise ValueError(f"{label} keep + cold = {values['keep'] + values['cold']:g} is invalid; allowed: <= 1")
-        sinks = values["sink_pages"]
-        if isinstance(sinks, bool) or not isinstance(sinks, int) or not (0 <= sinks <= MAX_HOT_SET_SINKS):
-            raise ValueError(
-                f"{label} sink_pages={sinks!r} is invalid; allowed: an integer in [0, {MAX_HOT_SET_SINKS}]"
-            )
+            raise invalid(f"{label} keep + cold = {values['keep'] + values['cold']:g}", "<= 1")
+        if not int_in(values["sink_pages"], 0, MAX_HOT_SET_SINKS):
+            raise invalid(f"{label} sink_pages={values['sink_pages']!r}", f"an integer in [0, {MAX_HOT_SET_SINKS}]")
         if values["order"] not in STORAGE_PRECISION_ORDERS:
-            raise ValueError(
-                f"{label} order={values['order']!r} is invalid; allowed: {', '.join(STORAGE_PRECISION_ORDERS)}"
-            )
+            raise invalid(f"{label} order={values['order']!r}", ", ".join(STORAGE_PRECISION_ORDERS))
         return values
 
 
@@ -287,17 +282,10 @@ def from_namespace(args: argparse.Namespace) -> ImportanceConfig:
     return config
 
 
-def config_of(server_args: Any) -> ImportanceConfig:
-    """The config a process was started with (defaults when built without the CLI)."""
-    # Absent where ServerArgs was built without from_cli_args (the Engine API, tests).
-    config = getattr(server_args, "_importance", None)
-    return config if isinstance(config, ImportanceConfig) else ImportanceConfig()
-
-
 def from_cli_args(original: Callable[..., Any], cls: Any, args: argparse.Namespace) -> Any:
     """Around ``ServerArgs.from_cli_args``: validate the flags before SGLang builds
     anything (a bad value stops start-up naming the flag, not later in a child
-    process), then keep the config on the server args (``config_of``)."""
+    process), then keep the config on the server args (the runtime reads it there)."""
     config = from_namespace(args)
     server_args = original(cls, args)
     server_args._importance = config

@@ -8,13 +8,15 @@ each field's value, both in declaration order, so ``--help`` lists the flags in 
 order and the first invalid one is the one reported. Every refusal reads
 ``<flag> <value!r> is invalid; allowed: <what>``.
 
-Stdlib only; nothing here knows which flags exist.
+Stdlib and ``validate`` only; nothing here knows which flags exist.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
+
+from sgl_importance.validate import int_in, invalid, is_number
 
 # The key of a field's metadata that holds its Flag.
 FLAG = "flag"
@@ -55,7 +57,7 @@ class Flag:
         else:
             ok, allowed = self.valid is None or self.valid(value), self.allowed
         if not ok:
-            raise ValueError(f"{label} {value!r} is invalid; allowed: {allowed}")
+            raise invalid(f"{label} {value!r}", allowed)
 
 
 def flag(default: Any, spec: Flag) -> Any:
@@ -68,28 +70,19 @@ def choice(choices: tuple[str, ...], help: str) -> Flag:
     return Flag(help, choices=choices)
 
 
-def _is_int(value: Any) -> bool:
-    # bool is an int to Python, never to a user.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def integer(low: int, high: int, help: str) -> Flag:
     """A flag whose value is an integer in ``[low, high]``."""
     return Flag(
         help,
         type=int,
-        valid=lambda value: _is_int(value) and low <= value <= high,
+        valid=lambda value: int_in(value, low, high),
         allowed=f"an integer in [{low}, {high}]",
     )
 
 
 def number(within: Callable[[float], bool], allowed: str, help: str) -> Flag:
     """A flag whose value is a number (int or float) for which ``within`` holds."""
-    return Flag(help, type=float, valid=lambda value: _is_number(value) and within(value), allowed=allowed)
+    return Flag(help, type=float, valid=lambda value: is_number(value) and within(value), allowed=allowed)
 
 
 def specs(cls: type) -> dict[str, Flag]:

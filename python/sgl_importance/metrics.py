@@ -40,7 +40,32 @@ PAGE_CLASSES = ("full", "int8", "int4")
 IMPORTANCE_BUCKETS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
 
 
-class ImportanceMetrics:
+class _Series:
+    """What every class of series shares: its labels, its registry and one constructor.
+
+    Args:
+        labels: the rank labels (SGLang's, for the cache's series), so series of
+            several ranks stay apart.
+        registry: prometheus_client's default registry (which SGLang's multiprocess
+            collector reads) unless a test passes one.
+    """
+
+    def __init__(self, labels: Mapping[str, Any], registry: Any = None) -> None:
+        from prometheus_client import REGISTRY
+
+        self.registry = REGISTRY if registry is None else registry
+        self.labels = {k: str(v) for k, v in labels.items()}
+
+    def _series(self, kind: str, name: str, help: str, *extra_labels: str, **options: Any) -> Any:
+        """A ``prometheus_client`` series of ``kind`` (``Counter``, ``Gauge``, ``Histogram``)
+        labelled by the rank labels and ``extra_labels``."""
+        import prometheus_client
+
+        series = getattr(prometheus_client, kind)
+        return series(name, help, labelnames=[*self.labels, *extra_labels], registry=self.registry, **options)
+
+
+class ImportanceMetrics(_Series):
     """The policy's series for one tree cache (one scheduler rank).
 
     Args:
@@ -51,60 +76,54 @@ class ImportanceMetrics:
     """
 
     def __init__(self, labels: Mapping[str, Any], registry: Any = None) -> None:
-        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-
-        registry = REGISTRY if registry is None else registry
-        self.labels = {k: str(v) for k, v in labels.items()}
-        names = list(self.labels)
-        self.evicted_tokens = Counter(
+        super().__init__(labels, registry)
+        self.evicted_tokens = self._series(
+            "Counter",
             "sgl_importance:evicted_tokens_total",
             "Tokens evicted under --radix-eviction-policy importance, by the tier they "
             "left (device: demoted to host or dropped; host: dropped from host memory).",
-            labelnames=[*names, "tier"],
-            registry=registry,
+            "tier",
         )
-        self.evicted_importance = Histogram(
+        self.evicted_importance = self._series(
+            "Histogram",
             "sgl_importance:evicted_node_importance",
             "Normalised importance (0..1) of each radix node when it was evicted, by tier.",
-            labelnames=[*names, "tier"],
+            "tier",
             buckets=IMPORTANCE_BUCKETS,
-            registry=registry,
         )
-        self.attended_importance = Histogram(
+        self.attended_importance = self._series(
+            "Histogram",
             "sgl_importance:attended_node_importance",
             "Normalised importance (0..1) of each attended radix node after a fold.",
-            labelnames=names,
             buckets=IMPORTANCE_BUCKETS,
-            registry=registry,
         )
-        self.folded_steps = Counter(
+        self.folded_steps = self._series(
+            "Counter",
             "sgl_importance:folded_steps_total",
             "Recorded decode steps folded into radix-node importance.",
-            labelnames=names,
-            registry=registry,
         )
-        self.scale = Gauge(
+        self.scale = self._series(
+            "Gauge",
             "sgl_importance:importance_scale",
             "Largest recent raw node importance (the normaliser of the policy).",
-            labelnames=names,
             multiprocess_mode="mostrecent",
-            registry=registry,
         )
-        self.storage_tokens = Counter(
+        self.storage_tokens = self._series(
+            "Counter",
             "sgl_importance:storage_tokens_total",
             "L3 admission decisions in tokens: admitted (written at the host-backup "
             "acknowledgement), deferred (kept off storage), late (written after earning "
             "importance or hits).",
-            labelnames=[*names, "decision"],
-            registry=registry,
+            "decision",
         )
-        self.prefetch_tokens = Counter(
+        self.prefetch_tokens = self._series(
+            "Counter",
             "sgl_importance:prefetch_tokens_total",
             "Host-to-device prefetch in tokens, by reason (waiting: a queued request's "
             "host match; warm: an important demoted node) and outcome (issued; used: a "
             "running request attended it; wasted: evicted from the device before use).",
-            labelnames=[*names, "reason", "outcome"],
-            registry=registry,
+            "reason",
+            "outcome",
         )
         self._by_tier = {
             tier: (
@@ -135,7 +154,7 @@ class ImportanceMetrics:
             self._attended.observe(value)
 
 
-class StorageIntegrityMetrics:
+class StorageIntegrityMetrics(_Series):
     """Series of the storage tier's integrity wrapper (``storage/wrapper.py``).
 
     Args:
@@ -144,38 +163,35 @@ class StorageIntegrityMetrics:
     """
 
     def __init__(self, labels: Mapping[str, Any], registry: Any = None) -> None:
-        from prometheus_client import REGISTRY, Counter
-
-        registry = REGISTRY if registry is None else registry
-        self.labels = {k: str(v) for k, v in labels.items()}
-        names = list(self.labels)
-        self.corrupt_pages = Counter(
+        super().__init__(labels, registry)
+        self.corrupt_pages = self._series(
+            "Counter",
             "sgl_importance:storage_corrupt_pages_total",
             "Storage-tier pages refused on read and recomputed, by reason (checksum: bytes "
             "changed; short: truncated; format: no integrity trailer, e.g. zero-filled; "
             "layout: written by another model, dtype, page size or layout; unreadable: I/O error).",
-            labelnames=[*names, "reason"],
-            registry=registry,
+            "reason",
         )
-        self.write_pauses = Counter(
+        self.write_pauses = self._series(
+            "Counter",
             "sgl_importance:storage_write_pauses_total",
             "Times storage-tier writes were paused after repeated write failures.",
-            labelnames=names,
-            registry=registry,
         )
 
-        self.pages = Counter(
+        self.pages = self._series(
+            "Counter",
             "sgl_importance:storage_pages_total",
             "Storage-tier pages written and read, by operation and stored class (full: the "
             "model's dtype; int8, int4: quantised by --importance-storage-precision).",
-            labelnames=[*names, "op", "precision"],
-            registry=registry,
+            "op",
+            "precision",
         )
-        self.page_bytes = Counter(
+        self.page_bytes = self._series(
+            "Counter",
             "sgl_importance:storage_page_bytes_total",
             "Stored bytes (integrity trailer excluded) of the pages in storage_pages_total.",
-            labelnames=[*names, "op", "precision"],
-            registry=registry,
+            "op",
+            "precision",
         )
 
     def corrupt(self, reason: str) -> None:
@@ -194,21 +210,18 @@ class StorageIntegrityMetrics:
         self.write_pauses.labels(**self.labels).inc()
 
 
-class SharedImportanceMetrics:
+class SharedImportanceMetrics(_Series):
     """Series of the importance shared through the storage tier (``storage/shared_importance.py``)."""
 
     def __init__(self, labels: Mapping[str, Any], registry: Any = None) -> None:
-        from prometheus_client import REGISTRY, Counter
-
-        registry = REGISTRY if registry is None else registry
-        self.labels = {k: str(v) for k, v in labels.items()}
-        self.pages = Counter(
+        super().__init__(labels, registry)
+        self.pages = self._series(
+            "Counter",
             "sgl_importance:shared_importance_pages_total",
             "Page importance records in the shared storage tier: published (written), "
             "fetched (read with a storage hit query), restored (pages of nodes rebuilt "
             "from storage that got importance another instance published).",
-            labelnames=[*self.labels, "event"],
-            registry=registry,
+            "event",
         )
 
     def count(self, event: str, pages: int) -> None:
@@ -314,7 +327,7 @@ HOT_SET_GUARD_GAUGES = {
 }
 
 
-class HotSetMetrics:
+class HotSetMetrics(_Series):
     """``sgl_importance:hot_set_*_total`` counters and the guard pool's gauges
     (``--enable-metrics`` only).
 
@@ -324,25 +337,16 @@ class HotSetMetrics:
     """
 
     def __init__(self, labels: Mapping[str, Any], registry: Any = None) -> None:
-        from prometheus_client import REGISTRY, Counter, Gauge
-
-        registry = REGISTRY if registry is None else registry
-        labels = {k: str(v) for k, v in labels.items()}
+        super().__init__(labels, registry)
         self._counters = {
-            field: Counter(
-                f"sgl_importance:hot_set_{suffix}_total", text, labelnames=list(labels), registry=registry
-            ).labels(**labels)
+            field: self._series("Counter", f"sgl_importance:hot_set_{suffix}_total", text).labels(**self.labels)
             for field, (suffix, text) in HOT_SET_SERIES.items()
         }
         # Plain values, set by the scheduler (the scrape runs in another process).
         self._gauges = {
-            name: Gauge(
-                f"sgl_importance:hot_set_{name}",
-                text,
-                labelnames=list(labels),
-                multiprocess_mode="mostrecent",
-                registry=registry,
-            ).labels(**labels)
+            name: self._series("Gauge", f"sgl_importance:hot_set_{name}", text, multiprocess_mode="mostrecent").labels(
+                **self.labels
+            )
             for name, text in HOT_SET_GUARD_GAUGES.items()
         }
 

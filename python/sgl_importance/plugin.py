@@ -3,7 +3,7 @@
 SGLang calls ``load()`` (entry point ``sglang.srt.plugins``) in every process it starts.
 Each row of ``HOOKS`` is one touch-point: (SGLang target, our function, kind, process). Functions
 (``"module:attribute"`` under ``sgl_importance``) are imported on first call; ``state`` names what the
-process's runtime (``runtime.py``) passes in first. A function gets as many of SGLang's arguments as it
+process's runtime (``runtime.py``) passes in first, config included. A function gets as many of SGLang's arguments as it
 declares (an ``after`` hook's return value as the keyword ``result`` if it asks). Rows on one target
 apply in order, each wrapping the ones before it (so the last ``before`` runs first).
 
@@ -20,10 +20,10 @@ checks each, and every public attribute the plugin reads, against the installed 
 | `HiCacheStorageFailureInjector._backend` (unwrap)          | storage/factory.py          |
 | `TritonAttnBackend._set_kv_buffer`                         | attention/triton_backend.py |
 | hook `PagedTokenToKVPoolAllocator._release_page_ids`       | importance/allocator_reset.py |
-| hook `TokenizerManager._validate_one_request`              | prompt_check.py             |
+| hook `TokenizerManager._validate_one_request`              | request_check/prompt.py     |
 
-Our state on SGLang's objects: a ``NodeImportance`` per radix node (``importance/node_state.py``),
-``server_args._importance`` (config.py), a ``CachePolicy`` per ``importance`` strategy (cache/policy.py).
+Our state on SGLang's objects: a ``NodeState`` per radix node (``node_state.py``), ``server_args._importance``
+(config.py; read once, by runtime.py), a ``CacheState`` per ``importance`` strategy (cache/state.py).
 """
 
 from __future__ import annotations
@@ -45,24 +45,25 @@ class Hook(NamedTuple):
     state: tuple[str, ...] = ()  # runtime attributes passed first ("runtime": itself)
 
 
-# Targets are under ``sglang.srt.`` unless they name ``sgl_importance.`` (our own class).
+# Targets are under ``sglang.srt.``.
 HOOKS = (
     Hook("server_args.ServerArgs.add_cli_args", "config:add_cli_args", "after", "any"),
     Hook("server_args.ServerArgs.from_cli_args", "config:from_cli_args", "around", "any"),
-    Hook("entrypoints.openai.serving_base.OpenAIServingBase.handle_request", "serving:check_openai_request", "around", "any"),
-    # Wherever a tokenizer manager may run (the scheduler never builds one).
-    Hook("managers.tokenizer_manager.TokenizerManager._validate_one_request", "prompt_check:check_hot_set_request", "before", "http"),
-    Hook("managers.tokenizer_manager.TokenizerManager._validate_one_request", "prompt_check:check_before_validation", "before", "http"),
+    Hook("entrypoints.openai.serving_base.OpenAIServingBase.handle_request", "request_check.openai:check_openai_request", "around", "any"),
+    # Wherever a tokenizer manager may run (the scheduler never builds one); its runtime holds the config.
+    Hook("managers.tokenizer_manager.TokenizerManager.__init__", "runtime:start", "before", "http"),
+    Hook("managers.tokenizer_manager.TokenizerManager._validate_one_request", "request_check.prompt:check_hot_set_request", "before", "http", ("config",)),
+    Hook("managers.tokenizer_manager.TokenizerManager._validate_one_request", "request_check.prompt:check_before_validation", "before", "http"),
     # Around: the check raises on the generator's first step, where SGLang's own errors do.
-    Hook("managers.tokenizer_manager.TokenizerManager.generate_request", "request_check.hook:checked_generate", "around", "http"),
-    Hook("entrypoints.http_server.ORJSONRequest.json", "serving:checked_json", "around", "http"),
+    Hook("managers.tokenizer_manager.TokenizerManager.generate_request", "request_check.hook:checked_generate", "around", "http", ("config",)),
+    Hook("entrypoints.http_server.ORJSONRequest.json", "request_check.openai:checked_json", "around", "http"),
     Hook("importance_torch", "attention.torch_backend:ImportanceTorchAttnBackend", "backend", "any", ("runtime",)),
     Hook("importance_triton", "attention.triton_backend:ImportanceTritonAttnBackend", "backend", "any", ("runtime",)),
-    Hook("mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids", "importance.allocator_reset:pages_released", "after", "any", ("page_tables",)),
-    Hook("mem_cache.allocator.token.TokenToKVPoolAllocator.free", "importance.allocator_reset:slots_freed", "after", "any", ("page_tables",)),
-    Hook("mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.clear", "importance.allocator_reset:allocator_cleared", "after", "any", ("page_tables",)),
-    Hook("mem_cache.allocator.token.TokenToKVPoolAllocator.clear", "importance.allocator_reset:allocator_cleared", "after", "any", ("page_tables",)),
-    Hook("managers.scheduler.Scheduler.process_batch_result", "importance.page_table:PageTables.dump", "after", "dump", ("page_tables",)),
+    Hook("mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids", "importance.allocator_reset:pages_released", "after", "any", ("page_importance",)),
+    Hook("mem_cache.allocator.token.TokenToKVPoolAllocator.free", "importance.allocator_reset:slots_freed", "after", "any", ("page_importance",)),
+    Hook("mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.clear", "importance.allocator_reset:allocator_cleared", "after", "any", ("page_importance",)),
+    Hook("mem_cache.allocator.token.TokenToKVPoolAllocator.clear", "importance.allocator_reset:allocator_cleared", "after", "any", ("page_importance",)),
+    Hook("managers.scheduler.Scheduler.process_batch_result", "importance.page_importance:PageImportanceHolder.dump", "after", "dump", ("page_importance",)),
     Hook("importance", "runtime:Runtime.eviction_strategy", "policy", "any", ("runtime",)),
     Hook("server_args.ServerArgs.from_cli_args", "cache.strategy:check_cli_args", "check", "any"),
     # The runtime exists before anything in Scheduler.__init__ sizes the KV pool, builds a cache or a backend.
@@ -70,18 +71,18 @@ HOOKS = (
     # The KV pool's tokens less the guard's pool (hot_set/guard_budget.py), before either is allocated.
     Hook("mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget", "attention.hot_set_attention:reserve_guard", "around", "scheduler", ("runtime",)),
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.__init__", "cache.components:use_importance_components", "before", "scheduler"),
-    Hook("managers.scheduler.Scheduler.process_batch_result", "scheduler.fold:fold_after_batch", "after", "scheduler"),
+    Hook("managers.scheduler.Scheduler.process_batch_result", "scheduler.fold:fold_after_batch", "after", "scheduler", ("runtime",)),
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.write_backup_storage", "cache.admission:gate_storage_write", "around", "scheduler"),
     # Graded on the scheduler thread before the write is queued; the I/O thread seals in that class.
-    Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.write_backup_storage", "cache.stored:grade_before_storage_write", "before", "scheduler", ("page_classes", "page_tables")),
+    Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.write_backup_storage", "cache.stored:grade_before_storage_write", "before", "scheduler", ("page_classes", "page_importance")),
     Hook("managers.scheduler.Scheduler.__init__", "runtime:Runtime.attach_scheduler", "after", "scheduler", ("runtime",)),
-    Hook("managers.scheduler.Scheduler.__init__", "scheduler.hot_set_release:enable", "after", "scheduler", ("released",)),
-    Hook("managers.scheduler.Scheduler.process_batch_result", "scheduler.hot_set_release:reopen_admission", "after", "scheduler", ("released",)),
-    Hook("managers.scheduler.Scheduler.handle_generate_request", "scheduler.hot_set_requests:note_request", "before", "scheduler", ("request_params",)),
-    Hook("mem_cache.common.checkpoint_kv_cache", "scheduler.hot_set_release:checkpoint_unless_released", "around", "scheduler", ("released",)),
-    Hook("managers.schedule_batch.ScheduleBatch.prepare_for_decode", "scheduler.hot_set_release:admit_grown", "after", "scheduler", ("released",)),  # lengths set, before the forward
-    Hook("mem_cache.common.release_kv_cache", "scheduler.hot_set_release:release_with_pages", "around", "scheduler", ("released", "request_params")),
-    Hook("mem_cache.base_prefix_cache.BasePrefixCache.free_kv_row", "scheduler.hot_set_release:free_row_around_released", "around", "scheduler", ("released",)),
+    Hook("managers.scheduler.Scheduler.__init__", "scheduler.hot_set_release:enable", "after", "scheduler", ("releases", "hot_set_params", "config")),
+    Hook("managers.scheduler.Scheduler.process_batch_result", "scheduler.hot_set_release:reopen_admission", "after", "scheduler", ("releases",)),
+    Hook("managers.scheduler.Scheduler.handle_generate_request", "scheduler.hot_set_requests:note_request", "before", "scheduler", ("request_params", "config")),
+    Hook("mem_cache.common.checkpoint_kv_cache", "scheduler.hot_set_release:checkpoint_unless_released", "around", "scheduler", ("releases",)),
+    Hook("managers.schedule_batch.ScheduleBatch.prepare_for_decode", "scheduler.hot_set_release:admit_grown", "after", "scheduler", ("releases",)),  # lengths set, before the forward
+    Hook("mem_cache.common.release_kv_cache", "scheduler.hot_set_release:release_with_pages", "around", "scheduler", ("releases", "request_params")),
+    Hook("mem_cache.base_prefix_cache.BasePrefixCache.free_kv_row", "scheduler.hot_set_release:free_row_around_released", "around", "scheduler", ("releases",)),
     Hook("managers.schedule_policy.PrefillAdder.__init__", "cache.prefetch:note_prefill_adder", "after", "scheduler"),
     # Around: prefetches are queued before SGLang merges the load queue into one copy.
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.ready_to_load_host_cache", "cache.prefetch:prefetch_with_batch_load", "around", "scheduler"),
@@ -94,8 +95,6 @@ HOOKS = (
     Hook("server_args.ServerArgs.from_cli_args", "storage.file:check_cli_args", "check", "any"),
     Hook("server_args.ServerArgs.from_cli_args", "storage.mooncake:check_cli_args", "check", "any"),
     Hook("managers.scheduler.Scheduler.__init__", "trace.tracing:Tracing.start", "after", "trace", ("tracing",)),
-    Hook("sgl_importance.importance.page_table.PageImportanceTable.add_layer", "trace.tracing:Tracing.on_add_layer", "after", "trace", ("tracing",)),
-    Hook("sgl_importance.importance.page_table.PageImportanceTable.finish_step", "trace.tracing:Tracing.on_finish_step", "after", "trace", ("tracing",)),
     Hook("managers.scheduler.Scheduler.process_batch_result", "trace.tracing:Tracing.around_batch_result", "around", "trace", ("tracing",)),
     Hook("mem_cache.pool_host.mha.get_mha_host_pool_cls", "platform.host_pool:host_pool_cls", "around", "torch_cpu"),
     Hook("mem_cache.l2_transfer.L2TransferEngine.__init__", "platform.streams:use_cpu_streams", "after", "torch_cpu"),
@@ -103,7 +102,7 @@ HOOKS = (
 
 
 def hook_target(hook: Hook) -> str:
-    return hook.target if hook.target.startswith("sgl_importance.") else f"sglang.srt.{hook.target}"
+    return f"sglang.srt.{hook.target}"
 
 
 def _in_process(process: str) -> bool:

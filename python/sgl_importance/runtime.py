@@ -1,15 +1,18 @@
-"""The scheduler process's runtime: the one owner of the plugin's state.
+"""The process's runtime: the one owner of the plugin's state.
 
 SGLang runs one scheduler per process (per tensor-parallel rank); everything the
-plugin keeps across calls in that process lives on its :class:`Runtime` — the page
-table, each cache's ``CachePolicy``, the shared importance, the storage grading,
-the hot set's release record, per-request parameters and guard budget, the metrics
-and the tracing. ``plugin.py`` builds it before ``Scheduler.__init__`` runs (from the
-validated ``--importance-*`` flags), attaches the scheduler after, and passes the
-parts each hook needs into it: the owner of state is passed in, never found.
+plugin keeps across calls in that process lives on its :class:`Runtime` — the
+validated config, the hot set's parameters (worked out once), the page importance,
+the state of the scheduler's cache under the ``importance`` policy, the shared
+importance, the storage grading, the hot set's release registry, per-request
+parameters and guard budget, the metrics and the tracing. ``plugin.py`` builds it
+before ``Scheduler.__init__`` runs (from the validated ``--importance-*`` flags),
+attaches the scheduler after, and passes the parts each hook needs into it: the
+owner of state is passed in, never found. The HTTP process builds one too, before
+``TokenizerManager.__init__``, for the request checks' config.
 
 :func:`current` is the one accessor (the registry below is the only module-level
-state of the package; ``tools/state.py`` checks it). Outside a scheduler process
+state of the package; ``tools/state.py`` checks it). Outside a server process
 (tests, tools) it builds a runtime with default settings on first use.
 
 May import any layer below it (``importance/``, ``cache/``, ``hot_set/``,
@@ -23,13 +26,16 @@ import logging
 import weakref
 from typing import Any, Callable, Mapping, Optional
 
-from sgl_importance.cache.policy import CachePolicy
+from sgl_importance.cache.state import CacheState
+from sgl_importance.cache.state_of import state_of
 from sgl_importance.cache.strategy import ImportanceStrategy
-from sgl_importance.config import ImportanceConfig, config_of
+from sgl_importance.config import ImportanceConfig
 from sgl_importance.hot_set.guard_budget import GuardBudget
+from sgl_importance.hot_set.params import hot_set_params
 from sgl_importance.hot_set.request_params import RequestParams
-from sgl_importance.hot_set.residency import Released
-from sgl_importance.importance.page_table import PageTables
+from sgl_importance.hot_set.residency import ReleaseRegistry
+from sgl_importance.hot_set.selection import HotSetParams
+from sgl_importance.importance.page_importance import PageImportanceHolder
 from sgl_importance.metrics import Metrics
 from sgl_importance.storage.factory import share_importance, wrap_backend
 from sgl_importance.storage.precision import PageClasses, page_classes_for
@@ -51,15 +57,20 @@ class Runtime:
         # What of SGLang's flags the storage hook reads (defaults outside a server).
         self.eviction_policy = server_args.radix_eviction_policy if server_args is not None else None
         self.enable_metrics = bool(server_args.enable_metrics) if server_args is not None else False
-        self.page_tables = PageTables()
+        # The server's hot-set parameters, worked out once; None under --hot-set-policy off.
+        self.hot_set_params: Optional[HotSetParams] = hot_set_params(self.config)
+        self.page_importance = PageImportanceHolder()
         self.metrics = Metrics()
-        # The hot set's release record and the parameters requests chose for themselves.
-        self.released = Released()
+        # The hot set's release registry and the parameters requests chose for themselves.
+        self.releases = ReleaseRegistry()
         self.request_params = RequestParams()
         # The guard's pool size and what the KV pool gave up for it, set when SGLang
         # sizes the KV pool (attention/hot_set_attention.reserve_guard); None before.
         self.guard_budget: Optional[GuardBudget] = None
-        self.tracing = Tracing()
+        self.tracing = Tracing(self.config)
+        if self.tracing.requested:
+            # The tracer sees every layer and step the page importance table records.
+            self.page_importance.observer = self.tracing.capture
         # The storage grading under --importance-storage-precision graded (else None).
         c = self.config
         self.page_classes: Optional[PageClasses] = page_classes_for(
@@ -67,6 +78,9 @@ class Runtime:
         )
         # Importance shared next to the pages of a Mooncake store, once one is built.
         self.shared_importance: Any = None
+        # The state of the scheduler's tree cache under --radix-eviction-policy
+        # importance, found once the scheduler is attached; None under other policies.
+        self.cache_state: Optional[CacheState] = None
         self._scheduler: Optional[weakref.ref] = None
 
     @property
@@ -76,16 +90,15 @@ class Runtime:
 
     def eviction_strategy(self, **config: Any) -> ImportanceStrategy:
         """SGLang's factory for ``--radix-eviction-policy importance``: a strategy over a
-        new ``CachePolicy`` this runtime owns."""
-        return ImportanceStrategy(self.cache_policy(config))
+        new ``CacheState`` this runtime owns."""
+        return ImportanceStrategy(self.new_cache_state(config))
 
-    def cache_policy(self, config: Mapping[str, Any]) -> CachePolicy:
-        """A new cache's policy state, sharing this runtime's page tables and metrics
-        (the cache's strategy holds it; ``cache/policy_state.policy_of`` finds it)."""
+    def new_cache_state(self, config: Mapping[str, Any]) -> CacheState:
+        """A new cache's state, sharing this runtime's metrics (the cache's strategy
+        holds it; the cache layer's hooks find it with ``cache/state_of.state_of``)."""
         # The scheduler and the shared importance come after the cache: read when needed.
-        return CachePolicy(
+        return CacheState(
             config,
-            self.page_tables,
             self.metrics,
             scheduler=lambda: self.scheduler,
             shared=lambda: self.shared_importance,
@@ -123,8 +136,10 @@ class Runtime:
         return backend
 
     def attach_scheduler(self, scheduler: Any) -> None:
-        """After ``Scheduler.__init__``: the scheduler the caches' policies read."""
+        """After ``Scheduler.__init__``: the scheduler the caches' states read, and the
+        state of its tree cache (the fold's)."""
         self._scheduler = weakref.ref(scheduler)
+        self.cache_state = state_of(scheduler.tree_cache)
 
 
 # The registry: the process's runtime (see the module docstring).
@@ -139,8 +154,17 @@ def current() -> Runtime:
     return _current
 
 
-def start(scheduler: Any, server_args: Any, *args: Any, **kwargs: Any) -> Runtime:
-    """Before ``Scheduler.__init__(server_args, ...)``: a fresh runtime from the flags."""
+def config_of(server_args: Any) -> ImportanceConfig:
+    """The config a process was started with (defaults when built without the CLI):
+    read here, once, as the runtime is built."""
+    # Absent where ServerArgs was built without from_cli_args (the Engine API, tests).
+    config = getattr(server_args, "_importance", None)
+    return config if isinstance(config, ImportanceConfig) else ImportanceConfig()
+
+
+def start(owner: Any, server_args: Any, *args: Any, **kwargs: Any) -> Runtime:
+    """Before ``Scheduler.__init__(server_args, ...)`` (or ``TokenizerManager.__init__``
+    in the HTTP process): a fresh runtime from the flags."""
     global _current
     _current = Runtime(config_of(server_args), server_args)
     return _current

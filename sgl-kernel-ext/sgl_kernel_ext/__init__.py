@@ -9,7 +9,6 @@ Knows nothing of SGLang; it only shares SGLang's KV layout (see ``decode_importa
 
 from .key_codes import key_code_pages, key_code_pages_torch
 from .output import DecodeImportanceOutput
-from .page_table import HAS_TRITON, scatter_page_importance
 from .paged import (
     PagedDecodePlan,
     PagedDecodeWorkspace,
@@ -19,6 +18,7 @@ from .paged import (
 )
 from .plan import DecodeGeometry, decode_geometry, default_num_splits, split_bounds
 from .reference import decode_importance_reference
+from .scatter import HAS_TRITON, scatter_page_importance
 
 __all__ = [
     "HAS_TRITON",

@@ -4,7 +4,7 @@ Two worlds with the same pool, requests and queries: one drives
 ``ImportanceTorchAttnBackend``, the other ``ImportanceTritonAttnBackend``, through their
 ``init_forward_metadata`` and ``forward_decode`` (KV write, page summaries, hot-set
 attend, the step's end on the last layer). Each layer's output must agree within
-float32 rounding, the page tables must file the same importance, and the hot-set
+float32 rounding, the page importance tables must file the same importance, and the hot-set
 counts (pages attended, estimated, guarded, promoted, released, read from the host)
 must be equal, with the guard off and on and with pages released to a host pool.
 
@@ -38,8 +38,8 @@ from sgl_importance.attention.torch_backend import ImportanceTorchAttnBackend  #
 from sgl_importance.attention.triton_backend import ImportanceTritonAttnBackend  # noqa: E402
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries  # noqa: E402
 from sgl_importance.hot_set.promotion import PromotionStream  # noqa: E402
-from sgl_importance.hot_set.residency import Released  # noqa: E402
-from sgl_importance.importance.page_table import PageImportanceTable  # noqa: E402
+from sgl_importance.hot_set.residency import ReleaseRegistry  # noqa: E402
+from sgl_importance.importance.page_importance import PageImportanceTable  # noqa: E402
 from sgl_kernel_ext import PagedDecodeWorkspace, TritonPageListDecode  # noqa: E402
 from support.array_pools import ArrayPools  # noqa: E402
 from support.kernel_device import EMPTY_PAGES_WARN  # noqa: E402
@@ -102,12 +102,12 @@ class World:
     ):
         self.device = device
         self.kv = ArrayKV(device_pages, host_pages, promotions, device)
-        self.released = Released()
+        self.releases = ReleaseRegistry()
         if release:
-            self.released.enable(self.kv, threshold=THRESHOLD)
+            self.releases.enable(self.kv, threshold=THRESHOLD)
         num_pages = self.kv.k.shape[1] // PAGE
         self.req_to_token = torch.zeros(8, 64 * PAGE, dtype=torch.int32, device=device)
-        self.page_table = PageImportanceTable(num_pages, page_size=PAGE, device=device)
+        self.page_importance = PageImportanceTable(num_pages, page_size=PAGE, device=device)
         summaries = PageSummaries(LAYERS, num_pages, KV_HEADS, DIM, page_size=PAGE, device=device)
         exact = TritonPageListDecode() if kind == "triton" else None
         decoder = HotSetDecoder(
@@ -115,11 +115,11 @@ class World:
             summaries,
             page_size=PAGE,
             threshold=THRESHOLD,
-            released=self.released,
+            releases=self.releases,
             exact=exact,
             promotions=PromotionStream("cpu"),
         )
-        hot_set = HotSetAttention(decoder, self.page_table)
+        hot_set = HotSetAttention(decoder, self.page_importance)
         self.backend = self._backend(kind, hot_set)
         self.layers = [_layer(i) for i in range(LAYERS)]
         self.rows: dict[str, int] = {}
@@ -128,7 +128,7 @@ class World:
     def _backend(self, kind: str, hot_set: HotSetAttention):
         common = dict(
             page_size=PAGE,
-            page_table=self.page_table,
+            page_importance=self.page_importance,
             last_layer_id=LAYERS - 1,
             hot_set=hot_set,
             token_to_kv_pool=self.kv,
@@ -166,7 +166,7 @@ class World:
         """The prompt's tokens not yet in the pool, written and summarised (``k``/``v``: ``[LAYERS, n, KV, D]``)."""
         if rid not in self.rows:
             self.rows[rid] = len(self.rows) + 1
-            self.released.admit(rid, first_owned_page=0)
+            self.releases.admit(rid, first_owned_page=0)
         slots = [self._slot(rid, pos) for pos in range(self.written.get(rid, 0), k.shape[1])]
         if slots:
             slots = torch.tensor(slots, device=self.device)
@@ -241,7 +241,7 @@ def run_both(params: HotSetParams, *, steps: int, lengths: list[int], **world) -
         want, got = (w.step(k_new, v_new, q) for w in worlds)
         for layer, (a, b) in enumerate(zip(want, got)):
             assert torch.allclose(b, a, atol=OUT_ATOL, rtol=0), f"step {step} layer {layer}"
-        tables = [w.page_table for w in worlds]
+        tables = [w.page_importance for w in worlds]
         assert bool((tables[0].last > 0).any()), "the attended pages' masses are filed"
         assert torch.allclose(tables[1].last, tables[0].last, atol=IMP_ATOL, rtol=0), f"step {step}"
         assert not worlds[1].backend.hot_set.in_step, "the last layer ends the step"

@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed; the Triton decode kernels cannot run")
 
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries  # noqa: E402
-from sgl_importance.hot_set.residency import Released  # noqa: E402
+from sgl_importance.hot_set.residency import ReleaseRegistry  # noqa: E402
 from sgl_kernel_ext import TritonPageListDecode  # noqa: E402
 from support.array_pools import ArrayPools  # noqa: E402
 from support.kernel_device import EMPTY_PAGES_WARN  # noqa: E402
@@ -44,13 +44,13 @@ class World:
             layers=LAYERS, kv_heads=KV_HEADS, dim=DIM, page_size=PAGE,
             device_pages=device_pages, host_pages=host_pages, promotions=promotions,
         )  # fmt: skip
-        self.released = Released()
+        self.released = ReleaseRegistry()
         if release:
             self.released.enable(self.tiers, threshold=8)
         num_pages = self.tiers.k.shape[1] // PAGE
         self.summaries = PageSummaries(LAYERS, num_pages, KV_HEADS, DIM, page_size=PAGE)
         self.decoder = HotSetDecoder(
-            params, self.summaries, page_size=PAGE, threshold=8, released=self.released, exact=exact
+            params, self.summaries, page_size=PAGE, threshold=8, releases=self.released, exact=exact
         )
         self.rows: dict[str, torch.Tensor] = {}
         self.written: dict[str, int] = {}

@@ -22,7 +22,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentData
 from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import TreePathNodeInfo
 
-from sgl_importance.importance.node_state import node_state
+from sgl_importance.node_state import node_state
 
 FULL = int(ComponentType.FULL)
 
@@ -208,15 +208,15 @@ class AdmissionCache(FakeCache):
     ``shared``: the importance other instances published, as the runtime hands it in."""
 
     def __init__(self, shared: Any = None, **config: Any) -> None:
-        from sgl_importance.cache.policy import CachePolicy
+        from sgl_importance.cache.state import CacheState
         from sgl_importance.cache.strategy import ImportanceStrategy
 
-        super().__init__(FakeTreeCore(ImportanceStrategy(CachePolicy(config, shared=lambda: shared))))
+        super().__init__(FakeTreeCore(ImportanceStrategy(CacheState(config, shared=lambda: shared))))
         self.written: list[int] = []
 
     @property
     def aggregator(self) -> Any:
-        return self.tree_core.eviction_strategy.policy.aggregator
+        return self.tree_core.eviction_strategy.state.aggregator
 
     def add(
         self,
@@ -264,3 +264,15 @@ def decode_batch(reqs: Sequence[Any], decode: bool = True) -> types.SimpleNamesp
     """A scheduler batch: its requests and whether it was a decode batch."""
     is_decode: Callable[[], bool] = lambda: decode  # noqa: E731
     return types.SimpleNamespace(reqs=list(reqs), forward_mode=types.SimpleNamespace(is_decode=is_decode))
+
+
+def runtime_of(scheduler: Any, table: Any = None) -> Any:
+    """The runtime the plugin hands scheduler hooks: ``scheduler``'s cache state (as
+    ``Runtime.attach_scheduler`` finds it) and ``table`` as the page importance."""
+    from sgl_importance.cache.state_of import state_of
+    from sgl_importance.runtime import Runtime
+
+    rt = Runtime()
+    rt.cache_state = state_of(scheduler.tree_cache)
+    rt.page_importance.current = table
+    return rt

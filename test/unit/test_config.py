@@ -3,8 +3,9 @@ import re
 
 import pytest
 
-from sgl_importance.config import ImportanceConfig, add_cli_args, config_of, from_namespace
+from sgl_importance.config import ImportanceConfig, add_cli_args, from_namespace
 from sgl_importance.hot_set.params import hot_set_params, request_hot_set_params
+from sgl_importance.runtime import config_of
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -378,14 +378,15 @@ def test_the_scheduler_notes_a_requests_own_parameters_and_forgets_them_when_it_
     from sgl_importance.scheduler import hot_set_requests
 
     record = RequestParams()  # the runtime's, handed to the hooks
-    scheduler = SimpleNamespace(server_args=SimpleNamespace(_importance=ImportanceConfig(hot_set_policy="lru")))
+    config = ImportanceConfig(hot_set_policy="lru")  # the runtime's, handed to the hook too
+    scheduler = SimpleNamespace()
 
     def arrival(rid, custom):
         return SimpleNamespace(rid=rid, sampling_params=SimpleNamespace(custom_params=custom))
 
-    hot_set_requests.note_request(record, scheduler, arrival("a", {"hot_set": {"budget": 7}}))
-    hot_set_requests.note_request(record, scheduler, arrival("b", {"other": 1}))
-    hot_set_requests.note_request(record, scheduler, arrival("c", None))
+    hot_set_requests.note_request(record, config, scheduler, arrival("a", {"hot_set": {"budget": 7}}))
+    hot_set_requests.note_request(record, config, scheduler, arrival("b", {"other": 1}))
+    hot_set_requests.note_request(record, config, scheduler, arrival("c", None))
     assert record.get("a").budget == 7 and record.get("a").policy == "lru" and len(record) == 1
     # Retracted (not finished): it decodes again later with the same parameters.
     hot_set_requests.forget_request(record, SimpleNamespace(rid="a", finished=lambda: False))

@@ -259,7 +259,7 @@ def test_the_guard_pools_gauges_show_its_size_and_after_each_step_its_pages_in_u
     guard = GuardPool(2, 1, 8, page_size=4, capacity_pages=10)
     metrics.guard_pool(guard.capacity, guard.nbytes)
     decoder = types.SimpleNamespace(guard=guard, end_step=HotSetCounts)
-    hot_set = hot_set_attention.HotSetAttention(decoder, page_table=None, metrics=metrics)
+    hot_set = hot_set_attention.HotSetAttention(decoder, page_importance=None, metrics=metrics)
     guard.alloc(3)
     hot_set.in_step = True
     hot_set.end_step()

@@ -12,7 +12,7 @@ import torch
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries
 from sgl_importance.hot_set.key_codes import quantise
 from sgl_importance.hot_set.request_params import RequestParams
-from sgl_importance.hot_set.residency import RELEASED_SLOT, ReleaseCounts, Released, RequestPages, subtract_pages
+from sgl_importance.hot_set.residency import RELEASED_SLOT, ReleaseCounts, ReleaseRegistry, RequestPages, subtract_pages
 from sgl_importance.scheduler.hot_set_release import (
     admit_grown,
     checkpoint_unless_released,
@@ -111,11 +111,11 @@ class Request:
 class Placed:
     """A decoder over a pool; ``place`` writes a request's new tokens into it."""
 
-    def __init__(self, tiers: ArrayPools, released: Released, guard: float, threshold: int = 8) -> None:
+    def __init__(self, tiers: ArrayPools, released: ReleaseRegistry, guard: float, threshold: int = 8) -> None:
         self.tiers = tiers
         self.summaries = PageSummaries(LAYERS, tiers.k.shape[1] // PAGE, KV_HEADS, DIM, page_size=PAGE)
         params = HotSetParams(policy="importance", budget=4, window=1, sinks=1, guard_threshold=guard)
-        self.decoder = HotSetDecoder(params, self.summaries, page_size=PAGE, threshold=threshold, released=released)
+        self.decoder = HotSetDecoder(params, self.summaries, page_size=PAGE, threshold=threshold, releases=released)
         self.requests: dict[str, Request] = {}
         self.written: dict[str, int] = {}
 
@@ -147,8 +147,8 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_
     # Three requests of 20 pages (60 pages with what they generate) on a 32-page
     # device: each is prefilled after the previous ones released what their hot
     # sets (4 pages) leave out. The reference keeps everything on a large device.
-    reference = Placed(array_pools(device_pages=200, host_pages=0), Released(), guard)
-    released = Released()
+    reference = Placed(array_pools(device_pages=200, host_pages=0), ReleaseRegistry(), guard)
+    released = ReleaseRegistry()
     small = array_pools(device_pages=32, host_pages=100)
     released.enable(small, threshold=8)
     physical = Placed(small, released, guard)
@@ -190,7 +190,7 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_
 
 
 def test_key_codes_land_under_their_own_page_when_two_requests_fill_and_release_pages_in_one_step():
-    released = Released()
+    released = ReleaseRegistry()
     pools = array_pools(device_pages=120, host_pages=120)
     released.enable(pools, threshold=8)
     placed = Placed(pools, released, guard=0.1)
@@ -251,7 +251,7 @@ class SGLangRelease:
     ``[0, kv_committed_len)`` (noted here), else ``free_kv_row`` (which the plugin wraps)
     frees the positions past the tree's; the fake pools fail on a padding or double free."""
 
-    def __init__(self, tiers: ArrayPools, released: Released, row: torch.Tensor) -> None:
+    def __init__(self, tiers: ArrayPools, released: ReleaseRegistry, row: torch.Tensor) -> None:
         self.tiers, self.released, self.row = tiers, released, row
         self.inserted: list[torch.Tensor] = []
 
@@ -270,9 +270,9 @@ class SGLangRelease:
 def grow_past_threshold(steps: int):
     """A short prompt decoded ``steps`` steps with ``admit_grown`` run as SGLang runs it
     (after each ``prepare_for_decode``), beside a reference that keeps every page."""
-    reference = Placed(array_pools(device_pages=200, host_pages=0), Released(), 1.0, GROWN_THRESHOLD)
+    reference = Placed(array_pools(device_pages=200, host_pages=0), ReleaseRegistry(), 1.0, GROWN_THRESHOLD)
     tiers = array_pools(device_pages=64, host_pages=64)
-    released = Released()
+    released = ReleaseRegistry()
     released.enable(tiers, threshold=GROWN_THRESHOLD)
     physical = Placed(tiers, released, 1.0, GROWN_THRESHOLD)
     truth, copy = Request("r", 5, seed=3), Request("r", 5, seed=3)
@@ -352,7 +352,7 @@ def test_a_grown_request_retracted_frees_only_what_it_holds_and_is_admitted_agai
 
 
 def test_only_running_requests_past_the_threshold_that_may_enter_the_tree_are_admitted_in_decode():
-    released = Released()
+    released = ReleaseRegistry()
     tiers = array_pools(device_pages=8, host_pages=8)
     reqs = {name: ScheduledReq(name, GROWN_THRESHOLD + 1) for name in ("grown", "barred", "leaving", "short")}
     reqs["barred"].skip_radix_cache_insert = True  # e.g. a beam row, whose pages are shared

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_importance.importance.node_state import has_importance, node_importance
-from sgl_importance.importance.page_table import PageImportanceTable
+from sgl_importance.importance.page_importance import PageImportanceTable
+from sgl_importance.node_state import has_importance, node_importance
 from sgl_importance.scheduler.fold import fold_after_batch, observe
-from support.fake_tree import FULL, FakeCache, FakeTreeCore, decode_batch, request, scheduler_of
+from support.fake_tree import FULL, FakeCache, FakeTreeCore, decode_batch, request, runtime_of, scheduler_of
 
 PAGE = 4
 
@@ -55,19 +55,20 @@ def test_fold_after_batch_updates_nodes_only_for_decode_batches_under_the_policy
     strategy = ImportanceStrategy(sink_pages=0)
     core = build(strategy)
     table = PageImportanceTable(32, page_size=PAGE)
-    strategy.policy.page_tables.current = table
     slots = torch.cat([torch.arange(16, 24), torch.arange(40, 44)])
     table.add_layer(torch.tensor([[0.25, 0.25, 0.5]]), torch.tensor([0, 12], dtype=torch.int32), slots)
     table.finish_step()
     scheduler = scheduler_of(FakeCache(core))
+    runtime = runtime_of(scheduler, table)
 
-    assert fold_after_batch(scheduler, decode_batch([req(2)], decode=False)) == 0
+    assert fold_after_batch(runtime, scheduler, decode_batch([req(2)], decode=False)) == 0
     assert not has_importance(core.nodes[2])
-    assert fold_after_batch(scheduler, decode_batch([req(2)])) == 1
+    assert fold_after_batch(runtime, scheduler, decode_batch([req(2)])) == 1
     assert node_importance(core.nodes[1]) == pytest.approx((1 - 0.98) * 0.25)
     assert node_importance(core.nodes[2]) == pytest.approx((1 - 0.98) * 0.5)
     # Another policy: nothing is folded.
     core.eviction_strategy = object()
-    assert fold_after_batch(scheduler, decode_batch([req(2)])) == 0
+    assert fold_after_batch(runtime_of(scheduler, table), scheduler, decode_batch([req(2)])) == 0
     # A cache without a tree core (radix cache disabled): nothing is folded.
-    assert fold_after_batch(scheduler_of(object()), decode_batch([req(2)])) == 0
+    bare = scheduler_of(object())
+    assert fold_after_batch(runtime_of(bare, table), bare, decode_batch([req(2)])) == 0

@@ -12,7 +12,7 @@ from sglang.srt.mem_cache.evict_policy import LRUStrategy
 
 from sgl_importance.cache.strategy import ImportanceStrategy, check_cli_args
 from sgl_importance.importance.aggregator import Observation
-from sgl_importance.importance.page_table import PageImportanceTable
+from sgl_importance.importance.page_importance import PageImportanceTable
 from support.fake_tree import detached_node
 
 PAGE = 4
@@ -32,7 +32,7 @@ def eviction_order(strategy, nodes) -> list:
 def strategy(now: float = 100.0, scale: float = 1.0, **config) -> ImportanceStrategy:
     s = ImportanceStrategy(**config)
     s.clock = lambda: now
-    s.policy.aggregator.scale = scale
+    s.state.aggregator.scale = scale
     return s
 
 
@@ -101,7 +101,7 @@ def test_priorities_come_from_folded_page_importance():
     table.add_layer(torch.tensor([[0.9, 0.1]]), torch.tensor([0, len(slots)], dtype=torch.int32), slots)
     table.finish_step()
     hot, cold = leaf(t=1), leaf(t=99)
-    s.policy.aggregator.fold(
+    s.state.aggregator.fold(
         table,
         [Observation(hot, PAGE, torch.tensor([2])), Observation(cold, 2 * PAGE, torch.tensor([3]))],
     )
@@ -142,6 +142,6 @@ def test_the_launcher_check_applies_only_to_the_importance_policy():
 
 def test_each_strategy_owns_its_aggregator_with_the_configured_decay_and_sinks():
     a, b = ImportanceStrategy(decay=0.5, sink_pages=2), ImportanceStrategy()
-    assert a.policy.aggregator is not b.policy.aggregator
-    assert (a.policy.aggregator.decay, a.policy.aggregator.sink_pages) == (0.5, 2)
-    assert (b.policy.aggregator.decay, b.policy.aggregator.sink_pages) == (0.98, 1)
+    assert a.state.aggregator is not b.state.aggregator
+    assert (a.state.aggregator.decay, a.state.aggregator.sink_pages) == (0.5, 2)
+    assert (b.state.aggregator.decay, b.state.aggregator.sink_pages) == (0.98, 1)

@@ -20,10 +20,10 @@ import torch.multiprocessing as mp
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
 from sgl_importance.cache.components import use_importance_components
-from sgl_importance.importance.node_state import node_importance, node_state
-from sgl_importance.importance.page_table import PageImportanceTable
+from sgl_importance.importance.page_importance import PageImportanceTable
+from sgl_importance.node_state import node_importance, node_state
 from sgl_importance.scheduler.fold import fold_after_batch, tree_group
-from support.fake_tree import FakeCache, FakeTreeCore, decode_batch, request, scheduler_of
+from support.fake_tree import FakeCache, FakeTreeCore, decode_batch, request, runtime_of, scheduler_of
 
 PAGE = 4
 NUM_PAGES = 32
@@ -68,17 +68,17 @@ def _rank_main(rank: int, port: int, out: str) -> None:
         group = dist.new_group(list(range(WORLD)), backend="gloo")
         core = _tree()
         table = PageImportanceTable(NUM_PAGES, page_size=PAGE)
-        core.eviction_strategy.policy.page_tables.current = table
         tree_cache = FakeCache(core)
         tree_cache.tp_group, tree_cache.tp_world_size = group, WORLD
         scheduler = scheduler_of(tree_cache)
+        runtime = runtime_of(scheduler, table)
         decode = decode_batch([request(last_node=2)])
         folded = []
         for per_rank in STEPS:
             for masses in per_rank[rank]:
                 _record(table, masses)
-            folded.append(fold_after_batch(scheduler, decode))
-        aggregator = core.eviction_strategy.policy.aggregator
+            folded.append(fold_after_batch(runtime, scheduler, decode))
+        aggregator = core.eviction_strategy.state.aggregator
         result = {
             "folded": folded,
             "importance": [node_importance(core.nodes[i]) for i in sorted(core.nodes)],

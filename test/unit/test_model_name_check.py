@@ -1,6 +1,6 @@
 import pytest
 
-from sgl_importance.serving import unknown_model
+from sgl_importance.request_check.openai import unknown_model
 
 KNOWN = {"SmolLM2-135M-Instruct", "/models/smol", "my-adapter"}
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from sgl_importance.importance.aggregator import ImportanceAggregator, Observation
-from sgl_importance.importance.node_state import (
+from sgl_importance.importance.page_importance import PageImportanceTable
+from sgl_importance.node_state import (
     has_importance,
     node_importance,
     node_pinned,
     node_state,
     peek_state,
 )
-from sgl_importance.importance.page_table import PageImportanceTable
 from support.fake_tree import detached_node as node
 
 PAGE = 4

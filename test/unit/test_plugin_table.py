@@ -30,16 +30,16 @@ def test_every_row_names_a_function_a_kind_a_process_and_runtime_state_that_exis
 def test_an_after_hook_gets_the_state_the_arguments_it_declares_and_the_result_by_keyword(monkeypatch):
     seen = []
 
-    def fold(tables, scheduler, batch, *, result):
-        seen.append((tables, scheduler, batch, result))
+    def fold(page_importance, scheduler, batch, *, result):
+        seen.append((page_importance, scheduler, batch, result))
         return 7  # a count for tests; SGLang must not take it as the new result
 
     monkeypatch.setattr(plugin, "_resolve", lambda call: fold)
     runtime.reset()
     try:
-        bound = plugin._bind(Hook("x.y", "m:fold", "after", "scheduler", ("page_tables",)))
+        bound = plugin._bind(Hook("x.y", "m:fold", "after", "scheduler", ("page_importance",)))
         assert bound("result", "scheduler", "batch", "extra positional", extra_keyword=1) is None
-        assert seen == [(runtime.current().page_tables, "scheduler", "batch", "result")]
+        assert seen == [(runtime.current().page_importance, "scheduler", "batch", "result")]
     finally:
         runtime.reset()
 

@@ -19,7 +19,7 @@ from sgl_importance.cache.prefetch import (
     waiting_candidates,
 )
 from sgl_importance.cache.strategy import ImportanceStrategy
-from sgl_importance.importance.node_state import node_state
+from sgl_importance.node_state import node_state
 from support.fake_tree import FULL, FakeCache, FakeTreeCore, detached_node, request
 
 
@@ -28,7 +28,7 @@ def make(free_tokens: int, **config):
     # Warming is opt-in; these tests are about it.
     strategy = ImportanceStrategy(**{"prefetch_min_importance": 0.25, **config})
     strategy.clock = lambda: 100.0
-    strategy.policy.aggregator.scale = 1.0
+    strategy.state.aggregator.scale = 1.0
     tree.eviction_strategy = strategy
     return tree, strategy, FakeCache(tree, free_tokens)
 
@@ -46,22 +46,22 @@ def test_free_pages_warm_the_most_important_demoted_node_first():
     tree, strategy, cache = make(free_tokens=64)
     low = tree.add(tokens=32, device=False, importance=0.3)
     high = tree.add(tokens=32, device=False, importance=0.9)
-    strategy.policy.warm.add(low)
-    strategy.policy.warm.add(high)
+    strategy.state.warm.add(low)
+    strategy.state.warm.add(high)
     chosen = plan(cache, strategy, budget=32, waiting_queue=[])
     assert [(c.node, c.reason, c.tokens) for c in chosen] == [(high, "warm", 32)]
 
 
 def test_nodes_below_the_warm_threshold_are_not_warmed():
     tree, strategy, cache = make(free_tokens=1024, prefetch_min_importance=0.5)
-    strategy.policy.warm.add(tree.add(device=False, importance=0.4))
+    strategy.state.warm.add(tree.add(device=False, importance=0.4))
     assert plan(cache, strategy, budget=1024, waiting_queue=[]) == []
 
 
 def test_warming_evicts_only_leaves_less_important_than_the_node_it_brings():
     tree, strategy, cache = make(free_tokens=0, recency_weight=0.0, reuse_weight=0.0)
     doc = tree.add(tokens=64, device=False, importance=0.8)
-    strategy.policy.warm.add(doc)
+    strategy.state.warm.add(doc)
     tree.add(tokens=32, importance=0.1)
     tree.add(tokens=32, importance=0.2)
     assert [c.node for c in plan(cache, strategy, budget=64, waiting_queue=[])] == [doc]
@@ -69,7 +69,7 @@ def test_warming_evicts_only_leaves_less_important_than_the_node_it_brings():
 
 def test_warming_gives_up_when_a_victim_would_be_more_important():
     tree, strategy, cache = make(free_tokens=0, recency_weight=0.0, reuse_weight=0.0)
-    strategy.policy.warm.add(tree.add(tokens=64, device=False, importance=0.8))
+    strategy.state.warm.add(tree.add(tokens=64, device=False, importance=0.8))
     tree.add(tokens=32, importance=0.1)
     tree.add(tokens=32, importance=0.95)
     assert plan(cache, strategy, budget=64, waiting_queue=[]) == []
@@ -91,7 +91,7 @@ def test_waiting_requests_host_matches_come_first_and_share_no_path():
     tree, strategy, cache = make(free_tokens=1024)
     doc = tree.add(tokens=64, device=False, importance=0.9)
     tail = tree.add(doc, tokens=16, device=False)
-    strategy.policy.warm.add(doc)
+    strategy.state.warm.add(doc)
     reqs = [request(host_hit_length=80, best_match_node=tail.id), request()]
     assert waiting_candidates(tree, reqs) == [tail]
     chosen = plan(cache, strategy, budget=1024, waiting_queue=reqs)
@@ -102,7 +102,7 @@ def test_waiting_requests_host_matches_come_first_and_share_no_path():
 def test_the_budget_caps_what_one_batch_loads():
     tree, strategy, cache = make(free_tokens=1024)
     for importance in (0.9, 0.8, 0.7):
-        strategy.policy.warm.add(tree.add(tokens=64, device=False, importance=importance))
+        strategy.state.warm.add(tree.add(tokens=64, device=False, importance=importance))
     assert len(plan(cache, strategy, budget=128, waiting_queue=[])) == 2
     assert plan(cache, strategy, budget=63, waiting_queue=[]) == []
 
@@ -173,8 +173,8 @@ def test_issue_never_counts_or_evicts_the_admitted_requests_prefixes():
     cache = FakeCache(tree, free_tokens=32)
     strategy = ImportanceStrategy(recency_weight=0.0, reuse_weight=0.0, prefetch_min_importance=0.25)
     strategy.clock = lambda: 100.0
-    strategy.policy.aggregator.scale = 1.0
-    strategy.policy.warm.add(doc)
+    strategy.state.aggregator.scale = 1.0
+    strategy.state.warm.add(doc)
     adder = types.SimpleNamespace(memory_budget=Budget(cache), can_run_list=[request(last_node=prefix.id)])
     assert issue(cache, strategy, adder) == []
     assert cache.loaded == [] and prefix.component_data[FULL].lock_ref == 0
@@ -199,7 +199,7 @@ def test_the_budget_pays_for_locked_ancestors_once():
     tree, strategy, cache = make(free_tokens=2048)
     system = tree.add(tokens=512, importance=0.5)
     for importance in (0.9, 0.8):
-        strategy.policy.warm.add(tree.add(system, tokens=64, device=False, importance=importance))
+        strategy.state.warm.add(tree.add(system, tokens=64, device=False, importance=importance))
     assert len(plan(cache, strategy, budget=575, waiting_queue=[])) == 0
     assert len(plan(cache, strategy, budget=576, waiting_queue=[])) == 1
     assert len(plan(cache, strategy, budget=640, waiting_queue=[])) == 2
@@ -208,7 +208,7 @@ def test_the_budget_pays_for_locked_ancestors_once():
 def test_a_wasted_warm_prefetch_is_not_repeated_until_the_node_is_attended(monkeypatch):
     tree, strategy, cache = make(free_tokens=1024)
     doc = tree.add(tokens=64, device=False, importance=0.9)
-    strategy.policy.warm.add(doc)
+    strategy.state.warm.add(doc)
     node_state(doc).prefetched = "warm"
     mark_evicted(None, doc, 64)
     assert plan(cache, strategy, budget=1024, waiting_queue=[]) == []
@@ -220,11 +220,11 @@ def test_a_node_that_a_fresh_request_would_outrank_is_not_warmed():
     # Recency forgotten after one tick: an old node's score is its importance alone,
     # below the 1.0 a fresh request's KV gets from recency.
     tree, strategy, cache = make(free_tokens=1024, recency_horizon=1.0, reuse_weight=0.0)
-    strategy.policy.warm.add(tree.add(tokens=64, device=False, importance=0.6))
+    strategy.state.warm.add(tree.add(tokens=64, device=False, importance=0.6))
     assert plan(cache, strategy, budget=1024, waiting_queue=[]) == []
     hot = tree.add(tokens=64, device=False, importance=0.6)
     hot.last_access_time = 100.0  # touched just now: recency 1 on top
-    strategy.policy.warm.add(hot)
+    strategy.state.warm.add(hot)
     assert [c.node for c in plan(cache, strategy, budget=1024, waiting_queue=[])] == [hot]
 
 
@@ -232,8 +232,8 @@ def test_warming_is_off_by_default():
     tree = FakeTreeCore()
     strategy = ImportanceStrategy()
     strategy.clock = lambda: 100.0
-    strategy.policy.aggregator.scale = 1.0
-    strategy.policy.warm.add(tree.add(tokens=64, device=False, importance=0.9))
+    strategy.state.aggregator.scale = 1.0
+    strategy.state.warm.add(tree.add(tokens=64, device=False, importance=0.9))
     cache = FakeCache(tree, free_tokens=1024)
     assert plan(cache, strategy, budget=1024, waiting_queue=[]) == []
 
@@ -242,8 +242,8 @@ def test_two_loads_in_one_batch_do_not_count_the_same_victims():
     tree, strategy, cache = make(free_tokens=0, recency_weight=0.0, reuse_weight=0.0)
     first = tree.add(tokens=64, device=False, importance=0.9)
     second = tree.add(tokens=64, device=False, importance=0.8)
-    strategy.policy.warm.add(first)
-    strategy.policy.warm.add(second)
+    strategy.state.warm.add(first)
+    strategy.state.warm.add(second)
     tree.add(tokens=64, importance=0.1)  # room for one of them
     tree.add(tokens=64, importance=0.95)  # more important than both: never a victim
     assert [c.node for c in plan(cache, strategy, budget=1024, waiting_queue=[])] == [first]

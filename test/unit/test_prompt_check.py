@@ -1,4 +1,4 @@
-"""Prompts the model cannot read are refused with the caller's field named (prompt_check.py)."""
+"""Prompts the model cannot read are refused with the caller's field named (request_check/prompt.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import types
 
 import pytest
 
-from sgl_importance.prompt_check import InvalidPromptError, check_prompt, naming_prompt_field
-from sgl_importance.serving import check_openai_request, openai_prompt_field
+from sgl_importance.request_check.fields import naming_prompt_field
+from sgl_importance.request_check.openai import check_openai_request, openai_prompt_field
+from sgl_importance.request_check.prompt import InvalidPromptError, check_prompt
 
 VOCAB = 100
 
@@ -90,33 +91,34 @@ def test_an_openai_handler_refuses_a_bad_prompt_naming_its_own_field():
     assert "'prompt'" in asyncio.run(check_openai_request(original, handler, completion, None))
 
 
-def _tokenizer_manager(**config):
+def _config_and_manager(**config):
     from sgl_importance.config import ImportanceConfig
 
-    return types.SimpleNamespace(server_args=types.SimpleNamespace(_importance=ImportanceConfig(**config)))
+    # The config comes from the HTTP process's runtime, the manager rides along.
+    return ImportanceConfig(**config), types.SimpleNamespace()
 
 
 def test_bad_per_request_hot_set_parameters_are_a_400_naming_the_key():
-    from sgl_importance.prompt_check import InvalidRequestError, check_hot_set_request
+    from sgl_importance.request_check.prompt import InvalidRequestError, check_hot_set_request
 
-    manager = _tokenizer_manager(hot_set_policy="importance")
+    manager = _config_and_manager(hot_set_policy="importance")
     obj = types.SimpleNamespace(sampling_params={"custom_params": {"hot_set": {"budget": 0}}})
     with pytest.raises(InvalidRequestError, match=r"custom_params\.hot_set\.budget 0 is invalid") as err:
-        check_hot_set_request(manager, obj)
+        check_hot_set_request(*manager, obj)
     assert err.value.status_code == 400
 
 
 def test_good_or_absent_per_request_hot_set_parameters_pass():
-    from sgl_importance.prompt_check import check_hot_set_request
+    from sgl_importance.request_check.prompt import check_hot_set_request
 
-    manager = _tokenizer_manager(hot_set_policy="importance")
+    manager = _config_and_manager(hot_set_policy="importance")
     for sampling in (None, {}, {"custom_params": None}, {"custom_params": {"hot_set": {"policy": "dense"}}}):
-        check_hot_set_request(manager, types.SimpleNamespace(sampling_params=sampling))
+        check_hot_set_request(*manager, types.SimpleNamespace(sampling_params=sampling))
 
 
 def test_per_request_hot_set_parameters_on_a_server_without_the_hot_set_are_refused():
-    from sgl_importance.prompt_check import InvalidRequestError, check_hot_set_request
+    from sgl_importance.request_check.prompt import InvalidRequestError, check_hot_set_request
 
     obj = types.SimpleNamespace(sampling_params={"custom_params": {"hot_set": {"policy": "dense"}}})
     with pytest.raises(InvalidRequestError, match="--hot-set-policy"):
-        check_hot_set_request(_tokenizer_manager(), obj)
+        check_hot_set_request(*_config_and_manager(), obj)

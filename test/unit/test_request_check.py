@@ -7,8 +7,7 @@ import types
 
 import pytest
 
-from sgl_importance.prompt_check import naming_prompt_field
-from sgl_importance.request_check.fields import InvalidFieldError, RequestLimits, caller_field
+from sgl_importance.request_check.fields import InvalidFieldError, RequestLimits, caller_field, naming_prompt_field
 from sgl_importance.request_check.generate import check_generate_request
 from sgl_importance.request_check.hook import checked_generate
 from sgl_importance.request_check.sampling import MAX_TOP_K
@@ -270,7 +269,7 @@ def test_the_check_runs_on_the_first_step_of_generate_request_and_then_serves_as
     manager = types.SimpleNamespace()
 
     async def collect(obj):
-        return [out async for out in checked_generate(original, manager, obj, None, limits_for=lambda _: LIMITS)]
+        return [out async for out in checked_generate(None, original, manager, obj, None, limits_for=lambda *_: LIMITS)]
 
     assert asyncio.run(collect(request())) == ["first", "second"]
     with pytest.raises(InvalidFieldError):
@@ -283,7 +282,7 @@ def test_an_embedding_request_is_not_checked():
         yield "embedding"
 
     async def collect(obj):
-        return [out async for out in checked_generate(original, None, obj, limits_for=lambda _: LIMITS)]
+        return [out async for out in checked_generate(None, original, None, obj, limits_for=lambda *_: LIMITS)]
 
     assert asyncio.run(collect(types.SimpleNamespace(text="x", sampling_params=None))) == ["embedding"]
 
@@ -351,7 +350,7 @@ def test_the_reserved_template_kwargs_are_the_tokenizers_apply_chat_template_par
 
 
 def test_an_openai_chat_request_with_a_reserved_template_kwarg_gets_a_400_naming_it():
-    from sgl_importance.serving import check_openai_request
+    from sgl_importance.request_check.openai import check_openai_request
 
     errors = []
 
@@ -385,7 +384,7 @@ def test_an_openai_chat_request_with_a_reserved_template_kwarg_gets_a_400_naming
 def test_a_chat_response_format_sglangs_model_would_500_on_is_a_400_naming_it(response_format, field):
     from fastapi import HTTPException
 
-    from sgl_importance.serving import checked_json
+    from sgl_importance.request_check.openai import checked_json
 
     async def original(request):
         return {"messages": [], "response_format": response_format}
@@ -397,7 +396,7 @@ def test_a_chat_response_format_sglangs_model_would_500_on_is_a_400_naming_it(re
 
 
 def test_a_well_formed_chat_body_and_other_paths_pass_through():
-    from sgl_importance.serving import checked_json
+    from sgl_importance.request_check.openai import checked_json
 
     good = {"messages": [], "response_format": {"type": "json_schema", "schema": {"properties": {"a": {}}}}}
 
@@ -412,7 +411,7 @@ def test_a_well_formed_chat_body_and_other_paths_pass_through():
 def test_the_shapes_refused_are_the_ones_sglangs_chat_model_raises_on():
     from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
 
-    from sgl_importance.serving import chat_body_problem
+    from sgl_importance.request_check.openai import chat_body_problem
 
     body = {"messages": [{"role": "user", "content": "x"}], "response_format": ["x"]}
     assert chat_body_problem(body) is not None
@@ -427,7 +426,7 @@ def test_a_refused_request_leaves_sglangs_abort_task_nothing_to_abort():
         yield "never"
 
     async def first():
-        async for out in checked_generate(original, None, obj, limits_for=lambda _: LIMITS):
+        async for out in checked_generate(None, original, None, obj, limits_for=lambda *_: LIMITS):
             return out
 
     with pytest.raises(InvalidFieldError):

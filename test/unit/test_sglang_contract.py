@@ -69,7 +69,7 @@ ATTRIBUTES = [
     Name(COMPONENT_DATA, "lock_ref", "cache/prefetch.py"),
     Name(COMPONENT_DATA, "host_value", "fake tree (backuped)"),
     # Tree core.
-    Name(CORE, "eviction_strategy", "cache/policy_state.py, cache/components.py"),
+    Name(CORE, "eviction_strategy", "cache/state_of.py, cache/components.py"),
     Name(CORE, "page_size", "cache/components.py"),
     Name(CORE, "evictable_device_leaves", "cache/prefetch.py"),
     Name(CORE, "root_node", "fake tree"),
@@ -77,7 +77,7 @@ ATTRIBUTES = [
     Name(CORE, "collect_path_info", "trace/recorder.py"),
     Name(f"{MEM}.base_prefix_cache.InsertResult", "inserted_host_node", "cache/stored.py"),
     # Radix cache.
-    Name(CACHE, "tree_core", "cache/policy_state.py"),
+    Name(CACHE, "tree_core", "cache/state_of.py"),
     Name(CACHE, "page_size", "cache/prefetch.py, cache/stored.py"),
     Name(CACHE, "tp_world_size", "scheduler/fold.py, cache/prefetch.py"),
     Name(CACHE, "tp_group", "scheduler/fold.py"),
@@ -130,14 +130,19 @@ ATTRIBUTES = [
     Name("sglang.srt.managers.schedule_batch.ScheduleBatch", "req_to_token_pool", "trace/recorder.py"),
     *(Name(PATH_INFO, n, "trace/recorder.py") for n in ("node_id", "path_start", "path_end")),
     # The tokenizer manager's side: OpenAI model names, prompt checks, slot frees.
-    Name("sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase", "tokenizer_manager", "serving.py"),
-    *(Name(TOKENIZER_MANAGER, n, "serving.py") for n in ("served_model_name", "server_args", "lora_registry")),
-    Name(SERVER_ARGS, "model_path", "serving.py"),
-    Name("sglang.srt.lora.lora_registry.LoRARegistry", "get_all_adapters", "serving.py"),
-    Name(TOKENIZER_MANAGER, "model_config", "prompt_check.py"),
-    *(Name(TOKENIZER_MANAGER, n, "request_check.py") for n in ("context_len", "sampling_params_class")),
+    Name(
+        "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase", "tokenizer_manager", "request_check/openai.py"
+    ),
     *(
-        Name("sglang.srt.managers.io_struct.GenerateReqInput", n, "request_check.py")
+        Name(TOKENIZER_MANAGER, n, "request_check/openai.py")
+        for n in ("served_model_name", "server_args", "lora_registry")
+    ),
+    Name(SERVER_ARGS, "model_path", "request_check/openai.py"),
+    Name("sglang.srt.lora.lora_registry.LoRARegistry", "get_all_adapters", "request_check/openai.py"),
+    Name(TOKENIZER_MANAGER, "model_config", "request_check/prompt.py"),
+    *(Name(TOKENIZER_MANAGER, n, "request_check/") for n in ("context_len", "sampling_params_class")),
+    *(
+        Name("sglang.srt.managers.io_struct.GenerateReqInput", n, "request_check/")
         for n in (
             "text",
             "input_embeds",
@@ -149,9 +154,9 @@ ATTRIBUTES = [
             "custom_labels",
         )
     ),
-    Name(SERVER_ARGS, "tokenizer_metrics_allowed_custom_labels", "request_check.py"),
+    Name(SERVER_ARGS, "tokenizer_metrics_allowed_custom_labels", "request_check/"),
     *(
-        Name(f"sglang.srt.managers.io_struct.{c}", "input_ids", "prompt_check.py")
+        Name(f"sglang.srt.managers.io_struct.{c}", "input_ids", "request_check/prompt.py")
         for c in ("GenerateReqInput", "EmbeddingReqInput")
     ),
     Name(f"{MEM}.allocator.token.TokenToKVPoolAllocator", "free_group", "importance/allocator_reset.py"),
@@ -177,8 +182,8 @@ ATTRIBUTES = [
     ),
     Name("sglang.srt.model_executor.model_runner.ModelRunner", "sliding_window_size", "attention/triton_backend.py"),
     Name(SERVER_ARGS, "dtype", "platform/torch_cpu.py"),
-    # Per-request hot-set parameters (prompt_check.py, scheduler/hot_set_requests.py).
-    Name("sglang.srt.managers.io_struct.GenerateReqInput", "sampling_params", "prompt_check.py"),
+    # Per-request hot-set parameters (request_check/prompt.py, scheduler/hot_set_requests.py).
+    Name("sglang.srt.managers.io_struct.GenerateReqInput", "sampling_params", "request_check/prompt.py"),
     *(
         Name("sglang.srt.managers.io_struct.TokenizedGenerateReqInput", n, "scheduler/hot_set_requests.py")
         for n in ("rid", "sampling_params")
@@ -281,6 +286,7 @@ HOOK_TARGETS = [
     "sglang.srt.server_args.ServerArgs.add_cli_args",
     "sglang.srt.server_args.ServerArgs.from_cli_args",
     "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request",
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__",
     "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
     "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
     "sglang.srt.entrypoints.http_server.ORJSONRequest.json",
@@ -379,13 +385,10 @@ def test_every_hook_target_resolves(target):
 
 
 def test_every_hook_target_in_plugin_py_is_checked_here():
-    # The targets of plugin.py's table (backend and policy rows register names, not targets;
-    # the page table's own methods are ours).
+    # The targets of plugin.py's table (backend and policy rows register names, not targets).
     from sgl_importance import plugin
 
-    literal = {plugin.hook_target(h) for h in plugin.HOOKS if h.kind not in ("backend", "policy")} - {
-        t for t in map(plugin.hook_target, plugin.HOOKS) if t.startswith("sgl_importance.")
-    }
+    literal = {plugin.hook_target(h) for h in plugin.HOOKS if h.kind not in ("backend", "policy")}
     missing = sorted(literal - set(HOOK_TARGETS))
     assert not missing, f"plugin.py registers hooks this contract does not check: {missing}"
 
@@ -399,7 +402,7 @@ def test_every_private_name_is_listed_in_plugin_py():
 
 # Private names of the standard library the plugin uses (not SGLang's).
 STDLIB_PRIVATE = {"_exit"}  # os._exit in the trace writer process
-STDLIB_PRIVATE |= {"_parser", "_constants"}  # re's parser, to bound stop regexes (request_check.py)
+STDLIB_PRIVATE |= {"_parser", "_constants"}  # re's parser, to bound stop regexes (request_check/stop.py)
 
 
 def test_every_private_name_the_plugin_reads_is_in_this_contract():
@@ -422,13 +425,13 @@ def test_every_private_name_the_plugin_reads_is_in_this_contract():
 
 
 def test_the_plugins_node_attribute_is_not_one_of_sglangs():
-    from sgl_importance.importance.node_state import NODE_STATE
+    from sgl_importance.node_state import NODE_STATE
 
     assert not hasattr(_real_node(), NODE_STATE), f"SGLang's tree node now has {NODE_STATE!r}"
 
 
 def test_sglangs_real_node_accepts_the_plugins_state():
-    from sgl_importance.importance.node_state import node_importance, node_state, peek_state
+    from sgl_importance.node_state import node_importance, node_state, peek_state
 
     node = _real_node()
     assert peek_state(node) is None and node_importance(node) == 0.0

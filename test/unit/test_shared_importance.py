@@ -14,7 +14,7 @@ import pytest
 
 from sgl_importance.cache.admission import DEFERRED, admit_deferred
 from sgl_importance.cache.stored import StoredImportance
-from sgl_importance.importance.node_state import node_state, peek_state
+from sgl_importance.node_state import node_state, peek_state
 from sgl_importance.storage import shared_importance as si
 from sgl_importance.storage.mooncake import check_master
 from support.fake_tree import AdmissionCache

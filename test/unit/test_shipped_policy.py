@@ -31,7 +31,7 @@ import torch
 
 from sgl_importance.cache.strategy import ImportanceStrategy
 from sgl_importance.importance.aggregator import Observation
-from sgl_importance.importance.page_table import PageImportanceTable
+from sgl_importance.importance.page_importance import PageImportanceTable
 from sgl_importance.sim.policies import make_policy
 from sgl_importance.sim.prefix import prepare_prefix, replay_prefix
 from sgl_importance.sim.shipped import ANCESTOR_STEP, Shipped
@@ -178,7 +178,7 @@ class LiveTree:
             slots,
         )
         self.table.finish_step()
-        self.strategy.policy.aggregator.fold(self.table, observations)
+        self.strategy.state.aggregator.fold(self.table, observations)
 
 
 def live_eviction_order(requests: list, config: dict) -> list[int]:

@@ -8,7 +8,7 @@ from sgl_importance.cache.admission import (
     admit_deferred,
     split_state,
 )
-from sgl_importance.importance.node_state import node_state, peek_state
+from sgl_importance.node_state import node_state, peek_state
 from support.fake_tree import FULL, AdmissionCache, detached_node
 
 

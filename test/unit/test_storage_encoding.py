@@ -534,10 +534,10 @@ def fake_node(hashes: list[str], slots: torch.Tensor, parent=None, start_tokens:
 
 
 def test_pages_are_graded_by_their_accumulated_attention_when_their_node_is_written(monkeypatch):
-    from sgl_importance.importance import page_table
+    from sgl_importance.importance import page_importance
 
-    tables = page_table.PageTables()
-    table = tables.current = page_table.PageImportanceTable(16, page_size=PAGE)
+    tables = page_importance.PageImportanceHolder()
+    table = tables.current = page_importance.PageImportanceTable(16, page_size=PAGE)
     table.accumulated[:] = torch.tensor([0.0, 0, 0, 0, 0.9, 0.1, 0.8, 0.0, 0.05, 0.3, 0, 0, 0, 0, 0, 0])
     classes = PageClasses(keep=0.2, cold=0.4, sink_pages=1)
     # Device pages 4..9 hold the node's six pages; it starts at token 32 (page 8: no sink).
@@ -551,9 +551,9 @@ def test_pages_are_graded_by_their_accumulated_attention_when_their_node_is_writ
 
 
 def test_the_first_page_of_a_sequence_is_a_sink_and_kept(monkeypatch):
-    from sgl_importance.importance import page_table
+    from sgl_importance.importance import page_importance
 
-    tables = page_table.PageTables()  # no table: a node's pages score its importance
+    tables = page_importance.PageImportanceHolder()  # no table: a node's pages score its importance
     classes = PageClasses(keep=0.0, cold=1.0, sink_pages=1)
     slots = torch.arange(3 * PAGE)
     node = fake_node(["a", "b", "c"], slots)
@@ -563,6 +563,6 @@ def test_the_first_page_of_a_sequence_is_a_sink_and_kept(monkeypatch):
 
 
 def test_grading_is_a_no_op_unless_the_setting_is_graded():
-    from sgl_importance.importance.page_table import PageTables
+    from sgl_importance.importance.page_importance import PageImportanceHolder
 
-    assert stored.grade_before_storage_write(None, PageTables(), SimpleNamespace(), 1) == 0
+    assert stored.grade_before_storage_write(None, PageImportanceHolder(), SimpleNamespace(), 1) == 0

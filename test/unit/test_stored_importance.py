@@ -6,7 +6,7 @@ import pytest
 
 from sgl_importance.cache.stored import StoredImportance
 from sgl_importance.cache.strategy import ImportanceStrategy
-from sgl_importance.importance.node_state import has_importance, node_importance
+from sgl_importance.node_state import has_importance, node_importance
 from support.fake_tree import FakeCache, FakeNode, FakeTreeCore, detached_node, request, scheduler_of
 
 
@@ -53,7 +53,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-from sgl_importance.importance.node_state import node_state, peek_state
+from sgl_importance.node_state import node_state, peek_state
 
 P = 4
 alloc = PagedTokenToKVPoolAllocator(256, page_size=P, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
@@ -61,7 +61,7 @@ params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool
     page_size=P, eviction_policy="importance", eviction_policy_config=None, tree_components=(ComponentType.FULL,))
 cache = UnifiedRadixCache(params)
 core = cache.tree_core
-stored = core.eviction_strategy.policy.stored
+stored = core.eviction_strategy.state.stored
 dropped = type("Dropped", (), {"hash_value": ["h0", "h1"], "hit_count": 0})()
 node_state(dropped).importance = 0.8
 stored.remember(dropped)
@@ -90,7 +90,7 @@ def test_storage_retries_are_reissued_most_important_first(monkeypatch):
     # The hot document's pages were dropped while important, hashed as SGLang keys them.
     stored.remember(node(get_storage_hash_str(RadixKey(hot_doc), None, page_size=page), 0.8))
     strategy = ImportanceStrategy()
-    strategy.policy.stored = stored
+    strategy.state.stored = stored
     cache = FakeCache(FakeTreeCore(strategy, page_size=page))
     scheduler = scheduler_of(cache)
 
@@ -101,7 +101,7 @@ def test_storage_retries_are_reissued_most_important_first(monkeypatch):
     ranked = rank_storage_retries(scheduler, lambda retries, queue, *a: list(ready), None, [])
     assert [r.rid for r, _ in ranked] == ["hot", "cold"]
     # Nothing remembered: SGLang's order stands.
-    monkeypatch.setattr(strategy.policy, "stored", StoredImportance())
+    monkeypatch.setattr(strategy.state, "stored", StoredImportance())
     assert [r.rid for r, _ in rank_storage_retries(scheduler, lambda *a: list(ready), None, [])] == ["cold", "hot"]
 
 
@@ -124,7 +124,7 @@ def test_a_retry_whose_matched_node_was_deleted_is_ranked_without_reading_the_tr
         raise KeyError(node_id)
 
     strategy = ImportanceStrategy()
-    strategy.policy.stored = stored
+    strategy.state.stored = stored
     cache = FakeCache(FakeTreeCore(strategy, page_size=page))
     # Every way into the tree raises, as for a deleted node.
     cache.tree_core.node_by_id = cache.get_last_hash_value = cache.is_root = deleted

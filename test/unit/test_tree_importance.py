@@ -18,9 +18,10 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-from sgl_importance.importance.node_state import node_importance, peek_state
-from sgl_importance.importance.page_table import PageImportanceTable
-from sgl_importance.scheduler.fold import aggregator_of, observe
+from sgl_importance.node_state import node_importance, peek_state
+from sgl_importance.importance.page_importance import PageImportanceTable
+from sgl_importance.cache.state_of import state_of
+from sgl_importance.scheduler.fold import observe
 
 def importance_or_none(node):
     state = peek_state(node)
@@ -55,7 +56,7 @@ def scenario(config):
     for _ in range(10):
         table.add_layer(torch.tensor([[0.1, 0.3, 0.3, 0.3]]), torch.tensor([0, 16], dtype=torch.int32), doc_slots)
         table.finish_step()
-        aggregator_of(cache).fold(table, list(observe(core, [types.SimpleNamespace(last_node=doc)], P)))
+        state_of(cache).aggregator.fold(table, list(observe(core, [types.SimpleNamespace(last_node=doc)], P)))
     before = alloc.available_size()
     cache.evict(EvictParams(num_tokens=16))
     gone = [n for n in [doc, *one_offs] if n not in core._node_arena]

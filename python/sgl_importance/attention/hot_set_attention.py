@@ -9,7 +9,7 @@ here:
   summaries from what the pool stored (``kv_written``);
 - a decode step begins with the batch's requests and their slots, with their
   ``req_to_token`` rows where pages may be released (``begin_step``), attends layer by
-  layer (``attend``, which files the attended pages' exact masses in the page table)
+  layer (``attend``, which files the attended pages' exact masses in the page importance table)
   and ends after the last layer (``end_step``: the step's counts, into the
   ``sgl_importance:hot_set_*`` series with ``--enable-metrics``);
 - promotions run on a ``PromotionStream`` on the pool's device (a side stream on
@@ -29,27 +29,25 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from sgl_importance.config import config_of
 from sgl_importance.hot_set.guard_budget import KVShape, describe, guard_budget
-from sgl_importance.hot_set.params import hot_set_params
-from sgl_importance.importance.page_table import PageImportanceTable
+from sgl_importance.importance.page_importance import PageImportanceTable
 from sgl_importance.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
 
 class HotSetAttention:
-    """A backend's hot set: the decoder, the page table it files into, its metrics.
+    """A backend's hot set: the decoder, the page importance table it files into, its metrics.
 
     Args:
         decoder: ``hot_set.HotSetDecoder`` for this model runner's pool.
-        page_table: the process's page table.
+        page_importance: the process's page importance table.
         metrics: ``metrics.HotSetMetrics`` or None (``--enable-metrics`` off).
     """
 
-    def __init__(self, decoder: Any, page_table: PageImportanceTable, metrics: Any = None) -> None:
+    def __init__(self, decoder: Any, page_importance: PageImportanceTable, metrics: Any = None) -> None:
         self.decoder = decoder
-        self.page_table = page_table
+        self.page_importance = page_importance
         self.metrics = metrics
         # A decode step begun and not yet ended (end_step runs after its last layer).
         self.in_step = False
@@ -59,8 +57,8 @@ class HotSetAttention:
         return self.decoder.summaries
 
     @property
-    def released(self) -> Any:
-        return self.decoder.released
+    def releases(self) -> Any:
+        return self.decoder.releases
 
     def kv_written(self, layer_id: int, slots: torch.Tensor, key_buffer: torch.Tensor) -> None:
         """Refresh the summaries of the pages holding ``slots`` after a KV write.
@@ -99,7 +97,7 @@ class HotSetAttention:
         if rids is None:
             rids = [f"row-{r}" for r in rows_idx]
         rows = None
-        if self.released.enabled:
+        if self.releases.enabled:
             # Views of the requests' rows: releases and promotions rewrite them, and
             # SGLang reads them for the next step's slots.
             rows = [req_to_token[r] for r in rows_idx]
@@ -135,8 +133,8 @@ class HotSetAttention:
         out.copy_(result.output)
         # Exact masses of the attended pages only: a page outside the hot set was not
         # read this step (its estimate ranks it for promotion, never as importance).
-        device = self.page_table.device
-        self.page_table.add_layer(
+        device = self.page_importance.device
+        self.page_importance.add_layer(
             result.importance.to(device, torch.float32), result.kv_indptr.to(device), result.kv_indices.to(device)
         )
         return out
@@ -163,22 +161,23 @@ def build_hot_set(
     runtime: Runtime,
     model_runner: Any,
     last_layer_id: int,
-    page_table: PageImportanceTable,
+    page_importance: PageImportanceTable,
     *,
     exact: Any = None,
 ) -> Optional[HotSetAttention]:
     """The backend's hot set when ``--hot-set-policy`` is on, else None.
 
     Args:
-        runtime: the scheduler process's state: its release record and the
-            requests' own hot-set parameters.
+        runtime: the scheduler process's state: the config and the hot set's
+            parameters, the guard's budget, the release registry and the requests'
+            own hot-set parameters.
         model_runner: SGLang's model runner (its server args, KV pool, page size).
         last_layer_id: the last attention layer; the summaries cover layers up to it.
-        page_table: where attended pages' masses are filed.
+        page_importance: where attended pages' masses are filed.
         exact: the decoder's exact page reader (default: ``decode_importance_paged``).
     """
-    config = config_of(model_runner.server_args)
-    params = hot_set_params(config)
+    config = runtime.config
+    params = runtime.hot_set_params
     if params is None:
         return None
     from sgl_importance.hot_set import GuardPool, HotSetDecoder, PageSummaries
@@ -224,18 +223,18 @@ def build_hot_set(
         threshold=config.hot_set_threshold,
         exact=exact,
         promotions=PromotionStream(keys.device),
-        released=runtime.released,
+        releases=runtime.releases,
         request_params=runtime.request_params,
         guard=guard,
     )
-    metrics = _build_metrics(model_runner)
+    metrics = _build_metrics(runtime)
     if metrics is not None:
         metrics.guard_pool(guard.capacity, guard.nbytes)
-    return HotSetAttention(decoder, page_table, metrics)
+    return HotSetAttention(decoder, page_importance, metrics)
 
 
-def _build_metrics(model_runner: Any) -> Any:
-    if not model_runner.server_args.enable_metrics:
+def _build_metrics(runtime: Runtime) -> Any:
+    if not runtime.enable_metrics:
         return None
     from sglang.srt.runtime_context import get_parallel
 
@@ -269,7 +268,7 @@ def reserve_guard(
     the memory it measures already excludes the guard's pool, so it passes through.
     """
     config = original(configurator, budget_bytes, *args, cap_tokens=cap_tokens, **kwargs)
-    if cap_tokens is not None or hot_set_params(runtime.config) is None:
+    if cap_tokens is not None or runtime.hot_set_params is None:
         return config
     shape, cap, hierarchical = kv_sizing(configurator)
     kv_tokens_alone = config.max_total_num_tokens

@@ -28,7 +28,8 @@ With ``--hot-set-policy`` (not ``off``), decode of requests longer than
 every KV write (prefill and decode) and hands the decoder each step's requests,
 with their ``req_to_token`` rows when pages may be released to the host pool
 (``scheduler/hot_set_release.py``). That part is ``hot_set_attention.HotSetAttention``,
-which ``importance_triton`` runs too.
+which ``importance_triton`` runs too; the step's plumbing around the parent (the
+table, the hot set's summaries, step and layers) is ``decode_step.ImportanceDecodeSteps``.
 
 Greedy tokens equal torch_native's on the embedded model (``test_attention_torch``);
 logprobs differ by bf16 rounding. Unlike torch_native, decode honours a layer's logit
@@ -45,8 +46,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sgl_importance.attention.common import last_attention_layer_id, page_table_for
-from sgl_importance.attention.hot_set_attention import build_hot_set
+from sgl_importance.attention.decode_step import ImportanceDecodeSteps
 from sgl_importance.env import DECODE_ENV
 from sgl_importance.runtime import Runtime
 from sgl_kernel_ext import (
@@ -66,15 +66,13 @@ if TYPE_CHECKING:
 DECODE_IMPLS = ("paged", "torch", "reference")
 
 
-class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
+class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
     """``torch_native`` plus page importance on decode."""
 
     def __init__(self, runtime: Runtime, model_runner: Any) -> None:
-        # runtime: the scheduler process's state (page tables, hot-set records).
+        # runtime: the scheduler process's state (config, page importance, hot-set records).
         super().__init__(model_runner)
         self.page_size = model_runner.page_size
-        self.page_table = page_table_for(runtime.page_tables, model_runner)
-        self.last_layer_id = last_attention_layer_id(model_runner)
         self.kv_indptr: Optional[torch.Tensor] = None
         self.kv_indices: Optional[torch.Tensor] = None
         self.decode_impl = decode_impl_from_env()
@@ -85,7 +83,7 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
         self.page_ids: Optional[torch.Tensor] = None
         self.page_tokens: Optional[torch.Tensor] = None
         self.paged_workspace = PagedDecodeWorkspace()
-        self.hot_set = build_hot_set(runtime, model_runner, self.last_layer_id, self.page_table)
+        self._init_decode_steps(runtime, model_runner)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         super().init_forward_metadata(forward_batch)
@@ -105,45 +103,17 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
                 self.decode_plan = plan
                 self.page_indptr, self.page_ids, self.page_tokens = plan.page_indptr, plan.page_ids, plan.page_tokens
             if self.hot_set is not None:
-                self.hot_set.begin_step(
-                    forward_batch.rids,
-                    forward_batch.req_pool_indices,
-                    self.kv_indptr,
-                    self.kv_indices,
-                    self.req_to_token_pool.req_to_token,
+                self._begin_hot_set_step(
+                    forward_batch, self.kv_indptr, self.kv_indices, self.req_to_token_pool.req_to_token
                 )
 
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-        **kwargs: Any,
+    def _extend(
+        self, q: Any, k: Any, v: Any, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool, **kwargs
     ) -> torch.Tensor:
-        if _plain_causal(layer) and forward_batch.encoder_lens is None and not kwargs:
-            o = self._extend_causal(q, k, v, layer, forward_batch, save_kv_cache)
-        else:
-            o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        if self.hot_set is not None and save_kv_cache and k is not None and not layer.is_cross_attention:
-            self._summarise(layer, forward_batch.out_cache_loc)
-        return o
-
-    def _extend_causal(
-        self,
-        q: torch.Tensor,
-        k: Optional[torch.Tensor],
-        v: Optional[torch.Tensor],
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool,
-    ) -> torch.Tensor:
+        if not (_plain_causal(layer) and forward_batch.encoder_lens is None and not kwargs):
+            return super()._extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         if save_kv_cache and k is not None and v is not None:
-            self.token_to_kv_pool.set_kv_buffer(
-                layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
-            )
+            self._store_kv(layer, forward_batch, k, v)
         o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
         extend_causal_attention(
             q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
@@ -158,8 +128,10 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
         )
         return o
 
-    def _summarise(self, layer: RadixAttention, slots: torch.Tensor) -> None:
-        self.hot_set.kv_written(layer.layer_id, slots, self.token_to_kv_pool.get_key_buffer(layer.layer_id))
+    def _store_kv(self, layer: RadixAttention, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.token_to_kv_pool.set_kv_buffer(
+            layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
+        )
 
     def _decode_kv_indices(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # The same slots torch_native reads per request (req_to_token[r, :seq_len]),
@@ -174,7 +146,7 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
         live = torch.arange(width, device=rows.device)[None, :] < seq_lens[:, None].to(rows.device)
         return indptr, rows[live].to(torch.int64)
 
-    def _records(self, layer: RadixAttention) -> bool:
+    def _records(self, q: torch.Tensor, layer: RadixAttention, kwargs: dict) -> bool:
         # Sliding-window and cross-attention layers read other token ranges than
         # the request's pages; they keep torch_native's decode and record nothing.
         return (
@@ -183,47 +155,13 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
             and (layer.sliding_window_size is None or layer.sliding_window_size < 0)
         )
 
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-        sinks: Optional[torch.Tensor] = None,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        if not self._records(layer):
-            if sinks is not None:
-                kwargs["sinks"] = sinks
-            o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        else:
-            o = self._decode_with_importance(q, k, v, layer, forward_batch, save_kv_cache, sinks)
-        if layer.layer_id == self.last_layer_id:
-            self.page_table.finish_step()
-            if self.hot_set is not None:
-                self.hot_set.end_step()
-        return o
+    def _logit_cap(self, layer: RadixAttention) -> float:
+        # SGLang leaves the cap None or 0 on layers without one; the kernels take 0.0 as off.
+        return layer.logit_cap if layer.logit_cap and layer.logit_cap > 0 else 0.0
 
-    def _decode_with_importance(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool,
-        sinks: Optional[torch.Tensor],
-    ) -> torch.Tensor:
-        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
-        if save_kv_cache and k is not None and v is not None:
-            self.token_to_kv_pool.set_kv_buffer(
-                layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
-            )
-        if self.hot_set is not None:
-            return self._decode_hot_set(q, o, layer, forward_batch, save_kv_cache, sinks)
+    def _decode_dense(
+        self, q: torch.Tensor, out: torch.Tensor, layer: RadixAttention, sinks: Optional[torch.Tensor]
+    ) -> None:
         k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         if self.decode_plan is not None:
@@ -233,7 +171,7 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
                 as_pages(v_buffer, self.page_size),
                 self.decode_plan,
                 sm_scale=layer.scaling,
-                logit_cap=_logit_cap(layer),
+                logit_cap=self._logit_cap(layer),
                 sinks=sinks,
                 workspace=self.paged_workspace,
                 native=False if self.decode_impl == "torch" else None,
@@ -247,34 +185,11 @@ class ImportanceTorchAttnBackend(TorchNativeAttnBackend):
                 self.kv_indices,
                 page_size=self.page_size,
                 sm_scale=layer.scaling,
-                logit_cap=_logit_cap(layer),
+                logit_cap=self._logit_cap(layer),
                 sinks=sinks,
             )
-        o.view(-1, layer.tp_q_head_num, layer.v_head_dim).copy_(result.output)
-        self.page_table.add_layer(result.importance, self.kv_indptr, self.kv_indices)
-        return o
-
-    def _decode_hot_set(
-        self,
-        q: torch.Tensor,
-        o: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool,
-        sinks: Optional[torch.Tensor],
-    ) -> torch.Tensor:
-        if save_kv_cache:
-            self._summarise(layer, forward_batch.out_cache_loc)
-        self.hot_set.attend(
-            layer,
-            q,
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
-            logit_cap=_logit_cap(layer),
-            sinks=sinks,
-        )
-        return o
+        out.copy_(result.output)
+        self.page_importance.add_layer(result.importance, self.kv_indptr, self.kv_indices)
 
 
 def _plain_causal(layer: Any) -> bool:
@@ -345,8 +260,3 @@ def as_pages(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
     """A ``[slots, heads, D]`` pool buffer viewed as ``[pages, page_size, heads, D]`` (no copy)."""
     whole = buffer.shape[0] // page_size * page_size
     return buffer[:whole].view(-1, page_size, *buffer.shape[1:])
-
-
-def _logit_cap(layer: Any) -> float:
-    # SGLang leaves the cap None or 0 on layers without one; the kernels take 0.0 as off.
-    return layer.logit_cap if layer.logit_cap and layer.logit_cap > 0 else 0.0

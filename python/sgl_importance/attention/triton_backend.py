@@ -42,8 +42,7 @@ import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend, logit_capping_mod
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sgl_importance.attention.common import last_attention_layer_id, page_table_for
-from sgl_importance.attention.hot_set_attention import build_hot_set
+from sgl_importance.attention.decode_step import ImportanceDecodeSteps
 from sgl_importance.runtime import Runtime
 from sgl_kernel_ext.decode_importance import DecodeImportanceWrapper
 from sgl_kernel_ext.page_list import TritonPageListDecode
@@ -57,14 +56,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class ImportanceTritonAttnBackend(TritonAttnBackend):
+class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
     """``triton`` plus page importance on decode."""
 
     def __init__(self, runtime: Runtime, model_runner: Any, **kwargs: Any) -> None:
-        # runtime: the scheduler process's state (page tables, hot-set records).
+        # runtime: the scheduler process's state (config, page importance, hot-set records).
         super().__init__(model_runner, **kwargs)
-        self.page_table = page_table_for(runtime.page_tables, model_runner)
-        self.last_layer_id = last_attention_layer_id(model_runner)
         self.max_pages = _cdiv(self.max_context_len, self.page_size)
         self.max_decode_bs = model_runner.req_to_token_pool.size
         self.head_dim = model_runner.model_config.head_dim
@@ -74,13 +71,7 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
         self.eager_wrapper: Optional[DecodeImportanceWrapper] = None
         # The wrapper the next forward_decode uses, chosen by the metadata init.
         self.decode_wrapper: Optional[DecodeImportanceWrapper] = None
-        self.hot_set = build_hot_set(
-            runtime,
-            model_runner,
-            self.last_layer_id,
-            self.page_table,
-            exact=TritonPageListDecode(max_splits=self.max_kv_splits),
-        )
+        self._init_decode_steps(runtime, model_runner, exact=TritonPageListDecode(max_splits=self.max_kv_splits))
         if self.hot_set is not None:
             check_hot_set_serves(
                 self._serves_with_importance(),
@@ -129,13 +120,7 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
             self.hot_set.fence()
             if forward_batch.forward_mode.is_decode():
                 metadata = self.forward_metadata
-                self.hot_set.begin_step(
-                    forward_batch.rids,
-                    forward_batch.req_pool_indices,
-                    metadata.kv_indptr,
-                    metadata.kv_indices,
-                    self.req_to_token,
-                )
+                self._begin_hot_set_step(forward_batch, metadata.kv_indptr, metadata.kv_indices, self.req_to_token)
             return
         if forward_batch.forward_mode.is_decode() and self._serves_with_importance():
             bs = self.forward_metadata.kv_indptr.numel() - 1
@@ -148,10 +133,10 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
 
     # -- decode -------------------------------------------------------------------
 
-    def _records(self, q: torch.Tensor, layer: RadixAttention, score_mod: Any) -> bool:
+    def _records(self, q: torch.Tensor, layer: RadixAttention, kwargs: dict) -> bool:
         return (
             (self.decode_wrapper is not None or (self.hot_set is not None and self.hot_set.in_step))
-            and score_mod is None
+            and kwargs.get("score_mod") is None
             and q.dtype == self.kv_cache_dtype
             and (layer.sliding_window_size is None or layer.sliding_window_size < 0)
             and layer.k_scale is None
@@ -160,92 +145,17 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
             and not layer.is_cross_attention
         )
 
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-        sinks: Optional[torch.Tensor] = None,
-        score_mod: Any = None,
-        aux_tensors: Any = None,
-    ) -> torch.Tensor:
-        if self._records(q, layer, score_mod):
-            o = self._decode_with_importance(q, k, v, layer, forward_batch, save_kv_cache, sinks)
-        else:
-            o = super().forward_decode(
-                q,
-                k,
-                v,
-                layer,
-                forward_batch,
-                save_kv_cache=save_kv_cache,
-                sinks=sinks,
-                score_mod=score_mod,
-                aux_tensors=aux_tensors,
-            )
-        if layer.layer_id == self.last_layer_id:
-            self.page_table.finish_step()
-            if self.hot_set is not None:
-                self.hot_set.end_step()
-        return o
+    def _store_kv(self, layer: RadixAttention, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        # The parent's write, unchanged (k_scale/v_scale are None here).
+        loc = KVWriteLoc.for_batch(forward_batch, swa_loc=self.forward_metadata.swa_out_cache_loc)
+        self._set_kv_buffer(forward_batch, layer, loc, k, v)
 
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-        *args: Any,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
-        if self.hot_set is not None and save_kv_cache and k is not None and not layer.is_cross_attention:
-            # The prompt's pages get their summaries as the parent stores them.
-            self._summarise(layer, forward_batch.out_cache_loc)
-        return o
+    def _logit_cap(self, layer: RadixAttention) -> float:
+        return logit_capping_mod(layer.logit_capping_method, layer.logit_cap)
 
-    def _summarise(self, layer: RadixAttention, slots: torch.Tensor) -> None:
-        self.hot_set.kv_written(layer.layer_id, slots, self.token_to_kv_pool.get_key_buffer(layer.layer_id))
-
-    def _decode_with_importance(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool,
-        sinks: Optional[torch.Tensor],
-    ) -> torch.Tensor:
-        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
-        if save_kv_cache:
-            # The parent's write, unchanged (k_scale/v_scale are None here).
-            self._set_kv_buffer(
-                forward_batch,
-                layer,
-                KVWriteLoc.for_batch(forward_batch, swa_loc=self.forward_metadata.swa_out_cache_loc),
-                k,
-                v,
-            )
-        if self.hot_set is not None:
-            if save_kv_cache:
-                self._summarise(layer, forward_batch.out_cache_loc)
-            self.hot_set.attend(
-                layer,
-                q,
-                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-                o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
-                logit_cap=logit_capping_mod(layer.logit_capping_method, layer.logit_cap),
-                sinks=sinks,
-            )
-            return o
+    def _decode_dense(
+        self, q: torch.Tensor, out: torch.Tensor, layer: RadixAttention, sinks: Optional[torch.Tensor]
+    ) -> None:
         kv_indptr = self.forward_metadata.kv_indptr
         kv_indices = self.forward_metadata.kv_indices
         result = self.decode_wrapper.run(
@@ -255,12 +165,11 @@ class ImportanceTritonAttnBackend(TritonAttnBackend):
             kv_indptr,
             kv_indices,
             sm_scale=layer.scaling,
-            logit_cap=logit_capping_mod(layer.logit_capping_method, layer.logit_cap),
+            logit_cap=self._logit_cap(layer),
             sinks=sinks,
-            out=o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
+            out=out,
         )
-        self.page_table.add_layer(result.importance, kv_indptr, kv_indices)
-        return o
+        self.page_importance.add_layer(result.importance, kv_indptr, kv_indices)
 
 
 def refuse_cuda_graphs_with_hot_set(hot_set: bool) -> None:

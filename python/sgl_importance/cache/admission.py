@@ -32,11 +32,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
-from sgl_importance.cache.policy_state import policy_of
+from sgl_importance.cache.state_of import state_of
 from sgl_importance.importance.aggregator import ImportanceAggregator
-from sgl_importance.importance.node_state import node_pinned, node_state, peek_state
+from sgl_importance.node_state import node_pinned, node_state, peek_state
 
-# A node's ``NodeImportance.storage``: None (never decided), DEFERRED or ADMITTED.
+# A node's ``NodeState.storage``: None (never decided), DEFERRED or ADMITTED.
 DEFERRED = "deferred"
 ADMITTED = "admitted"
 
@@ -89,15 +89,15 @@ def _storage_decision(node: Any) -> Optional[str]:
     return None if state is None else state.storage
 
 
-def _active_policy(cache: Any) -> Any:
-    policy = policy_of(cache)
-    return policy if policy is not None and policy.admission.active else None
+def _active_state(cache: Any) -> Any:
+    state = state_of(cache)
+    return state if state is not None and state.admission.active else None
 
 
 def gate_storage_write(original: Callable[[Any, Any], None], cache: Any, node_id: Any) -> None:
     """Around ``UnifiedRadixCache.write_backup_storage(node_id)``: write or defer."""
-    policy = _active_policy(cache)
-    if policy is None:
+    state = _active_state(cache)
+    if state is None:
         return original(cache, node_id)
     try:
         node = cache.tree_core.node_by_id(node_id)
@@ -105,14 +105,14 @@ def gate_storage_write(original: Callable[[Any, Any], None], cache: Any, node_id
         return original(cache, node_id)
     if _storage_decision(node) == ADMITTED:
         return original(cache, node_id)
-    shared = policy.shared
-    if policy.admission.qualifies(node, policy.aggregator, shared) or any(
+    shared = state.shared
+    if state.admission.qualifies(node, state.aggregator, shared) or any(
         _storage_decision(child) == ADMITTED for child in node.children.values()
     ):
-        _count(policy, cache, "admitted", node)
+        _count(state, cache, "admitted", node)
         node_state(node).storage = ADMITTED
         return original(cache, node_id)
-    _count(policy, cache, "deferred", node)
+    _count(state, cache, "deferred", node)
     node_state(node).storage = DEFERRED
     if shared is not None:
         # Read off this thread; the next fold that attends the node re-examines it.
@@ -123,15 +123,15 @@ def gate_storage_write(original: Callable[[Any, Any], None], cache: Any, node_id
 def admit_deferred(cache: Any, nodes: Iterable[Any]) -> int:
     """Write the deferred nodes among ``nodes`` that now qualify, with their deferred
     ancestors first. Returns the number of nodes written."""
-    policy = _active_policy(cache)
-    if policy is None:
+    state = _active_state(cache)
+    if state is None:
         return 0
     written = 0
     for node in nodes:
         if (
             _storage_decision(node) != DEFERRED
             or not node.backuped
-            or not policy.admission.qualifies(node, policy.aggregator, policy.shared)
+            or not state.admission.qualifies(node, state.aggregator, state.shared)
         ):
             continue
         chain = []
@@ -143,14 +143,14 @@ def admit_deferred(cache: Any, nodes: Iterable[Any]) -> int:
         for item in reversed(chain):
             # Marked first, so the gate lets the write through.
             node_state(item).storage = ADMITTED
-            _count(policy, cache, "late", item)
+            _count(state, cache, "late", item)
             cache.write_backup_storage(item.id)
             written += 1
     return written
 
 
-def _count(policy: Any, cache: Any, decision: str, node: Any) -> None:
-    metrics = policy.metrics.importance(cache)
+def _count(state: Any, cache: Any, decision: str, node: Any) -> None:
+    metrics = state.metrics.importance(cache)
     if metrics is not None:
         metrics.storage_decision(decision, len(node.key))
 

@@ -28,8 +28,8 @@ from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
 
 from sgl_importance.cache.admission import split_state
-from sgl_importance.cache.policy import CachePolicy
 from sgl_importance.cache.prefetch import mark_evicted
+from sgl_importance.cache.state import CacheState
 from sgl_importance.importance.priority import POLICY_NAME
 
 
@@ -38,14 +38,14 @@ class ImportanceFullComponent(FullComponent):
     are counted by tier when SGLang's metrics are on."""
 
     @property
-    def _policy(self) -> CachePolicy:
+    def _state(self) -> CacheState:
         # Installed only under ``importance`` (use_importance_components), so the tree
         # core built this cache's strategy from the policy name: always ours.
-        return self.tree_core.eviction_strategy.policy
+        return self.tree_core.eviction_strategy.state
 
     def redistribute_on_node_split(self, new_parent: Any, child: Any) -> None:
         super().redistribute_on_node_split(new_parent, child)
-        self._policy.aggregator.split(new_parent, child, len(new_parent.key), self.tree_core.page_size)
+        self._state.aggregator.split(new_parent, child, len(new_parent.key), self.tree_core.page_size)
         split_state(new_parent, child)
 
     def evict_component(
@@ -57,17 +57,17 @@ class ImportanceFullComponent(FullComponent):
         target: EvictLayer = EvictLayer.DEVICE,
     ) -> tuple[int, int]:
         freed, host_freed = super().evict_component(node, device_frees, host_frees, cache_actions, target=target)
-        policy = self._policy
-        metrics = policy.metrics.importance(self.cache) if freed or host_freed else None
+        state = self._state
+        metrics = state.metrics.importance(self.cache) if freed or host_freed else None
         if freed:
             mark_evicted(metrics, node, freed)
             self._remember_if_warm(node)
         if host_freed and self.cache.enable_storage:
             # Leaving the tree for good; the storage tier may bring it back.
-            policy.stored.remember(node)
+            state.stored.remember(node)
         if freed or host_freed:
             if metrics is not None:
-                normalised = policy.aggregator.normalised(node)
+                normalised = state.aggregator.normalised(node)
                 if freed:
                     metrics.evicted("device", freed, normalised)
                 if host_freed:
@@ -76,12 +76,12 @@ class ImportanceFullComponent(FullComponent):
 
     def _remember_if_warm(self, node: Any) -> None:
         # Demoted (host copy kept) while important: a candidate to warm back.
-        policy = self._policy
+        state = self._state
         if not node.backuped:
             return
-        threshold = policy.config.prefetch_min_importance
-        if threshold > 0.0 and policy.aggregator.normalised(node) >= threshold:
-            policy.warm.add(node)
+        threshold = state.config.prefetch_min_importance
+        if threshold > 0.0 and state.aggregator.normalised(node) >= threshold:
+            state.warm.add(node)
 
 
 def uses_importance_policy(params: Any) -> bool:

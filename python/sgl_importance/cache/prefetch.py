@@ -37,7 +37,7 @@ Rules, both for the memory the batch was promised and for what is evicted:
   MIN all-reduce of its digest before anything is issued; a mismatch issues
   nothing on any rank.
 
-Prefetched nodes carry their reason (``NodeImportance.prefetched``) until a fold sees a running
+Prefetched nodes carry their reason (``NodeState.prefetched``) until a fold sees a running
 request attend them (``used``) or the device tier evicts them first (``wasted``);
 both are counted in ``sgl_importance:prefetch_tokens_total``. A node whose
 prefetch was wasted is not warmed again until a request attends it.
@@ -56,8 +56,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from sgl_importance.cache.policy_state import policy_of
-from sgl_importance.importance.node_state import node_importance, node_state, peek_state
+from sgl_importance.cache.state_of import state_of
+from sgl_importance.node_state import node_importance, node_state, peek_state
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +69,9 @@ WARM_SCAN = 16
 
 def note_prefill_adder(adder: Any) -> None:
     """After ``PrefillAdder.__init__``: the budget of the batch being built."""
-    policy = policy_of(adder.tree_cache)
-    if policy is not None:
-        policy.note_adder(adder)
+    state = state_of(adder.tree_cache)
+    if state is not None:
+        state.note_adder(adder)
 
 
 @dataclass
@@ -271,8 +271,8 @@ def plan(
         waiting_queue: the scheduler's waiting requests, head first.
     """
     tree_core = cache.tree_core
-    policy = strategy.policy
-    config = policy.config
+    state = strategy.state
+    config = state.config
     chosen: list[Candidate] = []
     taken: set = set()
     # Nodes the chosen loads lock (paths and their ancestors): counted once, never victims.
@@ -285,7 +285,7 @@ def plan(
         ("waiting", waiting_candidates(tree_core, waiting_queue)),
         (
             "warm",
-            warm_candidates(tree_core, policy.warm, policy.aggregator, config.prefetch_min_importance),
+            warm_candidates(tree_core, state.warm, state.aggregator, config.prefetch_min_importance),
         ),
     ]
     for reason, nodes in sources:
@@ -344,8 +344,8 @@ def _eligible(cache: Any) -> bool:
 
 def prefetch_with_batch_load(original: Callable[[Any], int], cache: Any) -> int:
     """Around ``UnifiedRadixCache.ready_to_load_host_cache``: queue prefetches first."""
-    policy = policy_of(cache)
-    adder = None if policy is None else policy.take_adder()
+    state = state_of(cache)
+    adder = None if state is None else state.take_adder()
     if adder is not None and _eligible(cache):
         try:
             issue(cache, cache.tree_core.eviction_strategy, adder)
@@ -356,13 +356,13 @@ def prefetch_with_batch_load(original: Callable[[Any], int], cache: Any) -> int:
 
 def issue(cache: Any, strategy: Any, adder: Any) -> list[Candidate]:
     """Plan and queue this batch's prefetches; returns the ones queued."""
-    policy = strategy.policy
-    cap = policy.config.prefetch_max_tokens
+    state = strategy.state
+    cap = state.config.prefetch_max_tokens
     if cap <= 0:
         return []
     budget_obj = adder.memory_budget
     page = cache.page_size
-    scheduler = policy.scheduler
+    scheduler = state.scheduler
     waiting: Iterable[Any] = ()
     # None before the scheduler is built (and in unit tests): no waiting queue to scan.
     if scheduler is not None:
@@ -382,7 +382,7 @@ def issue(cache: Any, strategy: Any, adder: Any) -> list[Candidate]:
         if not _consensus(cache, chosen):
             logger.warning("importance prefetch: ranks planned different loads; skipping this batch")
             return []
-        return _load(cache, policy.metrics.importance(cache), chosen, budget_obj, page)
+        return _load(cache, state.metrics.importance(cache), chosen, budget_obj, page)
     finally:
         for node_id, params in locks:
             cache.dec_lock_ref(node_id, params)

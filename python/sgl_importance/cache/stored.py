@@ -22,7 +22,7 @@ The same page hashes carry each page's storage *class* under
 ``--importance-storage-precision graded`` (``storage/precision.py``): when SGLang sends
 a node to the storage tier (``write_backup_storage``, on the scheduler thread),
 its pages are ranked by the importance they earned — each page's accumulated
-attention mass from the page table while the node is on the device, else the
+attention mass from the page importance table while the node is on the device, else the
 node's importance for all of them — and graded (``encoding.grade``); the storage
 I/O thread reads the class by hash when it seals the page (``storage/wrapper.py``). A
 node the tree never attended ranks by position (only sinks kept). With L3
@@ -40,8 +40,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence
 
-from sgl_importance.cache.policy_state import core_policy, policy_of
-from sgl_importance.importance.node_state import has_importance, node_importance, node_state
+from sgl_importance.cache.device_pages import device_pages, device_value
+from sgl_importance.cache.state_of import state_of, tree_state
+from sgl_importance.node_state import has_importance, node_importance, node_state, peek_state
 
 # Pages of a request's storage span looked up to rank its retry.
 RANK_PAGES = 4
@@ -115,36 +116,16 @@ class StoredImportance:
 
 def node_page_scores(node: Any, pages: int, page_size: int, table: Any = None) -> list[float]:
     """Importance of each of a node's first ``pages`` pages: their accumulated attention
-    mass in ``table`` (the page table) while the node is on the device, else the node's
-    importance."""
-    from sgl_importance.importance.node_state import peek_state
-
-    value = _device_value(node)
+    mass in ``table`` (the page importance table) while the node is on the device, else
+    the node's importance."""
+    value = device_value(node)
     if table is not None and value is not None and value.numel() >= pages * page_size:
-        state = peek_state(node)
-        cached = state.pages if state is not None else None
-        if cached is not None and cached[0] is value:
-            ids = cached[1][:pages]
-        else:
-            ids = (value[: pages * page_size : page_size] // page_size).long()
+        ids = device_pages(node, page_size)[:pages]
         return table.accumulated[ids.to(table.accumulated.device)].tolist()
     return [node_importance(node)] * pages
 
 
-def _device_value(node: Any) -> Any:
-    data = getattr(node, "component_data", None)
-    if not data:
-        return None
-    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-
-    entry = data[int(ComponentType.FULL)]  # a list indexed by component type
-    value = None if entry is None else entry.value
-    return None if value is None or value.numel() == 0 else value
-
-
 def _start_token(node: Any) -> int:
-    from sgl_importance.importance.node_state import peek_state
-
     state = peek_state(node)
     if state is not None and state.start is not None:
         return state.start
@@ -156,13 +137,13 @@ def _start_token(node: Any) -> int:
     return start
 
 
-def grade_before_storage_write(classes: Any, tables: Any, cache: Any, node_id: Any) -> int:
+def grade_before_storage_write(classes: Any, page_importance: Any, cache: Any, node_id: Any) -> int:
     """Before ``UnifiedRadixCache.write_backup_storage(node_id)``: grade the node's pages
     (under ``--importance-storage-precision graded``). Returns the pages graded.
 
     Args:
         classes: the process's grading (the runtime's), None when grading is off.
-        tables: the process's ``PageTables``.
+        page_importance: the process's ``PageImportanceHolder`` (the runtime's).
     """
     if classes is None:
         return 0
@@ -174,7 +155,7 @@ def grade_before_storage_write(classes: Any, tables: Any, cache: Any, node_id: A
     if not hashes:
         return 0
     page_size = int(cache.page_size)
-    scores = node_page_scores(node, len(hashes), page_size, tables.current)
+    scores = node_page_scores(node, len(hashes), page_size, page_importance.current)
     classes.assign(list(hashes), scores, _start_token(node) // page_size)
     return len(hashes)
 
@@ -186,11 +167,11 @@ def restore_after_insert_host(tree_core: Any, result: Any) -> int:
     this tree (a refilled node that kept its object keeps its own value).
     Returns the number of nodes restored.
     """
-    policy = core_policy(tree_core)
+    state = tree_state(tree_core)
     node_id = result.inserted_host_node
-    if policy is None or node_id is None:
+    if state is None or node_id is None:
         return 0
-    stored = policy.stored
+    stored = state.stored
     restored = 0
     node = tree_core.node_by_id(node_id)
     while node is not None and node.parent is not None and not has_importance(node):
@@ -245,10 +226,10 @@ def rank_storage_retries(
     ready = original(retries, waiting_queue, *args, **kwargs)
     if len(ready) < 2:
         return ready
-    policy = None if scheduler is None else policy_of(scheduler.tree_cache)
-    if policy is None or not (len(policy.stored) or policy.shared is not None):
+    state = None if scheduler is None else state_of(scheduler.tree_cache)
+    if state is None or not (len(state.stored) or state.shared is not None):
         return ready
-    cache, stored = scheduler.tree_cache, policy.stored
+    cache, stored = scheduler.tree_cache, state.stored
     scores = [request_storage_importance(stored, cache, req) for req, _ in ready]
     order = sorted(range(len(ready)), key=lambda i: -scores[i])
     return [ready[i] for i in order]

@@ -6,21 +6,21 @@ strategy reads three O(1) node fields and hands them to the pure
 ``importance.priority.eviction_priority`` (the function the simulator's ``shipped``
 policy replays), which blends:
 
-- persistent importance (the node's ``NodeImportance.importance``, folded from the
+- persistent importance (the node's ``NodeState.importance``, folded from the
   decode kernels' page importance by ``importance/aggregator.py``), normalised by
   the aggregator's running maximum to [0, 1];
 - recency: ``exp(-age / recency_horizon)`` over SGLang's logical access clock
   (``node.last_access_time``);
 - reuse: ``hit_count / (hit_count + 1)``.
 
-Attention-sink nodes (``NodeImportance.pinned``) form a band evicted after all
+Attention-sink nodes (``NodeState.pinned``) form a band evicted after all
 others when ``pin_sinks`` is on. Ties fall back to ``last_access_time``, so with
 ``importance_weight=0, reuse_weight=0, pin_sinks=false`` the order is exactly LRU —
 the A/B baseline inside the same code path.
 
 The strategy is SGLang's shape and nothing more: priorities. The cache's state (the
 aggregator, L3 admission, the prefetch's candidates, stored importance) is a
-``CachePolicy`` (``cache/policy.py``) the runtime owns and hands in.
+``CacheState`` (``cache/state.py``) the runtime owns and hands in.
 Configured through SGLang's ``--radix-eviction-policy-config`` JSON (the
 strategy's constructor keywords, ``importance.priority.ImportancePolicyConfig``); an unknown key or
 an out-of-range value fails at start-up naming the flag, the key, the value and the
@@ -33,14 +33,14 @@ from typing import Any, Callable, Optional
 
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
-from sgl_importance.cache.policy import CachePolicy
-from sgl_importance.importance.node_state import node_importance, node_pinned
+from sgl_importance.cache.state import CacheState
 from sgl_importance.importance.priority import (
     POLICY_NAME,
     PriorityWeights,
     eviction_priority,
     parse_policy_config,
 )
+from sgl_importance.node_state import node_importance, node_pinned
 
 
 class SGLangAccessClock:
@@ -71,19 +71,19 @@ class ImportanceStrategy(EvictionStrategy):
     of that normalised mass blended with recency and hit count; attention sinks last.
 
     ``get_priority`` reads only plain Python fields: three on the node, and the
-    scale of the cache's aggregator (``policy``, a ``CachePolicy``).
+    scale of the cache's aggregator (``state``, a ``CacheState``).
 
     Args:
-        policy: the cache's state, from the runtime (``Runtime.cache_policy``).
+        state: the cache's state, from the runtime (``Runtime.new_cache_state``).
             SGLang's own factory call (keywords only) builds a private one.
-        **config: the policy's keywords, when no ``policy`` is given.
+        **config: the policy's keywords, when no ``state`` is given.
     """
 
-    def __init__(self, policy: Optional[CachePolicy] = None, **config: Any) -> None:
-        self.policy = policy if policy is not None else CachePolicy(config)
+    def __init__(self, state: Optional[CacheState] = None, **config: Any) -> None:
+        self.state = state if state is not None else CacheState(config)
         # Resolved once: get_priority runs once per evictable leaf per pass.
-        self._weights = PriorityWeights.of(self.policy.config)
-        self._aggregator = self.policy.aggregator
+        self._weights = PriorityWeights.of(self.state.config)
+        self._aggregator = self.state.aggregator
         # "Now" on last_access_time's scale; tests substitute their own clock.
         self.clock: Callable[[], float] = SGLangAccessClock()
 

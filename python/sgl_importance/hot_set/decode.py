@@ -59,7 +59,7 @@ from sgl_importance.hot_set.page_lists import ExactPlan, SamplePlan, plan_exact,
 from sgl_importance.hot_set.promotion import PromotionStream, StreamedPagePools
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.request_state import LiveRequest, TrackedRequest, released_among
-from sgl_importance.hot_set.residency import PagePools, Released
+from sgl_importance.hot_set.residency import PagePools, ReleaseRegistry
 from sgl_importance.hot_set.sample import PageDraw
 from sgl_importance.hot_set.sample import inclusion as sample_inclusion
 from sgl_importance.hot_set.sample import reserve as sample_reserve
@@ -102,14 +102,14 @@ class ExactAttention(Protocol):
 
 
 class LayerResult(NamedTuple):
-    """One layer's attention over the batch, in the layout the page table takes.
+    """One layer's attention over the batch, in the layout the page importance table takes.
 
     Attributes:
         output: ``[bs, q_heads, Dv]`` float32.
         importance: ``[bs, max_pages]`` exact mass of each page read in part 1, in listed
             order, normalised by the step's combined denominator.
         kv_indptr, kv_indices: the slots of those pages (int32 / int64); a page read from
-            its host copy appears as the padding page, which the page table ignores.
+            its host copy appears as the padding page, which the page importance table ignores.
     """
 
     output: torch.Tensor
@@ -126,7 +126,7 @@ class HotSetDecoder:
         summaries: the physical page summaries the KV writes keep up to date.
         page_size: tokens per page.
         threshold: requests longer than this many tokens use the hot set.
-        released: the process's release record (the runtime's; a private one when
+        releases: the process's release registry (the runtime's; a private one when
             None); requests it admitted give back device pages outside their hot set.
         request_params: parameters requests chose for themselves
             (the runtime's; a private, empty one when None); others decode with ``params``.
@@ -144,7 +144,7 @@ class HotSetDecoder:
         *,
         page_size: int,
         threshold: int,
-        released: Optional[Released] = None,
+        releases: Optional[ReleaseRegistry] = None,
         request_params: Optional[RequestParams] = None,
         guard: Optional[GuardPool] = None,
         exact: Optional[ExactAttention] = None,
@@ -155,7 +155,7 @@ class HotSetDecoder:
         self.summaries = summaries
         self.page_size = page_size
         self.threshold = threshold
-        self.released = released if released is not None else Released()
+        self.releases = releases if releases is not None else ReleaseRegistry()
         self._guard = guard
         self.tracked: dict[str, TrackedRequest] = {}
         self.totals = HotSetCounts()
@@ -222,14 +222,14 @@ class HotSetDecoder:
                 params = self.request_params.get(rid) or self.params
                 tracked = self.tracked[rid] = TrackedRequest(RequestHotSet(params), draw=PageDraw())
             pages = None
-            if rows is not None and self.released.enabled:
-                pages = self.released.pages_of(rid, rows[i], ps)
+            if rows is not None and self.releases.enabled:
+                pages = self.releases.pages_of(rid, rows[i], ps)
             num_pages = -(-req_slots.numel() // ps)
             tracked.refresh_summaries(self.summaries, req_slots, pages, num_pages, ps)
             (planned, sample), counts = self._plan(tracked, num_pages)
             if pages is not None:
                 # Promotions the previous step could not place: try again now.
-                pages.restore(_union(planned, sample), self._promoting(), self.released.counts)
+                pages.restore(_union(planned, sample), self._promoting(), self.releases.counts)
                 req_slots = rows[i][: req_slots.numel()].to("cpu", torch.int64)
             tokens = torch.full((num_pages,), ps, dtype=torch.int64)
             tokens[-1] = req_slots.numel() - (num_pages - 1) * ps
@@ -256,8 +256,8 @@ class HotSetDecoder:
     def _promoting(self) -> PagePools:
         """The pools promotions copy through: on the promotion stream where there is one."""
         if self.promotions is None:
-            return self.released.pools
-        return StreamedPagePools(self.released.pools, self.promotions)
+            return self.releases.pools
+        return StreamedPagePools(self.releases.pools, self.promotions)
 
     def _drop(self, rid: str) -> None:
         tracked = self.tracked.pop(rid, None)
@@ -352,7 +352,7 @@ class HotSetDecoder:
     def _staged(self, layer_id: int, host_slots: torch.Tensor):
         if host_slots.numel() == 0:
             return None, None
-        k, v = self.released.pools.host_layer(layer_id, host_slots)
+        k, v = self.releases.pools.host_layer(layer_id, host_slots)
         ps = self.page_size
         return k.view(-1, ps, *k.shape[1:]), v.view(-1, ps, *v.shape[1:])
 
@@ -370,7 +370,7 @@ class HotSetDecoder:
         """The sampled pages' K and V ``[n, S, page_size, Hkv, D]`` (host copies where released)."""
         keys, values = k_pages[sample.physical], v_pages[sample.physical]
         if sample.host_index.numel():
-            host_k, host_v = self.released.pools.host_layer(layer_id, sample.host_index.new_tensor(sample.host_slots))
+            host_k, host_v = self.releases.pools.host_layer(layer_id, sample.host_index.new_tensor(sample.host_slots))
             flat_k, flat_v = keys.view(-1, *keys.shape[2:]), values.view(-1, *values.shape[2:])
             index = sample.host_index.to(keys.device)
             flat_k[index] = host_k.to(keys.device, keys.dtype).view(-1, *keys.shape[2:])
@@ -461,7 +461,7 @@ class HotSetDecoder:
             (plan, sample), counts = self._plan_pages(live.tracked, num_pages)
             live.tracked.next_plan = (num_pages, (plan, sample), counts)
             if live.pages is not None:
-                pools, moves = self.released.pools, self.released.counts
+                pools, moves = self.releases.pools, self.releases.counts
                 keep = torch.zeros(num_pages, dtype=torch.bool)
                 keep[plan] = True
                 keep[sample] = True
@@ -469,9 +469,9 @@ class HotSetDecoder:
                 full = torch.arange(num_pages) < length // ps
                 live.pages.release(torch.nonzero(full & ~keep).flatten(), pools, moves)
                 live.pages.restore(_union(plan, sample), self._promoting(), moves, note_refusal=False)
-        if self.released.counts.pages_released:
-            self.released.reopen = True
-        step.add_release(self.released.take_counts())
+        if self.releases.counts.pages_released:
+            self.releases.reopen = True
+        step.add_release(self.releases.take_counts())
         self._live = []
         self._exact = self._outside = self._sample = self._tally = None
         self.totals.add(step)
@@ -489,7 +489,7 @@ def _union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _rescaled(result: DecodeImportanceOutput, share: torch.Tensor) -> torch.Tensor:
-    """Part 1's masses per KV head as the page table takes them: of the combined
+    """Part 1's masses per KV head as the page importance table takes them: of the combined
     denominator (``share``: the exact pages' share per query head), mean over KV heads."""
     kv = result.importance_per_kv_head.shape[-1]
     group_share = share.view(share.shape[0], kv, -1).mean(-1)  # [bs, kv]

@@ -71,7 +71,7 @@ def plan_exact(
             staged.append(req.pages.host_slots(listed[held]))
         ids.append(physical)
         tokens.append(count)
-        # Slots for the page table: a staged page shows the padding slot.
+        # Slots for the page importance table: a staged page shows the padding slot.
         req_slots = page_slots(req.slots, listed, ps)
         if bool(held.any()):
             mask = held.repeat_interleave(count)

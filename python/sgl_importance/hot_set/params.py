@@ -5,23 +5,23 @@ they become a :class:`HotSetParams`, and a request's ``custom_params.hot_set`` i
 checked against the same flag declarations (named by its key, with "off" not a
 request's to choose) before it overrides them.
 
-Plain Python over ``config`` and ``vocabulary``; nothing here imports SGLang.
+Plain Python over ``config`` and ``choices``; nothing here imports SGLang.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from sgl_importance.config import ImportanceConfig
-from sgl_importance.flags import specs
-from sgl_importance.hot_set.selection import HotSetParams
-from sgl_importance.vocabulary import (
+from sgl_importance.choices import (
     HOT_SET_FIELDS,
     HOT_SET_PREFIX,
     REQUEST_HOT_SET_FIELD,
     REQUEST_HOT_SET_KEYS,
     REQUEST_HOT_SET_POLICIES,
 )
+from sgl_importance.config import ImportanceConfig
+from sgl_importance.flags import specs
+from sgl_importance.hot_set.selection import HotSetParams
 
 
 def _params(values: dict[str, Any]) -> HotSetParams:

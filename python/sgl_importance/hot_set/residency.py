@@ -12,7 +12,7 @@ tree (the matched prefix, or a grown request's prompt) and the page being writte
 stay on the device.
 
 This module holds the record and the page moves: ``RequestPages`` (one request's
-residency and host copies), ``Released`` (the process-wide record of the requests
+residency and host copies), ``ReleaseRegistry`` (the process-wide record of the requests
 eligible for release, so the scheduler's hooks and the decoder see one state) and
 ``PagePools``, what the moves need from SGLang. The hooks that act on the record
 when a request is admitted (at prefill, or mid-decode) or leaves (finish, abort,
@@ -179,7 +179,7 @@ def subtract_pages(ranges: list[tuple[int, int]], pages: list[int], page_size: i
     return out
 
 
-class Released:
+class ReleaseRegistry:
     """The requests eligible for release in this process, by rid."""
 
     def __init__(self) -> None:

@@ -17,7 +17,7 @@ baselines and the importance hot set run the same code:
 - ``importance``: the same resident set, demoted by persistent importance: the
   exact masses the decode returns for resident pages — by default a page's largest
   over layers and KV heads in the step (``HotSetParams.reduce``) — folded with the
-  EMA radix nodes use (``importance.aggregator.ema_fold``), read bias-corrected so
+  EMA radix nodes use (``importance.ema.ema_fold``), read bias-corrected so
   a page observed for few steps is comparable with one observed for many.
 
 ``lru`` and ``importance`` promote a non-resident page when its *outside mass* says it
@@ -41,9 +41,9 @@ from typing import Optional, Union
 
 import torch
 
-from sgl_importance.importance.aggregator import ema_fold
-from sgl_importance.vocabulary import HOT_SET_POLICIES as POLICIES
-from sgl_importance.vocabulary import REDUCTIONS
+from sgl_importance.choices import HOT_SET_POLICIES as POLICIES
+from sgl_importance.choices import REDUCTIONS
+from sgl_importance.importance.ema import ema_fold
 
 # Share of the free budget a resident set may swap per step (see module docstring).
 SWAP_FRACTION = 1 / 8

@@ -7,7 +7,7 @@ two vectors per page bound every logit of the page; reading them costs
 ``2 / page_size`` of reading the page's keys. The bound drives promotion of pages
 outside the hot set and the guard (``guard.py``).
 
-Summaries are filed by physical page (``slot // page_size``), like the page table,
+Summaries are filed by physical page (``slot // page_size``), like the page importance table,
 and updated as keys are written (prefill, extend and decode). A write at a page's
 first slot starts the page afresh: the allocator hands out whole pages, so that
 write is the first of the page's current owner. Everything else merges (min/max),

@@ -1,15 +1,15 @@
-"""The importance aggregator: the page table folded into radix-tree nodes.
+"""The importance aggregator: the page importance table folded into radix-tree nodes.
 
 Persistent importance is what a node keeps *across* decode steps; this module holds
 the fold that builds it (:class:`ImportanceAggregator`) and the reads it needs.
 
-The page table (``page_table.py``) knows how much attention each *physical* page got
+The page importance table (``page_importance.py``) knows how much attention each *physical* page got
 in the last recorded decode step, and forgets it when the allocator frees the page.
 Eviction decides over *tree nodes*, which outlive their pages (a node demoted to the
 host tier keeps its identity and gets new pages on load-back). This module carries
 the signal over: after each decode batch, the scheduler hands the aggregator the
 tree nodes its running requests attend (each request's ``last_node`` and its
-ancestors), and the aggregator updates the node's :class:`NodeImportance`
+ancestors), and the aggregator updates the node's :class:`NodeState`
 (``node_state.py``, the one object the plugin keeps on a node):
 
 - ``importance``: an exponential moving average, over the decode steps in which the
@@ -17,7 +17,7 @@ ancestors), and the aggregator updates the node's :class:`NodeImportance`
   node's pages. It starts at zero, so a node attended for one step stays far below
   one attended for hundreds: sustained attention, over many steps or many
   requests, is what earns importance (H2O's "heavy hitters"). A page shared by
-  several running requests receives the sum of their masses from the page table, so
+  several running requests receives the sum of their masses from the page importance table, so
   a shared system prompt or document becomes a hot spot.
 - ``pinned``: the node lies entirely inside the first ``sink_pages``
   pages of its sequence — the attention sinks every later token attends to
@@ -46,21 +46,22 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
-from sgl_importance.importance.node_state import has_importance, node_importance, node_state
+from sgl_importance.importance.ema import ema_fold
 
 # The config checks live beside the priority they configure (torch-free).
 from sgl_importance.importance.priority import validate_decay, validate_sink_pages
+from sgl_importance.node_state import has_importance, node_importance, node_state
 
 
 class Observation(NamedTuple):
     """One tree node attended in the step being folded.
 
     Attributes:
-        node: the tree node; the aggregator updates its ``NodeImportance``.
+        node: the tree node; the aggregator updates its ``NodeState``.
         start: token offset of the node's first token in its sequence (the sum of
             its ancestors' key lengths), which tells which of its pages are sinks.
         pages: physical page ids of the node's device KV, in sequence order, on
-            the page table's device.
+            the page importance table's device.
     """
 
     node: Any
@@ -95,7 +96,7 @@ def read_last_step(table: Any, pages: torch.Tensor, group: Any = None) -> tuple[
 def agree_across_ranks(flat: torch.Tensor, group: Any) -> torch.Tensor:
     """One rank's ``[page values..., step count]`` -> the same tensor on every rank.
 
-    Each tensor-parallel rank attends with its own heads, so its page table holds
+    Each tensor-parallel rank attends with its own heads, so its page importance table holds
     the mean over *its* KV heads; the mean over ranks is then the mean over all
     heads, the value a single rank would have recorded (a sum would scale node
     importance with ``--tp-size``). The step count is the minimum: under overlap
@@ -122,16 +123,6 @@ def agree_across_ranks(flat: torch.Tensor, group: Any) -> torch.Tensor:
     total /= world
     total[-1] = count
     return total
-
-
-def ema_fold(old: Any, value: Any, keep: float) -> Any:
-    """The one moving average of persistent importance: ``old * keep + value * (1 - keep)``.
-
-    ``keep = decay ** steps`` for ``steps`` recorded steps folded at once. Shared by
-    the radix nodes (:class:`ImportanceAggregator`) and the per-request hot set
-    (``hot_set/selection.py``); works on floats and on tensors alike.
-    """
-    return old * keep + value * (1.0 - keep)
 
 
 class ImportanceAggregator:

@@ -12,7 +12,7 @@ where SGLang's dense allocators give pages back:
   is open is skipped here and counted when the group closes;
 - ``clear()`` of both (``/flush_cache``, start-up): every page at once.
 
-Each takes the process's ``PageTables`` (the runtime's) first. Duck-typed over the
+Each takes the process's ``PageImportanceHolder`` (the runtime's) first. Duck-typed over the
 allocator; nothing here imports SGLang.
 """
 
@@ -22,28 +22,28 @@ from typing import Any
 
 import torch
 
-from sgl_importance.importance.page_table import PageTables
+from sgl_importance.importance.page_importance import PageImportanceHolder
 
 
-def pages_released(tables: PageTables, allocator: Any, *page_ids: torch.Tensor) -> None:
+def pages_released(page_importance: PageImportanceHolder, allocator: Any, *page_ids: torch.Tensor) -> None:
     """After ``PagedTokenToKVPoolAllocator._release_page_ids(*page_ids)``."""
-    table = tables.current
+    table = page_importance.current
     if table is None:
         return
     for ids in page_ids:
         table.reset_pages(ids)
 
 
-def slots_freed(tables: PageTables, allocator: Any, free_index: torch.Tensor) -> None:
+def slots_freed(page_importance: PageImportanceHolder, allocator: Any, free_index: torch.Tensor) -> None:
     """After ``TokenToKVPoolAllocator.free(free_index)`` (page size 1)."""
-    table = tables.current
+    table = page_importance.current
     if table is None or allocator.free_group is not None:
         return
     table.reset_pages(free_index)
 
 
-def allocator_cleared(tables: PageTables, allocator: Any) -> None:
+def allocator_cleared(page_importance: PageImportanceHolder, allocator: Any) -> None:
     """After an allocator's ``clear()``."""
-    table = tables.current
+    table = page_importance.current
     if table is not None:
         table.reset_all()

@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, NamedTuple, Optional, Union
 
+from sgl_importance.validate import int_in, invalid, is_number, number_in
+
 POLICY_NAME = "importance"
 FLAG = "--radix-eviction-policy-config"
 WEIGHT_MAX = 1000.0
@@ -36,26 +38,27 @@ SINK_PAGES_MAX = 64
 
 
 def validate_decay(decay: Any, name: str = "decay") -> float:
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not (0.0 < float(decay) < 1.0):
-        raise ValueError(f"{name}={decay!r} is invalid; allowed: {DECAY_RANGE}")
+    if not (is_number(decay) and 0.0 < decay < 1.0):
+        raise invalid(f"{name}={decay!r}", DECAY_RANGE)
     return float(decay)
 
 
 def validate_sink_pages(sink_pages: Any, name: str = "sink_pages") -> int:
-    if isinstance(sink_pages, bool) or not isinstance(sink_pages, int) or not (0 <= sink_pages <= SINK_PAGES_MAX):
-        raise ValueError(f"{name}={sink_pages!r} is invalid; allowed: an integer in [0, {SINK_PAGES_MAX}]")
+    if not int_in(sink_pages, 0, SINK_PAGES_MAX):
+        raise invalid(f"{name}={sink_pages!r}", f"an integer in [0, {SINK_PAGES_MAX}]")
     return sink_pages
 
 
 def _number(key: str, value: Any, low: float, high: float, allowed: str) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or not (low <= value <= high)
-    ):
-        raise ValueError(f"{FLAG} {key}={value!r} is invalid; allowed: {allowed}")
+    if not number_in(value, low, high):
+        raise invalid(f"{FLAG} {key}={value!r}", allowed)
     return float(value)
+
+
+def _integer(key: str, value: Any, high: int) -> int:
+    if not int_in(value, 0, high):
+        raise invalid(f"{FLAG} {key}={value!r}", f"an integer in [0, {high}]")
+    return value
 
 
 @dataclass(frozen=True)
@@ -99,21 +102,14 @@ class ImportancePolicyConfig:
         horizon = self.recency_horizon
         horizon_range = f"a number in (0, {HORIZON_MAX:g}]"
         if _number("recency_horizon", horizon, 0.0, HORIZON_MAX, horizon_range) == 0:
-            raise ValueError(f"{FLAG} recency_horizon={horizon!r} is invalid; allowed: {horizon_range}")
+            raise invalid(f"{FLAG} recency_horizon={horizon!r}", horizon_range)
         if not isinstance(self.pin_sinks, bool):
-            raise ValueError(f"{FLAG} pin_sinks={self.pin_sinks!r} is invalid; allowed: true, false")
+            raise invalid(f"{FLAG} pin_sinks={self.pin_sinks!r}", "true, false")
         validate_decay(self.decay, name=f"{FLAG} decay")
         validate_sink_pages(self.sink_pages, name=f"{FLAG} sink_pages")
-        hits = self.storage_min_hits
-        if isinstance(hits, bool) or not isinstance(hits, int) or not 0 <= hits <= HITS_MAX:
-            raise ValueError(f"{FLAG} storage_min_hits={hits!r} is invalid; allowed: an integer in [0, {HITS_MAX}]")
-        importance = self.storage_min_importance
-        _number("storage_min_importance", importance, 0.0, 1.0, "a number in [0, 1]")
-        cap = self.prefetch_max_tokens
-        if isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= PREFETCH_TOKENS_MAX:
-            raise ValueError(
-                f"{FLAG} prefetch_max_tokens={cap!r} is invalid; allowed: an integer in [0, {PREFETCH_TOKENS_MAX}]"
-            )
+        _integer("storage_min_hits", self.storage_min_hits, HITS_MAX)
+        _number("storage_min_importance", self.storage_min_importance, 0.0, 1.0, "a number in [0, 1]")
+        _integer("prefetch_max_tokens", self.prefetch_max_tokens, PREFETCH_TOKENS_MAX)
         _number("prefetch_min_importance", self.prefetch_min_importance, 0.0, 1.0, "a number in [0, 1]")
 
     @classmethod

@@ -19,18 +19,26 @@ characters takes seconds and doubles with each one. Malformed shapes (a
 chat template keyword that is the template call's own) raise something other
 than ``ValueError`` and become 500s.
 
-Each check raises :class:`fields.InvalidFieldError`, which SGLang answers with a
-400 and the endpoint's usual body. The message names the field as the caller
+Each check raises the package's own error, :class:`fields.InvalidRequestError`
+(:class:`fields.InvalidFieldError` where one field is at fault), which SGLang
+answers with a 400 and the endpoint's usual body. The message names the field as the caller
 spelled it (``top_logprobs`` on chat, ``logprobs`` on completions,
 ``sampling_params.top_k`` on ``/generate``), its value and what is allowed.
 docs/requests.md lists each check with its limit and what it replaced.
+
+Every request check lives here, one file a job:
 
 - ``hook.py``: the AROUND-hook body (``checked_generate``) and the server's limits;
 - ``generate.py``: :func:`check_generate_request`, every field of one request;
 - ``sampling.py``: one prompt's sampling parameters;
 - ``stop.py``: stop strings and stop regexes, bounded by their cost per step;
-- ``chat_template.py``: a chat request's ``chat_template_kwargs`` (called by ``serving.py``);
-- ``fields.py``: the limits, the error and the caller's names for fields.
+- ``prompt.py``: prompts the model cannot read (empty, out-of-vocabulary ids) and a
+  request's own hot-set parameters, in the tokenizer manager;
+- ``openai.py``: the OpenAI endpoints' model name, the body shapes SGLang's request
+  model would fail on, and the endpoint's names for fields;
+- ``chat_template.py``: a chat request's ``chat_template_kwargs`` (called by ``openai.py``);
+- ``fields.py``: the limits, the errors and the caller's names for fields.
 
-Prompts the model cannot read (empty, out-of-vocabulary ids) are ``prompt_check.py``'s.
+The checks read the server's settings from the HTTP process's runtime (``runtime.py``),
+handed in by ``plugin.py``.
 """

@@ -1,16 +1,44 @@
-"""What every request check shares: the limits, the error that names a field, the caller's names.
+"""What every request check shares: the limits, the errors, the caller's names for fields.
 
 A check names a field as the caller spelled it (``top_logprobs`` on chat,
 ``logprobs`` on completions, ``sampling_params.top_k`` on ``/generate``):
-:func:`caller_field` turns the native ``/generate`` spelling into the endpoint's.
+:func:`caller_field` turns the native ``/generate`` spelling into the endpoint's,
+from :data:`PROMPT_FIELD`, which the OpenAI endpoints set around their handling
+(``openai.py``). Every refusal is an :class:`InvalidRequestError`, a ``ValueError``
+SGLang already answers with a 400 and the endpoint's usual body.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Optional
+from http import HTTPStatus
+from typing import Any, Iterator, Optional
 
-from sgl_importance.prompt_check import PROMPT_FIELD, InvalidRequestError
+from sgl_importance.validate import int_in
+
+# The caller's name for the prompt when an OpenAI endpoint built the request
+# (``messages``, ``prompt`` or ``input``, which also tells which endpoint it was);
+# None on the native endpoints, where the request's own field is the name.
+PROMPT_FIELD: ContextVar[Optional[str]] = ContextVar("sgl_importance_prompt_field", default=None)
+
+
+@contextmanager
+def naming_prompt_field(field: str) -> Iterator[None]:
+    """Within this block, request errors name fields as the endpoint whose prompt is ``field`` does."""
+    token = PROMPT_FIELD.set(field)
+    try:
+        yield
+    finally:
+        PROMPT_FIELD.reset(token)
+
+
+class InvalidRequestError(ValueError):
+    """A request the server cannot serve; SGLang answers it with ``status_code``."""
+
+    status_code = HTTPStatus.BAD_REQUEST
+
 
 # How the OpenAI endpoints spell what they translate into a generate request.
 # Other sampling parameters keep their name at the top level of the body.
@@ -80,8 +108,8 @@ def caller_field(path: str) -> str:
     """The caller's name for the generate-request field ``path`` on the current endpoint.
 
     ``path`` is the native ``/generate`` spelling (``top_logprobs_num``,
-    ``sampling_params.top_k``); inside an OpenAI request (``prompt_check.PROMPT_FIELD``
-    set by ``serving.py``) the endpoint's own name is returned.
+    ``sampling_params.top_k``); inside an OpenAI request (:data:`PROMPT_FIELD`
+    set by ``openai.py``) the endpoint's own name is returned.
     """
     endpoint = PROMPT_FIELD.get()
     if endpoint is None:
@@ -92,16 +120,10 @@ def caller_field(path: str) -> str:
     return path.removeprefix("sampling_params.")
 
 
-def is_int(value: Any) -> bool:
-    """Whether ``value`` is an integer and not a bool."""
-    # bool is an int to Python; as a count or a token id it is a caller's mistake.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_int(path: str, value: Any, low: int, high: int, allowed: Optional[str] = None) -> None:
     """Raise :class:`InvalidFieldError` for ``path`` unless ``value`` is an integer in [low, high].
 
     ``allowed`` replaces the message's default description of the range.
     """
-    if not is_int(value) or not low <= value <= high:
+    if not int_in(value, low, high):
         raise InvalidFieldError(caller_field(path), value, allowed or f"an integer in [{low}, {high}]")

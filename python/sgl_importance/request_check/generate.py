@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from sgl_importance.prompt_check import PROMPT_FIELD
-from sgl_importance.request_check.fields import InvalidFieldError, RequestLimits, caller_field, check_int
+from sgl_importance.request_check.fields import PROMPT_FIELD, InvalidFieldError, RequestLimits, caller_field, check_int
 from sgl_importance.request_check.sampling import check_sampling_params
+from sgl_importance.validate import is_int
 
 # Per-prompt fields a batch may give as a list, one entry per prompt (SGLang indexes
 # them by item); sampling_params and token_ids_logprob are checked on their own.
@@ -202,9 +202,7 @@ def check_session_and_labels(obj: Any, limits: RequestLimits) -> None:
             raise InvalidFieldError(field, session, allowed)
         for key, value in session.items():
             kind = SESSION_FIELDS.get(key)
-            if kind is None or not (
-                value is None or (isinstance(value, kind) and (kind is bool or not isinstance(value, bool)))
-            ):
+            if kind is None or not (value is None or (is_int(value) if kind is int else isinstance(value, kind))):
                 raise InvalidFieldError(f"{field}.{key}", value, allowed)
     labels = getattr(obj, "custom_labels", None)
     if labels and limits.metric_labels is not None:

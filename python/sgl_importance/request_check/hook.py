@@ -23,12 +23,10 @@ def is_generate_request(obj: Any) -> bool:
     return hasattr(obj, "top_logprobs_num") and hasattr(obj, "sampling_params")
 
 
-def limits_of(tokenizer_manager: Any) -> RequestLimits:
-    """The limits of the server a tokenizer manager belongs to."""
-    from sgl_importance.config import config_of
-
+def limits_of(config: Any, tokenizer_manager: Any) -> RequestLimits:
+    """The limits of the server a tokenizer manager belongs to (``config``: its flags,
+    from the process's runtime)."""
     server_args = tokenizer_manager.server_args
-    config = config_of(server_args)
     keys = getattr(tokenizer_manager.sampling_params_class, "__struct_fields__", None)
     labels = getattr(server_args, "tokenizer_metrics_allowed_custom_labels", None) or ()
     return RequestLimits(
@@ -42,11 +40,12 @@ def limits_of(tokenizer_manager: Any) -> RequestLimits:
 
 
 async def checked_generate(
+    config: Any,
     original: Callable[..., Any],
     tokenizer_manager: Any,
     obj: Any,
     *args: Any,
-    limits_for: Callable[[Any], RequestLimits] = limits_of,
+    limits_for: Callable[[Any, Any], RequestLimits] = limits_of,
     **kwargs: Any,
 ) -> AsyncIterator[Any]:
     """AROUND-hook body for ``TokenizerManager.generate_request``: the request is checked
@@ -55,7 +54,7 @@ async def checked_generate(
 
     try:
         if is_generate_request(obj):
-            check_generate_request(obj, limits_for(tokenizer_manager))
+            check_generate_request(obj, limits_for(config, tokenizer_manager))
         async with aclosing(original(tokenizer_manager, obj, *args, **kwargs)) as responses:
             async for response in responses:
                 yield response

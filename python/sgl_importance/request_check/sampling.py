@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from sgl_importance.request_check.fields import InvalidFieldError, RequestLimits, caller_field, check_int, is_int
+from sgl_importance.request_check.fields import InvalidFieldError, RequestLimits, caller_field, check_int
 from sgl_importance.request_check.stop import check_stop_regexes, check_stop_strings
+from sgl_importance.validate import int_in, is_number
 
 # torch builds top_k into an int32 tensor; -1 means "the whole vocabulary".
 MAX_TOP_K = 2**31 - 1
@@ -45,12 +46,12 @@ def check_sampling_params(params: Mapping[str, Any], limits: RequestLimits) -> N
         f"an integer in [1, {limits.max_sequences}] (--request-max-sequences)",
     )
     top_k = params.get("top_k")
-    if top_k is not None and not (is_int(top_k) and (top_k == -1 or 1 <= top_k <= MAX_TOP_K)):
+    if top_k is not None and not (int_in(top_k, -1, -1) or int_in(top_k, 1, MAX_TOP_K)):
         raise InvalidFieldError(
             caller_field("sampling_params.top_k"), top_k, f"-1 (the whole vocabulary) or an integer in [1, {MAX_TOP_K}]"
         )
     penalty = params.get("repetition_penalty")
-    if isinstance(penalty, (int, float)) and not isinstance(penalty, bool) and 0 < penalty < MIN_REPETITION_PENALTY:
+    if is_number(penalty) and 0 < penalty < MIN_REPETITION_PENALTY:
         raise InvalidFieldError(
             caller_field("sampling_params.repetition_penalty"), penalty, f"a number in [{MIN_REPETITION_PENALTY}, 2]"
         )

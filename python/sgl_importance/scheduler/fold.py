@@ -1,4 +1,4 @@
-"""After each decode batch: fold the page table into the running requests' tree nodes.
+"""After each decode batch: fold the page importance table into the running requests' tree nodes.
 
 Runs in the scheduler process right after ``Scheduler.process_batch_result`` (in the
 overlap loop, while the next batch is already running), never on the eviction path:
@@ -7,9 +7,12 @@ eviction reads only the plain floats this leaves on the nodes.
 A request's attended tree nodes are its ``last_node`` and every ancestor up to the
 root — the prompt, checkpointed into the tree after prefill; generated tokens join
 the tree when the request finishes. Nodes shared by several requests are folded
-once (the page table already summed their masses). The nodes' physical pages come
-from the FULL component's device value (token slots, page-aligned), cached in the
-node's ``NodeImportance.pages`` until that value is replaced (split, load-back).
+once (the page importance table already summed their masses). The nodes' physical
+pages are ``cache/device_pages.py``'s.
+
+Everything it needs comes from the runtime the plugin hands in: the page importance
+table, the state of the scheduler's cache under ``importance`` (its aggregator and
+the shared importance; None under other policies) and the metrics.
 
 With tensor parallelism every rank runs this after every batch, but each rank's
 table holds only its own heads' attention: the ranks agree on the gathered page
@@ -31,43 +34,37 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Optional
 
-import torch
-from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-
 from sgl_importance.cache.admission import admit_deferred
-from sgl_importance.cache.policy_state import policy_of
+from sgl_importance.cache.device_pages import device_pages
 from sgl_importance.cache.prefetch import mark_used
-from sgl_importance.importance.aggregator import ImportanceAggregator, Observation
-from sgl_importance.importance.node_state import node_importance, node_state
+from sgl_importance.importance.aggregator import Observation
+from sgl_importance.node_state import node_importance
+from sgl_importance.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
-_FULL = int(ComponentType.FULL)
 
-
-def aggregator_of(tree_cache: Any) -> Optional[ImportanceAggregator]:
-    """The aggregator of the cache's ``importance`` policy, or None under other policies."""
-    policy = policy_of(tree_cache)
-    return None if policy is None else policy.aggregator
-
-
-def fold_after_batch(scheduler: Any, batch: Any) -> int:
+def fold_after_batch(runtime: Runtime, scheduler: Any, batch: Any) -> int:
     """Fold the latest recorded decode step into ``batch``'s tree nodes.
+
+    Args:
+        runtime: the process's runtime (the cache's state, the table, the metrics).
+        scheduler, batch: ``Scheduler.process_batch_result``'s.
 
     Returns:
         Recorded steps folded (0 when the policy is not ``importance``, the batch
         was no decode batch, or no new step was recorded).
     """
+    state = runtime.cache_state
+    if state is None or batch is None or not batch.forward_mode.is_decode():
+        return 0
     tree_cache = scheduler.tree_cache
-    policy = policy_of(tree_cache)
-    if policy is None or batch is None or not batch.forward_mode.is_decode():
-        return 0
-    aggregator = policy.aggregator
-    table = policy.page_tables.current
+    aggregator = state.aggregator
+    table = runtime.page_importance.current
     if table is None:
-        _warn_no_table(policy.page_tables)
+        _warn_no_table(runtime.page_importance)
         return 0
-    metrics = policy.metrics.importance(tree_cache)
+    metrics = runtime.metrics.importance(tree_cache)
     observations = list(observe(tree_cache.tree_core, batch.reqs, table.page_size))
     mark_used(metrics, (o.node for o in observations))
     # Past this line every rank of the tree group must reach the collective.
@@ -75,7 +72,7 @@ def fold_after_batch(scheduler: Any, batch: Any) -> int:
     if steps:
         # Deferred nodes that earned importance now go to the storage tier.
         admit_deferred(tree_cache, (o.node for o in observations))
-        shared = policy.shared
+        shared = state.shared
         if shared is not None:
             # Queued only; the shared store is written off this thread.
             for o in observations:
@@ -115,7 +112,7 @@ def observe(tree_core: Any, reqs: Iterable[Any], page_size: int) -> Iterable[Obs
             length = len(node.key)
             if id(node) not in seen:
                 seen.add(id(node))
-                pages = _device_pages(node, page_size)
+                pages = device_pages(node, page_size)
                 if pages is not None:
                     yield Observation(node, start, pages)
             start += length
@@ -134,22 +131,9 @@ def _resolve(tree_core: Any, handle: Any) -> Any:
     return handle
 
 
-def _device_pages(node: Any, page_size: int) -> Optional[torch.Tensor]:
-    value = node.component_data[_FULL].value
-    if value is None or value.numel() == 0:
-        return None
-    state = node_state(node)
-    cached = state.pages
-    if cached is not None and cached[0] is value:
-        return cached[1]
-    pages = torch.div(value[::page_size], page_size, rounding_mode="floor").to(torch.int64)
-    state.pages = (value, pages)
-    return pages
-
-
-def _warn_no_table(tables: Any) -> None:
-    if not tables.warned_missing:
-        tables.warned_missing = True
+def _warn_no_table(page_importance: Any) -> None:
+    if not page_importance.warned_missing:
+        page_importance.warned_missing = True
         logger.warning(
             "--radix-eviction-policy importance: no page importance is recorded with "
             "this attention backend; eviction falls back to recency and reuse. "

@@ -1,6 +1,6 @@
 """Scheduler hooks of hot-set page release: who may release, and leaving cleanly.
 
-The record these hooks act on (the runtime's ``Released``, passed in as ``released``;
+The registry these hooks act on (the runtime's ``ReleaseRegistry``, passed in as ``releases``;
 ``RequestPages``) and the page moves are
 ``hot_set/residency.py``; here are the hooks plugin.py calls and ``HiCachePagePools``,
 the adapter of ``residency.PagePools`` over SGLang's allocator and host pool.
@@ -43,10 +43,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from sgl_importance.config import config_of
-from sgl_importance.hot_set.params import hot_set_params
+from sgl_importance.config import ImportanceConfig
 from sgl_importance.hot_set.request_params import RequestParams
-from sgl_importance.hot_set.residency import Released, RequestPages, subtract_pages
+from sgl_importance.hot_set.residency import ReleaseRegistry, RequestPages, subtract_pages
+from sgl_importance.hot_set.selection import HotSetParams
 from sgl_importance.scheduler.hot_set_requests import forget_request
 
 logger = logging.getLogger(__name__)
@@ -88,10 +88,16 @@ class HiCachePagePools:
         return self.host_pool.gather_layer(layer_id, host_slots)
 
 
-def enable(released: Released, scheduler: Any) -> None:
-    """After ``Scheduler.__init__``: turn release on where the hot set and a host pool are."""
-    config = config_of(scheduler.server_args)
-    if hot_set_params(config) is None:
+def enable(
+    releases: ReleaseRegistry, hot_set_params: Optional[HotSetParams], config: ImportanceConfig, scheduler: Any
+) -> None:
+    """After ``Scheduler.__init__``: turn release on where the hot set and a host pool are.
+
+    Args:
+        releases, hot_set_params, config: the runtime's registry, the server's hot-set
+            parameters (None: the hot set is off) and its flags.
+    """
+    if hot_set_params is None:
         return
     tree_cache = scheduler.tree_cache
     if tree_cache.cache_controller is None:
@@ -100,38 +106,40 @@ def enable(released: Released, scheduler: Any) -> None:
             "are not attended but stay on the device (no host pool to release them to)"
         )
         return
-    released.enable(HiCachePagePools(tree_cache), config.hot_set_threshold)
-    logger.info("hot set releases device pages of requests longer than %d tokens", released.threshold)
+    releases.enable(HiCachePagePools(tree_cache), config.hot_set_threshold)
+    logger.info("hot set releases device pages of requests longer than %d tokens", releases.threshold)
 
 
-def reopen_admission(released: Released, scheduler: Any) -> None:
+def reopen_admission(releases: ReleaseRegistry, scheduler: Any) -> None:
     """After a batch: if the hot set gave device pages back, let the scheduler admit again.
 
     SGLang stops trying to prefill waiting requests once an attempt found no room
     (``batch_is_full``) and tries again only when a request leaves; pages released
     mid-request would otherwise sit free until then.
     """
-    if released.reopen:
-        released.reopen = False
+    if releases.reopen:
+        releases.reopen = False
         scheduler.running_batch.batch_is_full = False
 
 
-def checkpoint_unless_released(released: Released, original: Callable[..., Any], req: Any, tree_cache: Any) -> Any:
+def checkpoint_unless_released(
+    releases: ReleaseRegistry, original: Callable[..., Any], req: Any, tree_cache: Any
+) -> Any:
     """Around ``checkpoint_kv_cache``: keep a long prefill's pages out of the tree."""
-    if not released.enabled or req.skip_radix_cache_insert:
+    if not releases.enabled or req.skip_radix_cache_insert:
         return original(req, tree_cache)
     # The whole prefill, every chunk alike: the prompt, and after a retraction what
     # the request had generated too (SGLang does not grow this array mid-prefill).
-    if not released.admitted(req.rid) and len(req.full_untruncated_fill_ids) <= released.threshold:
+    if not releases.admitted(req.rid) and len(req.full_untruncated_fill_ids) <= releases.threshold:
         return original(req, tree_cache)
     page_size = tree_cache.token_to_kv_pool_allocator.page_size
-    released.admit(req.rid, -(-req.kv.cache_protected_len // page_size))
+    releases.admit(req.rid, -(-req.kv.cache_protected_len // page_size))
     # What SGLang does for a request barred from the tree: resume after this extend.
     req.prefix_len = req.extend_end
     return None
 
 
-def admit_grown(released: Released, batch: Any) -> None:
+def admit_grown(releases: ReleaseRegistry, batch: Any) -> None:
     """After ``ScheduleBatch.prepare_for_decode``: admit the requests this step takes
     past the threshold (a short prompt generating a long answer).
 
@@ -141,20 +149,20 @@ def admit_grown(released: Released, batch: Any) -> None:
     aligned; SGLang inserts no decode tokens before the request finishes): the pages
     from there on are its own.
     """
-    if not released.enabled:
+    if not releases.enabled:
         return
-    threshold = released.threshold
+    threshold = releases.threshold
     for req in batch.reqs:
-        if req.kv.kv_committed_len <= threshold or released.admitted(req.rid):
+        if req.kv.kv_committed_len <= threshold or releases.admitted(req.rid):
             continue
         # Barred from the tree (beam rows share pages), or leaving: as for long prompts.
         if req.skip_radix_cache_insert or req.finished():
             continue
-        released.admit(req.rid, -(-req.kv.cache_protected_len // released.pools.page_size))
+        releases.admit(req.rid, -(-req.kv.cache_protected_len // releases.pools.page_size))
 
 
 def release_with_pages(
-    released: Released,
+    releases: ReleaseRegistry,
     request_params: RequestParams,
     original: Callable[..., Any],
     req: Any,
@@ -164,17 +172,17 @@ def release_with_pages(
 ) -> Any:
     """Around ``release_kv_cache``: bring released pages back or keep them out of the free."""
     forget_request(request_params, req)
-    if not released.admitted(req.rid):
+    if not releases.admitted(req.rid):
         return original(req, tree_cache, checkpoint=checkpoint)
-    pages = released.peek(req.rid)
+    pages = releases.peek(req.rid)
     try:
         if pages is not None and bool(pages.released.any()):
             inserting = checkpoint and not req.skip_radix_cache_insert
             if inserting:
-                _restore_all(released, pages, tree_cache)
+                _restore_all(releases, pages, tree_cache)
             if bool(pages.released.any()):
                 if inserting:
-                    released.counts.finished_uncached += 1
+                    releases.counts.finished_uncached += 1
                     logger.info(
                         "hot set: request %s leaves %d pages on the host; it is not inserted into the tree",
                         req.rid,
@@ -183,28 +191,30 @@ def release_with_pages(
                     # Set only to stop this insert: a retracted request keeps its flag
                     # for the prefill that resumes it (tree insert or admission again).
                     req.skip_radix_cache_insert = True
-                released.leaving[req.kv.req_pool_idx] = pages
+                releases.leaving[req.kv.req_pool_idx] = pages
             elif inserting:
-                released.counts.finished_reinserted += 1
+                releases.counts.finished_reinserted += 1
         return original(req, tree_cache, checkpoint=checkpoint)
     finally:
-        released.leaving.clear()
-        released.forget(req.rid)
+        releases.leaving.clear()
+        releases.forget(req.rid)
 
 
-def _restore_all(released: Released, pages: RequestPages, tree_cache: Any) -> None:
+def _restore_all(releases: ReleaseRegistry, pages: RequestPages, tree_cache: Any) -> None:
     from sglang.srt.mem_cache.common import evict_from_tree_cache
 
     held = pages.released_pages()
     need = held.numel() * pages.page_size
     if tree_cache.token_to_kv_pool_allocator.available_size() < need:
         evict_from_tree_cache(tree_cache, need)
-    pages.restore(held, released.pools, released.counts)
+    pages.restore(held, releases.pools, releases.counts)
 
 
-def free_row_around_released(released: Released, original: Callable[..., Any], cache: Any, kv: Any, ranges: Any) -> Any:
+def free_row_around_released(
+    releases: ReleaseRegistry, original: Callable[..., Any], cache: Any, kv: Any, ranges: Any
+) -> Any:
     """Around ``free_kv_row``: a leaving request frees only positions it still holds."""
-    pages = released.leaving.get(kv.req_pool_idx)
+    pages = releases.leaving.get(kv.req_pool_idx)
     if pages is not None:
         ranges = subtract_pages(list(ranges), pages.released_pages().tolist(), pages.page_size)
     return original(cache, kv, ranges)

@@ -1,6 +1,6 @@
 """Command line of the simulator.
 
-python -m sgl_importance.sim replay  --trace DIR --policies lru,shipped,importance,belady --budgets 0.05,0.1 --out DIR
+python -m sgl_importance.sim replay  --trace DIR --policies lru,shipped,decayed_mass,belady --budgets 0.05,0.1 --out DIR
                                      [--policy-config '{"decay": 0.95}']
 python -m sgl_importance.sim analyze --trace DIR --out DIR
 python -m sgl_importance.sim synth   --kind multi_turn|rag|agent|cot|loop --out DIR
@@ -17,7 +17,7 @@ from typing import Sequence
 from sgl_importance.sim.policies import POLICIES, make_policy
 from sgl_importance.sim.shipped import Shipped
 
-DEFAULT_POLICIES = "lru,lru_mass,lfu,slru,tlru,h2o,shipped,importance,blend,prefetch,belady"
+DEFAULT_POLICIES = "lru,lru_mass,lfu,slru,tlru,h2o,shipped,decayed_mass,blend,prefetch,belady"
 DEFAULT_BUDGETS = "0.05,0.1,0.2,0.3,0.5"
 
 

@@ -1,11 +1,11 @@
-"""Policies that rank a page by the attention mass it received: H2O, importance, blend, prefetch.
+"""Policies that rank a page by the attention mass it received: H2O, decayed mass, blend, prefetch.
 
-``importance`` (a decayed sum of attention mass), ``blend`` (that sum blended with
+``decayed_mass`` (a decayed sum of attention mass), ``blend`` (that sum blended with
 recency) and ``prefetch`` are research variants under their own names; the policy
 the server runs is ``shipped`` (:mod:`sim.shipped`), and a verdict about these is
 not about the server.
 
-Policies that decay over time (importance, blend) keep scores in a
+Policies that decay over time (decayed_mass, blend) keep scores in a
 time-normalised log domain: every score decays by the same factor per event,
 so multiplying all of them by ``decay**-t`` leaves their order unchanged and
 makes the untouched keys' priorities constant.
@@ -57,7 +57,7 @@ class H2O(Policy):
         return a
 
 
-class Importance(Policy):
+class DecayedMass(Policy):
     """Research variant: exponentially decayed attention mass (not the server's policy).
 
     score(t) = sum over accesses s <= t of mass(s) * decay**(t - s); the lowest
@@ -65,11 +65,11 @@ class Importance(Policy):
     never change.
     """
 
-    name = "importance"
+    name = "decayed_mass"
     defaults = {"decay": 0.95}
 
     def check(self) -> None:
-        check_unit("importance: decay", self.decay)
+        check_unit("decayed_mass: decay", self.decay)
 
     def reset(self, ctx: StreamContext) -> None:
         self.logscore = np.full(ctx.n_keys, -np.inf)
@@ -89,12 +89,12 @@ class Blend(Policy):
     """Research variant: alpha * normalised importance + (1 - alpha) * normalised recency.
 
     Recency is normalised as ``decay**age`` (1 when just touched). Importance is
-    the decayed score of ``importance`` normalised as ``(1-decay) * score / m``,
+    the decayed score of ``decayed_mass`` normalised as ``(1-decay) * score / m``,
     where ``m`` is the stream's mean mass of a demanded page: a page that gets
     the typical demanded mass at every event scores 1, like a page touched just
     now does on recency. Both terms decay at the same rate, so the blend's
     ranking is time-invariant (a lazy queue works). alpha=0 is LRU, alpha=1 is
-    ``importance``.
+    ``decayed_mass``.
     """
 
     name = "blend"
@@ -121,8 +121,8 @@ class Blend(Policy):
         return np.logaddexp(self.log_wi + s, rec)
 
 
-class PrefetchImportance(Importance):
-    """``importance`` eviction plus prefetch of the pages predicted to be needed next.
+class PrefetchDecayedMass(DecayedMass):
+    """``decayed_mass`` eviction plus prefetch of the pages predicted to be needed next.
 
     After each event the ``k`` non-resident pages with the highest decayed
     importance are brought in, into free slots or in place of resident pages of

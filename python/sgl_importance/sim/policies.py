@@ -1,7 +1,7 @@
 """The replay's eviction policies by name, and :func:`make_policy`, which builds one from a spec.
 
 The policy the server runs is ``shipped`` (``sim/shipped.py``: the server's own
-priority function, ranked at eviction time). ``importance`` (a decayed sum of
+priority function, ranked at eviction time). ``decayed_mass`` (a decayed sum of
 attention mass) and ``blend`` (that sum blended with recency) are research
 variants under their own names; a verdict about them is not about the server.
 
@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from sgl_importance.sim.belady import Belady
-from sgl_importance.sim.mass_policies import H2O, Blend, Importance, PrefetchImportance
+from sgl_importance.sim.mass_policies import H2O, Blend, DecayedMass, PrefetchDecayedMass
 from sgl_importance.sim.policy_base import Policy
 from sgl_importance.sim.recency_policies import LFU, LRU, SLRU, TLRU, LRUMass
 from sgl_importance.sim.shipped import Shipped
@@ -32,7 +32,7 @@ def _by_name(*classes: type[Policy]) -> Mapping[str, type[Policy]]:
 
 # Every policy a spec may name, in the order reports list them by default.
 POLICIES: Mapping[str, type[Policy]] = _by_name(
-    LRU, LRUMass, LFU, TLRU, H2O, Importance, Blend, SLRU, PrefetchImportance, Belady, Shipped
+    LRU, LRUMass, LFU, TLRU, H2O, DecayedMass, Blend, SLRU, PrefetchDecayedMass, Belady, Shipped
 )
 
 

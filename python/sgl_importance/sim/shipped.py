@@ -5,8 +5,8 @@ The priority is ``importance.priority.eviction_priority`` — the function
 keys of ``--radix-eviction-policy-config``, parsed by the same code). What the
 simulator supplies is the node state the server keeps, rebuilt from the trace:
 
-- importance: the EMA of ``importance/aggregator.py`` — per attended decode step
-  ``old * decay + density * (1 - decay)``, density = attention mass per content
+- importance: the EMA of ``importance/aggregator.py`` (its ``importance.ema.ema_fold``) —
+  per attended decode step ``old * decay + density * (1 - decay)``, density = attention mass per content
   page (sink pages left out), and the aggregator's running maximum ``scale``
   (the largest importance folded, decaying by ``decay`` per step);
 - pinned: the key lies inside the first ``sink_pages`` pages of its sequence;
@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from sgl_importance.importance.ema import ema_fold
 from sgl_importance.importance.priority import (
     ImportancePolicyConfig,
     PriorityWeights,
@@ -120,7 +121,7 @@ class Shipped(Policy):
         if steps <= 0 or keys.shape[0] == 0:
             return
         keep = self.config.decay**steps
-        value = self.importance[keys] * keep + density * (1.0 - keep)
+        value = ema_fold(self.importance[keys], density, keep)
         self.importance[keys] = value
         self.pinned[keys] = pinned
         content = value[~pinned]

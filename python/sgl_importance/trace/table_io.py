@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -164,24 +164,23 @@ def _raw_requests(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], np.nd
     return cols, _col(table, "request_id")
 
 
-def read_accesses(path: str | os.PathLike) -> Accesses:
-    """Read all ``accesses`` files of a trace directory into one :class:`Accesses`."""
-    raw = _raw_accesses(path)
+def _coded(raw: Any, prefix: str, path: str | os.PathLike) -> dict[str, Any]:
+    """A table's columns with its request ids coded (``request_id``, ``request_labels``)."""
     if raw is None:
-        raise FileNotFoundError(f"no {ACCESS_PREFIX}-*.parquet in {path}")
+        raise FileNotFoundError(f"no {prefix}-*.parquet in {path}")
     cols, ids = raw
     codes, labels = code_ids(ids)
-    return Accesses(**cols, request_id=codes, request_labels=labels, meta=read_meta(path))
+    return {**cols, "request_id": codes, "request_labels": labels}
+
+
+def read_accesses(path: str | os.PathLike) -> Accesses:
+    """Read all ``accesses`` files of a trace directory into one :class:`Accesses`."""
+    return Accesses(**_coded(_raw_accesses(path), ACCESS_PREFIX, path), meta=read_meta(path))
 
 
 def read_requests(path: str | os.PathLike) -> Requests:
     """Read the ``requests`` table of a trace directory."""
-    raw = _raw_requests(path)
-    if raw is None:
-        raise FileNotFoundError(f"no {REQUEST_PREFIX}-*.parquet in {path}")
-    cols, ids = raw
-    codes, labels = code_ids(ids)
-    return Requests(request_id=codes, request_labels=labels, **cols)
+    return Requests(**_coded(_raw_requests(path), REQUEST_PREFIX, path))
 
 
 def read_all(path: str | os.PathLike) -> TraceSet:

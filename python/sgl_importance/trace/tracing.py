@@ -2,8 +2,9 @@
 
 Holds the step capture and the recorder (``trace/recorder.py``) for the runtime, and
 is what the hooks call: the recorder starts after ``Scheduler.__init__`` (rank 0,
-flag on), the capture watches the page table's ``add_layer`` / ``finish_step``, and
-the recorder runs around ``Scheduler.process_batch_result``. A recording fault stops
+flag on), the capture watches the page importance table's ``add_layer`` /
+``finish_step`` (the runtime makes it the table's observer), and the recorder runs
+around ``Scheduler.process_batch_result``. A recording fault stops
 recording and closes the trace; serving goes on.
 """
 
@@ -14,27 +15,37 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from sgl_importance.config import ImportanceConfig
 from sgl_importance.env import TRACE_DIR_ENV
-from sgl_importance.trace.recorder import Recorder, StepCapture
+from sgl_importance.trace.recorder import Recorder, StepCapture, recording_requested
 
 logger = logging.getLogger(__name__)
 
 
 class Tracing:
-    """The capture and the recorder of one scheduler process."""
+    """The capture and the recorder of one scheduler process.
 
-    def __init__(self) -> None:
+    Args:
+        config: the process's flags (``--importance-trace-dir`` and what the trace
+            records about the table); defaults when None.
+    """
+
+    def __init__(self, config: Optional[ImportanceConfig] = None) -> None:
+        self.config = config if config is not None else ImportanceConfig()
         self.capture = StepCapture()
         self.recorder: Optional[Recorder] = None
+
+    @property
+    def requested(self) -> bool:
+        """Whether this process records: the flag is on and the launcher exported it."""
+        return self.config.trace_dir is not None and recording_requested()
 
     def start(self, scheduler: Any) -> Optional[Recorder]:
         """After ``Scheduler.__init__``: start the writer for rank 0 when the flag is on."""
         from sglang.srt.runtime_context import get_parallel
 
-        from sgl_importance.config import config_of
-
         server_args = scheduler.server_args
-        config = config_of(server_args)
+        config = self.config
         if config.trace_dir is None or self.recorder is not None:
             return self.recorder
         # SGLang keeps a process's ranks in its runtime context, not on the scheduler.
@@ -57,20 +68,12 @@ class Tracing:
         logger.info("recording page importance to %s", out)
         return self.recorder
 
-    def on_add_layer(self, table: Any, importance: Any, kv_indptr: Any, kv_indices: Any) -> None:
-        """After ``PageImportanceTable.add_layer``."""
-        self.capture.add_layer(table, importance, kv_indptr, kv_indices)
-
-    def on_finish_step(self, table: Any) -> None:
-        """After ``PageImportanceTable.finish_step``."""
-        self.capture.finish_step(table)
-
     def around_batch_result(
         self, original: Callable[..., Any], scheduler: Any, batch: Any, *args: Any, **kwargs: Any
     ) -> Any:
         """Around ``Scheduler.process_batch_result``: record before (requests still hold
         their KV rows), file finished requests and push after (they are known, and inserted)."""
-        # Only the unified radix cache has a tree core (see cache/policy_state.py).
+        # Only the unified radix cache has a tree core (see cache/state_of.py).
         tree_core = getattr(scheduler.tree_cache, "tree_core", None)
         self._guarded(lambda recorder: recorder.record_batch(self.capture, batch, tree_core))
         result = original(scheduler, batch, *args, **kwargs)

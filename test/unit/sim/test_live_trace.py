@@ -180,7 +180,7 @@ def test_cli_replays_a_live_format_trace_in_both_regimes(tmp_path):
             )
         )  # fmt: skip
     out = tmp_path / "out"
-    assert sim_main(["replay", "--trace", str(trace_dir), "--out", str(out), "--policies", "lru,importance",
+    assert sim_main(["replay", "--trace", str(trace_dir), "--out", str(out), "--policies", "lru,decayed_mass",
                      "--budgets", "1", "--quiet"]) == 0  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     regimes = {r["regime"] for r in results}

@@ -41,10 +41,10 @@ def _old_anchor_steps(n_rounds: int = 12):
     return steps
 
 
-def test_importance_keeps_old_heavy_pages_that_lru_evicts():
+def test_decayed_mass_keeps_old_heavy_pages_that_lru_evicts():
     steps = _old_anchor_steps()
     lru, _ = _run(steps, "lru", budget=6)
-    imp, _ = _run(steps, "importance", budget=6)
+    imp, _ = _run(steps, "decayed_mass", budget=6)
     assert lru.hits == 0
     assert imp.hits == 2 * (12 - 1)  # every anchor revisit after the first
     assert imp.mass_recall > lru.mass_recall
@@ -80,7 +80,7 @@ def test_lru_tie_breaking_by_mass_evicts_the_lightest_page_of_a_step_but_random_
     assert 0 < evicted_heaviest < 30
 
 
-def test_blend_with_alpha_zero_ranks_like_lru_and_with_alpha_one_like_importance(rng):
+def test_blend_with_alpha_zero_ranks_like_lru_and_with_alpha_one_like_decayed_mass(rng):
     pages = rng.integers(0, 12, 400)
     masses = rng.random(400)
     steps = [{int(p): float(m)} for p, m in zip(pages, masses)]
@@ -88,7 +88,7 @@ def test_blend_with_alpha_zero_ranks_like_lru_and_with_alpha_one_like_importance
     b0, _ = _run(steps, "blend:alpha=0", 5)
     assert b0.hits == lru.hits
     steps = [{int(p): float(m) for p, m in zip(rng.choice(12, 3, replace=False), rng.random(3))} for _ in range(300)]
-    imp, tr_i = _run(steps, "importance:decay=0.9", 6)
+    imp, tr_i = _run(steps, "decayed_mass:decay=0.9", 6)
     b1, tr_b = _run(steps, "blend:alpha=1:decay=0.9", 6)
     assert np.array_equal(tr_i.hits, tr_b.hits)
 
@@ -125,7 +125,7 @@ def test_h2o_evicts_the_page_with_least_accumulated_mass():
 
 def test_prefetch_brings_back_a_heavy_page_before_it_is_needed_and_counts_it_apart():
     steps = [{9: 0.9, 1: 0.1}, {2: 0.5, 3: 0.5}, {9: 1.0}]
-    plain, tr_p = _run(steps, "importance", 2)
+    plain, tr_p = _run(steps, "decayed_mass", 2)
     pre, tr_f = _run(steps, "prefetch:k=1", 2)
     assert tr_p.hits[-1] == 0 and tr_f.hits[-1] == 1
     assert pre.prefetched >= 1 and pre.prefetch_used == 1
@@ -149,13 +149,13 @@ def test_make_policy_parses_parameters_and_rejects_bad_specs():
     p = make_policy("blend:alpha=0.25:decay=0.9")
     assert (p.alpha, p.decay) == (0.25, 0.9)
     assert p.label == "blend:alpha=0.25:decay=0.9"
-    assert make_policy("importance").label == "importance"
+    assert make_policy("decayed_mass").label == "decayed_mass"
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("fifo2")
     with pytest.raises(ValueError, match="unknown parameter"):
         make_policy("lru:alpha=1")
     with pytest.raises(ValueError, match="decay"):
-        make_policy("importance:decay=1.5")
+        make_policy("decayed_mass:decay=1.5")
     with pytest.raises(ValueError, match="param=value"):
         make_policy("blend:0.3")
 

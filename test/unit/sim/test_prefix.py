@@ -47,7 +47,7 @@ def test_eviction_takes_leaves_first_even_when_the_parent_is_less_important():
     )
     pd = prepare_prefix(req, tr)
     assert pd.has_importance
-    c, hits = replay_prefix(pd, make_policy("importance"), 20)
+    c, hits = replay_prefix(pd, make_policy("decayed_mass"), 20)
     assert hits.tolist() == [0, 10, 10]  # node 1 stayed resident throughout
 
 

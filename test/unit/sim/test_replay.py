@@ -75,7 +75,7 @@ def test_per_layer_breakdown_sums_to_the_total():
         parts.append(trace_from_steps(steps, layer=layer, kv_head=0))
     hs = prepare_hot(Accesses.from_columns(merge_columns(*parts)), "topk:2")
     assert hs.n_streams == 3
-    res = replay_hot(hs, ["lru", "importance"], [0.25, 0.5])
+    res = replay_hot(hs, ["lru", "decayed_mass"], [0.25, 0.5])
     for rr in res:
         assert sorted(rr.per_layer) == [0, 1, 2]
         assert sum(c.hits for c in rr.per_layer.values()) == rr.counts.hits

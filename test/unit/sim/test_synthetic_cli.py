@@ -47,18 +47,18 @@ def test_synthetic_heads_differ_when_layers_and_heads_are_requested():
     assert a.shape == b.shape and not np.allclose(a, b)
 
 
-def test_loop_workload_starves_lru_while_importance_keeps_the_heavy_pages():
+def test_loop_workload_starves_lru_while_decayed_mass_keeps_the_heavy_pages():
     hs = prepare_hot(synthesize("loop", seed=0).accesses, "mass:0.9")
-    res = {r.policy: r for r in replay_hot(hs, ["lru", "importance", "belady"], [0.1])}
+    res = {r.policy: r for r in replay_hot(hs, ["lru", "decayed_mass", "belady"], [0.1])}
     assert res["lru"].hit_rate < 0.05
-    assert res["importance"].hit_rate > 0.2
-    assert res["belady"].hit_rate >= res["importance"].hit_rate
+    assert res["decayed_mass"].hit_rate > 0.2
+    assert res["belady"].hit_rate >= res["decayed_mass"].hit_rate
 
 
-def test_chain_of_thought_workload_rewards_importance_over_recency_in_mass_recall():
+def test_chain_of_thought_workload_rewards_decayed_mass_over_recency_in_mass_recall():
     hs = prepare_hot(synthesize("cot", seed=0).accesses, "mass:0.9")
-    res = {r.policy: r for r in replay_hot(hs, ["lru", "importance"], [0.1])}
-    assert res["importance"].mass_recall > res["lru"].mass_recall
+    res = {r.policy: r for r in replay_hot(hs, ["lru", "decayed_mass"], [0.1])}
+    assert res["decayed_mass"].mass_recall > res["lru"].mass_recall
 
 
 def test_cli_synth_replay_analyze_writes_reports(tmp_path: Path):
@@ -74,7 +74,7 @@ def test_cli_synth_replay_analyze_writes_reports(tmp_path: Path):
                 "--out",
                 str(rep),
                 "--policies",
-                "lru,importance:decay=0.9,belady",
+                "lru,decayed_mass:decay=0.9,belady",
                 "--budgets",
                 "0.1,0.5",
                 "--quiet",
@@ -86,10 +86,10 @@ def test_cli_synth_replay_analyze_writes_reports(tmp_path: Path):
         assert (rep / f).stat().st_size > 0, f
     res = json.loads((rep / "results.json").read_text())
     assert {(r["regime"], r["policy"], r["budget_frac"]) for r in res} == {
-        (g, p, b) for g in ("hot", "prefix") for p in ("lru", "importance:decay=0.9", "belady") for b in (0.1, 0.5)
+        (g, p, b) for g in ("hot", "prefix") for p in ("lru", "decayed_mass:decay=0.9", "belady") for b in (0.1, 0.5)
     }
     md = (rep / "report.md").read_text()
-    assert "| importance:decay=0.9 |" in md and "hit / Belady" in md
+    assert "| decayed_mass:decay=0.9 |" in md and "hit / Belady" in md
     an = tmp_path / "an"
     assert main(["analyze", "--trace", str(trace), "--out", str(an), "--k", "8"]) == 0
     for f in ("analysis.md", "analysis.json", "reuse_cdf.png", "segments.png"):

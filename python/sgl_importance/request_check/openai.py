@@ -8,9 +8,9 @@ LoRA adapters (alone or as ``base:adapter``), and SGLang's placeholder
 ``default`` for requests that omit the field.
 
 A prompt the model cannot read is refused in the tokenizer manager
-(``prompt_check.py``); around an OpenAI request we tell that check the name the
+(``prompt.py``); around an OpenAI request we tell that check the name the
 caller gave the prompt (``messages``, ``prompt`` or ``input``), so the 400 names it.
-The same name tells ``request_check/`` which endpoint built the request, so its
+The same name tells the other checks which endpoint built the request, so their
 400s use the endpoint's field names (``top_logprobs`` on chat, ``logprobs`` on
 completions).
 
@@ -68,8 +68,8 @@ def openai_prompt_field(request: Any) -> str | None:
 
 async def check_openai_request(original: Callable[..., Any], handler: Any, request: Any, raw_request: Any) -> Any:
     """AROUND-hook for ``OpenAIServingBase.handle_request``: every OpenAI check."""
-    from sgl_importance.prompt_check import naming_prompt_field
-    from sgl_importance.request_check.chat_template import InvalidFieldError, check_chat_template_kwargs
+    from sgl_importance.request_check.chat_template import check_chat_template_kwargs
+    from sgl_importance.request_check.fields import InvalidFieldError, naming_prompt_field
 
     try:
         check_chat_template_kwargs(getattr(request, "chat_template_kwargs", None))

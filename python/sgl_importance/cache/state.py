@@ -1,14 +1,15 @@
-"""CachePolicy: everything the ``importance`` policy keeps for one SGLang cache.
+"""CacheState: everything the ``importance`` policy keeps for one SGLang cache.
 
 The runtime (``runtime.py``) builds one per tree core when SGLang asks for the
-``importance`` eviction strategy, and hands it to that strategy; every hook reaches
-it from the cache it was given (``policy_state.policy_of``). It holds:
+``importance`` eviction strategy, and hands it to that strategy; the cache layer's
+hooks reach it from the cache they were given (``state_of.state_of``), scheduler-side
+code from the runtime (``Runtime.cache_state``). It holds:
 
 - ``config``: the policy's ``--radix-eviction-policy-config``;
-- ``aggregator``: the fold of the page table into node importance, and its scale;
+- ``aggregator``: the fold of the page importance table into node importance, and its scale;
 - ``admission``: the L3 admission rule; ``warm``: the prefetch's warm candidates;
   ``stored``: the importance of pages dropped to the storage tier;
-- what the runtime shares with it: the process's page tables and metrics, and, read
+- what the runtime shares with it: the process's metrics, and, read
   through the runtime when needed (they come later than the cache), the scheduler
   and the shared importance; the prefill adder of the batch being built (a weak
   reference, set by its hook).
@@ -23,17 +24,15 @@ from sgl_importance.cache.admission import StorageAdmission
 from sgl_importance.cache.prefetch import WarmIndex
 from sgl_importance.cache.stored import StoredImportance
 from sgl_importance.importance.aggregator import ImportanceAggregator
-from sgl_importance.importance.page_table import PageTables
 from sgl_importance.importance.priority import ImportancePolicyConfig
 from sgl_importance.metrics import Metrics
 
 
-class CachePolicy:
+class CacheState:
     """The ``importance`` policy's state for one cache (see the module docstring).
 
     Args:
         config: the strategy's keywords (``ImportancePolicyConfig.from_mapping``).
-        page_tables: the process's page table holder (``PageTables``).
         metrics: the process's series (``Metrics``).
         scheduler: the process's scheduler, or None before it is built (or in a test).
         shared: the importance shared through a Mooncake store (``storage/``), or None.
@@ -42,7 +41,6 @@ class CachePolicy:
     def __init__(
         self,
         config: Mapping[str, Any],
-        page_tables: Optional[PageTables] = None,
         metrics: Optional[Metrics] = None,
         *,
         scheduler: Callable[[], Any] = lambda: None,
@@ -56,7 +54,6 @@ class CachePolicy:
         self.warm = WarmIndex()
         # Importance of pages dropped to the storage tier, for the nodes rebuilt from it.
         self.stored = StoredImportance(shared=shared)
-        self.page_tables = page_tables if page_tables is not None else PageTables()
         self.metrics = metrics if metrics is not None else Metrics()
         self._scheduler = scheduler
         self._shared = shared

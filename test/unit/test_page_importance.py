@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from sgl_importance.importance import page_table as pt
-from sgl_importance.importance.page_table import PageImportanceTable
+from sgl_importance.importance import page_importance as pt
+from sgl_importance.importance.page_importance import PageImportanceTable
 
 PAGE = 4
 
@@ -137,14 +137,14 @@ def test_invalid_settings_are_rejected():
 
 
 def test_backends_of_one_process_share_one_table():
-    tables = pt.PageTables()  # the process's (its runtime owns one)
+    tables = pt.PageImportanceHolder()  # the process's (its runtime owns one)
     first = tables.get_or_create(64, page_size=16)
     assert tables.get_or_create(64, page_size=16) is first
     assert tables.current is first
 
 
 def test_dump_writes_a_snapshot_only_when_the_table_changed(tmp_path):
-    tables = pt.PageTables()
+    tables = pt.PageImportanceHolder()
     table = tables.get_or_create(32, page_size=PAGE)
     run_step(table, (0.5, 0.3, 0.2))
     path = tables.dump(directory=str(tmp_path))
@@ -164,7 +164,7 @@ from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sgl_importance import runtime
 
-tables = runtime.current().page_tables  # what the plugin's allocator hooks are handed
+tables = runtime.current().page_importance  # what the plugin's allocator hooks are handed
 
 def zeroed(table):
     return [i for i, x in enumerate(table.accumulated.tolist()) if x == 0.0]

@@ -1,8 +1,8 @@
-"""What the plugin keeps on an SGLang radix-tree node: one ``NodeImportance``.
+"""What the plugin keeps on an SGLang radix-tree node: one ``NodeState``.
 
 SGLang's ``UnifiedTreeNode`` has no ``__slots__``, so the plugin could hang any
 attribute on it; it hangs exactly one, ``NODE_STATE``, holding a slotted
-:class:`NodeImportance`. The object is created here and nowhere else, lazily, the
+:class:`NodeState`. The object is created here and nowhere else, lazily, the
 first time a writer records something about the node (:func:`node_state`): most
 nodes are never attended, and eviction over them must not allocate. Readers use
 :func:`peek_state` and treat None as "nothing recorded".
@@ -23,7 +23,7 @@ from typing import Any, Optional
 NODE_STATE = "sgl_importance"
 
 
-class NodeImportance:
+class NodeState:
     """The plugin's state of one radix-tree node.
 
     Attributes:
@@ -70,20 +70,20 @@ class NodeImportance:
     def __repr__(self) -> str:
         # Without the page tensors: this is for test failure messages.
         fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__ if name != "pages")
-        return f"NodeImportance({fields})"
+        return f"NodeState({fields})"
 
 
-def peek_state(node: Any) -> Optional[NodeImportance]:
+def peek_state(node: Any) -> Optional[NodeState]:
     """The node's state, or None when the plugin never recorded anything about it."""
     # A default, not an error: the state is created lazily (see the module docstring).
     return getattr(node, NODE_STATE, None)
 
 
-def node_state(node: Any) -> NodeImportance:
+def node_state(node: Any) -> NodeState:
     """The node's state, created on first use: the one place that creates it."""
     state = getattr(node, NODE_STATE, None)  # absent until this first runs on the node
     if state is None:
-        state = NodeImportance()
+        state = NodeState()
         setattr(node, NODE_STATE, state)
     return state
 

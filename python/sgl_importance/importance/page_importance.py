@@ -24,20 +24,33 @@ runs the same kernels, and the gate decides on the device whether the step lands
 scheduler's stream; under overlap scheduling it may run beside a forward that no
 longer reads the freed page).
 
-Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang. The per-process
-table lives in a :class:`PageTables` the runtime owns.
+Not SGLang's page table (request -> token slots): this is importance per physical
+page. Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang. The
+per-process table lives in a :class:`PageImportanceHolder` the runtime owns, which
+also hands each table its observer (the tracer's capture, wired by the runtime).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
+from sgl_importance.choices import REDUCTIONS
 from sgl_importance.env import DUMP_DIR_ENV
-from sgl_importance.vocabulary import REDUCTIONS
 from sgl_kernel_ext import scatter_page_importance
+
+
+class StepObserver(Protocol):
+    """What watches a table's decode path (the tracer's ``StepCapture``): called after
+    each ``add_layer`` with its arguments and after each ``finish_step``."""
+
+    def add_layer(
+        self, table: Any, importance: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
+    ) -> None: ...
+
+    def finish_step(self, table: Any) -> None: ...
 
 
 class PageImportanceTable:
@@ -49,6 +62,7 @@ class PageImportanceTable:
         reduce: how one step's layers combine: ``"mean"`` or ``"max"``.
         sample_interval: record every N-th decode step (1 = every step).
         device: where the table lives (the KV pool's device).
+        observer: called after each layer and step (None: nobody watches).
     """
 
     def __init__(
@@ -59,6 +73,7 @@ class PageImportanceTable:
         reduce: str = "mean",
         sample_interval: int = 1,
         device: torch.device | str = "cpu",
+        observer: Optional[StepObserver] = None,
     ) -> None:
         if num_pages < 1 or page_size < 1 or sample_interval < 1:
             raise ValueError(
@@ -86,25 +101,13 @@ class PageImportanceTable:
         self._pending_lists: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         # Host-side count of resets, so a dump can tell the table changed.
         self.resets = 0
+        self.observer = observer
 
     @classmethod
-    def for_pool(
-        cls,
-        pool_tokens: int,
-        *,
-        page_size: int,
-        reduce: str = "mean",
-        sample_interval: int = 1,
-        device: torch.device | str = "cpu",
-    ) -> "PageImportanceTable":
-        """A table for a KV pool of ``pool_tokens`` slots: pages 1..N plus padding page 0."""
-        return cls(
-            pool_tokens // page_size + 1,
-            page_size=page_size,
-            reduce=reduce,
-            sample_interval=sample_interval,
-            device=device,
-        )
+    def for_pool(cls, pool_tokens: int, *, page_size: int, **settings: Any) -> "PageImportanceTable":
+        """A table for a KV pool of ``pool_tokens`` slots: pages 1..N plus padding page 0
+        (``settings``: the constructor's other keywords)."""
+        return cls(pool_tokens // page_size + 1, page_size=page_size, **settings)
 
     # -- the decode path (graph-capturable) --------------------------------------
 
@@ -133,10 +136,11 @@ class PageImportanceTable:
                 self._pending.add_(importance)
             else:
                 torch.maximum(self._pending, importance, out=self._pending)
-            self._layers_in_step += 1
-            return
-        self._scatter(importance, kv_indptr, kv_indices)
+        else:
+            self._scatter(importance, kv_indptr, kv_indices)
         self._layers_in_step += 1
+        if self.observer is not None:
+            self.observer.add_layer(self, importance, kv_indptr, kv_indices)
 
     def _scatter(self, importance: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
         scatter_page_importance(
@@ -165,6 +169,8 @@ class PageImportanceTable:
         self._steps.add_(1)
         self._step.zero_()
         self._layers_in_step = 0
+        if self.observer is not None:
+            self.observer.finish_step(self)
 
     # -- the allocator side (host code, outside graphs) ---------------------------
 
@@ -223,13 +229,19 @@ def dump_path(directory: str, pid: Optional[int] = None) -> str:
     return os.path.join(directory, f"page_table-{os.getpid() if pid is None else pid}.pt")
 
 
-class PageTables:
-    """The process's page table: one, since SGLang runs one target model runner per
-    scheduler process, and the decode backends, the allocator hooks and the fold must
-    all reach the same object. Owned by the runtime (``runtime.py``)."""
+class PageImportanceHolder:
+    """Holds the process's one ``PageImportanceTable`` (``current``): one, since SGLang
+    runs one target model runner per scheduler process, and the decode backends, the
+    allocator hooks and the fold must all reach the same object, created when the first
+    backend knows the pool's size. Owned by the runtime (``runtime.py``).
+
+    Attributes:
+        observer: handed to every table it creates (the runtime wires the tracer here).
+    """
 
     def __init__(self) -> None:
         self.current: Optional[PageImportanceTable] = None
+        self.observer: Optional[StepObserver] = None
         # (table, steps, resets) of the last dump, to skip unchanged ones.
         self._dumped: Optional[tuple[int, int, int]] = None
         # The fold warns once when a policy needs a table no backend made.
@@ -240,9 +252,10 @@ class PageTables:
     ) -> PageImportanceTable:
         """The table for a pool of ``pool_tokens``, created on first use (several backends
         may share it); ``settings``: ``PageImportanceTable``'s ``reduce`` and ``sample_interval``."""
-        num_pages = pool_tokens // page_size + 1
-        if self.current is None or not self.current.matches(num_pages, page_size, device):
-            self.current = PageImportanceTable(num_pages, page_size=page_size, device=device, **settings)
+        if self.current is None or not self.current.matches(pool_tokens // page_size + 1, page_size, device):
+            self.current = PageImportanceTable.for_pool(
+                pool_tokens, page_size=page_size, device=device, observer=self.observer, **settings
+            )
         return self.current
 
     def dump(self, *, directory: Optional[str] = None) -> Optional[str]:

@@ -1,7 +1,7 @@
 """Prompts the model cannot read are refused before the scheduler sees them.
 
 (So are per-request hot-set parameters the server cannot honour:
-:func:`check_hot_set_request`.)
+:func:`check_hot_set_request`, against the config of the process's runtime.)
 
 SGLang 0.5.23 checks a prompt's length against the context but not its token
 ids, and not that it is empty. A token id outside the embedding table (``-5``,
@@ -18,26 +18,15 @@ chat templates and multimodal processing and before anything is dispatched.
 
 The error names the field the caller used: ``text`` or ``input_ids`` for
 ``/generate``; ``prompt`` or ``messages`` for the OpenAI endpoints, which set
-:data:`PROMPT_FIELD` around their handling (``serving.py``).
+:data:`fields.PROMPT_FIELD` around their handling (``openai.py``).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from contextvars import ContextVar
-from http import HTTPStatus
-from numbers import Integral
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-# The caller's name for the prompt when an OpenAI endpoint built the request;
-# None on the native endpoints, where the request's own field is the name.
-PROMPT_FIELD: ContextVar[Optional[str]] = ContextVar("sgl_importance_prompt_field", default=None)
-
-
-class InvalidRequestError(ValueError):
-    """A request the server cannot serve; SGLang answers it with ``status_code``."""
-
-    status_code = HTTPStatus.BAD_REQUEST
+from sgl_importance.request_check.fields import PROMPT_FIELD, InvalidRequestError
+from sgl_importance.validate import is_int
 
 
 class InvalidPromptError(InvalidRequestError):
@@ -46,16 +35,6 @@ class InvalidPromptError(InvalidRequestError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"Invalid '{field}': {message}")
         self.field = field
-
-
-@contextmanager
-def naming_prompt_field(field: str) -> Iterator[None]:
-    """Within this block, prompt errors name ``field`` (the caller's own field)."""
-    token = PROMPT_FIELD.set(field)
-    try:
-        yield
-    finally:
-        PROMPT_FIELD.reset(token)
 
 
 def prompt_field(obj: Any) -> str:
@@ -69,8 +48,7 @@ def prompt_field(obj: Any) -> str:
 def first_bad_token(input_ids: Sequence[Any], vocab_size: int) -> Optional[tuple[int, Any]]:
     """(position, value) of the first id that is not an integer in [0, vocab_size), or None."""
     for position, token in enumerate(input_ids):
-        # bool is an Integral too, but True as a token id is a caller's mistake.
-        if isinstance(token, bool) or not isinstance(token, Integral) or not 0 <= token < vocab_size:
+        if not (is_int(token) and 0 <= token < vocab_size):
             return position, token
     return None
 
@@ -103,21 +81,20 @@ def check_before_validation(tokenizer_manager: Any, obj: Any, input_ids: Optiona
     check_prompt(obj, input_ids, tokenizer_manager.model_config.vocab_size)
 
 
-def check_hot_set_request(tokenizer_manager: Any, obj: Any) -> None:
+def check_hot_set_request(config: Any, tokenizer_manager: Any, obj: Any) -> None:
     """Raise :class:`InvalidRequestError` (a 400) for bad ``custom_params.hot_set`` values.
 
     The scheduler parses them again (``scheduler/hot_set_requests.py``); checking here
     turns a bad value into the caller's error instead of a scheduler failure.
     """
-    from sgl_importance.config import config_of
+    from sgl_importance.choices import REQUEST_HOT_SET_KEY
     from sgl_importance.hot_set.params import request_hot_set_params
-    from sgl_importance.vocabulary import REQUEST_HOT_SET_KEY
 
     sampling = obj.sampling_params
     custom = sampling.get("custom_params") if isinstance(sampling, dict) else None
     if not isinstance(custom, dict) or REQUEST_HOT_SET_KEY not in custom:
         return
     try:
-        request_hot_set_params(config_of(tokenizer_manager.server_args), custom[REQUEST_HOT_SET_KEY])
+        request_hot_set_params(config, custom[REQUEST_HOT_SET_KEY])
     except ValueError as err:
         raise InvalidRequestError(str(err)) from None

@@ -1,7 +1,7 @@
-"""The words flags, requests and the hot set share, defined once.
+"""The choices and keys flags, requests and the hot set share, defined once.
 
 A leaf: ``config`` validates flags against these, ``hot_set/`` runs the policies
-they name, ``prompt_check`` and the scheduler read a request's own hot-set keys by
+they name, ``request_check/prompt.py`` and the scheduler read a request's own hot-set keys by
 them, and ``importance/`` reduces page masses by them. Nothing here imports anything.
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 REDUCTIONS = ("mean", "max")
 
 # Hot-set policies; "off" (every page attended) is a server setting, never a request's.
+# The hot set's "importance" ranks one request's pages by their moving average of
+# attention; the radix eviction policy of that name is importance/priority.py's.
 HOT_SET_POLICIES = ("off", "dense", "window", "quest", "lru", "importance")
 REQUEST_HOT_SET_POLICIES = HOT_SET_POLICIES[1:]
 

@@ -1,0 +1,160 @@
+"""What both importance backends do around their SGLang parent's decode, written once.
+
+``importance_torch`` and ``importance_triton`` differ in the parent they extend and in
+how a layer's dense decode reads pages; :class:`ImportanceDecodeSteps`, mixed in
+before that parent, is the rest: the process's page importance table sized to the
+pool, the last attention layer (whose decode closes the step), the hot set when
+``--hot-set-policy`` is on, its summaries after every KV write, the step begun with
+the batch's slots, each layer's hot-set decode and the step closed after the last
+layer. Everything comes from the runtime the plugin hands the backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from sgl_importance.attention.hot_set_attention import HotSetAttention, build_hot_set
+from sgl_importance.importance.page_importance import PageImportanceTable
+from sgl_importance.runtime import Runtime
+
+
+def page_importance_for(runtime: Runtime, model_runner: Any) -> PageImportanceTable:
+    """The process's page importance table (the runtime's), sized to this model runner's KV pool."""
+    config = runtime.config
+    pool = model_runner.token_to_kv_pool
+    return runtime.page_importance.get_or_create(
+        pool.size,
+        page_size=model_runner.page_size,
+        reduce=config.reduce,
+        sample_interval=config.sample_interval,
+        device=pool.device,
+    )
+
+
+def last_attention_layer_id(model_runner: Any) -> int:
+    """The id of the last attention layer a forward runs on this rank.
+
+    Its ``forward_decode`` closes the decode step. Read from the model's attention
+    modules rather than the layer count, so pipeline stages and models whose last
+    layer is not attention still close their steps.
+    """
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    ids = [m.layer_id for m in model_runner.model.modules() if isinstance(m, RadixAttention)]
+    if ids:
+        return max(ids)
+    return model_runner.model_config.num_hidden_layers - 1
+
+
+class ImportanceDecodeSteps:
+    """The decode-step plumbing both backends share; mixed in before SGLang's backend,
+    whose ``token_to_kv_pool`` it reads and whose ``forward_decode`` / ``forward_extend``
+    it wraps.
+
+    A backend supplies what differs: ``_records`` (whether a layer's decode is served
+    with importance), ``_store_kv`` (the parent's KV write), ``_decode_dense`` (one
+    layer over every page, filing its importance) and ``_logit_cap``; it may replace
+    ``_extend`` (the parent's extend by default).
+
+    Attributes:
+        page_importance: the process's ``PageImportanceTable``.
+        last_layer_id: the layer whose decode closes the step.
+        hot_set: the backend's ``HotSetAttention``, None with ``--hot-set-policy off``.
+    """
+
+    page_importance: PageImportanceTable
+    last_layer_id: int
+    hot_set: Optional[HotSetAttention]
+    token_to_kv_pool: Any
+
+    def _init_decode_steps(self, runtime: Runtime, model_runner: Any, *, exact: Any = None) -> None:
+        """Call after the parent's ``__init__``; ``exact``: the hot set's page reader."""
+        self.page_importance = page_importance_for(runtime, model_runner)
+        self.last_layer_id = last_attention_layer_id(model_runner)
+        self.hot_set = build_hot_set(runtime, model_runner, self.last_layer_id, self.page_importance, exact=exact)
+
+    # -- what a backend supplies ----------------------------------------------------
+
+    def _records(self, q: torch.Tensor, layer: Any, kwargs: dict) -> bool:
+        """Whether this layer's decode runs here (with importance) rather than in the parent."""
+        raise NotImplementedError
+
+    def _store_kv(self, layer: Any, forward_batch: Any, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this step's K and V as the parent would."""
+        raise NotImplementedError
+
+    def _decode_dense(self, q: torch.Tensor, o: torch.Tensor, layer: Any, sinks: Optional[torch.Tensor]) -> None:
+        """One layer over every page of the batch into ``o``, its importance filed."""
+        raise NotImplementedError
+
+    def _logit_cap(self, layer: Any) -> float:
+        raise NotImplementedError
+
+    def _extend(self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, save_kv_cache: bool, *args, **kwargs):
+        return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
+
+    # -- SGLang's entry points ------------------------------------------------------
+
+    def forward_extend(
+        self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, save_kv_cache: bool = True, *args, **kwargs
+    ):
+        o = self._extend(q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
+        if self.hot_set is not None and save_kv_cache and k is not None and not layer.is_cross_attention:
+            # The prompt's pages get their summaries as the parent stores them.
+            self._summarise(layer, forward_batch.out_cache_loc)
+        return o
+
+    def forward_decode(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        layer: Any,
+        forward_batch: Any,
+        save_kv_cache: bool = True,
+        sinks: Any = None,
+        **kwargs,
+    ):
+        if self._records(q, layer, kwargs):
+            o = self._decode_with_importance(q, k, v, layer, forward_batch, save_kv_cache, sinks)
+        else:
+            if sinks is not None:
+                kwargs["sinks"] = sinks
+            o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        if layer.layer_id == self.last_layer_id:
+            # The last layer closes the step: the table's, then the hot set's.
+            self.page_importance.finish_step()
+            if self.hot_set is not None:
+                self.hot_set.end_step()
+        return o
+
+    # -- the shared steps -------------------------------------------------------------
+
+    def _begin_hot_set_step(
+        self, forward_batch: Any, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, req_to_token: torch.Tensor
+    ) -> None:
+        """Plan the hot set's decode step (``HotSetAttention.begin_step``)."""
+        self.hot_set.begin_step(forward_batch.rids, forward_batch.req_pool_indices, kv_indptr, kv_indices, req_to_token)
+
+    def _summarise(self, layer: Any, slots: torch.Tensor) -> None:
+        self.hot_set.kv_written(layer.layer_id, slots, self.token_to_kv_pool.get_key_buffer(layer.layer_id))
+
+    def _decode_with_importance(
+        self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, save_kv_cache: bool, sinks: Any
+    ) -> torch.Tensor:
+        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        if save_kv_cache and k is not None and v is not None:
+            self._store_kv(layer, forward_batch, k, v)
+        out = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
+        if self.hot_set is None:
+            self._decode_dense(q, out, layer, sinks)
+            return o
+        if save_kv_cache:
+            self._summarise(layer, forward_batch.out_cache_loc)
+        pool = self.token_to_kv_pool
+        k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        self.hot_set.attend(layer, q, k_buffer, v_buffer, out, logit_cap=self._logit_cap(layer), sinks=sinks)
+        return o
