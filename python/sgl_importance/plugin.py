@@ -92,8 +92,7 @@ HOOKS = (
     Hook("mem_cache.storage.backend_factory.StorageBackendFactory.create_backend", "runtime:Runtime.storage_backend", "around", "scheduler", ("runtime",)),
     # Launcher checks: a bad value stops start-up in one line, before any model loads.
     Hook("server_args.ServerArgs.from_cli_args", "trace.recorder:export_trace_dir", "check", "any"),
-    Hook("server_args.ServerArgs.from_cli_args", "storage.file:check_cli_args", "check", "any"),
-    Hook("server_args.ServerArgs.from_cli_args", "storage.mooncake:check_cli_args", "check", "any"),
+    Hook("server_args.ServerArgs.from_cli_args", "storage.factory:check_cli_args", "check", "any"),
     Hook("managers.scheduler.Scheduler.__init__", "trace.tracing:Tracing.start", "after", "trace", ("tracing",)),
     Hook("managers.scheduler.Scheduler.process_batch_result", "trace.tracing:Tracing.around_batch_result", "around", "trace", ("tracing",)),
     Hook("mem_cache.pool_host.mha.get_mha_host_pool_cls", "platform.host_pool:host_pool_cls", "around", "torch_cpu"),

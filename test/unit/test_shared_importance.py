@@ -238,7 +238,7 @@ def test_an_unreachable_master_is_refused_in_one_line_naming_it(monkeypatch):
 def test_the_launcher_check_reads_the_master_from_the_extra_config_before_the_env(monkeypatch):
     import argparse
 
-    from sgl_importance.storage.mooncake import check_cli_args
+    from sgl_importance.storage.factory import check_cli_args
 
     monkeypatch.delenv("MOONCAKE_CLIENT", raising=False)
     monkeypatch.delenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", raising=False)
@@ -249,5 +249,5 @@ def test_the_launcher_check_reads_the_master_from_the_extra_config_before_the_en
     )
     with pytest.raises(ValueError, match=r"master 127\.0\.0\.1:2 .*unreachable"):
         check_cli_args(args)
-    # Other backends are not this check's business.
-    check_cli_args(argparse.Namespace(hicache_storage_backend="file"))
+    # Other backends check themselves.
+    check_cli_args(argparse.Namespace(hicache_storage_backend="nixl", hicache_storage_backend_extra_config=None))

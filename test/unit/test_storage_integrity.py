@@ -7,6 +7,8 @@ wrapper, with a small host pool; no server.
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import os
 from pathlib import Path
@@ -18,7 +20,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorage, Hi
 from sgl_importance.config import ImportanceConfig
 from sgl_importance.storage import file
 from sgl_importance.storage.breaker import MAX_WRITE_FAILURES, WriteBreaker
-from sgl_importance.storage.factory import wrap_backend
+from sgl_importance.storage.factory import check_cli_args, wrap_backend
 from sgl_importance.storage.page import CHECKSUM, FORMAT, LAYOUT, SHORT, TRAILER_BYTES, check, layout_fingerprint, seal
 from sgl_importance.storage.wrapper import IntegrityStorage
 
@@ -335,6 +337,21 @@ def test_a_regular_file_at_the_storage_path_is_refused_in_one_line(tmp_path):
         file.check_storage_dir(str(path))
     message = str(err.value)
     assert "\n" not in message and str(path) in message and "regular file" in message
+
+
+def test_the_launcher_check_reads_the_file_directory_from_the_extra_config(tmp_path, monkeypatch):
+    path = tmp_path / "hicache"
+    path.write_text("not a directory")
+    monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
+    args = argparse.Namespace(
+        hicache_storage_backend="file",
+        enable_hierarchical_cache=True,
+        hicache_storage_backend_extra_config=json.dumps({"file_storage_path": str(path)}),
+    )
+    with pytest.raises(ValueError, match="regular file"):
+        check_cli_args(args)
+    # Without the hierarchical cache the storage tier is never built: nothing to check.
+    check_cli_args(argparse.Namespace(**{**vars(args), "enable_hierarchical_cache": False}))
 
 
 def test_a_missing_storage_directory_is_created(tmp_path):

@@ -3,12 +3,14 @@
 The one place that picks an adapter by ``--hicache-storage-backend``: the ``file``
 backend gets its directory operations (``file.py``), ``mooncake`` is replaced by
 whole sealed pages in the same store (``mooncake.py``), any other backend is
-sealed through its own ``get``/``set``. Only the hook around SGLang's
-``StorageBackendFactory.create_backend`` calls into this module.
+sealed through its own ``get``/``set``. Two hooks call into this module: the one
+around SGLang's ``StorageBackendFactory.create_backend`` and the launcher check
+(``check_cli_args``, which runs the chosen adapter's own checks).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Optional
 
@@ -20,6 +22,28 @@ from sgl_importance.storage.precision import PageClasses, make_precision
 from sgl_importance.storage.wrapper import BackendOps, IntegrityStorage
 
 logger = logging.getLogger(__name__)
+
+
+def extra_config(args: Any) -> Optional[dict]:
+    """``--hicache-storage-backend-extra-config`` as a dict; None when it is unset or
+    not a JSON object (SGLang reports a malformed value itself)."""
+    extra = args.hicache_storage_backend_extra_config
+    try:
+        config = json.loads(extra) if extra else None
+    except (TypeError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def check_cli_args(args: Any) -> None:
+    """Launcher check of the chosen adapter's setting (``ServerArgs.from_cli_args``): the
+    ``file`` backend's directory, the ``mooncake`` client and master; other backends check
+    themselves."""
+    if args.hicache_storage_backend == "file" and args.enable_hierarchical_cache:
+        file.check_storage_dir(file.storage_dir(extra_config(args)))
+    elif args.hicache_storage_backend == "mooncake":
+        mooncake.check_client()
+        mooncake.check_master(mooncake.master_address(extra_config(args)))
 
 
 def adapt(backend: HiCacheStorage, backend_name: str, storage_config: Any) -> tuple[HiCacheStorage, BackendOps, str]:

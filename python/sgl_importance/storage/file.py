@@ -58,24 +58,6 @@ def check_storage_dir(path: str) -> None:
         ) from None
 
 
-def check_cli_args(args: Any) -> None:
-    """Launcher check of the ``file`` backend's directory (``ServerArgs.from_cli_args``)."""
-    if args.hicache_storage_backend != "file":
-        return
-    if not args.enable_hierarchical_cache:
-        return
-    extra = args.hicache_storage_backend_extra_config
-    config: Optional[dict] = None
-    if isinstance(extra, str) and extra.strip().startswith("{"):
-        import json
-
-        try:
-            config = json.loads(extra)
-        except ValueError:
-            config = None  # SGLang reports a malformed config itself
-    check_storage_dir(storage_dir(config))
-
-
 def remove_leftovers(path: str) -> int:
     """Delete ``.tmp`` files a killed writer left in ``path``; returns how many.
 

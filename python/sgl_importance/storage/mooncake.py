@@ -16,13 +16,13 @@ miss, a write that fails counts toward its write breaker. With the master gone,
 Mooncake's client answers each call with an error after a few seconds; nothing
 here blocks the scheduler (SGLang calls storage from its I/O threads).
 
-:func:`check_cli_args` refuses to start a server whose master is unreachable or
-whose Mooncake cannot be imported, in one line, before any model loads.
+:func:`check_client` and :func:`check_master` (run by the factory's launcher check)
+refuse to start a server whose Mooncake cannot be imported or whose master is
+unreachable, in one line, before any model loads.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -182,10 +182,12 @@ def check_master(address: Optional[str]) -> None:
         ) from None
 
 
-def check_cli_args(args: Any) -> None:
-    """Launcher check for ``--hicache-storage-backend mooncake`` (``ServerArgs.from_cli_args``)."""
-    if args.hicache_storage_backend != "mooncake":
-        return
+def check_client() -> None:
+    """Refuse a Mooncake client that cannot be imported (a missing wheel or system library).
+
+    Raises:
+        ValueError: one line naming the import error and what installs the client.
+    """
     try:
         from mooncake.store import MooncakeDistributedStore  # noqa: F401
     except ImportError as e:
@@ -194,12 +196,6 @@ def check_cli_args(args: Any) -> None:
             f"--hicache-storage-backend mooncake: the Mooncake client cannot be imported ({e}{hint}); "
             "`make install` installs mooncake-transfer-engine-non-cuda"
         ) from None
-    extra = args.hicache_storage_backend_extra_config
-    try:
-        extra_config = json.loads(extra) if extra else None
-    except (TypeError, ValueError):
-        extra_config = None  # SGLang reports a bad JSON itself
-    check_master(master_address(extra_config if isinstance(extra_config, dict) else None))
 
 
 def start_shared_importance(pages: MooncakePages, rank: int, metrics: Any = None) -> Any:
