@@ -471,7 +471,7 @@ class HotSetDecoder:
                 live.pages.restore(_union(plan, sample), self._promoting(), moves, note_refusal=False)
         if self.releases.counts.pages_released:
             self.releases.reopen = True
-        step.add_release(self.releases.take_counts())
+        step.add(self.releases.take_counts())
         self._live = []
         self._exact = self._outside = self._sample = self._tally = None
         self.totals.add(step)

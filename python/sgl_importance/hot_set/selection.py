@@ -43,6 +43,7 @@ import torch
 
 from sgl_importance.choices import HOT_SET_POLICIES as POLICIES
 from sgl_importance.choices import REDUCTIONS
+from sgl_importance.hot_set.residency import ReleaseCounts
 from sgl_importance.importance.ema import ema_fold
 
 # Share of the free budget a resident set may swap per step (see module docstring).
@@ -101,8 +102,9 @@ def fixed_mask(num_pages: int, sinks: int, window: int) -> torch.Tensor:
 
 
 @dataclass
-class HotSetCounts:
-    """What the hot set did, summed over requests and steps (the ``/metrics`` series)."""
+class HotSetCounts(ReleaseCounts):
+    """What the hot set did, summed over requests and steps (the ``/metrics`` series):
+    the page moves of released requests (the fields of ``ReleaseCounts``) and these."""
 
     steps: int = 0  # request-steps decoded on the hot set
     warmups: int = 0  # request-steps attended densely as a request's first
@@ -120,23 +122,11 @@ class HotSetCounts:
     pages_sampled: int = 0  # sampled rest pages read (each on its own), summed over layers
     pages_dense: int = 0  # pages dense attention would have read, over layers
     pages_read_from_host: int = 0  # attended pages read from their host copy, over layers
-    # Page moves of released requests (``residency.ReleaseCounts``).
-    pages_released: int = 0
-    pages_copied_out: int = 0
-    pages_copied_in: int = 0
-    promotions_refused: int = 0
-    releases_refused: int = 0
-    finished_reinserted: int = 0
-    finished_uncached: int = 0
 
-    def add(self, other: "HotSetCounts") -> None:
-        for f in fields(self):
+    def add(self, other: ReleaseCounts) -> None:
+        """Add another ``HotSetCounts``, or only the page moves of a ``ReleaseCounts``."""
+        for f in fields(other):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-    def add_release(self, moves: object) -> None:
-        """Add a ``residency.ReleaseCounts`` (same field names)."""
-        for f in fields(moves):
-            setattr(self, f.name, getattr(self, f.name) + getattr(moves, f.name))
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
