@@ -16,16 +16,17 @@ from typing import Iterable
 
 @dataclass
 class Counts:
-    """Additive counters of one replay (or one stream / layer of it)."""
+    """Additive counters of one replay (or one stream / layer of it). Units are the
+    regime's: pages for the hot set, tokens for the prefix cache."""
 
-    events: int = 0
-    accesses: float = 0.0
-    hits: float = 0.0
-    mass_total: float = 0.0
-    mass_resident: float = 0.0
-    fetched: float = 0.0
-    prefetched: float = 0.0
-    prefetch_used: float = 0.0
+    events: int = 0  # hot set: (step, request) events; prefix: requests
+    accesses: float = 0.0  # demanded pages / tokens on the requests' paths
+    hits: float = 0.0  # ... of which resident before the event
+    mass_total: float = 0.0  # attention mass of every page / node the events attended
+    mass_resident: float = 0.0  # ... of which resident before the event's fetches
+    fetched: float = 0.0  # misses loaded on demand (bypassed pages not included)
+    prefetched: float = 0.0  # loaded ahead of demand by a prefetching policy
+    prefetch_used: float = 0.0  # ... of which hit before they were evicted
 
     def add(self, other: "Counts") -> None:
         for k, v in asdict(other).items():
