@@ -369,11 +369,14 @@ class IntegrityStorage(HiCacheStorage):
 
     # -- host-index paths (zero-copy backends, per-pool transfers) ----------------------
 
+    def _sealing(self, pool: Any, pool_name: Any) -> tuple[int, Any]:
+        """The fingerprint pages of ``pool`` are sealed with, and the pool whose geometry
+        encodes them: ``pool`` for KV pages, None for a sidecar pool's (kept at their dtype)."""
+        return self.fingerprint_of(pool, pool_name), (pool if str(pool_name) == "kv" else None)
+
     def _pages_into_pool(self, pool: Any, pool_name: Any, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
         page_size = int(pool.page_size)
-        fingerprint = self.fingerprint_of(pool, pool_name)
-        # Only KV pages are encoded; sidecar pools' pages stay at their dtype.
-        kv_pool = pool if str(pool_name) == "kv" else None
+        fingerprint, kv_pool = self._sealing(pool, pool_name)
         results = [False] * len(keys)
         for i, key in enumerate(keys):
             damaged_before = self.damaged_pages
@@ -388,8 +391,7 @@ class IntegrityStorage(HiCacheStorage):
 
     def _pages_from_pool(self, pool: Any, pool_name: Any, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
         page_size = int(pool.page_size)
-        fingerprint = self.fingerprint_of(pool, pool_name)
-        kv_pool = pool if str(pool_name) == "kv" else None
+        fingerprint, kv_pool = self._sealing(pool, pool_name)
         results = [False] * len(keys)
         for i, key in enumerate(keys):
             page = pool.get_data_page(int(host_indices[i * page_size]), flat=True)
