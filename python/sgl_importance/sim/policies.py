@@ -1,4 +1,5 @@
-"""The replay's eviction policies by name, and :func:`make_policy`, which builds one from a spec.
+"""The replay's eviction policies by name, :func:`make_policy`, which builds one from a spec,
+and :func:`replay_points`, the (policy, budget) points both regimes' replays run.
 
 The policy the server runs is ``shipped`` (``sim/shipped.py``: the server's own
 priority function, ranked at eviction time). ``decayed_mass`` (a decayed sum of
@@ -11,7 +12,7 @@ Specs: ``"name"`` or ``"name:param=value:param=value"`` (see :func:`make_policy`
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Mapping
+from typing import Iterable, Mapping, Sequence
 
 from sgl_importance.sim.belady import Belady
 from sgl_importance.sim.mass_policies import H2O, Blend, DecayedMass, PrefetchDecayedMass
@@ -48,3 +49,23 @@ def make_policy(spec: str) -> Policy:
         k, v = part.split("=", 1)
         params[k.strip()] = v.strip() if POLICIES[name].raw_params else float(v)
     return POLICIES[name](**params)
+
+
+def replay_points(
+    regime: str, policies: Sequence[str | Policy], budget_fracs: Iterable[float]
+) -> list[tuple[Policy, float]]:
+    """The (policy, budget fraction) points a replay in ``regime`` (``hot`` or ``prefix``)
+    runs, policy by policy; a policy given as a spec is built with :func:`make_policy`.
+
+    Raises:
+        ValueError: a fraction outside (0, 1], or a policy that does not replay ``regime``.
+    """
+    fracs = [float(f) for f in budget_fracs]
+    for f in fracs:
+        if not 0.0 < f <= 1.0:
+            raise ValueError(f"budget fraction {f} out of range (0, 1]")
+    pols = [make_policy(p) if isinstance(p, str) else p for p in policies]
+    for p in pols:
+        if regime not in p.regimes:
+            raise ValueError(f"policy {p.label!r} does not support the {regime} regime")
+    return [(p, f) for p in pols for f in fracs]

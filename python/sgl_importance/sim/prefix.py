@@ -45,7 +45,7 @@ import numpy as np
 
 from sgl_importance.importance.priority import SINK_PAGES_MAX
 from sgl_importance.sim.metrics import Counts, ReplayResult
-from sgl_importance.sim.policies import make_policy
+from sgl_importance.sim.policies import replay_points
 from sgl_importance.sim.policy_base import Policy, StreamContext
 from sgl_importance.trace.schema import TraceMeta
 from sgl_importance.trace.splits import resolve_splits
@@ -386,13 +386,7 @@ def replay_prefix_all(
     progress: bool = False,
 ) -> list[ReplayResult]:
     """Replay each (policy, budget fraction of the unique tokens)."""
-    fracs = [float(f) for f in budget_fracs]
-    for f in fracs:
-        if not 0.0 < f <= 1.0:
-            raise ValueError(f"budget fraction {f} out of range (0, 1]")
-    pols = [make_policy(p) if isinstance(p, str) else p for p in policies]
-    pols = [p for p in pols if "prefix" in p.regimes]
-    it = [(p, f) for p in pols for f in fracs]
+    it = replay_points("prefix", policies, budget_fracs)
     if progress:
         from tqdm import tqdm
 

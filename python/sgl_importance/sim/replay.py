@@ -35,7 +35,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from sgl_importance.sim.metrics import Counts, ReplayResult
-from sgl_importance.sim.policies import make_policy
+from sgl_importance.sim.policies import replay_points
 from sgl_importance.sim.policy_base import HotCache, Policy, StreamContext
 from sgl_importance.trace.tables import Accesses
 
@@ -371,47 +371,39 @@ def replay_hot(
         One :class:`ReplayResult` per (policy, budget), with counters summed
         over streams and broken down by layer when the trace has layers.
     """
-    fracs = [float(f) for f in budget_fracs]
-    for f in fracs:
-        if not 0.0 < f <= 1.0:
-            raise ValueError(f"budget fraction {f} out of range (0, 1]")
-    pols = [make_policy(p) if isinstance(p, str) else p for p in policies]
-    for p in pols:
-        if "hot" not in p.regimes:
-            raise ValueError(f"policy {p.label!r} does not support the hot-set regime")
+    points = replay_points("hot", policies, budget_fracs)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=hs.n_demanded * len(pols) * len(fracs), unit="acc", unit_scale=True, desc="replay")
+        bar = tqdm(total=hs.n_demanded * len(points), unit="acc", unit_scale=True, desc="replay")
     layered = bool((hs.stream_layer >= 0).any())
     out = []
-    for pol in pols:
-        for frac in fracs:
-            total = Counts()
-            per_layer: dict[int, Counts] = {}
-            budget_sum = 0
-            t0 = time.perf_counter()
-            for s in range(hs.n_streams):
-                budget = budget_pages(int(hs.stream_nkeys[s]), frac)
-                budget_sum += budget
-                c, _ = replay_stream(hs, s, pol, budget, seed=seed)
-                total.add(c)
-                if layered:
-                    per_layer.setdefault(int(hs.stream_layer[s]), Counts()).add(c)
-                if bar is not None:
-                    bar.update(int(c.accesses))
-            out.append(
-                ReplayResult(
-                    regime="hot",
-                    policy=pol.label,
-                    budget_frac=frac,
-                    budget=budget_sum,
-                    counts=total,
-                    per_layer=per_layer,
-                    seconds=time.perf_counter() - t0,
-                )
+    for pol, frac in points:
+        total = Counts()
+        per_layer: dict[int, Counts] = {}
+        budget_sum = 0
+        t0 = time.perf_counter()
+        for s in range(hs.n_streams):
+            budget = budget_pages(int(hs.stream_nkeys[s]), frac)
+            budget_sum += budget
+            c, _ = replay_stream(hs, s, pol, budget, seed=seed)
+            total.add(c)
+            if layered:
+                per_layer.setdefault(int(hs.stream_layer[s]), Counts()).add(c)
+            if bar is not None:
+                bar.update(int(c.accesses))
+        out.append(
+            ReplayResult(
+                regime="hot",
+                policy=pol.label,
+                budget_frac=frac,
+                budget=budget_sum,
+                counts=total,
+                per_layer=per_layer,
+                seconds=time.perf_counter() - t0,
             )
+        )
     if bar is not None:
         bar.close()
     return out
