@@ -52,14 +52,6 @@ class HotSetAttention:
         # A decode step begun and not yet ended (end_step runs after its last layer).
         self.in_step = False
 
-    @property
-    def summaries(self) -> Any:
-        return self.decoder.summaries
-
-    @property
-    def releases(self) -> Any:
-        return self.decoder.releases
-
     def kv_written(self, layer_id: int, slots: torch.Tensor, key_buffer: torch.Tensor) -> None:
         """Refresh the summaries of the pages holding ``slots`` after a KV write.
 
@@ -67,7 +59,7 @@ class HotSetAttention:
             slots: the token slots just written; key_buffer: the layer's key pool, read
                 back so the summaries follow what the pool stored (its dtype and scaling).
         """
-        self.summaries.update(layer_id, slots, key_buffer[slots.to(torch.int64)])
+        self.decoder.summaries.update(layer_id, slots, key_buffer[slots.to(torch.int64)])
 
     def begin_step(
         self,
@@ -97,7 +89,7 @@ class HotSetAttention:
         if rids is None:
             rids = [f"row-{r}" for r in rows_idx]
         rows = None
-        if self.releases.enabled:
+        if self.decoder.releases.enabled:
             # Views of the requests' rows: releases and promotions rewrite them, and
             # SGLang reads them for the next step's slots.
             rows = [req_to_token[r] for r in rows_idx]
