@@ -266,6 +266,13 @@ def server_args(kind: str, a, max_tokens: int) -> tuple[list[str], dict[str, str
         env["SGL_IMPORTANCE_DECODE"] = "torch" if kind == "dense-torch" else "reference"
     if kind == "hot":
         args += ["--hot-set-policy", "importance", "--hot-set-threshold", str(a.threshold)]
+        # The guard's pool comes out of --max-total-tokens: cover the pool's tokens (what
+        # the batch holds) and add the guard's bytes, so the KV pool still keeps every
+        # prompt cached. With the auto guard (5x the pool) it kept 23.7K of 31.2K tokens, the
+        # 4 x 7.5K prompts were prefilled again for every measurement and prefill chunks
+        # interleaved with the decode steps being timed.
+        guard = -(-max_tokens * a.guard_share // PAGE) * PAGE
+        args += ["--max-total-tokens", str(max_tokens + int(guard)), "--hot-set-guard-tokens", str(max_tokens)]
     return args, env
 
 
@@ -530,6 +537,9 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = make_prompts(tokenizer, lengths, max(batches))
+    shape = model_shape(AutoConfig.from_pretrained(model_dir).to_dict())
+    # The guard's bytes per KV token (the hot-set server's pool makes room for them).
+    a.guard_share = code_bytes_per_page(shape) / kv_bytes_per_page(shape, DTYPE_BYTES[a.dtype])
     rows: list[dict] = []
     failed = []
     steps = [("transformers", None)] if any(c["server"] is None for c in configs) else []
@@ -553,7 +563,6 @@ def main() -> None:
 
     import torch
 
-    shape = model_shape(AutoConfig.from_pretrained(model_dir).to_dict())
     rows = complete_rows(rows, shape, DTYPE_BYTES[a.dtype], a.new_tokens)
     meta = {
         "command": "python -m benchmark.long_context.bench_speed " + shlex.join(sys.argv[1:]),
