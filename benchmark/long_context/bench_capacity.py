@@ -67,29 +67,28 @@ def hot_set_tokens(device_tokens: int, budget: float) -> int:
     return int(tokens) // PAGE * PAGE
 
 
-def configs(budget: float, keys: list[str], device_tokens: int) -> dict[str, list[str]]:
-    """Dense (always, the baseline), then of ``keys``: the hot set with the server's
-    default guard (``guard``), and with the guard off (``guard-off``: reads only the hot
-    set, what the page saving is worth in decode speed), each at dense's bytes
-    (``hot_set_tokens``)."""
+def configs(budget: float, keys: list[str], device_tokens: int) -> dict[str, tuple[int, list[str]]]:
+    """name -> (``--max-total-tokens``, the other flags): dense (always, the baseline),
+    then of ``keys``: the hot set with the server's default guard (``guard``), and with
+    the guard off (``guard-off``: reads only the hot set, what the page saving is worth
+    in decode speed), each at dense's bytes (``hot_set_tokens``)."""
     hot = ["--hot-set-policy", "importance", "--hot-set-budget", str(budget), "--hot-set-threshold", "512"]
-    hot += ["--max-total-tokens", str(hot_set_tokens(device_tokens, budget))]
+    tokens = hot_set_tokens(device_tokens, budget)
     every = {
-        "dense": ("dense", []),
-        "guard": (f"hot set {budget:.0%}", hot),
-        "guard-off": (f"hot set {budget:.0%} guard off", hot + ["--hot-set-guard-threshold", "1"]),
+        "dense": ("dense", (device_tokens, [])),
+        "guard": (f"hot set {budget:.0%}", (tokens, hot)),
+        "guard-off": (f"hot set {budget:.0%} guard off", (tokens, hot + ["--hot-set-guard-threshold", "1"])),
     }
     return dict(every[k] for k in ["dense"] + [k for k in keys if k != "dense"])
 
 
-def run_config(name: str, extra: list[str], prompts: list[list[int]], a, out: Path) -> dict:
+def run_config(name: str, tokens: int, extra: list[str], prompts: list[list[int]], a, out: Path) -> dict:
     args = [
         "--page-size", str(PAGE), "--attention-backend", "importance_torch", "--enable-hierarchical-cache",
-        "--max-total-tokens", str(a.device_tokens), "--decode-log-interval", "1", "--enable-metrics", *extra,
+        "--max-total-tokens", str(tokens), "--decode-log-interval", "1", "--enable-metrics", *extra,
     ]  # fmt: skip
     if a.hicache_ratio:
         args += ["--hicache-ratio", str(a.hicache_ratio)]
-    # A hot-set configuration's own --max-total-tokens comes later in ``extra`` and wins.
     log = out / f"server_{name.replace(' ', '_').replace('%', '')}.log"
     server = LocalServer(model_path(), args, log)
     try:
@@ -193,7 +192,8 @@ def main() -> None:
     prompts = [filler[i * stride : i * stride + a.length] for i in range(a.requests + 1)]
     started = time.time()
     rows = [
-        run_config(name, extra, prompts, a, a.out) for name, extra in configs(a.budget, keys, a.device_tokens).items()
+        run_config(name, tokens, extra, prompts, a, a.out)
+        for name, (tokens, extra) in configs(a.budget, keys, a.device_tokens).items()
     ]
     write_results(rows, a, (time.time() - started) / 60, a.out)
 

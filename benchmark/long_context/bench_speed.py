@@ -255,7 +255,18 @@ def measure_transformers(model_dir: str, prompts: dict[int, list[list[int]]], ba
 # ------------------------------------------------------------------ servers
 
 
-def server_args(kind: str, a, max_tokens: int) -> tuple[list[str], dict[str, str]]:
+def server_args(kind: str, a, max_tokens: int, guard_share: float) -> tuple[list[str], dict[str, str]]:
+    """The server's flags for ``kind``: a pool of ``max_tokens`` KV tokens (the hot-set
+    server's with room for its guard beside them, ``guard_share`` the guard's bytes per KV
+    byte)."""
+    hot = kind == "hot"
+    if hot:
+        # The server takes the guard's pool out of --max-total-tokens: the guard covers the
+        # pool's tokens and its bytes come on top, so the KV pool still keeps every prompt
+        # cached. (With the auto guard, 5x the pool, it kept 23.7K of 31.2K tokens: the
+        # 4 x 7.5K prompts were prefilled again for every measurement and prefill chunks
+        # interleaved with the decode steps being timed.)
+        guard_tokens, max_tokens = max_tokens, max_tokens + math.ceil(max_tokens * guard_share / PAGE) * PAGE
     args = [
         "--page-size", str(PAGE), "--attention-backend", "importance_torch", "--dtype", a.dtype,
         "--enable-metrics", "--enable-hierarchical-cache", "--hicache-ratio", str(a.hicache_ratio),
@@ -264,15 +275,9 @@ def server_args(kind: str, a, max_tokens: int) -> tuple[list[str], dict[str, str
     env = {}
     if kind in ("reference", "dense-torch"):
         env["SGL_IMPORTANCE_DECODE"] = "torch" if kind == "dense-torch" else "reference"
-    if kind == "hot":
+    if hot:
         args += ["--hot-set-policy", "importance", "--hot-set-threshold", str(a.threshold)]
-        # The guard's pool comes out of --max-total-tokens: cover the pool's tokens (what
-        # the batch holds) and add the guard's bytes, so the KV pool still keeps every
-        # prompt cached. With the auto guard (5x the pool) it kept 23.7K of 31.2K tokens, the
-        # 4 x 7.5K prompts were prefilled again for every measurement and prefill chunks
-        # interleaved with the decode steps being timed.
-        guard = -(-max_tokens * a.guard_share // PAGE) * PAGE
-        args += ["--max-total-tokens", str(max_tokens + int(guard)), "--hot-set-guard-tokens", str(max_tokens)]
+        args += ["--hot-set-guard-tokens", str(guard_tokens)]
     return args, env
 
 
@@ -298,11 +303,13 @@ def measure_server(
     batches: list[int],
     a,
     logs: Path,
+    guard_share: float,
 ) -> list[dict]:
-    """One server, every length x batch x configuration of ``kind``."""
+    """One server, every length x batch x configuration of ``kind`` (``guard_share``: the
+    guard's bytes per KV byte, for the hot-set server's pool)."""
     longest = max(len(p) for ps in prompts.values() for p in ps)
     max_tokens = max(batches) * (longest + a.new_tokens + PAGE) + 64 * PAGE
-    args, env = server_args(kind, a, max_tokens)
+    args, env = server_args(kind, a, max_tokens, guard_share)
     server = LocalServer(model_dir, args, logs / f"server_{kind}.log", env=env)
     rows = []
 
@@ -539,7 +546,7 @@ def main() -> None:
     prompts = make_prompts(tokenizer, lengths, max(batches))
     shape = model_shape(AutoConfig.from_pretrained(model_dir).to_dict())
     # The guard's bytes per KV token (the hot-set server's pool makes room for them).
-    a.guard_share = code_bytes_per_page(shape) / kv_bytes_per_page(shape, DTYPE_BYTES[a.dtype])
+    guard_share = code_bytes_per_page(shape) / kv_bytes_per_page(shape, DTYPE_BYTES[a.dtype])
     rows: list[dict] = []
     failed = []
     steps = [("transformers", None)] if any(c["server"] is None for c in configs) else []
@@ -554,7 +561,7 @@ def main() -> None:
             if kind == "transformers":
                 rows += measure_transformers(model_dir, prompts, batches, a)
             else:
-                rows += measure_server(kind, mine, model_dir, prompts, batches, a, logs)
+                rows += measure_server(kind, mine, model_dir, prompts, batches, a, logs, guard_share)
         except Exception as e:  # noqa: BLE001 - reported in the table's notes
             print(f"{kind} failed: {e!r}", file=sys.stderr, flush=True)
             failed.append(f"{kind}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
