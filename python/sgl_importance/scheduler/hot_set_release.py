@@ -133,7 +133,7 @@ def checkpoint_unless_released(
     if not releases.admitted(req.rid) and len(req.full_untruncated_fill_ids) <= releases.threshold:
         return original(req, tree_cache)
     page_size = tree_cache.token_to_kv_pool_allocator.page_size
-    releases.admit(req.rid, -(-req.kv.cache_protected_len // page_size))
+    releases.admit(req.rid, _first_own_page(req, page_size))
     # What SGLang does for a request barred from the tree: resume after this extend.
     req.prefix_len = req.extend_end
     return None
@@ -158,7 +158,12 @@ def admit_grown(releases: ReleaseRegistry, batch: Any) -> None:
         # Barred from the tree (beam rows share pages), or leaving: as for long prompts.
         if req.skip_radix_cache_insert or req.finished():
             continue
-        releases.admit(req.rid, -(-req.kv.cache_protected_len // releases.pools.page_size))
+        releases.admit(req.rid, _first_own_page(req, releases.pools.page_size))
+
+
+def _first_own_page(req: Any, page_size: int) -> int:
+    """The request's first page past what it shares with the tree (its matched prefix)."""
+    return -(-req.kv.cache_protected_len // page_size)
 
 
 def release_with_pages(
