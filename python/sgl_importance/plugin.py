@@ -1,11 +1,10 @@
 """The one place where sgl-importance touches SGLang: a table, and one loop that applies it.
 
-SGLang calls ``load()`` (entry point ``sglang.srt.plugins``) in every process it starts.
-Each row of ``HOOKS`` is one touch-point: (SGLang target, our function, kind, process). Functions
-(``"module:attribute"`` under ``sgl_importance``) are imported on first call; ``state`` names what the
-process's runtime (``runtime.py``) passes in first, config included. A function gets as many of SGLang's arguments as it
-declares (an ``after`` hook's return value as the keyword ``result`` if it asks). Rows on one target
-apply in order, each wrapping the ones before it (so the last ``before`` runs first).
+SGLang calls ``load()`` (entry point ``sglang.srt.plugins``) in every process it starts. Each row of ``HOOKS`` is one
+touch-point: (SGLang target, our function, kind, process). Functions (``"module:attribute"`` under ``sgl_importance``)
+are imported on first call; ``state`` names what the process's runtime (``runtime.py``) passes first. A function gets
+as many of SGLang's arguments as it declares (an ``after`` hook's result as the keyword ``result`` if it asks). Rows on
+one target apply in order, each wrapping the ones before it (the last ``before`` runs first).
 
 Private SGLang names the plugin relies on (SGLang may change them without notice; ``test/unit/test_sglang_contract.py``
 checks each, and every public attribute the plugin reads, against the installed SGLang):
@@ -21,6 +20,7 @@ checks each, and every public attribute the plugin reads, against the installed 
 | `TritonAttnBackend._set_kv_buffer`                         | attention/triton_backend.py |
 | hook `PagedTokenToKVPoolAllocator._release_page_ids`       | importance/allocator_reset.py |
 | hook `TokenizerManager._validate_one_request`              | request_check/prompt.py     |
+| hook `DualGemm._select_mode` (torch_cuda: no CuTe kernel)   | platform/torch_cuda.py      |
 
 Our state on SGLang's objects: a ``NodeState`` per radix node (``node_state.py``), ``server_args._importance``
 (config.py; read once, by runtime.py), a ``CacheState`` per ``importance`` strategy (cache/state.py).
@@ -28,6 +28,7 @@ Our state on SGLang's objects: a ``NodeState`` per radix node (``node_state.py``
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -35,13 +36,14 @@ import sys
 from typing import Any, Callable, NamedTuple, Optional
 
 from sgl_importance.env import ANNOUNCE_ENV, DUMP_DIR_ENV, PLATFORM_ENV, TRACE_DIR_ENV
+from sgl_importance.platform import NATIVE_PLATFORMS
 
 
 class Hook(NamedTuple):
     target: str  # SGLang's attribute under sglang.srt (kind "backend"/"policy": the name)
     call: str  # "module:attribute" under sgl_importance
     kind: str  # before | after | around | check (launcher, parsed args) | backend | policy
-    process: str  # any | http | scheduler | dump | trace | torch_cpu
+    process: str  # any | http | scheduler | dump | trace | torch_cpu | torch_cuda | native (either)
     state: tuple[str, ...] = ()  # runtime attributes passed first ("runtime": itself)
 
 
@@ -95,8 +97,11 @@ HOOKS = (
     Hook("server_args.ServerArgs.from_cli_args", "storage.factory:check_cli_args", "check", "any"),
     Hook("managers.scheduler.Scheduler.__init__", "trace.tracing:Tracing.start", "after", "trace", ("tracing",)),
     Hook("managers.scheduler.Scheduler.process_batch_result", "trace.tracing:Tracing.around_batch_result", "around", "trace", ("tracing",)),
-    Hook("mem_cache.pool_host.mha.get_mha_host_pool_cls", "platform.host_pool:host_pool_cls", "around", "torch_cpu"),
+    Hook("mem_cache.pool_host.mha.get_mha_host_pool_cls", "platform.host_pool:host_pool_cls", "around", "native"),
     Hook("mem_cache.l2_transfer.L2TransferEngine.__init__", "platform.streams:use_cpu_streams", "after", "torch_cpu"),
+    Hook("mem_cache.memory_pool.can_use_store_cache", "platform.torch_cuda:no_compiled_kernel", "around", "torch_cuda"),
+    Hook("mem_cache.pool_host.mha.can_use_hicache_jit_kernel", "platform.torch_cuda:no_compiled_kernel", "around", "torch_cuda"),
+    Hook("layers.dual_gemm.DualGemm._select_mode", "platform.torch_cuda:no_dual_gemm", "around", "torch_cuda"),
 )  # fmt: skip
 
 
@@ -106,24 +111,21 @@ def hook_target(hook: Hook) -> str:
 
 def _in_process(process: str) -> bool:
     in_scheduler = "sglang.srt.managers.scheduler" in sys.modules  # imported before load()
-    from sgl_importance.platform import PLATFORM_NAME
-
+    platform = os.environ.get(PLATFORM_ENV)
     return {
         "any": True,
         "http": not in_scheduler,
         "scheduler": in_scheduler,
         "dump": in_scheduler and bool(os.environ.get(DUMP_DIR_ENV)),
         "trace": in_scheduler and bool(os.environ.get(TRACE_DIR_ENV)),
-        "torch_cpu": os.environ.get(PLATFORM_ENV) == PLATFORM_NAME,
+        **{name: platform == name for name in NATIVE_PLATFORMS},  # torch_cpu, torch_cuda
+        "native": platform in NATIVE_PLATFORMS,  # either
     }[process]
 
 
 def _resolve(call: str) -> Callable[..., Any]:
     module, _, attribute = call.partition(":")
-    obj: Any = importlib.import_module(f"sgl_importance.{module}")
-    for part in attribute.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return functools.reduce(getattr, attribute.split("."), importlib.import_module(f"sgl_importance.{module}"))
 
 
 def _fitted(fn: Callable[..., Any]) -> Callable[..., Any]:

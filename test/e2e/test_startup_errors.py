@@ -22,4 +22,4 @@ def test_out_of_range_plugin_value_names_the_flag_and_the_range(model_path):
 
 def test_host_layout_that_torch_cpu_cannot_serve_is_refused(model_path):
     out = launch_and_fail(model_path, "--enable-hierarchical-cache", "--hicache-mem-layout", "page_head")
-    assert "--hicache-mem-layout 'page_head' is not supported on the torch_cpu platform" in out
+    assert "--hicache-mem-layout 'page_head' is not supported on the torch_cpu and torch_cuda platforms" in out

@@ -62,5 +62,5 @@ def test_backup_then_load_restores_the_same_tokens(layout, io_backend):
 
 def test_unknown_io_backend_is_refused():
     pool = make_pool("layer_first")
-    with pytest.raises(ValueError, match="not supported on the torch_cpu platform"):
+    with pytest.raises(ValueError, match="not supported on the torch_cpu and torch_cuda platforms"):
         pool.backup_from_device_all_layer(None, token_indices([0]), token_indices([0]), "kernel_ascend")

@@ -63,7 +63,7 @@ def test_explicit_values_win_over_platform_defaults(platform):
 )
 def test_unsupported_hicache_layout_or_io_backend_is_refused(platform, layout, io):
     args = server_args(enable_hierarchical_cache=True, hicache_mem_layout=layout, hicache_io_backend=io)
-    with pytest.raises(ValueError, match="not supported on the torch_cpu platform"):
+    with pytest.raises(ValueError, match="not supported on the torch_cpu and torch_cuda platforms"):
         platform.apply_server_args_defaults(args)
 
 

@@ -279,6 +279,7 @@ PRIVATE = [
     ),
     Name(f"{MEM}.allocator.paged.PagedTokenToKVPoolAllocator", "_release_page_ids", "plugin.py (hook)"),
     Name("sglang.srt.managers.tokenizer_manager.TokenizerManager", "_validate_one_request", "plugin.py (hook)"),
+    Name("sglang.srt.layers.dual_gemm.DualGemm", "_select_mode", "plugin.py (hook, torch_cuda)"),
 ]
 
 # Hook targets plugin.py registers (a hook cannot target a missing attribute).
@@ -310,6 +311,9 @@ HOOK_TARGETS = [
     f"{MEM}.storage.backend_factory.StorageBackendFactory.create_backend",
     f"{MEM}.pool_host.mha.get_mha_host_pool_cls",
     f"{MEM}.l2_transfer.L2TransferEngine.__init__",
+    f"{MEM}.memory_pool.can_use_store_cache",
+    f"{MEM}.pool_host.mha.can_use_hicache_jit_kernel",
+    "sglang.srt.layers.dual_gemm.DualGemm._select_mode",
     f"{MEM}.kv_cache_configurator.KVCacheConfigurator.config_from_budget",
 ]
 

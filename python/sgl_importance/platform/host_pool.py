@@ -1,12 +1,13 @@
-"""HiCache host pool for torch_cpu: SGLang's MHA host pool with torch copies.
+"""HiCache host pool for torch_cpu and torch_cuda: SGLang's MHA host pool with torch copies.
 
 SGLang binds the host<->device copy functions of ``MHATokenToKVPoolHost`` from
-compiled kernels (``sgl_kernel.kvcacheio``) on CUDA/HIP/XPU only, and registers
-the host buffer with ``cudaHostRegister``. On a CPU both tiers are ordinary
-memory, so a transfer is an ``index_select`` from one per-layer view and an
-``index_copy_`` into the other. Pages stay contiguous token runs in every
-layout, so the ``file`` storage backend's page (de)serialisation, which is
-plain torch in SGLang, works unchanged.
+compiled kernels (``sgl_kernel.kvcacheio``) on CUDA/HIP/XPU. Neither native
+platform has them, so a transfer is an ``index_select`` from one per-layer view
+and an ``index_copy_`` into the other. On torch_cpu both tiers are ordinary
+memory; on torch_cuda the host buffer is pinned (SGLang registers it with
+``cudaHostRegister``) and rows cross the bus in one copy per layer and per K/V.
+Pages stay contiguous token runs in every layout, so the ``file`` storage
+backend's page (de)serialisation, which is plain torch in SGLang, works unchanged.
 """
 
 from __future__ import annotations
@@ -26,43 +27,57 @@ SUPPORTED_IO_BACKENDS = ("kernel", "direct")
 
 
 def check_hicache_support(layout: str | None, io_backend: str | None) -> None:
-    """Refuse, at start-up, a host layout or io backend torch_cpu cannot serve."""
+    """Refuse, at start-up, a host layout or io backend the native platforms cannot serve."""
     if layout is not None and layout not in SUPPORTED_LAYOUTS:
         raise ValueError(
-            f"--hicache-mem-layout {layout!r} is not supported on the torch_cpu "
-            f"platform; choose one of {', '.join(SUPPORTED_LAYOUTS)}"
+            f"--hicache-mem-layout {layout!r} is not supported on the torch_cpu and "
+            f"torch_cuda platforms; choose one of {', '.join(SUPPORTED_LAYOUTS)}"
         )
     if io_backend is not None and io_backend not in SUPPORTED_IO_BACKENDS:
         raise ValueError(
-            f"--hicache-io-backend {io_backend!r} is not supported on the torch_cpu "
-            f"platform; choose one of {', '.join(SUPPORTED_IO_BACKENDS)}"
+            f"--hicache-io-backend {io_backend!r} is not supported on the torch_cpu and "
+            f"torch_cuda platforms; choose one of {', '.join(SUPPORTED_IO_BACKENDS)}"
         )
 
 
 def host_pool_cls(original: Callable[..., type], buffer_info: Any) -> type:
-    """Around ``get_mha_host_pool_cls(buffer_info)``: the torch_cpu host pool class."""
+    """Around ``get_mha_host_pool_cls(buffer_info)``: the native platforms' host pool class."""
     return torch_host_pool_cls(original(buffer_info))
 
 
 def torch_host_pool_cls(upstream: type) -> type:
-    """The torch_cpu replacement for the host pool class SGLang picked."""
+    """The native platforms' replacement for the host pool class SGLang picked."""
     if upstream is not MHATokenToKVPoolHost:
         raise NotImplementedError(
             f"HiCache host pool {upstream.__name__} (quantised or asymmetric K/V) "
-            "is not supported on the torch_cpu platform"
+            "is not supported on the torch_cpu and torch_cuda platforms"
         )
     return TorchMHAHostPool
 
 
+def copy_rows(dst: torch.Tensor, dst_indices: torch.Tensor, src: torch.Tensor, src_indices: torch.Tensor) -> None:
+    """``dst[dst_indices] = src[src_indices]`` along dim 0, across devices if need be.
+
+    Each index goes to its tensor's device; the gathered rows cross once. Only a
+    host-to-device copy may be asynchronous: the rows are a fresh tensor the copy
+    owns, while a device-to-host copy is read on the host right after.
+    """
+    rows = src.index_select(0, src_indices.to(src.device))
+    if rows.device != dst.device:
+        rows = rows.to(dst.device, non_blocking=dst.device.type != "cpu")
+    dst.index_copy_(0, dst_indices.to(dst.device), rows)
+
+
 class TorchMHAHostPool(MHATokenToKVPoolHost):
-    """MHA host pool whose transfers are torch index ops on unpinned memory."""
+    """MHA host pool whose transfers are torch index ops (host memory pinned for a GPU)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # pin_memory is the sixth positional parameter upstream; SGLang's
         # assembler passes five positionally and never sets it.
         if len(args) > 5:
             raise TypeError("TorchMHAHostPool takes pin_memory only as a keyword")
-        kwargs["pin_memory"] = False
+        buffer_info = args[0] if args else kwargs["buffer_info"]
+        kwargs["pin_memory"] = torch.device(buffer_info.device).type == "cuda"
         layout = args[4] if len(args) > 4 else kwargs.get("layout")
         check_hicache_support(layout, None)
         super().__init__(*args, **kwargs)
@@ -89,9 +104,9 @@ class TorchMHAHostPool(MHATokenToKVPoolHost):
             dst_pages = dst_indices[:: self.page_size] // self.page_size
             src = src if src_is_host else self._page_view(src)
             dst = self._page_view(dst) if src_is_host else dst
-            dst.index_copy_(0, dst_pages, src.index_select(0, src_pages))
+            copy_rows(dst, dst_pages, src, src_pages)
         else:
-            dst.index_copy_(0, dst_indices, src.index_select(0, src_indices))
+            copy_rows(dst, dst_indices, src, src_indices)
 
     def gather_layer(self, layer_id: int, host_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V at ``host_indices`` (whole pages), ``[n, heads, dim]`` copies.
@@ -99,7 +114,7 @@ class TorchMHAHostPool(MHATokenToKVPoolHost):
         For the hot set, which attends a released page from its host copy when no
         device page is free for it.
         """
-        host_indices = host_indices.to(torch.int64)
+        host_indices = host_indices.to("cpu", torch.int64)
         out = []
         for host in self._host_layer(layer_id):
             if self.layout == "page_first_direct":

@@ -1,0 +1,103 @@
+"""torch_cuda: SGLang on a CUDA GPU with no compiled SGLang kernels.
+
+Stock SGLang's CUDA path imports ``sgl_kernel`` (373 MB) at module load. On an
+out-of-tree platform SGLang's fused ops (norms, activations, rotary) resolve to
+their ``forward_native`` torch forms, so with the names SGLang imports provided
+by a shim (``cuda_shim/``) the server runs on a GPU with PyTorch, Triton and the
+plugin's Triton attention alone. The plugin turns off the paths that would
+compile CUDA at run time (the KV store kernel, the HiCache transfer kernel, the
+CuTe dual GEMM); the HiCache host pool is pinned and copies with torch.
+
+It is the way to serve where ``sgl-kernel`` cannot be installed (a bundle that
+must stay small, a new CUDA or torch); it is not SGLang's fast path.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from sglang.srt.platforms.cuda import CudaDeviceMixin
+from sglang.srt.platforms.device_mixin import PlatformEnum
+from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
+
+DEFAULT_ATTENTION_BACKEND = "importance_triton"
+# Attention backends whose kernels are Triton (or torch) only; the others need
+# sgl_kernel, FlashInfer or FlashAttention wheels that this platform does without.
+ATTENTION_BACKENDS = ("importance_triton", "importance_torch", "triton", "torch_native")
+SAMPLING_BACKEND = "pytorch"
+
+logger = logging.getLogger(__name__)
+
+
+def check_attention_backend(name: str | None) -> None:
+    if name is not None and name not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"--attention-backend {name!r} is not supported on the torch_cuda platform "
+            f"(it needs compiled kernels this platform does without); choose one of "
+            f"{', '.join(ATTENTION_BACKENDS)}"
+        )
+
+
+def no_compiled_kernel(original: Any) -> bool:
+    """Around SGLang's ``can_use_*`` probes of a JIT CUDA kernel: no, use the torch path.
+
+    The probe would compile with nvcc on first use (and needs packages the bundle
+    leaves out); the platform promises nothing compiled at run time.
+    """
+    return False
+
+
+def no_dual_gemm(original: Any) -> None:
+    """Around ``DualGemm._select_mode``: no fused mode (the CuTe DSL kernel is not installed)."""
+    return None
+
+
+class TorchCudaPlatform(CudaDeviceMixin, SRTPlatform):
+    """Out-of-tree CUDA platform: SGLang's native ops, Triton attention, torch sampling."""
+
+    _enum = PlatformEnum.OOT
+    device_name = "cuda"
+    device_type = "cuda"
+    # Triton launches here. No graphs yet (issue: CUDA graphs kept beside the hot set),
+    # no sgl_kernel HiCache kernels, and PyNccl is not needed for one GPU.
+    capabilities = PlatformCapabilities(supports_triton=True)
+
+    def get_device(self, device_id: int = 0) -> str:
+        # SGLang's server-args resolution splits the answer as a string ("cuda:0").
+        return f"cuda:{device_id}"
+
+    def get_default_attention_backend(self) -> str:
+        return DEFAULT_ATTENTION_BACKEND
+
+    def get_group_coordinator_device(self, local_rank: int) -> torch.device:
+        return torch.device("cuda", local_rank)
+
+    def apply_server_args_defaults(self, server_args: Any) -> None:
+        """Defaults for a GPU without compiled SGLang kernels; explicit choices are checked."""
+        if server_args.attention_backend is None:
+            server_args.attention_backend = DEFAULT_ATTENTION_BACKEND
+        for flag in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+            check_attention_backend(getattr(server_args, flag, None))
+        if server_args.sampling_backend not in (None, SAMPLING_BACKEND):
+            raise ValueError(
+                f"--sampling-backend {server_args.sampling_backend!r} is not supported on the "
+                f"torch_cuda platform (it needs FlashInfer); use {SAMPLING_BACKEND!r}"
+            )
+        server_args.sampling_backend = SAMPLING_BACKEND
+        if not server_args.disable_cuda_graph:
+            logger.info("torch_cuda: CUDA graphs are off on this platform for now")
+        server_args.disable_cuda_graph = True
+        server_args.disable_decode_cuda_graph = True
+        server_args.disable_prefill_cuda_graph = True
+        server_args.disable_custom_all_reduce = True
+        if server_args.enable_hierarchical_cache:
+            from sgl_importance.platform.host_pool import check_hicache_support
+
+            check_hicache_support(server_args.hicache_mem_layout, server_args.hicache_io_backend)
+        if server_args.device is None:
+            server_args.device = "cuda"
+
+    def get_dispatch_key_name(self) -> str:
+        return "native"

@@ -1,0 +1,167 @@
+"""The torch_cuda platform, checked on a CPU: SGLang's CUDA import path runs on the shim.
+
+The import test runs in a fresh interpreter (``test/support/fake_cuda_imports.py``) that
+tells torch a CUDA device is there, so SGLang's modules take their ``is_cuda()`` branches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from sgl_importance.platform import activate
+from sgl_importance.platform.cuda_shim import shim_dir
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+
+
+@pytest.fixture(scope="module")
+def cuda_import_report() -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shim_dir()), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, str(SUPPORT / "fake_cuda_imports.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][len("REPORT ") :])
+
+
+def shim_names() -> dict[str, tuple[str, ...]]:
+    names = runpy.run_path(str(shim_dir() / "sgl_kernel" / "names.py"))
+    return {**names["KERNELS"], **names["QUERIES"]}
+
+
+def test_sglang_serving_modules_import_on_the_shim_with_cuda_present(cuda_import_report):
+    assert cuda_import_report["is_shim"], cuda_import_report["sgl_kernel_file"]
+    assert cuda_import_report["failed"] == {}
+    assert cuda_import_report["platform"] == "TorchCudaPlatform"
+    assert cuda_import_report["out_of_tree"] is True
+
+
+def test_the_shim_provides_exactly_the_names_sglang_imports(cuda_import_report):
+    # Short: an import above would fail. Long: a name nothing binds is dead weight that
+    # would hide a change in what SGLang imports.
+    expected = {module: sorted(names) for module, names in shim_names().items()}
+    assert cuda_import_report["bound"] == expected
+
+
+def test_every_fused_op_of_a_llama_layer_resolves_to_its_native_form(cuda_import_report):
+    assert "dispatch_error" not in cuda_import_report, cuda_import_report.get("dispatch_error")
+    assert cuda_import_report["dispatch"] == {
+        "RMSNorm": "forward_native",
+        "SiluAndMul": "forward_native",
+        "RotaryEmbedding": "forward_native",
+    }
+
+
+def test_a_shim_kernel_refuses_to_run_and_says_why():
+    sys.path.insert(0, str(shim_dir()))
+    try:
+        from sgl_kernel import rmsnorm
+        from sgl_kernel.refuse import ShimKernelCalled
+        from sgl_kernel.utils import is_arch_support_pdl
+    finally:
+        sys.path.remove(str(shim_dir()))
+        for name in [m for m in sys.modules if m == "sgl_kernel" or m.startswith("sgl_kernel.")]:
+            del sys.modules[name]
+    with pytest.raises(ShimKernelCalled, match="sgl_kernel.rmsnorm was called.*torch_cuda"):
+        rmsnorm(None, None)
+    assert is_arch_support_pdl() is False
+
+
+def test_torch_cuda_activates_only_by_name_and_only_with_a_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("SGLANG_PLATFORM", "torch_cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert activate() is None  # SGLang then says the hardware is not available
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert activate() == "sgl_importance.platform.torch_cuda.TorchCudaPlatform"
+
+
+def server_args(**overrides):
+    fields = dict(
+        attention_backend=None,
+        prefill_attention_backend=None,
+        decode_attention_backend=None,
+        sampling_backend=None,
+        disable_cuda_graph=False,
+        disable_decode_cuda_graph=False,
+        disable_prefill_cuda_graph=False,
+        disable_custom_all_reduce=False,
+        device=None,
+        enable_hierarchical_cache=False,
+        hicache_mem_layout="layer_first",
+        hicache_io_backend="kernel",
+    )
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+@pytest.fixture
+def platform():
+    from sgl_importance.platform.torch_cuda import TorchCudaPlatform
+
+    return TorchCudaPlatform()
+
+
+def test_defaults_pick_triton_importance_attention_torch_sampling_and_no_graphs(platform):
+    args = server_args()
+    platform.apply_server_args_defaults(args)
+    assert args.attention_backend == "importance_triton"
+    assert args.sampling_backend == "pytorch"
+    assert (args.disable_cuda_graph, args.disable_decode_cuda_graph, args.disable_prefill_cuda_graph) == (True,) * 3
+    assert args.device == "cuda"
+    assert platform.get_default_attention_backend() == "importance_triton"
+    assert str(platform.get_group_coordinator_device(1)) == "cuda:1"
+    assert platform.get_device(0) == "cuda:0"
+
+
+def test_sglangs_triton_backend_is_allowed_as_the_peer(platform):
+    args = server_args(attention_backend="triton")
+    platform.apply_server_args_defaults(args)
+    assert args.attention_backend == "triton"
+
+
+@pytest.mark.parametrize(
+    "overrides, flag",
+    [
+        (dict(attention_backend="flashinfer"), "--attention-backend 'flashinfer'"),
+        (dict(decode_attention_backend="fa3"), "--attention-backend 'fa3'"),
+        (dict(sampling_backend="flashinfer"), "--sampling-backend 'flashinfer'"),
+        (dict(enable_hierarchical_cache=True, hicache_mem_layout="page_head"), "--hicache-mem-layout"),
+    ],
+)
+def test_choices_that_need_compiled_kernels_are_refused_at_start_up(platform, overrides, flag):
+    with pytest.raises(ValueError, match=flag):
+        platform.apply_server_args_defaults(server_args(**overrides))
+
+
+def test_run_time_compiled_paths_are_turned_off_only_on_torch_cuda(monkeypatch):
+    from sgl_importance import plugin
+    from sgl_importance.platform.torch_cuda import no_compiled_kernel, no_dual_gemm
+
+    rows = {h.target: h for h in plugin.HOOKS if h.process == "torch_cuda"}
+    assert set(rows) == {
+        "mem_cache.memory_pool.can_use_store_cache",
+        "mem_cache.pool_host.mha.can_use_hicache_jit_kernel",
+        "layers.dual_gemm.DualGemm._select_mode",
+    }
+    assert no_compiled_kernel(lambda *a, **k: True) is False
+    assert no_dual_gemm(lambda *a, **k: "mode") is None
+    monkeypatch.setenv("SGLANG_PLATFORM", "torch_cuda")
+    assert plugin._in_process("torch_cuda") and plugin._in_process("native")
+    assert not plugin._in_process("torch_cpu")
+    monkeypatch.setenv("SGLANG_PLATFORM", "torch_cpu")
+    assert not plugin._in_process("torch_cuda") and plugin._in_process("native")
