@@ -6,7 +6,8 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 HOST    ?= 127.0.0.1
 PORT    ?= 30000
-# torch_cpu serves on any CPU; on a GPU machine use `make serve PLATFORM=`.
+# torch_cpu serves on any CPU; on a GPU machine use `make serve PLATFORM=` (SGLang's CUDA
+# platform, sgl-kernel installed) or `make serve PLATFORM=torch_cuda` (no sgl-kernel).
 PLATFORM ?= torch_cpu
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
@@ -38,7 +39,9 @@ model: install
 # STORE_ENV=mooncake-store/env: take the MOONCAKE_* variables `make store` wrote.
 STORE_ENV ?=
 serve: install
-	$(if $(STORE_ENV),. $(abspath $(STORE_ENV)) &&) SGLANG_PLATFORM=$(PLATFORM) $(BIN)/python -m sglang.launch_server \
+	$(if $(STORE_ENV),. $(abspath $(STORE_ENV)) &&) \
+	$(if $(filter torch_cuda,$(PLATFORM)),PYTHONPATH="$$($(BIN)/python -m sgl_importance.platform.cuda_shim)$${PYTHONPATH:+:$$PYTHONPATH}") \
+	SGLANG_PLATFORM=$(PLATFORM) $(BIN)/python -m sglang.launch_server \
 		--model-path "$$($(BIN)/python scripts/prepare_model.py --print-path)" \
 		--served-model-name $(MODEL_NAME) --host $(HOST) --port $(PORT) --sleep-on-idle $(SERVE_ARGS)
 

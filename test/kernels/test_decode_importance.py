@@ -557,3 +557,23 @@ def test_scatter_of_kernel_importance_lands_on_the_pages_the_kernel_read():
     others = torch.ones(table.numel(), dtype=torch.bool)
     others[owned] = False
     assert (table.cpu()[others] == 0).all()
+
+
+# ---------------------------------------------------------------------------- long contexts (GPU)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="long contexts run compiled on a GPU (minutes under the interpreter)")
+@pytest.mark.parametrize("lengths", [[32768, 5], [131072]], ids=["32K+short", "128K"])
+def test_llama_8b_heads_at_long_context_match_the_reference_with_importance_on_and_off(lengths):
+    # Llama-3.1-8B's heads (32 q / 8 kv, d 128), page 16, bf16: the shape the GPU serves.
+    seed = _seed()
+    page_size, max_pages = 16, -(-max(lengths) // 16)
+    q, k, v, indptr, indices = make_batch(
+        lengths, q_heads=32, kv_heads=8, head_dim=128, page_size=page_size, dtype=torch.bfloat16, seed=seed
+    )
+    w, on = run_kernel(q, k, v, indptr, indices, page_size=page_size, max_pages=max_pages, num_splits=8)
+    on_out = on.output.clone()
+    ref = reference(q, k, v, indptr, indices, page_size=page_size, max_pages=max_pages)
+    assert_matches(on, ref, torch.bfloat16, seed, what=f"lengths={lengths}")
+    off = w.run(q, k, v, indptr, indices, num_splits=8, importance=False)
+    assert torch.equal(off.output, on_out), f"seed={seed}: importance on and off differ at lengths={lengths}"

@@ -1,0 +1,315 @@
+"""The GPU run: one prepared script for a lent H100/H200, rehearsed on the CPU first.
+
+Stages, each under its own time limit, each recorded in ``results.json`` whether it
+passed or not (a failing stage never stops the ones after it):
+
+1. ``env`` — Python, torch, CUDA, Triton, transformers, SGLang, the device.
+2. ``kernels`` — ``test/kernels`` compiled (``TRITON_INTERPRET=0``): every dtype, page
+   size and head layout the CPU runs under the interpreter, plus the long (32K, 128K)
+   Llama-8B-head cases that only run on a GPU.
+3. ``serve`` — the server on the platform with the plugin, on the small seeded
+   checkpoint (``scripts/make_models.py tiny``, the same weights as on the CPU):
+   ``dense`` (greedy output compared with the CPU server's, ``benchmark/gpu/tiny_reference.json``,
+   and a chat completion), ``importance`` (``--radix-eviction-policy importance`` with the
+   HiCache host tier: a prompt sent twice, the second a prefix hit) and ``hot-set`` (20 %:
+   a long prompt decoded, its pages-attended ratio read from ``/metrics``).
+4. ``speed`` — ``benchmark/long_context/bench_speed.py`` on a Llama-3.1-8B-shaped model
+   with dummy weights: SGLang's own ``triton`` backend (the peer), ``importance_triton``
+   dense, the hot set at 20 % with the guard off and on; 8K and 32K, batch 1 and 8.
+
+Everything lands in ``--out``: ``results.json``, ``summary.md`` (also printed last) and
+``logs.tar.gz`` (every server log and each stage's output).
+
+    bash benchmark/gpu/run.sh                       # on the GPU machine ($OUT set)
+    python -m benchmark.gpu.run_gpu --rehearse --out /tmp/gpu-rehearse   # this CPU, small shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+REFERENCE = ROOT / "benchmark" / "gpu" / "tiny_reference.json"
+MAKE_MODELS = ROOT / "scripts" / "make_models.py"
+COMPARE = ROOT / "scripts" / "compare_greedy.py"
+STAGES = ("env", "kernels", "serve", "speed")
+
+
+class Run:
+    """The run's output folder, its results and its clock."""
+
+    def __init__(self, out: Path, rehearse: bool, budget_s: float) -> None:
+        self.out = out
+        out.mkdir(parents=True, exist_ok=True)
+        # Outside --out: the device tool brings back at most 8 files; the logs travel as one tarball.
+        self.logs = Path(tempfile.mkdtemp(prefix="gpu-run-logs-"))
+        self.rehearse = rehearse
+        self.platform = "torch_cpu" if rehearse else "torch_cuda"
+        self.backend = "importance_torch" if rehearse else "importance_triton"
+        self.results: dict[str, Any] = {"platform": self.platform, "stages": {}}
+        self.start = time.time()
+        self.deadline = self.start + budget_s
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def save(self) -> None:
+        (self.out / "results.json").write_text(json.dumps(self.results, indent=1, default=str))
+
+    def stage(self, name: str, fn: Callable[["Run"], dict], need_s: float) -> None:
+        """Run one stage; its result (or its error) goes into results.json at once."""
+        if self.left() < need_s:
+            self.results["stages"][name] = {"status": "skipped", "why": f"{self.left():.0f}s left < {need_s:.0f}s"}
+            self.save()
+            return
+        t0 = time.time()
+        print(f"=== {name} ({self.left():.0f}s left)", flush=True)
+        try:
+            result = {"status": "ok", **fn(self)}
+        except Exception as e:  # recorded; the next stage still runs
+            result = {"status": "error", "error": f"{type(e).__name__}: {e}"[-3000:]}
+        result["seconds"] = round(time.time() - t0, 1)
+        self.results["stages"][name] = result
+        self.save()
+        print(f"=== {name}: {result['status']} in {result['seconds']}s", flush=True)
+
+    def sh(self, cmd: list[str], log: str, timeout: float, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+        """Run ``cmd`` with its output in ``logs/<log>``; the completed process (output kept)."""
+        full_env = dict(os.environ, **(env or {}))
+        try:
+            proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired as e:
+            out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            (self.logs / log).write_text(f"$ {shlex.join(cmd)}\n{out}\nTIMEOUT after {timeout:.0f}s\n")
+            raise TimeoutError(f"{shlex.join(cmd[:4])}... ran past {timeout:.0f}s (logs/{log})") from None
+        (self.logs / log).write_text(f"$ {shlex.join(cmd)}\n{proc.stdout}\n--- stderr\n{proc.stderr}\n")
+        return proc
+
+
+# ------------------------------------------------------------------ stages
+
+
+def stage_env(run: Run) -> dict:
+    import torch
+
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
+    info["cuda"] = torch.version.cuda
+    for name in ("triton", "transformers", "sglang", "sgl_importance", "sgl_kernel_ext"):
+        try:
+            from importlib.metadata import version
+
+            dist = {"sgl_importance": "sglang-importance", "sgl_kernel_ext": "sgl-kernel-ext"}.get(name, name)
+            info[name] = version(dist)
+        except Exception as e:
+            info[name] = f"missing ({e})"
+    try:
+        import sgl_kernel
+
+        shim = getattr(sgl_kernel, "IS_SGL_IMPORTANCE_SHIM", False)
+        info["sgl_kernel"] = f"shim ({sgl_kernel.__file__})" if shim else "real"
+    except ImportError:
+        info["sgl_kernel"] = "not importable"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["device"] = props.name
+        info["device_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["sm_count"] = props.multi_processor_count
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm", "--format=csv"],
+                             capture_output=True, text=True)  # fmt: skip
+        info["nvidia_smi"] = smi.stdout.strip()
+    else:
+        info["device"] = f"cpu ({os.cpu_count()} cores)"
+    return info
+
+
+def stage_kernels(run: Run) -> dict:
+    """``test/kernels`` compiled; the pytest summary line and the failures' names."""
+    cmd = [sys.executable, "-m", "pytest", str(ROOT / "test" / "kernels"), "-q", "-p", "no:cacheprovider",
+           "-n", "8", "--timeout", "300", "-o", "addopts=--import-mode=importlib"]  # fmt: skip
+    env = {"TRITON_INTERPRET": "1" if run.rehearse else "0"}
+    if run.rehearse:
+        cmd += ["-k", "long_context or importance_off"]  # the GPU's long cases skip here; a taste of the rest
+    proc = run.sh(cmd, "kernels.log", timeout=min(run.left() - 240, 200), env=env)
+    lines = proc.stdout.strip().splitlines()
+    summary = next((line for line in reversed(lines) if " passed" in line or " failed" in line), lines[-1:] or "")
+    failed = [line.split(" ")[1] for line in lines if line.startswith("FAILED ")]
+    return {"summary": summary, "failed": failed, "returncode": proc.returncode}
+
+
+def make_tiny(run: Run) -> str:
+    reference = json.loads(REFERENCE.read_text())
+    folder = Path("/tmp/sgl-importance-tiny")
+    cmd = [sys.executable, str(MAKE_MODELS), "tiny", "--out", str(folder), "--tokenizer-from", tokenizer_dir(),
+           "--expect-sha", reference["sha256"]]  # fmt: skip
+    proc = run.sh(cmd, "make_tiny.log", timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"tiny model: {proc.stderr.strip()[-500:] or proc.stdout.strip()[-500:]}")
+    return str(folder)
+
+
+def tokenizer_dir() -> str:
+    """SmolLM2's tokenizer files: from the bundle on the GPU, the prepared model here."""
+    bundled = ROOT / "bundle" / "tokenizer"
+    if bundled.is_dir():
+        return str(bundled)
+    from sgl_importance.local_server import model_path
+
+    return model_path()
+
+
+def serve_dense(run: Run, model: str, reference: dict) -> dict:
+    from sgl_importance.client import chat
+    from sgl_importance.local_server import LocalServer, start_with_retry
+
+    args = reference["server_args"] + ["--attention-backend", run.backend]
+    server = start_with_retry(
+        lambda: LocalServer(model, args, run.logs / "server_dense.log", platform=run.platform), timeout=240
+    )
+    try:
+        proc = run.sh([sys.executable, str(COMPARE), str(REFERENCE), "--url", server.url], "compare_dense.log", 120)
+        answer = chat(server.url, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=16,
+                      temperature=0)  # fmt: skip
+        text = answer["choices"][0]["message"]["content"]
+    finally:
+        server.stop()
+    return {"greedy_equal": proc.returncode == 0, "compare": proc.stdout.strip()[-1500:], "chat": text}
+
+
+def long_prompt(tokens: int) -> str:
+    from benchmark.long_context.bench_hot_set import essay_text
+
+    words = essay_text().split()
+    return " ".join(words[: int(tokens * 0.75)])
+
+
+def serve_tiered(run: Run, model: str, reference: dict, name: str, extra: list[str]) -> dict:
+    """A server with the HiCache host tier and ``extra`` flags: one long prompt twice (the
+    second a prefix hit), its answers and the plugin's series from /metrics."""
+    from sgl_importance.client import generate, greedy, metrics_text
+    from sgl_importance.local_server import LocalServer, metric, start_with_retry
+
+    args = [*reference["server_args"], "--attention-backend", run.backend, "--enable-metrics",
+            "--enable-hierarchical-cache", "--hicache-ratio", "2", *extra]  # fmt: skip
+    server = start_with_retry(
+        lambda: LocalServer(model, args, run.logs / f"server_{name}.log", platform=run.platform), timeout=240
+    )
+    try:
+        prompt = long_prompt(1500 if run.rehearse else 3000)
+        answers = []
+        for _ in range(2):
+            out = generate(server.url, text=prompt, sampling_params=greedy(24))
+            answers.append({"tokens": out["meta_info"]["completion_tokens"],
+                            "cached": out["meta_info"].get("cached_tokens"), "text": out["text"][:80]})  # fmt: skip
+        scrape = metrics_text(server.url)
+        series = {
+            line.split("{")[0].split(" ")[0]
+            for line in scrape.splitlines()
+            if line.startswith("sglang:") and ("importance" in line or "hot_set" in line)
+        }
+        result = {"answers": answers, "plugin_series": sorted(series)[:40]}
+        for key in ("sglang:hot_set_pages_attended_total", "sglang:hot_set_pages_dense_total"):
+            result[key] = metric(scrape, key)
+        errors = [line for line in server.log().splitlines() if "Traceback" in line or "Error" in line]
+        result["log_errors"] = errors[:10]
+    finally:
+        server.stop()
+    return result
+
+
+def stage_serve(run: Run) -> dict:
+    reference = json.loads(REFERENCE.read_text())
+    model = make_tiny(run)
+    out: dict[str, Any] = {}
+    for name, fn in (
+        ("dense", lambda: serve_dense(run, model, reference)),
+        ("importance", lambda: serve_tiered(run, model, reference, "importance",
+                                            ["--radix-eviction-policy", "importance"])),
+        ("hot-set", lambda: serve_tiered(run, model, reference, "hot_set",
+                                         ["--radix-eviction-policy", "importance", "--hot-set-policy", "importance",
+                                          "--hot-set-budget", "0.2"])),
+    ):  # fmt: skip
+        try:
+            out[name] = fn()
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {e}"[-3000:]}
+        (run.out / "results.json").write_text(json.dumps({**run.results, "serve_partial": out}, default=str))
+    return out
+
+
+def stage_speed(run: Run) -> dict:
+    folder = Path("/tmp/sgl-importance-dummy")
+    shape = "smollm2" if run.rehearse else "llama-8b"
+    proc = run.sh([sys.executable, str(MAKE_MODELS), "dummy", "--shape", shape, "--out", str(folder),
+                   "--tokenizer-from", tokenizer_dir()], "make_dummy.log", 60)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"dummy model: {proc.stderr.strip()[-500:]}")
+    speed_out = run.logs / "speed"
+    if run.rehearse:
+        grid = ["--lengths", "1024", "--batches", "1,2", "--new-tokens", "16", "--dtype", "float32",
+                "--configs", "sglang-torch_native,dense,hot-20,hot-20-guard"]  # fmt: skip
+    else:
+        grid = ["--lengths", "8192,32768", "--batches", "1,8", "--new-tokens", "64", "--dtype", "bfloat16",
+                "--configs", "sglang-triton,dense,hot-20,hot-20-guard"]  # fmt: skip
+    cmd = [sys.executable, "-m", "benchmark.long_context.bench_speed", "--platform", run.platform,
+           "--model-path", str(folder), "--server-args", "--load-format dummy --skip-tokenizer-init",
+           "--no-hicache", "--out", str(speed_out), *grid]  # fmt: skip
+    proc = run.sh(cmd, "speed.log", timeout=run.left() - 20)
+    results = speed_out / "results.json"
+    rows = json.loads(results.read_text()) if results.is_file() else None
+    table = (speed_out / "RESULTS.md").read_text() if (speed_out / "RESULTS.md").is_file() else proc.stdout[-3000:]
+    return {"returncode": proc.returncode, "rows": rows, "table": table}
+
+
+# ------------------------------------------------------------------ report
+
+
+def summary(run: Run) -> str:
+    lines = [f"# GPU run ({run.platform}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(run.start))})", ""]
+    for name, result in run.results["stages"].items():
+        lines.append(f"## {name}: {result.get('status')} ({result.get('seconds', 0)} s)")
+        if name == "speed" and result.get("table"):
+            lines.append(result["table"])
+        else:
+            brief = {k: v for k, v in result.items() if k not in ("status", "seconds", "rows", "table")}
+            lines.append("```\n" + json.dumps(brief, indent=1, default=str)[:4000] + "\n```")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/gpu-run")))
+    ap.add_argument("--rehearse", action="store_true", help="on this CPU: torch_cpu, importance_torch, small shapes")
+    ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, from {', '.join(STAGES)}")
+    ap.add_argument("--budget-s", type=float, default=400, help="the whole run's seconds (stages past it are skipped)")
+    a = ap.parse_args()
+    run = Run(a.out, a.rehearse, a.budget_s)
+    wanted = a.stages.split(",")
+    unknown = set(wanted) - set(STAGES)
+    if unknown:
+        ap.error(f"--stages: unknown {sorted(unknown)}; allowed: {', '.join(STAGES)}")
+    need = {"env": 0, "kernels": 60, "serve": 90, "speed": 60}
+    fns = {"env": stage_env, "kernels": stage_kernels, "serve": stage_serve, "speed": stage_speed}
+    for name in STAGES:
+        if name in wanted:
+            run.stage(name, fns[name], need[name])
+    text = summary(run)
+    (run.out / "summary.md").write_text(text)
+    with tarfile.open(run.out / "logs.tar.gz", "w:gz") as tar:
+        tar.add(run.logs, arcname="logs")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
