@@ -30,9 +30,9 @@ import numpy as np
 MARKER = "made.json"
 WEIGHTS = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-# Greedy by default: a request that names no sampling parameters still gets a
-# reproducible answer (SGLang applies generation_config.json as defaults).
-GREEDY_GENERATION = {"do_sample": False, "temperature": 0.0, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+# Greedy by default (top_k 1: transformers and SGLang both read it so): a request that
+# names no sampling parameters still gets a reproducible answer.
+GREEDY_GENERATION = {"do_sample": True, "top_k": 1, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 TINY_LAYERS = 4
 
 # SmolLM2-135M-Instruct's config.json, as published (30 layers).
