@@ -6,7 +6,8 @@ passed or not (a failing stage never stops the ones after it):
 1. ``env`` — Python, torch, CUDA, Triton, transformers, SGLang, the device.
 2. ``kernels`` — ``test/kernels`` compiled (``TRITON_INTERPRET=0``): every dtype, page
    size and head layout the CPU runs under the interpreter, plus the long (32K, 128K)
-   Llama-8B-head cases that only run on a GPU.
+   Llama-8B-head cases that only run on a GPU. They run in the background beside
+   ``serve`` (correctness only) and are waited for before ``speed`` is timed.
 3. ``serve`` — the server on the platform with the plugin, on the small seeded
    checkpoint (``scripts/make_models.py tiny``, the same weights as on the CPU):
    ``dense`` (greedy output compared with the CPU server's, ``benchmark/gpu/tiny_reference.json``,
@@ -16,6 +17,8 @@ passed or not (a failing stage never stops the ones after it):
 4. ``speed`` — ``benchmark/long_context/bench_speed.py`` on a Llama-3.1-8B-shaped model
    with dummy weights: SGLang's own ``triton`` backend (the peer), ``importance_triton``
    dense, the hot set at 20 % with the guard off and on; 8K and 32K, batch 1 and 8.
+5. ``kbench`` — with the time left: ``benchmark/kernel/bench_decode.py`` (importance on
+   vs off, SGLang's Triton decode kernel as the peer) and ``bench_page_list.py``.
 
 Everything lands in ``--out``: ``results.json``, ``summary.md`` (also printed last) and
 ``logs.tar.gz`` (every server log and each stage's output).
@@ -43,7 +46,10 @@ ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "benchmark" / "gpu" / "tiny_reference.json"
 MAKE_MODELS = ROOT / "scripts" / "make_models.py"
 COMPARE = ROOT / "scripts" / "compare_greedy.py"
-STAGES = ("env", "kernels", "serve", "speed")
+# The reference's server flags (tiny_reference.json: torch_cpu's defaults otherwise); SGLang's
+# dtype "auto" would serve the float32 checkpoint as float16.
+TINY_ARGS = ["--dtype", "float32"]
+STAGES = ("env", "kernels", "serve", "speed", "kbench")
 
 
 class Run:
@@ -133,25 +139,49 @@ def stage_env(run: Run) -> dict:
     return info
 
 
-def stage_kernels(run: Run) -> dict:
-    """``test/kernels`` compiled; the pytest summary line and the failures' names."""
+def start_kernels(run: Run, select: Optional[str]) -> tuple[subprocess.Popen, Path, float]:
+    """``test/kernels`` compiled, in the background (it overlaps the serving stage: both
+    check correctness, neither is timed); the process, its log and when it started."""
     cmd = [sys.executable, "-m", "pytest", str(ROOT / "test" / "kernels"), "-q", "-p", "no:cacheprovider",
-           "-n", "8", "--timeout", "300", "-o", "addopts=--import-mode=importlib"]  # fmt: skip
-    env = {"TRITON_INTERPRET": "1" if run.rehearse else "0"}
+           "-n", "2" if run.rehearse else "8", "--timeout", "300", "-o", "addopts=--import-mode=importlib"]  # fmt: skip
     if run.rehearse:
-        cmd += ["-k", "long_context or importance_off"]  # the GPU's long cases skip here; a taste of the rest
-    proc = run.sh(cmd, "kernels.log", timeout=min(run.left() - 240, 200), env=env)
-    lines = proc.stdout.strip().splitlines()
-    summary = next((line for line in reversed(lines) if " passed" in line or " failed" in line), lines[-1:] or "")
+        select = select or "long_context or importance_off"  # the GPU's long cases skip here
+    if select:
+        cmd += ["-k", select]
+    log = run.logs / "kernels.log"
+    env = dict(os.environ, TRITON_INTERPRET="1" if run.rehearse else "0")
+    with open(log, "w") as f:
+        f.write(f"$ {shlex.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    return proc, log, time.time()
+
+
+def finish_kernels(run: Run, started: tuple[subprocess.Popen, Path, float], timeout: float) -> dict:
+    """Wait for the kernel tests; the pytest summary line and the failures' names."""
+    proc, log, t0 = started
+    try:
+        proc.wait(timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    lines = log.read_text(errors="replace").strip().splitlines()
+    summary = next((line for line in reversed(lines) if " passed" in line or " failed" in line), "")
     failed = [line.split(" ")[1] for line in lines if line.startswith("FAILED ")]
-    return {"summary": summary, "failed": failed, "returncode": proc.returncode}
+    return {
+        "summary": summary or f"no summary (killed after {time.time() - t0:.0f}s?)",
+        "failed": failed,
+        "returncode": proc.returncode,
+        "seconds_total": round(time.time() - t0, 1),
+        "progress": lines[1][:300] if len(lines) > 1 else "",
+    }
 
 
 def make_tiny(run: Run) -> str:
     reference = json.loads(REFERENCE.read_text())
     folder = Path("/tmp/sgl-importance-tiny")
     cmd = [sys.executable, str(MAKE_MODELS), "tiny", "--out", str(folder), "--tokenizer-from", tokenizer_dir(),
-           "--expect-sha", reference["sha256"]]  # fmt: skip
+           "--expect-sha", reference["model"]["tensor_sha256"]]  # fmt: skip
     proc = run.sh(cmd, "make_tiny.log", timeout=120)
     if proc.returncode != 0:
         raise RuntimeError(f"tiny model: {proc.stderr.strip()[-500:] or proc.stdout.strip()[-500:]}")
@@ -168,16 +198,17 @@ def tokenizer_dir() -> str:
     return model_path()
 
 
-def serve_dense(run: Run, model: str, reference: dict) -> dict:
+def serve_dense(run: Run, model: str) -> dict:
     from sgl_importance.client import chat
     from sgl_importance.local_server import LocalServer, start_with_retry
 
-    args = reference["server_args"] + ["--attention-backend", run.backend]
+    args = [*TINY_ARGS, "--attention-backend", run.backend]
     server = start_with_retry(
         lambda: LocalServer(model, args, run.logs / "server_dense.log", platform=run.platform), timeout=240
     )
     try:
-        proc = run.sh([sys.executable, str(COMPARE), str(REFERENCE), "--url", server.url], "compare_dense.log", 120)
+        cmd = [sys.executable, str(COMPARE), str(REFERENCE), "--url", server.url, "--model-dir", model]
+        proc = run.sh(cmd, "compare_dense.log", 120)
         answer = chat(server.url, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=16,
                       temperature=0)  # fmt: skip
         text = answer["choices"][0]["message"]["content"]
@@ -193,13 +224,13 @@ def long_prompt(tokens: int) -> str:
     return " ".join(words[: int(tokens * 0.75)])
 
 
-def serve_tiered(run: Run, model: str, reference: dict, name: str, extra: list[str]) -> dict:
+def serve_tiered(run: Run, model: str, name: str, extra: list[str]) -> dict:
     """A server with the HiCache host tier and ``extra`` flags: one long prompt twice (the
     second a prefix hit), its answers and the plugin's series from /metrics."""
     from sgl_importance.client import generate, greedy, metrics_text
     from sgl_importance.local_server import LocalServer, metric, start_with_retry
 
-    args = [*reference["server_args"], "--attention-backend", run.backend, "--enable-metrics",
+    args = [*TINY_ARGS, "--page-size", "16", "--attention-backend", run.backend, "--enable-metrics",
             "--enable-hierarchical-cache", "--hicache-ratio", "2", *extra]  # fmt: skip
     server = start_with_retry(
         lambda: LocalServer(model, args, run.logs / f"server_{name}.log", platform=run.platform), timeout=240
@@ -213,12 +244,12 @@ def serve_tiered(run: Run, model: str, reference: dict, name: str, extra: list[s
                             "cached": out["meta_info"].get("cached_tokens"), "text": out["text"][:80]})  # fmt: skip
         scrape = metrics_text(server.url)
         series = {
-            line.split("{")[0].split(" ")[0]
-            for line in scrape.splitlines()
-            if line.startswith("sglang:") and ("importance" in line or "hot_set" in line)
+            line.split("{")[0].split(" ")[0] for line in scrape.splitlines() if line.startswith("sgl_importance:")
         }
         result = {"answers": answers, "plugin_series": sorted(series)[:40]}
-        for key in ("sglang:hot_set_pages_attended_total", "sglang:hot_set_pages_dense_total"):
+        for key in ("sgl_importance:hot_set_pages_attended_total", "sgl_importance:hot_set_pages_dense_total",
+                    "sgl_importance:hot_set_pages_released_total", "sgl_importance:hot_set_guard_reads_total",
+                    "sgl_importance:hot_set_guard_checks_total", "sgl_importance:folded_steps_total"):  # fmt: skip
             result[key] = metric(scrape, key)
         errors = [line for line in server.log().splitlines() if "Traceback" in line or "Error" in line]
         result["log_errors"] = errors[:10]
@@ -228,16 +259,15 @@ def serve_tiered(run: Run, model: str, reference: dict, name: str, extra: list[s
 
 
 def stage_serve(run: Run) -> dict:
-    reference = json.loads(REFERENCE.read_text())
     model = make_tiny(run)
     out: dict[str, Any] = {}
     for name, fn in (
-        ("dense", lambda: serve_dense(run, model, reference)),
-        ("importance", lambda: serve_tiered(run, model, reference, "importance",
+        ("dense", lambda: serve_dense(run, model)),
+        ("importance", lambda: serve_tiered(run, model, "importance",
                                             ["--radix-eviction-policy", "importance"])),
-        ("hot-set", lambda: serve_tiered(run, model, reference, "hot_set",
+        ("hot-set", lambda: serve_tiered(run, model, "hot_set",
                                          ["--radix-eviction-policy", "importance", "--hot-set-policy", "importance",
-                                          "--hot-set-budget", "0.2"])),
+                                          "--hot-set-budget", "0.2", "--hot-set-threshold", "1024"])),
     ):  # fmt: skip
         try:
             out[name] = fn()
@@ -271,6 +301,27 @@ def stage_speed(run: Run) -> dict:
     return {"returncode": proc.returncode, "rows": rows, "table": table}
 
 
+def stage_kbench(run: Run) -> dict:
+    """GPU.md's kernel timings: decode with importance on vs off (SGLang's Triton decode
+    kernel as the peer where importable) and the hot set's page-list step."""
+    out: dict[str, Any] = {}
+    smoke = ["--smoke"] if run.rehearse else []
+    for name, args in (
+        ("decode", ["--models", "llama8b", "--bs", "1,8,32", "--ctx", "4096,32768,131072"]),
+        ("page_list", ["--bs", "1,8,32"]),
+    ):
+        if run.left() < 30:
+            out[name] = {"status": "skipped", "why": "no time left"}
+            continue
+        folder = run.logs / f"kbench_{name}"
+        cmd = [sys.executable, "-m", f"benchmark.kernel.bench_{name}", "--out", str(folder), *smoke]
+        cmd += [] if run.rehearse else args
+        proc = run.sh(cmd, f"kbench_{name}.log", timeout=run.left() - 15)
+        table = next((p.read_text() for p in sorted(folder.glob("*.md"))), proc.stdout[-3000:])
+        out[name] = {"returncode": proc.returncode, "table": table[-6000:]}
+    return out
+
+
 # ------------------------------------------------------------------ report
 
 
@@ -293,17 +344,27 @@ def main() -> None:
     ap.add_argument("--rehearse", action="store_true", help="on this CPU: torch_cpu, importance_torch, small shapes")
     ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, from {', '.join(STAGES)}")
     ap.add_argument("--budget-s", type=float, default=400, help="the whole run's seconds (stages past it are skipped)")
+    ap.add_argument("--kernels-select", help="pytest -k expression for the kernel tests (default: all)")
+    ap.add_argument("--kernels-timeout-s", type=float, default=180, help="the kernel tests' seconds, from their start")
     a = ap.parse_args()
     run = Run(a.out, a.rehearse, a.budget_s)
     wanted = a.stages.split(",")
     unknown = set(wanted) - set(STAGES)
     if unknown:
         ap.error(f"--stages: unknown {sorted(unknown)}; allowed: {', '.join(STAGES)}")
-    need = {"env": 0, "kernels": 60, "serve": 90, "speed": 60}
-    fns = {"env": stage_env, "kernels": stage_kernels, "serve": stage_serve, "speed": stage_speed}
-    for name in STAGES:
+    need = {"env": 0, "serve": 90, "speed": 60}
+    fns = {"env": stage_env, "serve": stage_serve, "speed": stage_speed}
+    kernels = start_kernels(run, a.kernels_select) if "kernels" in wanted else None
+    for name in ("env", "serve"):
         if name in wanted:
             run.stage(name, fns[name], need[name])
+    if kernels is not None:
+        # Before the timed stage: nothing else on the GPU while speed is measured.
+        run.stage("kernels", lambda r: finish_kernels(r, kernels, a.kernels_timeout_s - (time.time() - kernels[2])), 0)
+    if "speed" in wanted:
+        run.stage("speed", fns["speed"], need["speed"])
+    if "kbench" in wanted:
+        run.stage("kbench", stage_kbench, 40)
     text = summary(run)
     (run.out / "summary.md").write_text(text)
     with tarfile.open(run.out / "logs.tar.gz", "w:gz") as tar:
