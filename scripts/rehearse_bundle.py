@@ -6,7 +6,7 @@ image provides (taken from the development venv; transformers at the image's 5.1
 downloaded once). The server then runs under ``python -S`` with only those two folders
 on its path: a module the bundle forgot fails here as it would on the GPU machine.
 
-    .venv/bin/python scripts/rehearse_bundle.py             # ~4 min on 2 cores; prints PASS/FAIL
+    .venv/bin/python scripts/rehearse_bundle.py             # 5-8 min on 2 shared cores; prints PASS/FAIL
     .venv/bin/python scripts/rehearse_bundle.py --reuse     # keep an existing bundle
 
 Three servers, each answering /generate and a chat completion on torch_cpu: SmolLM2 dense;
