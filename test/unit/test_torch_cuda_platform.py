@@ -128,6 +128,18 @@ def test_defaults_pick_triton_importance_attention_torch_sampling_and_no_graphs(
     assert platform.get_device(0) == "cuda:0"
 
 
+def test_sglangs_kernel_version_check_is_skipped_only_without_sglang_kernel(platform, monkeypatch):
+    from sgl_importance.platform import torch_cuda
+
+    monkeypatch.delenv("SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK", raising=False)
+    monkeypatch.setattr(torch_cuda, "sgl_kernel_installed", lambda: True)
+    platform.apply_server_args_defaults(server_args())
+    assert "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK" not in os.environ
+    monkeypatch.setattr(torch_cuda, "sgl_kernel_installed", lambda: False)
+    platform.apply_server_args_defaults(server_args())
+    assert os.environ["SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"] == "1"
+
+
 def test_sglangs_triton_backend_is_allowed_as_the_peer(platform):
     args = server_args(attention_backend="triton")
     platform.apply_server_args_defaults(args)

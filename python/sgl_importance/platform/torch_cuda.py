@@ -15,12 +15,16 @@ must stay small, a new CUDA or torch); it is not SGLang's fast path.
 from __future__ import annotations
 
 import logging
+import os
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
 from sglang.srt.platforms.cuda import CudaDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
+
+from sgl_importance.env import SKIP_KERNEL_VERSION_CHECK_ENV
 
 DEFAULT_ATTENTION_BACKEND = "importance_triton"
 # Attention backends whose kernels are Triton (or torch) only; the others need
@@ -38,6 +42,15 @@ def check_attention_backend(name: str | None) -> None:
             f"(it needs compiled kernels this platform does without); choose one of "
             f"{', '.join(ATTENTION_BACKENDS)}"
         )
+
+
+def sgl_kernel_installed() -> bool:
+    """Whether the real ``sglang-kernel`` distribution is installed (the shim has no metadata)."""
+    try:
+        version("sglang-kernel")
+    except PackageNotFoundError:
+        return False
+    return True
 
 
 def no_compiled_kernel(original: Any) -> bool:
@@ -98,6 +111,10 @@ class TorchCudaPlatform(CudaDeviceMixin, SRTPlatform):
             check_hicache_support(server_args.hicache_mem_layout, server_args.hicache_io_backend)
         if server_args.device is None:
             server_args.device = "cuda"
+        if not sgl_kernel_installed():
+            # SGLang's launcher requires sglang-kernel >= 0.4.9 on CUDA; this platform calls none
+            # of it, so it uses SGLang's own switch for that check (read when the engine starts).
+            os.environ[SKIP_KERNEL_VERSION_CHECK_ENV] = "1"
 
     def get_dispatch_key_name(self) -> str:
         return "native"
