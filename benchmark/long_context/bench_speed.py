@@ -12,7 +12,10 @@ invocation, one measurement after another (never two at once):
    page-list decode in torch (gather, then matmuls);
 3. ``dense`` — the same server with the default decode (sgl_kernel_ext's C kernel,
    reading the pool in place);
-4. ``hot-*`` — one hot-set server (``--hot-set-policy importance``, HiCache on) decoding
+4. ``sglang-<backend>`` — the peer server: the dense server's flags with SGLang's own
+   ``--attention-backend <backend>`` (``sglang-torch_native`` on the CPU, ``sglang-triton``
+   on a GPU); one server per peer, measured before the plugin's;
+5. ``hot-*`` — one hot-set server (``--hot-set-policy importance``, HiCache on) decoding
    each configuration chosen per request through ``custom_params.hot_set``:
    ``hot-dense`` (policy dense), ``hot-10`` / ``hot-20`` / ``hot-30`` (importance at that
    budget, guard off: ``guard_threshold`` 1.0), ``hot-20-guard`` (importance 20 % with the
@@ -35,11 +38,26 @@ measurement; bandwidth = bytes read + bytes written per second) and the time to 
 those bytes once at that bandwidth, so each row shows how far it is from the limit;
 and the ratio of its tok/s to dense's and to transformers'.
 
-Writes RESULTS.md (the table and the command), results.json and speed.png (step time
-vs pages read) into ``--out``.
+Platforms (``--platform``, the servers' ``SGLANG_PLATFORM``): ``torch_cpu`` (default;
+``--attention-backend importance_torch``) and ``torch_cuda`` (a GPU with SGLang's native
+ops; ``importance_triton``, and the bandwidth column is a device-to-device copy timed with
+CUDA events). ``--model-path`` serves another folder and ``--server-args`` adds flags to
+every server (``--load-format dummy --skip-tokenizer-init`` for a model shape without its
+weights: the requests send token ids and read ``output_ids``, never text; the prompts'
+tokenizer comes from the folder or ``--tokenizer``). ``transformers`` needs real weights
+and the CPU: refused with ``--load-format dummy`` or on torch_cuda. ``--no-hicache``
+starts every server without HiCache (the hot set then releases no pages).
+
+Writes RESULTS.md (the table and the command), results.json (rows, and per configuration
+the error of a measurement that failed; the others go on), speed.png (step time vs pages
+read) and every server's log under ``logs/`` into ``--out``, then prints a short table.
 
     python -m benchmark.long_context.bench_speed --out /tmp/bench_speed          # full grid
     python -m benchmark.long_context.bench_speed --smoke --out /tmp/bench_speed  # minutes
+    python -m benchmark.long_context.bench_speed --platform torch_cuda --model-path DIR \\
+        --server-args "--load-format dummy --skip-tokenizer-init" --dtype bfloat16 --no-hicache \\
+        --lengths 8192,32768 --batches 1,8 --new-tokens 64 \\
+        --configs sglang-triton,dense,hot-20,hot-20-guard --out /tmp/bench_speed_gpu   # a GPU
 """
 
 from __future__ import annotations
@@ -74,6 +92,11 @@ ALL_CONFIGS = (
     "hot-30",
     "hot-20-guard",
 )
+# SGLang's own attention under a dense server's flags: the peer on each platform.
+PEER_PREFIX = "sglang-"
+DEFAULT_BACKEND = {"torch_cpu": "importance_torch", "torch_cuda": "importance_triton"}
+DEFAULT_PEER = {"torch_cpu": "sglang-torch_native", "torch_cuda": "sglang-triton"}
+SERVER_KINDS = ("reference", "dense-torch", "dense", "hot")
 DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+), .*?gen throughput \(token/s\): ([\d.]+)")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -91,6 +114,10 @@ def parse_config(name: str) -> dict[str, Any]:
         return {"name": name, "server": None, "hot_set": None}
     if name in ("reference", "dense-torch", "dense"):
         return {"name": name, "server": name, "hot_set": None}
+    peer = re.fullmatch(PEER_PREFIX + r"([a-z0-9_]+)", name)
+    if peer:
+        # A server of its own: SGLang's backend, no importance recording, no hot set.
+        return {"name": name, "server": name, "hot_set": None, "backend": peer.group(1)}
     if name == "hot-dense":
         return {"name": name, "server": "hot", "hot_set": {"policy": "dense"}}
     m = re.fullmatch(r"hot-(\d+)(-guard)?", name)
@@ -99,7 +126,37 @@ def parse_config(name: str) -> dict[str, Any]:
         if not m.group(2):
             hot_set["guard_threshold"] = 1.0  # guard off
         return {"name": name, "server": "hot", "hot_set": hot_set}
-    raise ValueError(f"--configs: unknown configuration {name!r}; allowed: {', '.join(ALL_CONFIGS)}, hot-<percent>")
+    raise ValueError(
+        f"--configs: unknown configuration {name!r}; allowed: {', '.join(ALL_CONFIGS)}, hot-<percent>, "
+        f"{PEER_PREFIX}<attention backend>"
+    )
+
+
+def config_order(name: str) -> tuple[int, str]:
+    """Where a configuration's rows go in the table: transformers, SGLang's own backends
+    (the peers), then the plugin's from the plainest to the hot set."""
+    if name == "transformers":
+        return (0, name)
+    if name.startswith(PEER_PREFIX):
+        return (1, name)
+    order = {n: i for i, n in enumerate(ALL_CONFIGS)}
+    return (2 + order.get(name, len(ALL_CONFIGS)), name)
+
+
+def context_length(lengths: list[int], new_tokens: int, page: int = PAGE) -> int:
+    """``--context-length`` for every server: the longest prompt, its new tokens and a page
+    of slack (the model's ``max_position_embeddings`` must allow it)."""
+    return max(lengths) + new_tokens + page
+
+
+def load_format(extra_args: list[str]) -> Optional[str]:
+    """The ``--load-format`` among ``--server-args`` (None where not given)."""
+    for i, arg in enumerate(extra_args):
+        if arg == "--load-format" and i + 1 < len(extra_args):
+            return extra_args[i + 1]
+        if arg.startswith("--load-format="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 # ------------------------------------------------------------------ bytes and bandwidth
@@ -151,18 +208,36 @@ def dense_pages_per_step(length: int, batch: int, new_tokens: int, page: int = P
     return batch * statistics.fmean(math.ceil((length + t) / page) for t in steps)
 
 
-def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
-    """GB/s of a large tensor copy (bytes read + bytes written), best of ``repeats``."""
+def copy_bandwidth(device: str = "cpu", mib: int = 256, repeats: int = 5) -> float:
+    """GB/s of a large tensor copy on ``device`` (bytes read + bytes written), best of
+    ``repeats``. On a GPU: a device-to-device copy timed with CUDA events, after a warm-up
+    copy; the tensors are freed after (the client must not hold memory the servers need)."""
     import torch
 
-    src = torch.ones(mib * 2**20 // 4)
+    if device == "cpu":
+        src = torch.ones(mib * 2**20 // 4)
+        dst = torch.empty_like(src)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - start)
+        return 2 * src.numel() * 4 / best / 1e9
+    src = torch.ones(mib * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
-    best = float("inf")
+    dst.copy_(src)  # warm-up: the first launch pays for its set-up
+    best_ms = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.numel() * 4 / best / 1e9
+        end.record()
+        end.synchronize()
+        best_ms = min(best_ms, start.elapsed_time(end))
+    nbytes = src.numel() * 4
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (best_ms / 1e3) / 1e9
 
 
 def load_average() -> float:
@@ -176,14 +251,30 @@ def load_average() -> float:
 
 
 def make_prompts(tokenizer: Any, lengths: list[int], count: int) -> dict[int, list[list[int]]]:
-    """``count`` distinct essay slices of each length (token ids)."""
+    """``count`` distinct essay slices of each length (token ids).
+
+    The essays are ~154K tokens with SmolLM2's tokenizer: 8 slices of 32768 start 15K apart.
+    Where they hold too few tokens for ``count`` slices of a length, each prompt instead
+    reads the essays as a ring from its own start (``i / count`` of the way in), repeating
+    the text as often as the length needs: deterministic, and distinct from the first page.
+    """
     filler = tokenizer(essay_text(), add_special_tokens=False)["input_ids"]
+    return prompts_from_filler(filler, lengths, count)
+
+
+def prompts_from_filler(filler: list[int], lengths: list[int], count: int) -> dict[int, list[list[int]]]:
+    """``make_prompts`` on given filler token ids."""
+    if len(filler) < count * PAGE:
+        raise ValueError(f"{len(filler)} filler tokens are too few for {count} distinct prompts")
     prompts = {}
     for length in lengths:
         stride = (len(filler) - length) // count
-        if stride < 1:
-            raise ValueError(f"the essays hold {len(filler)} tokens, too few for {count} prompts of {length}")
-        prompts[length] = [filler[i * stride : i * stride + length] for i in range(count)]
+        if stride >= 1:
+            prompts[length] = [filler[i * stride : i * stride + length] for i in range(count)]
+            continue
+        ring = filler * (length // len(filler) + 2)
+        starts = [i * len(filler) // count for i in range(count)]
+        prompts[length] = [ring[s : s + length] for s in starts]
     return prompts
 
 
@@ -255,10 +346,13 @@ def measure_transformers(model_dir: str, prompts: dict[int, list[list[int]]], ba
 # ------------------------------------------------------------------ servers
 
 
-def server_args(kind: str, a, max_tokens: int, guard_share: float) -> tuple[list[str], dict[str, str]]:
+def server_args(kind: str, a, max_tokens: int, guard_share: float, context: int) -> tuple[list[str], dict[str, str]]:
     """The server's flags for ``kind``: a pool of ``max_tokens`` KV tokens (the hot-set
     server's with room for its guard beside them, ``guard_share`` the guard's bytes per KV
-    byte)."""
+    byte), ``--context-length context``, then ``--server-args`` (last, so they win).
+
+    ``sglang-<backend>`` is the dense server with SGLang's own backend instead of
+    ``--attention-backend``."""
     hot = kind == "hot"
     if hot:
         # The server takes the guard's pool out of --max-total-tokens: the guard covers the
@@ -267,18 +361,21 @@ def server_args(kind: str, a, max_tokens: int, guard_share: float) -> tuple[list
         # 4 x 7.5K prompts were prefilled again for every measurement and prefill chunks
         # interleaved with the decode steps being timed.)
         guard_tokens, max_tokens = max_tokens, max_tokens + math.ceil(max_tokens * guard_share / PAGE) * PAGE
+    backend = kind[len(PEER_PREFIX) :] if kind.startswith(PEER_PREFIX) else a.attention_backend
     args = [
-        "--page-size", str(PAGE), "--attention-backend", "importance_torch", "--dtype", a.dtype,
-        "--enable-metrics", "--enable-hierarchical-cache", "--hicache-ratio", str(a.hicache_ratio),
-        "--context-length", "8192", "--max-total-tokens", str(max_tokens), "--decode-log-interval", "1",
+        "--page-size", str(PAGE), "--attention-backend", backend, "--dtype", a.dtype, "--enable-metrics",
+        "--context-length", str(context), "--max-total-tokens", str(max_tokens), "--decode-log-interval", "1",
     ]  # fmt: skip
+    if not a.no_hicache:
+        # Without it the hot set keeps every page on the device (nothing to release to).
+        args += ["--enable-hierarchical-cache", "--hicache-ratio", str(a.hicache_ratio)]
     env = {}
     if kind in ("reference", "dense-torch"):
         env["SGL_IMPORTANCE_DECODE"] = "torch" if kind == "dense-torch" else "reference"
     if hot:
         args += ["--hot-set-policy", "importance", "--hot-set-threshold", str(a.threshold)]
         args += ["--hot-set-guard-tokens", str(guard_tokens)]
-    return args, env
+    return args + shlex.split(a.server_args), env
 
 
 def step_times_from_log(log: str, batch: int) -> list[float]:
@@ -304,14 +401,17 @@ def measure_server(
     a,
     logs: Path,
     guard_share: float,
-) -> list[dict]:
+    rows: list[dict],
+) -> None:
     """One server, every length x batch x configuration of ``kind`` (``guard_share``: the
-    guard's bytes per KV byte, for the hot-set server's pool)."""
+    guard's bytes per KV byte, for the hot-set server's pool), each row appended to
+    ``rows`` as it is measured (a failure later keeps it)."""
     longest = max(len(p) for ps in prompts.values() for p in ps)
     max_tokens = max(batches) * (longest + a.new_tokens + PAGE) + 64 * PAGE
-    args, env = server_args(kind, a, max_tokens, guard_share)
-    server = LocalServer(model_dir, args, logs / f"server_{kind}.log", env=env)
-    rows = []
+    context = context_length(list(prompts), a.new_tokens)
+    args, env = server_args(kind, a, max_tokens, guard_share, context)
+    server = LocalServer(model_dir, args, logs / f"server_{kind}.log", env=env, platform=a.platform)
+    print(f"{kind}: {shlex.join(server.cmd)}", flush=True)
 
     def decode(ids: list[int], new: int, hot_set: Optional[dict]) -> dict:
         params = greedy(new, ignore_eos=True)
@@ -339,7 +439,7 @@ def measure_server(
                 for config in configs:
                     if config["hot_set"] is not None and length <= a.threshold:
                         continue  # below the threshold a hot-set request decodes densely
-                    bandwidth = copy_bandwidth()
+                    bandwidth = copy_bandwidth(a.bandwidth_device)
                     load = load_average()
                     before, mark = scrape(), len(server.log())
                     results = at_once(cached[:batch], a.new_tokens, config["hot_set"])
@@ -380,14 +480,18 @@ def measure_server(
                     )
     finally:
         server.stop()
-    return rows
 
 
 # ------------------------------------------------------------------ the report
 
 
-def complete_rows(rows: list[dict], shape: dict[str, int], dtype_bytes: int, new_tokens: int) -> list[dict]:
-    """Add the computed columns: pages, bytes, time to read them once, ratios."""
+def complete_rows(
+    rows: list[dict], shape: dict[str, int], dtype_bytes: int, new_tokens: int, peer: Optional[str] = None
+) -> list[dict]:
+    """Add the computed columns: pages, bytes, time to read them once, ratios (to dense, to
+    transformers and to ``peer``: by default the first ``sglang-*`` configuration measured)."""
+    if peer is None:
+        peer = min((r["config"] for r in rows if r["config"].startswith(PEER_PREFIX)), default=None)
     weights = weight_bytes(shape, dtype_bytes)
     per_page = kv_bytes_per_page(shape, dtype_bytes)
     per_code_page = code_bytes_per_page(shape)
@@ -405,9 +509,10 @@ def complete_rows(rows: list[dict], shape: dict[str, int], dtype_bytes: int, new
         out.append(r)
     by_key = {(r["config"], r["length"], r["batch"]): r for r in out}
     for r in out:
-        for peer in ("dense", "transformers"):
-            other = by_key.get((peer, r["length"], r["batch"]))
-            r[f"vs_{peer}"] = r["tok_s"] / other["tok_s"] if other else None
+        for other_name, column in (("dense", "vs_dense"), ("transformers", "vs_transformers"), (peer, "vs_peer")):
+            other = by_key.get((other_name, r["length"], r["batch"]))
+            r[column] = r["tok_s"] / other["tok_s"] if other else None
+        r["peer"] = peer
     return out
 
 
@@ -415,15 +520,22 @@ def _ratio(x: Optional[float]) -> str:
     return "" if x is None else f"{x:.2f}x"
 
 
+def _sorted(rows: list[dict]) -> list[dict]:
+    return sorted(rows, key=lambda r: (r["length"], r["batch"], config_order(r["config"])))
+
+
+def _peer_name(rows: list[dict]) -> str:
+    return next((r["peer"] for r in rows if r.get("peer")), "sglang")
+
+
 def table_lines(rows: list[dict]) -> list[str]:
     lines = [
         "| length | batch | config | tok/s | step ms (median) | step ms (mean) | pages/step | coded pages/step "
         "| MB read/step "
-        "| read once at bw, ms | step / read once | vs dense | vs transformers |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| read once at bw, ms | step / read once | vs dense | vs {_peer_name(rows)} | vs transformers |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    order = {name: i for i, name in enumerate(ALL_CONFIGS)}
-    for r in sorted(rows, key=lambda r: (r["length"], r["batch"], order.get(r["config"], 99), r["config"])):
+    for r in _sorted(rows):
         cells = (
             r["length"],
             r["batch"],
@@ -437,14 +549,27 @@ def table_lines(rows: list[dict]) -> list[str]:
             f"{r['read_once_s'] * 1e3:.1f}",
             f"{r['step_s'] / r['read_once_s']:.1f}",
             _ratio(r["vs_dense"]),
+            _ratio(r.get("vs_peer")),
             _ratio(r["vs_transformers"]),
         )
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
 
+def short_table(rows: list[dict], errors: dict[str, str]) -> str:
+    """The few columns worth reading in a terminal, and each configuration that failed."""
+    lines = [f"{'length':>7} {'batch':>5}  {'config':<22}{'tok/s':>9}{'step ms':>9}{'vs dense':>9}{'vs peer':>9}"]
+    for r in _sorted(rows):
+        lines.append(
+            f"{r['length']:>7} {r['batch']:>5}  {r['config']:<22}{r['tok_s']:>9.1f}{r['step_s'] * 1e3:>9.1f}"
+            f"{_ratio(r['vs_dense']):>9}{_ratio(r.get('vs_peer')):>9}"
+        )
+    lines += [f"NOT MEASURED {name}: {error}" for name, error in errors.items()]
+    return "\n".join(lines)
+
+
 def write_report(rows: list[dict], meta: dict[str, Any], out: Path) -> str:
-    bws = [r["bandwidth_gbs"] for r in rows]
+    bws = [r["bandwidth_gbs"] for r in rows] or [float("nan")]
     loads = [r["load"] for r in rows if not math.isnan(r["load"])]
     text = "\n".join(
         [
@@ -454,8 +579,12 @@ def write_report(rows: list[dict], meta: dict[str, Any], out: Path) -> str:
             "",
             f"Machine: {meta['machine']}. Model {meta['model']} in {meta['dtype']}, pages of {PAGE} tokens, "
             f"{meta['new_tokens']} greedy tokens after a cached prompt; hot-set threshold {meta['threshold']} tokens.",
-            f"Copy bandwidth (read + written bytes per second, a {256} MiB tensor copy, best of 5, measured before "
-            f"each row): {min(bws):.1f}-{max(bws):.1f} GB/s; 'read once' uses the best, {max(bws):.1f} GB/s. "
+            f"Platform {meta.get('platform', 'torch_cpu')}, attention backend "
+            f"{meta.get('attention_backend', 'importance_torch')}; server flags added: "
+            f"`{meta.get('server_args') or '(none)'}`; HiCache {'off' if meta.get('no_hicache') else 'on'}.",
+            f"Copy bandwidth (read + written bytes per second, {meta.get('bandwidth', 'a 256 MiB tensor copy')}, "
+            f"best of 5, measured before each row): {min(bws):.1f}-{max(bws):.1f} GB/s; "
+            f"'read once' uses the best, {max(bws):.1f} GB/s. "
             f"Load average (1 min) when rows started: {min(loads, default=float('nan')):.1f}-"
             f"{max(loads, default=float('nan')):.1f}.",
             "",
@@ -463,17 +592,18 @@ def write_report(rows: list[dict], meta: dict[str, Any], out: Path) -> str:
             "pages_attended / pages_dense from /metrics, the guard's sampled pages included); coded pages/step: the "
             "unread pages the guard accounted for from their 4-bit key codes (pages_estimated). MB read/step: the "
             "weights once + those pages' K and V in every layer + the coded pages' key codes. "
-            "vs dense / vs transformers: tok/s over "
+            f"vs dense / vs {_peer_name(rows)} / vs transformers: tok/s over "
             "that configuration's at the same length and batch.",
             "",
             *table_lines(rows),
             "",
-            *[f"Not measured (failed): {f}" for f in meta.get("failed", [])],
+            *[f"Not measured (failed): {name}: {error}" for name, error in meta.get("errors", {}).items()],
         ]
     )
     (out / "RESULTS.md").write_text(text)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    plot(rows, out / "speed.png")
+    if rows:  # every configuration failed: nothing to draw
+        plot(rows, out / "speed.png")
     return text
 
 
@@ -485,8 +615,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     markers = "os^vD<>xP*"
-    names = [n for n in ALL_CONFIGS if any(r["config"] == n for r in rows)]
-    names += sorted({r["config"] for r in rows} - set(names))
+    names = sorted({r["config"] for r in rows}, key=config_order)
     for i, name in enumerate(names):
         mine = [r for r in rows if r["config"] == name]
         ax.scatter(
@@ -515,13 +644,44 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lengths", default="64,2048,4096,7500", help="prompt tokens (model context: 8192)")
+    ap.add_argument(
+        "--lengths",
+        default="64,2048,4096,7500",
+        help="prompt tokens; every server gets --context-length = the longest + --new-tokens + a page "
+        "(the model's max_position_embeddings must allow it: 8192 for the embedded SmolLM2)",
+    )
     ap.add_argument("--batches", default="1,4,8", help="requests decoding at once")
-    ap.add_argument("--configs", default=",".join(ALL_CONFIGS), help=f"from {', '.join(ALL_CONFIGS)}, hot-<percent>")
+    ap.add_argument(
+        "--configs",
+        default=None,
+        help=f"from {', '.join(ALL_CONFIGS)}, hot-<percent>, {PEER_PREFIX}<SGLang attention backend> "
+        f"(default: all of them and {DEFAULT_PEER['torch_cpu']} on torch_cpu; on torch_cuda "
+        f"{DEFAULT_PEER['torch_cuda']}, dense and the hot set)",
+    )
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))
     ap.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per request")
     ap.add_argument("--threshold", type=int, default=1024, help="--hot-set-threshold of the hot-set server")
     ap.add_argument("--hicache-ratio", type=float, default=1.5, help="host pool size over the device pool's")
+    ap.add_argument(
+        "--no-hicache",
+        action="store_true",
+        help="servers without --enable-hierarchical-cache (on a GPU its pinned host pool slows start-up; "
+        "the hot set then keeps every page on the device)",
+    )
+    ap.add_argument("--platform", default="torch_cpu", choices=sorted(DEFAULT_BACKEND), help="SGLANG_PLATFORM")
+    ap.add_argument(
+        "--attention-backend",
+        default=None,
+        help="the plugin's backend of the dense and hot-set servers (default: importance_torch on torch_cpu, "
+        "importance_triton on torch_cuda)",
+    )
+    ap.add_argument("--model-path", default=None, help="model folder (default: the embedded SmolLM2)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder for the prompts (default: --model-path)")
+    ap.add_argument(
+        "--server-args",
+        default="",
+        help='flags appended to every server\'s, e.g. "--load-format dummy --skip-tokenizer-init"',
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny grid: lengths 64,512, batches 1,2, 8 tokens")
     ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench_speed_")))
     a = ap.parse_args()
@@ -529,61 +689,101 @@ def main() -> None:
         a.lengths, a.batches, a.new_tokens, a.threshold = "64,512", "1,2", 8, 256
     if a.new_tokens < 3:
         ap.error("--new-tokens must be at least 3")
+    a.attention_backend = a.attention_backend or DEFAULT_BACKEND[a.platform]
+    a.bandwidth_device = "cuda" if a.platform == "torch_cuda" else "cpu"
+    if a.configs is None:
+        plugin = ALL_CONFIGS if a.platform == "torch_cpu" else ("dense", "hot-dense", "hot-10", "hot-20", "hot-30")
+        a.configs = ",".join((DEFAULT_PEER[a.platform], *plugin))
     lengths = [int(x) for x in a.lengths.split(",")]
     batches = sorted({int(x) for x in a.batches.split(",")})
     try:
         configs = [parse_config(c) for c in a.configs.split(",") if c]
+        extra = shlex.split(a.server_args)
     except ValueError as e:
         ap.error(str(e))
+    if any(c["server"] is None for c in configs):
+        # transformers loads the folder's weights on the CPU: with dummy weights, or beside
+        # servers on a GPU, it is no peer of theirs.
+        if load_format(extra) == "dummy":
+            ap.error("--configs transformers needs real weights: it cannot run with --load-format dummy")
+        if a.platform != "torch_cpu":
+            ap.error(f"--configs transformers runs on the CPU only; on {a.platform} use {DEFAULT_PEER[a.platform]}")
     a.out.mkdir(parents=True, exist_ok=True)
-    logs = Path(tempfile.mkdtemp(prefix="bench-speed-logs-"))
+    logs = a.out / "logs"
+    logs.mkdir(exist_ok=True)
     print(f"server logs in {logs}", flush=True)
     started = time.time()
-    model_dir = model_path()
+    model_dir = a.model_path or model_path()
     from transformers import AutoConfig, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(a.tokenizer or model_dir)
+    except (OSError, ValueError) as e:
+        sys.exit(f"no tokenizer in {a.tokenizer or model_dir} for the prompts ({e}); pass --tokenizer DIR")
     prompts = make_prompts(tokenizer, lengths, max(batches))
-    shape = model_shape(AutoConfig.from_pretrained(model_dir).to_dict())
+    model_config = AutoConfig.from_pretrained(model_dir).to_dict()
+    shape = model_shape(model_config)
+    top = max(max(ids) for ps in prompts.values() for ids in ps)
+    if top >= shape["vocab"]:
+        sys.exit(f"the tokenizer's ids reach {top}, past the model's vocabulary of {shape['vocab']}")
     # The guard's bytes per KV token (the hot-set server's pool makes room for them).
     guard_share = code_bytes_per_page(shape) / kv_bytes_per_page(shape, DTYPE_BYTES[a.dtype])
     rows: list[dict] = []
-    failed = []
-    steps = [("transformers", None)] if any(c["server"] is None for c in configs) else []
-    steps += [
-        (kind, [c for c in configs if c["server"] == kind]) for kind in ("reference", "dense-torch", "dense", "hot")
-    ]
+    errors: dict[str, str] = {}
+    if max(lengths) <= a.threshold:
+        # Hot-set rows run only above the threshold; say so rather than leave them out unseen.
+        for c in configs:
+            if c["hot_set"] is not None:
+                errors[c["name"]] = f"skipped: no --lengths above --threshold {a.threshold}"
+                print(f"{c['name']}: {errors[c['name']]}", file=sys.stderr, flush=True)
+        configs = [c for c in configs if c["name"] not in errors]  # no server started for nothing
+    steps = [("transformers", [c for c in configs if c["server"] is None])]
+    kinds = [c["server"] for c in configs if c["server"] and c["server"].startswith(PEER_PREFIX)]
+    steps += [(kind, [c for c in configs if c["server"] == kind]) for kind in (*kinds, *SERVER_KINDS)]
     for kind, mine in steps:
-        if mine == []:
+        if not mine:
             continue
-        # One measurement failing (a server that does not start) leaves the others' rows.
+        # One measurement failing (a server that does not start) leaves the others' rows,
+        # and this one's rows measured before the failure.
         try:
             if kind == "transformers":
                 rows += measure_transformers(model_dir, prompts, batches, a)
             else:
-                rows += measure_server(kind, mine, model_dir, prompts, batches, a, logs, guard_share)
-        except Exception as e:  # noqa: BLE001 - reported in the table's notes
+                measure_server(kind, mine, model_dir, prompts, batches, a, logs, guard_share, rows)
+        except Exception as e:  # noqa: BLE001 - recorded per configuration in results.json
             print(f"{kind} failed: {e!r}", file=sys.stderr, flush=True)
-            failed.append(f"{kind}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (log: {logs}/server_{kind}.log)"
+            errors.update({c["name"]: error for c in mine})
         (a.out / "rows-partial.json").write_text(json.dumps(rows))
     import platform
 
     import torch
 
-    rows = complete_rows(rows, shape, DTYPE_BYTES[a.dtype], a.new_tokens)
+    peer = next((c["name"] for c in configs if c["name"].startswith(PEER_PREFIX)), None)
+    rows = complete_rows(rows, shape, DTYPE_BYTES[a.dtype], a.new_tokens, peer=peer)
+    gpu = a.bandwidth_device == "cuda"
     meta = {
         "command": "python -m benchmark.long_context.bench_speed " + shlex.join(sys.argv[1:]),
         "minutes": (time.time() - started) / 60,
-        "machine": f"{platform.machine()}, {_cpu_name()}, {torch.get_num_threads()} torch threads",
+        "machine": f"{platform.machine()}, {_cpu_name()}, {torch.get_num_threads()} torch threads"
+        + (f", {torch.cuda.get_device_name()}" if gpu else ""),
         "model": Path(model_dir).name,
         "dtype": a.dtype,
         "new_tokens": a.new_tokens,
         "threshold": a.threshold,
+        "platform": a.platform,
+        "attention_backend": a.attention_backend,
+        "server_args": a.server_args,
+        "no_hicache": a.no_hicache,
+        "context_length": context_length(lengths, a.new_tokens),
+        "bandwidth": "a 256 MiB device-to-device copy timed with CUDA events" if gpu else "a 256 MiB tensor copy",
         "weight_bytes": weight_bytes(shape, DTYPE_BYTES[a.dtype]),
         "kv_bytes_per_page": kv_bytes_per_page(shape, DTYPE_BYTES[a.dtype]),
-        "failed": failed,
+        "errors": errors,
     }
-    print(write_report(rows, meta, a.out))
+    write_report(rows, meta, a.out)
+    print(f"{a.out}/RESULTS.md, results.json; server logs in {logs}\n")
+    print(short_table(rows, errors))
 
 
 def _cpu_name() -> str:
