@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -287,7 +288,7 @@ def stage_speed(run: Run) -> dict:
     speed_out = run.logs / "speed"
     if run.rehearse:
         grid = ["--lengths", "1024", "--batches", "1,2", "--new-tokens", "16", "--dtype", "float32",
-                "--configs", "sglang-torch_native,dense,hot-20,hot-20-guard"]  # fmt: skip
+                "--configs", "sglang-torch_native,dense,hot-20,hot-20-guard", "--threshold", "512"]  # fmt: skip
     else:
         grid = ["--lengths", "8192,32768", "--batches", "1,8", "--new-tokens", "64", "--dtype", "bfloat16",
                 "--configs", "sglang-triton,dense,hot-20,hot-20-guard"]  # fmt: skip
@@ -297,6 +298,9 @@ def stage_speed(run: Run) -> dict:
     proc = run.sh(cmd, "speed.log", timeout=run.left() - 20)
     results = speed_out / "results.json"
     rows = json.loads(results.read_text()) if results.is_file() else None
+    for name in ("RESULTS.md", "speed.png"):  # beside results.json, so they come back on their own
+        if (speed_out / name).is_file():
+            shutil.copy2(speed_out / name, run.out / f"speed_{name}")
     table = (speed_out / "RESULTS.md").read_text() if (speed_out / "RESULTS.md").is_file() else proc.stdout[-3000:]
     return {"returncode": proc.returncode, "rows": rows, "table": table}
 
