@@ -11,9 +11,9 @@ passed or not (a failing stage never stops the ones after it):
 3. ``serve`` — the server on the platform with the plugin, on the small seeded
    checkpoint (``scripts/make_models.py tiny``, the same weights as on the CPU):
    ``dense`` (greedy output compared with the CPU server's, ``benchmark/gpu/tiny_reference.json``,
-   and a chat completion), ``importance`` (``--radix-eviction-policy importance`` with the
-   HiCache host tier: a prompt sent twice, the second a prefix hit) and ``hot-set`` (20 %:
-   a long prompt decoded, its pages-attended ratio read from ``/metrics``).
+   and a chat completion) and ``hot-set`` (``--radix-eviction-policy importance`` with the
+   HiCache host tier and the hot set at 20 %: a long prompt sent twice, the second a prefix
+   hit; the plugin's series read from ``/metrics``).
 4. ``speed`` — ``benchmark/long_context/bench_speed.py`` on a Llama-3.1-8B-shaped model
    with dummy weights: SGLang's own ``triton`` backend (the peer), ``importance_triton``
    dense, the hot set at 20 % with the guard off and on; 8K and 32K, batch 1 and 8.
@@ -264,8 +264,6 @@ def stage_serve(run: Run) -> dict:
     out: dict[str, Any] = {}
     for name, fn in (
         ("dense", lambda: serve_dense(run, model)),
-        ("importance", lambda: serve_tiered(run, model, "importance",
-                                            ["--radix-eviction-policy", "importance"])),
         ("hot-set", lambda: serve_tiered(run, model, "hot_set",
                                          ["--radix-eviction-policy", "importance", "--hot-set-policy", "importance",
                                           "--hot-set-budget", "0.2", "--hot-set-threshold", "1024"])),
@@ -297,6 +295,8 @@ def stage_speed(run: Run) -> dict:
            "--no-hicache", "--out", str(speed_out), *grid]  # fmt: skip
     proc = run.sh(cmd, "speed.log", timeout=run.left() - 20)
     results = speed_out / "results.json"
+    if not results.is_file():  # cut short: the rows measured so far
+        results = speed_out / "rows-partial.json"
     rows = json.loads(results.read_text()) if results.is_file() else None
     for name in ("RESULTS.md", "speed.png"):  # beside results.json, so they come back on their own
         if (speed_out / name).is_file():

@@ -739,7 +739,8 @@ def main() -> None:
         configs = [c for c in configs if c["name"] not in errors]  # no server started for nothing
     steps = [("transformers", [c for c in configs if c["server"] is None])]
     kinds = [c["server"] for c in configs if c["server"] and c["server"].startswith(PEER_PREFIX)]
-    steps += [(kind, [c for c in configs if c["server"] == kind]) for kind in (*kinds, *SERVER_KINDS)]
+    # The plugin's servers before the peers: a run cut short keeps the rows it is for.
+    steps += [(kind, [c for c in configs if c["server"] == kind]) for kind in (*SERVER_KINDS, *kinds)]
     for kind, mine in steps:
         if not mine:
             continue

@@ -102,6 +102,7 @@ HOOKS = (
     Hook("mem_cache.memory_pool.can_use_store_cache", "platform.torch_cuda:no_compiled_kernel", "around", "torch_cuda"),
     Hook("mem_cache.pool_host.mha.can_use_hicache_jit_kernel", "platform.torch_cuda:no_compiled_kernel", "around", "torch_cuda"),
     Hook("layers.dual_gemm.DualGemm._select_mode", "platform.torch_cuda:no_dual_gemm", "around", "torch_cuda"),
+    Hook("server_args.ServerArgs.from_cli_args", "platform.torch_cuda:no_graphs", "check", "torch_cuda"),
 )  # fmt: skip
 
 
@@ -195,6 +196,5 @@ def load() -> None:
             add_radix_eviction_policy_choices([hook.target])
         else:
             HookRegistry.register(hook_target(hook), _bind(hook), kinds[hook.kind])
-    # Before SGLang configures logging: an opt-in answer to "is the plugin loaded here?".
-    if os.environ.get(ANNOUNCE_ENV) == "1":
+    if os.environ.get(ANNOUNCE_ENV) == "1":  # before SGLang configures logging: "is the plugin loaded here?"
         print(f"[sgl-importance] plugin loaded (pid {os.getpid()})", file=sys.stderr, flush=True)

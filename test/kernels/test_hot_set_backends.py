@@ -42,7 +42,7 @@ from sgl_importance.hot_set.residency import ReleaseRegistry  # noqa: E402
 from sgl_importance.importance.page_importance import PageImportanceTable  # noqa: E402
 from sgl_kernel_ext import PagedDecodeWorkspace, TritonPageListDecode  # noqa: E402
 from support.array_pools import ArrayPools  # noqa: E402
-from support.kernel_device import EMPTY_PAGES_WARN  # noqa: E402
+from support.kernel_device import DEVICE, EMPTY_PAGES_WARN  # noqa: E402
 
 pytestmark = [EMPTY_PAGES_WARN]
 
@@ -98,7 +98,7 @@ class World:
     """One backend over its own pool, fed requests token by token (the same in both worlds)."""
 
     def __init__(
-        self, kind: str, params: HotSetParams, *, device_pages, host_pages, release, promotions=True, device="cpu"
+        self, kind: str, params: HotSetParams, *, device_pages, host_pages, release, promotions=True, device=DEVICE
     ):
         self.device = device
         self.kv = ArrayKV(device_pages, host_pages, promotions, device)
@@ -312,6 +312,16 @@ def test_triton_backend_hot_set_keeps_host_and_device_tensors_apart(policy, guar
     g = torch.Generator().manual_seed(5)
     lengths = [5, 30, 41]
     prompts = [[torch.randn(LAYERS, n, KV_HEADS, DIM, generator=g) for _ in range(2)] for n in lengths]
+    if DEVICE == "cuda":  # a real GPU refuses mixed devices itself; the stand-in is not needed
+        world = World("triton", params, release=release, promotions=promotions, device="cuda", **pages)
+        decoder = world.backend.hot_set.decoder
+        for i, (k, v) in enumerate(prompts):
+            world.place(f"r{i}", k, v)
+        for _ in range(3):
+            shapes = [(LAYERS, len(lengths), KV_HEADS, DIM)] * 2 + [(LAYERS, len(lengths), Q_HEADS, DIM)]
+            world.step(*(torch.randn(*shape, generator=g) for shape in shapes))
+        assert decoder.totals.steps > 0 and (not release or decoder.totals.pages_released > 0)
+        return
     with FakeCuda() as mode:
         world = World("triton", params, release=release, promotions=promotions, device="cuda", **pages)
         decoder = world.backend.hot_set.decoder

@@ -169,6 +169,7 @@ def test_run_time_compiled_paths_are_turned_off_only_on_torch_cuda(monkeypatch):
         "mem_cache.memory_pool.can_use_store_cache",
         "mem_cache.pool_host.mha.can_use_hicache_jit_kernel",
         "layers.dual_gemm.DualGemm._select_mode",
+        "server_args.ServerArgs.from_cli_args",
     }
     assert no_compiled_kernel(lambda *a, **k: True) is False
     assert no_dual_gemm(lambda *a, **k: "mode") is None
@@ -195,3 +196,19 @@ def test_the_plugin_loads_whichever_platform_is_selected(monkeypatch, selected):
     loaded = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.dist.name not in excluded]
     assert [ep.value for ep in loaded if ep.name == "importance"], f"plugin skipped: {excluded=}"
     assert {ep.value for ep in loaded if ep.name == "importance"} == {"sgl_importance.plugin:load"}
+
+
+def test_cuda_graphs_are_off_in_the_launchers_flags_unless_a_backend_was_chosen():
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from sgl_importance.platform.torch_cuda import no_graphs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", "m"])
+    no_graphs(args)
+    assert (args.cuda_graph_backend_prefill, args.cuda_graph_backend_decode) == ("disabled", "disabled")
+    with pytest.raises(ValueError, match="--cuda-graph-backend-decode 'full'.*torch_cuda"):
+        no_graphs(parser.parse_args(["--model-path", "m", "--cuda-graph-backend-decode", "full"]))

@@ -31,6 +31,7 @@ DEFAULT_ATTENTION_BACKEND = "importance_triton"
 # sgl_kernel, FlashInfer or FlashAttention wheels that this platform does without.
 ATTENTION_BACKENDS = ("importance_triton", "importance_torch", "triton", "torch_native")
 SAMPLING_BACKEND = "pytorch"
+GRAPHS_OFF = "disabled"  # SGLang's --cuda-graph-backend-{prefill,decode} value
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,26 @@ def no_compiled_kernel(original: Any) -> bool:
     leaves out); the platform promises nothing compiled at run time.
     """
     return False
+
+
+def no_graphs(args: Any) -> None:
+    """Launcher check: CUDA graphs off for prefill and decode, unless the user chose a backend.
+
+    SGLang resolves its graph configuration before it asks the platform for defaults, so
+    ``apply_server_args_defaults`` is too late for it (seen on an H200: the prefill graph
+    was captured and failed); the launcher's parsed flags are where to say it.
+
+    Raises:
+        ValueError: a graph backend other than ``disabled`` was asked for.
+    """
+    for flag in ("cuda_graph_backend_prefill", "cuda_graph_backend_decode"):
+        chosen = getattr(args, flag, None)
+        if chosen not in (None, GRAPHS_OFF):
+            raise ValueError(
+                f"--{flag.replace('_', '-')} {chosen!r}: CUDA graphs are not supported on the "
+                f"torch_cuda platform yet; leave it unset or use {GRAPHS_OFF!r}"
+            )
+        setattr(args, flag, GRAPHS_OFF)
 
 
 def no_dual_gemm(original: Any) -> None:
