@@ -49,7 +49,10 @@ MAKE_MODELS = ROOT / "scripts" / "make_models.py"
 COMPARE = ROOT / "scripts" / "compare_greedy.py"
 # The reference's server flags (tiny_reference.json: torch_cpu's defaults otherwise); SGLang's
 # dtype "auto" would serve the float32 checkpoint as float16.
-TINY_ARGS = ["--dtype", "float32"]
+# A bounded pool: on a GPU SGLang would size it from memory (0.91 of an H200: ~100 GB of
+# KV for this model), and a host tier at --hicache-ratio 2 of that was refused (206 GB asked,
+# 120 GB free on the H200's machine, 2026-11-26).
+TINY_ARGS = ["--dtype", "float32", "--max-total-tokens", "65536"]
 STAGES = ("env", "kernels", "serve", "speed", "kbench")
 
 

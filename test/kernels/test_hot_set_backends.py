@@ -172,8 +172,8 @@ class World:
             slots = torch.tensor(slots, device=self.device)
             start = self.written.get(rid, 0)
             for layer in self.layers:
-                self.kv.k[layer.layer_id, slots] = k[layer.layer_id, start:]
-                self.kv.v[layer.layer_id, slots] = v[layer.layer_id, start:]
+                self.kv.k[layer.layer_id, slots] = k[layer.layer_id, start:].to(self.device)
+                self.kv.v[layer.layer_id, slots] = v[layer.layer_id, start:].to(self.device)
                 self.backend._summarise(layer, slots)
         self.written[rid] = k.shape[1]
 
