@@ -143,12 +143,15 @@ class HostSyncCounter(TorchFunctionMode):
 
     def __init__(self, roots: Iterable[str | Path] = _PLUGIN_ROOTS) -> None:
         super().__init__()
-        self._packages = tuple(str(r) for r in roots if isinstance(r, str) and "/" not in r)
-        self._paths = tuple(os.path.abspath(r) for r in roots if not (isinstance(r, str) and "/" not in r))
+        roots = tuple(roots)
+        # A bare name is a package; anything with a slash (or a Path) is a file or directory.
+        self._packages = tuple(r for r in roots if isinstance(r, str) and "/" not in r)
+        self._paths = tuple(os.path.abspath(r) for r in roots if r not in self._packages)
         self.events: Counter[Event] = Counter()
         self.step = -1  # calls before the first begin_step() are step -1
         self._where = STEP
         self._sites: dict[str, Optional[str]] = {}  # filename -> its root-relative name, None if not ours
+        self.functions: dict[str, str] = {}  # site -> the function it is in, for reports
 
     # -- labels -----------------------------------------------------------------
 
@@ -196,7 +199,9 @@ class HostSyncCounter(TorchFunctionMode):
             filename = frame.f_code.co_filename
             ours = self._ours(filename)
             if ours is not None:
-                return f"{ours}:{frame.f_lineno}"
+                site = f"{ours}:{frame.f_lineno}"
+                self.functions.setdefault(site, frame.f_code.co_name)
+                return site
             if "/triton/" in filename:
                 return INTERPRETER
             frame = frame.f_back
