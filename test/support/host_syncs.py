@@ -1,0 +1,240 @@
+"""Count the host round trips a piece of torch code would make on a GPU, on any machine.
+
+On a GPU a decode step should queue work and never wait for it; every operation that
+hands a device value to Python (``.item()``, ``.tolist()``, ``bool(t)``, ``.cpu()``)
+or whose output shape depends on device data (``nonzero``, ``unique``, boolean-mask
+indexing) blocks the host until the device catches up. :class:`HostSyncCounter` is a
+``TorchFunctionMode`` that sees every such call and files it by kind, by *where* (a
+label the caller sets, e.g. a layer index) and by *site* (the plugin's line that made
+it).
+
+The rule, chosen so that it holds on a CPU where every tensor is on the host:
+
+- **Every** such call on **any** tensor counts, whatever its device. The CPU backend
+  cannot tell a tensor that lives on the GPU in the server from one that is on the
+  host by design, so the count is an upper bound on the step's GPU synchronisations;
+  a target of 0 stated on it is a real 0.
+- A call counts when a frame of the code under test (``roots``: by default the
+  plugin's packages, ``sgl_importance`` and ``sgl_kernel_ext``) is on the stack, and is
+  filed under the innermost such frame (``module.py:line``). Calls with no such frame
+  (the test world's stand-ins for SGLang's own code) are kept apart as ``outside``.
+- A call made by Triton's interpreter (a ``triton`` frame nearer to the call than any
+  plugin frame) is the interpreter copying a kernel's arguments, what a compiled
+  kernel does not do; kept apart as ``interpreter``.
+- Uploads (``torch.tensor``/``as_tensor``/``from_numpy`` from host data) do not block
+  the host, but a plan built in Python every layer shows up as them; counted as kind
+  ``upload``, reported, and not part of :data:`SYNC_KINDS`.
+
+Not seen: ``torch.cuda.synchronize()``/event waits (not torch functions on tensors),
+and copies into host buffers through ``copy_`` (indistinguishable from device copies
+on a CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+OUTSIDE = "outside"  # no frame of the code under test on the stack
+INTERPRETER = "interpreter"  # Triton's interpreter copying a kernel's arguments
+STEP = "step"  # the default where: outside any label the caller set
+
+# Kinds that block the host on a GPU (``upload`` does not; it is reported beside them).
+SYNC_KINDS = (
+    "item",  # .item(), int(t), float(t), operator.index(t), f"{t}"
+    "tolist",
+    "bool",  # bool(t), `if t:`, `t and ...`
+    "cpu",  # .cpu(), .to("cpu"), .numpy()
+    "nonzero",  # nonzero/argwhere/where(cond) with no size
+    "data_shape",  # unique, masked_select, boolean-mask indexing, repeat_interleave without output_size, bincount
+    "compare",  # torch.equal / allclose: a Python bool from device data
+)
+UPLOAD = "upload"
+
+_ITEM = {"item", "__int__", "__float__", "__index__", "__complex__", "__format__"}
+_CPU = {"cpu", "numpy", "__array__"}
+_NONZERO = {"nonzero", "argwhere"}
+_DATA_SHAPE = {"unique", "unique_consecutive", "masked_select", "bincount"}
+_COMPARE = {"equal", "allclose"}
+_UPLOAD = {"tensor", "as_tensor", "from_numpy"}
+
+_PLUGIN_ROOTS = ("sgl_importance", "sgl_kernel_ext")
+
+
+def _is_cpu(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cpu"
+    return isinstance(device, str) and device.split(":")[0] == "cpu"
+
+
+def _bool_index(index: Any) -> bool:
+    """A boolean tensor among ``t[index]``'s indices (its result's shape is the mask's count)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in items)
+
+
+def kind_of(func: Callable, args: tuple, kwargs: dict) -> Optional[str]:
+    """The kind of host round trip ``func(*args, **kwargs)`` is, or None if it is not one."""
+    name = getattr(func, "__name__", "")
+    if name in _ITEM:
+        return "item"
+    if name == "tolist":
+        return "tolist"
+    if name == "__bool__":
+        return "bool"
+    if name in _CPU:
+        return "cpu"
+    if name == "to":
+        # .to(dtype) stays where it is; .to("cpu") / .to(device="cpu") comes back.
+        return "cpu" if any(_is_cpu(a) for a in (*args[1:], kwargs.get("device"))) else None
+    if name in _NONZERO or (name == "where" and len(args) + len(kwargs) == 1):
+        return "nonzero"
+    if name in _DATA_SHAPE:
+        return "data_shape"
+    if name == "__getitem__" and len(args) == 2 and _bool_index(args[1]):
+        return "data_shape"
+    if name in ("__setitem__", "index_put_", "index_put") and len(args) >= 3 and _bool_index(args[1]):
+        # A 0-d value becomes masked_fill (no sync); anything else is nonzero + index_put.
+        value = args[2]
+        return "data_shape" if isinstance(value, torch.Tensor) and value.dim() > 0 else None
+    if name == "repeat_interleave" and "output_size" not in kwargs:
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if len(args) == 1 else None)
+        return "data_shape" if isinstance(repeats, torch.Tensor) else None
+    if name in _COMPARE:
+        return "compare"
+    if name in _UPLOAD and not (args and isinstance(args[0], torch.Tensor)):
+        return UPLOAD
+    return None
+
+
+@dataclass(frozen=True)
+class Event:
+    """One counted call: its step, where (the caller's label), kind and site."""
+
+    step: int
+    where: str
+    kind: str
+    site: str
+
+
+class HostSyncCounter(TorchFunctionMode):
+    """A ``TorchFunctionMode`` counting host round trips (see the module's rule).
+
+    Use::
+
+        counter = HostSyncCounter()
+        with counter:
+            counter.begin_step()
+            with counter.where(0):
+                ...  # layer 0
+
+    Args:
+        roots: the code under test: package names (a frame whose file is under a
+            directory of that name) or paths (a file, or a directory it lies under).
+    """
+
+    def __init__(self, roots: Iterable[str | Path] = _PLUGIN_ROOTS) -> None:
+        super().__init__()
+        roots = tuple(roots)
+        # A bare name is a package; anything with a slash (or a Path) is a file or directory.
+        self._packages = tuple(r for r in roots if isinstance(r, str) and "/" not in r)
+        self._paths = tuple(os.path.abspath(r) for r in roots if r not in self._packages)
+        self.events: Counter[Event] = Counter()
+        self.step = -1  # calls before the first begin_step() are step -1
+        self._where = STEP
+        self._sites: dict[str, Optional[str]] = {}  # filename -> its root-relative name, None if not ours
+        self.functions: dict[str, str] = {}  # site -> the function it is in, for reports
+
+    # -- labels -----------------------------------------------------------------
+
+    def begin_step(self) -> int:
+        """Calls from now on belong to the next step; returns its index (from 0)."""
+        self.step += 1
+        return self.step
+
+    @contextmanager
+    def where(self, label: Any) -> Iterator[None]:
+        """Calls inside are filed under ``str(label)`` (e.g. a layer index)."""
+        outer, self._where = self._where, str(label)
+        try:
+            yield
+        finally:
+            self._where = outer
+
+    # -- counting ---------------------------------------------------------------
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = kind_of(func, args, kwargs)
+        if kind is not None:
+            self.events[Event(self.step, self._where, kind, self._site())] += 1
+        return func(*args, **kwargs)
+
+    def _ours(self, filename: str) -> Optional[str]:
+        """``filename`` relative to its root if it is code under test, else None."""
+        if filename not in self._sites:
+            path = Path(filename)
+            name = None
+            for package in self._packages:
+                if package in path.parts:
+                    name = "/".join(path.parts[path.parts.index(package) :])
+            for root in self._paths:
+                if filename == root or filename.startswith(root + "/"):
+                    name = str(path.relative_to(Path(root).parent))
+            self._sites[filename] = name
+        return self._sites[filename]
+
+    def _site(self) -> str:
+        """The innermost frame of the code under test, as ``file:line``; or OUTSIDE / INTERPRETER."""
+        frame = sys._getframe(2)
+        while frame is not None:
+            filename = frame.f_code.co_filename
+            ours = self._ours(filename)
+            if ours is not None:
+                site = f"{ours}:{frame.f_lineno}"
+                self.functions.setdefault(site, frame.f_code.co_name)
+                return site
+            if "/triton/" in filename:
+                return INTERPRETER
+            frame = frame.f_back
+        return OUTSIDE
+
+    # -- reading ----------------------------------------------------------------
+
+    def counted(self) -> Counter[Event]:
+        """The events of the code under test (neither OUTSIDE nor INTERPRETER)."""
+        return Counter({e: n for e, n in self.events.items() if e.site not in (OUTSIDE, INTERPRETER)})
+
+    def total(self, *, kinds: Iterable[str] = SYNC_KINDS, **match: Any) -> int:
+        """Counted calls of ``kinds`` whose fields equal ``match`` (e.g. ``step=0, where="1"``)."""
+        kinds = set(kinds)
+        return sum(
+            n
+            for e, n in self.counted().items()
+            if e.kind in kinds and all(getattr(e, k) == (str(v) if k == "where" else v) for k, v in match.items())
+        )
+
+    def by(self, field: str, *, kinds: Iterable[str] = SYNC_KINDS) -> Counter:
+        """Counted calls of ``kinds`` summed by one field (``kind``, ``where``, ``site``, ``step``)."""
+        kinds = set(kinds)
+        out: Counter = Counter()
+        for e, n in self.counted().items():
+            if e.kind in kinds:
+                out[getattr(e, field)] += n
+        return out
+
+    def kept_apart(self) -> Counter:
+        """Calls not counted, by OUTSIDE / INTERPRETER and kind."""
+        out: Counter = Counter()
+        for e, n in self.events.items():
+            if e.site in (OUTSIDE, INTERPRETER):
+                out[(e.site, e.kind)] += n
+        return out

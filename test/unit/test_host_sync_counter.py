@@ -1,0 +1,131 @@
+"""The host round-trip counter (``support/host_syncs.py``) counts what it claims to.
+
+Each call that would make a GPU wait on the host is counted once, by kind, at the line
+that made it; calls that would not are not counted; calls without the code under test
+on the stack are kept apart. The expected sites are read from this file's own
+``# sync: KIND`` markers, not written down as numbers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+
+import torch
+
+from support.host_syncs import OUTSIDE, STEP, SYNC_KINDS, UPLOAD, HostSyncCounter
+
+
+def _one_of_each(t: torch.Tensor) -> list:
+    a = t[0].item()  # sync: item
+    b = t.tolist()  # sync: tolist
+    c = bool(t[1])  # sync: bool
+    d = t.cpu()  # sync: cpu
+    e = t.nonzero()  # sync: nonzero
+    return [a, b, c, d, e]
+
+
+def _data_dependent(t: torch.Tensor) -> list:
+    mask = t > 1
+    return [
+        int(t[2]),  # sync: item
+        t.to("cpu"),  # sync: cpu
+        t.numpy(),  # sync: cpu
+        torch.where(mask),  # sync: nonzero
+        t.unique(),  # sync: data_shape
+        t[mask],  # sync: data_shape
+        t.masked_select(mask),  # sync: data_shape
+        t.repeat_interleave(t),  # sync: data_shape
+        torch.equal(t, t),  # sync: compare
+        torch.tensor([1, 2]),  # sync: upload
+    ]
+
+
+def _none(t: torch.Tensor) -> list:
+    # Device work whose shapes the host knows: queued, never waited on.
+    mask = t > 1
+    out = t + 1
+    out[mask] = 0  # a 0-d value: masked_fill
+    return [
+        out,
+        t.sum(),
+        t.to(torch.float64),
+        t[0],
+        t[1:3],
+        torch.where(mask, t, 0),
+        t.repeat_interleave(2),
+        torch.nonzero_static(t, size=4),
+    ]
+
+
+def _marked(fn) -> Counter:
+    """(kind, site) -> 1 for every ``# sync: KIND`` line of ``fn``."""
+    lines, first = inspect.getsourcelines(fn)
+    want: Counter = Counter()
+    for offset, line in enumerate(lines):
+        if "# sync: " in line:
+            want[(line.split("# sync: ")[1].strip(), f"{__name__.rsplit('.', 1)[-1]}.py:{first + offset}")] += 1
+    return want
+
+
+def _seen(counter: HostSyncCounter) -> Counter:
+    return Counter({(e.kind, e.site): n for e, n in counter.counted().items()})
+
+
+def test_each_round_trip_is_counted_once_at_its_line():
+    counter = HostSyncCounter(roots=(__file__,))
+    t = torch.tensor([0, 3, 2, 0, 5])
+    with counter:
+        counter.begin_step()
+        _one_of_each(t)
+    want = _marked(_one_of_each)
+    assert sorted(k for k, _ in want) == sorted(["item", "tolist", "bool", "cpu", "nonzero"])
+    assert _seen(counter) == want
+    assert counter.total(step=0, where=STEP) == 5
+    assert counter.by("kind") == Counter({k: 1 for k, _ in want})
+
+
+def test_data_dependent_shapes_and_uploads_are_counted_by_kind():
+    counter = HostSyncCounter(roots=(__file__,))
+    t = torch.tensor([0, 3, 2, 0, 5])
+    with counter:
+        _data_dependent(t)
+    want = _marked(_data_dependent)
+    assert _seen(counter) == want
+    uploads = sum(n for (kind, _), n in want.items() if kind == UPLOAD)
+    assert uploads == 1 and counter.total() == sum(want.values()) - uploads
+    assert counter.total(kinds=[UPLOAD]) == uploads
+
+
+def test_code_without_round_trips_counts_zero():
+    counter = HostSyncCounter(roots=(__file__,))
+    t = torch.tensor([0, 3, 2, 0, 5])
+    with counter:
+        _none(t)
+    assert counter.events == Counter()
+
+
+def test_where_labels_and_steps_split_the_counts():
+    counter = HostSyncCounter(roots=(__file__,))
+    t = torch.tensor([1, 2])
+    with counter:
+        counter.begin_step()
+        t.tolist()
+        for layer in range(3):
+            with counter.where(layer):
+                t[0].item()
+                if layer == 2:
+                    bool(t[0])
+        counter.begin_step()
+        t.cpu()
+    assert counter.by("where") == Counter({STEP: 2, "0": 1, "1": 1, "2": 2})
+    assert counter.by("step") == Counter({0: 5, 1: 1})
+    assert counter.total(step=0, where=2) == 2 and counter.total(step=0, where=2, kinds=["bool"]) == 1
+
+
+def test_calls_outside_the_code_under_test_are_kept_apart():
+    counter = HostSyncCounter(roots=("/nonexistent/elsewhere.py",))
+    with counter:
+        torch.tensor([1, 2]).tolist()
+    assert counter.total(kinds=SYNC_KINDS) == 0 and not counter.counted()
+    assert counter.kept_apart() == Counter({(OUTSIDE, "tolist"): 1, (OUTSIDE, UPLOAD): 1})
