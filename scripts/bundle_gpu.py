@@ -30,7 +30,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -355,22 +354,6 @@ DISCOVER_RUNS = (
 )  # fmt: skip
 
 
-def _wait_healthy(port: int, process: subprocess.Popen, timeout_s: float = 300) -> None:
-    import requests
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"server exited with {process.returncode}")
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health_generate", timeout=30).ok:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(2)
-    raise SystemExit("server did not become healthy")
-
-
 def _exercise(port: int, workdir: Path, env: dict[str, str]) -> None:
     """The requests the GPU run sends: /generate, a chat completion, SGLang's load generator."""
     import requests
@@ -397,6 +380,8 @@ def discover() -> None:
     """Serve SmolLM2 for each DISCOVER_RUNS configuration with the import hook, then write
     every SGLang module and every distribution imported to MODULES_FILE and print the
     distributions the GPU image lacks."""
+    from sgl_importance.local_server import LocalServer
+
     workdir = Path(tempfile.mkdtemp(prefix="bundle-discover-"))
     (workdir / "hook").mkdir()
     (workdir / "hook" / "sitecustomize.py").write_text(_HOOK)
@@ -408,27 +393,20 @@ def discover() -> None:
         with zipfile.ZipFile(wheel) as archive:
             archive.extractall(workdir / "hook", [n for n in archive.namelist() if ".dist-info/" in n])
     env = {
-        **os.environ,
         "PYTHONPATH": os.pathsep.join(str(p) for p in (workdir / "hook", REPO / "python", REPO / "sgl-kernel-ext")),
         "BUNDLE_DISCOVER_DIR": str(workdir / "modules"),
-        "SGLANG_PLATFORM": "torch_cpu",
         "OMP_NUM_THREADS": "1",
         "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(workdir / "hicache"),
     }
-    for index, (name, flags) in enumerate(DISCOVER_RUNS):
-        port = 31790 + index
-        command = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(MODEL_DIR), "--port", str(port)]
-        with open(workdir / f"{name}.log", "w") as log:
-            server = subprocess.Popen(
-                [*command, "--sleep-on-idle", *flags], env=env, stdout=log, stderr=log, start_new_session=True
-            )
+    for name, flags in DISCOVER_RUNS:
+        # Served under the folder's path, the name the requests below use.
+        server = LocalServer(str(MODEL_DIR), flags, workdir / f"{name}.log", env, served_name=str(MODEL_DIR))
         try:
-            _wait_healthy(port, server)
-            _exercise(port, workdir, env)
+            server.wait_ready(300)
+            _exercise(server.port, workdir, {**os.environ, **env})
             time.sleep(3)  # one more dump from each process
         finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=60)
+            server.stop()
     modules: set[str] = set()
     for dump in (workdir / "modules").glob("*.txt"):
         modules.update(line for line in dump.read_text().splitlines() if line)

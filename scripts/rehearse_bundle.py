@@ -21,17 +21,17 @@ import argparse
 import importlib.metadata as md
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bundle_gpu  # noqa: E402  (a sibling script, not a package)
+
+from sgl_importance.local_server import LocalServer  # noqa: E402
 
 IMAGE_TRANSFORMERS = "5.17.0"  # the GPU image's; SGLang pins 5.19.0
 SERVED = "SmolLM2-135M-Instruct"
@@ -107,21 +107,18 @@ class Checks:
 
 
 def serve(label: str, model: Path, flags: list[str], env: dict[str, str], workdir: Path, checks: Checks) -> None:
-    port = 31800 + len(checks.failed) + hash(label) % 100
     log_path = workdir / f"{label}.log"
-    command = [*PYTHON, "-m", "sglang.launch_server", "--model-path", str(model), "--served-model-name", SERVED]
-    command += ["--port", str(port), "--dtype", "float32", "--sleep-on-idle", *flags]
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command, env=env, stdout=log, stderr=log, start_new_session=True, cwd=workdir)
-    url = f"http://127.0.0.1:{port}"
+    server = LocalServer(
+        str(model), ["--dtype", "float32", *flags], log_path, env, platform=None, served_name=SERVED,
+        python=PYTHON, inherit_env=False, cwd=workdir,
+    )  # fmt: skip
+    url, port = server.url, server.port
     try:
-        healthy = False
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and server.poll() is None and not healthy:
-            try:
-                healthy = requests.get(url + "/health_generate", timeout=30).ok
-            except requests.RequestException:
-                time.sleep(2)
+        try:
+            server.wait_ready(300)
+            healthy = True
+        except (RuntimeError, TimeoutError):
+            healthy = False
         if not checks.check(f"{label}: server healthy", healthy, f"log {log_path}"):
             print(log_path.read_text()[-3000:])
             return
@@ -155,11 +152,7 @@ def serve(label: str, model: Path, flags: list[str], env: dict[str, str], workdi
             if run.returncode:
                 print(run.stderr[-2000:])
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        server.stop()
 
 
 def main() -> int:

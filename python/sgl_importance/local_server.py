@@ -72,6 +72,9 @@ class LocalServer:
         served_name: ``--served-model-name``.
         port: the port (default: a free one).
         sleep_on_idle: pass ``--sleep-on-idle`` (the default).
+        python: the interpreter command (default: this one), e.g. ``[python, "-S"]``.
+        inherit_env: start from this process's environment (the default); False: ``env`` alone.
+        cwd: the server's working directory (default: this one).
 
     The server gets ``--sleep-on-idle``: without it an idle SGLang scheduler polls
     its sockets in a busy loop, one core per server at 100 %, which on a 2-core
@@ -89,19 +92,22 @@ class LocalServer:
         served_name: str = SERVED_NAME,
         port: Optional[int] = None,
         sleep_on_idle: bool = True,
+        python: Sequence[str] = (),
+        inherit_env: bool = True,
+        cwd: Optional[Path] = None,
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log)
         self.cmd = [
-            sys.executable, "-m", "sglang.launch_server",
+            *(python or [sys.executable]), "-m", "sglang.launch_server",
             "--model-path", model_path,
             "--served-model-name", served_name,
             "--host", "127.0.0.1", "--port", str(self.port),
             *(["--sleep-on-idle"] if sleep_on_idle else []),
             *args,
         ]  # fmt: skip
-        full_env = dict(os.environ)
+        full_env = dict(os.environ) if inherit_env else {}
         if platform is not None:
             full_env[PLATFORM_ENV] = platform
         full_env.update(env or {})
@@ -110,7 +116,7 @@ class LocalServer:
         self._log = open(self.log_path, "w")
         # A session of its own, so stop() can reach every process it spawned.
         self.proc = subprocess.Popen(
-            self.cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            self.cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
         )
 
     def log(self) -> str:
