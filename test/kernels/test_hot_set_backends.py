@@ -16,6 +16,8 @@ Runs under TRITON_INTERPRET=1 on a CPU (conftest.py), small shapes.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -127,26 +129,21 @@ def test_triton_backend_hot_set_keeps_host_and_device_tensors_apart(policy, guar
     g = torch.Generator().manual_seed(5)
     lengths = [5, 30, 41]
     prompts = [[torch.randn(LAYERS, n, KV_HEADS, DIM, generator=g) for _ in range(2)] for n in lengths]
-    if DEVICE == "cuda":  # a real GPU refuses mixed devices itself; the stand-in is not needed
+    # A real GPU refuses mixed devices itself; elsewhere a stand-in device checks every op.
+    real = DEVICE == "cuda"
+    with contextlib.nullcontext() if real else FakeCuda() as mode:
         world = World("triton", params, release=release, promotions=promotions, device="cuda", **pages)
         decoder = world.backend.hot_set.decoder
-        for i, (k, v) in enumerate(prompts):
-            world.place(f"r{i}", k, v)
-        for _ in range(3):
-            shapes = [(LAYERS, len(lengths), KV_HEADS, DIM)] * 2 + [(LAYERS, len(lengths), Q_HEADS, DIM)]
-            world.step(*(torch.randn(*shape, generator=g) for shape in shapes))
-        assert decoder.totals.steps > 0 and (not release or decoder.totals.pages_released > 0)
-        return
-    with FakeCuda() as mode:
-        world = World("triton", params, release=release, promotions=promotions, device="cuda", **pages)
-        decoder = world.backend.hot_set.decoder
-        decoder._read = _OnFakeCuda(mode, decoder._read)
+        if not real:
+            decoder._read = _OnFakeCuda(mode, decoder._read)
         for i, (k, v) in enumerate(prompts):
             world.place(f"r{i}", k, v)
         for _ in range(3):
             shapes = [(LAYERS, len(lengths), KV_HEADS, DIM)] * 2 + [(LAYERS, len(lengths), Q_HEADS, DIM)]
             world.step(*(torch.randn(*shape, generator=g) for shape in shapes))
     assert decoder.totals.steps > 0 and (not release or decoder.totals.pages_released > 0)
+    if real:
+        return
     if not promotions:
         assert decoder.totals.pages_read_from_host > 0  # staged from the host pool
     assert not mode.violations, "\n".join(f"{where}: {why}" for where, why in mode.violations.items())

@@ -2,14 +2,11 @@
 every distribution the GPU image lacks (checked against the recorded --discover run; no
 network, no downloads)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("bundle_gpu", REPO / "scripts" / "bundle_gpu.py")
-bundle_gpu = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bundle_gpu)
+from support.scripts import load_script
+
+bundle_gpu = load_script("bundle_gpu")
 
 RECORDED = json.loads(bundle_gpu.MODULES_FILE.read_text())
 

@@ -5,27 +5,18 @@ comparison against the committed CPU reference."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from support.scripts import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 REFERENCE = REPO / "benchmark" / "gpu" / "tiny_reference.json"
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-make_models = _load("make_models")
-compare_greedy = _load("compare_greedy")
+make_models = load_script("make_models")
+compare_greedy = load_script("compare_greedy")
 
 
 @pytest.fixture(scope="module")
