@@ -359,19 +359,18 @@ def main() -> None:
     unknown = set(wanted) - set(STAGES)
     if unknown:
         ap.error(f"--stages: unknown {sorted(unknown)}; allowed: {', '.join(STAGES)}")
-    need = {"env": 0, "serve": 90, "speed": 60}
-    fns = {"env": stage_env, "serve": stage_serve, "speed": stage_speed}
     kernels = start_kernels(run, a.kernels_select) if "kernels" in wanted else None
-    for name in ("env", "serve"):
+
+    def finish(r: Run) -> dict:
+        return finish_kernels(r, kernels, a.kernels_timeout_s - (time.time() - kernels[2]))
+
+    # The kernel tests run in the background from the start; they are waited for after serve,
+    # before the timed stages (nothing else on the GPU then).
+    plan = {"env": (stage_env, 0), "kernels": (finish, 0), "serve": (stage_serve, 90), "speed": (stage_speed, 60),
+            "kbench": (stage_kbench, 40)}  # fmt: skip
+    for name in ("env", "serve", "kernels", "speed", "kbench"):
         if name in wanted:
-            run.stage(name, fns[name], need[name])
-    if kernels is not None:
-        # Before the timed stage: nothing else on the GPU while speed is measured.
-        run.stage("kernels", lambda r: finish_kernels(r, kernels, a.kernels_timeout_s - (time.time() - kernels[2])), 0)
-    if "speed" in wanted:
-        run.stage("speed", fns["speed"], need["speed"])
-    if "kbench" in wanted:
-        run.stage("kbench", stage_kbench, 40)
+            run.stage(name, *plan[name])
     text = summary(run)
     (run.out / "summary.md").write_text(text)
     with tarfile.open(run.out / "logs.tar.gz", "w:gz") as tar:
