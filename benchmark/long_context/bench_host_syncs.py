@@ -46,8 +46,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "test"))  # the test worlds, importable as ``support``
 
 from sgl_importance.hot_set import HotSetParams  # noqa: E402
+from support.counted_world import END, counted_decode  # noqa: E402
 from support.host_syncs import STEP, SYNC_KINDS, UPLOAD, HostSyncCounter  # noqa: E402
-from support.hot_set_world import DIM, KV_HEADS, PAGE, Q_HEADS, World, parents_metadata  # noqa: E402
+from support.hot_set_world import PAGE, parents_metadata  # noqa: E402
 
 torch.set_grad_enabled(False)
 
@@ -63,63 +64,44 @@ def configs() -> list[dict]:
 
 def run(config: dict, a: argparse.Namespace) -> dict:
     """One configuration's counted steps, summarised."""
-    lengths = [int(x) for x in a.lengths.split(",")]
     params = HotSetParams(
         policy="importance", budget=a.budget, window=1, sinks=1, guard_threshold=a.guard if config["guard"] else 1.0
     )
-    pages = sum(-(-(n + a.warmup + a.steps) // PAGE) for n in lengths) + 4
-    pools = dict(device_pages=pages, host_pages=pages if config["release"] else 0)
-    world = World(config["backend"], params, release=config["release"], device="cpu", layers=a.layers, **pools)
-    counter = HostSyncCounter()
-    decode = world.backend.forward_decode
-
-    def forward_decode(q, k, v, layer, batch, **kwargs):
-        with counter.where(layer.layer_id):  # each layer's calls filed under its index
-            return decode(q, k, v, layer, batch, **kwargs)
-
-    world.backend.forward_decode = forward_decode
-    g = torch.Generator().manual_seed(0)
-    for i, n in enumerate(lengths):
-        world.place(f"r{i}", *(torch.randn(a.layers, n, KV_HEADS, DIM, generator=g) for _ in range(2)))
-    bs = len(lengths)
-    for step in range(a.warmup + a.steps):
-        kv = [torch.randn(a.layers, bs, KV_HEADS, DIM, generator=g) for _ in range(2)]
-        q = torch.randn(a.layers, bs, Q_HEADS, DIM, generator=g) * 2
-        if step < a.warmup:
-            world.step(*kv, q)
-            continue
-        with counter:
-            counter.begin_step()
-            world.step(*kv, q)
+    counter, world = counted_decode(
+        config["backend"], params, release=config["release"], lengths=[int(x) for x in a.lengths.split(",")],
+        layers=a.layers, steps=a.steps, warmup=a.warmup,
+    )  # fmt: skip
     totals = world.backend.hot_set.decoder.totals.as_dict()
     return summarise(config, counter, a, totals)
 
 
 def summarise(config: dict, counter: HostSyncCounter, a: argparse.Namespace, totals: dict) -> dict:
-    steps, last = a.steps, str(a.layers - 1)
-    middle = [str(i) for i in range(a.layers - 1)]
+    steps = a.steps
+    layers = [str(i) for i in range(a.layers)]
 
-    def per_step(**match) -> float:
-        return counter.total(**match) / steps
+    def view(device_only: bool) -> dict:
+        def per_step(**match) -> float:
+            return counter.total(device_only=device_only, **match) / steps
 
-    by_kind = {k: n / steps for k, n in sorted(counter.by("kind").items())}
-    uploads = counter.total(kinds=[UPLOAD]) / steps
-    sites = counter.by("site").most_common(a.top)
+        return {
+            "per_step": per_step(),
+            "before_layers": per_step(where=STEP),
+            "per_layer": sum(per_step(where=w) for w in layers) / len(layers),
+            "max_layer": max(per_step(where=w) for w in layers),
+            "end_step": per_step(where=END),
+            "by_kind": {k: n / steps for k, n in sorted(counter.by("kind", device_only=device_only).items())},
+            "top_sites": [
+                {"site": s, "function": counter.functions.get(s, ""), "per_step": n / steps}
+                for s, n in counter.by("site", device_only=device_only).most_common(a.top)
+            ],
+        }
+
     return {
         **config,
         "steps_counted": steps,
-        "per_step": per_step(),
-        "before_layers": per_step(where=STEP),
-        "per_layer": sum(counter.total(where=w) for w in middle) / steps / max(1, len(middle)),
-        "last_layer": per_step(where=last),
-        "per_layer_by_kind": {
-            k: sum(counter.total(where=w, kinds=[k]) for w in middle) / steps / max(1, len(middle))
-            for k in SYNC_KINDS
-            if any(counter.total(where=w, kinds=[k]) for w in middle)
-        },
-        "by_kind": by_kind,
-        "uploads_per_step": uploads,
-        "top_sites": [{"site": s, "function": counter.functions.get(s, ""), "per_step": n / steps} for s, n in sites],
+        "every_tensor": view(False),
+        "device": view(True),
+        "uploads_per_step": counter.total(kinds=[UPLOAD]) / steps,
         "kept_apart": {f"{where}/{kind}": n for (where, kind), n in sorted(counter.kept_apart().items())},
         "decoder_totals": totals,
     }
@@ -130,35 +112,39 @@ def name(r: dict) -> str:
 
 
 def table(rows: list[dict], a: argparse.Namespace, command: str) -> str:
-    kinds = [k for k in SYNC_KINDS if any(k in r["by_kind"] for r in rows)]
     lines = [
         f"Command: `{command}`",
         "",
         f"{a.layers} layers, requests of {a.lengths} tokens (page {PAGE}), budget {a.budget}, "
         f"guard threshold {a.guard} when on; {a.steps} steps counted after {a.warmup} warm-up; "
-        "means per decode step. 'per layer': each layer but the last; the last layer also ends the step.",
+        "means per decode step. 'start': before the first layer (the plan); 'per layer' / 'max layer': "
+        "a layer's forward (KV write, summaries, attend), mean and largest; 'end': the step's bookkeeping "
+        "and the next step's plan. 'every tensor' counts calls on any tensor (an upper bound); 'device' "
+        "only those on tensors that would live on the GPU in the server.",
         "",
-        "| backend | guard | release | round trips / step | before layers | per layer | last layer | "
-        + " | ".join(kinds)
-        + " | uploads / step |",
-        "|" + "---|" * (8 + len(kinds)),
+        "| backend | guard | release | view | round trips / step | start | per layer | max layer | end "
+        "| uploads / step |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        cells = [
-            r["backend"] + (" (interpreter)" if r["backend"] == "triton" else ""),
-            "on" if r["guard"] else "off",
-            "on" if r["release"] else "off",
-            f"{r['per_step']:g}",
-            f"{r['before_layers']:g}",
-            f"{r['per_layer']:g}",
-            f"{r['last_layer']:g}",
-            *(f"{r['by_kind'].get(k, 0):g}" for k in kinds),
-            f"{r['uploads_per_step']:g}",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+        for view in ("every_tensor", "device"):
+            v = r[view]
+            cells = [
+                r["backend"] + (" (interpreter)" if r["backend"] == "triton" else ""),
+                "on" if r["guard"] else "off",
+                "on" if r["release"] else "off",
+                view.replace("_", " "),
+                f"{v['per_step']:g}",
+                f"{v['before_layers']:g}",
+                f"{v['per_layer']:g}",
+                f"{v['max_layer']:g}",
+                f"{v['end_step']:g}",
+                f"{r['uploads_per_step']:g}",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     for r in rows:
         t = r["decoder_totals"]
-        lines += ["", f"Top sites, {name(r)} (round trips per step):", ""]
+        lines += ["", f"Top sites, {name(r)}, device view (round trips per step):", ""]
         if r["guard"]:
             # Which of the guard's paths the counts walked (random keys: flat attention).
             lines += [
@@ -166,7 +152,7 @@ def table(rows: list[dict], a: argparse.Namespace, command: str) -> str:
                 f"{t['guard_fallbacks']} fallbacks)",
                 "",
             ]
-        lines += [f"- {s['per_step']:g}  {s['site']} ({s['function']})" for s in r["top_sites"]]
+        lines += [f"- {s['per_step']:g}  {s['site']} ({s['function']})" for s in r["device"]["top_sites"]]
     return "\n".join(lines) + "\n"
 
 
@@ -176,15 +162,15 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kinds = [k for k in SYNC_KINDS if any(k in r["by_kind"] for r in rows)]
+    kinds = [k for k in SYNC_KINDS if any(k in r["device"]["by_kind"] for r in rows)]
     labels = [name(r).replace(", ", "\n") for r in rows]
     fig, ax = plt.subplots(figsize=(11, 5))
     bottom = [0.0] * len(rows)
     for kind in kinds:
-        values = [r["by_kind"].get(kind, 0.0) for r in rows]
+        values = [r["device"]["by_kind"].get(kind, 0.0) for r in rows]
         ax.bar(labels, values, bottom=bottom, label=kind)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_ylabel("host round trips per decode step (upper bound)")
+    ax.set_ylabel("host round trips per decode step (device view)")
     ax.set_title(f"Hot-set decode step, {rows[0]['steps_counted']} steps counted on the CPU")
     ax.legend()
     ax.tick_params(axis="x", labelsize=8)
@@ -209,7 +195,7 @@ def main() -> None:
     with parents_metadata():
         for config in configs():
             rows.append(run(config, a))
-            print(f"{name(rows[-1])}: {rows[-1]['per_step']:g} per step", flush=True)
+            print(f"{name(rows[-1])}: {rows[-1]['device']['per_step']:g} per step (device view)", flush=True)
     command = "python -m benchmark.long_context.bench_host_syncs " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     text = table(rows, a, command.strip())
     print(text)

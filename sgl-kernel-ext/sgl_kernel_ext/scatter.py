@@ -89,11 +89,15 @@ def _scatter_torch(importance, kv_indptr, kv_indices, table, page_size, reduce, 
     live &= phys < table.numel()
     if skip_page0:
         live &= phys > 0
-    phys = phys[live]
-    values = importance[live].to(table.dtype)
     if reduce == "set":
-        table[phys] = values
-    elif reduce == "add":
+        table[phys[live]] = importance[live].to(table.dtype)
+        return table
+    # Fixed shapes (no mask picks the entries, so nothing waits on the device): entries
+    # not listed add 0 / take the max with -inf at page 0, which changes nothing.
+    phys = torch.where(live, phys, 0).flatten()
+    neutral = 0.0 if reduce == "add" else float("-inf")
+    values = torch.where(live, importance.to(table.dtype), neutral).flatten()
+    if reduce == "add":
         table.index_put_((phys,), values, accumulate=True)
     else:
         table.scatter_reduce_(0, phys, values, reduce="amax", include_self=True)

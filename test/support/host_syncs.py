@@ -25,15 +25,33 @@ The rule, chosen so that it holds on a CPU where every tensor is on the host:
   the host, but a plan built in Python every layer shows up as them; counted as kind
   ``upload``, reported, and not part of :data:`SYNC_KINDS`.
 
-Not seen: ``torch.cuda.synchronize()``/event waits (not torch functions on tensors),
-and copies into host buffers through ``copy_`` (indistinguishable from device copies
-on a CPU).
+A second, device-aware view (``device_only=True`` in :meth:`HostSyncCounter.total` and
+:meth:`HostSyncCounter.by`) counts only the calls whose tensor would live on the device in
+the server, told apart on a CPU by where it came from:
+
+- a tensor is *on the device* when the caller marks it (:meth:`HostSyncCounter.mark`:
+  what SGLang hands the plugin), when a factory made it with a ``device=`` that is a
+  ``torch.device`` (the server's device object) or a string other than ``"cpu"``, when
+  ``.to()`` moved it to a device other than the CPU, or when any tensor it was computed
+  from is on the device; ``.cpu()``, ``.to("cpu")``, ``.tolist()``/``.item()`` leave it.
+  ``.to(torch.device("cpu"))`` keeps a tensor where it was: on a CPU the server's device
+  and the host are one ``torch.device``, so an upload made that way is not seen (a value
+  read back from it later is missed by this view; the every-tensor view still counts it);
+- so host planning on tensors made on the host (from Python data, or after the one
+  read a step makes) does not count there, and a ``copy_`` from a device tensor into a
+  host one does (kind ``cpu``).
+
+Run the code under test with the counter active from the start (construction included,
+:meth:`HostSyncCounter.paused` while nothing should be counted) so that every tensor's
+origin is seen. Not seen: ``torch.cuda.synchronize()``/event waits (not torch functions
+on tensors).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import weakref
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -117,12 +135,54 @@ def kind_of(func: Callable, args: tuple, kwargs: dict) -> Optional[str]:
 
 @dataclass(frozen=True)
 class Event:
-    """One counted call: its step, where (the caller's label), kind and site."""
+    """One counted call: its step, where (the caller's label), kind and site, and whether
+    its tensor would be on the device in the server (the device-aware view)."""
 
     step: int
     where: str
     kind: str
     site: str
+    device: bool = False
+
+
+class _Marked:
+    """A set of tensors by identity that does not keep them alive (a tensor's ``==`` is
+    elementwise, so ``weakref.WeakSet`` cannot hold them)."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        key = id(t)
+        self._refs[key] = weakref.ref(t, lambda _, key=key, refs=self._refs: refs.pop(key, None))
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        ref = self._refs.get(id(t))
+        return ref is not None and ref() is t
+
+
+_LEAVE_DEVICE = {"cpu", "numpy", "__array__", "tolist", "item", "pin_memory"}
+
+
+def _tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+    """The tensors among a call's arguments, one level into lists and tuples."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (x for x in a if isinstance(x, torch.Tensor))
+
+
+def _names_device(device: Any) -> Optional[bool]:
+    """True/False when ``device`` names the server's device / the host; None if it is no device."""
+    if isinstance(device, torch.device):
+        return True
+    if isinstance(device, str):
+        try:
+            return torch.device(device).type != "cpu"
+        except RuntimeError:
+            return None
+    return None
 
 
 class HostSyncCounter(TorchFunctionMode):
@@ -150,6 +210,8 @@ class HostSyncCounter(TorchFunctionMode):
         self.events: Counter[Event] = Counter()
         self.step = -1  # calls before the first begin_step() are step -1
         self._where = STEP
+        self._counting = True
+        self._device = _Marked()  # tensors on the device
         self._sites: dict[str, Optional[str]] = {}  # filename -> its root-relative name, None if not ours
         self.functions: dict[str, str] = {}  # site -> the function it is in, for reports
 
@@ -169,14 +231,74 @@ class HostSyncCounter(TorchFunctionMode):
         finally:
             self._where = outer
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Nothing is counted inside (warm-up, construction); tensors' origins still are."""
+        outer, self._counting = self._counting, False
+        try:
+            yield
+        finally:
+            self._counting = outer
+
+    def mark(self, *tensors: torch.Tensor) -> None:
+        """These tensors are on the device (what SGLang hands the code under test)."""
+        for t in tensors:
+            self._device.add(t)
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return t in self._device
+
     # -- counting ---------------------------------------------------------------
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        inputs = list(_tensors(args, kwargs))
+        from_device = any(t in self._device for t in inputs)
+        name = getattr(func, "__name__", "")
         kind = kind_of(func, args, kwargs)
-        if kind is not None:
-            self.events[Event(self.step, self._where, kind, self._site())] += 1
-        return func(*args, **kwargs)
+        lands = self._lands_on_device(name, args, kwargs, from_device)
+        # .to() a device tensor reads it back only where it goes to the host.
+        device = from_device and not (name == "to" and lands)
+        if name == "copy_" and len(args) >= 2 and isinstance(args[1], torch.Tensor):
+            # A device tensor copied into a host one is a read back (what .cpu() is).
+            device = args[1] in self._device and args[0] not in self._device
+            kind = "cpu" if device else None
+        if kind is not None and self._counting:
+            self.events[Event(self.step, self._where, kind, self._site(), device)] += 1
+        result = func(*args, **kwargs)
+        lands = lands and isinstance(result, torch.Tensor)
+        if isinstance(result, torch.Tensor) and not lands and from_device and any(result is t for t in inputs):
+            # On a CPU ``.cpu()``/``.to("cpu")`` hand back the device tensor itself; on a GPU
+            # they make a host copy: so does this, and the copy is on the host.
+            result = result.clone()
+        if lands:
+            self._device.add(result)
+        elif isinstance(result, (tuple, list)) and from_device and name not in _LEAVE_DEVICE:
+            for r in result:
+                if isinstance(r, torch.Tensor):
+                    self._device.add(r)
+        return result
+
+    def _lands_on_device(self, name: str, args: tuple, kwargs: dict, from_device: bool) -> bool:
+        """Whether a call's tensor result is on the device (the module's rule)."""
+        if name in _LEAVE_DEVICE:
+            return False
+        if name == "copy_":
+            return args[0] in self._device
+        targets = [kwargs.get("device")]
+        if name == "to":
+            targets += list(args[1:])
+        for target in targets:
+            if isinstance(target, torch.Tensor) and name == "to":
+                return target in self._device
+            if name == "to" and isinstance(target, torch.device) and target.type == "cpu":
+                # On a CPU the server's device and the host are one torch.device: a move
+                # to it keeps a tensor where it was (an upload is not seen as one).
+                return from_device
+            named = _names_device(target)
+            if named is not None:
+                return named
+        return from_device
 
     def _ours(self, filename: str) -> Optional[str]:
         """``filename`` relative to its root if it is code under test, else None."""
@@ -209,24 +331,31 @@ class HostSyncCounter(TorchFunctionMode):
 
     # -- reading ----------------------------------------------------------------
 
-    def counted(self) -> Counter[Event]:
-        """The events of the code under test (neither OUTSIDE nor INTERPRETER)."""
-        return Counter({e: n for e, n in self.events.items() if e.site not in (OUTSIDE, INTERPRETER)})
+    def counted(self, *, device_only: bool = False) -> Counter[Event]:
+        """The events of the code under test (neither OUTSIDE nor INTERPRETER); with
+        ``device_only``, those on device tensors only (the device-aware view)."""
+        return Counter(
+            {
+                e: n
+                for e, n in self.events.items()
+                if e.site not in (OUTSIDE, INTERPRETER) and (e.device or not device_only)
+            }
+        )
 
-    def total(self, *, kinds: Iterable[str] = SYNC_KINDS, **match: Any) -> int:
+    def total(self, *, kinds: Iterable[str] = SYNC_KINDS, device_only: bool = False, **match: Any) -> int:
         """Counted calls of ``kinds`` whose fields equal ``match`` (e.g. ``step=0, where="1"``)."""
         kinds = set(kinds)
         return sum(
             n
-            for e, n in self.counted().items()
+            for e, n in self.counted(device_only=device_only).items()
             if e.kind in kinds and all(getattr(e, k) == (str(v) if k == "where" else v) for k, v in match.items())
         )
 
-    def by(self, field: str, *, kinds: Iterable[str] = SYNC_KINDS) -> Counter:
+    def by(self, field: str, *, kinds: Iterable[str] = SYNC_KINDS, device_only: bool = False) -> Counter:
         """Counted calls of ``kinds`` summed by one field (``kind``, ``where``, ``site``, ``step``)."""
         kinds = set(kinds)
         out: Counter = Counter()
-        for e, n in self.counted().items():
+        for e, n in self.counted(device_only=device_only).items():
             if e.kind in kinds:
                 out[getattr(e, field)] += n
         return out

@@ -81,12 +81,18 @@ def _layer(layer_id: int) -> SimpleNamespace:
     )  # fmt: skip
 
 
-def _slot_lists(req_to_token, req_pool_indices, seq_lens):
-    """The parent Triton backend's decode metadata: each request's slots, concatenated."""
+def _slot_lists(req_to_token, req_pool_indices, seq_lens, seq_lens_sum: int):
+    """The parent Triton backend's decode metadata: each request's slots, concatenated.
+
+    As SGLang builds it, without reading the device: the total is the host's
+    ``seq_lens_sum``, so the gather has a shape the host knows.
+    """
     indptr = torch.zeros(seq_lens.numel() + 1, dtype=torch.int32, device=seq_lens.device)
     indptr[1:] = torch.cumsum(seq_lens, 0)
-    rows = [req_to_token[r, :n] for r, n in zip(req_pool_indices.tolist(), seq_lens.tolist())]
-    return indptr, torch.cat(rows).to(torch.int64)
+    rows = req_to_token[req_pool_indices.to(torch.int64)]  # [bs, row width]
+    live = torch.arange(rows.shape[1], device=rows.device)[None, :] < seq_lens[:, None]
+    flat = torch.nonzero_static(live.flatten(), size=seq_lens_sum).flatten()
+    return indptr, rows.flatten()[flat].to(torch.int64)
 
 
 class World:
@@ -105,7 +111,9 @@ class World:
         device: str = DEVICE,
         layers: int = LAYERS,
     ) -> None:
-        self.device = device
+        # A device object, not a string: the host round-trip counter tells the server's
+        # device tensors from host ones by it (support/host_syncs.py).
+        device = self.device = torch.device(device)
         self.kv = ArrayKV(device_pages, host_pages, promotions, device, layers)
         self.releases = ReleaseRegistry()
         if release:
@@ -200,12 +208,14 @@ class World:
             rids=rids,
             req_pool_indices=torch.tensor([self.rows[r] for r in rids], device=self.device),
             seq_lens=torch.tensor([self.written[r] for r in rids], device=self.device),
+            seq_lens_sum=sum(self.written[r] for r in rids),
             out_cache_loc=new_slots,
             out_cache_loc_is_physical=False,
         )
         self.backend.init_forward_metadata(batch)
         outs = []
-        k_new, v_new, q = (t.to(self.device) for t in (k_new, v_new, q))
+        # Made on the device (a factory naming it), as SGLang's forward hands them over.
+        k_new, v_new, q = (torch.empty_like(t, device=self.device).copy_(t) for t in (k_new, v_new, q))
         for layer in self.layers:
             i = layer.layer_id
             o = self.backend.forward_decode(
@@ -221,7 +231,9 @@ def parents_metadata() -> Iterator[None]:
     on decode; the Triton parent's leaves each request's slots in ``forward_metadata``."""
 
     def triton_parent(self, batch) -> None:
-        kv_indptr, kv_indices = _slot_lists(self.req_to_token, batch.req_pool_indices, batch.seq_lens)
+        kv_indptr, kv_indices = _slot_lists(
+            self.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_sum
+        )
         self.forward_metadata = SimpleNamespace(kv_indptr=kv_indptr, kv_indices=kv_indices, swa_out_cache_loc=None)
 
     saved = TorchNativeAttnBackend.init_forward_metadata, TritonAttnBackend.init_forward_metadata

@@ -129,3 +129,34 @@ def test_calls_outside_the_code_under_test_are_kept_apart():
         torch.tensor([1, 2]).tolist()
     assert counter.total(kinds=SYNC_KINDS) == 0 and not counter.counted()
     assert counter.kept_apart() == Counter({(OUTSIDE, "tolist"): 1, (OUTSIDE, UPLOAD): 1})
+
+
+def test_the_device_view_counts_only_what_a_device_tensor_hands_to_the_host():
+    counter = HostSyncCounter(roots=(__file__,))
+    device = torch.device("cpu")  # the server's device, as a device object
+    with counter:
+        on_device = torch.arange(6, device=device)  # a factory naming the device
+        derived = on_device * 2  # computed from a device tensor: on the device
+        host = torch.arange(6)  # made on the host
+        int(host[0])  # a host value: no wait on a GPU
+        host.tolist()
+        int(derived[0])  # sync: item
+        back = derived.cpu()  # sync: cpu
+        back.tolist()  # a host copy after the read: no wait
+        buffer = torch.empty(6, dtype=torch.int64)
+        buffer.copy_(on_device)  # sync: cpu
+        on_device.copy_(host)  # an upload into a device tensor: no wait
+    assert counter.by("kind", device_only=True) == Counter({"item": 1, "cpu": 2})
+    # The every-tensor view (the upper bound) counts the host's calls too.
+    assert counter.total() == counter.total(device_only=True) + 3
+    assert counter.on_device(derived) and not counter.on_device(back) and back is not derived
+
+
+def test_paused_counts_nothing_but_still_sees_where_tensors_come_from():
+    counter = HostSyncCounter(roots=(__file__,))
+    with counter:
+        with counter.paused():
+            made = torch.zeros(3, device=torch.device("cpu"))
+            made.tolist()
+        total = made.sum()
+    assert counter.total() == 0 and counter.on_device(total)

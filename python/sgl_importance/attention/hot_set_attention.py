@@ -81,11 +81,17 @@ class HotSetAttention:
         The backend has fenced the last step's promotions already (``fence`` at the top of
         its ``init_forward_metadata``, for every forward), so this does not fence again.
         """
-        bounds = kv_indptr.tolist()
-        # The decoder plans on the host: one copy of the batch's slots, not one per request.
-        kv_indices = kv_indices[: bounds[-1]].cpu()
+        # The decoder plans on the host: one read back of the batch's rows, bounds and
+        # slots together, not one per request (kv_indices may run past the last bound).
+        bs = req_pool_indices.numel()
+        dev = kv_indices.device
+        packed = torch.cat(
+            (req_pool_indices.to(dev, torch.int64), kv_indptr.to(dev, torch.int64), kv_indices.to(torch.int64))
+        )
+        packed = packed.cpu()
+        rows_idx, bounds = packed[:bs].tolist(), packed[bs : 2 * bs + 1].tolist()
+        kv_indices = packed[2 * bs + 1 :]
         slots = [kv_indices[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
-        rows_idx = req_pool_indices.tolist()
         if rids is None:
             rids = [f"row-{r}" for r in rows_idx]
         rows = None
@@ -127,7 +133,7 @@ class HotSetAttention:
         # read this step (its estimate ranks it for promotion, never as importance).
         device = self.page_importance.device
         self.page_importance.add_layer(
-            result.importance.to(device, torch.float32), result.kv_indptr.to(device), result.kv_indices.to(device)
+            _on(device, result.importance.float()), _on(device, result.kv_indptr), _on(device, result.kv_indices)
         )
         return out
 
@@ -147,6 +153,12 @@ class HotSetAttention:
         """Make the current stream wait for promotions still in flight (a no-op without any)."""
         if self.decoder.promotions is not None:
             self.decoder.promotions.fence()
+
+
+def _on(device: torch.device, t: torch.Tensor) -> torch.Tensor:
+    """``t`` on ``device``; no call where it is there already (on a GPU the step's results
+    and the page importance table share the device: nothing moves)."""
+    return t if t.device == torch.device(device) else t.to(device)
 
 
 def build_hot_set(

@@ -164,6 +164,7 @@ class HotSetDecoder:
         self._outside: Optional[OutsidePlan] = None
         self._sample: Optional[SamplePlan] = None
         self._tally: Optional[StepTally] = None
+        self._pool_pages_planned = 0
         self._step_layers = 0
         self._pool_pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (K, V) viewed as pages
         self._workspace = PagedDecodeWorkspace()
@@ -249,9 +250,26 @@ class HotSetDecoder:
                     counts=counts,
                 )
             )
-        # Part 1 and 2 lists are built by the first layer, which knows the pool's size.
-        self._exact = self._outside = self._sample = self._tally = None
         self._step_layers = 0
+        self._plan_lists(self.summaries.key_min.shape[1])
+
+    def _plan_lists(self, pool_pages: int) -> None:
+        """The step's part 1 and part 2 lists and its tally, built once where the step
+        begins (the layers only read them). ``pool_pages``: the device pool's pages
+        (listed ids at or past it name staged host pages)."""
+        planned = [live.planned for live in self._live]
+        ps = self.page_size
+        self._exact = plan_exact(self._live, planned, pool_pages, ps)
+        self._outside = plan_outside(self._live, planned)
+        self._sample = SamplePlan.build(self._live, self._outside, ps)
+        device = self.summaries.key_min.device
+        self._tally = StepTally.for_step(self._live, self._exact, self._outside, device)
+        self._pool_pages_planned = pool_pages
+        prepare = getattr(self._read, "slots", None)
+        if prepare is not None:
+            # A reader that turns the plan into device lists (TritonPageListDecode) does it
+            # here, once per step, rather than in the first layer.
+            prepare(self._exact.plan, pool_pages, device)
 
     def _promoting(self) -> PagePools:
         """The pools promotions copy through: on the promotion stream where there is one."""
@@ -319,12 +337,10 @@ class HotSetDecoder:
         k_pages = k_buffer[:whole].view(-1, ps, *k_buffer.shape[1:])
         v_pages = v_buffer[:whole].view(-1, ps, *v_buffer.shape[1:])
         self._pool_pages[layer_id] = (k_pages, v_pages)  # the key codes are written from it at end_step
-        if self._exact is None:
-            planned = [live.planned for live in self._live]
-            self._exact = plan_exact(self._live, planned, k_pages.shape[0], ps)
-            self._outside = plan_outside(self._live, planned)
-            self._sample = SamplePlan.build(self._live, self._outside, ps)
-            self._tally = StepTally.for_step(self._live, self._exact, self._outside, q.device)
+        if k_pages.shape[0] != self._pool_pages_planned:
+            # A pool whose rows end in a partial page (never SGLang's paged pools): the
+            # staged pages' ids start at its whole pages, so plan the lists again.
+            self._plan_lists(k_pages.shape[0])
         exact, outside_plan, sample_plan = self._exact, self._outside, self._sample
         per_layer = any(live.tracked is not None and live.tracked.state.params.policy == "quest" for live in self._live)
         if per_layer:

@@ -47,6 +47,8 @@ class StepTally:
     pages_guard_read: Optional[torch.Tensor] = None  # int64 [n], over layers
     pages_estimated: Optional[torch.Tensor] = None  # int64 [n], over layers
     bound_mass: Optional[torch.Tensor] = None  # float64 [m, Pmax] guard-off rows: largest key-bound mass
+    bound_rows: Optional[torch.Tensor] = None  # int64 [m] the guard-off rows of the batch
+    bound_log_tokens: Optional[torch.Tensor] = None  # float64 [m, Pmax] log of each page's tokens
 
     @classmethod
     def for_step(
@@ -62,16 +64,22 @@ class StepTally:
         )
         tally = cls(torch.zeros(bs, width, dtype=torch.float64, device=device), by_max)
         tally._zero_outside(outside, device)
-        guard_off = [req for req in live if req.bounds_unread]
+        guard_off = [b for b, req in enumerate(live) if req.bounds_unread]
         if guard_off:
-            width = max(req.tokens.numel() for req in guard_off)
-            tally.bound_mass = torch.zeros(len(guard_off), width, dtype=torch.float64, device=device)
+            # What every layer's bound needs of the step, on the device once: the rows and
+            # each page's token count (log), padded to the longest request.
+            pad = torch.nn.utils.rnn.pad_sequence
+            tokens = pad([live[b].tokens for b in guard_off], batch_first=True).to(device, torch.float64)
+            tally.bound_rows = torch.tensor(guard_off).to(device)
+            tally.bound_log_tokens = tokens.log()
+            tally.bound_mass = torch.zeros(tokens.shape, dtype=torch.float64, device=device)
         return tally
 
     @classmethod
     def for_outside(cls, outside: OutsidePlan, device: torch.device) -> "StepTally":
         """An empty tally of one layer's guard alone (lists that change per layer)."""
-        tally = cls(torch.zeros(0, 0, dtype=torch.float64), torch.zeros(0, dtype=torch.bool))
+        empty = dict(device=device)  # on the layers' device with the rest: on_host reads them back as one
+        tally = cls(torch.zeros(0, 0, dtype=torch.float64, **empty), torch.zeros(0, dtype=torch.bool, **empty))
         tally._zero_outside(outside, device)
         return tally
 
@@ -86,10 +94,19 @@ class StepTally:
         self.pages_sampled = torch.zeros(n, dtype=torch.int64, device=device)
 
     def on_host(self) -> "StepTally":
-        """The tally with its tensors on the host, where the requests' state lives."""
-        return replace(
-            self, **{f.name: v.cpu() for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
-        )
+        """The tally with its tensors on the host, where the requests' state lives: one
+        read back (every field packed into one float64 buffer, then cut apart)."""
+        names = [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+        tensors = [getattr(self, name) for name in names]
+        if not tensors:
+            return replace(self)
+        packed = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu()
+        host, start = {}, 0
+        for name, t in zip(names, tensors):
+            # float64 holds these exactly: masses, bools and counts far below 2**53.
+            host[name] = packed[start : start + t.numel()].view(t.shape).to(t.dtype)
+            start += t.numel()
+        return replace(self, **host)
 
     # -- one layer -----------------------------------------------------------------
 
@@ -158,10 +175,9 @@ class StepTally:
         pad = torch.nn.utils.rnn.pad_sequence
         kmin = pad(mins, batch_first=True, padding_value=float("inf"))  # [m, Pmax, kv, D]
         kmax = pad(maxs, batch_first=True, padding_value=float("-inf"))
-        index = torch.tensor(rows)
+        index = self.bound_rows
         bounds = key_bound(q[index], kmin, kmax, **run).double()  # [m, Pmax, Hq]
-        tokens = pad([live[b].tokens for b in rows], batch_first=True).to(q.device, torch.float64)
-        log_mass = bounds + tokens.log()[..., None] - result.lse[index].double()[:, None, :]
+        log_mass = bounds + self.bound_log_tokens[..., None] - result.lse[index].double()[:, None, :]
         page_bound = log_mass.amax(dim=2).clamp(max=0.0).exp().nan_to_num(0.0)
         width = page_bound.shape[1]
         bound_mass = self.bound_mass
