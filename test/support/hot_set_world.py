@@ -159,6 +159,15 @@ class World:
                 use_mla=False,
                 dcp_size=1,
                 kv_cache_dtype=torch.float32,
+                # What _new_wrapper sizes the CUDA graph's wrapper by (init_cuda_graph_state).
+                num_head=Q_HEADS,
+                num_kv_head=KV_HEADS,
+                head_dim=DIM,
+                v_head_dim=DIM,
+                max_pages=self.req_to_token.shape[1] // PAGE,
+                max_kv_splits=8,
+                model_dtype=torch.float32,
+                device=self.device,
                 decode_wrapper=None,
                 eager_wrapper=None,
                 graph_wrapper=None,
@@ -170,7 +179,7 @@ class World:
     def place(self, rid: str, k: torch.Tensor, v: torch.Tensor) -> None:
         """The prompt's tokens not yet in the pool, written and summarised (``k``/``v``: ``[layers, n, KV, D]``)."""
         if rid not in self.rows:
-            self.rows[rid] = len(self.rows) + 1
+            self.rows[rid] = len(self.written) + 1  # a row of its own, even after others finished
             self.releases.admit(rid, first_owned_page=0)
         slots = [self._slot(rid, pos) for pos in range(self.written.get(rid, 0), k.shape[1])]
         if slots:
@@ -182,14 +191,25 @@ class World:
                 self.backend._summarise(layer, slots)
         self.written[rid] = k.shape[1]
 
+    def finish(self, rid: str) -> None:
+        """The request leaves the batch (its row and pages stay as they are)."""
+        del self.rows[rid]
+
     def _slot(self, rid: str, pos: int) -> int:
         row = self.req_to_token[self.rows[rid]]
         if pos % PAGE == 0:
             row[pos : pos + PAGE] = self.kv.alloc_device(1, for_tokens=True).to(torch.int32)
         return int(row[pos])
 
-    def step(self, k_new: torch.Tensor, v_new: torch.Tensor, q: torch.Tensor) -> list[torch.Tensor]:
-        """One decode token per request (``k_new``/``v_new``: ``[layers, bs, KV, D]``), every layer."""
+    def step(
+        self, k_new: torch.Tensor, v_new: torch.Tensor, q: torch.Tensor, graph: bool = False
+    ) -> list[torch.Tensor]:
+        """One decode token per request (``k_new``/``v_new``: ``[layers, bs, KV, D]``), every layer.
+
+        ``graph``: the step as SGLang runs a CUDA graph's (``init_forward_metadata_out_graph``
+        before the layers, no ``init_forward_metadata``); the Triton backend only, after
+        ``init_cuda_graph_state``.
+        """
         rids = list(self.rows)
         new_slots = torch.tensor([self._slot(rid, self.written[rid]) for rid in rids], device=self.device)
         for rid in rids:
@@ -200,10 +220,14 @@ class World:
             rids=rids,
             req_pool_indices=torch.tensor([self.rows[r] for r in rids], device=self.device),
             seq_lens=torch.tensor([self.written[r] for r in rids], device=self.device),
+            seq_lens_cpu=torch.tensor([self.written[r] for r in rids]),
             out_cache_loc=new_slots,
             out_cache_loc_is_physical=False,
         )
-        self.backend.init_forward_metadata(batch)
+        if graph:
+            self.backend.init_forward_metadata_out_graph(batch)
+        else:
+            self.backend.init_forward_metadata(batch)
         outs = []
         k_new, v_new, q = (t.to(self.device) for t in (k_new, v_new, q))
         for layer in self.layers:
@@ -217,17 +241,22 @@ class World:
 
 @contextmanager
 def parents_metadata() -> Iterator[None]:
-    """The parents' ``init_forward_metadata`` while inside: the torch parent's is not read
-    on decode; the Triton parent's leaves each request's slots in ``forward_metadata``."""
+    """The parents' metadata while inside: the torch parent's is not read on decode; the
+    Triton parent's (eager, and before a CUDA graph's capture or replay) leaves each
+    request's slots in ``forward_metadata``, and its graph state is not read."""
 
-    def triton_parent(self, batch) -> None:
+    def triton_parent(self, batch, in_capture: bool = False) -> None:
         kv_indptr, kv_indices = _slot_lists(self.req_to_token, batch.req_pool_indices, batch.seq_lens)
         self.forward_metadata = SimpleNamespace(kv_indptr=kv_indptr, kv_indices=kv_indices, swa_out_cache_loc=None)
 
-    saved = TorchNativeAttnBackend.init_forward_metadata, TritonAttnBackend.init_forward_metadata
+    names = ("init_forward_metadata", "init_forward_metadata_out_graph", "init_cuda_graph_state")
+    saved = TorchNativeAttnBackend.init_forward_metadata, *(getattr(TritonAttnBackend, n) for n in names)
     TorchNativeAttnBackend.init_forward_metadata = lambda self, batch: None
-    TritonAttnBackend.init_forward_metadata = triton_parent
+    for name, parent in zip(names, (triton_parent, triton_parent, lambda self, *args, **kwargs: None)):
+        setattr(TritonAttnBackend, name, parent)
     try:
         yield
     finally:
-        TorchNativeAttnBackend.init_forward_metadata, TritonAttnBackend.init_forward_metadata = saved
+        TorchNativeAttnBackend.init_forward_metadata = saved[0]
+        for name, parent in zip(names, saved[1:]):
+            setattr(TritonAttnBackend, name, parent)
