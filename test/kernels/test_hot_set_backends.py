@@ -17,6 +17,7 @@ Runs under TRITON_INTERPRET=1 on a CPU (conftest.py), small shapes.
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +28,9 @@ pytest.importorskip("sglang", reason="the backends subclass SGLang's")
 
 from sgl_importance.attention.hot_set_attention import eager_with_hot_set_requests  # noqa: E402
 from sgl_importance.hot_set import HotSetParams  # noqa: E402
+from sgl_importance.importance import page_importance  # noqa: E402
+from sgl_kernel_ext import scatter_page_importance  # noqa: E402
+from support.host_syncs import HostSyncCounter  # noqa: E402
 from support.hot_set_world import DIM, KV_HEADS, LAYERS, Q_HEADS, THRESHOLD, World, parents_metadata  # noqa: E402
 from support.kernel_device import DEVICE, EMPTY_PAGES_WARN  # noqa: E402
 
@@ -134,11 +138,11 @@ def test_short_batches_replay_graphs_that_read_every_page_without_the_decoder(mo
         for w in (eager, graphed):
             w.place(rid, k, v)
 
-    def step(graph: bool) -> None:
+    def step(graph: bool, counter=None) -> None:
         bs = len(graphed.rows)
         k_new, v_new = (torch.randn(LAYERS, bs, KV_HEADS, DIM, generator=g) for _ in range(2))
         q = torch.randn(LAYERS, bs, Q_HEADS, DIM, generator=g) * 2
-        want, got = eager.step(k_new, v_new, q), graphed.step(k_new, v_new, q, graph=graph)
+        want, got = eager.step(k_new, v_new, q), graphed.step(k_new, v_new, q, graph=graph, counter=counter)
         for layer, (a, b) in enumerate(zip(want, got)):
             assert torch.allclose(b, a, atol=OUT_ATOL, rtol=0), f"layer {layer}"
         assert torch.allclose(graphed.page_importance.last, eager.page_importance.last, atol=IMP_ATOL, rtol=0)
@@ -154,13 +158,20 @@ def test_short_batches_replay_graphs_that_read_every_page_without_the_decoder(mo
     assert set(decoder.tracked) == {"long"} and decoder.guard.pages_in_use > 0
     for w in (eager, graphed):
         w.finish("long")
+    counter = HostSyncCounter()
     with monkeypatch.context() as m:
         for name in ("begin_step", "attend", "end_step"):
             m.setattr(decoder, name, _refused)
+        # The table scatters with its GPU kernel, as it does on a device.
+        m.setattr(page_importance, "scatter_page_importance", partial(scatter_page_importance, use_triton=True))
         for _ in range(3):
             assert _replays(graphed, config)
-            step(graph=True)
+            step(graph=True, counter=counter)
     assert decoder.tracked == {} and decoder.guard.pages_in_use == 0
+    # What a captured graph holds (the layers: KV write, summaries, decode, importance,
+    # the step's close) never hands a device value to the host.
+    assert sum(counter.total(where=layer) for layer in range(LAYERS)) == 0, counter.by("site")
+    assert counter.total(where="host") > 0  # it was counting: the stand-in parent plans with .tolist()
     assert eager.backend.hot_set.decoder.tracked == {}
     place("late", 20)
     assert not _replays(graphed, config)

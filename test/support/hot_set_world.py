@@ -21,9 +21,9 @@ The Triton backend's kernels run compiled on a GPU, or under ``TRITON_INTERPRET=
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -39,6 +39,7 @@ from sgl_importance.hot_set.residency import ReleaseRegistry
 from sgl_importance.importance.page_importance import PageImportanceTable
 from sgl_kernel_ext import PagedDecodeWorkspace, TritonPageListDecode
 from support.array_pools import ArrayPools
+from support.host_syncs import HostSyncCounter
 from support.kernel_device import DEVICE
 
 PAGE = 4
@@ -202,14 +203,25 @@ class World:
         return int(row[pos])
 
     def step(
-        self, k_new: torch.Tensor, v_new: torch.Tensor, q: torch.Tensor, graph: bool = False
+        self,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        q: torch.Tensor,
+        graph: bool = False,
+        counter: Optional[HostSyncCounter] = None,
     ) -> list[torch.Tensor]:
         """One decode token per request (``k_new``/``v_new``: ``[layers, bs, KV, D]``), every layer.
 
         ``graph``: the step as SGLang runs a CUDA graph's (``init_forward_metadata_out_graph``
         before the layers, no ``init_forward_metadata``); the Triton backend only, after
-        ``init_cuda_graph_state``.
+        ``init_cuda_graph_state``. ``counter``: counts the step's host round trips, each
+        layer's filed under its id (what a captured graph holds), the rest under ``"host"``.
         """
+        with counter if counter is not None else nullcontext():
+            return self._step(k_new, v_new, q, graph, counter)
+
+    def _step(self, k_new, v_new, q, graph, counter) -> list[torch.Tensor]:
+        where = counter.where if counter is not None else lambda label: nullcontext()
         rids = list(self.rows)
         new_slots = torch.tensor([self._slot(rid, self.written[rid]) for rid in rids], device=self.device)
         for rid in rids:
@@ -224,17 +236,19 @@ class World:
             out_cache_loc=new_slots,
             out_cache_loc_is_physical=False,
         )
-        if graph:
-            self.backend.init_forward_metadata_out_graph(batch)
-        else:
-            self.backend.init_forward_metadata(batch)
+        with where("host"):
+            if graph:
+                self.backend.init_forward_metadata_out_graph(batch)
+            else:
+                self.backend.init_forward_metadata(batch)
         outs = []
         k_new, v_new, q = (t.to(self.device) for t in (k_new, v_new, q))
         for layer in self.layers:
             i = layer.layer_id
-            o = self.backend.forward_decode(
-                q[i].reshape(len(rids), -1), k_new[i], v_new[i], layer, batch, save_kv_cache=True
-            )
+            with where(i):
+                o = self.backend.forward_decode(
+                    q[i].reshape(len(rids), -1), k_new[i], v_new[i], layer, batch, save_kv_cache=True
+                )
             outs.append(o.view(len(rids), Q_HEADS, DIM))
         return outs
 
