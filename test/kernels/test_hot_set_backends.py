@@ -110,7 +110,8 @@ def _replays(world: World, config: SimpleNamespace) -> bool:
     """Whether SGLang would replay a captured graph for the world's next step (its own check
     passing), with the plugin's hook around that check."""
     lengths = torch.tensor([world.written[rid] + 1 for rid in world.rows])
-    return eager_with_hot_set_requests(config, lambda runner, batch: True, None, SimpleNamespace(seq_lens_cpu=lengths))
+    runner = SimpleNamespace(require_mlp_sync=False)
+    return eager_with_hot_set_requests(config, lambda r, b: True, runner, SimpleNamespace(seq_lens_cpu=lengths))
 
 
 def _refused(*args, **kwargs):

@@ -174,6 +174,11 @@ ATTRIBUTES = [
     # Which decode batches may replay a CUDA graph with the hot set on (attention/hot_set_attention.py).
     Name("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "seq_lens_cpu", "attention/hot_set_attention.py"),
     Name("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "forward_mode", "attention/triton_backend.py"),
+    Name(
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner",
+        "require_mlp_sync",
+        "attention/hot_set_attention.py",
+    ),
     # The hot set in importance_triton (attention/triton_backend.py).
     *(
         Name("sglang.srt.layers.attention.triton_backend.TritonAttnBackend", n, "attention/triton_backend.py")

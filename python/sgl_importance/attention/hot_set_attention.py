@@ -184,8 +184,12 @@ def eager_with_hot_set_requests(config: Any, original: Callable[..., bool], runn
     batch eagerly instead (``init_forward_metadata``, where the step is planned). A batch of
     short requests is left to SGLang's own check. Decided from the server's config, so it
     holds whichever backend object (a hybrid's decode backend included) serves the decode.
+    Where ranks must agree on graph or eager (``require_mlp_sync``: DP attention, gathered
+    buffers), each rank would decide from its own batch: every decode runs eagerly there.
     """
-    if config.hot_set_policy != "off" and holds_hot_set_request(forward_batch.seq_lens_cpu, config.hot_set_threshold):
+    if config.hot_set_policy != "off" and (
+        runner.require_mlp_sync or holds_hot_set_request(forward_batch.seq_lens_cpu, config.hot_set_threshold)
+    ):
         return False
     return original(runner, forward_batch)
 
