@@ -47,7 +47,6 @@ class Hook(NamedTuple):
     state: tuple[str, ...] = ()  # runtime attributes passed first ("runtime": itself)
 
 
-# Targets are under ``sglang.srt.``.
 HOOKS = (
     Hook("server_args.ServerArgs.add_cli_args", "config:add_cli_args", "after", "any"),
     Hook("server_args.ServerArgs.from_cli_args", "config:from_cli_args", "around", "any"),
@@ -72,6 +71,7 @@ HOOKS = (
     Hook("managers.scheduler.Scheduler.__init__", "runtime:start", "before", "scheduler"),
     # The KV pool's tokens less the guard's pool (hot_set/guard_budget.py), before either is allocated.
     Hook("mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget", "attention.hot_set_attention:reserve_guard", "around", "scheduler", ("runtime",)),
+    Hook("model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph", "attention.hot_set_attention:eager_with_hot_set_requests", "around", "scheduler", ("config",)),
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.__init__", "cache.components:use_importance_components", "before", "scheduler"),
     Hook("managers.scheduler.Scheduler.process_batch_result", "scheduler.fold:fold_after_batch", "after", "scheduler", ("runtime",)),
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.write_backup_storage", "cache.admission:gate_storage_write", "around", "scheduler"),

@@ -17,6 +17,8 @@ Runs under TRITON_INTERPRET=1 on a CPU (conftest.py), small shapes.
 from __future__ import annotations
 
 import contextlib
+from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,8 +26,12 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed; the Triton decode kernels cannot run")
 pytest.importorskip("sglang", reason="the backends subclass SGLang's")
 
+from sgl_importance.attention.hot_set_attention import eager_with_hot_set_requests  # noqa: E402
 from sgl_importance.hot_set import HotSetParams  # noqa: E402
-from support.hot_set_world import DIM, KV_HEADS, LAYERS, Q_HEADS, World, parents_metadata  # noqa: E402
+from sgl_importance.importance import page_importance  # noqa: E402
+from sgl_kernel_ext import scatter_page_importance  # noqa: E402
+from support.host_syncs import HostSyncCounter  # noqa: E402
+from support.hot_set_world import DIM, KV_HEADS, LAYERS, Q_HEADS, THRESHOLD, World, parents_metadata  # noqa: E402
 from support.kernel_device import DEVICE, EMPTY_PAGES_WARN  # noqa: E402
 
 pytestmark = [EMPTY_PAGES_WARN]
@@ -98,6 +104,80 @@ def test_triton_backend_releases_and_promotes_pages_as_the_torch_backend(guard, 
         assert totals["guard_reads"] > 0
     else:
         assert totals["promotions_refused"] > 0 and totals["pages_read_from_host"] > 0
+
+
+def _replays(world: World, config: SimpleNamespace) -> bool:
+    """Whether SGLang would replay a captured graph for the world's next step (its own check
+    passing), with the plugin's hook around that check."""
+    lengths = torch.tensor([world.written[rid] + 1 for rid in world.rows])
+    runner = SimpleNamespace(require_mlp_sync=False)
+    return eager_with_hot_set_requests(config, lambda r, b: True, runner, SimpleNamespace(seq_lens_cpu=lengths))
+
+
+def _refused(*args, **kwargs):
+    raise AssertionError("a CUDA graph's step called the hot set's decoder")
+
+
+def test_short_batches_replay_graphs_that_read_every_page_without_the_decoder(monkeypatch):
+    # A long request beside a short one decodes eagerly through the hot set; once it has
+    # finished, the short one's steps are graph steps: the captured dense decode gives what
+    # importance_torch's eager hot-set steps give (outputs, importance, page summaries),
+    # the decoder is never called, and its state of the finished request is dropped. A new
+    # long request runs eagerly again.
+    params = HotSetParams(policy="importance", budget=3, window=1, sinks=1, guard_threshold=0.05)
+    pools = dict(device_pages=64, host_pages=0, release=False)
+    eager, graphed = World("torch", params, **pools), World("triton", params, **pools)
+    # Start-up: the graphs' state is built with the hot set on (it used to refuse here).
+    graphed.backend.init_cuda_graph_state(4, 4)
+    assert graphed.backend.graph_wrapper is not None
+    config = SimpleNamespace(hot_set_policy="importance", hot_set_threshold=THRESHOLD)
+    decoder = graphed.backend.hot_set.decoder
+    g = torch.Generator().manual_seed(9)
+
+    def place(rid: str, n: int) -> None:
+        k, v = (torch.randn(LAYERS, n, KV_HEADS, DIM, generator=g) for _ in range(2))
+        for w in (eager, graphed):
+            w.place(rid, k, v)
+
+    def step(graph: bool, counter=None) -> None:
+        bs = len(graphed.rows)
+        k_new, v_new = (torch.randn(LAYERS, bs, KV_HEADS, DIM, generator=g) for _ in range(2))
+        q = torch.randn(LAYERS, bs, Q_HEADS, DIM, generator=g) * 2
+        want, got = eager.step(k_new, v_new, q), graphed.step(k_new, v_new, q, graph=graph, counter=counter)
+        for layer, (a, b) in enumerate(zip(want, got)):
+            assert torch.allclose(b, a, atol=OUT_ATOL, rtol=0), f"layer {layer}"
+        assert torch.allclose(graphed.page_importance.last, eager.page_importance.last, atol=IMP_ATOL, rtol=0)
+        summaries = [w.backend.hot_set.decoder.summaries for w in (eager, graphed)]
+        assert torch.equal(summaries[1].key_min, summaries[0].key_min)
+        assert torch.equal(summaries[1].key_max, summaries[0].key_max)
+
+    place("long", 30)
+    place("short", 2)
+    for _ in range(2):
+        assert not _replays(graphed, config)
+        step(graph=False)
+    assert set(decoder.tracked) == {"long"} and decoder.guard.pages_in_use > 0
+    for w in (eager, graphed):
+        w.finish("long")
+    counter = HostSyncCounter()
+    with monkeypatch.context() as m:
+        for name in ("begin_step", "attend", "end_step"):
+            m.setattr(decoder, name, _refused)
+        # The table scatters with its GPU kernel, as it does on a device.
+        m.setattr(page_importance, "scatter_page_importance", partial(scatter_page_importance, use_triton=True))
+        for _ in range(3):
+            assert _replays(graphed, config)
+            step(graph=True, counter=counter)
+    assert decoder.tracked == {} and decoder.guard.pages_in_use == 0
+    # What a captured graph holds (the layers: KV write, summaries, decode, importance,
+    # the step's close) never hands a device value to the host.
+    assert sum(counter.total(where=layer) for layer in range(LAYERS)) == 0, counter.by("site")
+    assert counter.total(where="host") > 0  # it was counting: the stand-in parent plans with .tolist()
+    assert eager.backend.hot_set.decoder.tracked == {}
+    place("late", 20)
+    assert not _replays(graphed, config)
+    step(graph=False)
+    assert set(decoder.tracked) == {"late"}
 
 
 class _OnFakeCuda:

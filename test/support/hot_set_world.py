@@ -21,9 +21,9 @@ The Triton backend's kernels run compiled on a GPU, or under ``TRITON_INTERPRET=
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -39,6 +39,7 @@ from sgl_importance.hot_set.residency import ReleaseRegistry
 from sgl_importance.importance.page_importance import PageImportanceTable
 from sgl_kernel_ext import PagedDecodeWorkspace, TritonPageListDecode
 from support.array_pools import ArrayPools
+from support.host_syncs import HostSyncCounter
 from support.kernel_device import DEVICE
 
 PAGE = 4
@@ -167,6 +168,15 @@ class World:
                 use_mla=False,
                 dcp_size=1,
                 kv_cache_dtype=torch.float32,
+                # What _new_wrapper sizes the CUDA graph's wrapper by (init_cuda_graph_state).
+                num_head=Q_HEADS,
+                num_kv_head=KV_HEADS,
+                head_dim=DIM,
+                v_head_dim=DIM,
+                max_pages=self.req_to_token.shape[1] // PAGE,
+                max_kv_splits=8,
+                model_dtype=torch.float32,
+                device=self.device,
                 decode_wrapper=None,
                 eager_wrapper=None,
                 graph_wrapper=None,
@@ -178,7 +188,7 @@ class World:
     def place(self, rid: str, k: torch.Tensor, v: torch.Tensor) -> None:
         """The prompt's tokens not yet in the pool, written and summarised (``k``/``v``: ``[layers, n, KV, D]``)."""
         if rid not in self.rows:
-            self.rows[rid] = len(self.rows) + 1
+            self.rows[rid] = len(self.written) + 1  # a row of its own, even after others finished
             self.releases.admit(rid, first_owned_page=0)
         slots = [self._slot(rid, pos) for pos in range(self.written.get(rid, 0), k.shape[1])]
         if slots:
@@ -190,14 +200,36 @@ class World:
                 self.backend._summarise(layer, slots)
         self.written[rid] = k.shape[1]
 
+    def finish(self, rid: str) -> None:
+        """The request leaves the batch (its row and pages stay as they are)."""
+        del self.rows[rid]
+
     def _slot(self, rid: str, pos: int) -> int:
         row = self.req_to_token[self.rows[rid]]
         if pos % PAGE == 0:
             row[pos : pos + PAGE] = self.kv.alloc_device(1, for_tokens=True).to(torch.int32)
         return int(row[pos])
 
-    def step(self, k_new: torch.Tensor, v_new: torch.Tensor, q: torch.Tensor) -> list[torch.Tensor]:
-        """One decode token per request (``k_new``/``v_new``: ``[layers, bs, KV, D]``), every layer."""
+    def step(
+        self,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        q: torch.Tensor,
+        graph: bool = False,
+        counter: Optional[HostSyncCounter] = None,
+    ) -> list[torch.Tensor]:
+        """One decode token per request (``k_new``/``v_new``: ``[layers, bs, KV, D]``), every layer.
+
+        ``graph``: the step as SGLang runs a CUDA graph's (``init_forward_metadata_out_graph``
+        before the layers, no ``init_forward_metadata``); the Triton backend only, after
+        ``init_cuda_graph_state``. ``counter``: counts the step's host round trips, each
+        layer's filed under its id (what a captured graph holds), the rest under ``"host"``.
+        """
+        with counter if counter is not None else nullcontext():
+            return self._step(k_new, v_new, q, graph, counter)
+
+    def _step(self, k_new, v_new, q, graph, counter) -> list[torch.Tensor]:
+        where = counter.where if counter is not None else lambda label: nullcontext()
         rids = list(self.rows)
         new_slots = torch.tensor([self._slot(rid, self.written[rid]) for rid in rids], device=self.device)
         for rid in rids:
@@ -209,37 +241,48 @@ class World:
             req_pool_indices=torch.tensor([self.rows[r] for r in rids], device=self.device),
             seq_lens=torch.tensor([self.written[r] for r in rids], device=self.device),
             seq_lens_sum=sum(self.written[r] for r in rids),
+            seq_lens_cpu=torch.tensor([self.written[r] for r in rids]),
             out_cache_loc=new_slots,
             out_cache_loc_is_physical=False,
         )
-        self.backend.init_forward_metadata(batch)
+        with where("host"):
+            if graph:
+                self.backend.init_forward_metadata_out_graph(batch)
+            else:
+                self.backend.init_forward_metadata(batch)
         outs = []
         # Made on the device (a factory naming it), as SGLang's forward hands them over.
         k_new, v_new, q = (torch.empty_like(t, device=self.device).copy_(t) for t in (k_new, v_new, q))
         for layer in self.layers:
             i = layer.layer_id
-            o = self.backend.forward_decode(
-                q[i].reshape(len(rids), -1), k_new[i], v_new[i], layer, batch, save_kv_cache=True
-            )
+            with where(i):
+                o = self.backend.forward_decode(
+                    q[i].reshape(len(rids), -1), k_new[i], v_new[i], layer, batch, save_kv_cache=True
+                )
             outs.append(o.view(len(rids), Q_HEADS, DIM))
         return outs
 
 
 @contextmanager
 def parents_metadata() -> Iterator[None]:
-    """The parents' ``init_forward_metadata`` while inside: the torch parent's is not read
-    on decode; the Triton parent's leaves each request's slots in ``forward_metadata``."""
+    """The parents' metadata while inside: the torch parent's is not read on decode; the
+    Triton parent's (eager, and before a CUDA graph's capture or replay) leaves each
+    request's slots in ``forward_metadata``, and its graph state is not read."""
 
-    def triton_parent(self, batch) -> None:
+    def triton_parent(self, batch, in_capture: bool = False) -> None:
         kv_indptr, kv_indices = _slot_lists(
             self.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_sum
         )
         self.forward_metadata = SimpleNamespace(kv_indptr=kv_indptr, kv_indices=kv_indices, swa_out_cache_loc=None)
 
-    saved = TorchNativeAttnBackend.init_forward_metadata, TritonAttnBackend.init_forward_metadata
+    names = ("init_forward_metadata", "init_forward_metadata_out_graph", "init_cuda_graph_state")
+    saved = TorchNativeAttnBackend.init_forward_metadata, *(getattr(TritonAttnBackend, n) for n in names)
     TorchNativeAttnBackend.init_forward_metadata = lambda self, batch: None
-    TritonAttnBackend.init_forward_metadata = triton_parent
+    for name, parent in zip(names, (triton_parent, triton_parent, lambda self, *args, **kwargs: None)):
+        setattr(TritonAttnBackend, name, parent)
     try:
         yield
     finally:
-        TorchNativeAttnBackend.init_forward_metadata, TritonAttnBackend.init_forward_metadata = saved
+        TorchNativeAttnBackend.init_forward_metadata = saved[0]
+        for name, parent in zip(names, saved[1:]):
+            setattr(TritonAttnBackend, name, parent)

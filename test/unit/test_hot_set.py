@@ -81,6 +81,24 @@ def test_a_page_written_again_from_its_first_slot_forgets_its_old_keys():
     assert summaries.key_min[0, 1].min() == -1.0 and summaries.key_max[0, 1].max() == 1.0
 
 
+def test_summaries_update_has_fixed_shapes_and_reads_nothing_back_so_a_cuda_graph_can_capture_it():
+    # A prefill that restarts a page from its first slot among keys merged into other
+    # pages (a page written twice in one call), then a decode write per request.
+    from support.host_syncs import SYNC_KINDS, UPLOAD, HostSyncCounter
+
+    g = torch.Generator().manual_seed(11)
+    summaries = PageSummaries(2, 16, KV_HEADS, DIM, page_size=PAGE)
+    summaries.update(1, torch.arange(PAGE, 3 * PAGE), torch.randn(2 * PAGE, KV_HEADS, DIM, generator=g))
+    prefill = torch.tensor([3 * PAGE + 1, 2 * PAGE, 3 * PAGE, 2 * PAGE + 3, 5 * PAGE + 2])
+    decode = torch.tensor([2 * PAGE + 1, 7 * PAGE])
+    counter = HostSyncCounter()
+    with counter:
+        for slots in (prefill, decode):
+            counter.begin_step()
+            summaries.update(1, slots, torch.randn(slots.numel(), KV_HEADS * DIM, generator=g))
+    assert counter.total(kinds=(*SYNC_KINDS, UPLOAD)) == 0, counter.by("site", kinds=(*SYNC_KINDS, UPLOAD))
+
+
 def test_budget_is_pages_when_at_least_one_else_a_fraction_rounded_up():
     assert HotSetParams(budget=7).budget_pages(100) == 7
     assert HotSetParams(budget=0.2).budget_pages(101) == 21

@@ -1,13 +1,15 @@
-"""What the hot set asks of a backend: which backends take it, CUDA graphs, promotions' stream."""
+"""What the hot set asks of a backend: which backends take it, which batches replay CUDA graphs, promotions' stream."""
 
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from sgl_importance.config import from_namespace
+from sgl_importance import plugin, runtime
+from sgl_importance.config import ImportanceConfig, add_cli_args, from_namespace
 from sgl_importance.hot_set.promotion import PromotionStream, StreamedPagePools
 
 
@@ -28,12 +30,65 @@ def test_a_backend_without_the_hot_set_is_refused_at_start_up():
         from_namespace(_args("triton"))
 
 
-def test_the_triton_backend_refuses_cuda_graphs_with_the_hot_set():
-    from sgl_importance.attention.triton_backend import refuse_cuda_graphs_with_hot_set
+def _graph_runner(max_bs: int, mlp_sync: bool = False) -> SimpleNamespace:
+    """What SGLang's ``DecodeCudaGraphRunner.can_run_graph`` reads of its runner, for plain decode:
+    graphs captured up to ``max_bs`` requests, padded to the next captured size; with
+    ``mlp_sync`` the ranks' vote (the batch's ``can_run_decode_cuda_graph``) must say yes too."""
+    return SimpleNamespace(
+        ragged_verify_mode=False, captured_req_width=1, require_mlp_tp_gather=False, enable_pdmux=False,
+        disable_padding=False, max_bs=max_bs, require_mlp_sync=mlp_sync, is_encoder_decoder=False,
+        enable_two_batch_overlap=False, _make_graph_key=lambda *args, **kwargs: None,
+        _resolve_lora_variant=lambda batch: None,
+        model_runner=SimpleNamespace(spec_algorithm=SimpleNamespace(is_ngram=lambda: False)),
+    )  # fmt: skip
 
-    refuse_cuda_graphs_with_hot_set(False)
-    with pytest.raises(ValueError, match="--cuda-graph-backend-decode disabled"):
-        refuse_cuda_graphs_with_hot_set(True)
+
+def _decode_batch(*lengths: int, host_lengths: bool = True) -> SimpleNamespace:
+    seq_lens_cpu = torch.tensor(lengths, dtype=torch.int64) if host_lengths else None
+    return SimpleNamespace(
+        replace_embeds=None,
+        spec_info=None,
+        batch_size=len(lengths),
+        seq_lens_cpu=seq_lens_cpu,
+        can_run_decode_cuda_graph=True,  # the DP ranks' vote, where they sync
+    )
+
+
+@pytest.mark.parametrize(
+    "policy,lengths,host_lengths,mlp_sync,replays",
+    [
+        ("importance", (8, 3, 1), True, False, True),  # at most the threshold, this step's token included
+        ("importance", (3, 9), True, False, False),  # one request past it: eager
+        ("importance", (9,), True, False, False),
+        ("importance", (1, 2, 3, 4, 5), True, False, False),  # past the largest captured batch: SGLang's own no
+        ("importance", (3, 4), False, False, False),  # no host copy of the lengths: eager
+        ("importance", (3, 4), True, True, False),  # ranks must agree (DP attention): always eager
+        ("off", (3, 9000), True, False, True),  # hot set off: SGLang's answer whatever the length
+        ("off", (3, 9000), True, True, True),
+    ],
+)
+def test_a_decode_batch_replays_a_cuda_graph_only_without_a_request_past_the_threshold(
+    monkeypatch, policy, lengths, host_lengths, mlp_sync, replays
+):
+    # plugin.py's row around SGLang's own check, as SGLang calls it.
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+    config = ImportanceConfig(hot_set_policy=policy, hot_set_threshold=8)
+    monkeypatch.setattr(runtime, "_current", runtime.Runtime(config))
+    (row,) = [h for h in plugin.HOOKS if h.target.endswith("DecodeCudaGraphRunner.can_run_graph")]
+    can_run_graph = plugin._bind(row)
+    batch = _decode_batch(*lengths, host_lengths=host_lengths)
+    runner = _graph_runner(max_bs=4, mlp_sync=mlp_sync)
+    assert can_run_graph(DecodeCudaGraphRunner.can_run_graph, runner, batch) is replays
+
+
+def test_the_config_no_longer_asks_to_turn_cuda_graphs_off_for_the_hot_set():
+    config = from_namespace(_args("importance_triton"))
+    assert config.hot_set_policy == "importance"
+    flags = argparse.ArgumentParser()
+    add_cli_args(flags)
+    (policy,) = [a for a in flags._actions if "--hot-set-policy" in a.option_strings]
+    assert "importance_triton" in policy.help and "disabled" not in policy.help
 
 
 @pytest.mark.parametrize(

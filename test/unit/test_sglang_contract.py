@@ -171,6 +171,14 @@ ATTRIBUTES = [
         for n in ("encoder_lens", "extend_seq_lens", "seq_lens", "req_pool_indices", "out_cache_loc")
     ),
     Name("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "rids", "attention/"),
+    # Which decode batches may replay a CUDA graph with the hot set on (attention/hot_set_attention.py).
+    Name("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "seq_lens_cpu", "attention/hot_set_attention.py"),
+    Name("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "forward_mode", "attention/triton_backend.py"),
+    Name(
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner",
+        "require_mlp_sync",
+        "attention/hot_set_attention.py",
+    ),
     # The hot set in importance_triton (attention/triton_backend.py).
     *(
         Name("sglang.srt.layers.attention.triton_backend.TritonAttnBackend", n, "attention/triton_backend.py")
@@ -315,6 +323,7 @@ HOOK_TARGETS = [
     f"{MEM}.pool_host.mha.can_use_hicache_jit_kernel",
     "sglang.srt.layers.dual_gemm.DualGemm._select_mode",
     f"{MEM}.kv_cache_configurator.KVCacheConfigurator.config_from_budget",
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph",
 ]
 
 

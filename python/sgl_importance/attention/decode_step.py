@@ -6,7 +6,9 @@ before that parent, is the rest: the process's page importance table sized to th
 pool, the last attention layer (whose decode closes the step), the hot set when
 ``--hot-set-policy`` is on, its summaries after every KV write, the step begun with
 the batch's slots, each layer's hot-set decode and the step closed after the last
-layer. Everything comes from the runtime the plugin hands the backend.
+layer; a decode step that began no hot-set step (a CUDA graph's) reads every page with
+the backend's dense decode, the summaries still kept. Everything comes from the runtime
+the plugin hands the backend.
 """
 
 from __future__ import annotations
@@ -149,11 +151,13 @@ class ImportanceDecodeSteps:
         if save_kv_cache and k is not None and v is not None:
             self._store_kv(layer, forward_batch, k, v)
         out = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
-        if self.hot_set is None:
+        if self.hot_set is not None and save_kv_cache:
+            self._summarise(layer, forward_batch.out_cache_loc)
+        if self.hot_set is None or not self.hot_set.in_step:
+            # No hot-set step begun: a step SGLang captures or replays as a CUDA graph
+            # (none of its requests is past the threshold) reads every page.
             self._decode_dense(q, out, layer, sinks)
             return o
-        if save_kv_cache:
-            self._summarise(layer, forward_batch.out_cache_loc)
         pool = self.token_to_kv_pool
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         self.hot_set.attend(layer, q, k_buffer, v_buffer, out, logit_cap=self._logit_cap(layer), sinks=sinks)

@@ -13,7 +13,12 @@ here:
   and ends after the last layer (``end_step``: the step's counts, into the
   ``sgl_importance:hot_set_*`` series with ``--enable-metrics``);
 - promotions run on a ``PromotionStream`` on the pool's device (a side stream on
-  CUDA), fenced before a layer reads pages and before any other forward (``fence``).
+  CUDA), fenced before a layer reads pages and before any other forward (``fence``);
+- a decode batch that holds no request longer than ``--hot-set-threshold`` may be
+  replayed from SGLang's CUDA graph (``eager_with_hot_set_requests``, around the graph
+  runner's check, decides from the host's copy of the lengths); such a step attends
+  every page densely, as the decoder would for those requests, without the decoder:
+  its host side only fences and drops what the decoder tracked (``graph_step``).
 
 The guard's key codes are written by the decoder itself, from the pool, at the end of
 the step that filled a page (``hot_set/coding.py``), into a ``GuardPool`` built here
@@ -153,6 +158,46 @@ class HotSetAttention:
         """Make the current stream wait for promotions still in flight (a no-op without any)."""
         if self.decoder.promotions is not None:
             self.decoder.promotions.fence()
+
+    def graph_step(self) -> None:
+        """The host side of a decode step replayed from a CUDA graph, in place of ``begin_step``.
+
+        The batch holds no request longer than the threshold, so none the decoder tracks:
+        their state is dropped, as ``begin_step`` drops requests absent from its batch
+        (they finished or were retracted). Promotions still in flight are fenced first,
+        as before any forward. Nothing else of the decoder runs.
+        """
+        self.fence()
+        self.decoder.drop_absent(())
+        if self.metrics is not None:
+            self.metrics.guard_in_use(self.decoder.guard.pages_in_use)
+
+
+def holds_hot_set_request(seq_lens_cpu: Optional[torch.Tensor], threshold: int) -> bool:
+    """Whether a decode batch holds a request longer than ``threshold`` tokens (one the hot set
+    decodes), from SGLang's host copy of the batch's lengths; without that copy, assume so."""
+    if seq_lens_cpu is None:
+        return True
+    return seq_lens_cpu.numel() > 0 and int(seq_lens_cpu.max()) > threshold
+
+
+def eager_with_hot_set_requests(config: Any, original: Callable[..., bool], runner: Any, forward_batch: Any) -> bool:
+    """Around ``DecodeCudaGraphRunner.can_run_graph``: no captured graph for a batch that holds
+    a request the hot set decodes.
+
+    Such a step picks its pages, their count, the guard's reads and host copies on the host
+    from the step's data; a graph would replay the captured step's choices. SGLang runs the
+    batch eagerly instead (``init_forward_metadata``, where the step is planned). A batch of
+    short requests is left to SGLang's own check. Decided from the server's config, so it
+    holds whichever backend object (a hybrid's decode backend included) serves the decode.
+    Where ranks must agree on graph or eager (``require_mlp_sync``: DP attention, gathered
+    buffers), each rank would decide from its own batch: every decode runs eagerly there.
+    """
+    if config.hot_set_policy != "off" and (
+        runner.require_mlp_sync or holds_hot_set_request(forward_batch.seq_lens_cpu, config.hot_set_threshold)
+    ):
+        return False
+    return original(runner, forward_batch)
 
 
 def _on(device: torch.device, t: torch.Tensor) -> torch.Tensor:

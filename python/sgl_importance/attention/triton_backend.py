@@ -27,11 +27,18 @@ on every KV write, the step planned in ``init_forward_metadata``, one ``attend``
 layer, the step ended after the last layer), with ``TritonPageListDecode`` as the
 exact reader and promotions on a side stream fenced before the layers read. A
 hot-set step is data dependent (which pages, how many, what the guard reads, host
-copies), so it cannot be replayed from a CUDA graph: with the hot set on, this
-backend refuses CUDA graph capture (``init_cuda_graph_state`` raises, naming the
-flags that turn it off), and every step runs eagerly. The hot set also needs every
-decode layer served by the kernel (no MLA, decode context parallelism, sliding
-window, or KV dtype other than the model's), checked when the backend is built.
+copies), so a batch that holds a request longer than ``--hot-set-threshold`` never
+replays a CUDA graph: the plugin's hook around SGLang's ``can_run_graph``
+(``hot_set_attention.eager_with_hot_set_requests``) runs it eagerly. Graphs are
+captured as without the hot set, and a batch of short requests replays one: dense
+decode on the graph wrapper, the page summaries updated by fixed-shape ops inside the
+graph, and the hot set's decoder never called (its host side before the replay,
+``HotSetAttention.graph_step``, fences promotions and drops what the decoder tracked,
+as its ``begin_step`` would). SGLang's metadata glue graph
+(``SGLANG_ENABLE_METADATA_GLUE_GRAPH``, off by default) would skip that host side on
+its replays; it is not supported with the hot set. The hot set also needs every decode
+layer served by the kernel (no MLA, decode context parallelism, sliding window, or KV
+dtype other than the model's), checked when the backend is built.
 """
 
 from __future__ import annotations
@@ -101,16 +108,22 @@ class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
     # -- metadata: pick the wrapper; the parent builds kv_indptr / kv_indices -------
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args: Any, **kwargs: Any) -> None:
-        # SGLang calls this only to capture graphs: refuse before anything is captured.
-        refuse_cuda_graphs_with_hot_set(self.hot_set is not None)
         super().init_cuda_graph_state(max_bs, max_num_tokens, *args, **kwargs)
         if self._serves_with_importance():
             self.graph_wrapper = self._new_wrapper(max_num_tokens)
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
+        # Before a graph is captured (in_capture) or replayed: never a hot-set step.
         super().init_forward_metadata_out_graph(forward_batch, in_capture)
-        if forward_batch.forward_mode.is_decode_or_idle():
+        decode = forward_batch.forward_mode.is_decode_or_idle()
+        if decode:
             self.decode_wrapper = self.graph_wrapper
+        if self.hot_set is not None and not in_capture:
+            # What init_forward_metadata does before an eager forward, on the host.
+            if decode:
+                self.hot_set.graph_step()
+            else:
+                self.hot_set.fence()
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         super().init_forward_metadata(forward_batch)
@@ -170,24 +183,6 @@ class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
             out=out,
         )
         self.page_importance.add_layer(result.importance, kv_indptr, kv_indices)
-
-
-def refuse_cuda_graphs_with_hot_set(hot_set: bool) -> None:
-    """Raise if CUDA graphs would be captured while the hot set is on.
-
-    A hot-set step chooses its pages, their count, the guard's reads and host copies
-    from the step's data, on the host; a graph would replay the captured step's
-    choices. SGLang captures only where its CUDA graph backends are not disabled.
-
-    Raises:
-        ValueError: naming the flags that run every step eagerly.
-    """
-    if hot_set:
-        raise ValueError(
-            "--hot-set-policy with --attention-backend importance_triton decodes data-dependent page "
-            "lists that a CUDA graph cannot replay; start the server with --cuda-graph-backend-decode "
-            "disabled --cuda-graph-backend-prefill disabled (or --disable-cuda-graph)"
-        )
 
 
 def check_hot_set_serves(

@@ -282,6 +282,10 @@ class HotSetDecoder:
         if tracked is not None and tracked.codes.numel():
             self.guard.free(tracked.codes)
 
+    def drop_absent(self, rids: Sequence[str]) -> None:  # begin_step's rule, for a step without it (a CUDA graph's)
+        for rid in [r for r in self.tracked if r not in rids]:
+            self._drop(rid)
+
     def _plan(self, tracked: TrackedRequest, num_pages: int) -> tuple[tuple[torch.Tensor, torch.Tensor], HotSetCounts]:
         ahead, tracked.next_plan = tracked.next_plan, None
         if ahead is not None and ahead[0] == num_pages:

@@ -73,26 +73,19 @@ class PageSummaries:
         kmin, kmax = self.key_min[layer_id], self.key_max[layer_id]
         keys = keys.reshape(slots.numel(), kmin.shape[1], kmin.shape[2]).to(kmin.dtype)
         pages = torch.div(slots, self.page_size, rounding_mode="floor")
-        fresh = pages[slots % self.page_size == 0]
-        if fresh.numel():
-            kmin.index_fill_(0, fresh, float("inf"))
-            kmax.index_fill_(0, fresh, float("-inf"))
-        # Reduce the update per page, then merge into those pages only. A decode step
-        # writes one key into each request's page: nothing to reduce. (A scatter_reduce_
-        # with an expanded index takes torch's radix-sort path, an OpenMP region per
-        # call: it was 40 % of a decode step on a 2-core CPU.)
-        touched, inverse = torch.unique(pages, return_inverse=True)
-        if touched.numel() == pages.numel():
-            order = torch.empty_like(inverse)
-            order[inverse] = torch.arange(inverse.numel(), device=inverse.device)
-            new_min = new_max = keys.index_select(0, order)
-        else:
-            index = inverse[:, None, None].expand_as(keys).contiguous()
-            shape = (touched.numel(),) + tuple(keys.shape[1:])
-            new_min = keys.new_full(shape, float("inf")).scatter_reduce_(0, index, keys, "amin")
-            new_max = keys.new_full(shape, float("-inf")).scatter_reduce_(0, index, keys, "amax")
-        kmin.index_copy_(0, touched, torch.minimum(kmin.index_select(0, touched), new_min))
-        kmax.index_copy_(0, touched, torch.maximum(kmax.index_select(0, touched), new_max))
+        # Every op has the shape of the write and reads nothing back (no mask indexing,
+        # unique or nonzero): a CUDA graph captures it as it is and the host never waits.
+        # index_reduce_ merges each key into its page (atomics on a GPU, one pass on a
+        # CPU; scatter_reduce_ over an expanded index sorts, 40 % of a CPU decode step).
+        # A key at a page's first slot first resets its page: +inf into the min (-inf
+        # into the max) by a max (min); the other keys bring the identity, -inf (+inf).
+        reset = keys.new_full((slots.numel(), 1, 1), float("inf"))
+        reset.masked_fill_((slots % self.page_size != 0)[:, None, None], float("-inf"))
+        reset = reset.expand_as(keys)
+        kmin.index_reduce_(0, pages, reset, "amax")
+        kmax.index_reduce_(0, pages, -reset, "amin")
+        kmin.index_reduce_(0, pages, keys, "amin")
+        kmax.index_reduce_(0, pages, keys, "amax")
 
     def bound(
         self,

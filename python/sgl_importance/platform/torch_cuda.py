@@ -78,7 +78,8 @@ def no_graphs(args: Any) -> None:
         if chosen not in (None, GRAPHS_OFF):
             raise ValueError(
                 f"--{flag.replace('_', '-')} {chosen!r}: CUDA graphs are not supported on the "
-                f"torch_cuda platform yet; leave it unset or use {GRAPHS_OFF!r}"
+                f"torch_cuda platform yet (it runs without SGLang's compiled kernels); leave it unset "
+                f"or use {GRAPHS_OFF!r}"
             )
         setattr(args, flag, GRAPHS_OFF)
 
@@ -94,8 +95,9 @@ class TorchCudaPlatform(CudaDeviceMixin, SRTPlatform):
     _enum = PlatformEnum.OOT
     device_name = "cuda"
     device_type = "cuda"
-    # Triton launches here. No graphs yet (issue: CUDA graphs kept beside the hot set),
-    # no sgl_kernel HiCache kernels, and PyNccl is not needed for one GPU.
+    # Triton launches here. No graphs yet (SGLang's capture, without sgl_kernel, failed on
+    # an H200: benchmark/gpu/RESULTS.md), no sgl_kernel HiCache kernels, and PyNccl is not
+    # needed for one GPU.
     capabilities = PlatformCapabilities(supports_triton=True)
 
     def get_device(self, device_id: int = 0) -> str:
