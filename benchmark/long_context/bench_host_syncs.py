@@ -46,8 +46,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "test"))  # the test worlds, importable as ``support``
 
 from sgl_importance.hot_set import HotSetParams  # noqa: E402
-from support.counted_world import END, counted_decode  # noqa: E402
-from support.host_syncs import STEP, SYNC_KINDS, UPLOAD, HostSyncCounter  # noqa: E402
+from support.counted_world import END, START, counted_decode  # noqa: E402
+from support.host_syncs import SYNC_KINDS, UPLOAD, HostSyncCounter  # noqa: E402
 from support.hot_set_world import PAGE, parents_metadata  # noqa: E402
 
 torch.set_grad_enabled(False)
@@ -85,7 +85,7 @@ def summarise(config: dict, counter: HostSyncCounter, a: argparse.Namespace, tot
 
         return {
             "per_step": per_step(),
-            "before_layers": per_step(where=STEP),
+            "before_layers": per_step(where=START),
             "per_layer": sum(per_step(where=w) for w in layers) / len(layers),
             "max_layer": max(per_step(where=w) for w in layers),
             "end_step": per_step(where=END),

@@ -77,13 +77,17 @@ class PageListSlots:
     staged: bool = False
 
 
-def page_list_slots(plan: PagedDecodePlan, num_pages: int, device: torch.device | str) -> PageListSlots:
+def page_list_slots(
+    plan: PagedDecodePlan, num_pages: int, device: torch.device | str, *, staged: Optional[bool] = None
+) -> PageListSlots:
     """The kernel's slot lists of ``plan`` over a pool of ``num_pages`` pages.
 
     Args:
         plan: the step's page lists; ``table`` ids ``>= num_pages`` are staged pages.
         num_pages: pages in the pool the kernel reads.
         device: where the kernel runs.
+        staged: whether the plan lists staged pages, where the caller knows it (a plan
+            built on the device is then never read back); None: looked up in the plan.
 
     Returns:
         The slot lists (on ``device``) and which listed pages the kernel leaves out.
@@ -94,9 +98,13 @@ def page_list_slots(plan: PagedDecodePlan, num_pages: int, device: torch.device 
     with_tokens = tokens > 0
     addressable = with_tokens & (table > 0) & (table < num_pages)
     side = with_tokens & ~addressable
-    # Decided where the plan lives: a host plan answers without a device sync.
-    has_side = bool(side.any())
-    staged = has_side and bool((side & (table >= num_pages)).any())
+    if staged is None:
+        # Decided where the plan lives: a host plan answers without a device sync.
+        has_side = bool(side.any())
+        staged = has_side and bool((side & (table >= num_pages)).any())
+    else:
+        # The only pages a hot-set plan lists that the kernel cannot address are staged.
+        has_side = staged
     dev = torch.device(device)
     table = table.to(dev, torch.int64)
     tokens = tokens.to(dev, torch.int64)
@@ -143,12 +151,15 @@ class TritonPageListDecode:
         self._workspace = PagedDecodeWorkspace()
         self._cached: Optional[tuple[PagedDecodePlan, int, torch.device, PageListSlots]] = None
 
-    def slots(self, plan: PagedDecodePlan, num_pages: int, device: torch.device) -> PageListSlots:
-        """The slot lists of ``plan``, built once while the same plan comes back."""
+    def slots(
+        self, plan: PagedDecodePlan, num_pages: int, device: torch.device, *, staged: Optional[bool] = None
+    ) -> PageListSlots:
+        """The slot lists of ``plan``, built once while the same plan comes back
+        (``staged``: as :func:`page_list_slots` takes it)."""
         cached = self._cached
         if cached is not None and cached[0] is plan and cached[1] == num_pages and cached[2] == device:
             return cached[3]
-        built = page_list_slots(plan, num_pages, device)
+        built = page_list_slots(plan, num_pages, device, staged=staged)
         self._cached = (plan, num_pages, device, built)
         return built
 

@@ -5,7 +5,7 @@ and ``benchmark/long_context/bench_host_syncs.py``. The counter is active from t
 construction on (paused until the counted steps) so it sees where every tensor came from
 (``host_syncs.py``'s device-aware view), and it files each call under:
 
-- ``STEP``: the step's start (``init_forward_metadata``: the hot set's plan);
+- ``START``: the step's start (``init_forward_metadata``: the hot set's plan);
 - the layer's index: that layer's ``forward_decode`` (KV write, summaries, attend);
 - ``END``: ``HotSetAttention.end_step`` (the step's bookkeeping and the next step's plan),
   which runs inside the last layer's ``forward_decode`` and is filed apart from it.
@@ -18,9 +18,11 @@ from typing import Sequence
 import torch
 
 from sgl_importance.hot_set import HotSetParams
+from support import array_pools
 from support.host_syncs import HostSyncCounter
 from support.hot_set_world import DIM, KV_HEADS, PAGE, Q_HEADS, World
 
+START = "host"  # the world's label for what runs before the layers
 END = "end"
 
 
@@ -38,7 +40,8 @@ def counted_decode(
     """``warmup`` decode steps uncounted, then ``steps`` counted, of requests of ``lengths``
     prompt tokens; the counter (its steps numbered from 0) and the world."""
     pages = sum(-(-(n + warmup + steps) // PAGE) for n in lengths) + 4
-    counter = HostSyncCounter()
+    # The test pools stand in for SGLang's allocator and pools: their reads are SGLang's.
+    counter = HostSyncCounter(stand_ins=[array_pools.__file__])
     with counter, counter.paused():
         world = World(
             backend, params, release=release, device="cpu", layers=layers,
@@ -47,28 +50,22 @@ def counted_decode(
         g = torch.Generator().manual_seed(seed)
         for i, n in enumerate(lengths):
             world.place(f"r{i}", *(torch.randn(layers, n, KV_HEADS, DIM, generator=g) for _ in range(2)))
-    decode, hot_set = world.backend.forward_decode, world.backend.hot_set
+    hot_set = world.backend.hot_set
     end_step = hot_set.end_step
-
-    def forward_decode(q, k, v, layer, batch, **kwargs):
-        with counter.where(layer.layer_id):
-            return decode(q, k, v, layer, batch, **kwargs)
 
     def labelled_end_step():
         with counter.where(END):
             return end_step()
 
-    world.backend.forward_decode = forward_decode
     hot_set.end_step = labelled_end_step
     bs = len(lengths)
     for step in range(warmup + steps):
         kv = [torch.randn(layers, bs, KV_HEADS, DIM, generator=g) for _ in range(2)]
         q = torch.randn(layers, bs, Q_HEADS, DIM, generator=g) * 2
-        with counter:
-            if step < warmup:
-                with counter.paused():
-                    world.step(*kv, q)
-                continue
-            counter.begin_step()
-            world.step(*kv, q)
+        if step < warmup:
+            with counter.paused():
+                world.step(*kv, q, counter=counter)
+            continue
+        counter.begin_step()
+        world.step(*kv, q, counter=counter)
     return counter, world

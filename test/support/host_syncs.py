@@ -199,10 +199,15 @@ class HostSyncCounter(TorchFunctionMode):
     Args:
         roots: the code under test: package names (a frame whose file is under a
             directory of that name) or paths (a file, or a directory it lies under).
+        stand_ins: files standing in for SGLang's code (test pools, allocators): a call
+            made inside them is SGLang's, kept apart as OUTSIDE.
     """
 
-    def __init__(self, roots: Iterable[str | Path] = _PLUGIN_ROOTS) -> None:
+    def __init__(self, roots: Iterable[str | Path] = _PLUGIN_ROOTS, stand_ins: Iterable[str | Path] = ()) -> None:
         super().__init__()
+        # Files standing in for SGLang's own code (its allocator, pools): their calls are
+        # SGLang's, kept apart as OUTSIDE even when the code under test called them.
+        self._stand_ins = tuple(os.path.abspath(p) for p in stand_ins)
         roots = tuple(roots)
         # A bare name is a package; anything with a slash (or a Path) is a file or directory.
         self._packages = tuple(r for r in roots if isinstance(r, str) and "/" not in r)
@@ -319,6 +324,8 @@ class HostSyncCounter(TorchFunctionMode):
         frame = sys._getframe(2)
         while frame is not None:
             filename = frame.f_code.co_filename
+            if filename in self._stand_ins:
+                return OUTSIDE
             ours = self._ours(filename)
             if ours is not None:
                 site = f"{ours}:{frame.f_lineno}"

@@ -103,9 +103,11 @@ class ImportanceDecodeSteps:
         self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, save_kv_cache: bool = True, *args, **kwargs
     ):
         o = self._extend(q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
-        if self.hot_set is not None and save_kv_cache and k is not None and not layer.is_cross_attention:
-            # The prompt's pages get their summaries as the parent stores them.
-            self._summarise(layer, forward_batch.out_cache_loc)
+        if self.hot_set is not None:
+            self.hot_set.batch_changed()
+            if save_kv_cache and k is not None and not layer.is_cross_attention:
+                # The prompt's pages get their summaries as the parent stores them.
+                self._summarise(layer, forward_batch.out_cache_loc)
         return o
 
     def forward_decode(
@@ -134,11 +136,12 @@ class ImportanceDecodeSteps:
 
     # -- the shared steps -------------------------------------------------------------
 
-    def _begin_hot_set_step(
-        self, forward_batch: Any, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, req_to_token: torch.Tensor
-    ) -> None:
+    def _begin_hot_set_step(self, forward_batch: Any, req_to_token: torch.Tensor) -> None:
         """Plan the hot set's decode step (``HotSetAttention.begin_step``)."""
-        self.hot_set.begin_step(forward_batch.rids, forward_batch.req_pool_indices, kv_indptr, kv_indices, req_to_token)
+        seq_lens_cpu = forward_batch.seq_lens_cpu
+        if seq_lens_cpu is None:  # SGLang keeps it on decode batches; read back only without it
+            seq_lens_cpu = forward_batch.seq_lens.cpu()
+        self.hot_set.begin_step(forward_batch.rids, forward_batch.req_pool_indices, seq_lens_cpu, req_to_token)
 
     def _summarise(self, layer: Any, slots: torch.Tensor) -> None:
         self.hot_set.kv_written(layer.layer_id, slots, self.token_to_kv_pool.get_key_buffer(layer.layer_id))

@@ -56,6 +56,9 @@ class HotSetAttention:
         self.metrics = metrics
         # A decode step begun and not yet ended (end_step runs after its last layer).
         self.in_step = False
+        # The last decode batch's request ids and their req_to_token rows (host ints).
+        self._batch: Optional[tuple[str, ...]] = None
+        self._rows: list[int] = []
 
     def kv_written(self, layer_id: int, slots: torch.Tensor, key_buffer: torch.Tensor) -> None:
         """Refresh the summaries of the pages holding ``slots`` after a KV write.
@@ -70,42 +73,43 @@ class HotSetAttention:
         self,
         rids: Optional[Sequence[str]],
         req_pool_indices: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        kv_indices: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
         req_to_token: torch.Tensor,
     ) -> None:
         """Plan a decode step for the batch.
 
         Args:
             rids: the requests' ids (``ForwardBatch.rids``); None names them by row.
-            req_pool_indices: the requests' ``req_to_token`` rows.
-            kv_indptr, kv_indices: request ``i`` holds ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]``,
-                its slots in sequence order (``req_to_token[row, :seq_len]``).
-            req_to_token: SGLang's table, whose rows releases and promotions rewrite.
+            req_pool_indices: the requests' ``req_to_token`` rows (on the device).
+            seq_lens_cpu: their lengths, on the host (``ForwardBatch.seq_lens_cpu``).
+            req_to_token: SGLang's table: request ``i`` holds
+                ``req_to_token[req_pool_indices[i], :seq_lens[i]]``; releases and
+                promotions rewrite its rows.
+
+        The requests' slots are views of their rows, never read back; the rows' indices
+        are read back only where the batch changed (a request joined or left, or an
+        extend ran since: a retracted request comes back in another row).
 
         The backend has fenced the last step's promotions already (``fence`` at the top of
         its ``init_forward_metadata``, for every forward), so this does not fence again.
         """
-        # The decoder plans on the host: one read back of the batch's rows, bounds and
-        # slots together, not one per request (kv_indices may run past the last bound).
-        bs = req_pool_indices.numel()
-        dev = kv_indices.device
-        packed = torch.cat(
-            (req_pool_indices.to(dev, torch.int64), kv_indptr.to(dev, torch.int64), kv_indices.to(torch.int64))
-        )
-        packed = packed.cpu()
-        rows_idx, bounds = packed[:bs].tolist(), packed[bs : 2 * bs + 1].tolist()
-        kv_indices = packed[2 * bs + 1 :]
-        slots = [kv_indices[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
+        key = tuple(rids) if rids is not None else None
+        if key is None or key != self._batch:
+            self._rows = req_pool_indices.tolist()  # the one read back, where the batch changed
+            self._batch = key
+        rows_idx = self._rows
         if rids is None:
             rids = [f"row-{r}" for r in rows_idx]
-        rows = None
-        if self.decoder.releases.enabled:
-            # Views of the requests' rows: releases and promotions rewrite them, and
-            # SGLang reads them for the next step's slots.
-            rows = [req_to_token[r] for r in rows_idx]
-        self.decoder.begin_step(list(rids), slots, rows)
+        # Views of the requests' rows: releases and promotions rewrite them, and SGLang
+        # reads them for the next step's slots.
+        rows = [req_to_token[r] for r in rows_idx]
+        slots = [row[:n] for row, n in zip(rows, seq_lens_cpu.tolist())]
+        self.decoder.begin_step(list(rids), slots, rows if self.decoder.releases.enabled else None)
         self.in_step = True
+
+    def batch_changed(self) -> None:
+        """An extend ran: the next decode reads its requests' rows again."""
+        self._batch = None
 
     def attend(
         self,

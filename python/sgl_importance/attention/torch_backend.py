@@ -103,9 +103,7 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
                 self.decode_plan = plan
                 self.page_indptr, self.page_ids, self.page_tokens = plan.page_indptr, plan.page_ids, plan.page_tokens
             if self.hot_set is not None:
-                self._begin_hot_set_step(
-                    forward_batch, self.kv_indptr, self.kv_indices, self.req_to_token_pool.req_to_token
-                )
+                self._begin_hot_set_step(forward_batch, self.req_to_token_pool.req_to_token)
 
     def _extend(
         self, q: Any, k: Any, v: Any, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool, **kwargs

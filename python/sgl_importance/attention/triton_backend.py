@@ -132,8 +132,7 @@ class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
             # Promotions of the last step must land before this forward reads or frees pages.
             self.hot_set.fence()
             if forward_batch.forward_mode.is_decode():
-                metadata = self.forward_metadata
-                self._begin_hot_set_step(forward_batch, metadata.kv_indptr, metadata.kv_indices, self.req_to_token)
+                self._begin_hot_set_step(forward_batch, self.req_to_token)
             return
         if forward_batch.forward_mode.is_decode() and self._serves_with_importance():
             bs = self.forward_metadata.kv_indptr.numel() - 1

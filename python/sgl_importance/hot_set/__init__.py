@@ -20,7 +20,7 @@ the parameters requests chose for themselves.
 Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 """
 
-from sgl_importance.hot_set.decode import HotSetDecoder, LayerResult
+from sgl_importance.hot_set.decode import HotSetDecoder
 from sgl_importance.hot_set.estimate import (
     Combined,
     Outside,
@@ -32,6 +32,7 @@ from sgl_importance.hot_set.estimate import (
     sampled_pages,
 )
 from sgl_importance.hot_set.key_codes import GuardPool
+from sgl_importance.hot_set.page_lists import LayerResult
 from sgl_importance.hot_set.selection import (
     POLICIES,
     HotSetCounts,

@@ -53,9 +53,9 @@ def code_pages(
     ids = guard.alloc(new.numel())
     if ids is None:
         return refuse(guard, tracked)
-    physical = torch.div(live.slots[new * page_size], page_size, rounding_mode="floor")
+    physical = torch.div(live.slots[(new * page_size).to(live.slots.device)], page_size, rounding_mode="floor")
     for layer, (k_pages, v_pages) in pool_pages.items():
-        index = physical.to(k_pages.device)
+        index = physical.to(k_pages.device, torch.int64)
         keys = k_pages[index]
         low, high = keys.amin(dim=1), keys.amax(dim=1)
         tracked.key_min[layer][new] = low.to(tracked.key_min.dtype)

@@ -47,7 +47,7 @@ Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Protocol, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -55,7 +55,15 @@ from sgl_importance.hot_set.coding import code_pages
 from sgl_importance.hot_set.estimate import OutsidePlan, estimate_outside, sampled_pages
 from sgl_importance.hot_set.guard import GuardOutcome, guard_layer
 from sgl_importance.hot_set.key_codes import GuardPool
-from sgl_importance.hot_set.page_lists import ExactPlan, SamplePlan, plan_exact, plan_outside, quest_lists
+from sgl_importance.hot_set.page_lists import (
+    ExactAttention,
+    ExactPlan,
+    LayerResult,
+    SamplePlan,
+    plan_exact,
+    plan_outside,
+    quest_lists,
+)
 from sgl_importance.hot_set.promotion import PromotionStream, StreamedPagePools
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.request_state import LiveRequest, TrackedRequest, released_among
@@ -68,54 +76,12 @@ from sgl_importance.hot_set.step_tally import StepTally
 from sgl_importance.hot_set.summaries import PageSummaries
 from sgl_kernel_ext import (
     DecodeImportanceOutput,
-    PagedDecodePlan,
     PagedDecodeWorkspace,
     decode_importance_paged,
 )
 
 # Guard pages of a decoder built without a pool (tests, benchmarks), per device page.
 DEFAULT_GUARD_PAGES_PER_POOL_PAGE = 4
-
-
-class ExactAttention(Protocol):
-    """What reads pages exactly: ``sgl_kernel_ext.decode_importance_paged``'s contract.
-
-    ``k_pages``/``v_pages`` are the layer's pool viewed as pages; listed ids at or past
-    the pool's page count name pages of the staging buffers (``extra_*``), where pages
-    that live only in the host pool are put for the step. A GPU backend passes its own
-    kernel here (the default is the CPU's batched torch path).
-    """
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k_pages: torch.Tensor,
-        v_pages: torch.Tensor,
-        plan: PagedDecodePlan,
-        *,
-        sm_scale: float,
-        logit_cap: float,
-        sinks: Optional[torch.Tensor] = None,
-        extra_k_pages: Optional[torch.Tensor] = None,
-        extra_v_pages: Optional[torch.Tensor] = None,
-    ) -> DecodeImportanceOutput: ...
-
-
-class LayerResult(NamedTuple):
-    """One layer's attention over the batch, in the layout the page importance table takes.
-
-    Attributes:
-        output: ``[bs, q_heads, Dv]`` float32.
-        importance: ``[bs, max_pages]`` exact mass of each page read in part 1, in listed
-            order, normalised by the step's combined denominator.
-        kv_indptr, kv_indices: the slots of those pages (int32 / int64); a page read from
-            its host copy appears as the padding page, which the page importance table ignores.
-    """
-
-    output: torch.Tensor
-    importance: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
 
 
 class HotSetDecoder:
@@ -208,12 +174,11 @@ class HotSetDecoder:
         ps = self.page_size
         # A request absent from the batch finished or was retracted; a retracted
         # one is prefilled again into new pages, so its state would be stale.
-        present = set(rids)
-        for rid in [r for r in self.tracked if r not in present]:
-            self._drop(rid)
+        self.drop_absent(set(rids))
         self._live = []
         for i, (rid, req_slots) in enumerate(zip(rids, slots)):
-            req_slots = req_slots.to("cpu", torch.int64)  # planned on the host
+            # Slots stay where they are (the device's row in the server): the plan
+            # gathers from them, the host never reads them.
             if req_slots.numel() <= self.threshold:
                 self._drop(rid)
                 self._live.append(LiveRequest(req_slots, None))
@@ -231,7 +196,7 @@ class HotSetDecoder:
             if pages is not None:
                 # Promotions the previous step could not place: try again now.
                 pages.restore(_union(planned, sample), self._promoting(), self.releases.counts)
-                req_slots = rows[i][: req_slots.numel()].to("cpu", torch.int64)
+                req_slots = rows[i][: req_slots.numel()]
             tokens = torch.full((num_pages,), ps, dtype=torch.int64)
             tokens[-1] = req_slots.numel() - (num_pages - 1) * ps
             f64 = dict(dtype=torch.float64)
@@ -268,8 +233,9 @@ class HotSetDecoder:
         prepare = getattr(self._read, "slots", None)
         if prepare is not None:
             # A reader that turns the plan into device lists (TritonPageListDecode) does it
-            # here, once per step, rather than in the first layer.
-            prepare(self._exact.plan, pool_pages, device)
+            # here, once per step, rather than in the first layer; the host says whether
+            # pages are staged, so the device plan is never read back.
+            prepare(self._exact.plan, pool_pages, device, staged=self._exact.staged_host.numel() > 0)
 
     def _promoting(self) -> PagePools:
         """The pools promotions copy through: on the promotion stream where there is one."""

@@ -8,7 +8,9 @@
   (its rest), by the guard ids of their key codes, sampled pages first
   (``estimate.OutsidePlan``), and where the sampled ones are (``SamplePlan``);
 - the ``quest`` baseline's per-layer lists, picked from that layer's query
-  (``quest_lists``).
+  (``quest_lists``);
+- what reads part 1 (``ExactAttention``, the exact reader's contract) and what a
+  layer hands back (``LayerResult``).
 
 Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 """
@@ -16,7 +18,7 @@ Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
@@ -24,7 +26,48 @@ from sgl_importance.hot_set.estimate import OutsidePlan
 from sgl_importance.hot_set.request_state import LiveRequest, page_slots, released_among
 from sgl_importance.hot_set.selection import quest_layer_pages
 from sgl_importance.hot_set.summaries import key_bound
-from sgl_kernel_ext import PagedDecodePlan, plan_paged_decode
+from sgl_kernel_ext import DecodeImportanceOutput, PagedDecodePlan, plan_paged_decode
+
+
+class ExactAttention(Protocol):
+    """What reads pages exactly: ``sgl_kernel_ext.decode_importance_paged``'s contract.
+
+    ``k_pages``/``v_pages`` are the layer's pool viewed as pages; listed ids at or past
+    the pool's page count name pages of the staging buffers (``extra_*``), where pages
+    that live only in the host pool are put for the step. A GPU backend passes its own
+    kernel here (the default is the CPU's batched torch path).
+    """
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        plan: PagedDecodePlan,
+        *,
+        sm_scale: float,
+        logit_cap: float,
+        sinks: Optional[torch.Tensor] = None,
+        extra_k_pages: Optional[torch.Tensor] = None,
+        extra_v_pages: Optional[torch.Tensor] = None,
+    ) -> DecodeImportanceOutput: ...
+
+
+class LayerResult(NamedTuple):
+    """One layer's attention over the batch, in the layout the page importance table takes.
+
+    Attributes:
+        output: ``[bs, q_heads, Dv]`` float32.
+        importance: ``[bs, max_pages]`` exact mass of each page read in part 1, in listed
+            order, normalised by the step's combined denominator.
+        kv_indptr, kv_indices: the slots of those pages (int32 / int64); a page read from
+            its host copy appears as the padding page, which the page importance table ignores.
+    """
+
+    output: torch.Tensor
+    importance: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
 
 
 @dataclass
@@ -43,6 +86,10 @@ def plan_exact(
 ) -> ExactPlan:
     """Part 1: each request's listed logical pages, as physical or staged page ids.
 
+    The host knows what is listed (logical pages, their token counts, which are
+    released); the physical ids come from the requests' slots where they live (the
+    device's ``req_to_token`` rows in the server): gathered there, never read back.
+
     Args:
         live: the requests, in batch order.
         lists: ``lists[i]`` the logical pages request i reads (ascending); None reads
@@ -52,46 +99,50 @@ def plan_exact(
     """
     ps = page_size
     ids, tokens, logical, staged, slot_lists = [], [], [], [], []
+    staged_pages = 0
     for req, listed in zip(live, lists):
-        num_pages = -(-req.slots.numel() // ps)
+        length = req.slots.numel()
+        num_pages = -(-length // ps)
         if listed is None:
             listed = torch.arange(num_pages)
         logical.append(listed)
-        first = req.slots[listed * ps]
-        physical = torch.div(first, ps, rounding_mode="floor")
+        dev = req.slots.device
+        physical = torch.div(req.slots[(listed * ps).to(dev)], ps, rounding_mode="floor").to(torch.int64)
         count = torch.full((listed.numel(),), ps, dtype=torch.int64)
         if listed.numel() and int(listed[-1]) == num_pages - 1:
-            count[-1] = req.slots.numel() - (num_pages - 1) * ps
+            count[-1] = length - (num_pages - 1) * ps
         held = released_among(req.pages, listed)
-        if bool(held.any()):
+        req_slots = page_slots(req.slots, listed, ps)
+        if bool(held.any()):  # host state: which listed pages are released
             where = torch.nonzero(held).flatten()
-            base = sum(s.numel() for s in staged) // ps
-            physical = physical.clone()
-            physical[where] = pool_pages + base + torch.arange(where.numel())
+            ids_staged = pool_pages + staged_pages + torch.arange(where.numel())
+            physical = physical.index_put((where.to(dev),), ids_staged.to(dev))
+            staged_pages += where.numel()
             staged.append(req.pages.host_slots(listed[held]))
+            # Slots for the page importance table: a staged page shows the padding slot.
+            mask = held.repeat_interleave(count)
+            req_slots = torch.where(mask.to(dev), 0, req_slots)
         ids.append(physical)
         tokens.append(count)
-        # Slots for the page importance table: a staged page shows the padding slot.
-        req_slots = page_slots(req.slots, listed, ps)
-        if bool(held.any()):
-            mask = held.repeat_interleave(count)
-            req_slots = torch.where(mask, 0, req_slots)
-        slot_lists.append(req_slots)
+        slot_lists.append(req_slots.to(torch.int64))
+    counts = [i.numel() for i in ids]
     indptr = torch.zeros(len(ids) + 1, dtype=torch.int64)
     if ids:
-        indptr[1:] = torch.cumsum(torch.tensor([i.numel() for i in ids]), 0)
+        indptr[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0)
+    device = ids[0].device if ids else torch.device("cpu")
     plan = plan_paged_decode(
-        indptr,
+        indptr.to(device),
         torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64),
-        torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.int64),
+        torch.cat(tokens).to(device) if tokens else torch.zeros(0, dtype=torch.int64),
         page_size=ps,
+        max_pages=max(counts, default=0) or 1,  # known here: the plan is never read back
     )
     kv_indptr = torch.zeros(len(slot_lists) + 1, dtype=torch.int32)
     if slot_lists:
         kv_indptr[1:] = torch.cumsum(torch.tensor([s.numel() for s in slot_lists]), 0).to(torch.int32)
     kv_indices = torch.cat(slot_lists) if slot_lists else torch.zeros(0, dtype=torch.int64)
     staged_host = torch.cat(staged) if staged else torch.zeros(0, dtype=torch.int64)
-    return ExactPlan(plan, logical, staged_host, kv_indptr, kv_indices)
+    return ExactPlan(plan, logical, staged_host, kv_indptr.to(device), kv_indices)
 
 
 def plan_outside(live: Sequence[LiveRequest], lists: Sequence[Optional[torch.Tensor]]) -> OutsidePlan:
@@ -143,7 +194,8 @@ class SamplePlan:
             req = live[row]
             pages = outside.logical[i, :width][valid[i]]
             held = released_among(req.pages, pages)
-            physical[i, : pages.numel()] = torch.div(req.slots[pages * page_size], page_size, rounding_mode="floor")
+            first = req.slots[(pages * page_size).to(req.slots.device)]
+            physical[i, : pages.numel()] = torch.div(first, page_size, rounding_mode="floor").to(physical.device)
             if bool(held.any()):
                 where = torch.nonzero(held).flatten()
                 physical[i, where] = 0

@@ -71,7 +71,9 @@ class TrackedRequest:
                 self.key_max = torch.cat((self.key_max, grow_max), dim=1)
         fresh = torch.arange(max(0, known - 1, self.codes.numel()), num_pages)
         fresh = fresh[~released_among(pages, fresh)]
-        physical = torch.div(slots[fresh * page_size], page_size, rounding_mode="floor")
+        dev = summaries.key_min.device
+        physical = torch.div(slots[(fresh * page_size).to(slots.device)], page_size, rounding_mode="floor")
+        physical, fresh = physical.to(dev, torch.int64), fresh.to(dev)
         self.key_min[:, fresh] = summaries.key_min[:, physical]
         self.key_max[:, fresh] = summaries.key_max[:, physical]
 
@@ -80,7 +82,7 @@ class TrackedRequest:
 class LiveRequest:
     """A request of the step in progress."""
 
-    slots: torch.Tensor  # the request's token slots, in sequence order
+    slots: torch.Tensor  # the request's token slots, in sequence order, where they live (the device's row)
     tracked: Optional[TrackedRequest]  # None: short request, attends densely
     pages: Optional[RequestPages] = None  # None: nothing of it can be released
     planned: Optional[torch.Tensor] = None  # logical pages read exactly, ascending
@@ -109,9 +111,10 @@ class LiveRequest:
 
 
 def page_slots(slots: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    """The slots of logical ``pages`` (ascending) of a request holding ``slots``."""
+    """The slots of logical ``pages`` (ascending, on the host) of a request holding
+    ``slots`` (wherever they live: gathered there)."""
     offsets = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).flatten()
-    return slots[offsets[offsets < slots.numel()]]
+    return slots[offsets[offsets < slots.numel()].to(slots.device)]
 
 
 def released_among(pages: Optional[RequestPages], wanted: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""Issue 34's targets, held in CI: host round trips along a hot-set decode step.
+
+The plugin's real backends (``importance_torch``, and ``importance_triton`` with its
+kernels under Triton's interpreter) decode a short request beside two long ones in the
+test world, every call that would make a GPU wait on the host counted
+(``support/counted_world.py``, ``support/host_syncs.py``).
+
+- **Per layer, 0** — with the guard off, on every tensor (the counter's upper bound:
+  on a CPU a host tensor cannot be told from a device one, so nothing is excused),
+  with pages released to the host pool or not.
+- **Per step, at most 1**, device view (tensors that would live on the GPU), guard off:
+  the Triton backend, the GPU's, reads the layers' tally back once where the step ends
+  (packed); where it starts it reads nothing (lengths from the host, slots gathered
+  where they live) unless the batch changed, when it reads the rows' indices once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed; the Triton decode kernels cannot run")
+pytest.importorskip("sglang", reason="the backends subclass SGLang's")
+
+from sgl_importance.hot_set import HotSetParams  # noqa: E402
+from support.counted_world import END, START, counted_decode  # noqa: E402
+from support.hot_set_world import DIM, KV_HEADS, Q_HEADS, parents_metadata  # noqa: E402
+from support.kernel_device import EMPTY_PAGES_WARN  # noqa: E402
+
+pytestmark = [EMPTY_PAGES_WARN]
+
+LAYERS = 3
+STEPS = 2
+
+
+@pytest.fixture(autouse=True)
+def _parents_metadata():
+    with parents_metadata():
+        yield
+
+
+def _count(backend: str, *, guard: float, release: bool):
+    params = HotSetParams(policy="importance", budget=0.2, window=1, sinks=1, guard_threshold=guard)
+    counter, _ = counted_decode(
+        backend, params, release=release, lengths=[5, 120, 180], layers=LAYERS, steps=STEPS, warmup=2
+    )
+    return counter
+
+
+def _sites(counter, **match) -> str:
+    """The counted calls of ``match`` by site, for the failure message."""
+    events = {e: n for e, n in counter.counted(device_only=match.pop("device_only", False)).items()}
+    return ", ".join(
+        f"{e.site} {e.kind} x{n}"
+        for e, n in events.items()
+        if all(str(getattr(e, k)) == str(v) for k, v in match.items())
+    )
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["resident", "released"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_layer_with_the_guard_off_never_waits_on_the_host(backend, release):
+    counter = _count(backend, guard=1.0, release=release)
+    for layer in range(LAYERS):
+        assert counter.total(where=layer) == 0, _sites(counter, where=layer)
+    # The counts are there to be had: the step's start and end still read back.
+    assert counter.total(where=START) + counter.total(where=END) > 0
+
+
+def _by_function(counter, **match) -> dict:
+    out: dict = {}
+    for e, n in counter.counted(device_only=True).items():
+        if e.kind != "upload" and all(str(getattr(e, k)) == str(v) for k, v in match.items()):
+            name = counter.functions[e.site]
+            out[name] = out.get(name, 0) + n
+    return out
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["resident", "released"])
+def test_the_triton_step_reads_back_once_where_it_ends_and_at_its_start_only_when_the_batch_changed(release):
+    counter = _count("triton", guard=1.0, release=release)
+    for step in range(STEPS):
+        # The batch is the warm-up's: its rows are known, its lengths are the host's and
+        # its slots are read where they live. The end reads the layers' tally back, packed.
+        assert _by_function(counter, step=step, where=START) == {}
+        assert _by_function(counter, step=step, where=END) == {"on_host": 1}
+
+
+def test_a_batch_that_changed_reads_its_rows_back_once():
+    params = HotSetParams(policy="importance", budget=0.2, window=1, sinks=1, guard_threshold=1.0)
+    counter, world = counted_decode(
+        "triton", params, release=False, lengths=[5, 120, 180], layers=LAYERS, steps=1, warmup=1
+    )
+    world.backend.hot_set.batch_changed()  # what an extend (a prefill) does
+    counter.begin_step()
+    kv = [torch.randn(LAYERS, 3, KV_HEADS, DIM) for _ in range(2)]
+    world.step(*kv, torch.randn(LAYERS, 3, Q_HEADS, DIM), counter=counter)
+    assert _by_function(counter, step=1, where=START) == {"begin_step": 1}
