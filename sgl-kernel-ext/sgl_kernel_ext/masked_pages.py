@@ -54,9 +54,8 @@ class PageParts(NamedTuple):
 
 def page_parts(
     q: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
-    pages: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
     *,
     sm_scale: float,
     logit_cap: float = 0.0,
@@ -65,15 +64,15 @@ def page_parts(
 
     Args:
         q: ``[n, Hq, D]``.
-        k_pages, v_pages: ``[num_pages, page_size, Hkv, D]`` the pool viewed as pages.
-        pages: int64 ``[n, P]`` physical page ids (padding: any valid id, masked later).
+        keys, values: ``[n, P, page_size, Hkv, D]`` the listed pages' K and V (e.g.
+            ``k_pages[pages]``; a caller may put pages from elsewhere, host copies, in).
     """
     n, hq, d = q.shape
-    hkv = k_pages.shape[2]
+    hkv = keys.shape[3]
     g = hq // hkv
     qf = (q.float() * sm_scale).view(n, hkv, g, d).transpose(0, 1)  # [Hkv, n, g, D]
-    k = k_pages[pages].float().permute(3, 0, 1, 2, 4)  # [Hkv, n, P, ps, D]
-    v = v_pages[pages].float().permute(3, 0, 1, 2, 4)
+    k = keys.float().permute(3, 0, 1, 2, 4)  # [Hkv, n, P, ps, D]
+    v = values.float().permute(3, 0, 1, 2, 4)
     logits = torch.matmul(qf[:, :, None], k.transpose(-1, -2))  # [Hkv, n, P, g, ps]
     if logit_cap > 0:
         logits = torch.tanh(logits / logit_cap) * logit_cap
@@ -116,7 +115,7 @@ def masked_page_attention_reference(
     logit_cap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`masked_page_attention` in torch (any device)."""
-    parts = page_parts(q, k_pages, v_pages, pages, sm_scale=sm_scale, logit_cap=logit_cap)
+    parts = page_parts(q, k_pages[pages], v_pages[pages], sm_scale=sm_scale, logit_cap=logit_cap)
     return merge_page_parts(parts, mask)
 
 

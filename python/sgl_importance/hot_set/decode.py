@@ -55,7 +55,14 @@ from sgl_importance.hot_set.coding import code_pages
 from sgl_importance.hot_set.estimate import OutsidePlan, estimate_outside, sampled_pages
 from sgl_importance.hot_set.guard import GuardOutcome, guard_layer
 from sgl_importance.hot_set.key_codes import GuardPool
-from sgl_importance.hot_set.page_lists import ExactPlan, SamplePlan, plan_exact, plan_outside, quest_lists
+from sgl_importance.hot_set.page_lists import (
+    ExactPlan,
+    GuardLists,
+    SamplePlan,
+    plan_exact,
+    plan_outside,
+    quest_lists,
+)
 from sgl_importance.hot_set.promotion import PromotionStream, StreamedPagePools
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.request_state import LiveRequest, TrackedRequest, released_among
@@ -71,7 +78,11 @@ from sgl_kernel_ext import (
     PagedDecodePlan,
     PagedDecodeWorkspace,
     decode_importance_paged,
+    masked_page_attention,
+    merge_page_parts,
+    page_parts,
 )
+from sgl_kernel_ext.masked_pages import HAS_TRITON
 
 # Guard pages of a decoder built without a pool (tests, benchmarks), per device page.
 DEFAULT_GUARD_PAGES_PER_POOL_PAGE = 4
@@ -163,6 +174,7 @@ class HotSetDecoder:
         self._exact: Optional[ExactPlan] = None
         self._outside: Optional[OutsidePlan] = None
         self._sample: Optional[SamplePlan] = None
+        self._guard_lists: Optional[GuardLists] = None
         self._tally: Optional[StepTally] = None
         self._step_layers = 0
         self._pool_pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (K, V) viewed as pages
@@ -320,16 +332,13 @@ class HotSetDecoder:
         v_pages = v_buffer[:whole].view(-1, ps, *v_buffer.shape[1:])
         self._pool_pages[layer_id] = (k_pages, v_pages)  # the key codes are written from it at end_step
         if self._exact is None:
-            planned = [live.planned for live in self._live]
-            self._exact = plan_exact(self._live, planned, k_pages.shape[0], ps)
-            self._outside = plan_outside(self._live, planned)
-            self._sample = SamplePlan.build(self._live, self._outside, ps)
-            self._tally = StepTally.for_step(self._live, self._exact, self._outside, q.device)
-        exact, outside_plan, sample_plan = self._exact, self._outside, self._sample
+            self._plan_layers(k_pages.shape[0], q.device)
+        exact, guard_lists = self._exact, self._guard_lists
         per_layer = any(live.tracked is not None and live.tracked.state.params.policy == "quest" for live in self._live)
         if per_layer:
             exact, outside_plan = self._quest_layer(layer_id, q, k_pages.shape[0], sm_scale, logit_cap)
             sample_plan = SamplePlan.build(self._live, outside_plan, ps)
+            guard_lists = GuardLists.build(self._live, outside_plan, sample_plan, ps, q.device)
         run = dict(sm_scale=sm_scale, logit_cap=logit_cap)
         extra_k, extra_v = self._staged(layer_id, exact.staged_host)
         result = self._read(
@@ -337,17 +346,27 @@ class HotSetDecoder:
         )
         output = result.output
         share = q.new_ones(q.shape[:2], dtype=torch.float32)  # exact pages' share of the combined denominator
-        if not outside_plan.empty:
+        if not guard_lists.empty:
             output = output.clone()
-            rows = outside_plan.rows
-            combined = self._guard_layer(
-                layer_id, q, k_pages, v_pages, result, outside_plan, sample_plan, run, per_layer
-            )
+            rows = guard_lists.outside.rows
+            combined = self._guard_layer(layer_id, q, k_pages, v_pages, result, guard_lists, run, per_layer)
             output[rows] = combined.output.to(output.dtype)
             share[rows] = combined.exact_share
         self._tally.add_exact(self._live, layer_id, q, result, exact, share, run, per_layer)
         self._step_layers += 1
         return LayerResult(output, _rescaled(result, share), exact.kv_indptr, exact.kv_indices)
+
+    def _plan_layers(self, pool_pages: int, device: torch.device) -> None:
+        """The step's lists, once, by its first layer (it knows the pool's size): part 1's
+        pages, the guard's rest (on the layers' device), the step's tally. The host looks
+        at the step's data here, and in no layer after it."""
+        ps = self.page_size
+        planned = [live.planned for live in self._live]
+        self._exact = plan_exact(self._live, planned, pool_pages, ps)
+        self._outside = plan_outside(self._live, planned)
+        self._sample = SamplePlan.build(self._live, self._outside, ps)
+        self._guard_lists = GuardLists.build(self._live, self._outside, self._sample, ps, device)
+        self._tally = StepTally.for_step(self._live, self._exact, self._outside, device)
 
     def _staged(self, layer_id: int, host_slots: torch.Tensor):
         if host_slots.numel() == 0:
@@ -368,49 +387,81 @@ class HotSetDecoder:
 
     def _sample_pages(self, layer_id: int, k_pages, v_pages, sample: SamplePlan):
         """The sampled pages' K and V ``[n, S, page_size, Hkv, D]`` (host copies where released)."""
-        keys, values = k_pages[sample.physical], v_pages[sample.physical]
-        if sample.host_index.numel():
-            host_k, host_v = self.releases.pools.host_layer(layer_id, sample.host_index.new_tensor(sample.host_slots))
+        return self._pages_of(layer_id, k_pages, v_pages, sample.physical, sample.host_index, sample.host_slots)
+
+    def _pages_of(self, layer_id: int, k_pages, v_pages, physical, host_index, host_slots):
+        """K and V ``[n, C, page_size, Hkv, D]`` of a table of device pages ``physical``
+        ``[n, C]``, with the host copies of ``host_index`` (into the flattened table;
+        their slots ``host_slots``) put in."""
+        keys, values = k_pages[physical], v_pages[physical]
+        if host_index.numel():
+            host_k, host_v = self.releases.pools.host_layer(layer_id, host_index.new_tensor(host_slots))
             flat_k, flat_v = keys.view(-1, *keys.shape[2:]), values.view(-1, *values.shape[2:])
-            index = sample.host_index.to(keys.device)
+            index = host_index.to(keys.device)
             flat_k[index] = host_k.to(keys.device, keys.dtype).view(-1, *keys.shape[2:])
             flat_v[index] = host_v.to(values.device, values.dtype).view(-1, *values.shape[2:])
         return keys, values
 
-    def _guard_layer(self, layer_id, q, k_pages, v_pages, result, outside_plan, sample_plan, run, per_layer: bool):
-        """Part 2: the rest pages' intervals, heavy ones read, the rest from the sample."""
-        rows = outside_plan.rows
-        dev = result.lse.device
-        guarded = [self._live[int(r)] for r in rows]
-        thresholds = torch.tensor([live.tracked.state.params.guard_threshold for live in guarded], device=dev)
-        # The plan's pages' key ranges for this layer: what their codes were written against.
-        index = outside_plan.logical.clamp_min(0)
-        key_min = torch.stack([live.tracked.key_min[layer_id][index[i]] for i, live in enumerate(guarded)])
-        key_max = torch.stack([live.tracked.key_max[layer_id][index[i]] for i, live in enumerate(guarded)])
+    def _guard_layer(self, layer_id, q, k_pages, v_pages, result, lists: GuardLists, run, per_layer: bool):
+        """Part 2: the rest pages' intervals, heavy ones read, the rest from the sample.
+
+        Everything it reads was put on the layers' device with the step's lists
+        (``GuardLists``), so with every rest page on the device it reads no value back to
+        the host (``_read_exactly``)."""
+        plan = lists.outside
+        rows = plan.rows
         q_rows = q[rows]
-        outside = estimate_outside(q_rows, self.guard, layer_id, outside_plan, key_min, key_max, **run)
-        keys, values = self._sample_pages(layer_id, k_pages, v_pages, sample_plan)
-        sampled = sampled_pages(q_rows, keys, values, sample_plan.valid, **run)
+        outside = estimate_outside(
+            q_rows, self.guard, layer_id, plan, lists.key_min[layer_id], lists.key_max[layer_id], **run
+        )
+        keys, values = self._sample_pages(layer_id, k_pages, v_pages, lists.sample)
+        sampled = sampled_pages(q_rows, keys, values, lists.sample.valid, **run)
         outcome = guard_layer(
             result.lse[rows],
             result.output[rows].float(),
             outside,
             sampled,
-            outside_plan.valid.to(dev),
-            outside_plan.sampled.to(dev),
-            outside_plan.inclusion.to(dev),
-            thresholds,
-            lambda chosen: self._read_exactly(layer_id, q, k_pages, v_pages, outside_plan, chosen, run),
+            plan.valid,
+            plan.sampled,
+            plan.inclusion,
+            lists.thresholds,
+            self._read_exactly(layer_id, q, k_pages, v_pages, lists, run),
         )
         self.last_guard = outcome  # what the layer's guard did (benchmarks read its bound)
-        tally = self._tally if not per_layer else StepTally.for_outside(outside_plan, dev)
-        tally.add_guard(outcome, outside_plan)
+        tally = self._tally if not per_layer else StepTally.for_outside(lists.host, plan.rows.device)
+        tally.add_guard(outcome, plan, lists.released)
         if per_layer:
-            tally.fold_outside(self._live, outside_plan, layers=1)
+            tally.fold_outside(self._live, lists.host, layers=1)
         return outcome.combined
 
-    def _read_exactly(self, layer_id, q, k_pages, v_pages, outside_plan, chosen, run):
-        """Exact lse and output of the ``chosen`` outside pages of each planned request."""
+    def _read_exactly(self, layer_id, q, k_pages, v_pages, lists: GuardLists, run):
+        """The guard's reader for one layer: bool ``[n, P]`` chosen rest pages -> their
+        exact ``(lse, output)`` (lse -inf and output 0 for a row with none chosen).
+
+        Chosen columns of the step's fixed list (``lists.physical``) are read under the
+        mask, nothing planned per round: on CUDA by the Triton kernel, which reads only
+        the chosen pages (``sgl_kernel_ext.masked_page_attention``); elsewhere every rest
+        page's own exact part is computed once per layer and each round merges its
+        chosen ones (``page_parts``, ``merge_page_parts``): the CPU reads the whole rest
+        once per layer (released pages from their host copies), whatever the guard
+        chooses. On CUDA, where a rest page was released to the host pool
+        (``lists.on_host``), the rounds are planned on the host and read only the chosen
+        pages' host copies, as before (``_read_staged``): a trip to the host per round,
+        which the round-trip count shows. Pages read from their host copy are counted
+        (``pages_read_from_host``) through the step's tally.
+        """
+        q_rows = q[lists.outside.rows]
+        if q.is_cuda and HAS_TRITON:
+            if lists.on_host:
+                return lambda chosen: self._read_staged(layer_id, q, k_pages, v_pages, lists.host, chosen, run)
+            return lambda chosen: masked_page_attention(q_rows, k_pages, v_pages, lists.physical, chosen, **run)
+        keys, values = self._pages_of(layer_id, k_pages, v_pages, lists.physical, lists.host_index, lists.host_slots)
+        parts = page_parts(q_rows, keys, values, **run)
+        return lambda chosen: merge_page_parts(parts, chosen)
+
+    def _read_staged(self, layer_id, q, k_pages, v_pages, outside_plan, chosen, run):
+        """Exact lse and output of the ``chosen`` outside pages of each planned request,
+        planned on the host (released pages staged from their host copies)."""
         rows = outside_plan.rows
         lists: list[torch.Tensor] = []
         subset = []
@@ -421,8 +472,6 @@ class HotSetDecoder:
         plan = plan_exact(subset, lists, k_pages.shape[0], self.page_size)
         extra_k, extra_v = self._staged(layer_id, plan.staged_host)
         res = self._read(q[rows], k_pages, v_pages, plan.plan, extra_k_pages=extra_k, extra_v_pages=extra_v, **run)
-        for live, listed in zip(subset, lists):
-            live.counts.pages_read_from_host += int(released_among(live.pages, listed).sum())
         lse = torch.where(plan.plan.live.to(res.lse.device)[:, None], res.lse, float("-inf"))
         return lse, res.output.float()
 
@@ -473,7 +522,7 @@ class HotSetDecoder:
             self.releases.reopen = True
         step.add(self.releases.take_counts())
         self._live = []
-        self._exact = self._outside = self._sample = self._tally = None
+        self._exact = self._outside = self._sample = self._tally = self._guard_lists = None
         self.totals.add(step)
         return step
 

@@ -7,6 +7,9 @@
 - part 2 (``plan_outside``): the full pages a guarded request does not read exactly
   (its rest), by the guard ids of their key codes, sampled pages first
   (``estimate.OutsidePlan``), and where the sampled ones are (``SamplePlan``);
+- what a guarded layer reads, on the layers' device, once per step (``GuardLists``):
+  the outside plan, its rest pages' physical ids, thresholds and key ranges of every
+  layer, so that no layer builds anything from Python lists or reads a tensor back;
 - the ``quest`` baseline's per-layer lists, picked from that layer's query
   (``quest_lists``).
 
@@ -20,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from sgl_importance.hot_set.estimate import OutsidePlan
+from sgl_importance.hot_set.estimate import OutsidePlan, on_device
 from sgl_importance.hot_set.request_state import LiveRequest, page_slots, released_among
 from sgl_importance.hot_set.selection import quest_layer_pages
 from sgl_importance.hot_set.summaries import key_bound
@@ -155,6 +158,89 @@ class SamplePlan:
             valid,
             torch.cat(host_index) if host_index else empty,
             torch.cat(host_slots) if host_slots else empty,
+        )
+
+
+@dataclass
+class GuardLists:
+    """Everything a guarded layer reads besides the pool, built once per step.
+
+    Tensors are on the layers' device (``n`` guarded requests, ``P`` rest columns), so
+    that a layer neither plans nor waits on the host: the guard's rounds read chosen
+    columns of the fixed ``physical`` list under a mask
+    (``sgl_kernel_ext.masked_page_attention``).
+
+    Attributes:
+        host: the step's outside plan as planned (on the host; folded at the step's end).
+        outside: the same plan on the device.
+        sample: the sample plan, its ``physical``/``valid`` on the device.
+        physical: int64 ``[n, P]`` each rest page's device page id (0 on padding and on
+            pages released to the host pool).
+        released: bool ``[n, P]`` rest pages released to the host pool.
+        host_index, host_slots: those pages as ``SamplePlan`` lists its host pages: int64
+            ``[k]`` into the flattened table, their host slots ``[k * page_size]`` (host).
+        thresholds: float32 ``[n]`` each request's ``guard_threshold``.
+        key_min, key_max: ``[layers, n, P, Hkv, D]`` the rest pages' per-channel key
+            range in every layer, the one their codes were written against. It is the
+            rest's share of the requests' own summaries, gathered once per step instead
+            of once per layer and request.
+        on_host: some rest page lives only in the host pool (released), so ``physical``
+            cannot serve the guard's reads (``HotSetDecoder._read_exactly``).
+        empty: no guarded request has a rest page (nothing to guard).
+    """
+
+    host: OutsidePlan
+    outside: OutsidePlan
+    sample: SamplePlan
+    physical: torch.Tensor
+    released: torch.Tensor
+    host_index: torch.Tensor
+    host_slots: torch.Tensor
+    thresholds: torch.Tensor
+    key_min: Optional[torch.Tensor]
+    key_max: Optional[torch.Tensor]
+    on_host: bool
+    empty: bool
+
+    @staticmethod
+    def build(
+        live: Sequence[LiveRequest], outside: OutsidePlan, sample: SamplePlan, page_size: int, device: torch.device
+    ) -> "GuardLists":
+        """From the step's plans (on the host), once per step."""
+        n, width = outside.logical.shape
+        empty = outside.empty  # decided on the host plan: no device value is read
+        physical = torch.zeros(n, width, dtype=torch.int64)
+        released = torch.zeros(n, width, dtype=torch.bool)
+        thresholds, mins, maxs, host_slots = [], [], [], []
+        for i, row in enumerate(outside.rows.tolist()):
+            req = live[row]
+            cols = outside.valid[i]
+            pages = outside.logical[i][cols]
+            held = released_among(req.pages, pages)
+            ids = torch.div(req.slots[pages * page_size], page_size, rounding_mode="floor")
+            physical[i, : pages.numel()] = torch.where(held, 0, ids)  # valid columns come first
+            released[i, : pages.numel()] = held
+            if bool(held.any()):
+                host_slots.append(req.pages.host_slots(pages[held]))
+            thresholds.append(req.tracked.state.params.guard_threshold)
+            index = outside.logical[i].clamp_min(0).to(req.tracked.key_min.device)
+            mins.append(req.tracked.key_min[:, index])
+            maxs.append(req.tracked.key_max[:, index])
+        move = lambda t: on_device(t, device)  # noqa: E731
+        empty_list = torch.zeros(0, dtype=torch.int64)
+        return GuardLists(
+            host=outside,
+            outside=OutsidePlan(*(move(getattr(outside, f)) for f in outside.__dataclass_fields__)),
+            sample=SamplePlan(move(sample.physical), move(sample.valid), sample.host_index, sample.host_slots),
+            physical=move(physical),
+            released=move(released),
+            host_index=torch.nonzero(released.flatten()).flatten(),
+            host_slots=torch.cat(host_slots) if host_slots else empty_list,
+            thresholds=torch.tensor(thresholds, dtype=torch.float32, device=device),
+            key_min=move(torch.stack(mins, dim=1)) if mins else None,
+            key_max=move(torch.stack(maxs, dim=1)) if maxs else None,
+            on_host=bool(host_slots),
+            empty=empty,
         )
 
 

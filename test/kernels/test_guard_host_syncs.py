@@ -1,0 +1,97 @@
+"""A guarded hot-set layer never waits on the host when its pages are on the device.
+
+Issue 34: on a GPU every read of a device value by the host (``.item()``, ``bool(t)``,
+``.cpu()``, ``nonzero``, boolean-mask indexing...) stalls the step. A hot-set world
+(``support/hot_set_world.py``: a short request beside long ones, pages kept on the
+device) decodes guarded steps through a backend's ``forward_decode`` under
+``HostSyncCounter``, which counts every such call the plugin makes on any tensor (on
+a CPU an upper bound). Each layer's ``HotSetDecoder.attend`` is filed under its own
+label, and the step's planning, done once by its first layer (``_plan_layers``: the
+host builds the step's lists there), under another: every layer's attend, the
+guard included, must count 0. The guard must have had work to do: pages read exactly,
+some estimated, bounds both under and over the threshold.
+
+Runs on a CPU (the torch backend's paths; the Triton backend's kernels under
+TRITON_INTERPRET=1, conftest.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("sglang", reason="the backends subclass SGLang's")
+
+from sgl_importance.hot_set import HotSetParams  # noqa: E402
+from support.host_syncs import HostSyncCounter  # noqa: E402
+from support.hot_set_world import DIM, KV_HEADS, PAGE, Q_HEADS, World, parents_metadata  # noqa: E402
+from support.kernel_device import DEVICE, EMPTY_PAGES_WARN  # noqa: E402
+
+pytestmark = [EMPTY_PAGES_WARN]
+
+LAYERS = 3
+# The Triton backend's part-1 reader turns the step's page lists, planned on the host,
+# into its slot lists once per plan (the step's first layer); on a GPU those tensors
+# are host tensors, which the counter cannot tell on a CPU. Part 1's, not the guard's.
+HOST_PLAN_READERS = {"page_list_slots"}
+LENGTHS = [5, 120, 180, 150]
+
+
+def guarded_world(kind: str, threshold: float) -> World:
+    params = HotSetParams(policy="importance", budget=0.2, window=1, sinks=1, guard_threshold=threshold)
+    pages = sum(-(-(n + 8) // PAGE) for n in LENGTHS) + 4
+    return World(kind, params, release=False, device=DEVICE, layers=LAYERS, device_pages=pages, host_pages=0)
+
+
+def label_attend(world: World, counter: HostSyncCounter) -> None:
+    """File each layer's ``HotSetDecoder.attend`` under ``attend <layer>``, its step
+    planning under ``plans``."""
+    decoder = world.backend.hot_set.decoder
+    attend, plan_layers = decoder.attend, decoder._plan_layers
+
+    def labelled_attend(layer_id, *args, **kwargs):
+        with counter.where(f"attend {layer_id}"):
+            return attend(layer_id, *args, **kwargs)
+
+    def labelled_plans(*args, **kwargs):
+        with counter.where("plans"):
+            return plan_layers(*args, **kwargs)
+
+    decoder.attend, decoder._plan_layers = labelled_attend, labelled_plans
+
+
+@pytest.mark.parametrize("kind", ["torch", "triton"])
+@pytest.mark.parametrize("threshold", [0.1, 0.5])
+def test_every_guarded_layers_attend_makes_no_host_round_trip(kind, threshold):
+    if kind == "triton":
+        pytest.importorskip("triton", reason="triton is not installed")
+    world = guarded_world(kind, threshold)
+    counter = HostSyncCounter()
+    label_attend(world, counter)
+    g = torch.Generator().manual_seed(0)
+    with parents_metadata():
+        for i, n in enumerate(LENGTHS):
+            keys = torch.randn(LAYERS, n, KV_HEADS, DIM, generator=g)
+            keys[:, ::7] *= 4  # pages the guard finds heavy
+            world.place(f"r{i}", keys, torch.randn(LAYERS, n, KV_HEADS, DIM, generator=g))
+        bs = len(LENGTHS)
+        for step in range(4):
+            kv = [torch.randn(LAYERS, bs, KV_HEADS, DIM, generator=g) for _ in range(2)]
+            q = torch.randn(LAYERS, bs, Q_HEADS, DIM, generator=g) * 2
+            if step < 2:  # the requests' first steps start their hot sets and codes
+                world.step(*kv, q)
+                continue
+            with counter:
+                counter.begin_step()
+                world.step(*kv, q)
+    totals = world.backend.hot_set.decoder.totals
+    assert totals.guard_checks > 0 and totals.pages_guard_read > 0 and totals.pages_estimated > 0
+    assert totals.guard_full_reads < totals.guard_checks  # some layers were vouched for
+    for layer in range(LAYERS):
+        sites = {
+            e.site: n
+            for e, n in counter.counted().items()
+            if e.where == f"attend {layer}" and counter.functions[e.site] not in HOST_PLAN_READERS
+        }
+        assert not sites, f"layer {layer}: {sites}"
+    assert counter.total(where="plans") > 0  # the step's lists are planned on the host, once
