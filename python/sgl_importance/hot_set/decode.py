@@ -338,7 +338,7 @@ class HotSetDecoder:
         if per_layer:
             exact, outside_plan = self._quest_layer(layer_id, q, k_pages.shape[0], sm_scale, logit_cap)
             sample_plan = SamplePlan.build(self._live, outside_plan, ps)
-            guard_lists = GuardLists.build(self._live, outside_plan, sample_plan, ps, q.device)
+            guard_lists = GuardLists.build(self._live, outside_plan, sample_plan, ps, q.device, layer=layer_id)
         run = dict(sm_scale=sm_scale, logit_cap=logit_cap)
         extra_k, extra_v = self._staged(layer_id, exact.staged_host)
         result = self._read(
@@ -395,7 +395,7 @@ class HotSetDecoder:
         their slots ``host_slots``) put in."""
         keys, values = k_pages[physical], v_pages[physical]
         if host_index.numel():
-            host_k, host_v = self.releases.pools.host_layer(layer_id, host_index.new_tensor(host_slots))
+            host_k, host_v = self.releases.pools.host_layer(layer_id, host_slots)
             flat_k, flat_v = keys.view(-1, *keys.shape[2:]), values.view(-1, *values.shape[2:])
             index = host_index.to(keys.device)
             flat_k[index] = host_k.to(keys.device, keys.dtype).view(-1, *keys.shape[2:])
@@ -411,9 +411,7 @@ class HotSetDecoder:
         plan = lists.outside
         rows = plan.rows
         q_rows = q[rows]
-        outside = estimate_outside(
-            q_rows, self.guard, layer_id, plan, lists.key_min[layer_id], lists.key_max[layer_id], **run
-        )
+        outside = estimate_outside(q_rows, self.guard, layer_id, plan, *lists.key_range(layer_id), **run)
         keys, values = self._sample_pages(layer_id, k_pages, v_pages, lists.sample)
         sampled = sampled_pages(q_rows, keys, values, lists.sample.valid, **run)
         outcome = guard_layer(

@@ -181,12 +181,14 @@ class GuardLists:
             ``[k]`` into the flattened table, their host slots ``[k * page_size]`` (host).
         thresholds: float32 ``[n]`` each request's ``guard_threshold``.
         key_min, key_max: ``[layers, n, P, Hkv, D]`` the rest pages' per-channel key
-            range in every layer, the one their codes were written against. It is the
-            rest's share of the requests' own summaries, gathered once per step instead
-            of once per layer and request.
+            range in every layer (or in ``layer`` alone), the one their codes were
+            written against (``key_range``). It is the rest's share of the requests' own
+            summaries, gathered once per step instead of once per layer and request.
         on_host: some rest page lives only in the host pool (released), so ``physical``
             cannot serve the guard's reads (``HotSetDecoder._read_exactly``).
         empty: no guarded request has a rest page (nothing to guard).
+        layer: the one layer the lists were built for (lists that change per layer,
+            the ``quest`` baseline's), or None: every layer.
     """
 
     host: OutsidePlan
@@ -201,12 +203,24 @@ class GuardLists:
     key_max: Optional[torch.Tensor]
     on_host: bool
     empty: bool
+    layer: Optional[int] = None
+
+    def key_range(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s ``[n, P, Hkv, D]`` key min and max of the rest pages."""
+        at = layer if self.layer is None else layer - self.layer
+        return self.key_min[at], self.key_max[at]
 
     @staticmethod
     def build(
-        live: Sequence[LiveRequest], outside: OutsidePlan, sample: SamplePlan, page_size: int, device: torch.device
+        live: Sequence[LiveRequest],
+        outside: OutsidePlan,
+        sample: SamplePlan,
+        page_size: int,
+        device: torch.device,
+        layer: Optional[int] = None,
     ) -> "GuardLists":
-        """From the step's plans (on the host), once per step."""
+        """From the step's plans (on the host), once per step (or for ``layer`` alone)."""
+        layers = slice(None) if layer is None else slice(layer, layer + 1)
         n, width = outside.logical.shape
         empty = outside.empty  # decided on the host plan: no device value is read
         physical = torch.zeros(n, width, dtype=torch.int64)
@@ -224,8 +238,8 @@ class GuardLists:
                 host_slots.append(req.pages.host_slots(pages[held]))
             thresholds.append(req.tracked.state.params.guard_threshold)
             index = outside.logical[i].clamp_min(0).to(req.tracked.key_min.device)
-            mins.append(req.tracked.key_min[:, index])
-            maxs.append(req.tracked.key_max[:, index])
+            mins.append(req.tracked.key_min[layers, index])
+            maxs.append(req.tracked.key_max[layers, index])
         move = lambda t: on_device(t, device)  # noqa: E731
         empty_list = torch.zeros(0, dtype=torch.int64)
         return GuardLists(
@@ -241,6 +255,7 @@ class GuardLists:
             key_max=move(torch.stack(maxs, dim=1)) if maxs else None,
             on_host=bool(host_slots),
             empty=empty,
+            layer=layer,
         )
 
 
