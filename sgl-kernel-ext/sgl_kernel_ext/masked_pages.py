@@ -146,6 +146,8 @@ def masked_page_attention(
     """
     if not HAS_TRITON:
         raise RuntimeError("masked_page_attention needs Triton")
+    if q.stride(-1) != 1 or k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
+        raise ValueError("q, k_pages and v_pages must be contiguous in their last dimension")
     n, hq, d = q.shape
     _, ps, hkv, dv = v_pages.shape
     listed = pages.shape[1]

@@ -21,6 +21,11 @@ A layer attends in up to three parts, one batched call each for the whole batch:
 3. where that bound exceeds the threshold, every rest page exactly (counted;
    ``guard.guard_layer``).
 
+The step's lists are planned on the host once, by its first layer (``_plan_layers``),
+and the guard's are put on the layers' device there (``page_lists.GuardLists``): no
+layer reads a device value back to the host while the rest pages are on the device
+(the guard's reads are masks over a fixed page list, ``_read_exactly``).
+
 Key codes are written at ``end_step`` for the pages full by then, from the device
 pool, before any release (so a page released in the step that filled it is coded
 from its own keys), into a ``key_codes.GuardPool`` of fixed size: a request it cannot
