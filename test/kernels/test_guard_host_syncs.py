@@ -1,4 +1,5 @@
-"""A guarded hot-set layer never waits on the host when its pages are on the device.
+"""A guarded hot-set layer never waits on the host when its pages are on the device, and
+its CUDA branch (the masked-pages kernel) reads what its CPU branch reads.
 
 Issue 34: on a GPU every read of a device value by the host (``.item()``, ``bool(t)``,
 ``.cpu()``, ``nonzero``, boolean-mask indexing...) stalls the step. A hot-set world
@@ -95,3 +96,57 @@ def test_every_guarded_layers_attend_makes_no_host_round_trip(kind, threshold):
         }
         assert not sites, f"layer {layer}: {sites}"
     assert counter.total(where="plans") > 0  # the step's lists are planned on the host, once
+
+
+@pytest.mark.parametrize("release", [False, True])
+def test_the_guards_kernel_reads_give_what_its_torch_reads_give(monkeypatch, release):
+    """The decoder's CUDA branch (the masked-pages Triton kernel; with released rest
+    pages, rounds planned on the host from their copies), run here under the interpreter,
+    against its CPU branch (every rest page's part, host copies put in)."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    import sgl_importance.hot_set.decode as decode
+
+    def run(kernel: bool):
+        if kernel:
+            monkeypatch.setattr(decode, "reads_with_kernel", lambda q: True)
+        params = HotSetParams(policy="importance", budget=0.2, window=1, sinks=1, guard_threshold=0.2)
+        lengths = [5, 90, 120]
+        pages = sum(-(-(n + 8) // PAGE) for n in lengths) + 4
+        world = World(
+            "torch", params, release=release, device=DEVICE, layers=2,
+            device_pages=pages, host_pages=pages if release else 0,
+        )  # fmt: skip
+        outcomes = []
+        guard_layer = decode.guard_layer
+
+        def recorded(*args):
+            outcomes.append(guard_layer(*args))
+            return outcomes[-1]
+
+        monkeypatch.setattr(decode, "guard_layer", recorded)
+        g = torch.Generator().manual_seed(4)
+        outs = []
+        with parents_metadata():
+            for i, n in enumerate(lengths):
+                keys = torch.randn(2, n, KV_HEADS, DIM, generator=g)
+                keys[:, ::5] *= 4
+                world.place(f"r{i}", keys, torch.randn(2, n, KV_HEADS, DIM, generator=g))
+            for _ in range(4):
+                kv = [torch.randn(2, len(lengths), KV_HEADS, DIM, generator=g) for _ in range(2)]
+                q = torch.randn(2, len(lengths), Q_HEADS, DIM, generator=g) * 2
+                outs += world.step(*kv, q)
+        monkeypatch.undo()
+        return outs, outcomes, world.backend.hot_set.decoder.totals
+
+    want_outs, want, want_totals = run(kernel=False)
+    got_outs, got, got_totals = run(kernel=True)
+    assert want and len(got) == len(want)
+    for a, b in zip(want, got):
+        assert torch.equal(a.read, b.read) and torch.equal(a.fallback, b.fallback)
+        assert torch.allclose(a.combined.output, b.combined.output, atol=2e-5)
+    for a, b in zip(want_outs, got_outs):
+        assert torch.allclose(a, b, atol=2e-5)
+    assert want_totals == got_totals
+    assert want_totals.pages_guard_read > 0
+    if release:
+        assert want_totals.pages_read_from_host > 0

@@ -454,7 +454,7 @@ class HotSetDecoder:
         (``pages_read_from_host``) through the step's tally.
         """
         q_rows = q[lists.outside.rows]
-        if q.is_cuda and HAS_TRITON:
+        if reads_with_kernel(q):
             if lists.on_host:
                 return lambda chosen: self._read_staged(layer_id, q, k_pages, v_pages, lists.host, chosen, run)
             return lambda chosen: masked_page_attention(q_rows, k_pages, v_pages, lists.physical, chosen, **run)
@@ -531,6 +531,12 @@ class HotSetDecoder:
 
 
 _NONE = torch.zeros(0, dtype=torch.int64)
+
+
+def reads_with_kernel(q: torch.Tensor) -> bool:
+    """Whether the guard's reads run the Triton kernel: on CUDA (tests run it under
+    Triton's interpreter by replacing this)."""
+    return HAS_TRITON and q.is_cuda
 
 
 def _union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
