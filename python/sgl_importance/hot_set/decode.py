@@ -70,7 +70,7 @@ from sgl_importance.hot_set.page_lists import (
 )
 from sgl_importance.hot_set.promotion import PromotionStream, StreamedPagePools
 from sgl_importance.hot_set.request_params import RequestParams
-from sgl_importance.hot_set.request_state import LiveRequest, TrackedRequest, released_among
+from sgl_importance.hot_set.request_state import LiveRequest, TrackedRequest
 from sgl_importance.hot_set.residency import PagePools, ReleaseRegistry
 from sgl_importance.hot_set.sample import PageDraw
 from sgl_importance.hot_set.sample import inclusion as sample_inclusion
