@@ -1,13 +1,21 @@
 """Kernels for importance-guided KV tiering: decode attention that also returns how
 much attention mass each KV page received (Triton, and a batched page-list torch path
 for CPUs), the same Triton kernel over a step's page lists (``page_list``), its torch
-reference, a scatter of that importance into a per-physical-page table, and the hot-set
-guard's page log-masses from 4-bit key codes (``key_codes``).
+reference, a scatter of that importance into a per-physical-page table, the hot-set
+guard's page log-masses from 4-bit key codes (``key_codes``) and its exact reads of a
+fixed page list under a page mask (``masked_pages``: Triton, and a torch path).
 
 Knows nothing of SGLang; it only shares SGLang's KV layout (see ``decode_importance``).
 """
 
 from .key_codes import key_code_pages, key_code_pages_torch
+from .masked_pages import (
+    PageParts,
+    masked_page_attention,
+    masked_page_attention_reference,
+    merge_page_parts,
+    page_parts,
+)
 from .output import DecodeImportanceOutput
 from .paged import (
     PagedDecodePlan,
@@ -24,6 +32,7 @@ __all__ = [
     "HAS_TRITON",
     "DecodeGeometry",
     "DecodeImportanceOutput",
+    "PageParts",
     "PagedDecodePlan",
     "PagedDecodeWorkspace",
     "decode_geometry",
@@ -32,6 +41,10 @@ __all__ = [
     "default_num_splits",
     "key_code_pages",
     "key_code_pages_torch",
+    "masked_page_attention",
+    "masked_page_attention_reference",
+    "merge_page_parts",
+    "page_parts",
     "plan_from_slots",
     "plan_paged_decode",
     "scatter_page_importance",

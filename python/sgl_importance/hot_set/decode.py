@@ -21,6 +21,11 @@ A layer attends in up to three parts, one batched call each for the whole batch:
 3. where that bound exceeds the threshold, every rest page exactly (counted;
    ``guard.guard_layer``).
 
+The step's lists are planned on the host once, by its first layer (``_plan_layers``),
+and the guard's are put on the layers' device there (``page_lists.GuardLists``): no
+layer reads a device value back to the host while the rest pages are on the device
+(the guard's reads are masks over a fixed page list, ``guard_reads.exact_reader``).
+
 Key codes are written at ``end_step`` for the pages full by then, from the device
 pool, before any release (so a page released in the step that filled it is coded
 from its own keys), into a ``key_codes.GuardPool`` of fixed size: a request it cannot
@@ -54,10 +59,12 @@ import torch
 from sgl_importance.hot_set.coding import code_pages
 from sgl_importance.hot_set.estimate import OutsidePlan, estimate_outside, sampled_pages
 from sgl_importance.hot_set.guard import GuardOutcome, guard_layer
+from sgl_importance.hot_set.guard_reads import exact_reader, pages_of
 from sgl_importance.hot_set.key_codes import GuardPool
 from sgl_importance.hot_set.page_lists import (
     ExactAttention,
     ExactPlan,
+    GuardLists,
     LayerResult,
     SamplePlan,
     plan_exact,
@@ -66,7 +73,7 @@ from sgl_importance.hot_set.page_lists import (
 )
 from sgl_importance.hot_set.promotion import PromotionStream, StreamedPagePools
 from sgl_importance.hot_set.request_params import RequestParams
-from sgl_importance.hot_set.request_state import LiveRequest, TrackedRequest, released_among
+from sgl_importance.hot_set.request_state import LiveRequest, TrackedRequest
 from sgl_importance.hot_set.residency import PagePools, ReleaseRegistry
 from sgl_importance.hot_set.sample import PageDraw
 from sgl_importance.hot_set.sample import inclusion as sample_inclusion
@@ -129,6 +136,7 @@ class HotSetDecoder:
         self._exact: Optional[ExactPlan] = None
         self._outside: Optional[OutsidePlan] = None
         self._sample: Optional[SamplePlan] = None
+        self._guard_lists: Optional[GuardLists] = None
         self._tally: Optional[StepTally] = None
         self._pool_pages_planned = 0
         self._step_layers = 0
@@ -228,6 +236,7 @@ class HotSetDecoder:
         self._outside = plan_outside(self._live, planned)
         self._sample = SamplePlan.build(self._live, self._outside, ps)
         device = self.summaries.key_min.device
+        self._guard_lists = GuardLists.build(self._live, self._outside, self._sample, ps, device)
         self._tally = StepTally.for_step(self._live, self._exact, self._outside, device)
         self._pool_pages_planned = pool_pages
         prepare = getattr(self._read, "slots", None)
@@ -311,11 +320,12 @@ class HotSetDecoder:
             # A pool whose rows end in a partial page (never SGLang's paged pools): the
             # staged pages' ids start at its whole pages, so plan the lists again.
             self._plan_lists(k_pages.shape[0])
-        exact, outside_plan, sample_plan = self._exact, self._outside, self._sample
+        exact, guard_lists = self._exact, self._guard_lists
         per_layer = any(live.tracked is not None and live.tracked.state.params.policy == "quest" for live in self._live)
         if per_layer:
             exact, outside_plan = self._quest_layer(layer_id, q, k_pages.shape[0], sm_scale, logit_cap)
             sample_plan = SamplePlan.build(self._live, outside_plan, ps)
+            guard_lists = GuardLists.build(self._live, outside_plan, sample_plan, ps, q.device, layer=layer_id)
         run = dict(sm_scale=sm_scale, logit_cap=logit_cap)
         extra_k, extra_v = self._staged(layer_id, exact.staged_host)
         result = self._read(
@@ -323,12 +333,10 @@ class HotSetDecoder:
         )
         output = result.output
         share = q.new_ones(q.shape[:2], dtype=torch.float32)  # exact pages' share of the combined denominator
-        if not outside_plan.empty:
+        if not guard_lists.empty:
             output = output.clone()
-            rows = outside_plan.rows
-            combined = self._guard_layer(
-                layer_id, q, k_pages, v_pages, result, outside_plan, sample_plan, run, per_layer
-            )
+            rows = guard_lists.outside.rows
+            combined = self._guard_layer(layer_id, q, k_pages, v_pages, result, guard_lists, run, per_layer)
             output[rows] = combined.output.to(output.dtype)
             share[rows] = combined.exact_share
         self._tally.add_exact(self._live, layer_id, q, result, exact, share, run, per_layer)
@@ -354,63 +362,39 @@ class HotSetDecoder:
 
     def _sample_pages(self, layer_id: int, k_pages, v_pages, sample: SamplePlan):
         """The sampled pages' K and V ``[n, S, page_size, Hkv, D]`` (host copies where released)."""
-        keys, values = k_pages[sample.physical], v_pages[sample.physical]
-        if sample.host_index.numel():
-            host_k, host_v = self.releases.pools.host_layer(layer_id, sample.host_index.new_tensor(sample.host_slots))
-            flat_k, flat_v = keys.view(-1, *keys.shape[2:]), values.view(-1, *values.shape[2:])
-            index = sample.host_index.to(keys.device)
-            flat_k[index] = host_k.to(keys.device, keys.dtype).view(-1, *keys.shape[2:])
-            flat_v[index] = host_v.to(values.device, values.dtype).view(-1, *values.shape[2:])
-        return keys, values
+        return pages_of(
+            self.releases.pools, layer_id, k_pages, v_pages, sample.physical, sample.host_index, sample.host_slots
+        )
 
-    def _guard_layer(self, layer_id, q, k_pages, v_pages, result, outside_plan, sample_plan, run, per_layer: bool):
-        """Part 2: the rest pages' intervals, heavy ones read, the rest from the sample."""
-        rows = outside_plan.rows
-        dev = result.lse.device
-        guarded = [self._live[int(r)] for r in rows]
-        thresholds = torch.tensor([live.tracked.state.params.guard_threshold for live in guarded], device=dev)
-        # The plan's pages' key ranges for this layer: what their codes were written against.
-        index = outside_plan.logical.clamp_min(0)
-        key_min = torch.stack([live.tracked.key_min[layer_id][index[i]] for i, live in enumerate(guarded)])
-        key_max = torch.stack([live.tracked.key_max[layer_id][index[i]] for i, live in enumerate(guarded)])
+    def _guard_layer(self, layer_id, q, k_pages, v_pages, result, lists: GuardLists, run, per_layer: bool):
+        """Part 2: the rest pages' intervals, heavy ones read, the rest from the sample.
+
+        Everything it reads was put on the layers' device with the step's lists
+        (``GuardLists``), so with every rest page on the device it reads no value back to
+        the host (``guard_reads.exact_reader``)."""
+        plan = lists.outside
+        rows = plan.rows
         q_rows = q[rows]
-        outside = estimate_outside(q_rows, self.guard, layer_id, outside_plan, key_min, key_max, **run)
-        keys, values = self._sample_pages(layer_id, k_pages, v_pages, sample_plan)
-        sampled = sampled_pages(q_rows, keys, values, sample_plan.valid, **run)
+        outside = estimate_outside(q_rows, self.guard, layer_id, plan, *lists.key_range(layer_id), **run)
+        keys, values = self._sample_pages(layer_id, k_pages, v_pages, lists.sample)
+        sampled = sampled_pages(q_rows, keys, values, lists.sample.valid, **run)
         outcome = guard_layer(
             result.lse[rows],
             result.output[rows].float(),
             outside,
             sampled,
-            outside_plan.valid.to(dev),
-            outside_plan.sampled.to(dev),
-            outside_plan.inclusion.to(dev),
-            thresholds,
-            lambda chosen: self._read_exactly(layer_id, q, k_pages, v_pages, outside_plan, chosen, run),
+            plan.valid,
+            plan.sampled,
+            plan.inclusion,
+            lists.thresholds,
+            exact_reader(self, layer_id, q, k_pages, v_pages, lists, run),
         )
         self.last_guard = outcome  # what the layer's guard did (benchmarks read its bound)
-        tally = self._tally if not per_layer else StepTally.for_outside(outside_plan, dev)
-        tally.add_guard(outcome, outside_plan)
+        tally = self._tally if not per_layer else StepTally.for_outside(lists.host, plan.rows.device)
+        tally.add_guard(outcome, plan, lists.released)
         if per_layer:
-            tally.fold_outside(self._live, outside_plan, layers=1)
+            tally.fold_outside(self._live, lists.host, layers=1)
         return outcome.combined
-
-    def _read_exactly(self, layer_id, q, k_pages, v_pages, outside_plan, chosen, run):
-        """Exact lse and output of the ``chosen`` outside pages of each planned request."""
-        rows = outside_plan.rows
-        lists: list[torch.Tensor] = []
-        subset = []
-        chosen = chosen.cpu()  # the lists are planned on the host
-        for i, row in enumerate(rows.tolist()):
-            subset.append(self._live[row])
-            lists.append(outside_plan.logical[i][chosen[i]].sort().values)
-        plan = plan_exact(subset, lists, k_pages.shape[0], self.page_size)
-        extra_k, extra_v = self._staged(layer_id, plan.staged_host)
-        res = self._read(q[rows], k_pages, v_pages, plan.plan, extra_k_pages=extra_k, extra_v_pages=extra_v, **run)
-        for live, listed in zip(subset, lists):
-            live.counts.pages_read_from_host += int(released_among(live.pages, listed).sum())
-        lse = torch.where(plan.plan.live.to(res.lse.device)[:, None], res.lse, float("-inf"))
-        return lse, res.output.float()
 
     # -- after the last layer ------------------------------------------------------
 
@@ -459,7 +443,7 @@ class HotSetDecoder:
             self.releases.reopen = True
         step.add(self.releases.take_counts())
         self._live = []
-        self._exact = self._outside = self._sample = self._tally = None
+        self._exact = self._outside = self._sample = self._tally = self._guard_lists = None
         self.totals.add(step)
         return step
 

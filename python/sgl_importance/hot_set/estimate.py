@@ -133,6 +133,18 @@ class Outside:
     value_norm: torch.Tensor
 
 
+def on_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device``, moved only if it is elsewhere.
+
+    A guarded layer's inputs are put on the layers' device once per step; a move on
+    every call would be a no-op there, but ``.to(device)`` from a host plan is a copy
+    each layer (and, on a CPU, reads as a trip to the host to the round-trip counter).
+    """
+    want = torch.device(device)
+    here = t.device.type == want.type and want.index in (None, t.device.index)
+    return t if here else t.to(want)
+
+
 def _per_q_head(x: torch.Tensor, n: int, hq: int) -> torch.Tensor:
     """``[Hkv, n, g, ...]`` -> ``[n, Hq, ...]``."""
     return x.transpose(0, 1).reshape(n, hq, *x.shape[3:])
@@ -165,19 +177,19 @@ def estimate_outside(
     page_lse, error = key_code_pages(
         qf.contiguous(),
         pool.codes[layer],
-        plan.codes.to(pool.device),
-        key_min.to(dev).float(),
-        steps(key_min, key_max).to(dev),
-        plan.valid.to(dev),
+        on_device(plan.codes, pool.device),
+        on_device(key_min, dev).float(),
+        on_device(steps(key_min, key_max), dev),
+        on_device(plan.valid, dev),
         logit_cap=logit_cap,
         margin=ROUNDING_MARGIN,
     )  # [Hkv, n, P, g] each
-    norms = pool.value_norm[layer].index_select(1, plan.codes.reshape(-1).to(pool.device)).view(hkv, n, -1)
+    norms = pool.value_norm[layer].index_select(1, on_device(plan.codes.reshape(-1), pool.device)).view(hkv, n, -1)
 
     def heads(x: torch.Tensor) -> torch.Tensor:  # [Hkv, n, P, g] -> [n, Hq, P]
-        return _per_q_head(x.to(dev).transpose(2, 3), n, hq)
+        return _per_q_head(on_device(x, dev).transpose(2, 3), n, hq)
 
-    value_norm = norms.to(dev)[:, :, :, None].expand(hkv, n, norms.shape[2], g)
+    value_norm = on_device(norms, dev)[:, :, :, None].expand(hkv, n, norms.shape[2], g)
     return Outside(heads(page_lse), heads(error), heads(value_norm))
 
 
@@ -241,7 +253,7 @@ def sampled_pages(
     lse = torch.logsumexp(logits, dim=-1)  # [Hkv, n, S, g]
     weights = torch.exp(logits - lse[..., None])
     out = torch.matmul(weights, v)  # [Hkv, n, S, g, Dv]
-    lse = lse.masked_fill(~valid.to(q.device)[None, :, :, None], NEG_INF)
+    lse = lse.masked_fill(~on_device(valid, q.device)[None, :, :, None], NEG_INF)
     return Sampled(_per_q_head(lse.transpose(2, 3), n, hq), _per_q_head(out.transpose(2, 3), n, hq))
 
 
@@ -285,7 +297,7 @@ def combine(
             variance is then at least what the codes say the whole rest holds
             (``code_variance``).
     """
-    pi = inclusion.to(lse_exact.device, torch.float32)
+    pi = on_device(inclusion, lse_exact.device).to(torch.float32)
     lse_pages = sampled.lse
     live = torch.isfinite(lse_pages)
     any_sampled = live.any(dim=-1)  # [n, Hq]

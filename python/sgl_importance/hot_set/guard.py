@@ -13,6 +13,14 @@ The exact part (part 1, the planned pages) comes in; then, per guarded request:
    up to ``GUARD_ROUNDS`` times; then every remaining rest page is read (the
    *fallback*; the output is then exact).
 
+No step of it waits on the host: every round runs for every request, whatever the
+bounds say (a request with nothing to read chooses no page, and an empty read merges
+as nothing: lse -inf, output 0), so what a layer queues does not depend on device
+values. The results are those of stopping where no bound is over: a request under its
+threshold chooses nothing in the later rounds, and its estimate, computed again from
+the same inputs, is the same. ``read_exactly`` is called ``GUARD_ROUNDS + 2`` times a
+layer and must take an all-false mask.
+
 Plain torch; nothing here imports SGLang.
 """
 
@@ -73,18 +81,18 @@ def guard_layer(
         valid, in_sample: bool ``[n, P]``: the plan's real entries, and those sampled.
         inclusion: ``[n]`` each request's ``pi``.
         thresholds: ``[n]`` each request's ``guard_threshold``.
-        read_exactly: bool ``[n, P]`` chosen pages -> their exact ``(lse, output)``.
+        read_exactly: bool ``[n, P]`` chosen pages -> their exact ``(lse, output)``; a
+            row with no page chosen gets lse -inf and output 0.
     """
     read = heavy_pages(lse, outside, valid)
-    if bool(read.any()):
-        lse_a, out_a = read_exactly(read)
-        lse, out = merge_parts(lse, out, lse_a, out_a)
+    lse_a, out_a = read_exactly(read)
+    lse, out = merge_parts(lse, out, lse_a, out_a)
     combined = _account(lse, out, outside, sampled, valid & ~read, in_sample, inclusion, thresholds)
     fallback = torch.zeros_like(thresholds, dtype=torch.bool)
     for round_ in range(GUARD_ROUNDS + 1):
+        # Every round runs (no host test of ``over``): requests under their threshold
+        # choose nothing, and their estimate comes out as it was.
         over = combined.relative > thresholds
-        if not bool(over.any()):
-            break
         remaining = valid & ~read & over[:, None]
         if round_ < GUARD_ROUNDS:
             # The heaviest part of the rest by its key codes (chosen without looking at

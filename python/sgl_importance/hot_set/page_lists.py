@@ -7,6 +7,9 @@
 - part 2 (``plan_outside``): the full pages a guarded request does not read exactly
   (its rest), by the guard ids of their key codes, sampled pages first
   (``estimate.OutsidePlan``), and where the sampled ones are (``SamplePlan``);
+- what a guarded layer reads, on the layers' device, once per step (``GuardLists``):
+  the outside plan, its rest pages' physical ids, thresholds and key ranges of every
+  layer, so that no layer builds anything from Python lists or reads a tensor back;
 - the ``quest`` baseline's per-layer lists, picked from that layer's query
   (``quest_lists``);
 - what reads part 1 (``ExactAttention``, the exact reader's contract) and what a
@@ -22,7 +25,7 @@ from typing import NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
-from sgl_importance.hot_set.estimate import OutsidePlan
+from sgl_importance.hot_set.estimate import OutsidePlan, on_device
 from sgl_importance.hot_set.request_state import LiveRequest, page_slots, released_among
 from sgl_importance.hot_set.selection import quest_layer_pages
 from sgl_importance.hot_set.summaries import key_bound
@@ -187,7 +190,8 @@ class SamplePlan:
     def build(live: Sequence[LiveRequest], outside: OutsidePlan, page_size: int) -> "SamplePlan":
         width = int(outside.sampled.sum(dim=1).max()) if outside.rows.numel() else 0
         n = outside.rows.numel()
-        physical = torch.zeros(n, width, dtype=torch.int64)
+        # Physical ids are gathered where the slots live (the device), never read back.
+        physical = torch.zeros(n, width, dtype=torch.int64, device=_slots_device(live))
         valid = outside.sampled[:, :width].clone()
         host_index, host_slots = [], []
         for i, row in enumerate(outside.rows.tolist()):
@@ -195,10 +199,10 @@ class SamplePlan:
             pages = outside.logical[i, :width][valid[i]]
             held = released_among(req.pages, pages)
             first = req.slots[(pages * page_size).to(req.slots.device)]
-            physical[i, : pages.numel()] = torch.div(first, page_size, rounding_mode="floor").to(physical.device)
-            if bool(held.any()):
+            ids = torch.div(first, page_size, rounding_mode="floor").to(torch.int64)
+            physical[i, : pages.numel()] = torch.where(held.to(ids.device), 0, ids)
+            if bool(held.any()):  # host state
                 where = torch.nonzero(held).flatten()
-                physical[i, where] = 0
                 host_index.append(i * width + where)
                 host_slots.append(req.pages.host_slots(pages[held]))
         empty = torch.zeros(0, dtype=torch.int64)
@@ -207,6 +211,106 @@ class SamplePlan:
             valid,
             torch.cat(host_index) if host_index else empty,
             torch.cat(host_slots) if host_slots else empty,
+        )
+
+
+@dataclass
+class GuardLists:
+    """Everything a guarded layer reads besides the pool, built once per step.
+
+    Tensors are on the layers' device (``n`` guarded requests, ``P`` rest columns), so
+    that a layer neither plans nor waits on the host: the guard's rounds read chosen
+    columns of the fixed ``physical`` list under a mask
+    (``sgl_kernel_ext.masked_page_attention``).
+
+    Attributes:
+        host: the step's outside plan as planned (on the host; folded at the step's end).
+        outside: the same plan on the device.
+        sample: the sample plan, its ``physical``/``valid`` on the device.
+        physical: int64 ``[n, P]`` each rest page's device page id (0 on padding and on
+            pages released to the host pool).
+        released: bool ``[n, P]`` rest pages released to the host pool.
+        host_index, host_slots: those pages as ``SamplePlan`` lists its host pages: int64
+            ``[k]`` into the flattened table, their host slots ``[k * page_size]`` (host).
+        thresholds: float32 ``[n]`` each request's ``guard_threshold``.
+        key_min, key_max: ``[layers, n, P, Hkv, D]`` the rest pages' per-channel key
+            range in every layer (or in ``layer`` alone), the one their codes were
+            written against (``key_range``). It is the rest's share of the requests' own
+            summaries, gathered once per step instead of once per layer and request.
+        on_host: some rest page lives only in the host pool (released), so ``physical``
+            cannot serve the guard's reads (``HotSetDecoder._read_exactly``).
+        empty: no guarded request has a rest page (nothing to guard).
+        layer: the one layer the lists were built for (lists that change per layer,
+            the ``quest`` baseline's), or None: every layer.
+    """
+
+    host: OutsidePlan
+    outside: OutsidePlan
+    sample: SamplePlan
+    physical: torch.Tensor
+    released: torch.Tensor
+    host_index: torch.Tensor
+    host_slots: torch.Tensor
+    thresholds: torch.Tensor
+    key_min: Optional[torch.Tensor]
+    key_max: Optional[torch.Tensor]
+    on_host: bool
+    empty: bool
+    layer: Optional[int] = None
+
+    def key_range(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s ``[n, P, Hkv, D]`` key min and max of the rest pages."""
+        at = layer if self.layer is None else layer - self.layer
+        return self.key_min[at], self.key_max[at]
+
+    @staticmethod
+    def build(
+        live: Sequence[LiveRequest],
+        outside: OutsidePlan,
+        sample: SamplePlan,
+        page_size: int,
+        device: torch.device,
+        layer: Optional[int] = None,
+    ) -> "GuardLists":
+        """From the step's plans (on the host), once per step (or for ``layer`` alone)."""
+        layers = slice(None) if layer is None else slice(layer, layer + 1)
+        n, width = outside.logical.shape
+        empty = outside.empty  # decided on the host plan: no device value is read
+        # Physical ids are gathered where the slots live (the device), never read back.
+        physical = torch.zeros(n, width, dtype=torch.int64, device=_slots_device(live))
+        released = torch.zeros(n, width, dtype=torch.bool)
+        thresholds, mins, maxs, host_slots = [], [], [], []
+        for i, row in enumerate(outside.rows.tolist()):
+            req = live[row]
+            cols = outside.valid[i]
+            pages = outside.logical[i][cols]
+            held = released_among(req.pages, pages)
+            first = req.slots[(pages * page_size).to(req.slots.device)]
+            ids = torch.div(first, page_size, rounding_mode="floor").to(torch.int64)
+            physical[i, : pages.numel()] = torch.where(held.to(ids.device), 0, ids)  # valid columns come first
+            released[i, : pages.numel()] = held
+            if bool(held.any()):
+                host_slots.append(req.pages.host_slots(pages[held]))
+            thresholds.append(req.tracked.state.params.guard_threshold)
+            index = outside.logical[i].clamp_min(0).to(req.tracked.key_min.device)
+            mins.append(req.tracked.key_min[layers, index])
+            maxs.append(req.tracked.key_max[layers, index])
+        move = lambda t: on_device(t, device)  # noqa: E731
+        empty_list = torch.zeros(0, dtype=torch.int64)
+        return GuardLists(
+            host=outside,
+            outside=OutsidePlan(*(move(getattr(outside, f)) for f in outside.__dataclass_fields__)),
+            sample=SamplePlan(move(sample.physical), move(sample.valid), sample.host_index, sample.host_slots),
+            physical=move(physical),
+            released=move(released),
+            host_index=torch.nonzero(released.flatten()).flatten(),
+            host_slots=torch.cat(host_slots) if host_slots else empty_list,
+            thresholds=torch.tensor(thresholds, dtype=torch.float32, device=device),
+            key_min=move(torch.stack(mins, dim=1)) if mins else None,
+            key_max=move(torch.stack(maxs, dim=1)) if maxs else None,
+            on_host=bool(host_slots),
+            empty=empty,
+            layer=layer,
         )
 
 
@@ -226,3 +330,8 @@ def quest_lists(
             listed = quest_layer_pages(bounds.cpu(), req.tracked.state.params)  # planned on the host
         lists.append(listed)
     return lists
+
+
+def _slots_device(live: Sequence[LiveRequest]) -> torch.device:
+    """Where the step's slots live (the device's ``req_to_token`` rows in the server)."""
+    return live[0].slots.device if live else torch.device("cpu")

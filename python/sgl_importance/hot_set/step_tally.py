@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from sgl_importance.hot_set.estimate import OutsidePlan
+from sgl_importance.hot_set.estimate import OutsidePlan, on_device
 from sgl_importance.hot_set.guard import GuardOutcome
 from sgl_importance.hot_set.page_lists import ExactPlan
 from sgl_importance.hot_set.request_state import LiveRequest, released_among
@@ -46,6 +46,7 @@ class StepTally:
     pages_sampled: Optional[torch.Tensor] = None  # int64 [n], over layers
     pages_guard_read: Optional[torch.Tensor] = None  # int64 [n], over layers
     pages_estimated: Optional[torch.Tensor] = None  # int64 [n], over layers
+    pages_host_read: Optional[torch.Tensor] = None  # int64 [n], over layers: read from their host copy
     bound_mass: Optional[torch.Tensor] = None  # float64 [m, Pmax] guard-off rows: largest key-bound mass
     bound_rows: Optional[torch.Tensor] = None  # int64 [m] the guard-off rows of the batch
     bound_log_tokens: Optional[torch.Tensor] = None  # float64 [m, Pmax] log of each page's tokens
@@ -92,6 +93,7 @@ class StepTally:
         self.pages_estimated = torch.zeros(n, dtype=torch.int64, device=device)
         self.guard_full_reads = torch.zeros(n, dtype=torch.int64, device=device)
         self.pages_sampled = torch.zeros(n, dtype=torch.int64, device=device)
+        self.pages_host_read = torch.zeros(n, dtype=torch.int64, device=device)
 
     def on_host(self) -> "StepTally":
         """The tally with its tensors on the host, where the requests' state lives: one
@@ -110,15 +112,21 @@ class StepTally:
 
     # -- one layer -----------------------------------------------------------------
 
-    def add_guard(self, outcome: GuardOutcome, outside: OutsidePlan) -> None:
-        """One layer's guard: the largest estimated masses, the pages it read."""
+    def add_guard(self, outcome: GuardOutcome, outside: OutsidePlan, released: Optional[torch.Tensor] = None) -> None:
+        """One layer's guard: the largest estimated masses, the pages it read.
+
+        Args:
+            released: bool ``[n, P]`` rest pages read from their host copy when read.
+        """
         torch.maximum(self.outside_mass, outcome.mass, out=self.outside_mass)
         self.outside_read |= outcome.read
         self.guard_reads += outcome.read.any(dim=1)
         self.guard_full_reads += outcome.fallback
         self.pages_guard_read += outcome.read.sum(dim=1)
         self.pages_estimated += outcome.estimated.sum(dim=1)
-        self.pages_sampled += (outcome.estimated & outside.sampled.to(outcome.read.device)).sum(dim=1)
+        self.pages_sampled += (outcome.estimated & on_device(outside.sampled, outcome.read.device)).sum(dim=1)
+        if released is not None:
+            self.pages_host_read += (outcome.read & released).sum(dim=1)
 
     def add_exact(
         self,
@@ -203,6 +211,7 @@ class StepTally:
             req.counts.pages_estimated += int(tally.pages_estimated[i])
             req.counts.guard_full_reads += int(tally.guard_full_reads[i])
             req.counts.pages_sampled += int(tally.pages_sampled[i])
+            req.counts.pages_read_from_host += int(tally.pages_host_read[i])
             req.counts.pages_attended += int(tally.pages_sampled[i])  # read exactly, each page on its own
 
     def fold(self, live: Sequence[LiveRequest], exact: ExactPlan, outside: OutsidePlan, step_layers: int) -> None:

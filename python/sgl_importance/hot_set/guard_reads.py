@@ -1,0 +1,81 @@
+"""How a guarded layer reads rest pages exactly (``guard.guard_layer``'s reader).
+
+The guard chooses pages by masks over the step's fixed rest list (``page_lists.GuardLists``),
+round after round, without the host looking at what it chose:
+
+- on CUDA the Triton kernel reads only the chosen pages of the list
+  (``sgl_kernel_ext.masked_page_attention``);
+- elsewhere every rest page's own exact part is computed once per layer and each round
+  merges its chosen ones (``page_parts``, ``merge_page_parts``): the CPU reads the whole
+  rest once per layer (released pages from their host copies), whatever the guard chooses;
+- on CUDA, where a rest page was released to the host pool (``lists.on_host``), the rounds
+  are planned on the host and read only the chosen pages' host copies (``read_staged``):
+  a trip to the host per round, which the round-trip count shows.
+
+Pages read from their host copy are counted (``pages_read_from_host``) through the
+step's tally. Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from sgl_importance.hot_set.page_lists import GuardLists, plan_exact
+from sgl_kernel_ext import masked_page_attention, merge_page_parts, page_parts
+from sgl_kernel_ext.masked_pages import HAS_TRITON
+
+Reader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def reads_with_kernel(q: torch.Tensor) -> bool:
+    """Whether the guard's reads run the Triton kernel: on CUDA (tests run it under
+    Triton's interpreter by replacing this)."""
+    return HAS_TRITON and q.is_cuda
+
+
+def pages_of(pools: Any, layer_id: int, k_pages, v_pages, physical, host_index, host_slots):
+    """K and V ``[n, C, page_size, Hkv, D]`` of a table of device pages ``physical``
+    ``[n, C]``, with the host copies of ``host_index`` (into the flattened table; their
+    slots ``host_slots`` in ``pools``, the release registry's) put in."""
+    keys, values = k_pages[physical], v_pages[physical]
+    if host_index.numel():
+        host_k, host_v = pools.host_layer(layer_id, host_slots)
+        flat_k, flat_v = keys.view(-1, *keys.shape[2:]), values.view(-1, *values.shape[2:])
+        index = host_index.to(keys.device)
+        flat_k[index] = host_k.to(keys.device, keys.dtype).view(-1, *keys.shape[2:])
+        flat_v[index] = host_v.to(values.device, values.dtype).view(-1, *values.shape[2:])
+    return keys, values
+
+
+def exact_reader(decoder: Any, layer_id: int, q, k_pages, v_pages, lists: GuardLists, run: dict) -> Reader:
+    """The guard's reader for one layer of ``decoder`` (a ``HotSetDecoder``): bool
+    ``[n, P]`` chosen rest pages -> their exact ``(lse, output)`` (lse -inf and output 0
+    for a row with none chosen); see the module docstring for which path runs where."""
+    q_rows = q[lists.outside.rows]
+    if reads_with_kernel(q):
+        if lists.on_host:
+            return lambda chosen: read_staged(decoder, layer_id, q, k_pages, v_pages, lists.host, chosen, run)
+        return lambda chosen: masked_page_attention(q_rows, k_pages, v_pages, lists.physical, chosen, **run)
+    pools = decoder.releases.pools
+    keys, values = pages_of(pools, layer_id, k_pages, v_pages, lists.physical, lists.host_index, lists.host_slots)
+    parts = page_parts(q_rows, keys, values, **run)
+    return lambda chosen: merge_page_parts(parts, chosen)
+
+
+def read_staged(decoder: Any, layer_id: int, q, k_pages, v_pages, outside_plan, chosen, run: dict):
+    """Exact lse and output of the ``chosen`` outside pages of each planned request,
+    planned on the host (released pages staged from their host copies)."""
+    rows = outside_plan.rows
+    lists: list[torch.Tensor] = []
+    subset = []
+    chosen = chosen.cpu()  # the lists are planned on the host
+    for i, row in enumerate(rows.tolist()):
+        subset.append(decoder._live[row])
+        lists.append(outside_plan.logical[i][chosen[i]].sort().values)
+    plan = plan_exact(subset, lists, k_pages.shape[0], decoder.page_size)
+    extra_k, extra_v = decoder._staged(layer_id, plan.staged_host)
+    res = decoder._read(q[rows], k_pages, v_pages, plan.plan, extra_k_pages=extra_k, extra_v_pages=extra_v, **run)
+    lse = torch.where(plan.plan.live.to(res.lse.device)[:, None], res.lse, float("-inf"))
+    return lse, res.output.float()
