@@ -155,6 +155,7 @@ class World:
                 kv_indices=None,
                 decode_impl="paged",
                 decode_plan=None,
+                decoding=False,
                 page_indptr=None,
                 page_ids=None,
                 page_tokens=None,

@@ -73,6 +73,7 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
         # runtime: the scheduler process's state (config, page importance, hot-set records).
         super().__init__(model_runner)
         self.page_size = model_runner.page_size
+        self.decoding = False  # the batch is a decode this backend serves with importance
         self.kv_indptr: Optional[torch.Tensor] = None
         self.kv_indices: Optional[torch.Tensor] = None
         self.decode_impl = decode_impl_from_env()
@@ -91,7 +92,12 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
             self.hot_set.fence()
         self.kv_indptr = self.kv_indices = None
         self.decode_plan = self.page_indptr = self.page_ids = self.page_tokens = None
-        if forward_batch.forward_mode.is_decode() and forward_batch.encoder_lens is None:
+        self.decoding = forward_batch.forward_mode.is_decode() and forward_batch.encoder_lens is None
+        if self.decoding and self.hot_set is not None:
+            # The hot set plans its own lists (every layer reads them): the dense ones
+            # would cost a pass over every request's slots for nothing.
+            self._begin_hot_set_step(forward_batch, self.req_to_token_pool.req_to_token)
+        elif self.decoding:
             self.kv_indptr, self.kv_indices = self._decode_kv_indices(forward_batch)
             if self.decode_impl != "reference":
                 plan = plan_from_slots(
@@ -102,8 +108,6 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
                 )
                 self.decode_plan = plan
                 self.page_indptr, self.page_ids, self.page_tokens = plan.page_indptr, plan.page_ids, plan.page_tokens
-            if self.hot_set is not None:
-                self._begin_hot_set_step(forward_batch, self.req_to_token_pool.req_to_token)
 
     def _extend(
         self, q: Any, k: Any, v: Any, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool, **kwargs
@@ -148,7 +152,7 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
         # Sliding-window and cross-attention layers read other token ranges than
         # the request's pages; they keep torch_native's decode and record nothing.
         return (
-            self.kv_indptr is not None
+            self.decoding
             and not layer.is_cross_attention
             and (layer.sliding_window_size is None or layer.sliding_window_size < 0)
         )
