@@ -2,12 +2,14 @@
 much attention mass each KV page received (Triton, and a batched page-list torch path
 for CPUs), the same Triton kernel over a step's page lists (``page_list``), its torch
 reference, a scatter of that importance into a per-physical-page table, and the hot-set
-guard's page log-masses from 4-bit key codes (``key_codes``).
+guard's page log-masses from 4-bit key codes (``key_codes``) and its merge of two
+softmax parts (``merge``).
 
 Knows nothing of SGLang; it only shares SGLang's KV layout (see ``decode_importance``).
 """
 
 from .key_codes import key_code_pages, key_code_pages_torch
+from .merge import merge_parts, merge_parts_torch
 from .output import DecodeImportanceOutput
 from .paged import (
     PagedDecodePlan,
@@ -32,6 +34,8 @@ __all__ = [
     "default_num_splits",
     "key_code_pages",
     "key_code_pages_torch",
+    "merge_parts",
+    "merge_parts_torch",
     "plan_from_slots",
     "plan_paged_decode",
     "scatter_page_importance",
@@ -44,6 +48,8 @@ if HAS_TRITON:
         decode_attention_with_importance,
         decode_importance_fwd,
     )
+    from .key_codes import key_code_pages_triton
+    from .merge import merge_parts_triton
     from .page_list import PageListSlots, TritonPageListDecode, page_list_slots
 
     __all__ += [
@@ -52,5 +58,7 @@ if HAS_TRITON:
         "TritonPageListDecode",
         "decode_attention_with_importance",
         "decode_importance_fwd",
+        "key_code_pages_triton",
+        "merge_parts_triton",
         "page_list_slots",
     ]
