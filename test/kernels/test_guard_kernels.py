@@ -46,7 +46,8 @@ def _seed() -> int:
 
 def coded_case(*, kv, group, d, page_size, n, listed, seed, invalid=0.25):
     """A code pool written from real keys (rows 1.. of it; row 0 is padding) and page
-    lists drawn from it with repeats, a share ``invalid`` of entries marked invalid."""
+    lists drawn from it with repeats, a share ``invalid`` of entries marked invalid (at
+    least one where ``invalid`` > 0; invalid entries list the padding row 0)."""
     gen = torch.Generator().manual_seed(seed)
     pages = listed + 3
     keys = torch.randn(pages, page_size, kv, d, generator=gen) * torch.linspace(0.2, 4.0, d)
@@ -55,6 +56,8 @@ def coded_case(*, kv, group, d, page_size, n, listed, seed, invalid=0.25):
     codes[:, 1:] = quantise(keys, low, high)
     ids = torch.randint(1, pages + 1, (n, listed), generator=gen)
     valid = torch.rand(n, listed, generator=gen) >= invalid
+    if invalid > 0:  # both kinds of entry in every case, whatever the draw
+        valid[0, 0], valid[-1, -1] = False, True
     ids = torch.where(valid, ids, 0)
     q = torch.randn(kv, n, group, d, generator=gen) * 0.4
     lo, st = low[ids - 1].float(), steps(low, high)[ids - 1]  # [n, P, kv, d]
