@@ -2,8 +2,8 @@
 much attention mass each KV page received (Triton, and a batched page-list torch path
 for CPUs), the same Triton kernel over a step's page lists (``page_list``), its torch
 reference, a scatter of that importance into a per-physical-page table, and the hot-set
-guard's page log-masses from 4-bit key codes (``key_codes``) and its merge of two
-softmax parts (``merge``).
+guard's page log-masses from 4-bit key codes (``key_codes``), its merge of two
+softmax parts (``merge``) and its sampled estimate with the bound (``combine``).
 
 Knows nothing of SGLang; it only shares SGLang's KV layout (see ``decode_importance``).
 """
@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 if HAS_TRITON:
+    from .combine import combine_triton
     from .decode_importance import (
         DecodeImportanceWrapper,
         decode_attention_with_importance,
@@ -56,6 +57,7 @@ if HAS_TRITON:
         "DecodeImportanceWrapper",
         "PageListSlots",
         "TritonPageListDecode",
+        "combine_triton",
         "decode_attention_with_importance",
         "decode_importance_fwd",
         "key_code_pages_triton",

@@ -1,6 +1,7 @@
 """The guard's Triton kernels against their torch references: the key codes' page pass
-(``key_code_pages_triton`` vs ``key_code_pages_torch``) and the merge of two softmax parts
-(``merge_parts_triton`` vs ``merge_parts_torch``).
+(``key_code_pages_triton`` vs ``key_code_pages_torch``), the merge of two softmax parts
+(``merge_parts_triton`` vs ``merge_parts_torch``) and the sampled estimate with its bound
+(``combine_triton`` vs ``estimate.combine``'s torch code).
 
 Runs under TRITON_INTERPRET=1 on a CPU (conftest.py) in small shapes: GQA groups 1 and
 4, page sizes 4 and 16 (and one the kernel tiles twice), D 64 and 128 (and one whose
@@ -20,8 +21,10 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed; the Triton guard kernels cannot run")
 
+from sgl_importance.hot_set.estimate import MIN_SAMPLED, T_QUANTILES, Sampled, Z, combine  # noqa: E402
 from sgl_importance.hot_set.key_codes import ROUNDING_MARGIN, quantise, steps  # noqa: E402
 from sgl_kernel_ext import (  # noqa: E402
+    combine_triton,
     key_code_pages,
     key_code_pages_torch,
     key_code_pages_triton,
@@ -244,3 +247,132 @@ def test_merge_parts_runs_the_triton_kernel_for_cuda_tensors():
     got = merge_parts(*(t.cuda() for t in args))
     assert got[1].is_cuda
     assert_merged_match(got, merge_parts_torch(*args), seed)
+
+
+# ---------------------------------------------------------------------------- combine
+
+
+def combine_case(*, n, hq, sampled, dv, rest, seed):
+    """Per request: an exact part, ``sampled`` sampled pages (some not estimated, -inf),
+    key-code log-masses of ``rest`` rest pages. Request 0 has every page estimated and
+    ``pi`` < 1; the last request has no sampled page left and is uncovered; request 1
+    (when there are 3 or more) keeps only two sampled pages (too few to vouch) and has
+    an empty exact part in one head; request 2 (4 or more) has ``pi`` = 1."""
+    gen = torch.Generator().manual_seed(seed)
+    lse_e = torch.randn(n, hq, generator=gen) * 2 + 3
+    out_e = torch.randn(n, hq, dv, generator=gen)
+    lse_s = torch.randn(n, hq, sampled, generator=gen) * 2
+    out_s = torch.randn(n, hq, sampled, dv, generator=gen)
+    keep = torch.rand(n, sampled, generator=gen) < 0.8
+    keep[0] = True
+    keep[-1] = False
+    if n >= 3:
+        keep[1] = False
+        keep[1, :2] = True
+        lse_e[1, 0] = float("-inf")
+    lse_s = lse_s.masked_fill(~keep[:, None, :], float("-inf"))
+    pi = torch.rand(n, generator=gen) * 0.3 + 0.05
+    if n >= 4:
+        pi[2] = 1.0
+    rest_lse = torch.randn(n, hq, rest, generator=gen) * 2
+    rest_lse = rest_lse.masked_fill(torch.rand(n, 1, rest, generator=gen) < 0.2, float("-inf"))
+    rest_lse[:, :, :sampled] = torch.where(keep[:, None, :], rest_lse[:, :, :sampled], float("-inf"))
+    codes = (rest_lse, rest_lse[..., :sampled].clone())
+    uncovered = torch.zeros(n, dtype=torch.bool)
+    uncovered[-1] = True
+    return lse_e, out_e, Sampled(lse_s, out_s), pi, uncovered, codes
+
+
+def assert_combined_match(got, want, seed, what):
+    msg = f"seed={seed} {what}"
+    names = ("output", "lse", "exact_share", "bound", "relative")
+    for name, g in zip(names, got):
+        w = getattr(want, name)
+        assert g.shape == w.shape and g.dtype == torch.float32, f"{msg} {name}"
+        g = g.cpu()
+        assert torch.equal(torch.isinf(g), torch.isinf(w)), f"{msg} {name}: {g} vs {w}"
+        finite = torch.isfinite(w)
+        torch.testing.assert_close(g[finite], w[finite], rtol=1e-4, atol=1e-5, msg=f"{msg} {name}")
+
+
+@pytest.mark.parametrize("with_codes", [False, True], ids=["sample-only", "codes-floor"])
+@pytest.mark.parametrize(
+    "n,hq,sampled,dv,rest",
+    [(3, 4, 5, 64, 30), (4, 8, 20, 128, 70), (2, 1, 3, 80, 3)],
+    ids=["small", "tiled-pages", "one-head"],
+)
+def test_the_combine_kernel_matches_the_torch_estimate(n, hq, sampled, dv, rest, with_codes):
+    seed = _seed()
+    lse_e, out_e, sample, pi, uncovered, codes = combine_case(n=n, hq=hq, sampled=sampled, dv=dv, rest=rest, seed=seed)
+    codes = codes if with_codes else None
+    want = combine(lse_e, out_e, sample, pi, uncovered, codes)
+    on = lambda t: t.to(DEVICE)  # noqa: E731
+    got = combine_triton(
+        on(lse_e), on(out_e), on(sample.lse), on(sample.output), on(pi), on(uncovered),
+        None if codes is None else tuple(map(on, codes)),
+        quantiles=T_QUANTILES, z=Z, min_sampled=MIN_SAMPLED,
+    )  # fmt: skip
+    assert_combined_match(got, want, seed, f"n={n} hq={hq} S={sampled} dv={dv} P={rest} codes={with_codes}")
+    # The cases reach both a finite bound and the ones that cannot vouch.
+    assert torch.isinf(want.relative[-1]) and torch.isfinite(want.bound).all(), f"seed={seed}"
+    assert (want.bound[0] > 0).item(), f"seed={seed}"
+
+
+def test_the_combine_kernel_reads_its_quantile_by_the_count_of_sampled_pages():
+    # One request per count of sampled pages, around the table's steps (pi < 1): the
+    # bound is the quantile for count - 1 degrees of freedom (looked up here from the
+    # table) times the square root of the sample's variance (computed here); under
+    # MIN_SAMPLED pages the estimate does not vouch.
+    seed = _seed()
+    counts = [1, 2, 3, 4, 5, 10, 11, 12, 13, 15, 16, 21, 30, 31, 60, 61, 121, 122, 130]
+    n, hq, dv, width = len(counts), 2, 16, max(counts)
+    gen = torch.Generator().manual_seed(seed)
+    lse_e = torch.zeros(n, hq)
+    out_e = torch.randn(n, hq, dv, generator=gen)
+    lse_s = torch.randn(n, hq, width, generator=gen)
+    cols = torch.arange(width)[None, :] < torch.tensor(counts)[:, None]
+    lse_s = lse_s.masked_fill(~cols[:, None, :], float("-inf"))
+    # Sampled outputs near the exact one: a bound small enough to vouch from 3 pages on.
+    out_s = out_e[:, :, None] + 0.01 * torch.randn(n, hq, width, dv, generator=gen)
+    pi = torch.full((n,), 0.1)
+    uncovered = torch.zeros(n, dtype=torch.bool)
+    want = combine(lse_e, out_e, Sampled(lse_s, out_s), pi, uncovered)
+    vouches = torch.tensor(counts) >= MIN_SAMPLED
+    assert torch.isfinite(want.relative[vouches]).all() and torch.isinf(want.relative[~vouches]).all()
+    on = lambda t: t.to(DEVICE)  # noqa: E731
+    got = combine_triton(
+        *(on(t) for t in (lse_e, out_e, lse_s, out_s, pi, uncovered)),
+        quantiles=T_QUANTILES, z=Z, min_sampled=MIN_SAMPLED,
+    )  # fmt: skip
+    assert_combined_match(got, want, seed, "counts")
+    # float64 here; float32 in the kernel rounds y (outputs 0.01 apart) to ~1e-4, and
+    # neighbouring quantiles in the table differ by 1 % or more.
+    share = torch.exp(lse_s.double() - want.lse[..., None].double())  # 0 where not sampled
+    y = share[..., None] * (out_s.double() - want.output[:, :, None].double())
+    variance = (1 - pi.double()) / pi.double().square() * y.square().sum(dim=(1, 2, 3))
+    expected = _expected_quantile(counts).double() * variance.sqrt()
+    torch.testing.assert_close(got[3].cpu().double(), expected, rtol=1e-3, atol=0, msg=f"seed={seed}")
+
+
+def _expected_quantile(counts):
+    table = sorted(T_QUANTILES.items())
+    out = []
+    for c in counts:
+        df = c - 1
+        t = T_QUANTILES[1] if df < 1 else Z if df > table[-1][0] else max((k, v) for k, v in table if k <= df)[1]
+        out.append(t)
+    return torch.tensor(out)
+
+
+@on_cuda
+def test_combine_runs_the_triton_kernels_for_cuda_tensors():
+    seed = _seed()
+    lse_e, out_e, sample, pi, uncovered, codes = combine_case(n=4, hq=32, sampled=24, dv=128, rest=300, seed=seed)
+    want = combine(lse_e, out_e, sample, pi, uncovered, codes)
+    cuda = lambda t: t.cuda()  # noqa: E731
+    got = combine(
+        cuda(lse_e), cuda(out_e), Sampled(cuda(sample.lse), cuda(sample.output)), cuda(pi), cuda(uncovered),
+        tuple(map(cuda, codes)),
+    )  # fmt: skip
+    assert got.output.is_cuda
+    assert_combined_match(tuple(vars(got).values()), want, seed, "dispatched")
