@@ -1,9 +1,11 @@
 """Kernels for importance-guided KV tiering: decode attention that also returns how
 much attention mass each KV page received (Triton, and a batched page-list torch path
 for CPUs), the same Triton kernel over a step's page lists (``page_list``), its torch
-reference, a scatter of that importance into a per-physical-page table, the hot-set
-guard's page log-masses from 4-bit key codes (``key_codes``) and its exact reads of a
-fixed page list under a page mask (``masked_pages``: Triton, and a torch path).
+reference, a scatter of that importance into a per-physical-page table, and the hot-set
+guard's page log-masses from 4-bit key codes (``key_codes``), its exact reads of a
+fixed page list under a page mask (``masked_pages``), its merge of two softmax parts
+(``merge``) and its sampled estimate with the bound (``combine``); each a Triton kernel
+on a GPU beside its torch path.
 
 Knows nothing of SGLang; it only shares SGLang's KV layout (see ``decode_importance``).
 """
@@ -16,6 +18,7 @@ from .masked_pages import (
     merge_page_parts,
     page_parts,
 )
+from .merge import merge_parts, merge_parts_torch
 from .output import DecodeImportanceOutput
 from .paged import (
     PagedDecodePlan,
@@ -45,6 +48,8 @@ __all__ = [
     "masked_page_attention_reference",
     "merge_page_parts",
     "page_parts",
+    "merge_parts",
+    "merge_parts_torch",
     "plan_from_slots",
     "plan_paged_decode",
     "scatter_page_importance",
@@ -52,18 +57,24 @@ __all__ = [
 ]
 
 if HAS_TRITON:
+    from .combine import combine_triton
     from .decode_importance import (
         DecodeImportanceWrapper,
         decode_attention_with_importance,
         decode_importance_fwd,
     )
+    from .key_codes import key_code_pages_triton
+    from .merge import merge_parts_triton
     from .page_list import PageListSlots, TritonPageListDecode, page_list_slots
 
     __all__ += [
         "DecodeImportanceWrapper",
         "PageListSlots",
         "TritonPageListDecode",
+        "combine_triton",
         "decode_attention_with_importance",
         "decode_importance_fwd",
+        "key_code_pages_triton",
+        "merge_parts_triton",
         "page_list_slots",
     ]

@@ -6,8 +6,10 @@ against the page's per-channel range, ``k_hat = low + code * step``; the page's
 estimated log-mass ``log sum_t exp(q . k_hat_t)`` and the bound on every token's logit
 error ``sum_j |q_j| step_j / 2`` (plus a float32 rounding margin) come back per query
 head. On a CPU the C kernel (``csrc/paged_decode.c``, ``sgl_key_code_pages``) reads the
-codes straight from the pool, half a byte per channel; elsewhere, or without a
-compiler, :func:`key_code_pages_torch` (the reference the tests compare against).
+codes straight from the pool, half a byte per channel; on a GPU the Triton kernel
+(:func:`key_code_pages_triton`) does the same in one launch per layer; elsewhere, or
+without a compiler, :func:`key_code_pages_torch` (the reference the tests compare
+against).
 
 Nothing here imports SGLang.
 """
@@ -19,8 +21,19 @@ from typing import Optional
 import torch
 
 from sgl_kernel_ext import native
+from sgl_kernel_ext.plan import next_power_of_2
+from sgl_kernel_ext.scatter import HAS_TRITON
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from sgl_kernel_ext.decode_importance import _soft_cap_tanh
 
 LEVELS = 15
+# Tokens of a page one Triton program scores at a time ([group, tokens, D / 2] in
+# registers: 4 x 16 x 64 floats per nibble for a Llama-3.1-8B shape).
+TRITON_BLOCK_T = 16
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -47,13 +60,19 @@ def key_code_pages(
         ids: int64 ``[n, P]`` rows of ``codes`` listed per request.
         low, step: float32 ``[n, P, Hkv, D]`` each listed page's range.
         valid: bool ``[n, P]``; invalid entries get lse ``-inf`` and error 0.
-        use_native: None: the C kernel where it can run; False: the torch path.
+        use_native: None: the C kernel on a CPU where it can run, the Triton kernel
+            on a GPU; False: the torch path; True: the C or Triton kernel, or an error.
 
     Returns:
         (lse, err), float32 ``[Hkv, n, P, g]`` each.
     """
     kv, n, g, d = q.shape
     listed = ids.shape[1]
+    if q.device.type == "cuda" and use_native is not False:
+        if HAS_TRITON and d % 2 == 0:
+            return key_code_pages_triton(q, codes, ids, low, step, valid, logit_cap=logit_cap, margin=margin)
+        if use_native:
+            raise RuntimeError("use_native=True, but Triton is not installed or D is odd")
     lib = None
     if use_native is not False and q.device.type == "cpu" and g <= 16 and d <= 256 and d % 2 == 0:
         lib = native.library()
@@ -118,3 +137,185 @@ def key_code_pages_torch(
     err = torch.einsum("hngd,hnpd->hnpg", qa, st) * 0.5 + qa.sum(-1)[:, :, None, :] * magnitude[..., None] * margin
     pad = ~valid.to(dev)[None, :, :, None]
     return lse.masked_fill(pad, float("-inf")), err.masked_fill(pad, 0.0)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _key_code_pages_kernel(
+        Q,
+        Codes,
+        Ids,
+        Low,
+        Step,
+        Valid,
+        Lse,
+        Err,
+        logit_cap,
+        margin,
+        stride_qh,
+        stride_qn,
+        stride_qg,
+        stride_ch,
+        stride_cr,
+        stride_ct,
+        stride_in,
+        stride_ln,
+        stride_lp,
+        stride_lh,
+        stride_sn,
+        stride_sp,
+        stride_sh,
+        stride_vn,
+        stride_oh,
+        stride_on,
+        stride_op,
+        GROUP: tl.constexpr,
+        HALF: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        HAS_CAP: tl.constexpr,
+    ):
+        # One program per (listed page, request, KV head): the page's codes are read
+        # once for every query head of the group.
+        col = tl.program_id(0).to(tl.int64)
+        row = tl.program_id(1).to(tl.int64)
+        head = tl.program_id(2).to(tl.int64)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_j = tl.arange(0, BLOCK_HALF)
+        offs_t = tl.arange(0, BLOCK_T)
+        mask_g = offs_g < GROUP
+        mask_j = offs_j < HALF
+        live = tl.load(Valid + row * stride_vn + col) != 0
+
+        # Channel j's code is in the low nibble, channel j + D/2's in the high one:
+        # each half of q, low and step pairs with one nibble.
+        q_ptr = Q + head * stride_qh + row * stride_qn + offs_g[:, None] * stride_qg + offs_j[None, :]
+        q_mask = mask_g[:, None] & mask_j[None, :]
+        q_a = tl.load(q_ptr, mask=q_mask, other=0.0).to(tl.float32)
+        q_b = tl.load(q_ptr + HALF, mask=q_mask, other=0.0).to(tl.float32)
+        low_ptr = Low + row * stride_ln + col * stride_lp + head * stride_lh + offs_j
+        step_ptr = Step + row * stride_sn + col * stride_sp + head * stride_sh + offs_j
+        range_mask = mask_j & live
+        low_a = tl.load(low_ptr, mask=range_mask, other=0.0).to(tl.float32)
+        low_b = tl.load(low_ptr + HALF, mask=range_mask, other=0.0).to(tl.float32)
+        step_a = tl.load(step_ptr, mask=range_mask, other=0.0).to(tl.float32)
+        step_b = tl.load(step_ptr + HALF, mask=range_mask, other=0.0).to(tl.float32)
+
+        base = tl.sum(q_a * low_a[None, :] + q_b * low_b[None, :], axis=1)  # [BLOCK_G]
+        qs_a = q_a * step_a[None, :]
+        qs_b = q_b * step_b[None, :]
+        # The logit error: half a step per channel, plus float32 rounding in proportion
+        # to the largest key magnitude the page's range allows.
+        half_steps = tl.sum(tl.abs(q_a) * step_a[None, :] + tl.abs(q_b) * step_b[None, :], axis=1)
+        magnitude = tl.maximum(
+            tl.max(tl.maximum(tl.abs(low_a), tl.abs(low_a + step_a * 15.0)), axis=0),
+            tl.max(tl.maximum(tl.abs(low_b), tl.abs(low_b + step_b * 15.0)), axis=0),
+        )
+        q_abs = tl.sum(tl.abs(q_a) + tl.abs(q_b), axis=1)
+        err = 0.5 * half_steps + q_abs * magnitude * margin
+
+        page = tl.load(Ids + row * stride_in + col, mask=live, other=0).to(tl.int64)
+        code_base = Codes + head * stride_ch + page * stride_cr
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK_G], tl.float32)
+        for t0 in range(0, PAGE_SIZE, BLOCK_T):
+            tokens = t0 + offs_t
+            mask_t = tokens < PAGE_SIZE
+            packed = tl.load(
+                code_base + tokens[:, None] * stride_ct + offs_j[None, :],
+                mask=(mask_t[:, None] & mask_j[None, :]) & live,
+                other=0,
+            )  # [BLOCK_T, BLOCK_HALF] uint8
+            code_a = (packed & 15).to(tl.float32)
+            code_b = (packed >> 4).to(tl.float32)
+            logits = tl.sum(qs_a[:, None, :] * code_a[None, :, :] + qs_b[:, None, :] * code_b[None, :, :], axis=2)
+            logits = logits + base[:, None]  # [BLOCK_G, BLOCK_T]
+            if HAS_CAP:
+                logits = logit_cap * _soft_cap_tanh(logits / logit_cap)
+            logits = tl.where(mask_t[None, :], logits, float("-inf"))
+            m_new = tl.maximum(m, tl.max(logits, axis=1))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(logits - m_new[:, None]), axis=1)
+            m = m_new
+        lse = m + tl.log(s)
+        lse = tl.where(live, lse, float("-inf"))
+        err = tl.where(live, err, 0.0)
+        out = head * stride_oh + row * stride_on + col * stride_op + offs_g
+        tl.store(Lse + out, lse, mask=mask_g)
+        tl.store(Err + out, err, mask=mask_g)
+
+
+def key_code_pages_triton(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    ids: torch.Tensor,
+    low: torch.Tensor,
+    step: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    logit_cap: float = 0.0,
+    margin: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`key_code_pages` as one Triton launch (GPU; CPU tensors under ``TRITON_INTERPRET=1``).
+
+    The grid is ``(P, n, Hkv)``, all known from the input shapes: nothing is read back
+    to the host, so it runs inside a captured graph. Each program reads its page's id,
+    then the page's codes straight from the pool by that id (``D / 2`` bytes a token)
+    and its range, and scores every query head of its KV head's group.
+
+    Bytes read per listed page (Llama-3.1-8B: D 128, 8 KV heads, 32 query heads, page
+    16), over its 8 KV heads: the codes 8 x 16 x 64 = 8,192 B and the float32 range
+    ``low`` + ``step`` 8 x 2 x 128 x 4 = 8,192 B, plus its id and valid flag (9 B);
+    written: lse and error, 2 x 32 x 4 = 256 B. About 16.4 KB, against 64 KiB for the
+    page's bf16 K and V (32 KiB for its K alone). The queries (2 KiB per request and
+    KV head) are read by every page's program, from cache after the first.
+
+    Args and returns as :func:`key_code_pages`; outputs are float32 on ``q``'s device.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("key_code_pages_triton needs Triton")
+    kv, n, g, d = q.shape
+    listed = ids.shape[1]
+    if d % 2:
+        raise ValueError(f"D={d} must be even (two channels a byte)")
+    if codes.dtype != torch.uint8 or codes.shape[0] != kv or codes.shape[3] != d // 2:
+        raise ValueError(f"codes {tuple(codes.shape)} {codes.dtype} do not hold D/2 bytes for {kv} KV heads")
+    dev = q.device
+    if codes.device != dev:
+        raise ValueError(f"the code pool is on {codes.device}, q on {dev}: the kernel reads both")
+    lse = torch.empty(kv, n, listed, g, dtype=torch.float32, device=dev)
+    err = torch.empty(kv, n, listed, g, dtype=torch.float32, device=dev)
+    if lse.numel() == 0:
+        return lse, err
+    # Views where the caller's tensors already fit; the innermost dims must be dense.
+    q = q.contiguous()
+    codes = codes if codes.stride(3) == 1 else codes.contiguous()
+    ids = ids.to(dev, torch.int64).contiguous()
+    low = low.to(dev, torch.float32).contiguous()
+    step = step.to(dev, torch.float32).contiguous()
+    valid = valid.to(dev).contiguous()
+    valid = valid.view(torch.uint8) if valid.dtype == torch.bool else valid.to(torch.uint8)
+    page_size = codes.shape[2]
+    half = d // 2
+    _key_code_pages_kernel[(listed, n, kv)](
+        q, codes, ids, low, step, valid, lse, err,
+        float(logit_cap), float(margin),
+        q.stride(0), q.stride(1), q.stride(2),
+        codes.stride(0), codes.stride(1), codes.stride(2),
+        ids.stride(0),
+        low.stride(0), low.stride(1), low.stride(2),
+        step.stride(0), step.stride(1), step.stride(2),
+        valid.stride(0),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+        GROUP=g,
+        HALF=half,
+        PAGE_SIZE=page_size,
+        BLOCK_G=next_power_of_2(g),
+        BLOCK_HALF=next_power_of_2(half),
+        BLOCK_T=min(next_power_of_2(page_size), TRITON_BLOCK_T),
+        HAS_CAP=logit_cap > 0,
+        num_warps=4,
+    )  # fmt: skip
+    return lse, err

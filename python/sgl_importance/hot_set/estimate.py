@@ -49,7 +49,10 @@ from typing import Optional
 import torch
 
 from sgl_importance.hot_set.key_codes import ROUNDING_MARGIN, GuardPool, steps
-from sgl_kernel_ext import key_code_pages
+from sgl_kernel_ext import HAS_TRITON, key_code_pages
+
+if HAS_TRITON:
+    from sgl_kernel_ext import combine_triton
 
 NEG_INF = float("-inf")
 DELTA = 0.05  # the bound's failure probability per certified layer-step
@@ -296,7 +299,13 @@ def combine(
             estimated, ``[n, Hq, S]`` of the sampled ones; -inf elsewhere``)``: the
             variance is then at least what the codes say the whole rest holds
             (``code_variance``).
+
+    On CUDA tensors it runs as two Triton launches (``sgl_kernel_ext.combine_triton``,
+    the same math); this torch code is its reference.
     """
+    if HAS_TRITON and out_exact.is_cuda:
+        parts = (lse_exact, out_exact, sampled.lse, sampled.output, inclusion, uncovered, codes)
+        return Combined(*combine_triton(*parts, quantiles=T_QUANTILES, z=Z, min_sampled=MIN_SAMPLED))
     pi = on_device(inclusion, lse_exact.device).to(torch.float32)
     lse_pages = sampled.lse
     live = torch.isfinite(lse_pages)

@@ -21,7 +21,8 @@ threshold chooses nothing in the later rounds, and its estimate, computed again 
 the same inputs, is the same. ``read_exactly`` is called ``GUARD_ROUNDS + 2`` times a
 layer and must take an all-false mask.
 
-Plain torch; nothing here imports SGLang.
+Plain torch, but for the merge of two softmax parts (``sgl_kernel_ext.merge_parts``:
+a Triton kernel on a GPU, torch elsewhere); nothing here imports SGLang.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from sgl_importance.hot_set.estimate import Combined, Outside, Sampled, combine, heavy_pages, negligible_rest
+from sgl_kernel_ext import merge_parts
 
 NEG_INF = float("-inf")
 # Rounds that read the heaviest READ_SHARE of the rest before the guard reads all of it.
@@ -152,17 +154,6 @@ def _combine(
     rest_codes = outside.page_lse.masked_fill(~keep[:, None, :], NEG_INF)
     codes = (rest_codes, rest_codes[..., :width].masked_fill(~kept[:, None, :], NEG_INF))
     return combine(lse, out, Sampled(lse_pages, sampled.output), inclusion, uncovered, codes)
-
-
-def merge_parts(
-    lse_a: torch.Tensor, out_a: torch.Tensor, lse_b: torch.Tensor, out_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two softmax parts over disjoint tokens, as one."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    safe = torch.where(torch.isfinite(lse), lse, 0.0)
-    wa = torch.where(torch.isfinite(lse_a), torch.exp(lse_a - safe), 0.0)[..., None]
-    wb = torch.where(torch.isfinite(lse_b), torch.exp(lse_b - safe), 0.0)[..., None]
-    return lse, wa * out_a + wb * out_b
 
 
 def _choose(which: torch.Tensor, a: Combined, b: Combined) -> Combined:

@@ -1,0 +1,319 @@
+"""The hot-set guard's sampled estimate folded into the exact pages' softmax, with its
+bound, as two Triton launches: the GPU form of ``sgl_importance.hot_set.estimate.combine``.
+
+Per request: the exact part (``lse_exact``, ``out_exact``), the sampled rest pages
+(each page's own lse and output; ``-inf`` lse where a page is not estimated) and the
+sample's inclusion probability ``pi``. The sampled pages stand for the rest with weight
+``1 / pi`` (Horvitz-Thompson); the estimate's variance comes from the sampled pages'
+spread around the combined output, floored by what the key codes' masses of every rest
+page imply, and the bound is a Student's t quantile (by the count of sampled pages)
+times its square root. The math, and the torch reference the tests compare against, is
+``estimate.combine``'s; its constants (the quantile table, ``Z``, ``MIN_SAMPLED``) come
+in as arguments, so this module needs nothing of the caller.
+
+- stage 1, grid ``(n, Hq)``: one query head's combined output, lse and exact share, and
+  its per-head sums (the sampled pages' ``sum ||y_p||^2``, the key codes' squared shares
+  of the rest and of the sample, ``||o_h||^2``) into a small workspace;
+- stage 2, grid ``(n,)``: the request's variance, quantile, bound and relative bound.
+
+Both grids come from the input shapes; nothing is read back to the host.
+
+Nothing here imports SGLang.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+
+from sgl_kernel_ext.plan import next_power_of_2
+from sgl_kernel_ext.scatter import HAS_TRITON
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+# Sampled pages (stage 1) or rest pages one program reads at a time.
+BLOCK_S = 16
+BLOCK_P = 64
+
+# Quantile tables already on a device, by (device, table): built once, not per layer.
+_tables: dict[tuple[str, tuple[tuple[int, float], ...]], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _table(quantiles: Mapping[int, float], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    items = tuple(sorted((int(k), float(v)) for k, v in quantiles.items()))
+    key = (str(device), items)
+    if key not in _tables:
+        dfs = torch.tensor([k for k, _ in items], dtype=torch.int32, device=device)
+        values = torch.tensor([v for _, v in items], dtype=torch.float32, device=device)
+        _tables[key] = (dfs, values)
+    return _tables[key]
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _combine_heads_kernel(
+        LseE,
+        OutE,
+        SLse,
+        SOut,
+        Pi,
+        RestLse,
+        RestS,
+        Out,
+        Lse,
+        Share,
+        Work,
+        hq,
+        num_sampled,
+        num_rest,
+        dv,
+        HAS_CODES: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        rh = row * hq + head
+        neg_inf = float("-inf")
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_DV)
+        mask_d = offs_d < dv
+        pi = tl.load(Pi + row).to(tl.float32)
+
+        # Pass 1: the sampled pages' own softmax (online over page blocks).
+        m = tl.full([], neg_inf, tl.float32)
+        den = tl.zeros([], tl.float32)
+        acc = tl.zeros([BLOCK_DV], tl.float32)
+        for s0 in range(0, num_sampled, BLOCK_S):
+            cols = s0 + offs_s
+            x = tl.load(SLse + rh * num_sampled + cols, mask=cols < num_sampled, other=neg_inf)
+            live = x > neg_inf
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            m_safe = tl.where(m_new > neg_inf, m_new, 0.0)
+            p = tl.where(live, tl.exp(x - m_safe), 0.0)
+            o = tl.load(
+                SOut + (rh * num_sampled + cols[:, None]) * dv + offs_d[None, :],
+                mask=live[:, None] & mask_d[None, :],
+                other=0.0,
+            )
+            scale = tl.where(m > neg_inf, tl.exp(m - m_safe), 0.0)
+            den = den * scale + tl.sum(p, axis=0)
+            acc = acc * scale + tl.sum(p[:, None] * o, axis=0)
+            m = m_new
+        any_sampled = den > 0.0
+        den_safe = tl.where(any_sampled, den, 1.0)
+        out_s = acc / den_safe
+        # Weighted by 1 / pi: the sample stands for the whole remaining rest.
+        lse_s = tl.where(any_sampled, tl.where(m > neg_inf, m, 0.0) + tl.log(den_safe) - tl.log(pi), neg_inf)
+
+        lse_e = tl.load(LseE + rh).to(tl.float32)
+        top = tl.maximum(lse_e, lse_s)
+        top_safe = tl.where(top > neg_inf, top, 0.0)
+        wa = tl.where(lse_e > neg_inf, tl.exp(lse_e - top_safe), 0.0)
+        wb = tl.where(lse_s > neg_inf, tl.exp(lse_s - top_safe), 0.0)
+        total = wa + wb
+        live_total = total > 0.0
+        # The combined lse is 0 where both parts are empty (estimate.combine's convention).
+        lse = tl.where(live_total, top_safe + tl.log(tl.where(live_total, total, 1.0)), 0.0)
+        a = tl.where(lse_e > neg_inf, tl.exp(lse_e - lse), 0.0)
+        b = tl.where(lse_s > neg_inf, tl.exp(lse_s - lse), 0.0)
+        out_e = tl.load(OutE + rh * dv + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        output = a * out_e + b * out_s
+        tl.store(Out + rh * dv + offs_d, output, mask=mask_d)
+        tl.store(Lse + rh, lse)
+        tl.store(Share + rh, a)
+
+        # Pass 2: each sampled page's y_p / D_hat around the combined output.
+        spread = tl.zeros([], tl.float32)
+        x_sampled = tl.zeros([], tl.float32)
+        for s0 in range(0, num_sampled, BLOCK_S):
+            cols = s0 + offs_s
+            mask_s = cols < num_sampled
+            x = tl.load(SLse + rh * num_sampled + cols, mask=mask_s, other=neg_inf)
+            live = x > neg_inf
+            share = tl.where(live, tl.exp(x - lse), 0.0)
+            o = tl.load(
+                SOut + (rh * num_sampled + cols[:, None]) * dv + offs_d[None, :],
+                mask=live[:, None] & mask_d[None, :],
+                other=0.0,
+            )
+            y = share[:, None] * (o - output[None, :])
+            y = tl.where(live[:, None] & mask_d[None, :], y, 0.0)
+            spread += tl.sum(tl.sum(y * y, axis=1), axis=0)
+            if HAS_CODES:
+                c = tl.load(RestS + rh * num_sampled + cols, mask=mask_s, other=neg_inf)
+                xc = tl.where(c > neg_inf, tl.exp(c - lse), 0.0)
+                x_sampled += tl.sum(xc * xc, axis=0)
+        # Pass 3: the key codes' squared shares of every rest page still estimated.
+        x_rest = tl.zeros([], tl.float32)
+        if HAS_CODES:
+            offs_p = tl.arange(0, BLOCK_P)
+            for p0 in range(0, num_rest, BLOCK_P):
+                cols = p0 + offs_p
+                c = tl.load(RestLse + rh * num_rest + cols, mask=cols < num_rest, other=neg_inf)
+                xc = tl.where(c > neg_inf, tl.exp(c - lse), 0.0)
+                x_rest += tl.sum(xc * xc, axis=0)
+        norm_sq = tl.sum(output * output, axis=0)
+        tl.store(Work + rh * 4 + 0, spread)
+        tl.store(Work + rh * 4 + 1, x_sampled)
+        tl.store(Work + rh * 4 + 2, x_rest)
+        tl.store(Work + rh * 4 + 3, norm_sq)
+
+    @triton.jit
+    def _combine_bound_kernel(
+        SLse,
+        Pi,
+        Uncovered,
+        Work,
+        Dfs,
+        Quantiles,
+        Bound,
+        Relative,
+        hq,
+        num_sampled,
+        z,
+        min_sampled,
+        HAS_CODES: tl.constexpr,
+        NUM_QUANTILES: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        neg_inf = float("-inf")
+        inf = float("inf")
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < hq
+        pi = tl.load(Pi + row).to(tl.float32)
+        work = Work + (row * hq + offs_h) * 4
+        spread = tl.load(work + 0, mask=mask_h, other=0.0)
+        norm_sq = tl.load(work + 3, mask=mask_h, other=0.0)
+        variance = (1.0 - pi) / (pi * pi) * tl.sum(spread, axis=0)
+        if HAS_CODES:
+            x_sampled = tl.load(work + 1, mask=mask_h, other=0.0)
+            x_rest = tl.load(work + 2, mask=mask_h, other=0.0)
+            ratio = tl.where(x_sampled > 0.0, spread / tl.maximum(x_sampled, 1e-30), 0.0)
+            variance = tl.maximum(variance, (1.0 - pi) / pi * tl.sum(x_rest * ratio, axis=0))
+
+        # Sampled pages still estimated: a page counts where any query head reads it.
+        count = tl.zeros([], tl.int32)
+        offs_s = tl.arange(0, BLOCK_S)
+        for s0 in range(0, num_sampled, BLOCK_S):
+            cols = s0 + offs_s
+            x = tl.load(
+                SLse + (row * hq + offs_h[:, None]) * num_sampled + cols[None, :],
+                mask=mask_h[:, None] & (cols[None, :] < num_sampled),
+                other=neg_inf,
+            )
+            seen = tl.max(tl.where(x > neg_inf, 1, 0), axis=0)
+            count += tl.sum(seen, axis=0)
+
+        # Student's t for count - 1 degrees of freedom: the largest tabled df not above it.
+        df = count - 1
+        t = tl.load(Quantiles)
+        for i in range(NUM_QUANTILES):
+            t = tl.where(df >= tl.load(Dfs + i), tl.load(Quantiles + i), t)
+        t = tl.where(df > tl.load(Dfs + NUM_QUANTILES - 1), z, t)
+        t = tl.where(df < 1, tl.load(Quantiles), t)
+        bound = t * tl.sqrt(tl.maximum(variance, 0.0))
+
+        size = tl.sqrt(tl.sum(norm_sq, axis=0))
+        gap = tl.where(bound < size, size - bound, 1.0)
+        relative = tl.where(bound < size, bound / gap, inf)
+        relative = tl.where(bound == 0.0, 0.0, relative)
+        too_few = (count < min_sampled) & (pi < 1.0) & (count > 0)
+        uncovered = tl.load(Uncovered + row) != 0
+        relative = tl.where(uncovered | too_few, inf, relative)
+        tl.store(Bound + row, bound)
+        tl.store(Relative + row, relative)
+
+
+def combine_triton(
+    lse_exact: torch.Tensor,
+    out_exact: torch.Tensor,
+    sampled_lse: torch.Tensor,
+    sampled_output: torch.Tensor,
+    inclusion: torch.Tensor,
+    uncovered: torch.Tensor,
+    codes: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    *,
+    quantiles: Mapping[int, float],
+    z: float,
+    min_sampled: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``estimate.combine`` in two Triton launches (GPU; CPU tensors under ``TRITON_INTERPRET=1``).
+
+    Args:
+        lse_exact, out_exact: ``[n, Hq]``, ``[n, Hq, Dv]`` over every page read exactly.
+        sampled_lse, sampled_output: ``[n, Hq, S]``, ``[n, Hq, S, Dv]`` the sampled rest
+            pages still estimated (-inf lse elsewhere).
+        inclusion: ``[n]`` ``pi``; uncovered: bool ``[n]``.
+        codes: the key codes' log-masses of the rest still estimated ``[n, Hq, P]`` and
+            of the sampled pages ``[n, Hq, S]`` (-inf elsewhere), or None.
+        quantiles: Student's t quantile by degrees of freedom (ascending ``df`` from 1);
+            z: the normal's, past the table; min_sampled: fewer sampled pages cannot vouch.
+
+    Returns:
+        (output ``[n, Hq, Dv]``, lse ``[n, Hq]``, exact share ``[n, Hq]``, bound ``[n]``,
+        relative ``[n]``), float32.
+
+    Reads per request and query head (Llama-3.1-8B: Dv 128, float32): each sampled page's
+    lse and output twice (2 x 516 B), the exact part (516 B), each rest page's code lse
+    (4 B); the stage-2 pass reads 16 B per head and the sampled lse again.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("combine_triton needs Triton")
+    n, hq = lse_exact.shape
+    dv = out_exact.shape[-1]
+    num_sampled = sampled_lse.shape[-1]
+    if sampled_output.shape != (n, hq, num_sampled, dv) or out_exact.shape != (n, hq, dv):
+        raise ValueError(
+            f"shapes do not match: lse_exact {tuple(lse_exact.shape)}, out_exact {tuple(out_exact.shape)}, "
+            f"sampled {tuple(sampled_lse.shape)} / {tuple(sampled_output.shape)}"
+        )
+    if 1 not in quantiles:
+        raise ValueError("the quantile table must start at 1 degree of freedom")
+    dev = out_exact.device
+    f32 = torch.float32
+    output = torch.empty(n, hq, dv, dtype=f32, device=dev)
+    lse = torch.empty(n, hq, dtype=f32, device=dev)
+    share = torch.empty(n, hq, dtype=f32, device=dev)
+    bound = torch.empty(n, dtype=f32, device=dev)
+    relative = torch.empty(n, dtype=f32, device=dev)
+    if n == 0 or hq == 0:
+        return output, lse, share, bound, relative
+    work = torch.empty(n, hq, 4, dtype=f32, device=dev)
+    dense = lambda t: t.to(dev, f32).contiguous()  # noqa: E731
+    sampled_lse = dense(sampled_lse)
+    if codes is None:
+        rest_lse = rest_sampled = sampled_lse  # never read
+        num_rest = 0
+    else:
+        rest_lse, rest_sampled = dense(codes[0]), dense(codes[1])
+        num_rest = rest_lse.shape[-1]
+        if rest_sampled.shape != sampled_lse.shape or rest_lse.shape[:2] != (n, hq):
+            raise ValueError(f"codes {tuple(rest_lse.shape)} / {tuple(rest_sampled.shape)} do not match")
+    pi = dense(inclusion)
+    dfs, values = _table(quantiles, dev)
+    _combine_heads_kernel[(n, hq)](
+        dense(lse_exact), dense(out_exact), sampled_lse, dense(sampled_output), pi, rest_lse, rest_sampled,
+        output, lse, share, work,
+        hq, num_sampled, num_rest, dv,
+        HAS_CODES=codes is not None,
+        BLOCK_S=BLOCK_S,
+        BLOCK_P=BLOCK_P,
+        BLOCK_DV=next_power_of_2(dv),
+    )  # fmt: skip
+    _combine_bound_kernel[(n,)](
+        sampled_lse, pi, uncovered.to(dev).to(torch.uint8).contiguous(), work, dfs, values, bound, relative,
+        hq, num_sampled, float(z), int(min_sampled),
+        HAS_CODES=codes is not None,
+        NUM_QUANTILES=dfs.numel(),
+        BLOCK_H=next_power_of_2(hq),
+        BLOCK_S=BLOCK_S,
+    )  # fmt: skip
+    return output, lse, share, bound, relative
