@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO / "test"))  # the test worlds, importable as ``suppo
 
 from sgl_importance.hot_set import HotSetParams  # noqa: E402
 from support.counted_world import END, START, counted_decode  # noqa: E402
-from support.host_syncs import SYNC_KINDS, UPLOAD, HostSyncCounter  # noqa: E402
+from support.host_syncs import ALLOC, SYNC_KINDS, UPLOAD, HostSyncCounter  # noqa: E402
 from support.hot_set_world import PAGE, parents_metadata  # noqa: E402
 
 torch.set_grad_enabled(False)
@@ -102,6 +102,10 @@ def summarise(config: dict, counter: HostSyncCounter, a: argparse.Namespace, tot
         "every_tensor": view(False),
         "device": view(True),
         "uploads_per_step": counter.total(kinds=[UPLOAD]) / steps,
+        "allocs_per_step": counter.total(kinds=[ALLOC], device_only=True) / steps,
+        "allocs_per_layer": sum(counter.total(kinds=[ALLOC], device_only=True, where=w) for w in layers)
+        / steps
+        / len(layers),
         "kept_apart": {f"{where}/{kind}": n for (where, kind), n in sorted(counter.kept_apart().items())},
         "decoder_totals": totals,
     }
@@ -120,11 +124,12 @@ def table(rows: list[dict], a: argparse.Namespace, command: str) -> str:
         "means per decode step. 'start': before the first layer (the plan); 'per layer' / 'max layer': "
         "a layer's forward (KV write, summaries, attend), mean and largest; 'end': the step's bookkeeping "
         "and the next step's plan. 'every tensor' counts calls on any tensor (an upper bound); 'device' "
-        "only those on tensors that would live on the GPU in the server.",
+        "only those on tensors that would live on the GPU in the server. Device allocations: new tensors on the "
+        "device (not views), per step and per layer.",
         "",
         "| backend | guard | release | view | round trips / step | start | per layer | max layer | end "
-        "| uploads / step |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| uploads / step | device allocations / step (per layer) |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         for view in ("every_tensor", "device"):
@@ -140,6 +145,7 @@ def table(rows: list[dict], a: argparse.Namespace, command: str) -> str:
                 f"{v['max_layer']:g}",
                 f"{v['end_step']:g}",
                 f"{r['uploads_per_step']:g}",
+                f"{r['allocs_per_step']:g} ({r['allocs_per_layer']:g})",
             ]
             lines.append("| " + " | ".join(cells) + " |")
     for r in rows:

@@ -21,6 +21,8 @@ The rule, chosen so that it holds on a CPU where every tensor is on the host:
 - A call made by Triton's interpreter (a ``triton`` frame nearer to the call than any
   plugin frame) is the interpreter copying a kernel's arguments, what a compiled
   kernel does not do; kept apart as ``interpreter``.
+- New device tensors (kind ``alloc``, device-aware view only: not views, not written
+  in place) are what a step allocates on the device; reported, not a round trip.
 - Uploads (``torch.tensor``/``as_tensor``/``from_numpy`` from host data) do not block
   the host, but a plan built in Python every layer shows up as them; counted as kind
   ``upload``, reported, and not part of :data:`SYNC_KINDS`.
@@ -76,6 +78,9 @@ SYNC_KINDS = (
     "compare",  # torch.equal / allclose: a Python bool from device data
 )
 UPLOAD = "upload"
+# A new device tensor (not a view, not written in place): what the step allocates on the
+# device, counted in the device-aware view only; reported beside the round trips.
+ALLOC = "alloc"
 
 _ITEM = {"item", "__int__", "__float__", "__index__", "__complex__", "__format__"}
 _CPU = {"cpu", "numpy", "__array__"}
@@ -277,6 +282,8 @@ class HostSyncCounter(TorchFunctionMode):
             # they make a host copy: so does this, and the copy is on the host.
             result = result.clone()
         if lands:
+            if self._counting and result._base is None and not any(result is t for t in inputs):
+                self.events[Event(self.step, self._where, ALLOC, self._site(), True)] += 1
             self._device.add(result)
         elif isinstance(result, (tuple, list)) and from_device and name not in _LEAVE_DEVICE:
             for r in result:

@@ -13,7 +13,7 @@ from collections import Counter
 
 import torch
 
-from support.host_syncs import OUTSIDE, STEP, SYNC_KINDS, UPLOAD, HostSyncCounter
+from support.host_syncs import ALLOC, OUTSIDE, STEP, SYNC_KINDS, UPLOAD, HostSyncCounter
 
 
 def _one_of_each(t: torch.Tensor) -> list:
@@ -160,3 +160,15 @@ def test_paused_counts_nothing_but_still_sees_where_tensors_come_from():
             made.tolist()
         total = made.sum()
     assert counter.total() == 0 and counter.on_device(total)
+
+
+def test_new_device_tensors_are_counted_as_allocations_views_and_in_place_writes_not():
+    counter = HostSyncCounter(roots=(__file__,))
+    with counter:
+        on_device = torch.zeros(6, device=torch.device("cpu"))  # 1
+        grown = on_device + 1  # 2
+        grown.add_(1)  # in place: nothing new
+        grown[1:3]  # a view: nothing new
+        torch.zeros(6)  # on the host: not the device's
+    assert counter.total(kinds=[ALLOC], device_only=True) == 2
+    assert counter.total() == 0  # no round trip among them
