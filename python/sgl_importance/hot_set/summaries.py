@@ -19,9 +19,14 @@ Plain torch; nothing here imports SGLang.
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
+
+# update() merges keys with index_reduce_ (fixed-shape, capture-safe, one pass on a CPU);
+# torch warns once per process that its API is in beta, which a server log need not show.
+warnings.filterwarnings("ignore", message=r"index_reduce\(\) is in beta", category=UserWarning)
 
 
 class PageSummaries:
