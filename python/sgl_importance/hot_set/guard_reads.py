@@ -1,19 +1,25 @@
 """How a guarded layer reads rest pages exactly (``guard.guard_layer``'s reader).
 
-The guard chooses pages by masks over the step's fixed rest list (``page_lists.GuardLists``),
-round after round, without the host looking at what it chose:
+The guard runs every round for every request and chooses pages by masks over the step's
+fixed rest list (``page_lists.GuardLists``). How the chosen pages are read depends on
+where the step runs:
 
-- on CUDA the Triton kernel reads only the chosen pages of the list
-  (``sgl_kernel_ext.masked_page_attention``);
-- elsewhere every rest page's own exact part is computed once per layer and each round
-  merges its chosen ones (``page_parts``, ``merge_page_parts``): the CPU reads the whole
-  rest once per layer (released pages from their host copies), whatever the guard chooses;
-- on CUDA, where a rest page was released to the host pool (``lists.on_host``), the rounds
-  are planned on the host and read only the chosen pages' host copies (``read_staged``):
-  a trip to the host per round, which the round-trip count shows.
+- **the Triton backend** (``importance_triton``, a GPU's): the masked-pages kernel reads
+  only the chosen pages of the list (``sgl_kernel_ext.masked_page_attention``), without
+  the host looking at what was chosen; where a rest page was released to the host pool
+  (``lists.on_host``), the rounds are planned on the host and read only the chosen pages'
+  host copies (``read_staged``): a trip to the host per round, which the round-trip
+  count shows;
+- **the CPU backend** (``importance_torch``, where the device is the host): each round is
+  planned on the host and reads only its chosen pages (``read_staged``), staging released
+  ones from their host copies. A CPU loses nothing by looking at the mask, and reading the
+  whole rest every layer instead (what a sync-free torch path must do) made the guarded
+  step 2.1x slower at 4 x 7.5K tokens (RESULTS.md).
 
 Pages read from their host copy are counted (``pages_read_from_host``) through the
-step's tally. Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
+step's tally. ``sgl_kernel_ext.page_parts`` / ``merge_page_parts`` (every page's own part,
+merged per mask) remain the kernel's torch reference. Plain torch over
+``sgl_kernel_ext``; nothing here imports SGLang.
 """
 
 from __future__ import annotations
@@ -23,16 +29,20 @@ from typing import Any, Callable
 import torch
 
 from sgl_importance.hot_set.page_lists import GuardLists, plan_exact
-from sgl_kernel_ext import masked_page_attention, merge_page_parts, page_parts
+from sgl_kernel_ext import masked_page_attention
 from sgl_kernel_ext.masked_pages import HAS_TRITON
 
 Reader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def reads_with_kernel(q: torch.Tensor) -> bool:
-    """Whether the guard's reads run the Triton kernel: on CUDA (tests run it under
-    Triton's interpreter by replacing this)."""
-    return HAS_TRITON and q.is_cuda
+def reads_with_kernel(decoder: Any) -> bool:
+    """Whether ``decoder`` reads the guard's rounds with the masked-pages kernel: where its
+    exact reader is the Triton backend's (tests force it through this)."""
+    if not HAS_TRITON:
+        return False
+    from sgl_kernel_ext import TritonPageListDecode  # exported only where Triton is
+
+    return isinstance(decoder._read, TritonPageListDecode)
 
 
 def pages_of(pools: Any, layer_id: int, k_pages, v_pages, physical, host_index, host_slots):
@@ -53,15 +63,10 @@ def exact_reader(decoder: Any, layer_id: int, q, k_pages, v_pages, lists: GuardL
     """The guard's reader for one layer of ``decoder`` (a ``HotSetDecoder``): bool
     ``[n, P]`` chosen rest pages -> their exact ``(lse, output)`` (lse -inf and output 0
     for a row with none chosen); see the module docstring for which path runs where."""
-    q_rows = q[lists.outside.rows]
-    if reads_with_kernel(q):
-        if lists.on_host:
-            return lambda chosen: read_staged(decoder, layer_id, q, k_pages, v_pages, lists.host, chosen, run)
+    if reads_with_kernel(decoder) and not lists.on_host:
+        q_rows = q[lists.outside.rows]
         return lambda chosen: masked_page_attention(q_rows, k_pages, v_pages, lists.physical, chosen, **run)
-    pools = decoder.releases.pools
-    keys, values = pages_of(pools, layer_id, k_pages, v_pages, lists.physical, lists.host_index, lists.host_slots)
-    parts = page_parts(q_rows, keys, values, **run)
-    return lambda chosen: merge_page_parts(parts, chosen)
+    return lambda chosen: read_staged(decoder, layer_id, q, k_pages, v_pages, lists.host, chosen, run)
 
 
 def read_staged(decoder: Any, layer_id: int, q, k_pages, v_pages, outside_plan, chosen, run: dict):

@@ -102,7 +102,8 @@ class StepTally:
         tensors = [getattr(self, name) for name in names]
         if not tensors:
             return replace(self)
-        packed = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu()
+        packed = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+        packed = packed.cpu()  # the step's one read back
         host, start = {}, 0
         for name, t in zip(names, tensors):
             # float64 holds these exactly: masses, bools and counts far below 2**53.
