@@ -25,6 +25,7 @@ from .paged import (
     PagedDecodeWorkspace,
     decode_importance_paged,
     plan_from_slots,
+    plan_from_table,
     plan_paged_decode,
 )
 from .plan import DecodeGeometry, decode_geometry, default_num_splits, split_bounds
@@ -51,6 +52,7 @@ __all__ = [
     "merge_parts",
     "merge_parts_torch",
     "plan_from_slots",
+    "plan_from_table",
     "plan_paged_decode",
     "scatter_page_importance",
     "split_bounds",

@@ -166,6 +166,20 @@ def plan_from_slots(
     return _finish_plan(table, tokens, page_size, indptr, table[listed], tokens[listed])
 
 
+def plan_from_table(table: torch.Tensor, tokens: torch.Tensor, page_size: int) -> PagedDecodePlan:
+    """A plan over a fixed table: request ``b`` lists ``table[b]``, each page with
+    ``tokens[b, j]`` valid tokens (0 skips it). Fixed-shape ops only: a table and token
+    counts computed on the device (a mask over a fixed list) never come back to the host.
+
+    Args:
+        table: int64 ``[bs, max_pages]`` page ids; tokens: int ``[bs, max_pages]``.
+    """
+    bs, width = table.shape
+    tokens = tokens.to(torch.int64)
+    indptr = torch.arange(bs + 1, device=table.device) * width
+    return _finish_plan(table, tokens, page_size, indptr, table.reshape(-1), tokens.reshape(-1))
+
+
 def _finish_plan(
     table: torch.Tensor,
     tokens: torch.Tensor,

@@ -52,12 +52,12 @@ def label_attend(world: World, counter: HostSyncCounter) -> None:
     decoder.attend = labelled_attend
 
 
+@pytest.mark.parametrize("kind", ["torch", "triton"])
 @pytest.mark.parametrize("threshold", [0.1, 0.5])
-def test_every_guarded_layers_attend_makes_no_host_round_trip(threshold):
-    # The Triton backend's (a GPU's); the CPU backend plans each round on the host, where
-    # its device is (hot_set/guard_reads.py).
-    pytest.importorskip("triton", reason="triton is not installed")
-    world = guarded_world("triton", threshold)
+def test_every_guarded_layers_attend_makes_no_host_round_trip(kind, threshold):
+    if kind == "triton":
+        pytest.importorskip("triton", reason="triton is not installed")
+    world = guarded_world(kind, threshold)
     counter = HostSyncCounter()
     label_attend(world, counter)
     g = torch.Generator().manual_seed(0)

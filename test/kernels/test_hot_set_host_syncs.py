@@ -7,11 +7,10 @@ test world, every call that would make a GPU wait on the host counted
 
 - **Per layer, 0** — on every tensor (the counter's upper bound: on a CPU a host
   tensor cannot be told from a device one, so nothing is excused): with the guard off,
-  both backends, pages released to the host pool or not; with the guard on, the Triton
-  backend with its rest on the device. Not 0, by design (``hot_set/guard_reads.py``):
+  both backends, pages released to the host pool or not; with the guard on, both
+  backends with the rest on the device. Not 0, by design (``hot_set/guard_reads.py``):
   a guarded layer whose rest pages were released plans each of the guard's rounds on
-  the host (a read back per round), and so does the CPU backend's guard (its device is
-  the host).
+  the host (a read back per round).
 - **Per step, at most 1**, device view (tensors that would live on the GPU), guard off:
   the Triton backend, the GPU's, reads the layers' tally back once where the step ends
   (packed); where it starts it reads nothing (lengths from the host, slots gathered
@@ -69,9 +68,17 @@ def _sites(counter, **match) -> str:
         ("torch", True, 1.0),
         ("triton", False, 1.0),
         ("triton", True, 1.0),
+        ("torch", False, 0.1),
         ("triton", False, 0.1),
     ],
-    ids=["torch-resident", "torch-released", "triton-resident", "triton-released", "triton-resident-guard"],
+    ids=[
+        "torch-resident",
+        "torch-released",
+        "triton-resident",
+        "triton-released",
+        "torch-resident-guard",
+        "triton-resident-guard",
+    ],
 )
 def test_a_layer_never_waits_on_the_host(backend, release, guard):
     counter = _count(backend, guard=guard, release=release)

@@ -6,15 +6,15 @@ where the step runs:
 
 - **the Triton backend** (``importance_triton``, a GPU's): the masked-pages kernel reads
   only the chosen pages of the list (``sgl_kernel_ext.masked_page_attention``), without
-  the host looking at what was chosen; where a rest page was released to the host pool
-  (``lists.on_host``), the rounds are planned on the host and read only the chosen pages'
-  host copies (``read_staged``): a trip to the host per round, which the round-trip
-  count shows;
-- **the CPU backend** (``importance_torch``, where the device is the host): each round is
-  planned on the host and reads only its chosen pages (``read_staged``), staging released
-  ones from their host copies. A CPU loses nothing by looking at the mask, and reading the
-  whole rest every layer instead (what a sync-free torch path must do) made the guarded
-  step 2.1x slower at 4 x 7.5K tokens (RESULTS.md).
+  the host looking at what was chosen;
+- **the CPU backend** (``importance_torch``): its exact reader runs over the same fixed
+  table with the unchosen pages' token counts set to 0, which its C kernel skips
+  (``read_masked``): it reads only the chosen pages and plans nothing per round. Reading
+  every rest page's own part once per layer instead (a torch path that needs no mask
+  support) made the guarded step 2.1x slower at 4 x 7.5K tokens (RESULTS.md);
+- **released rest pages** (``lists.on_host``, either backend): each round is planned on
+  the host and reads only the chosen pages' host copies (``read_staged``): a trip to the
+  host per round, which the round-trip count shows.
 
 Pages read from their host copy are counted (``pages_read_from_host``) through the
 step's tally. ``sgl_kernel_ext.page_parts`` / ``merge_page_parts`` (every page's own part,
@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from sgl_importance.hot_set.page_lists import GuardLists, plan_exact
-from sgl_kernel_ext import masked_page_attention
+from sgl_kernel_ext import masked_page_attention, plan_from_table
 from sgl_kernel_ext.masked_pages import HAS_TRITON
 
 Reader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -63,10 +63,23 @@ def exact_reader(decoder: Any, layer_id: int, q, k_pages, v_pages, lists: GuardL
     """The guard's reader for one layer of ``decoder`` (a ``HotSetDecoder``): bool
     ``[n, P]`` chosen rest pages -> their exact ``(lse, output)`` (lse -inf and output 0
     for a row with none chosen); see the module docstring for which path runs where."""
-    if reads_with_kernel(decoder) and not lists.on_host:
-        q_rows = q[lists.outside.rows]
+    if lists.on_host:
+        return lambda chosen: read_staged(decoder, layer_id, q, k_pages, v_pages, lists.host, chosen, run)
+    q_rows = q[lists.outside.rows]
+    if reads_with_kernel(decoder):
         return lambda chosen: masked_page_attention(q_rows, k_pages, v_pages, lists.physical, chosen, **run)
-    return lambda chosen: read_staged(decoder, layer_id, q, k_pages, v_pages, lists.host, chosen, run)
+    return lambda chosen: read_masked(decoder, q_rows, k_pages, v_pages, lists.physical, chosen, run)
+
+
+def read_masked(decoder: Any, q_rows, k_pages, v_pages, physical: torch.Tensor, chosen: torch.Tensor, run: dict):
+    """The CPU backend's read of the ``chosen`` pages of the fixed list ``physical``: its
+    exact reader over the same table with the unchosen pages' tokens set to 0, which the
+    C kernel skips (it reads only the chosen pages; nothing is planned per round)."""
+    page_size = k_pages.shape[1]
+    plan = plan_from_table(physical, torch.where(chosen, page_size, 0), page_size)
+    res = decoder._read(q_rows, k_pages, v_pages, plan, **run)
+    lse = torch.where(plan.live[:, None], res.lse, float("-inf"))
+    return lse, res.output.float()
 
 
 def read_staged(decoder: Any, layer_id: int, q, k_pages, v_pages, outside_plan, chosen, run: dict):
