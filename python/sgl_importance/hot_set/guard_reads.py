@@ -9,12 +9,12 @@ where the step runs:
   the host looking at what was chosen;
 - **the CPU backend** (``importance_torch``): its exact reader runs over the same fixed
   table with the unchosen pages' token counts set to 0, which its C kernel skips
-  (``read_masked``): it reads only the chosen pages and plans nothing per round. Reading
+  (``read_table``): it reads only the chosen pages and plans nothing per round. Reading
   every rest page's own part once per layer instead (a torch path that needs no mask
   support) made the guarded step 2.1x slower at 4 x 7.5K tokens (RESULTS.md);
-- **released rest pages** (``lists.on_host``, either backend): each round is planned on
-  the host and reads only the chosen pages' host copies (``read_staged``): a trip to the
-  host per round, which the round-trip count shows.
+- **released rest pages** (``lists.on_host``, either backend): the same table, the chosen
+  released pages staged from their host copies (``read_table``): which ones, the host
+  reads back once per round, which the round-trip count shows.
 
 Pages read from their host copy are counted (``pages_read_from_host``) through the
 step's tally. ``sgl_kernel_ext.page_parts`` / ``merge_page_parts`` (every page's own part,
@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from sgl_importance.hot_set.page_lists import GuardLists, plan_exact
+from sgl_importance.hot_set.page_lists import GuardLists
 from sgl_kernel_ext import masked_page_attention, plan_from_table
 from sgl_kernel_ext.masked_pages import HAS_TRITON
 
@@ -63,37 +63,30 @@ def exact_reader(decoder: Any, layer_id: int, q, k_pages, v_pages, lists: GuardL
     """The guard's reader for one layer of ``decoder`` (a ``HotSetDecoder``): bool
     ``[n, P]`` chosen rest pages -> their exact ``(lse, output)`` (lse -inf and output 0
     for a row with none chosen); see the module docstring for which path runs where."""
-    if lists.on_host:
-        return lambda chosen: read_staged(decoder, layer_id, q, k_pages, v_pages, lists.host, chosen, run)
     q_rows = q[lists.outside.rows]
-    if reads_with_kernel(decoder):
+    if reads_with_kernel(decoder) and not lists.on_host:
         return lambda chosen: masked_page_attention(q_rows, k_pages, v_pages, lists.physical, chosen, **run)
-    return lambda chosen: read_masked(decoder, q_rows, k_pages, v_pages, lists.physical, chosen, run)
+    return lambda chosen: read_table(decoder, layer_id, q_rows, k_pages, v_pages, lists, chosen, run)
 
 
-def read_masked(decoder: Any, q_rows, k_pages, v_pages, physical: torch.Tensor, chosen: torch.Tensor, run: dict):
-    """The CPU backend's read of the ``chosen`` pages of the fixed list ``physical``: its
-    exact reader over the same table with the unchosen pages' tokens set to 0, which the
-    C kernel skips (it reads only the chosen pages; nothing is planned per round)."""
+def read_table(decoder: Any, layer_id: int, q_rows, k_pages, v_pages, lists: GuardLists, chosen, run: dict):
+    """The ``chosen`` pages of the fixed rest table, read by the decoder's exact reader over
+    that table with the unchosen pages' token counts set to 0 (skipped). Released chosen
+    pages are staged from their host copies: which ones, the host reads back (once per
+    round, only where the rest has released pages); the table keeps its shape either way,
+    so a step reads the same numbers whether its pages were released or not."""
     page_size = k_pages.shape[1]
-    plan = plan_from_table(physical, torch.where(chosen, page_size, 0), page_size)
-    res = decoder._read(q_rows, k_pages, v_pages, plan, **run)
+    table, extra_k, extra_v = lists.physical, None, None
+    if lists.on_host:
+        picked = chosen.reshape(-1).cpu()[lists.host_index]  # the round's read back: released pages chosen
+        if bool(picked.any()):
+            staged = lists.host_index[picked]
+            slots = lists.host_slots.view(-1, page_size)[picked].reshape(-1)
+            extra_k, extra_v = decoder._staged(layer_id, slots)
+            ids = k_pages.shape[0] + torch.arange(staged.numel())
+            table = table.clone()
+            table.view(-1)[staged.to(table.device)] = ids.to(table.device)
+    plan = plan_from_table(table, torch.where(chosen, page_size, 0), page_size)
+    res = decoder._read(q_rows, k_pages, v_pages, plan, extra_k_pages=extra_k, extra_v_pages=extra_v, **run)
     lse = torch.where(plan.live[:, None], res.lse, float("-inf"))
-    return lse, res.output.float()
-
-
-def read_staged(decoder: Any, layer_id: int, q, k_pages, v_pages, outside_plan, chosen, run: dict):
-    """Exact lse and output of the ``chosen`` outside pages of each planned request,
-    planned on the host (released pages staged from their host copies)."""
-    rows = outside_plan.rows
-    lists: list[torch.Tensor] = []
-    subset = []
-    chosen = chosen.cpu()  # the lists are planned on the host
-    for i, row in enumerate(rows.tolist()):
-        subset.append(decoder._live[row])
-        lists.append(outside_plan.logical[i][chosen[i]].sort().values)
-    plan = plan_exact(subset, lists, k_pages.shape[0], decoder.page_size)
-    extra_k, extra_v = decoder._staged(layer_id, plan.staged_host)
-    res = decoder._read(q[rows], k_pages, v_pages, plan.plan, extra_k_pages=extra_k, extra_v_pages=extra_v, **run)
-    lse = torch.where(plan.plan.live.to(res.lse.device)[:, None], res.lse, float("-inf"))
     return lse, res.output.float()
