@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from sgl_importance.hot_set.estimate import on_device
 from sgl_importance.hot_set.guard_budget import KVShape, describe, guard_budget
 from sgl_importance.importance.page_importance import PageImportanceTable
 from sgl_importance.runtime import Runtime
@@ -142,7 +143,9 @@ class HotSetAttention:
         # read this step (its estimate ranks it for promotion, never as importance).
         device = self.page_importance.device
         self.page_importance.add_layer(
-            _on(device, result.importance.float()), _on(device, result.kv_indptr), _on(device, result.kv_indices)
+            on_device(result.importance.float(), device),
+            on_device(result.kv_indptr, device),
+            on_device(result.kv_indices, device),
         )
         return out
 
@@ -202,12 +205,6 @@ def eager_with_hot_set_requests(config: Any, original: Callable[..., bool], runn
     ):
         return False
     return original(runner, forward_batch)
-
-
-def _on(device: torch.device, t: torch.Tensor) -> torch.Tensor:
-    """``t`` on ``device``; no call where it is there already (on a GPU the step's results
-    and the page importance table share the device: nothing moves)."""
-    return t if t.device == torch.device(device) else t.to(device)
 
 
 def build_hot_set(

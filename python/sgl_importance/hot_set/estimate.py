@@ -49,7 +49,7 @@ from typing import Optional
 import torch
 
 from sgl_importance.hot_set.key_codes import ROUNDING_MARGIN, GuardPool, steps
-from sgl_kernel_ext import HAS_TRITON, key_code_pages
+from sgl_kernel_ext import HAS_TRITON, key_code_pages, page_parts
 
 if HAS_TRITON:
     from sgl_kernel_ext import combine_triton
@@ -244,20 +244,8 @@ def sampled_pages(
         keys, values: ``[n, S, page_size, Hkv, D]`` the pages' K and V.
         valid: bool ``[n, S]``.
     """
-    n, hq, d = q.shape
-    hkv = keys.shape[3]
-    g = hq // hkv
-    qf = (q.float() * sm_scale).view(n, hkv, g, d).transpose(0, 1)  # [Hkv, n, g, D]
-    k = keys.float().permute(3, 0, 1, 2, 4)  # [Hkv, n, S, ps, D]
-    v = values.float().permute(3, 0, 1, 2, 4)
-    logits = torch.matmul(qf[:, :, None], k.transpose(-1, -2))  # [Hkv, n, S, g, ps]
-    if logit_cap > 0:
-        logits = torch.tanh(logits / logit_cap) * logit_cap
-    lse = torch.logsumexp(logits, dim=-1)  # [Hkv, n, S, g]
-    weights = torch.exp(logits - lse[..., None])
-    out = torch.matmul(weights, v)  # [Hkv, n, S, g, Dv]
-    lse = lse.masked_fill(~on_device(valid, q.device)[None, :, :, None], NEG_INF)
-    return Sampled(_per_q_head(lse.transpose(2, 3), n, hq), _per_q_head(out.transpose(2, 3), n, hq))
+    parts = page_parts(q, keys, values, sm_scale=sm_scale, logit_cap=logit_cap)  # each page on its own
+    return Sampled(parts.lse.masked_fill(~on_device(valid, q.device)[:, None, :], NEG_INF), parts.output)
 
 
 @dataclass
