@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -40,6 +41,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -54,6 +56,10 @@ COMPARE = ROOT / "scripts" / "compare_greedy.py"
 # 120 GB free on the H200's machine, 2026-11-26).
 TINY_ARGS = ["--dtype", "float32", "--max-total-tokens", "65536"]
 STAGES = ("env", "kernels", "serve", "speed", "kbench")
+# Decode CUDA graphs on torch_cuda (prefill graphs stay off there); a small captured range
+# keeps the capture short.
+DECODE_GRAPHS = ["--cuda-graph-backend-decode", "full", "--cuda-graph-max-bs-decode", "8"]
+GRAPH_LINE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?(?:cuda|cpu) graph: (True|False)")
 
 
 class Run:
@@ -202,11 +208,23 @@ def tokenizer_dir() -> str:
     return model_path()
 
 
+def graph_flags(run: Run) -> list[str]:
+    return [] if run.rehearse else DECODE_GRAPHS
+
+
+def graph_steps(log: str) -> dict:
+    """Decode log lines by whether the step replayed a CUDA graph: {"True": n, "False": m}."""
+    counts = {"True": 0, "False": 0}
+    for m in GRAPH_LINE.finditer(log):
+        counts[m.group(2)] += 1
+    return counts
+
+
 def serve_dense(run: Run, model: str) -> dict:
     from sgl_importance.client import chat
     from sgl_importance.local_server import LocalServer, start_with_retry
 
-    args = [*TINY_ARGS, "--attention-backend", run.backend]
+    args = [*TINY_ARGS, "--attention-backend", run.backend, "--decode-log-interval", "1", *graph_flags(run)]
     server = start_with_retry(
         lambda: LocalServer(model, args, run.logs / "server_dense.log", platform=run.platform), timeout=240
     )
@@ -216,9 +234,11 @@ def serve_dense(run: Run, model: str) -> dict:
         answer = chat(server.url, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=16,
                       temperature=0)  # fmt: skip
         text = answer["choices"][0]["message"]["content"]
+        steps = graph_steps(server.log())
     finally:
         server.stop()
-    return {"greedy_equal": proc.returncode == 0, "compare": proc.stdout.strip()[-1500:], "chat": text}
+    return {"greedy_equal": proc.returncode == 0, "compare": proc.stdout.strip()[-1500:], "chat": text,
+            "graph_args": graph_flags(run), "decode_steps_by_graph": steps}  # fmt: skip
 
 
 def long_prompt(tokens: int) -> str:
@@ -235,7 +255,8 @@ def serve_tiered(run: Run, model: str, name: str, extra: list[str]) -> dict:
     from sgl_importance.local_server import LocalServer, metric, start_with_retry
 
     args = [*TINY_ARGS, "--page-size", "16", "--attention-backend", run.backend, "--enable-metrics",
-            "--enable-hierarchical-cache", "--hicache-ratio", "2", *extra]  # fmt: skip
+            "--enable-hierarchical-cache", "--hicache-ratio", "2", "--decode-log-interval", "1",
+            *graph_flags(run), *extra]  # fmt: skip
     server = start_with_retry(
         lambda: LocalServer(model, args, run.logs / f"server_{name}.log", platform=run.platform), timeout=240
     )
@@ -246,11 +267,23 @@ def serve_tiered(run: Run, model: str, name: str, extra: list[str]) -> dict:
             out = generate(server.url, text=prompt, sampling_params=greedy(24))
             answers.append({"tokens": out["meta_info"]["completion_tokens"],
                             "cached": out["meta_info"].get("cached_tokens"), "text": out["text"][:80]})  # fmt: skip
+        # Short requests alone (graph replays where graphs are on), then beside the long one
+        # (the batch runs eagerly); the short answers must not change.
+        short = "Name three colours of the rainbow."
+        alone = [generate(server.url, text=short, sampling_params=greedy(24))["text"] for _ in range(2)]
+        mark = len(server.log())
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(generate, server.url, text=t, sampling_params=greedy(n))
+                       for t, n in ((prompt, 48), (short, 24), (short, 24))]  # fmt: skip
+            beside = [f.result()["text"] for f in futures]
+        result_mixed = {"short_alone_equal": len(set(alone)) == 1, "short_beside_long_equal": beside[1:] == alone,
+                        "steps_alone_and_before": graph_steps(server.log()[:mark]),
+                        "steps_mixed": graph_steps(server.log()[mark:])}  # fmt: skip
         scrape = metrics_text(server.url)
         series = {
             line.split("{")[0].split(" ")[0] for line in scrape.splitlines() if line.startswith("sgl_importance:")
         }
-        result = {"answers": answers, "plugin_series": sorted(series)[:40]}
+        result = {"answers": answers, "mixed": result_mixed, "plugin_series": sorted(series)[:40]}
         for key in ("sgl_importance:hot_set_pages_attended_total", "sgl_importance:hot_set_pages_dense_total",
                     "sgl_importance:hot_set_pages_released_total", "sgl_importance:hot_set_guard_reads_total",
                     "sgl_importance:hot_set_guard_checks_total", "sgl_importance:folded_steps_total"):  # fmt: skip
@@ -280,32 +313,50 @@ def stage_serve(run: Run) -> dict:
 
 
 def stage_speed(run: Run) -> dict:
+    """bench_speed per graph mode in ``run.speed_graphs`` ("off": eager, as SGLang's
+    torch_cuda default; "on": decode graphs, which hot-set batches skip)."""
     folder = Path("/tmp/sgl-importance-dummy")
     shape = "smollm2" if run.rehearse else "llama-8b"
     proc = run.sh([sys.executable, str(MAKE_MODELS), "dummy", "--shape", shape, "--out", str(folder),
                    "--tokenizer-from", tokenizer_dir()], "make_dummy.log", 60)  # fmt: skip
     if proc.returncode != 0:
         raise RuntimeError(f"dummy model: {proc.stderr.strip()[-500:]}")
-    speed_out = run.logs / "speed"
     if run.rehearse:
         grid = ["--lengths", "1024", "--batches", "1,2", "--new-tokens", "16", "--dtype", "float32",
                 "--configs", "sglang-torch_native,dense,hot-20,hot-20-guard", "--threshold", "512"]  # fmt: skip
     else:
-        grid = ["--lengths", "8192,32768", "--batches", "1,8", "--new-tokens", "64", "--dtype", "bfloat16",
-                "--configs", "sglang-triton,dense,hot-20,hot-20-guard"]  # fmt: skip
-    cmd = [sys.executable, "-m", "benchmark.long_context.bench_speed", "--platform", run.platform,
-           "--model-path", str(folder), "--server-args", "--load-format dummy --skip-tokenizer-init",
-           "--no-hicache", "--out", str(speed_out), *grid]  # fmt: skip
-    proc = run.sh(cmd, "speed.log", timeout=run.left() - 20)
-    results = speed_out / "results.json"
-    if not results.is_file():  # cut short: the rows measured so far
-        results = speed_out / "rows-partial.json"
-    rows = json.loads(results.read_text()) if results.is_file() else None
-    for name in ("RESULTS.md", "speed.png"):  # beside results.json, so they come back on their own
-        if (speed_out / name).is_file():
-            shutil.copy2(speed_out / name, run.out / f"speed_{name}")
-    table = (speed_out / "RESULTS.md").read_text() if (speed_out / "RESULTS.md").is_file() else proc.stdout[-3000:]
-    return {"returncode": proc.returncode, "rows": rows, "table": table}
+        grid = ["--lengths", run.speed_lengths, "--batches", "1,8", "--new-tokens", "32", "--dtype", "bfloat16"]
+    out: dict[str, Any] = {}
+    for mode in run.speed_graphs:
+        if run.left() < 60:
+            out[mode] = {"status": "skipped", "why": "no time left"}
+            continue
+        speed_out = run.logs / f"speed_graphs_{mode}"
+        server_args = "--load-format dummy --skip-tokenizer-init"
+        if mode == "on" and not run.rehearse:
+            server_args += " " + " ".join(DECODE_GRAPHS)
+        cmd = [sys.executable, "-m", "benchmark.long_context.bench_speed", "--platform", run.platform,
+               "--model-path", str(folder), "--server-args", server_args,
+               "--no-hicache", "--out", str(speed_out), *grid]  # fmt: skip
+        if not run.rehearse:
+            cmd += ["--configs", run.speed_configs[mode]]
+        try:
+            proc = run.sh(cmd, f"speed_graphs_{mode}.log", timeout=run.left() - 20)
+            code, tail = proc.returncode, proc.stdout[-3000:]
+        except TimeoutError as e:
+            code, tail = None, str(e)
+        results = speed_out / "results.json"
+        if not results.is_file():  # cut short: the rows measured so far
+            results = speed_out / "rows-partial.json"
+        rows = json.loads(results.read_text()) if results.is_file() else None
+        for name in ("RESULTS.md", "speed.png"):  # beside results.json, so they come back on their own
+            if (speed_out / name).is_file():
+                shutil.copy2(speed_out / name, run.out / f"speed_graphs_{mode}_{name}")
+        table = (speed_out / "RESULTS.md").read_text() if (speed_out / "RESULTS.md").is_file() else tail
+        brief = [{k: r.get(k) for k in ("config", "length", "batch", "step_s", "hot_ratio")} for r in rows or []
+                 if isinstance(r, dict)]  # fmt: skip
+        out[mode] = {"returncode": code, "rows": rows, "brief": brief, "table": table}
+    return out
 
 
 def stage_kbench(run: Run) -> dict:
@@ -336,8 +387,10 @@ def summary(run: Run) -> str:
     lines = [f"# GPU run ({run.platform}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(run.start))})", ""]
     for name, result in run.results["stages"].items():
         lines.append(f"## {name}: {result.get('status')} ({result.get('seconds', 0)} s)")
-        if name == "speed" and result.get("table"):
-            lines.append(result["table"])
+        if name == "speed":
+            for mode, r in result.items():
+                if isinstance(r, dict):
+                    lines.append(f"### graphs {mode}\n" + json.dumps(r.get("brief") or r.get("table") or r, default=str)[:3000])
         else:
             brief = {k: v for k, v in result.items() if k not in ("status", "seconds", "rows", "table")}
             lines.append("```\n" + json.dumps(brief, indent=1, default=str)[:4000] + "\n```")
@@ -353,8 +406,17 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=400, help="the whole run's seconds (stages past it are skipped)")
     ap.add_argument("--kernels-select", help="pytest -k expression for the kernel tests (default: all)")
     ap.add_argument("--kernels-timeout-s", type=float, default=180, help="the kernel tests' seconds, from their start")
+    ap.add_argument("--speed-lengths", default="8192,32768", help="bench_speed --lengths on the GPU")
+    ap.add_argument("--speed-configs", default="dense,hot-20,hot-20-guard", help="bench_speed --configs, graphs off")
+    ap.add_argument("--speed-configs-graphs", default="dense,hot-20,sglang-triton", help="the same, graphs on")
+    ap.add_argument("--speed-graphs", default="off,on", help="decode graph modes, in order: off, on")
     a = ap.parse_args()
     run = Run(a.out, a.rehearse, a.budget_s)
+    run.speed_lengths = a.speed_lengths
+    run.speed_configs = {"off": a.speed_configs, "on": a.speed_configs_graphs}
+    run.speed_graphs = [m for m in a.speed_graphs.split(",") if m]
+    if set(run.speed_graphs) - {"off", "on"}:
+        ap.error("--speed-graphs: off and/or on")
     wanted = a.stages.split(",")
     unknown = set(wanted) - set(STAGES)
     if unknown:

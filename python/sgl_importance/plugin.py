@@ -102,7 +102,7 @@ HOOKS = (
     Hook("mem_cache.memory_pool.can_use_store_cache", "platform.torch_cuda:no_compiled_kernel", "around", "torch_cuda"),
     Hook("mem_cache.pool_host.mha.can_use_hicache_jit_kernel", "platform.torch_cuda:no_compiled_kernel", "around", "torch_cuda"),
     Hook("layers.dual_gemm.DualGemm._select_mode", "platform.torch_cuda:no_dual_gemm", "around", "torch_cuda"),
-    Hook("server_args.ServerArgs.from_cli_args", "platform.torch_cuda:no_graphs", "check", "torch_cuda"),
+    Hook("server_args.ServerArgs.from_cli_args", "platform.torch_cuda:graph_backends", "check", "torch_cuda"),
 )  # fmt: skip
 
 

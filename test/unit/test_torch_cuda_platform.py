@@ -198,17 +198,30 @@ def test_the_plugin_loads_whichever_platform_is_selected(monkeypatch, selected):
     assert {ep.value for ep in loaded if ep.name == "importance"} == {"sgl_importance.plugin:load"}
 
 
-def test_cuda_graphs_are_off_in_the_launchers_flags_unless_a_backend_was_chosen():
+def test_launcher_flags_keep_prefill_graphs_off_and_decode_graphs_only_when_asked():
     import argparse
 
     from sglang.srt.server_args import ServerArgs
 
-    from sgl_importance.platform.torch_cuda import no_graphs
+    from sgl_importance.platform.torch_cuda import graph_backends
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(["--model-path", "m"])
-    no_graphs(args)
+    graph_backends(args)
     assert (args.cuda_graph_backend_prefill, args.cuda_graph_backend_decode) == ("disabled", "disabled")
-    with pytest.raises(ValueError, match="--cuda-graph-backend-decode 'full'.*torch_cuda"):
-        no_graphs(parser.parse_args(["--model-path", "m", "--cuda-graph-backend-decode", "full"]))
+    args = parser.parse_args(["--model-path", "m", "--cuda-graph-backend-decode", "full"])
+    graph_backends(args)
+    assert (args.cuda_graph_backend_prefill, args.cuda_graph_backend_decode) == ("disabled", "full")
+    with pytest.raises(ValueError, match="--cuda-graph-backend-decode 'breakable'.*torch_cuda"):
+        graph_backends(parser.parse_args(["--model-path", "m", "--cuda-graph-backend-decode", "breakable"]))
+    with pytest.raises(ValueError, match="--cuda-graph-backend-prefill 'full'.*torch_cuda"):
+        graph_backends(parser.parse_args(["--model-path", "m", "--cuda-graph-backend-prefill", "full"]))
+
+
+def test_decode_graphs_asked_for_stay_on_and_prefill_graphs_stay_off(platform):
+    args = server_args(cuda_graph_backend_decode="full")
+    platform.apply_server_args_defaults(args)
+    assert (args.disable_cuda_graph, args.disable_decode_cuda_graph, args.disable_prefill_cuda_graph) == (
+        False, False, True,
+    )  # fmt: skip

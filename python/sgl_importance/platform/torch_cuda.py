@@ -31,7 +31,8 @@ DEFAULT_ATTENTION_BACKEND = "importance_triton"
 # sgl_kernel, FlashInfer or FlashAttention wheels that this platform does without.
 ATTENTION_BACKENDS = ("importance_triton", "importance_torch", "triton", "torch_native")
 SAMPLING_BACKEND = "pytorch"
-GRAPHS_OFF = "disabled"  # SGLang's --cuda-graph-backend-{prefill,decode} value
+GRAPHS_OFF = "disabled"  # SGLang's --cuda-graph-backend-{prefill,decode} values
+DECODE_GRAPHS = "full"
 
 logger = logging.getLogger(__name__)
 
@@ -63,25 +64,29 @@ def no_compiled_kernel(original: Any) -> bool:
     return False
 
 
-def no_graphs(args: Any) -> None:
-    """Launcher check: CUDA graphs off for prefill and decode, unless the user chose a backend.
+def graph_backends(args: Any) -> None:
+    """Launcher check: no prefill graphs; decode graphs only when asked for (``full``).
 
     SGLang resolves its graph configuration before it asks the platform for defaults, so
     ``apply_server_args_defaults`` is too late for it (seen on an H200: the prefill graph
-    was captured and failed); the launcher's parsed flags are where to say it.
+    was captured and failed); the launcher's parsed flags are where to say it. Decode
+    graphs stay off unless ``--cuda-graph-backend-decode full`` is given: SGLang's
+    native ops capture there, but the platform has run them on one card only
+    (benchmark/gpu/RESULTS.md).
 
     Raises:
-        ValueError: a graph backend other than ``disabled`` was asked for.
+        ValueError: a prefill graph backend, or a decode backend other than ``full``
+            or ``disabled``, was asked for.
     """
-    for flag in ("cuda_graph_backend_prefill", "cuda_graph_backend_decode"):
+    for flag, allowed in (("cuda_graph_backend_prefill", (GRAPHS_OFF,)),
+                          ("cuda_graph_backend_decode", (GRAPHS_OFF, DECODE_GRAPHS))):  # fmt: skip
         chosen = getattr(args, flag, None)
-        if chosen not in (None, GRAPHS_OFF):
+        if chosen is not None and chosen not in allowed:
             raise ValueError(
-                f"--{flag.replace('_', '-')} {chosen!r}: CUDA graphs are not supported on the "
-                f"torch_cuda platform yet (it runs without SGLang's compiled kernels); leave it unset "
-                f"or use {GRAPHS_OFF!r}"
+                f"--{flag.replace('_', '-')} {chosen!r}: not supported on the torch_cuda platform "
+                f"(it runs without SGLang's compiled kernels); use {' or '.join(map(repr, allowed))}"
             )
-        setattr(args, flag, GRAPHS_OFF)
+        setattr(args, flag, chosen or GRAPHS_OFF)
 
 
 def no_dual_gemm(original: Any) -> None:
@@ -95,9 +100,9 @@ class TorchCudaPlatform(CudaDeviceMixin, SRTPlatform):
     _enum = PlatformEnum.OOT
     device_name = "cuda"
     device_type = "cuda"
-    # Triton launches here. No graphs yet (SGLang's capture, without sgl_kernel, failed on
-    # an H200: benchmark/gpu/RESULTS.md), no sgl_kernel HiCache kernels, and PyNccl is not
-    # needed for one GPU.
+    # Triton launches here. No prefill graphs (SGLang's breakable capture, without sgl_kernel,
+    # failed on an H200: benchmark/gpu/RESULTS.md), decode graphs on request, no sgl_kernel
+    # HiCache kernels, and PyNccl is not needed for one GPU.
     capabilities = PlatformCapabilities(supports_triton=True)
 
     def get_device(self, device_id: int = 0) -> str:
@@ -122,10 +127,11 @@ class TorchCudaPlatform(CudaDeviceMixin, SRTPlatform):
                 f"torch_cuda platform (it needs FlashInfer); use {SAMPLING_BACKEND!r}"
             )
         server_args.sampling_backend = SAMPLING_BACKEND
-        if not server_args.disable_cuda_graph:
-            logger.info("torch_cuda: CUDA graphs are off on this platform for now")
-        server_args.disable_cuda_graph = True
-        server_args.disable_decode_cuda_graph = True
+        decode_graphs = getattr(server_args, "cuda_graph_backend_decode", None) == DECODE_GRAPHS
+        if not decode_graphs:
+            logger.info("torch_cuda: CUDA graphs off (--cuda-graph-backend-decode full captures decode batches)")
+        server_args.disable_cuda_graph = not decode_graphs
+        server_args.disable_decode_cuda_graph = not decode_graphs
         server_args.disable_prefill_cuda_graph = True
         server_args.disable_custom_all_reduce = True
         if server_args.enable_hierarchical_cache:
