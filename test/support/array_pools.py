@@ -73,13 +73,15 @@ class ArrayPools:
 
     def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         with torch._C.DisableTorchFunction():
-            self.hk[:, host_slots] = self.k[:, device_slots]
-            self.hv[:, host_slots] = self.v[:, device_slots]
+            src, dst = device_slots.to(self.k.device), host_slots.to(self.hk.device)
+            self.hk[:, dst] = self.k[:, src].to(self.hk.device)
+            self.hv[:, dst] = self.v[:, src].to(self.hv.device)
 
     def to_device(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         with torch._C.DisableTorchFunction():
-            self.k[:, device_slots] = self.hk[:, host_slots]
-            self.v[:, device_slots] = self.hv[:, host_slots]
+            src, dst = host_slots.to(self.hk.device), device_slots.to(self.k.device)
+            self.k[:, dst] = self.hk[:, src].to(self.k.device)
+            self.v[:, dst] = self.hv[:, src].to(self.v.device)
 
     def host_layer(self, layer_id: int, host_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch._C.DisableTorchFunction():

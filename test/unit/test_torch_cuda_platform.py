@@ -225,3 +225,12 @@ def test_decode_graphs_asked_for_stay_on_and_prefill_graphs_stay_off(platform):
     assert (args.disable_cuda_graph, args.disable_decode_cuda_graph, args.disable_prefill_cuda_graph) == (
         False, False, True,
     )  # fmt: skip
+
+
+def test_decode_graphs_capture_with_sglangs_own_cuda_runner(platform):
+    # SGLang captures a decode graph on an out-of-tree platform only when it declares
+    # graph_capture and names its runner (a GPU run with neither captured nothing).
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+    assert platform.capabilities.graph_capture
+    assert platform.get_graph_runner_cls() is DecodeCudaGraphRunner

@@ -103,11 +103,18 @@ class TorchCudaPlatform(CudaDeviceMixin, SRTPlatform):
     # Triton launches here. No prefill graphs (SGLang's breakable capture, without sgl_kernel,
     # failed on an H200: benchmark/gpu/RESULTS.md), decode graphs on request, no sgl_kernel
     # HiCache kernels, and PyNccl is not needed for one GPU.
-    capabilities = PlatformCapabilities(supports_triton=True)
+    capabilities = PlatformCapabilities(supports_triton=True, graph_capture=True)
 
     def get_device(self, device_id: int = 0) -> str:
         # SGLang's server-args resolution splits the answer as a string ("cuda:0").
         return f"cuda:{device_id}"
+
+    def get_graph_runner_cls(self) -> type:
+        # SGLang's own CUDA decode runner (full graphs of its native ops); consulted only
+        # when --cuda-graph-backend-decode full asked for capture (graph_backends).
+        from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+        return DecodeCudaGraphRunner
 
     def get_default_attention_backend(self) -> str:
         return DEFAULT_ATTENTION_BACKEND
