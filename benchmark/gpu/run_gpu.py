@@ -333,8 +333,8 @@ def stage_speed(run: Run) -> dict:
             continue
         speed_out = run.logs / f"speed_graphs_{mode}"
         server_args = "--load-format dummy --skip-tokenizer-init"
-        if mode == "on" and not run.rehearse:
-            server_args += " " + " ".join(DECODE_GRAPHS)
+        if not run.rehearse:  # torch_cuda captures decode graphs unless told not to
+            server_args += " " + (" ".join(DECODE_GRAPHS) if mode == "on" else "--cuda-graph-backend-decode disabled")
         cmd = [sys.executable, "-m", "benchmark.long_context.bench_speed", "--platform", run.platform,
                "--model-path", str(folder), "--server-args", server_args,
                "--no-hicache", "--out", str(speed_out), *grid]  # fmt: skip

@@ -458,8 +458,10 @@ class _Gather:
         if self.staged is not None:
             where = self.staged[:, c0:c1].reshape(-1).nonzero().squeeze(1)
             if where.numel():
-                extra_ids = self.table[:, c0:c1].reshape(-1)[where] - num_pages
-                raw[where] = self.extra.view(self.extra.shape[0], -1).index_select(0, extra_ids).to(raw.dtype)
+                # Staged pages may live on the host (a released page read from its copy).
+                extra_ids = (self.table[:, c0:c1].reshape(-1)[where] - num_pages).to(self.extra.device)
+                staged = self.extra.view(self.extra.shape[0], -1).index_select(0, extra_ids)
+                raw[where] = staged.to(raw.device, raw.dtype)
         if raw.dtype != torch.float32:
             got = self.ws.get(self.name, raw.shape, torch.float32, raw.device)
             got.copy_(raw)

@@ -116,12 +116,14 @@ def platform():
     return TorchCudaPlatform()
 
 
-def test_defaults_pick_triton_importance_attention_torch_sampling_and_no_graphs(platform):
+def test_defaults_pick_triton_importance_attention_torch_sampling_and_decode_graphs_only(platform):
     args = server_args()
     platform.apply_server_args_defaults(args)
     assert args.attention_backend == "importance_triton"
     assert args.sampling_backend == "pytorch"
-    assert (args.disable_cuda_graph, args.disable_decode_cuda_graph, args.disable_prefill_cuda_graph) == (True,) * 3
+    assert (args.disable_cuda_graph, args.disable_decode_cuda_graph, args.disable_prefill_cuda_graph) == (
+        False, False, True,
+    )  # fmt: skip
     assert args.device == "cuda"
     assert platform.get_default_attention_backend() == "importance_triton"
     assert str(platform.get_group_coordinator_device(1)) == "cuda:1"
@@ -198,7 +200,7 @@ def test_the_plugin_loads_whichever_platform_is_selected(monkeypatch, selected):
     assert {ep.value for ep in loaded if ep.name == "importance"} == {"sgl_importance.plugin:load"}
 
 
-def test_launcher_flags_keep_prefill_graphs_off_and_decode_graphs_only_when_asked():
+def test_launcher_flags_capture_decode_graphs_unless_turned_off_and_never_prefill_graphs():
     import argparse
 
     from sglang.srt.server_args import ServerArgs
@@ -207,24 +209,33 @@ def test_launcher_flags_keep_prefill_graphs_off_and_decode_graphs_only_when_aske
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    args = parser.parse_args(["--model-path", "m"])
-    graph_backends(args)
-    assert (args.cuda_graph_backend_prefill, args.cuda_graph_backend_decode) == ("disabled", "disabled")
-    args = parser.parse_args(["--model-path", "m", "--cuda-graph-backend-decode", "full"])
-    graph_backends(args)
-    assert (args.cuda_graph_backend_prefill, args.cuda_graph_backend_decode) == ("disabled", "full")
+
+    def resolved(*flags):
+        args = parser.parse_args(["--model-path", "m", *flags])
+        graph_backends(args)
+        return args.cuda_graph_backend_prefill, args.cuda_graph_backend_decode
+
+    assert resolved() == ("disabled", "full")
+    assert resolved("--disable-cuda-graph") == ("disabled", "disabled")
+    assert resolved("--disable-decode-cuda-graph") == ("disabled", "disabled")
+    assert resolved("--cuda-graph-backend-decode", "disabled") == ("disabled", "disabled")
+    assert resolved("--cuda-graph-backend-prefill", "disabled") == ("disabled", "full")
     with pytest.raises(ValueError, match="--cuda-graph-backend-decode 'breakable'.*torch_cuda"):
-        graph_backends(parser.parse_args(["--model-path", "m", "--cuda-graph-backend-decode", "breakable"]))
+        resolved("--cuda-graph-backend-decode", "breakable")
     with pytest.raises(ValueError, match="--cuda-graph-backend-prefill 'full'.*torch_cuda"):
-        graph_backends(parser.parse_args(["--model-path", "m", "--cuda-graph-backend-prefill", "full"]))
+        resolved("--cuda-graph-backend-prefill", "full")
 
 
-def test_decode_graphs_asked_for_stay_on_and_prefill_graphs_stay_off(platform):
-    args = server_args(cuda_graph_backend_decode="full")
+@pytest.mark.parametrize(
+    "flags,decode_graphs",
+    [({}, True), ({"cuda_graph_backend_decode": "full"}, True), ({"cuda_graph_backend_decode": "disabled"}, False),
+     ({"disable_cuda_graph": True}, False), ({"disable_decode_cuda_graph": True}, False)],
+)  # fmt: skip
+def test_decode_graphs_stay_on_unless_turned_off_and_prefill_graphs_stay_off(platform, flags, decode_graphs):
+    args = server_args(**flags)
     platform.apply_server_args_defaults(args)
-    assert (args.disable_cuda_graph, args.disable_decode_cuda_graph, args.disable_prefill_cuda_graph) == (
-        False, False, True,
-    )  # fmt: skip
+    want = (not decode_graphs, not decode_graphs, True)
+    assert (args.disable_cuda_graph, args.disable_decode_cuda_graph, args.disable_prefill_cuda_graph) == want
 
 
 def test_decode_graphs_capture_with_sglangs_own_cuda_runner(platform):

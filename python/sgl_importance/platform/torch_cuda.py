@@ -65,19 +65,21 @@ def no_compiled_kernel(original: Any) -> bool:
 
 
 def graph_backends(args: Any) -> None:
-    """Launcher check: no prefill graphs; decode graphs only when asked for (``full``).
+    """Launcher check: decode graphs (``full``) unless turned off; prefill graphs never.
 
     SGLang resolves its graph configuration before it asks the platform for defaults, so
     ``apply_server_args_defaults`` is too late for it (seen on an H200: the prefill graph
     was captured and failed); the launcher's parsed flags are where to say it. Decode
-    graphs stay off unless ``--cuda-graph-backend-decode full`` is given: SGLang's
-    native ops capture there, but the platform has run them on one card only
-    (benchmark/gpu/RESULTS.md).
+    graphs of SGLang's native ops captured and replayed on an H200 with the same greedy
+    output (benchmark/gpu/RESULTS.md); ``--disable-cuda-graph``,
+    ``--disable-decode-cuda-graph`` or ``--cuda-graph-backend-decode disabled`` turn them off.
 
     Raises:
         ValueError: a prefill graph backend, or a decode backend other than ``full``
             or ``disabled``, was asked for.
     """
+    off = getattr(args, "disable_cuda_graph", False) or getattr(args, "disable_decode_cuda_graph", False)
+    defaults = {"cuda_graph_backend_prefill": GRAPHS_OFF, "cuda_graph_backend_decode": GRAPHS_OFF if off else DECODE_GRAPHS}
     for flag, allowed in (("cuda_graph_backend_prefill", (GRAPHS_OFF,)),
                           ("cuda_graph_backend_decode", (GRAPHS_OFF, DECODE_GRAPHS))):  # fmt: skip
         chosen = getattr(args, flag, None)
@@ -86,7 +88,7 @@ def graph_backends(args: Any) -> None:
                 f"--{flag.replace('_', '-')} {chosen!r}: not supported on the torch_cuda platform "
                 f"(it runs without SGLang's compiled kernels); use {' or '.join(map(repr, allowed))}"
             )
-        setattr(args, flag, chosen or GRAPHS_OFF)
+        setattr(args, flag, chosen or defaults[flag])
 
 
 def no_dual_gemm(original: Any) -> None:
@@ -101,7 +103,7 @@ class TorchCudaPlatform(CudaDeviceMixin, SRTPlatform):
     device_name = "cuda"
     device_type = "cuda"
     # Triton launches here. No prefill graphs (SGLang's breakable capture, without sgl_kernel,
-    # failed on an H200: benchmark/gpu/RESULTS.md), decode graphs on request, no sgl_kernel
+    # failed on an H200: benchmark/gpu/RESULTS.md), full decode graphs, no sgl_kernel
     # HiCache kernels, and PyNccl is not needed for one GPU.
     capabilities = PlatformCapabilities(supports_triton=True, graph_capture=True)
 
@@ -134,9 +136,11 @@ class TorchCudaPlatform(CudaDeviceMixin, SRTPlatform):
                 f"torch_cuda platform (it needs FlashInfer); use {SAMPLING_BACKEND!r}"
             )
         server_args.sampling_backend = SAMPLING_BACKEND
-        decode_graphs = getattr(server_args, "cuda_graph_backend_decode", None) == DECODE_GRAPHS
-        if not decode_graphs:
-            logger.info("torch_cuda: CUDA graphs off (--cuda-graph-backend-decode full captures decode batches)")
+        decode_graphs = (
+            getattr(server_args, "cuda_graph_backend_decode", None) in (None, DECODE_GRAPHS)
+            and not server_args.disable_cuda_graph
+            and not server_args.disable_decode_cuda_graph
+        )
         server_args.disable_cuda_graph = not decode_graphs
         server_args.disable_decode_cuda_graph = not decode_graphs
         server_args.disable_prefill_cuda_graph = True
