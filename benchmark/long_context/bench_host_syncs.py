@@ -37,6 +37,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import shlex  # noqa: E402
+from collections import Counter  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -47,7 +48,7 @@ sys.path.insert(0, str(REPO / "test"))  # the test worlds, importable as ``suppo
 
 from sgl_importance.hot_set import HotSetParams  # noqa: E402
 from support.counted_world import END, START, counted_decode  # noqa: E402
-from support.host_syncs import ALLOC, SYNC_KINDS, UPLOAD, HostSyncCounter  # noqa: E402
+from support.host_syncs import ALLOC, LAUNCH, SYNC_KINDS, UPLOAD, HostSyncCounter  # noqa: E402
 from support.hot_set_world import PAGE, parents_metadata  # noqa: E402
 
 torch.set_grad_enabled(False)
@@ -106,9 +107,29 @@ def summarise(config: dict, counter: HostSyncCounter, a: argparse.Namespace, tot
         "allocs_per_layer": sum(counter.total(kinds=[ALLOC], device_only=True, where=w) for w in layers)
         / steps
         / len(layers),
+        "launches": {
+            "per_step": counter.total(kinds=[LAUNCH], device_only=True) / steps,
+            "start": counter.total(kinds=[LAUNCH], device_only=True, where=START) / steps,
+            "per_layer": sum(counter.total(kinds=[LAUNCH], device_only=True, where=w) for w in layers[:-1])
+            / steps
+            / max(len(layers) - 1, 1),
+            "end": counter.total(kinds=[LAUNCH], device_only=True, where=END) / steps,
+            "top_sites_layer_0": [
+                {"site": s, "function": counter.functions.get(s, ""), "per_step": n}
+                for s, n in _launch_sites(counter, "0", steps).most_common(a.top)
+            ],
+        },
         "kept_apart": {f"{where}/{kind}": n for (where, kind), n in sorted(counter.kept_apart().items())},
         "decoder_totals": totals,
     }
+
+
+def _launch_sites(counter: HostSyncCounter, where: str, steps: int) -> Counter:
+    out: Counter = Counter()
+    for e, n in counter.counted(device_only=True).items():
+        if e.kind == LAUNCH and e.where == where:
+            out[e.site] += n / steps
+    return out
 
 
 def name(r: dict) -> str:
@@ -125,11 +146,13 @@ def table(rows: list[dict], a: argparse.Namespace, command: str) -> str:
         "a layer's forward (KV write, summaries, attend), mean and largest; 'end': the step's bookkeeping "
         "and the next step's plan. 'every tensor' counts calls on any tensor (an upper bound); 'device' "
         "only those on tensors that would live on the GPU in the server. Device allocations: new tensors on the "
-        "device (not views), per step and per layer.",
+        "device (not views), per step and per layer. Launches: device kernels issued (torch ops computing "
+        "into a device tensor, Triton kernels), per step and per layer (the layers but the last, which also "
+        "ends the step): on a GPU an eager step's host time grows with them.",
         "",
         "| backend | guard | release | view | round trips / step | start | per layer | max layer | end "
-        "| uploads / step | device allocations / step (per layer) |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| uploads / step | device allocations / step (per layer) | launches / step (start, per layer, end) |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         for view in ("every_tensor", "device"):
@@ -146,6 +169,7 @@ def table(rows: list[dict], a: argparse.Namespace, command: str) -> str:
                 f"{v['end_step']:g}",
                 f"{r['uploads_per_step']:g}",
                 f"{r['allocs_per_step']:g} ({r['allocs_per_layer']:g})",
+                "{per_step:g} ({start:g}, {per_layer:g}, {end:g})".format(**r["launches"]) if view == "device" else "",
             ]
             lines.append("| " + " | ".join(cells) + " |")
     for r in rows:
@@ -159,6 +183,8 @@ def table(rows: list[dict], a: argparse.Namespace, command: str) -> str:
                 "",
             ]
         lines += [f"- {s['per_step']:g}  {s['site']} ({s['function']})" for s in r["device"]["top_sites"]]
+        lines += ["", f"Top launch sites, {name(r)}, layer 0 (launches per step):", ""]
+        lines += [f"- {s['per_step']:g}  {s['site']} ({s['function']})" for s in r["launches"]["top_sites_layer_0"]]
     return "\n".join(lines) + "\n"
 
 

@@ -13,7 +13,8 @@ construction on (paused until the counted steps) so it sees where every tensor c
 
 from __future__ import annotations
 
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import torch
 
@@ -59,13 +60,36 @@ def counted_decode(
 
     hot_set.end_step = labelled_end_step
     bs = len(lengths)
-    for step in range(warmup + steps):
-        kv = [torch.randn(layers, bs, KV_HEADS, DIM, generator=g) for _ in range(2)]
-        q = torch.randn(layers, bs, Q_HEADS, DIM, generator=g) * 2
-        if step < warmup:
-            with counter.paused():
-                world.step(*kv, q, counter=counter)
-            continue
-        counter.begin_step()
-        world.step(*kv, q, counter=counter)
+    with _triton_launches_counted(counter):
+        for step in range(warmup + steps):
+            kv = [torch.randn(layers, bs, KV_HEADS, DIM, generator=g) for _ in range(2)]
+            q = torch.randn(layers, bs, Q_HEADS, DIM, generator=g) * 2
+            if step < warmup:
+                with counter.paused():
+                    world.step(*kv, q, counter=counter)
+                continue
+            counter.begin_step()
+            world.step(*kv, q, counter=counter)
     return counter, world
+
+
+@contextmanager
+def _triton_launches_counted(counter: HostSyncCounter) -> Iterator[None]:
+    """Each Triton kernel launched (under the interpreter) counted as a LAUNCH."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # no Triton: the torch backend launches none
+        yield
+        return
+    run = InterpretedFunction.run
+
+    def counted_run(self, *args, **kwargs):
+        if not kwargs.get("warmup"):
+            counter.launch_kernel(self.__name__)
+        return run(self, *args, **kwargs)
+
+    InterpretedFunction.run = counted_run
+    try:
+        yield
+    finally:
+        InterpretedFunction.run = run

@@ -81,6 +81,11 @@ UPLOAD = "upload"
 # A new device tensor (not a view, not written in place): what the step allocates on the
 # device, counted in the device-aware view only; reported beside the round trips.
 ALLOC = "alloc"
+# A device kernel launch (device-aware view only): a call that computes into a device
+# tensor (a new one, or one written in place), not a view and not an uninitialised
+# allocation, plus each Triton kernel launched (``launch_kernel``). On a GPU an eager
+# step's host time grows with them (each costs microseconds of host time to issue).
+LAUNCH = "launch"
 
 _ITEM = {"item", "__int__", "__float__", "__index__", "__complex__", "__format__"}
 _CPU = {"cpu", "numpy", "__array__"}
@@ -167,6 +172,8 @@ class _Marked:
 
 
 _LEAVE_DEVICE = {"cpu", "numpy", "__array__", "tolist", "item", "pin_memory"}
+# Device calls that launch no kernel: allocation only, or metadata.
+_NO_KERNEL = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "record_stream", "__len__"}
 
 
 def _tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
@@ -276,6 +283,8 @@ class HostSyncCounter(TorchFunctionMode):
         if kind is not None and self._counting:
             self.events[Event(self.step, self._where, kind, self._site(), device)] += 1
         result = func(*args, **kwargs)
+        if self._counting and name not in _NO_KERNEL and self._launches(name, args, kwargs, result, lands):
+            self.events[Event(self.step, self._where, LAUNCH, self._site(), True)] += 1
         lands = lands and isinstance(result, torch.Tensor)
         if isinstance(result, torch.Tensor) and not lands and from_device and any(result is t for t in inputs):
             # On a CPU ``.cpu()``/``.to("cpu")`` hand back the device tensor itself; on a GPU
@@ -290,6 +299,22 @@ class HostSyncCounter(TorchFunctionMode):
                 if isinstance(r, torch.Tensor):
                     self._device.add(r)
         return result
+
+    def _launches(self, name: str, args: tuple, kwargs: dict, result: Any, lands: bool) -> bool:
+        """Whether a call computes into a device tensor (the LAUNCH rule)."""
+        if name == "__setitem__" or (name.endswith("_") and not name.startswith("__")):
+            return bool(args) and isinstance(args[0], torch.Tensor) and args[0] in self._device
+        out = kwargs.get("out")
+        if isinstance(out, torch.Tensor):
+            return out in self._device
+        if not lands or not isinstance(result, torch.Tensor):
+            return False
+        return result._base is None  # a view shares its base's storage: nothing computed
+
+    def launch_kernel(self, name: str) -> None:
+        """Count one Triton kernel launch (the caller hooks the launcher)."""
+        if self._counting:
+            self.events[Event(self.step, self._where, LAUNCH, self._site(through_triton=True), True)] += 1
 
     def _lands_on_device(self, name: str, args: tuple, kwargs: dict, from_device: bool) -> bool:
         """Whether a call's tensor result is on the device (the module's rule)."""
@@ -326,8 +351,9 @@ class HostSyncCounter(TorchFunctionMode):
             self._sites[filename] = name
         return self._sites[filename]
 
-    def _site(self) -> str:
-        """The innermost frame of the code under test, as ``file:line``; or OUTSIDE / INTERPRETER."""
+    def _site(self, through_triton: bool = False) -> str:
+        """The innermost frame of the code under test, as ``file:line``; or OUTSIDE / INTERPRETER
+        (``through_triton``: Triton's own frames are passed over, for its launches)."""
         frame = sys._getframe(2)
         while frame is not None:
             filename = frame.f_code.co_filename
@@ -338,7 +364,7 @@ class HostSyncCounter(TorchFunctionMode):
                 site = f"{ours}:{frame.f_lineno}"
                 self.functions.setdefault(site, frame.f_code.co_name)
                 return site
-            if "/triton/" in filename:
+            if "/triton/" in filename and not through_triton:
                 return INTERPRETER
             frame = frame.f_back
         return OUTSIDE

@@ -232,3 +232,16 @@ def test_the_guard_pool_never_grows_and_a_request_it_cannot_hold_decodes_unguard
     assert pool.capacity == 10 and pool.pages_in_use == 0 and pool.refused == 1
     assert decoder.totals.guard_refused == 1 and decoder.totals.guard_checks == 0
     assert decoder.states["r"].params.guard_threshold == 1.0
+
+
+def test_the_bounds_quantile_is_the_next_smaller_tabled_t_and_the_normals_past_the_table():
+    from sgl_importance.hot_set.estimate import T_QUANTILES, Z, quantile
+
+    # count sampled pages: count - 1 degrees of freedom.
+    cases = {0: T_QUANTILES[1], 1: T_QUANTILES[1], 2: T_QUANTILES[1], 3: T_QUANTILES[2], 11: T_QUANTILES[10],
+             12: T_QUANTILES[10], 13: T_QUANTILES[12], 59: T_QUANTILES[30], 61: T_QUANTILES[60],
+             121: T_QUANTILES[120], 122: Z, 5000: Z}  # fmt: skip
+    for dtype in (torch.int32, torch.int64):
+        got = quantile(torch.tensor(list(cases), dtype=dtype))
+        assert got.dtype == torch.float32
+        assert got.tolist() == pytest.approx(list(cases.values()), rel=1e-6)
