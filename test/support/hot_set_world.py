@@ -123,6 +123,9 @@ class World:
         self.req_to_token = torch.zeros(8, 64 * PAGE, dtype=torch.int32, device=device)
         self.page_importance = PageImportanceTable(num_pages, page_size=PAGE, device=device)
         summaries = PageSummaries(layers, num_pages, KV_HEADS, DIM, page_size=PAGE, device=device)
+        # The Triton backend's world runs what a GPU runs: decode writes summarised by the
+        # one-launch kernel (under the interpreter here).
+        summaries.decode_kernel = kind == "triton"
         exact = TritonPageListDecode() if kind == "triton" else None
         decoder = HotSetDecoder(
             params,

@@ -143,8 +143,9 @@ class ImportanceDecodeSteps:
             seq_lens_cpu = forward_batch.seq_lens.cpu()
         self.hot_set.begin_step(forward_batch.rids, forward_batch.req_pool_indices, seq_lens_cpu, req_to_token)
 
-    def _summarise(self, layer: Any, slots: torch.Tensor) -> None:
-        self.hot_set.kv_written(layer.layer_id, slots, self.token_to_kv_pool.get_key_buffer(layer.layer_id))
+    def _summarise(self, layer: Any, slots: torch.Tensor, decode: bool = False) -> None:
+        key_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        self.hot_set.kv_written(layer.layer_id, slots, key_buffer, decode=decode)
 
     def _decode_with_importance(
         self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, save_kv_cache: bool, sinks: Any
@@ -155,7 +156,7 @@ class ImportanceDecodeSteps:
             self._store_kv(layer, forward_batch, k, v)
         out = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
         if self.hot_set is not None and save_kv_cache:
-            self._summarise(layer, forward_batch.out_cache_loc)
+            self._summarise(layer, forward_batch.out_cache_loc, decode=True)
         if self.hot_set is None or not self.hot_set.in_step:
             # No hot-set step begun: a step SGLang captures or replays as a CUDA graph
             # (none of its requests is past the threshold) reads every page.

@@ -61,14 +61,18 @@ class HotSetAttention:
         self._batch: Optional[tuple[str, ...]] = None
         self._rows: list[int] = []
 
-    def kv_written(self, layer_id: int, slots: torch.Tensor, key_buffer: torch.Tensor) -> None:
+    def kv_written(self, layer_id: int, slots: torch.Tensor, key_buffer: torch.Tensor, decode: bool = False) -> None:
         """Refresh the summaries of the pages holding ``slots`` after a KV write.
 
         Args:
             slots: the token slots just written; key_buffer: the layer's key pool, read
                 back so the summaries follow what the pool stored (its dtype and scaling).
+            decode: a decode step's write (one token per request, each in its own page).
         """
-        self.decoder.summaries.update(layer_id, slots, key_buffer[slots.to(torch.int64)])
+        if decode:
+            self.decoder.summaries.update_decode(layer_id, slots, key_buffer)
+        else:
+            self.decoder.summaries.update(layer_id, slots, key_buffer[slots.to(torch.int64)])
 
     def begin_step(
         self,

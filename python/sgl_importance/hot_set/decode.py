@@ -237,7 +237,8 @@ class HotSetDecoder:
         self._sample = SamplePlan.build(self._live, self._outside, ps)
         device = self.summaries.key_min.device
         self._guard_lists = GuardLists.build(self._live, self._outside, self._sample, ps, device)
-        self._tally = StepTally.for_step(self._live, self._exact, self._outside, device)
+        layers = self.summaries.key_min.shape[0]
+        self._tally = StepTally.for_step(self._live, self._exact, self._outside, device, num_layers=layers)
         self._pool_pages_planned = pool_pages
         prepare = getattr(self._read, "slots", None)
         if prepare is not None:
@@ -332,8 +333,9 @@ class HotSetDecoder:
             q, k_pages, v_pages, exact.plan, sinks=sinks, extra_k_pages=extra_k, extra_v_pages=extra_v, **run
         )
         output = result.output
-        share = q.new_ones(q.shape[:2], dtype=torch.float32)  # exact pages' share of the combined denominator
+        share = None  # the exact pages' share of the combined denominator: all of it, unless a guard combined
         if not guard_lists.empty:
+            share = q.new_ones(q.shape[:2], dtype=torch.float32)
             output = output.clone()
             rows = guard_lists.outside.rows
             combined = self._guard_layer(layer_id, q, k_pages, v_pages, result, guard_lists, run, per_layer)
@@ -458,9 +460,12 @@ def _union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.unique(torch.cat((a, b)))
 
 
-def _rescaled(result: DecodeImportanceOutput, share: torch.Tensor) -> torch.Tensor:
+def _rescaled(result: DecodeImportanceOutput, share: Optional[torch.Tensor]) -> torch.Tensor:
     """Part 1's masses per KV head as the page importance table takes them: of the combined
-    denominator (``share``: the exact pages' share per query head), mean over KV heads."""
+    denominator (``share``: the exact pages' share per query head; None: all of it), mean
+    over KV heads."""
+    if share is None:
+        return result.importance_per_kv_head.mean(-1)
     kv = result.importance_per_kv_head.shape[-1]
     group_share = share.view(share.shape[0], kv, -1).mean(-1)  # [bs, kv]
     return (result.importance_per_kv_head * group_share[:, None, :]).mean(-1)

@@ -50,12 +50,29 @@ class StepTally:
     bound_mass: Optional[torch.Tensor] = None  # float64 [m, Pmax] guard-off rows: largest key-bound mass
     bound_rows: Optional[torch.Tensor] = None  # int64 [m] the guard-off rows of the batch
     bound_log_tokens: Optional[torch.Tensor] = None  # float64 [m, Pmax] log of each page's tokens
+    # What each layer hands the tally, kept until the step's end and reduced there in one
+    # pass over the layers (a per-layer reduction was ~34 device launches a layer: an
+    # eager GPU step is launch-bound). Set to None once reduced (never read back).
+    layer_importance: Optional[torch.Tensor] = None  # [L, bs, W, kv] part 1's per-KV-head masses
+    layer_share: Optional[torch.Tensor] = None  # [L, bs, Hq] exact pages' share (None: all 1)
+    bound_q: Optional[torch.Tensor] = None  # [L, m, Hq, D] guard-off rows' queries
+    bound_lse: Optional[torch.Tensor] = None  # [L, m, Hq] their attended log denominators
+    bound_layer_ids: Optional[list] = None  # the layer of each kept slot
+    num_layers: int = 1  # the most layers a step adds (the buffers' first dimension)
+    kept: int = 0  # layers kept in layer_importance
+    run: Optional[dict] = None  # the layers' sm_scale and logit_cap (the bounds need them)
 
     @classmethod
     def for_step(
-        cls, live: Sequence[LiveRequest], exact: ExactPlan, outside: OutsidePlan, device: torch.device
+        cls,
+        live: Sequence[LiveRequest],
+        exact: ExactPlan,
+        outside: OutsidePlan,
+        device: torch.device,
+        num_layers: int = 1,
     ) -> "StepTally":
-        """An empty tally for the step's fixed lists, on the layers' device."""
+        """An empty tally for the step's fixed lists, on the layers' device
+        (``num_layers``: the most layers the step will add)."""
         # On the layers' device: folded into the requests (on the host) once per step.
         width = exact.plan.max_pages
         bs = len(live)
@@ -65,6 +82,7 @@ class StepTally:
         )
         tally = cls(torch.zeros(bs, width, dtype=torch.float64, device=device), by_max)
         tally._zero_outside(outside, device)
+        tally.num_layers = num_layers
         guard_off = [b for b, req in enumerate(live) if req.bounds_unread]
         if guard_off:
             # What every layer's bound needs of the step, on the device once: the rows and
@@ -136,22 +154,24 @@ class StepTally:
         q: torch.Tensor,
         result: DecodeImportanceOutput,
         exact: ExactPlan,
-        share: torch.Tensor,
+        share: Optional[torch.Tensor],
         run: dict,
         per_layer: bool,
     ) -> None:
-        """Fold one layer's exact masses into the tally (or, when the lists change per
-        layer — the quest baseline — straight into each request).
+        """Keep one layer's exact masses for the step's end (or, when the lists change per
+        layer — the quest baseline — fold them straight into each request).
 
         Args:
-            share: ``[bs, q_heads]`` the exact pages' share of the combined denominator.
+            share: ``[bs, q_heads]`` the exact pages' share of the combined denominator
+                (None: all of it, no guard combined).
             run: the layer's ``sm_scale`` and ``logit_cap``.
         """
-        per_kv = result.importance_per_kv_head.double()  # [bs, W, kv]
-        kv = per_kv.shape[-1]
-        group_share = share.view(share.shape[0], kv, -1).mean(-1).double()  # [bs, kv]
-        masses = per_kv * group_share[:, None, :]
         if per_layer:
+            per_kv = result.importance_per_kv_head.double()  # [bs, W, kv]
+            masses = per_kv
+            if share is not None:
+                kv = per_kv.shape[-1]
+                masses = per_kv * share.view(share.shape[0], kv, -1).mean(-1).double()[:, None, :]
             for b, req in enumerate(live):
                 if req.tracked is None:
                     continue
@@ -165,32 +185,78 @@ class StepTally:
                 req.counts.pages_attended += listed.numel()
                 req.counts.pages_read_from_host += int(released_among(req.pages, listed).sum())
         else:
-            reduced = torch.where(self.by_max[:, None], masses.amax(dim=2), masses.mean(dim=2))
-            if reduced.shape[1] == self.exact_mass.shape[1]:
-                summed = self.exact_mass + reduced
-                self.exact_mass = torch.where(self.by_max[:, None], torch.maximum(self.exact_mass, reduced), summed)
-            self.layers += 1
+            self._keep_exact(result.importance_per_kv_head, share)
         if self.bound_mass is not None:
-            self._add_bounds(live, layer_id, q, result, run)
+            self._keep_bound_inputs(layer_id, q, result)
+        self.run = run
 
-    def _add_bounds(
-        self, live: Sequence[LiveRequest], layer_id: int, q: torch.Tensor, result: DecodeImportanceOutput, run: dict
-    ) -> None:
-        """Guard off, nothing estimated: rank unread pages by their key min/max bound
-        (Quest's), as a mass against the attended denominator, largest over heads."""
-        rows = [b for b, req in enumerate(live) if req.bounds_unread]
-        mins = [live[b].tracked.key_min[layer_id] for b in rows]
-        maxs = [live[b].tracked.key_max[layer_id] for b in rows]
-        pad = torch.nn.utils.rnn.pad_sequence
-        kmin = pad(mins, batch_first=True, padding_value=float("inf"))  # [m, Pmax, kv, D]
-        kmax = pad(maxs, batch_first=True, padding_value=float("-inf"))
+    def _keep_exact(self, per_kv: torch.Tensor, share: Optional[torch.Tensor]) -> None:
+        """One layer's part-1 masses (and the exact share, where a guard combined),
+        copied into the step's buffers; reduced over the layers in ``_reduce_layers``."""
+        self.layers += 1
+        if per_kv.shape[1] != self.exact_mass.shape[1]:
+            return  # a layer whose lists differ (never with the step's fixed ones): not tallied
+        slot = self.kept
+        self.layer_importance = _room(self.layer_importance, slot, per_kv, self.num_layers)
+        self.layer_importance[slot].copy_(per_kv)
+        if share is not None:
+            self.layer_share = _room(self.layer_share, slot, share, self.num_layers, fill=1.0)
+            self.layer_share[slot].copy_(share)
+        self.kept += 1
+
+    def _keep_bound_inputs(self, layer_id: int, q: torch.Tensor, result: DecodeImportanceOutput) -> None:
+        """Guard off: the rows' query and attended denominator of one layer, kept for the
+        key-bound ranking of their unread pages at the step's end."""
         index = self.bound_rows
-        bounds = key_bound(q[index], kmin, kmax, **run).double()  # [m, Pmax, Hq]
-        log_mass = bounds + self.bound_log_tokens[..., None] - result.lse[index].double()[:, None, :]
-        page_bound = log_mass.amax(dim=2).clamp(max=0.0).exp().nan_to_num(0.0)
-        width = page_bound.shape[1]
-        bound_mass = self.bound_mass
-        bound_mass[:, :width] = torch.maximum(bound_mass[:, :width], page_bound)
+        self.bound_layer_ids = self.bound_layer_ids or []
+        slot = len(self.bound_layer_ids)
+        m = index.shape[0]
+        self.bound_q = _room(self.bound_q, slot, q.new_empty((m, *q.shape[1:])), self.num_layers)
+        self.bound_lse = _room(self.bound_lse, slot, result.lse.new_empty((m, result.lse.shape[1])), self.num_layers)
+        torch.index_select(q, 0, index, out=self.bound_q[slot])
+        self.bound_lse[slot].copy_(result.lse.index_select(0, index))
+        self.bound_layer_ids.append(layer_id)
+
+    def _reduce_layers(self, live: Sequence[LiveRequest]) -> None:
+        """The kept layers into ``exact_mass`` and ``bound_mass``: for each page, the sum
+        (or, for rows that rank by max, the largest) over layers of its mass, and the
+        largest over layers and heads of its key-bound mass. Then the buffers go."""
+        if self.layer_importance is not None:
+            n = self.kept
+            per_kv = self.layer_importance[:n].double()  # [L, bs, W, kv]
+            if self.layer_share is not None:
+                share = self.layer_share[:n]
+                kv = per_kv.shape[-1]
+                group_share = share.view(*share.shape[:2], kv, -1).mean(-1).double()  # [L, bs, kv]
+                per_kv = per_kv * group_share[:, :, None, :]
+            by_max = self.by_max[:, None]
+            reduced = torch.where(by_max, per_kv.amax(dim=3), per_kv.mean(dim=3))  # [L, bs, W]
+            self.exact_mass = torch.where(by_max, reduced.amax(dim=0).clamp_min(0.0), reduced.sum(dim=0))
+        if self.bound_layer_ids:
+            self._reduce_bounds(live)
+        self.layer_importance = self.layer_share = self.bound_q = self.bound_lse = None
+        self.bound_layer_ids = None
+
+    def _reduce_bounds(self, live: Sequence[LiveRequest]) -> None:
+        """Guard off, nothing estimated: rank unread pages by their key min/max bound
+        (Quest's), as a mass against the attended denominator, largest over layers and
+        heads; one pass per request over every kept layer."""
+        layers = torch.tensor(self.bound_layer_ids).to(self.bound_q.device)
+        n = len(self.bound_layer_ids)
+        rows = [b for b, req in enumerate(live) if req.bounds_unread]
+        for i, b in enumerate(rows):
+            tracked = live[b].tracked
+            pages = min(live[b].tokens.numel(), tracked.key_min.shape[1])
+            kmin = tracked.key_min.index_select(0, layers)[:, :pages]  # [L, P, kv, D]
+            kmax = tracked.key_max.index_select(0, layers)[:, :pages]
+            bounds = key_bound(self.bound_q[:n, i], kmin, kmax, **self.run).double()  # [L, P, Hq]
+            log_mass = bounds + self.bound_log_tokens[i, :pages, None] - self.bound_lse[:n, i].double()[:, None, :]
+            # Largest over heads per layer, then over layers. A layer's NaN (a page with no
+            # keys) counts as nothing there, as -inf does: exp(min(v, 0)) is monotone in v.
+            per_layer = log_mass.amax(dim=2)
+            per_layer = torch.where(per_layer.isnan(), float("-inf"), per_layer)
+            page_bound = per_layer.amax(dim=0).clamp(max=0.0).exp().nan_to_num(0.0)
+            torch.maximum(self.bound_mass[i, :pages], page_bound, out=self.bound_mass[i, :pages])
 
     # -- into the requests ---------------------------------------------------------
 
@@ -222,6 +288,7 @@ class StepTally:
             exact, outside: the step's fixed lists (part 1 and part 2).
             step_layers: layers attended in the step.
         """
+        self._reduce_layers(live)
         tally = self.on_host()  # one copy per step from the layers' device
         guard_off = 0
         for b, req in enumerate(live):
@@ -241,3 +308,15 @@ class StepTally:
             req.counts.pages_read_from_host += int(released_among(req.pages, listed).sum()) * tally.layers
         if tally.layers and not outside.empty:
             tally.fold_outside(live, outside, layers=tally.layers)
+
+
+def _room(buffer: Optional[torch.Tensor], slot: int, like: torch.Tensor, layers: int, fill: Optional[float] = None):
+    """``buffer`` ([slots, *like.shape]) with room for ``slot``: made for ``layers`` slots
+    at first, doubled past them (a step that asks more layers than the model has: tests)."""
+    if buffer is not None and slot < buffer.shape[0]:
+        return buffer
+    size = layers if buffer is None else 2 * buffer.shape[0]
+    grown = like.new_empty((max(size, slot + 1), *like.shape)) if fill is None else like.new_full((max(size, slot + 1), *like.shape), fill)
+    if buffer is not None:
+        grown[: buffer.shape[0]] = buffer
+    return grown

@@ -14,7 +14,7 @@ write is the first of the page's current owner. Everything else merges (min/max)
 which keeps the bound valid even for a page whose first write was missed (stale
 keys only loosen it).
 
-Plain torch; nothing here imports SGLang.
+Torch, and one ``sgl_kernel_ext`` Triton kernel for decode writes; nothing here imports SGLang.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import warnings
 from typing import Optional
 
 import torch
+
+from sgl_kernel_ext.page_summaries import HAS_TRITON, summarise_decode_keys
 
 # update() merges keys with index_reduce_ (fixed-shape, capture-safe, one pass on a CPU);
 # torch warns once per process that its API is in beta, which a server log need not show.
@@ -55,6 +57,9 @@ class PageSummaries:
         if min(num_layers, num_pages, num_kv_heads, head_dim, page_size) < 1:
             raise ValueError("PageSummaries dimensions must all be >= 1")
         self.page_size = page_size
+        # Decode writes go through sgl_kernel_ext's one-launch kernel where it can run:
+        # None decides by device (CUDA); the test worlds of the Triton backend say True.
+        self.decode_kernel: Optional[bool] = None
         shape = (num_layers, num_pages, num_kv_heads, head_dim)
         # Empty pages hold (+inf, -inf): the identity of min/max merging.
         self.key_min = torch.full(shape, float("inf"), dtype=dtype, device=device)
@@ -63,6 +68,16 @@ class PageSummaries:
     @property
     def num_pages(self) -> int:
         return self.key_min.shape[1]
+
+    def update_decode(self, layer_id: int, slots: torch.Tensor, key_buffer: torch.Tensor) -> None:
+        """``update`` for a decode step's write (each slot in a different page), reading the
+        keys from the layer's pool ``key_buffer``: one Triton launch where it runs (a dozen
+        torch ops otherwise)."""
+        use_kernel = self.decode_kernel if self.decode_kernel is not None else key_buffer.is_cuda
+        if use_kernel and HAS_TRITON and key_buffer.dim() == 3:
+            summarise_decode_keys(key_buffer, slots, self.key_min[layer_id], self.key_max[layer_id], self.page_size)
+        else:
+            self.update(layer_id, slots, key_buffer[slots.to(torch.int64)])
 
     def update(self, layer_id: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
         """Merge keys just written at ``slots`` into their pages' summaries.
