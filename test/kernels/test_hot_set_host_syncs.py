@@ -27,7 +27,7 @@ pytest.importorskip("sglang", reason="the backends subclass SGLang's")
 
 from sgl_importance.hot_set import HotSetParams  # noqa: E402
 from support.counted_world import END, START, counted_decode  # noqa: E402
-from support.host_syncs import SYNC_KINDS  # noqa: E402
+from support.host_syncs import LAUNCH, SYNC_KINDS  # noqa: E402
 from support.hot_set_world import DIM, KV_HEADS, Q_HEADS, parents_metadata  # noqa: E402
 from support.kernel_device import EMPTY_PAGES_WARN  # noqa: E402
 
@@ -118,3 +118,17 @@ def test_a_batch_that_changed_reads_its_rows_back_once():
     kv = [torch.randn(LAYERS, 3, KV_HEADS, DIM) for _ in range(2)]
     world.step(*kv, torch.randn(LAYERS, 3, Q_HEADS, DIM), counter=counter)
     assert _by_function(counter, step=1, where=START) == {"begin_step": 1}
+
+
+def test_a_triton_layer_issues_the_same_few_launches_whatever_the_batch():
+    # On a GPU an eager hot-set step is launch-bound (benchmark/gpu/RESULTS.md): a layer
+    # issues a fixed handful of device launches (the KV write, the summaries' kernel, the
+    # page-list read, what the tally keeps), none per request; the step's end reduces them.
+    params = HotSetParams(policy="importance", budget=0.2, window=1, sinks=1, guard_threshold=1.0)
+    per_layer = {}
+    for lengths in ([5, 120, 180], [5, 120, 130, 150, 170, 180]):
+        counter, _ = counted_decode("triton", params, release=False, lengths=lengths, layers=LAYERS, steps=1, warmup=2)
+        per_layer[len(lengths)] = {counter.total(kinds=[LAUNCH], device_only=True, where=w) for w in range(LAYERS - 1)}
+    assert per_layer[3] == per_layer[6], per_layer
+    (launches,) = per_layer[3]
+    assert 0 < launches <= 16, launches
