@@ -390,7 +390,8 @@ def summary(run: Run) -> str:
         if name == "speed":
             for mode, r in result.items():
                 if isinstance(r, dict):
-                    lines.append(f"### graphs {mode}\n" + json.dumps(r.get("brief") or r.get("table") or r, default=str)[:3000])
+                    shown = r.get("brief") or r.get("table") or r
+                    lines.append(f"### graphs {mode}\n" + json.dumps(shown, default=str)[:3000])
         else:
             brief = {k: v for k, v in result.items() if k not in ("status", "seconds", "rows", "table")}
             lines.append("```\n" + json.dumps(brief, indent=1, default=str)[:4000] + "\n```")

@@ -37,8 +37,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import shlex  # noqa: E402
-from collections import Counter  # noqa: E402
 import sys  # noqa: E402
+from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402

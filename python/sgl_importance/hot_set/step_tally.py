@@ -316,7 +316,8 @@ def _room(buffer: Optional[torch.Tensor], slot: int, like: torch.Tensor, layers:
     if buffer is not None and slot < buffer.shape[0]:
         return buffer
     size = layers if buffer is None else 2 * buffer.shape[0]
-    grown = like.new_empty((max(size, slot + 1), *like.shape)) if fill is None else like.new_full((max(size, slot + 1), *like.shape), fill)
+    shape = (max(size, slot + 1), *like.shape)
+    grown = like.new_empty(shape) if fill is None else like.new_full(shape, fill)
     if buffer is not None:
         grown[: buffer.shape[0]] = buffer
     return grown

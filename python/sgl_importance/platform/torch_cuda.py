@@ -79,7 +79,10 @@ def graph_backends(args: Any) -> None:
             or ``disabled``, was asked for.
     """
     off = getattr(args, "disable_cuda_graph", False) or getattr(args, "disable_decode_cuda_graph", False)
-    defaults = {"cuda_graph_backend_prefill": GRAPHS_OFF, "cuda_graph_backend_decode": GRAPHS_OFF if off else DECODE_GRAPHS}
+    defaults = {
+        "cuda_graph_backend_prefill": GRAPHS_OFF,
+        "cuda_graph_backend_decode": GRAPHS_OFF if off else DECODE_GRAPHS,
+    }
     for flag, allowed in (("cuda_graph_backend_prefill", (GRAPHS_OFF,)),
                           ("cuda_graph_backend_decode", (GRAPHS_OFF, DECODE_GRAPHS))):  # fmt: skip
         chosen = getattr(args, flag, None)
