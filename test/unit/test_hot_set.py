@@ -411,3 +411,42 @@ def test_the_scheduler_notes_a_requests_own_parameters_and_forgets_them_when_it_
     assert record.get("a") is not None
     hot_set_requests.forget_request(record, SimpleNamespace(rid="a", finished=lambda: True))
     assert record.get("a") is None
+
+
+def test_the_key_bound_ranking_is_the_same_however_many_layers_the_step_end_takes_at_once(monkeypatch):
+    # Guard off, the unread pages are ranked by the largest key-bound mass over layers and
+    # heads, worked out where the step ends, a few layers at a time (bounded memory).
+    from sgl_importance.hot_set import step_tally
+
+    g = torch.Generator().manual_seed(5)
+    n_tokens, layers = 60, 3
+    slots = torch.arange(PAGE, PAGE + n_tokens)
+    rows = PAGE * 20
+    k_bufs = [torch.randn(rows, KV_HEADS, DIM, generator=g) * 2 for _ in range(layers)]
+    v_bufs = [torch.randn(rows, KV_HEADS, DIM, generator=g) for _ in range(layers)]
+    qs = [torch.randn(1, KV_HEADS * GROUP, DIM, generator=g) * 0.3 for _ in range(layers)]
+    kept = {}
+    reduce_bounds = step_tally.StepTally._reduce_bounds
+
+    def keep(self, live):
+        reduce_bounds(self, live)
+        kept.setdefault(step_tally.BOUND_CHUNK_BYTES, []).append(self.bound_mass.clone())
+
+    monkeypatch.setattr(step_tally.StepTally, "_reduce_bounds", keep)
+    for chunk_bytes in (1, step_tally.BOUND_CHUNK_BYTES):  # a layer at a time, then all at once
+        monkeypatch.setattr(step_tally, "BOUND_CHUNK_BYTES", chunk_bytes)
+        summaries = PageSummaries(layers, 20, KV_HEADS, DIM, page_size=PAGE)
+        for layer in range(layers):
+            summaries.update(layer, slots, k_bufs[layer][slots])
+        params = HotSetParams(policy="importance", budget=4, window=1, sinks=1, guard_threshold=1.0)
+        decoder = HotSetDecoder(params, summaries, page_size=PAGE, threshold=8)
+        for _ in range(2):
+            decoder.begin_step(["r"], [slots])
+            for layer in range(layers):
+                decoder.attend(layer, qs[layer], k_bufs[layer], v_bufs[layer], sm_scale=DIM**-0.5)
+            decoder.end_step()
+    one, whole = kept[1], kept[step_tally.BOUND_CHUNK_BYTES]
+    assert len(one) == len(whole) == 2
+    for a, b in zip(one, whole):
+        assert torch.equal(a, b)
+    assert ((whole[-1] > 0) & (whole[-1] < 1)).any()  # real bounds, neither all 0 nor all capped at 1

@@ -220,10 +220,26 @@ def test_launcher_flags_capture_decode_graphs_unless_turned_off_and_never_prefil
     assert resolved("--disable-decode-cuda-graph") == ("disabled", "disabled")
     assert resolved("--cuda-graph-backend-decode", "disabled") == ("disabled", "disabled")
     assert resolved("--cuda-graph-backend-prefill", "disabled") == ("disabled", "full")
+    # Backends without graph support decode eagerly, and refuse graphs asked for.
+    assert resolved("--attention-backend", "torch_native") == ("disabled", "disabled")
+    assert resolved("--attention-backend", "triton") == ("disabled", "full")
+    assert resolved("--attention-backend", "triton", "--decode-attention-backend", "torch_native") == (
+        "disabled", "disabled",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="'torch_native' attention backend cannot be captured"):
+        resolved("--attention-backend", "torch_native", "--cuda-graph-backend-decode", "full")
     with pytest.raises(ValueError, match="--cuda-graph-backend-decode 'breakable'.*torch_cuda"):
         resolved("--cuda-graph-backend-decode", "breakable")
     with pytest.raises(ValueError, match="--cuda-graph-backend-prefill 'full'.*torch_cuda"):
         resolved("--cuda-graph-backend-prefill", "full")
+
+
+def test_without_the_launchers_check_graphs_with_a_backend_that_cannot_capture_are_refused(platform):
+    with pytest.raises(ValueError, match="'importance_torch' attention backend cannot be captured"):
+        platform.apply_server_args_defaults(server_args(attention_backend="importance_torch"))
+    args = server_args(attention_backend="importance_torch", cuda_graph_backend_decode="disabled")
+    platform.apply_server_args_defaults(args)
+    assert args.disable_decode_cuda_graph
 
 
 @pytest.mark.parametrize(

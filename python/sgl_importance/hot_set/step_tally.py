@@ -26,6 +26,10 @@ from sgl_importance.hot_set.request_state import LiveRequest, released_among
 from sgl_importance.hot_set.summaries import key_bound
 from sgl_kernel_ext import DecodeImportanceOutput
 
+# The key ranges the step's end copies at once for one request's bounds (a Llama-8B shape
+# at 32K: 8 layers of 8.4 MB each).
+BOUND_CHUNK_BYTES = 64 << 20
+
 
 @dataclass
 class StepTally:
@@ -240,22 +244,29 @@ class StepTally:
     def _reduce_bounds(self, live: Sequence[LiveRequest]) -> None:
         """Guard off, nothing estimated: rank unread pages by their key min/max bound
         (Quest's), as a mass against the attended denominator, largest over layers and
-        heads; one pass per request over every kept layer."""
-        layers = torch.tensor(self.bound_layer_ids).to(self.bound_q.device)
-        n = len(self.bound_layer_ids)
+        heads; per request, over the kept layers a few at a time (a chunk's key ranges,
+        copied for the bound, stay under ``BOUND_CHUNK_BYTES``)."""
+        ids = torch.tensor(self.bound_layer_ids)
         rows = [b for b, req in enumerate(live) if req.bounds_unread]
         for i, b in enumerate(rows):
             tracked = live[b].tracked
             pages = min(live[b].tokens.numel(), tracked.key_min.shape[1])
-            kmin = tracked.key_min.index_select(0, layers)[:, :pages]  # [L, P, kv, D]
-            kmax = tracked.key_max.index_select(0, layers)[:, :pages]
-            bounds = key_bound(self.bound_q[:n, i], kmin, kmax, **self.run).double()  # [L, P, Hq]
-            log_mass = bounds + self.bound_log_tokens[i, :pages, None] - self.bound_lse[:n, i].double()[:, None, :]
-            # Largest over heads per layer, then over layers. A layer's NaN (a page with no
-            # keys) counts as nothing there, as -inf does: exp(min(v, 0)) is monotone in v.
-            per_layer = log_mass.amax(dim=2)
-            per_layer = torch.where(per_layer.isnan(), float("-inf"), per_layer)
-            page_bound = per_layer.amax(dim=0).clamp(max=0.0).exp().nan_to_num(0.0)
+            per_layer_bytes = max(pages * tracked.key_min[0, 0].numel() * 4 * 2, 1)
+            chunk = max(1, BOUND_CHUNK_BYTES // per_layer_bytes)
+            best = None
+            for c0 in range(0, ids.numel(), chunk):
+                slots = slice(c0, c0 + chunk)
+                layers = ids[slots].to(self.bound_q.device)
+                kmin = tracked.key_min.index_select(0, layers)[:, :pages]  # [l, P, kv, D]
+                kmax = tracked.key_max.index_select(0, layers)[:, :pages]
+                bounds = key_bound(self.bound_q[slots, i], kmin, kmax, **self.run).double()  # [l, P, Hq]
+                log_mass = bounds + self.bound_log_tokens[i, :pages, None] - self.bound_lse[slots, i].double()[:, None]
+                # Largest over heads per layer, then over layers. A layer's NaN (a page with
+                # no keys) counts as nothing there, as -inf does: exp(min(v, 0)) is monotone.
+                per_layer = log_mass.amax(dim=2)
+                per_layer = torch.where(per_layer.isnan(), float("-inf"), per_layer).amax(dim=0)
+                best = per_layer if best is None else torch.maximum(best, per_layer)
+            page_bound = best.clamp(max=0.0).exp().nan_to_num(0.0)
             torch.maximum(self.bound_mass[i, :pages], page_bound, out=self.bound_mass[i, :pages])
 
     # -- into the requests ---------------------------------------------------------

@@ -33,6 +33,8 @@ ATTENTION_BACKENDS = ("importance_triton", "importance_torch", "triton", "torch_
 SAMPLING_BACKEND = "pytorch"
 GRAPHS_OFF = "disabled"  # SGLang's --cuda-graph-backend-{prefill,decode} values
 DECODE_GRAPHS = "full"
+# Attention backends that capture decode graphs (torch_native and importance_torch do not).
+GRAPH_ATTENTION_BACKENDS = ("importance_triton", "triton")
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,14 @@ def graph_backends(args: Any) -> None:
             or ``disabled``, was asked for.
     """
     off = getattr(args, "disable_cuda_graph", False) or getattr(args, "disable_decode_cuda_graph", False)
+    backend = decode_attention_backend(args)
+    if backend not in GRAPH_ATTENTION_BACKENDS:
+        if getattr(args, "cuda_graph_backend_decode", None) == DECODE_GRAPHS:
+            raise ValueError(
+                f"--cuda-graph-backend-decode full: the {backend!r} attention backend cannot be captured "
+                f"in a CUDA graph; use one of {', '.join(GRAPH_ATTENTION_BACKENDS)}, or leave graphs off"
+            )
+        off = True
     defaults = {
         "cuda_graph_backend_prefill": GRAPHS_OFF,
         "cuda_graph_backend_decode": GRAPHS_OFF if off else DECODE_GRAPHS,
@@ -92,6 +102,16 @@ def graph_backends(args: Any) -> None:
                 f"(it runs without SGLang's compiled kernels); use {' or '.join(map(repr, allowed))}"
             )
         setattr(args, flag, chosen or defaults[flag])
+
+
+def decode_attention_backend(args: Any) -> str:
+    """The attention backend decode runs with: ``--decode-attention-backend``, else
+    ``--attention-backend``, else the platform's default."""
+    return (
+        getattr(args, "decode_attention_backend", None)
+        or getattr(args, "attention_backend", None)
+        or DEFAULT_ATTENTION_BACKEND
+    )
 
 
 def no_dual_gemm(original: Any) -> None:
@@ -144,6 +164,13 @@ class TorchCudaPlatform(CudaDeviceMixin, SRTPlatform):
             and not server_args.disable_cuda_graph
             and not server_args.disable_decode_cuda_graph
         )
+        if decode_graphs and decode_attention_backend(server_args) not in GRAPH_ATTENTION_BACKENDS:
+            # Reached without the launcher's check (which turns them off for these): SGLang
+            # resolved its graph configuration already and would fail capturing.
+            raise ValueError(
+                f"the {decode_attention_backend(server_args)!r} attention backend cannot be captured in a "
+                f"CUDA graph on torch_cuda; set cuda_graph_backend_decode='disabled' (or disable_cuda_graph)"
+            )
         server_args.disable_cuda_graph = not decode_graphs
         server_args.disable_decode_cuda_graph = not decode_graphs
         server_args.disable_prefill_cuda_graph = True
