@@ -56,7 +56,10 @@ __all__ = [
     "plan_paged_decode",
     "scatter_page_importance",
     "split_bounds",
+    "t_quantile",
 ]
+
+from .combine import t_quantile  # noqa: E402 (torch; the module's kernels need Triton)
 
 if HAS_TRITON:
     from .combine import combine_triton

@@ -52,6 +52,25 @@ def _table(quantiles: Mapping[int, float], device: torch.device) -> tuple[torch.
     return _tables[key]
 
 
+# Dense lookups (a value for every df up to the table's last, then ``z``), by (device, table, z).
+_lookups: dict[tuple[str, tuple[tuple[int, float], ...], float], torch.Tensor] = {}
+
+
+def t_quantile(count: torch.Tensor, quantiles: Mapping[int, float], z: float) -> torch.Tensor:
+    """float32 ``[n]`` the quantile for estimates from ``count`` samples: ``count - 1``
+    degrees of freedom, the next smaller tabled one (df < 1 takes df 1's), ``z`` past the
+    table. One gather from a lookup built once per device (torch, any device)."""
+    items = tuple(sorted((int(k), float(v)) for k, v in quantiles.items()))
+    key = (str(count.device), items, float(z))
+    lookup = _lookups.get(key)
+    if lookup is None:
+        table = dict(items)
+        last = items[-1][0]
+        values = [table[max(k for k in table if k <= max(df, 1))] for df in range(last + 1)] + [float(z)]
+        lookup = _lookups[key] = torch.tensor(values, dtype=torch.float32, device=count.device)
+    return lookup[(count - 1).clamp(0, lookup.numel() - 1).long()]
+
+
 if HAS_TRITON:
 
     @triton.jit

@@ -49,7 +49,7 @@ from typing import Optional
 import torch
 
 from sgl_importance.hot_set.key_codes import ROUNDING_MARGIN, GuardPool, steps
-from sgl_kernel_ext import HAS_TRITON, key_code_pages, page_parts
+from sgl_kernel_ext import HAS_TRITON, key_code_pages, page_parts, t_quantile
 
 if HAS_TRITON:
     from sgl_kernel_ext import combine_triton
@@ -352,22 +352,9 @@ def quantile(count: torch.Tensor) -> torch.Tensor:
     """``[n]`` the bound's quantile for estimates from ``count`` sampled pages (t, ``count - 1``
     degrees of freedom, the next smaller tabled one; the normal's past the table).
 
-    One gather from a lookup over every degree of freedom (a loop of ``torch.where`` over
-    the table was ~190 launches a call, ~40 % of a guard layer's on a GPU)."""
-    lut = _QUANTILE_LUT.get(count.device)
-    if lut is None:
-        lut = _QUANTILE_LUT[count.device] = torch.tensor(_quantile_table(), dtype=torch.float32, device=count.device)
-    return lut[(count - 1).clamp(0, len(lut) - 1).long()]
-
-
-def _quantile_table() -> list[float]:
-    """The quantile at df = 0 .. 120 (df < 1 takes df 1's) and, last, the normal's (df > 120)."""
-    ks = sorted(T_QUANTILES)
-    table = [T_QUANTILES[max(k for k in ks if k <= max(df, 1))] for df in range(ks[-1] + 1)]
-    return table + [Z]
-
-
-_QUANTILE_LUT: dict[torch.device, torch.Tensor] = {}
+    One gather from a lookup over every degree of freedom (``sgl_kernel_ext.t_quantile``; a
+    loop of ``torch.where`` over the table was ~190 launches a call)."""
+    return t_quantile(count, T_QUANTILES, Z)
 
 
 def negligible_rest(lse_exact: torch.Tensor, out_exact: torch.Tensor, outside: Outside, keep: torch.Tensor) -> Combined:
