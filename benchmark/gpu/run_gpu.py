@@ -313,8 +313,8 @@ def stage_serve(run: Run) -> dict:
 
 
 def stage_speed(run: Run) -> dict:
-    """bench_speed per graph mode in ``run.speed_graphs`` ("off": eager, as SGLang's
-    torch_cuda default; "on": decode graphs, which hot-set batches skip)."""
+    """bench_speed per graph mode in ``run.speed_graphs`` ("off": eager decode; "on": decode
+    graphs, torch_cuda's default, which hot-set batches skip)."""
     folder = Path("/tmp/sgl-importance-dummy")
     shape = "smollm2" if run.rehearse else "llama-8b"
     proc = run.sh([sys.executable, str(MAKE_MODELS), "dummy", "--shape", shape, "--out", str(folder),

@@ -38,7 +38,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import shlex  # noqa: E402
 import sys  # noqa: E402
-from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -115,21 +114,13 @@ def summarise(config: dict, counter: HostSyncCounter, a: argparse.Namespace, tot
             / max(len(layers) - 1, 1),
             "end": counter.total(kinds=[LAUNCH], device_only=True, where=END) / steps,
             "top_sites_layer_0": [
-                {"site": s, "function": counter.functions.get(s, ""), "per_step": n}
-                for s, n in _launch_sites(counter, "0", steps).most_common(a.top)
+                {"site": s, "function": counter.functions.get(s, ""), "per_step": n / steps}
+                for s, n in counter.by("site", kinds=[LAUNCH], device_only=True, where=0).most_common(a.top)
             ],
         },
         "kept_apart": {f"{where}/{kind}": n for (where, kind), n in sorted(counter.kept_apart().items())},
         "decoder_totals": totals,
     }
-
-
-def _launch_sites(counter: HostSyncCounter, where: str, steps: int) -> Counter:
-    out: Counter = Counter()
-    for e, n in counter.counted(device_only=True).items():
-        if e.kind == LAUNCH and e.where == where:
-            out[e.site] += n / steps
-    return out
 
 
 def name(r: dict) -> str:

@@ -391,12 +391,13 @@ class HostSyncCounter(TorchFunctionMode):
             if e.kind in kinds and all(getattr(e, k) == (str(v) if k == "where" else v) for k, v in match.items())
         )
 
-    def by(self, field: str, *, kinds: Iterable[str] = SYNC_KINDS, device_only: bool = False) -> Counter:
-        """Counted calls of ``kinds`` summed by one field (``kind``, ``where``, ``site``, ``step``)."""
+    def by(self, field: str, *, kinds: Iterable[str] = SYNC_KINDS, device_only: bool = False, **match: Any) -> Counter:
+        """Counted calls of ``kinds`` whose fields equal ``match`` (as in ``total``), summed by
+        one field (``kind``, ``where``, ``site``, ``step``)."""
         kinds = set(kinds)
         out: Counter = Counter()
         for e, n in self.counted(device_only=device_only).items():
-            if e.kind in kinds:
+            if e.kind in kinds and all(getattr(e, k) == (str(v) if k == "where" else v) for k, v in match.items()):
                 out[getattr(e, field)] += n
         return out
 

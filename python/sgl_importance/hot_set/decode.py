@@ -79,7 +79,7 @@ from sgl_importance.hot_set.sample import PageDraw
 from sgl_importance.hot_set.sample import inclusion as sample_inclusion
 from sgl_importance.hot_set.sample import reserve as sample_reserve
 from sgl_importance.hot_set.selection import HotSetCounts, HotSetParams, RequestHotSet, fixed_mask
-from sgl_importance.hot_set.step_tally import StepTally
+from sgl_importance.hot_set.step_tally import StepTally, kv_group_share
 from sgl_importance.hot_set.summaries import PageSummaries
 from sgl_kernel_ext import (
     DecodeImportanceOutput,
@@ -466,6 +466,5 @@ def _rescaled(result: DecodeImportanceOutput, share: Optional[torch.Tensor]) -> 
     over KV heads."""
     if share is None:
         return result.importance_per_kv_head.mean(-1)
-    kv = result.importance_per_kv_head.shape[-1]
-    group_share = share.view(share.shape[0], kv, -1).mean(-1)  # [bs, kv]
+    group_share = kv_group_share(share, result.importance_per_kv_head.shape[-1])  # [bs, kv]
     return (result.importance_per_kv_head * group_share[:, None, :]).mean(-1)

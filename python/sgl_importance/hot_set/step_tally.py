@@ -174,8 +174,7 @@ class StepTally:
             per_kv = result.importance_per_kv_head.double()  # [bs, W, kv]
             masses = per_kv
             if share is not None:
-                kv = per_kv.shape[-1]
-                masses = per_kv * share.view(share.shape[0], kv, -1).mean(-1).double()[:, None, :]
+                masses = per_kv * kv_group_share(share, per_kv.shape[-1]).double()[:, None, :]
             for b, req in enumerate(live):
                 if req.tracked is None:
                     continue
@@ -201,10 +200,10 @@ class StepTally:
         if per_kv.shape[1] != self.exact_mass.shape[1]:
             return  # a layer whose lists differ (never with the step's fixed ones): not tallied
         slot = self.kept
-        self.layer_importance = _room(self.layer_importance, slot, per_kv, self.num_layers)
+        self.layer_importance = _room(self.layer_importance, slot, per_kv, per_kv.shape, self.num_layers)
         self.layer_importance[slot].copy_(per_kv)
         if share is not None:
-            self.layer_share = _room(self.layer_share, slot, share, self.num_layers, fill=1.0)
+            self.layer_share = _room(self.layer_share, slot, share, share.shape, self.num_layers, fill=1.0)
             self.layer_share[slot].copy_(share)
         self.kept += 1
 
@@ -215,8 +214,8 @@ class StepTally:
         self.bound_layer_ids = self.bound_layer_ids or []
         slot = len(self.bound_layer_ids)
         m = index.shape[0]
-        self.bound_q = _room(self.bound_q, slot, q.new_empty((m, *q.shape[1:])), self.num_layers)
-        self.bound_lse = _room(self.bound_lse, slot, result.lse.new_empty((m, result.lse.shape[1])), self.num_layers)
+        self.bound_q = _room(self.bound_q, slot, q, (m, *q.shape[1:]), self.num_layers)
+        self.bound_lse = _room(self.bound_lse, slot, result.lse, (m, result.lse.shape[1]), self.num_layers)
         torch.index_select(q, 0, index, out=self.bound_q[slot])
         self.bound_lse[slot].copy_(result.lse.index_select(0, index))
         self.bound_layer_ids.append(layer_id)
@@ -229,9 +228,7 @@ class StepTally:
             n = self.kept
             per_kv = self.layer_importance[:n].double()  # [L, bs, W, kv]
             if self.layer_share is not None:
-                share = self.layer_share[:n]
-                kv = per_kv.shape[-1]
-                group_share = share.view(*share.shape[:2], kv, -1).mean(-1).double()  # [L, bs, kv]
+                group_share = kv_group_share(self.layer_share[:n], per_kv.shape[-1]).double()  # [L, bs, kv]
                 per_kv = per_kv * group_share[:, :, None, :]
             by_max = self.by_max[:, None]
             reduced = torch.where(by_max, per_kv.amax(dim=3), per_kv.mean(dim=3))  # [L, bs, W]
@@ -251,7 +248,7 @@ class StepTally:
         for i, b in enumerate(rows):
             tracked = live[b].tracked
             pages = min(live[b].tokens.numel(), tracked.key_min.shape[1])
-            per_layer_bytes = max(pages * tracked.key_min[0, 0].numel() * 4 * 2, 1)
+            per_layer_bytes = max(pages * tracked.key_min[0, 0].numel() * tracked.key_min.element_size() * 2, 1)
             chunk = max(1, BOUND_CHUNK_BYTES // per_layer_bytes)
             best = None
             for c0 in range(0, ids.numel(), chunk):
@@ -321,13 +318,27 @@ class StepTally:
             tally.fold_outside(live, outside, layers=tally.layers)
 
 
-def _room(buffer: Optional[torch.Tensor], slot: int, like: torch.Tensor, layers: int, fill: Optional[float] = None):
-    """``buffer`` ([slots, *like.shape]) with room for ``slot``: made for ``layers`` slots
-    at first, doubled past them (a step that asks more layers than the model has: tests)."""
+def kv_group_share(share: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[..., Hq]`` the exact pages' share per query head as ``[..., kv_heads]``: the mean
+    over each KV head's group of query heads (what per-KV-head masses are scaled by)."""
+    return share.unflatten(-1, (kv_heads, -1)).mean(-1)
+
+
+def _room(
+    buffer: Optional[torch.Tensor],
+    slot: int,
+    like: torch.Tensor,
+    shape: tuple,
+    layers: int,
+    fill: Optional[float] = None,
+) -> torch.Tensor:
+    """``buffer`` (``[slots, *shape]``, ``like``'s dtype and device) with room for ``slot``:
+    made for ``layers`` slots at first, doubled past them (a step that asks more layers
+    than the model has: tests)."""
     if buffer is not None and slot < buffer.shape[0]:
         return buffer
     size = layers if buffer is None else 2 * buffer.shape[0]
-    shape = (max(size, slot + 1), *like.shape)
+    shape = (max(size, slot + 1), *shape)
     grown = like.new_empty(shape) if fill is None else like.new_full(shape, fill)
     if buffer is not None:
         grown[: buffer.shape[0]] = buffer

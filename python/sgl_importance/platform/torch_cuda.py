@@ -84,10 +84,7 @@ def graph_backends(args: Any) -> None:
     backend = decode_attention_backend(args)
     if backend not in GRAPH_ATTENTION_BACKENDS:
         if getattr(args, "cuda_graph_backend_decode", None) == DECODE_GRAPHS:
-            raise ValueError(
-                f"--cuda-graph-backend-decode full: the {backend!r} attention backend cannot be captured "
-                f"in a CUDA graph; use one of {', '.join(GRAPH_ATTENTION_BACKENDS)}, or leave graphs off"
-            )
+            raise uncapturable(backend, "--cuda-graph-backend-decode full")
         off = True
     defaults = {
         "cuda_graph_backend_prefill": GRAPHS_OFF,
@@ -114,6 +111,15 @@ def decode_attention_backend(args: Any) -> str:
     )
 
 
+def uncapturable(backend: str, asked: str) -> ValueError:
+    """The error for decode graphs asked for (``asked``) with a backend that cannot be captured."""
+    return ValueError(
+        f"{asked}: the {backend!r} attention backend cannot be captured in a CUDA graph on torch_cuda; "
+        f"use one of {', '.join(GRAPH_ATTENTION_BACKENDS)}, or turn decode graphs off "
+        f"(--cuda-graph-backend-decode disabled)"
+    )
+
+
 def no_dual_gemm(original: Any) -> None:
     """Around ``DualGemm._select_mode``: no fused mode (the CuTe DSL kernel is not installed)."""
     return None
@@ -136,7 +142,7 @@ class TorchCudaPlatform(CudaDeviceMixin, SRTPlatform):
 
     def get_graph_runner_cls(self) -> type:
         # SGLang's own CUDA decode runner (full graphs of its native ops); consulted only
-        # when --cuda-graph-backend-decode full asked for capture (graph_backends).
+        # where decode graphs are on (graph_backends: the default with importance_triton/triton).
         from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
         return DecodeCudaGraphRunner
@@ -167,10 +173,7 @@ class TorchCudaPlatform(CudaDeviceMixin, SRTPlatform):
         if decode_graphs and decode_attention_backend(server_args) not in GRAPH_ATTENTION_BACKENDS:
             # Reached without the launcher's check (which turns them off for these): SGLang
             # resolved its graph configuration already and would fail capturing.
-            raise ValueError(
-                f"the {decode_attention_backend(server_args)!r} attention backend cannot be captured in a "
-                f"CUDA graph on torch_cuda; set cuda_graph_backend_decode='disabled' (or disable_cuda_graph)"
-            )
+            raise uncapturable(decode_attention_backend(server_args), "decode graphs on")
         server_args.disable_cuda_graph = not decode_graphs
         server_args.disable_decode_cuda_graph = not decode_graphs
         server_args.disable_prefill_cuda_graph = True
