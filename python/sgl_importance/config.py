@@ -19,7 +19,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from sgl_importance.choices import HOT_SET_POLICIES, REDUCTIONS
+from sgl_importance.choices import HOT_SET_POLICIES, PREFIX_RESIDENCES, REDUCTIONS
 from sgl_importance.flags import Flag, add_arguments, check_fields, choice, flag, integer, number, specs
 from sgl_importance.validate import int_in, invalid, is_int, number_in
 
@@ -182,6 +182,17 @@ class ImportanceConfig:
             "released request keeps at least that share of its pages on the device; 5x for a budget in "
             "pages, at most 10x), or 1x without --enable-hierarchical-cache (nothing is released). "
             "Nothing is reserved with --hot-set-guard-threshold 1.",
+        ),
+    )
+    hot_set_prefix: str = flag(
+        "host",
+        choice(
+            PREFIX_RESIDENCES,
+            "Where a running hot-set request keeps the prefix it matched in the radix cache "
+            "(a returning session's history): host = pages its hot set leaves out are read from "
+            "HiCache's host copies and the tree's device pages become evictable (needs "
+            "--enable-hierarchical-cache and the Python tree core, which --radix-eviction-policy "
+            "importance selects); device = the whole matched prefix stays on the device while it runs.",
         ),
     )
     hot_set_reduce: str = flag(

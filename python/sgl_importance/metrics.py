@@ -315,6 +315,26 @@ HOT_SET_SERIES = {
         "finished_uncached",
         "Finished hot-set requests left out of the radix tree: the device had no room for their released pages.",
     ),
+    "prefix_pages_lent": (
+        "prefix_pages_lent",
+        "Matched-prefix pages running hot-set requests took over, with the radix tree's host copies (--hot-set-prefix host).",
+    ),
+    "prefix_pages_released": (
+        "prefix_pages_released",
+        "Lent prefix pages a request's plan left out: read from the host copy, no longer from the device.",
+    ),
+    "prefix_pages_owned": (
+        "prefix_pages_owned",
+        "Lent prefix pages a request's plan kept, copied host to device into pages of its own so the tree's could go.",
+    ),
+    "prefix_holds": (
+        "prefix_holds",
+        "Hot-set requests whose matched prefix stopped pinning the radix tree's device pages.",
+    ),
+    "prefix_relocked": (
+        "prefix_relocked",
+        "Finished requests holding their prefix on the host whose tree pages were still on the device: taken back, nothing copied.",
+    ),
 }
 
 

@@ -8,8 +8,16 @@ page never changes again, so one copy serves every later promotion), its device
 page goes back to the allocator and its ``req_to_token`` entries point at the
 padding page 0, which every decode kernel here masks. A promotion allocates a
 device page, copies the host page in and rewrites the row. Pages shared with the
-tree (the matched prefix, or a grown request's prompt) and the page being written
-stay on the device.
+tree (a grown request's prompt) and the page being written stay on the device.
+
+A returning request's matched prefix is the tree's, on the device and (HiCache's
+write-through) on the host: ``lend_prefix`` lets the request treat those pages as its
+own, with the tree's host copies as theirs. A lent page the plan leaves out stops
+being read from the device (its row points at the padding page, nothing is freed: the
+device page is the tree's); a lent page the plan keeps is copied into a device page of
+the request's own (``own_tree_pages``), after which the request holds no tree page on
+the device and the scheduler lets the tree evict them (``scheduler/hot_set_release.py``).
+The tree's host copies are never freed here.
 
 This module holds the record and the page moves: ``RequestPages`` (one request's
 residency and host copies), ``ReleaseRegistry`` (the process-wide record of the requests
@@ -73,6 +81,11 @@ class ReleaseCounts:
     releases_refused: int = 0  # releases with no free host page (page kept)
     finished_reinserted: int = 0  # finished requests whose pages all came back (tree insert)
     finished_uncached: int = 0  # finished requests left out of the tree (no device room)
+    prefix_pages_lent: int = 0  # matched-prefix pages a running request took over from the tree's host copies
+    prefix_pages_released: int = 0  # ... that it then stopped reading from the device
+    prefix_pages_owned: int = 0  # ... planned ones copied into its own device pages, so the tree's could go
+    prefix_holds: int = 0  # requests whose matched prefix no longer pins the tree's device pages
+    prefix_relocked: int = 0  # ... finished with the tree's pages still on the device: taken back, nothing copied
 
 
 class RequestPages:
@@ -90,12 +103,19 @@ class RequestPages:
         self.page_size = page_size
         self.host = torch.full((0, page_size), -1, dtype=torch.int64)
         self.released = torch.zeros(0, dtype=torch.bool)
+        self.borrowed = torch.zeros(0, dtype=torch.bool)  # host copy is the tree's: never freed here
+        self.tree_slot = torch.zeros(0, dtype=torch.bool)  # the row's device page is the tree's
+        self.lent_pages = 0  # pages [0, lent_pages) were lent by the tree (lend_prefix)
+        self.hold: object = None  # the scheduler's record of the lend (its tree locks)
 
     def _grow(self, num_pages: int) -> None:
         extra = num_pages - self.released.numel()
         if extra > 0:
             self.host = torch.cat((self.host, torch.full((extra, self.page_size), -1, dtype=torch.int64)))
-            self.released = torch.cat((self.released, torch.zeros(extra, dtype=torch.bool)))
+            no = torch.zeros(extra, dtype=torch.bool)
+            self.released = torch.cat((self.released, no))
+            self.borrowed = torch.cat((self.borrowed, no))
+            self.tree_slot = torch.cat((self.tree_slot, no))
 
     def _positions(self, pages: torch.Tensor) -> torch.Tensor:
         return (pages[:, None] * self.page_size + torch.arange(self.page_size)[None, :]).flatten()
@@ -116,11 +136,15 @@ class RequestPages:
             pools.to_host(self.row[self._positions(uncopied)].to(torch.int64), host.flatten())
             self.host[uncopied] = host
             counts.pages_copied_out += uncopied.numel()
-        positions = self._positions(pages)
-        pools.free_device(self.row[positions].to(torch.int64))
-        self.row[positions] = RELEASED_SLOT
+        tree = self.tree_slot[pages]
+        own = pages[~tree]
+        if own.numel():
+            pools.free_device(self.row[self._positions(own)].to(torch.int64))
+            counts.pages_released += own.numel()
+        counts.prefix_pages_released += int(tree.sum())
+        self.row[self._positions(pages)] = RELEASED_SLOT
         self.released[pages] = True
-        counts.pages_released += pages.numel()
+        self.tree_slot[pages] = False
 
     def restore(
         self, pages: torch.Tensor, pools: PagePools, counts: ReleaseCounts, *, note_refusal: bool = True
@@ -149,17 +173,68 @@ class RequestPages:
     def released_pages(self) -> torch.Tensor:
         return torch.nonzero(self.released).flatten()
 
+    def lend_prefix(self, host_slots: torch.Tensor, counts: ReleaseCounts) -> None:
+        """Take the tree's pages ``[0, n)`` as the request's own, ``host_slots`` (their
+        host copies, ``n`` pages of slots, the tree's) standing for them once released.
+        The row keeps the tree's device slots until a page is released or owned."""
+        num = host_slots.numel() // self.page_size
+        self._grow(num)
+        self.host[:num] = host_slots.view(num, self.page_size).to(torch.int64)
+        self.borrowed[:num] = True
+        self.tree_slot[:num] = ~self.released[:num]
+        self.lent_pages = num
+        self.first_owned_page = 0
+        counts.prefix_pages_lent += num
+
+    @property
+    def holds_tree_slots(self) -> bool:
+        """Whether the row still points at a device page of the tree's."""
+        return bool(self.tree_slot.any())
+
+    def own_tree_pages(self, pools: PagePools, counts: ReleaseCounts) -> bool:
+        """Copy the lent pages the row still reads from the tree's device pages into
+        device pages of the request's own (from the tree's host copies, which hold the
+        same KV). Returns whether the row now reads no tree page (False: no room)."""
+        pages = torch.nonzero(self.tree_slot).flatten()
+        if pages.numel() == 0:
+            return True
+        slots = pools.alloc_device(pages.numel())
+        if slots is None:
+            return False
+        slots = slots.to(torch.int64)
+        pools.to_device(self.host[pages].flatten(), slots)
+        self.row[self._positions(pages)] = slots.to(self.row.dtype)
+        self.tree_slot[pages] = False
+        counts.prefix_pages_owned += pages.numel()
+        return True
+
+    def return_prefix(self, tree_slots: torch.Tensor, pools: PagePools) -> None:
+        """Point the lent pages back at the tree's device slots ``tree_slots`` (the
+        prefix's, in order) and free the request's own copies of them: the prefix is
+        the tree's again, as if it had never been lent."""
+        num = self.lent_pages
+        self._grow(num)
+        lent = torch.arange(num)
+        private = lent[~self.released[:num] & ~self.tree_slot[:num]]
+        if private.numel():
+            pools.free_device(self.row[self._positions(private)].to(torch.int64))
+        self.row[: num * self.page_size] = tree_slots.to(self.row.dtype)
+        self.released[:num] = False
+        self.tree_slot[:num] = True
+
     def host_slots(self, pages: torch.Tensor) -> torch.Tensor:
         """Host slots of released ``pages``, page by page."""
         return self.host[pages].flatten()
 
     def drop(self, pools: PagePools) -> None:
         """Free the host copies (the request is leaving)."""
-        copied = self.host[:, 0] >= 0
+        copied = (self.host[:, 0] >= 0) & ~self.borrowed
         if bool(copied.any()):
             pools.free_host(self.host[copied].flatten())
         self.host = self.host[:0]
         self.released = self.released[:0]
+        self.borrowed = self.borrowed[:0]
+        self.tree_slot = self.tree_slot[:0]
 
 
 def subtract_pages(ranges: list[tuple[int, int]], pages: list[int], page_size: int) -> list[tuple[int, int]]:
@@ -185,6 +260,7 @@ class ReleaseRegistry:
     def __init__(self) -> None:
         self.pools: Optional[PagePools] = None
         self.threshold: Optional[int] = None  # tokens past which a request may release; None: off
+        self.prefix_on_host = False  # a matched prefix may be lent to the request (--hot-set-prefix host)
         self._first_owned: dict[str, int] = {}
         self._pages: dict[str, RequestPages] = {}
         self.counts = ReleaseCounts()

