@@ -313,7 +313,12 @@ HOT_SET_SERIES = {
     ),
     "finished_uncached": (
         "finished_uncached",
-        "Finished hot-set requests left out of the radix tree: the device had no room for their released pages.",
+        "Finished hot-set requests left out of the radix tree: no device room for their released pages, "
+        "and no host insert (host pool full, or SGLang's Rust tree core).",
+    ),
+    "finished_on_host": (
+        "finished_on_host",
+        "Finished hot-set requests whose pages entered the radix tree host-only: no device room to take them back.",
     ),
     "prefix_pages_lent": (
         "prefix_pages_lent",

@@ -4,24 +4,27 @@ Two servers, one after the other, alike but for ``--hot-set-prefix``: ``device``
 matched prefix stays on the device) and ``host``. Both run the importance hot set (guard on,
 20 % of a request's pages) on the embedded model with 16-token pages, HiCache's host pool,
 ``file`` storage and ``--radix-eviction-policy importance`` (the Python tree core the host
-hold needs). Each serves one session: a first turn of ~1,200 tokens, then two returning
-turns at once that share its prefix (each re-sends the history plus its own question), then
-``/flush_cache`` (device and host emptied: the history is only in the file tier) and a
-third turn that brings it back from storage. Holding the prefix on the host only moves
-pages, so every answer must be the same on both servers; the ``host`` server must count
-the prefix pages it lent, left on the host and took back, and its guard must still check
-the resumed requests' layers.
+hold needs). Each serves one session: a first turn of ~1,200 tokens; then a long returning
+turn (the history plus a question, 200 new tokens) and, once it holds the prefix on the
+host, a ~4,000-token unrelated prompt that needs the device pages the prefix leaves and a
+second returning turn sharing the prefix, which on the ``host`` server finds it in the
+host pool while the first still decodes from it; then ``/flush_cache`` (device and host emptied: the history is only in
+the file tier) and a third turn that brings it back from storage. Holding the prefix on
+the host only moves pages, so every answer must be the same on both servers; the ``host``
+server must count the prefix pages it lent, left on the host and took back, and its guard
+must still check the resumed requests' layers.
 """
 
 from __future__ import annotations
 
 import glob
 import importlib.util
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sgl_importance.client import flush_cache, metrics_text
+from sgl_importance.client import flush_cache, generate, metrics_text
 from sgl_importance.local_server import metric
 from support.server import generate_ids
 
@@ -31,6 +34,8 @@ PAGE = 16
 FIRST_TURN = 1200
 QUESTION = 40
 MAX_NEW = 12
+LONG_NEW = 200  # the first returning turn decodes while the others arrive
+FILLER = 4000
 ARGS = [
     "--page-size", str(PAGE), "--attention-backend", "importance_torch",
     "--radix-eviction-policy", "importance", "--enable-hierarchical-cache", "--hicache-ratio", "4",
@@ -47,9 +52,9 @@ def essay_text() -> str:
 
 @pytest.fixture(scope="module")
 def session(token_ids):
-    ids = token_ids(essay_text(), FIRST_TURN + 4 * QUESTION)
+    ids = token_ids(essay_text(), FIRST_TURN + 4 * QUESTION + FILLER)
     questions = [ids[FIRST_TURN + i * QUESTION : FIRST_TURN + (i + 1) * QUESTION] for i in range(3)]
-    return ids[:FIRST_TURN], questions
+    return ids[:FIRST_TURN], questions, ids[-FILLER:]
 
 
 def counters(server) -> dict[str, float]:
@@ -63,11 +68,33 @@ def run_session(launch, tmp_path_factory, session, residence: str) -> dict:
     server = launch(
         [*ARGS, "--hot-set-prefix", residence], env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(storage)}
     )
-    history, questions = session
+    history, questions, filler = session
     first = generate_ids(server, history, MAX_NEW, timeout=900)
     history = history + first["output_ids"]
-    with ThreadPoolExecutor(2) as pool:
-        both = list(pool.map(lambda q: generate_ids(server, history + q, MAX_NEW, timeout=900), questions[:2]))
+    done: dict[str, float] = {}
+
+    def long_turn() -> dict:
+        out = generate(
+            server.url,
+            input_ids=history + questions[0],
+            sampling_params={"max_new_tokens": LONG_NEW, "temperature": 0, "ignore_eos": True},
+            return_cached_tokens_details=True,
+            timeout=900,
+        )
+        done["long"] = time.monotonic()
+        return out
+
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(long_turn)
+        if residence == "host":
+            # Its device lock on the prefix goes a few steps into its decode.
+            deadline = time.monotonic() + 300
+            while counters(server)["prefix_holds"] < 1 and not running.done() and time.monotonic() < deadline:
+                time.sleep(0.5)
+        generate_ids(server, filler, 1, timeout=900)
+        second = generate_ids(server, history + questions[1], MAX_NEW, timeout=900)
+        done["second"] = time.monotonic()
+        both = [running.result(), second]
     before_storage = counters(server)
     assert flush_cache(server.url).status_code == 200
     third = generate_ids(server, history + questions[2], MAX_NEW, timeout=900)
@@ -80,6 +107,7 @@ def run_session(launch, tmp_path_factory, session, residence: str) -> dict:
         "cached": [r["meta_info"]["cached_tokens_details"] for r in (*both, third)],
         "before_storage": before_storage,
         "after": after,
+        "second_while_long_ran": done["second"] < done["long"],
     }
 
 
@@ -93,14 +121,18 @@ def on_host(launch, tmp_path_factory, session, on_device):  # one server at a ti
     return run_session(launch, tmp_path_factory, session, "host")
 
 
-def test_returning_turns_sharing_a_prefix_answer_alike_with_it_on_the_host(on_device, on_host):
-    # The two concurrent returning turns matched the first turn's history on the device.
-    for details in on_host["cached"][:2]:
-        assert details["device"] >= FIRST_TURN - PAGE, details
+def test_a_prefix_held_on_the_host_by_a_running_request_is_matched_by_another(on_device, on_host):
+    # The long turn matched the first turn's history on the device.
+    assert on_host["cached"][0]["device"] >= FIRST_TURN - PAGE, on_host["cached"][0]
+    # The unrelated prompt took the device pages the held prefix left: the second turn,
+    # sent while the long one still decoded, found the prefix in the host pool (the long
+    # turn's host lock kept it there).
+    assert on_host["second_while_long_ran"]
+    assert on_host["cached"][1]["host"] > 0, on_host["cached"][1]
     assert on_host["answers"] == on_device["answers"]
     lent = on_host["before_storage"]
-    # Both running requests held the shared prefix on the host at once (two holds of
-    # ~75 pages each), left most of it there and copied in only what their plans kept.
+    # Both returning turns held the shared prefix on the host (~75 pages each), left most
+    # of it there and copied in only what their plans kept.
     assert lent["prefix_holds"] >= 2 and lent["prefix_pages_lent"] >= 2 * (FIRST_TURN // PAGE)
     assert lent["prefix_pages_released"] > lent["prefix_pages_owned"] > 0
     assert on_device["after"]["prefix_pages_lent"] == 0

@@ -7,10 +7,11 @@ plans: the page is copied to SGLang's host pool the first time it leaves (a full
 page never changes again, so one copy serves every later promotion), its device
 page goes back to the allocator and its ``req_to_token`` entries point at the
 padding page 0, which every decode kernel here masks. A promotion allocates a
-device page, copies the host page in and rewrites the row. Pages shared with the
-tree (a grown request's prompt) and the page being written stay on the device.
+device page, copies the host page in and rewrites the row. The page being written
+stays on the device.
 
-A returning request's matched prefix is the tree's, on the device and (HiCache's
+Pages shared with the tree (a returning request's matched prefix, a grown request's
+prompt) are the tree's, on the device and (HiCache's
 write-through) on the host: ``lend_prefix`` lets the request treat those pages as its
 own, with the tree's host copies as theirs. A lent page the plan leaves out stops
 being read from the device (its row points at the padding page, nothing is freed: the
@@ -80,7 +81,8 @@ class ReleaseCounts:
     promotions_refused: int = 0  # planned pages with no free device page (read from host)
     releases_refused: int = 0  # releases with no free host page (page kept)
     finished_reinserted: int = 0  # finished requests whose pages all came back (tree insert)
-    finished_uncached: int = 0  # finished requests left out of the tree (no device room)
+    finished_uncached: int = 0  # finished requests left out of the tree (no device room, no host insert)
+    finished_on_host: int = 0  # finished requests whose pages entered the tree host-only (no device room)
     prefix_pages_lent: int = 0  # matched-prefix pages a running request took over from the tree's host copies
     prefix_pages_released: int = 0  # ... that it then stopped reading from the device
     prefix_pages_owned: int = 0  # ... planned ones copied into its own device pages, so the tree's could go
@@ -226,6 +228,24 @@ class RequestPages:
         """Host slots of released ``pages``, page by page."""
         return self.host[pages].flatten()
 
+    def host_page_slots(self, pages: torch.Tensor, pools: PagePools) -> Optional[torch.Tensor]:
+        """Host slots ``[n, page_size]`` holding ``pages`` (full pages), copying the
+        resident ones without a host copy out first; None when the host pool is full."""
+        self._grow(int(pages.max()) + 1 if pages.numel() else 0)
+        uncopied = pages[self.host[pages, 0] < 0]
+        if uncopied.numel():
+            host = pools.alloc_host(uncopied.numel())
+            if host is None:
+                return None
+            host = host.view(-1, self.page_size).to(torch.int64)
+            pools.to_host(self.row[self._positions(uncopied)].to(torch.int64), host.flatten())
+            self.host[uncopied] = host
+        return self.host[pages]
+
+    def give_host_copies(self, pages: torch.Tensor) -> None:
+        """The host copies of ``pages`` now belong to the tree (never freed here)."""
+        self.borrowed[pages] = True
+
     def drop(self, pools: PagePools) -> None:
         """Free the host copies (the request is leaving)."""
         copied = (self.host[:, 0] >= 0) & ~self.borrowed
@@ -261,6 +281,7 @@ class ReleaseRegistry:
         self.pools: Optional[PagePools] = None
         self.threshold: Optional[int] = None  # tokens past which a request may release; None: off
         self.prefix_on_host = False  # a matched prefix may be lent to the request (--hot-set-prefix host)
+        self.host_insert = False  # a finished request may enter the tree host-only (SGLang's Python tree core)
         self._first_owned: dict[str, int] = {}
         self._pages: dict[str, RequestPages] = {}
         self.counts = ReleaseCounts()

@@ -19,15 +19,19 @@ decoder may give back its pages past the ones the radix tree holds for it
   long answer): SGLang checkpointed its prompt into the tree at prefill and inserts
   nothing more until it finishes, so the pages past ``cache_protected_len`` (the
   partial last page of the prompt, then what it generates) are its own; the
-  prompt's tree pages stay on the device.
+  prompt's tree pages are the tree's (held on the host like a matched prefix, below).
 
 An admitted request is never checkpointed into the tree while it runs. When it leaves:
 
 - finished (``release_kv_cache`` with ``checkpoint``): its released pages are
   copied back into free device pages (evicting unlocked tree nodes if needed) and
   the whole sequence is inserted into the tree as usual, so prefix reuse holds.
-  When the device cannot take them back, the request is not inserted (its KV is
-  freed; its matched prefix stays in the tree) and ``finished_uncached`` counts it.
+  When the device cannot take them back, its full pages past what the tree holds go
+  into the tree host-only (``finished_on_host``: the host copies of the released ones
+  become the tree's, the resident ones are copied out), so the next turn of a session
+  matches them on the host; where that cannot be done either (the host pool full,
+  SGLang's Rust tree core) the request is not inserted (its KV is freed; its matched
+  prefix stays in the tree) and ``finished_uncached`` counts it.
 - aborted or retracted: nothing is inserted; the positions it released are left
   out of what SGLang frees (they are not its pages any more). A retracted request
   is prefilled again later and admitted again (by its new length).
@@ -36,7 +40,8 @@ Either way its host copies are freed. Without the host pool the hot set stays
 logical: every page stays on the device (logged once at start-up).
 
 **A matched prefix held on the host** (``--hot-set-prefix host``, the default): an
-admitted request whose matched prefix every tree node of which has a host copy (HiCache's
+admitted request whose tree pages (its matched prefix; for a grown request, its prompt)
+all have a host copy (HiCache's
 write-through, the copy landed) borrows those copies (``RequestPages.lend_prefix``; the
 tree node it matched is host-locked so they stay). On the step after, the prefix pages its
 plan left out are no longer read from the device; the ones it plans are copied into device
@@ -137,15 +142,17 @@ def enable(
         return
     releases.enable(HiCachePagePools(tree_cache), config.hot_set_threshold)
     logger.info("hot set releases device pages of requests longer than %d tokens", releases.threshold)
+    releases.host_insert = _python_tree_core(tree_cache)
     if config.hot_set_prefix == "host":
-        if _python_tree_core(tree_cache):
+        if releases.host_insert:
             releases.prefix_on_host = True
             logger.info("hot set: a running request's matched prefix is held on the host (--hot-set-prefix host)")
         else:
             logger.warning(
                 "hot set: --hot-set-prefix host needs SGLang's Python radix-tree core (on with "
                 "--radix-eviction-policy importance or SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python); "
-                "matched prefixes stay on the device"
+                "matched prefixes stay on the device, and a finished request the device cannot "
+                "take back is left out of the tree"
             )
 
 
@@ -334,13 +341,16 @@ def release_with_pages(
             if inserting:
                 _restore_all(releases, pages, tree_cache)
             if bool(pages.released.any()):
-                if inserting:
+                if inserting and _insert_on_host(releases, pages, req, tree_cache):
+                    releases.counts.finished_on_host += 1
+                elif inserting:
                     releases.counts.finished_uncached += 1
                     logger.info(
                         "hot set: request %s leaves %d pages on the host; it is not inserted into the tree",
                         req.rid,
                         int(pages.released.sum()),
                     )
+                if inserting:
                     # Set only to stop this insert: a retracted request keeps its flag
                     # for the prefill that resumes it (tree insert or admission again).
                     req.skip_radix_cache_insert = True
@@ -351,6 +361,48 @@ def release_with_pages(
     finally:
         releases.leaving.clear()
         releases.forget(req.rid)
+
+
+def _insert_on_host(releases: ReleaseRegistry, pages: RequestPages, req: Any, tree_cache: Any) -> bool:
+    """A finished request whose released pages the device cannot take back: put its full
+    pages past what the tree holds for it into the tree host-only (HiCache's host nodes,
+    as a storage prefetch does), so the next turn of its session matches them (and loads
+    them back) instead of prefilling them again. The host copies of released pages are
+    the tree's from then on; resident pages are copied out first. Returns False where
+    nothing was inserted (the host pool full, the Rust tree core, no host copy above)."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    if not releases.host_insert:
+        return False  # the host insert walks SGLang's Python tree core, as the prefix hold does
+    ps = pages.page_size
+    req.refresh_fill_ids()
+    start = req.kv.cache_protected_len
+    end = req.owned_kv_len() // ps * ps
+    if start % ps or end <= start:
+        return False
+    node_id = req.lock.node if req.lock is not None else tree_cache.root_node_handle(req.extra_key)
+    wanted = torch.arange(start // ps, end // ps)
+    host = pages.host_page_slots(wanted, releases.pools)
+    if host is None:
+        return False
+    core = tree_cache.tree_core
+    key = RadixKey(
+        req.full_untruncated_fill_ids[start:end], req.extra_key, is_bigram=core.is_eagle, cache_salt=req.cache_salt
+    )
+    parent = core.node_by_id(node_id)
+    prior = parent.hash_value[-1] if parent.hash_value else None
+    hashes = get_storage_hash_str(key, prior, page_size=ps)
+    result = core.insert_host(node_id, key, host.flatten(), hashes)
+    tree_cache._apply_cache_actions(result.cache_actions)
+    if result.host_insert_dropped:
+        return False
+    # The walk keeps the host copies of nodes that had one ([0, prefix_len) of the key);
+    # the rest are the tree's now.
+    pages.give_host_copies(wanted[result.prefix_len // ps :])
+    if result.inserted_host_node is not None:
+        tree_cache.write_backup_storage(result.inserted_host_node)
+    return True
 
 
 def _restore_all(releases: ReleaseRegistry, pages: RequestPages, tree_cache: Any) -> None:
