@@ -26,9 +26,10 @@ Arms, each on a fresh server:
 
 **Equal memory**, as ``bench_capacity``: dense gets ``--device-tokens`` of KV pool; a
 hot-set server gets the same bytes for its KV pool, its guard's pool and its key
-summaries (``bench_capacity.hot_set_tokens``). The host pool is ``--hicache-ratio``
-times each server's KV pool (0: SGLang's default, 2), so a hot-set server's is the
-smaller (the table gives both pools).
+summaries (``bench_capacity.hot_set_tokens``); every arm gets the same host pool,
+``--hicache-ratio`` (default SGLang's 2) times dense's device pool (SGLang sizes it as a
+ratio of the server's KV pool, so a hot-set server is given its own ratio; the table
+gives both pools).
 
 Per arm: the most sessions decoding at once (client side: a session with a request
 between its first token and its last), the most requests decoding in one step (the
@@ -72,6 +73,7 @@ import requests
 from benchmark.long_context.bench_capacity import DECODE_LINE, KV_LINE, hot_set_tokens
 from benchmark.long_context.bench_hot_set import NAMES, PAGE, essay_text
 from sgl_importance.client import flush_cache, greedy, metrics_text
+from sgl_importance.hot_set.guard_budget import KVShape, auto_coverage, plan_guard
 from sgl_importance.local_server import (
     HOST_MEMORY,
     PORT_CLASH,
@@ -219,6 +221,18 @@ def decode_steps(log: str) -> list[tuple[int, float]]:
     return [(int(m.group(1)), float(m.group(2))) for m in DECODE_LINE.finditer(log)]
 
 
+SGLANG_HICACHE_RATIO = 2.0  # SGLang's --hicache-ratio default
+
+
+def kv_pool_tokens(arm: str, max_total_tokens: int, shape: KVShape) -> int:
+    """The KV pool the arm's server will have: a hot-set server's guard pool (auto size)
+    comes out of ``--max-total-tokens`` (``guard_budget.plan_guard``, as the server does)."""
+    if not arm.startswith("hot-set"):
+        return max_total_tokens
+    coverage = auto_coverage(BUDGET, hierarchical=True)
+    return plan_guard(max_total_tokens, shape, guard_tokens=None, coverage=coverage).kv_tokens
+
+
 def arm_flags(arm: str, device_tokens: int) -> tuple[int, list[str]]:
     """``--max-total-tokens`` and the arm's own flags, at dense's bytes."""
     if arm == "lru":
@@ -298,8 +312,10 @@ def run_arm(arm: str, sessions: list[dict], a, out: Path) -> dict:
         "--page-size", str(PAGE), "--attention-backend", "importance_torch", "--enable-hierarchical-cache",
         "--max-total-tokens", str(tokens), "--decode-log-interval", "1", "--enable-metrics", *extra,
     ]  # fmt: skip
-    if a.hicache_ratio:
-        args += ["--hicache-ratio", str(a.hicache_ratio)]
+    # The same host pool for every arm (the issue's equal memory: KV + host + guard): SGLang
+    # sizes it as a ratio of the KV pool, which beside a guard pool is the smaller.
+    host_tokens = (a.hicache_ratio or SGLANG_HICACHE_RATIO) * a.device_tokens
+    args += ["--hicache-ratio", f"{host_tokens / kv_pool_tokens(arm, tokens, a.kv_shape):.4f}"]
     log = out / f"server_{arm}.log"
     print(f"[{arm}] starting: --max-total-tokens {tokens} {' '.join(extra)}", flush=True)
     server = start_with_retry(
@@ -510,7 +526,12 @@ def main() -> None:
     p.add_argument("--length", type=int, default=6500, help="tokens of each session's opening history")
     p.add_argument("--max-new", type=int, default=24, help="greedy tokens per answer")
     p.add_argument("--device-tokens", type=int, default=0, help="dense's --max-total-tokens (0: ~two sessions)")
-    p.add_argument("--hicache-ratio", type=float, default=0.0, help="host pool over the device pool (0: SGLang's)")
+    p.add_argument(
+        "--hicache-ratio",
+        type=float,
+        default=0.0,
+        help="every arm's host pool over dense's device pool (0: SGLang's default, 2)",
+    )
     p.add_argument("--arms", default=",".join(ARMS), help=f"from {', '.join(ARMS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench_sessions_")))
@@ -530,6 +551,11 @@ def main() -> None:
     model = model_path()
     tokenizer = AutoTokenizer.from_pretrained(model)
     config = json.loads((Path(model) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    a.kv_shape = KVShape(
+        config["num_hidden_layers"], config.get("num_key_value_heads", heads), head_dim, head_dim, 4, PAGE
+    )  # the torch_cpu server's float32 KV
 
     def tokenize(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -556,7 +582,7 @@ def write_results(results: list[dict], config: dict, a, minutes: float, out: Pat
     table = format_table(summaries)
     command = "python -m benchmark.long_context.bench_sessions " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     questions = a.sessions * a.turns * a.facts_per_turn
-    ratio = f"{a.hicache_ratio:g}x" if a.hicache_ratio else "at SGLang's default ratio to"
+    host = (a.hicache_ratio or SGLANG_HICACHE_RATIO) * a.device_tokens
     text = (
         "# Sessions that come back: dense eviction vs the hot set (bench_sessions.py)\n\n"
         f"Command (took {minutes:.0f} min):\n\n```\n{command}\n```\n\n"
@@ -564,8 +590,8 @@ def write_results(results: list[dict], config: dict, a, minutes: float, out: Pat
         f"({questions} per arm), opening histories of {a.length} tokens, {a.max_new} greedy tokens per answer. "
         f"Dense's device pool {a.device_tokens} tokens ({a.device_tokens // PAGE} pages of {PAGE}); the hot-set "
         f"arms the same bytes: --max-total-tokens {hot_set_tokens(a.device_tokens, BUDGET)} for their KV and "
-        "guard pools, the rest for their key summaries; HiCache host pool "
-        f"{ratio} the KV pool. KV bytes per token: {token_bytes:,} for this "
+        f"guard pools, the rest for their key summaries; every arm's HiCache host pool {host:.0f} tokens "
+        "(each server's own --hicache-ratio over its KV pool). KV bytes per token: {token_bytes:,} for this "
         f"server ({dtype}), {LLAMA_8B_TOKEN_BYTES:,} at a Llama-3.1-8B shape (32 layers, 8 KV heads, head dim "
         "128, bf16).\n\n"
         f"Series (deltas over the sessions): `{LOAD_BACK}` (HiCache load-back, prefetch included), "

@@ -5,7 +5,7 @@ matched prefix stays on the device) and ``host``. Both run the importance hot se
 20 % of a request's pages) on the embedded model with 16-token pages, HiCache's host pool,
 ``file`` storage and ``--radix-eviction-policy importance`` (the Python tree core the host
 hold needs). Each serves one session: a first turn of ~1,200 tokens; then a long returning
-turn (the history plus a question, 200 new tokens) and, once it holds the prefix on the
+turn (the history plus a question, 160 new tokens) and, once it holds the prefix on the
 host, a ~4,000-token unrelated prompt that needs the device pages the prefix leaves and a
 second returning turn sharing the prefix, which on the ``host`` server finds it in the
 host pool while the first still decodes from it; then ``/flush_cache`` (device and host emptied: the history is only in
@@ -33,8 +33,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 PAGE = 16
 FIRST_TURN = 1200
 QUESTION = 40
-MAX_NEW = 12
-LONG_NEW = 200  # the first returning turn decodes while the others arrive
+MAX_NEW = 8
+LONG_NEW = 160  # the first returning turn decodes while the others arrive
 FILLER = 4000
 ARGS = [
     "--page-size", str(PAGE), "--attention-backend", "importance_torch",
