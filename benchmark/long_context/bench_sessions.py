@@ -591,7 +591,7 @@ def write_results(results: list[dict], config: dict, a, minutes: float, out: Pat
         f"Dense's device pool {a.device_tokens} tokens ({a.device_tokens // PAGE} pages of {PAGE}); the hot-set "
         f"arms the same bytes: --max-total-tokens {hot_set_tokens(a.device_tokens, BUDGET)} for their KV and "
         f"guard pools, the rest for their key summaries; every arm's HiCache host pool {host:.0f} tokens "
-        "(each server's own --hicache-ratio over its KV pool). KV bytes per token: {token_bytes:,} for this "
+        f"(each server's own --hicache-ratio over its KV pool). KV bytes per token: {token_bytes:,} for this "
         f"server ({dtype}), {LLAMA_8B_TOKEN_BYTES:,} at a Llama-3.1-8B shape (32 layers, 8 KV heads, head dim "
         "128, bf16).\n\n"
         f"Series (deltas over the sessions): `{LOAD_BACK}` (HiCache load-back, prefetch included), "
