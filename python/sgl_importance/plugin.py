@@ -14,6 +14,7 @@ checks each, and every public attribute the plugin reads, against the installed 
 | `mem_cache.utils._EVICTION_POLICY_FACTORIES` (policy name) | plugin.py                   |
 | `components.base._LAST_ACCESS_TIME_COUNTER_FLOAT` (clock)  | cache/strategy.py           |
 | `UnifiedRadixCache._all_reduce` (rank consensus)           | cache/prefetch.py           |
+| `UnifiedRadixCache._apply_cache_actions` (a host insert's) | scheduler/hot_set_release.py |
 | `HiCacheFile._get_suffixed_key` (page file names)          | storage/file.py             |
 | `HiCacheFile._evictor` (forget a dropped page)             | storage/file.py             |
 | `HiCacheStorageFailureInjector._backend` (unwrap)          | storage/factory.py          |

@@ -277,6 +277,7 @@ PRIVATE = [
     Name(f"{MEM}.utils", "_EVICTION_POLICY_FACTORIES", "plugin.py"),
     Name(f"{MEM}.unified_cache.components.base", "_LAST_ACCESS_TIME_COUNTER_FLOAT", "cache/strategy.py"),
     Name(CACHE, "_all_reduce", "cache/prefetch.py"),
+    Name(CACHE, "_apply_cache_actions", "scheduler/hot_set_release.py"),
     Name(f"{MEM}.hicache_storage.HiCacheFile", "_get_suffixed_key", "storage/file.py"),
     Name(f"{MEM}.hicache_storage.HiCacheFile", "_evictor", "storage/file.py"),
     Name(f"{MEM}.hicache_storage.HiCacheStorageFailureInjector", "_backend", "storage/factory.py"),
