@@ -203,17 +203,17 @@ def default_device_tokens(length: int, turns: int, per_turn: int, max_new: int) 
     return math.ceil(2.2 * longest / PAGE) * PAGE
 
 
-def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """K and V of one token in every layer."""
-    return 2 * layers * kv_heads * head_dim * dtype_bytes
-
-
-def model_kv_bytes(config: dict, dtype: str) -> int:
-    """``kv_bytes_per_token`` of a Hugging Face ``config.json`` at KV dtype ``dtype``."""
+def model_shape(config: dict, dtype: str) -> KVShape:
+    """The KV pool's shape of a Hugging Face ``config.json`` at KV dtype ``dtype``."""
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv_heads = config.get("num_key_value_heads", heads)
-    return kv_bytes_per_token(config["num_hidden_layers"], kv_heads, head_dim, DTYPE_BYTES[dtype])
+    return KVShape(config["num_hidden_layers"], kv_heads, head_dim, head_dim, DTYPE_BYTES[dtype], PAGE)
+
+
+def model_kv_bytes(config: dict, dtype: str) -> int:
+    """K and V of one token in every layer (``model_shape``'s)."""
+    return model_shape(config, dtype).kv_bytes_per_page // PAGE
 
 
 def decode_steps(log: str) -> list[tuple[int, float]]:
@@ -551,11 +551,7 @@ def main() -> None:
     model = model_path()
     tokenizer = AutoTokenizer.from_pretrained(model)
     config = json.loads((Path(model) / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    a.kv_shape = KVShape(
-        config["num_hidden_layers"], config.get("num_key_value_heads", heads), head_dim, head_dim, 4, PAGE
-    )  # the torch_cpu server's float32 KV
+    a.kv_shape = model_shape(config, "float32")  # the torch_cpu server's KV
 
     def tokenize(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -88,16 +88,24 @@ def test_no_free_page_is_counted_and_nothing_moves():
     assert (row[PAGE : 2 * PAGE] == RELEASED_SLOT).all()
 
 
+def lent_request(tiers: ArrayPools, num_pages: int, prefix_pages: int):
+    """A request of ``num_pages`` whose first ``prefix_pages`` are the tree's (device
+    pages and write-through host copies), lent to it: (row, slots, pages, counts)."""
+    row, slots = filled_request(tiers, num_pages)
+    tree_host = tiers.alloc_host(prefix_pages).to(torch.int64)
+    tiers.to_host(slots[: prefix_pages * PAGE], tree_host)
+    pages, counts = RequestPages(row, first_owned_page=prefix_pages, page_size=PAGE), ReleaseCounts()
+    pages.lend_prefix(tree_host, counts)
+    return row, slots, pages, counts
+
+
 def test_a_lent_prefix_reads_the_tree_copies_and_frees_only_the_requests_own_pages():
     tiers = array_pools(device_pages=12, host_pages=12)
-    row, slots = filled_request(tiers, 5)  # pages 0-2: the tree's (a matched prefix); 3-4: its own
+    # Pages 0-2: the tree's (a matched prefix); 3-4: the request's own.
+    row, slots, pages, counts = lent_request(tiers, 5, 3)
     truth_k, truth_v = tiers.k[:, slots].clone(), tiers.v[:, slots].clone()
     tree_device = slots[: 3 * PAGE].clone()
-    tree_host = tiers.alloc_host(3).to(torch.int64)  # the tree's write-through copies
-    tiers.to_host(tree_device, tree_host)
-    pages, counts = RequestPages(row, first_owned_page=3, page_size=PAGE), ReleaseCounts()
-    pages.lend_prefix(tree_host, counts)
-    assert counts.prefix_pages_lent == 3 and pages.first_owned_page == 0 and pages.holds_tree_slots
+    assert counts.prefix_pages_lent == 3 and pages.first_owned_page == 0 and pages.tree_slot.any()
     free_device, free_host = len(tiers.free_device_pages), len(tiers.free_host_pages)
     pages.release(torch.tensor([0, 2, 3]), tiers, counts)
     # The tree's pages 0 and 2 stop being read from the device, but their device pages are
@@ -106,7 +114,7 @@ def test_a_lent_prefix_reads_the_tree_copies_and_frees_only_the_requests_own_pag
     assert counts.prefix_pages_released == 2 and counts.pages_released == 1 and counts.pages_copied_out == 1
     assert (row[:PAGE] == RELEASED_SLOT).all() and (row[2 * PAGE : 4 * PAGE] == RELEASED_SLOT).all()
     # Page 1, still planned, is copied into a device page of the request's own.
-    assert pages.own_tree_pages(tiers, counts) and not pages.holds_tree_slots
+    assert pages.own_tree_pages(tiers, counts) and not pages.tree_slot.any()
     assert counts.prefix_pages_owned == 1
     assert not set(row[PAGE : 2 * PAGE].tolist()) & set(tree_device.tolist())
     pages.restore(torch.tensor([0, 2, 3]), tiers, counts)
@@ -126,13 +134,9 @@ def test_a_lent_prefix_reads_the_tree_copies_and_frees_only_the_requests_own_pag
 
 def test_a_lent_prefix_without_device_room_keeps_the_tree_pages():
     tiers = array_pools(device_pages=4, host_pages=4)
-    row, slots = filled_request(tiers, 4)
-    tree_host = tiers.alloc_host(2).to(torch.int64)
-    tiers.to_host(slots[: 2 * PAGE], tree_host)
-    pages, counts = RequestPages(row, first_owned_page=2, page_size=PAGE), ReleaseCounts()
-    pages.lend_prefix(tree_host, counts)
+    row, slots, pages, counts = lent_request(tiers, 4, 2)
     assert not pages.own_tree_pages(tiers, counts)  # the device is full: nothing moves
-    assert pages.holds_tree_slots and counts.prefix_pages_owned == 0
+    assert pages.tree_slot.any() and counts.prefix_pages_owned == 0
     assert torch.equal(row[: 2 * PAGE].to(torch.int64), slots[: 2 * PAGE])
 
 

@@ -122,22 +122,31 @@ class RequestPages:
     def _positions(self, pages: torch.Tensor) -> torch.Tensor:
         return (pages[:, None] * self.page_size + torch.arange(self.page_size)[None, :]).flatten()
 
+    def _copy_out(self, pages: torch.Tensor, pools: PagePools) -> Optional[int]:
+        """Give the resident ``pages`` without a host copy one (a full page never changes
+        again, so one copy serves for good). Returns how many were copied, None when the
+        host pool is full (nothing copied)."""
+        uncopied = pages[self.host[pages, 0] < 0]
+        if uncopied.numel():
+            host = pools.alloc_host(uncopied.numel())
+            if host is None:
+                return None
+            host = host.view(-1, self.page_size).to(torch.int64)
+            pools.to_host(self.row[self._positions(uncopied)].to(torch.int64), host.flatten())
+            self.host[uncopied] = host
+        return uncopied.numel()
+
     def release(self, pages: torch.Tensor, pools: PagePools, counts: ReleaseCounts) -> None:
         """Give back the device pages of ``pages`` (full, owned, resident logical pages)."""
         self._grow(int(pages.max()) + 1 if pages.numel() else 0)
         pages = pages[(pages >= self.first_owned_page) & ~self.released[pages]]
         if pages.numel() == 0:
             return
-        uncopied = pages[self.host[pages, 0] < 0]
-        if uncopied.numel():
-            host = pools.alloc_host(uncopied.numel())
-            if host is None:
-                counts.releases_refused += pages.numel()
-                return
-            host = host.view(-1, self.page_size).to(torch.int64)
-            pools.to_host(self.row[self._positions(uncopied)].to(torch.int64), host.flatten())
-            self.host[uncopied] = host
-            counts.pages_copied_out += uncopied.numel()
+        copied = self._copy_out(pages, pools)
+        if copied is None:
+            counts.releases_refused += pages.numel()
+            return
+        counts.pages_copied_out += copied
         tree = self.tree_slot[pages]
         own = pages[~tree]
         if own.numel():
@@ -188,11 +197,6 @@ class RequestPages:
         self.first_owned_page = 0
         counts.prefix_pages_lent += num
 
-    @property
-    def holds_tree_slots(self) -> bool:
-        """Whether the row still points at a device page of the tree's."""
-        return bool(self.tree_slot.any())
-
     def own_tree_pages(self, pools: PagePools, counts: ReleaseCounts) -> bool:
         """Copy the lent pages the row still reads from the tree's device pages into
         device pages of the request's own (from the tree's host copies, which hold the
@@ -232,14 +236,8 @@ class RequestPages:
         """Host slots ``[n, page_size]`` holding ``pages`` (full pages), copying the
         resident ones without a host copy out first; None when the host pool is full."""
         self._grow(int(pages.max()) + 1 if pages.numel() else 0)
-        uncopied = pages[self.host[pages, 0] < 0]
-        if uncopied.numel():
-            host = pools.alloc_host(uncopied.numel())
-            if host is None:
-                return None
-            host = host.view(-1, self.page_size).to(torch.int64)
-            pools.to_host(self.row[self._positions(uncopied)].to(torch.int64), host.flatten())
-            self.host[uncopied] = host
+        if self._copy_out(pages, pools) is None:
+            return None
         return self.host[pages]
 
     def give_host_copies(self, pages: torch.Tensor) -> None:

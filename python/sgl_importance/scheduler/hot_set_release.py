@@ -117,7 +117,6 @@ class PrefixHold:
 
     node: Any  # the tree node the request matched (its prefix's last)
     host_receipt: Any  # the host lock on it, to give back
-    prefix_len: int  # tokens
     fresh: bool = True  # lent this step: the decoder releases the unplanned pages first
     unlocked: bool = False  # the request's device lock on the prefix has gone
 
@@ -229,7 +228,7 @@ def hold_prefixes(releases: ReleaseRegistry, batch: Any) -> None:
             continue
         hold = pages.hold
         if hold is None:
-            if pages.first_owned_page > 0 and pages.lent_pages == 0:
+            if pages.first_owned_page > 0:  # a lent record owns from page 0
                 _lend(releases, pages, req, tree_cache)
         elif not hold.unlocked:
             if hold.fresh:
@@ -248,7 +247,7 @@ def _lend(releases: ReleaseRegistry, pages: RequestPages, req: Any, tree_cache: 
         return  # a node without a host copy yet (its write-through still running): next step
     receipt = tree_cache.inc_host_lock_ref(lock.node).to_dec_params()
     pages.lend_prefix(host, releases.counts)
-    pages.hold = PrefixHold(lock.node, receipt, prefix)
+    pages.hold = PrefixHold(lock.node, receipt)
 
 
 def _path_host_slots(tree_cache: Any, node_id: Any) -> Optional[torch.Tensor]:
@@ -278,11 +277,7 @@ def _drop_device_lock(
 ) -> None:
     """Copy the planned lent pages into the request's own device pages, then give the
     tree its prefix back: unlocked, its device pages are the tree's to evict."""
-    from sglang.srt.mem_cache.common import evict_from_tree_cache
-
-    need = int(pages.tree_slot.sum()) * pages.page_size
-    if need and tree_cache.token_to_kv_pool_allocator.available_size() < need:
-        evict_from_tree_cache(tree_cache, need)
+    _make_room(tree_cache, int(pages.tree_slot.sum()) * pages.page_size)
     if not pages.own_tree_pages(releases.pools, releases.counts):
         return  # no device room for the copies yet: the prefix stays locked, try next step
     tree_cache.unlock(req.lock)
@@ -300,15 +295,15 @@ def _return_prefix(
     """Before a lent request leaves: where it still locks the prefix (or, finishing, can
     lock it again while the tree's pages are on the device) point its row back at the
     tree's pages; then give back the host lock."""
-    hold = pages.hold
+    hold, prefix_len = pages.hold, pages.lent_pages * pages.page_size
     if not hold.unlocked:
-        pages.return_prefix(tree_cache.path_device_indices(hold.node)[: hold.prefix_len], releases.pools)
+        pages.return_prefix(tree_cache.path_device_indices(hold.node)[:prefix_len], releases.pools)
     elif inserting and not tree_cache.tree_core.is_full_device_evicted(hold.node):
         device = tree_cache.path_device_indices(hold.node)
-        if device.numel() == hold.prefix_len:
+        if device.numel() == prefix_len:
             req.lock = tree_cache.lock(hold.node)
             pages.return_prefix(device, releases.pools)
-            req.kv.cache_protected_len = hold.prefix_len
+            req.kv.cache_protected_len = prefix_len
             releases.counts.prefix_relocked += 1
     tree_cache.dec_host_lock_ref(hold.node, hold.host_receipt)
     pages.hold = None
@@ -406,13 +401,17 @@ def _insert_on_host(releases: ReleaseRegistry, pages: RequestPages, req: Any, tr
 
 
 def _restore_all(releases: ReleaseRegistry, pages: RequestPages, tree_cache: Any) -> None:
+    held = pages.released_pages()
+    _make_room(tree_cache, held.numel() * pages.page_size)
+    pages.restore(held, releases.pools, releases.counts)
+
+
+def _make_room(tree_cache: Any, tokens: int) -> None:
+    """Evict unlocked tree nodes until ``tokens`` device slots are free (as far as it can)."""
     from sglang.srt.mem_cache.common import evict_from_tree_cache
 
-    held = pages.released_pages()
-    need = held.numel() * pages.page_size
-    if tree_cache.token_to_kv_pool_allocator.available_size() < need:
-        evict_from_tree_cache(tree_cache, need)
-    pages.restore(held, releases.pools, releases.counts)
+    if tokens and tree_cache.token_to_kv_pool_allocator.available_size() < tokens:
+        evict_from_tree_cache(tree_cache, tokens)
 
 
 def free_row_around_released(
