@@ -23,8 +23,7 @@ checks each, and every public attribute the plugin reads, against the installed 
 | hook `TokenizerManager._validate_one_request`              | request_check/prompt.py     |
 | hook `DualGemm._select_mode` (torch_cuda: no CuTe kernel)   | platform/torch_cuda.py      |
 
-Our state on SGLang's objects: a ``NodeState`` per radix node (``node_state.py``), ``server_args._importance``
-(config.py; read once, by runtime.py), a ``CacheState`` per ``importance`` strategy (cache/state.py).
+Our state on SGLang's objects: ``NodeState`` per radix node, ``server_args._importance``, ``CacheState`` per strategy.
 """
 
 from __future__ import annotations
