@@ -88,7 +88,16 @@ class HiCachePagePools:
         self.io_backend = tree_cache.cache_controller.io_backend
 
     def alloc_device(self, num_pages: int) -> Optional[torch.Tensor]:
-        return self.allocator.alloc(num_pages * self.page_size)
+        # A page the plan attends is worth more than an unlocked cached one: read from the
+        # host instead, it would cross PCIe in every layer of every step.
+        tokens = num_pages * self.page_size
+        slots = self.allocator.alloc(tokens)
+        if slots is None and tokens:
+            from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+            evict_from_tree_cache(self.tree_cache, tokens)
+            slots = self.allocator.alloc(tokens)
+        return slots
 
     def free_device(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)
@@ -277,7 +286,6 @@ def _drop_device_lock(
 ) -> None:
     """Copy the planned lent pages into the request's own device pages, then give the
     tree its prefix back: unlocked, its device pages are the tree's to evict."""
-    _make_room(tree_cache, int(pages.tree_slot.sum()) * pages.page_size)
     if not pages.own_tree_pages(releases.pools, releases.counts):
         return  # no device room for the copies yet: the prefix stays locked, try next step
     tree_cache.unlock(req.lock)
@@ -401,17 +409,7 @@ def _insert_on_host(releases: ReleaseRegistry, pages: RequestPages, req: Any, tr
 
 
 def _restore_all(releases: ReleaseRegistry, pages: RequestPages, tree_cache: Any) -> None:
-    held = pages.released_pages()
-    _make_room(tree_cache, held.numel() * pages.page_size)
-    pages.restore(held, releases.pools, releases.counts)
-
-
-def _make_room(tree_cache: Any, tokens: int) -> None:
-    """Evict unlocked tree nodes until ``tokens`` device slots are free (as far as it can)."""
-    from sglang.srt.mem_cache.common import evict_from_tree_cache
-
-    if tokens and tree_cache.token_to_kv_pool_allocator.available_size() < tokens:
-        evict_from_tree_cache(tree_cache, tokens)
+    pages.restore(pages.released_pages(), releases.pools, releases.counts)
 
 
 def free_row_around_released(
