@@ -300,12 +300,19 @@ HOT_SET_SERIES = {
     "pages_dense": ("pages_dense", "Pages dense attention would have read for the same steps and layers."),
     "pages_read_from_host": (
         "pages_read_from_host",
-        "Attended pages read from their host copy because no device page was free for their promotion, over layers.",
+        "Attended pages read from their host copy (planned pages not promoted, and the guard's reads), over layers.",
+    ),
+    "pages_guard_read_from_host": (
+        "pages_guard_read_from_host",
+        "Of pages_read_from_host, those the guard read (released pages outside the plan), over layers.",
     ),
     "pages_released": ("pages_released", "Device pages hot-set requests gave back to the allocator."),
     "pages_copied_out": ("pages_copied_out", "Pages copied device to host on their first release."),
     "pages_copied_in": ("pages_copied_in", "Pages promoted host to device."),
-    "promotions_refused": ("promotions_refused", "Planned pages left on the host for lack of a free device page."),
+    "promotions_refused": (
+        "promotions_refused",
+        "Planned pages left on the host: no device page free, none the tree could evict.",
+    ),
     "releases_refused": ("releases_refused", "Pages kept on the device for lack of a free host page."),
     "finished_reinserted": (
         "finished_reinserted",

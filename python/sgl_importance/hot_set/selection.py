@@ -122,6 +122,7 @@ class HotSetCounts(ReleaseCounts):
     pages_sampled: int = 0  # sampled rest pages read (each on its own), summed over layers
     pages_dense: int = 0  # pages dense attention would have read, over layers
     pages_read_from_host: int = 0  # attended pages read from their host copy, over layers
+    pages_guard_read_from_host: int = 0  # ... of them read by the guard (the rest: planned, not promoted)
 
     def add(self, other: ReleaseCounts) -> None:
         """Add another ``HotSetCounts``, or only the page moves of a ``ReleaseCounts``."""
