@@ -103,7 +103,7 @@ def run_config(name: str, tokens: int, extra: list[str], prompts: list[list[int]
         # Batch 1, a prompt the concurrent requests do not share (at most SOLO_NEW tokens:
         # a long generation alone would take as long as the rest).
         decode(solo_prompt, min(a.max_new, SOLO_NEW))
-        solo = _decode_lines(server.log()[mark:])
+        solo = decode_steps(server.log()[mark:])
         # Empty the tree: a concurrent request matching a cached prompt would keep
         # that prefix on the device (shared pages are never released).
         flush_cache(server.url).raise_for_status()
@@ -114,7 +114,7 @@ def run_config(name: str, tokens: int, extra: list[str], prompts: list[list[int]
             results = list(pool.map(decode, prompts))
         wall = time.time() - start
         released = metric(metrics_text(server.url), RELEASED) - released
-        lines = _decode_lines(server.log()[mark:])
+        lines = decode_steps(server.log()[mark:])
         peak_mb = _peak_rss_mb(server.proc.pid)
         log_text = server.log()
     finally:
@@ -164,7 +164,8 @@ def _first_differences(outputs: list[list[int]], dense: list[list[int]]) -> str:
     return f"{firsts[0]} / {firsts[len(firsts) // 2]}" if firsts else "–"
 
 
-def _decode_lines(log: str) -> list[tuple[int, float]]:
+def decode_steps(log: str) -> list[tuple[int, float]]:
+    """(running requests, gen tokens/s) of every "Decode batch" line."""
     return [(int(m.group(1)), float(m.group(2))) for m in DECODE_LINE.finditer(log)]
 
 

@@ -70,7 +70,7 @@ from typing import Callable, Optional
 
 import requests
 
-from benchmark.long_context.bench_capacity import DECODE_LINE, KV_LINE, hot_set_tokens
+from benchmark.long_context.bench_capacity import KV_LINE, decode_steps, hot_set_tokens
 from benchmark.long_context.bench_hot_set import NAMES, PAGE, essay_text
 from sgl_importance.client import flush_cache, greedy, metrics_text
 from sgl_importance.hot_set.guard_budget import KVShape, auto_coverage, plan_guard
@@ -218,11 +218,6 @@ def model_shape(config: dict, dtype: str) -> KVShape:
 def model_kv_bytes(config: dict, dtype: str) -> int:
     """K and V of one token in every layer (``model_shape``'s)."""
     return model_shape(config, dtype).kv_bytes_per_page // PAGE
-
-
-def decode_steps(log: str) -> list[tuple[int, float]]:
-    """(running requests, gen tokens/s) of every "Decode batch" line."""
-    return [(int(m.group(1)), float(m.group(2))) for m in DECODE_LINE.finditer(log)]
 
 
 SGLANG_HICACHE_RATIO = 2.0  # SGLang's --hicache-ratio default

@@ -78,7 +78,7 @@ class ReleaseCounts:
     pages_released: int = 0  # device pages given back to the allocator
     pages_copied_out: int = 0  # device → host copies (a page's first release)
     pages_copied_in: int = 0  # host → device promotions
-    promotions_refused: int = 0  # planned pages with no free device page (read from host)
+    promotions_refused: int = 0  # pages no device page could take (none free or evictable): left on the host
     releases_refused: int = 0  # releases with no free host page (page kept)
     finished_reinserted: int = 0  # finished requests whose pages all came back (tree insert)
     finished_uncached: int = 0  # finished requests left out of the tree (no device room, no host insert)

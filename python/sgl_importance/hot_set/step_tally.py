@@ -286,8 +286,9 @@ class StepTally:
             req.counts.pages_estimated += int(tally.pages_estimated[i])
             req.counts.guard_full_reads += int(tally.guard_full_reads[i])
             req.counts.pages_sampled += int(tally.pages_sampled[i])
-            req.counts.pages_read_from_host += int(tally.pages_host_read[i])
-            req.counts.pages_guard_read_from_host += int(tally.pages_host_read[i])
+            host_read = int(tally.pages_host_read[i])
+            req.counts.pages_read_from_host += host_read
+            req.counts.pages_guard_read_from_host += host_read
             req.counts.pages_attended += int(tally.pages_sampled[i])  # read exactly, each page on its own
 
     def fold(self, live: Sequence[LiveRequest], exact: ExactPlan, outside: OutsidePlan, step_layers: int) -> None:

@@ -342,24 +342,26 @@ def release_with_pages(
             _return_prefix(releases, pages, req, tree_cache, inserting=inserting)
         if pages is not None and bool(pages.released.any()):
             if inserting:
-                _restore_all(releases, pages, tree_cache)
-            if bool(pages.released.any()):
-                if inserting and _insert_on_host(releases, pages, req, tree_cache):
-                    releases.counts.finished_on_host += 1
-                elif inserting:
-                    releases.counts.finished_uncached += 1
-                    logger.info(
-                        "hot set: request %s leaves %d pages on the host; it is not inserted into the tree",
-                        req.rid,
-                        int(pages.released.sum()),
-                    )
+                # Promotions evict unlocked tree nodes for room (``HiCachePagePools``).
+                pages.restore(pages.released_pages(), releases.pools, releases.counts)
+            if not bool(pages.released.any()):
                 if inserting:
+                    releases.counts.finished_reinserted += 1
+            else:
+                if inserting:
+                    if _insert_on_host(releases, pages, req, tree_cache):
+                        releases.counts.finished_on_host += 1
+                    else:
+                        releases.counts.finished_uncached += 1
+                        logger.info(
+                            "hot set: request %s leaves %d pages on the host; it is not inserted into the tree",
+                            req.rid,
+                            int(pages.released.sum()),
+                        )
                     # Set only to stop this insert: a retracted request keeps its flag
                     # for the prefill that resumes it (tree insert or admission again).
                     req.skip_radix_cache_insert = True
                 releases.leaving[req.kv.req_pool_idx] = pages
-            elif inserting:
-                releases.counts.finished_reinserted += 1
         return original(req, tree_cache, checkpoint=checkpoint)
     finally:
         releases.leaving.clear()
@@ -406,10 +408,6 @@ def _insert_on_host(releases: ReleaseRegistry, pages: RequestPages, req: Any, tr
     if result.inserted_host_node is not None:
         tree_cache.write_backup_storage(result.inserted_host_node)
     return True
-
-
-def _restore_all(releases: ReleaseRegistry, pages: RequestPages, tree_cache: Any) -> None:
-    pages.restore(pages.released_pages(), releases.pools, releases.counts)
 
 
 def free_row_around_released(
