@@ -200,7 +200,10 @@ def start_with_retry(
             server.wait_ready(timeout)
         except RuntimeError as e:
             server.stop()
-            reason = next((r for r in retry_on if r.lower() in str(e).lower()), None)
+            # The whole log: the error holds only its tail, and a port clash is logged long
+            # before SGLang's warmup gives up on the port it never bound (120 s of retries).
+            said = f"{e}\n{server.log()}".lower()
+            reason = next((r for r in retry_on if r.lower() in said), None)
             if reason is None or attempt == attempts:
                 raise
             if label is not None:

@@ -10,9 +10,13 @@ from sgl_importance.local_server import HOST_MEMORY, PORT_CLASH, start_with_retr
 class FakeServer:
     """Fails its wait with the next scripted error (None: ready)."""
 
-    def __init__(self, error):
+    def __init__(self, error, log=""):
         self.error = error
         self.stopped = False
+        self._log = log
+
+    def log(self):
+        return self._log
 
     def wait_ready(self, timeout):
         if self.error is not None:
@@ -58,3 +62,18 @@ def test_an_interrupted_start_leaves_no_server_behind():
     with pytest.raises(KeyboardInterrupt):
         start_with_retry(make)
     assert built[0].stopped
+
+
+def test_a_port_clash_is_retried_when_only_the_whole_log_says_so():
+    # SGLang logs the failed bind, then its warmup retries the port for 120 s: the
+    # error's tail holds only the warmup's traceback.
+    tail = RuntimeError("server exited with -9: ... Connection refused")
+    servers = iter([FakeServer(tail, log=f"... [Errno 98] {PORT_CLASH} ..."), FakeServer(None)])
+    built = []
+
+    def make():
+        built.append(next(servers))
+        return built[-1]
+
+    server = start_with_retry(make, attempts=3)
+    assert server is built[1] and server.start_attempts == 2 and built[0].stopped
