@@ -133,6 +133,8 @@ class LocalServer:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            if PORT_CLASH in self.log().lower():  # it will never listen (SGLang's warmup waits 120 s on it)
+                raise RuntimeError(f"server could not bind its port ({PORT_CLASH}):\n{self.log()[-4000:]}")
             try:
                 if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
                     return

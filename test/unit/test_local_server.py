@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
-from sgl_importance.local_server import HOST_MEMORY, PORT_CLASH, start_with_retry
+from sgl_importance.local_server import HOST_MEMORY, PORT_CLASH, LocalServer, start_with_retry
 
 
 class FakeServer:
@@ -77,3 +79,15 @@ def test_a_port_clash_is_retried_when_only_the_whole_log_says_so():
 
     server = start_with_retry(make, attempts=3)
     assert server is built[1] and server.start_attempts == 2 and built[0].stopped
+
+
+def test_a_server_that_could_not_bind_its_port_fails_its_wait_at_once(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text(f"ERROR:    [Errno 98] error while attempting to bind on address: {PORT_CLASH}\n")
+    server = LocalServer.__new__(LocalServer)  # alive, never listening: as SGLang is then
+    server.proc, server.log_path, server.url = subprocess.Popen(["sleep", "60"]), log, "http://127.0.0.1:9"
+    try:
+        with pytest.raises(RuntimeError, match=PORT_CLASH):
+            server.wait_ready(timeout=60)
+    finally:
+        server.proc.kill()
