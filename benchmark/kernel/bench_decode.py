@@ -9,6 +9,11 @@ results.png into --out. See README.md beside this file.
     python -m benchmark.kernel.bench_decode --out /tmp/bench          # GPU
     python -m benchmark.kernel.bench_decode --smoke --out /tmp/smoke  # CPU, interpreter
 
+``--sweep-tiles`` instead times every stage-1 tile shape of ``plan.TILE_CANDIDATES``
+(with every split rule of ``--sweep-splits``) on/off, SGLang's kernel beside each at
+the same split count, and writes sweep.md / sweep.json: the data that picks
+``plan.GROUPED_TILES`` and ``plan.DEFAULT_SPLIT_POLICY`` (see NOTES.md).
+
 Run from the repository root; where sgl-kernel-ext is not installed (a bare GPU
 machine), put it on the path: ``PYTHONPATH=sgl-kernel-ext python -m ...``.
 """
@@ -57,6 +62,16 @@ def parse_args(argv=None):
     p.add_argument(
         "--mem-fraction", type=float, default=0.8, help="skip configs needing more than this share of free GPU memory"
     )
+    p.add_argument(
+        "--sweep-tiles",
+        default="",
+        help="'all' or comma-separated plan.TILE_CANDIDATES names: time each on/off with SGLang beside it",
+    )
+    p.add_argument(
+        "--sweep-splits",
+        default="all",
+        help="with --sweep-tiles: 'all' or comma-separated plan.SPLIT_POLICIES names (a rule per tile shape)",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.bs = "1,2"
@@ -103,6 +118,10 @@ def main(argv=None):
     setup = Setup(
         torch, args, timer, device, dtype, copy_gbps, baselines, DecodeImportanceWrapper, decode_importance_reference
     )
+
+    if args.sweep_tiles:
+        sweep(setup)
+        return
 
     rows: list[Row] = []
     for model in args.models.split(","):
@@ -247,6 +266,214 @@ def bench_one(setup: Setup, model: str, page_size: int, bs: int, ctx: int) -> Ro
         baselines_ms=times,
         max_rel_err=max_rel_err,
     )
+
+
+@dataclass
+class SweepRow:
+    """One (shape, tile shape, split count): importance on/off and SGLang at that count."""
+
+    model: str
+    page_size: int
+    bs: int
+    ctx: int
+    tiles: str
+    policies: str  # the split rules that gave this count, '/'-joined
+    num_splits: int
+    on_ms: float
+    off_ms: float
+    sglang_ms: float | None
+    kv_bytes: int
+    copy_gbps: float
+    max_rel_err: float | None = None
+
+    @property
+    def on_pct_copy(self) -> float:
+        return 100 * self.kv_bytes / self.on_ms / 1e6 / self.copy_gbps
+
+
+def sweep(setup: Setup) -> None:
+    """Every tile shape x split rule on every shape; writes sweep.md and sweep.json."""
+    from sgl_kernel_ext.plan import SPLIT_POLICIES, TILE_CANDIDATES
+
+    torch, args = setup.torch, setup.args
+    tile_names = list(TILE_CANDIDATES) if args.sweep_tiles == "all" else args.sweep_tiles.split(",")
+    policies = list(SPLIT_POLICIES) if args.sweep_splits == "all" else args.sweep_splits.split(",")
+    unknown = [n for n in tile_names if n not in TILE_CANDIDATES] + [p for p in policies if p not in SPLIT_POLICIES]
+    if unknown:
+        sys.exit(f"unknown tiles/split rules {unknown}; tiles: {list(TILE_CANDIDATES)}, rules: {list(SPLIT_POLICIES)}")
+    rows: list[SweepRow] = []
+    for model in args.models.split(","):
+        q_heads, kv_heads, head_dim = MODELS[model]
+        for page_size in map(int, args.page_sizes.split(",")):
+            for ctx in map(int, args.ctx.split(",")):
+                for bs in map(int, args.bs.split(",")):
+                    # one wrapper per tile shape: a little more than estimate_bytes' workspace
+                    need = estimate_bytes(bs, ctx, page_size, q_heads, kv_heads, head_dim, setup.dtype.itemsize)
+                    need += len(tile_names) * bs * q_heads * math.ceil(ctx / page_size) * 4
+                    if setup.device == "cuda":
+                        free, _ = torch.cuda.mem_get_info()
+                        if need > args.mem_fraction * free:
+                            print(f"skip {model} P={page_size} bs={bs} ctx={ctx}: needs {need / 2**30:.1f} GiB")
+                            continue
+                    got = sweep_one(setup, model, page_size, bs, ctx, tile_names, policies)
+                    rows += got
+                    for r in got:
+                        print(format_sweep_row(r))
+                    if setup.device == "cuda":
+                        torch.cuda.empty_cache()
+    meta = run_meta(torch, setup.device, args, dtype=args.dtype, copy_gbps=setup.copy_gbps)
+    table = sweep_table(rows, meta)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.md").write_text(table)
+    (out / "sweep.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+    print()
+    print(table)
+    print(f"wrote {out}/sweep.md, sweep.json")
+
+
+def sweep_one(setup: Setup, model, page_size, bs, ctx, tile_names, policies) -> list[SweepRow]:
+    from sgl_kernel_ext.plan import TILE_CANDIDATES, default_num_splits
+
+    torch, args, device, dtype = setup.torch, setup.args, setup.device, setup.dtype
+    q_heads, kv_heads, head_dim = MODELS[model]
+    q, k, v, indptr, indices = build_batch(torch, bs, ctx, page_size, q_heads, kv_heads, head_dim, dtype, device)
+    max_pages = math.ceil(ctx / page_size)
+    candidates = {}  # (tiles, splits) -> [wrapper, policies]
+    for name in tile_names:
+        wrapper = setup.Wrapper(
+            bs,
+            q_heads,
+            kv_heads,
+            head_dim,
+            max_pages=max_pages,
+            page_size=page_size,
+            max_splits=args.max_splits,
+            dtype=dtype,
+            device=device,
+            tiles=TILE_CANDIDATES[name],
+        )
+        for policy in policies:
+            splits = default_num_splits(bs, kv_heads, wrapper.geometry, args.max_splits, device, policy)
+            candidates.setdefault((name, splits), [wrapper, []])[1].append(policy)
+
+    def step(wrapper, splits, importance):
+        return lambda: wrapper.run(q, k, v, indptr, indices, num_splits=splits, importance=importance)
+
+    fns = {}
+    for (name, splits), (wrapper, _) in candidates.items():
+        fns[f"{name}/{splits}/on"] = step(wrapper, splits, True)
+        fns[f"{name}/{splits}/off"] = step(wrapper, splits, False)
+    make_sglang = setup.baselines.get("sglang_triton")
+    if make_sglang is not None:
+        for splits in sorted({s for _, s in candidates}):
+            try:
+                sglang = make_sglang(torch, q, k, v, indptr, indices, page_size, splits, args.max_splits)
+                fns[f"sglang/{splits}"] = sglang
+            except Exception as exc:  # its API drifted: report, keep going
+                print(f"  sglang_triton unavailable for this config: {exc!r}")
+                break
+    if device == "cuda" and not args.no_cuda_graph:
+        fns = {name: as_graph(torch, fn) for name, fn in fns.items()}
+    times = setup.timer.interleaved(fns, args.warmup, args.iters)
+
+    ref = None
+    if bs * ctx <= 8 * 4096:
+        ref = setup.reference(q, k, v, indptr, indices, page_size=page_size, max_pages=max_pages)
+    kv_bytes = bs * ctx * kv_heads * head_dim * 2 * dtype.itemsize
+    rows = []
+    for (name, splits), (wrapper, used) in candidates.items():
+        err = None
+        if ref is not None:
+            got = wrapper.run(q, k, v, indptr, indices, num_splits=splits)
+            err_out = ((got.output.float() - ref.output).norm() / ref.output.norm()).item()
+            err = max(err_out, (got.importance - ref.importance).abs().max().item())
+        rows.append(
+            SweepRow(
+                model=model,
+                page_size=page_size,
+                bs=bs,
+                ctx=ctx,
+                tiles=name,
+                policies="/".join(used),
+                num_splits=splits,
+                on_ms=times[f"{name}/{splits}/on"],
+                off_ms=times[f"{name}/{splits}/off"],
+                sglang_ms=times.get(f"sglang/{splits}"),
+                kv_bytes=kv_bytes,
+                copy_gbps=setup.copy_gbps,
+                max_rel_err=err,
+            )
+        )
+    return rows
+
+
+def format_sweep_row(r: SweepRow) -> str:
+    sgl = f" sglang={r.sglang_ms:.4f}ms on/sglang={r.on_ms / r.sglang_ms:.3f}" if r.sglang_ms else ""
+    err = f" err={r.max_rel_err:.1e}" if r.max_rel_err is not None else ""
+    return (
+        f"{r.model:8s} P={r.page_size:<3d} bs={r.bs:<3d} ctx={r.ctx:<7d} {r.tiles:8s} splits={r.num_splits:<3d} "
+        f"({r.policies}) on={r.on_ms:.4f}ms off={r.off_ms:.4f}ms on/off={r.on_ms / r.off_ms:.3f} "
+        f"on={r.on_pct_copy:.1f}%copy{sgl}{err}"
+    )
+
+
+def sweep_table(rows: list[SweepRow], meta: dict) -> str:
+    """Every row, then one line per (tiles, split rule) against the three targets."""
+    head = ["model", "page", "bs", "ctx", "tiles", "split rules", "splits", "on ms", "off ms", "on/off"]
+    head += ["on % of copy", "sglang ms", "on/sglang", "off/sglang", "max err"]
+    lines = [
+        f"Tile sweep, decode with importance — {meta['device']}, {meta['dtype']}, triton {meta['triton']}, "
+        f"CUDA graph: {meta['cuda_graph']}, copy bandwidth {meta['copy_gbps']:.0f} GB/s"
+        + (" (SMOKE: timings meaningless)" if meta["smoke"] else ""),
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    ratio = lambda a, b: f"{a / b:.3f}" if b else "-"  # noqa: E731
+    for r in rows:
+        cells = [r.model, r.page_size, r.bs, r.ctx, r.tiles, r.policies, r.num_splits, f"{r.on_ms:.4f}"]
+        cells += [f"{r.off_ms:.4f}", ratio(r.on_ms, r.off_ms), f"{r.on_pct_copy:.1f}%"]
+        cells += [f"{r.sglang_ms:.4f}" if r.sglang_ms else "-"]
+        cells += [ratio(r.on_ms, r.sglang_ms), ratio(r.off_ms, r.sglang_ms)]
+        cells += [f"{r.max_rel_err:.1e}" if r.max_rel_err is not None else "-"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+
+    # per (tiles, rule): the worst case of each target over the shapes it ran
+    lines += [
+        "",
+        "Per tile shape and split rule, worst over the shapes (targets: on/off <= 1.03; on >= 80 % of copy at "
+        "bs 32 x 32K; on and off <= SGLang at the same split count):",
+        "",
+        "| tiles | split rule | worst on/off | on % of copy, bs 32 x 32K | worst on/sglang | worst off/sglang "
+        "| geomean on/sglang | worst on/best sglang | targets met |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    # SGLang at its fastest of the split counts swept for the shape: the fairer peer
+    best_sglang: dict[tuple, float] = {}
+    for r in rows:
+        key = (r.model, r.page_size, r.bs, r.ctx)
+        if r.sglang_ms:
+            best_sglang[key] = min(best_sglang.get(key, math.inf), r.sglang_ms)
+    by_rule: dict[tuple[str, str], list[SweepRow]] = {}
+    for r in rows:
+        for policy in r.policies.split("/"):
+            by_rule.setdefault((r.tiles, policy), []).append(r)
+    for (tiles, policy), rs in by_rule.items():
+        worst_ratio = max(r.on_ms / r.off_ms for r in rs)
+        big = [r.on_pct_copy for r in rs if r.bs == 32 and r.ctx == 32768]
+        vs = [(r.on_ms / r.sglang_ms, r.off_ms / r.sglang_ms) for r in rs if r.sglang_ms]
+        worst_on = max((a for a, _ in vs), default=None)
+        worst_off = max((b for _, b in vs), default=None)
+        geo = math.exp(sum(math.log(a) for a, _ in vs) / len(vs)) if vs else None
+        vs_best = [r.on_ms / best_sglang[(r.model, r.page_size, r.bs, r.ctx)] for r in rs if r.sglang_ms]
+        worst_best = max(vs_best, default=None)
+        met = [worst_ratio <= 1.03, bool(big) and min(big) >= 80.0, worst_on is not None and worst_on <= 1.0]
+        cells = [tiles, policy, f"{worst_ratio:.3f}", f"{min(big):.1f}%" if big else "-"]
+        cells += [f"{x:.3f}" if x is not None else "-" for x in (worst_on, worst_off, geo, worst_best)]
+        cells += [f"{sum(met)}/3"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def as_graph(torch, fn):

@@ -8,7 +8,7 @@ Layout (what SGLang's token-to-KV pool hands a decode backend):
 - ``q`` ``[bs, q_heads, D]``; ``kv_indptr`` int32 ``[bs + 1]``; ``kv_indices`` int64,
   the token slots of each request concatenated.
 
-Three launches, all over fixed-size buffers so a CUDA graph can capture them:
+Two launches, both over fixed-size buffers so a CUDA graph can capture them:
 
 1. stage 1, grid ``(bs, kv_heads * head_tiles, num_splits)``: one program walks one
    split of one request for the query heads of one KV head, keeping an online
@@ -16,10 +16,14 @@ Three launches, all over fixed-size buffers so a CUDA graph can capture them:
    same values the P.V product consumes) per page and stores one partial
    log-sum-exp per (request, query head, page). Split boundaries are multiples of
    the page, so every page is finished by exactly one program.
-2. stage 2, grid ``(bs, q_heads)``: merges the splits into the output and the global
-   log-sum-exp (sinks join the denominator here).
-3. importance, grid ``(bs, page_blocks)``: ``mass = exp(page_lse - lse)`` per query
-   head, mean over each KV group, mean over KV heads.
+2. stage 2, grid ``(bs, q_heads + page_blocks)``: programs ``[0, q_heads)`` merge the
+   splits into the output and the global log-sum-exp (sinks join the denominator
+   here); with importance on, each further program takes a block of pages and
+   computes ``mass = exp(page_lse - lse)`` per query head, mean over each KV group,
+   mean over KV heads. Those programs rebuild every head's log-sum-exp from the
+   split log-sum-exps (a few floats per head, with the same arithmetic the head
+   programs use) instead of waiting for them, which is what lets importance share
+   stage 2's launch instead of paying a third.
 
 All log-sum-exps inside the kernels are base 2 (``exp2`` is the native instruction;
 the literals 1.4426950408889634 = log2(e) and 0.6931471805599453 = ln(2) convert);
@@ -40,6 +44,7 @@ from .output import DecodeImportanceOutput
 from .plan import (
     SUPPORTED_DTYPES,
     DecodeGeometry,
+    DecodeTiles,
     cdiv,
     decode_geometry,
     default_num_splits,
@@ -110,6 +115,7 @@ def _decode_importance_stage1(
     HAS_CAP: tl.constexpr,
     MASK_PAGE0: tl.constexpr,
     IMPORTANCE: tl.constexpr,
+    PAGE_PER_WARP: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
@@ -153,8 +159,19 @@ def _decode_importance_stage1(
         v_head = V + kv_head * stride_vh
         plse_row = PageLse + req * stride_plb + heads * stride_plh
 
+        PAGES_PER_TILE: tl.constexpr = BLOCK_N // PAGE_SIZE if PAGE_SIZE < BLOCK_N else 1
+        if PAGE_PER_WARP:
+            # The tensor-core layout gives warp w the tile's columns 8w..8w+7, then the
+            # same run every 8 * num_warps columns. Putting page w's tokens in exactly
+            # those columns keeps each page's sum inside one warp (shuffles, no shared
+            # memory round trip and barrier). With importance off the tile keeps the
+            # same order, so the output is bitwise the same on and off.
+            col = tl.arange(0, BLOCK_N)
+            offs_tile = PAGE_SIZE * ((col // 8) % PAGES_PER_TILE) + 8 * (col // (8 * PAGES_PER_TILE)) + col % 8
+        else:
+            offs_tile = tl.arange(0, BLOCK_N)
         for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
+            offs_n = start + offs_tile
             mask_n = offs_n < hi
             slot = tl.load(KvIndices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
             valid = mask_n
@@ -162,9 +179,13 @@ def _decode_importance_stage1(
                 valid = valid & (slot >= PAGE_SIZE)
 
             if USE_DOT:
+                # Page 0 is allocated memory, so its K rows are read like any other and
+                # only their logits are dropped below: masking this load by the slot
+                # values cost 18 registers per thread (ptxas, sm_90: 114 -> 96), one
+                # resident program per SM.
                 k = tl.load(
                     k_head + slot[None, :] * stride_ks + offs_d[:, None],
-                    mask=valid[None, :] & mask_d[:, None],
+                    mask=mask_n[None, :] & mask_d[:, None],
                     other=0.0,
                 )
                 if IEEE_DOT:
@@ -182,7 +203,9 @@ def _decode_importance_stage1(
             qk = qk * sm_scale
             if HAS_CAP:
                 qk = logit_cap * _soft_cap_tanh(qk / logit_cap)
-            qk = tl.where(mask_h[:, None] & valid[None, :], qk * 1.4426950408889634, float("-inf"))
+            # Rows of padding heads (mask_h false) hold finite logits of a zero query;
+            # nothing of theirs is stored.
+            qk = tl.where(valid[None, :], qk * 1.4426950408889634, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             # a row with no valid token so far keeps -inf; shift by 0 so exp2 gives 0, not NaN
@@ -192,6 +215,7 @@ def _decode_importance_stage1(
             l_i = l_i * alpha + tl.sum(p, 1)
 
             if USE_DOT:
+                # V rows of page 0 must read as zeros: p is 0 there, but 0 * inf is NaN.
                 v = tl.load(
                     v_head + slot[:, None] * stride_vs + offs_dv[None, :],
                     mask=valid[:, None] & mask_dv[None, :],
@@ -222,12 +246,21 @@ def _decode_importance_stage1(
                     )
                 elif PAGE_SIZE < BLOCK_N:
                     # tiles start page-aligned: the tile is BLOCK_N // PAGE_SIZE whole pages
-                    PAGES_PER_TILE: tl.constexpr = BLOCK_N // PAGE_SIZE
-                    page_sum = tl.sum(tl.reshape(p, [BLOCK_H, PAGES_PER_TILE, PAGE_SIZE]), 2)
+                    if PAGE_PER_WARP:
+                        # column (r * PAGES_PER_TILE + w) * 8 + j holds token 8r + j of page w
+                        page_sum = tl.sum(tl.sum(tl.reshape(p, [BLOCK_H, PAGE_SIZE // 8, PAGES_PER_TILE, 8]), 3), 1)
+                        # m_ref reduced the same way lands in page_sum's layout, so the
+                        # sum below needs no layout conversion of its own
+                        m_tile = tl.broadcast_to(m_ref[:, None], [BLOCK_H, BLOCK_N])
+                        m_tile = tl.reshape(m_tile, [BLOCK_H, PAGE_SIZE // 8, PAGES_PER_TILE, 8])
+                        m_page = tl.max(tl.max(m_tile, 3), 1)
+                    else:
+                        page_sum = tl.sum(tl.reshape(p, [BLOCK_H, PAGES_PER_TILE, PAGE_SIZE]), 2)
+                        m_page = m_ref[:, None]
                     pages = start // PAGE_SIZE + tl.arange(0, PAGES_PER_TILE)
                     tl.store(
                         plse_row[:, None] + pages[None, :],
-                        m_ref[:, None] + tl.log2(page_sum),
+                        m_page + tl.log2(page_sum),
                         mask=mask_h[:, None] & ((pages * PAGE_SIZE < hi) & (pages < max_pages))[None, :],
                     )
                 else:
@@ -256,6 +289,33 @@ def _decode_importance_stage1(
 
 
 @triton.jit
+def _merged_lse(split_lse, sink2, HAS_SINK: tl.constexpr, AXIS: tl.constexpr):
+    """Merge split log-sum-exps (base 2) along ``AXIS`` with the sink in the denominator.
+
+    Returns ``(weights, denominator, has_token, lse)``: ``weights`` are each split's
+    share before division, ``lse`` the natural-log total (0 where no split saw a valid
+    token). Both stage-2 roles call this, so the importance is normalised by exactly
+    the log-sum-exp the output gets.
+    """
+    m = tl.max(split_lse, AXIS)
+    if HAS_SINK:
+        # the sink joins the denominator only; shift by the larger of the two maxima
+        m_all = tl.maximum(m, sink2)
+        m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
+        w = tl.exp2(split_lse - tl.expand_dims(m_ref, AXIS))
+        denom = tl.sum(w, AXIS) + tl.exp2(sink2 - m_ref)
+    else:
+        m_ref = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(split_lse - tl.expand_dims(m_ref, AXIS))
+        denom = tl.sum(w, AXIS)
+    # a request with no valid token (empty, or only page-0 slots) is written as zeros
+    has_token = m > float("-inf")
+    denom = tl.where(has_token, denom, 1.0)
+    lse = tl.where(has_token, (m_ref + tl.log2(denom)) * 0.6931471805599453, 0.0)
+    return w, denom, has_token, lse
+
+
+@triton.jit
 def _decode_importance_stage2(
     MidO,
     MidLse,
@@ -263,7 +323,11 @@ def _decode_importance_stage2(
     KvIndptr,
     Out,
     Lse,
+    PageLse,
+    Importance,
+    ImportanceKv,
     num_splits,
+    max_pages,
     stride_mob,
     stride_moh,
     stride_mos,
@@ -272,70 +336,17 @@ def _decode_importance_stage2(
     stride_ob,
     stride_oh,
     stride_lb,
+    stride_plb,
+    stride_plh,
+    stride_ib,
+    stride_kvb,
+    stride_kvp,
+    NUM_Q_HEADS: tl.constexpr,
     V_HEAD_DIM: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr,
     HAS_SINK: tl.constexpr,
-):
-    req = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-
-    seq_len = tl.load(KvIndptr + req + 1) - tl.load(KvIndptr + req)
-    chunk = _split_chunk(seq_len, num_splits, SPLIT_ALIGN)
-    used = tl.cdiv(seq_len, chunk)
-
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_s = offs_s < used
-    mask_dv = offs_dv < V_HEAD_DIM
-
-    split_lse = tl.load(MidLse + req * stride_mlb + head * stride_mlh + offs_s, mask=mask_s, other=float("-inf"))
-    m = tl.max(split_lse, 0)
-    if HAS_SINK:
-        # the sink joins the denominator only; shift by the larger of the two maxima
-        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
-        m_all = tl.maximum(m, sink)
-        m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
-        w = tl.exp2(split_lse - m_ref)
-        denom = tl.sum(w, 0) + tl.exp2(sink - m_ref)
-    else:
-        m_ref = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(split_lse - m_ref)
-        denom = tl.sum(w, 0)
-
-    mid = tl.load(
-        MidO + req * stride_mob + head * stride_moh + offs_s[:, None] * stride_mos + offs_dv[None, :],
-        mask=mask_s[:, None] & mask_dv[None, :],
-        other=0.0,
-    )
-    # a request with no valid token (empty, or only page-0 slots) is written as zeros
-    has_token = m > float("-inf")
-    denom = tl.where(has_token, denom, 1.0)
-    out = tl.where(has_token, tl.sum(w[:, None] * mid, 0) / denom, 0.0)
-    tl.store(
-        Out + req * stride_ob + head * stride_oh + offs_dv,
-        out.to(Out.dtype.element_ty),
-        mask=mask_dv,
-    )
-    lse = tl.where(has_token, (m_ref + tl.log2(denom)) * 0.6931471805599453, 0.0)
-    tl.store(Lse + req * stride_lb + head, lse)
-
-
-@triton.jit
-def _page_importance_kernel(
-    PageLse,
-    Lse,
-    KvIndptr,
-    Importance,
-    ImportanceKv,
-    max_pages,
-    stride_plb,
-    stride_plh,
-    stride_lb,
-    stride_ib,
-    stride_kvb,
-    stride_kvp,
     GROUP: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -345,39 +356,76 @@ def _page_importance_kernel(
     WRITE_PER_KV_HEAD: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
-    pblock = tl.program_id(1)
+    role = tl.program_id(1)
 
     seq_len = tl.load(KvIndptr + req + 1) - tl.load(KvIndptr + req)
-    num_pages = tl.cdiv(seq_len, PAGE_SIZE)
-    pages = pblock * BLOCK_P + tl.arange(0, BLOCK_P)
-    in_request = pages < num_pages
-    in_table = pages < max_pages
+    chunk = _split_chunk(seq_len, num_splits, SPLIT_ALIGN)
+    used = tl.cdiv(seq_len, chunk)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    mask_s = offs_s < used
 
-    kv = tl.arange(0, KV_PAD)
-    g = tl.arange(0, GROUP_PAD)
-    mask_kv = kv < NUM_KV_HEADS
-    mask_hg = mask_kv[:, None] & (g < GROUP)[None, :]
-    heads = kv[:, None] * GROUP + g[None, :]
-
-    lse2 = tl.load(Lse + req * stride_lb + heads, mask=mask_hg, other=0.0) * 1.4426950408889634
-    page_lse = tl.load(
-        PageLse + req * stride_plb + heads[:, :, None] * stride_plh + pages[None, None, :],
-        mask=mask_hg[:, :, None] & in_request[None, None, :],
-        other=float("-inf"),
-    )
-    mass = tl.exp2(page_lse - lse2[:, :, None])
-    per_kv = tl.sum(mass, 1) * (1.0 / GROUP)
-    if WRITE_PER_KV_HEAD:
-        tl.store(
-            ImportanceKv + req * stride_kvb + pages[None, :] * stride_kvp + kv[:, None],
-            per_kv,
-            mask=mask_kv[:, None] & in_table[None, :],
+    if role < NUM_Q_HEADS:
+        # one query head: merge its splits into the output and the log-sum-exp
+        head = role
+        offs_dv = tl.arange(0, BLOCK_DV)
+        mask_dv = offs_dv < V_HEAD_DIM
+        split_lse = tl.load(MidLse + req * stride_mlb + head * stride_mlh + offs_s, mask=mask_s, other=float("-inf"))
+        sink2 = 0.0
+        if HAS_SINK:
+            sink2 = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
+        w, denom, has_token, lse = _merged_lse(split_lse, sink2, HAS_SINK, 0)
+        mid = tl.load(
+            MidO + req * stride_mob + head * stride_moh + offs_s[:, None] * stride_mos + offs_dv[None, :],
+            mask=mask_s[:, None] & mask_dv[None, :],
+            other=0.0,
         )
-    tl.store(
-        Importance + req * stride_ib + pages,
-        tl.sum(per_kv, 0) * (1.0 / NUM_KV_HEADS),
-        mask=in_table,
-    )
+        out = tl.where(has_token, tl.sum(w[:, None] * mid, 0) / denom, 0.0)
+        tl.store(
+            Out + req * stride_ob + head * stride_oh + offs_dv,
+            out.to(Out.dtype.element_ty),
+            mask=mask_dv,
+        )
+        tl.store(Lse + req * stride_lb + head, lse)
+    else:
+        # a block of pages: every head's log-sum-exp again, then the page masses
+        pages = (role - NUM_Q_HEADS) * BLOCK_P + tl.arange(0, BLOCK_P)
+        in_request = pages < tl.cdiv(seq_len, PAGE_SIZE)
+        in_table = pages < max_pages
+        kv = tl.arange(0, KV_PAD)
+        g = tl.arange(0, GROUP_PAD)
+        mask_kv = kv < NUM_KV_HEADS
+        mask_hg = mask_kv[:, None] & (g < GROUP)[None, :]
+        heads = kv[:, None] * GROUP + g[None, :]
+
+        # names differ from the other branch's: a compiled `if` needs one type per name
+        heads_split_lse = tl.load(
+            MidLse + req * stride_mlb + heads[:, :, None] * stride_mlh + offs_s[None, None, :],
+            mask=mask_hg[:, :, None] & mask_s[None, None, :],
+            other=float("-inf"),
+        )
+        heads_sink2 = tl.zeros([KV_PAD, GROUP_PAD], dtype=tl.float32)
+        if HAS_SINK:
+            heads_sink2 = tl.load(Sinks + heads, mask=mask_hg, other=0.0).to(tl.float32) * 1.4426950408889634
+        heads_lse = _merged_lse(heads_split_lse, heads_sink2, HAS_SINK, 2)[3]
+        lse2 = tl.where(mask_hg, heads_lse, 0.0) * 1.4426950408889634
+        page_lse = tl.load(
+            PageLse + req * stride_plb + heads[:, :, None] * stride_plh + pages[None, None, :],
+            mask=mask_hg[:, :, None] & in_request[None, None, :],
+            other=float("-inf"),
+        )
+        mass = tl.exp2(page_lse - lse2[:, :, None])
+        per_kv = tl.sum(mass, 1) * (1.0 / GROUP)
+        if WRITE_PER_KV_HEAD:
+            tl.store(
+                ImportanceKv + req * stride_kvb + pages[None, :] * stride_kvp + kv[:, None],
+                per_kv,
+                mask=mask_kv[:, None] & in_table[None, :],
+            )
+        tl.store(
+            Importance + req * stride_ib + pages,
+            tl.sum(per_kv, 0) * (1.0 / NUM_KV_HEADS),
+            mask=in_table,
+        )
 
 
 def _check_inputs(q, k_buffer, v_buffer, kv_indptr, kv_indices):
@@ -498,19 +546,32 @@ def decode_importance_fwd(
         HAS_CAP=logit_cap > 0,
         MASK_PAGE0=mask_page0,
         IMPORTANCE=want_importance,
+        PAGE_PER_WARP=geometry.page_per_warp,
         num_warps=geometry.num_warps,
         num_stages=geometry.num_stages,
     )
 
     has_sink = sinks is not None
-    _decode_importance_stage2[(bs, num_q_heads)](
+    group_pad = next_power_of_2(geometry.group_size)
+    kv_pad = next_power_of_2(num_kv_heads)
+    # a [kv, group, pages] tile of about 4K floats per importance program
+    block_p = max(16, min(128, 4096 // (group_pad * kv_pad)))
+    page_blocks = cdiv(max_pages, block_p) if want_importance else 0
+    per_kv = want_importance and importance_per_kv_head is not None
+    imp = importance if want_importance else mid_lse  # any fp32 tensors; never touched when off
+    imp_kv = importance_per_kv_head if per_kv else imp
+    _decode_importance_stage2[(bs, num_q_heads + page_blocks)](
         mid_o,
         mid_lse,
         sinks if has_sink else mid_lse,
         kv_indptr,
         out,
         lse,
+        plse,
+        imp,
+        imp_kv,
         num_splits,
+        max_pages,
         mid_o.stride(0),
         mid_o.stride(1),
         mid_o.stride(2),
@@ -519,42 +580,26 @@ def decode_importance_fwd(
         out.stride(0),
         out.stride(1),
         lse.stride(0),
+        plse.stride(0),
+        plse.stride(1),
+        imp.stride(0),
+        imp_kv.stride(0),
+        imp_kv.stride(1) if per_kv else 0,
+        NUM_Q_HEADS=num_q_heads,
         V_HEAD_DIM=v_head_dim,
         BLOCK_DV=geometry.block_dv,
         SPLITS_PAD=next_power_of_2(mid_o.shape[2]),
         SPLIT_ALIGN=geometry.split_align,
         HAS_SINK=has_sink,
+        GROUP=geometry.group_size,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP_PAD=group_pad,
+        KV_PAD=kv_pad,
+        PAGE_SIZE=page_size,
+        BLOCK_P=block_p,
+        WRITE_PER_KV_HEAD=per_kv,
         num_warps=4,
     )
-
-    if want_importance:
-        group_pad = next_power_of_2(geometry.group_size)
-        kv_pad = next_power_of_2(num_kv_heads)
-        block_p = max(16, min(128, 4096 // (group_pad * kv_pad)))
-        per_kv = importance_per_kv_head is not None
-        imp_kv = importance_per_kv_head if per_kv else importance
-        _page_importance_kernel[(bs, cdiv(max_pages, block_p))](
-            page_lse,
-            lse,
-            kv_indptr,
-            importance,
-            imp_kv,
-            max_pages,
-            page_lse.stride(0),
-            page_lse.stride(1),
-            lse.stride(0),
-            importance.stride(0),
-            imp_kv.stride(0),
-            imp_kv.stride(1) if per_kv else 0,
-            GROUP=geometry.group_size,
-            NUM_KV_HEADS=num_kv_heads,
-            GROUP_PAD=group_pad,
-            KV_PAD=kv_pad,
-            PAGE_SIZE=page_size,
-            BLOCK_P=block_p,
-            WRITE_PER_KV_HEAD=per_kv,
-            num_warps=4,
-        )
 
 
 class DecodeImportanceWrapper:
@@ -578,6 +623,8 @@ class DecodeImportanceWrapper:
         per_kv_head: also keep ``[bs, max_pages, kv_heads]`` importance.
         importance: allocate the importance buffers at all; ``False`` gives a plain
             decode attention with the same kernel.
+        tiles: stage-1 shape of the grouped path (``plan.TILE_CANDIDATES``); the
+            default is ``plan.GROUPED_TILES``. For the benchmark's sweeps.
     """
 
     def __init__(
@@ -596,13 +643,14 @@ class DecodeImportanceWrapper:
         per_kv_head: bool = False,
         importance: bool = True,
         mask_page0: bool = True,
+        tiles: Optional[DecodeTiles] = None,
     ):
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         if max_batch_size < 1 or max_splits < 1 or max_pages < 1:
             raise ValueError(
                 f"max_batch_size={max_batch_size}, max_splits={max_splits}, max_pages={max_pages} must be >= 1"
             )
-        self.geometry = decode_geometry(num_q_heads, num_kv_heads, head_dim, v_head_dim, page_size)
+        self.geometry = decode_geometry(num_q_heads, num_kv_heads, head_dim, v_head_dim, page_size, tiles)
         self.max_batch_size = max_batch_size
         self.num_q_heads = num_q_heads
         self.num_kv_heads = num_kv_heads

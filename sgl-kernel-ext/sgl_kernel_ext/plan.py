@@ -8,8 +8,10 @@ device tensor, which is what keeps ``run()`` free of host syncs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
@@ -18,14 +20,40 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Query heads one stage-1 program handles together when a KV head serves several
 # of them; 16 is the smallest M a tensor-core dot accepts.
 GROUPED_BLOCK_H = 16
-# Tokens per stage-1 tile. The grouped path is a [16, D] x [D, N] dot with 4 warps
-# (about 170 registers on sm_90, importance on or off). The MHA path reduces one head
-# elementwise in fp32; a 64-token tile there spilled at 4 warps, so it takes 32 tokens
-# over 8 warps (about 120 registers). Register counts from ptxas, not timed yet.
-GROUPED_BLOCK_N = 32
-MHA_BLOCK_N = 32
-GROUPED_NUM_WARPS = 4
-MHA_NUM_WARPS = 8
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """How one stage-1 program walks its split: tile, warps, pipeline depth.
+
+    ``resident_per_sm`` is how many such programs one SM holds at once, the smaller
+    of the importance-on and importance-off kernels; the split count is chosen from
+    it so that stage 1 never leaves a thin last wave. Figures in ``TILE_CANDIDATES``
+    come from ptxas for sm_90 (Triton 3.6, bf16, d 128; registers are the limit):
+    ``python -m benchmark.kernel.occupancy`` prints them again without a GPU.
+    """
+
+    block_n: int  # tokens per tile (a power of two)
+    num_warps: int
+    num_stages: int  # 2: the next tile's slot indices are read synchronously; 3: they are prefetched too
+    resident_per_sm: int
+
+
+# Stage-1 shapes of the grouped (tensor-core) path, by name. The benchmark's
+# ``--sweep-tiles`` times each beside SGLang's kernel; the default is the one that
+# sweep decides. Why these and what each should move: benchmark/kernel/NOTES.md.
+TILE_CANDIDATES = {
+    "n32s2w4": DecodeTiles(block_n=32, num_warps=4, num_stages=2, resident_per_sm=5),
+    "n32s3w4": DecodeTiles(block_n=32, num_warps=4, num_stages=3, resident_per_sm=4),
+    "n64s2w4": DecodeTiles(block_n=64, num_warps=4, num_stages=2, resident_per_sm=4),
+    "n64s3w4": DecodeTiles(block_n=64, num_warps=4, num_stages=3, resident_per_sm=3),
+    "n64s3w8": DecodeTiles(block_n=64, num_warps=8, num_stages=3, resident_per_sm=2),
+}
+GROUPED_TILES = TILE_CANDIDATES["n64s3w4"]
+# The one-head path reduces in fp32 elementwise; a 64-token tile spilled at 4 warps,
+# so it takes 32 tokens over 8 warps. With importance on it needs 143 registers per
+# thread (sm_90, d 128): one program per SM.
+MHA_TILES = DecodeTiles(block_n=32, num_warps=8, num_stages=2, resident_per_sm=1)
 
 
 def next_power_of_2(n: int) -> int:
@@ -55,6 +83,9 @@ class DecodeGeometry:
     block_dv: int
     num_warps: int
     num_stages: int
+    resident_per_sm: int  # stage-1 programs one SM holds at once (see DecodeTiles)
+    # each warp's columns of a tile are exactly one page (tokens reordered in the tile)
+    page_per_warp: bool
 
 
 def decode_geometry(
@@ -63,17 +94,25 @@ def decode_geometry(
     head_dim: int,
     v_head_dim: int,
     page_size: int,
+    tiles: Optional[DecodeTiles] = None,
 ) -> DecodeGeometry:
-    """Choose tiles for a model shape. Raises ValueError on shapes the kernel cannot serve."""
+    """Choose tiles for a model shape. Raises ValueError on shapes the kernel cannot serve.
+
+    ``tiles`` overrides the grouped path's stage-1 shape (``TILE_CANDIDATES``); the
+    one-head path keeps ``MHA_TILES``.
+    """
     if num_kv_heads <= 0 or num_q_heads % num_kv_heads != 0:
         raise ValueError(f"num_q_heads={num_q_heads} must be a positive multiple of num_kv_heads={num_kv_heads}")
     if page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"page_size={page_size} must be a power of two (1, 16, 32, 64, ...)")
     group = num_q_heads // num_kv_heads
     if group == 1:
-        block_h, block_n, use_dot = 1, MHA_BLOCK_N, False
+        block_h, use_dot, tiles = 1, False, MHA_TILES
     else:
-        block_h, block_n, use_dot = GROUPED_BLOCK_H, GROUPED_BLOCK_N, True
+        block_h, use_dot, tiles = GROUPED_BLOCK_H, True, tiles or GROUPED_TILES
+    block_n = tiles.block_n
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n={block_n} must be a power of two >= 16")
     # tl.dot wants K >= 16
     block_d = max(16, next_power_of_2(head_dim))
     block_dv = max(16, next_power_of_2(v_head_dim))
@@ -86,8 +125,11 @@ def decode_geometry(
         use_dot=use_dot,
         block_d=block_d,
         block_dv=block_dv,
-        num_warps=GROUPED_NUM_WARPS if use_dot else MHA_NUM_WARPS,
-        num_stages=2,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+        resident_per_sm=tiles.resident_per_sm,
+        # the tensor-core layout hands warps 8-column runs of the tile, in turn
+        page_per_warp=use_dot and 8 <= page_size < block_n and block_n == page_size * tiles.num_warps,
     )
 
 
@@ -113,8 +155,9 @@ def default_num_splits(
     geometry: DecodeGeometry,
     max_splits: int,
     device: torch.device,
+    policy: Optional[str] = None,
 ) -> int:
-    """Splits per request so that stage 1 fills the GPU about four programs per SM.
+    """Splits per request for stage 1, by ``SPLIT_POLICIES[policy or DEFAULT_SPLIT_POLICY]``.
 
     Depends only on host-known integers (never on sequence lengths), so the same
     count is baked into a CUDA graph captured for this batch size.
@@ -125,4 +168,52 @@ def default_num_splits(
     else:
         sms = 4
     programs_per_split = max(1, batch_size * num_kv_heads * geometry.head_tiles)
-    return max(1, min(max_splits, cdiv(4 * sms, programs_per_split)))
+    rule = SPLIT_POLICIES[policy or DEFAULT_SPLIT_POLICY]
+    return max(1, min(max_splits, rule(programs_per_split, sms, geometry.resident_per_sm, max_splits)))
+
+
+# The share of its last wave a grid must fill for ``whole_wave_splits`` to stop adding splits.
+WAVE_FILL = 0.9
+
+
+def whole_wave_splits(programs_per_split: int, sms: int, resident_per_sm: int, max_splits: int) -> int:
+    """The fewest splits whose stage-1 grid is close to a whole number of waves.
+
+    A wave is the ``sms * resident_per_sm`` programs the GPU runs at once. Every split
+    of every request walks about as many tiles, so a grid of 1.3 waves leaves a last
+    wave of few programs, too few loads in flight to keep the memory busy, for about
+    as long as a full wave takes. Takes the fewest splits whose grid fills at least
+    ``WAVE_FILL`` of its last wave (a grid smaller than one wave counts as that
+    fraction of one); when none does (small batches), the count that fills most.
+    """
+    resident = max(1, sms * resident_per_sm)
+    best, best_fill = 1, 0.0
+    for splits in range(1, max(1, max_splits) + 1):
+        waves = splits * programs_per_split / resident
+        fill = waves / math.ceil(waves)
+        if fill >= WAVE_FILL:
+            return splits
+        if fill > best_fill:
+            best, best_fill = splits, fill
+    return best
+
+
+def one_wave_splits(programs_per_split: int, sms: int, resident_per_sm: int, max_splits: int) -> int:
+    """The most splits whose grid still fits one wave (one split when even that overflows)."""
+    return max(1, sms * resident_per_sm // programs_per_split)
+
+
+def four_per_sm_splits(programs_per_split: int, sms: int, resident_per_sm: int, max_splits: int) -> int:
+    """About four programs per SM, rounded up, whatever the occupancy (the rule before
+    ``whole_wave_splits``: with four resident programs it overflowed into a thin second
+    wave at bs 8 and 32 on an H100)."""
+    return cdiv(4 * sms, programs_per_split)
+
+
+# Split rules by name; the benchmark's ``--sweep-splits`` times each.
+SPLIT_POLICIES = {
+    "whole_wave": whole_wave_splits,
+    "one_wave": one_wave_splits,
+    "four_per_sm": four_per_sm_splits,
+}
+DEFAULT_SPLIT_POLICY = "whole_wave"

@@ -23,7 +23,14 @@ from sgl_kernel_ext import (  # noqa: E402
     scatter_page_importance,
     split_bounds,
 )
-from sgl_kernel_ext.plan import decode_geometry  # noqa: E402
+from sgl_kernel_ext.plan import (  # noqa: E402
+    SPLIT_POLICIES,
+    TILE_CANDIDATES,
+    WAVE_FILL,
+    decode_geometry,
+    default_num_splits,
+    whole_wave_splits,
+)
 from support.kernel_device import DEVICE, EMPTY_PAGES_WARN  # noqa: E402
 
 pytestmark = [EMPTY_PAGES_WARN]
@@ -288,6 +295,55 @@ def test_result_does_not_depend_on_the_number_of_splits(page_size):
     for other in results[1:]:
         assert rel_err(other.output, results[0].output) < 1e-5, f"seed={seed}"
         assert max_abs(other.importance, results[0].importance) < 1e-5, f"seed={seed}"
+
+
+@pytest.mark.parametrize("name", list(TILE_CANDIDATES))
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_every_tile_shape_the_sweep_may_pick_matches_the_float64_reference(name, page_size):
+    seed, (q, k, v, indptr, indices), spanned = ragged_batch(page_size, (8, 2), torch.bfloat16)
+    w = DecodeImportanceWrapper(
+        q.shape[0],
+        8,
+        2,
+        q.shape[2],
+        max_pages=spanned,
+        page_size=page_size,
+        max_splits=8,
+        dtype=q.dtype,
+        device=q.device,
+        per_kv_head=True,
+        tiles=TILE_CANDIDATES[name],
+    )
+    poison_buffers(w)
+    got = w.run(q, k, v, indptr, indices, num_splits=3)
+    ref = reference(q, k, v, indptr, indices, page_size=page_size, max_pages=spanned)
+    assert_matches(got, ref, torch.bfloat16, seed, what=name)
+
+
+@pytest.mark.parametrize("resident", [5 * 132, 3 * 132, 2 * 132, 7])
+def test_whole_wave_rule_fills_its_last_wave_or_fills_as_well_as_any_count_can(resident):
+    max_splits = 32
+    for programs_per_split in (1, 3, 8, 24, 64, 256, 512, 1000, 4096):
+        fill = {}
+        for splits in range(1, max_splits + 1):
+            waves = splits * programs_per_split / resident
+            fill[splits] = waves / math.ceil(waves)
+        chosen = whole_wave_splits(programs_per_split, resident, 1, max_splits)
+        assert 1 <= chosen <= max_splits
+        if any(f >= WAVE_FILL for f in fill.values()):
+            assert fill[chosen] >= WAVE_FILL
+            assert all(fill[s] < WAVE_FILL for s in range(1, chosen)), "not the fewest splits that fill"
+        else:
+            assert fill[chosen] == max(fill.values())
+
+
+def test_default_splits_stay_within_the_workspace_for_every_rule():
+    geo = decode_geometry(32, 8, 128, 128, 16)
+    for policy in SPLIT_POLICIES:
+        for bs in (1, 2, 8, 32, 64, 512):
+            for max_splits in (1, 8, 32):
+                splits = default_num_splits(bs, 8, geo, max_splits, "cpu", policy)
+                assert 1 <= splits <= max_splits, (policy, bs, max_splits)
 
 
 # ---------------------------------------------------------------------------- importance switch
