@@ -8,6 +8,7 @@ from typing import Iterator
 import pytest
 
 from sgl_importance import local_server
+from sgl_importance.env import CHECKS_ENV
 from support.server import Server
 
 # Under `make test` (pytest-xdist) each worker gets its share of the cores for
@@ -15,6 +16,9 @@ from support.server import Server
 # servers with two spinning OpenMP threads each on two cores run slower together
 # than one after the other.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+# The suite's invariant checks (docs/testing.md), on in this process and every process and
+# server it starts.
+os.environ.setdefault(CHECKS_ENV, "1")
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 

@@ -2,12 +2,16 @@
 
 A device pool whose page 0 is padding and a host pool, both ``[layers, slots, kv_heads,
 dim]``. It checks what SGLang's pools would trip on later: a page freed twice, or the
-padding page freed, fails at once.
+padding page freed, fails at once; and it keeps the host-slot ledger the test suite keeps
+on every real server (``hot_set/host_ledger.py``): a host slot moved by a request that
+does not hold it fails at once, naming both.
 """
 
 from __future__ import annotations
 
 import torch
+
+from sgl_importance.hot_set.host_ledger import HostSlotLedger
 
 
 class ArrayPools:
@@ -42,6 +46,7 @@ class ArrayPools:
         self.hk, self.hv = torch.zeros(host_shape), torch.zeros(host_shape)
         self.free_device_pages = list(range(1, device_pages + 1))
         self.free_host_pages = list(range(host_pages))
+        self.ledger = HostSlotLedger(max(host_pages, 1) * page_size)
         self.peak_used = 0  # most device pages held at once
 
     def _slots(self, pages: list[int]) -> torch.Tensor:
@@ -59,14 +64,31 @@ class ArrayPools:
         assert 0 not in pages and not set(pages) & set(self.free_device_pages), "double or padding free"
         self.free_device_pages += pages
 
-    def alloc_host(self, num_pages: int):
+    def alloc_host(self, num_pages: int, owner: str | None = None):
+        """Host slots for request ``owner`` (None: the tree's, as a write-through's)."""
         if num_pages > len(self.free_host_pages):
             return None
         pages, self.free_host_pages = self.free_host_pages[:num_pages], self.free_host_pages[num_pages:]
-        return self._slots(pages)
+        slots = self._slots(pages)
+        self.ledger.allocated(slots)
+        if owner is not None:
+            self.ledger.take(slots, owner)
+        return slots
 
-    def free_host(self, slots: torch.Tensor) -> None:
+    def free_host(self, slots: torch.Tensor, owner: str | None = None) -> None:
+        if owner is not None:
+            self.ledger.release(slots, owner)
+        self.ledger.freed(slots)
         self.free_host_pages += sorted(set((slots // self.page_size).tolist()))
+
+    def give_host(self, slots: torch.Tensor, owner: str) -> None:
+        self.ledger.give(slots, owner)
+
+    def borrow_host(self, slots: torch.Tensor, owner: str) -> None:
+        self.ledger.borrow(slots, owner)
+
+    def unborrow_host(self, owner: str) -> None:
+        self.ledger.unborrow(owner)
 
     # The copies between the pools are SGLang's transfer kernels' (across devices by
     # design): outside what the fake-CUDA tests check, hence no torch-function dispatch.

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from sgl_importance.client import generate, greedy
+from sgl_importance.env import CHECKS_ENV
 from sgl_importance.local_server import LocalServer
 
 
@@ -21,7 +22,8 @@ class Server(LocalServer):
     plus greedy ``/generate`` calls."""
 
     def __init__(self, model_path: str, args: list[str], env: dict[str, str], log: Path):
-        super().__init__(model_path, args, log, env)
+        # The suite's invariant checks, on in every server it starts (docs/testing.md).
+        super().__init__(model_path, args, log, {CHECKS_ENV: "1", **env})
 
     def generate(self, text: str, max_new_tokens: int = 8, **extra) -> dict:
         """Greedy /generate of ``text`` with logprobs and the cache report."""

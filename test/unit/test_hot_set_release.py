@@ -95,7 +95,7 @@ def lent_request(tiers: ArrayPools, num_pages: int, prefix_pages: int):
     tree_host = tiers.alloc_host(prefix_pages).to(torch.int64)
     tiers.to_host(slots[: prefix_pages * PAGE], tree_host)
     pages, counts = RequestPages(row, first_owned_page=prefix_pages, page_size=PAGE), ReleaseCounts()
-    pages.lend_prefix(tree_host, counts)
+    pages.lend_prefix(tree_host, tiers, counts)
     return row, slots, pages, counts
 
 

@@ -231,6 +231,12 @@ ATTRIBUTES = [
         Name(f"{MEM}.pool_host.mha.MHATokenToKVPoolHost", n, "scheduler/hot_set_release.py, platform/host_pool.py")
         for n in ("layer_num", "backup_from_device_all_layer", "load_to_device_per_layer", "k_data_refs")
     ),
+    # The host-slot ledger's view of the pool (platform/host_pool.py overrides alloc, free and
+    # clear; hot_set_release.py reads which slots are allocated).
+    *(
+        Name(f"{MEM}.pool_host.base.HostKVCache", n, "scheduler/hot_set_release.py, platform/host_pool.py")
+        for n in ("alloc", "free", "clear", "size", "slot_used")
+    ),
     *(
         Name(f"{MEM}.allocator.paged.PagedTokenToKVPoolAllocator", n, "scheduler/hot_set_release.py")
         for n in ("alloc", "free", "available_size", "get_kvcache", "page_size")

@@ -56,10 +56,19 @@ class PagePools(Protocol):
 
     def free_device(self, slots: torch.Tensor) -> None: ...
 
-    def alloc_host(self, num_pages: int) -> Optional[torch.Tensor]:
-        """Token slots of ``num_pages`` host pages, or None when full."""
+    def alloc_host(self, num_pages: int, owner: str) -> Optional[torch.Tensor]:
+        """Token slots of ``num_pages`` host pages for request ``owner``, or None when full."""
 
-    def free_host(self, slots: torch.Tensor) -> None: ...
+    def free_host(self, slots: torch.Tensor, owner: str) -> None:
+        """Free host slots request ``owner`` allocated."""
+
+    def give_host(self, slots: torch.Tensor, owner: str) -> None:
+        """Request ``owner``'s host slots now belong to the radix tree (a host insert)."""
+
+    def borrow_host(self, slots: torch.Tensor, owner: str) -> None:
+        """Request ``owner`` reads the tree's host slots (its matched prefix) until ``unborrow_host``."""
+
+    def unborrow_host(self, owner: str) -> None: ...
 
     def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         """Copy every layer's K and V of the slots device → host."""
@@ -97,10 +106,12 @@ class RequestPages:
         row: the request's ``req_to_token`` row (a view: writes reach SGLang's table).
         first_owned_page: pages before it belong to the radix tree; never released.
         page_size: tokens per page.
+        owner: the request's id, which its host slots are recorded under.
     """
 
-    def __init__(self, row: torch.Tensor, first_owned_page: int, page_size: int) -> None:
+    def __init__(self, row: torch.Tensor, first_owned_page: int, page_size: int, owner: str = "") -> None:
         self.row = row
+        self.owner = owner
         self.first_owned_page = first_owned_page
         self.page_size = page_size
         self.host = torch.full((0, page_size), -1, dtype=torch.int64)
@@ -128,7 +139,7 @@ class RequestPages:
         host pool is full (nothing copied)."""
         uncopied = pages[self.host[pages, 0] < 0]
         if uncopied.numel():
-            host = pools.alloc_host(uncopied.numel())
+            host = pools.alloc_host(uncopied.numel(), self.owner)
             if host is None:
                 return None
             host = host.view(-1, self.page_size).to(torch.int64)
@@ -184,11 +195,13 @@ class RequestPages:
     def released_pages(self) -> torch.Tensor:
         return torch.nonzero(self.released).flatten()
 
-    def lend_prefix(self, host_slots: torch.Tensor, counts: ReleaseCounts) -> None:
+    def lend_prefix(self, host_slots: torch.Tensor, pools: PagePools, counts: ReleaseCounts) -> None:
         """Take the tree's pages ``[0, n)`` as the request's own, ``host_slots`` (their
         host copies, ``n`` pages of slots, the tree's) standing for them once released.
-        The row keeps the tree's device slots until a page is released or owned."""
+        The row keeps the tree's device slots until a page is released or owned. The
+        caller keeps the tree from freeing the slots (a host lock) until ``drop``."""
         num = host_slots.numel() // self.page_size
+        pools.borrow_host(host_slots, self.owner)
         self._grow(num)
         self.host[:num] = host_slots.view(num, self.page_size).to(torch.int64)
         self.borrowed[:num] = True
@@ -240,15 +253,20 @@ class RequestPages:
             return None
         return self.host[pages]
 
-    def give_host_copies(self, pages: torch.Tensor) -> None:
+    def give_host_copies(self, pages: torch.Tensor, pools: PagePools) -> None:
         """The host copies of ``pages`` now belong to the tree (never freed here)."""
+        own = pages[~self.borrowed[pages]]
+        if own.numel():
+            pools.give_host(self.host[own].flatten(), self.owner)
         self.borrowed[pages] = True
 
     def drop(self, pools: PagePools) -> None:
         """Free the host copies (the request is leaving)."""
         copied = (self.host[:, 0] >= 0) & ~self.borrowed
         if bool(copied.any()):
-            pools.free_host(self.host[copied].flatten())
+            pools.free_host(self.host[copied].flatten(), self.owner)
+        if self.lent_pages:
+            pools.unborrow_host(self.owner)
         self.host = self.host[:0]
         self.released = self.released[:0]
         self.borrowed = self.borrowed[:0]
@@ -311,7 +329,7 @@ class ReleaseRegistry:
             return None
         pages = self._pages.get(rid)
         if pages is None:
-            pages = self._pages[rid] = RequestPages(row, first, page_size)
+            pages = self._pages[rid] = RequestPages(row, first, page_size, owner=rid)
         return pages
 
     def peek(self, rid: str) -> Optional[RequestPages]:

@@ -12,7 +12,7 @@ backend's page (de)serialisation, which is plain torch in SGLang, works unchange
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -81,6 +81,26 @@ class TorchMHAHostPool(MHATokenToKVPoolHost):
         layout = args[4] if len(args) > 4 else kwargs.get("layout")
         check_hicache_support(layout, None)
         super().__init__(*args, **kwargs)
+        # A checker of who holds each slot (``hot_set/host_ledger.py``), set by the hot set
+        # when the check is on: it sees every alloc and free, whoever calls.
+        self.ledger: Any = None
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        slots = super().alloc(need_size)
+        if slots is not None and self.ledger is not None:
+            self.ledger.allocated(slots)
+        return slots
+
+    def free(self, indices: torch.Tensor) -> int:
+        if self.ledger is not None:
+            self.ledger.freed(indices)
+        return super().free(indices)
+
+    def clear(self) -> None:
+        # /flush_cache empties the pool at once, without a free per slot.
+        if getattr(self, "ledger", None) is not None:
+            self.ledger.cleared()
+        super().clear()
 
     def _page_view(self, tensor: torch.Tensor) -> torch.Tensor:
         """A per-layer device buffer seen as [pages, page_size, heads, dim]."""

@@ -67,6 +67,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from sgl_importance.config import ImportanceConfig
+from sgl_importance.hot_set.host_ledger import ledger_from_env
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import ReleaseRegistry, RequestPages, subtract_pages
 from sgl_importance.hot_set.selection import HotSetParams
@@ -86,6 +87,10 @@ class HiCachePagePools:
         self.host_group = tree_cache.host_pool_group
         self.host_pool = self.host_group.anchor_entry.host_pool
         self.io_backend = tree_cache.cache_controller.io_backend
+        # Who holds each host slot, checked at every move (on in the test suite).
+        self.ledger = ledger_from_env(self.host_pool.size)
+        if self.ledger is not None:
+            self.host_pool.ledger = self.ledger
 
     def alloc_device(self, num_pages: int) -> Optional[torch.Tensor]:
         # A page the plan attends is worth more than an unlocked cached one: read from the
@@ -102,12 +107,43 @@ class HiCachePagePools:
     def free_device(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)
 
-    def alloc_host(self, num_pages: int) -> Optional[torch.Tensor]:
+    def alloc_host(self, num_pages: int, owner: str) -> Optional[torch.Tensor]:
         # Host nodes of the tree make room if the pool is full (they are copies).
-        return self.host_group.alloc(num_pages * self.page_size, reclaim=self.tree_cache.evict_host)
+        slots = self.host_group.alloc(num_pages * self.page_size, reclaim=self.tree_cache.evict_host)
+        if slots is not None and self.ledger is not None:
+            self.ledger.take(slots, owner)
+        return slots
 
-    def free_host(self, slots: torch.Tensor) -> None:
+    def free_host(self, slots: torch.Tensor, owner: str) -> None:
+        allocated = self.host_allocated(slots)
+        if not bool(allocated.all()):
+            # Someone else freed them (a bug; the ledger names who in the test suite):
+            # freeing them again would kill the scheduler, so leave them.
+            logger.error(
+                "hot set: request %s's host slots %s were already freed; not freeing them again",
+                owner,
+                slots[~allocated][:8].tolist(),
+            )
+            slots = slots[allocated]
+        if self.ledger is not None:
+            self.ledger.release(slots, owner)
         self.host_group.free(slots)
+
+    def host_allocated(self, slots: torch.Tensor) -> torch.Tensor:
+        """Whether each host slot is allocated in the pool (a bool per slot)."""
+        return self.host_pool.slot_used[slots.to("cpu", torch.int64)]
+
+    def give_host(self, slots: torch.Tensor, owner: str) -> None:
+        if self.ledger is not None:
+            self.ledger.give(slots, owner)
+
+    def borrow_host(self, slots: torch.Tensor, owner: str) -> None:
+        if self.ledger is not None:
+            self.ledger.borrow(slots, owner)
+
+    def unborrow_host(self, owner: str) -> None:
+        if self.ledger is not None:
+            self.ledger.unborrow(owner)
 
     def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         self.host_pool.backup_from_device_all_layer(self.device_pool, host_slots, device_slots, self.io_backend)
@@ -255,7 +291,7 @@ def _lend(releases: ReleaseRegistry, pages: RequestPages, req: Any, tree_cache: 
     if host is None or host.numel() != prefix:
         return  # a node without a host copy yet (its write-through still running): next step
     receipt = tree_cache.inc_host_lock_ref(lock.node).to_dec_params()
-    pages.lend_prefix(host, releases.counts)
+    pages.lend_prefix(host, releases.pools, releases.counts)
     pages.hold = PrefixHold(lock.node, receipt)
 
 
@@ -302,7 +338,8 @@ def _return_prefix(
 ) -> None:
     """Before a lent request leaves: where it still locks the prefix (or, finishing, can
     lock it again while the tree's pages are on the device) point its row back at the
-    tree's pages; then give back the host lock."""
+    tree's pages. The host lock stays until the request's record is gone
+    (``release_with_pages``): its borrowed host copies are read until then."""
     hold, prefix_len = pages.hold, pages.lent_pages * pages.page_size
     if not hold.unlocked:
         pages.return_prefix(tree_cache.path_device_indices(hold.node)[:prefix_len], releases.pools)
@@ -313,8 +350,6 @@ def _return_prefix(
             pages.return_prefix(device, releases.pools)
             req.kv.cache_protected_len = prefix_len
             releases.counts.prefix_relocked += 1
-    tree_cache.dec_host_lock_ref(hold.node, hold.host_receipt)
-    pages.hold = None
 
 
 def _first_own_page(req: Any, page_size: int) -> int:
@@ -336,6 +371,7 @@ def release_with_pages(
     if not releases.admitted(req.rid):
         return original(req, tree_cache, checkpoint=checkpoint)
     pages = releases.peek(req.rid)
+    hold = pages.hold if pages is not None else None
     try:
         inserting = checkpoint and not req.skip_radix_cache_insert
         if pages is not None and pages.hold is not None:
@@ -365,6 +401,12 @@ def release_with_pages(
         return original(req, tree_cache, checkpoint=checkpoint)
     finally:
         releases.leaving.clear()
+        # The borrowed prefix copies are read until here (a restore's copies, a host insert's
+        # walk): the host lock goes with the record, or the tree could evict them first and
+        # free slots the insert then hands back to it (issue 44's double free).
+        if hold is not None:
+            tree_cache.dec_host_lock_ref(hold.node, hold.host_receipt)
+            pages.hold = None
         releases.forget(req.rid)
 
 
@@ -391,6 +433,11 @@ def _insert_on_host(releases: ReleaseRegistry, pages: RequestPages, req: Any, tr
     host = pages.host_page_slots(wanted, releases.pools)
     if host is None:
         return False
+    if not bool(releases.pools.host_allocated(host.flatten()).all()):
+        # A host copy the request reads was freed under it: handing it to the tree would
+        # free it twice later. Leave the request out of the tree (its KV is recomputed).
+        logger.error("hot set: request %s's host copies were freed while it held them; not cached", req.rid)
+        return False
     core = tree_cache.tree_core
     key = RadixKey(
         req.full_untruncated_fill_ids[start:end], req.extra_key, is_bigram=core.is_eagle, cache_salt=req.cache_salt
@@ -404,7 +451,7 @@ def _insert_on_host(releases: ReleaseRegistry, pages: RequestPages, req: Any, tr
         return False
     # The walk keeps the host copies of nodes that had one ([0, prefix_len) of the key);
     # the rest are the tree's now.
-    pages.give_host_copies(wanted[result.prefix_len // ps :])
+    pages.give_host_copies(wanted[result.prefix_len // ps :], releases.pools)
     if result.inserted_host_node is not None:
         tree_cache.write_backup_storage(result.inserted_host_node)
     return True
