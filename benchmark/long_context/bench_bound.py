@@ -238,7 +238,7 @@ def replay(prompt: dict, budget: float, tau: float, scale: float, probe: GuardPr
                     "read_pages": num_pages - rest + read + sampled,
                 }
             )
-        step = decoder.end_step()
+        step = decoder.end_step().counts
         if s > 0:
             for name in COUNTERS:
                 counts[name] += getattr(step, name)

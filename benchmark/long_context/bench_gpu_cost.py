@@ -94,7 +94,7 @@ def decoder_counts(tokens: int, budget: float) -> dict:
         decoder.begin_step(["r"], [slots[:n]])
         q = torch.randn(1, Q_HEADS, DIM, generator=g)
         decoder.attend(0, q, k_buf, v_buf, sm_scale=DIM**-0.5)
-        counts = decoder.end_step()
+        counts = decoder.end_step().counts
     keys = ("pages_dense", "pages_attended", "pages_sampled", "pages_estimated", "pages_guard_read", "guard_full_reads")
     return {k: getattr(counts, k) for k in keys}
 

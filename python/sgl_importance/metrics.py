@@ -309,6 +309,14 @@ HOT_SET_SERIES = {
     "pages_released": ("pages_released", "Device pages hot-set requests gave back to the allocator."),
     "pages_copied_out": ("pages_copied_out", "Pages copied device to host on their first release."),
     "pages_copied_in": ("pages_copied_in", "Pages promoted host to device."),
+    "copies_out": (
+        "copies_out",
+        "Device-to-host copy calls of released pages: one per step that releases, whatever the batch.",
+    ),
+    "copies_in": (
+        "copies_in",
+        "Host-to-device copy calls of promoted pages: one per step that promotes, whatever the batch.",
+    ),
     "promotions_refused": (
         "promotions_refused",
         "Planned pages left on the host: no device page free, none the tree could evict.",

@@ -2,9 +2,9 @@
 
 SGLang calls ``load()`` (entry point ``sglang.srt.plugins``) in every process it starts. Each row of ``HOOKS`` is one
 touch-point: (SGLang target, our function, kind, process). Functions (``"module:attribute"`` under ``sgl_importance``)
-are imported on first call; ``state`` names what the process's runtime (``runtime.py``) passes first. A function gets
-as many of SGLang's arguments as it declares (an ``after`` hook's result as the keyword ``result`` if it asks). Rows on
-one target apply in order, each wrapping the ones before it (the last ``before`` runs first).
+are imported on first call; ``state`` names what the process's runtime (``runtime.py``) passes first. A function gets as
+many of SGLang's arguments as it declares (an ``after`` hook's result as ``result`` if it asks). Rows on one target
+apply in order, each wrapping the ones before it (the last ``before`` runs first).
 
 Private SGLang names the plugin relies on (SGLang may change them without notice; ``test/unit/test_sglang_contract.py``
 checks each, and every public attribute the plugin reads, against the installed SGLang):
@@ -35,15 +35,17 @@ import os
 import sys
 from typing import Any, Callable, NamedTuple, Optional
 
-from sgl_importance.env import ANNOUNCE_ENV, DUMP_DIR_ENV, PLATFORM_ENV, TRACE_DIR_ENV
+from sgl_importance.env import ANNOUNCE_ENV, CHECKS_ENV, DUMP_DIR_ENV, PLATFORM_ENV, TRACE_DIR_ENV
 from sgl_importance.platform import NATIVE_PLATFORMS
+
+CHECKED = ("mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc", "mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.free", "mem_cache.unified_radix_cache.UnifiedRadixCache.evict")  # fmt: skip  # never inside a forward (checks.py)
 
 
 class Hook(NamedTuple):
     target: str  # SGLang's attribute under sglang.srt (kind "backend"/"policy": the name)
     call: str  # "module:attribute" under sgl_importance
     kind: str  # before | after | around | check (launcher, parsed args) | backend | policy
-    process: str  # any | http | scheduler | dump | trace | torch_cpu | torch_cuda | native (either)
+    process: str  # any | http | scheduler | dump | trace | checks | torch_cpu | torch_cuda | native (either)
     state: tuple[str, ...] = ()  # runtime attributes passed first ("runtime": itself)
 
 
@@ -78,16 +80,16 @@ HOOKS = (
     # Graded on the scheduler thread before the write is queued; the I/O thread seals in that class.
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.write_backup_storage", "cache.stored:grade_before_storage_write", "before", "scheduler", ("page_classes", "page_importance")),
     Hook("managers.scheduler.Scheduler.__init__", "runtime:Runtime.attach_scheduler", "after", "scheduler", ("runtime",)),
-    Hook("managers.scheduler.Scheduler.__init__", "scheduler.hot_set_release:enable", "after", "scheduler", ("releases", "hot_set_params", "config")),
-    Hook("managers.scheduler.Scheduler.process_batch_result", "scheduler.hot_set_release:reopen_admission", "after", "scheduler", ("releases",)),
+    Hook("managers.scheduler.Scheduler.__init__", "scheduler.hot_set_release:enable", "after", "scheduler", ("residency", "hot_set_params", "config")),
+    Hook("managers.scheduler.Scheduler.run_batch", "scheduler.hot_set_release:apply_step_moves", "after", "scheduler", ("residency",)),  # between steps
+    Hook("managers.scheduler.Scheduler.process_batch_result", "scheduler.hot_set_release:reopen_admission", "after", "scheduler", ("residency",)),
     Hook("managers.scheduler.Scheduler.handle_generate_request", "scheduler.hot_set_requests:note_request", "before", "scheduler", ("request_params", "config")),
-    Hook("mem_cache.common.checkpoint_kv_cache", "scheduler.hot_set_release:checkpoint_unless_released", "around", "scheduler", ("releases",)),
-    Hook("managers.schedule_batch.ScheduleBatch.prepare_for_decode", "scheduler.hot_set_release:admit_grown", "after", "scheduler", ("releases",)),  # lengths set, before the forward
-    Hook("mem_cache.common.release_kv_cache", "scheduler.hot_set_release:release_with_pages", "around", "scheduler", ("releases", "request_params")),
-    Hook("mem_cache.base_prefix_cache.BasePrefixCache.free_kv_row", "scheduler.hot_set_release:free_row_around_released", "around", "scheduler", ("releases",)),
+    Hook("mem_cache.common.checkpoint_kv_cache", "scheduler.hot_set_release:checkpoint_unless_released", "around", "scheduler", ("residency",)),
+    Hook("managers.schedule_batch.ScheduleBatch.prepare_for_decode", "scheduler.hot_set_release:admit_grown", "after", "scheduler", ("residency",)),  # lengths set, before the forward
+    Hook("mem_cache.common.release_kv_cache", "scheduler.hot_set_release:release_with_pages", "around", "scheduler", ("residency", "request_params")),
+    Hook("mem_cache.base_prefix_cache.BasePrefixCache.free_kv_row", "scheduler.hot_set_release:free_row_around_released", "around", "scheduler", ("residency",)),
     Hook("managers.schedule_policy.PrefillAdder.__init__", "cache.prefetch:note_prefill_adder", "after", "scheduler"),
-    # Around: prefetches are queued before SGLang merges the load queue into one copy.
-    Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.ready_to_load_host_cache", "cache.prefetch:prefetch_with_batch_load", "around", "scheduler"),
+    Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.ready_to_load_host_cache", "cache.prefetch:prefetch_with_batch_load", "around", "scheduler"),  # queued before SGLang merges the load queue into one copy
     Hook("mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore.insert_host", "cache.stored:restore_after_insert_host", "after", "scheduler"),
     Hook("mem_cache.storage_prefetch.StoragePrefetchRetries.pop_ready", "cache.stored:rank_storage_retries", "around", "scheduler", ("scheduler",)),
     # Around the factory: every backend name is wrapped once, outside SGLang's failure injector.
@@ -103,6 +105,8 @@ HOOKS = (
     Hook("mem_cache.pool_host.mha.can_use_hicache_jit_kernel", "platform.torch_cuda:no_compiled_kernel", "around", "torch_cuda"),
     Hook("layers.dual_gemm.DualGemm._select_mode", "platform.torch_cuda:no_dual_gemm", "around", "torch_cuda"),
     Hook("server_args.ServerArgs.from_cli_args", "platform.torch_cuda:graph_backends", "check", "torch_cuda"),
+    Hook("model_executor.model_runner.ModelRunner.forward", "checks:ForwardCheck.around_forward", "around", "checks", ("checks",)),  # checks.py
+    *(Hook(t, "checks:ForwardCheck.no_page_move", "before", "checks", ("checks",)) for t in CHECKED),
 )  # fmt: skip
 
 
@@ -119,6 +123,7 @@ def _in_process(process: str) -> bool:
         "scheduler": in_scheduler,
         "dump": in_scheduler and bool(os.environ.get(DUMP_DIR_ENV)),
         "trace": in_scheduler and bool(os.environ.get(TRACE_DIR_ENV)),
+        "checks": in_scheduler and os.environ.get(CHECKS_ENV, "") not in ("", "0"),
         **{name: platform == name for name in NATIVE_PLATFORMS},  # torch_cpu, torch_cuda
         "native": platform in NATIVE_PLATFORMS,  # either
     }[process]
@@ -161,17 +166,12 @@ def _bind(hook: Hook) -> Callable[..., Any]:
             args = (*(rt if name == "runtime" else getattr(rt, name) for name in hook.state), *args)
         return fitted[0](*args, **kwargs)
 
-    # SGLang takes a before hook's return value as new arguments, an after hook's as a new result: ours return None.
-    def after(result: Any, *args: Any, **kwargs: Any) -> None:
-        target(*args, **kwargs, result=result)
-
-    def before(*args: Any, **kwargs: Any) -> None:
+    def none(*args: Any, **kwargs: Any) -> None:  # SGLang takes a before/after hook's value as new arguments/result
         target(*args, **kwargs)
 
-    def check(cls: Any, args: Any) -> None:  # before the classmethod from_cli_args(cls, args)
-        target(args)
-
-    return {"after": after, "before": before, "check": check}.get(hook.kind, target)
+    # check: before the classmethod from_cli_args(cls, args).
+    wrappers = {"after": lambda result, *a, **kw: none(*a, **kw, result=result), "before": none}
+    return {**wrappers, "check": lambda cls, args: none(args)}.get(hook.kind, target)
 
 
 def load() -> None:

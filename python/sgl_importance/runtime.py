@@ -29,11 +29,12 @@ from typing import Any, Callable, Mapping, Optional
 from sgl_importance.cache.state import CacheState
 from sgl_importance.cache.state_of import state_of
 from sgl_importance.cache.strategy import ImportanceStrategy
+from sgl_importance.checks import ForwardCheck
 from sgl_importance.config import ImportanceConfig
 from sgl_importance.hot_set.guard_budget import GuardBudget
 from sgl_importance.hot_set.params import hot_set_params
 from sgl_importance.hot_set.request_params import RequestParams
-from sgl_importance.hot_set.residency import ReleaseRegistry
+from sgl_importance.hot_set.residency import Residency
 from sgl_importance.hot_set.selection import HotSetParams
 from sgl_importance.importance.page_importance import PageImportanceHolder
 from sgl_importance.metrics import Metrics
@@ -61,8 +62,11 @@ class Runtime:
         self.hot_set_params: Optional[HotSetParams] = hot_set_params(self.config)
         self.page_importance = PageImportanceHolder()
         self.metrics = Metrics()
-        # The hot set's release registry and the parameters requests chose for themselves.
-        self.releases = ReleaseRegistry()
+        # Where each hot-set request's pages live (the one owner of page moves), and the
+        # parameters requests chose for themselves.
+        self.residency = Residency()
+        # The test suite's forward check (checks.py; its hooks are registered only under it).
+        self.checks = ForwardCheck()
         self.request_params = RequestParams()
         # The guard's pool size and what the KV pool gave up for it, set when SGLang
         # sizes the KV pool (attention/hot_set_attention.reserve_guard); None before.

@@ -144,6 +144,21 @@ def test_a_small_budget_serves_and_the_metrics_count_it(hot_set_server, prompts,
     assert_follows_dense_until_a_tie(ids, outputs["exceeds"], tops["exceeds"])
 
 
+def generate_with_tops(server, ids: list[int]) -> dict:
+    """Greedy tokens of ``ids`` with the cache report and the top two (logprob, id) per step."""
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+    }
+    r = requests.post(server.url + "/generate", json=body, timeout=900)
+    r.raise_for_status()
+    out = r.json()
+    out["tops"] = [[(lp, tid) for lp, tid, _ in step] for step in out["meta_info"]["output_top_logprobs"]]
+    return out
+
+
 def test_requests_whose_kv_exceeds_the_device_pool_decode_together(hot_set_server, token_ids):
     ids = token_ids(essay_text(), 4000)
     pair = [ids[1300:2500], ids[2600:3800]]  # unlike the other prompts (ids[:1200])
@@ -156,9 +171,12 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_together(hot_set_serve
     # The second prompt was prefilled while the first decoded: the first had given
     # back the device pages its hot set left out. (Without release it would wait.)
     assert re.search(r"Prefill batch, #new-seq: 1, #new-token: \d+, .*#running-req: 1,", log), log[-3000:]
-    alone = [generate_ids(hot_set_server, p, MAX_NEW, timeout=900) for p in pair]
+    alone = [generate_with_tops(hot_set_server, p) for p in pair]
+    # Batched in twos or alone, the CPU kernel splits a request's pages differently (float
+    # rounding), and one alone run reads its prompt from the prefix cache: the same tokens
+    # until the first near-tie of the run alone, where either tied token is right.
     for both, one in zip(together, alone):
-        assert both["output_ids"] == one["output_ids"]
+        assert_follows_dense_until_a_tie(both["output_ids"], one["output_ids"], one["tops"])
     # The first to finish came back to the device and entered the tree: its prompt
     # again is a prefix hit. (The second may find the device full of the first's
     # pages, not yet evictable; it is then left out of the tree, and counted.)

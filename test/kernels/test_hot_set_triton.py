@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed; the Triton decode kernels cannot run")
 
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries  # noqa: E402
-from sgl_importance.hot_set.residency import ReleaseRegistry  # noqa: E402
+from sgl_importance.hot_set.residency import Residency  # noqa: E402
 from sgl_kernel_ext import TritonPageListDecode  # noqa: E402
 from support.array_pools import ArrayPools  # noqa: E402
 from support.kernel_device import DEVICE, EMPTY_PAGES_WARN  # noqa: E402
@@ -49,13 +49,13 @@ class World:
             layers=LAYERS, kv_heads=KV_HEADS, dim=DIM, page_size=PAGE,
             device_pages=device_pages, host_pages=host_pages, promotions=promotions,
         )  # fmt: skip
-        self.released = ReleaseRegistry()
+        self.residency = Residency()
         if release:
-            self.released.enable(self.tiers, threshold=8)
+            self.residency.enable(self.tiers, threshold=8)
         num_pages = self.tiers.k.shape[1] // PAGE
         self.summaries = PageSummaries(LAYERS, num_pages, KV_HEADS, DIM, page_size=PAGE)
         self.decoder = HotSetDecoder(
-            params, self.summaries, page_size=PAGE, threshold=8, releases=self.released, exact=exact
+            params, self.summaries, page_size=PAGE, threshold=8, residency=self.residency, exact=exact
         )
         self.rows: dict[str, torch.Tensor] = {}
         self.written: dict[str, int] = {}
@@ -64,7 +64,7 @@ class World:
         """Write the request's tokens not yet in the pool (``k``/``v``: ``[LAYERS, n, KV, D]``)."""
         if rid not in self.rows:
             self.rows[rid] = torch.zeros(64 * PAGE, dtype=torch.int32)
-            self.released.admit(rid, first_owned_page=0)
+            self.residency.admit(rid, self.rows[rid], first_owned_page=0, page_size=PAGE)
         row = self.rows[rid]
         for pos in range(self.written.get(rid, 0), k.shape[1]):
             if pos % PAGE == 0:
@@ -78,13 +78,18 @@ class World:
     def step(self, queries: torch.Tensor):
         rids = list(self.rows)
         slots = [self.rows[r][: self.written[r]].to(torch.int64) for r in rids]
-        rows = [self.rows[r] for r in rids] if self.released.enabled else None
-        self.decoder.begin_step(rids, slots, rows)
-        outs = [
-            self.decoder.attend(layer, queries[layer], self.tiers.k[layer], self.tiers.v[layer], sm_scale=SCALE)
-            for layer in range(LAYERS)
-        ]
-        return outs, self.decoder.end_step()
+        rows = [self.rows[r] for r in rids] if self.residency.enabled else None
+        with self.tiers.forward():
+            self.decoder.begin_step(rids, slots, rows)
+            outs = [
+                self.decoder.attend(layer, queries[layer], self.tiers.k[layer], self.tiers.v[layer], sm_scale=SCALE)
+                for layer in range(LAYERS)
+            ]
+            counts, self.residency.pending = self.decoder.end_step()
+        # Between steps, as the scheduler does after a batch: the moves the step asked for.
+        self.residency.apply_pending()
+        counts.add(self.residency.take_counts())
+        return outs, counts
 
 
 def run_both(params: HotSetParams, *, steps: int, lengths: list[int], **world):

@@ -9,6 +9,9 @@ does not hold it fails at once, naming both.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
 from sgl_importance.hot_set.host_ledger import HostSlotLedger
@@ -47,12 +50,27 @@ class ArrayPools:
         self.free_device_pages = list(range(1, device_pages + 1))
         self.free_host_pages = list(range(host_pages))
         self.ledger = HostSlotLedger(max(host_pages, 1) * page_size)
+        self._in_forward = False  # inside a decode forward: no page may move (``forward``)
         self.peak_used = 0  # most device pages held at once
 
     def _slots(self, pages: list[int]) -> torch.Tensor:
         return (torch.tensor(pages)[:, None] * self.page_size + torch.arange(self.page_size)).flatten()
 
+    @contextmanager
+    def forward(self) -> Iterator[None]:
+        """While inside (a decode forward), any page move fails the test at once."""
+        self._in_forward = True
+        try:
+            yield
+        finally:
+            self._in_forward = False
+
+    def _no_move(self, what: str) -> None:
+        if self._in_forward:
+            raise AssertionError(f"a page moved inside the decode forward: {what}")
+
     def alloc_device(self, num_pages: int, for_tokens: bool = False):
+        self._no_move("alloc_device")
         if num_pages > len(self.free_device_pages) or not (for_tokens or self.promotions):
             return None
         pages, self.free_device_pages = self.free_device_pages[:num_pages], self.free_device_pages[num_pages:]
@@ -60,12 +78,14 @@ class ArrayPools:
         return self._slots(pages).to(self.device)
 
     def free_device(self, slots: torch.Tensor) -> None:
+        self._no_move("free_device")
         pages = sorted(set((slots // self.page_size).tolist()))
         assert 0 not in pages and not set(pages) & set(self.free_device_pages), "double or padding free"
         self.free_device_pages += pages
 
     def alloc_host(self, num_pages: int, owner: str | None = None):
         """Host slots for request ``owner`` (None: the tree's, as a write-through's)."""
+        self._no_move("alloc_host")
         if num_pages > len(self.free_host_pages):
             return None
         pages, self.free_host_pages = self.free_host_pages[:num_pages], self.free_host_pages[num_pages:]
@@ -76,6 +96,7 @@ class ArrayPools:
         return slots
 
     def free_host(self, slots: torch.Tensor, owner: str | None = None) -> None:
+        self._no_move("free_host")
         if owner is not None:
             self.ledger.release(slots, owner)
         self.ledger.freed(slots)
@@ -94,12 +115,14 @@ class ArrayPools:
     # design): outside what the fake-CUDA tests check, hence no torch-function dispatch.
 
     def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        self._no_move("to_host")
         with torch._C.DisableTorchFunction():
             src, dst = device_slots.to(self.k.device), host_slots.to(self.hk.device)
             self.hk[:, dst] = self.k[:, src].to(self.hk.device)
             self.hv[:, dst] = self.v[:, src].to(self.hv.device)
 
     def to_device(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+        self._no_move("to_device")
         with torch._C.DisableTorchFunction():
             src, dst = host_slots.to(self.hk.device), device_slots.to(self.k.device)
             self.k[:, dst] = self.hk[:, src].to(self.k.device)

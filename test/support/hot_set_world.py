@@ -34,8 +34,7 @@ from sgl_importance.attention.hot_set_attention import HotSetAttention
 from sgl_importance.attention.torch_backend import ImportanceTorchAttnBackend
 from sgl_importance.attention.triton_backend import ImportanceTritonAttnBackend
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries
-from sgl_importance.hot_set.promotion import PromotionStream
-from sgl_importance.hot_set.residency import ReleaseRegistry
+from sgl_importance.hot_set.residency import Residency
 from sgl_importance.importance.page_importance import PageImportanceTable
 from sgl_kernel_ext import PagedDecodeWorkspace, TritonPageListDecode
 from support.array_pools import ArrayPools
@@ -116,9 +115,9 @@ class World:
         # device tensors from host ones by it (support/host_syncs.py).
         device = self.device = torch.device(device)
         self.kv = ArrayKV(device_pages, host_pages, promotions, device, layers)
-        self.releases = ReleaseRegistry()
+        self.residency = Residency()
         if release:
-            self.releases.enable(self.kv, threshold=THRESHOLD)
+            self.residency.enable(self.kv, threshold=THRESHOLD)
         num_pages = self.kv.k.shape[1] // PAGE
         self.req_to_token = torch.zeros(8, 64 * PAGE, dtype=torch.int32, device=device)
         self.page_importance = PageImportanceTable(num_pages, page_size=PAGE, device=device)
@@ -132,9 +131,8 @@ class World:
             summaries,
             page_size=PAGE,
             threshold=THRESHOLD,
-            releases=self.releases,
+            residency=self.residency,
             exact=exact,
-            promotions=PromotionStream("cpu"),
         )
         hot_set = HotSetAttention(decoder, self.page_importance)
         self.backend = self._backend(kind, hot_set, layers)
@@ -193,7 +191,7 @@ class World:
         """The prompt's tokens not yet in the pool, written and summarised (``k``/``v``: ``[layers, n, KV, D]``)."""
         if rid not in self.rows:
             self.rows[rid] = len(self.written) + 1  # a row of its own, even after others finished
-            self.releases.admit(rid, first_owned_page=0)
+            self.residency.admit(rid, self.req_to_token[self.rows[rid]], first_owned_page=0, page_size=PAGE)
         slots = [self._slot(rid, pos) for pos in range(self.written.get(rid, 0), k.shape[1])]
         if slots:
             slots = torch.tensor(slots, device=self.device)
@@ -257,13 +255,17 @@ class World:
         outs = []
         # Made on the device (a factory naming it), as SGLang's forward hands them over.
         k_new, v_new, q = (torch.empty_like(t, device=self.device).copy_(t) for t in (k_new, v_new, q))
-        for layer in self.layers:
-            i = layer.layer_id
-            with where(i):
-                o = self.backend.forward_decode(
-                    q[i].reshape(len(rids), -1), k_new[i], v_new[i], layer, batch, save_kv_cache=True
-                )
-            outs.append(o.view(len(rids), Q_HEADS, DIM))
+        with self.kv.forward():  # no page moves inside the forward
+            for layer in self.layers:
+                i = layer.layer_id
+                with where(i):
+                    o = self.backend.forward_decode(
+                        q[i].reshape(len(rids), -1), k_new[i], v_new[i], layer, batch, save_kv_cache=True
+                    )
+                outs.append(o.view(len(rids), Q_HEADS, DIM))
+        with where("host"):
+            # Between steps, as the scheduler does after a batch: the moves the step asked for.
+            self.residency.apply_pending()
         return outs
 
 

@@ -288,7 +288,7 @@ def test_a_budget_covering_every_page_decodes_exactly_like_dense(policy):
         q = torch.randn(1, KV_HEADS * GROUP, DIM, generator=g)
         decoder.begin_step(["r"], [slots])
         out = decoder.attend(0, q, k_buf, v_buf, sm_scale=DIM**-0.5)
-        counts = decoder.end_step()
+        counts = decoder.end_step().counts
         dense = decode_importance_reference(q, k_buf, v_buf, indptr, slots, page_size=PAGE, sm_scale=DIM**-0.5)
         assert torch.allclose(out.output, dense.output, atol=1e-6)
         assert torch.allclose(out.importance, dense.importance, atol=1e-6)
@@ -322,7 +322,7 @@ def test_the_guard_reads_a_page_the_plan_left_out_when_the_estimate_cannot_vouch
     for _ in range(2):
         decoder.begin_step(["r"], [slots])
         out = decoder.attend(0, q, k_buf, v_buf, sm_scale=DIM**-0.5)
-        counts = decoder.end_step()
+        counts = decoder.end_step().counts
     assert counts.guard_reads == 1 and counts.pages_guard_read > 0 and counts.late_arrivals > 0
     dense = decode_importance_reference(
         q, k_buf, v_buf, torch.tensor([0, 80], dtype=torch.int32), slots, page_size=PAGE, sm_scale=DIM**-0.5
@@ -345,7 +345,7 @@ def test_short_requests_attend_densely_and_keep_no_state():
     decoder, slots, k_buf, v_buf, g = make_step(8, "importance", budget=1)
     decoder.begin_step(["short"], [slots])
     decoder.attend(0, torch.randn(1, KV_HEADS * GROUP, DIM, generator=g), k_buf, v_buf, sm_scale=1.0)
-    assert decoder.end_step().steps == 0 and not decoder.states
+    assert decoder.end_step().counts.steps == 0 and not decoder.states
 
 
 def test_a_finished_request_state_is_dropped():

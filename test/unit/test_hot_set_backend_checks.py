@@ -10,7 +10,7 @@ import torch
 
 from sgl_importance import plugin, runtime
 from sgl_importance.config import ImportanceConfig, add_cli_args, from_namespace
-from sgl_importance.hot_set.promotion import PromotionStream, StreamedPagePools
+from sgl_importance.hot_set.page_copies import PageCopies
 
 
 def _args(backend: str, decode_backend=None) -> argparse.Namespace:
@@ -117,32 +117,28 @@ class _Pools:
     def to_device(self, host_slots, device_slots):
         self.device[device_slots.to(self.device.device)] = self.host[host_slots].to(self.device.device)
 
-    def alloc_device(self, num_pages):
-        return torch.arange(num_pages * self.page_size)
 
-
-def test_promotions_off_cuda_copy_where_issued_and_leave_nothing_to_fence():
-    tiers = _Pools()
-    promotions = PromotionStream("cpu")
-    streamed = StreamedPagePools(tiers, promotions)
-    streamed.to_device(torch.tensor([6, 7]), torch.tensor([0, 1]))
+def test_page_copies_off_cuda_run_where_issued_and_free_at_once():
+    tiers, copies, freed = _Pools(), PageCopies("cpu"), []
+    copies.run(lambda: tiers.to_device(torch.tensor([6, 7]), torch.tensor([0, 1])))
     assert tiers.device[:2].tolist() == [7.0, 8.0]
-    assert not promotions.pending
-    promotions.fence()
-    # Everything but the promotion is the wrapped pools' own.
-    assert streamed.page_size == 4 and streamed.alloc_device(1).tolist() == [0, 1, 2, 3]
+    copies.defer_free(lambda: freed.append(1))
+    assert freed == [1] and not copies.pending
+    copies.fence()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a side stream needs a CUDA device")
-def test_promotions_on_cuda_run_on_a_side_stream_and_land_before_the_fence_returns():
-    tiers = _Pools()
+def test_page_copies_on_cuda_run_on_a_side_stream_land_before_the_fence_and_free_after_them():
+    tiers, copies, freed = _Pools(), PageCopies("cuda"), []
     tiers.device = torch.zeros(1 << 20, device="cuda")
     tiers.host = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
-    promotions = PromotionStream("cuda")
     slots = torch.arange(1 << 20)
-    StreamedPagePools(tiers, promotions).to_device(slots, slots)
-    assert promotions.pending and promotions.stream != torch.cuda.current_stream()
-    promotions.fence()
+    copies.run(lambda: tiers.to_device(slots, slots), slots)
+    copies.defer_free(lambda: freed.append(1))
+    assert copies.pending and copies.stream != torch.cuda.current_stream()
+    copies.fence()
     # Ordered on the current stream after the copy: reads what it wrote.
     assert torch.equal(tiers.device.cpu(), tiers.host)
-    assert not promotions.pending
+    assert not copies.pending
+    copies.collect(wait=True)
+    assert freed == [1]

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from sgl_importance.attention import hot_set_attention
 from sgl_importance.config import ImportanceConfig
+from sgl_importance.hot_set.decode import StepResult
 from sgl_importance.hot_set.guard_budget import (
     MAX_AUTO_COVERAGE,
     GuardBudget,
@@ -23,6 +24,7 @@ from sgl_importance.hot_set.guard_budget import (
     plan_guard,
 )
 from sgl_importance.hot_set.key_codes import GuardPool, bytes_per_token
+from sgl_importance.hot_set.residency import Residency, StepMoves
 from sgl_importance.hot_set.selection import HotSetCounts
 from sgl_importance.metrics import HotSetMetrics
 from sgl_importance.runtime import Runtime
@@ -258,7 +260,9 @@ def test_the_guard_pools_gauges_show_its_size_and_after_each_step_its_pages_in_u
     metrics = HotSetMetrics({"tp_rank": 0}, registry=registry)
     guard = GuardPool(2, 1, 8, page_size=4, capacity_pages=10)
     metrics.guard_pool(guard.capacity, guard.nbytes)
-    decoder = types.SimpleNamespace(guard=guard, end_step=HotSetCounts)
+    decoder = types.SimpleNamespace(
+        guard=guard, residency=Residency(), end_step=lambda: StepResult(HotSetCounts(), StepMoves())
+    )
     hot_set = hot_set_attention.HotSetAttention(decoder, page_importance=None, metrics=metrics)
     guard.alloc(3)
     hot_set.in_step = True

@@ -83,9 +83,9 @@ class World:
         self.cache = UnifiedRadixCache(params)
         self.cache.init_hicache(server_args, params)
         # After Scheduler.__init__: release on, its pools (and ledger) over this cache.
-        hot_set_release.enable(self.rt.releases, self.rt.hot_set_params, self.rt.config,
+        hot_set_release.enable(self.rt.residency, self.rt.hot_set_params, self.rt.config,
                                SimpleNamespace(tree_cache=self.cache))
-        self.releases = self.rt.releases
+        self.releases = self.rt.residency
         self.pools = self.releases.pools
         self.host = self.pools.host_pool
         assert type(self.host).__name__ == "TorchMHAHostPool", type(self.host)
@@ -138,9 +138,9 @@ class World:
         req.kv.kv_allocated_len = req.kv.kv_committed_len = pos + 1
         req.output_ids.append(OUTPUT[len(req.output_ids)])
         hot_set_release.admit_grown(self.releases, self.batch)
-        self.pages = self.releases.pages_of("R", self.row, P)
+        self.pages = self.releases.peek("R")
         if unplanned:
-            self.pages.release(torch.tensor(unplanned), self.pools, self.releases.counts)
+            self.releases.release([(self.pages, torch.tensor(unplanned))])
 
     def lend(self, drop_device_lock=True):
         self.prefill()
@@ -227,7 +227,8 @@ def abort(drop_device_lock):
             world.fill_device()
         else:
             # A promotion of a lent page: a device copy of R's own, from the borrowed host copy.
-            assert world.pages.restore(torch.tensor([0]), world.pools, world.releases.counts).numel() == 0
+            world.releases.promote([(world.pages, torch.tensor([0]))])
+            assert 0 not in world.pages.released_pages().tolist()
         world.leave(FINISH_ABORT(), checkpoint=False, out=out)
         out["prefix_host_kv_intact"] = world.prefix_host_kv_intact()
         out["tree_match"] = world.host_match(PREFIX)

@@ -12,7 +12,7 @@ import torch
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries
 from sgl_importance.hot_set.key_codes import quantise
 from sgl_importance.hot_set.request_params import RequestParams
-from sgl_importance.hot_set.residency import RELEASED_SLOT, ReleaseCounts, ReleaseRegistry, RequestPages, subtract_pages
+from sgl_importance.hot_set.residency import RELEASED_SLOT, TRANSITIONS, PageState, Residency, subtract_pages
 from sgl_importance.scheduler.hot_set_release import (
     admit_grown,
     checkpoint_unless_released,
@@ -49,94 +49,134 @@ def filled_request(tiers: ArrayPools, num_pages: int, seed: int = 0):
     return row, slots
 
 
+def residency_over(tiers: ArrayPools, threshold: int = 8) -> Residency:
+    residency = Residency()
+    residency.enable(tiers, threshold=threshold)
+    return residency
+
+
+def test_every_move_is_in_the_transition_table_and_any_other_raises():
+    tiers = array_pools(device_pages=8, host_pages=8)
+    residency = residency_over(tiers)
+    row, _ = filled_request(tiers, 3)
+    pages = residency.admit("r", row, first_owned_page=1, page_size=PAGE)
+    assert pages.states(torch.arange(3)).tolist() == [PageState.TREE, PageState.RESIDENT, PageState.RESIDENT]
+    # Each move names the states it leaves from; nothing else is allowed.
+    assert set(TRANSITIONS["promote"]) == {PageState.RELEASED, PageState.LENT_RELEASED}
+    with pytest.raises(RuntimeError, match="no move 'promote' from RESIDENT"):
+        pages._move("promote", torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="no move 'lend' from RESIDENT"):
+        pages._move("lend", torch.tensor([2]))
+    assert pages.state.tolist() == [PageState.TREE, PageState.RESIDENT, PageState.RESIDENT]
+
+
 def test_a_released_page_comes_back_with_the_same_kv_in_another_device_page():
     tiers = array_pools(device_pages=8, host_pages=8)
+    residency = residency_over(tiers)
     row, slots = filled_request(tiers, 5)
     before_k, before_v = tiers.k[:, slots].clone(), tiers.v[:, slots].clone()
-    pages, counts = RequestPages(row, first_owned_page=1, page_size=PAGE), ReleaseCounts()
-    pages.release(torch.tensor([0, 2, 3]), tiers, counts)
+    pages, counts = residency.admit("r", row, first_owned_page=1, page_size=PAGE), residency.counts
+    residency.release([(pages, torch.tensor([0, 2, 3]))])
     # Page 0 belongs to the tree (before first_owned_page): it stays.
     assert pages.released_pages().tolist() == [2, 3]
     assert (row[2 * PAGE : 4 * PAGE] == RELEASED_SLOT).all()
-    assert counts.pages_released == 2 and counts.pages_copied_out == 2
+    assert counts.pages_released == 2 and counts.pages_copied_out == 2 and counts.copies_out == 1
     # Another request takes the freed device pages and overwrites them.
     other = tiers.alloc_device(5)
     tiers.k[:, other] = -1.0
     tiers.free_device(other[: 3 * PAGE])  # it keeps two pages
-    pages.restore(torch.tensor([2, 3]), tiers, counts)
-    assert pages.released_pages().numel() == 0 and counts.pages_copied_in == 2
+    residency.promote([(pages, torch.tensor([2, 3]))])
+    assert pages.released_pages().numel() == 0 and counts.pages_copied_in == 2 and counts.copies_in == 1
     now = row[: 5 * PAGE].to(torch.int64)
     assert torch.equal(tiers.k[:, now], before_k) and torch.equal(tiers.v[:, now], before_v)
     # Released again, a page is not copied out twice: the host copy stands.
-    pages.release(torch.tensor([2]), tiers, counts)
+    residency.release([(pages, torch.tensor([2]))])
     assert counts.pages_copied_out == 2 and counts.pages_released == 3
     free_before = len(tiers.free_host_pages)
-    pages.drop(tiers)
+    residency.forget("r")
     assert len(tiers.free_host_pages) == free_before + 2
+
+
+def test_one_copy_each_way_moves_every_requests_pages_of_a_step():
+    tiers = array_pools(device_pages=24, host_pages=24)
+    residency = residency_over(tiers)
+    records = []
+    for rid in ("a", "b", "c"):
+        row, _ = filled_request(tiers, 4)
+        records.append(residency.admit(rid, row, first_owned_page=0, page_size=PAGE))
+    residency.release([(pages, torch.tensor([1, 2])) for pages in records])
+    residency.promote([(pages, torch.tensor([2])) for pages in records])
+    counts = residency.counts
+    assert (counts.pages_copied_out, counts.copies_out) == (6, 1)
+    assert (counts.pages_copied_in, counts.copies_in) == (3, 1)
 
 
 def test_no_free_page_is_counted_and_nothing_moves():
     tiers = array_pools(device_pages=6, host_pages=1)
+    residency = residency_over(tiers)
     row, _ = filled_request(tiers, 4)
-    pages, counts = RequestPages(row, first_owned_page=0, page_size=PAGE), ReleaseCounts()
-    pages.release(torch.tensor([1, 2]), tiers, counts)  # two pages, one host page
+    pages, counts = residency.admit("r", row, first_owned_page=0, page_size=PAGE), residency.counts
+    residency.release([(pages, torch.tensor([1, 2]))])  # two pages, one host page
     assert counts.releases_refused == 2 and pages.released_pages().numel() == 0
-    pages.release(torch.tensor([1]), tiers, counts)
+    residency.release([(pages, torch.tensor([1]))])
     tiers.alloc_device(len(tiers.free_device_pages))  # the device fills up
-    still = pages.restore(torch.tensor([1]), tiers, counts)
-    assert still.tolist() == [1] and counts.promotions_refused == 1
+    residency.promote([(pages, torch.tensor([1]))])
+    assert pages.released_pages().tolist() == [1] and counts.promotions_refused == 1
     assert (row[PAGE : 2 * PAGE] == RELEASED_SLOT).all()
 
 
 def lent_request(tiers: ArrayPools, num_pages: int, prefix_pages: int):
     """A request of ``num_pages`` whose first ``prefix_pages`` are the tree's (device
-    pages and write-through host copies), lent to it: (row, slots, pages, counts)."""
+    pages and write-through host copies), lent to it: (row, slots, pages, residency)."""
+    residency = residency_over(tiers)
     row, slots = filled_request(tiers, num_pages)
     tree_host = tiers.alloc_host(prefix_pages).to(torch.int64)
     tiers.to_host(slots[: prefix_pages * PAGE], tree_host)
-    pages, counts = RequestPages(row, first_owned_page=prefix_pages, page_size=PAGE), ReleaseCounts()
-    pages.lend_prefix(tree_host, tiers, counts)
-    return row, slots, pages, counts
+    pages = residency.admit("r", row, first_owned_page=prefix_pages, page_size=PAGE)
+    residency.lend_prefix(pages, tree_host)
+    return row, slots, pages, residency
 
 
 def test_a_lent_prefix_reads_the_tree_copies_and_frees_only_the_requests_own_pages():
     tiers = array_pools(device_pages=12, host_pages=12)
     # Pages 0-2: the tree's (a matched prefix); 3-4: the request's own.
-    row, slots, pages, counts = lent_request(tiers, 5, 3)
+    row, slots, pages, residency = lent_request(tiers, 5, 3)
+    counts = residency.counts
     truth_k, truth_v = tiers.k[:, slots].clone(), tiers.v[:, slots].clone()
     tree_device = slots[: 3 * PAGE].clone()
-    assert counts.prefix_pages_lent == 3 and pages.first_owned_page == 0 and pages.tree_slot.any()
+    assert counts.prefix_pages_lent == 3 and pages.first_owned_page == 0
+    assert (pages.state[:3] == PageState.LENT).all()
     free_device, free_host = len(tiers.free_device_pages), len(tiers.free_host_pages)
-    pages.release(torch.tensor([0, 2, 3]), tiers, counts)
+    residency.release([(pages, torch.tensor([0, 2, 3]))])
     # The tree's pages 0 and 2 stop being read from the device, but their device pages are
     # the tree's: only page 3, the request's own, goes back (copied out once).
     assert len(tiers.free_device_pages) == free_device + 1 and len(tiers.free_host_pages) == free_host - 1
     assert counts.prefix_pages_released == 2 and counts.pages_released == 1 and counts.pages_copied_out == 1
     assert (row[:PAGE] == RELEASED_SLOT).all() and (row[2 * PAGE : 4 * PAGE] == RELEASED_SLOT).all()
     # Page 1, still planned, is copied into a device page of the request's own.
-    assert pages.own_tree_pages(tiers, counts) and not pages.tree_slot.any()
+    assert residency.own_tree_pages(pages) and not (pages.state == PageState.LENT).any()
     assert counts.prefix_pages_owned == 1
     assert not set(row[PAGE : 2 * PAGE].tolist()) & set(tree_device.tolist())
-    pages.restore(torch.tensor([0, 2, 3]), tiers, counts)
+    residency.promote([(pages, torch.tensor([0, 2, 3]))])
     now = row[: 5 * PAGE].to(torch.int64)
     assert not set(now.tolist()) & set(tree_device.tolist())
     assert torch.equal(tiers.k[:, now], truth_k) and torch.equal(tiers.v[:, now], truth_v)
     # Leaving: the tree's host copies stay (only page 3's is freed), and where the tree
     # still has the prefix on the device the row points back at it, its copies freed.
     free_device = len(tiers.free_device_pages)
-    pages.return_prefix(tree_device, tiers)
+    residency.return_prefix(pages, tree_device)
     assert torch.equal(row[: 3 * PAGE].to(torch.int64), tree_device)
     assert len(tiers.free_device_pages) == free_device + 3
     free_host = len(tiers.free_host_pages)
-    pages.drop(tiers)
+    residency.forget("r")
     assert len(tiers.free_host_pages) == free_host + 1
 
 
 def test_a_lent_prefix_without_device_room_keeps_the_tree_pages():
     tiers = array_pools(device_pages=4, host_pages=4)
-    row, slots, pages, counts = lent_request(tiers, 4, 2)
-    assert not pages.own_tree_pages(tiers, counts)  # the device is full: nothing moves
-    assert pages.tree_slot.any() and counts.prefix_pages_owned == 0
+    row, slots, pages, residency = lent_request(tiers, 4, 2)
+    assert not residency.own_tree_pages(pages)  # the device is full: nothing moves
+    assert (pages.state[:2] == PageState.LENT).all() and residency.counts.prefix_pages_owned == 0
     assert torch.equal(row[: 2 * PAGE].to(torch.int64), slots[: 2 * PAGE])
 
 
@@ -163,11 +203,11 @@ class Request:
 class Placed:
     """A decoder over a pool; ``place`` writes a request's new tokens into it."""
 
-    def __init__(self, tiers: ArrayPools, released: ReleaseRegistry, guard: float, threshold: int = 8) -> None:
-        self.tiers = tiers
+    def __init__(self, tiers: ArrayPools, residency: Residency, guard: float, threshold: int = 8) -> None:
+        self.tiers, self.residency = tiers, residency
         self.summaries = PageSummaries(LAYERS, tiers.k.shape[1] // PAGE, KV_HEADS, DIM, page_size=PAGE)
         params = HotSetParams(policy="importance", budget=4, window=1, sinks=1, guard_threshold=guard)
-        self.decoder = HotSetDecoder(params, self.summaries, page_size=PAGE, threshold=threshold, releases=released)
+        self.decoder = HotSetDecoder(params, self.summaries, page_size=PAGE, threshold=threshold, residency=residency)
         self.requests: dict[str, Request] = {}
         self.written: dict[str, int] = {}
 
@@ -186,12 +226,15 @@ class Placed:
     def step(self, queries: torch.Tensor):
         reqs = list(self.requests.values())
         rows = [r.row for r in reqs]
-        self.decoder.begin_step([r.rid for r in reqs], [r.row[: r.length].to(torch.int64) for r in reqs], rows)
-        outs = [
-            self.decoder.attend(layer, queries[layer], self.tiers.k[layer], self.tiers.v[layer], sm_scale=0.4)
-            for layer in range(LAYERS)
-        ]
-        return outs, self.decoder.end_step()
+        with self.tiers.forward():  # no page moves inside the forward
+            self.decoder.begin_step([r.rid for r in reqs], [r.row[: r.length].to(torch.int64) for r in reqs], rows)
+            outs = [
+                self.decoder.attend(layer, queries[layer], self.tiers.k[layer], self.tiers.v[layer], sm_scale=0.4)
+                for layer in range(LAYERS)
+            ]
+            counts, self.residency.pending = self.decoder.end_step()
+        self.residency.apply_pending()  # between steps, as the scheduler does after a batch
+        return outs, counts
 
 
 @pytest.mark.parametrize("guard", [1.0, 0.05])
@@ -199,10 +242,9 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_
     # Three requests of 20 pages (60 pages with what they generate) on a 32-page
     # device: each is prefilled after the previous ones released what their hot
     # sets (4 pages) leave out. The reference keeps everything on a large device.
-    reference = Placed(array_pools(device_pages=200, host_pages=0), ReleaseRegistry(), guard)
-    released = ReleaseRegistry()
+    reference = Placed(array_pools(device_pages=200, host_pages=0), Residency(), guard)
     small = array_pools(device_pages=32, host_pages=100)
-    released.enable(small, threshold=8)
+    released = residency_over(small)
     physical = Placed(small, released, guard)
     g = torch.Generator().manual_seed(7)
     truth = [Request(f"r{i}", 20, seed=i) for i in range(3)]
@@ -212,7 +254,7 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_
         if step % 4 == 0 and step // 4 < 3:  # a new request joins every fourth step
             i = step // 4
             reference.place(truth[i])
-            released.admit(copies[i].rid, first_owned_page=0)
+            released.admit(copies[i].rid, copies[i].row, first_owned_page=0, page_size=PAGE)
             physical.place(copies[i])
         q = torch.randn(LAYERS, len(reference.requests), KV_HEADS * GROUP, DIM, generator=g)
         want, _ = reference.step(q)
@@ -230,6 +272,7 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_
     assert total_kv_pages > small.device_pages
     assert small.peak_used <= small.device_pages
     moved = physical.decoder.totals
+    moved.add(released.take_counts())  # the last step's moves, made after it
     assert moved.pages_released > 0 and moved.pages_copied_out > 0
     assert moved.pages_copied_in > 0  # promotions happened, on pages others had used
     if guard < 1.0:
@@ -245,16 +288,15 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_
 
 
 def test_key_codes_land_under_their_own_page_when_two_requests_fill_and_release_pages_in_one_step():
-    released = ReleaseRegistry()
     pools = array_pools(device_pages=120, host_pages=120)
-    released.enable(pools, threshold=8)
+    released = residency_over(pools)
     placed = Placed(pools, released, guard=0.1)
     # Two guarded requests; the second is one token short of filling its last page, so
     # the step that fills it also releases it (outside a 4-page hot set).
     first, second = Request("a", 12, seed=1), Request("b", 10, seed=2)
     for req in (first, second):
         placed.place(req)
-        released.admit(req.rid, first_owned_page=0)
+        released.admit(req.rid, req.row, first_owned_page=0, page_size=PAGE)
     g = torch.Generator().manual_seed(3)
     for _ in range(PAGE + 1):
         for req in (first, second):
@@ -262,7 +304,7 @@ def test_key_codes_land_under_their_own_page_when_two_requests_fill_and_release_
             placed.place(req)
         placed.step(torch.randn(LAYERS, 2, KV_HEADS * 2, 8, generator=g))
     decoder = placed.decoder
-    assert decoder.totals.pages_released > 0
+    assert decoder.totals.pages_released + released.counts.pages_released > 0
     for req in (first, second):
         tracked = decoder.tracked[req.rid]
         codes = tracked.codes
@@ -284,9 +326,11 @@ TREE_PAGES = PROMPT // PAGE
 class ScheduledReq:
     """SGLang's ``Req`` where the release hooks read it, after the prompt's checkpoint."""
 
+    ROW = 3  # its req_to_token row
+
     def __init__(self, rid: str, length: int) -> None:
         self.rid = rid
-        self.kv = SimpleNamespace(req_pool_idx=3, cache_protected_len=TREE_PAGES * PAGE, kv_committed_len=length)
+        self.kv = SimpleNamespace(req_pool_idx=self.ROW, cache_protected_len=TREE_PAGES * PAGE, kv_committed_len=length)
         self.full_untruncated_fill_ids = list(range(length))
         self.extend_end = length
         self.prefix_len = 0
@@ -297,8 +341,16 @@ class ScheduledReq:
         return self.done
 
 
-def tree_cache_of(tiers: ArrayPools) -> SimpleNamespace:
-    return SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(page_size=PAGE, available_size=lambda: 1 << 30))
+def tree_cache_of(tiers: ArrayPools, row: torch.Tensor) -> SimpleNamespace:
+    return SimpleNamespace(
+        token_to_kv_pool_allocator=SimpleNamespace(page_size=PAGE, available_size=lambda: 1 << 30),
+        req_to_token_pool=SimpleNamespace(req_to_token={ScheduledReq.ROW: row}),
+    )
+
+
+def decode_batch(req: "ScheduledReq", row: torch.Tensor) -> SimpleNamespace:
+    """What ``admit_grown`` reads of a ``ScheduleBatch``: its requests and their rows."""
+    return SimpleNamespace(reqs=[req], req_to_token_pool=SimpleNamespace(req_to_token={ScheduledReq.ROW: row}))
 
 
 class SGLangRelease:
@@ -306,7 +358,7 @@ class SGLangRelease:
     ``[0, kv_committed_len)`` (noted here), else ``free_kv_row`` (which the plugin wraps)
     frees the positions past the tree's; the fake pools fail on a padding or double free."""
 
-    def __init__(self, tiers: ArrayPools, released: ReleaseRegistry, row: torch.Tensor) -> None:
+    def __init__(self, tiers: ArrayPools, released: Residency, row: torch.Tensor) -> None:
         self.tiers, self.released, self.row = tiers, released, row
         self.inserted: list[torch.Tensor] = []
 
@@ -325,10 +377,9 @@ class SGLangRelease:
 def grow_past_threshold(steps: int):
     """A short prompt decoded ``steps`` steps with ``admit_grown`` run as SGLang runs it
     (after each ``prepare_for_decode``), beside a reference that keeps every page."""
-    reference = Placed(array_pools(device_pages=200, host_pages=0), ReleaseRegistry(), 1.0, GROWN_THRESHOLD)
+    reference = Placed(array_pools(device_pages=200, host_pages=0), Residency(), 1.0, GROWN_THRESHOLD)
     tiers = array_pools(device_pages=64, host_pages=64)
-    released = ReleaseRegistry()
-    released.enable(tiers, threshold=GROWN_THRESHOLD)
+    released = residency_over(tiers, threshold=GROWN_THRESHOLD)
     physical = Placed(tiers, released, 1.0, GROWN_THRESHOLD)
     truth, copy = Request("r", 5, seed=3), Request("r", 5, seed=3)
     for req in (truth, copy):
@@ -345,7 +396,7 @@ def grow_past_threshold(steps: int):
         reference.place(truth)
         physical.place(copy)
         scheduled.kv.kv_committed_len = copy.length  # this step's token included
-        admit_grown(released, SimpleNamespace(reqs=[scheduled]))
+        admit_grown(released, decode_batch(scheduled, copy.row))
         if released.admitted("r") and admitted_at is None:
             admitted_at = copy.length
         q = torch.randn(LAYERS, 1, KV_HEADS * GROUP, DIM, generator=g)
@@ -367,6 +418,7 @@ def test_a_request_grown_past_the_threshold_while_decoding_releases_only_pages_p
     record = grown.released.peek("r")
     assert record.first_owned_page == TREE_PAGES
     moved = grown.physical.decoder.totals
+    moved.add(grown.released.counts)
     assert moved.pages_released > 0 and moved.pages_copied_out > 0
     assert record.released_pages().numel() > 0
     assert int(record.released_pages().min()) >= TREE_PAGES
@@ -375,7 +427,8 @@ def test_a_request_grown_past_the_threshold_while_decoding_releases_only_pages_p
     tiers, copy, scheduled = grown.tiers, grown.copy, grown.scheduled
     release = SGLangRelease(tiers, grown.released, copy.row)
     scheduled.done = True
-    release_with_pages(grown.released, RequestParams(), release, scheduled, tree_cache_of(tiers), checkpoint=True)
+    tree_cache = tree_cache_of(tiers, copy.row)
+    release_with_pages(grown.released, RequestParams(), release, scheduled, tree_cache, checkpoint=True)
     (inserted,) = release.inserted
     assert (inserted != RELEASED_SLOT).all()
     assert torch.equal(tiers.k[:, inserted], copy.k) and torch.equal(tiers.v[:, inserted], copy.v)
@@ -388,7 +441,8 @@ def test_a_grown_request_retracted_frees_only_what_it_holds_and_is_admitted_agai
     tiers, released, scheduled = grown.tiers, grown.released, grown.scheduled
     assert released.peek("r").released_pages().numel() > 0
     release = SGLangRelease(tiers, released, grown.copy.row)
-    release_with_pages(released, RequestParams(), release, scheduled, tree_cache_of(tiers), checkpoint=False)
+    tree_cache = tree_cache_of(tiers, grown.copy.row)
+    release_with_pages(released, RequestParams(), release, scheduled, tree_cache, checkpoint=False)
     # Everything but the tree's pages is back in the allocator (freed once each: the
     # pools fail on the released positions, which point at the padding page).
     assert len(tiers.free_device_pages) == tiers.device_pages - TREE_PAGES
@@ -399,24 +453,26 @@ def test_a_grown_request_retracted_frees_only_what_it_holds_and_is_admitted_agai
     scheduled.full_untruncated_fill_ids = list(range(grown.copy.length))  # SGLang's refresh_fill_ids
     scheduled.extend_end = grown.copy.length
     checkpointed = []
-    tree_cache = tree_cache_of(tiers)
     checkpoint_unless_released(released, lambda req, cache: checkpointed.append(req), scheduled, tree_cache)
     assert checkpointed == [] and released.admitted("r")
-    assert released.pages_of("r", grown.copy.row, PAGE).first_owned_page == TREE_PAGES
+    assert released.peek("r").first_owned_page == TREE_PAGES
     assert scheduled.prefix_len == scheduled.extend_end
 
 
 def test_only_running_requests_past_the_threshold_that_may_enter_the_tree_are_admitted_in_decode():
-    released = ReleaseRegistry()
+    released = Residency()
     tiers = array_pools(device_pages=8, host_pages=8)
     reqs = {name: ScheduledReq(name, GROWN_THRESHOLD + 1) for name in ("grown", "barred", "leaving", "short")}
+    batch = SimpleNamespace(
+        reqs=list(reqs.values()), req_to_token_pool=SimpleNamespace(req_to_token={ScheduledReq.ROW: torch.zeros(64)})
+    )
     reqs["barred"].skip_radix_cache_insert = True  # e.g. a beam row, whose pages are shared
     reqs["leaving"].done = True
     reqs["short"].kv.kv_committed_len = GROWN_THRESHOLD
-    admit_grown(released, SimpleNamespace(reqs=list(reqs.values())))
+    admit_grown(released, batch)
     assert not any(released.admitted(name) for name in reqs)  # release is off
     released.enable(tiers, threshold=GROWN_THRESHOLD)
-    admit_grown(released, SimpleNamespace(reqs=list(reqs.values())))
+    admit_grown(released, batch)
     assert [name for name in reqs if released.admitted(name)] == ["grown"]
     # A short prompt still enters the tree at prefill; an admitted request never does,
     # whatever its length.
@@ -424,5 +480,6 @@ def test_only_running_requests_past_the_threshold_that_may_enter_the_tree_are_ad
     reqs["grown"].full_untruncated_fill_ids = list(range(PROMPT))
     short = ScheduledReq("prompt", GROWN_THRESHOLD)
     for req in (short, reqs["grown"]):
-        checkpoint_unless_released(released, lambda req, cache: checkpointed.append(req.rid), req, tree_cache_of(tiers))
+        tree_cache = tree_cache_of(tiers, torch.zeros(64))
+        checkpoint_unless_released(released, lambda req, cache: checkpointed.append(req.rid), req, tree_cache)
     assert checkpointed == ["prompt"] and not released.admitted("prompt")

@@ -11,7 +11,7 @@ from sgl_importance import plugin, runtime
 from sgl_importance.plugin import HOOKS, Hook
 
 KINDS = {"before", "after", "around", "check", "backend", "policy"}
-PROCESSES = {"any", "http", "scheduler", "dump", "trace", "torch_cpu", "torch_cuda", "native"}
+PROCESSES = {"any", "http", "scheduler", "dump", "trace", "checks", "torch_cpu", "torch_cuda", "native"}
 
 
 @pytest.mark.parametrize("hook", HOOKS, ids=lambda h: f"{h.call}@{h.target.rsplit('.', 1)[-1]}")

@@ -11,9 +11,10 @@ here:
   ``req_to_token`` rows where pages may be released (``begin_step``), attends layer by
   layer (``attend``, which files the attended pages' exact masses in the page importance table)
   and ends after the last layer (``end_step``: the step's counts, into the
-  ``sgl_importance:hot_set_*`` series with ``--enable-metrics``);
-- promotions run on a ``PromotionStream`` on the pool's device (a side stream on
-  CUDA), fenced before a layer reads pages and before any other forward (``fence``);
+  ``sgl_importance:hot_set_*`` series with ``--enable-metrics``, and the page moves the next
+  step wants, left for the residency owner to make between steps);
+- page copies run on the residency's ``PageCopies`` (a side stream on CUDA), fenced before
+  any forward reads (``fence``);
 - a decode batch that holds no request longer than ``--hot-set-threshold`` may be
   replayed from SGLang's CUDA graph (``eager_with_hot_set_requests``, around the graph
   runner's check, decides from the host's copy of the lengths); such a step attends
@@ -109,7 +110,7 @@ class HotSetAttention:
         # reads them for the next step's slots.
         rows = [req_to_token[r] for r in rows_idx]
         slots = [row[:n] for row, n in zip(rows, seq_lens_cpu.tolist())]
-        self.decoder.begin_step(list(rids), slots, rows if self.decoder.releases.enabled else None)
+        self.decoder.begin_step(list(rids), slots, rows if self.decoder.residency.enabled else None)
         self.in_step = True
 
     def batch_changed(self) -> None:
@@ -154,21 +155,21 @@ class HotSetAttention:
         return out
 
     def end_step(self) -> Any:
-        """After the step's last layer: fold it, plan the next one (promotions issued
-        now, one step ahead). Returns the step's ``HotSetCounts``, or None outside a step."""
+        """After the step's last layer: fold it, plan the next one; what it wants moved is
+        left on the residency (``pending``), which the scheduler applies before the next
+        step. Returns the step's ``HotSetCounts``, or None outside a step."""
         if not self.in_step:
             return None
         self.in_step = False
-        counts = self.decoder.end_step()
+        counts, self.decoder.residency.pending = self.decoder.end_step()
         if self.metrics is not None:
             self.metrics.add(counts.as_dict())
             self.metrics.guard_in_use(self.decoder.guard.pages_in_use)
         return counts
 
     def fence(self) -> None:
-        """Make the current stream wait for promotions still in flight (a no-op without any)."""
-        if self.decoder.promotions is not None:
-            self.decoder.promotions.fence()
+        """Make the current stream wait for page copies still in flight (a no-op without any)."""
+        self.decoder.residency.copies.fence()
 
     def graph_step(self) -> None:
         """The host side of a decode step replayed from a CUDA graph, in place of ``begin_step``.
@@ -235,7 +236,6 @@ def build_hot_set(
     if params is None:
         return None
     from sgl_importance.hot_set import GuardPool, HotSetDecoder, PageSummaries
-    from sgl_importance.hot_set.promotion import PromotionStream
 
     pool = model_runner.token_to_kv_pool
     keys = pool.get_key_buffer(last_layer_id)
@@ -276,8 +276,7 @@ def build_hot_set(
         page_size=page_size,
         threshold=config.hot_set_threshold,
         exact=exact,
-        promotions=PromotionStream(keys.device),
-        releases=runtime.releases,
+        residency=runtime.residency,
         request_params=runtime.request_params,
         guard=guard,
     )

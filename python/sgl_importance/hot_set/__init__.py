@@ -12,9 +12,10 @@ step: which pages each layer reads (``page_lists.py``), what the layers found, f
 once per step (``step_tally.py``), into the decoder's records of its requests
 (``request_state.py``). Page summaries (``summaries.py``, key min/max) rank unread
 pages when the guard is off and drive the ``quest`` baseline. With a host pool,
-``residency.py`` gives back the device pages a request's hot set leaves out and copies
-planned ones back (promotions on a side stream, ``promotion.py``); without one, every
-page stays on the device and only what is read changes. ``request_params.py`` holds
+``residency.py`` records where each page of a request lives and is the one place pages
+move: between steps, the scheduler applies what the decoder's step asked for (releases of
+the pages the next plan leaves out, promotions of the planned ones; copies on a side
+stream); without one, every page stays on the device and only what is read changes. ``request_params.py`` holds
 the parameters requests chose for themselves.
 
 Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.

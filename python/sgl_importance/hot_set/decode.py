@@ -33,12 +33,13 @@ hold decodes unguarded, counted (``guard_refused``).
 
 ``HotSetDecoder`` is driven by an attention backend: ``begin_step`` once per decode
 batch, ``attend`` once per layer, ``end_step`` after the last layer. ``end_step``
-also plans the *next* step, so that its promotions (host → device copies) and
-releases are issued one step ahead, before the scheduler allocates that step's
-slots. A planned page with no free device page for its promotion is read from its
-host copy for that step and counted; nothing is skipped. Promotions go through a
-``promotion.PromotionStream`` where one is given (a side stream on CUDA), and every
-``attend`` first fences them, so a layer never reads a page still being copied.
+also plans the *next* step and returns, as data (``residency.StepMoves``), the pages
+that plan leaves out (to release) and the released pages it reads (to promote): the
+residency owner moves them between steps, before the scheduler allocates the next
+step's slots (``scheduler/hot_set_release.py``). The decoder moves no page and calls
+no allocator, tree or pool: it reads the requests' page records. A planned page the
+owner found no device page for is read from its host copy for that step and counted;
+nothing is skipped.
 
 Exact pages get exact masses (normalised by the step's combined denominator); rest
 pages get masses estimated from their key codes, which rank them for promotion. With
@@ -52,7 +53,7 @@ Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -71,10 +72,9 @@ from sgl_importance.hot_set.page_lists import (
     plan_outside,
     quest_lists,
 )
-from sgl_importance.hot_set.promotion import PromotionStream, StreamedPagePools
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.request_state import LiveRequest, TrackedRequest
-from sgl_importance.hot_set.residency import PagePools, ReleaseRegistry
+from sgl_importance.hot_set.residency import RequestMoves, Residency, StepMoves
 from sgl_importance.hot_set.sample import PageDraw
 from sgl_importance.hot_set.sample import inclusion as sample_inclusion
 from sgl_importance.hot_set.sample import reserve as sample_reserve
@@ -99,15 +99,15 @@ class HotSetDecoder:
         summaries: the physical page summaries the KV writes keep up to date.
         page_size: tokens per page.
         threshold: requests longer than this many tokens use the hot set.
-        releases: the process's release registry (the runtime's; a private one when
-            None); requests it admitted give back device pages outside their hot set.
+        residency: the process's page records and their owner (the runtime's; a private
+            one when None); requests it admitted give back device pages outside their hot
+            set, moved by the owner from what ``end_step`` returns.
         request_params: parameters requests chose for themselves
             (the runtime's; a private, empty one when None); others decode with ``params``.
         guard: the guard's key-code pool (allocated once at start-up by the backend;
             default: one of ``DEFAULT_GUARD_PAGES_PER_POOL_PAGE`` times the pool's pages,
             created on first use).
         exact: what reads pages exactly (default: ``decode_importance_paged``).
-        promotions: where promotions' copies run (default: in line, where issued).
     """
 
     def __init__(
@@ -117,18 +117,17 @@ class HotSetDecoder:
         *,
         page_size: int,
         threshold: int,
-        releases: Optional[ReleaseRegistry] = None,
+        residency: Optional[Residency] = None,
         request_params: Optional[RequestParams] = None,
         guard: Optional[GuardPool] = None,
         exact: Optional[ExactAttention] = None,
-        promotions: Optional[PromotionStream] = None,
     ) -> None:
         self.params = params
         self.request_params = request_params if request_params is not None else RequestParams()
         self.summaries = summaries
         self.page_size = page_size
         self.threshold = threshold
-        self.releases = releases if releases is not None else ReleaseRegistry()
+        self.residency = residency if residency is not None else Residency()
         self._guard = guard
         self.tracked: dict[str, TrackedRequest] = {}
         self.totals = HotSetCounts()
@@ -143,7 +142,6 @@ class HotSetDecoder:
         self._pool_pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (K, V) viewed as pages
         self._workspace = PagedDecodeWorkspace()
         self._read = exact or self._read_paged
-        self.promotions = promotions
         self.last_guard: Optional[GuardOutcome] = None
 
     @property
@@ -196,14 +194,12 @@ class HotSetDecoder:
                 params = self.request_params.get(rid) or self.params
                 tracked = self.tracked[rid] = TrackedRequest(RequestHotSet(params), draw=PageDraw())
             pages = None
-            if rows is not None and self.releases.enabled:
-                pages = self.releases.pages_of(rid, rows[i], ps)
+            if rows is not None and self.residency.enabled:
+                pages = self.residency.peek(rid)  # admitted by the scheduler, or None
             num_pages = -(-req_slots.numel() // ps)
             tracked.refresh_summaries(self.summaries, req_slots, pages, num_pages, ps)
             (planned, sample), counts = self._plan(tracked, num_pages)
             if pages is not None:
-                # Promotions the previous step could not place: try again now.
-                pages.restore(_union(planned, sample), self._promoting(), self.releases.counts)
                 req_slots = rows[i][: req_slots.numel()]
             tokens = torch.full((num_pages,), ps, dtype=torch.int64)
             tokens[-1] = req_slots.numel() - (num_pages - 1) * ps
@@ -246,12 +242,6 @@ class HotSetDecoder:
             # here, once per step, rather than in the first layer; the host says whether
             # pages are staged, so the device plan is never read back.
             prepare(self._exact.plan, pool_pages, device, staged=self._exact.staged_host.numel() > 0)
-
-    def _promoting(self) -> PagePools:
-        """The pools promotions copy through: on the promotion stream where there is one."""
-        if self.promotions is None:
-            return self.releases.pools
-        return StreamedPagePools(self.releases.pools, self.promotions)
 
     def _drop(self, rid: str) -> None:
         tracked = self.tracked.pop(rid, None)
@@ -310,8 +300,6 @@ class HotSetDecoder:
         Args:
             q: ``[bs, q_heads, D]``; k_buffer, v_buffer: the layer's KV pool.
         """
-        if self.promotions is not None:
-            self.promotions.fence()  # pages promoted a step ahead may still be in flight
         ps = self.page_size
         whole = k_buffer.shape[0] // ps * ps  # a pool's rows past its last whole page are never a page
         k_pages = k_buffer[:whole].view(-1, ps, *k_buffer.shape[1:])
@@ -348,7 +336,7 @@ class HotSetDecoder:
     def _staged(self, layer_id: int, host_slots: torch.Tensor):
         if host_slots.numel() == 0:
             return None, None
-        k, v = self.releases.pools.host_layer(layer_id, host_slots)
+        k, v = self.residency.read_host(layer_id, host_slots)
         ps = self.page_size
         return k.view(-1, ps, *k.shape[1:]), v.view(-1, ps, *v.shape[1:])
 
@@ -365,7 +353,7 @@ class HotSetDecoder:
     def _sample_pages(self, layer_id: int, k_pages, v_pages, sample: SamplePlan):
         """The sampled pages' K and V ``[n, S, page_size, Hkv, D]`` (host copies where released)."""
         return pages_of(
-            self.releases.pools, layer_id, k_pages, v_pages, sample.physical, sample.host_index, sample.host_slots
+            self.residency.read_host, layer_id, k_pages, v_pages, sample.physical, sample.host_index, sample.host_slots
         )
 
     def _guard_layer(self, layer_id, q, k_pages, v_pages, result, lists: GuardLists, run, per_layer: bool):
@@ -400,11 +388,13 @@ class HotSetDecoder:
 
     # -- after the last layer ------------------------------------------------------
 
-    def end_step(self) -> HotSetCounts:
+    def end_step(self) -> "StepResult":
         """Fold the step into each long request's state, code its newly full pages, then
-        plan the next step: release what it leaves out, promote what it adds. Returns
-        the step's counts."""
+        plan the next step. Returns the step's counts (with the page moves the owner made
+        since the last step) and what the next step wants moved: the full pages its plan
+        leaves out, the released ones it reads."""
         step = HotSetCounts()
+        moves = StepMoves()
         ps = self.page_size
         if self._tally is not None:
             self._tally.fold(self._live, self._exact, self._outside, self._step_layers)
@@ -433,21 +423,26 @@ class HotSetDecoder:
             (plan, sample), counts = self._plan_pages(live.tracked, num_pages)
             live.tracked.next_plan = (num_pages, (plan, sample), counts)
             if live.pages is not None:
-                pools, moves = self.releases.pools, self.releases.counts
                 keep = torch.zeros(num_pages, dtype=torch.bool)
                 keep[plan] = True
                 keep[sample] = True
                 # Only full pages leave: the last one is still being written.
                 full = torch.arange(num_pages) < length // ps
-                live.pages.release(torch.nonzero(full & ~keep).flatten(), pools, moves)
-                live.pages.restore(_union(plan, sample), self._promoting(), moves, note_refusal=False)
-        if self.releases.counts.pages_released:
-            self.releases.reopen = True
-        step.add(self.releases.take_counts())
+                moves.requests.append(
+                    RequestMoves(live.pages.owner, torch.nonzero(full & ~keep).flatten(), _union(plan, sample))
+                )
+        step.add(self.residency.take_counts())
         self._live = []
         self._exact = self._outside = self._sample = self._tally = self._guard_lists = None
         self.totals.add(step)
-        return step
+        return StepResult(step, moves)
+
+
+class StepResult(NamedTuple):
+    """What a step hands back: its counts and the page moves the next step wants."""
+
+    counts: HotSetCounts
+    moves: StepMoves
 
 
 _NONE = torch.zeros(0, dtype=torch.int64)

@@ -45,13 +45,13 @@ def reads_with_kernel(decoder: Any) -> bool:
     return isinstance(decoder._read, TritonPageListDecode)
 
 
-def pages_of(pools: Any, layer_id: int, k_pages, v_pages, physical, host_index, host_slots):
+def pages_of(read_host: Any, layer_id: int, k_pages, v_pages, physical, host_index, host_slots):
     """K and V ``[n, C, page_size, Hkv, D]`` of a table of device pages ``physical``
     ``[n, C]``, with the host copies of ``host_index`` (into the flattened table; their
-    slots ``host_slots`` in ``pools``, the release registry's) put in."""
+    slots ``host_slots``, read by ``read_host(layer_id, slots)``: ``Residency.read_host``) put in."""
     keys, values = k_pages[physical], v_pages[physical]
     if host_index.numel():
-        host_k, host_v = pools.host_layer(layer_id, host_slots)
+        host_k, host_v = read_host(layer_id, host_slots)
         flat_k, flat_v = keys.view(-1, *keys.shape[2:]), values.view(-1, *values.shape[2:])
         index = host_index.to(keys.device)
         flat_k[index] = host_k.to(keys.device, keys.dtype).view(-1, *keys.shape[2:])

@@ -118,9 +118,7 @@ def page_slots(slots: torch.Tensor, pages: torch.Tensor, page_size: int) -> torc
 
 
 def released_among(pages: Optional[RequestPages], wanted: torch.Tensor) -> torch.Tensor:
-    """Which of the logical pages ``wanted`` the request has released (bool, same order)."""
-    held = torch.zeros(wanted.numel(), dtype=torch.bool)
-    if pages is not None and pages.released.numel():
-        inside = wanted < pages.released.numel()
-        held[inside] = pages.released[wanted[inside]]
-    return held
+    """Which of the logical pages ``wanted`` have no device page (bool, same order)."""
+    if pages is None:
+        return torch.zeros(wanted.numel(), dtype=torch.bool)
+    return pages.off_device(wanted)

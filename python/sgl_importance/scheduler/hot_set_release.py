@@ -1,14 +1,17 @@
-"""Scheduler hooks of hot-set page release: who may release, and leaving cleanly.
+"""Scheduler hooks of hot-set page release: who may release, the step's moves, leaving cleanly.
 
-The registry these hooks act on (the runtime's ``ReleaseRegistry``, passed in as ``releases``;
-``RequestPages``) and the page moves are
-``hot_set/residency.py``; here are the hooks plugin.py calls and ``HiCachePagePools``,
-the adapter of ``residency.PagePools`` over SGLang's allocator and host pool.
+The records these hooks act on (the runtime's ``Residency``, passed in as ``residency``;
+``RequestPages``) and the page moves are ``hot_set/residency.py``; here are the hooks
+plugin.py calls and ``HiCachePagePools``, the adapter of ``residency.PagePools`` over
+SGLang's allocator and host pool. These hooks, all between forwards, are the only callers
+of the moves: the decoder asks for its next step's releases and promotions as data, and
+``apply_step_moves`` (after ``Scheduler.run_batch``) makes them before the next step's
+allocation.
 
 With ``--hot-set-policy`` on and HiCache's host pool present (``--enable-hierarchical-cache``),
-a request longer than ``--hot-set-threshold`` tokens is *admitted* to release: the
-decoder may give back its pages past the ones the radix tree holds for it
-(``hot_set/residency.py``). It is admitted at whichever comes first:
+a request longer than ``--hot-set-threshold`` tokens is *admitted* to release: its pages
+past the ones the radix tree holds for it may leave the device (its page record is made
+then). It is admitted at whichever comes first:
 
 - prefill, when the tokens it prefills (the prompt; after a retraction, the prompt
   and what it had generated) are past the threshold. It is kept out of the tree
@@ -68,8 +71,9 @@ import torch
 
 from sgl_importance.config import ImportanceConfig
 from sgl_importance.hot_set.host_ledger import ledger_from_env
+from sgl_importance.hot_set.page_copies import PageCopies
 from sgl_importance.hot_set.request_params import RequestParams
-from sgl_importance.hot_set.residency import ReleaseRegistry, RequestPages, subtract_pages
+from sgl_importance.hot_set.residency import RequestPages, Residency, subtract_pages
 from sgl_importance.hot_set.selection import HotSetParams
 from sgl_importance.scheduler.hot_set_requests import forget_request
 
@@ -162,17 +166,17 @@ class PrefixHold:
 
     node: Any  # the tree node the request matched (its prefix's last)
     host_receipt: Any  # the host lock on it, to give back
-    fresh: bool = True  # lent this step: the decoder releases the unplanned pages first
+    fresh: bool = True  # lent this step: the step's moves release the unplanned pages first
     unlocked: bool = False  # the request's device lock on the prefix has gone
 
 
 def enable(
-    releases: ReleaseRegistry, hot_set_params: Optional[HotSetParams], config: ImportanceConfig, scheduler: Any
+    residency: Residency, hot_set_params: Optional[HotSetParams], config: ImportanceConfig, scheduler: Any
 ) -> None:
     """After ``Scheduler.__init__``: turn release on where the hot set and a host pool are.
 
     Args:
-        releases, hot_set_params, config: the runtime's registry, the server's hot-set
+        residency, hot_set_params, config: the runtime's page records, the server's hot-set
             parameters (None: the hot set is off) and its flags.
     """
     if hot_set_params is None:
@@ -184,12 +188,13 @@ def enable(
             "are not attended but stay on the device (no host pool to release them to)"
         )
         return
-    releases.enable(HiCachePagePools(tree_cache), config.hot_set_threshold)
-    logger.info("hot set releases device pages of requests longer than %d tokens", releases.threshold)
-    releases.host_insert = _python_tree_core(tree_cache)
+    pools = HiCachePagePools(tree_cache)
+    residency.enable(pools, config.hot_set_threshold, PageCopies(pools.device_pool.device))
+    logger.info("hot set releases device pages of requests longer than %d tokens", residency.threshold)
+    residency.host_insert = _python_tree_core(tree_cache)
     if config.hot_set_prefix == "host":
-        if releases.host_insert:
-            releases.prefix_on_host = True
+        if residency.host_insert:
+            residency.prefix_on_host = True
             logger.info("hot set: a running request's matched prefix is held on the host (--hot-set-prefix host)")
         else:
             logger.warning(
@@ -209,36 +214,44 @@ def _python_tree_core(tree_cache: Any) -> bool:
     return True
 
 
-def reopen_admission(releases: ReleaseRegistry, scheduler: Any) -> None:
+def reopen_admission(residency: Residency, scheduler: Any) -> None:
     """After a batch: if the hot set gave device pages back, let the scheduler admit again.
 
     SGLang stops trying to prefill waiting requests once an attempt found no room
     (``batch_is_full``) and tries again only when a request leaves; pages released
     mid-request would otherwise sit free until then.
     """
-    if releases.reopen:
-        releases.reopen = False
+    # Device pages a release copied from, once the copy is done (all of them when idle).
+    residency.copies.collect(wait=not scheduler.running_batch.reqs)
+    if residency.reopen:
+        residency.reopen = False
         scheduler.running_batch.batch_is_full = False
 
 
-def checkpoint_unless_released(
-    releases: ReleaseRegistry, original: Callable[..., Any], req: Any, tree_cache: Any
-) -> Any:
+def apply_step_moves(residency: Residency) -> None:
+    """After ``Scheduler.run_batch``: the page moves the decode step just run wants for the
+    next one (``residency.pending``: releases, then promotions), before anything allocates
+    for that step. The only place a hot-set step's pages move."""
+    residency.apply_pending()
+
+
+def checkpoint_unless_released(residency: Residency, original: Callable[..., Any], req: Any, tree_cache: Any) -> Any:
     """Around ``checkpoint_kv_cache``: keep a long prefill's pages out of the tree."""
-    if not releases.enabled or req.skip_radix_cache_insert:
+    if not residency.enabled or req.skip_radix_cache_insert:
         return original(req, tree_cache)
     # The whole prefill, every chunk alike: the prompt, and after a retraction what
     # the request had generated too (SGLang does not grow this array mid-prefill).
-    if not releases.admitted(req.rid) and len(req.full_untruncated_fill_ids) <= releases.threshold:
+    if not residency.admitted(req.rid) and len(req.full_untruncated_fill_ids) <= residency.threshold:
         return original(req, tree_cache)
     page_size = tree_cache.token_to_kv_pool_allocator.page_size
-    releases.admit(req.rid, _first_own_page(req, page_size))
+    row = tree_cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+    residency.admit(req.rid, row, _first_own_page(req, page_size), page_size)
     # What SGLang does for a request barred from the tree: resume after this extend.
     req.prefix_len = req.extend_end
     return None
 
 
-def admit_grown(releases: ReleaseRegistry, batch: Any) -> None:
+def admit_grown(residency: Residency, batch: Any) -> None:
     """After ``ScheduleBatch.prepare_for_decode``: admit the requests this step takes
     past the threshold (a short prompt generating a long answer).
 
@@ -248,41 +261,42 @@ def admit_grown(releases: ReleaseRegistry, batch: Any) -> None:
     aligned; SGLang inserts no decode tokens before the request finishes): the pages
     from there on are its own.
     """
-    if not releases.enabled:
+    if not residency.enabled:
         return
-    threshold = releases.threshold
+    threshold = residency.threshold
     for req in batch.reqs:
-        if req.kv.kv_committed_len <= threshold or releases.admitted(req.rid):
+        if req.kv.kv_committed_len <= threshold or residency.admitted(req.rid):
             continue
         # Barred from the tree (beam rows share pages), or leaving: as for long prompts.
         if req.skip_radix_cache_insert or req.finished():
             continue
-        releases.admit(req.rid, _first_own_page(req, releases.pools.page_size))
-    hold_prefixes(releases, batch)
+        ps, row = residency.pools.page_size, batch.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        residency.admit(req.rid, row, _first_own_page(req, ps), ps)
+    hold_prefixes(residency, batch)
 
 
-def hold_prefixes(releases: ReleaseRegistry, batch: Any) -> None:
+def hold_prefixes(residency: Residency, batch: Any) -> None:
     """Each decode step, from ``admit_grown``: move the matched prefixes of admitted
     requests onto the host (the module's docstring)."""
-    if not releases.enabled or not releases.prefix_on_host:
+    if not residency.enabled or not residency.prefix_on_host:
         return
     tree_cache = batch.tree_cache
     for req in batch.reqs:
-        pages = releases.peek(req.rid)  # made by the decoder's first step of the request
+        pages = residency.peek(req.rid)  # made when it was admitted
         if pages is None or req.finished():
             continue
         hold = pages.hold
         if hold is None:
             if pages.first_owned_page > 0:  # a lent record owns from page 0
-                _lend(releases, pages, req, tree_cache)
+                _lend(residency, pages, req, tree_cache)
         elif not hold.unlocked:
             if hold.fresh:
                 hold.fresh = False
             else:
-                _drop_device_lock(releases, pages, hold, req, tree_cache)
+                _drop_device_lock(residency, pages, hold, req, tree_cache)
 
 
-def _lend(releases: ReleaseRegistry, pages: RequestPages, req: Any, tree_cache: Any) -> None:
+def _lend(residency: Residency, pages: RequestPages, req: Any, tree_cache: Any) -> None:
     lock = req.lock
     prefix = pages.first_owned_page * pages.page_size
     if lock is None or req.kv.cache_protected_len != prefix:
@@ -291,7 +305,7 @@ def _lend(releases: ReleaseRegistry, pages: RequestPages, req: Any, tree_cache: 
     if host is None or host.numel() != prefix:
         return  # a node without a host copy yet (its write-through still running): next step
     receipt = tree_cache.inc_host_lock_ref(lock.node).to_dec_params()
-    pages.lend_prefix(host, releases.pools, releases.counts)
+    residency.lend_prefix(pages, host)
     pages.hold = PrefixHold(lock.node, receipt)
 
 
@@ -317,12 +331,10 @@ def _path_host_slots(tree_cache: Any, node_id: Any) -> Optional[torch.Tensor]:
     return torch.cat(parts[::-1]).to(torch.int64)
 
 
-def _drop_device_lock(
-    releases: ReleaseRegistry, pages: RequestPages, hold: PrefixHold, req: Any, tree_cache: Any
-) -> None:
+def _drop_device_lock(residency: Residency, pages: RequestPages, hold: PrefixHold, req: Any, tree_cache: Any) -> None:
     """Copy the planned lent pages into the request's own device pages, then give the
     tree its prefix back: unlocked, its device pages are the tree's to evict."""
-    if not pages.own_tree_pages(releases.pools, releases.counts):
+    if not residency.own_tree_pages(pages):
         return  # no device room for the copies yet: the prefix stays locked, try next step
     tree_cache.unlock(req.lock)
     req.lock = None
@@ -330,26 +342,24 @@ def _drop_device_lock(
     # and the insert of a finished request frees what duplicates the tree's.
     req.kv.cache_protected_len = 0
     hold.unlocked = True
-    releases.counts.prefix_holds += 1
+    residency.counts.prefix_holds += 1
 
 
-def _return_prefix(
-    releases: ReleaseRegistry, pages: RequestPages, req: Any, tree_cache: Any, *, inserting: bool
-) -> None:
+def _return_prefix(residency: Residency, pages: RequestPages, req: Any, tree_cache: Any, *, inserting: bool) -> None:
     """Before a lent request leaves: where it still locks the prefix (or, finishing, can
     lock it again while the tree's pages are on the device) point its row back at the
     tree's pages. The host lock stays until the request's record is gone
     (``release_with_pages``): its borrowed host copies are read until then."""
     hold, prefix_len = pages.hold, pages.lent_pages * pages.page_size
     if not hold.unlocked:
-        pages.return_prefix(tree_cache.path_device_indices(hold.node)[:prefix_len], releases.pools)
+        residency.return_prefix(pages, tree_cache.path_device_indices(hold.node)[:prefix_len])
     elif inserting and not tree_cache.tree_core.is_full_device_evicted(hold.node):
         device = tree_cache.path_device_indices(hold.node)
         if device.numel() == prefix_len:
             req.lock = tree_cache.lock(hold.node)
-            pages.return_prefix(device, releases.pools)
+            residency.return_prefix(pages, device)
             req.kv.cache_protected_len = prefix_len
-            releases.counts.prefix_relocked += 1
+            residency.counts.prefix_relocked += 1
 
 
 def _first_own_page(req: Any, page_size: int) -> int:
@@ -358,7 +368,7 @@ def _first_own_page(req: Any, page_size: int) -> int:
 
 
 def release_with_pages(
-    releases: ReleaseRegistry,
+    residency: Residency,
     request_params: RequestParams,
     original: Callable[..., Any],
     req: Any,
@@ -368,49 +378,51 @@ def release_with_pages(
 ) -> Any:
     """Around ``release_kv_cache``: bring released pages back or keep them out of the free."""
     forget_request(request_params, req)
-    if not releases.admitted(req.rid):
+    if not residency.admitted(req.rid):
         return original(req, tree_cache, checkpoint=checkpoint)
-    pages = releases.peek(req.rid)
+    pages = residency.peek(req.rid)
     hold = pages.hold if pages is not None else None
     try:
         inserting = checkpoint and not req.skip_radix_cache_insert
         if pages is not None and pages.hold is not None:
-            _return_prefix(releases, pages, req, tree_cache, inserting=inserting)
-        if pages is not None and bool(pages.released.any()):
+            _return_prefix(residency, pages, req, tree_cache, inserting=inserting)
+        if pages is not None and pages.released_pages().numel():
             if inserting:
-                # Promotions evict unlocked tree nodes for room (``HiCachePagePools``).
-                pages.restore(pages.released_pages(), releases.pools, releases.counts)
-            if not bool(pages.released.any()):
+                # Promotions evict unlocked tree nodes for room (``HiCachePagePools``); the
+                # insert's write-through reads the pages, so it waits for the copies.
+                residency.promote([(pages, pages.released_pages())])
+                residency.copies.fence()
+            if not pages.released_pages().numel():
                 if inserting:
-                    releases.counts.finished_reinserted += 1
+                    residency.counts.finished_reinserted += 1
             else:
                 if inserting:
-                    if _insert_on_host(releases, pages, req, tree_cache):
-                        releases.counts.finished_on_host += 1
+                    if _insert_on_host(residency, pages, req, tree_cache):
+                        residency.counts.finished_on_host += 1
                     else:
-                        releases.counts.finished_uncached += 1
+                        residency.counts.finished_uncached += 1
                         logger.info(
                             "hot set: request %s leaves %d pages on the host; it is not inserted into the tree",
                             req.rid,
-                            int(pages.released.sum()),
+                            pages.released_pages().numel(),
                         )
                     # Set only to stop this insert: a retracted request keeps its flag
                     # for the prefill that resumes it (tree insert or admission again).
                     req.skip_radix_cache_insert = True
-                releases.leaving[req.kv.req_pool_idx] = pages
+                residency.leaving[req.kv.req_pool_idx] = pages
         return original(req, tree_cache, checkpoint=checkpoint)
     finally:
-        releases.leaving.clear()
+        residency.leaving.clear()
         # The borrowed prefix copies are read until here (a restore's copies, a host insert's
         # walk): the host lock goes with the record, or the tree could evict them first and
         # free slots the insert then hands back to it (issue 44's double free).
         if hold is not None:
             tree_cache.dec_host_lock_ref(hold.node, hold.host_receipt)
             pages.hold = None
-        releases.forget(req.rid)
+        residency.forget(req.rid)
 
 
-def _insert_on_host(releases: ReleaseRegistry, pages: RequestPages, req: Any, tree_cache: Any) -> bool:
+def _insert_on_host(residency: Residency, pages: RequestPages, req: Any, tree_cache: Any) -> bool:
     """A finished request whose released pages the device cannot take back: put its full
     pages past what the tree holds for it into the tree host-only (HiCache's host nodes,
     as a storage prefetch does), so the next turn of its session matches them (and loads
@@ -420,7 +432,7 @@ def _insert_on_host(releases: ReleaseRegistry, pages: RequestPages, req: Any, tr
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    if not releases.host_insert:
+    if not residency.host_insert:
         return False  # the host insert walks SGLang's Python tree core, as the prefix hold does
     ps = pages.page_size
     req.refresh_fill_ids()
@@ -430,10 +442,10 @@ def _insert_on_host(releases: ReleaseRegistry, pages: RequestPages, req: Any, tr
         return False
     node_id = req.lock.node if req.lock is not None else tree_cache.root_node_handle(req.extra_key)
     wanted = torch.arange(start // ps, end // ps)
-    host = pages.host_page_slots(wanted, releases.pools)
+    host = residency.host_page_slots(pages, wanted)
     if host is None:
         return False
-    if not bool(releases.pools.host_allocated(host.flatten()).all()):
+    if not bool(residency.pools.host_allocated(host.flatten()).all()):
         # A host copy the request reads was freed under it: handing it to the tree would
         # free it twice later. Leave the request out of the tree (its KV is recomputed).
         logger.error("hot set: request %s's host copies were freed while it held them; not cached", req.rid)
@@ -451,17 +463,17 @@ def _insert_on_host(releases: ReleaseRegistry, pages: RequestPages, req: Any, tr
         return False
     # The walk keeps the host copies of nodes that had one ([0, prefix_len) of the key);
     # the rest are the tree's now.
-    pages.give_host_copies(wanted[result.prefix_len // ps :], releases.pools)
+    residency.give_host_copies(pages, wanted[result.prefix_len // ps :])
     if result.inserted_host_node is not None:
         tree_cache.write_backup_storage(result.inserted_host_node)
     return True
 
 
 def free_row_around_released(
-    releases: ReleaseRegistry, original: Callable[..., Any], cache: Any, kv: Any, ranges: Any
+    residency: Residency, original: Callable[..., Any], cache: Any, kv: Any, ranges: Any
 ) -> Any:
     """Around ``free_kv_row``: a leaving request frees only positions it still holds."""
-    pages = releases.leaving.get(kv.req_pool_idx)
+    pages = residency.leaving.get(kv.req_pool_idx)
     if pages is not None:
         ranges = subtract_pages(list(ranges), pages.released_pages().tolist(), pages.page_size)
     return original(cache, kv, ranges)

@@ -1,0 +1,84 @@
+"""Where a hot-set step's page copies run: a side stream on CUDA, in line on the CPU.
+
+The residency owner (``residency.py``) issues a step's releases (device → host) and
+promotions (host → device) here, between steps. On CUDA they run on a side stream after
+what the forward stream has queued so far (the pages' last writes); the forward stream
+waits for them before it next reads (``fence``, at the top of every forward), and a device
+page a release copied from goes back to the allocator only once that copy is done
+(``defer_free``/``collect``), so no other writer (a prefill, HiCache's own load-back) lands
+in it first. On the CPU a copy runs where it is issued and a free is immediate.
+
+Plain torch; nothing here imports SGLang.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+
+class PageCopies:
+    """The side stream page copies run on (CUDA), and what waits for them.
+
+    Releases (device → host) and promotions (host → device) of a step are issued here,
+    after what the forward stream has queued so far (the pages' last writes). The forward
+    stream waits for them before it next reads (``fence``); a device page a release copied
+    from is freed only once that copy is done (``defer_free``/``collect``), so no other
+    writer (a prefill, HiCache's own load-back) can land in it first. Elsewhere (the CPU)
+    a copy runs where it is issued and frees are immediate.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        device = torch.device(device)
+        self.stream: Optional[Any] = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._event: Optional[Any] = None
+        self._held: list[Any] = []  # tensors a queued copy reads: alive until fenced
+        self._frees: list[tuple[Any, Callable[[], None]]] = []  # (copy done, free)
+
+    @property
+    def pending(self) -> bool:
+        """Whether copies were queued that no fence has waited for yet."""
+        return self._event is not None
+
+    def run(self, copy: Callable[[], None], *held: Any) -> None:
+        """Issue ``copy`` on the side stream (in line without one)."""
+        if self.stream is None:
+            copy()
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            copy()
+            self._event = self.stream.record_event()
+        self._held.extend(held)
+
+    def defer_free(self, free: Callable[[], None]) -> None:
+        """Run ``free`` once every copy issued so far is done (at once without a stream)."""
+        if self.stream is None or self._event is None:
+            free()
+            return
+        self._frees.append((self._event, free))
+
+    def collect(self, wait: bool = False) -> None:
+        """Run the deferred frees whose copies are done (``wait``: all, waiting if need be)."""
+        still = []
+        for event, free in self._frees:
+            if wait or event.query():
+                event.synchronize()
+                free()
+            else:
+                still.append((event, free))
+        self._frees = still
+
+    def fence(self) -> None:
+        """Make the current stream wait for every copy issued so far (before a forward reads)."""
+        if self._event is None:
+            return
+        torch.cuda.current_stream(self.stream.device).wait_event(self._event)
+        self._event = None
+        self._held.clear()
+
+    def host_ready(self) -> None:
+        """Block the host until every copy issued so far is done (before it reads a host copy)."""
+        if self._event is not None:
+            self._event.synchronize()
