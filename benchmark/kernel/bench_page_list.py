@@ -4,7 +4,7 @@ For every (model, bs, context, budget) it times, for one layer:
 
 - ``dense``: ``DecodeImportanceWrapper.run`` over every page of every request;
 - ``select``: the hot set's per-step selection on the device: key min/max bounds of
-  every page (``hot_set.summaries.key_bound``, batched), the top pages by bound mass
+  every page (``hot_set.key_ranges.key_bound``, batched), the top pages by bound mass
   (the ``quest`` policy's ranking, the costliest of the policies: ``importance``
   ranks resident pages by a stored value), sinks and window added, the page list
   built as slot indices;
@@ -87,8 +87,8 @@ def main(argv=None):
         os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import
     import torch
 
+    from sgl_importance.hot_set.key_ranges import key_bound
     from sgl_importance.hot_set.selection import SWAP_FRACTION
-    from sgl_importance.hot_set.summaries import key_bound
     from sgl_kernel_ext import DecodeImportanceWrapper, decode_importance_reference
 
     device = "cpu" if args.smoke else "cuda"
@@ -111,7 +111,7 @@ def main(argv=None):
                     print(f"skip {model} bs={bs} ctx={ctx}: needs {need / 2**30:.1f} GiB")
                     continue
                 q, k, v, indptr, indices = build_batch(torch, bs, ctx, ps, q_heads, kv_heads, head_dim, dtype, device)
-                # Page summaries of every request's pages (what the KV writes keep).
+                # Key ranges of every request's pages (what the hot set keeps per full page).
                 key_min = k.new_empty(bs, pages, kv_heads, head_dim)
                 key_max = torch.empty_like(key_min)
                 for b in range(bs):  # one request at a time: a gathered copy of all keys may not fit

@@ -7,11 +7,11 @@ greedily while forward hooks on every attention layer keep its post-RoPE queries
 and values (``Capture``). Each decode step is then replayed through the shipped
 ``hot_set.HotSetDecoder`` (policy ``importance``, page 16, every request long), as an
 attention backend drives it: per-layer KV buffers in SGLang's pool layout
-``[slots, kv_heads, D]`` (page 0 is padding; the request's tokens from slot 16 on),
-``PageSummaries.update`` for every key written (the prompt at once, then one token per
-step), ``begin_step``, ``attend`` for every layer, ``end_step``. The first step is the
-dense warm-up and is not counted; from the second on the guard runs on the key codes
-the decoder wrote at the end of the step before.
+``[slots, kv_heads, D]`` (page 0 is padding; the request's tokens from slot 16 on), the
+keys written (the prompt at once, then one token per step), ``begin_step``, ``attend``
+for every layer, ``end_step``. The first step is the dense warm-up and is not counted;
+from the second on the guard runs on the key ranges and codes the decoder wrote at the
+end of the step before.
 
 After each guarded ``attend``, the decoder's output is compared with float64 attention
 over all tokens, and ``decoder.last_guard`` says what the guard did: its bound (the
@@ -57,7 +57,7 @@ import torch
 
 import sgl_importance.hot_set.decode as decode_module
 from benchmark.long_context.bench_hot_set import GUARD_DEFAULT, PAGE, make_trials
-from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries
+from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
 from sgl_importance.hot_set.estimate import DELTA
 from sgl_importance.hot_set.key_codes import bytes_per_token, kv_bytes_per_token
 from sgl_importance.local_server import model_path
@@ -177,9 +177,9 @@ def replay(prompt: dict, budget: float, tau: float, scale: float, probe: GuardPr
     pool_pages = 1 + -(-total // PAGE)
     k_buf = torch.zeros(num_layers, pool_pages * PAGE, kvh, dim)
     v_buf = torch.zeros_like(k_buf)
-    summaries = PageSummaries(num_layers, pool_pages, kvh, dim, page_size=PAGE)
+    ranges = KeyRanges(num_layers, kvh, dim, capacity_pages=pool_pages)
     params = HotSetParams(policy="importance", budget=budget, guard_threshold=tau)
-    decoder = HotSetDecoder(params, summaries, page_size=PAGE, threshold=0)
+    decoder = HotSetDecoder(params, ranges, pool_pages=pool_pages, page_size=PAGE, threshold=0)
 
     def write(first: int, last: int) -> None:  # tokens [first, last) at slots PAGE + t
         slots = torch.arange(PAGE + first, PAGE + last)
@@ -187,7 +187,6 @@ def replay(prompt: dict, budget: float, tau: float, scale: float, probe: GuardPr
             k = keys[layer, :, first:last].transpose(0, 1)  # [n, kvh, D]
             k_buf[layer, slots] = k
             v_buf[layer, slots] = values[layer, :, first:last].transpose(0, 1)
-            summaries.update(layer, slots, k)
 
     write(0, prompt_len)
     rows: list[dict] = []

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries
+from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
 from sgl_importance.hot_set.key_codes import bytes_per_token, kv_bytes_per_token
 from sgl_importance.hot_set.sample import inclusion, reserve
 from sgl_importance.hot_set.selection import fixed_mask
@@ -83,14 +83,12 @@ def decoder_counts(tokens: int, budget: float) -> dict:
     # error is large and the guard falls back.
     mean = torch.randn(KV_HEADS, DIM, generator=g)
     v_buf[slots] = mean + torch.randn(slots.numel(), KV_HEADS, DIM, generator=g)
-    summaries = PageSummaries(1, pool_pages, KV_HEADS, DIM, page_size=PAGE)
-    summaries.update(0, slots[:tokens], k_buf[slots[:tokens]])
-    decoder = HotSetDecoder(HotSetParams(policy="importance", budget=budget), summaries, page_size=PAGE, threshold=0)
+    ranges = KeyRanges(1, KV_HEADS, DIM, capacity_pages=pool_pages)
+    params = HotSetParams(policy="importance", budget=budget)
+    decoder = HotSetDecoder(params, ranges, pool_pages=pool_pages, page_size=PAGE, threshold=0)
     counts = None
     for step in range(2):
         n = tokens + step
-        if step:
-            summaries.update(0, slots[n - 1 : n], k_buf[slots[n - 1 : n]])
         decoder.begin_step(["r"], [slots[:n]])
         q = torch.randn(1, Q_HEADS, DIM, generator=g)
         decoder.attend(0, q, k_buf, v_buf, sm_scale=DIM**-0.5)

@@ -18,7 +18,7 @@ mode.
 | `sgl_importance:storage_tokens_total{decision}` | L3 admission: tokens written / deferred / written late |
 | `sgl_importance:prefetch_tokens_total{reason,outcome}` | host→device prefetch: tokens issued / used / wasted, for waiting requests or warming |
 | `sgl_importance:hot_set_*_total`                | per-request hot set (``HotSetMetrics``): steps, promotions, hits, late arrivals, guard fallbacks, pages attended vs dense |
-| `sgl_importance:hot_set_guard_capacity_pages`, `..._guard_pages_in_use`, `..._guard_bytes` | the guard's fixed pool: pages it holds, pages holding codes (set each step), device bytes |
+| `sgl_importance:hot_set_{guard,range}_capacity_pages`, `..._pages_in_use`, `..._bytes`; `..._device_bytes`, `..._tracked_requests` | the guard's and the key ranges' fixed pools: pages held, pages in use (each step), device bytes; what the running hot-set requests hold (F(request), summed) |
 | `sgl_importance:storage_corrupt_pages_total{reason}` | storage-tier pages refused on read (checksum, short, format, layout, unreadable) |
 | `sgl_importance:storage_write_pauses_total` | times storage-tier writes were paused after repeated failures |
 | `sgl_importance:storage_pages_total{op,precision}` | storage-tier pages written / read per stored class (full, int8, int4; all full with `--importance-storage-precision off`) |
@@ -292,6 +292,10 @@ HOT_SET_SERIES = {
         "guard_refused",
         "Hot-set requests refused a guard (no room left in the guard pool for their key codes); decoded unguarded.",
     ),
+    "ranges_refused": (
+        "ranges_refused",
+        "Hot-set requests refused key ranges (no room left in the range pool): decoded dense, every page kept.",
+    ),
     "pages_estimated": (
         "pages_estimated",
         "Unread pages accounted for by the guard's sampled estimate, summed over layers.",
@@ -358,12 +362,18 @@ HOT_SET_SERIES = {
 }
 
 
-# The guard pool's gauges: name after ``hot_set_`` -> help.
-HOT_SET_GUARD_GAUGES = {
+# The hot set's gauges: name after ``hot_set_`` -> help.
+HOT_SET_GAUGES = {
     "guard_capacity_pages": "Pages of key codes the guard's device pool holds (fixed at start-up; "
     "tokens = pages x --page-size; --hot-set-guard-tokens).",
     "guard_pages_in_use": "Guard pool pages holding key codes of guarded requests, after the last decode step.",
     "guard_bytes": "Device bytes of the guard's pool (taken out of the KV pool's memory at start-up).",
+    "range_capacity_pages": "Pages of key ranges the key-range pool holds (fixed at start-up, as the guard's).",
+    "range_pages_in_use": "Key-range pool pages holding ranges of tracked requests' full pages, after the last decode step.",
+    "range_bytes": "Device bytes of the key-range pool (taken out of the KV pool's memory at start-up).",
+    "device_bytes": "Device bytes the running hot-set requests hold, summed (F(request): the KV pages their rows "
+    "read from the device and their key-range and key-code rows), after the last decode step.",
+    "tracked_requests": "Requests the hot set decoded in the last decode step.",
 }
 
 
@@ -387,17 +397,28 @@ class HotSetMetrics(_Series):
             name: self._series("Gauge", f"sgl_importance:hot_set_{name}", text, multiprocess_mode="mostrecent").labels(
                 **self.labels
             )
-            for name, text in HOT_SET_GUARD_GAUGES.items()
+            for name, text in HOT_SET_GAUGES.items()
         }
 
-    def guard_pool(self, capacity_pages: int, nbytes: int) -> None:
-        """The guard pool's fixed size, once at start-up."""
-        self._gauges["guard_capacity_pages"].set(capacity_pages)
-        self._gauges["guard_bytes"].set(nbytes)
+    def pools(self, guard_pages: int, guard_bytes: int, range_pages: int, range_bytes: int) -> None:
+        """The fixed pools' sizes, once at start-up."""
+        for name, value in (
+            ("guard_capacity_pages", guard_pages),
+            ("guard_bytes", guard_bytes),
+            ("range_capacity_pages", range_pages),
+            ("range_bytes", range_bytes),
+        ):
+            self._gauges[name].set(value)
 
-    def guard_in_use(self, pages: int) -> None:
-        """Pages holding key codes, after each step."""
-        self._gauges["guard_pages_in_use"].set(pages)
+    def after_step(self, guard_in_use: int, ranges_in_use: int, device_bytes: int, tracked: int) -> None:
+        """What the pools and the running requests hold, after each step."""
+        for name, value in (
+            ("guard_pages_in_use", guard_in_use),
+            ("range_pages_in_use", ranges_in_use),
+            ("device_bytes", device_bytes),
+            ("tracked_requests", tracked),
+        ):
+            self._gauges[name].set(value)
 
     def add(self, counts: Mapping[str, int]) -> None:
         """Add one step's counts (``HotSetCounts.as_dict()``)."""

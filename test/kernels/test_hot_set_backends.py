@@ -2,7 +2,7 @@
 
 Two worlds with the same pool, requests and queries: one drives
 ``ImportanceTorchAttnBackend``, the other ``ImportanceTritonAttnBackend``, through their
-``init_forward_metadata`` and ``forward_decode`` (KV write, page summaries, hot-set
+``init_forward_metadata`` and ``forward_decode`` (KV write, hot-set
 attend, the step's end on the last layer). Each layer's output must agree within
 float32 rounding, the page importance tables must file the same importance, and the hot-set
 counts (pages attended, estimated, guarded, promoted, released, read from the host)
@@ -121,7 +121,7 @@ def _refused(*args, **kwargs):
 def test_short_batches_replay_graphs_that_read_every_page_without_the_decoder(monkeypatch):
     # A long request beside a short one decodes eagerly through the hot set; once it has
     # finished, the short one's steps are graph steps: the captured dense decode gives what
-    # importance_torch's eager hot-set steps give (outputs, importance, page summaries),
+    # importance_torch's eager hot-set steps give (outputs, importance, key ranges),
     # the decoder is never called, and its state of the finished request is dropped. A new
     # long request runs eagerly again.
     params = HotSetParams(policy="importance", budget=3, window=1, sinks=1, guard_threshold=0.05)
@@ -147,9 +147,9 @@ def test_short_batches_replay_graphs_that_read_every_page_without_the_decoder(mo
         for layer, (a, b) in enumerate(zip(want, got)):
             assert torch.allclose(b, a, atol=OUT_ATOL, rtol=0), f"layer {layer}"
         assert torch.allclose(graphed.page_importance.last, eager.page_importance.last, atol=IMP_ATOL, rtol=0)
-        summaries = [w.backend.hot_set.decoder.summaries for w in (eager, graphed)]
-        assert torch.equal(summaries[1].key_min, summaries[0].key_min)
-        assert torch.equal(summaries[1].key_max, summaries[0].key_max)
+        ranges = [w.backend.hot_set.decoder.ranges for w in (eager, graphed)]
+        assert torch.equal(ranges[1].key_min, ranges[0].key_min)
+        assert torch.equal(ranges[1].key_max, ranges[0].key_max)
 
     place("long", 30)
     place("short", 2)
@@ -169,7 +169,7 @@ def test_short_batches_replay_graphs_that_read_every_page_without_the_decoder(mo
             assert _replays(graphed, config)
             step(graph=True, counter=counter)
     assert decoder.tracked == {} and decoder.guard.pages_in_use == 0
-    # What a captured graph holds (the layers: KV write, summaries, decode, importance,
+    # What a captured graph holds (the layers: KV write, decode, importance,
     # the step's close) never hands a device value to the host.
     assert sum(counter.total(where=layer) for layer in range(LAYERS)) == 0, counter.by("site")
     assert counter.total(where="host") > 0  # it was counting: the stand-in parent plans with .tolist()

@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed; the Triton decode kernels cannot run")
 
-from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries  # noqa: E402
+from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges  # noqa: E402
 from sgl_importance.hot_set.residency import Residency  # noqa: E402
 from sgl_kernel_ext import TritonPageListDecode  # noqa: E402
 from support.array_pools import ArrayPools  # noqa: E402
@@ -53,9 +53,9 @@ class World:
         if release:
             self.residency.enable(self.tiers, threshold=8)
         num_pages = self.tiers.k.shape[1] // PAGE
-        self.summaries = PageSummaries(LAYERS, num_pages, KV_HEADS, DIM, page_size=PAGE)
+        ranges = KeyRanges(LAYERS, KV_HEADS, DIM, capacity_pages=4 * num_pages)
         self.decoder = HotSetDecoder(
-            params, self.summaries, page_size=PAGE, threshold=8, residency=self.residency, exact=exact
+            params, ranges, pool_pages=num_pages, page_size=PAGE, threshold=8, residency=self.residency, exact=exact
         )
         self.rows: dict[str, torch.Tensor] = {}
         self.written: dict[str, int] = {}
@@ -71,8 +71,6 @@ class World:
                 row[pos : pos + PAGE] = self.tiers.alloc_device(1, for_tokens=True).to(torch.int32)
             slot = int(row[pos])
             self.tiers.k[:, slot], self.tiers.v[:, slot] = k[:, pos], v[:, pos]
-            for layer in range(LAYERS):
-                self.summaries.update(layer, torch.tensor([slot]), k[layer, pos : pos + 1])
         self.written[rid] = k.shape[1]
 
     def step(self, queries: torch.Tensor):

@@ -2,7 +2,7 @@
 
 ``World`` drives ``ImportanceTorchAttnBackend`` or ``ImportanceTritonAttnBackend``
 through their ``init_forward_metadata`` and ``forward_decode`` (KV write, page
-summaries, hot-set attend, the step's end on the last layer), as SGLang's model runner
+hot-set attend, the step's end on the last layer), as SGLang's model runner
 would. Shared by the kernel tests (``test/kernels/test_hot_set_backends.py``) and the
 host round-trip benchmark (``benchmark/long_context/bench_host_syncs.py``).
 
@@ -11,9 +11,8 @@ is unused on decode; the Triton parent's ``kv_indptr``/``kv_indices`` are built 
 way it builds them, ``req_to_token[row, :seq_len]``: install both with
 :func:`parents_metadata`) and the KV pool (plain tensors). The backends are made with
 ``object.__new__`` and given what their constructors would set: building SGLang's
-model runner needs a model and a device. The prompt is written straight into the pool
-and summarised through the backends' ``_summarise``, what their ``forward_extend``
-calls after the parent's write.
+model runner needs a model and a device. The prompt is written straight into the pool,
+as the parent's extend writes it.
 
 The Triton backend's kernels run compiled on a GPU, or under ``TRITON_INTERPRET=1``
 (set before triton is imported) on a CPU.
@@ -33,7 +32,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sgl_importance.attention.hot_set_attention import HotSetAttention
 from sgl_importance.attention.torch_backend import ImportanceTorchAttnBackend
 from sgl_importance.attention.triton_backend import ImportanceTritonAttnBackend
-from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries
+from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
 from sgl_importance.hot_set.residency import Residency
 from sgl_importance.importance.page_importance import PageImportanceTable
 from sgl_kernel_ext import PagedDecodeWorkspace, TritonPageListDecode
@@ -121,14 +120,12 @@ class World:
         num_pages = self.kv.k.shape[1] // PAGE
         self.req_to_token = torch.zeros(8, 64 * PAGE, dtype=torch.int32, device=device)
         self.page_importance = PageImportanceTable(num_pages, page_size=PAGE, device=device)
-        summaries = PageSummaries(layers, num_pages, KV_HEADS, DIM, page_size=PAGE, device=device)
-        # The Triton backend's world runs what a GPU runs: decode writes summarised by the
-        # one-launch kernel (under the interpreter here).
-        summaries.decode_kernel = kind == "triton"
+        ranges = KeyRanges(layers, KV_HEADS, DIM, capacity_pages=4 * num_pages, device=device)
         exact = TritonPageListDecode() if kind == "triton" else None
         decoder = HotSetDecoder(
             params,
-            summaries,
+            ranges,
+            pool_pages=num_pages,
             page_size=PAGE,
             threshold=THRESHOLD,
             residency=self.residency,
@@ -199,7 +196,6 @@ class World:
             for layer in self.layers:
                 self.kv.k[layer.layer_id, slots] = k[layer.layer_id, start:].to(self.device)
                 self.kv.v[layer.layer_id, slots] = v[layer.layer_id, start:].to(self.device)
-                self.backend._summarise(layer, slots)
         self.written[rid] = k.shape[1]
 
     def finish(self, rid: str) -> None:

@@ -1,4 +1,4 @@
-"""The hot set as a specification: summaries bound logits, policies pick pages, the
+"""The hot set as a specification: key ranges bound logits, policies pick pages, the
 guard never lets attention outside the hot set pass unseen, and a decode step over
 a budget that covers everything equals dense attention."""
 
@@ -10,9 +10,10 @@ import torch
 from sgl_importance.hot_set import (
     HotSetDecoder,
     HotSetParams,
-    PageSummaries,
+    KeyRanges,
     RequestHotSet,
     fixed_mask,
+    key_bound,
 )
 from sgl_kernel_ext import decode_importance_reference
 
@@ -20,83 +21,69 @@ PAGE = 4
 KV_HEADS, GROUP, DIM = 2, 3, 8
 
 
-def summaries_with(keys: torch.Tensor, slots: torch.Tensor, num_pages: int = 64) -> PageSummaries:
-    s = PageSummaries(1, num_pages, KV_HEADS, DIM, page_size=PAGE)
-    s.update(0, slots, keys)
-    return s
+def ranges_of(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages' per-channel key min and max ``[P, KV, D]``, written to and read back from a pool."""
+    pages = keys.view(-1, PAGE, KV_HEADS, DIM)
+    pool = KeyRanges(1, KV_HEADS, DIM, capacity_pages=pages.shape[0])
+    ids = pool.alloc(pages.shape[0])
+    pool.write(0, ids, pages.amin(dim=1), pages.amax(dim=1))
+    return pool.gather(0, ids)
+
+
+def decoder_over(layers: int, pool_pages: int, params: HotSetParams, **kwargs) -> HotSetDecoder:
+    """A decoder over a pool of ``pool_pages`` pages, its key-range pool as large."""
+    ranges = KeyRanges(layers, KV_HEADS, DIM, capacity_pages=pool_pages)
+    return HotSetDecoder(params, ranges, pool_pages=pool_pages, page_size=PAGE, **kwargs)
 
 
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("logit_cap", [0.0, 3.0])
 def test_bound_is_at_least_every_logit_of_the_page(seed, logit_cap):
     g = torch.Generator().manual_seed(seed)
-    n = 10 * PAGE
-    slots = torch.arange(PAGE, PAGE + n)
-    keys = torch.randn(n, KV_HEADS, DIM, generator=g) * 3
-    summaries = summaries_with(keys, slots)
+    keys = torch.randn(10 * PAGE, KV_HEADS, DIM, generator=g) * 3
     q = torch.randn(KV_HEADS * GROUP, DIM, generator=g)
-    pages = torch.arange(1, 11)
-    bound = summaries.bound(0, q, pages, sm_scale=0.5, logit_cap=logit_cap)
+    bound = key_bound(q, *ranges_of(keys), sm_scale=0.5, logit_cap=logit_cap)
     logits = torch.einsum("hgd,nhd->nhg", q.view(KV_HEADS, GROUP, DIM), keys) * 0.5
     if logit_cap:
         logits = logit_cap * torch.tanh(logits / logit_cap)
     true_max = logits.reshape(10, PAGE, KV_HEADS * GROUP).amax(dim=1)
     assert (bound >= true_max - 1e-5).all()
     # And it is attained by some corner of the box, so it is not vacuous: the bound
-    # of a page holding one key equals that key's logit.
-    single = summaries_with(keys[:1], torch.tensor([PAGE]))
-    one = single.bound(0, q, torch.tensor([1]), sm_scale=0.5, logit_cap=logit_cap)
+    # of a page whose keys are all one key equals that key's logit.
+    one = key_bound(q, *ranges_of(keys[:1].expand(PAGE, -1, -1)), sm_scale=0.5, logit_cap=logit_cap)
     assert torch.allclose(one[0], logits[0].reshape(-1), atol=1e-5)
 
 
-def test_summaries_written_a_prompt_then_a_token_per_request_at_a_time_are_each_pages_min_and_max():
+def test_a_pool_page_id_is_reused_after_it_is_freed_and_the_pool_never_grows():
+    pool = KeyRanges(2, KV_HEADS, DIM, capacity_pages=3)
+    ids = pool.alloc(3)
+    assert sorted(ids.tolist()) == [1, 2, 3] and pool.alloc(1) is None and pool.refused == 1
+    pool.free(ids[:1])
+    assert pool.alloc(1).tolist() == ids[:1].tolist() and pool.pages_in_use == 3
+    # Row 0 is padding: an empty range, read as bounding nothing.
+    low, high = pool.gather(0, torch.tensor([0]))
+    assert (low == float("inf")).all() and (high == float("-inf")).all()
+
+
+def test_a_tracked_requests_full_pages_get_their_key_range_once_from_the_pool_when_they_fill():
     g = torch.Generator().manual_seed(7)
-    summaries = PageSummaries(1, 32, KV_HEADS, DIM, page_size=PAGE)
-    keys = torch.randn(5 * 24, KV_HEADS, DIM, generator=g)
-    # Two requests: a prompt of 18 tokens each (pages 2.. and 20..), then one decode
-    # token per request per step, in the order the batch writes them.
-    starts = (2 * PAGE, 20 * PAGE)
-    written = {start: list(range(start, start + 18)) for start in starts}
-    summaries.update(0, torch.tensor(written[starts[0]] + written[starts[1]]), keys[:36])
-    store = dict(zip(written[starts[0]] + written[starts[1]], keys[:36]))
-    for step in range(6):
-        slots = [start + 18 + step for start in reversed(starts)]
-        batch = keys[36 + 2 * step : 38 + 2 * step]
-        summaries.update(0, torch.tensor(slots), batch)
-        store.update(zip(slots, batch))
-    for page in sorted({slot // PAGE for slot in store}):
-        page_keys = torch.stack([k for slot, k in store.items() if slot // PAGE == page])
-        assert torch.equal(summaries.key_min[0, page], page_keys.amin(0))
-        assert torch.equal(summaries.key_max[0, page], page_keys.amax(0))
-
-
-def test_a_page_written_again_from_its_first_slot_forgets_its_old_keys():
-    big = torch.full((PAGE, KV_HEADS, DIM), 100.0)
-    summaries = summaries_with(big, torch.arange(PAGE, 2 * PAGE))
-    small = torch.ones(2, KV_HEADS, DIM)
-    summaries.update(0, torch.tensor([PAGE, PAGE + 1]), small)
-    assert summaries.key_max[0, 1].max() == 1.0
-    # A write after the first slot merges: the bound covers both keys.
-    summaries.update(0, torch.tensor([PAGE + 2]), -small[:1])
-    assert summaries.key_min[0, 1].min() == -1.0 and summaries.key_max[0, 1].max() == 1.0
-
-
-def test_summaries_update_has_fixed_shapes_and_reads_nothing_back_so_a_cuda_graph_can_capture_it():
-    # A prefill that restarts a page from its first slot among keys merged into other
-    # pages (a page written twice in one call), then a decode write per request.
-    from support.host_syncs import SYNC_KINDS, UPLOAD, HostSyncCounter
-
-    g = torch.Generator().manual_seed(11)
-    summaries = PageSummaries(2, 16, KV_HEADS, DIM, page_size=PAGE)
-    summaries.update(1, torch.arange(PAGE, 3 * PAGE), torch.randn(2 * PAGE, KV_HEADS, DIM, generator=g))
-    prefill = torch.tensor([3 * PAGE + 1, 2 * PAGE, 3 * PAGE, 2 * PAGE + 3, 5 * PAGE + 2])
-    decode = torch.tensor([2 * PAGE + 1, 7 * PAGE])
-    counter = HostSyncCounter()
-    with counter:
-        for slots in (prefill, decode):
-            counter.begin_step()
-            summaries.update(1, slots, torch.randn(slots.numel(), KV_HEADS * DIM, generator=g))
-    assert counter.total(kinds=(*SYNC_KINDS, UPLOAD)) == 0, counter.by("site", kinds=(*SYNC_KINDS, UPLOAD))
+    layers, pool_pages = 2, 64
+    decoder = decoder_over(layers, pool_pages, HotSetParams(policy="importance", budget=3, window=1), threshold=8)
+    k_buf = torch.randn(layers, pool_pages * PAGE, KV_HEADS, DIM, generator=g)
+    v_buf = torch.randn_like(k_buf)
+    for step in range(PAGE + 1):  # 4 full pages and a partial fifth, which fills on the way
+        length = 4 * PAGE + 2 + step
+        decoder.begin_step(["r"], [torch.arange(PAGE, PAGE + length)])
+        q = torch.randn(layers, 1, KV_HEADS * GROUP, DIM, generator=g)
+        for layer in range(layers):
+            decoder.attend(layer, q[layer], k_buf[layer], v_buf[layer], sm_scale=0.4)
+        decoder.end_step()
+    tracked = decoder.tracked["r"]
+    assert tracked.ranges.numel() == 5  # every full page, once each
+    for layer in range(layers):
+        pages = k_buf[layer, PAGE : PAGE + 5 * PAGE].view(5, PAGE, KV_HEADS, DIM)
+        low, high = decoder.ranges.gather(layer, tracked.ranges)
+        assert torch.equal(low, pages.amin(dim=1)) and torch.equal(high, pages.amax(dim=1))
 
 
 def test_budget_is_pages_when_at_least_one_else_a_fraction_rounded_up():
@@ -157,7 +144,6 @@ def test_quest_attends_per_layer_what_that_layers_query_bounds_highest():
     targets = {5: 0, 11: 1}
     for page, axis in targets.items():
         k_buf[slots[page * PAGE : (page + 1) * PAGE], :, axis] = 3.0
-    decoder.summaries.update(0, slots, k_buf[slots])
     decoder.begin_step(["r"], [slots])
     decoder.attend(0, torch.randn(1, KV_HEADS * GROUP, DIM, generator=g), k_buf, v_buf, sm_scale=DIM**-0.5)
     decoder.end_step()  # the dense first step
@@ -243,10 +229,8 @@ def make_step(n_tokens, policy, budget, guard=0.1, seed=0):
     pool = 201 * PAGE
     k_buf = torch.randn(pool, KV_HEADS, DIM, generator=g)
     v_buf = torch.randn(pool, KV_HEADS, DIM, generator=g)
-    summaries = PageSummaries(1, 202, KV_HEADS, DIM, page_size=PAGE)
-    summaries.update(0, slots, k_buf[slots])
     params = HotSetParams(policy=policy, budget=budget, window=1, sinks=1, guard_threshold=guard)
-    decoder = HotSetDecoder(params, summaries, page_size=PAGE, threshold=8)
+    decoder = decoder_over(1, 202, params, threshold=8)
     return decoder, slots, k_buf, v_buf, g
 
 
@@ -258,11 +242,8 @@ def test_a_steps_page_mass_is_the_layers_mean_or_the_largest_of_any_layer_and_kv
     rows = PAGE * 16  # a pool of whole pages, as SGLang's
     k_bufs = [torch.randn(rows, KV_HEADS, DIM, generator=g) * 2 for _ in range(layers)]
     v_bufs = [torch.randn(rows, KV_HEADS, DIM, generator=g) for _ in range(layers)]
-    summaries = PageSummaries(layers, 16, KV_HEADS, DIM, page_size=PAGE)
-    for layer in range(layers):
-        summaries.update(layer, slots, k_bufs[layer][slots])
     params = HotSetParams(policy="importance", budget=1.0, window=1, sinks=1, guard_threshold=1.0, reduce=reduce)
-    decoder = HotSetDecoder(params, summaries, page_size=PAGE, threshold=8)
+    decoder = decoder_over(layers, 16, params, threshold=8)
     q = torch.randn(1, KV_HEADS * GROUP, DIM, generator=g)
     decoder.begin_step(["r"], [slots])
     dense = []
@@ -428,18 +409,15 @@ def test_the_key_bound_ranking_is_the_same_however_many_layers_the_step_end_take
     kept = {}
     reduce_bounds = step_tally.StepTally._reduce_bounds
 
-    def keep(self, live):
-        reduce_bounds(self, live)
+    def keep(self, live, ranges):
+        reduce_bounds(self, live, ranges)
         kept.setdefault(step_tally.BOUND_CHUNK_BYTES, []).append(self.bound_mass.clone())
 
     monkeypatch.setattr(step_tally.StepTally, "_reduce_bounds", keep)
     for chunk_bytes in (1, step_tally.BOUND_CHUNK_BYTES):  # a layer at a time, then all at once
         monkeypatch.setattr(step_tally, "BOUND_CHUNK_BYTES", chunk_bytes)
-        summaries = PageSummaries(layers, 20, KV_HEADS, DIM, page_size=PAGE)
-        for layer in range(layers):
-            summaries.update(layer, slots, k_bufs[layer][slots])
         params = HotSetParams(policy="importance", budget=4, window=1, sinks=1, guard_threshold=1.0)
-        decoder = HotSetDecoder(params, summaries, page_size=PAGE, threshold=8)
+        decoder = decoder_over(layers, 20, params, threshold=8)
         for _ in range(2):
             decoder.begin_step(["r"], [slots])
             for layer in range(layers):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_importance.hot_set import GuardPool, HotSetDecoder, HotSetParams, OutsidePlan, PageSummaries
+from sgl_importance.hot_set import GuardPool, HotSetDecoder, HotSetParams, KeyRanges, OutsidePlan
 from sgl_importance.hot_set.estimate import (
     DELTA,
     combine,
@@ -217,13 +217,11 @@ def test_the_guard_pool_never_grows_and_a_request_it_cannot_hold_decodes_unguard
     layers, pages = 2, 40
     k_buf = torch.randn(pages * PAGE, KV_HEADS, DIM, generator=g)
     v_buf = torch.randn(pages * PAGE, KV_HEADS, DIM, generator=g)
-    summaries = PageSummaries(layers, pages, KV_HEADS, DIM, page_size=PAGE)
     slots = torch.arange(PAGE, 30 * PAGE)
-    for layer in range(layers):
-        summaries.update(layer, slots, k_buf[slots])
+    ranges = KeyRanges(layers, KV_HEADS, DIM, capacity_pages=pages)
     pool = GuardPool(layers, KV_HEADS, DIM, page_size=PAGE, capacity_pages=10)
     params = HotSetParams(policy="importance", budget=0.3, window=1, sinks=1, guard_threshold=0.1)
-    decoder = HotSetDecoder(params, summaries, page_size=PAGE, threshold=8, guard=pool)
+    decoder = HotSetDecoder(params, ranges, pool_pages=pages, page_size=PAGE, threshold=8, guard=pool)
     for _ in range(3):
         decoder.begin_step(["r"], [slots])
         for layer in range(layers):

@@ -24,8 +24,10 @@ from sgl_importance.hot_set.guard_budget import (
     plan_guard,
 )
 from sgl_importance.hot_set.key_codes import GuardPool, bytes_per_token
+from sgl_importance.hot_set.key_ranges import KeyRanges
 from sgl_importance.hot_set.residency import Residency, StepMoves
 from sgl_importance.hot_set.selection import HotSetCounts
+from sgl_importance.importance.page_importance import PageImportanceTable
 from sgl_importance.metrics import HotSetMetrics
 from sgl_importance.runtime import Runtime
 
@@ -37,9 +39,9 @@ GUARDED = ImportanceConfig(hot_set_policy="importance")
 
 
 def fits(budget: GuardBudget) -> bool:
-    """The KV pool and the guard's pool together within what the KV pool alone had."""
+    """The KV pool and the hot set's pools together within what the KV pool alone had."""
     per_token = budget.shape.kv_bytes_per_page // budget.shape.page_size
-    return budget.kv_tokens * per_token + budget.guard_bytes <= budget.kv_tokens_alone * per_token
+    return budget.kv_tokens * per_token + budget.reserved_bytes <= budget.kv_tokens_alone * per_token
 
 
 # -- the arithmetic ---------------------------------------------------------------
@@ -77,7 +79,7 @@ def test_the_kv_pool_gives_up_the_fewest_whole_pages_that_hold_the_guard(tokens)
     budget = plan_guard(200_000, LLAMA, guard_tokens=tokens)
     kv_token = LLAMA.kv_bytes_per_page // PAGE
     assert budget.kv_tokens % PAGE == 0 and fits(budget)
-    assert (budget.kv_tokens + PAGE) * kv_token + budget.guard_bytes > budget.kv_tokens_alone * kv_token
+    assert (budget.kv_tokens + PAGE) * kv_token + budget.reserved_bytes > budget.kv_tokens_alone * kv_token
 
 
 @pytest.mark.parametrize("coverage", [1.0, 2.5, 5.0, MAX_AUTO_COVERAGE])
@@ -109,18 +111,29 @@ def test_auto_coverage_follows_the_budget_fraction_only_where_pages_are_released
 
 @pytest.mark.parametrize(
     "config",
-    [
-        ImportanceConfig(),
-        ImportanceConfig(hot_set_policy="importance", hot_set_guard_threshold=1.0),
-        ImportanceConfig(hot_set_policy="importance", hot_set_guard_threshold=1, hot_set_guard_tokens=4096),
-        ImportanceConfig(hot_set_policy="dense", hot_set_guard_tokens=4096),
-    ],
-    ids=["hot-set-off", "guard-off", "guard-off-with-tokens", "dense"],
+    [ImportanceConfig(), ImportanceConfig(hot_set_policy="dense", hot_set_guard_tokens=4096)],
+    ids=["hot-set-off", "dense"],
 )
-def test_nothing_is_reserved_without_a_hot_set_or_a_guard(config):
+def test_nothing_is_reserved_without_a_hot_set_or_with_a_dense_one(config):
     budget = guard_budget(config, SMOL, 32768, hierarchical=True)
-    assert (budget.guard_pages, budget.guard_bytes, budget.kv_tokens) == (0, 0, 32768)
-    assert "no guard pool" in describe(budget)
+    assert (budget.reserved_bytes, budget.kv_tokens) == (0, 32768)
+    assert "no key-range or guard pool" in describe(budget)
+
+
+@pytest.mark.parametrize("tokens", [0, 4096], ids=["auto", "stated"])
+def test_with_the_guard_off_only_the_key_ranges_and_the_table_are_reserved(tokens):
+    config = ImportanceConfig(hot_set_policy="importance", hot_set_guard_threshold=1.0, hot_set_guard_tokens=tokens)
+    budget = guard_budget(config, SMOL, 32768, hierarchical=True)
+    assert budget.guard_pages == budget.guard_bytes == 0 and budget.range_pages > 0
+    assert budget.range_bytes == SMOL.range_bytes(budget.range_pages) and budget.table_bytes > 0
+    assert fits(budget) and "no guard pool" in describe(budget)
+
+
+def test_a_range_page_is_an_eighth_of_the_page_keys_and_a_sixteenth_of_its_kv():
+    # Min and max vectors per page, layer and KV head, in the KV dtype.
+    assert LLAMA.range_bytes_per_page * 16 == LLAMA.kv_bytes_per_page
+    ranges = KeyRanges(SMOL.num_layers, SMOL.num_kv_heads, SMOL.head_dim, capacity_pages=100)
+    assert ranges.nbytes == SMOL.range_bytes(100)
 
 
 def test_the_flags_pick_a_stated_or_an_auto_guard():
@@ -144,9 +157,12 @@ def test_the_flag_is_validated_at_start_up():
 
 
 def test_the_start_up_line_states_tokens_bytes_share_and_what_the_kv_pool_gave_up():
-    line = describe(replace(plan_guard(2048, SMOL, guard_tokens=256), sized_by="--max-total-tokens 2048"))
-    assert "guard pool of 256 tokens (16 pages), 0.75 MiB (2902.50 bytes per token over 30 layers x 3 KV heads)" in line
-    assert "% of the KV pool's" in line and "gave up 32 tokens: 2048 -> 2016 (--max-total-tokens 2048)" in line
+    budget = plan_guard(2048, SMOL, guard_tokens=256, ranges=True)
+    line = describe(replace(budget, sized_by="--max-total-tokens 2048"))
+    assert "pools of 256 tokens (16 pages over 30 layers x 3 KV heads)" in line
+    # Float32 keys: a page's range (min and max, 2 x 64 x 4 bytes a head) weighs what its codes do.
+    assert "key ranges 0.75 MiB, guard codes 0.75 MiB" in line
+    assert "% of the KV pool's" in line and "gave up 48 tokens: 2048 -> 2000 (--max-total-tokens 2048)" in line
 
 
 # -- the hook around SGLang's sizing ----------------------------------------------
@@ -185,7 +201,7 @@ def test_the_kv_pool_is_sized_again_under_the_guards_cap_and_the_runtime_keeps_t
     runtime = Runtime(ImportanceConfig(hot_set_policy="importance", hot_set_guard_tokens=256))
     original, calls = _sizing(2048)
     config = hot_set_attention.reserve_guard(runtime, original, _configurator(max_total_tokens=2048), 10**9)
-    assert config.max_total_num_tokens == 2016 and calls == [None, 2016]
+    assert config.max_total_num_tokens == 2000 and calls == [None, 2000]
     assert runtime.guard_budget.guard_tokens == 256 and runtime.guard_budget.kv_tokens_alone == 2048
     assert runtime.guard_budget.sized_by == "--max-total-tokens 2048 bound it"
 
@@ -194,7 +210,7 @@ def test_a_profiled_pool_says_so(smol_shape):
     runtime = Runtime(ImportanceConfig(hot_set_policy="importance", hot_set_guard_tokens=256))
     original, _ = _sizing(4096)
     hot_set_attention.reserve_guard(runtime, original, _configurator(max_total_tokens=None), 10**9)
-    assert runtime.guard_budget.sized_by == "the profiled memory" and runtime.guard_budget.kv_tokens == 4064
+    assert runtime.guard_budget.sized_by == "the profiled memory" and runtime.guard_budget.kv_tokens == 4048
 
 
 def test_a_resize_with_a_cap_passes_through(smol_shape):
@@ -205,10 +221,8 @@ def test_a_resize_with_a_cap_passes_through(smol_shape):
     assert config.max_total_num_tokens == 2016 and calls == [2016] and runtime.guard_budget is None
 
 
-@pytest.mark.parametrize(
-    "config", [ImportanceConfig(), ImportanceConfig(hot_set_policy="importance", hot_set_guard_threshold=1.0)]
-)
-def test_without_a_hot_set_or_a_guard_the_kv_pool_keeps_its_size(smol_shape, config):
+@pytest.mark.parametrize("config", [ImportanceConfig(), ImportanceConfig(hot_set_policy="dense")])
+def test_without_a_hot_set_or_with_a_dense_one_the_kv_pool_keeps_its_size(smol_shape, config):
     runtime = Runtime(config)
     original, calls = _sizing(2048)
     assert hot_set_attention.reserve_guard(runtime, original, _configurator(), 10**9).max_total_num_tokens == 2048
@@ -240,31 +254,44 @@ def _model_runner(config: ImportanceConfig, tokens: int):
 def test_the_backend_builds_the_guard_pool_it_reserved_and_logs_it(caplog):
     config = ImportanceConfig(hot_set_policy="importance", hot_set_guard_tokens=256)
     runtime = Runtime(config)
-    runtime.guard_budget = plan_guard(2048, SMOL, guard_tokens=256)
+    runtime.guard_budget = plan_guard(2048, SMOL, guard_tokens=256, ranges=True)
+    tokens = runtime.guard_budget.kv_tokens
+    table = PageImportanceTable.for_pool(tokens, page_size=PAGE)
     with caplog.at_level(logging.INFO, logger=hot_set_attention.__name__):
-        hot_set = hot_set_attention.build_hot_set(runtime, _model_runner(config, 2016), SMOL.num_layers - 1, None)
-    guard = hot_set.decoder.guard
-    assert guard.capacity == 16 and guard.nbytes == runtime.guard_budget.guard_bytes
-    assert "guard pool of 256 tokens" in caplog.text and "2048 -> 2016" in caplog.text
+        hot_set = hot_set_attention.build_hot_set(runtime, _model_runner(config, tokens), SMOL.num_layers - 1, table)
+    guard, ranges = hot_set.decoder.guard, hot_set.decoder.ranges
+    assert guard.capacity == ranges.capacity == 16 and guard.nbytes == runtime.guard_budget.guard_bytes
+    # Every byte the pools and the table hold is what was taken out of the KV pool.
+    assert guard.nbytes + ranges.nbytes + table.nbytes == runtime.guard_budget.reserved_bytes
+    assert "pools of 256 tokens" in caplog.text and "2048 -> 2000" in caplog.text
+    assert "exceed" not in caplog.text
 
 
 def test_a_backend_built_without_sglangs_sizing_says_its_guard_is_outside_the_kv_pool(caplog):
     config = ImportanceConfig(hot_set_policy="importance", hot_set_guard_tokens=256)
+    table = PageImportanceTable.for_pool(2048, page_size=PAGE)
     with caplog.at_level(logging.INFO, logger=hot_set_attention.__name__):
-        hot_set = hot_set_attention.build_hot_set(Runtime(config), _model_runner(config, 2048), 29, None)
+        hot_set = hot_set_attention.build_hot_set(Runtime(config), _model_runner(config, 2048), 29, table)
     assert hot_set.decoder.guard.capacity == 16 and "NOT taken out of the KV pool" in caplog.text
 
 
-def test_the_guard_pools_gauges_show_its_size_and_after_each_step_its_pages_in_use():
+def test_the_pools_gauges_show_their_size_and_after_each_step_their_use_and_what_requests_hold():
     registry = CollectorRegistry()
     metrics = HotSetMetrics({"tp_rank": 0}, registry=registry)
     guard = GuardPool(2, 1, 8, page_size=4, capacity_pages=10)
-    metrics.guard_pool(guard.capacity, guard.nbytes)
+    ranges = KeyRanges(2, 1, 8, capacity_pages=12)
+    metrics.pools(guard.capacity, guard.nbytes, ranges.capacity, ranges.nbytes)
     decoder = types.SimpleNamespace(
-        guard=guard, residency=Residency(), end_step=lambda: StepResult(HotSetCounts(), StepMoves())
+        guard=guard,
+        ranges=ranges,
+        residency=Residency(),
+        held_bytes=1234,
+        tracked={"a": None},
+        end_step=lambda: StepResult(HotSetCounts(), StepMoves()),
     )
     hot_set = hot_set_attention.HotSetAttention(decoder, page_importance=None, metrics=metrics)
     guard.alloc(3)
+    ranges.alloc(5)
     hot_set.in_step = True
     hot_set.end_step()
 
@@ -272,4 +299,6 @@ def test_the_guard_pools_gauges_show_its_size_and_after_each_step_its_pages_in_u
         return registry.get_sample_value(f"sgl_importance:hot_set_{name}", {"tp_rank": "0"})
 
     assert gauge("guard_capacity_pages") == 10 and gauge("guard_bytes") == guard.nbytes
-    assert gauge("guard_pages_in_use") == 3
+    assert gauge("range_capacity_pages") == 12 and gauge("range_bytes") == ranges.nbytes
+    assert gauge("guard_pages_in_use") == 3 and gauge("range_pages_in_use") == 5
+    assert gauge("device_bytes") == 1234 and gauge("tracked_requests") == 1

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sgl_importance.hot_set import HotSetDecoder, HotSetParams, PageSummaries
+from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
 from sgl_importance.hot_set.key_codes import quantise
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import RELEASED_SLOT, TRANSITIONS, PageState, Residency, subtract_pages
@@ -205,9 +205,12 @@ class Placed:
 
     def __init__(self, tiers: ArrayPools, residency: Residency, guard: float, threshold: int = 8) -> None:
         self.tiers, self.residency = tiers, residency
-        self.summaries = PageSummaries(LAYERS, tiers.k.shape[1] // PAGE, KV_HEADS, DIM, page_size=PAGE)
+        pool_pages = tiers.k.shape[1] // PAGE
+        ranges = KeyRanges(LAYERS, KV_HEADS, DIM, capacity_pages=4 * pool_pages)
         params = HotSetParams(policy="importance", budget=4, window=1, sinks=1, guard_threshold=guard)
-        self.decoder = HotSetDecoder(params, self.summaries, page_size=PAGE, threshold=threshold, residency=residency)
+        self.decoder = HotSetDecoder(
+            params, ranges, pool_pages=pool_pages, page_size=PAGE, threshold=threshold, residency=residency
+        )
         self.requests: dict[str, Request] = {}
         self.written: dict[str, int] = {}
 
@@ -218,8 +221,6 @@ class Placed:
                 req.row[pos : pos + PAGE] = self.tiers.alloc_device(1).to(torch.int32)
             slot = int(req.row[pos])
             self.tiers.k[:, slot], self.tiers.v[:, slot] = req.k[:, pos], req.v[:, pos]
-            for layer in range(LAYERS):
-                self.summaries.update(layer, torch.tensor([slot]), req.k[layer, pos : pos + 1])
         self.written[req.rid] = req.length
         self.requests[req.rid] = req
 

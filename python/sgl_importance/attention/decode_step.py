@@ -4,10 +4,9 @@
 how a layer's dense decode reads pages; :class:`ImportanceDecodeSteps`, mixed in
 before that parent, is the rest: the process's page importance table sized to the
 pool, the last attention layer (whose decode closes the step), the hot set when
-``--hot-set-policy`` is on, its summaries after every KV write, the step begun with
-the batch's slots, each layer's hot-set decode and the step closed after the last
-layer; a decode step that began no hot-set step (a CUDA graph's) reads every page with
-the backend's dense decode, the summaries still kept. Everything comes from the runtime
+``--hot-set-policy`` is on, the step begun with the batch's slots, each layer's hot-set
+decode and the step closed after the last layer; a decode step that began no hot-set step
+(a CUDA graph's) reads every page with the backend's dense decode. Everything comes from the runtime
 the plugin hands the backend.
 """
 
@@ -105,9 +104,6 @@ class ImportanceDecodeSteps:
         o = self._extend(q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
         if self.hot_set is not None:
             self.hot_set.batch_changed()
-            if save_kv_cache and k is not None and not layer.is_cross_attention:
-                # The prompt's pages get their summaries as the parent stores them.
-                self._summarise(layer, forward_batch.out_cache_loc)
         return o
 
     def forward_decode(
@@ -143,10 +139,6 @@ class ImportanceDecodeSteps:
             seq_lens_cpu = forward_batch.seq_lens.cpu()
         self.hot_set.begin_step(forward_batch.rids, forward_batch.req_pool_indices, seq_lens_cpu, req_to_token)
 
-    def _summarise(self, layer: Any, slots: torch.Tensor, decode: bool = False) -> None:
-        key_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        self.hot_set.kv_written(layer.layer_id, slots, key_buffer, decode=decode)
-
     def _decode_with_importance(
         self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, save_kv_cache: bool, sinks: Any
     ) -> torch.Tensor:
@@ -155,8 +147,6 @@ class ImportanceDecodeSteps:
         if save_kv_cache and k is not None and v is not None:
             self._store_kv(layer, forward_batch, k, v)
         out = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
-        if self.hot_set is not None and save_kv_cache:
-            self._summarise(layer, forward_batch.out_cache_loc, decode=True)
         if self.hot_set is None or not self.hot_set.in_step:
             # No hot-set step begun: a step SGLang captures or replays as a CUDA graph
             # (none of its requests is past the threshold) reads every page.

@@ -5,8 +5,6 @@
 where their decode metadata comes from; the rest of the hot set is the same and lives
 here:
 
-- every KV write (prefill, extend, decode) refreshes the written pages' key min/max
-  summaries from what the pool stored (``kv_written``);
 - a decode step begins with the batch's requests and their slots, with their
   ``req_to_token`` rows where pages may be released (``begin_step``), attends layer by
   layer (``attend``, which files the attended pages' exact masses in the page importance table)
@@ -61,19 +59,6 @@ class HotSetAttention:
         # The last decode batch's request ids and their req_to_token rows (host ints).
         self._batch: Optional[tuple[str, ...]] = None
         self._rows: list[int] = []
-
-    def kv_written(self, layer_id: int, slots: torch.Tensor, key_buffer: torch.Tensor, decode: bool = False) -> None:
-        """Refresh the summaries of the pages holding ``slots`` after a KV write.
-
-        Args:
-            slots: the token slots just written; key_buffer: the layer's key pool, read
-                back so the summaries follow what the pool stored (its dtype and scaling).
-            decode: a decode step's write (one token per request, each in its own page).
-        """
-        if decode:
-            self.decoder.summaries.update_decode(layer_id, slots, key_buffer)
-        else:
-            self.decoder.summaries.update(layer_id, slots, key_buffer[slots.to(torch.int64)])
 
     def begin_step(
         self,
@@ -133,7 +118,7 @@ class HotSetAttention:
         Args:
             layer: the ``RadixAttention`` layer (``layer_id``, ``scaling``).
             q: ``[bs, q_heads, D]``; k_buffer, v_buffer: the layer's KV pool, this step's
-                token already written (and summarised).
+                token already written.
             out: ``[bs, q_heads, Dv]`` (a view of the layer's output), written in place.
             logit_cap: the layer's soft cap, 0.0 for none.
 
@@ -164,8 +149,12 @@ class HotSetAttention:
         counts, self.decoder.residency.pending = self.decoder.end_step()
         if self.metrics is not None:
             self.metrics.add(counts.as_dict())
-            self.metrics.guard_in_use(self.decoder.guard.pages_in_use)
+            self._after_step()
         return counts
+
+    def _after_step(self) -> None:
+        d = self.decoder
+        self.metrics.after_step(d.guard.pages_in_use, d.ranges.pages_in_use, d.held_bytes, len(d.tracked))
 
     def fence(self) -> None:
         """Make the current stream wait for page copies still in flight (a no-op without any)."""
@@ -181,8 +170,9 @@ class HotSetAttention:
         """
         self.fence()
         self.decoder.drop_absent(())
+        self.decoder.held_bytes = 0
         if self.metrics is not None:
-            self.metrics.guard_in_use(self.decoder.guard.pages_in_use)
+            self._after_step()
 
 
 def holds_hot_set_request(seq_lens_cpu: Optional[torch.Tensor], threshold: int) -> bool:
@@ -227,7 +217,7 @@ def build_hot_set(
             parameters, the guard's budget, the release registry and the requests'
             own hot-set parameters.
         model_runner: SGLang's model runner (its server args, KV pool, page size).
-        last_layer_id: the last attention layer; the summaries cover layers up to it.
+        last_layer_id: the last attention layer; the pools cover layers up to it.
         page_importance: where attended pages' masses are filed.
         exact: the decoder's exact page reader (default: ``decode_importance_paged``).
     """
@@ -235,7 +225,7 @@ def build_hot_set(
     params = runtime.hot_set_params
     if params is None:
         return None
-    from sgl_importance.hot_set import GuardPool, HotSetDecoder, PageSummaries
+    from sgl_importance.hot_set import GuardPool, HotSetDecoder, KeyRanges
 
     pool = model_runner.token_to_kv_pool
     keys = pool.get_key_buffer(last_layer_id)
@@ -251,28 +241,18 @@ def build_hot_set(
         hierarchical = _hierarchical(model_runner.server_args)
         budget = guard_budget(config, shape, model_runner.max_total_num_tokens, hierarchical=hierarchical)
         budget = replace(budget, kv_tokens=budget.kv_tokens_alone, sized_by="NOT taken out of the KV pool")
-    guard = GuardPool(
-        last_layer_id + 1, keys.shape[1], keys.shape[2], page_size=page_size, capacity_pages=budget.guard_pages,
-        device=keys.device,
-    )  # fmt: skip
+    layers, kv_heads, dim = last_layer_id + 1, keys.shape[1], keys.shape[2]
+    guard = GuardPool(layers, kv_heads, dim, page_size=page_size, capacity_pages=budget.guard_pages, device=keys.device)
+    ranges = KeyRanges(layers, kv_heads, dim, capacity_pages=budget.range_pages, dtype=keys.dtype, device=keys.device)
     logger.info(describe(budget))
-    if budget.guard_pages and guard.nbytes > budget.guard_bytes:
+    held = guard.nbytes * bool(budget.guard_pages) + (ranges.nbytes + page_importance.nbytes) * bool(budget.range_pages)
+    if held > budget.reserved_bytes:
         # Another shape than SGLang's pool sizing saw (pipeline stages, say).
-        logger.warning(
-            "hot set: the guard pool's %d bytes exceed the %d reserved for it", guard.nbytes, budget.guard_bytes
-        )
-    summaries = PageSummaries(
-        last_layer_id + 1,
-        -(-keys.shape[0] // page_size),
-        keys.shape[1],
-        keys.shape[2],
-        page_size=page_size,
-        dtype=keys.dtype,
-        device=keys.device,
-    )
+        logger.warning("hot set: its pools' %d bytes exceed the %d reserved for them", held, budget.reserved_bytes)
     decoder = HotSetDecoder(
         params,
-        summaries,
+        ranges,
+        pool_pages=-(-keys.shape[0] // page_size),
         page_size=page_size,
         threshold=config.hot_set_threshold,
         exact=exact,
@@ -282,7 +262,7 @@ def build_hot_set(
     )
     metrics = _build_metrics(runtime)
     if metrics is not None:
-        metrics.guard_pool(guard.capacity, guard.nbytes)
+        metrics.pools(guard.capacity, guard.nbytes, ranges.capacity, ranges.nbytes)
     return HotSetAttention(decoder, page_importance, metrics)
 
 

@@ -24,12 +24,11 @@ platform), where CUDA graphs are off.
 
 With ``--hot-set-policy`` (not ``off``), decode of requests longer than
 ``--hot-set-threshold`` tokens attends only over each request's hot set
-(``sgl_importance.hot_set``): the backend keeps the page summaries up to date on
-every KV write (prefill and decode) and hands the decoder each step's requests,
+(``sgl_importance.hot_set``): the backend hands the decoder each step's requests,
 with their ``req_to_token`` rows when pages may be released to the host pool
 (``scheduler/hot_set_release.py``). That part is ``hot_set_attention.HotSetAttention``,
 which ``importance_triton`` runs too; the step's plumbing around the parent (the
-table, the hot set's summaries, step and layers) is ``decode_step.ImportanceDecodeSteps``.
+table, the hot set's step and layers) is ``decode_step.ImportanceDecodeSteps``.
 
 Greedy tokens equal torch_native's on the embedded model (``test_attention_torch``);
 logprobs differ by bf16 rounding. Unlike torch_native, decode honours a layer's logit

@@ -22,18 +22,17 @@ fp8 KV with scales, a KV dtype other than the query's, ``score_mod``, xAI
 temperature) keep the parent's decode and record no importance.
 
 With ``--hot-set-policy`` (not ``off``), decode runs each request's hot set as
-``importance_torch`` does (``hot_set_attention.HotSetAttention``: page summaries kept
-on every KV write, the step planned in ``init_forward_metadata``, one ``attend`` per
-layer, the step ended after the last layer), with ``TritonPageListDecode`` as the
-exact reader and promotions on a side stream fenced before the layers read. A
+``importance_torch`` does (``hot_set_attention.HotSetAttention``: the step planned in
+``init_forward_metadata``, one ``attend`` per layer, the step ended after the last layer),
+with ``TritonPageListDecode`` as the exact reader and page copies (made between steps) on a
+side stream fenced before the layers read. A
 hot-set step is data dependent (which pages, how many, what the guard reads, host
 copies), so a batch that holds a request longer than ``--hot-set-threshold`` never
 replays a CUDA graph: the plugin's hook around SGLang's ``can_run_graph``
 (``hot_set_attention.eager_with_hot_set_requests``) runs it eagerly. Graphs are
 captured as without the hot set, and a batch of short requests replays one: dense
-decode on the graph wrapper, the page summaries updated by fixed-shape ops inside the
-graph, and the hot set's decoder never called (its host side before the replay,
-``HotSetAttention.graph_step``, fences promotions and drops what the decoder tracked,
+decode on the graph wrapper, and the hot set's decoder never called (its host side
+before the replay, ``HotSetAttention.graph_step``, fences page copies and drops what the decoder tracked,
 as its ``begin_step`` would). SGLang's metadata glue graph
 (``SGLANG_ENABLE_METADATA_GLUE_GRAPH``, off by default) would skip that host side on
 its replays; it is not supported with the hot set. The hot set also needs every decode

@@ -10,8 +10,9 @@ bound exceeds ``--hot-set-guard-threshold`` every unread page is read exactly
 (``estimate.py``, ``guard.py``). ``decode.py`` runs a
 step: which pages each layer reads (``page_lists.py``), what the layers found, folded
 once per step (``step_tally.py``), into the decoder's records of its requests
-(``request_state.py``). Page summaries (``summaries.py``, key min/max) rank unread
-pages when the guard is off and drive the ``quest`` baseline. With a host pool,
+(``request_state.py``). Key ranges (``key_ranges.py``, each full page's key min/max,
+written once when the page fills, ``coding.py``) rank unread pages when the guard is off
+and drive the ``quest`` baseline. With a host pool,
 ``residency.py`` records where each page of a request lives and is the one place pages
 move: between steps, the scheduler applies what the decoder's step asked for (releases of
 the pages the next plan leaves out, promotions of the planned ones; copies on a side
@@ -33,6 +34,7 @@ from sgl_importance.hot_set.estimate import (
     sampled_pages,
 )
 from sgl_importance.hot_set.key_codes import GuardPool
+from sgl_importance.hot_set.key_ranges import KeyRanges, key_bound
 from sgl_importance.hot_set.page_lists import LayerResult
 from sgl_importance.hot_set.selection import (
     POLICIES,
@@ -41,7 +43,6 @@ from sgl_importance.hot_set.selection import (
     RequestHotSet,
     fixed_mask,
 )
-from sgl_importance.hot_set.summaries import PageSummaries, key_bound
 
 __all__ = [
     "POLICIES",
@@ -53,7 +54,7 @@ __all__ = [
     "LayerResult",
     "Outside",
     "OutsidePlan",
-    "PageSummaries",
+    "KeyRanges",
     "RequestHotSet",
     "Sampled",
     "combine",

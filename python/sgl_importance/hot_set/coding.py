@@ -1,10 +1,15 @@
-"""Writing a guarded request's key codes, and refusing it a guard when the pool is full.
+"""A tracked request's full pages, summarised once: their key ranges and, guarded, their key codes.
 
-A page is coded at the end of the step that filled it (or, for a request new to the
-guard, of its first step), every layer, from the device pool, before any release: so
-a page released in the step that filled it is coded from its own keys. The codes'
-range is the page's own key min/max, which becomes the request's summary of that page
-(``TrackedRequest.key_min/key_max``), so reader and writer use the same numbers.
+A page is summarised at the end of the step that filled it (or, for a request new to the
+hot set, of its first step, every full page), every layer, from the device pool, before
+the residency owner releases anything: a full page never changes again, so this is its
+only pass. Its key range (``key_ranges.KeyRanges``, every tracked request but a ``dense``
+one) and, when the request is guarded, its 4-bit key codes against that same range
+(``key_codes.GuardPool``), so reader and writer use the same numbers.
+
+Both pools are fixed: a request the range pool cannot hold decodes dense with every page
+kept on the device (``ranges_refused``, counted as ``ranges_refused``); one the guard pool
+cannot hold decodes unguarded (``guard_refused``).
 
 Plain torch; nothing here imports SGLang.
 """
@@ -17,55 +22,64 @@ from dataclasses import replace
 import torch
 
 from sgl_importance.hot_set.key_codes import GuardPool
+from sgl_importance.hot_set.key_ranges import KeyRanges
 from sgl_importance.hot_set.request_state import LiveRequest, TrackedRequest, released_among
 
 logger = logging.getLogger(__name__)
 
 
-def code_pages(
+def summarise_pages(
+    ranges: KeyRanges,
     guard: GuardPool,
     live: LiveRequest,
     full: int,
     pool_pages: dict[int, tuple[torch.Tensor, torch.Tensor]],
     page_size: int,
-) -> int:
-    """Code a guarded request's pages that are full and uncoded, in every layer.
+) -> tuple[int, int]:
+    """Key ranges (and, guarded, codes) of a tracked request's pages full now and not yet done.
 
     Args:
         full: the request's full pages now.
         pool_pages: layer -> (K, V) of the device pool viewed as pages.
 
     Returns:
-        1 when the guard pool refused the request (it then decodes unguarded), else 0.
+        (1 when the range pool refused the request, 1 when the guard pool refused it).
     """
     tracked = live.tracked
     params = tracked.state.params
-    if tracked.guard_refused or params.guard_threshold >= 1.0 or params.policy == "dense":
-        return 0
-    coded = tracked.codes.numel()
-    if full <= coded or not pool_pages:
-        return 0
-    new = torch.arange(coded, full)
+    if params.policy == "dense" or tracked.ranges_refused or not pool_pages:
+        return 0, 0
+    done = tracked.ranges.numel()
+    if full <= done:
+        return 0, 0
+    new = torch.arange(done, full)
     if bool(released_among(live.pages, new).any()):
-        # Released before it was coded: such a request stays unguarded rather than
-        # read its pages back.
-        return refuse(guard, tracked)
-    ids = guard.alloc(new.numel())
+        # Released before it was summarised (never with the owner's order of moves): the
+        # request keeps every page rather than read its pages back.
+        return refuse_ranges(ranges, guard, tracked), 0
+    ids = ranges.alloc(new.numel())
     if ids is None:
-        return refuse(guard, tracked)
+        return refuse_ranges(ranges, guard, tracked), 0
+    guarded = not tracked.guard_refused and params.guard_threshold < 1.0
+    codes = guard.alloc(new.numel()) if guarded else None
+    refused = 0
+    if guarded and codes is None:
+        refused = refuse_guard(guard, tracked)
     physical = torch.div(live.slots[(new * page_size).to(live.slots.device)], page_size, rounding_mode="floor")
     for layer, (k_pages, v_pages) in pool_pages.items():
         index = physical.to(k_pages.device, torch.int64)
         keys = k_pages[index]
         low, high = keys.amin(dim=1), keys.amax(dim=1)
-        tracked.key_min[layer][new] = low.to(tracked.key_min.dtype)
-        tracked.key_max[layer][new] = high.to(tracked.key_max.dtype)
-        guard.write(layer, ids, keys, low, high, v_pages[index])
-    tracked.codes = torch.cat((tracked.codes, ids))
-    return 0
+        ranges.write(layer, ids, low, high)
+        if codes is not None:
+            guard.write(layer, codes, keys, low, high, v_pages[index])
+    tracked.ranges = torch.cat((tracked.ranges, ids))
+    if codes is not None:
+        tracked.codes = torch.cat((tracked.codes, codes))
+    return 0, refused
 
 
-def refuse(guard: GuardPool, tracked: TrackedRequest) -> int:
+def refuse_guard(guard: GuardPool, tracked: TrackedRequest) -> int:
     """Turn a request's guard off for good (its codes back to the pool); returns 1."""
     tracked.guard_refused = True
     tracked.state.params = replace(tracked.state.params, guard_threshold=1.0)
@@ -73,4 +87,19 @@ def refuse(guard: GuardPool, tracked: TrackedRequest) -> int:
         guard.free(tracked.codes)
         tracked.codes = tracked.codes[:0]
     logger.warning("hot set: no room in the guard pool for a request's key codes; it decodes without a guard")
+    return 1
+
+
+def refuse_ranges(ranges: KeyRanges, guard: GuardPool, tracked: TrackedRequest) -> int:
+    """A request the range pool cannot hold: dense from now on, every page planned (so the
+    owner releases none and brings any released one back), its ids back to the pools; returns 1."""
+    tracked.ranges_refused = True
+    tracked.state.params = replace(tracked.state.params, policy="dense", guard_threshold=1.0)
+    if tracked.ranges.numel():
+        ranges.free(tracked.ranges)
+        tracked.ranges = tracked.ranges[:0]
+    if tracked.codes.numel():
+        guard.free(tracked.codes)
+        tracked.codes = tracked.codes[:0]
+    logger.warning("hot set: no room in the key-range pool for a request's pages; it decodes dense, kept on the device")
     return 1

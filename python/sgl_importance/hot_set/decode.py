@@ -26,10 +26,11 @@ and the guard's are put on the layers' device there (``page_lists.GuardLists``):
 layer reads a device value back to the host while the rest pages are on the device
 (the guard's reads are masks over a fixed page list, ``guard_reads.exact_reader``).
 
-Key codes are written at ``end_step`` for the pages full by then, from the device
-pool, before any release (so a page released in the step that filled it is coded
-from its own keys), into a ``key_codes.GuardPool`` of fixed size: a request it cannot
-hold decodes unguarded, counted (``guard_refused``).
+Full pages are summarised at ``end_step``, once, from the device pool before any
+release: their key ranges into a ``key_ranges.KeyRanges`` pool and, guarded, their
+key codes into a ``key_codes.GuardPool`` (``coding.py``), both of fixed size: a request
+the range pool cannot hold decodes dense with every page kept (``ranges_refused``), one
+the guard pool cannot hold decodes unguarded (``guard_refused``).
 
 ``HotSetDecoder`` is driven by an attention backend: ``begin_step`` once per decode
 batch, ``attend`` once per layer, ``end_step`` after the last layer. ``end_step``
@@ -57,11 +58,13 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from sgl_importance.hot_set.coding import code_pages
+from sgl_importance.hot_set.coding import summarise_pages
 from sgl_importance.hot_set.estimate import OutsidePlan, estimate_outside, sampled_pages
+from sgl_importance.hot_set.footprint import PageBytes, held_bytes
 from sgl_importance.hot_set.guard import GuardOutcome, guard_layer
 from sgl_importance.hot_set.guard_reads import exact_reader, pages_of
 from sgl_importance.hot_set.key_codes import GuardPool
+from sgl_importance.hot_set.key_ranges import KeyRanges
 from sgl_importance.hot_set.page_lists import (
     ExactAttention,
     ExactPlan,
@@ -80,15 +83,14 @@ from sgl_importance.hot_set.sample import inclusion as sample_inclusion
 from sgl_importance.hot_set.sample import reserve as sample_reserve
 from sgl_importance.hot_set.selection import HotSetCounts, HotSetParams, RequestHotSet, fixed_mask
 from sgl_importance.hot_set.step_tally import StepTally, kv_group_share
-from sgl_importance.hot_set.summaries import PageSummaries
 from sgl_kernel_ext import (
     DecodeImportanceOutput,
     PagedDecodeWorkspace,
     decode_importance_paged,
 )
 
-# Guard pages of a decoder built without a pool (tests, benchmarks), per device page.
-DEFAULT_GUARD_PAGES_PER_POOL_PAGE = 4
+# Guard pages of a decoder built without a guard pool (tests, benchmarks), per range page.
+DEFAULT_GUARD_PAGES_PER_RANGE_PAGE = 1
 
 
 class HotSetDecoder:
@@ -96,7 +98,8 @@ class HotSetDecoder:
 
     Args:
         params: the policy and its budget.
-        summaries: the physical page summaries the KV writes keep up to date.
+        ranges: the key-range pool the full pages' ranges are written into (fixed).
+        pool_pages: pages of the device KV pool (its padding page 0 included).
         page_size: tokens per page.
         threshold: requests longer than this many tokens use the hot set.
         residency: the process's page records and their owner (the runtime's; a private
@@ -105,16 +108,16 @@ class HotSetDecoder:
         request_params: parameters requests chose for themselves
             (the runtime's; a private, empty one when None); others decode with ``params``.
         guard: the guard's key-code pool (allocated once at start-up by the backend;
-            default: one of ``DEFAULT_GUARD_PAGES_PER_POOL_PAGE`` times the pool's pages,
-            created on first use).
+            default: as many pages as ``ranges`` holds, created on first use).
         exact: what reads pages exactly (default: ``decode_importance_paged``).
     """
 
     def __init__(
         self,
         params: HotSetParams,
-        summaries: PageSummaries,
+        ranges: KeyRanges,
         *,
+        pool_pages: int,
         page_size: int,
         threshold: int,
         residency: Optional[Residency] = None,
@@ -124,7 +127,8 @@ class HotSetDecoder:
     ) -> None:
         self.params = params
         self.request_params = request_params if request_params is not None else RequestParams()
-        self.summaries = summaries
+        self.ranges = ranges
+        self.pool_pages = pool_pages
         self.page_size = page_size
         self.threshold = threshold
         self.residency = residency if residency is not None else Residency()
@@ -143,6 +147,8 @@ class HotSetDecoder:
         self._workspace = PagedDecodeWorkspace()
         self._read = exact or self._read_paged
         self.last_guard: Optional[GuardOutcome] = None
+        # F(request) summed over the last step's tracked requests (footprint.held_bytes).
+        self.held_bytes = 0
 
     @property
     def states(self) -> dict[str, RequestHotSet]:
@@ -151,14 +157,14 @@ class HotSetDecoder:
     @property
     def guard(self) -> GuardPool:
         if self._guard is None:
-            layers, pages, kv_heads, dim = self.summaries.key_min.shape
+            r = self.ranges
             self._guard = GuardPool(
-                layers,
-                kv_heads,
-                dim,
+                r.num_layers,
+                r.num_kv_heads,
+                r.head_dim,
                 page_size=self.page_size,
-                capacity_pages=pages * DEFAULT_GUARD_PAGES_PER_POOL_PAGE,
-                device=self.summaries.key_min.device,
+                capacity_pages=r.capacity * DEFAULT_GUARD_PAGES_PER_RANGE_PAGE,
+                device=r.device,
             )
         return self._guard
 
@@ -197,7 +203,6 @@ class HotSetDecoder:
             if rows is not None and self.residency.enabled:
                 pages = self.residency.peek(rid)  # admitted by the scheduler, or None
             num_pages = -(-req_slots.numel() // ps)
-            tracked.refresh_summaries(self.summaries, req_slots, pages, num_pages, ps)
             (planned, sample), counts = self._plan(tracked, num_pages)
             if pages is not None:
                 req_slots = rows[i][: req_slots.numel()]
@@ -220,7 +225,7 @@ class HotSetDecoder:
                 )
             )
         self._step_layers = 0
-        self._plan_lists(self.summaries.key_min.shape[1])
+        self._plan_lists(self.pool_pages)
 
     def _plan_lists(self, pool_pages: int) -> None:
         """The step's part 1 and part 2 lists and its tally, built once where the step
@@ -231,9 +236,9 @@ class HotSetDecoder:
         self._exact = plan_exact(self._live, planned, pool_pages, ps)
         self._outside = plan_outside(self._live, planned)
         self._sample = SamplePlan.build(self._live, self._outside, ps)
-        device = self.summaries.key_min.device
+        device = self.ranges.device
         self._guard_lists = GuardLists.build(self._live, self._outside, self._sample, ps, device)
-        layers = self.summaries.key_min.shape[0]
+        layers = self.ranges.num_layers
         self._tally = StepTally.for_step(self._live, self._exact, self._outside, device, num_layers=layers)
         self._pool_pages_planned = pool_pages
         prepare = getattr(self._read, "slots", None)
@@ -245,8 +250,10 @@ class HotSetDecoder:
 
     def _drop(self, rid: str) -> None:
         tracked = self.tracked.pop(rid, None)
-        if tracked is not None and tracked.codes.numel():
-            self.guard.free(tracked.codes)
+        if tracked is not None:
+            self.ranges.free(tracked.ranges)
+            if tracked.codes.numel():
+                self.guard.free(tracked.codes)
 
     def drop_absent(self, rids: Sequence[str]) -> None:  # begin_step's rule, for a step without it (a CUDA graph's)
         for rid in [r for r in self.tracked if r not in rids]:
@@ -333,6 +340,14 @@ class HotSetDecoder:
         self._step_layers += 1
         return LayerResult(output, _rescaled(result, share), exact.kv_indptr, exact.kv_indices)
 
+    def _page_bytes(self) -> PageBytes:
+        """One page's device bytes (all layers): its KV in the pool, its range and code rows."""
+        kv = sum(
+            k[0].numel() * k.element_size() + v[0].numel() * v.element_size() for k, v in self._pool_pages.values()
+        )
+        r = self.ranges
+        return PageBytes(kv, 2 * r.key_min[:, 0].numel() * r.key_min.element_size(), self.guard.bytes_per_page())
+
     def _staged(self, layer_id: int, host_slots: torch.Tensor):
         if host_slots.numel() == 0:
             return None, None
@@ -347,7 +362,7 @@ class HotSetDecoder:
         self, layer_id: int, q: torch.Tensor, pool_pages: int, sm_scale: float, logit_cap: float
     ) -> tuple[ExactPlan, OutsidePlan]:
         """Quest picks each layer's pages from that layer's query: that layer's part 1 and 2."""
-        lists = quest_lists(self._live, layer_id, q, sm_scale=sm_scale, logit_cap=logit_cap)
+        lists = quest_lists(self._live, self.ranges, layer_id, q, sm_scale=sm_scale, logit_cap=logit_cap)
         return plan_exact(self._live, lists, pool_pages, self.page_size), plan_outside(self._live, lists)
 
     def _sample_pages(self, layer_id: int, k_pages, v_pages, sample: SamplePlan):
@@ -365,7 +380,7 @@ class HotSetDecoder:
         plan = lists.outside
         rows = plan.rows
         q_rows = q[rows]
-        outside = estimate_outside(q_rows, self.guard, layer_id, plan, *lists.key_range(layer_id), **run)
+        outside = estimate_outside(q_rows, self.guard, layer_id, plan, *lists.key_range(self.ranges, layer_id), **run)
         keys, values = self._sample_pages(layer_id, k_pages, v_pages, lists.sample)
         sampled = sampled_pages(q_rows, keys, values, lists.sample.valid, **run)
         outcome = guard_layer(
@@ -395,9 +410,10 @@ class HotSetDecoder:
         leaves out, the released ones it reads."""
         step = HotSetCounts()
         moves = StepMoves()
+        held, page = 0, self._page_bytes()
         ps = self.page_size
         if self._tally is not None:
-            self._tally.fold(self._live, self._exact, self._outside, self._step_layers)
+            self._tally.fold(self._live, self._exact, self._outside, self._step_layers, self.ranges)
         for live in self._live:
             if live.tracked is None:
                 continue
@@ -415,13 +431,19 @@ class HotSetDecoder:
             live.counts.late_arrivals = int(late.sum())
             live.counts.guard_fallbacks = int(bool(live.guarded.any()))
             length = live.slots.numel()
-            # Code the pages full now while every one of them is still on the device.
-            live.counts.guard_refused = code_pages(self.guard, live, length // ps, self._pool_pages, ps)
+            # Summarise the pages full now while every one of them is still on the device.
+            refused = summarise_pages(self.ranges, self.guard, live, length // ps, self._pool_pages, ps)
+            live.counts.ranges_refused, live.counts.guard_refused = refused
             step.add(live.counts)
             # The next step decodes one more token: plan it now, one step ahead.
             num_pages = -(-(length + 1) // ps)
             (plan, sample), counts = self._plan_pages(live.tracked, num_pages)
             live.tracked.next_plan = (num_pages, (plan, sample), counts)
+            # F(request) during this step: its pages on the device, its pool rows.
+            on_device = live.tokens.numel()
+            if live.pages is not None:
+                on_device -= int(live.pages.off_device(torch.arange(on_device)).sum())
+            held += held_bytes(on_device, live.tracked.ranges.numel(), live.tracked.codes.numel(), page)
             if live.pages is not None:
                 keep = torch.zeros(num_pages, dtype=torch.bool)
                 keep[plan] = True
@@ -432,6 +454,7 @@ class HotSetDecoder:
                     RequestMoves(live.pages.owner, torch.nonzero(full & ~keep).flatten(), _union(plan, sample))
                 )
         step.add(self.residency.take_counts())
+        self.held_bytes = held
         self._live = []
         self._exact = self._outside = self._sample = self._tally = self._guard_lists = None
         self.totals.add(step)

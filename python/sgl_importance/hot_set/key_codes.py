@@ -4,8 +4,8 @@ The guard (``estimate.py``) needs, for each page a step does not read, an interv
 for every token's logit: it decides which unread pages could carry enough mass to
 matter (read exactly) and ranks them for promotion. A key is stored as one 4-bit
 code per channel against the page's own per-channel range, the key min/max the hot
-set already keeps per page (``summaries.py``, ``TrackedRequest.key_min/key_max``),
-so the codes add nothing per page but themselves:
+set already keeps per page (``key_ranges.KeyRanges``, by the page's range id), so the
+codes add nothing per page but themselves:
 
     k_d = min_d + code_d * step_d,   step_d = (max_d - min_d) / 15,
 
@@ -121,6 +121,10 @@ class GuardPool:
     @property
     def nbytes(self) -> int:
         return self.codes.numel() * self.codes.element_size() + self.value_norm.numel() * 4
+
+    def bytes_per_page(self) -> int:
+        """Device bytes of one page id (all layers and KV heads): its codes and value norms."""
+        return self.num_layers * self.num_kv_heads * bytes_per_page(self.head_dim, self.page_size)
 
     def bytes_per_token(self) -> float:
         """Device bytes per token (all layers and KV heads) of the pages it holds."""

@@ -26,9 +26,9 @@ from typing import NamedTuple, Optional, Protocol, Sequence
 import torch
 
 from sgl_importance.hot_set.estimate import OutsidePlan, on_device
+from sgl_importance.hot_set.key_ranges import KeyRanges, key_bound
 from sgl_importance.hot_set.request_state import LiveRequest, page_slots, released_among
 from sgl_importance.hot_set.selection import quest_layer_pages
-from sgl_importance.hot_set.summaries import key_bound
 from sgl_kernel_ext import DecodeImportanceOutput, PagedDecodePlan, plan_paged_decode
 
 
@@ -233,10 +233,9 @@ class GuardLists:
         host_index, host_slots: those pages as ``SamplePlan`` lists its host pages: int64
             ``[k]`` into the flattened table, their host slots ``[k * page_size]`` (host).
         thresholds: float32 ``[n]`` each request's ``guard_threshold``.
-        key_min, key_max: ``[layers, n, P, Hkv, D]`` the rest pages' per-channel key
-            range in every layer (or in ``layer`` alone), the one their codes were
-            written against (``key_range``). It is the rest's share of the requests' own
-            summaries, gathered once per step instead of once per layer and request.
+        range_ids: int64 ``[n, P]`` the rest pages' range ids (``key_ranges.KeyRanges``,
+            0 on padding): a layer gathers its own ranges by them (``key_range``), the
+            ones their codes were written against.
         on_host: some rest page lives only in the host pool (released), so ``physical``
             cannot serve the guard's reads (``HotSetDecoder._read_exactly``).
         empty: no guarded request has a rest page (nothing to guard).
@@ -252,16 +251,14 @@ class GuardLists:
     host_index: torch.Tensor
     host_slots: torch.Tensor
     thresholds: torch.Tensor
-    key_min: Optional[torch.Tensor]
-    key_max: Optional[torch.Tensor]
+    range_ids: torch.Tensor
     on_host: bool
     empty: bool
     layer: Optional[int] = None
 
-    def key_range(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``layer``'s ``[n, P, Hkv, D]`` key min and max of the rest pages."""
-        at = layer if self.layer is None else layer - self.layer
-        return self.key_min[at], self.key_max[at]
+    def key_range(self, ranges: KeyRanges, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s ``[n, P, Hkv, D]`` key min and max of the rest pages (a gather by id)."""
+        return ranges.gather(layer, self.range_ids)
 
     @staticmethod
     def build(
@@ -273,13 +270,13 @@ class GuardLists:
         layer: Optional[int] = None,
     ) -> "GuardLists":
         """From the step's plans (on the host), once per step (or for ``layer`` alone)."""
-        layers = slice(None) if layer is None else slice(layer, layer + 1)
         n, width = outside.logical.shape
         empty = outside.empty  # decided on the host plan: no device value is read
         # Physical ids are gathered where the slots live (the device), never read back.
         physical = torch.zeros(n, width, dtype=torch.int64, device=_slots_device(live))
         released = torch.zeros(n, width, dtype=torch.bool)
-        thresholds, mins, maxs, host_slots = [], [], [], []
+        thresholds, host_slots = [], []
+        range_ids = torch.zeros(n, width, dtype=torch.int64)
         for i, row in enumerate(outside.rows.tolist()):
             req = live[row]
             cols = outside.valid[i]
@@ -292,9 +289,7 @@ class GuardLists:
             if bool(held.any()):
                 host_slots.append(req.pages.host_slots(pages[held]))
             thresholds.append(req.tracked.state.params.guard_threshold)
-            index = outside.logical[i].clamp_min(0).to(req.tracked.key_min.device)
-            mins.append(req.tracked.key_min[layers, index])
-            maxs.append(req.tracked.key_max[layers, index])
+            range_ids[i, : pages.numel()] = req.tracked.ranges[pages]
         move = lambda t: on_device(t, device)  # noqa: E731
         empty_list = torch.zeros(0, dtype=torch.int64)
         return GuardLists(
@@ -306,8 +301,7 @@ class GuardLists:
             host_index=torch.nonzero(released.flatten()).flatten(),
             host_slots=torch.cat(host_slots) if host_slots else empty_list,
             thresholds=torch.tensor(thresholds, dtype=torch.float32, device=device),
-            key_min=move(torch.stack(mins, dim=1)) if mins else None,
-            key_max=move(torch.stack(maxs, dim=1)) if maxs else None,
+            range_ids=move(range_ids),
             on_host=bool(host_slots),
             empty=empty,
             layer=layer,
@@ -315,7 +309,13 @@ class GuardLists:
 
 
 def quest_lists(
-    live: Sequence[LiveRequest], layer_id: int, q: torch.Tensor, *, sm_scale: float, logit_cap: float
+    live: Sequence[LiveRequest],
+    ranges: KeyRanges,
+    layer_id: int,
+    q: torch.Tensor,
+    *,
+    sm_scale: float,
+    logit_cap: float,
 ) -> list[Optional[torch.Tensor]]:
     """The ``quest`` baseline picks each layer's pages from that layer's query (a loop
     over its requests); the other requests keep their planned lists."""
@@ -323,10 +323,11 @@ def quest_lists(
     for b, req in enumerate(live):
         listed = req.planned
         if req.tracked is not None and req.tracked.state.params.policy == "quest" and req.counts.warmups == 0:
-            bounds = key_bound(
-                q[b], req.tracked.key_min[layer_id], req.tracked.key_max[layer_id],
-                sm_scale=sm_scale, logit_cap=logit_cap,
-            )  # fmt: skip
+            # Every page: full ones by their range id, the partial last (in the window,
+            # never ranked) by the padding id's empty range.
+            ids = torch.zeros(req.tokens.numel(), dtype=torch.int64)
+            ids[: req.tracked.ranges.numel()] = req.tracked.ranges[: ids.numel()]
+            bounds = key_bound(q[b], *ranges.gather(layer_id, ids), sm_scale=sm_scale, logit_cap=logit_cap)
             listed = quest_layer_pages(bounds.cpu(), req.tracked.state.params)  # planned on the host
         lists.append(listed)
     return lists

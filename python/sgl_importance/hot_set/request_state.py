@@ -1,13 +1,13 @@
 """The hot-set decoder's records of its requests, by logical page.
 
 ``TrackedRequest`` is what a long request keeps across decode steps: its hot set
-(``selection.RequestHotSet``), the key min/max summaries of its pages, the guard ids of
-its pages' key codes (``key_codes.py``), its page sample's draws (``sample.py``) and the
-plan made one step ahead. ``LiveRequest`` is a request of
-the step in progress, with what the step's layers found about its pages (exact masses,
-estimated masses of unread pages, the guard's reads, the step's counts).
-``page_slots`` and ``released_among`` map logical pages to token slots and to the
-pages the request has given back to the allocator (``residency.RequestPages``).
+(``selection.RequestHotSet``), the range ids of its full pages' key ranges
+(``key_ranges.py``), the guard ids of their key codes (``key_codes.py``), its page
+sample's draws (``sample.py``) and the plan made one step ahead. ``LiveRequest`` is a
+request of the step in progress, with what the step's layers found about its pages (exact
+masses, estimated masses of unread pages, the guard's reads, the step's counts).
+``page_slots`` and ``released_among`` map logical pages to token slots and to the pages
+the request has given back to the allocator (``residency.RequestPages``).
 
 Plain torch; nothing here imports SGLang.
 """
@@ -22,60 +22,24 @@ import torch
 from sgl_importance.hot_set.residency import RequestPages
 from sgl_importance.hot_set.sample import PageDraw
 from sgl_importance.hot_set.selection import HotSetCounts, RequestHotSet
-from sgl_importance.hot_set.summaries import PageSummaries
+
+
+def _no_ids() -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.int64)
 
 
 @dataclass
 class TrackedRequest:
-    """A long request's state kept across steps."""
+    """A long request's state kept across steps (ids on the host, by full logical page)."""
 
     state: RequestHotSet
-    key_min: Optional[torch.Tensor] = None  # [layers, pages, kv_heads, D], by logical page
-    key_max: Optional[torch.Tensor] = None
+    ranges: torch.Tensor = field(default_factory=_no_ids)  # range id per full page (key_ranges.KeyRanges)
     draw: Optional[PageDraw] = None  # the page sample's draws (guarded requests)
-    codes: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # guard id per full page
+    codes: torch.Tensor = field(default_factory=_no_ids)  # guard id per full page
     sample_pi: float = 1.0  # the sample's inclusion probability in the current plan
     guard_refused: bool = False  # the guard pool had no room for its codes: decodes unguarded
+    ranges_refused: bool = False  # the range pool had no room: decodes dense, every page kept
     next_plan: Optional[tuple[int, torch.Tensor, HotSetCounts]] = None  # (pages, plan, counts)
-
-    def refresh_summaries(
-        self,
-        summaries: PageSummaries,
-        slots: torch.Tensor,
-        pages: Optional[RequestPages],
-        num_pages: int,
-        page_size: int,
-    ) -> None:
-        """Copy the physical pages' key min/max into the request's logical pages.
-
-        Args:
-            summaries: the physical page summaries the KV writes keep up to date.
-            slots: the request's token slots (released pages show the padding slot).
-            pages: its release record, or None where nothing of it can be released.
-            num_pages: its logical pages this step.
-            page_size: tokens per page.
-        """
-        # Pages from the last known one on may have new keys (decode writes into the
-        # last page); a released page was full and copied while it was resident. A
-        # coded page keeps the range its codes were written against.
-        known = 0 if self.key_min is None else self.key_min.shape[1]
-        if known < num_pages:
-            shape = list(summaries.key_min.shape)
-            shape[1] = num_pages - known
-            grow_min = summaries.key_min.new_full(shape, float("inf"))
-            grow_max = summaries.key_max.new_full(shape, float("-inf"))
-            if self.key_min is None:
-                self.key_min, self.key_max = grow_min, grow_max
-            else:
-                self.key_min = torch.cat((self.key_min, grow_min), dim=1)
-                self.key_max = torch.cat((self.key_max, grow_max), dim=1)
-        fresh = torch.arange(max(0, known - 1, self.codes.numel()), num_pages)
-        fresh = fresh[~released_among(pages, fresh)]
-        dev = summaries.key_min.device
-        physical = torch.div(slots[(fresh * page_size).to(slots.device)], page_size, rounding_mode="floor")
-        physical, fresh = physical.to(dev, torch.int64), fresh.to(dev)
-        self.key_min[:, fresh] = summaries.key_min[:, physical]
-        self.key_max[:, fresh] = summaries.key_max[:, physical]
 
 
 @dataclass

@@ -116,6 +116,7 @@ class HotSetCounts(ReleaseCounts):
     guard_reads: int = 0  # ... of which the guard read pages exactly (heavy pages or the whole rest)
     guard_full_reads: int = 0  # ... of which the bound exceeded the threshold: the whole rest read
     guard_refused: int = 0  # requests refused a guard: no room for their key codes (decoded unguarded)
+    ranges_refused: int = 0  # requests refused key ranges: no room in the pool (decoded dense, nothing released)
     pages_attended: int = 0  # pages read exactly, summed over layers (the guard's reads included)
     pages_guard_read: int = 0  # pages the guard read exactly, summed over layers
     pages_estimated: int = 0  # rest pages left to the sampled estimate, summed over layers
@@ -291,7 +292,7 @@ def quest_layer_pages(bounds: torch.Tensor, params: HotSetParams) -> torch.Tenso
 
     Args:
         bounds: ``[pages, q_heads]`` logit bounds of the request's pages for this layer's
-            query (``summaries.key_bound``); a page's rank is its largest over heads
+            query (``key_ranges.key_bound``); a page's rank is its largest over heads
             (a page any head may need).
         params: the request's policy settings (budget, sinks, window).
 

@@ -21,9 +21,9 @@ import torch
 
 from sgl_importance.hot_set.estimate import OutsidePlan, on_device
 from sgl_importance.hot_set.guard import GuardOutcome
+from sgl_importance.hot_set.key_ranges import KeyRanges, key_bound
 from sgl_importance.hot_set.page_lists import ExactPlan
 from sgl_importance.hot_set.request_state import LiveRequest, released_among
-from sgl_importance.hot_set.summaries import key_bound
 from sgl_kernel_ext import DecodeImportanceOutput
 
 # The key ranges the step's end copies at once for one request's bounds (a Llama-8B shape
@@ -220,7 +220,7 @@ class StepTally:
         self.bound_lse[slot].copy_(result.lse.index_select(0, index))
         self.bound_layer_ids.append(layer_id)
 
-    def _reduce_layers(self, live: Sequence[LiveRequest]) -> None:
+    def _reduce_layers(self, live: Sequence[LiveRequest], ranges: Optional[KeyRanges]) -> None:
         """The kept layers into ``exact_mass`` and ``bound_mass``: for each page, the sum
         (or, for rows that rank by max, the largest) over layers of its mass, and the
         largest over layers and heads of its key-bound mass. Then the buffers go."""
@@ -234,28 +234,28 @@ class StepTally:
             reduced = torch.where(by_max, per_kv.amax(dim=3), per_kv.mean(dim=3))  # [L, bs, W]
             self.exact_mass = torch.where(by_max, reduced.amax(dim=0).clamp_min(0.0), reduced.sum(dim=0))
         if self.bound_layer_ids:
-            self._reduce_bounds(live)
+            self._reduce_bounds(live, ranges)
         self.layer_importance = self.layer_share = self.bound_q = self.bound_lse = None
         self.bound_layer_ids = None
 
-    def _reduce_bounds(self, live: Sequence[LiveRequest]) -> None:
-        """Guard off, nothing estimated: rank unread pages by their key min/max bound
+    def _reduce_bounds(self, live: Sequence[LiveRequest], ranges: KeyRanges) -> None:
+        """Guard off, nothing estimated: rank unread full pages by their key min/max bound
         (Quest's), as a mass against the attended denominator, largest over layers and
         heads; per request, over the kept layers a few at a time (a chunk's key ranges,
-        copied for the bound, stay under ``BOUND_CHUNK_BYTES``)."""
+        gathered from the range pool for the bound, stay under ``BOUND_CHUNK_BYTES``)."""
         ids = torch.tensor(self.bound_layer_ids)
         rows = [b for b, req in enumerate(live) if req.bounds_unread]
+        page_bytes = ranges.key_min[0, 0].numel() * ranges.key_min.element_size() * 2
         for i, b in enumerate(rows):
             tracked = live[b].tracked
-            pages = min(live[b].tokens.numel(), tracked.key_min.shape[1])
-            per_layer_bytes = max(pages * tracked.key_min[0, 0].numel() * tracked.key_min.element_size() * 2, 1)
-            chunk = max(1, BOUND_CHUNK_BYTES // per_layer_bytes)
+            pages = min(live[b].tokens.numel(), tracked.ranges.numel())
+            if pages == 0:
+                continue
+            chunk = max(1, BOUND_CHUNK_BYTES // max(pages * page_bytes, 1))
             best = None
             for c0 in range(0, ids.numel(), chunk):
                 slots = slice(c0, c0 + chunk)
-                layers = ids[slots].to(self.bound_q.device)
-                kmin = tracked.key_min.index_select(0, layers)[:, :pages]  # [l, P, kv, D]
-                kmax = tracked.key_max.index_select(0, layers)[:, :pages]
+                kmin, kmax = ranges.gather(ids[slots], tracked.ranges[:pages])  # [l, P, kv, D]
                 bounds = key_bound(self.bound_q[slots, i], kmin, kmax, **self.run).double()  # [l, P, Hq]
                 log_mass = bounds + self.bound_log_tokens[i, :pages, None] - self.bound_lse[slots, i].double()[:, None]
                 # Largest over heads per layer, then over layers. A layer's NaN (a page with
@@ -291,14 +291,22 @@ class StepTally:
             req.counts.pages_guard_read_from_host += host_read
             req.counts.pages_attended += int(tally.pages_sampled[i])  # read exactly, each page on its own
 
-    def fold(self, live: Sequence[LiveRequest], exact: ExactPlan, outside: OutsidePlan, step_layers: int) -> None:
+    def fold(
+        self,
+        live: Sequence[LiveRequest],
+        exact: ExactPlan,
+        outside: OutsidePlan,
+        step_layers: int,
+        ranges: Optional[KeyRanges] = None,
+    ) -> None:
         """Once per step: the tally into each request's accumulators.
 
         Args:
             exact, outside: the step's fixed lists (part 1 and part 2).
             step_layers: layers attended in the step.
+            ranges: the key-range pool the guard-off rows' bounds read.
         """
-        self._reduce_layers(live)
+        self._reduce_layers(live, ranges)
         tally = self.on_host()  # one copy per step from the layers' device
         guard_off = 0
         for b, req in enumerate(live):

@@ -53,6 +53,10 @@ class StepObserver(Protocol):
     def finish_step(self, table: Any) -> None: ...
 
 
+# Device bytes per page of the KV pool: three float32 (last step, accumulated, step in progress).
+TABLE_BYTES_PER_PAGE = 12
+
+
 class PageImportanceTable:
     """Per-physical-page importance of the last recorded decode step and its sum.
 
@@ -195,6 +199,11 @@ class PageImportanceTable:
         self.resets += 1
 
     # -- consumers ----------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the table's per-page state (``TABLE_BYTES_PER_PAGE`` per page)."""
+        return sum(t.numel() * t.element_size() for t in (self.last, self.accumulated, self._step))
 
     @property
     def steps(self) -> int:
