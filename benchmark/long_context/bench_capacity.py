@@ -3,10 +3,11 @@
 Each configuration gets a fresh ``python -m sglang.launch_server`` on torch_cpu with
 ``importance_torch``, HiCache's host pool (``--enable-hierarchical-cache``) and
 ``--decode-log-interval 1``, so that every decode step logs its running requests.
-**Equal memory**: dense gets ``--device-tokens`` of KV pool; a hot-set server gets the
-same bytes for its KV pool, its guard's pool (which the server takes out of
-``--max-total-tokens`` itself) and its key summaries (which this benchmark takes out:
-``hot_set_tokens``). All configurations see the same prompts, distinct essay slices
+**Equal memory**: every server gets the same ``--max-total-tokens`` (``--device-tokens``):
+dense all of it for its KV pool, a hot-set server its KV pool and, taken out of it by the
+server itself, every device byte of its own (the key-range and key-code pools and the page
+importance table: nothing outside). ``--dtype`` is pinned (float32 by default, the runs on
+record; a CPU with bfloat16 would pick that). All configurations see the same prompts, distinct essay slices
 of ``--length`` tokens: one alone (batch 1), then, after ``/flush_cache`` (a concurrent
 request matching a cached prompt would pin that prefix on the device), ``--requests``
 more sent at once, ``--max-new`` greedy tokens each (``ignore_eos``). Short prompts
@@ -38,7 +39,6 @@ from pathlib import Path
 
 from benchmark.long_context.bench_hot_set import PAGE, essay_text
 from sgl_importance.client import flush_cache, generate, greedy, metrics_text
-from sgl_importance.hot_set.guard_budget import auto_coverage
 from sgl_importance.local_server import LocalServer, metric, model_path
 
 DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+), .*gen throughput \(token/s\): ([\d.]+)")
@@ -46,34 +46,19 @@ TOKENS_LINE = re.compile(r"Decode batch, #running-req: \d+, #token: (\d+),")
 SOLO_NEW = 128
 RELEASED = "sgl_importance:hot_set_pages_released_total"
 KV_LINE = re.compile(r"max_total_num_tokens=(\d+)")
-GUARD_LINE = re.compile(r"hot set: guard pool of (\d+) tokens \(\d+ pages\), ([\d.]+) MiB")
+POOLS_LINE = re.compile(r"hot set: pools of (\d+) tokens .*?; ([\d.]+) MiB in all")
 
 
 CONFIG_KEYS = ("dense", "guard", "guard-off")
-
-
-def hot_set_tokens(device_tokens: int, budget: float) -> int:
-    """The hot-set server's ``--max-total-tokens`` for the same bytes as dense's pool.
-
-    The guard's pool is taken out of ``--max-total-tokens`` by the server itself. What
-    is not: the key min/max summaries, ``2 x D`` elements per page and KV head in the
-    KV's dtype, i.e. ``1 / PAGE`` of the KV's bytes per token, kept for every page of
-    the pool and again for every page of each hot-set request's context (up to the
-    guard's coverage, ``1 / budget`` times the pool, with pages released to the host).
-    Those come out here: ``tokens x (1 + (1 + coverage) / PAGE) <= device_tokens``.
-    """
-    coverage = auto_coverage(budget, hierarchical=True)
-    tokens = device_tokens / (1.0 + (1.0 + coverage) / PAGE)
-    return int(tokens) // PAGE * PAGE
 
 
 def configs(budget: float, keys: list[str], device_tokens: int) -> dict[str, tuple[int, list[str]]]:
     """name -> (``--max-total-tokens``, the other flags): dense (always, the baseline),
     then of ``keys``: the hot set with the server's default guard (``guard``), and with
     the guard off (``guard-off``: reads only the hot set, what the page saving is worth
-    in decode speed), each at dense's bytes (``hot_set_tokens``)."""
+    in decode speed), each at dense's ``--max-total-tokens`` (its pools come out of it)."""
     hot = ["--hot-set-policy", "importance", "--hot-set-budget", str(budget), "--hot-set-threshold", "512"]
-    tokens = hot_set_tokens(device_tokens, budget)
+    tokens = device_tokens
     every = {
         "dense": ("dense", (device_tokens, [])),
         "guard": (f"hot set {budget:.0%}", (tokens, hot)),
@@ -85,7 +70,8 @@ def configs(budget: float, keys: list[str], device_tokens: int) -> dict[str, tup
 def run_config(name: str, tokens: int, extra: list[str], prompts: list[list[int]], a, out: Path) -> dict:
     args = [
         "--page-size", str(PAGE), "--attention-backend", "importance_torch", "--enable-hierarchical-cache",
-        "--max-total-tokens", str(tokens), "--decode-log-interval", "1", "--enable-metrics", *extra,
+        "--max-total-tokens", str(tokens), "--decode-log-interval", "1", "--enable-metrics", "--dtype", a.dtype,
+        *extra,
     ]  # fmt: skip
     if a.hicache_ratio:
         args += ["--hicache-ratio", str(a.hicache_ratio)]
@@ -120,7 +106,7 @@ def run_config(name: str, tokens: int, extra: list[str], prompts: list[list[int]
     finally:
         server.stop()
     kv = KV_LINE.search(log_text)
-    guard = GUARD_LINE.search(log_text)
+    pools = POOLS_LINE.search(log_text)
     peak = max((n for n, _ in lines), default=0)
     held = [int(m.group(1)) for m in TOKENS_LINE.finditer(log_text[mark:])]
     at_peak = [rate for n, rate in lines if n == peak]
@@ -136,8 +122,8 @@ def run_config(name: str, tokens: int, extra: list[str], prompts: list[list[int]
         "pages_released": released,
         "device_tokens_peak": max(held, default=0),
         "kv_tokens": int(kv.group(1)) if kv else 0,
-        "guard_tokens": int(guard.group(1)) if guard else 0,
-        "guard_mib": float(guard.group(2)) if guard else 0.0,
+        "pool_tokens": int(pools.group(1)) if pools else 0,
+        "pool_mib": float(pools.group(2)) if pools else 0.0,
     }
 
 
@@ -177,6 +163,7 @@ def main() -> None:
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--budget", type=float, default=0.2)
     p.add_argument("--hicache-ratio", type=float, default=0.0, help="host pool over the device pool (0: SGLang's)")
+    p.add_argument("--dtype", default="float32", help="every server's --dtype (the runs on record: float32)")
     p.add_argument("--configs", default="guard,guard-off", help=f"beside dense, from {', '.join(CONFIG_KEYS[1:])}")
     p.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench_capacity_")))
     a = p.parse_args()
@@ -206,7 +193,7 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
         "| decode tok/s, bs 1 | decode tok/s at that batch | greedy outputs = dense | peak RSS, MB "
         "| tokens before the first difference from dense: min / median | pages released "
         "| device KV tokens in use, most in one step "
-        "| KV pool tokens | guard pool: tokens, MiB |",
+        "| KV pool tokens | hot-set pools: tokens, MiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -224,7 +211,7 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
             f"{r.get('pages_released', 0):.0f}",
             r.get("device_tokens_peak", 0),
             r.get("kv_tokens", 0),
-            f"{r.get('guard_tokens', 0)}, {r.get('guard_mib', 0.0):.1f}",
+            f"{r.get('pool_tokens', 0)}, {r.get('pool_mib', 0.0):.1f}",
         )
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     table = "\n".join(lines)
@@ -233,10 +220,9 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
         "# Capacity: long requests from a fixed device pool (bench_capacity.py)\n\n"
         f"Command (took {minutes:.0f} min):\n\n"
         f"```\n{command}\n```\n\n{a.requests} requests of {a.length} tokens at once, {a.max_new} new tokens each, "
-        f"dense's device pool {a.device_tokens} tokens ({a.device_tokens // PAGE} pages of {PAGE}); the hot-set "
-        f"servers the same bytes: --max-total-tokens {hot_set_tokens(a.device_tokens, a.budget)} for their KV and "
-        "guard pools (the server takes the guard's pages out of it), the rest for their key summaries; "
-        "HiCache host pool on.\n\n"
+        f"--max-total-tokens {a.device_tokens} for every server ({a.device_tokens // PAGE} pages of {PAGE}): "
+        "dense's KV pool; a hot-set server's KV pool and its pools (key ranges, key codes, the page importance "
+        f"table), which it takes out of it itself; --dtype {a.dtype}; HiCache host pool on.\n\n"
         f"{table}\n"
     )
     (out / "RESULTS_capacity.md").write_text(text)

@@ -24,9 +24,9 @@ Arms, each on a fresh server:
 - ``hot-set-host``: the same with ``--hot-set-prefix host``: a running request holds
   its matched prefix in the host pool and brings back the pages its plan asks for.
 
-**Equal memory**, as ``bench_capacity``: dense gets ``--device-tokens`` of KV pool; a
-hot-set server gets the same bytes for its KV pool, its guard's pool and its key
-summaries (``bench_capacity.hot_set_tokens``); every arm gets the same host pool,
+**Equal memory**, as ``bench_capacity``: every arm gets the same ``--max-total-tokens``
+(a hot-set server takes its pools, every device byte of its own, out of it); every arm
+gets the same host pool,
 ``--hicache-ratio`` (default SGLang's 2) times dense's device pool (SGLang sizes it as a
 ratio of the server's KV pool, so a hot-set server is given its own ratio; the table
 gives both pools).
@@ -70,7 +70,7 @@ from typing import Callable, Optional
 
 import requests
 
-from benchmark.long_context.bench_capacity import KV_LINE, decode_steps, hot_set_tokens
+from benchmark.long_context.bench_capacity import KV_LINE, decode_steps
 from benchmark.long_context.bench_hot_set import NAMES, PAGE, essay_text
 from sgl_importance.client import flush_cache, greedy, metrics_text
 from sgl_importance.hot_set.guard_budget import KVShape, auto_coverage, plan_guard
@@ -224,12 +224,12 @@ SGLANG_HICACHE_RATIO = 2.0  # SGLang's --hicache-ratio default
 
 
 def kv_pool_tokens(arm: str, max_total_tokens: int, shape: KVShape) -> int:
-    """The KV pool the arm's server will have: a hot-set server's guard pool (auto size)
-    comes out of ``--max-total-tokens`` (``guard_budget.plan_guard``, as the server does)."""
+    """The KV pool the arm's server will have: a hot-set server's pools (auto size) come
+    out of ``--max-total-tokens`` (``guard_budget.plan_guard``, as the server does)."""
     if not arm.startswith("hot-set"):
         return max_total_tokens
     coverage = auto_coverage(BUDGET, hierarchical=True)
-    return plan_guard(max_total_tokens, shape, guard_tokens=None, coverage=coverage).kv_tokens
+    return plan_guard(max_total_tokens, shape, guard_tokens=None, coverage=coverage, ranges=True).kv_tokens
 
 
 def arm_flags(arm: str, device_tokens: int) -> tuple[int, list[str]]:
@@ -240,7 +240,7 @@ def arm_flags(arm: str, device_tokens: int) -> tuple[int, list[str]]:
         return device_tokens, ["--radix-eviction-policy", "importance"]
     prefix = {"hot-set-device": "device", "hot-set-host": "host"}[arm]
     hot = ["--hot-set-policy", "importance", "--hot-set-budget", str(BUDGET), "--hot-set-prefix", prefix]
-    return hot_set_tokens(device_tokens, BUDGET), ["--radix-eviction-policy", "importance", *hot]
+    return device_tokens, ["--radix-eviction-policy", "importance", *hot]
 
 
 # --- one arm against a server ----------------------------------------------------------
@@ -599,9 +599,8 @@ def write_results(results: list[dict], config: dict, a, minutes: float, out: Pat
         f"Command (took {minutes:.0f} min):\n\n```\n{command}\n```\n\n"
         f"{a.sessions} sessions at once, {a.turns} turns each, {a.facts_per_turn} fact questions a turn "
         f"({questions} per arm), opening histories of {a.length} tokens, {a.max_new} greedy tokens per answer. "
-        f"Dense's device pool {a.device_tokens} tokens ({a.device_tokens // PAGE} pages of {PAGE}); the hot-set "
-        f"arms the same bytes: --max-total-tokens {hot_set_tokens(a.device_tokens, BUDGET)} for their KV and "
-        f"guard pools, the rest for their key summaries; every arm's HiCache host pool {host:.0f} tokens "
+        f"--max-total-tokens {a.device_tokens} for every arm ({a.device_tokens // PAGE} pages of {PAGE}; a "
+        f"hot-set server takes its pools out of it itself); every arm's HiCache host pool {host:.0f} tokens "
         f"(each server's own --hicache-ratio over its KV pool). KV bytes per token: {token_bytes:,} for this "
         f"server ({dtype}), {LLAMA_8B_TOKEN_BYTES:,} at a Llama-3.1-8B shape (32 layers, 8 KV heads, head dim "
         "128, bf16).\n\n"

@@ -1,13 +1,14 @@
-"""The guard's pool inside the memory budget, in the real server.
+"""The hot set's pools inside the memory budget, in the real server.
 
 Two servers on the embedded model, one after the other, with 16-token pages and a
 2048-token device pool (``--max-total-tokens``): without a hot set (the KV pool
-alone), then with the importance hot set for requests past 128 tokens and a guard
-of 256 tokens (16 pages). The second's KV pool is smaller by the whole pages that
-hold the guard's bytes; its start-up line and ``/metrics`` state the guard's size;
-a request whose full pages do not fit in the guard's pool is served unguarded, and
-counted. No host pool: the guard's size here is stated, not auto, and a server
-without one starts on a machine short of RAM.
+alone), then with the importance hot set for requests past 128 tokens and pools of
+256 tokens (16 pages of key ranges and of key codes). The second's KV pool is smaller
+by the whole pages that hold the pools' bytes (and the page importance table's); its
+start-up line and ``/metrics`` state their size; a request whose full pages do not fit
+in the pools is served dense with every page kept, and counted. No host pool: the
+pools' size here is stated, not auto, and a server without one starts on a machine
+short of RAM. The arithmetic reads the dtype the server picked from its log.
 """
 
 from __future__ import annotations
@@ -78,32 +79,36 @@ def test_the_kv_pool_gives_up_the_pages_that_hold_the_guard_and_says_so(guarded,
     log = guarded.log()
     from sgl_importance.hot_set.guard_budget import plan_guard
 
-    expected = plan_guard(kv_tokens_alone, model_shape(model_path, log), guard_tokens=GUARD_TOKENS)
-    assert expected.guard_pages == GUARD_TOKENS // PAGE and expected.kv_tokens_given_up > 0
+    shape = model_shape(model_path, log)
+    expected = plan_guard(kv_tokens_alone, shape, guard_tokens=GUARD_TOKENS, ranges=True)
+    assert expected.guard_pages == expected.range_pages == GUARD_TOKENS // PAGE and expected.kv_tokens_given_up > 0
     assert server_tokens(guarded) == expected.kv_tokens < kv_tokens_alone
-    line = re.search(r"hot set: guard pool of .*", log).group(0)
-    assert f"guard pool of {GUARD_TOKENS} tokens ({GUARD_TOKENS // PAGE} pages)" in line
+    line = re.search(r"hot set: pools of .*", log).group(0)
+    assert f"pools of {GUARD_TOKENS} tokens ({GUARD_TOKENS // PAGE} pages" in line
     assert f"{kv_tokens_alone} -> {expected.kv_tokens} (--max-total-tokens {DEVICE_TOKENS} bound it)" in line
-    assert gauge(guarded, "guard_capacity_pages") == GUARD_TOKENS // PAGE
+    assert gauge(guarded, "guard_capacity_pages") == gauge(guarded, "range_capacity_pages") == GUARD_TOKENS // PAGE
     assert gauge(guarded, "guard_bytes") == expected.guard_bytes
+    assert gauge(guarded, "range_bytes") == expected.range_bytes
 
 
 def filler(topic: str) -> str:
     return " ".join(f"Note {i} on {topic}: item {i} sits in box {i * 7 % 13} of row {i % 5}." for i in range(120))
 
 
-def test_a_request_the_guard_pool_cannot_hold_is_served_unguarded_and_counted(guarded, token_ids):
-    refused_before = metric(metrics_text(guarded.url), "sgl_importance:hot_set_guard_refused_total")
-    # 12 full pages: within the guard's 16.
+def test_a_request_the_pools_cannot_hold_is_served_dense_and_counted(guarded, token_ids):
+    refused_before = metric(metrics_text(guarded.url), "sgl_importance:hot_set_ranges_refused_total")
+    # 12 full pages: within the pools' 16.
     small = generate_ids(guarded, token_ids(filler("apples"), 200), MAX_NEW, timeout=600)
     assert len(small["output_ids"]) == MAX_NEW
     assert 0 < gauge(guarded, "guard_pages_in_use") <= GUARD_TOKENS // PAGE
-    # 37 full pages: more than the pool holds, and it does not grow.
+    assert 0 < gauge(guarded, "range_pages_in_use") <= GUARD_TOKENS // PAGE
+    # 37 full pages: more than the pools hold, and they do not grow.
     large = generate_ids(guarded, token_ids(filler("pears"), 600), MAX_NEW, timeout=600)
     assert len(large["output_ids"]) == MAX_NEW
     after = metrics_text(guarded.url)
-    assert metric(after, "sgl_importance:hot_set_guard_refused_total") - refused_before == 1
+    assert metric(after, "sgl_importance:hot_set_ranges_refused_total") - refused_before == 1
     assert metric(after, "sgl_importance:hot_set_guard_capacity_pages") == GUARD_TOKENS // PAGE
-    # The first request's codes went back when it left; the refused one holds none.
+    # The first request's rows went back when it left; the refused one holds none.
     assert metric(after, "sgl_importance:hot_set_guard_pages_in_use") == 0
-    assert "no room in the guard pool" in guarded.log()
+    assert metric(after, "sgl_importance:hot_set_range_pages_in_use") == 0
+    assert "no room in the key-range pool" in guarded.log()

@@ -5,7 +5,7 @@ whose KV exceeds the device pool decode together.
 Two servers run one after the other on the embedded model with 16-token pages:
 importance_torch without a hot set (the dense reference), then the importance hot
 set with a 40-page budget for requests past 256 tokens, ``/metrics`` on, HiCache's
-host pool (where released pages go) and a 2048-token (128-page) device pool. A
+host pool (where released pages go) and a 1968-token (123-page) device pool. A
 ~600-token prompt (38 pages) fits the budget; a ~1200-token prompt (75 pages)
 does not.
 """
@@ -22,22 +22,24 @@ import requests
 
 from sgl_importance.client import metrics_text
 from sgl_importance.local_server import metric
-from support.server import generate_ids
+from support.server import assert_same_until_a_near_tie, generate_ids, generate_with_tops
 
 pytestmark = pytest.mark.e2e
 
 PAGE = 16
 MAX_NEW = 8
-BASE_ARGS = ["--page-size", str(PAGE), "--attention-backend", "importance_torch"]
-# The guard's pool comes out of the device pool's memory: 2560 tokens of key codes (two
-# 1200-token requests) take 176 of 2224 float32 KV tokens, leaving 2048 (the start-up log
-# line says how many).
+# Float32 pinned: a budget covering every page must decode exactly like dense, and the pools
+# below are sized for float32's bytes per token.
+BASE_ARGS = ["--dtype", "float32", "--page-size", str(PAGE), "--attention-backend", "importance_torch"]
+# The hot set's pools come out of the device pool's memory: 2560 tokens (two 1200-token
+# requests) of key codes and key ranges take 256 of 2224 float32 KV tokens, leaving 1968
+# (123 pages; the start-up log line says how many).
 HOT_SET_ARGS = [
     "--hot-set-policy", "importance", "--hot-set-budget", "40", "--hot-set-threshold", "256",
     "--hot-set-window", "2", "--hot-set-guard-threshold", "0.1", "--enable-metrics",
     "--enable-hierarchical-cache", "--max-total-tokens", "2224", "--hot-set-guard-tokens", "2560",
 ]  # fmt: skip
-DEVICE_TOKENS = 2048
+DEVICE_TOKENS = 1968
 
 
 def essay_text() -> str:
@@ -51,11 +53,6 @@ def prompts(token_ids):
     text = essay_text()
     # Token ids, so the lengths (and so the page counts) are exact.
     return {"fits": token_ids(text, 600), "exceeds": token_ids(text, 1200)}
-
-
-# Dense's top two log-probabilities closer than this are a tie for a greedy check: a
-# perturbation as small as float32 rounding may pick either.
-NEAR_TIE = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -81,16 +78,6 @@ def dense_run(launch, prompts):
 @pytest.fixture(scope="module")
 def dense_outputs(dense_run):
     return dense_run[0]
-
-
-def assert_follows_dense_until_a_tie(ids: list[int], dense: list[int], tops: list[list[tuple[float, int]]]) -> None:
-    """Greedy tokens equal dense's at every step where dense's choice is clear; at the
-    first near-tie either tied token is right, and the texts may part there."""
-    for step, (got, want, top) in enumerate(zip(ids, dense, tops)):
-        if top[0][0] - top[1][0] < NEAR_TIE:
-            assert got in (top[0][1], top[1][1]), f"step {step}: {got} is neither of dense's tied {top}"
-            return
-        assert got == want, f"step {step}: {ids} vs dense {dense}"
 
 
 @pytest.fixture(scope="module")
@@ -141,28 +128,13 @@ def test_a_small_budget_serves_and_the_metrics_count_it(hot_set_server, prompts,
     # wherever dense's choice is clear. (This prompt's third token is an exact tie in
     # bfloat16, "'m" vs "'ve": rounding-level changes to attention pick either.)
     outputs, tops = dense_run
-    assert_follows_dense_until_a_tie(ids, outputs["exceeds"], tops["exceeds"])
-
-
-def generate_with_tops(server, ids: list[int]) -> dict:
-    """Greedy tokens of ``ids`` with the cache report and the top two (logprob, id) per step."""
-    body = {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0},
-        "return_logprob": True,
-        "top_logprobs_num": 2,
-    }
-    r = requests.post(server.url + "/generate", json=body, timeout=900)
-    r.raise_for_status()
-    out = r.json()
-    out["tops"] = [[(lp, tid) for lp, tid, _ in step] for step in out["meta_info"]["output_top_logprobs"]]
-    return out
+    assert_same_until_a_near_tie(ids, outputs["exceeds"], tops["exceeds"])
 
 
 def test_requests_whose_kv_exceeds_the_device_pool_decode_together(hot_set_server, token_ids):
     ids = token_ids(essay_text(), 4000)
     pair = [ids[1300:2500], ids[2600:3800]]  # unlike the other prompts (ids[:1200])
-    # Both requests' KV (76 pages each) does not fit the 128-page device pool.
+    # Both requests' KV (76 pages each) does not fit the 123-page device pool.
     assert 2 * (len(pair[0]) + MAX_NEW) > DEVICE_TOKENS
     before, log_start = scrape(hot_set_server), len(hot_set_server.log())
     with ThreadPoolExecutor(2) as pool:
@@ -171,12 +143,12 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_together(hot_set_serve
     # The second prompt was prefilled while the first decoded: the first had given
     # back the device pages its hot set left out. (Without release it would wait.)
     assert re.search(r"Prefill batch, #new-seq: 1, #new-token: \d+, .*#running-req: 1,", log), log[-3000:]
-    alone = [generate_with_tops(hot_set_server, p) for p in pair]
+    alone = [generate_with_tops(hot_set_server, p, MAX_NEW) for p in pair]
     # Batched in twos or alone, the CPU kernel splits a request's pages differently (float
     # rounding), and one alone run reads its prompt from the prefix cache: the same tokens
     # until the first near-tie of the run alone, where either tied token is right.
     for both, one in zip(together, alone):
-        assert_follows_dense_until_a_tie(both["output_ids"], one["output_ids"], one["tops"])
+        assert_same_until_a_near_tie(both["output_ids"], one["output_ids"], one["tops"])
     # The first to finish came back to the device and entered the tree: its prompt
     # again is a prefix hit. (The second may find the device full of the first's
     # pages, not yet evictable; it is then left out of the tree, and counted.)

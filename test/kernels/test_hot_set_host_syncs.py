@@ -28,7 +28,7 @@ pytest.importorskip("sglang", reason="the backends subclass SGLang's")
 from sgl_importance.hot_set import HotSetParams  # noqa: E402
 from support.counted_world import END, START, counted_decode  # noqa: E402
 from support.host_syncs import LAUNCH, SYNC_KINDS  # noqa: E402
-from support.hot_set_world import DIM, KV_HEADS, Q_HEADS, parents_metadata  # noqa: E402
+from support.hot_set_world import DIM, KV_HEADS, PAGE, Q_HEADS, parents_metadata  # noqa: E402
 from support.kernel_device import EMPTY_PAGES_WARN  # noqa: E402
 
 pytestmark = [EMPTY_PAGES_WARN]
@@ -122,8 +122,8 @@ def test_a_batch_that_changed_reads_its_rows_back_once():
 
 def test_a_triton_layer_issues_the_same_few_launches_whatever_the_batch():
     # On a GPU an eager hot-set step is launch-bound (benchmark/gpu/RESULTS.md): a layer
-    # issues a fixed handful of device launches (the KV write, the summaries' kernel, the
-    # page-list read, what the tally keeps), none per request; the step's end reduces them.
+    # issues a fixed handful of device launches (the KV write, the page-list read, what the
+    # tally keeps), none per request; the step's end reduces them.
     params = HotSetParams(policy="importance", budget=0.2, window=1, sinks=1, guard_threshold=1.0)
     per_layer = {}
     for lengths in ([5, 120, 180], [5, 120, 130, 150, 170, 180]):
@@ -132,3 +132,41 @@ def test_a_triton_layer_issues_the_same_few_launches_whatever_the_batch():
     assert per_layer[3] == per_layer[6], per_layer
     (launches,) = per_layer[3]
     assert 0 < launches <= 16, launches
+
+
+# The triton parent's dense decode metadata (every token's slot: SGLang's TritonAttnBackend
+# builds it for every decode step, stood in for by support.hot_set_world), not the hot set's.
+PARENT_METADATA = "sgl_importance/attention/triton_backend.py"
+TALLY_BYTES_PER_PAGE = 16  # what a step reports per page and request: two float64
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["resident", "released"])
+def test_a_guard_off_step_allocates_nothing_that_grows_with_the_context(monkeypatch, release):
+    """Issue 45: after warm-up, no device allocation of a guard-off step is sized by the
+    requests' context: every one is the same at 60 and at 240 tokens but for the step's tally
+    (a float64 or two per page and request, what the step reports), with a budget in pages
+    (a plan's lists grow with a fractional budget by design). The key-bound ranking at the
+    step's end gathers ranges a fixed block at a time (``BOUND_CHUNK_BYTES``, made small
+    here so that the contexts span several blocks)."""
+    from sgl_importance.hot_set import step_tally
+
+    monkeypatch.setattr(step_tally, "BOUND_CHUNK_BYTES", 4096)
+    params = HotSetParams(policy="importance", budget=4, window=1, sinks=1, guard_threshold=1.0)
+    largest = {}
+    for tokens in (60, 240):
+        lengths = [5, tokens, tokens]
+        counter, _ = counted_decode(
+            "triton", params, release=release, lengths=lengths, layers=LAYERS, steps=2, warmup=2
+        )
+        largest[tokens] = {}
+        for _, _, site, nbytes in counter.allocations:
+            if not site.startswith(PARENT_METADATA):
+                largest[tokens][site] = max(largest[tokens].get(site, 0), nbytes)
+    # The tally pads every request's row to the longest: per row, the extra pages of the longest.
+    allowed = TALLY_BYTES_PER_PAGE * 3 * ((240 - 60) // PAGE + 1) + 64
+    grew = {
+        site: (largest[60].get(site, 0), n)
+        for site, n in largest[240].items()
+        if n - largest[60].get(site, 0) > allowed
+    }
+    assert grew == {}, f"allocations sized by context (bytes at 60, at 240 tokens): {grew}"

@@ -231,6 +231,8 @@ class HostSyncCounter(TorchFunctionMode):
         self._device = _Marked()  # tensors on the device
         self._sites: dict[str, Optional[str]] = {}  # filename -> its root-relative name, None if not ours
         self.functions: dict[str, str] = {}  # site -> the function it is in, for reports
+        # Each device allocation's (step, where, site, bytes): what a step allocates, by size.
+        self.allocations: list[tuple[int, str, str, int]] = []
 
     # -- labels -----------------------------------------------------------------
 
@@ -292,7 +294,9 @@ class HostSyncCounter(TorchFunctionMode):
             result = result.clone()
         if lands:
             if self._counting and result._base is None and not any(result is t for t in inputs):
-                self.events[Event(self.step, self._where, ALLOC, self._site(), True)] += 1
+                site = self._site()
+                self.events[Event(self.step, self._where, ALLOC, site, True)] += 1
+                self.allocations.append((self.step, self._where, site, result.numel() * result.element_size()))
             self._device.add(result)
         elif isinstance(result, (tuple, list)) and from_device and name not in _LEAVE_DEVICE:
             for r in result:

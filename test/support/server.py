@@ -16,6 +16,19 @@ from sgl_importance.client import generate, greedy
 from sgl_importance.env import CHECKS_ENV
 from sgl_importance.local_server import LocalServer
 
+# Forces every server the suite starts to one --dtype (docs/testing.md), unless the test
+# pins its own: "bfloat16" or "float32". Unset: torch_cpu's own pick (bfloat16 where the CPU
+# has it natively, else float32).
+TEST_DTYPE_ENV = "SGL_IMPORTANCE_TEST_DTYPE"
+
+
+def with_test_dtype(args: list[str]) -> list[str]:
+    """``args`` with the suite's forced ``--dtype``, where one is set and the test set none."""
+    dtype = os.environ.get(TEST_DTYPE_ENV)
+    if not dtype or "--dtype" in args:
+        return args
+    return [*args, "--dtype", dtype]
+
 
 class Server(LocalServer):
     """``python -m sglang.launch_server`` on torch_cpu (``sgl_importance.local_server``),
@@ -23,7 +36,7 @@ class Server(LocalServer):
 
     def __init__(self, model_path: str, args: list[str], env: dict[str, str], log: Path):
         # The suite's invariant checks, on in every server it starts (docs/testing.md).
-        super().__init__(model_path, args, log, {CHECKS_ENV: "1", **env})
+        super().__init__(model_path, with_test_dtype(list(args)), log, {CHECKS_ENV: "1", **env})
 
     def generate(self, text: str, max_new_tokens: int = 8, **extra) -> dict:
         """Greedy /generate of ``text`` with logprobs and the cache report."""
@@ -69,3 +82,39 @@ def launch_and_fail(model_path: str, *args: str) -> str:
     )
     assert proc.returncode != 0, "server started despite an invalid flag"
     return proc.stdout + proc.stderr
+
+
+# Top-two log-probabilities closer than this are a tie for a greedy check: a perturbation
+# as small as a path's rounding (another kernel, a prefix read back before an extend,
+# bfloat16) may pick either (docs/testing.md).
+NEAR_TIE = 0.1
+
+
+def generate_with_tops(server: LocalServer, input_ids: list[int], max_new_tokens: int, **extra) -> dict:
+    """Greedy /generate of exact token ids with the cache report and each step's top two
+    ``(logprob, id)`` under ``"tops"``."""
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, **extra.pop("sampling_params", {})}
+    out = generate(
+        server.url,
+        input_ids=input_ids,
+        sampling_params=sampling,
+        return_logprob=True,
+        top_logprobs_num=2,
+        return_cached_tokens_details=True,
+        timeout=900,
+        **extra,
+    )
+    out["tops"] = [[(lp, tid) for lp, tid, _ in step] for step in out["meta_info"]["output_top_logprobs"]]
+    return out
+
+
+def assert_same_until_a_near_tie(got: list[int], want: list[int], tops: list[list[tuple[float, int]]]) -> None:
+    """Greedy tokens ``got`` equal ``want`` at every step where ``want``'s run chose clearly
+    (its top two ``tops`` apart by ``NEAR_TIE`` or more); at its first near-tie either tied
+    token is right, and the two may part there."""
+    for step, (g, w, top) in enumerate(zip(got, want, tops)):
+        if top[0][0] - top[1][0] < NEAR_TIE:
+            assert g in (top[0][1], top[1][1]), f"step {step}: {g} is neither of the tied {top}"
+            return
+        assert g == w, f"step {step}: {got} vs {want}"
+    assert len(got) == len(want), (got, want)

@@ -48,10 +48,13 @@ def test_bound_is_at_least_every_logit_of_the_page(seed, logit_cap):
         logits = logit_cap * torch.tanh(logits / logit_cap)
     true_max = logits.reshape(10, PAGE, KV_HEADS * GROUP).amax(dim=1)
     assert (bound >= true_max - 1e-5).all()
-    # And it is attained by some corner of the box, so it is not vacuous: the bound
-    # of a page whose keys are all one key equals that key's logit.
+    # And it is attained by some corner of the box, so it is not vacuous: the bound of a
+    # page whose keys are all one key is that key's logit, but for the range's 16-bit
+    # storage, rounded outward (at most 2**-7 of each |q_d k_d|).
     one = key_bound(q, *ranges_of(keys[:1].expand(PAGE, -1, -1)), sm_scale=0.5, logit_cap=logit_cap)
-    assert torch.allclose(one[0], logits[0].reshape(-1), atol=1e-5)
+    slack = 0.5 * 2**-7 * torch.einsum("hgd,hd->hg", q.view(KV_HEADS, GROUP, DIM).abs(), keys[0].abs()).reshape(-1)
+    assert (one[0] >= logits[0].reshape(-1) - 1e-5).all()
+    assert (one[0] <= logits[0].reshape(-1) + slack + 1e-5).all()
 
 
 def test_a_pool_page_id_is_reused_after_it_is_freed_and_the_pool_never_grows():
@@ -82,8 +85,11 @@ def test_a_tracked_requests_full_pages_get_their_key_range_once_from_the_pool_wh
     assert tracked.ranges.numel() == 5  # every full page, once each
     for layer in range(layers):
         pages = k_buf[layer, PAGE : PAGE + 5 * PAGE].view(5, PAGE, KV_HEADS, DIM)
-        low, high = decoder.ranges.gather(layer, tracked.ranges)
-        assert torch.equal(low, pages.amin(dim=1)) and torch.equal(high, pages.amax(dim=1))
+        low, high = (r.float() for r in decoder.ranges.gather(layer, tracked.ranges))
+        # Stored in bfloat16 for float32 keys, rounded outward: every key inside, barely looser.
+        assert (low <= pages.amin(dim=1)).all() and (high >= pages.amax(dim=1)).all()
+        assert torch.allclose(low, pages.amin(dim=1), rtol=2**-7, atol=0)
+        assert torch.allclose(high, pages.amax(dim=1), rtol=2**-7, atol=0)
 
 
 def test_budget_is_pages_when_at_least_one_else_a_fraction_rounded_up():

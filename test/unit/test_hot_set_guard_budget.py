@@ -129,9 +129,10 @@ def test_with_the_guard_off_only_the_key_ranges_and_the_table_are_reserved(token
     assert fits(budget) and "no guard pool" in describe(budget)
 
 
-def test_a_range_page_is_an_eighth_of_the_page_keys_and_a_sixteenth_of_its_kv():
-    # Min and max vectors per page, layer and KV head, in the KV dtype.
+def test_a_range_page_is_a_sixteenth_of_bf16_kv_and_a_thirty_second_of_float32_kv():
+    # Min and max vectors per page, layer and KV head, in 16 bits.
     assert LLAMA.range_bytes_per_page * 16 == LLAMA.kv_bytes_per_page
+    assert SMOL.range_bytes_per_page * 32 == SMOL.kv_bytes_per_page
     ranges = KeyRanges(SMOL.num_layers, SMOL.num_kv_heads, SMOL.head_dim, capacity_pages=100)
     assert ranges.nbytes == SMOL.range_bytes(100)
 
@@ -160,9 +161,9 @@ def test_the_start_up_line_states_tokens_bytes_share_and_what_the_kv_pool_gave_u
     budget = plan_guard(2048, SMOL, guard_tokens=256, ranges=True)
     line = describe(replace(budget, sized_by="--max-total-tokens 2048"))
     assert "pools of 256 tokens (16 pages over 30 layers x 3 KV heads)" in line
-    # Float32 keys: a page's range (min and max, 2 x 64 x 4 bytes a head) weighs what its codes do.
-    assert "key ranges 0.75 MiB, guard codes 0.75 MiB" in line
-    assert "% of the KV pool's" in line and "gave up 48 tokens: 2048 -> 2000 (--max-total-tokens 2048)" in line
+    # Float32 keys, ranges in bfloat16: a page's range (2 x 64 x 2 bytes a head) is half its codes.
+    assert "key ranges 0.37 MiB, guard codes 0.75 MiB" in line
+    assert "% of the KV pool's" in line and "gave up 32 tokens: 2048 -> 2016 (--max-total-tokens 2048)" in line
 
 
 # -- the hook around SGLang's sizing ----------------------------------------------
@@ -201,7 +202,7 @@ def test_the_kv_pool_is_sized_again_under_the_guards_cap_and_the_runtime_keeps_t
     runtime = Runtime(ImportanceConfig(hot_set_policy="importance", hot_set_guard_tokens=256))
     original, calls = _sizing(2048)
     config = hot_set_attention.reserve_guard(runtime, original, _configurator(max_total_tokens=2048), 10**9)
-    assert config.max_total_num_tokens == 2000 and calls == [None, 2000]
+    assert config.max_total_num_tokens == 2016 and calls == [None, 2016]
     assert runtime.guard_budget.guard_tokens == 256 and runtime.guard_budget.kv_tokens_alone == 2048
     assert runtime.guard_budget.sized_by == "--max-total-tokens 2048 bound it"
 
@@ -210,7 +211,7 @@ def test_a_profiled_pool_says_so(smol_shape):
     runtime = Runtime(ImportanceConfig(hot_set_policy="importance", hot_set_guard_tokens=256))
     original, _ = _sizing(4096)
     hot_set_attention.reserve_guard(runtime, original, _configurator(max_total_tokens=None), 10**9)
-    assert runtime.guard_budget.sized_by == "the profiled memory" and runtime.guard_budget.kv_tokens == 4048
+    assert runtime.guard_budget.sized_by == "the profiled memory" and runtime.guard_budget.kv_tokens == 4064
 
 
 def test_a_resize_with_a_cap_passes_through(smol_shape):
@@ -263,7 +264,7 @@ def test_the_backend_builds_the_guard_pool_it_reserved_and_logs_it(caplog):
     assert guard.capacity == ranges.capacity == 16 and guard.nbytes == runtime.guard_budget.guard_bytes
     # Every byte the pools and the table hold is what was taken out of the KV pool.
     assert guard.nbytes + ranges.nbytes + table.nbytes == runtime.guard_budget.reserved_bytes
-    assert "pools of 256 tokens" in caplog.text and "2048 -> 2000" in caplog.text
+    assert "pools of 256 tokens" in caplog.text and "2048 -> 2016" in caplog.text
     assert "exceed" not in caplog.text
 
 

@@ -69,8 +69,8 @@ def summarise_pages(
     for layer, (k_pages, v_pages) in pool_pages.items():
         index = physical.to(k_pages.device, torch.int64)
         keys = k_pages[index]
-        low, high = keys.amin(dim=1), keys.amax(dim=1)
-        ranges.write(layer, ids, low, high)
+        # The codes are written against the range as stored (rounded outward), as read.
+        low, high = ranges.write(layer, ids, keys.amin(dim=1), keys.amax(dim=1))
         if codes is not None:
             guard.write(layer, codes, keys, low, high, v_pages[index])
     tracked.ranges = torch.cat((tracked.ranges, ids))

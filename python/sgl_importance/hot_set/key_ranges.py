@@ -6,7 +6,10 @@ any key ``k`` of the page, ``q . k = sum_d q_d k_d <= sum_d max(q_d min_d, q_d m
 so two vectors per page bound every logit of the page; reading them costs ``2 / page_size``
 of reading the page's keys. The bound ranks unread pages for promotion with the guard off
 (and drives the ``quest`` baseline); the guard's 4-bit key codes are quantised against the
-same range (``key_codes.py``).
+same range (``key_codes.py``). Ranges are stored in 16 bits (float32 keys' in bfloat16),
+rounded outward (the min down, the max up), so every key stays inside its page's stored
+range and every bound stays valid: half the bytes of float32 ranges, a bound a few parts
+in a thousand looser.
 
 A page's range is written once, at the end of the step that filled it (a full page never
 changes again), from the device pool while the page is still there (``coding.py``): there
@@ -25,9 +28,25 @@ from typing import Optional
 import torch
 
 
+def range_dtype(key_dtype: torch.dtype) -> torch.dtype:
+    """What ranges of ``key_dtype`` keys are stored in: the key dtype, float32 as bfloat16."""
+    return torch.bfloat16 if key_dtype == torch.float32 else key_dtype
+
+
 def range_bytes_per_page(head_dim: int, element_size: int) -> int:
-    """Device bytes of one page's range per layer and KV head: its min and max vectors."""
-    return 2 * head_dim * element_size
+    """Device bytes of one page's range per layer and KV head (keys of ``element_size``
+    bytes): its min and max vectors, in 16 bits for float32 keys."""
+    return 2 * head_dim * min(element_size, 2)
+
+
+def round_outward(low: torch.Tensor, high: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``low`` and ``high`` in ``dtype``, the min rounded down and the max up: whatever lay
+    in ``[low, high]`` lies in the result."""
+    lo, hi = low.to(dtype), high.to(dtype)
+    if dtype != low.dtype:
+        lo = torch.where(lo.float() > low.float(), torch.nextafter(lo, torch.full_like(lo, float("-inf"))), lo)
+        hi = torch.where(hi.float() < high.float(), torch.nextafter(hi, torch.full_like(hi, float("inf"))), hi)
+    return lo, hi
 
 
 class KeyRanges:
@@ -36,8 +55,7 @@ class KeyRanges:
     Args:
         num_layers, num_kv_heads, head_dim: the KV pool's key shape.
         capacity_pages: pages it holds, fixed (id 0 is padding, not counted).
-        dtype: the key dtype: min and max of stored keys are stored keys, so keeping them
-            in the key dtype loses nothing.
+        dtype: the key dtype (the ranges are stored in ``range_dtype`` of it).
     """
 
     def __init__(
@@ -55,8 +73,9 @@ class KeyRanges:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.device = torch.device(device)
         shape = (num_layers, capacity_pages + 1, num_kv_heads, head_dim)
-        self.key_min = torch.full(shape, float("inf"), dtype=dtype, device=self.device)
-        self.key_max = torch.full(shape, float("-inf"), dtype=dtype, device=self.device)
+        stored = range_dtype(dtype)
+        self.key_min = torch.full(shape, float("inf"), dtype=stored, device=self.device)
+        self.key_max = torch.full(shape, float("-inf"), dtype=stored, device=self.device)
         # Ids are planned on the host; freed ids are reused last-in first-out.
         self._free = list(range(capacity_pages, 0, -1))
         self.refused = 0  # allocations refused for want of room
@@ -85,12 +104,17 @@ class KeyRanges:
             if i > 0:
                 self._free.append(int(i))
 
-    def write(self, layer: int, ids: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> None:
-        """One layer's ranges ``[n, kv_heads, D]`` of pages ``ids``."""
+    def write(
+        self, layer: int, ids: torch.Tensor, low: torch.Tensor, high: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's ranges ``[n, kv_heads, D]`` of pages ``ids``; returns them as stored
+        (rounded outward), which is what the key codes must be written against."""
+        lo, hi = round_outward(low, high, self.key_min.dtype)
         if ids.numel():
             ids = ids.to(self.device)
-            self.key_min[layer].index_copy_(0, ids, low.to(self.key_min.dtype))
-            self.key_max[layer].index_copy_(0, ids, high.to(self.key_max.dtype))
+            self.key_min[layer].index_copy_(0, ids, lo.to(self.device))
+            self.key_max[layer].index_copy_(0, ids, hi.to(self.device))
+        return lo, hi
 
     def gather(self, layers: torch.Tensor | int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ranges of ``ids`` in ``layers``: ``[*ids.shape, Hkv, D]`` for one layer,
@@ -101,9 +125,9 @@ class KeyRanges:
         if isinstance(layers, int):
             kmin, kmax = self.key_min[layers].index_select(0, flat), self.key_max[layers].index_select(0, flat)
             return kmin.view(*ids.shape, *kmin.shape[1:]), kmax.view(*ids.shape, *kmax.shape[1:])
-        layers = layers.to(self.device)
-        kmin = self.key_min.index_select(0, layers).index_select(1, flat)
-        kmax = self.key_max.index_select(0, layers).index_select(1, flat)
+        # One gather of the (layer, id) pairs: never a whole layer of the pool.
+        at = (layers.to(self.device)[:, None], flat[None, :])
+        kmin, kmax = self.key_min[at], self.key_max[at]
         return kmin.view(kmin.shape[0], *ids.shape, *kmin.shape[2:]), kmax.view(
             kmax.shape[0], *ids.shape, *kmax.shape[2:]
         )

@@ -26,9 +26,9 @@ from sgl_importance.hot_set.page_lists import ExactPlan
 from sgl_importance.hot_set.request_state import LiveRequest, released_among
 from sgl_kernel_ext import DecodeImportanceOutput
 
-# The key ranges the step's end copies at once for one request's bounds (a Llama-8B shape
-# at 32K: 8 layers of 8.4 MB each).
-BOUND_CHUNK_BYTES = 64 << 20
+# The most the step's end gathers and computes at once for one request's bounds: a block of
+# pages and layers (a Llama-8B shape: every layer of 512 pages, 32 MiB of bf16 ranges).
+BOUND_CHUNK_BYTES = 32 << 20
 
 
 @dataclass
@@ -241,30 +241,33 @@ class StepTally:
     def _reduce_bounds(self, live: Sequence[LiveRequest], ranges: KeyRanges) -> None:
         """Guard off, nothing estimated: rank unread full pages by their key min/max bound
         (Quest's), as a mass against the attended denominator, largest over layers and
-        heads; per request, over the kept layers a few at a time (a chunk's key ranges,
-        gathered from the range pool for the bound, stay under ``BOUND_CHUNK_BYTES``)."""
+        heads. Per request, a block of pages and a few layers at a time: what a block gathers
+        from the range pool and computes stays under ``BOUND_CHUNK_BYTES`` whatever the
+        context (at least one page and one layer), so no allocation grows with it."""
         ids = torch.tensor(self.bound_layer_ids)
         rows = [b for b, req in enumerate(live) if req.bounds_unread]
         page_bytes = ranges.key_min[0, 0].numel() * ranges.key_min.element_size() * 2
+        block = max(1, BOUND_CHUNK_BYTES // (page_bytes * ids.numel()))  # pages, every layer at once
         for i, b in enumerate(rows):
             tracked = live[b].tracked
             pages = min(live[b].tokens.numel(), tracked.ranges.numel())
-            if pages == 0:
-                continue
-            chunk = max(1, BOUND_CHUNK_BYTES // max(pages * page_bytes, 1))
-            best = None
-            for c0 in range(0, ids.numel(), chunk):
-                slots = slice(c0, c0 + chunk)
-                kmin, kmax = ranges.gather(ids[slots], tracked.ranges[:pages])  # [l, P, kv, D]
-                bounds = key_bound(self.bound_q[slots, i], kmin, kmax, **self.run).double()  # [l, P, Hq]
-                log_mass = bounds + self.bound_log_tokens[i, :pages, None] - self.bound_lse[slots, i].double()[:, None]
-                # Largest over heads per layer, then over layers. A layer's NaN (a page with
-                # no keys) counts as nothing there, as -inf does: exp(min(v, 0)) is monotone.
-                per_layer = log_mass.amax(dim=2)
-                per_layer = torch.where(per_layer.isnan(), float("-inf"), per_layer).amax(dim=0)
-                best = per_layer if best is None else torch.maximum(best, per_layer)
-            page_bound = best.clamp(max=0.0).exp().nan_to_num(0.0)
-            torch.maximum(self.bound_mass[i, :pages], page_bound, out=self.bound_mass[i, :pages])
+            for p0 in range(0, pages, block):
+                p1 = min(p0 + block, pages)
+                chunk = max(1, BOUND_CHUNK_BYTES // ((p1 - p0) * page_bytes))  # layers
+                best = None
+                for c0 in range(0, ids.numel(), chunk):
+                    slots = slice(c0, c0 + chunk)
+                    kmin, kmax = ranges.gather(ids[slots], tracked.ranges[p0:p1])  # [l, P, kv, D]
+                    bounds = key_bound(self.bound_q[slots, i], kmin, kmax, **self.run).double()  # [l, P, Hq]
+                    lse = self.bound_lse[slots, i].double()[:, None]
+                    log_mass = bounds + self.bound_log_tokens[i, p0:p1, None] - lse
+                    # Largest over heads per layer, then over layers. A layer's NaN (a page with
+                    # no keys) counts as nothing there, as -inf does: exp(min(v, 0)) is monotone.
+                    per_layer = log_mass.amax(dim=2)
+                    per_layer = torch.where(per_layer.isnan(), float("-inf"), per_layer).amax(dim=0)
+                    best = per_layer if best is None else torch.maximum(best, per_layer)
+                page_bound = best.clamp(max=0.0).exp().nan_to_num(0.0)
+                torch.maximum(self.bound_mass[i, p0:p1], page_bound, out=self.bound_mass[i, p0:p1])
 
     # -- into the requests ---------------------------------------------------------
 
