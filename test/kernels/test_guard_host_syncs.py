@@ -28,7 +28,8 @@ from support.host_syncs import STEP, SYNC_KINDS, HostSyncCounter  # noqa: E402
 from support.hot_set_world import DIM, KV_HEADS, PAGE, Q_HEADS, World, parents_metadata  # noqa: E402
 from support.kernel_device import DEVICE, EMPTY_PAGES_WARN  # noqa: E402
 
-pytestmark = [EMPTY_PAGES_WARN]
+# Slow (10-12 s a case under the interpreter): make test runs it, make test-fast does not.
+pytestmark = [EMPTY_PAGES_WARN, pytest.mark.slow]
 
 LAYERS = 3
 LENGTHS = [5, 120, 180, 150]

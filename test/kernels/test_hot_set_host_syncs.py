@@ -35,6 +35,8 @@ pytestmark = [EMPTY_PAGES_WARN]
 
 LAYERS = 3
 STEPS = 2
+# The guarded cases are slow (8-12 s under the interpreter): make test runs them, test-fast not.
+SLOW = pytest.mark.slow
 
 
 @pytest.fixture(autouse=True)
@@ -68,8 +70,8 @@ def _sites(counter, **match) -> str:
         ("torch", True, 1.0),
         ("triton", False, 1.0),
         ("triton", True, 1.0),
-        ("torch", False, 0.1),
-        ("triton", False, 0.1),
+        pytest.param("torch", False, 0.1, marks=SLOW),
+        pytest.param("triton", False, 0.1, marks=SLOW),
     ],
     ids=[
         "torch-resident",
@@ -97,7 +99,7 @@ def _by_function(counter, **match) -> dict:
     return out
 
 
-@pytest.mark.parametrize("guard", [1.0, 0.1], ids=["guard-off", "guard-on"])
+@pytest.mark.parametrize("guard", [1.0, pytest.param(0.1, marks=SLOW)], ids=["guard-off", "guard-on"])
 @pytest.mark.parametrize("release", [False, True], ids=["resident", "released"])
 def test_the_triton_step_reads_back_once_where_it_ends_and_at_its_start_only_when_the_batch_changed(release, guard):
     counter = _count("triton", guard=guard, release=release)
