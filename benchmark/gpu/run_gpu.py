@@ -19,6 +19,9 @@ passed or not (a failing stage never stops the ones after it):
    dense, the hot set at 20 % with the guard off and on; 8K and 32K, batch 1 and 8.
 5. ``kbench`` — with the time left: ``benchmark/kernel/bench_decode.py`` (importance on
    vs off, SGLang's Triton decode kernel as the peer) and ``bench_page_list.py``.
+6. ``memory`` — GPU.md item 4: dense and the hot set at 20 % (host tier) serving
+   ``--memory-requests`` x ``--memory-length`` tokens at once (Llama-3.1-8B shape, dummy
+   weights): the card's peak memory in use beside what SGLang sized, the plugin's pools.
 
 Everything lands in ``--out``: ``results.json``, ``summary.md`` (also printed last) and
 ``logs.tar.gz`` (every server log and each stage's output).
@@ -55,7 +58,7 @@ COMPARE = ROOT / "scripts" / "compare_greedy.py"
 # KV for this model), and a host tier at --hicache-ratio 2 of that was refused (206 GB asked,
 # 120 GB free on the H200's machine, 2026-11-26).
 TINY_ARGS = ["--dtype", "float32", "--max-total-tokens", "65536"]
-STAGES = ("env", "kernels", "serve", "speed", "kbench")
+STAGES = ("env", "kernels", "serve", "speed", "kbench", "memory")
 # Decode CUDA graphs on torch_cuda (prefill graphs stay off there); a small captured range
 # keeps the capture short.
 DECODE_GRAPHS = ["--cuda-graph-backend-decode", "full", "--cuda-graph-max-bs-decode", "8"]
@@ -359,6 +362,112 @@ def stage_speed(run: Run) -> dict:
     return out
 
 
+def _dummy_model(run: Run) -> Path:
+    folder = Path("/tmp/sgl-importance-dummy")
+    shape = "smollm2" if run.rehearse else "llama-8b"
+    proc = run.sh([sys.executable, str(MAKE_MODELS), "dummy", "--shape", shape, "--out", str(folder),
+                   "--tokenizer-from", tokenizer_dir()], "make_dummy.log", 60)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"dummy model: {proc.stderr.strip()[-500:]}")
+    return folder
+
+
+class _PeakUsed:
+    """The most device memory the GPU reported in use while inside (``nvidia-smi``, polled;
+    every process on the card: the server's scheduler holds the pools)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak_mib = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True)  # fmt: skip
+            try:
+                self.peak_mib = max(self.peak_mib, float(out.stdout.split()[0]))
+            except (ValueError, IndexError):
+                pass
+            self._stop.wait(0.2)
+
+    def __enter__(self) -> "_PeakUsed":
+        if shutil.which("nvidia-smi"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+
+
+def stage_memory(run: Run) -> dict:
+    """GPU.md item 4: a hot-set server at ``--memory-length`` x ``--memory-requests`` (Llama-3.1-8B
+    shape, dummy weights, bf16, page 16, the host tier, the hot set at 20 %), beside dense with the
+    same flags: the device memory the card reported at its peak against what SGLang sized (the
+    weights and the KV pool from its log, the pool size SGLang allocated), and the plugin's pools
+    and F(request) from /metrics. Every plugin byte inside the budget shows as the hot set's peak
+    staying at dense's (its pools came out of the KV pool)."""
+    folder = _dummy_model(run)
+    length, count = (600, 3) if run.rehearse else (run.memory_length, run.memory_requests)
+    base = ["--load-format", "dummy", "--skip-tokenizer-init", "--page-size", "16", "--attention-backend",
+            run.backend, "--enable-hierarchical-cache", "--hicache-ratio", "2", "--enable-metrics",
+            "--decode-log-interval", "1", "--max-running-requests", str(count)]  # fmt: skip
+    if run.rehearse:
+        base += ["--max-total-tokens", str(4 * length), "--dtype", "float32"]
+    else:
+        base += ["--dtype", "bfloat16", "--mem-fraction-static", "0.85"]
+    hot = ["--radix-eviction-policy", "importance", "--hot-set-policy", "importance", "--hot-set-budget", "0.2",
+           "--hot-set-threshold", "1024"]  # fmt: skip
+    out: dict[str, Any] = {"length": length, "requests": count}
+    for name, extra in (("dense", []), ("hot-20", hot)):
+        if run.left() < 90:
+            out[name] = {"status": "skipped", "why": "no time left"}
+            continue
+        out[name] = _memory_of(run, folder, name, [*base, *extra], length, count)
+    return out
+
+
+def _memory_of(run: Run, folder: Path, name: str, args: list[str], length: int, count: int) -> dict:
+    """One server of the memory stage: ``count`` prompts of ``length`` random ids at once."""
+    import random
+
+    from sgl_importance.client import generate, metrics_text
+    from sgl_importance.local_server import LocalServer, metric, start_with_retry
+
+    log_path = run.logs / f"server_memory_{name}.log"
+    server = start_with_retry(lambda: LocalServer(str(folder), args, log_path, platform=run.platform), timeout=300)
+    sampling = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    def send(ids: list[int]) -> dict:
+        return generate(server.url, input_ids=ids, sampling_params=sampling, timeout=900)
+
+    try:
+        rng = random.Random(0)
+        prompts = [[rng.randrange(100, 30000) for _ in range(length)] for _ in range(count)]
+        started = time.time()
+        with _PeakUsed() as peak, ThreadPoolExecutor(count) as pool:
+            done = list(pool.map(send, prompts))
+        scrape = metrics_text(server.url)
+        log = server.log()
+    finally:
+        server.stop()
+    running = [int(m) for m in re.findall(r"Decode batch, #running-req: (\d+)", log)]
+    row = {"seconds": round(time.time() - started, 1), "answered": len(done), "peak_used_mib": peak.peak_mib,
+           "most_running": max(running, default=0)}  # fmt: skip
+    for key in ("max_total_num_tokens", "mem_fraction_static"):
+        m = re.search(rf"{key}[=:' ]+([\d.]+)", log)
+        row[key] = float(m.group(1)) if m else None
+    for line in ("Load weight end", "KV Cache is allocated", "Memory pool end", "hot set: pools of"):
+        found = [text for text in log.splitlines() if line in text]
+        row[line] = found[-1][-300:] if found else None
+    for key in ("device_bytes", "guard_bytes", "range_bytes", "tracked_requests"):
+        row[key] = metric(scrape, f"sgl_importance:hot_set_{key}")
+    row["pages_released"] = metric(scrape, "sgl_importance:hot_set_pages_released_total")
+    return row
+
+
 def stage_kbench(run: Run) -> dict:
     """GPU.md's kernel timings: decode with importance on vs off (SGLang's Triton decode
     kernel as the peer where importable) and the hot set's page-list step."""
@@ -411,11 +520,14 @@ def main() -> None:
     ap.add_argument("--speed-configs", default="dense,hot-20,hot-20-guard", help="bench_speed --configs, graphs off")
     ap.add_argument("--speed-configs-graphs", default="dense,hot-20,sglang-triton", help="the same, graphs on")
     ap.add_argument("--speed-graphs", default="off,on", help="decode graph modes, in order: off, on")
+    ap.add_argument("--memory-length", type=int, default=32768, help="memory stage: tokens per request")
+    ap.add_argument("--memory-requests", type=int, default=8, help="memory stage: requests sent at once")
     a = ap.parse_args()
     run = Run(a.out, a.rehearse, a.budget_s)
     run.speed_lengths = a.speed_lengths
     run.speed_configs = {"off": a.speed_configs, "on": a.speed_configs_graphs}
     run.speed_graphs = [m for m in a.speed_graphs.split(",") if m]
+    run.memory_length, run.memory_requests = a.memory_length, a.memory_requests
     if set(run.speed_graphs) - {"off", "on"}:
         ap.error("--speed-graphs: off and/or on")
     wanted = a.stages.split(",")
@@ -430,8 +542,8 @@ def main() -> None:
     # The kernel tests run in the background from the start; they are waited for after serve,
     # before the timed stages (nothing else on the GPU then).
     plan = {"env": (stage_env, 0), "kernels": (finish, 0), "serve": (stage_serve, 90), "speed": (stage_speed, 60),
-            "kbench": (stage_kbench, 40)}  # fmt: skip
-    for name in ("env", "serve", "kernels", "speed", "kbench"):
+            "kbench": (stage_kbench, 40), "memory": (stage_memory, 120)}  # fmt: skip
+    for name in ("env", "serve", "kernels", "speed", "kbench", "memory"):
         if name in wanted:
             run.stage(name, *plan[name])
     text = summary(run)
