@@ -5,19 +5,26 @@ tokens of context on an H100 (80 GB, 3.35 TB/s HBM; 16 GB of weights; 10 % of th
 memory kept in reserve), per configuration — dense, the hot set at 20 % with the guard
 off, and with the guard on —:
 
-- device bytes per token of context: the KV; the physical page summaries
-  (``PageSummaries``: key min/max per pool page, layer and KV head, in the KV dtype);
-  each long request's own key min/max per logical page (``TrackedRequest.key_min/
-  key_max``: ``2 * D * 2`` bytes per page, layer and KV head); the guard's key codes
-  (``key_codes.bytes_per_token``);
+- device bytes per token of context: the KV; each tracked page's key range in the
+  fixed key-range pool (``KeyRanges``: key min/max per page, layer and KV head, 16-bit,
+  ``range_bytes_per_page``: 1/16 of a bf16 KV page); with the guard, its key codes in the
+  guard pool (``key_codes.bytes_per_token``); the page importance table
+  (``TABLE_BYTES_PER_PAGE`` per KV pool page). Every one of these is inside SGLang's
+  budget: the KV pool gives them up at start-up (``guard_budget.plan_guard``, called
+  here as the server calls it);
 - concurrent requests that fit in ``80 GB - weights - reserve``: with every page on the
-  device, and with pages outside the hot set released to a host pool (HiCache; the device
-  then holds the hot set's pages, but every page's summaries and key codes, and one
-  request's whole KV as headroom: a prompt is prefilled onto the device before its
-  pages can leave);
+  device (the pools cover the KV pool's tokens once), and with pages outside the hot set
+  released to a host pool (HiCache; the pools then cover ``1 / budget`` times the KV
+  pool's tokens, ``guard_budget.auto_coverage``, and the device holds each request's
+  hot set plus one request's whole KV as headroom: a prompt is still prefilled onto the
+  device before its pages can leave, and admission still asks for the whole request —
+  the issue that admits by what the hot set keeps removes that headroom); the auto size
+  can over-reserve (it covers ``1 / budget`` of the KV pool whether or not that many
+  requests fit), so a third count sizes the pools with ``--hot-set-guard-tokens`` to the
+  best request count;
 - bytes a decode step reads per request: dense all KV; guard off the hot set's pages and
   the key min/max of every page (unread pages are ranked by their key bound each layer,
-  ``StepTally._add_bounds``); guard on the planned and sampled pages exactly and the key
+  ``StepTally._reduce_bounds``); guard on the planned and sampled pages exactly and the key
   codes and key min/max of every other page (``estimate.estimate_outside``), plus what
   the guard reads exactly (heavy pages; a fallback reads the whole rest);
 - the decode step's time floor: bytes / bandwidth, per request, and for a full batch
@@ -43,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import sys
 from pathlib import Path
@@ -51,9 +57,12 @@ from pathlib import Path
 import torch
 
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
+from sgl_importance.hot_set.guard_budget import KVShape, auto_coverage, plan_guard
 from sgl_importance.hot_set.key_codes import bytes_per_token, kv_bytes_per_token
+from sgl_importance.hot_set.key_ranges import range_bytes_per_page
 from sgl_importance.hot_set.sample import inclusion, reserve
 from sgl_importance.hot_set.selection import fixed_mask
+from sgl_importance.importance.page_importance import TABLE_BYTES_PER_PAGE
 
 torch.set_grad_enabled(False)
 
@@ -64,7 +73,8 @@ LAYER_HEADS = LAYERS * KV_HEADS
 
 # Per layer and KV head.
 KV_PAGE = PAGE * kv_bytes_per_token(DIM, ELEMENT)  # a page's K and V
-SUMMARY_PAGE = 2 * DIM * ELEMENT  # a page's key min and max
+SUMMARY_PAGE = range_bytes_per_page(DIM, ELEMENT)  # a page's key min and max, as stored
+SHAPE = KVShape(LAYERS, KV_HEADS, DIM, DIM, ELEMENT, PAGE)
 CODES_PAGE = PAGE * bytes_per_token(DIM, PAGE)  # a page's key codes and value norm
 
 
@@ -109,12 +119,42 @@ def expected_sample(tokens: int, budget: float) -> dict:
     return {"pages": pages, "budget": budget_pages, "pi": pi, "reserve": kept, "planned": budget_pages - kept}
 
 
+def fits(tokens: int, hot_pages: int, *, ranges: bool, guard: bool) -> tuple[int, int, int]:
+    """Requests of ``tokens`` that fit: every page on the device; pages outside the hot set
+    of ``hot_pages`` released, with the pools at their auto size; and released, with the
+    pools sized by ``--hot-set-guard-tokens`` to the best request count — each with the
+    pools ``plan_guard`` reserves for it."""
+    usable = HBM - WEIGHTS - RESERVE * HBM
+    alone = int(usable // SHAPE.kv_bytes_per_page) * PAGE
+    if not ranges:
+        return (alone // tokens,) * 3
+    resident = plan_guard(alone, SHAPE, guard_tokens=None, coverage=1.0, ranges=True, guard=guard)
+    fit_resident = min(resident.kv_tokens // tokens, resident.range_pages * PAGE // tokens)
+
+    def released(guard_tokens: int | None) -> int:
+        got = plan_guard(
+            alone, SHAPE, guard_tokens=guard_tokens, coverage=auto_coverage(BUDGET, True), ranges=True, guard=guard
+        )
+        # One request's whole KV stays free for the next prefill; the rest holds hot sets.
+        by_kv = max(got.kv_tokens - tokens, 0) // (hot_pages * PAGE)
+        by_pools = got.range_pages * PAGE // tokens  # each tracked request's every page
+        return min(by_kv, by_pools)
+
+    sized = 0
+    for n in range(1, alone // (hot_pages * PAGE) + 1):
+        try:
+            sized = max(sized, released(n * tokens))
+        except ValueError:  # the pools leave the KV pool nothing
+            break
+    return fit_resident, released(None), sized
+
+
 def rows_for(tokens: int, counts: dict, plan: dict) -> list[dict]:
     """Per configuration: device bytes per token, requests that fit, bytes read per step."""
-    usable = HBM - WEIGHTS - RESERVE * HBM
     kv_token = kv_bytes_per_token(DIM, ELEMENT) * LAYER_HEADS
-    summary_token = SUMMARY_PAGE / PAGE * LAYER_HEADS  # per token, either the physical or the request's
+    range_token = SUMMARY_PAGE / PAGE * LAYER_HEADS
     codes_token = bytes_per_token(DIM, PAGE) * LAYER_HEADS
+    table_token = TABLE_BYTES_PER_PAGE / PAGE
     pages = counts["pages_dense"]
     rest = counts["pages_estimated"] + counts["pages_guard_read"]  # every full page not planned
     planned = pages - rest
@@ -129,30 +169,22 @@ def rows_for(tokens: int, counts: dict, plan: dict) -> list[dict]:
         "fallback": (planned + sample + rest, rest),
     }
     outside = rest * (CODES_PAGE + SUMMARY_PAGE)  # every rest page's codes and key range
+    # (name, reads key, hot set (pools reserved), guard on, bytes read outside the pages read)
     configs = [
-        ("dense", "dense", 0.0, 0.0, 0),
-        ("hot set 20 %, guard off", "guard off", 2 * summary_token, 0.0, pages * SUMMARY_PAGE),
-        ("hot set 20 %, guard on: certified, nothing more read", "certified", 2 * summary_token, codes_token, outside),
-        ("hot set 20 %, guard on: the synthetic step as the decoder ran it", "synthetic", 2 * summary_token,
-         codes_token, outside),
-        ("hot set 20 %, guard on: a fallback step", "fallback", 2 * summary_token, codes_token, outside),
-    ]  # fmt: skip
+        ("dense", "dense", False, False, 0),
+        ("hot set 20 %, guard off", "guard off", True, False, pages * SUMMARY_PAGE),
+        ("hot set 20 %, guard on: certified, nothing more read", "certified", True, True, outside),
+        ("hot set 20 %, guard on: the synthetic step as the decoder ran it", "synthetic", True, True, outside),
+        ("hot set 20 %, guard on: a fallback step", "fallback", True, True, outside),
+    ]
     dense_read = pages * KV_PAGE * LAYER_HEADS
     rows = []
-    for name, key, summaries, codes, extra in configs:
+    for name, key, hot, guard, extra in configs:
         read_pages, from_host = reads[key]
         read = (read_pages * KV_PAGE + extra) * LAYER_HEADS
-        per_token = kv_token + summaries + codes
-        whole = tokens * per_token
-        fit = math.floor(usable / whole)
-        if key == "dense":
-            fit_released = fit
-        else:
-            # Released: the hot set's pages on the device (their KV and physical summaries),
-            # every page's request summaries and codes, and one whole request for a prefill.
-            per_request = plan["budget"] * PAGE * (kv_token + summaries / 2) + tokens * (summaries / 2 + codes)
-            fit_released = math.floor((usable - whole) / per_request)
-        batch = max(fit_released, 1)
+        per_token = kv_token + (range_token + table_token if hot else 0.0) + (codes_token if guard else 0.0)
+        fit, fit_released, fit_sized = fits(tokens, plan["budget"], ranges=hot, guard=guard)
+        batch = max(fit_sized, 1)
         step = (WEIGHTS + batch * read) / BANDWIDTH
         rows.append(
             {
@@ -162,6 +194,7 @@ def rows_for(tokens: int, counts: dict, plan: dict) -> list[dict]:
                 "share_of_kv": per_token / kv_token,
                 "fit_resident": fit,
                 "fit_released": fit_released,
+                "fit_sized": fit_sized,
                 "pages_read": read_pages,
                 "read_bytes": read,
                 "host_bytes": from_host * KV_PAGE * LAYER_HEADS,
@@ -174,18 +207,49 @@ def rows_for(tokens: int, counts: dict, plan: dict) -> list[dict]:
     return rows
 
 
+def budget_table() -> str:
+    """What the hot set takes out of SGLang's KV budget on the card, per configuration, as the
+    server sizes it (``plan_guard``): every plugin device byte is one of these pools."""
+    usable = HBM - WEIGHTS - RESERVE * HBM
+    alone = int(usable // SHAPE.kv_bytes_per_page) * PAGE
+    lines = [
+        "| configuration | pools cover (tokens) | key ranges GiB | key codes GiB | page table MiB | "
+        "pools in all GiB | KV pool tokens: alone → beside them | plugin bytes ≤ what the KV pool gave up |",
+        "|" + "---|" * 8,
+    ]
+    for name, guard, hierarchical in (
+        ("guard off, nothing released", False, False),
+        ("guard off, host tier (auto coverage 5×)", False, True),
+        ("guard on, nothing released", True, False),
+        ("guard on, host tier (auto coverage 5×)", True, True),
+    ):
+        got = plan_guard(
+            alone, SHAPE, guard_tokens=None, coverage=auto_coverage(BUDGET, hierarchical), ranges=True, guard=guard
+        )
+        given_up = got.kv_tokens_given_up // PAGE * SHAPE.kv_bytes_per_page
+        lines.append(
+            f"| {name} | {got.range_pages * PAGE:,} | {got.range_bytes / 2**30:.2f} | {got.guard_bytes / 2**30:.2f} | "
+            f"{got.table_bytes / 2**20:.1f} | {got.reserved_bytes / 2**30:.2f} | {alone:,} → {got.kv_tokens:,} | "
+            f"{'yes' if got.reserved_bytes <= given_up else 'NO'} ({got.reserved_bytes / 2**30:.2f} ≤ "
+            f"{given_up / 2**30:.2f} GiB) |"
+        )
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     head = (
         "| context | configuration | device bytes / token | vs KV | requests that fit: all pages on device / "
-        "released to host | pages read / step (of dense) | bytes read / step / request | vs dense | "
+        "released to host, pools at auto size / pools sized | pages read / step (of dense) | "
+        "bytes read / step / request | vs dense | "
         "of which released pages (host copies, if released) | time floor / request | "
-        "full batch (released): step floor, tokens/s |"
+        "full batch (released, pools sized): step floor, tokens/s |"
     )
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         lines.append(
             f"| {r['tokens'] // 1024}K | {r['config']} | {r['bytes_per_token'] / 1024:,.1f} KiB | "
-            f"{r['share_of_kv']:.3f}× | {r['fit_resident']} / {r['fit_released']} | {r['pages_read']:,} | "
+            f"{r['share_of_kv']:.3f}× | {r['fit_resident']} / {r['fit_released']} / {r['fit_sized']} | "
+            f"{r['pages_read']:,} | "
             f"{r['read_bytes'] / 1e9:.3f} GB | {r['read_share']:.1%} | {r['host_bytes'] / 1e9:.3f} GB | "
             f"{r['floor_ms']:.3f} ms | "
             f"{r['batch_step_ms']:.1f} ms, {r['batch_tokens_s']:,.0f} |"
@@ -256,6 +320,9 @@ def main() -> None:
         + "\n".join(plan_lines)
         + "\n\nArithmetic, not measured:\n\n"
         + table(rows)
+        + "\n\nWhat the hot set takes out of the KV budget (``plan_guard``, as the server calls it; "
+        + "every plugin device byte is in these pools):\n\n"
+        + budget_table()
         + "\n"
     )
     (a.out / "RESULTS_gpu_cost.md").write_text(text)
