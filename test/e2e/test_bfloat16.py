@@ -18,6 +18,7 @@ import pytest
 from sgl_importance.client import flush_cache, metrics_text
 from sgl_importance.local_server import metric
 from support.server import assert_same_until_a_near_tie, generate_with_tops
+from support.storage import settled
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -28,13 +29,17 @@ ARGS = [
     "--attention-backend", "importance_torch", "--radix-eviction-policy", "importance",
     "--enable-hierarchical-cache", "--hicache-storage-backend", "file", "--enable-metrics",
     "--hot-set-policy", "importance", "--hot-set-budget", "0.2", "--hot-set-threshold", "256",
+    # A storage hit must not depend on how busy the machine is (best_effort may admit first).
+    "--hicache-storage-prefetch-policy", "wait_complete",
 ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def server(launch, tmp_path_factory):
     storage = tmp_path_factory.mktemp("hicache")
-    return launch(ARGS, env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(storage)})
+    server = launch(ARGS, env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(storage)})
+    server.storage = storage
+    return server
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +58,7 @@ def test_a_prefix_read_back_from_the_device_the_host_and_the_file_tier_answers_a
     assert again["meta_info"]["cached_tokens"] > 0
     assert_same_until_a_near_tie(again["output_ids"], first["output_ids"], first["tops"])
     # Flushed: the device and host pools emptied, the pages are in the file tier only.
+    assert settled(server.storage), "nothing was written to the file tier"
     assert flush_cache(server.url)
     stored = generate_with_tops(server, prompt, MAX_NEW)
     assert stored["meta_info"]["cached_tokens_details"]["storage"] > 0, stored["meta_info"]

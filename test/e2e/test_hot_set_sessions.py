@@ -27,6 +27,7 @@ import pytest
 from sgl_importance.client import flush_cache, generate, metrics_text
 from sgl_importance.local_server import metric
 from support.server import generate_ids
+from support.storage import settled
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -47,6 +48,8 @@ ARGS = [
     # and key ranges at the auto coverage): room for the 4,000-token prompt beside a decoding turn.
     "--hicache-storage-backend", "file", "--max-total-tokens", "7600", "--enable-metrics",
     "--hot-set-policy", "importance", "--hot-set-budget", "0.2", "--hot-set-threshold", "256",
+    # The third turn's storage hit must not depend on how busy the machine is (best_effort may admit first).
+    "--hicache-storage-prefetch-policy", "wait_complete",
 ]  # fmt: skip
 COUNTERS = ("prefix_pages_lent", "prefix_pages_released", "prefix_pages_owned", "prefix_holds", "guard_checks")
 
@@ -102,6 +105,7 @@ def run_session(launch, tmp_path_factory, session, residence: str) -> dict:
         done["second"] = time.monotonic()
         both = [running.result(), second]
     before_storage = counters(server)
+    assert settled(storage), "nothing was written to the file tier"
     assert flush_cache(server.url).status_code == 200
     third = generate_ids(server, history + questions[2], MAX_NEW, timeout=900)
     # Page moves are counted at the next decode step: one more short request folds them.

@@ -11,13 +11,13 @@ pages too. Kept short: three servers, a few requests each.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
 from sgl_importance.client import flush_cache, metrics_text
 from sgl_importance.local_server import metric
 from support.server import output_ids_and_logprobs
+from support.storage import page_files, settled
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -62,23 +62,6 @@ def storage_tokens(out: dict) -> int:
 
 def metrics(server) -> str:
     return metrics_text(server.url, timeout=30)
-
-
-def page_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.iterdir() if p.suffix == ".bin") if directory.exists() else []
-
-
-def settled(directory: Path, timeout: float = 120.0) -> list[Path]:
-    """The page files once their number stopped changing for two seconds."""
-    deadline, last, since = time.time() + timeout, -1, time.time()
-    while time.time() < deadline:
-        n = len(page_files(directory))
-        if n != last:
-            last, since = n, time.time()
-        elif n > 0 and time.time() - since > 2.0:
-            break
-        time.sleep(0.5)
-    return page_files(directory)
 
 
 @pytest.fixture(scope="module")
