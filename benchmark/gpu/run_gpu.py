@@ -86,6 +86,12 @@ class Run:
     def save(self) -> None:
         (self.out / "results.json").write_text(json.dumps(self.results, indent=1, default=str))
 
+    def pack_logs(self) -> None:
+        """The logs so far as ``logs.tar.gz``: after every stage, so a run the device tool kills
+        still brings back the logs of the stages it finished (2026-11-28: one came back empty)."""
+        with tarfile.open(self.out / "logs.tar.gz", "w:gz") as tar:
+            tar.add(self.logs, arcname="logs")
+
     def stage(self, name: str, fn: Callable[["Run"], dict], need_s: float) -> None:
         """Run one stage; its result (or its error) goes into results.json at once."""
         if self.left() < need_s:
@@ -101,6 +107,7 @@ class Run:
         result["seconds"] = round(time.time() - t0, 1)
         self.results["stages"][name] = result
         self.save()
+        self.pack_logs()
         print(f"=== {name}: {result['status']} in {result['seconds']}s", flush=True)
 
     def sh(self, cmd: list[str], log: str, timeout: float, env: Optional[dict] = None) -> subprocess.CompletedProcess:
@@ -437,11 +444,17 @@ def _memory_of(run: Run, folder: Path, name: str, args: list[str], length: int, 
     from sgl_importance.local_server import LocalServer, metric, start_with_retry
 
     log_path = run.logs / f"server_memory_{name}.log"
-    server = start_with_retry(lambda: LocalServer(str(folder), args, log_path, platform=run.platform), timeout=300)
+    # Bounded by the run's clock: a stage that outlives the device tool's limit returns nothing.
+    t0 = time.time()
+    server = start_with_retry(
+        lambda: LocalServer(str(folder), args, log_path, platform=run.platform),
+        timeout=max(30.0, min(300.0, run.left() - 60)),
+    )
+    start_s = round(time.time() - t0, 1)
     sampling = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
     def send(ids: list[int]) -> dict:
-        return generate(server.url, input_ids=ids, sampling_params=sampling, timeout=900)
+        return generate(server.url, input_ids=ids, sampling_params=sampling, timeout=max(30.0, run.left() - 20))
 
     try:
         rng = random.Random(0)
@@ -454,8 +467,8 @@ def _memory_of(run: Run, folder: Path, name: str, args: list[str], length: int, 
     finally:
         server.stop()
     running = [int(m) for m in re.findall(r"Decode batch, #running-req: (\d+)", log)]
-    row = {"seconds": round(time.time() - started, 1), "answered": len(done), "peak_used_mib": peak.peak_mib,
-           "most_running": max(running, default=0)}  # fmt: skip
+    row = {"start_s": start_s, "seconds": round(time.time() - started, 1), "answered": len(done),
+           "peak_used_mib": peak.peak_mib, "most_running": max(running, default=0)}  # fmt: skip
     for key in ("max_total_num_tokens", "mem_fraction_static"):
         m = re.search(rf"{key}[=:' ]+([\d.]+)", log)
         row[key] = float(m.group(1)) if m else None
@@ -548,8 +561,7 @@ def main() -> None:
             run.stage(name, *plan[name])
     text = summary(run)
     (run.out / "summary.md").write_text(text)
-    with tarfile.open(run.out / "logs.tar.gz", "w:gz") as tar:
-        tar.add(run.logs, arcname="logs")
+    run.pack_logs()
     print(text)
 
 
