@@ -325,12 +325,7 @@ def stage_serve(run: Run) -> dict:
 def stage_speed(run: Run) -> dict:
     """bench_speed per graph mode in ``run.speed_graphs`` ("off": eager decode; "on": decode
     graphs, torch_cuda's default, which hot-set batches skip)."""
-    folder = Path("/tmp/sgl-importance-dummy")
-    shape = "smollm2" if run.rehearse else "llama-8b"
-    proc = run.sh([sys.executable, str(MAKE_MODELS), "dummy", "--shape", shape, "--out", str(folder),
-                   "--tokenizer-from", tokenizer_dir()], "make_dummy.log", 60)  # fmt: skip
-    if proc.returncode != 0:
-        raise RuntimeError(f"dummy model: {proc.stderr.strip()[-500:]}")
+    folder = _dummy_model(run)
     if run.rehearse:
         grid = ["--lengths", "1024", "--batches", "1,2", "--new-tokens", "16", "--dtype", "float32",
                 "--configs", "sglang-torch_native,dense,hot-20,hot-20-guard", "--threshold", "512"]  # fmt: skip

@@ -52,6 +52,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -113,6 +114,17 @@ class Capture:
         keys = torch.stack([torch.cat(c, dim=1) for c in self.k])
         values = torch.stack([torch.cat(c, dim=1) for c in self.v])
         return queries, keys, values
+
+
+def load_captured_model() -> tuple[Any, Any, Capture, float]:
+    """The embedded model in float32 with a ``Capture`` on it: (tokenizer, model, capture,
+    the attention's softmax scale)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return tokenizer, model, Capture(model), 1.0 / math.sqrt(model.config.head_dim)
 
 
 def exact_outputs(queries, keys, values, prompt_len: int, scale: float) -> list[torch.Tensor]:
@@ -467,13 +479,7 @@ def main() -> None:
         described.out = a.out
         report(rows, {}, thresholds, described, run.get("minutes", float("nan")), argv)
         return
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    capture = Capture(model)
-    scale = 1.0 / math.sqrt(model.config.head_dim)
+    tokenizer, model, capture, scale = load_captured_model()
     budgets = [float(b) for b in a.budgets.split(",")]
     started = time.time()
     rows, done = load_journal(journal_path) if a.resume and journal_path.exists() else ({}, set())

@@ -39,10 +39,9 @@ from pathlib import Path
 
 import torch
 
-from benchmark.long_context.bench_bound import Capture
+from benchmark.long_context.bench_bound import load_captured_model
 from benchmark.long_context.bench_hot_set import PAGE, make_trials
 from benchmark.long_context.tail_estimators import CANDIDATES, SAMPLING, Setup, evaluate, layer_step, topp_pages
-from sgl_importance.local_server import model_path
 
 torch.set_grad_enabled(False)
 
@@ -233,13 +232,7 @@ def main() -> None:
         saved = torch.load(a.out / "rows.pt")
         print(report(summarise(saved["results"], setup), setup, a.out, saved["meta"]))
         return
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    capture = Capture(model)
-    scale = 1.0 / math.sqrt(model.config.head_dim)
+    tokenizer, model, capture, scale = load_captured_model()
     started = time.time()
     results: dict[int, dict[str, list]] = {}
     count = 0

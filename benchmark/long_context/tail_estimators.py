@@ -191,9 +191,8 @@ def evaluate(step: LayerStep, setup: Setup, importance: torch.Tensor, seeds: tor
     hkv = hq // g
     rest = ~step.always
     cap_pages = max(0, math.ceil(setup.cap * pages) - int(step.always.sum()))
-    n_strata = rest.sum().item() // setup.stratum + (1 if rest.sum().item() % setup.stratum >= 2 else 0)
-    sample_pages = min(cap_pages, 2 * n_strata)
     picks, sizes = strata_sample(rest, setup.stratum, seeds)
+    sample_pages = min(cap_pages, picks[0].numel())
     sampled = torch.zeros(len(seeds), pages, dtype=torch.bool)
     if picks.numel():
         sampled.scatter_(1, picks.flatten(1), True)
