@@ -354,6 +354,8 @@ def stage_speed(run: Run) -> dict:
         if not results.is_file():  # cut short: the rows measured so far
             results = speed_out / "rows-partial.json"
         rows = json.loads(results.read_text()) if results.is_file() else None
+        if isinstance(rows, dict):  # results.json holds {"meta", "rows"}; rows-partial.json the list
+            rows = rows["rows"]
         for name in ("RESULTS.md", "speed.png"):  # beside results.json, so they come back on their own
             if (speed_out / name).is_file():
                 shutil.copy2(speed_out / name, run.out / f"speed_graphs_{mode}_{name}")
