@@ -35,11 +35,13 @@ ARGS = [
 
 
 @pytest.fixture(scope="module")
-def server(launch, tmp_path_factory):
-    storage = tmp_path_factory.mktemp("hicache")
-    server = launch(ARGS, env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(storage)})
-    server.storage = storage
-    return server
+def storage(tmp_path_factory):
+    return tmp_path_factory.mktemp("hicache")
+
+
+@pytest.fixture(scope="module")
+def server(launch, storage):
+    return launch(ARGS, env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(storage)})
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +54,13 @@ def test_the_server_runs_in_bfloat16(server):
     assert "KV Cache is allocated. dtype: torch.bfloat16" in server.log()
 
 
-def test_a_prefix_read_back_from_the_device_the_host_and_the_file_tier_answers_as_computed(server, prompt):
+def test_a_prefix_read_back_from_the_device_the_host_and_the_file_tier_answers_as_computed(server, storage, prompt):
     first = generate_with_tops(server, prompt, MAX_NEW)
     again = generate_with_tops(server, prompt, MAX_NEW)  # the device's copy
     assert again["meta_info"]["cached_tokens"] > 0
     assert_same_until_a_near_tie(again["output_ids"], first["output_ids"], first["tops"])
     # Flushed: the device and host pools emptied, the pages are in the file tier only.
-    assert settled(server.storage), "nothing was written to the file tier"
+    assert settled(storage), "nothing was written to the file tier"
     assert flush_cache(server.url)
     stored = generate_with_tops(server, prompt, MAX_NEW)
     assert stored["meta_info"]["cached_tokens_details"]["storage"] > 0, stored["meta_info"]
