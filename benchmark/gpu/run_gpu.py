@@ -421,7 +421,9 @@ def stage_memory(run: Run) -> dict:
     if run.rehearse:
         base += ["--max-total-tokens", str(4 * length), "--dtype", "float32"]
     else:
-        base += ["--dtype", "bfloat16", "--mem-fraction-static", "0.85"]
+        # The host tier sized in GB: --hicache-ratio 2 of an H200's 103 GiB pool asked 206 GiB of a
+        # 121 GiB host and SGLang refused to start (runs/2026-11-28-h200).
+        base += ["--dtype", "bfloat16", "--mem-fraction-static", "0.85", "--hicache-size", "48"]
     hot = ["--radix-eviction-policy", "importance", "--hot-set-policy", "importance", "--hot-set-budget", "0.2",
            "--hot-set-threshold", "1024"]  # fmt: skip
     out: dict[str, Any] = {"length": length, "requests": count}
@@ -429,7 +431,10 @@ def stage_memory(run: Run) -> dict:
         if run.left() < 90:
             out[name] = {"status": "skipped", "why": "no time left"}
             continue
-        out[name] = _memory_of(run, folder, name, [*base, *extra], length, count)
+        try:
+            out[name] = _memory_of(run, folder, name, [*base, *extra], length, count)
+        except Exception as exc:  # one server's failure is its row's; the next one still runs
+            out[name] = {"status": "error", "why": f"{type(exc).__name__}: {str(exc)[-600:]}"}
     return out
 
 
