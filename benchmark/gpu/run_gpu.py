@@ -458,18 +458,25 @@ def _memory_of(run: Run, folder: Path, name: str, args: list[str], length: int, 
     def send(ids: list[int]) -> dict:
         return generate(server.url, input_ids=ids, sampling_params=sampling, timeout=max(30.0, run.left() - 20))
 
+    failed = None
     try:
         rng = random.Random(0)
         prompts = [[rng.randrange(100, 30000) for _ in range(length)] for _ in range(count)]
         started = time.time()
+        done: list = []
+        # The peak and /metrics are read whether or not every request came back (on
+        # 2026-11-28 a timed-out hot-set row lost both).
         with _PeakUsed() as peak, ThreadPoolExecutor(count) as pool:
-            done = list(pool.map(send, prompts))
+            try:
+                done = list(pool.map(send, prompts))
+            except Exception as exc:
+                failed = f"{type(exc).__name__}: {str(exc)[-300:]}"
         scrape = metrics_text(server.url)
         log = server.log()
     finally:
         server.stop()
     running = [int(m) for m in re.findall(r"Decode batch, #running-req: (\d+)", log)]
-    row = {"start_s": start_s, "seconds": round(time.time() - started, 1), "answered": len(done),
+    row = {"start_s": start_s, "seconds": round(time.time() - started, 1), "answered": len(done), "failed": failed,
            "peak_used_mib": peak.peak_mib, "most_running": max(running, default=0)}  # fmt: skip
     for key in ("max_total_num_tokens", "mem_fraction_static"):
         m = re.search(rf"{key}[=:' ]+([\d.]+)", log)
