@@ -169,8 +169,8 @@ def table(rows: list[dict], a: argparse.Namespace, command: str) -> str:
         if r["guard"]:
             # Which of the guard's paths the counts walked (random keys: flat attention).
             lines += [
-                f"(decoder, warm-up included: {t['guard_checks']} guard checks, {t['guard_full_reads']} full reads, "
-                f"{t['guard_fallbacks']} fallbacks)",
+                f"(decoder, warm-up included: {t['guard_checks']} guard checks, {t['guard_flagged']} flagged, "
+                f"{t['pages_missed']} misses)",
                 "",
             ]
         lines += [f"- {s['per_step']:g}  {s['site']} ({s['function']})" for s in r["device"]["top_sites"]]

@@ -62,8 +62,8 @@ REPO = Path(__file__).resolve().parents[2]
 PAGE = 16
 GUARD_DEFAULT = 0.1  # the server's --hot-set-guard-threshold default
 COUNTERS = (
-    "steps", "warmups", "guard_fallbacks", "guard_checks", "guard_reads", "pages_attended", "pages_dense",
-    "pages_estimated", "promotions", "late_arrivals",
+    "steps", "warmups", "guard_flagged", "guard_checks", "guard_reads", "pages_attended", "pages_dense",
+    "pages_estimated", "promotions", "late_arrivals", "pages_missed", "pages_sampled", "pages_guard_read",
 )  # fmt: skip
 NAMES = (
     "Alice Bob Carol David Emma Frank Grace Henry Irene Jack Karen Louis Maria Nathan Olivia Peter "
@@ -459,7 +459,8 @@ def write_results(rows: list[dict], command: str, minutes: Optional[float], out:
         "Greedy; page size 16; hot set for requests past the threshold. Only trials that every "
         f'configuration finished count ({partial} partial trials left out). "dense\'s hits kept": of '
         "the trials dense answered correctly, how many this configuration also did (same prompts). "
-        "Guard fallbacks are per hot-set step (the first, dense step excluded); pages read count "
+        "Flagged layer-steps are a share of the guard's checks (every layer of every hot-set step but "
+        "the first, dense one); pages read count "
         "every layer of every step, the first dense step included.\n\n" + text + "\n"
     )
     plot(cells, out / "hot_set_accuracy.png")

@@ -98,7 +98,7 @@ LOAD_BACK = "sglang:load_back_tokens_total"
 HOT = "sgl_importance:hot_set_"
 COPIED_IN = HOT + "pages_copied_in_total"
 READ_FROM_HOST = HOT + "pages_read_from_host_total"  # summed over layers
-GUARD_FROM_HOST = HOT + "pages_guard_read_from_host_total"  # ... of them, the guard's reads
+MISSED = HOT + "pages_missed_total"  # pages the guard's selection wanted while released (not read)
 ATTENDED = HOT + "pages_attended_total"  # pages the hot set read exactly, over layers
 DENSE = HOT + "pages_dense_total"  # ... dense attention would have read
 PREFIX_OWNED = HOT + "prefix_pages_owned_total"
@@ -108,7 +108,7 @@ REINSERTED = HOT + "finished_reinserted_total"
 UNCACHED = HOT + "finished_uncached_total"  # finished hot-set requests left out of the radix tree
 ON_HOST = HOT + "finished_on_host_total"  # ... put into the tree host-only (no device room)
 SERIES = (
-    LOAD_BACK, COPIED_IN, READ_FROM_HOST, GUARD_FROM_HOST, ATTENDED, DENSE,
+    LOAD_BACK, COPIED_IN, READ_FROM_HOST, MISSED, ATTENDED, DENSE,
     PREFIX_OWNED, PREFIX_LENT, PREFIX_RELEASED, REINSERTED, ON_HOST, UNCACHED,
 )  # fmt: skip
 
@@ -435,7 +435,7 @@ def summarise(result: dict, dense: Optional[dict], token_bytes: int, layers: int
         "uncached": result["deltas"].get(UNCACHED),
         "on_host": result["deltas"].get(ON_HOST),
         # Where the host reads come from, and how much of dense's reading the hot set did.
-        "guard_host_reads": _share(result["deltas"].get(GUARD_FROM_HOST), result["deltas"].get(READ_FROM_HOST)),
+        "missed": _share(result["deltas"].get(MISSED), result["deltas"].get(DENSE)),
         "attended": _share(result["deltas"].get(ATTENDED), result["deltas"].get(DENSE)),
         "sessions_at_once": sessions_decoding_at_once(result["rows"]),
         "right": right,
@@ -491,7 +491,7 @@ HEADER = (
     "| host→device per turn, tokens: load-back + hot set in + prefix owned + host reads "
     "| host→device per turn, MiB: this server / Llama-3.1-8B shape "
     "| matched prefix per turn (a dense load-back), tokens (of them on the host) / Llama-8B MiB "
-    "| host reads by the guard | pages attended / dense's "
+    "| misses (pages wanted while released) / dense's pages | pages attended / dense's "
     "| prefix pages lent / released | hot-set requests finished: back in the tree / on the host / left out "
     "| fact answers right | of lru's right, kept |"
 )
@@ -519,7 +519,7 @@ def format_table(summaries: list[dict]) -> str:
             f"{s['moved_tokens']:.0f} = {route}",
             f"{_mib(s['moved_bytes'])} / {_mib(s['moved_llama'])}",
             f"{s['matched']:.0f} ({s['matched_host']:.0f}) / {_mib(s['matched'] * LLAMA_8B_TOKEN_BYTES)}",
-            _pct(s["guard_host_reads"]),
+            _pct(s["missed"]),
             _pct(s["attended"]),
             f"{_count(s['lent'])} / {_count(s['released'])}",
             f"{_count(s['reinserted'])} / {_count(s['on_host'])} / {_count(s['uncached'])}",

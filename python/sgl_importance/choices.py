@@ -24,6 +24,8 @@ HOT_SET_FIELDS = (
     "hot_set_sinks",
     "hot_set_threshold",
     "hot_set_guard_threshold",
+    "hot_set_read_cap",
+    "hot_set_top_p",
     "hot_set_reduce",
 )
 HOT_SET_PREFIX = "hot_set_"
@@ -34,4 +36,4 @@ PREFIX_RESIDENCES = ("host", "device")
 # Each key is a HotSetParams field and, with HOT_SET_PREFIX, a config field.
 REQUEST_HOT_SET_KEY = "hot_set"
 REQUEST_HOT_SET_FIELD = f"custom_params.{REQUEST_HOT_SET_KEY}"
-REQUEST_HOT_SET_KEYS = ("policy", "budget", "window", "sinks", "guard_threshold", "reduce")
+REQUEST_HOT_SET_KEYS = ("policy", "budget", "window", "sinks", "guard_threshold", "read_cap", "top_p", "reduce")

@@ -162,10 +162,30 @@ class ImportanceConfig:
         number(
             lambda bound: 0.0 < bound <= 1.0,
             "a number in (0, 1] (1 = no guard)",
-            "Pages outside the hot set are estimated from an 8-bit copy and the relative L2 "
-            "error of each layer's attention output is bounded; where the bound exceeds this, the "
-            "step reads the most suspect pages exactly until it holds (counted). 1 = no guard: "
-            "nothing estimated or bounded.",
+            "Guard on (< 1): every layer reads the pages its heads want by top-p on their 4-bit key "
+            "codes (at most --hot-set-read-cap), estimates the rest from a page sample and bounds the "
+            "relative L2 error of its attention output; a layer-step whose bound exceeds this is "
+            "flagged (counted) and raises that layer's read cap for the request's later steps. Nothing "
+            "is read again within a step. 1 = no guard: nothing estimated or bounded.",
+        ),
+    )
+    hot_set_read_cap: float = flag(
+        0.2,
+        number(
+            lambda cap: 0.0 < cap <= 1.0,
+            "a number in (0, 1]",
+            "Guard on: the most pages one layer of a request reads exactly per decode step, as a "
+            "fraction of its pages (sinks, window and the page sample included; a flagged layer's cap "
+            "doubles for later steps, up to every page).",
+        ),
+    )
+    hot_set_top_p: float = flag(
+        0.95,
+        number(
+            lambda p: 0.0 < p <= 1.0,
+            "a number in (0, 1]",
+            "Guard on: each query head wants the fewest pages whose mass estimated from their key codes, "
+            "with the sinks' and window's, reaches this share of its total (read up to the cap).",
         ),
     )
     # hot_set/guard_budget.py; 0 = auto.
@@ -224,6 +244,8 @@ class ImportanceConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, _flag)
+        if self.hot_set_policy != "off":
+            check_hot_set_room(self.hot_set_budget, self.hot_set_sinks, self.hot_set_window, "--hot-set-")
 
     def storage_precision_thresholds(self) -> dict[str, Any]:
         """The graded thresholds: ``STORAGE_PRECISION_DEFAULTS`` overridden by the JSON flag.
@@ -257,6 +279,19 @@ class ImportanceConfig:
         if values["order"] not in STORAGE_PRECISION_ORDERS:
             raise invalid(f"{label} order={values['order']!r}", ", ".join(STORAGE_PRECISION_ORDERS))
         return values
+
+
+def check_hot_set_room(budget: Any, sinks: int, window: int, prefix: str) -> None:
+    """A hot set of ``budget`` pages must hold its sinks and window (a fraction grows with
+    the request, so only a budget in pages is checked here).
+
+    Raises:
+        ValueError: naming ``{prefix}budget`` (a flag's or a request key's prefix).
+    """
+    if isinstance(budget, int) and budget < sinks + window:
+        raise invalid(
+            f"{prefix}budget {budget}", f"at least {prefix}sinks + {prefix}window = {sinks} + {window} pages"
+        )
 
 
 def _flag(name: str) -> str:

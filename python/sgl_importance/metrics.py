@@ -272,22 +272,18 @@ HOT_SET_SERIES = {
     "warmups": ("warmups", "Request decode steps attended densely as the request's first."),
     "promotions": ("promotions", "Pages the hot-set plan added that the previous step did not attend."),
     "hits": ("hits", "Planned hot-set pages the previous step already attended."),
-    "late_arrivals": ("late_arrivals", "Pages the guard added to a step that the plan had left out."),
-    "guard_fallbacks": (
-        "guard_fallbacks",
-        "Request decode steps in which the guard read pages outside the hot set in some layer.",
+    "late_arrivals": (
+        "late_arrivals",
+        "Pages some layer's selection wanted that the hot set had left out (misses), per request step; promoted next.",
     ),
     "guard_checks": ("guard_checks", "Request layer-steps whose attention output error the guard bounded."),
-    "guard_reads": (
-        "guard_reads",
-        "Request layer-steps in which the bound exceeded --hot-set-guard-threshold and the guard read pages exactly.",
+    "guard_reads": ("guard_reads", "Request layer-steps in which the selection read rest pages exactly."),
+    "guard_flagged": (
+        "guard_flagged",
+        "Request layer-steps whose bound exceeded --hot-set-guard-threshold (flagged: that layer's read cap rises).",
     ),
     "pages_attended": ("pages_attended", "Pages read exactly by hot-set requests, summed over layers."),
-    "pages_guard_read": ("pages_guard_read", "Pages the guard read exactly, summed over layers."),
-    "guard_full_reads": (
-        "guard_full_reads",
-        "Request layer-steps whose sampled bound exceeded --hot-set-guard-threshold: every unread page read exactly.",
-    ),
+    "pages_guard_read": ("pages_guard_read", "Rest pages the selection read exactly, summed over layers."),
     "guard_refused": (
         "guard_refused",
         "Hot-set requests refused a guard (no room left in the guard pool for their key codes); decoded unguarded.",
@@ -304,11 +300,11 @@ HOT_SET_SERIES = {
     "pages_dense": ("pages_dense", "Pages dense attention would have read for the same steps and layers."),
     "pages_read_from_host": (
         "pages_read_from_host",
-        "Attended pages read from their host copy (planned pages not promoted, and the guard's reads), over layers.",
+        "Attended pages read from their host copy (planned pages whose promotion was refused), over layers.",
     ),
-    "pages_guard_read_from_host": (
-        "pages_guard_read_from_host",
-        "Of pages_read_from_host, those the guard read (released pages outside the plan), over layers.",
+    "pages_missed": (
+        "pages_missed",
+        "Rest pages a layer's selection wanted while they were released: not read (misses), summed over layers.",
     ),
     "pages_released": ("pages_released", "Device pages hot-set requests gave back to the allocator."),
     "pages_copied_out": ("pages_copied_out", "Pages copied device to host on their first release."),

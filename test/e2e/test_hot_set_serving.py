@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from sgl_importance.client import metrics_text
+from sgl_importance.client import generate, greedy, metrics_text
 from sgl_importance.local_server import metric
 from support.server import assert_same_until_a_near_tie, generate_ids, generate_with_tops
 
@@ -90,8 +90,12 @@ def scrape(server) -> str:
 
 
 def test_a_budget_covering_the_whole_context_decodes_exactly_like_dense(hot_set_server, prompts, dense_outputs):
+    # Guard off, the hot set reads what it keeps; guarded, the budget is what stays on the
+    # device and each layer reads at most --hot-set-read-cap of it (the next tests).
     before = scrape(hot_set_server)
-    assert generate_ids(hot_set_server, prompts["fits"], MAX_NEW, timeout=900)["output_ids"] == dense_outputs["fits"]
+    sampling = greedy(MAX_NEW, custom_params={"hot_set": {"guard_threshold": 1.0}})
+    got = generate(hot_set_server.url, input_ids=prompts["fits"], sampling_params=sampling, timeout=900)
+    assert got["output_ids"] == dense_outputs["fits"]
     after = scrape(hot_set_server)
     # It did run on the hot set: one request step per decoded token after the first.
     steps = metric(after, "sgl_importance:hot_set_steps_total") - metric(before, "sgl_importance:hot_set_steps_total")
@@ -115,18 +119,18 @@ def test_a_small_budget_serves_and_the_metrics_count_it(hot_set_server, prompts,
     # Dense would read every page in each of the 30 layers of each step.
     assert delta("pages_dense") >= 30 * (MAX_NEW - 1) * pages
     assert 0 < delta("pages_attended") <= delta("pages_dense")
-    # With the guard on, every layer of every hot-set step bounds its output error: the
-    # pages outside the 40 are accounted for by their key codes and a page sample, and
-    # any the bound cannot vouch for are read exactly, counted.
+    # With the guard on, every layer of every hot-set step reads its top-p pages up to its
+    # cap and bounds its output error: the pages it leaves are accounted for by their key
+    # codes and a page sample; a bound over the threshold is flagged, counted.
     hot_steps = delta("steps") - delta("warmups")
     assert delta("guard_checks") == 30 * hot_steps
-    assert delta("pages_estimated") + delta("guard_full_reads") > 0
-    assert delta("guard_reads") <= delta("guard_checks")
+    assert delta("pages_estimated") > 0 and delta("pages_guard_read") > 0
+    assert delta("guard_reads") <= delta("guard_checks") and delta("guard_flagged") <= delta("guard_checks")
     assert delta("pages_estimated") + delta("pages_attended") >= delta("pages_dense")
-    assert delta("guard_fallbacks") <= hot_steps
-    # The guard keeps each layer within 10 % of dense attention; greedy tokens follow
-    # wherever dense's choice is clear. (This prompt's third token is an exact tie in
-    # bfloat16, "'m" vs "'ve": rounding-level changes to attention pick either.)
+    # No layer reads past its cap: 20 % of the pages, doubled per flag up to every page.
+    assert delta("pages_attended") <= delta("pages_dense")
+    # Greedy tokens follow dense's wherever dense's choice is clear. (This prompt's third
+    # token is an exact tie in bfloat16, "'m" vs "'ve": rounding-level changes pick either.)
     outputs, tops = dense_run
     assert_same_until_a_near_tie(ids, outputs["exceeds"], tops["exceeds"])
 
@@ -186,11 +190,19 @@ def test_a_request_may_choose_its_own_hot_set_and_bad_choices_are_refused(hot_se
         return metric(after, key) - metric(before, key)
 
     assert delta("steps") == MAX_NEW - 1
-    assert delta("pages_attended") == delta("pages_dense") > 0 and delta("guard_fallbacks") == 0
+    assert delta("pages_attended") == delta("pages_dense") > 0 and delta("guard_checks") == 0
     # Invalid values are the caller's 400 on both APIs, naming the key; the server keeps serving.
     bad = dict(body, sampling_params=dict(body["sampling_params"], custom_params={"hot_set": {"budget": 0}}))
     r = requests.post(hot_set_server.url + "/generate", json=bad, timeout=60)
     assert r.status_code == 400 and "custom_params.hot_set.budget 0 is invalid" in r.text, r.text
+    for choice, says in (
+        ({"read_cap": 1.5}, "custom_params.hot_set.read_cap 1.5 is invalid"),
+        ({"top_p": 0}, "custom_params.hot_set.top_p 0 is invalid"),
+        ({"budget": 2}, "custom_params.hot_set.budget 2 is invalid; allowed: at least"),
+    ):
+        bad = dict(body, sampling_params=dict(body["sampling_params"], custom_params={"hot_set": choice}))
+        r = requests.post(hot_set_server.url + "/generate", json=bad, timeout=60)
+        assert r.status_code == 400 and says in r.text, r.text
     completion = {
         "model": "SmolLM2-135M-Instruct",
         "prompt": "Hello",

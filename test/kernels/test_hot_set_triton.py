@@ -136,12 +136,14 @@ def test_the_triton_reader_follows_quests_per_layer_lists():
 @pytest.mark.parametrize("guard,promotions", [(1.0, False), (0.05, True)])
 def test_pages_read_from_the_host_pool_are_merged_into_the_same_softmax(guard, promotions):
     # Pages outside each request's 3-page hot set go to the host pool. Planned pages the
-    # device has no room for (promotions=False), and released pages the guard reads,
-    # are staged from their host copies: the kernel's part and the torch part merge.
+    # device has no room for (promotions=False) are staged from their host copies: the
+    # kernel's part and the torch part merge. Guarded, released pages a layer wants are
+    # misses (never read from the host inside a layer), promoted for later steps.
     params = HotSetParams(policy="importance", budget=3, window=1, sinks=1, guard_threshold=guard)
     totals = run_both(
         params, steps=5, lengths=[33, 30, 40], device_pages=40, host_pages=64, release=True, promotions=promotions
     )
-    assert totals["pages_released"] > 0 and totals["pages_read_from_host"] > 0
+    assert totals["pages_released"] > 0
+    assert totals["pages_read_from_host"] > 0 if guard == 1.0 else totals["pages_missed"] > 0
     if not promotions:
         assert totals["promotions_refused"] > 0

@@ -1,6 +1,8 @@
 """The guard as a specification: key codes round within their stated error, so each
-page's logit interval holds; the deterministic parts (heavy pages, a negligible rest)
-never understate the exact error; the sampled estimate's bound fails no more often than
+page's logit interval holds; the selection (top-p on the codes) wants the pages that
+hold the mass, reads at most its cap in one read and never a released page; the
+deterministic bound never understates the exact error, adversarial keys and values
+included; the sampled estimate's bound fails no more often than
 its stated probability; and the guard pool never grows. (Key codes of two guarded
 requests that fill and release pages in one step: ``test_hot_set_release.py``.)"""
 
@@ -14,11 +16,10 @@ from sgl_importance.hot_set.estimate import (
     DELTA,
     combine,
     estimate_outside,
-    heavy_pages,
     negligible_rest,
     sampled_pages,
 )
-from sgl_importance.hot_set.guard import guard_layer
+from sgl_importance.hot_set.guard import capped, guard_layer, wanted_pages
 from sgl_importance.hot_set.key_codes import bytes_per_token, kv_bytes_per_token, quantise, steps
 from sgl_kernel_ext.key_codes import unpack
 
@@ -118,35 +119,113 @@ def test_leaving_a_negligible_rest_out_is_bounded_deterministically():
     assert vouched >= 5  # not vacuous: on most of these the bound is finite
 
 
-def test_a_page_the_query_aligns_with_is_heavy_and_read():
+def test_a_page_the_query_aligns_with_is_wanted():
     q, keys, values = request(16, 3, key_scale=0.3, q_scale=1.0)
-    keys[9] = q.view(KV_HEADS, GROUP, DIM)[:, 0][None] * 4  # one page holds a head's mass
+    q = q.view(KV_HEADS, GROUP, DIM)[:, :1].expand(-1, GROUP, -1).reshape(Q_HEADS, DIM)  # one query per KV head
+    keys[9] = q.view(KV_HEADS, GROUP, DIM)[:, 0][None] * 4  # one page holds every head's mass
     plan, outside, lse_e, _, rest = rest_of(q, keys, values, exact_pages={0, 15})
-    heavy = heavy_pages(lse_e, outside, plan.valid)
-    assert rest[heavy[0]].tolist() == [9]
+    wanted = wanted_pages(lse_e, outside.page_lse, plan.valid, torch.tensor([0.5]))
+    assert rest[wanted[0]].tolist() == [9]
+    # A larger p wants more pages, never fewer; p = 1 wants every page with mass.
+    more = wanted_pages(lse_e, outside.page_lse, plan.valid, torch.tensor([0.9]))
+    every = wanted_pages(lse_e, outside.page_lse, plan.valid, torch.tensor([1.0]))
+    assert bool((more | wanted).eq(more).all()) and bool(every[plan.valid].all())
 
 
-def test_reading_every_rest_page_gives_the_exact_output():
-    q, keys, values = request(10, 5)
-    sampled = (2, 5)
-    plan, outside, lse_e, out_e, rest = rest_of(q, keys, values, exact_pages={0, 9}, sampled=sampled)
-    sample = sampled_pages(
-        q[None], keys[list(sampled)][None], values[list(sampled)][None], torch.ones(1, 2, dtype=torch.bool),
+def test_the_cap_keeps_the_heaviest_chosen_pages_and_no_more():
+    weight = torch.tensor([[0.1, 0.9, 0.5, 0.7, 0.3], [1.0, 2.0, 3.0, 4.0, 5.0]])
+    chosen = torch.tensor([[True, True, True, False, True], [True, False, True, False, False]])
+    keep = capped(weight, chosen, torch.tensor([2, 5]))
+    assert keep.tolist() == [[False, True, True, False, False], [True, False, True, False, False]]
+    assert capped(weight, chosen, torch.tensor([0, 0])).sum() == 0
+
+
+def _sampled(q, keys, values, sampled):
+    return sampled_pages(
+        q[None], keys[list(sampled)][None], values[list(sampled)][None], torch.ones(1, len(sampled), dtype=torch.bool),
         sm_scale=SCALE,
     )  # fmt: skip
 
+
+def _reader(q, keys, values, rest, calls):
     def read_exactly(chosen):
+        calls.append(chosen.clone())
         pages = rest[chosen[0]]
+        if pages.numel() == 0:
+            return torch.full((1, Q_HEADS), float("-inf")), torch.zeros(1, Q_HEADS, DIM)
         lse, out = exact_attention(q, keys[pages].flatten(0, 1), values[pages].flatten(0, 1))
         return lse[None].float(), out[None].float()
 
+    return read_exactly
+
+
+def test_top_p_one_with_room_for_every_page_reads_the_rest_once_and_exactly():
+    q, keys, values = request(10, 5)
+    sampled = (2, 5)
+    plan, outside, lse_e, out_e, rest = rest_of(q, keys, values, exact_pages={0, 9}, sampled=sampled)
+    calls = []
+    none = torch.zeros_like(plan.valid)
     outcome = guard_layer(
-        lse_e, out_e, outside, sample, plan.valid, plan.sampled, plan.inclusion, torch.tensor([0.0]), read_exactly
-    )
+        lse_e, out_e, outside, _sampled(q, keys, values, sampled), plan.valid, plan.sampled, plan.inclusion,
+        torch.tensor([0.1]), none, torch.tensor([1.0]), torch.tensor([100]), _reader(q, keys, values, rest, calls),
+    )  # fmt: skip
     _, true = exact_attention(q, keys.flatten(0, 1), values.flatten(0, 1))
-    assert bool(outcome.fallback[0]) and outcome.read[plan.valid].all()
+    assert len(calls) == 1 and outcome.read[plan.valid].all()
     assert torch.allclose(outcome.combined.output[0].double(), true, atol=1e-5)
-    assert float(outcome.combined.relative[0]) == 0.0
+    assert float(outcome.combined.relative[0]) == 0.0 and not bool(outcome.flagged[0])
+
+
+def test_the_read_never_passes_the_cap_nor_touches_a_released_page_and_an_overbound_layer_is_flagged():
+    q, keys, values = request(24, 7, key_scale=2.0)
+    plan, outside, lse_e, out_e, rest = rest_of(q, keys, values, exact_pages={0, 23}, sampled=(3, 11))
+    released = torch.zeros_like(plan.valid)
+    released[0, 4:10] = True
+    calls = []
+    outcome = guard_layer(
+        lse_e, out_e, outside, _sampled(q, keys, values, (3, 11)), plan.valid, plan.sampled, plan.inclusion,
+        torch.tensor([1e-6]), released, torch.tensor([1.0]), torch.tensor([3]), _reader(q, keys, values, rest, calls),
+    )  # fmt: skip
+    assert len(calls) == 1 and int(calls[0].sum()) == 3 == int(outcome.read.sum())
+    assert not bool((outcome.read & released).any())
+    assert torch.equal(outcome.missed, outcome.wanted & released) and bool(outcome.missed.any())
+    assert bool(outcome.flagged[0])  # a threshold nothing but an exact output meets
+
+
+def _adversarial(seed):
+    """Keys and values built to break a bound: outlier channels, duplicated keys, a few
+    pages holding most of the mass (heavy-tailed), large value norms on light pages."""
+    g = torch.Generator().manual_seed(seed)
+    q, keys, values = request(20, seed, key_scale=0.5)
+    kind = seed % 4
+    if kind == 0:
+        keys[..., 0] *= 40.0  # an outlier channel
+        values[..., 0] *= 30.0
+    elif kind == 1:
+        keys[:] = keys[3:4]  # every page the same keys
+    elif kind == 2:
+        heavy = torch.randint(1, 19, (3,), generator=g)
+        keys[heavy] = q.view(KV_HEADS, GROUP, DIM).mean(1)[None, None] * 3
+    else:
+        keys *= torch.exp(torch.randn(20, 1, 1, 1, generator=g) * 2)  # page scales spread over e^±4
+        values *= torch.exp(torch.randn(20, 1, 1, 1, generator=g) * 2)
+    return q, keys, values
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_the_deterministic_bound_is_never_exceeded_on_adversarial_keys(seed):
+    q, keys, values = _adversarial(seed)
+    plan, outside, lse_e, out_e, rest = rest_of(q, keys, values, exact_pages={0, 18, 19})
+    calls = []
+    read = capped(outside.page_lse.amax(dim=1), wanted_pages(lse_e, outside.page_lse, plan.valid, torch.tensor([0.95])),
+                  torch.tensor([seed % 6]))  # fmt: skip
+    lse_r, out_r = _reader(q, keys, values, rest, calls)(read)
+    from sgl_kernel_ext import merge_parts
+
+    lse, out = merge_parts(lse_e, out_e, lse_r, out_r)
+    left_out = negligible_rest(lse, out, outside, plan.valid & ~read)
+    _, true = exact_attention(q, keys.flatten(0, 1), values.flatten(0, 1))
+    error = (left_out.output[0].double() - true).norm() / true.norm()
+    assert error <= float(left_out.relative[0]) * (1 + 1e-5) + 1e-6
 
 
 @pytest.mark.parametrize("pi", [0.08, 0.2])

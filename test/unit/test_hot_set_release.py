@@ -240,6 +240,9 @@ class Placed:
 
 @pytest.mark.parametrize("guard", [1.0, 0.05])
 def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_the_device(guard):
+    """Guard off, the outputs equal the reference's; guarded, the selection wants released
+    pages the reference has on its device: misses, not read (no host read inside a layer),
+    promoted for later steps, so the outputs differ there and the moves are checked."""
     # Three requests of 20 pages (60 pages with what they generate) on a 32-page
     # device: each is prefilled after the previous ones released what their hot
     # sets (4 pages) leave out. The reference keeps everything on a large device.
@@ -261,8 +264,10 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_
         want, _ = reference.step(q)
         got, totals = physical.step(q)
         for a, b in zip(want, got):
-            assert torch.equal(a.output, b.output)
-            assert torch.equal(a.importance, b.importance)
+            if guard == 1.0:
+                assert torch.equal(a.output, b.output)
+                assert torch.equal(a.importance, b.importance)
+            assert bool(torch.isfinite(b.output).all())
         for group in (truth, copies):
             for req in group[: step // 4 + 1]:
                 req.grow()
@@ -277,11 +282,11 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_
     assert moved.pages_released > 0 and moved.pages_copied_out > 0
     assert moved.pages_copied_in > 0  # promotions happened, on pages others had used
     if guard < 1.0:
-        # The guard added released pages the device had no room for: read from the host.
-        assert moved.late_arrivals > 0 and moved.pages_guard_read_from_host > 0
-        assert moved.pages_read_from_host >= moved.pages_guard_read_from_host
+        # The selection wanted released pages: misses, counted per layer, promoted later.
+        assert moved.late_arrivals > 0 and moved.pages_missed > 0
+        assert reference.decoder.totals.pages_missed == 0  # every page on its device
     else:
-        assert moved.pages_guard_read_from_host == 0
+        assert moved.pages_missed == 0 and moved.guard_checks == 0
     # Leaving frees every host copy.
     for req in copies:
         released.forget(req.rid)

@@ -65,13 +65,13 @@ def test_hot_set_counts_land_in_one_counter_per_field():
 
     registry = CollectorRegistry()
     series = HotSetMetrics({"tp_rank": 0}, registry=registry)
-    step = HotSetCounts(steps=2, guard_fallbacks=1, late_arrivals=5, pages_attended=60, pages_dense=300)
+    step = HotSetCounts(steps=2, guard_flagged=1, late_arrivals=5, pages_attended=60, pages_dense=300)
     series.add(step.as_dict())
     series.add(step.as_dict())
     labels = {"tp_rank": "0"}
     assert set(HOT_SET_SERIES) == set(step.as_dict())  # every count has a series
     assert registry.get_sample_value("sgl_importance:hot_set_steps_total", labels) == 4
-    assert registry.get_sample_value("sgl_importance:hot_set_guard_fallbacks_total", labels) == 2
+    assert registry.get_sample_value("sgl_importance:hot_set_guard_flagged_total", labels) == 2
     assert registry.get_sample_value("sgl_importance:hot_set_late_arrivals_total", labels) == 10
     assert registry.get_sample_value("sgl_importance:hot_set_pages_dense_total", labels) == 600
     assert registry.get_sample_value("sgl_importance:hot_set_promotions_total", labels) == 0

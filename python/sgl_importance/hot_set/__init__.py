@@ -2,12 +2,14 @@
 
 A request longer than ``--hot-set-threshold`` tokens reads, in each decode step, only
 its hot set exactly: sink pages, a recent window and the pages a policy keeps
-(``selection.py``). With the guard on, every other page is accounted for in the same
-softmax: its 4-bit key codes (``key_codes.py``) bound its tokens' logits, so pages that
-could be heavy are read exactly, and the rest is estimated from a uniform sample of
-pages (``sample.py``) with a statistical bound on each layer's output error; where the
-bound exceeds ``--hot-set-guard-threshold`` every unread page is read exactly
-(``estimate.py``, ``guard.py``). ``decode.py`` runs a
+(``selection.py``). With the guard on, every layer reads its sinks and window and,
+per request, the pages its query heads want by top-p on their 4-bit key codes
+(``key_codes.py``), at most ``--hot-set-read-cap`` of the request's pages; a wanted page
+that was released is a miss, promoted for later steps, never read from the host inside
+a layer. The unread rest is estimated from the request's page sample (``sample.py``)
+with the smaller of a deterministic and a statistical bound on each layer's output
+error; a layer-step over ``--hot-set-guard-threshold`` is flagged and raises that
+layer's cap for the request's later steps (``estimate.py``, ``guard.py``). ``decode.py`` runs a
 step: which pages each layer reads (``page_lists.py``), what the layers found, folded
 once per step (``step_tally.py``), into the decoder's records of its requests
 (``request_state.py``). Key ranges (``key_ranges.py``, each full page's key min/max,
@@ -30,7 +32,6 @@ from sgl_importance.hot_set.estimate import (
     Sampled,
     combine,
     estimate_outside,
-    heavy_pages,
     sampled_pages,
 )
 from sgl_importance.hot_set.key_codes import GuardPool
@@ -60,7 +61,6 @@ __all__ = [
     "combine",
     "estimate_outside",
     "fixed_mask",
-    "heavy_pages",
     "key_bound",
     "sampled_pages",
 ]

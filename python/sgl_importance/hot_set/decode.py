@@ -7,24 +7,25 @@ across all layers. The ``quest`` baseline is the exception: it keeps every page 
 the device, as Quest does, and picks each layer's pages from that layer's query
 (``page_lists.quest_lists``).
 
-A layer attends in up to three parts, one batched call each for the whole batch:
+A layer attends in up to two parts, one batched call each for the whole batch:
 
-1. the planned pages exactly (``sgl_kernel_ext.decode_importance_paged``; short
-   requests read every page here), released ones from their host copy, staged
-   (``page_lists.plan_exact``);
+1. part 1 exactly (``sgl_kernel_ext.decode_importance_paged``; short requests read
+   every page here): the planned pages of an unguarded request; the sinks, window and
+   not-yet-coded pages of a guarded one (``page_lists.plan_exact``);
 2. with the guard on (``guard_threshold < 1``), every other full page of a long
    request (its *rest*) through its 4-bit key codes (``estimate.estimate_outside``):
-   pages that could be heavy are read exactly, the rest is estimated from the
-   request's uniform page sample (resident, planned beside the hot set and read page
-   by page, ``estimate.sampled_pages``), folded into the same softmax with a bound on
-   the layer's output error (``estimate.combine``, ``estimate.negligible_rest``);
-3. where that bound exceeds the threshold, every rest page exactly (counted;
-   ``guard.guard_layer``).
+   the pages its query heads want by top-p are read exactly, at most the layer's read
+   cap and only where they are on the device (a released one is a miss, promoted for
+   later steps); the rest is estimated from the request's page sample (resident, read
+   page by page, ``estimate.sampled_pages``) with the smaller of a deterministic and a
+   statistical bound on the layer's output error; a bound over the threshold flags the
+   layer-step and raises that layer's cap for the request's later steps
+   (``guard.guard_layer``, ``request_state.TrackedRequest.follow_flags``).
 
-The step's lists are planned on the host once, by its first layer (``_plan_layers``),
-and the guard's are put on the layers' device there (``page_lists.GuardLists``): no
-layer reads a device value back to the host while the rest pages are on the device
-(the guard's reads are masks over a fixed page list, ``guard_reads.exact_reader``).
+The step's lists are planned on the host once, where it begins, and the guard's are put
+on the layers' device there (``page_lists.GuardLists``): no layer reads a device value
+back to the host or reads a host copy (the selection is a mask over a fixed page list,
+``guard_reads.exact_reader``).
 
 Full pages are summarised at ``end_step``, once, from the device pool before any
 release: their key ranges into a ``key_ranges.KeyRanges`` pool and, guarded, their
@@ -35,19 +36,16 @@ the guard pool cannot hold decodes unguarded (``guard_refused``).
 ``HotSetDecoder`` is driven by an attention backend: ``begin_step`` once per decode
 batch, ``attend`` once per layer, ``end_step`` after the last layer. ``end_step``
 also plans the *next* step and returns, as data (``residency.StepMoves``), the pages
-that plan leaves out (to release) and the released pages it reads (to promote): the
-residency owner moves them between steps, before the scheduler allocates the next
-step's slots (``scheduler/hot_set_release.py``). The decoder moves no page and calls
-no allocator, tree or pool: it reads the requests' page records. A planned page the
-owner found no device page for is read from its host copy for that step and counted;
-nothing is skipped.
+that plan leaves out (to release) and the released pages it keeps (to promote), moved
+by the residency owner between steps (``scheduler/hot_set_release.py``). The decoder
+moves no page and calls no allocator, tree or pool. A planned page the owner found no
+device page for is read from its host copy for that step (staged before the layers)
+and counted.
 
-Exact pages get exact masses (normalised by the step's combined denominator); rest
-pages get masses estimated from their key codes, which rank them for promotion. With
-the guard off, a non-attended page is ranked by its key min/max bound (Quest's), kept
-per request by logical page so a released page keeps it. What the layers find is
-tallied as tensors and folded into each request once per step (``step_tally.py``);
-the decoder's records of its requests are ``request_state.py``.
+Exact pages get exact masses; rest pages masses estimated from their key codes (guard
+off: their key min/max bound, Quest's), which rank them for promotion. What the layers
+find is tallied as tensors and folded into each request once per step
+(``step_tally.py``); the decoder's records of its requests are ``request_state.py``.
 
 Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 """
@@ -78,7 +76,7 @@ from sgl_importance.hot_set.page_lists import (
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.request_state import LiveRequest, TrackedRequest
 from sgl_importance.hot_set.residency import RequestMoves, Residency, StepMoves
-from sgl_importance.hot_set.sample import PageDraw
+from sgl_importance.hot_set.sample import PageDraw, request_seed
 from sgl_importance.hot_set.sample import inclusion as sample_inclusion
 from sgl_importance.hot_set.sample import reserve as sample_reserve
 from sgl_importance.hot_set.selection import HotSetCounts, HotSetParams, RequestHotSet, fixed_mask
@@ -198,12 +196,12 @@ class HotSetDecoder:
             tracked = self.tracked.get(rid)
             if tracked is None:
                 params = self.request_params.get(rid) or self.params
-                tracked = self.tracked[rid] = TrackedRequest(RequestHotSet(params), draw=PageDraw())
+                tracked = self.tracked[rid] = TrackedRequest(RequestHotSet(params), draw=PageDraw(request_seed(rid)))
             pages = None
             if rows is not None and self.residency.enabled:
                 pages = self.residency.peek(rid)  # admitted by the scheduler, or None
             num_pages = -(-req_slots.numel() // ps)
-            (planned, sample), counts = self._plan(tracked, num_pages)
+            plan, counts = self._plan(tracked, num_pages)
             if pages is not None:
                 req_slots = rows[i][: req_slots.numel()]
             tokens = torch.full((num_pages,), ps, dtype=torch.int64)
@@ -214,8 +212,9 @@ class HotSetDecoder:
                     req_slots,
                     tracked,
                     pages=pages,
-                    planned=planned,
-                    sample=sample,
+                    planned=plan.read,
+                    sample=plan.sample,
+                    kept=plan.keep,
                     tokens=tokens,
                     mass_over_layers=torch.zeros(num_pages, **f64),
                     layers=torch.zeros(num_pages, dtype=torch.int64),
@@ -237,8 +236,8 @@ class HotSetDecoder:
         self._outside = plan_outside(self._live, planned)
         self._sample = SamplePlan.build(self._live, self._outside, ps)
         device = self.ranges.device
-        self._guard_lists = GuardLists.build(self._live, self._outside, self._sample, ps, device)
         layers = self.ranges.num_layers
+        self._guard_lists = GuardLists.build(self._live, self._outside, self._sample, ps, device, layers)
         self._tally = StepTally.for_step(self._live, self._exact, self._outside, device, num_layers=layers)
         self._pool_pages_planned = pool_pages
         prepare = getattr(self._read, "slots", None)
@@ -259,19 +258,21 @@ class HotSetDecoder:
         for rid in [r for r in self.tracked if r not in rids]:
             self._drop(rid)
 
-    def _plan(self, tracked: TrackedRequest, num_pages: int) -> tuple[tuple[torch.Tensor, torch.Tensor], HotSetCounts]:
+    def _plan(self, tracked: TrackedRequest, num_pages: int) -> tuple["StepPlan", HotSetCounts]:
         ahead, tracked.next_plan = tracked.next_plan, None
         if ahead is not None and ahead[0] == num_pages:
             return ahead[1], ahead[2]
         return self._plan_pages(tracked, num_pages)
 
-    def _plan_pages(
-        self, tracked: TrackedRequest, num_pages: int
-    ) -> tuple[tuple[torch.Tensor, torch.Tensor], HotSetCounts]:
-        """(the pages read exactly, the sampled rest pages), and the plan's counts.
+    def _plan_pages(self, tracked: TrackedRequest, num_pages: int) -> tuple["StepPlan", HotSetCounts]:
+        """What the step reads in part 1, its sampled rest pages and the pages kept on the
+        device, with the plan's counts.
 
-        A guarded request's budget keeps room for its expected sample, and the plan is
-        chosen without looking at which pages are sampled (the estimate needs that).
+        Guarded, part 1 is the sinks, the window and the pages not coded yet; every other
+        page is the rest, chosen from per layer by top-p on its key codes
+        (``guard.guard_layer``). What stays on the device is the policy's hot set (the
+        budget, with room kept for the expected sample) and the sample, drawn without
+        looking at the plan or any query (the estimate needs that).
         """
         state = tracked.state
         coded = tracked.codes.numel()
@@ -279,15 +280,16 @@ class HotSetDecoder:
         tracked.sample_pi = 1.0
         if not guarded or state.step == 0 or state.params.policy in ("dense", "quest"):
             planned, counts = state.plan(num_pages)
-            return (planned, _NONE), counts
+            return StepPlan(planned, _NONE, planned), counts
         p = state.params
         budget = p.budget_pages(num_pages)
+        fixed = fixed_mask(num_pages, p.sinks, p.window)
+        fixed[coded:] = True  # pages without key codes yet are read exactly
         room = budget - int(fixed_mask(num_pages, p.sinks, p.window).sum())
         pi = tracked.sample_pi = sample_inclusion(coded, room)
-        planned, counts = state.plan(num_pages, reserve=sample_reserve(pi, num_pages, budget))
-        members = tracked.draw.members(coded, pi)
-        members[planned[planned < coded]] = False
-        return (planned, torch.nonzero(members).flatten()), counts
+        kept, counts = state.plan(num_pages, reserve=sample_reserve(pi, num_pages, budget))
+        members = tracked.draw.members(coded, pi) & ~fixed[:coded]
+        return StepPlan(torch.nonzero(fixed).flatten(), torch.nonzero(members).flatten(), kept), counts
 
     # -- one layer -----------------------------------------------------------------
 
@@ -321,7 +323,8 @@ class HotSetDecoder:
         if per_layer:
             exact, outside_plan = self._quest_layer(layer_id, q, k_pages.shape[0], sm_scale, logit_cap)
             sample_plan = SamplePlan.build(self._live, outside_plan, ps)
-            guard_lists = GuardLists.build(self._live, outside_plan, sample_plan, ps, q.device, layer=layer_id)
+            layers = self.ranges.num_layers
+            guard_lists = GuardLists.build(self._live, outside_plan, sample_plan, ps, q.device, layers, layer=layer_id)
         run = dict(sm_scale=sm_scale, logit_cap=logit_cap)
         extra_k, extra_v = self._staged(layer_id, exact.staged_host)
         result = self._read(
@@ -372,11 +375,11 @@ class HotSetDecoder:
         )
 
     def _guard_layer(self, layer_id, q, k_pages, v_pages, result, lists: GuardLists, run, per_layer: bool):
-        """Part 2: the rest pages' intervals, heavy ones read, the rest from the sample.
+        """Part 2: the rest pages' intervals, the selection's pages read, the rest estimated.
 
         Everything it reads was put on the layers' device with the step's lists
-        (``GuardLists``), so with every rest page on the device it reads no value back to
-        the host (``guard_reads.exact_reader``)."""
+        (``GuardLists``): it reads no value back to the host and no host copy
+        (``guard_reads.exact_reader``)."""
         plan = lists.outside
         rows = plan.rows
         q_rows = q[rows]
@@ -392,11 +395,15 @@ class HotSetDecoder:
             plan.sampled,
             plan.inclusion,
             lists.thresholds,
+            lists.released,
+            lists.top_p[:, layer_id % lists.caps.shape[1]],
+            lists.caps[:, layer_id % lists.caps.shape[1]],
             exact_reader(self, layer_id, q, k_pages, v_pages, lists, run),
         )
         self.last_guard = outcome  # what the layer's guard did (benchmarks read its bound)
-        tally = self._tally if not per_layer else StepTally.for_outside(lists.host, plan.rows.device)
-        tally.add_guard(outcome, plan, lists.released)
+        layers = self.ranges.num_layers
+        tally = self._tally if not per_layer else StepTally.for_outside(lists.host, plan.rows.device, layers)
+        tally.add_guard(outcome, plan, layer_id)
         if per_layer:
             tally.fold_outside(self._live, lists.host, layers=1)
         return outcome.combined
@@ -424,12 +431,13 @@ class HotSetDecoder:
                 mass[attended] = live.mass_over_layers[attended]
             else:
                 mass[attended] = live.mass_over_layers[attended] / live.layers[attended].double()
-            late = live.guarded.clone()
-            late[live.planned] = False
+            late = live.guarded.clone()  # wanted by some layer, not kept: misses (promotion candidates)
+            late[live.kept] = False
             state.observe(attended, mass, live.outside_mass, needed=late)
+            if live.flagged is not None:
+                live.tracked.follow_flags(live.flagged, live.wanted, live.tokens.numel())
             live.counts.steps = 1
             live.counts.late_arrivals = int(late.sum())
-            live.counts.guard_fallbacks = int(bool(live.guarded.any()))
             length = live.slots.numel()
             # Summarise the pages full now while every one of them is still on the device.
             refused = summarise_pages(self.ranges, self.guard, live, length // ps, self._pool_pages, ps)
@@ -437,8 +445,8 @@ class HotSetDecoder:
             step.add(live.counts)
             # The next step decodes one more token: plan it now, one step ahead.
             num_pages = -(-(length + 1) // ps)
-            (plan, sample), counts = self._plan_pages(live.tracked, num_pages)
-            live.tracked.next_plan = (num_pages, (plan, sample), counts)
+            plan, counts = self._plan_pages(live.tracked, num_pages)
+            live.tracked.next_plan = (num_pages, plan, counts)
             # F(request) during this step: its pages on the device, its pool rows.
             on_device = live.tokens.numel()
             if live.pages is not None:
@@ -446,12 +454,13 @@ class HotSetDecoder:
             held += held_bytes(on_device, live.tracked.ranges.numel(), live.tracked.codes.numel(), page)
             if live.pages is not None:
                 keep = torch.zeros(num_pages, dtype=torch.bool)
-                keep[plan] = True
-                keep[sample] = True
+                keep[plan.read] = True
+                keep[plan.keep] = True
+                keep[plan.sample] = True
                 # Only full pages leave: the last one is still being written.
                 full = torch.arange(num_pages) < length // ps
                 moves.requests.append(
-                    RequestMoves(live.pages.owner, torch.nonzero(full & ~keep).flatten(), _union(plan, sample))
+                    RequestMoves(live.pages.owner, torch.nonzero(full & ~keep).flatten(), torch.nonzero(keep).flatten())
                 )
         step.add(self.residency.take_counts())
         self.held_bytes = held
@@ -459,6 +468,16 @@ class HotSetDecoder:
         self._exact = self._outside = self._sample = self._tally = self._guard_lists = None
         self.totals.add(step)
         return StepResult(step, moves)
+
+
+class StepPlan(NamedTuple):
+    """One request's plan for a step (logical pages, ascending): ``read`` in part 1 by
+    every layer, ``sample`` the sampled rest pages, ``keep`` the policy's hot set; all
+    three stay on the device (the rest may be released)."""
+
+    read: torch.Tensor
+    sample: torch.Tensor
+    keep: torch.Tensor
 
 
 class StepResult(NamedTuple):
@@ -469,13 +488,6 @@ class StepResult(NamedTuple):
 
 
 _NONE = torch.zeros(0, dtype=torch.int64)
-
-
-def _union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Two lists of logical pages as one, ascending."""
-    if b.numel() == 0:
-        return a
-    return torch.unique(torch.cat((a, b)))
 
 
 def _rescaled(result: DecodeImportanceOutput, share: Optional[torch.Tensor]) -> torch.Tensor:

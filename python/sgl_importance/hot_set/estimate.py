@@ -6,11 +6,9 @@ of the request (its *rest*) is accounted for in the same softmax:
 - **Logit intervals** (``estimate_outside``): each rest page's 4-bit key codes
   (``key_codes.py``) give every token an estimated logit ``m_t`` and
   ``|l_t - m_t| <= e_p``; so a page's mass is within ``exp(+-e_p)`` of
-  ``x_p = sum_t exp(m_t)``. A page whose estimated share of the softmax exceeds
-  ``HEAVY`` times the uniform share of the rest is read exactly (``heavy_pages``),
-  whatever the sample; where the rest's *upper* mass is so small that leaving it out
-  is within the threshold, it is left out under a deterministic bound
-  (``negligible_rest``).
+  ``x_p = sum_t exp(m_t)``. The estimated masses choose which rest pages a layer reads
+  (top-p, ``guard.wanted_pages``); the upper masses give a deterministic bound on
+  leaving the unread rest out (``negligible_rest``).
 - **A sampled estimate** (``sampled_pages``, ``combine``): the rest pages in the
   request's uniform sample (``sample.py``, inclusion probability ``pi``; they are
   planned, so resident) are read exactly, each page's own numerator and
@@ -30,12 +28,13 @@ of the request (its *rest*) is accounted for in the same softmax:
   ``||o - o_hat|| / ||o|| <= B / (||o_hat|| - B)``; under ``MIN_SAMPLED`` sampled pages
   the estimate does not vouch.
 
-The guarantee, per layer and not end to end: *with probability at least 1 - DELTA
-over the page sample, under the normal approximation of the sampled estimate, the
-relative L2 error of the layer's attention output (all query heads) is at most the
-reported bound; where the bound exceeds the request's threshold, every rest page is
-read exactly and the output is exact.* ``benchmark/long_context/bench_bound.py``
-counts how often the exact error exceeds the bound.
+The guarantee, per layer and not end to end: *the deterministic bound is never
+exceeded; with probability at least 1 - DELTA over the request's page sample, under the
+normal approximation of the sampled estimate, the relative L2 error of the layer's
+attention output (all query heads) is at most the statistical bound; the layer reports
+the smaller of the two, and where it exceeds the request's threshold the layer-step is
+flagged (counted), not read again.* ``benchmark/long_context/bench_bound.py`` counts how
+often the exact error exceeds the bound.
 
 Plain torch; nothing here imports SGLang.
 """
@@ -66,7 +65,6 @@ T_QUANTILES = {1: 25.452, 2: 6.205, 3: 4.177, 4: 3.495, 5: 3.163, 6: 2.969, 7: 2
                10: 2.634, 12: 2.56, 15: 2.49, 20: 2.423, 30: 2.36, 60: 2.299, 120: 2.27}  # fmt: skip
 Z = 2.2414
 MIN_SAMPLED = 3  # fewer sampled pages than this cannot vouch for the rest
-HEAVY = 8.0  # a rest page whose estimated share exceeds HEAVY x the rest's uniform share is read
 
 
 @dataclass
@@ -194,25 +192,6 @@ def estimate_outside(
 
     value_norm = on_device(norms, dev)[:, :, :, None].expand(hkv, n, norms.shape[2], g)
     return Outside(heads(page_lse), heads(error), heads(value_norm))
-
-
-def heavy_pages(lse_exact: torch.Tensor, outside: Outside, valid: torch.Tensor) -> torch.Tensor:
-    """bool ``[n, P]``: rest pages whose estimated share of the softmax exceeds ``HEAVY``
-    times the rest's uniform share in some query head (read exactly).
-
-    Such a page (a retrieval head's target) is one the sample would stand for badly:
-    the ratio estimate gives every unsampled page the sampled pages' mean output. The
-    test uses the key codes' estimate, not its upper end: at 4 bits the interval is
-    up to a few nats wide, and its upper end would flag every page of a diffuse head.
-
-    Args:
-        lse_exact: ``[n, Hq]`` log denominator of the pages read exactly.
-    """
-    total = torch.logaddexp(lse_exact, torch.logsumexp(outside.page_lse, dim=-1))  # [n, Hq]
-    rest = valid.sum(dim=1).clamp_min(1).to(outside.page_lse.dtype)  # [n]
-    share = outside.page_lse - total[..., None]
-    limit = math.log(HEAVY) - rest.log()
-    return valid & (share > limit[:, None, None]).any(dim=1)
 
 
 @dataclass

@@ -1,25 +1,25 @@
-"""Part 2 of a guarded layer: account for the rest pages, read what cannot be vouched for.
+"""Part 2 of a guarded layer: choose the rest pages to read, read them once, bound the rest.
 
-The exact part (part 1, the planned pages) comes in; then, per guarded request:
+The exact part (part 1: sinks, window and the pages not coded yet) comes in; then, per
+guarded request, with fixed shapes and no host in the loop:
 
-1. the rest pages whose key codes say they could be heavy are read exactly
-   (``estimate.heavy_pages``; deterministic) and merged into the exact part;
-2. the remaining rest is estimated from its sampled pages (``estimate.combine``),
-   with a statistical bound on the layer's output error; where that bound is too wide
-   but the rest's upper mass is so small that leaving it out is within the threshold
-   (``estimate.negligible_rest``, deterministic), the rest is left out;
-3. where that bound exceeds the request's ``guard_threshold``, the heaviest quarter of
-   the remaining rest (by its key codes) is read exactly and the bound computed again,
-   up to ``GUARD_ROUNDS`` times; then every remaining rest page is read (the
-   *fallback*; the output is then exact).
+1. **selection** (``wanted_pages``): each query head wants the fewest rest pages whose
+   masses estimated from their key codes, with the exact part's, reach ``top_p`` of its
+   total (top-p); a page any head wants is wanted. Of the wanted pages still on the device
+   the ``cap`` with the largest share in any head are read exactly, in one read; a wanted
+   page that was released is a *miss*: not read (no host read inside a layer), counted,
+   and promoted for later steps through the residency owner;
+2. **the rest** (every page not read) is estimated from the request's page sample
+   (Horvitz-Thompson, ``estimate.combine``; bound ``B_stat``) or left out under the
+   deterministic bound (``estimate.negligible_rest``; ``B_det``), whichever bound is
+   smaller: the layer's output comes with ``min(B_det, B_stat)``;
+3. **a flag**: where that bound exceeds the request's ``guard_threshold`` the layer-step is
+   flagged (counted, and the request's cap for that layer rises for its later steps:
+   ``decode.py``). Nothing is read again: what a layer reads never exceeds its cap.
 
-No step of it waits on the host: every round runs for every request, whatever the
-bounds say (a request with nothing to read chooses no page, and an empty read merges
-as nothing: lse -inf, output 0), so what a layer queues does not depend on device
-values. The results are those of stopping where no bound is over: a request under its
-threshold chooses nothing in the later rounds, and its estimate, computed again from
-the same inputs, is the same. ``read_exactly`` is called ``GUARD_ROUNDS + 2`` times a
-layer and must take an all-false mask.
+``read_exactly`` is called once a layer and must take an all-false mask (lse -inf,
+output 0). The selection's inputs are the key codes (``estimate.estimate_outside``), which
+never look at the sample, so the pages left unread keep the sample uniform over them.
 
 Plain torch, but for the merge of two softmax parts (``sgl_kernel_ext.merge_parts``:
 a Triton kernel on a GPU, torch elsewhere); nothing here imports SGLang.
@@ -31,35 +31,76 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from sgl_importance.hot_set.estimate import Combined, Outside, Sampled, combine, heavy_pages, negligible_rest
+from sgl_importance.hot_set.estimate import Combined, Outside, Sampled, combine, negligible_rest
 from sgl_kernel_ext import merge_parts
 
 NEG_INF = float("-inf")
-# Rounds that read the heaviest READ_SHARE of the rest before the guard reads all of it.
-GUARD_ROUNDS = 2
-READ_SHARE = 0.25
 
 
 class GuardOutcome(NamedTuple):
     """One guarded layer over the outside plan's ``[n, P]`` rest pages.
 
     Attributes:
-        combined: the output, lse and bound with the guard's reads merged in.
-        read: bool ``[n, P]``: rest pages read exactly (heavy or fallback) in this layer.
-        estimated: bool ``[n, P]``: rest pages left to the sampled estimate.
-        fallback: bool ``[n]``: requests whose remaining rest was read whole.
+        combined: the output, lse and bound with the selection's reads merged in.
+        read: bool ``[n, P]``: rest pages read exactly in this layer (at most the cap).
+        wanted: bool ``[n, P]``: rest pages the top-p selection wanted (read or missed).
+        missed: bool ``[n, P]``: wanted pages that were released (not read).
+        estimated: bool ``[n, P]``: rest pages left to the estimate.
+        flagged: bool ``[n]``: requests whose bound exceeds their threshold.
         negligible: bool ``[n]``: requests whose rest was left out under the
             deterministic bound (``estimate.negligible_rest``).
         mass: float64 ``[n, P]``: each rest page's estimated share of the combined
             denominator, largest over query heads (ranks unread pages for promotion).
+        deterministic: the read pages alone with the deterministic bound (never exceeded).
+        statistical: the sampled estimate of the rest with its bound (exceeded with
+            probability at most ``estimate.DELTA`` over the request's sample);
+            ``combined`` is whichever has the smaller bound.
     """
 
     combined: Combined
     read: torch.Tensor
+    wanted: torch.Tensor
+    missed: torch.Tensor
     estimated: torch.Tensor
-    fallback: torch.Tensor
+    flagged: torch.Tensor
     negligible: torch.Tensor
     mass: torch.Tensor
+    deterministic: Combined
+    statistical: Combined
+
+
+def wanted_pages(lse: torch.Tensor, page_lse: torch.Tensor, valid: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """bool ``[n, P]``: the rest pages some query head needs to reach ``top_p`` of its mass.
+
+    Per query head, the rest pages by estimated mass, largest first, are wanted while the
+    exact part's mass and the larger pages' fall short of ``top_p`` of the total (the
+    exact part plus every rest page's estimate); a page any head wants is wanted.
+
+    Args:
+        lse: ``[n, Hq]`` the exact part's log denominator.
+        page_lse: ``[n, Hq, P]`` the rest pages' estimated log masses.
+        valid: bool ``[n, P]``; top_p: ``[n]``.
+    """
+    rest = page_lse.masked_fill(~valid[:, None, :], NEG_INF)
+    total = torch.logaddexp(lse, torch.logsumexp(rest, dim=-1))  # [n, Hq]
+    total = torch.where(torch.isfinite(total), total, 0.0)
+    share = torch.exp(rest - total[..., None])  # [n, Hq, P], 0 off the rest
+    exact = torch.exp(lse - total).nan_to_num(0.0)  # [n, Hq]
+    ordered, order = torch.sort(share, dim=-1, descending=True)
+    before = torch.cumsum(ordered, dim=-1) - ordered  # the larger pages' share
+    need = (exact[..., None] + before < top_p[:, None, None].to(share.dtype)) & (ordered > 0)
+    chosen = torch.zeros_like(need).scatter_(-1, order, need)
+    return chosen.any(dim=1)
+
+
+def capped(weight: torch.Tensor, chosen: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+    """bool ``[n, P]``: per row, at most ``cap`` of the ``chosen`` pages, the largest
+    ``weight`` first (a fixed-shape sort; no row's count is read on the host)."""
+    key = weight.masked_fill(~chosen, NEG_INF)
+    order = torch.argsort(key, dim=1, descending=True)
+    ranks = torch.arange(order.shape[1], device=order.device)[None, :]
+    keep = torch.zeros_like(chosen).scatter_(1, order, ranks < cap.to(order.device)[:, None])
+    return keep & chosen
 
 
 def guard_layer(
@@ -71,9 +112,12 @@ def guard_layer(
     in_sample: torch.Tensor,
     inclusion: torch.Tensor,
     thresholds: torch.Tensor,
+    released: torch.Tensor,
+    top_p: torch.Tensor,
+    cap: torch.Tensor,
     read_exactly: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
 ) -> GuardOutcome:
-    """Heavy pages exactly, the rest from the sample, a fallback where the bound is too wide.
+    """Top-p of the rest by its key codes, at most ``cap`` pages read, the rest estimated.
 
     Args:
         lse, out: the exact part's ``[n, Hq]`` lse and ``[n, Hq, Dv]`` output.
@@ -83,57 +127,28 @@ def guard_layer(
         valid, in_sample: bool ``[n, P]``: the plan's real entries, and those sampled.
         inclusion: ``[n]`` each request's ``pi``.
         thresholds: ``[n]`` each request's ``guard_threshold``.
+        released: bool ``[n, P]`` rest pages with no device page (never read here).
+        top_p: ``[n]``; cap: int64 ``[n]`` the most rest pages read in this layer.
         read_exactly: bool ``[n, P]`` chosen pages -> their exact ``(lse, output)``; a
             row with no page chosen gets lse -inf and output 0.
     """
-    read = heavy_pages(lse, outside, valid)
-    lse_a, out_a = read_exactly(read)
-    lse, out = merge_parts(lse, out, lse_a, out_a)
-    combined = _account(lse, out, outside, sampled, valid & ~read, in_sample, inclusion, thresholds)
-    fallback = torch.zeros_like(thresholds, dtype=torch.bool)
-    for round_ in range(GUARD_ROUNDS + 1):
-        # Every round runs (no host test of ``over``): requests under their threshold
-        # choose nothing, and their estimate comes out as it was.
-        over = combined.relative > thresholds
-        remaining = valid & ~read & over[:, None]
-        if round_ < GUARD_ROUNDS:
-            # The heaviest part of the rest by its key codes (chosen without looking at
-            # the sample, so what is left is still sampled uniformly): a lighter rest
-            # leaves the estimate less to be wrong about.
-            chosen = _heaviest(outside, remaining, READ_SHARE)
-        else:
-            chosen, fallback = remaining, over
-        lse_b, out_b = read_exactly(chosen)
-        lse, out = merge_parts(lse, out, lse_b, out_b)
-        read = read | chosen
-        combined = _account(lse, out, outside, sampled, valid & ~read, in_sample, inclusion, thresholds)
+    wanted = wanted_pages(lse, outside.page_lse, valid, top_p)
+    missed = wanted & released
+    weight = outside.page_lse.amax(dim=1)  # [n, P] the page's largest log mass in any head
+    read = capped(weight, wanted & ~released, cap)
+    lse_r, out_r = read_exactly(read)
+    lse, out = merge_parts(lse, out, lse_r, out_r)
+    statistical = _combine(lse, out, outside, sampled, valid & ~read, in_sample, inclusion)
+    deterministic = negligible_rest(lse, out, outside, valid & ~read)
+    # min(B_det, B_stat): the output that comes with the smaller bound.
+    combined = _choose(deterministic.relative <= statistical.relative, deterministic, statistical)
+    flagged = combined.relative > thresholds
     estimated = valid & ~read
     # Estimated masses (of the combined denominator) rank unread pages for promotion.
     share = torch.exp(outside.page_lse - combined.lse[..., None]).nan_to_num(0.0)
     mass = share.amax(dim=1).double().masked_fill(~valid, 0.0)
     negligible = (combined.exact_share == 1.0).all(dim=1) & estimated.any(dim=1)
-    return GuardOutcome(combined, read, estimated, fallback, negligible, mass)
-
-
-def _account(lse, out, outside, sampled, keep, in_sample, inclusion, thresholds) -> Combined:
-    """The rest ``keep`` from the sample, or left out where it is too light to matter."""
-    combined = _combine(lse, out, outside, sampled, keep, in_sample, inclusion)
-    light = negligible_rest(lse, out, outside, keep)
-    use_light = (combined.relative > thresholds) & (light.relative <= thresholds)
-    return _choose(use_light, light, combined)
-
-
-def _heaviest(outside: Outside, remaining: torch.Tensor, share: float) -> torch.Tensor:
-    """bool ``[n, P]``: per row, the ``share`` of ``remaining`` pages (rounded up) with the
-    largest estimated mass in any query head."""
-    weight = outside.page_lse.amax(dim=1).masked_fill(~remaining, NEG_INF)  # [n, P]
-    count = remaining.sum(dim=1)
-    take = torch.ceil(count.to(torch.float32) * share).to(torch.int64)
-    order = torch.argsort(weight, dim=1, descending=True)
-    ranks = torch.arange(order.shape[1], device=order.device)[None, :]
-    chosen = torch.zeros_like(remaining)
-    chosen.scatter_(1, order, ranks < take[:, None])
-    return chosen & remaining
+    return GuardOutcome(combined, read, wanted, missed, estimated, flagged, negligible, mass, deterministic, statistical)
 
 
 def _combine(

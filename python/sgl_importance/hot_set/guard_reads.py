@@ -1,25 +1,20 @@
-"""How a guarded layer reads rest pages exactly (``guard.guard_layer``'s reader).
+"""How a guarded layer reads the rest pages its selection chose (``guard.guard_layer``'s reader).
 
-The guard runs every round for every request and chooses pages by masks over the step's
-fixed rest list (``page_lists.GuardLists``). How the chosen pages are read depends on
-where the step runs:
+The selection chooses pages by a mask over the step's fixed rest list
+(``page_lists.GuardLists``), once a layer, and never a released page (a released page a
+layer wants is a miss, promoted for later steps). How the chosen pages are read depends
+on where the step runs:
 
 - **the Triton backend** (``importance_triton``, a GPU's): the masked-pages kernel reads
   only the chosen pages of the list (``sgl_kernel_ext.masked_page_attention``), without
   the host looking at what was chosen;
 - **the CPU backend** (``importance_torch``): its exact reader runs over the same fixed
   table with the unchosen pages' token counts set to 0, which its C kernel skips
-  (``read_table``): it reads only the chosen pages and plans nothing per round. Reading
-  every rest page's own part once per layer instead (a torch path that needs no mask
-  support) made the guarded step 2.1x slower at 4 x 7.5K tokens (RESULTS.md);
-- **released rest pages** (``lists.on_host``, either backend): the same table, the chosen
-  released pages staged from their host copies (``read_table``): which ones, the host
-  reads back once per round, which the round-trip count shows.
+  (``read_table``).
 
-Pages read from their host copy are counted (``pages_read_from_host``) through the
-step's tally. ``sgl_kernel_ext.page_parts`` / ``merge_page_parts`` (every page's own part,
-merged per mask) remain the kernel's torch reference. Plain torch over
-``sgl_kernel_ext``; nothing here imports SGLang.
+No path reads a host copy or reads a device value back. ``sgl_kernel_ext.page_parts`` /
+``merge_page_parts`` (every page's own part, merged per mask) remain the kernel's torch
+reference. Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 """
 
 from __future__ import annotations
@@ -61,32 +56,19 @@ def pages_of(read_host: Any, layer_id: int, k_pages, v_pages, physical, host_ind
 
 def exact_reader(decoder: Any, layer_id: int, q, k_pages, v_pages, lists: GuardLists, run: dict) -> Reader:
     """The guard's reader for one layer of ``decoder`` (a ``HotSetDecoder``): bool
-    ``[n, P]`` chosen rest pages -> their exact ``(lse, output)`` (lse -inf and output 0
-    for a row with none chosen); see the module docstring for which path runs where."""
+    ``[n, P]`` chosen rest pages (none released) -> their exact ``(lse, output)`` (lse -inf
+    and output 0 for a row with none chosen); see the module docstring for which path runs where."""
     q_rows = q[lists.outside.rows]
-    if reads_with_kernel(decoder) and not lists.on_host:
+    if reads_with_kernel(decoder):
         return lambda chosen: masked_page_attention(q_rows, k_pages, v_pages, lists.physical, chosen, **run)
-    return lambda chosen: read_table(decoder, layer_id, q_rows, k_pages, v_pages, lists, chosen, run)
+    return lambda chosen: read_table(decoder, q_rows, k_pages, v_pages, lists, chosen, run)
 
 
-def read_table(decoder: Any, layer_id: int, q_rows, k_pages, v_pages, lists: GuardLists, chosen, run: dict):
+def read_table(decoder: Any, q_rows, k_pages, v_pages, lists: GuardLists, chosen, run: dict):
     """The ``chosen`` pages of the fixed rest table, read by the decoder's exact reader over
-    that table with the unchosen pages' token counts set to 0 (skipped). Released chosen
-    pages are staged from their host copies: which ones, the host reads back (once per
-    round, only where the rest has released pages); the table keeps its shape either way,
-    so a step reads the same numbers whether its pages were released or not."""
+    that table with the unchosen pages' token counts set to 0 (skipped)."""
     page_size = k_pages.shape[1]
-    table, extra_k, extra_v = lists.physical, None, None
-    if lists.on_host:
-        picked = chosen.reshape(-1).cpu()[lists.host_index]  # the round's read back: released pages chosen
-        if bool(picked.any()):
-            staged = lists.host_index[picked]
-            slots = lists.host_slots.view(-1, page_size)[picked].reshape(-1)
-            extra_k, extra_v = decoder._staged(layer_id, slots)
-            ids = k_pages.shape[0] + torch.arange(staged.numel())
-            table = table.clone()
-            table.view(-1)[staged.to(table.device)] = ids.to(table.device)
-    plan = plan_from_table(table, torch.where(chosen, page_size, 0), page_size)
-    res = decoder._read(q_rows, k_pages, v_pages, plan, extra_k_pages=extra_k, extra_v_pages=extra_v, **run)
+    plan = plan_from_table(lists.physical, torch.where(chosen, page_size, 0), page_size)
+    res = decoder._read(q_rows, k_pages, v_pages, plan, **run)
     lse = torch.where(plan.live[:, None], res.lse, float("-inf"))
     return lse, res.output.float()

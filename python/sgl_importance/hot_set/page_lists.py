@@ -219,9 +219,8 @@ class GuardLists:
     """Everything a guarded layer reads besides the pool, built once per step.
 
     Tensors are on the layers' device (``n`` guarded requests, ``P`` rest columns), so
-    that a layer neither plans nor waits on the host: the guard's rounds read chosen
-    columns of the fixed ``physical`` list under a mask
-    (``sgl_kernel_ext.masked_page_attention``).
+    that a layer neither plans nor waits on the host: its selection reads chosen columns
+    of the fixed ``physical`` list under a mask (``guard_reads.exact_reader``).
 
     Attributes:
         host: the step's outside plan as planned (on the host; folded at the step's end).
@@ -229,15 +228,16 @@ class GuardLists:
         sample: the sample plan, its ``physical``/``valid`` on the device.
         physical: int64 ``[n, P]`` each rest page's device page id (0 on padding and on
             pages released to the host pool).
-        released: bool ``[n, P]`` rest pages released to the host pool.
-        host_index, host_slots: those pages as ``SamplePlan`` lists its host pages: int64
-            ``[k]`` into the flattened table, their host slots ``[k * page_size]`` (host).
+        released: bool ``[n, P]`` rest pages released to the host pool (never read: a
+            layer that wants one counts a miss).
         thresholds: float32 ``[n]`` each request's ``guard_threshold``.
+        top_p: float32 ``[n, L]`` each request's ``top_p`` per layer (1 where the layer's cap
+            has risen to every page: a layer that keeps flagging reads densely).
+        caps: int64 ``[n, L]`` the most rest pages each layer reads exactly (the
+            request's read cap for that layer less part 1's pages and its sample).
         range_ids: int64 ``[n, P]`` the rest pages' range ids (``key_ranges.KeyRanges``,
             0 on padding): a layer gathers its own ranges by them (``key_range``), the
             ones their codes were written against.
-        on_host: some rest page lives only in the host pool (released), so ``physical``
-            cannot serve the guard's reads (``HotSetDecoder._read_exactly``).
         empty: no guarded request has a rest page (nothing to guard).
         layer: the one layer the lists were built for (lists that change per layer,
             the ``quest`` baseline's), or None: every layer.
@@ -248,11 +248,10 @@ class GuardLists:
     sample: SamplePlan
     physical: torch.Tensor
     released: torch.Tensor
-    host_index: torch.Tensor
-    host_slots: torch.Tensor
     thresholds: torch.Tensor
+    top_p: torch.Tensor
+    caps: torch.Tensor
     range_ids: torch.Tensor
-    on_host: bool
     empty: bool
     layer: Optional[int] = None
 
@@ -267,6 +266,7 @@ class GuardLists:
         sample: SamplePlan,
         page_size: int,
         device: torch.device,
+        num_layers: int,
         layer: Optional[int] = None,
     ) -> "GuardLists":
         """From the step's plans (on the host), once per step (or for ``layer`` alone)."""
@@ -275,7 +275,7 @@ class GuardLists:
         # Physical ids are gathered where the slots live (the device), never read back.
         physical = torch.zeros(n, width, dtype=torch.int64, device=_slots_device(live))
         released = torch.zeros(n, width, dtype=torch.bool)
-        thresholds, host_slots = [], []
+        thresholds, top_p, caps = [], [], []
         range_ids = torch.zeros(n, width, dtype=torch.int64)
         for i, row in enumerate(outside.rows.tolist()):
             req = live[row]
@@ -286,23 +286,22 @@ class GuardLists:
             ids = torch.div(first, page_size, rounding_mode="floor").to(torch.int64)
             physical[i, : pages.numel()] = torch.where(held.to(ids.device), 0, ids)  # valid columns come first
             released[i, : pages.numel()] = held
-            if bool(held.any()):
-                host_slots.append(req.pages.host_slots(pages[held]))
-            thresholds.append(req.tracked.state.params.guard_threshold)
+            params = req.tracked.state.params
+            thresholds.append(params.guard_threshold)
+            caps.append(req.tracked.rest_caps(req.tokens.numel(), req.planned.numel(), int(outside.sampled[i].sum()), num_layers))
+            top_p.append(torch.where(req.tracked.caps >= 1.0, 1.0, params.top_p))
             range_ids[i, : pages.numel()] = req.tracked.ranges[pages]
         move = lambda t: on_device(t, device)  # noqa: E731
-        empty_list = torch.zeros(0, dtype=torch.int64)
         return GuardLists(
             host=outside,
             outside=OutsidePlan(*(move(getattr(outside, f)) for f in outside.__dataclass_fields__)),
             sample=SamplePlan(move(sample.physical), move(sample.valid), sample.host_index, sample.host_slots),
             physical=move(physical),
             released=move(released),
-            host_index=torch.nonzero(released.flatten()).flatten(),
-            host_slots=torch.cat(host_slots) if host_slots else empty_list,
             thresholds=torch.tensor(thresholds, dtype=torch.float32, device=device),
+            top_p=move(torch.stack(top_p).float() if top_p else torch.zeros(0, num_layers)),
+            caps=move(torch.stack(caps) if caps else torch.zeros(0, num_layers, dtype=torch.int64)),
             range_ids=move(range_ids),
-            on_host=bool(host_slots),
             empty=empty,
             layer=layer,
         )

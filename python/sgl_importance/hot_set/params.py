@@ -19,14 +19,15 @@ from sgl_importance.choices import (
     REQUEST_HOT_SET_KEYS,
     REQUEST_HOT_SET_POLICIES,
 )
-from sgl_importance.config import ImportanceConfig
+from sgl_importance.config import ImportanceConfig, check_hot_set_room
 from sgl_importance.flags import specs
 from sgl_importance.hot_set.selection import HotSetParams
 
 
 def _params(values: dict[str, Any]) -> HotSetParams:
     params = {key: values[HOT_SET_PREFIX + key] for key in REQUEST_HOT_SET_KEYS}
-    params["guard_threshold"] = float(params["guard_threshold"])
+    for key in ("guard_threshold", "read_cap", "top_p"):
+        params[key] = float(params[key])
     return HotSetParams(**params)
 
 
@@ -51,7 +52,9 @@ def request_hot_set_params(config: ImportanceConfig, value: Any) -> HotSetParams
 
     Raises:
         ValueError: naming ``custom_params.hot_set.<key>``, the value and what is
-            allowed; also when the server runs without a hot set.
+            allowed; also when the server runs without a hot set, when a budget in pages
+            cannot hold the sinks and window, and when it asks for a guard the server
+            has no pool for.
     """
     if config.hot_set_policy == "off":
         raise ValueError(f"{REQUEST_HOT_SET_FIELD} needs a server started with --hot-set-policy (this one has it off)")
@@ -70,4 +73,11 @@ def request_hot_set_params(config: ImportanceConfig, value: Any) -> HotSetParams
     for field in HOT_SET_FIELDS:
         choices = REQUEST_HOT_SET_POLICIES if field == "hot_set_policy" else None
         declared[field].check(_request_key(field), values[field], choices)
+    prefix = f"{REQUEST_HOT_SET_FIELD}."
+    check_hot_set_room(values["hot_set_budget"], values["hot_set_sinks"], values["hot_set_window"], prefix)
+    if values["hot_set_guard_threshold"] < 1.0 and config.hot_set_guard_threshold >= 1.0:
+        raise ValueError(
+            f"{prefix}guard_threshold {values['hot_set_guard_threshold']!r} asks for a guard, but this server "
+            "reserved no key-code pool (--hot-set-guard-threshold 1); allowed: 1"
+        )
     return _params(values)

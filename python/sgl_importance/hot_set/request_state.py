@@ -3,7 +3,8 @@
 ``TrackedRequest`` is what a long request keeps across decode steps: its hot set
 (``selection.RequestHotSet``), the range ids of its full pages' key ranges
 (``key_ranges.py``), the guard ids of their key codes (``key_codes.py``), its page
-sample's draws (``sample.py``) and the plan made one step ahead. ``LiveRequest`` is a
+sample's draws (``sample.py``), its read cap per layer (raised where a layer's bound
+was flagged, lowered back where it held) and the plan made one step ahead. ``LiveRequest`` is a
 request of the step in progress, with what the step's layers found about its pages (exact
 masses, estimated masses of unread pages, the guard's reads, the step's counts).
 ``page_slots`` and ``released_among`` map logical pages to token slots and to the pages
@@ -39,7 +40,35 @@ class TrackedRequest:
     sample_pi: float = 1.0  # the sample's inclusion probability in the current plan
     guard_refused: bool = False  # the guard pool had no room for its codes: decodes unguarded
     ranges_refused: bool = False  # the range pool had no room: decodes dense, every page kept
-    next_plan: Optional[tuple[int, torch.Tensor, HotSetCounts]] = None  # (pages, plan, counts)
+    next_plan: Optional[tuple] = None  # (pages, StepPlan, counts), made one step ahead
+    caps: Optional[torch.Tensor] = None  # float64 [L] read cap per layer (a share of its pages)
+
+    def rest_caps(self, num_pages: int, part1: int, sampled: int, num_layers: int) -> torch.Tensor:
+        """int64 ``[num_layers]``: the most rest pages each layer reads exactly, its read cap
+        less what it reads anyway (part 1's pages and the sample)."""
+        if self.caps is None or self.caps.numel() != num_layers:
+            self.caps = torch.full((num_layers,), float(self.state.params.read_cap), dtype=torch.float64)
+        pages = torch.ceil(self.caps * num_pages).to(torch.int64)
+        return (pages - part1 - sampled).clamp_min(0)
+
+    def seed_caps(self, wanted: torch.Tensor, num_pages: int) -> None:
+        """After the dense warm-up: each layer's cap starts at what its exact top-p needed
+        (``wanted`` pages of ``num_pages``), never below the request's ``read_cap``."""
+        share = wanted.double() / max(1, num_pages)
+        self.caps = share.clamp(min=float(self.state.params.read_cap), max=1.0)
+
+    def follow_flags(self, flagged: torch.Tensor, wanted: torch.Tensor, num_pages: int) -> None:
+        """After a step: a layer whose bound was flagged raises its read cap to at least
+        twice what it was and at least what its selection wanted (``wanted`` pages of
+        ``num_pages``), up to every page (dense); one whose bound held lowers it by a tenth,
+        back toward the request's ``read_cap`` (slowly: a cap that drops at once flags again)."""
+        if self.caps is None or flagged.numel() != self.caps.numel():
+            return
+        base = float(self.state.params.read_cap)
+        share = wanted.double() / max(1, num_pages)
+        raised = torch.maximum(self.caps * 2, share + base).clamp_max(1.0)
+        lowered = (self.caps * 0.9).clamp_min(base)
+        self.caps = torch.where(flagged.to(torch.bool), raised, lowered)
 
 
 @dataclass
@@ -49,13 +78,16 @@ class LiveRequest:
     slots: torch.Tensor  # the request's token slots, in sequence order, where they live (the device's row)
     tracked: Optional[TrackedRequest]  # None: short request, attends densely
     pages: Optional[RequestPages] = None  # None: nothing of it can be released
-    planned: Optional[torch.Tensor] = None  # logical pages read exactly, ascending
+    planned: Optional[torch.Tensor] = None  # logical pages part 1 reads exactly in every layer, ascending
+    kept: Optional[torch.Tensor] = None  # the policy's hot set (kept on the device), ascending
     sample: Optional[torch.Tensor] = None  # sampled rest pages (guarded): kept resident, read per page
     tokens: Optional[torch.Tensor] = None  # tokens in each logical page
     mass_over_layers: Optional[torch.Tensor] = None  # exact mass: summed over layers, or the largest (ranks_by_max)
     layers: Optional[torch.Tensor] = None  # layers that read each page exactly
     outside_mass: Optional[torch.Tensor] = None  # largest estimated (or bound) mass of unread pages
-    guarded: Optional[torch.Tensor] = None  # pages the guard read in some layer
+    guarded: Optional[torch.Tensor] = None  # pages the selection wanted in some layer (read or missed)
+    flagged: Optional[torch.Tensor] = None  # bool [L] layers whose bound was flagged this step
+    wanted: Optional[torch.Tensor] = None  # int64 [L] rest pages each layer's selection wanted this step
     counts: HotSetCounts = field(default_factory=HotSetCounts)
 
     @property

@@ -1,9 +1,11 @@
 """The uniform page sample the guard estimates a request's unread pages from.
 
 Each full page of a guarded request draws ``u ~ U(0, 1)`` once, from a generator
-with a fixed seed (so a request decodes the same alone or in a batch, and run after
-run; the draw is independent of every query, which is all the estimate needs), and is
-in the sample while ``u < inclusion(pages)``: a
+seeded by the request (``request_seed``: a hash of its rid, so a request decodes the
+same alone or in a batch, and again under the same rid; different requests draw
+different samples, so "wrong with probability at most delta" is over requests, not one
+draw per code version; the draw is independent of every query, which is all the
+estimate needs), and is in the sample while ``u < inclusion(pages)``: a
 Bernoulli sample with inclusion probability ``pi`` that does not depend on the query,
 on importance or on which pages the hot set chose, so over the pages a step leaves
 unread (which the plan picks without looking at ``u``) the sampled ones are a uniform
@@ -22,6 +24,7 @@ Plain torch; nothing here imports SGLang.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -29,7 +32,10 @@ import torch
 FRACTION = 1 / 32
 MIN_PAGES = 16
 ROOM_SHARE = 0.5
-SEED = 0x5A3D1E
+
+def request_seed(rid: str) -> int:
+    """The page sample's seed of the request ``rid``: 63 bits of its BLAKE2b hash."""
+    return int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little") >> 1
 
 
 def inclusion(num_full: int, room: int) -> float:
@@ -58,8 +64,9 @@ def reserve(pi: float, num_pages: int, budget: int) -> int:
 class PageDraw:
     """One request's draws, one per logical page, made as pages appear."""
 
-    def __init__(self) -> None:
-        self._generator = torch.Generator().manual_seed(SEED)
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._generator = torch.Generator().manual_seed(seed)
         self.u = torch.zeros(0, dtype=torch.float64)
 
     def members(self, num_full: int, pi: float) -> torch.Tensor:

@@ -21,9 +21,9 @@ baselines and the importance hot set run the same code:
   a page observed for few steps is comparable with one observed for many.
 
 ``lru`` and ``importance`` promote a non-resident page when its *outside mass* says it
-may matter (at least the uniform share) and, with the guard on, the guard had to read it
-exactly (the estimate vouches for the others, so they need no copy), and it beats the
-weakest resident; at most an eighth of the free budget is swapped per step, which
+may matter (at least the uniform share) and, with the guard on, some layer's selection
+wanted it while it was released (a *miss*: the estimate vouches for the others, so they
+need no copy), and it beats the weakest resident; at most an eighth of the free budget is swapped per step, which
 keeps a loose bound from churning the set (a released page costs a host→device copy per
 promotion). The first decode step of a request attends densely: right after
 prefill its whole KV is on the device, and that step's exact masses seed the state.
@@ -63,6 +63,12 @@ class HotSetParams:
         sinks: leading pages.
         guard_threshold: allowed bound of the relative error of each layer's attention
             output, in (0, 1]; 1 = no guard (unread pages are neither estimated nor bounded).
+            A guarded layer-step whose bound exceeds it is *flagged* (counted) and raises
+            that layer's read cap for the request's later steps.
+        read_cap: guarded: the most pages a layer reads exactly per step, as a fraction of
+            the request's pages (sinks, window and the page sample included), in (0, 1].
+        top_p: guarded: each query head wants the fewest pages whose estimated mass (from
+            their key codes) with the always-read pages reaches this share, in (0, 1].
         decay: EMA factor of the ``importance`` policy.
         reduce: how the ``importance`` policy reduces a step's page masses over
             layers and KV heads: ``max``, the largest of any (a page one retrieval
@@ -76,6 +82,8 @@ class HotSetParams:
     window: int = 4
     sinks: int = 1
     guard_threshold: float = 0.1
+    read_cap: float = 0.2
+    top_p: float = 0.95
     decay: float = 0.98
     reduce: str = "max"
 
@@ -110,11 +118,10 @@ class HotSetCounts(ReleaseCounts):
     warmups: int = 0  # request-steps attended densely as a request's first
     promotions: int = 0
     hits: int = 0
-    late_arrivals: int = 0  # pages the guard read that the plan had left out
-    guard_fallbacks: int = 0  # request-steps in which the guard read pages in some layer
+    late_arrivals: int = 0  # pages some layer wanted that the plan had left out (misses: promoted next)
     guard_checks: int = 0  # request-layer-steps whose output error the guard bounded
-    guard_reads: int = 0  # ... of which the guard read pages exactly (heavy pages or the whole rest)
-    guard_full_reads: int = 0  # ... of which the bound exceeded the threshold: the whole rest read
+    guard_reads: int = 0  # ... of which the selection read rest pages exactly
+    guard_flagged: int = 0  # ... of which the bound exceeded the threshold (flagged; the cap rises)
     guard_refused: int = 0  # requests refused a guard: no room for their key codes (decoded unguarded)
     ranges_refused: int = 0  # requests refused key ranges: no room in the pool (decoded dense, nothing released)
     pages_attended: int = 0  # pages read exactly, summed over layers (the guard's reads included)
@@ -122,8 +129,8 @@ class HotSetCounts(ReleaseCounts):
     pages_estimated: int = 0  # rest pages left to the sampled estimate, summed over layers
     pages_sampled: int = 0  # sampled rest pages read (each on its own), summed over layers
     pages_dense: int = 0  # pages dense attention would have read, over layers
-    pages_read_from_host: int = 0  # attended pages read from their host copy, over layers
-    pages_guard_read_from_host: int = 0  # ... of them read by the guard (the rest: planned, not promoted)
+    pages_read_from_host: int = 0  # attended pages read from their host copy, over layers (planned, not promoted)
+    pages_missed: int = 0  # rest pages a layer wanted that were released (not read: misses), over layers
 
     def add(self, other: ReleaseCounts) -> None:
         """Add another ``HotSetCounts``, or only the page moves of a ``ReleaseCounts``."""
@@ -226,9 +233,9 @@ class RequestHotSet:
         share = 1.0 / num_pages
         eligible = ~self.resident & ~fixed & (self.outside_mass >= share)
         if self.params.guard_threshold < 1.0:
-            # Guarded: a page is copied to the device only once the bound needed it
-            # read exactly, so promotions (host -> device copies) stay within what the
-            # guard read; the estimate covers every other page.
+            # Guarded: a page is copied to the device only once a layer's selection
+            # wanted it (a miss), so promotions (host -> device copies) stay within
+            # what the selection asked for; the estimate covers every other page.
             eligible &= self.needed
         candidates = torch.nonzero(eligible).flatten()
         candidates = candidates[torch.argsort(self.outside_mass[candidates], descending=True, stable=True)]
@@ -271,8 +278,8 @@ class RequestHotSet:
             outside_mass: ``[pages]`` mass of each page the step did not read exactly,
                 largest over layers and heads: estimated from its key codes when the guard is
                 on, else the upper bound its key min/max gives; ranks pages for promotion.
-            needed: bool ``[pages]``, pages the guard read exactly outside the plan (the
-                promotion candidates when the guard is on); None: none.
+            needed: bool ``[pages]``, pages a layer's selection wanted outside the plan
+                (misses: the promotion candidates when the guard is on); None: none.
         """
         self._grow(attended.numel())
         masses = masses.double()

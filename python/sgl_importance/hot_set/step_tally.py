@@ -44,13 +44,14 @@ class StepTally:
     by_max: torch.Tensor  # bool [bs]
     layers: int = 0  # layers read with part 1's fixed lists
     outside_mass: Optional[torch.Tensor] = None  # float64 [n, P] largest estimated mass
-    outside_read: Optional[torch.Tensor] = None  # bool [n, P] read by the guard in some layer
-    guard_reads: Optional[torch.Tensor] = None  # int64 [n] layers in which the guard read
-    guard_full_reads: Optional[torch.Tensor] = None  # int64 [n] layers in which it read the whole rest
+    outside_wanted: Optional[torch.Tensor] = None  # bool [n, P] wanted by the selection in some layer
+    guard_reads: Optional[torch.Tensor] = None  # int64 [n] layers in which the selection read
+    flagged: Optional[torch.Tensor] = None  # bool [n, L] layers whose bound exceeded the threshold
+    wanted: Optional[torch.Tensor] = None  # int64 [n, L] rest pages each layer's selection wanted
     pages_sampled: Optional[torch.Tensor] = None  # int64 [n], over layers
     pages_guard_read: Optional[torch.Tensor] = None  # int64 [n], over layers
     pages_estimated: Optional[torch.Tensor] = None  # int64 [n], over layers
-    pages_host_read: Optional[torch.Tensor] = None  # int64 [n], over layers: read from their host copy
+    pages_missed: Optional[torch.Tensor] = None  # int64 [n], over layers: wanted while released
     bound_mass: Optional[torch.Tensor] = None  # float64 [m, Pmax] guard-off rows: largest key-bound mass
     bound_rows: Optional[torch.Tensor] = None  # int64 [m] the guard-off rows of the batch
     bound_log_tokens: Optional[torch.Tensor] = None  # float64 [m, Pmax] log of each page's tokens
@@ -64,6 +65,9 @@ class StepTally:
     bound_layer_ids: Optional[list] = None  # the layer of each kept slot
     num_layers: int = 1  # the most layers a step adds (the buffers' first dimension)
     kept: int = 0  # layers kept in layer_importance
+    warm: Optional[torch.Tensor] = None  # bool [bs] rows in their dense warm-up step (guarded)
+    warm_p: Optional[torch.Tensor] = None  # float64 [bs] their top-p
+    warm_wanted: Optional[torch.Tensor] = None  # int64 [L, bs] pages each layer's exact top-p needed
     run: Optional[dict] = None  # the layers' sm_scale and logit_cap (the bounds need them)
 
     @classmethod
@@ -85,8 +89,15 @@ class StepTally:
             device=device,
         )
         tally = cls(torch.zeros(bs, width, dtype=torch.float64, device=device), by_max)
-        tally._zero_outside(outside, device)
         tally.num_layers = num_layers
+        warm = [req.guard_on and req.tracked.state.step == 0 for req in live]
+        if any(warm):
+            # The dense warm-up's exact masses say how many pages each layer's top-p needs:
+            # the first guarded step's read caps start there (TrackedRequest.seed_caps).
+            tally.warm = torch.tensor(warm, device=device)
+            p = [req.tracked.state.params.top_p if w else 1.0 for req, w in zip(live, warm)]
+            tally.warm_p = torch.tensor(p, dtype=torch.float64, device=device)
+        tally._zero_outside(outside, device)
         guard_off = [b for b, req in enumerate(live) if req.bounds_unread]
         if guard_off:
             # What every layer's bound needs of the step, on the device once: the rows and
@@ -99,23 +110,25 @@ class StepTally:
         return tally
 
     @classmethod
-    def for_outside(cls, outside: OutsidePlan, device: torch.device) -> "StepTally":
+    def for_outside(cls, outside: OutsidePlan, device: torch.device, num_layers: int) -> "StepTally":
         """An empty tally of one layer's guard alone (lists that change per layer)."""
         empty = dict(device=device)  # on the layers' device with the rest: on_host reads them back as one
         tally = cls(torch.zeros(0, 0, dtype=torch.float64, **empty), torch.zeros(0, dtype=torch.bool, **empty))
+        tally.num_layers = num_layers
         tally._zero_outside(outside, device)
         return tally
 
     def _zero_outside(self, outside: OutsidePlan, device: torch.device) -> None:
         n, width = outside.codes.shape
         self.outside_mass = torch.zeros(n, width, dtype=torch.float64, device=device)
-        self.outside_read = torch.zeros(n, width, dtype=torch.bool, device=device)
+        self.outside_wanted = torch.zeros(n, width, dtype=torch.bool, device=device)
         self.guard_reads = torch.zeros(n, dtype=torch.int64, device=device)
         self.pages_guard_read = torch.zeros(n, dtype=torch.int64, device=device)
         self.pages_estimated = torch.zeros(n, dtype=torch.int64, device=device)
-        self.guard_full_reads = torch.zeros(n, dtype=torch.int64, device=device)
+        self.flagged = torch.zeros(n, self.num_layers, dtype=torch.bool, device=device)
+        self.wanted = torch.zeros(n, self.num_layers, dtype=torch.int64, device=device)
         self.pages_sampled = torch.zeros(n, dtype=torch.int64, device=device)
-        self.pages_host_read = torch.zeros(n, dtype=torch.int64, device=device)
+        self.pages_missed = torch.zeros(n, dtype=torch.int64, device=device)
 
     def on_host(self) -> "StepTally":
         """The tally with its tensors on the host, where the requests' state lives: one
@@ -135,21 +148,18 @@ class StepTally:
 
     # -- one layer -----------------------------------------------------------------
 
-    def add_guard(self, outcome: GuardOutcome, outside: OutsidePlan, released: Optional[torch.Tensor] = None) -> None:
-        """One layer's guard: the largest estimated masses, the pages it read.
-
-        Args:
-            released: bool ``[n, P]`` rest pages read from their host copy when read.
-        """
+    def add_guard(self, outcome: GuardOutcome, outside: OutsidePlan, layer_id: int) -> None:
+        """One layer's guard: the largest estimated masses, what its selection wanted and
+        read, its misses and whether its bound was flagged."""
         torch.maximum(self.outside_mass, outcome.mass, out=self.outside_mass)
-        self.outside_read |= outcome.read
+        self.outside_wanted |= outcome.wanted
         self.guard_reads += outcome.read.any(dim=1)
-        self.guard_full_reads += outcome.fallback
+        self.flagged[:, layer_id % self.num_layers] |= outcome.flagged
+        self.wanted[:, layer_id % self.num_layers] = outcome.wanted.sum(dim=1)
         self.pages_guard_read += outcome.read.sum(dim=1)
         self.pages_estimated += outcome.estimated.sum(dim=1)
+        self.pages_missed += outcome.missed.sum(dim=1)
         self.pages_sampled += (outcome.estimated & on_device(outside.sampled, outcome.read.device)).sum(dim=1)
-        if released is not None:
-            self.pages_host_read += (outcome.read & released).sum(dim=1)
 
     def add_exact(
         self,
@@ -233,6 +243,8 @@ class StepTally:
             by_max = self.by_max[:, None]
             reduced = torch.where(by_max, per_kv.amax(dim=3), per_kv.mean(dim=3))  # [L, bs, W]
             self.exact_mass = torch.where(by_max, reduced.amax(dim=0).clamp_min(0.0), reduced.sum(dim=0))
+            if self.warm is not None:
+                self.warm_wanted = top_p_counts(per_kv, self.warm_p)
         if self.bound_layer_ids:
             self._reduce_bounds(live, ranges)
         self.layer_importance = self.layer_share = self.bound_q = self.bound_lse = None
@@ -279,19 +291,19 @@ class StepTally:
             cols = outside.valid[i]
             logical = outside.logical[i][cols]
             req.outside_mass[logical] = torch.maximum(req.outside_mass[logical], tally.outside_mass[i][cols])
-            read = tally.outside_read[i][cols]
-            req.guarded[logical[read]] = True
+            wanted = tally.outside_wanted[i][cols]
+            req.guarded[logical[wanted]] = True
             reads = int(tally.pages_guard_read[i])
             req.counts.guard_checks += layers
             req.counts.guard_reads += int(tally.guard_reads[i])
             req.counts.pages_guard_read += reads
             req.counts.pages_attended += reads
             req.counts.pages_estimated += int(tally.pages_estimated[i])
-            req.counts.guard_full_reads += int(tally.guard_full_reads[i])
+            req.counts.guard_flagged += int(tally.flagged[i].sum())
+            req.flagged = tally.flagged[i] if req.flagged is None else req.flagged | tally.flagged[i]
+            req.wanted = tally.wanted[i] if req.wanted is None else torch.maximum(req.wanted, tally.wanted[i])
             req.counts.pages_sampled += int(tally.pages_sampled[i])
-            host_read = int(tally.pages_host_read[i])
-            req.counts.pages_read_from_host += host_read
-            req.counts.pages_guard_read_from_host += host_read
+            req.counts.pages_missed += int(tally.pages_missed[i])
             req.counts.pages_attended += int(tally.pages_sampled[i])  # read exactly, each page on its own
 
     def fold(
@@ -322,6 +334,8 @@ class StepTally:
                 guard_off += 1
             if tally.layers == 0:
                 continue
+            if tally.warm_wanted is not None and bool(tally.warm[b]):
+                req.tracked.seed_caps(tally.warm_wanted[:, b], req.tokens.numel())
             listed = exact.logical[b]
             req.mass_over_layers[listed] = tally.exact_mass[b, : listed.numel()]
             req.layers[listed] += tally.layers
@@ -329,6 +343,22 @@ class StepTally:
             req.counts.pages_read_from_host += int(released_among(req.pages, listed).sum()) * tally.layers
         if tally.layers and not outside.empty:
             tally.fold_outside(live, outside, layers=tally.layers)
+
+
+def top_p_counts(per_kv: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """int64 ``[L, bs]``: per layer and row, the pages some KV head needs, largest exact mass
+    first, to reach ``top_p`` ``[bs]`` of its mass (the union over KV heads).
+
+    Args:
+        per_kv: ``[L, bs, W, kv]`` each listed page's exact mass per KV head.
+    """
+    mass = per_kv.clamp_min(0.0).transpose(2, 3)  # [L, bs, kv, W]
+    total = mass.sum(dim=-1, keepdim=True).clamp_min(1e-300)
+    ordered, order = torch.sort(mass / total, dim=-1, descending=True)
+    before = torch.cumsum(ordered, dim=-1) - ordered
+    need = (before < top_p[None, :, None, None]) & (ordered > 0)
+    chosen = torch.zeros_like(need).scatter_(-1, order, need)
+    return chosen.any(dim=2).sum(dim=-1)
 
 
 def kv_group_share(share: torch.Tensor, kv_heads: int) -> torch.Tensor:
