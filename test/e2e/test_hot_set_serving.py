@@ -48,11 +48,21 @@ def essay_text() -> str:
     return "".join(open(f).read() for f in sorted(glob.glob(root + "/PaulGrahamEssays/*.txt"))[:3])
 
 
+CODE = "4 7 1 9 3 8 2 6 5 0 4 1 7 3 9 8 2 5 6 0"
+
+
 @pytest.fixture(scope="module")
-def prompts(token_ids):
+def prompts(token_ids, model_path):
+    from transformers import AutoTokenizer
+
     text = essay_text()
+    tokenize = AutoTokenizer.from_pretrained(model_path)
+    ids = lambda t: tokenize(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    # A span seen once, far back, then copied: each decoded token needs a different earlier page.
+    copies = ids(f"The access code is {CODE}. Remember it.\n\n") + token_ids(text, 1000)
+    copies += ids(f"\n\nWhat was the access code? The access code is {CODE[:5]}")
     # Token ids, so the lengths (and so the page counts) are exact.
-    return {"fits": token_ids(text, 600), "exceeds": token_ids(text, 1200)}
+    return {"fits": token_ids(text, 600), "exceeds": token_ids(text, 1200), "copies": copies}
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +143,20 @@ def test_a_small_budget_serves_and_the_metrics_count_it(hot_set_server, prompts,
     # token is an exact tie in bfloat16, "'m" vs "'ve": rounding-level changes pick either.)
     outputs, tops = dense_run
     assert_same_until_a_near_tie(ids, outputs["exceeds"], tops["exceeds"])
+
+
+def test_a_token_needed_moves_every_step_and_the_selection_follows_it_as_dense_does(hot_set_server, prompts, dense_run):
+    # Copying a span seen 1,000 tokens back: each step's next digit sits on a different
+    # earlier position, so what each layer must read moves every step.
+    outputs, tops = dense_run
+    before = scrape(hot_set_server)
+    got = generate_ids(hot_set_server, prompts["copies"], MAX_NEW, timeout=900)["output_ids"]
+    assert_same_until_a_near_tie(got, outputs["copies"], tops["copies"])
+    after = scrape(hot_set_server)
+    checks = metric(after, "sgl_importance:hot_set_guard_checks_total") - metric(
+        before, "sgl_importance:hot_set_guard_checks_total"
+    )
+    assert checks == 30 * (MAX_NEW - 2)  # every layer of every step past the dense warm-up, guarded
 
 
 def test_requests_whose_kv_exceeds_the_device_pool_decode_together(hot_set_server, token_ids):
