@@ -369,7 +369,7 @@ def _order(config: str) -> tuple:
 
 HEADER = (
     "| length | configuration | correct | accuracy | vs dense | dense's hits kept "
-    "| guard reads / layer-step | pages read / dense |"
+    "| guard reads / flagged, per layer-step | pages read / dense |"
 )
 
 
@@ -384,7 +384,7 @@ def _table_lines(cells: dict, task: str) -> list[str]:
         ref = dense["correct"] / dense["n"] if dense else 0.0
         vs = f"{acc / ref:.0%}" if ref else "n/a"
         kept = f"{int(c['kept'])}/{int(c['dense_hits'])}" if c["dense_hits"] else "–"
-        guard = f"{c['guard_reads'] / c['guard_checks']:.1%}" if c["guard_checks"] else "–"
+        guard = f"{c['guard_reads'] / c['guard_checks']:.1%} / {c['guard_flagged'] / c['guard_checks']:.1%}" if c["guard_checks"] else "–"
         read = f"{c['pages_attended'] / c['pages_dense']:.0%}" if c["pages_dense"] else "100%"
         correct = f"{int(c['correct'])}/{int(c['n'])}"
         lines.append(f"| {length} | {config} | {correct} | {acc:.0%} | {vs} | {kept} | {guard} | {read} |")

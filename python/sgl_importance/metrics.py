@@ -274,7 +274,8 @@ HOT_SET_SERIES = {
     "hits": ("hits", "Planned hot-set pages the previous step already attended."),
     "late_arrivals": (
         "late_arrivals",
-        "Pages some layer's selection wanted that the hot set had left out (misses), per request step; promoted next.",
+        "Pages some layer's selection wanted that the hot set had left out, per request step (promotion "
+        "candidates; where they were released, misses: pages_missed).",
     ),
     "guard_checks": ("guard_checks", "Request layer-steps whose attention output error the guard bounded."),
     "guard_reads": ("guard_reads", "Request layer-steps in which the selection read rest pages exactly."),

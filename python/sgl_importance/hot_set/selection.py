@@ -118,7 +118,7 @@ class HotSetCounts(ReleaseCounts):
     warmups: int = 0  # request-steps attended densely as a request's first
     promotions: int = 0
     hits: int = 0
-    late_arrivals: int = 0  # pages some layer wanted that the plan had left out (misses: promoted next)
+    late_arrivals: int = 0  # pages some layer wanted that the hot set had left out (promotion candidates)
     guard_checks: int = 0  # request-layer-steps whose output error the guard bounded
     guard_reads: int = 0  # ... of which the selection read rest pages exactly
     guard_flagged: int = 0  # ... of which the bound exceeded the threshold (flagged; the cap rises)

@@ -280,13 +280,19 @@ int sgl_key_code_pages(const float *q, const uint8_t *codes, const int64_t *ids,
         }
         for (int64_t t = 0; t < page_size; t++) {
             const uint8_t *ct = cp + t * half;
+#pragma omp simd
             for (int64_t j = 0; j < half; j++) {
                 cf[j] = (float)(ct[j] & 15);
                 cf[j + half] = (float)(ct[j] >> 4);
             }
             for (int64_t i = 0; i < g; i++) {
-                float x = base[i];
-                for (int64_t j = 0; j < d; j++) x += qs[i][j] * cf[j];
+                // A vector reduction (its order differs from a serial sum by float32
+                // rounding, inside the margin).
+                float x = 0.0f;
+                const float *qi = qs[i];
+#pragma omp simd reduction(+ : x)
+                for (int64_t j = 0; j < d; j++) x += qi[j] * cf[j];
+                x += base[i];
                 if (logit_cap > 0.0f) x = logit_cap * tanhf(x / logit_cap);
                 if (x > m[i]) {
                     s[i] = s[i] * expf(m[i] - x) + 1.0f;
