@@ -237,11 +237,13 @@ int sgl_paged_decode(const float *q, const void *k_pool, const void *v_pool, con
  * err[h, r, c, :] = sum_j |q_j| step_j / 2 + sum_j |q_j| * max|key| * margin bounds
  * every token's logit error. Reads d / 2 bytes per token: no float copy of the keys.
  * q is scaled by sm_scale already; low and step are float32 [n, listed, kv, d]. */
+#define KC_PAGE 256  // the most tokens a page holds for sgl_key_code_pages
+
 int sgl_key_code_pages(const float *q, const uint8_t *codes, const int64_t *ids, const float *low,
                        const float *step, const uint8_t *valid, int64_t kv, int64_t n, int64_t g, int64_t d,
                        int64_t listed, int64_t page_size, int64_t rows, float logit_cap, float margin, float *lse,
                        float *err, int threads) {
-    if (g > 16 || d > 256 || (d & 1)) return -1;
+    if (g > 16 || d > 256 || (d & 1) || page_size > KC_PAGE) return -1;
     const int64_t half = d / 2, items = kv * n * listed;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t it = 0; it < items; it++) {
@@ -258,7 +260,7 @@ int sgl_key_code_pages(const float *q, const uint8_t *codes, const int64_t *ids,
         const float *lo = low + ((r * listed + c) * kv + h) * d;
         const float *st = step + ((r * listed + c) * kv + h) * d;
         const uint8_t *cp = codes + (h * rows + ids[r * listed + c]) * page_size * half;
-        float qs[16][256], base[16], m[16], s[16], cf[256];
+        float qs[16][256], base[16], m[16], cf[256], xs[16][KC_PAGE];
         float mag = 0.0f;
         for (int64_t j = 0; j < d; j++) {
             float a = fabsf(lo[j]), b = fabsf(lo[j] + 15.0f * st[j]);
@@ -276,7 +278,6 @@ int sgl_key_code_pages(const float *q, const uint8_t *codes, const int64_t *ids,
             base[i] = b;
             err_out[i] = 0.5f * e + a * mag * margin;
             m[i] = -INFINITY;
-            s[i] = 0.0f;
         }
         for (int64_t t = 0; t < page_size; t++) {
             const uint8_t *ct = cp + t * half;
@@ -294,15 +295,19 @@ int sgl_key_code_pages(const float *q, const uint8_t *codes, const int64_t *ids,
                 for (int64_t j = 0; j < d; j++) x += qi[j] * cf[j];
                 x += base[i];
                 if (logit_cap > 0.0f) x = logit_cap * tanhf(x / logit_cap);
-                if (x > m[i]) {
-                    s[i] = s[i] * expf(m[i] - x) + 1.0f;
-                    m[i] = x;
-                } else {
-                    s[i] += expf(x - m[i]);
-                }
+                xs[i][t] = x;
+                m[i] = fmaxf(m[i], x);
             }
         }
-        for (int64_t i = 0; i < g; i++) lse_out[i] = m[i] + logf(s[i]);
+        // The page's log-sum-exp per head in one vector pass (exp vectorised) rather than
+        // an online update per token.
+        for (int64_t i = 0; i < g; i++) {
+            const float top = m[i], *xi = xs[i];
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < page_size; t++) sum += expf(xi[t] - top);
+            lse_out[i] = top + logf(sum);
+        }
     }
     return 0;
 }
