@@ -192,8 +192,9 @@ def quantile(xs: list[float], q: float) -> float:
 
 
 def bytes_share(read_pages: float, rest_pages: float, pages: float, head_dim: int, element: int) -> float:
-    """Bytes a layer-step reads over dense's: the pages read exactly plus every rest page's key codes."""
-    codes = bytes_per_token(head_dim, PAGE) / kv_bytes_per_token(head_dim, element)
+    """Bytes a layer-step reads over dense's: the pages read exactly plus every rest page's key
+    codes and its 16-bit key min/max (the codes' range)."""
+    codes = (bytes_per_token(head_dim, PAGE) + 2 * head_dim * 2 / PAGE) / kv_bytes_per_token(head_dim, element)
     return (read_pages + codes * rest_pages) / pages
 
 
@@ -222,7 +223,8 @@ def summarise(rows: list[dict]) -> dict:
         "error_p50": quantile([r["error"] for r in rows], 0.5), "error_p99": quantile([r["error"] for r in rows], 0.99),
         "ratio_p50": quantile(ratio, 0.5), "ratio_p90": quantile(ratio, 0.9),
         "bound_p50": quantile([r["bound"] for r in rows], 0.5),
-        "read_share": read / max(1.0, pages), "wanted_share": sum(r["wanted"] for r in rows) / max(1, n) / max(1.0, pages),
+        "read_share": read / max(1.0, pages),
+        "wanted_share": sum(r["wanted"] for r in rows) / max(1, n) / max(1.0, pages),
         "bytes_bf16": bytes_share(read, rest, pages, 64, 2), "bytes_f32": bytes_share(read, rest, pages, 64, 4),
         "llama_bytes_bf16": bytes_share(read, rest, pages, LLAMA_8B["head_dim"], 2),
     }  # fmt: skip

@@ -384,7 +384,8 @@ def _table_lines(cells: dict, task: str) -> list[str]:
         ref = dense["correct"] / dense["n"] if dense else 0.0
         vs = f"{acc / ref:.0%}" if ref else "n/a"
         kept = f"{int(c['kept'])}/{int(c['dense_hits'])}" if c["dense_hits"] else "–"
-        guard = f"{c['guard_reads'] / c['guard_checks']:.1%} / {c['guard_flagged'] / c['guard_checks']:.1%}" if c["guard_checks"] else "–"
+        checks = c["guard_checks"]
+        guard = f"{c['guard_reads'] / checks:.1%} / {c['guard_flagged'] / checks:.1%}" if checks else "–"
         read = f"{c['pages_attended'] / c['pages_dense']:.0%}" if c["pages_dense"] else "100%"
         correct = f"{int(c['correct'])}/{int(c['n'])}"
         lines.append(f"| {length} | {config} | {correct} | {acc:.0%} | {vs} | {kept} | {guard} | {read} |")

@@ -471,6 +471,21 @@ def measure_server(
                         "bandwidth_gbs": bandwidth,
                         "load": load,
                         "output_ids": [r["output_ids"] for r in results],
+                        # The guard's flags and the selection's misses over the run (issue 46).
+                        "counters": {
+                            name: metric(after, f"sgl_importance:hot_set_{name}_total")
+                            - metric(before, f"sgl_importance:hot_set_{name}_total")
+                            for name in (
+                                "steps",
+                                "warmups",
+                                "guard_checks",
+                                "guard_flagged",
+                                "late_arrivals",
+                                "pages_missed",
+                                "pages_sampled",
+                                "pages_guard_read",
+                            )
+                        },  # fmt: skip
                     }
                     rows.append(row)
                     print(

@@ -289,9 +289,7 @@ def check_hot_set_room(budget: Any, sinks: int, window: int, prefix: str) -> Non
         ValueError: naming ``{prefix}budget`` (a flag's or a request key's prefix).
     """
     if isinstance(budget, int) and budget < sinks + window:
-        raise invalid(
-            f"{prefix}budget {budget}", f"at least {prefix}sinks + {prefix}window = {sinks} + {window} pages"
-        )
+        raise invalid(f"{prefix}budget {budget}", f"at least {prefix}sinks + {prefix}window = {sinks} + {window} pages")
 
 
 def _flag(name: str) -> str:

@@ -41,7 +41,6 @@ Plain torch; nothing here imports SGLang.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 

@@ -148,7 +148,9 @@ def guard_layer(
     share = torch.exp(outside.page_lse - combined.lse[..., None]).nan_to_num(0.0)
     mass = share.amax(dim=1).double().masked_fill(~valid, 0.0)
     negligible = (combined.exact_share == 1.0).all(dim=1) & estimated.any(dim=1)
-    return GuardOutcome(combined, read, wanted, missed, estimated, flagged, negligible, mass, deterministic, statistical)
+    return GuardOutcome(
+        combined, read, wanted, missed, estimated, flagged, negligible, mass, deterministic, statistical
+    )
 
 
 def _combine(

@@ -288,7 +288,8 @@ class GuardLists:
             released[i, : pages.numel()] = held
             params = req.tracked.state.params
             thresholds.append(params.guard_threshold)
-            caps.append(req.tracked.rest_caps(req.tokens.numel(), req.planned.numel(), int(outside.sampled[i].sum()), num_layers))
+            sampled = int(outside.sampled[i].sum())
+            caps.append(req.tracked.rest_caps(req.tokens.numel(), req.planned.numel(), sampled, num_layers))
             top_p.append(torch.where(req.tracked.caps >= 1.0, 1.0, params.top_p))
             range_ids[i, : pages.numel()] = req.tracked.ranges[pages]
         move = lambda t: on_device(t, device)  # noqa: E731

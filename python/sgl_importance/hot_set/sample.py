@@ -33,6 +33,7 @@ FRACTION = 1 / 32
 MIN_PAGES = 16
 ROOM_SHARE = 0.5
 
+
 def request_seed(rid: str) -> int:
     """The page sample's seed of the request ``rid``: 63 bits of its BLAKE2b hash."""
     return int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little") >> 1
