@@ -81,6 +81,9 @@ def test_hot_set_budget_is_pages_without_a_dot_and_a_fraction_with_one():
         ("hot_set_guard_threshold", 0.0, "--hot-set-guard-threshold", "(0, 1]"),
         ("hot_set_guard_threshold", 1.5, "--hot-set-guard-threshold", "(0, 1]"),
         ("hot_set_reduce", "sum", "--hot-set-reduce", "mean, max"),
+        ("hot_set_read_cap", 0.0, "--hot-set-read-cap", "(0, 1]"),
+        ("hot_set_read_cap", 1.5, "--hot-set-read-cap", "(0, 1]"),
+        ("hot_set_top_p", 0.0, "--hot-set-top-p", "(0, 1]"),
         ("hot_set_policy", "belady", "--hot-set-policy", "importance"),
     ],
 )
@@ -134,6 +137,9 @@ def test_a_request_may_override_the_servers_hot_set_settings():
         ({"guard_threshold": 2}, "custom_params.hot_set.guard_threshold 2 is invalid"),
         ({"threshold": 10}, "custom_params.hot_set has unknown keys ['threshold']"),
         ({"reduce": "sum"}, "custom_params.hot_set.reduce 'sum' is invalid; allowed: mean, max"),
+        ({"read_cap": 0}, "custom_params.hot_set.read_cap 0 is invalid"),
+        ({"top_p": 1.01}, "custom_params.hot_set.top_p 1.01 is invalid"),
+        ({"budget": 4, "sinks": 1}, "custom_params.hot_set.budget 4 is invalid; allowed: at least"),
         ("quest", "custom_params.hot_set 'quest' is invalid"),
     ],
 )
@@ -145,3 +151,18 @@ def test_a_bad_request_hot_set_value_names_the_key_the_value_and_the_range(value
 def test_request_hot_set_settings_need_a_server_with_the_hot_set_on():
     with pytest.raises(ValueError, match="needs a server started with --hot-set-policy"):
         request_hot_set_params(ImportanceConfig(), {"policy": "dense"})
+
+
+def test_a_budget_in_pages_must_hold_the_sinks_and_the_window():
+    with pytest.raises(ValueError, match=re.escape("--hot-set-budget 4 is invalid; allowed: at least --hot-set-sinks")):
+        ImportanceConfig(hot_set_policy="importance", hot_set_budget=4, hot_set_sinks=1, hot_set_window=4)
+    assert ImportanceConfig(hot_set_policy="importance", hot_set_budget=5, hot_set_sinks=1).hot_set_budget == 5
+    assert ImportanceConfig(hot_set_budget=4).hot_set_budget == 4  # no hot set: nothing to hold
+
+
+def test_a_request_cannot_ask_for_a_guard_the_server_reserved_no_pool_for():
+    config = ImportanceConfig(hot_set_policy="importance", hot_set_guard_threshold=1.0)
+    with pytest.raises(ValueError, match="reserved no key-code pool"):
+        request_hot_set_params(config, {"guard_threshold": 0.1})
+    params = request_hot_set_params(ImportanceConfig(hot_set_policy="importance"), {"read_cap": 0.5, "top_p": 0.9})
+    assert (params.read_cap, params.top_p) == (0.5, 0.9)
