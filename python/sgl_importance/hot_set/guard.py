@@ -99,7 +99,7 @@ def capped(weight: torch.Tensor, chosen: torch.Tensor, cap: torch.Tensor) -> tor
     key = weight.masked_fill(~chosen, NEG_INF)
     order = torch.argsort(key, dim=1, descending=True)
     ranks = torch.arange(order.shape[1], device=order.device)[None, :]
-    keep = torch.zeros_like(chosen).scatter_(1, order, ranks < cap.to(order.device)[:, None])
+    keep = torch.zeros_like(chosen).scatter_(1, order, ranks < cap[:, None])  # cap on the device already
     return keep & chosen
 
 
