@@ -9,10 +9,12 @@ turn (the history plus a question, 160 new tokens) and, once it holds the prefix
 host, a ~4,000-token unrelated prompt that needs the device pages the prefix leaves and a
 second returning turn sharing the prefix, which on the ``host`` server finds it in the
 host pool while the first still decodes from it; then ``/flush_cache`` (device and host emptied: the history is only in
-the file tier) and a third turn that brings it back from storage. Holding the prefix on
-the host only moves pages, so every answer must be the same on both servers; the ``host``
-server must count the prefix pages it lent, left on the host and took back, and its guard
-must still check the resumed requests' layers.
+the file tier) and a third turn that brings it back from storage. Prefill reads every page
+exactly wherever it lives, so each answer's first token must be the same on both servers;
+after it they may part by design: a prefix page held on the host that a layer's selection
+wants is a miss (not read inside the layer, promoted later), where the ``device`` server
+reads it (issue 46). The ``host`` server must count the prefix pages it lent, left on the
+host and took back, and its guard must still check the resumed requests' layers.
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ QUESTION = 40
 MAX_NEW = 8
 LONG_NEW = 160  # the first returning turn decodes while the others arrive
 FILLER = 4000
-# Float32 pinned: the answers must be the same token for token on two servers whose prefixes
-# reach attention by different paths (device, host, storage), and the pools are sized for
-# float32's bytes per token (bfloat16 changes what the guard's share leaves the KV pool).
+# Float32 pinned: the first tokens must be the same on two servers whose prefixes reach
+# attention by different paths (device, host, storage), and the pools are sized for float32's
+# bytes per token (bfloat16 changes what the guard's share leaves the KV pool).
 ARGS = [
     "--dtype", "float32",
     "--page-size", str(PAGE), "--attention-backend", "importance_torch",
@@ -139,7 +141,7 @@ def test_a_prefix_held_on_the_host_by_a_running_request_is_matched_by_another(on
     # turn's host lock kept it there).
     assert on_host["second_while_long_ran"]
     assert on_host["cached"][1]["host"] > 0, on_host["cached"][1]
-    assert on_host["answers"] == on_device["answers"]
+    assert [a[:1] for a in on_host["answers"]] == [a[:1] for a in on_device["answers"]]
     lent = on_host["before_storage"]
     # Both returning turns held the shared prefix on the host (~75 pages each), left most
     # of it there and copied in only what their plans kept.
@@ -151,7 +153,7 @@ def test_a_prefix_held_on_the_host_by_a_running_request_is_matched_by_another(on
 def test_a_prefix_back_from_file_storage_is_held_on_the_host_again(on_device, on_host):
     details = on_host["cached"][2]
     assert details["storage"] > 0 and details["device"] == 0, details
-    assert on_host["answers"][3] == on_device["answers"][3]
+    assert on_host["answers"][3][:1] == on_device["answers"][3][:1]
     grew = {k: on_host["after"][k] - on_host["before_storage"][k] for k in COUNTERS}
     assert grew["prefix_holds"] >= 1 and grew["prefix_pages_released"] > 0, grew
 

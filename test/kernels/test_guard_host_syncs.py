@@ -140,4 +140,4 @@ def test_the_guards_kernel_reads_give_what_its_torch_reads_give(monkeypatch, rel
     assert want_totals == got_totals
     assert want_totals.pages_guard_read > 0
     if release:
-        assert want_totals.pages_read_from_host > 0
+        assert want_totals.pages_missed > 0  # released pages wanted: counted, never read in the layer
