@@ -58,6 +58,11 @@ def _is_budget(budget: Any) -> bool:
     return (is_int(budget) and budget >= 1) or (isinstance(budget, float) and 0.0 < budget <= 1.0)
 
 
+def _share(help: str) -> Flag:
+    """A flag holding a share in (0, 1]."""
+    return number(lambda x: 0.0 < x <= 1.0, "a number in (0, 1]", help)
+
+
 def _precision_needs_integrity(config: ImportanceConfig) -> None:
     if config.storage_precision != "off" and config.storage_integrity == "off":
         raise ValueError(
@@ -171,9 +176,7 @@ class ImportanceConfig:
     )
     hot_set_read_cap: float = flag(
         0.2,
-        number(
-            lambda cap: 0.0 < cap <= 1.0,
-            "a number in (0, 1]",
+        _share(
             "Guard on: the most pages one layer of a request reads exactly per decode step, as a "
             "fraction of its pages (sinks, window and the page sample included; a flagged layer's cap "
             "doubles for later steps, up to every page).",
@@ -181,9 +184,7 @@ class ImportanceConfig:
     )
     hot_set_top_p: float = flag(
         0.95,
-        number(
-            lambda p: 0.0 < p <= 1.0,
-            "a number in (0, 1]",
+        _share(
             "Guard on: each query head wants the fewest pages whose mass estimated from their key codes, "
             "with the sinks' and window's, reaches this share of its total (read up to the cap).",
         ),

@@ -283,9 +283,10 @@ class HotSetDecoder:
             return StepPlan(planned, _NONE, planned), counts
         p = state.params
         budget = p.budget_pages(num_pages)
-        fixed = fixed_mask(num_pages, p.sinks, p.window)
+        always = fixed_mask(num_pages, p.sinks, p.window)
+        room = budget - int(always.sum())
+        fixed = always.clone()
         fixed[coded:] = True  # pages without key codes yet are read exactly
-        room = budget - int(fixed_mask(num_pages, p.sinks, p.window).sum())
         pi = tracked.sample_pi = sample_inclusion(coded, room)
         kept, counts = state.plan(num_pages, reserve=sample_reserve(pi, num_pages, budget))
         members = tracked.draw.members(coded, pi) & ~fixed[:coded]
@@ -396,8 +397,7 @@ class HotSetDecoder:
             plan.inclusion,
             lists.thresholds,
             lists.released,
-            lists.top_p[:, layer_id % lists.caps.shape[1]],
-            lists.caps[:, layer_id % lists.caps.shape[1]],
+            *lists.of_layer(layer_id),
             exact_reader(self, layer_id, q, k_pages, v_pages, lists, run),
         )
         self.last_guard = outcome  # what the layer's guard did (benchmarks read its bound)
@@ -431,7 +431,7 @@ class HotSetDecoder:
                 mass[attended] = live.mass_over_layers[attended]
             else:
                 mass[attended] = live.mass_over_layers[attended] / live.layers[attended].double()
-            late = live.guarded.clone()  # wanted by some layer, not kept: misses (promotion candidates)
+            late = live.guarded.clone()  # wanted by some layer outside the hot set: promotion candidates
             late[live.kept] = False
             state.observe(attended, mass, live.outside_mass, needed=late)
             if live.flagged is not None:

@@ -47,8 +47,6 @@ class GuardOutcome(NamedTuple):
         missed: bool ``[n, P]``: wanted pages that were released (not read).
         estimated: bool ``[n, P]``: rest pages left to the estimate.
         flagged: bool ``[n]``: requests whose bound exceeds their threshold.
-        negligible: bool ``[n]``: requests whose rest was left out under the
-            deterministic bound (``estimate.negligible_rest``).
         mass: float64 ``[n, P]``: each rest page's estimated share of the combined
             denominator, largest over query heads (ranks unread pages for promotion).
         deterministic: the read pages alone with the deterministic bound (never exceeded).
@@ -63,7 +61,6 @@ class GuardOutcome(NamedTuple):
     missed: torch.Tensor
     estimated: torch.Tensor
     flagged: torch.Tensor
-    negligible: torch.Tensor
     mass: torch.Tensor
     deterministic: Combined
     statistical: Combined
@@ -86,11 +83,17 @@ def wanted_pages(lse: torch.Tensor, page_lse: torch.Tensor, valid: torch.Tensor,
     total = torch.where(torch.isfinite(total), total, 0.0)
     share = torch.exp(rest - total[..., None])  # [n, Hq, P], 0 off the rest
     exact = torch.exp(lse - total).nan_to_num(0.0)  # [n, Hq]
+    return top_p_mask(share, exact, top_p[:, None].to(share.dtype)).any(dim=1)
+
+
+def top_p_mask(share: torch.Tensor, held: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """bool, ``share``'s shape ``[..., P]``: the fewest pages, largest share first, that with
+    the share already ``held`` ``[...]`` reach ``top_p`` (broadcast against ``held``); a
+    fixed-shape sort, nothing read on the host."""
     ordered, order = torch.sort(share, dim=-1, descending=True)
     before = torch.cumsum(ordered, dim=-1) - ordered  # the larger pages' share
-    need = (exact[..., None] + before < top_p[:, None, None].to(share.dtype)) & (ordered > 0)
-    chosen = torch.zeros_like(need).scatter_(-1, order, need)
-    return chosen.any(dim=1)
+    need = (held[..., None] + before < top_p[..., None]) & (ordered > 0)
+    return torch.zeros_like(need).scatter_(-1, order, need)
 
 
 def capped(weight: torch.Tensor, chosen: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
@@ -147,10 +150,7 @@ def guard_layer(
     # Estimated masses (of the combined denominator) rank unread pages for promotion.
     share = torch.exp(outside.page_lse - combined.lse[..., None]).nan_to_num(0.0)
     mass = share.amax(dim=1).double().masked_fill(~valid, 0.0)
-    negligible = (combined.exact_share == 1.0).all(dim=1) & estimated.any(dim=1)
-    return GuardOutcome(
-        combined, read, wanted, missed, estimated, flagged, negligible, mass, deterministic, statistical
-    )
+    return GuardOutcome(combined, read, wanted, missed, estimated, flagged, mass, deterministic, statistical)
 
 
 def _combine(

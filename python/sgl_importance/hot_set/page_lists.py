@@ -255,6 +255,12 @@ class GuardLists:
     empty: bool
     layer: Optional[int] = None
 
+    def of_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s ``[n]`` top-p and cap (a step asking more layers than the model has,
+        in tests, wraps around)."""
+        column = layer % self.caps.shape[1]
+        return self.top_p[:, column], self.caps[:, column]
+
     def key_range(self, ranges: KeyRanges, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s ``[n, P, Hkv, D]`` key min and max of the rest pages (a gather by id)."""
         return ranges.gather(layer, self.range_ids)

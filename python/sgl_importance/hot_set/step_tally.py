@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from sgl_importance.hot_set.estimate import OutsidePlan, on_device
-from sgl_importance.hot_set.guard import GuardOutcome
+from sgl_importance.hot_set.guard import GuardOutcome, top_p_mask
 from sgl_importance.hot_set.key_ranges import KeyRanges, key_bound
 from sgl_importance.hot_set.page_lists import ExactPlan
 from sgl_importance.hot_set.request_state import LiveRequest, released_among
@@ -353,11 +353,8 @@ def top_p_counts(per_kv: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         per_kv: ``[L, bs, W, kv]`` each listed page's exact mass per KV head.
     """
     mass = per_kv.clamp_min(0.0).transpose(2, 3)  # [L, bs, kv, W]
-    total = mass.sum(dim=-1, keepdim=True).clamp_min(1e-300)
-    ordered, order = torch.sort(mass / total, dim=-1, descending=True)
-    before = torch.cumsum(ordered, dim=-1) - ordered
-    need = (before < top_p[None, :, None, None]) & (ordered > 0)
-    chosen = torch.zeros_like(need).scatter_(-1, order, need)
+    share = mass / mass.sum(dim=-1, keepdim=True).clamp_min(1e-300)
+    chosen = top_p_mask(share, share.new_zeros(share.shape[:-1]), top_p[None, :, None].to(share.dtype))
     return chosen.any(dim=2).sum(dim=-1)
 
 
