@@ -163,6 +163,11 @@ class TritonPageListDecode:
         self._cached = (plan, num_pages, device, built)
         return built
 
+    def keep_slots(self, plan: PagedDecodePlan, num_pages: int, device: torch.device, slots: PageListSlots) -> None:
+        """Use ``slots`` for ``plan`` from now on: a plan whose buffers are rewritten in place
+        between steps (a captured step's) has its slot lists rebuilt by its owner."""
+        self._cached = (plan, num_pages, device, slots)
+
     def __call__(
         self,
         q: torch.Tensor,

@@ -33,14 +33,13 @@ key codes into a ``key_codes.GuardPool`` (``coding.py``), both of fixed size: a 
 the range pool cannot hold decodes dense with every page kept (``ranges_refused``), one
 the guard pool cannot hold decodes unguarded (``guard_refused``).
 
-``HotSetDecoder`` is driven by an attention backend: ``begin_step`` once per decode
-batch, ``attend`` once per layer, ``end_step`` after the last layer. ``end_step``
-also plans the *next* step and returns, as data (``residency.StepMoves``), the pages
-that plan leaves out (to release) and the released pages it keeps (to promote), moved
-by the residency owner between steps (``scheduler/hot_set_release.py``). The decoder
-moves no page and calls no allocator, tree or pool. A planned page the owner found no
-device page for is read from its host copy for that step (staged before the layers)
-and counted.
+An attention backend drives it: ``begin_step`` per decode batch, ``attend`` per layer,
+``end_step`` after the last (or ``plan_step``, a ``graph_step.GraphStep``'s layers, then
+``end_step``: a step in fixed shapes). ``end_step`` plans the *next* step and returns, as
+data (``residency.StepMoves``), the pages that plan leaves out (to release) and the
+released ones it keeps (to promote), moved by the residency owner between steps; the
+decoder moves no page. A planned page with no device page is read from its host copy
+(staged before the layers) and counted.
 
 Exact pages get exact masses; rest pages masses estimated from their key codes (guard
 off: their key min/max bound, Quest's), which rank them for promotion. What the layers
@@ -74,7 +73,7 @@ from sgl_importance.hot_set.page_lists import (
     quest_lists,
 )
 from sgl_importance.hot_set.request_params import RequestParams
-from sgl_importance.hot_set.request_state import LiveRequest, TrackedRequest
+from sgl_importance.hot_set.request_state import LiveRequest, StepPlan, TrackedRequest
 from sgl_importance.hot_set.residency import RequestMoves, Residency, StepMoves
 from sgl_importance.hot_set.sample import PageDraw, request_seed
 from sgl_importance.hot_set.sample import inclusion as sample_inclusion
@@ -86,9 +85,6 @@ from sgl_kernel_ext import (
     PagedDecodeWorkspace,
     decode_importance_paged,
 )
-
-# Guard pages of a decoder built without a guard pool (tests, benchmarks), per range page.
-DEFAULT_GUARD_PAGES_PER_RANGE_PAGE = 1
 
 
 class HotSetDecoder:
@@ -161,7 +157,7 @@ class HotSetDecoder:
                 r.num_kv_heads,
                 r.head_dim,
                 page_size=self.page_size,
-                capacity_pages=r.capacity * DEFAULT_GUARD_PAGES_PER_RANGE_PAGE,
+                capacity_pages=r.capacity,  # a decoder built without one (tests): a page per range page
                 device=r.device,
             )
         return self._guard
@@ -181,6 +177,17 @@ class HotSetDecoder:
             rows: request i's ``req_to_token`` row (a view), where pages may be
                 released; None keeps every page on the device.
         """
+        self.plan_step(rids, slots, rows)
+        self._plan_lists(self.pool_pages)
+
+    def plan_step(
+        self,
+        rids: Sequence[str],
+        slots: Sequence[torch.Tensor],
+        rows: Optional[Sequence[torch.Tensor]] = None,
+    ) -> list[LiveRequest]:
+        """``begin_step``'s plan per request, without the eager step's lists (a
+        ``graph_step.GraphStep`` writes its own); returns the step's requests."""
         ps = self.page_size
         # A request absent from the batch finished or was retracted; a retracted
         # one is prefilled again into new pages, so its state would be stale.
@@ -224,7 +231,7 @@ class HotSetDecoder:
                 )
             )
         self._step_layers = 0
-        self._plan_lists(self.pool_pages)
+        return self._live
 
     def _plan_lists(self, pool_pages: int) -> None:
         """The step's part 1 and part 2 lists and its tally, built once where the step
@@ -258,13 +265,13 @@ class HotSetDecoder:
         for rid in [r for r in self.tracked if r not in rids]:
             self._drop(rid)
 
-    def _plan(self, tracked: TrackedRequest, num_pages: int) -> tuple["StepPlan", HotSetCounts]:
+    def _plan(self, tracked: TrackedRequest, num_pages: int) -> tuple[StepPlan, HotSetCounts]:
         ahead, tracked.next_plan = tracked.next_plan, None
         if ahead is not None and ahead[0] == num_pages:
             return ahead[1], ahead[2]
         return self._plan_pages(tracked, num_pages)
 
-    def _plan_pages(self, tracked: TrackedRequest, num_pages: int) -> tuple["StepPlan", HotSetCounts]:
+    def _plan_pages(self, tracked: TrackedRequest, num_pages: int) -> tuple[StepPlan, HotSetCounts]:
         """What the step reads in part 1, its sampled rest pages and the pages kept on the
         device, with the plan's counts.
 
@@ -311,10 +318,7 @@ class HotSetDecoder:
             q: ``[bs, q_heads, D]``; k_buffer, v_buffer: the layer's KV pool.
         """
         ps = self.page_size
-        whole = k_buffer.shape[0] // ps * ps  # a pool's rows past its last whole page are never a page
-        k_pages = k_buffer[:whole].view(-1, ps, *k_buffer.shape[1:])
-        v_pages = v_buffer[:whole].view(-1, ps, *v_buffer.shape[1:])
-        self._pool_pages[layer_id] = (k_pages, v_pages)  # the key codes are written from it at end_step
+        k_pages, v_pages = self.pool_as_pages(layer_id, k_buffer, v_buffer)
         if k_pages.shape[0] != self._pool_pages_planned:
             # A pool whose rows end in a partial page (never SGLang's paged pools): the
             # staged pages' ids start at its whole pages, so plan the lists again.
@@ -343,6 +347,13 @@ class HotSetDecoder:
         self._tally.add_exact(self._live, layer_id, q, result, exact, share, run, per_layer)
         self._step_layers += 1
         return LayerResult(output, _rescaled(result, share), exact.kv_indptr, exact.kv_indices)
+
+    def pool_as_pages(self, layer_id: int, k_buffer: torch.Tensor, v_buffer: torch.Tensor):
+        """The layer's pool viewed as pages (kept: ``end_step`` codes full pages from it)."""
+        whole = k_buffer.shape[0] // self.page_size * self.page_size  # rows past the last whole page are no page
+        pages = tuple(b[:whole].view(-1, self.page_size, *b.shape[1:]) for b in (k_buffer, v_buffer))
+        self._pool_pages[layer_id] = pages
+        return pages
 
     def _page_bytes(self) -> PageBytes:
         """One page's device bytes (all layers): its KV in the pool, its range and code rows."""
@@ -454,9 +465,7 @@ class HotSetDecoder:
             held += held_bytes(on_device, live.tracked.ranges.numel(), live.tracked.codes.numel(), page)
             if live.pages is not None:
                 keep = torch.zeros(num_pages, dtype=torch.bool)
-                keep[plan.read] = True
-                keep[plan.keep] = True
-                keep[plan.sample] = True
+                keep[torch.cat([plan.read, plan.keep, plan.sample])] = True
                 # Only full pages leave: the last one is still being written.
                 full = torch.arange(num_pages) < length // ps
                 moves.requests.append(
@@ -468,16 +477,6 @@ class HotSetDecoder:
         self._exact = self._outside = self._sample = self._tally = self._guard_lists = None
         self.totals.add(step)
         return StepResult(step, moves)
-
-
-class StepPlan(NamedTuple):
-    """One request's plan for a step (logical pages, ascending): ``read`` in part 1 by
-    every layer, ``sample`` the sampled rest pages, ``keep`` the policy's hot set; all
-    three stay on the device (the rest may be released)."""
-
-    read: torch.Tensor
-    sample: torch.Tensor
-    keep: torch.Tensor
 
 
 class StepResult(NamedTuple):

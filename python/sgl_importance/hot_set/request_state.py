@@ -16,7 +16,7 @@ Plain torch; nothing here imports SGLang.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -27,6 +27,16 @@ from sgl_importance.hot_set.selection import HotSetCounts, RequestHotSet
 
 def _no_ids() -> torch.Tensor:
     return torch.zeros(0, dtype=torch.int64)
+
+
+class StepPlan(NamedTuple):
+    """One request's plan for a step (logical pages, ascending): ``read`` in part 1 by
+    every layer, ``sample`` the sampled rest pages, ``keep`` the policy's hot set; all
+    three stay on the device (the rest may be released)."""
+
+    read: torch.Tensor
+    sample: torch.Tensor
+    keep: torch.Tensor
 
 
 @dataclass

@@ -1,0 +1,291 @@
+"""A hot-set decode step in fixed shapes: what a CUDA graph captures and replays.
+
+An eager hot-set step (``decode.HotSetDecoder``) sizes its tensors by the step's plan
+(the longest list, the guarded rows, the sample) and branches on it in Python, so a
+graph would replay the captured step's choices. ``GraphStep`` runs the same step for
+rows whose guard is off (``HOT``: a hot set, its unread pages ranked by their key bound;
+``DENSE``: a short request or the ``dense`` policy, every page) over buffers allocated
+once for ``GraphCapacity``: ``rows`` requests of at most ``pages`` pages each.
+
+- Between steps, on the host (``prepare``): the decoder has planned the step
+  (``HotSetDecoder.plan_step``); each row's plan is written into one staging buffer
+  (the ``req_to_token`` row, the logical pages it reads, their tokens, the range ids of
+  its full pages) and uploaded in one copy. A batch the buffers
+  cannot take is refused, with the reason, and runs eagerly: more rows or a longer list
+  than the capacity, a guarded row (its selection is per layer and data-sized), a
+  planned page with no device page (it would be staged from the host), the ``quest``
+  baseline (its lists change per layer).
+- Inside the step (``prologue``, ``attend`` per layer, ``epilogue``: what a graph
+  records), fixed-shape ops only, no host read, no upload, every buffer where it was
+  when the graph was captured; Python values are the captured batch size and the model's
+  constants, never the plan's:
+
+  - prologue: each row's physical pages gathered from ``req_to_token`` by its logical
+    pages, the padding columns masked, the tally zeroed;
+  - per layer: exact attention over every row's ``pages`` columns (the padding ones add
+    nothing), written into the caller's ``out``; each page's mass added to the tally
+    (summed over layers and the mean over KV heads, and the largest over both); the key
+    bound of each full page of a ``HOT`` row against the layer's denominator, the largest
+    over layers and heads (``step_tally.StepTally._reduce_bounds``' quantity, per layer);
+  - epilogue: the tally copied to the host in one copy (into pinned memory on CUDA).
+- After the step, on the host (``fold``): the tally into the decoder's requests, as the
+  eager step's ``StepTally.fold`` does; then the decoder's ``end_step`` as after an
+  eager step.
+
+The work per layer is the capacity's, not the plan's: on a GPU the kernel loops by the
+device's counts (``TritonPageListDecode``: padding columns cost grid slots, no reads);
+the torch reader computes every column and is for tests and the CPU's harness.
+
+Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from sgl_importance.hot_set.key_ranges import KeyRanges, key_bound
+from sgl_importance.hot_set.request_state import LiveRequest, released_among
+from sgl_kernel_ext import DecodeImportanceOutput, PagedDecodePlan, PagedDecodeWorkspace, decode_importance_paged
+from sgl_kernel_ext.page_list import PageListSlots, TritonPageListDecode, page_list_slots
+
+# Rows of the tally: each page's mass summed over layers (of the mean over KV heads), the
+# largest over layers and KV heads, and its key bound's log-mass (largest over layers, heads).
+SUM, MAX, BOUND = 0, 1, 2
+
+
+class GraphCapacity(NamedTuple):
+    """What a captured hot-set step holds: ``rows`` requests, ``pages`` listed pages each."""
+
+    rows: int
+    pages: int
+
+
+class GraphStep:
+    """One model runner's fixed-shape hot-set step (see the module docstring).
+
+    Args:
+        capacity: rows and pages per row of the buffers.
+        num_layers: attention layers a step runs.
+        page_size: tokens per page.
+        ranges: the decoder's key-range pool (read by range id).
+        device: the layers' device.
+        exact: the exact reader; None: ``decode_importance_paged``'s torch path over every
+            column; a ``TritonPageListDecode``: its kernel, slot lists built in the prologue.
+    """
+
+    def __init__(
+        self,
+        capacity: GraphCapacity,
+        *,
+        num_layers: int,
+        page_size: int,
+        ranges: KeyRanges,
+        device: torch.device | str,
+        exact: Optional[TritonPageListDecode] = None,
+    ) -> None:
+        rows, pages = capacity
+        if rows < 1 or pages < 1:
+            raise ValueError(f"a graph step needs rows and pages >= 1, got {capacity}")
+        self.capacity = capacity
+        self.num_layers = num_layers
+        self.page_size = page_size
+        self.ranges = ranges
+        self.device = torch.device(device)
+        self.exact = exact
+        dev = self.device
+        pinned = dev.type == "cuda"
+        # One int64 buffer for the whole plan: [row, logical..., tokens..., range ids...].
+        width = 1 + 3 * pages
+        self._stage = torch.zeros(rows, width, dtype=torch.int64, pin_memory=pinned)
+        self._plan = torch.zeros(rows, width, dtype=torch.int64, device=dev)
+        self.rows = self._plan[:, 0]
+        self.logical = self._plan[:, 1 : 1 + pages]
+        self.tokens = self._plan[:, 1 + pages : 1 + 2 * pages]
+        self.range_ids = self._plan[:, 1 + 2 * pages :]
+        # Written by the prologue from the plan and req_to_token.
+        self.table = torch.zeros(rows, pages, dtype=torch.int64, device=dev)
+        self.listed_tokens = torch.zeros(rows, pages, dtype=torch.int64, device=dev)
+        self.bias = torch.zeros(rows, pages * page_size, dtype=torch.float32, device=dev)
+        self.live = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self.tally = torch.zeros(3, rows, pages, dtype=torch.float64, device=dev)
+        self.tally_host = torch.zeros(3, rows, pages, dtype=torch.float64, pin_memory=pinned)
+        self._offsets = torch.arange(page_size, device=dev)
+        self._workspace = PagedDecodeWorkspace()
+        self._plans: dict[int, PagedDecodePlan] = {}
+        self._slots: Optional[PageListSlots] = None
+        self._live: list[LiveRequest] = []
+        self.refusals: dict[str, int] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the step's buffers (what ``prepare`` and the prologue write)."""
+        held = (self._plan, self.table, self.listed_tokens, self.bias, self.live, self.tally)
+        return sum(t.numel() * t.element_size() for t in held)
+
+    # -- between steps (host) --------------------------------------------------------
+
+    def refusal(self, live: Sequence[LiveRequest]) -> Optional[str]:
+        """Why the buffers cannot take this planned batch (None: they can)."""
+        rows, pages = self.capacity
+        if len(live) > rows:
+            return "rows"
+        for req in live:
+            if -(-req.slots.numel() // self.page_size) > pages:
+                return "pages"
+            tracked = req.tracked
+            if tracked is None:
+                continue
+            if req.guard_on:
+                return "guard"
+            if tracked.state.params.policy == "quest":
+                return "quest"
+            if released_among(req.pages, req.planned).any():
+                return "staged"
+        return None
+
+    def prepare(self, live: Sequence[LiveRequest], rows: Sequence[int]) -> Optional[str]:
+        """Write the planned batch into the buffers (one upload); returns why it was
+        refused instead (nothing written), None when written.
+
+        Args:
+            live: the decoder's requests of the step (``HotSetDecoder.plan_step``).
+            rows: their ``req_to_token`` rows, in batch order.
+        """
+        why = self.refusal(live)
+        if why is not None:
+            self.refusals[why] = self.refusals.get(why, 0) + 1
+            return why
+        ps, pages = self.page_size, self.capacity.pages
+        stage = self._stage
+        stage.zero_()
+        for b, (req, row) in enumerate(zip(live, rows)):
+            length = req.slots.numel()
+            num_pages = -(-length // ps)
+            listed = req.planned if req.tracked is not None else torch.arange(num_pages)
+            tokens = (length - listed * ps).clamp(0, ps)
+            n = listed.numel()
+            stage[b, 0] = row
+            stage[b, 1 : 1 + n] = listed
+            stage[b, 1 + pages : 1 + pages + n] = tokens
+            if req.bounds_unread:
+                ids = req.tracked.ranges[:num_pages]
+                stage[b, 1 + 2 * pages : 1 + 2 * pages + ids.numel()] = ids
+        self._plan.copy_(stage, non_blocking=True)
+        self._live = list(live)
+        return None
+
+    # -- inside the step (what a graph records) -----------------------------------
+
+    def prologue(self, bs: int, req_to_token: torch.Tensor, pool_pages: int) -> None:
+        """Each row's physical pages and valid tokens; the tally zeroed.
+
+        Args:
+            bs: the batch size (the captured one: padding rows list nothing).
+            req_to_token: SGLang's table of each request's slots (read by row).
+            pool_pages: pages of the device KV pool (the kernel's addressable ids).
+        """
+        ps = self.page_size
+        rows, logical = self.rows[:bs], self.logical[:bs]
+        firsts = req_to_token[rows[:, None], logical * ps].to(torch.int64)
+        torch.floor_divide(firsts, ps, out=self.table[:bs])
+        # A column on SGLang's padding page (released, or padding) reads nothing.
+        torch.mul(self.tokens[:bs], self.table[:bs] > 0, out=self.listed_tokens[:bs])
+        valid = (self._offsets[None, None, :] < self.listed_tokens[:bs, :, None]).reshape(bs, -1)
+        self.bias[:bs].zero_().masked_fill_(~valid, float("-inf"))
+        torch.any(valid, dim=1, out=self.live[:bs])
+        self.tally.zero_()
+        self.tally[BOUND].fill_(float("-inf"))
+        # The listed pages' slots: what the kernel walks and the page importance table files by.
+        plan = self.plan(bs)
+        self._slots = page_list_slots(plan, pool_pages, self.device, staged=False)
+        if self.exact is not None:
+            self.exact.keep_slots(plan, pool_pages, self.device, self._slots)
+
+    def plan(self, bs: int) -> PagedDecodePlan:
+        """The first ``bs`` rows as the exact reader takes them (views of the buffers)."""
+        plan = self._plans.get(bs)
+        if plan is None:
+            table, tokens = self.table[:bs], self.listed_tokens[:bs]
+            pages = self.capacity.pages
+            indptr = torch.arange(bs + 1, device=self.device) * pages
+            plan = PagedDecodePlan(
+                self.page_size, table, tokens, self.bias[:bs], self.live[:bs], indptr, table.view(-1), tokens.view(-1)
+            )
+            self._plans[bs] = plan
+        return plan
+
+    def attend(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        sm_scale: float,
+        logit_cap: float = 0.0,
+        sinks: Optional[torch.Tensor] = None,
+    ) -> DecodeImportanceOutput:
+        """One layer over the listed pages, into ``out`` ``[bs, q_heads, Dv]``; tallied.
+
+        Args:
+            q: ``[bs, q_heads, D]``; k_pages, v_pages: the layer's pool as pages.
+        """
+        bs = q.shape[0]
+        plan = self.plan(bs)
+        run = dict(sm_scale=sm_scale, logit_cap=logit_cap, sinks=sinks)
+        if self.exact is not None:
+            result = self.exact(q, k_pages, v_pages, plan, **run)
+        else:
+            result = decode_importance_paged(
+                q, k_pages, v_pages, plan, native=False, chunk_pages=0, workspace=self._workspace, **run
+            )
+        out.copy_(result.output)
+        per_kv = result.importance_per_kv_head.double()  # [bs, pages, kv]
+        self.tally[SUM, :bs].add_(per_kv.mean(dim=-1))
+        torch.maximum(self.tally[MAX, :bs], per_kv.amax(dim=-1), out=self.tally[MAX, :bs])
+        # Full pages' key bounds as a mass of the attended denominator, largest over heads:
+        # range id 0 (none) is an empty range, whose NaN or -inf counts as nothing.
+        kmin, kmax = self.ranges.gather(layer_id, self.range_ids[:bs])  # [bs, pages, kv, D]
+        bounds = key_bound(q, kmin, kmax, sm_scale=sm_scale, logit_cap=logit_cap).double()
+        log_mass = bounds + math.log(self.page_size) - result.lse.double()[:, None, :]
+        per_page = torch.nan_to_num(log_mass, nan=float("-inf")).amax(dim=-1)
+        torch.maximum(self.tally[BOUND, :bs], per_page, out=self.tally[BOUND, :bs])
+        return result
+
+    def slot_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The listed pages' slots (``kv_indptr``, ``kv_indices``) as the page importance
+        table takes them with a layer's ``importance`` (built by the prologue)."""
+        if self._slots is None:
+            raise RuntimeError("slot_lists before the step's prologue")
+        return self._slots.kv_indptr, self._slots.kv_indices
+
+    def epilogue(self) -> None:
+        """The step's one read back: the tally to the host (asynchronous on CUDA)."""
+        self.tally_host.copy_(self.tally, non_blocking=True)
+
+    # -- after the step (host) ---------------------------------------------------------
+
+    def fold(self) -> list[LiveRequest]:
+        """The tally into the step's requests (the host copy must have landed); returns them."""
+        tally = self.tally_host
+        layers = self.num_layers
+        for b, req in enumerate(self._live):
+            if req.tracked is None:
+                continue
+            num = req.tokens.numel()
+            req.counts.pages_dense += num * layers
+            if req.bounds_unread:
+                bound = tally[BOUND, b, :num].clamp(max=0.0).exp().nan_to_num(0.0)
+                torch.maximum(req.outside_mass, bound, out=req.outside_mass)
+            listed = req.planned
+            n = listed.numel()
+            mass = tally[MAX, b, :n].clamp_min(0.0) if req.tracked.state.params.ranks_by_max else tally[SUM, b, :n]
+            req.mass_over_layers[listed] = mass
+            req.layers[listed] += layers
+            req.counts.pages_attended += n * layers
+        live, self._live = self._live, []
+        return live

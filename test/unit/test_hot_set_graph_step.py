@@ -1,0 +1,256 @@
+"""The hot-set step in fixed shapes (``hot_set/graph_step.py``) can be captured: the CPU's proof.
+
+A world of long and short requests decodes token by token, twice over the same pools:
+by the eager decoder (``begin_step``/``attend``/``end_step``) and by a ``GraphStep``
+whose layers run as a CUDA graph would run them: recorded once per batch size
+(``support/graph_replay.py``), then replayed without their Python, after the host has
+rewritten the step's buffers. The replayed step must decode as the eager one; its ops,
+shapes and buffers must be the same every step; it must make no host read, upload or
+data-sized op. A region that freezes a plan value at capture must fail the same check.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
+from sgl_importance.hot_set.graph_step import GraphCapacity, GraphStep
+from support.graph_replay import Recording, first_difference, outside_tensors, record, signature
+from support.host_syncs import SYNC_KINDS, UPLOAD, HostSyncCounter
+
+PAGE = 4
+KV_HEADS, GROUP, DIM = 2, 2, 8
+Q_HEADS = KV_HEADS * GROUP
+LAYERS = 2
+POOL_PAGES = 80
+ROW_PAGES = 24
+SCALE = DIM**-0.5
+THRESHOLD = 12
+CAPACITY = GraphCapacity(4, ROW_PAGES)
+DEV = torch.device("cpu")  # a device object: the host round-trip counter reads it as the server's device
+
+
+def params(**kw) -> HotSetParams:
+    base = dict(policy="importance", budget=0.4, window=1, sinks=1, guard_threshold=1.0)
+    return HotSetParams(**{**base, **kw})
+
+
+class Twin:
+    """Two decoders over one pool, fed the same tokens: one steps eagerly, one through a
+    ``GraphStep`` recorded per batch size and replayed (``replay=False``: run its Python
+    every step, as an eager run of the fixed-shape step)."""
+
+    def __init__(self, hot: HotSetParams, *, capacity=CAPACITY, seed=0, replay=True) -> None:
+        self.g = torch.Generator().manual_seed(seed)
+        rows = POOL_PAGES * PAGE
+        self.k = [torch.randn(rows, KV_HEADS, DIM, generator=self.g, device=DEV) for _ in range(LAYERS)]
+        self.v = [torch.randn(rows, KV_HEADS, DIM, generator=self.g, device=DEV) for _ in range(LAYERS)]
+        self.req_to_token = torch.zeros(8, ROW_PAGES * PAGE, dtype=torch.int32, device=DEV)
+        self.free = list(range(POOL_PAGES - 1, 0, -1))
+        self.rows: dict[str, int] = {}
+        self.length: dict[str, int] = {}
+        self.eager = self._decoder(hot)
+        self.graphed = self._decoder(hot)
+        self.step = GraphStep(capacity, num_layers=LAYERS, page_size=PAGE, ranges=self.graphed.ranges, device=DEV)
+        self.q = torch.zeros(LAYERS, capacity.rows, Q_HEADS, DIM, device=DEV)  # the graph's static input
+        self.out = torch.zeros(LAYERS, capacity.rows, Q_HEADS, DIM, device=DEV)  # and output
+        self.replay = replay
+        self.graphs: dict[int, Recording] = {}
+        self.refused: list[str] = []
+
+    @staticmethod
+    def _decoder(hot: HotSetParams) -> HotSetDecoder:
+        ranges = KeyRanges(LAYERS, KV_HEADS, DIM, capacity_pages=POOL_PAGES)
+        return HotSetDecoder(hot, ranges, pool_pages=POOL_PAGES, page_size=PAGE, threshold=THRESHOLD)
+
+    def join(self, rid: str, length: int) -> None:
+        self.rows[rid] = min(set(range(1, 8)) - set(self.rows.values()))
+        self.length[rid] = 0
+        for _ in range(length):
+            self._write(rid)
+
+    def leave(self, rid: str) -> None:
+        row = self.req_to_token[self.rows.pop(rid)]
+        self.free.extend(int(s) // PAGE for s in row[: self.length.pop(rid) : PAGE])
+
+    def _write(self, rid: str) -> None:
+        pos, row = self.length[rid], self.req_to_token[self.rows[rid]]
+        if pos % PAGE == 0:
+            row[pos : pos + PAGE] = self.free.pop() * PAGE + torch.arange(PAGE, dtype=torch.int32)
+        slot = int(row[pos])
+        for layer in range(LAYERS):
+            self.k[layer][slot] = torch.randn(KV_HEADS, DIM, generator=self.g) * 2
+            self.v[layer][slot] = torch.randn(KV_HEADS, DIM, generator=self.g)
+        self.length[rid] += 1
+
+    def slots(self) -> list[torch.Tensor]:
+        return [self.req_to_token[self.rows[r], : self.length[r]] for r in self.rows]
+
+    def decode(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per request, both ways; returns (eager, graph) outputs ``[L, bs, Hq, D]``."""
+        for rid in list(self.rows):
+            self._write(rid)
+        rids, bs = list(self.rows), len(self.rows)
+        q = torch.randn(LAYERS, bs, Q_HEADS, DIM, generator=self.g)
+        self.eager.begin_step(rids, self.slots())
+        eager = torch.stack(
+            [self.eager.attend(i, q[i], self.k[i], self.v[i], sm_scale=SCALE).output for i in range(LAYERS)]
+        )
+        self.eager.end_step()
+        live = self.graphed.plan_step(rids, self.slots())
+        why = self.step.prepare(live, [self.rows[r] for r in rids])
+        if why is not None:
+            self.refused.append(why)
+            self.graphed.begin_step(rids, self.slots())
+            graph = torch.stack(
+                [self.graphed.attend(i, q[i], self.k[i], self.v[i], sm_scale=SCALE).output for i in range(LAYERS)]
+            )
+            self.graphed.end_step()
+            return eager, graph
+        self.q[:, :bs].copy_(q)  # as SGLang fills a graph's static inputs before replay
+        if not self.replay:
+            self.region(bs)
+        elif bs in self.graphs:
+            self.graphs[bs].replay()
+        else:
+            self.graphs[bs] = record(lambda: self.region(bs))
+        self.step.fold()
+        self.graphed.end_step()
+        return eager, self.out[:, :bs].clone()
+
+    def region(self, bs: int) -> None:
+        """What a graph records: the step's prologue, its layers, its epilogue."""
+        self.step.prologue(bs, self.req_to_token, POOL_PAGES)
+        for i in range(LAYERS):
+            k_pages, v_pages = self.graphed.pool_as_pages(i, self.k[i], self.v[i])
+            self.step.attend(i, self.q[i, :bs], k_pages, v_pages, self.out[i, :bs], sm_scale=SCALE)
+        self.step.epilogue()
+
+
+def assert_same_states(twin: Twin) -> None:
+    eager, graphed = twin.eager.states, twin.graphed.states
+    assert eager.keys() == graphed.keys()
+    for rid in eager:
+        assert torch.allclose(eager[rid].importance(), graphed[rid].importance(), atol=1e-6), rid
+        assert torch.equal(eager[rid].resident, graphed[rid].resident), rid
+
+
+@pytest.mark.parametrize("policy,reduce", [("importance", "mean"), ("importance", "max"), ("window", "mean")])
+def test_a_replayed_step_decodes_as_the_eager_step_through_joins_leaves_and_new_pages(policy, reduce):
+    twin = Twin(params(policy=policy, reduce=reduce))
+    twin.join("long-a", 41)
+    twin.join("short", 5)
+    for step in range(16):
+        if step == 4:
+            twin.join("long-b", 30)
+        if step == 9:
+            twin.leave("short")
+        if step == 12:
+            twin.join("short-2", 3)
+        eager, graph = twin.decode()
+        assert torch.allclose(eager, graph, atol=1e-5), step
+        assert_same_states(twin)
+    assert not twin.refused
+    assert sorted(twin.graphs) == [2, 3]  # one graph per batch size, each replayed
+    assert twin.graphed.totals.steps == twin.eager.totals.steps > 0
+    assert twin.graphed.totals.pages_attended == twin.eager.totals.pages_attended
+
+
+def test_the_steps_ops_shapes_and_buffers_are_the_same_every_step():
+    twin = Twin(params(), replay=False)
+    twin.join("a", 30)
+    twin.join("b", 13)
+    twin.join("c", 6)
+    traces, buffers = [], []
+    for _ in range(9):  # across page boundaries, budget growth and a request passing the threshold
+        for rid in list(twin.rows):
+            twin._write(rid)
+        live = twin.graphed.plan_step(list(twin.rows), twin.slots())
+        assert twin.step.prepare(live, [twin.rows[r] for r in twin.rows]) is None
+        rec = record(lambda: twin.region(3))
+        twin.step.fold()
+        twin.graphed.end_step()
+        traces.append(signature(rec))
+        buffers.append(outside_tensors(rec))
+    # The first step is the warm-up (SGLang runs one before capturing): views and
+    # workspaces are made there once.
+    for i in range(2, len(traces)):
+        assert traces[i] == traces[1], first_difference(traces[1], traces[i])
+        assert buffers[i] == buffers[1]
+    assert len(traces[1]) > 50 and len(twin.graphed.tracked) == 3  # "c" passed the threshold on the way
+
+
+def test_the_step_reads_nothing_back_uploads_nothing_and_makes_no_data_sized_op():
+    counter = HostSyncCounter()
+    with counter:
+        twin = Twin(params(), replay=False)
+        twin.join("a", 30)
+        twin.join("b", 9)
+        for _ in range(6):
+            with counter.paused():
+                for rid in list(twin.rows):
+                    twin._write(rid)
+                live = twin.graphed.plan_step(list(twin.rows), twin.slots())
+                twin.step.prepare(live, [twin.rows[r] for r in twin.rows])
+            with counter.where("layers"):
+                twin.step.prologue(2, twin.req_to_token, POOL_PAGES)
+                for i in range(LAYERS):
+                    k_pages, v_pages = twin.graphed.pool_as_pages(i, twin.k[i], twin.v[i])
+                    twin.step.attend(i, twin.q[i, :2], k_pages, v_pages, twin.out[i, :2], sm_scale=SCALE)
+            with counter.where("epilogue"):
+                twin.step.epilogue()
+            with counter.paused():
+                twin.step.fold()
+                twin.graphed.end_step()
+    # The device-aware view: the server's device tensors told from host ones (on a CPU
+    # both are the host; a .to() onto the device it is already on counts in the other view).
+    layers = dict(where="layers", device_only=True)
+    assert counter.total(**layers) == 0, counter.by("site", **layers)
+    assert counter.total(kinds=(UPLOAD,), **layers) == 0
+    epilogue = dict(where="epilogue", device_only=True)
+    assert counter.by("kind", kinds=(*SYNC_KINDS, UPLOAD, "alloc"), **epilogue) == {"cpu": 6}  # one copy a step
+
+
+def test_a_region_that_freezes_a_plan_value_at_capture_is_caught_by_the_replay():
+    """The check can fail: a layer that slices to the longest list the host planned (a
+    Python int) replays the captured width once the lists grow."""
+    twin = Twin(params(budget=1.0, policy="dense"))
+    twin.join("a", 14)
+    frozen = GraphStep.plan
+
+    def plan(self, bs):
+        got = frozen(self, bs)
+        width = int((self.listed_tokens[:bs] > 0).sum(dim=1).max())  # read at capture, frozen
+        got.bias[:, width * PAGE :] = float("-inf")
+        return got
+
+    GraphStep.plan = plan
+    try:
+        parted = False
+        for _ in range(10):
+            eager, graph = twin.decode()
+            parted |= not torch.allclose(eager, graph, atol=1e-5)
+    finally:
+        GraphStep.plan = frozen
+    assert parted
+
+
+def test_batches_the_buffers_cannot_take_are_refused_and_say_why():
+    twin = Twin(params(), capacity=GraphCapacity(2, ROW_PAGES))
+    for i in range(3):
+        twin.join(f"r{i}", 20)
+    twin.decode()
+    twin.leave("r2")
+    twin.decode()
+    assert twin.refused == ["rows"]
+    long = Twin(params(), capacity=GraphCapacity(2, 4))
+    long.join("r", 20)
+    long.decode()
+    guarded = Twin(params(guard_threshold=0.1))
+    guarded.join("g", 40)
+    for _ in range(PAGE + 1):
+        eager, graph = guarded.decode()
+        assert torch.allclose(eager, graph, atol=1e-5)
+    assert long.refused == ["pages"] and "guard" in guarded.refused
+    assert guarded.step.refusals["guard"] == guarded.refused.count("guard")
