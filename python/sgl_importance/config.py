@@ -31,6 +31,7 @@ MAX_HOT_SET_PAGES = 1 << 20
 MAX_HOT_SET_SINKS = 64
 MAX_HOT_SET_THRESHOLD = 1 << 30
 MAX_HOT_SET_GUARD_TOKENS = 1 << 40
+MAX_HOT_SET_GRAPH_ROWS = 4096
 BUDGET_RANGE = "an integer number of pages >= 1, or a fraction in (0, 1] written with a '.'"
 MAX_REQUEST_SEQUENCES = 1 << 20
 MAX_REQUEST_LOGPROBS = 1 << 20
@@ -187,6 +188,20 @@ class ImportanceConfig:
         _share(
             "Guard on: each query head wants the fewest pages whose mass estimated from their key codes, "
             "with the sinks' and window's, reaches this share of its total (read up to the cap).",
+        ),
+    )
+    # attention/hot_set_attention.py (hot_set/graph_step.py); 0 = off.
+    hot_set_graph_rows: int = flag(
+        0,
+        integer(
+            0,
+            MAX_HOT_SET_GRAPH_ROWS,
+            "importance_triton with CUDA graphs: most requests a captured hot-set decode step holds "
+            "(its buffers: this many rows of the longest context's pages, allocated once). A decode batch "
+            "holding a request past --hot-set-threshold replays it when every such request's guard is off "
+            "(--hot-set-guard-threshold 1), none reads a page from the host and the batch fits; the others "
+            "run eagerly (counted: hot_set_graph_eager). 0 = off: such batches always run eagerly. Not yet "
+            "run on a GPU: proven on the CPU by the capture harness (docs/hot_set.md).",
         ),
     )
     # hot_set/guard_budget.py; 0 = auto.

@@ -307,6 +307,11 @@ HOT_SET_SERIES = {
         "pages_missed",
         "Rest pages a layer's selection wanted while they were released: not read (misses), summed over layers.",
     ),
+    "graph_steps": ("graph_steps", "Decode batches holding a hot-set request that replayed the captured step."),
+    "graph_eager": (
+        "graph_eager",
+        "Decode batches holding a hot-set request that the captured step's buffers refused (run eagerly).",
+    ),
     "pages_released": ("pages_released", "Device pages hot-set requests gave back to the allocator."),
     "pages_copied_out": ("pages_copied_out", "Pages copied device to host on their first release."),
     "pages_copied_in": ("pages_copied_in", "Pages promoted host to device."),

@@ -69,11 +69,12 @@ HOOKS = (
     Hook("managers.scheduler.Scheduler.process_batch_result", "importance.page_importance:PageImportanceHolder.dump", "after", "dump", ("page_importance",)),
     Hook("importance", "runtime:Runtime.eviction_strategy", "policy", "any", ("runtime",)),
     Hook("server_args.ServerArgs.from_cli_args", "cache.strategy:check_cli_args", "check", "any"),
-    # The runtime exists before anything in Scheduler.__init__ sizes the KV pool, builds a cache or a backend.
-    Hook("managers.scheduler.Scheduler.__init__", "runtime:start", "before", "scheduler"),
+    Hook("managers.scheduler.Scheduler.__init__", "runtime:start", "before", "scheduler"),  # before the pool, cache, backend
     # The KV pool's tokens less the guard's pool (hot_set/guard_budget.py), before either is allocated.
     Hook("mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget", "attention.hot_set_attention:reserve_guard", "around", "scheduler", ("runtime",)),
     Hook("model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph", "attention.hot_set_attention:eager_with_hot_set_requests", "around", "scheduler", ("config",)),
+    Hook("model_executor.runner.decode_cuda_graph_runner.create_attention_graph_variants", "attention.hot_set_attention:graph_variants", "around", "scheduler", ("config",)),
+    Hook("model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute", "attention.hot_set_attention:after_graph_replay", "after", "scheduler"),
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.__init__", "cache.components:use_importance_components", "before", "scheduler"),
     Hook("managers.scheduler.Scheduler.process_batch_result", "scheduler.fold:fold_after_batch", "after", "scheduler", ("runtime",)),
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.write_backup_storage", "cache.admission:gate_storage_write", "around", "scheduler"),
@@ -92,8 +93,7 @@ HOOKS = (
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.ready_to_load_host_cache", "cache.prefetch:prefetch_with_batch_load", "around", "scheduler"),  # queued before SGLang merges the load queue into one copy
     Hook("mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore.insert_host", "cache.stored:restore_after_insert_host", "after", "scheduler"),
     Hook("mem_cache.storage_prefetch.StoragePrefetchRetries.pop_ready", "cache.stored:rank_storage_retries", "around", "scheduler", ("scheduler",)),
-    # Around the factory: every backend name is wrapped once, outside SGLang's failure injector.
-    Hook("mem_cache.storage.backend_factory.StorageBackendFactory.create_backend", "runtime:Runtime.storage_backend", "around", "scheduler", ("runtime",)),
+    Hook("mem_cache.storage.backend_factory.StorageBackendFactory.create_backend", "runtime:Runtime.storage_backend", "around", "scheduler", ("runtime",)),  # outside SGLang's failure injector
     # Launcher checks: a bad value stops start-up in one line, before any model loads.
     Hook("server_args.ServerArgs.from_cli_args", "trace.recorder:export_trace_dir", "check", "any"),
     Hook("server_args.ServerArgs.from_cli_args", "storage.factory:check_cli_args", "check", "any"),

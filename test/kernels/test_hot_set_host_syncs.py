@@ -119,7 +119,7 @@ def test_a_batch_that_changed_reads_its_rows_back_once():
     counter.begin_step()
     kv = [torch.randn(LAYERS, 3, KV_HEADS, DIM) for _ in range(2)]
     world.step(*kv, torch.randn(LAYERS, 3, Q_HEADS, DIM), counter=counter)
-    assert _by_function(counter, step=1, where=START) == {"begin_step": 1}
+    assert _by_function(counter, step=1, where=START) == {"_batch_slots": 1}
 
 
 def test_a_triton_layer_issues_the_same_few_launches_whatever_the_batch():

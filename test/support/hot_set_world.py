@@ -228,11 +228,25 @@ class World:
 
     def _step(self, k_new, v_new, q, graph, counter) -> list[torch.Tensor]:
         where = counter.where if counter is not None else lambda label: nullcontext()
+        batch = self.next_batch()
+        with where("host"):
+            if graph:
+                self.backend.init_forward_metadata_out_graph(batch)
+            else:
+                self.backend.init_forward_metadata(batch)
+        outs = self.layers_forward(batch, k_new, v_new, q, where)
+        with where("host"):
+            # Between steps, as the scheduler does after a batch: the moves the step asked for.
+            self.residency.apply_pending()
+        return outs
+
+    def next_batch(self) -> SimpleNamespace:
+        """The next decode batch: one new token's slot per request, lengths grown by one."""
         rids = list(self.rows)
         new_slots = torch.tensor([self._slot(rid, self.written[rid]) for rid in rids], device=self.device)
         for rid in rids:
             self.written[rid] += 1
-        batch = SimpleNamespace(
+        return SimpleNamespace(
             forward_mode=ForwardMode.DECODE,
             encoder_lens=None,
             rids=rids,
@@ -242,12 +256,12 @@ class World:
             seq_lens_cpu=torch.tensor([self.written[r] for r in rids]),
             out_cache_loc=new_slots,
             out_cache_loc_is_physical=False,
+            batch_size=len(rids),
         )
-        with where("host"):
-            if graph:
-                self.backend.init_forward_metadata_out_graph(batch)
-            else:
-                self.backend.init_forward_metadata(batch)
+
+    def layers_forward(self, batch, k_new, v_new, q, where=lambda label: nullcontext()) -> list[torch.Tensor]:
+        """Every layer's ``forward_decode`` of ``batch`` (each under ``where(layer_id)``)."""
+        rids = batch.rids
         outs = []
         # Made on the device (a factory naming it), as SGLang's forward hands them over.
         k_new, v_new, q = (torch.empty_like(t, device=self.device).copy_(t) for t in (k_new, v_new, q))
@@ -259,9 +273,6 @@ class World:
                         q[i].reshape(len(rids), -1), k_new[i], v_new[i], layer, batch, save_kv_cache=True
                     )
                 outs.append(o.view(len(rids), Q_HEADS, DIM))
-        with where("host"):
-            # Between steps, as the scheduler does after a batch: the moves the step asked for.
-            self.residency.apply_pending()
         return outs
 
 

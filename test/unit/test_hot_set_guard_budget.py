@@ -289,6 +289,7 @@ def test_the_pools_gauges_show_their_size_and_after_each_step_their_use_and_what
         held_bytes=1234,
         tracked={"a": None},
         end_step=lambda: StepResult(HotSetCounts(), StepMoves()),
+        totals=HotSetCounts(),
     )
     hot_set = hot_set_attention.HotSetAttention(decoder, page_importance=None, metrics=metrics)
     guard.alloc(3)

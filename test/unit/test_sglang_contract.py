@@ -179,6 +179,19 @@ ATTRIBUTES = [
         "require_mlp_sync",
         "attention/hot_set_attention.py",
     ),
+    # The captured hot-set step (attention/hot_set_attention.py, attention/triton_backend.py).
+    Name(
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner",
+        "attn_backend",
+        "attention/hot_set_attention.py",
+    ),
+    Name("sglang.srt.model_executor.runner_utils.capture_mode", "get_capture_attention_variant", "attention/"),
+    Name("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "batch_size", "attention/triton_backend.py"),
+    Name(
+        "sglang.srt.layers.attention.triton_backend.TritonAttnBackend",
+        "init_forward_metadata_in_graph",
+        "attention/triton_backend.py",
+    ),
     # The hot set in importance_triton (attention/triton_backend.py).
     *(
         Name("sglang.srt.layers.attention.triton_backend.TritonAttnBackend", n, "attention/triton_backend.py")
@@ -336,6 +349,8 @@ HOOK_TARGETS = [
     "sglang.srt.layers.dual_gemm.DualGemm._select_mode",
     f"{MEM}.kv_cache_configurator.KVCacheConfigurator.config_from_budget",
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph",
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.create_attention_graph_variants",
 ]
 
 

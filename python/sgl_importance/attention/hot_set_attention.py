@@ -35,6 +35,7 @@ import torch
 
 from sgl_importance.hot_set.estimate import on_device
 from sgl_importance.hot_set.guard_budget import KVShape, describe, guard_budget
+from sgl_importance.hot_set.selection import HotSetCounts
 from sgl_importance.importance.page_importance import PageImportanceTable
 from sgl_importance.runtime import Runtime
 
@@ -48,10 +49,15 @@ class HotSetAttention:
         decoder: ``hot_set.HotSetDecoder`` for this model runner's pool.
         page_importance: the process's page importance table.
         metrics: ``metrics.HotSetMetrics`` or None (``--enable-metrics`` off).
+        graph_rows: most requests a captured hot-set step holds (``--hot-set-graph-rows``;
+            0: a batch holding a hot-set request always runs eagerly).
     """
 
-    def __init__(self, decoder: Any, page_importance: PageImportanceTable, metrics: Any = None) -> None:
+    def __init__(
+        self, decoder: Any, page_importance: PageImportanceTable, metrics: Any = None, graph_rows: int = 0
+    ) -> None:
         self.decoder = decoder
+        self.graph_rows = graph_rows
         self.page_importance = page_importance
         self.metrics = metrics
         # A decode step begun and not yet ended (end_step runs after its last layer).
@@ -59,6 +65,14 @@ class HotSetAttention:
         # The last decode batch's request ids and their req_to_token rows (host ints).
         self._batch: Optional[tuple[str, ...]] = None
         self._rows: list[int] = []
+        # The captured hot-set step (enable_graphs), whether the next forward runs it
+        # (graph_mode) and whether a plan waits in its buffers (graph_planned); a batch
+        # planned for it and refused, for the eager step (_planned: its ids and lengths).
+        self.graph: Any = None
+        self.graph_mode = False
+        self.graph_planned = False
+        self._planned: Optional[tuple] = None
+        self._graph_counts = HotSetCounts()
 
     def begin_step(
         self,
@@ -84,6 +98,15 @@ class HotSetAttention:
         The backend has fenced the last step's promotions already (``fence`` at the top of
         its ``init_forward_metadata``, for every forward), so this does not fence again.
         """
+        planned, self._planned = self._planned, None
+        if planned is not None and planned == self._key(rids, seq_lens_cpu):
+            self.decoder.plan_lists()  # planned for a graph the buffers refused: its lists
+        else:
+            self.decoder.begin_step(*self._batch_slots(rids, req_pool_indices, seq_lens_cpu, req_to_token)[:3])
+        self.in_step = True
+
+    def _batch_slots(self, rids, req_pool_indices, seq_lens_cpu, req_to_token) -> tuple:
+        """The batch's request ids, slots, rows (where pages may be released) and row indices."""
         key = tuple(rids) if rids is not None else None
         if key is None or key != self._batch:
             self._rows = req_pool_indices.tolist()  # the one read back, where the batch changed
@@ -95,8 +118,89 @@ class HotSetAttention:
         # reads them for the next step's slots.
         rows = [req_to_token[r] for r in rows_idx]
         slots = [row[:n] for row, n in zip(rows, seq_lens_cpu.tolist())]
-        self.decoder.begin_step(list(rids), slots, rows if self.decoder.residency.enabled else None)
-        self.in_step = True
+        return list(rids), slots, rows if self.decoder.residency.enabled else None, rows_idx
+
+    @staticmethod
+    def _key(rids: Optional[Sequence[str]], seq_lens_cpu: torch.Tensor) -> tuple:
+        return (tuple(rids) if rids is not None else None, tuple(seq_lens_cpu.tolist()))
+
+    # -- a step replayed from a captured graph (hot_set/graph_step.py) -----------------
+
+    def enable_graphs(self, max_bs: int, max_pages: int, exact: Any = None) -> None:
+        """Buffers for a captured hot-set step of ``min(max_bs, --hot-set-graph-rows)``
+        requests of at most ``max_pages`` pages, made where SGLang makes its own graph
+        buffers (``init_cuda_graph_state``); a no-op with ``--hot-set-graph-rows 0``."""
+        if not self.graph_rows:
+            return
+        from sgl_importance.hot_set.graph_step import GraphCapacity, GraphStep
+
+        d = self.decoder
+        self.graph = GraphStep(
+            GraphCapacity(min(max_bs, self.graph_rows), max_pages),
+            num_layers=d.ranges.num_layers,
+            page_size=d.page_size,
+            ranges=d.ranges,
+            device=d.ranges.device,
+            exact=exact,
+        )
+
+    def plan_graph_step(self, rids, req_pool_indices, seq_lens_cpu, req_to_token) -> bool:
+        """Before SGLang picks graph or eager for a decode batch holding a hot-set request:
+        plan the step and write it into the graph's buffers. False where they cannot take
+        it (counted): the plan is kept for the eager step's ``begin_step``."""
+        self.finish_graph_step()
+        rids, slots, rows, rows_idx = self._batch_slots(rids, req_pool_indices, seq_lens_cpu, req_to_token)
+        live = self.decoder.plan_step(rids, slots, rows)
+        why = self.graph.prepare(live, rows_idx) if self.graph is not None else "off"
+        if why is None:
+            self.graph_planned = True
+            return True
+        self._planned = self._key(rids, seq_lens_cpu)
+        self._graph_counts.graph_eager += 1
+        return False
+
+    def graph_prologue(self, bs: int, req_to_token: torch.Tensor) -> None:
+        """In the graph, before the layers (``init_forward_metadata_in_graph``)."""
+        if self.graph_mode:
+            self.graph.prologue(bs, req_to_token, self.decoder.pool_pages)
+
+    def graph_metadata(self, hot: bool, in_capture: bool, bs: int) -> None:
+        """Before a captured decode step of ``bs`` rows (``init_forward_metadata_out_graph``):
+        ``hot``, the hot-set variant's; capturing, its buffers list nothing (padding rows).
+        The hot variant of a batch size past the buffers' rows is captured dense (never
+        replayed: ``prepare`` refuses such batches)."""
+        self.graph_mode = hot and self.graph is not None and bs <= self.graph.capacity.rows
+        if in_capture:
+            if self.graph_mode:
+                self.graph.clear()
+            return
+        if self.graph_mode and not self.graph_planned:
+            raise RuntimeError("a hot-set graph step was replayed without its plan (plan_graph_step)")
+        if not self.graph_mode:
+            self.graph_step()
+        else:
+            self.fence()
+
+    def attend_graph(self, layer: Any, q, k_buffer, v_buffer, out, *, logit_cap: float, sinks=None) -> None:
+        """One layer of a captured hot-set step (fixed shapes; into ``out``)."""
+        k_pages, v_pages = self.decoder.pool_as_pages(layer.layer_id, k_buffer, v_buffer)
+        result = self.graph.attend(
+            layer.layer_id, q, k_pages, v_pages, out, sm_scale=layer.scaling, logit_cap=logit_cap, sinks=sinks
+        )
+        self.page_importance.add_layer(result.importance, *self.graph.slot_lists())
+
+    def finish_graph_step(self) -> Any:
+        """After a replayed hot-set step: its tally folded into the requests, then the step
+        ended as an eager one ends (``end_step``). Returns its counts, None if none ran."""
+        if not self.graph_planned:
+            return None
+        self.graph_planned = False
+        if self.graph.device.type == "cuda":
+            torch.cuda.current_stream(self.graph.device).synchronize()  # the tally's copy has landed
+        self.graph.fold()
+        self._graph_counts.graph_steps += 1
+        self.graph_mode, self.in_step = False, True
+        return self.end_step()
 
     def batch_changed(self) -> None:
         """An extend ran: the next decode reads its requests' rows again."""
@@ -143,10 +247,17 @@ class HotSetAttention:
         """After the step's last layer: fold it, plan the next one; what it wants moved is
         left on the residency (``pending``), which the scheduler applies before the next
         step. Returns the step's ``HotSetCounts``, or None outside a step."""
+        if self.graph_mode:
+            self.graph.epilogue()  # in the graph: the tally's copy to the host
+            return None
         if not self.in_step:
             return None
         self.in_step = False
         counts, self.decoder.residency.pending = self.decoder.end_step()
+        # The batch's graph counts (replayed, or refused) with the step's, in the totals too.
+        counts.add(self._graph_counts)
+        self.decoder.totals.add(self._graph_counts)
+        self._graph_counts = HotSetCounts()
         if self.metrics is not None:
             self.metrics.add(counts.as_dict())
             self._after_step()
@@ -183,23 +294,58 @@ def holds_hot_set_request(seq_lens_cpu: Optional[torch.Tensor], threshold: int) 
     return seq_lens_cpu.numel() > 0 and int(seq_lens_cpu.max()) > threshold
 
 
-def eager_with_hot_set_requests(config: Any, original: Callable[..., bool], runner: Any, forward_batch: Any) -> bool:
-    """Around ``DecodeCudaGraphRunner.can_run_graph``: no captured graph for a batch that holds
-    a request the hot set decodes.
+DENSE_VARIANT, HOT_VARIANT = "dense", "hot"
 
-    Such a step picks its pages, their count, the guard's reads and host copies on the host
-    from the step's data; a graph would replay the captured step's choices. SGLang runs the
-    batch eagerly instead (``init_forward_metadata``, where the step is planned). A batch of
-    short requests is left to SGLang's own check. Decided from the server's config, so it
-    holds whichever backend object (a hybrid's decode backend included) serves the decode.
-    Where ranks must agree on graph or eager (``require_mlp_sync``: DP attention, gathered
-    buffers), each rank would decide from its own batch: every decode runs eagerly there.
+
+class HotSetGraphVariants:
+    """The decode graphs captured with ``--hot-set-graph-rows``: ``dense`` (every page, the
+    graphs SGLang captures anyway) and ``hot`` (the fixed-shape hot-set step), per batch
+    size; a batch holding a request past the threshold selects ``hot``."""
+
+    capture_labels = (DENSE_VARIANT, HOT_VARIANT)
+
+    def __init__(self, threshold: int) -> None:
+        self.threshold = threshold
+
+    def select(self, forward_batch: Any) -> str:
+        return HOT_VARIANT if holds_hot_set_request(forward_batch.seq_lens_cpu, self.threshold) else DENSE_VARIANT
+
+
+def graph_variants(config: Any, original: Callable[..., Any], hf_config: Any) -> Any:
+    """Around SGLang's ``create_attention_graph_variants``: the hot set's, where a model has
+    none of its own and ``--hot-set-graph-rows`` is set."""
+    variants = original(hf_config)
+    if variants is not None or config.hot_set_policy == "off" or not config.hot_set_graph_rows:
+        return variants
+    return HotSetGraphVariants(config.hot_set_threshold)
+
+
+def eager_with_hot_set_requests(config: Any, original: Callable[..., bool], runner: Any, forward_batch: Any) -> bool:
+    """Around ``DecodeCudaGraphRunner.can_run_graph``: a batch holding a request the hot set
+    decodes replays the captured hot-set step where its buffers take the planned step
+    (``--hot-set-graph-rows``, ``plan_hot_set_graph_step``), else runs eagerly.
+
+    The eager step picks its pages, their count, the guard's reads and host copies on the
+    host from the step's data; a graph of it would replay the captured step's choices. A
+    batch of short requests is left to SGLang's own check. Where ranks must agree on graph
+    or eager (``require_mlp_sync``: DP attention, gathered buffers), each rank would decide
+    from its own batch: every decode runs eagerly there.
     """
-    if config.hot_set_policy != "off" and (
-        runner.require_mlp_sync or holds_hot_set_request(forward_batch.seq_lens_cpu, config.hot_set_threshold)
-    ):
+    if config.hot_set_policy == "off":
+        return original(runner, forward_batch)
+    if runner.require_mlp_sync:
         return False
-    return original(runner, forward_batch)
+    if not holds_hot_set_request(forward_batch.seq_lens_cpu, config.hot_set_threshold):
+        return original(runner, forward_batch)
+    plan = getattr(getattr(runner, "attn_backend", None), "plan_hot_set_graph_step", None)
+    return plan is not None and original(runner, forward_batch) and plan(forward_batch)
+
+
+def after_graph_replay(runner: Any) -> None:
+    """After ``DecodeCudaGraphRunner.execute``: a replayed hot-set step folded and ended."""
+    hot_set = getattr(getattr(runner, "attn_backend", None), "hot_set", None)
+    if hot_set is not None:
+        hot_set.finish_graph_step()
 
 
 def build_hot_set(
@@ -263,7 +409,7 @@ def build_hot_set(
     metrics = _build_metrics(runtime)
     if metrics is not None:
         metrics.pools(guard.capacity, guard.nbytes, ranges.capacity, ranges.nbytes)
-    return HotSetAttention(decoder, page_importance, metrics)
+    return HotSetAttention(decoder, page_importance, metrics, graph_rows=config.hot_set_graph_rows)
 
 
 def _build_metrics(runtime: Runtime) -> Any:

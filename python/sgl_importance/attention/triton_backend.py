@@ -47,8 +47,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend, logit_capping_mod
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_attention_variant
 
 from sgl_importance.attention.decode_step import ImportanceDecodeSteps
+from sgl_importance.attention.hot_set_attention import HOT_VARIANT
 from sgl_importance.runtime import Runtime
 from sgl_kernel_ext.decode_importance import DecodeImportanceWrapper
 from sgl_kernel_ext.page_list import TritonPageListDecode
@@ -110,24 +112,45 @@ class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
         super().init_cuda_graph_state(max_bs, max_num_tokens, *args, **kwargs)
         if self._serves_with_importance():
             self.graph_wrapper = self._new_wrapper(max_num_tokens)
+            if self.hot_set is not None:
+                exact = TritonPageListDecode(max_splits=self.max_kv_splits)
+                self.hot_set.enable_graphs(max_bs, self.max_pages, exact=exact)
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
-        # Before a graph is captured (in_capture) or replayed: never a hot-set step.
+        # Before a graph is captured (in_capture) or replayed: the dense variant reads every
+        # page (no hot-set request), the hot one runs the step planned into its buffers.
         super().init_forward_metadata_out_graph(forward_batch, in_capture)
         decode = forward_batch.forward_mode.is_decode_or_idle()
         if decode:
             self.decode_wrapper = self.graph_wrapper
-        if self.hot_set is not None and not in_capture:
-            # What init_forward_metadata does before an eager forward, on the host.
+        if self.hot_set is not None:
             if decode:
-                self.hot_set.graph_step()
-            else:
+                hot = get_capture_attention_variant() == HOT_VARIANT
+                self.hot_set.graph_metadata(hot, in_capture, forward_batch.batch_size)
+            elif not in_capture:
                 self.hot_set.fence()
+
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
+        super().init_forward_metadata_in_graph(forward_batch)
+        if self.hot_set is not None and forward_batch.forward_mode.is_decode_or_idle():
+            self.hot_set.graph_prologue(forward_batch.batch_size, self.req_to_token)
+
+    def plan_hot_set_graph_step(self, forward_batch: ForwardBatch) -> bool:
+        """Whether the batch's hot-set step was planned into the captured step's buffers
+        (the plugin's hook around SGLang's ``can_run_graph``)."""
+        if self.hot_set is None or self.hot_set.graph is None:
+            return False
+        seq_lens_cpu = forward_batch.seq_lens_cpu
+        if seq_lens_cpu is None:
+            return False
+        args = forward_batch.rids, forward_batch.req_pool_indices, seq_lens_cpu, self.req_to_token
+        return self.hot_set.plan_graph_step(*args)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         super().init_forward_metadata(forward_batch)
         self.decode_wrapper = None
         if self.hot_set is not None:
+            self.hot_set.graph_mode = False  # an eager forward: no captured step runs
             # Promotions of the last step must land before this forward reads or frees pages.
             self.hot_set.fence()
             if forward_batch.forward_mode.is_decode():

@@ -178,7 +178,7 @@ class HotSetDecoder:
                 released; None keeps every page on the device.
         """
         self.plan_step(rids, slots, rows)
-        self._plan_lists(self.pool_pages)
+        self.plan_lists()
 
     def plan_step(
         self,
@@ -233,10 +233,11 @@ class HotSetDecoder:
         self._step_layers = 0
         return self._live
 
-    def _plan_lists(self, pool_pages: int) -> None:
-        """The step's part 1 and part 2 lists and its tally, built once where the step
-        begins (the layers only read them). ``pool_pages``: the device pool's pages
-        (listed ids at or past it name staged host pages)."""
+    def plan_lists(self, pool_pages: Optional[int] = None) -> None:
+        """The planned step's part 1 and part 2 lists and its tally, built once where the
+        eager step begins (the layers only read them). ``pool_pages``: the device pool's
+        pages (listed ids at or past it name staged host pages; default ``pool_pages``)."""
+        pool_pages = self.pool_pages if pool_pages is None else pool_pages
         planned = [live.planned for live in self._live]
         ps = self.page_size
         self._exact = plan_exact(self._live, planned, pool_pages, ps)
@@ -322,7 +323,7 @@ class HotSetDecoder:
         if k_pages.shape[0] != self._pool_pages_planned:
             # A pool whose rows end in a partial page (never SGLang's paged pools): the
             # staged pages' ids start at its whole pages, so plan the lists again.
-            self._plan_lists(k_pages.shape[0])
+            self.plan_lists(k_pages.shape[0])
         exact, guard_lists = self._exact, self._guard_lists
         per_layer = any(live.tracked is not None and live.tracked.state.params.policy == "quest" for live in self._live)
         if per_layer:

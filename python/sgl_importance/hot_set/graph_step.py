@@ -177,6 +177,11 @@ class GraphStep:
         self._live = list(live)
         return None
 
+    def clear(self) -> None:
+        """Every row lists nothing (a graph's capture: padding rows only)."""
+        self._plan.zero_()
+        self._live = []
+
     # -- inside the step (what a graph records) -----------------------------------
 
     def prologue(self, bs: int, req_to_token: torch.Tensor, pool_pages: int) -> None:

@@ -131,6 +131,8 @@ class HotSetCounts(ReleaseCounts):
     pages_dense: int = 0  # pages dense attention would have read, over layers
     pages_read_from_host: int = 0  # attended pages read from their host copy, over layers (planned, not promoted)
     pages_missed: int = 0  # rest pages a layer wanted that were released (not read: misses), over layers
+    graph_steps: int = 0  # decode batches that replayed the captured hot-set step
+    graph_eager: int = 0  # hot-set decode batches its buffers refused (run eagerly)
 
     def add(self, other: ReleaseCounts) -> None:
         """Add another ``HotSetCounts``, or only the page moves of a ``ReleaseCounts``."""

@@ -1,0 +1,185 @@
+"""importance_triton's captured hot-set step, driven as SGLang's decode graph runner drives it.
+
+Per step: the plugin's hook around ``can_run_graph`` plans the batch into the captured
+step's buffers (or refuses, and the step runs eagerly); the batch's variant (``dense`` /
+``hot``) is captured once per batch size (``init_forward_metadata_out_graph`` with
+``in_capture``, the buffers listing nothing), then run as a replay runs it: the variant's
+``out_graph`` prep, the in-graph prologue, every layer's ``forward_decode`` (KV write,
+fixed-shape decode, importance filed), the epilogue, then the hook after ``execute``
+folds and ends the step. Against ``importance_torch``'s eager hot set on the same pool,
+requests and queries: the same outputs, page importance and counts, with short requests
+beside long ones, requests joining and leaving, and a guarded request (refused: eager).
+
+Here the layers' Python runs at every "replay" (the Triton kernels run under the
+interpreter, which a recording cannot replay); that replaying without the Python gives
+the same is ``test/unit/test_hot_set_graph_step.py``'s proof, on the torch reader.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed; the Triton decode kernels cannot run")
+pytest.importorskip("sglang", reason="the backends subclass SGLang's")
+
+from sglang.srt.model_executor.runner_utils import capture_mode  # noqa: E402
+
+from sgl_importance.attention.hot_set_attention import (  # noqa: E402
+    HotSetGraphVariants,
+    after_graph_replay,
+    eager_with_hot_set_requests,
+)
+from sgl_importance.hot_set import HotSetParams  # noqa: E402
+from support.host_syncs import HostSyncCounter  # noqa: E402
+from support.hot_set_world import DIM, KV_HEADS, LAYERS, Q_HEADS, THRESHOLD, World, parents_metadata  # noqa: E402
+from support.kernel_device import EMPTY_PAGES_WARN  # noqa: E402
+
+pytestmark = [EMPTY_PAGES_WARN]
+
+OUT_ATOL = 2e-5
+IMP_ATOL = 2e-6
+MAX_BS = 4
+
+
+@pytest.fixture(autouse=True)
+def _parents_metadata():
+    with parents_metadata():
+        yield
+
+
+class GraphRunner:
+    """SGLang's decode graph runner as it treats the plugin's backend (see the module docstring)."""
+
+    def __init__(self, world: World, params: HotSetParams) -> None:
+        self.world = world
+        self.config = SimpleNamespace(hot_set_policy=params.policy, hot_set_threshold=THRESHOLD, hot_set_graph_rows=3)
+        self.attn_backend = world.backend
+        self.require_mlp_sync = False
+        self.variants = HotSetGraphVariants(THRESHOLD)
+        self.captured: set[tuple[int, str]] = set()
+        self.replayed = 0
+        world.backend.hot_set.graph_rows = self.config.hot_set_graph_rows
+        world.backend.init_cuda_graph_state(MAX_BS, MAX_BS)
+
+    def step(self, k_new, v_new, q, counter=None) -> list[torch.Tensor]:
+        world, backend = self.world, self.world.backend
+        batch = world.next_batch()
+        variant = self.variants.select(batch)
+        if batch.batch_size <= MAX_BS and (batch.batch_size, variant) not in self.captured:
+            # SGLang captures every size and variant at start-up, before any request; here
+            # a shape is captured when first needed, before the step is planned.
+            capture_mode._set_capture_attention_variant(variant)
+            try:
+                backend.init_forward_metadata_out_graph(batch, in_capture=True)
+                backend.init_forward_metadata_in_graph(batch)
+                world.layers_forward(batch, k_new, v_new, q)  # the capture's run: nothing listed
+            finally:
+                capture_mode._set_capture_attention_variant(None)
+            self.captured.add((batch.batch_size, variant))
+        if not eager_with_hot_set_requests(self.config, lambda r, b: b.batch_size <= MAX_BS, self, batch):
+            backend.init_forward_metadata(batch)
+            outs = world.layers_forward(batch, k_new, v_new, q)
+        else:
+            capture_mode._set_capture_attention_variant(variant)
+            try:
+                with counter.where("prep") if counter is not None else _nothing():
+                    backend.init_forward_metadata_out_graph(batch)
+                where = counter.where if counter is not None else None
+                with where("graph") if where is not None else _nothing():
+                    backend.init_forward_metadata_in_graph(batch)
+                    outs = world.layers_forward(batch, k_new, v_new, q)
+            finally:
+                capture_mode._set_capture_attention_variant(None)
+            after_graph_replay(self)
+            self.replayed += 1
+        world.residency.apply_pending()
+        return outs
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_a_captured_hot_set_step_decodes_as_the_eager_hot_set_with_joins_leaves_and_a_guarded_request():
+    params = HotSetParams(policy="importance", budget=3, window=1, sinks=1, guard_threshold=1.0)
+    pools = dict(device_pages=96, host_pages=0, release=False)
+    eager = World("torch", params, **pools)
+    runner = GraphRunner(World("triton", params, **pools), params)
+    graphed = runner.world
+    g = torch.Generator().manual_seed(11)
+
+    def place(rid: str, n: int) -> None:
+        k, v = (torch.randn(LAYERS, n, KV_HEADS, DIM, generator=g) for _ in range(2))
+        for w in (eager, graphed):
+            w.place(rid, k, v)
+
+    counter = HostSyncCounter()
+
+    def step() -> None:
+        bs = len(graphed.rows)
+        k_new, v_new = (torch.randn(LAYERS, bs, KV_HEADS, DIM, generator=g) for _ in range(2))
+        q = torch.randn(LAYERS, bs, Q_HEADS, DIM, generator=g) * 2
+        want = eager.step(k_new, v_new, q)
+        with counter:
+            got = runner.step(k_new, v_new, q, counter=counter)
+        for layer, (a, b) in enumerate(zip(want, got)):
+            assert torch.allclose(b, a, atol=OUT_ATOL, rtol=0), f"layer {layer}"
+        assert torch.allclose(graphed.page_importance.last, eager.page_importance.last, atol=IMP_ATOL, rtol=0)
+
+    place("long", 30)
+    place("short", 3)
+    for i in range(6):
+        if i == 2:
+            place("long-2", 21)
+        step()
+    for w in (eager, graphed):
+        w.finish("short")
+    step()
+    # A request whose guard is on: the captured step's buffers refuse the batch; it runs eagerly.
+    guarded = HotSetParams(policy="importance", budget=3, window=1, sinks=1, guard_threshold=0.05)
+    for w in (eager, graphed):
+        w.backend.hot_set.decoder.request_params.note("guarded", guarded)
+    place("guarded", 26)
+    step()
+    step()
+    decoder = graphed.backend.hot_set.decoder
+    totals = decoder.totals.as_dict()
+    want_totals = eager.backend.hot_set.decoder.totals.as_dict()
+    graph_steps, graph_eager = totals.pop("graph_steps"), totals.pop("graph_eager")
+    assert {k: v for k, v in want_totals.items() if not k.startswith("graph_")} == totals
+    assert graph_steps == runner.replayed == 7 and graph_eager == 2
+    assert {(2, "hot"), (3, "hot")} <= runner.captured
+    assert graphed.backend.hot_set.graph.refusals == {"guard": 2}
+    # What a graph holds (prologue, layers, epilogue) hands no device value to the host
+    # and uploads nothing; the prep before it uploads the plan (one copy) and fences.
+    assert counter.total(where="graph", device_only=True) == 0, counter.by("site", where="graph", device_only=True)
+    assert counter.total(kinds=("upload",), where="graph", device_only=True) == 0
+    assert counter.total(kinds=("alloc",), where="graph", device_only=True) > 0  # it was counting
+
+
+def test_a_batch_past_the_buffers_rows_runs_eagerly_counted():
+    params = HotSetParams(policy="window", budget=2, window=1, sinks=1, guard_threshold=1.0)
+    pools = dict(device_pages=96, host_pages=0, release=False)
+    eager = World("torch", params, **pools)
+    runner = GraphRunner(World("triton", params, **pools), params)
+    graphed = runner.world
+    g = torch.Generator().manual_seed(3)
+    for rid, n in (("a", 20), ("b", 22), ("c", 17), ("d", 19)):  # 4 long requests, 3 rows
+        k, v = (torch.randn(LAYERS, n, KV_HEADS, DIM, generator=g) for _ in range(2))
+        for w in (eager, graphed):
+            w.place(rid, k, v)
+    for _ in range(2):
+        k_new, v_new = (torch.randn(LAYERS, 4, KV_HEADS, DIM, generator=g) for _ in range(2))
+        q = torch.randn(LAYERS, 4, Q_HEADS, DIM, generator=g)
+        for a, b in zip(eager.step(k_new, v_new, q), runner.step(k_new, v_new, q)):
+            assert torch.allclose(b, a, atol=OUT_ATOL, rtol=0)
+    hot_set = graphed.backend.hot_set
+    assert runner.replayed == 0 and hot_set.graph.refusals == {"rows": 2}
+    assert hot_set.decoder.totals.graph_eager == 2
