@@ -62,6 +62,8 @@ STAGES = ("env", "kernels", "serve", "speed", "kbench", "memory")
 # Decode CUDA graphs on torch_cuda (prefill graphs stay off there); a small captured range
 # keeps the capture short.
 DECODE_GRAPHS = ["--cuda-graph-backend-decode", "full", "--cuda-graph-max-bs-decode", "8"]
+# The hot set's captured step (--hot-set-graph-rows): as many rows as the graphs' largest batch.
+HOT_SET_GRAPHS = ["--hot-set-graph-rows", "8"]
 GRAPH_LINE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?(?:cuda|cpu) graph: (True|False)")
 
 
@@ -330,7 +332,8 @@ def stage_speed(run: Run) -> dict:
         grid = ["--lengths", "1024", "--batches", "1,2", "--new-tokens", "16", "--dtype", "float32",
                 "--configs", "sglang-torch_native,dense,hot-20,hot-20-guard", "--threshold", "512"]  # fmt: skip
     else:
-        grid = ["--lengths", run.speed_lengths, "--batches", "1,8", "--new-tokens", "32", "--dtype", "bfloat16"]
+        grid = ["--lengths", run.speed_lengths, "--batches", run.speed_batches, "--new-tokens", "32",
+                "--dtype", "bfloat16"]  # fmt: skip
     out: dict[str, Any] = {}
     for mode in run.speed_graphs:
         if run.left() < 60:
@@ -338,6 +341,8 @@ def stage_speed(run: Run) -> dict:
             continue
         speed_out = run.logs / f"speed_graphs_{mode}"
         server_args = "--load-format dummy --skip-tokenizer-init"
+        if mode == "on":  # the flag parses and serves on the CPU too (torch_cpu captures no graph)
+            server_args += " " + " ".join(HOT_SET_GRAPHS)
         if not run.rehearse:  # torch_cuda captures decode graphs unless told not to
             server_args += " " + (" ".join(DECODE_GRAPHS) if mode == "on" else "--cuda-graph-backend-decode disabled")
         cmd = [sys.executable, "-m", "benchmark.long_context.bench_speed", "--platform", run.platform,
@@ -541,12 +546,13 @@ def main() -> None:
     ap.add_argument("--speed-lengths", default="8192,32768", help="bench_speed --lengths on the GPU")
     ap.add_argument("--speed-configs", default="dense,hot-20,hot-20-guard", help="bench_speed --configs, graphs off")
     ap.add_argument("--speed-configs-graphs", default="dense,hot-20,sglang-triton", help="the same, graphs on")
+    ap.add_argument("--speed-batches", default="1,8", help="bench_speed --batches on the GPU")
     ap.add_argument("--speed-graphs", default="off,on", help="decode graph modes, in order: off, on")
     ap.add_argument("--memory-length", type=int, default=32768, help="memory stage: tokens per request")
     ap.add_argument("--memory-requests", type=int, default=8, help="memory stage: requests sent at once")
     a = ap.parse_args()
     run = Run(a.out, a.rehearse, a.budget_s)
-    run.speed_lengths = a.speed_lengths
+    run.speed_lengths, run.speed_batches = a.speed_lengths, a.speed_batches
     run.speed_configs = {"off": a.speed_configs, "on": a.speed_configs_graphs}
     run.speed_graphs = [m for m in a.speed_graphs.split(",") if m]
     run.memory_length, run.memory_requests = a.memory_length, a.memory_requests

@@ -99,6 +99,7 @@ DEFAULT_PEER = {"torch_cpu": "sglang-torch_native", "torch_cuda": "sglang-triton
 SERVER_KINDS = ("reference", "dense-torch", "dense", "hot")
 DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+), .*?gen throughput \(token/s\): ([\d.]+)")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GRAPH_REPLAYED = re.compile(r"Decode batch.*?(?:cuda|cpu) graph: True")
 
 
 # ------------------------------------------------------------------ configurations
@@ -378,6 +379,11 @@ def server_args(kind: str, a, max_tokens: int, guard_share: float, context: int)
     return args + shlex.split(a.server_args), env
 
 
+def replayed_steps(log: str) -> int:
+    """Decode steps SGLang's log says replayed a CUDA graph ("cuda graph: True")."""
+    return len(GRAPH_REPLAYED.findall(log))
+
+
 def step_times_from_log(log: str, batch: int) -> list[float]:
     """Seconds per decode step from SGLang's per-step log lines where ``batch`` requests ran.
 
@@ -466,6 +472,8 @@ def measure_server(
                         "step_s": statistics.median(steps) if steps else statistics.fmean(means),
                         "step_mean_s": statistics.fmean(means),
                         "steps": len(steps),
+                        "replayed_steps": replayed_steps(log),
+                        "graphs": replayed_steps(log) > 0,
                         "hot_ratio": attended / dense if dense > 0 else None,
                         "estimated_ratio": estimated / dense if dense > 0 else 0.0,
                         "bandwidth_gbs": bandwidth,
@@ -484,6 +492,8 @@ def measure_server(
                                 "pages_missed",
                                 "pages_sampled",
                                 "pages_guard_read",
+                                "graph_steps",
+                                "graph_eager",
                             )
                         },  # fmt: skip
                     }
