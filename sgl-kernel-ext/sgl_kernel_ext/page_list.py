@@ -180,6 +180,7 @@ class TritonPageListDecode:
         sinks: Optional[torch.Tensor] = None,
         extra_k_pages: Optional[torch.Tensor] = None,
         extra_v_pages: Optional[torch.Tensor] = None,
+        out: Optional[torch.Tensor] = None,
     ) -> DecodeImportanceOutput:
         """Output, lse and page importance of one decode step over ``plan``'s page lists.
 
@@ -191,9 +192,11 @@ class TritonPageListDecode:
             sm_scale, logit_cap, sinks: as ``decode_importance_paged``.
             extra_k_pages, extra_v_pages: staging buffers; listed id ``num_pages + i``
                 reads their page ``i`` (any device; read in torch).
+            out: ``[bs, q_heads, Dv]`` (any float dtype) the output is written into and
+                returned as (a caller's buffer: no copy); None: a float32 tensor.
 
         Returns:
-            DecodeImportanceOutput in float32 on ``q``'s device, columns in listed order.
+            DecodeImportanceOutput on ``q``'s device (float32 but ``out``), columns in listed order.
         """
         bs, num_q_heads, head_dim = q.shape
         num_pages, page_size, num_kv_heads, _ = k_pages.shape
@@ -210,13 +213,16 @@ class TritonPageListDecode:
             sm_scale = 1.0 / math.sqrt(head_dim)
         dev, f32 = q.device, torch.float32
         width = plan.max_pages
-        out = torch.empty(bs, num_q_heads, v_head_dim, dtype=f32, device=dev)
+        given = out
         lse = torch.empty(bs, num_q_heads, dtype=f32, device=dev)
         importance = torch.empty(bs, width, dtype=f32, device=dev)
         per_kv = torch.empty(bs, width, num_kv_heads, dtype=f32, device=dev)
+        lists = self.slots(plan, num_pages, dev) if bs else None
+        # The kernel writes a caller's buffer unless a torch part is merged in (float32 first).
+        if given is None or (lists is not None and lists.side is not None):
+            out = torch.empty(bs, num_q_heads, v_head_dim, dtype=f32, device=dev)
         if bs == 0:
             return DecodeImportanceOutput(out, lse, importance, per_kv)
-        lists = self.slots(plan, num_pages, dev)
         geometry = decode_geometry(num_q_heads, num_kv_heads, head_dim, v_head_dim, page_size)
         splits = self.num_splits or default_num_splits(bs, num_kv_heads, geometry, self.max_splits, dev)
         if lists.staged and extra_k_pages is None:
@@ -249,7 +255,11 @@ class TritonPageListDecode:
         side = _side_pages(
             q, k_pages, v_pages, plan, lists.side, extra_k_pages, extra_v_pages, sm_scale=sm_scale, logit_cap=logit_cap
         )
-        return _merge_side(out, lse, page_lse, lists, side, plan, sinks, num_kv_heads)
+        merged = _merge_side(out, lse, page_lse, lists, side, plan, sinks, num_kv_heads)
+        if given is None:
+            return merged
+        given.copy_(merged.output)
+        return merged._replace(output=given)
 
 
 @dataclass

@@ -60,7 +60,7 @@ def counted_decode(
 
     hot_set.end_step = labelled_end_step
     bs = len(lengths)
-    with _triton_launches_counted(counter):
+    with triton_launches_counted(counter):
         for step in range(warmup + steps):
             kv = [torch.randn(layers, bs, KV_HEADS, DIM, generator=g) for _ in range(2)]
             q = torch.randn(layers, bs, Q_HEADS, DIM, generator=g) * 2
@@ -74,7 +74,7 @@ def counted_decode(
 
 
 @contextmanager
-def _triton_launches_counted(counter: HostSyncCounter) -> Iterator[None]:
+def triton_launches_counted(counter: HostSyncCounter) -> Iterator[None]:
     """Each Triton kernel launched (under the interpreter) counted as a LAUNCH."""
     try:
         from triton.runtime.interpreter import InterpretedFunction

@@ -72,6 +72,7 @@ class HotSetAttention:
         self.graph_mode = False
         self.graph_planned = False
         self._planned: Optional[tuple] = None
+        self._graph_ran = False  # the planned step's replay was prepared (graph_metadata)
         self._graph_counts = HotSetCounts()
 
     def begin_step(
@@ -179,6 +180,7 @@ class HotSetAttention:
         if not self.graph_mode:
             self.graph_step()
         else:
+            self._graph_ran = True
             self.fence()
 
     def attend_graph(self, layer: Any, q, k_buffer, v_buffer, out, *, logit_cap: float, sinks=None) -> None:
@@ -195,6 +197,9 @@ class HotSetAttention:
         if not self.graph_planned:
             return None
         self.graph_planned = False
+        if not self._graph_ran:  # planned, then no replay came (nothing to fold; the plan is dropped)
+            return None
+        self._graph_ran = False
         if self.graph.device.type == "cuda":
             torch.cuda.current_stream(self.graph.device).synchronize()  # the tally's copy has landed
         self.graph.fold()

@@ -23,10 +23,11 @@ once for ``GraphCapacity``: ``rows`` requests of at most ``pages`` pages each.
   - prologue: each row's physical pages gathered from ``req_to_token`` by its logical
     pages, the padding columns masked, the tally zeroed;
   - per layer: exact attention over every row's ``pages`` columns (the padding ones add
-    nothing), written into the caller's ``out``; each page's mass added to the tally
-    (summed over layers and the mean over KV heads, and the largest over both); the key
-    bound of each full page of a ``HOT`` row against the layer's denominator, the largest
-    over layers and heads (``step_tally.StepTally._reduce_bounds``' quantity, per layer);
+    nothing), written into the caller's ``out``; in one launch (``sgl_kernel_ext.page_tally``)
+    each page's mass added to the tally (summed over layers and the mean over KV heads, and
+    the largest over both) and the key bound of each full page of a ``HOT`` row against the
+    layer's denominator, the largest over layers and heads (``step_tally.StepTally._reduce_bounds``'
+    quantity, per layer);
   - epilogue: the tally copied to the host in one copy (into pinned memory on CUDA).
 - After the step, on the host (``fold``): the tally into the decoder's requests, as the
   eager step's ``StepTally.fold`` does; then the decoder's ``end_step`` as after an
@@ -41,19 +42,15 @@ Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from sgl_importance.hot_set.key_ranges import KeyRanges, key_bound
+from sgl_importance.hot_set.key_ranges import KeyRanges
 from sgl_importance.hot_set.request_state import LiveRequest, released_among
 from sgl_kernel_ext import DecodeImportanceOutput, PagedDecodePlan, PagedDecodeWorkspace, decode_importance_paged
 from sgl_kernel_ext.page_list import PageListSlots, TritonPageListDecode, page_list_slots
-
-# Rows of the tally: each page's mass summed over layers (of the mean over KV heads), the
-# largest over layers and KV heads, and its key bound's log-mass (largest over layers, heads).
-SUM, MAX, BOUND = 0, 1, 2
+from sgl_kernel_ext.page_tally import BOUND, MAX, SUM, tally_pages
 
 
 class GraphCapacity(NamedTuple):
@@ -110,8 +107,8 @@ class GraphStep:
         self.listed_tokens = torch.zeros(rows, pages, dtype=torch.int64, device=dev)
         self.bias = torch.zeros(rows, pages * page_size, dtype=torch.float32, device=dev)
         self.live = torch.zeros(rows, dtype=torch.bool, device=dev)
-        self.tally = torch.zeros(3, rows, pages, dtype=torch.float64, device=dev)
-        self.tally_host = torch.zeros(3, rows, pages, dtype=torch.float64, pin_memory=pinned)
+        self.tally = torch.zeros(3, rows, pages, dtype=torch.float32, device=dev)
+        self.tally_host = torch.zeros(3, rows, pages, dtype=torch.float32, pin_memory=pinned)
         self._offsets = torch.arange(page_size, device=dev)
         self._workspace = PagedDecodeWorkspace()
         self._plans: dict[int, PagedDecodePlan] = {}
@@ -243,22 +240,20 @@ class GraphStep:
         plan = self.plan(bs)
         run = dict(sm_scale=sm_scale, logit_cap=logit_cap, sinks=sinks)
         if self.exact is not None:
-            result = self.exact(q, k_pages, v_pages, plan, **run)
+            result = self.exact(q, k_pages, v_pages, plan, out=out, **run)  # the kernel writes ``out``
         else:
             result = decode_importance_paged(
                 q, k_pages, v_pages, plan, native=False, chunk_pages=0, workspace=self._workspace, **run
             )
-        out.copy_(result.output)
-        per_kv = result.importance_per_kv_head.double()  # [bs, pages, kv]
-        self.tally[SUM, :bs].add_(per_kv.mean(dim=-1))
-        torch.maximum(self.tally[MAX, :bs], per_kv.amax(dim=-1), out=self.tally[MAX, :bs])
-        # Full pages' key bounds as a mass of the attended denominator, largest over heads:
-        # range id 0 (none) is an empty range, whose NaN or -inf counts as nothing.
-        kmin, kmax = self.ranges.gather(layer_id, self.range_ids[:bs])  # [bs, pages, kv, D]
-        bounds = key_bound(q, kmin, kmax, sm_scale=sm_scale, logit_cap=logit_cap).double()
-        log_mass = bounds + math.log(self.page_size) - result.lse.double()[:, None, :]
-        per_page = torch.nan_to_num(log_mass, nan=float("-inf")).amax(dim=-1)
-        torch.maximum(self.tally[BOUND, :bs], per_page, out=self.tally[BOUND, :bs])
+            out.copy_(result.output)
+        # The pages' masses, and each full page's key bound against the layer's denominator
+        # (the next step's promotions): one launch (a Triton kernel with the Triton reader).
+        ranges = self.ranges
+        tally_pages(
+            result.importance_per_kv_head, q, result.lse, ranges.key_min[layer_id], ranges.key_max[layer_id],
+            self.range_ids[:bs], self.tally, sm_scale=sm_scale, logit_cap=logit_cap, page_size=self.page_size,
+            use_triton=self.exact is not None,
+        )  # fmt: skip
         return result
 
     def slot_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,11 +279,13 @@ class GraphStep:
             num = req.tokens.numel()
             req.counts.pages_dense += num * layers
             if req.bounds_unread:
-                bound = tally[BOUND, b, :num].clamp(max=0.0).exp().nan_to_num(0.0)
+                bound = tally[BOUND, b, :num].double().clamp(max=0.0).exp().nan_to_num(0.0)
                 torch.maximum(req.outside_mass, bound, out=req.outside_mass)
             listed = req.planned
             n = listed.numel()
-            mass = tally[MAX, b, :n].clamp_min(0.0) if req.tracked.state.params.ranks_by_max else tally[SUM, b, :n]
+            mass = (
+                tally[MAX, b, :n].clamp_min(0.0) if req.tracked.state.params.ranks_by_max else tally[SUM, b, :n]
+            ).double()
             req.mass_over_layers[listed] = mass
             req.layers[listed] += layers
             req.counts.pages_attended += n * layers
