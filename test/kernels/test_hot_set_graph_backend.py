@@ -1,12 +1,9 @@
 """importance_triton's captured hot-set step, driven as SGLang's decode graph runner drives it.
 
-Per step: the plugin's hook around ``can_run_graph`` plans the batch into the captured
-step's buffers (or refuses, and the step runs eagerly); the batch's variant (``dense`` /
-``hot``) is captured once per batch size (``init_forward_metadata_out_graph`` with
-``in_capture``, the buffers listing nothing), then run as a replay runs it: the variant's
-``out_graph`` prep, the in-graph prologue, every layer's ``forward_decode`` (KV write,
-fixed-shape decode, importance filed), the epilogue, then the hook after ``execute``
-folds and ends the step. Against ``importance_torch``'s eager hot set on the same pool,
+The runner (``support/graph_runner.py``) plans each batch in the plugin's hook around
+``can_run_graph``, captures each batch size's variant, and runs the step as a replay runs it
+(prep, prologue, every layer's ``forward_decode``: KV write, fixed-shape decode, importance
+filed; the epilogue; the fold after ``execute``). Against ``importance_torch``'s eager hot set on the same pool,
 requests and queries: the same outputs, page importance and counts, with short requests
 beside long ones, requests joining and leaving, and a guarded request (refused: eager).
 
@@ -17,32 +14,23 @@ the same is ``test/unit/test_hot_set_graph_step.py``'s proof, on the torch reade
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not installed; the Triton decode kernels cannot run")
 pytest.importorskip("sglang", reason="the backends subclass SGLang's")
 
-from sglang.srt.model_executor.runner_utils import capture_mode  # noqa: E402
-
-from sgl_importance.attention.hot_set_attention import (  # noqa: E402
-    HotSetGraphVariants,
-    after_graph_replay,
-    eager_with_hot_set_requests,
-)
 from sgl_importance.hot_set import HotSetParams  # noqa: E402
 from support.counted_world import triton_launches_counted  # noqa: E402
+from support.graph_runner import GraphRunner  # noqa: E402
 from support.host_syncs import LAUNCH, HostSyncCounter  # noqa: E402
-from support.hot_set_world import DIM, KV_HEADS, LAYERS, Q_HEADS, THRESHOLD, World, parents_metadata  # noqa: E402
+from support.hot_set_world import DIM, KV_HEADS, LAYERS, Q_HEADS, World, parents_metadata  # noqa: E402
 from support.kernel_device import EMPTY_PAGES_WARN  # noqa: E402
 
 pytestmark = [EMPTY_PAGES_WARN]
 
 OUT_ATOL = 2e-5
 IMP_ATOL = 2e-6
-MAX_BS = 4
 # Launches of a captured layer on the Triton backend with the guard off, torch calls and Triton
 # kernels as the CPU counts them: the KV write, the decode's two kernels (writing SGLang's
 # output), the page tally (masses and key bounds in one kernel), the importance scatter. Issue 47's
@@ -54,63 +42,6 @@ GRAPH_LAYER_LAUNCHES = 5
 def _parents_metadata():
     with parents_metadata():
         yield
-
-
-class GraphRunner:
-    """SGLang's decode graph runner as it treats the plugin's backend (see the module docstring)."""
-
-    def __init__(self, world: World, params: HotSetParams) -> None:
-        self.world = world
-        self.config = SimpleNamespace(hot_set_policy=params.policy, hot_set_threshold=THRESHOLD, hot_set_graph_rows=3)
-        self.attn_backend = world.backend
-        self.require_mlp_sync = False
-        self.variants = HotSetGraphVariants(THRESHOLD)
-        self.captured: set[tuple[int, str]] = set()
-        self.replayed = 0
-        world.backend.hot_set.graph_rows = self.config.hot_set_graph_rows
-        world.backend.init_cuda_graph_state(MAX_BS, MAX_BS)
-
-    def step(self, k_new, v_new, q, counter=None) -> list[torch.Tensor]:
-        world, backend = self.world, self.world.backend
-        batch = world.next_batch()
-        variant = self.variants.select(batch)
-        if batch.batch_size <= MAX_BS and (batch.batch_size, variant) not in self.captured:
-            # SGLang captures every size and variant at start-up, before any request; here
-            # a shape is captured when first needed, before the step is planned.
-            capture_mode._set_capture_attention_variant(variant)
-            try:
-                backend.init_forward_metadata_out_graph(batch, in_capture=True)
-                backend.init_forward_metadata_in_graph(batch)
-                world.layers_forward(batch, k_new, v_new, q)  # the capture's run: nothing listed
-            finally:
-                capture_mode._set_capture_attention_variant(None)
-            self.captured.add((batch.batch_size, variant))
-        if not eager_with_hot_set_requests(self.config, lambda r, b: b.batch_size <= MAX_BS, self, batch):
-            backend.init_forward_metadata(batch)
-            outs = world.layers_forward(batch, k_new, v_new, q)
-        else:
-            capture_mode._set_capture_attention_variant(variant)
-            try:
-                with counter.where("prep") if counter is not None else _nothing():
-                    backend.init_forward_metadata_out_graph(batch)
-                # What the graph holds: the prologue, then each layer under its id.
-                with counter.where("prologue") if counter is not None else _nothing():
-                    backend.init_forward_metadata_in_graph(batch)
-                outs = world.layers_forward(batch, k_new, v_new, q, **({"where": counter.where} if counter else {}))
-            finally:
-                capture_mode._set_capture_attention_variant(None)
-            after_graph_replay(self)
-            self.replayed += 1
-        world.residency.apply_pending()
-        return outs
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_a_captured_hot_set_step_decodes_as_the_eager_hot_set_with_joins_leaves_and_a_guarded_request():
