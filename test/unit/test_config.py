@@ -85,12 +85,18 @@ def test_hot_set_budget_is_pages_without_a_dot_and_a_fraction_with_one():
         ("hot_set_read_cap", 1.5, "--hot-set-read-cap", "(0, 1]"),
         ("hot_set_top_p", 0.0, "--hot-set-top-p", "(0, 1]"),
         ("hot_set_policy", "belady", "--hot-set-policy", "importance"),
+        ("hot_set_graph_rows", -1, "--hot-set-graph-rows", "[0, 4096]"),
     ],
 )
 def test_invalid_hot_set_value_error_names_flag_value_and_range(field, value, flag, allowed):
     with pytest.raises(ValueError) as err:
         ImportanceConfig(**{field: value})
     assert f"{flag} {value!r}" in str(err.value) and allowed in str(err.value)
+
+
+def test_the_captured_hot_set_step_is_off_unless_asked_for():
+    assert ImportanceConfig().hot_set_graph_rows == 0
+    assert from_namespace(parse("--hot-set-graph-rows", "8")).hot_set_graph_rows == 8
 
 
 def test_unparseable_hot_set_budget_is_rejected_by_the_parser():
