@@ -124,3 +124,12 @@ def test_a_batch_past_the_buffers_rows_runs_eagerly_counted():
     hot_set = graphed.backend.hot_set
     assert runner.replayed == 0 and hot_set.graph.refusals == {"rows": 2}
     assert hot_set.decoder.totals.graph_eager == 2
+    # Three requests fit three rows, but SGLang would pad the batch to a size it captured (4).
+    for w in (eager, graphed):
+        w.finish("d")
+    runner.capture_bs = [1, 2, 4]
+    k_new, v_new = (torch.randn(LAYERS, 3, KV_HEADS, DIM, generator=g) for _ in range(2))
+    q = torch.randn(LAYERS, 3, Q_HEADS, DIM, generator=g)
+    for a, b in zip(eager.step(k_new, v_new, q), runner.step(k_new, v_new, q)):
+        assert torch.allclose(b, a, atol=OUT_ATOL, rtol=0)
+    assert runner.replayed == 0 and hot_set.graph.refusals == {"rows": 3}

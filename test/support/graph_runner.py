@@ -42,6 +42,7 @@ class GraphRunner:
         self.config = SimpleNamespace(hot_set_policy=policy, hot_set_threshold=THRESHOLD, hot_set_graph_rows=rows)
         self.attn_backend = world.backend
         self.require_mlp_sync = False
+        self.capture_bs = list(range(1, MAX_BS + 1))  # every size, as SGLang captures small ones
         self.variants = HotSetGraphVariants(THRESHOLD)
         self.captured: set[tuple[int, str]] = set()
         self.replayed = 0

@@ -180,10 +180,9 @@ ATTRIBUTES = [
         "attention/hot_set_attention.py",
     ),
     # The captured hot-set step (attention/hot_set_attention.py, attention/triton_backend.py).
-    Name(
-        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner",
-        "attn_backend",
-        "attention/hot_set_attention.py",
+    *(
+        Name("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner", n, "attention/")
+        for n in ("attn_backend", "capture_bs")
     ),
     Name("sglang.srt.model_executor.runner_utils.capture_mode", "get_capture_attention_variant", "attention/"),
     Name("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "batch_size", "attention/triton_backend.py"),
@@ -377,8 +376,8 @@ def _real_node():
 
 
 def _assigned_in_source(cls: type, name: str) -> bool:
-    # ``self.name = ...`` or ``self.name: T = ...`` in the class or a base.
-    pattern = re.compile(rf"\bself\.{re.escape(name)}\s*(?::[^=\n]+)?=(?!=)")
+    # ``self.name = ...``, ``self.name: T = ...`` or ``self.name, self.other = ...`` in the class or a base.
+    pattern = re.compile(rf"\bself\.{re.escape(name)}\s*(?::[^=\n]+|(?:,\s*self\.\w+\s*)+)?=(?!=)")
     for klass in cls.__mro__:
         if klass is object:
             continue

@@ -145,14 +145,15 @@ class HotSetAttention:
             exact=exact,
         )
 
-    def plan_graph_step(self, rids, req_pool_indices, seq_lens_cpu, req_to_token) -> bool:
+    def plan_graph_step(self, rids, req_pool_indices, seq_lens_cpu, req_to_token, padded_bs: int) -> bool:
         """Before SGLang picks graph or eager for a decode batch holding a hot-set request:
-        plan the step and write it into the graph's buffers. False where they cannot take
-        it (counted): the plan is kept for the eager step's ``begin_step``."""
+        plan the step and write it into the graph's buffers (``padded_bs``: the captured
+        size the batch replays at). False where they cannot take it (counted): the plan is
+        kept for the eager step's ``begin_step``."""
         self.finish_graph_step()
         rids, slots, rows, rows_idx = self._batch_slots(rids, req_pool_indices, seq_lens_cpu, req_to_token)
         live = self.decoder.plan_step(rids, slots, rows)
-        why = self.graph.prepare(live, rows_idx) if self.graph is not None else "off"
+        why = self.graph.prepare(live, rows_idx, padded_bs) if self.graph is not None else "off"
         if why is None:
             self.graph_planned = True
             return True
@@ -343,7 +344,12 @@ def eager_with_hot_set_requests(config: Any, original: Callable[..., bool], runn
     if not holds_hot_set_request(forward_batch.seq_lens_cpu, config.hot_set_threshold):
         return original(runner, forward_batch)
     plan = getattr(getattr(runner, "attn_backend", None), "plan_hot_set_graph_step", None)
-    return plan is not None and original(runner, forward_batch) and plan(forward_batch)
+    if plan is None or not original(runner, forward_batch):
+        return False
+    # SGLang pads the batch to the next size it captured: the hot graph of that size runs.
+    bs = forward_batch.batch_size
+    padded = min((b for b in getattr(runner, "capture_bs", ()) if b >= bs), default=bs)
+    return plan(forward_batch, padded)
 
 
 def after_graph_replay(runner: Any) -> None:

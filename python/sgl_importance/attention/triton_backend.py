@@ -135,16 +135,17 @@ class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
         if self.hot_set is not None and forward_batch.forward_mode.is_decode_or_idle():
             self.hot_set.graph_prologue(forward_batch.batch_size, self.req_to_token)
 
-    def plan_hot_set_graph_step(self, forward_batch: ForwardBatch) -> bool:
+    def plan_hot_set_graph_step(self, forward_batch: ForwardBatch, padded_bs: int) -> bool:
         """Whether the batch's hot-set step was planned into the captured step's buffers
-        (the plugin's hook around SGLang's ``can_run_graph``)."""
+        (the plugin's hook around SGLang's ``can_run_graph``; ``padded_bs``: the captured
+        batch size it replays at)."""
         if self.hot_set is None or self.hot_set.graph is None:
             return False
         seq_lens_cpu = forward_batch.seq_lens_cpu
         if seq_lens_cpu is None:
             return False
         args = forward_batch.rids, forward_batch.req_pool_indices, seq_lens_cpu, self.req_to_token
-        return self.hot_set.plan_graph_step(*args)
+        return self.hot_set.plan_graph_step(*args, padded_bs)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         super().init_forward_metadata(forward_batch)

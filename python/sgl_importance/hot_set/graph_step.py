@@ -124,10 +124,11 @@ class GraphStep:
 
     # -- between steps (host) --------------------------------------------------------
 
-    def refusal(self, live: Sequence[LiveRequest]) -> Optional[str]:
-        """Why the buffers cannot take this planned batch (None: they can)."""
+    def refusal(self, live: Sequence[LiveRequest], padded_bs: Optional[int] = None) -> Optional[str]:
+        """Why the buffers cannot take this planned batch (None: they can); ``padded_bs``:
+        the batch size it replays at (SGLang pads a batch to a size it captured)."""
         rows, pages = self.capacity
-        if len(live) > rows:
+        if max(len(live), padded_bs or 0) > rows:
             return "rows"
         for req in live:
             if -(-req.slots.numel() // self.page_size) > pages:
@@ -143,15 +144,18 @@ class GraphStep:
                 return "staged"
         return None
 
-    def prepare(self, live: Sequence[LiveRequest], rows: Sequence[int]) -> Optional[str]:
+    def prepare(
+        self, live: Sequence[LiveRequest], rows: Sequence[int], padded_bs: Optional[int] = None
+    ) -> Optional[str]:
         """Write the planned batch into the buffers (one upload); returns why it was
         refused instead (nothing written), None when written.
 
         Args:
             live: the decoder's requests of the step (``HotSetDecoder.plan_step``).
             rows: their ``req_to_token`` rows, in batch order.
+            padded_bs: the batch size it replays at (rows past the batch list nothing).
         """
-        why = self.refusal(live)
+        why = self.refusal(live, padded_bs)
         if why is not None:
             self.refusals[why] = self.refusals.get(why, 0) + 1
             return why
