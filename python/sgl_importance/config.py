@@ -142,8 +142,9 @@ class ImportanceConfig:
             HOT_SET_POLICIES,
             "Per-request hot set for long requests: decode attends only over sink pages, "
             "a recent window and the pages the policy keeps (off = every page). Needs "
-            "--attention-backend importance_torch or importance_triton (CUDA graphs replay only "
-            "decode batches with no request past --hot-set-threshold; the others run eagerly).",
+            "--attention-backend importance_torch or importance_triton (CUDA graphs replay "
+            "decode batches with no request past --hot-set-threshold; the others run eagerly "
+            "unless --hot-set-graph-rows).",
         ),
     )
     hot_set_budget: Union[int, float] = flag(

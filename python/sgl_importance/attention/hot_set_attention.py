@@ -17,7 +17,12 @@ here:
   replayed from SGLang's CUDA graph (``eager_with_hot_set_requests``, around the graph
   runner's check, decides from the host's copy of the lengths); such a step attends
   every page densely, as the decoder would for those requests, without the decoder:
-  its host side only fences and drops what the decoder tracked (``graph_step``).
+  its host side only fences and drops what the decoder tracked (``graph_step``);
+- with ``--hot-set-graph-rows``, a batch that holds one replays the ``hot`` graph variant
+  (``HotSetGraphVariants``): the decoder plans it in that same hook and the plan goes into
+  the fixed-shape step's buffers (``hot_set/graph_step.py``, ``plan_graph_step``), the layers
+  run it (``attend_graph``), and after the runner's ``execute`` the step is folded and ended
+  (``finish_graph_step``); a batch the buffers refuse runs eagerly from the same plan.
 
 The guard's key codes are written by the decoder itself, from the pool, at the end of
 the step that filled a page (``hot_set/coding.py``), into a ``GuardPool`` built here

@@ -25,11 +25,14 @@ With ``--hot-set-policy`` (not ``off``), decode runs each request's hot set as
 ``importance_torch`` does (``hot_set_attention.HotSetAttention``: the step planned in
 ``init_forward_metadata``, one ``attend`` per layer, the step ended after the last layer),
 with ``TritonPageListDecode`` as the exact reader and page copies (made between steps) on a
-side stream fenced before the layers read. A
-hot-set step is data dependent (which pages, how many, what the guard reads, host
-copies), so a batch that holds a request longer than ``--hot-set-threshold`` never
-replays a CUDA graph: the plugin's hook around SGLang's ``can_run_graph``
-(``hot_set_attention.eager_with_hot_set_requests``) runs it eagerly. Graphs are
+side stream fenced before the layers read. An
+eager hot-set step is data dependent (which pages, how many, what the guard reads, host
+copies), so a batch that holds a request longer than ``--hot-set-threshold`` replays a
+CUDA graph only as the fixed-shape step of ``hot_set/graph_step.py`` (``--hot-set-graph-rows``;
+the ``hot`` graph variant: its plan written between steps by the plugin's hook around
+SGLang's ``can_run_graph``, ``hot_set_attention.eager_with_hot_set_requests``, its prologue
+in ``init_forward_metadata_in_graph``, its fold after the runner's ``execute``); otherwise, or
+where its buffers refuse the batch, the step runs eagerly. Graphs are
 captured as without the hot set, and a batch of short requests replays one: dense
 decode on the graph wrapper, and the hot set's decoder never called (its host side
 before the replay, ``HotSetAttention.graph_step``, fences page copies and drops what the decoder tracked,
