@@ -7,9 +7,9 @@ filed; the epilogue; the fold after ``execute``). Against ``importance_torch``'s
 requests and queries: the same outputs, page importance and counts, with short requests
 beside long ones, requests joining and leaving, and a guarded request (refused: eager).
 
-Here the layers' Python runs at every "replay" (the Triton kernels run under the
-interpreter, which a recording cannot replay); that replaying without the Python gives
-the same is ``test/unit/test_hot_set_graph_step.py``'s proof, on the torch reader.
+Here the layers' Python runs at every "replay"; that replaying the step without its
+Python gives the same is ``test_hot_set_graph_replay.py``'s proof (the Triton reader) and
+``test/unit/test_hot_set_graph_step.py``'s (the torch reader).
 """
 
 from __future__ import annotations

@@ -14,13 +14,18 @@ results part from an eager run's: what a real graph would do.
 arguments, and the storage of every tensor made outside the region (where it lives).
 Two steps whose signatures are equal would replay one graph.
 
-Not seen: work outside aten (a Triton kernel under the interpreter, a C kernel called
-by pointer), which would replay as nothing; the regions tested here run torch only.
+A Triton kernel run by the interpreter (``TRITON_INTERPRET=1``) is recorded as one call
+(``record(..., triton=True)``: the kernel, its grid, its arguments, tensors by identity),
+and the aten calls the interpreter makes inside it are not recorded (they are the
+launch's own); at replay the kernel runs again on the replay's tensors, with the Python
+values it was launched with. Not seen: a C kernel called by pointer, which would replay
+as nothing (the regions tested here run torch and Triton only).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -33,11 +38,23 @@ class Recording(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple[Any, tuple, dict, Any]] = []
+        self._in_kernel = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.ops.append((func, args, kwargs, out))
+        if not self._in_kernel:
+            self.ops.append((func, args, kwargs, out))
+        return out
+
+    def launch(self, run: Callable, kernel: Any, args: tuple, kwargs: dict) -> Any:
+        """One Triton launch, run now and recorded as one call."""
+        self._in_kernel += 1
+        try:
+            out = run(kernel, *args, **kwargs)
+        finally:
+            self._in_kernel -= 1
+        self.ops.append((_Launch(run, kernel), args, kwargs, None))
         return out
 
     def made_inside(self) -> set[int]:
@@ -107,8 +124,40 @@ def first_difference(a: list[tuple], b: list[tuple]) -> str:
     return f"lengths {len(a)} != {len(b)}" if len(a) != len(b) else "equal"
 
 
-def record(region: Callable[[], Any]) -> Recording:
-    """Run ``region`` once, recorded."""
-    with Recording() as rec:
+class _Launch:
+    """A recorded Triton launch: called with the arguments, named by its kernel."""
+
+    def __init__(self, run: Callable, kernel: Any) -> None:
+        self.run, self.kernel = run, kernel
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        self.run(self.kernel, *args, **kwargs)
+
+    def __str__(self) -> str:
+        return f"triton.{self.kernel.__name__}"
+
+
+@contextmanager
+def _triton_recorded(rec: Recording) -> Iterator[None]:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def recorded(kernel, *args, **kwargs):
+        if kwargs.get("warmup"):
+            return run(kernel, *args, **kwargs)
+        return rec.launch(run, kernel, args, kwargs)
+
+    InterpretedFunction.run = recorded
+    try:
+        yield
+    finally:
+        InterpretedFunction.run = run
+
+
+def record(region: Callable[[], Any], *, triton: bool = False) -> Recording:
+    """Run ``region`` once, recorded (``triton``: its Triton launches too, under the interpreter)."""
+    rec = Recording()
+    with rec, _triton_recorded(rec) if triton else nullcontext():
         region()
     return rec

@@ -7,8 +7,8 @@ start-up, before any request: here always before the step is planned), with the 
 listing nothing; then the step runs as a replay does: the variant's
 ``init_forward_metadata_out_graph``, the in-graph prologue, every layer's ``forward_decode``,
 and the plugin's hook after ``execute`` (the fold). The layers' Python runs at every
-"replay": the Triton kernels run under the interpreter, which a recording cannot replay
-(``graph_replay.py`` proves the replay on the torch reader).
+"replay" (the backend's SGLang stand-ins make fresh tensors each step; ``graph_twin.py``
+replays the step itself without its Python).
 
 Shared by ``test/kernels/test_hot_set_graph_backend.py`` and
 ``benchmark/long_context/bench_graph_step.py``.

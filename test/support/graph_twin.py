@@ -1,0 +1,140 @@
+"""Two hot-set decoders over one pool, one stepping eagerly, one through a ``GraphStep``.
+
+Shared by ``test/unit/test_hot_set_graph_step.py`` (the torch reader) and
+``test/kernels/test_hot_set_graph_replay.py`` (the Triton reader under the interpreter):
+the captured step is recorded once per batch size (``graph_replay.py``) and replayed
+without its Python after the host has rewritten its buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
+from sgl_importance.hot_set.graph_step import GraphCapacity, GraphStep
+from support.graph_replay import Recording, record
+
+PAGE = 4
+KV_HEADS, GROUP, DIM = 2, 2, 8
+Q_HEADS = KV_HEADS * GROUP
+LAYERS = 2
+POOL_PAGES = 80
+ROW_PAGES = 24
+SCALE = DIM**-0.5
+THRESHOLD = 12
+CAPACITY = GraphCapacity(4, ROW_PAGES)
+DEV = torch.device("cpu")  # a device object: the host round-trip counter reads it as the server's device
+
+
+def params(**kw) -> HotSetParams:
+    base = dict(policy="importance", budget=0.4, window=1, sinks=1, guard_threshold=1.0)
+    return HotSetParams(**{**base, **kw})
+
+
+class Twin:
+    """Two decoders over one pool, fed the same tokens: one steps eagerly, one through a
+    ``GraphStep`` recorded per batch size and replayed (``replay=False``: run its Python
+    every step, as an eager run of the fixed-shape step; ``triton``: its reader and tally
+    the Triton kernels)."""
+
+    def __init__(self, hot: HotSetParams, *, capacity=CAPACITY, seed=0, replay=True, triton=False) -> None:
+        self.g = torch.Generator().manual_seed(seed)
+        rows = POOL_PAGES * PAGE
+        self.k = [torch.randn(rows, KV_HEADS, DIM, generator=self.g, device=DEV) for _ in range(LAYERS)]
+        self.v = [torch.randn(rows, KV_HEADS, DIM, generator=self.g, device=DEV) for _ in range(LAYERS)]
+        self.req_to_token = torch.zeros(8, ROW_PAGES * PAGE, dtype=torch.int32, device=DEV)
+        self.free = list(range(POOL_PAGES - 1, 0, -1))
+        self.rows: dict[str, int] = {}
+        self.length: dict[str, int] = {}
+        self.eager = self._decoder(hot)
+        self.graphed = self._decoder(hot)
+        exact = None
+        if triton:  # the GPU's reader (under the interpreter on a CPU), its launches recorded too
+            from sgl_kernel_ext import TritonPageListDecode
+
+            exact = TritonPageListDecode()
+        self.triton = triton
+        self.step = GraphStep(
+            capacity, num_layers=LAYERS, page_size=PAGE, ranges=self.graphed.ranges, device=DEV, exact=exact
+        )
+        self.q = torch.zeros(LAYERS, capacity.rows, Q_HEADS, DIM, device=DEV)  # the graph's static input
+        self.out = torch.zeros(LAYERS, capacity.rows, Q_HEADS, DIM, device=DEV)  # and output
+        self.replay = replay
+        self.graphs: dict[int, Recording] = {}
+        self.refused: list[str] = []
+
+    @staticmethod
+    def _decoder(hot: HotSetParams) -> HotSetDecoder:
+        ranges = KeyRanges(LAYERS, KV_HEADS, DIM, capacity_pages=POOL_PAGES)
+        return HotSetDecoder(hot, ranges, pool_pages=POOL_PAGES, page_size=PAGE, threshold=THRESHOLD)
+
+    def join(self, rid: str, length: int) -> None:
+        self.rows[rid] = min(set(range(1, 8)) - set(self.rows.values()))
+        self.length[rid] = 0
+        for _ in range(length):
+            self._write(rid)
+
+    def leave(self, rid: str) -> None:
+        row = self.req_to_token[self.rows.pop(rid)]
+        self.free.extend(int(s) // PAGE for s in row[: self.length.pop(rid) : PAGE])
+
+    def _write(self, rid: str) -> None:
+        pos, row = self.length[rid], self.req_to_token[self.rows[rid]]
+        if pos % PAGE == 0:
+            row[pos : pos + PAGE] = self.free.pop() * PAGE + torch.arange(PAGE, dtype=torch.int32)
+        slot = int(row[pos])
+        for layer in range(LAYERS):
+            self.k[layer][slot] = torch.randn(KV_HEADS, DIM, generator=self.g) * 2
+            self.v[layer][slot] = torch.randn(KV_HEADS, DIM, generator=self.g)
+        self.length[rid] += 1
+
+    def slots(self) -> list[torch.Tensor]:
+        return [self.req_to_token[self.rows[r], : self.length[r]] for r in self.rows]
+
+    def decode(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per request, both ways; returns (eager, graph) outputs ``[L, bs, Hq, D]``."""
+        for rid in list(self.rows):
+            self._write(rid)
+        rids, bs = list(self.rows), len(self.rows)
+        q = torch.randn(LAYERS, bs, Q_HEADS, DIM, generator=self.g)
+        self.eager.begin_step(rids, self.slots())
+        eager = torch.stack(
+            [self.eager.attend(i, q[i], self.k[i], self.v[i], sm_scale=SCALE).output for i in range(LAYERS)]
+        )
+        self.eager.end_step()
+        live = self.graphed.plan_step(rids, self.slots())
+        why = self.step.prepare(live, [self.rows[r] for r in rids])
+        if why is not None:
+            self.refused.append(why)
+            self.graphed.begin_step(rids, self.slots())
+            graph = torch.stack(
+                [self.graphed.attend(i, q[i], self.k[i], self.v[i], sm_scale=SCALE).output for i in range(LAYERS)]
+            )
+            self.graphed.end_step()
+            return eager, graph
+        self.q[:, :bs].copy_(q)  # as SGLang fills a graph's static inputs before replay
+        if not self.replay:
+            self.region(bs)
+        elif bs in self.graphs:
+            self.graphs[bs].replay()
+        else:
+            self.graphs[bs] = record(lambda: self.region(bs), triton=self.triton)
+        self.step.fold()
+        self.graphed.end_step()
+        return eager, self.out[:, :bs].clone()
+
+    def region(self, bs: int) -> None:
+        """What a graph records: the step's prologue, its layers, its epilogue."""
+        self.step.prologue(bs, self.req_to_token, POOL_PAGES)
+        for i in range(LAYERS):
+            k_pages, v_pages = self.graphed.pool_as_pages(i, self.k[i], self.v[i])
+            self.step.attend(i, self.q[i, :bs], k_pages, v_pages, self.out[i, :bs], sm_scale=SCALE)
+        self.step.epilogue()
+
+
+def assert_same_states(twin: Twin) -> None:
+    eager, graphed = twin.eager.states, twin.graphed.states
+    assert eager.keys() == graphed.keys()
+    for rid in eager:
+        assert torch.allclose(eager[rid].importance(), graphed[rid].importance(), atol=1e-6), rid
+        assert torch.equal(eager[rid].resident, graphed[rid].resident), rid
