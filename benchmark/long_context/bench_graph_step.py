@@ -34,6 +34,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Optional  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -50,22 +51,29 @@ from support.hot_set_world import DIM, KV_HEADS, LAYERS, Q_HEADS, World, parents
 torch.set_grad_enabled(False)
 
 WARMUP = 2
+KV_WRITE = "sgl_importance/attention/triton_backend.py"  # the backend's _store_kv: SGLang's KV write
+EPILOGUE = ("sgl_importance/hot_set/graph_step.py", "sgl_importance/hot_set/graph_guard.py")
 LLAMA = dict(layers=32, kv_heads=8, q_heads=32, dim=128, page=16, kv_bytes=2)
 
 
-def count_launches(lengths: list[int], steps: int) -> dict:
+def count_launches(lengths: list[int], steps: int, guard: float = 1.0) -> dict:
     """Launches per step where the host issues them, eager and captured, for one batch."""
-    # The CI launch test's world (test_hot_set_host_syncs.py): the hot set at 20 %, the guard off.
-    params = HotSetParams(policy="importance", budget=0.2, window=1, sinks=1, guard_threshold=1.0)
+    # The CI launch test's world (test_hot_set_host_syncs.py): the hot set at 20 %, the guard off
+    # (``guard`` 1) or on.
+    params = HotSetParams(policy="importance", budget=0.2, window=1, sinks=1, guard_threshold=guard)
     pools = dict(device_pages=160, host_pages=0, release=False)
-    eager, graphed = World("triton", params, **pools), World("triton", params, **pools)
-    runner = GraphRunner(graphed, params, rows=len(lengths))  # captured up to support.graph_runner.MAX_BS
+    counters = {"eager": HostSyncCounter(), "graph": HostSyncCounter()}
+    # Built with each counter on (paused), so that it sees which tensors the device holds.
+    with counters["eager"], counters["eager"].paused():
+        eager = World("triton", params, **pools)
+    with counters["graph"], counters["graph"].paused():
+        graphed = World("triton", params, **pools)
+        runner = GraphRunner(graphed, params, rows=len(lengths))  # captured up to support.graph_runner.MAX_BS
     g = torch.Generator().manual_seed(0)
     for i, n in enumerate(lengths):
         k, v = (torch.randn(LAYERS, n, KV_HEADS, DIM, generator=g) for _ in range(2))
         for w in (eager, graphed):
             w.place(f"r{i}", k, v)
-    counters = {"eager": HostSyncCounter(), "graph": HostSyncCounter()}
     bs = len(lengths)
     for step in range(WARMUP + steps):  # warm-up: a request's first step is dense; workspaces grow once
         kv = [torch.randn(LAYERS, bs, KV_HEADS, DIM, generator=g) for _ in range(2)]
@@ -79,25 +87,44 @@ def count_launches(lengths: list[int], steps: int) -> dict:
                 else:
                     with counter:
                         runner.step(*kv, q, counter=counter)
-    per = lambda c, **m: c.total(kinds=[LAUNCH], device_only=True, **m) / steps  # noqa: E731
+
+    replayed = [i for i, variant in enumerate(runner.variants_run[WARMUP:]) if variant is not None]
+
+    def per(c: HostSyncCounter, over: Optional[list[int]] = None, **m) -> float:
+        """Launches a step (of the steps ``over``: the captured columns count replayed steps
+        only), SGLang's KV write (the backend's _store_kv) aside: it is the same both ways."""
+        over = list(range(steps)) if over is None else over
+        total = 0
+        for step in over:
+            sites = c.by("site", kinds=[LAUNCH], device_only=True, step=step, **m)
+            total += sum(n for site, n in sites.items() if not site.startswith(KV_WRITE))
+        return total / max(len(over), 1)
+
     e, gr = counters["eager"], counters["graph"]
     layer_e = [per(e, where=i) for i in range(LAYERS)]
-    layer_g = [per(gr, where=i) for i in range(LAYERS)]
+    layer_g = [per(gr, replayed, where=i) for i in range(LAYERS)]
     return {
+        "guard": guard < 1.0,
         "batch": bs,
         "lengths": lengths,
         "eager_step_start": per(e, where="host"),
         "eager_layer": layer_e[0],
         "eager_last_layer": layer_e[-1],
-        "graph_prep": per(gr, where="prep"),
-        "graph_prologue": per(gr, where="prologue"),
+        "graph_prep": per(gr, replayed, where="prep"),
+        "graph_prologue": per(gr, replayed, where="prologue"),
         "graph_layer": layer_g[0],
         "graph_last_layer": layer_g[-1],
-        "graph_fold_and_end": per(gr, where="step"),
+        "graph_fold_and_end": per(gr, replayed, where="step"),
+        # Host reads inside the graph but the epilogue's copies of the tallies (the step's read back).
         "graph_syncs_inside": sum(
-            gr.total(kinds=SYNC_KINDS, device_only=True, where=w) for w in ("prologue", *range(LAYERS))
+            n
+            for w in ("prologue", *range(LAYERS))
+            for site, n in gr.by("site", kinds=SYNC_KINDS, device_only=True, where=w).items()
+            if not site.startswith(EPILOGUE)
         ),
+        "graph_tally_copies": sum(gr.total(kinds=SYNC_KINDS, device_only=True, where=w) for w in range(LAYERS)) / steps,
         "replayed": runner.replayed,
+        "variants": runner.variants_run[WARMUP:],
     }
 
 
@@ -142,15 +169,18 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     with parents_metadata():
         launches = [count_launches(lengths, a.steps) for lengths in ([5, 120, 180], [5, 120, 130, 150])]
+        launches.append(count_launches([5, 120, 180], a.steps, guard=0.1))
     sizes = [llama_bytes(a.rows, context, 0.2) for context in (32768, 131072)]
     (a.out / "results.json").write_text(json.dumps({"launches": launches, "llama_8b": sizes}, indent=1))
-    lines = ["| batch | eager: step start | eager: layer | eager: last layer | graph: prep | graph: prologue | "
-             "graph: layer | graph: last layer | graph: fold + end | syncs in graph |", "|" + "---|" * 10]  # fmt: skip
+    lines = ["| guard | batch | eager: step start | eager: layer | eager: last layer | graph: prep | graph: prologue "
+             "| graph: layer | graph: last layer | graph: fold + end | host reads in graph | tally copies |",
+             "|" + "---|" * 12]  # fmt: skip
     for r in launches:
         lines.append(
-            f"| {r['batch']} | {r['eager_step_start']:.0f} | {r['eager_layer']:.0f} | {r['eager_last_layer']:.0f} | "
-            f"{r['graph_prep']:.0f} | {r['graph_prologue']:.0f} | {r['graph_layer']:.0f} | "
-            f"{r['graph_last_layer']:.0f} | {r['graph_fold_and_end']:.0f} | {r['graph_syncs_inside']} |"
+            f"| {'on' if r['guard'] else 'off'} | {r['batch']} | {r['eager_step_start']:.0f} | "
+            f"{r['eager_layer']:.0f} | {r['eager_last_layer']:.0f} | {r['graph_prep']:.0f} | "
+            f"{r['graph_prologue']:.0f} | {r['graph_layer']:.0f} | {r['graph_last_layer']:.0f} | "
+            f"{r['graph_fold_and_end']:.0f} | {r['graph_syncs_inside']} | {r['graph_tally_copies']:.0f} |"
         )
     lines += ["", "| Llama-3.1-8B, rows | context | device buffers (MiB) | pinned host (MiB) | dense layer-step "
               "(MiB/request) | captured hot 20 % (MiB/request) | ratio |", "|" + "---|" * 7]  # fmt: skip

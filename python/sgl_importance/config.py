@@ -199,10 +199,10 @@ class ImportanceConfig:
             MAX_HOT_SET_GRAPH_ROWS,
             "importance_triton with CUDA graphs: most requests a captured hot-set decode step holds "
             "(its buffers: this many rows of the longest context's pages, allocated once). A decode batch "
-            "holding a request past --hot-set-threshold replays it when every such request's guard is off "
-            "(--hot-set-guard-threshold 1), none reads a page from the host and the batch fits; the others "
-            "run eagerly (counted: hot_set_graph_eager). 0 = off: such batches always run eagerly. Not yet "
-            "run on a GPU: proven on the CPU by the capture harness (docs/hot_set.md).",
+            "holding a request past --hot-set-threshold replays it (guard on or off) when it fits, none of "
+            "its requests is in its first guarded step and none reads a page from the host; the others run "
+            "eagerly (counted: hot_set_graph_eager). 0 = off: such batches always run eagerly. Not yet run "
+            "on a GPU: proven on the CPU by the capture harness (docs/hot_set.md).",
         ),
     )
     # hot_set/guard_budget.py; 0 = auto.

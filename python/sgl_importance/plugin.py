@@ -73,7 +73,7 @@ HOOKS = (
     # The KV pool's tokens less the guard's pool (hot_set/guard_budget.py), before either is allocated.
     Hook("mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget", "attention.hot_set_attention:reserve_guard", "around", "scheduler", ("runtime",)),
     Hook("model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph", "attention.hot_set_attention:eager_with_hot_set_requests", "around", "scheduler", ("config",)),
-    Hook("model_executor.runner.decode_cuda_graph_runner.create_attention_graph_variants", "attention.hot_set_attention:graph_variants", "around", "scheduler", ("config",)),
+    Hook("model_executor.runner.decode_cuda_graph_runner.create_attention_graph_variants", "attention.hot_set_attention:graph_variants", "around", "scheduler", ("runtime",)),
     Hook("model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute", "attention.hot_set_attention:after_graph_replay", "after", "scheduler"),
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.__init__", "cache.components:use_importance_components", "before", "scheduler"),
     Hook("managers.scheduler.Scheduler.process_batch_result", "scheduler.fold:fold_after_batch", "after", "scheduler", ("runtime",)),

@@ -71,6 +71,8 @@ class Runtime:
         # The guard's pool size and what the KV pool gave up for it, set when SGLang
         # sizes the KV pool (attention/hot_set_attention.reserve_guard); None before.
         self.guard_budget: Optional[GuardBudget] = None
+        # The decode backend's hot set (attention/hot_set_attention.py): the graph variants read its plan.
+        self.hot_set_attention: Any = None
         self.tracing = Tracing(self.config)
         if self.tracing.requested:
             # The tracer sees every layer and step the page importance table records.

@@ -27,8 +27,8 @@ def test_the_triton_step_replayed_decodes_as_the_eager_step():
         eager, graph = twin.decode()
         assert torch.allclose(eager, graph, atol=2e-5), step
         assert_same_states(twin)
-    assert sorted(twin.graphs) == [2, 3] and not twin.refused
-    kernels = {str(op[0]) for op in twin.graphs[2].ops if str(op[0]).startswith("triton.")}
+    assert sorted(twin.graphs) == [(2, False), (3, False)] and not twin.refused
+    kernels = {str(op[0]) for op in twin.graphs[2, False].ops if str(op[0]).startswith("triton.")}
     assert {"triton._decode_importance_stage1", "triton._tally_pages_kernel"} <= kernels, kernels
 
 
@@ -47,3 +47,20 @@ def test_the_triton_steps_launches_and_buffers_are_the_same_every_step():
         twin.graphed.end_step()
     for i in range(2, len(traces)):
         assert traces[i] == traces[1], first_difference(traces[1], traces[i])
+
+
+def test_the_guarded_triton_step_replayed_decodes_as_the_eager_guarded_step(monkeypatch):
+    """The hot_guard graph on the Triton reader: the guard's layer recorded and replayed with the
+    rest (both decoders on the torch key-code pass: the graph cannot record the C kernels)."""
+    from sgl_kernel_ext import native
+
+    monkeypatch.setattr(native, "library", lambda: None)
+    twin = Twin(params(policy="window", guard_threshold=0.1, budget=0.3), triton=True)
+    twin.join("g", 60)
+    twin.join("short", 5)
+    for step in range(6):
+        eager, graph = twin.decode()
+        assert torch.allclose(eager, graph, atol=2e-5), step
+        assert_same_states(twin)
+    assert twin.refused == ["warmup"] and (2, True) in twin.graphs
+    assert twin.graphed.totals.guard_checks == twin.eager.totals.guard_checks > 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
 from sglang.srt.model_executor.runner_utils import capture_mode
@@ -43,42 +44,61 @@ class GraphRunner:
         self.attn_backend = world.backend
         self.require_mlp_sync = False
         self.capture_bs = list(range(1, MAX_BS + 1))  # every size, as SGLang captures small ones
-        self.variants = HotSetGraphVariants(THRESHOLD)
+        self.variants = HotSetGraphVariants(THRESHOLD, SimpleNamespace(hot_set_attention=world.backend.hot_set))
         self.captured: set[tuple[int, str]] = set()
         self.replayed = 0
+        self.variants_run: list[Optional[str]] = []  # per step: the variant replayed, None eager
         world.backend.hot_set.graph_rows = self.config.hot_set_graph_rows
         world.backend.init_cuda_graph_state(MAX_BS, MAX_BS)
 
     def step(self, k_new, v_new, q, counter=None) -> list[torch.Tensor]:
         world, backend = self.world, self.world.backend
         batch = world.next_batch()
-        variant = self.variants.select(batch)
-        if batch.batch_size <= MAX_BS and (batch.batch_size, variant) not in self.captured:
-            # SGLang captures every size and variant at start-up, before any request; here
-            # a shape is captured when first needed, before the step is planned.
-            capture_mode._set_capture_attention_variant(variant)
-            try:
-                backend.init_forward_metadata_out_graph(batch, in_capture=True)
-                backend.init_forward_metadata_in_graph(batch)
-                world.layers_forward(batch, k_new, v_new, q)  # the capture's run: nothing listed
-            finally:
-                capture_mode._set_capture_attention_variant(None)
-            self.captured.add((batch.batch_size, variant))
         if not eager_with_hot_set_requests(self.config, lambda r, b: b.batch_size <= MAX_BS, self, batch):
             backend.init_forward_metadata(batch)
             outs = world.layers_forward(batch, k_new, v_new, q)
-        else:
-            capture_mode._set_capture_attention_variant(variant)
-            try:
-                with counter.where("prep") if counter is not None else nullcontext():
-                    backend.init_forward_metadata_out_graph(batch)
-                # What the graph holds: the prologue, then each layer under its id.
-                with counter.where("prologue") if counter is not None else nullcontext():
-                    backend.init_forward_metadata_in_graph(batch)
-                outs = world.layers_forward(batch, k_new, v_new, q, **({"where": counter.where} if counter else {}))
-            finally:
-                capture_mode._set_capture_attention_variant(None)
-            after_graph_replay(self)
-            self.replayed += 1
+            world.residency.apply_pending()
+            self.variants_run.append(None)
+            return outs
+        variant = self.variants.select(batch)  # after the plan, as the runner's load_batch picks it
+        if (batch.batch_size, variant) not in self.captured:
+            self._capture(batch, variant, k_new, v_new, q)
+        capture_mode._set_capture_attention_variant(variant)
+        try:
+            with counter.where("prep") if counter is not None else nullcontext():
+                backend.init_forward_metadata_out_graph(batch)
+            # What the graph holds: the prologue, then each layer under its id.
+            with counter.where("prologue") if counter is not None else nullcontext():
+                backend.init_forward_metadata_in_graph(batch)
+            outs = world.layers_forward(batch, k_new, v_new, q, **({"where": counter.where} if counter else {}))
+        finally:
+            capture_mode._set_capture_attention_variant(None)
+        after_graph_replay(self)
+        self.replayed += 1
+        self.variants_run.append(variant)
         world.residency.apply_pending()
         return outs
+
+    def _capture(self, batch, variant: str, k_new, v_new, q) -> None:
+        """Capture ``variant`` at the batch's size. SGLang captures every size and variant at
+        start-up, before any request; here a shape is captured when first needed, after the
+        step was planned, so the plan is put aside while the capture empties the buffers."""
+        backend = self.world.backend
+        graph = backend.hot_set.graph
+        guard = graph.guard
+        saved = (graph._plan.clone(), list(graph._live))
+        saved_guard = (guard._lists.clone(), guard._params.clone(), list(guard._guarded)) if guard else None
+        capture_mode._set_capture_attention_variant(variant)
+        try:
+            backend.init_forward_metadata_out_graph(batch, in_capture=True)
+            backend.init_forward_metadata_in_graph(batch)
+            self.world.layers_forward(batch, k_new, v_new, q)  # the capture's run: nothing listed
+        finally:
+            capture_mode._set_capture_attention_variant(None)
+        graph._plan.copy_(saved[0])
+        graph._live = saved[1]
+        if guard is not None:
+            guard._lists.copy_(saved_guard[0])
+            guard._params.copy_(saved_guard[1])
+            guard._guarded = saved_guard[2]
+        self.captured.add((batch.batch_size, variant))

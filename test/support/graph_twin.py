@@ -55,12 +55,13 @@ class Twin:
             exact = TritonPageListDecode()
         self.triton = triton
         self.step = GraphStep(
-            capacity, num_layers=LAYERS, page_size=PAGE, ranges=self.graphed.ranges, device=DEV, exact=exact
-        )
+            capacity, num_layers=LAYERS, page_size=PAGE, ranges=self.graphed.ranges, device=DEV, exact=exact,
+            guard_pool=self.graphed.guard,
+        )  # fmt: skip
         self.q = torch.zeros(LAYERS, capacity.rows, Q_HEADS, DIM, device=DEV)  # the graph's static input
         self.out = torch.zeros(LAYERS, capacity.rows, Q_HEADS, DIM, device=DEV)  # and output
         self.replay = replay
-        self.graphs: dict[int, Recording] = {}
+        self.graphs: dict[tuple[int, bool], Recording] = {}  # per batch size and guard
         self.refused: list[str] = []
 
     @staticmethod
@@ -113,12 +114,14 @@ class Twin:
             self.graphed.end_step()
             return eager, graph
         self.q[:, :bs].copy_(q)  # as SGLang fills a graph's static inputs before replay
+        key = (bs, self.step.guarded)  # the graph variant: hot or hot with the guard
+        self.step.guard_mode = key[1]
         if not self.replay:
             self.region(bs)
-        elif bs in self.graphs:
-            self.graphs[bs].replay()
+        elif key in self.graphs:
+            self.graphs[key].replay()
         else:
-            self.graphs[bs] = record(lambda: self.region(bs), triton=self.triton)
+            self.graphs[key] = record(lambda: self.region(bs), triton=self.triton)
         self.step.fold()
         self.graphed.end_step()
         return eager, self.out[:, :bs].clone()

@@ -148,6 +148,7 @@ class HotSetAttention:
             ranges=d.ranges,
             device=d.ranges.device,
             exact=exact,
+            guard_pool=d.guard if d.guard.capacity > 0 else None,  # none reserved: the guard is off
         )
 
     def plan_graph_step(self, rids, req_pool_indices, seq_lens_cpu, req_to_token, padded_bs: int) -> bool:
@@ -171,18 +172,24 @@ class HotSetAttention:
         if self.graph_mode:
             self.graph.prologue(bs, req_to_token, self.decoder.pool_pages)
 
-    def graph_metadata(self, hot: bool, in_capture: bool, bs: int) -> None:
-        """Before a captured decode step of ``bs`` rows (``init_forward_metadata_out_graph``):
-        ``hot``, the hot-set variant's; capturing, its buffers list nothing (padding rows).
-        The hot variant of a batch size past the buffers' rows is captured dense (never
-        replayed: ``prepare`` refuses such batches)."""
-        self.graph_mode = hot and self.graph is not None and bs <= self.graph.capacity.rows
+    def graph_metadata(self, variant: Optional[str], in_capture: bool, bs: int) -> None:
+        """Before a captured decode step of ``bs`` rows (``init_forward_metadata_out_graph``),
+        of graph ``variant`` (``HotSetGraphVariants``); capturing, the buffers list nothing
+        (padding rows). A hot variant of a batch size past the buffers' rows is captured dense,
+        a guarded one without a guard pool as the unguarded one (neither is ever replayed:
+        ``prepare`` refuses such batches)."""
+        graph = self.graph
+        self.graph_mode = variant in (HOT_VARIANT, GUARD_VARIANT) and graph is not None and bs <= graph.capacity.rows
+        if self.graph_mode:
+            graph.guard_mode = variant == GUARD_VARIANT and graph.guard is not None
         if in_capture:
             if self.graph_mode:
-                self.graph.clear()
+                graph.clear()
             return
         if self.graph_mode and not self.graph_planned:
             raise RuntimeError("a hot-set graph step was replayed without its plan (plan_graph_step)")
+        if self.graph_mode and graph.guard_mode != graph.guarded:
+            raise RuntimeError(f"the {variant} graph was picked for a plan whose guarded is {graph.guarded}")
         if not self.graph_mode:
             self.graph_step()
         else:
@@ -305,30 +312,43 @@ def holds_hot_set_request(seq_lens_cpu: Optional[torch.Tensor], threshold: int) 
     return seq_lens_cpu.numel() > 0 and int(seq_lens_cpu.max()) > threshold
 
 
-DENSE_VARIANT, HOT_VARIANT = "dense", "hot"
+DENSE_VARIANT, HOT_VARIANT, GUARD_VARIANT = "dense", "hot", "hot_guard"
 
 
 class HotSetGraphVariants:
-    """The decode graphs captured with ``--hot-set-graph-rows``: ``dense`` (every page, the
-    graphs SGLang captures anyway) and ``hot`` (the fixed-shape hot-set step), per batch
-    size; a batch holding a request past the threshold selects ``hot``."""
+    """The decode graphs captured with ``--hot-set-graph-rows``, per batch size: ``dense``
+    (every page, the graphs SGLang captures anyway), ``hot`` (the fixed-shape hot-set step,
+    guard off) and ``hot_guard`` (the same with the guard's layers, ``hot_set/graph_guard.py``).
+    A batch holding a request past the threshold selects ``hot``, or ``hot_guard`` where the
+    step planned for it (``plan_graph_step``, just before) has a guarded row.
 
-    capture_labels = (DENSE_VARIANT, HOT_VARIANT)
+    Args:
+        threshold: ``--hot-set-threshold``.
+        runtime: the process's runtime (``hot_set_attention``: the decode backend's hot set).
+    """
 
-    def __init__(self, threshold: int) -> None:
+    capture_labels = (DENSE_VARIANT, HOT_VARIANT, GUARD_VARIANT)
+
+    def __init__(self, threshold: int, runtime: Any) -> None:
         self.threshold = threshold
+        self.runtime = runtime
 
     def select(self, forward_batch: Any) -> str:
-        return HOT_VARIANT if holds_hot_set_request(forward_batch.seq_lens_cpu, self.threshold) else DENSE_VARIANT
+        if not holds_hot_set_request(forward_batch.seq_lens_cpu, self.threshold):
+            return DENSE_VARIANT
+        hot_set = self.runtime.hot_set_attention
+        guarded = hot_set is not None and hot_set.graph is not None and hot_set.graph.guarded
+        return GUARD_VARIANT if guarded else HOT_VARIANT
 
 
-def graph_variants(config: Any, original: Callable[..., Any], hf_config: Any) -> Any:
+def graph_variants(runtime: Runtime, original: Callable[..., Any], hf_config: Any) -> Any:
     """Around SGLang's ``create_attention_graph_variants``: the hot set's, where a model has
     none of its own and ``--hot-set-graph-rows`` is set."""
     variants = original(hf_config)
+    config = runtime.config
     if variants is not None or config.hot_set_policy == "off" or not config.hot_set_graph_rows:
         return variants
-    return HotSetGraphVariants(config.hot_set_threshold)
+    return HotSetGraphVariants(config.hot_set_threshold, runtime)
 
 
 def eager_with_hot_set_requests(config: Any, original: Callable[..., bool], runner: Any, forward_batch: Any) -> bool:
@@ -425,7 +445,9 @@ def build_hot_set(
     metrics = _build_metrics(runtime)
     if metrics is not None:
         metrics.pools(guard.capacity, guard.nbytes, ranges.capacity, ranges.nbytes)
-    return HotSetAttention(decoder, page_importance, metrics, graph_rows=config.hot_set_graph_rows)
+    attention = HotSetAttention(decoder, page_importance, metrics, graph_rows=config.hot_set_graph_rows)
+    runtime.hot_set_attention = attention
+    return attention
 
 
 def _build_metrics(runtime: Runtime) -> Any:

@@ -53,7 +53,6 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_attention_variant
 
 from sgl_importance.attention.decode_step import ImportanceDecodeSteps
-from sgl_importance.attention.hot_set_attention import HOT_VARIANT
 from sgl_importance.runtime import Runtime
 from sgl_kernel_ext.decode_importance import DecodeImportanceWrapper
 from sgl_kernel_ext.page_list import TritonPageListDecode
@@ -128,8 +127,7 @@ class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
             self.decode_wrapper = self.graph_wrapper
         if self.hot_set is not None:
             if decode:
-                hot = get_capture_attention_variant() == HOT_VARIANT
-                self.hot_set.graph_metadata(hot, in_capture, forward_batch.batch_size)
+                self.hot_set.graph_metadata(get_capture_attention_variant(), in_capture, forward_batch.batch_size)
             elif not in_capture:
                 self.hot_set.fence()
 

@@ -46,8 +46,11 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from sgl_importance.hot_set.graph_guard import GraphGuard
+from sgl_importance.hot_set.key_codes import GuardPool
 from sgl_importance.hot_set.key_ranges import KeyRanges
 from sgl_importance.hot_set.request_state import LiveRequest, released_among
+from sgl_importance.hot_set.step_tally import kv_group_share
 from sgl_kernel_ext import DecodeImportanceOutput, PagedDecodePlan, PagedDecodeWorkspace, decode_importance_paged
 from sgl_kernel_ext.page_list import PageListSlots, TritonPageListDecode, page_list_slots
 from sgl_kernel_ext.page_tally import BOUND, MAX, SUM, tally_pages
@@ -82,6 +85,7 @@ class GraphStep:
         ranges: KeyRanges,
         device: torch.device | str,
         exact: Optional[TritonPageListDecode] = None,
+        guard_pool: Optional[GuardPool] = None,
     ) -> None:
         rows, pages = capacity
         if rows < 1 or pages < 1:
@@ -115,12 +119,26 @@ class GraphStep:
         self._slots: Optional[PageListSlots] = None
         self._live: list[LiveRequest] = []
         self.refusals: dict[str, int] = {}
+        # Guarded rows (graph_guard.py), where a guard pool is given; ``guard_mode``: the step
+        # being captured or replayed runs the guard (its own graph: the caller sets it).
+        self.guard: Optional[GraphGuard] = None
+        if guard_pool is not None:
+            self.guard = GraphGuard(
+                rows, pages, num_layers=num_layers, page_size=page_size, pool=guard_pool, ranges=ranges,
+                device=dev, triton=exact is not None,
+            )  # fmt: skip
+        self.guard_mode = False
 
     @property
     def nbytes(self) -> int:
         """Device bytes of the step's buffers (what ``prepare`` and the prologue write)."""
         held = (self._plan, self.table, self.listed_tokens, self.bias, self.live, self.tally)
-        return sum(t.numel() * t.element_size() for t in held)
+        return sum(t.numel() * t.element_size() for t in held) + (self.guard.nbytes if self.guard else 0)
+
+    @property
+    def guarded(self) -> bool:
+        """The prepared batch has a guarded row: it needs the guarded graph (``guard_mode``)."""
+        return self.guard is not None and self.guard.guarded
 
     # -- between steps (host) --------------------------------------------------------
 
@@ -136,7 +154,7 @@ class GraphStep:
             tracked = req.tracked
             if tracked is None:
                 continue
-            if req.guard_on:
+            if req.guard_on and self.guard is None:
                 return "guard"
             if tracked.state.params.policy == "quest":
                 return "quest"
@@ -174,6 +192,11 @@ class GraphStep:
             if req.bounds_unread:
                 ids = req.tracked.ranges[:num_pages]
                 stage[b, 1 + 2 * pages : 1 + 2 * pages + ids.numel()] = ids
+        if self.guard is not None:
+            why = self.guard.prepare(live)
+            if why is not None:
+                self.refusals[why] = self.refusals.get(why, 0) + 1
+                return why
         self._plan.copy_(stage, non_blocking=True)
         self._live = list(live)
         return None
@@ -182,6 +205,8 @@ class GraphStep:
         """Every row lists nothing (a graph's capture: padding rows only)."""
         self._plan.zero_()
         self._live = []
+        if self.guard is not None:
+            self.guard.clear()
 
     # -- inside the step (what a graph records) -----------------------------------
 
@@ -209,6 +234,8 @@ class GraphStep:
         self._slots = page_list_slots(plan, pool_pages, self.device, staged=False)
         if self.exact is not None:
             self.exact.keep_slots(plan, pool_pages, self.device, self._slots)
+        if self.guard_mode:
+            self.guard.prologue(bs, req_to_token, rows)
 
     def plan(self, bs: int) -> PagedDecodePlan:
         """The first ``bs`` rows as the exact reader takes them (views of the buffers)."""
@@ -243,12 +270,20 @@ class GraphStep:
         bs = q.shape[0]
         plan = self.plan(bs)
         run = dict(sm_scale=sm_scale, logit_cap=logit_cap, sinks=sinks)
+        direct = self.exact is not None and not self.guard_mode  # the kernel writes ``out``
         if self.exact is not None:
-            result = self.exact(q, k_pages, v_pages, plan, out=out, **run)  # the kernel writes ``out``
+            result = self.exact(q, k_pages, v_pages, plan, out=out if direct else None, **run)
         else:
             result = decode_importance_paged(
                 q, k_pages, v_pages, plan, native=False, chunk_pages=0, workspace=self._workspace, **run
             )
+        if self.guard_mode:
+            # Part 2 (graph_guard.py), then part 1's masses as shares of the combined denominator.
+            output, share = self.guard.attend(layer_id, q, k_pages, v_pages, result, sm_scale=sm_scale,
+                                              logit_cap=logit_cap)  # fmt: skip
+            per_kv = result.importance_per_kv_head * kv_group_share(share, k_pages.shape[2])[:, None, :]
+            result = DecodeImportanceOutput(output, result.lse, per_kv.mean(dim=-1), per_kv)
+        if not direct:
             out.copy_(result.output)
         # The pages' masses, and each full page's key bound against the layer's denominator
         # (the next step's promotions): one launch (a Triton kernel with the Triton reader).
@@ -270,6 +305,8 @@ class GraphStep:
     def epilogue(self) -> None:
         """The step's one read back: the tally to the host (asynchronous on CUDA)."""
         self.tally_host.copy_(self.tally, non_blocking=True)
+        if self.guard_mode:
+            self.guard.epilogue()
 
     # -- after the step (host) ---------------------------------------------------------
 
@@ -293,5 +330,7 @@ class GraphStep:
             req.mass_over_layers[listed] = mass
             req.layers[listed] += layers
             req.counts.pages_attended += n * layers
+        if self.guard is not None:
+            self.guard.fold(self._live)
         live, self._live = self._live, []
         return live

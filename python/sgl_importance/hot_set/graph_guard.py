@@ -1,0 +1,280 @@
+"""The guard inside a captured hot-set step: issue 46's selection over lists of fixed shape.
+
+A guarded layer (``decode.HotSetDecoder._guard_layer``) already runs on ``[n, P]`` lists
+with no host read (``guard.guard_layer``); what a graph cannot take is that ``n`` (the
+guarded requests), ``P`` (their rest pages) and ``S`` (their samples) change every step.
+``GraphGuard`` holds the lists at the step's capacity instead: every batch row is a row
+(one with no rest lists nothing), ``P`` is the longest context's pages and ``S`` a fixed
+sample capacity, written between steps from the decoder's plan (``page_lists.plan_outside``,
+``TrackedRequest.rest_caps``: what the eager step builds) with one copy per buffer, the
+pages' physical ids gathered in the step's prologue. Per layer, inside the graph: the key
+codes' estimate of every rest page, the sample read page by page, the selection (top-p, at
+most the cap, one read of the chosen pages), the bound and the flag, as the eager layer
+does; the output of a row without a rest is its exact part's. What the layers find is
+kept in one float32 tally, copied to the host once with the step's.
+
+Refused (the batch runs eagerly, counted): a guarded request's first step (its dense
+warm-up seeds the read caps from per-layer top-p counts), a sample larger than the
+capacity, a sampled page with no device page.
+
+Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from sgl_importance.hot_set.estimate import OutsidePlan, estimate_outside, sampled_pages
+from sgl_importance.hot_set.guard import GuardOutcome, guard_layer
+from sgl_importance.hot_set.key_codes import GuardPool
+from sgl_importance.hot_set.key_ranges import KeyRanges
+from sgl_importance.hot_set.page_lists import plan_outside
+from sgl_importance.hot_set.request_state import LiveRequest, released_among
+from sgl_importance.hot_set.sample import FRACTION, MIN_PAGES
+from sgl_kernel_ext import DecodeImportanceOutput, decode_importance_paged, masked_page_attention, plan_from_table
+
+# Columns of the int64 lists: logical page, guard id, range id, flags (valid, sampled, released).
+LOGICAL, CODES, RANGES, FLAGS = range(4)
+VALID, SAMPLED, RELEASED = 1, 2, 4
+# Counts per row in the tally, after the masses and the wanted marks.
+GUARD_READS, PAGES_READ, PAGES_ESTIMATED, PAGES_MISSED, PAGES_SAMPLED = range(5)
+
+
+def sample_capacity(pages: int) -> int:
+    """Sampled pages a row holds: twice the most a request of ``pages`` pages expects
+    (``sample.inclusion`` is at most ``max(FRACTION, MIN_PAGES / pages)``) and 16 (the draw is
+    Bernoulli); a request sampling more runs eagerly, counted."""
+    return min(pages, 2 * max(math.ceil(pages * FRACTION), MIN_PAGES) + 16)
+
+
+class GraphGuard:
+    """The guard's fixed-shape lists and tally for a ``graph_step.GraphStep`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        rows: int,
+        pages: int,
+        *,
+        num_layers: int,
+        page_size: int,
+        pool: GuardPool,
+        ranges: KeyRanges,
+        device: torch.device,
+        triton: bool,
+    ) -> None:
+        self.rows, self.pages, self.num_layers, self.page_size = rows, pages, num_layers, page_size
+        self.samples = sample_capacity(pages)
+        self.pool, self.ranges, self.device, self.triton = pool, ranges, device, triton
+        pinned = device.type == "cuda"
+        i64, f32 = dict(dtype=torch.int64), dict(dtype=torch.float32)
+        # Host-written: the lists, and per row [inclusion, threshold, top-p per layer, cap per layer].
+        self._stage = torch.zeros(rows, 4, pages, pin_memory=pinned, **i64)
+        self._lists = torch.zeros(rows, 4, pages, device=device, **i64)
+        self._stage_f = torch.zeros(rows, 2 + 2 * num_layers, pin_memory=pinned, **f32)
+        self._params = torch.zeros(rows, 2 + 2 * num_layers, device=device, **f32)
+        # Written by the prologue.
+        self.physical = torch.zeros(rows, pages, device=device, **i64)
+        self.valid = torch.zeros(rows, pages, dtype=torch.bool, device=device)
+        self.sampled = torch.zeros(rows, pages, dtype=torch.bool, device=device)
+        self.released = torch.zeros(rows, pages, dtype=torch.bool, device=device)
+        self.caps = torch.zeros(rows, num_layers, device=device, **i64)
+        self.index = torch.arange(rows, device=device)
+        # The tally: [mass (pages), wanted (pages), counts (5), flagged (L), wanted per layer (L)],
+        # in float64: the masses rank pages for promotion as the eager step's do (ties included).
+        width = 2 * pages + 5 + 2 * num_layers
+        f64 = dict(dtype=torch.float64)
+        self.tally = torch.zeros(rows, width, device=device, **f64)
+        self.tally_host = torch.zeros(rows, width, pin_memory=pinned, **f64)
+        self._guarded: list[int] = []  # batch rows with a rest (host)
+
+    @property
+    def nbytes(self) -> int:
+        held = (self._lists, self._params, self.physical, self.valid, self.sampled, self.released, self.caps)
+        return sum(t.numel() * t.element_size() for t in (*held, self.index, self.tally))
+
+    # -- between steps (host) ------------------------------------------------------------
+
+    def prepare(self, live: Sequence[LiveRequest]) -> Optional[str]:
+        """Write the batch's guard lists (every row; one with no rest lists nothing);
+        returns why it cannot take them instead, None when written (and ``guarded``: some
+        row has a rest)."""
+        for req in live:
+            if req.guard_on and req.tracked.state.step == 0:
+                return "warmup"
+        plan = plan_outside(live, [req.planned for req in live])
+        stage, stage_f = self._stage, self._stage_f
+        stage.zero_()
+        stage_f.zero_()
+        stage_f[:, 0] = 1.0  # inclusion of rows with nothing sampled (never read)
+        stage_f[:, 1] = float("inf")  # no threshold for rows with no rest
+        self._guarded = []
+        layers = self.num_layers
+        for i, b in enumerate(plan.rows.tolist()):
+            req = live[b]
+            cols = plan.valid[i]
+            pages = plan.logical[i][cols]
+            n = pages.numel()
+            sampled = plan.sampled[i][cols]
+            released = released_among(req.pages, pages)
+            if n > self.pages:
+                return "pages"
+            if int(sampled.sum()) > self.samples:
+                return "sample"
+            if bool((released & sampled).any()):
+                return "staged"  # a sampled page is read from the device, never the host
+            tracked, params = req.tracked, req.tracked.state.params
+            stage[b, LOGICAL, :n] = pages
+            stage[b, CODES, :n] = plan.codes[i][cols]
+            stage[b, RANGES, :n] = tracked.ranges[pages]
+            stage[b, FLAGS, :n] = VALID + SAMPLED * sampled.long() + RELEASED * released.long()
+            caps = tracked.rest_caps(req.tokens.numel(), req.planned.numel(), int(sampled.sum()), layers)
+            stage_f[b, 0] = float(plan.inclusion[i])
+            stage_f[b, 1] = params.guard_threshold
+            stage_f[b, 2 : 2 + layers] = torch.where(tracked.caps >= 1.0, 1.0, params.top_p).float()
+            stage_f[b, 2 + layers :] = caps.float()
+            self._guarded.append(b)
+        self._lists.copy_(stage, non_blocking=True)
+        self._params.copy_(stage_f, non_blocking=True)
+        return None
+
+    @property
+    def guarded(self) -> bool:
+        """Some row of the prepared batch has a rest (the step needs the guarded graph)."""
+        return bool(self._guarded)
+
+    def clear(self) -> None:
+        """Every row lists nothing (a graph's capture)."""
+        self._lists.zero_()
+        self._params.zero_()
+        self._guarded = []
+
+    # -- inside the step (what a graph records) -----------------------------------------
+
+    def prologue(self, bs: int, req_to_token: torch.Tensor, rows: torch.Tensor) -> None:
+        """The rest pages' physical ids (``rows``: each row's ``req_to_token`` row), the flags, the tally zeroed."""
+        ps = self.page_size
+        lists = self._lists[:bs]
+        flags = lists[:, FLAGS]
+        torch.ne(torch.bitwise_and(flags, VALID), 0, out=self.valid[:bs])
+        torch.ne(torch.bitwise_and(flags, SAMPLED), 0, out=self.sampled[:bs])
+        torch.ne(torch.bitwise_and(flags, RELEASED), 0, out=self.released[:bs])
+        firsts = req_to_token[rows[:, None], lists[:, LOGICAL] * ps].to(torch.int64)
+        # A released page (or padding) shows SGLang's padding slot: page 0, never read.
+        torch.floor_divide(firsts, ps, out=self.physical[:bs])
+        self.physical[:bs].mul_(self.valid[:bs] & ~self.released[:bs])
+        self.caps[:bs].copy_(self._params[:bs, 2 + self.num_layers :])
+        self.tally.zero_()
+
+    def attend(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        part1: DecodeImportanceOutput,
+        *,
+        sm_scale: float,
+        logit_cap: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's guard over every row: ``(output [bs, Hq, Dv] float32, the exact
+        pages' share of the combined denominator [bs, Hq])``, the part-1 ones where a row
+        has no rest."""
+        bs = q.shape[0]
+        run = dict(sm_scale=sm_scale, logit_cap=logit_cap)
+        lists, params = self._lists[:bs], self._params[:bs]
+        valid, sampled, released = self.valid[:bs], self.sampled[:bs], self.released[:bs]
+        plan = OutsidePlan(self.index[:bs], lists[:, CODES], lists[:, LOGICAL], valid, sampled, params[:, 0])
+        kmin, kmax = self.ranges.gather(layer_id, lists[:, RANGES])
+        native = None if self.device.type == "cuda" else False  # a recording replays torch and Triton only
+        outside = estimate_outside(q, self.pool, layer_id, plan, kmin, kmax, use_native=native, **run)
+        width = self.samples
+        sample_ids = self.physical[:bs, :width]
+        keys, values = k_pages[sample_ids], v_pages[sample_ids]
+        in_sample = (valid & sampled)[:, :width]
+        sample = sampled_pages(q, keys, values, in_sample, **run)
+        column = layer_id % self.num_layers
+        outcome = guard_layer(
+            part1.lse,
+            part1.output.float(),
+            outside,
+            sample,
+            valid,
+            sampled,
+            params[:, 0],
+            params[:, 1],
+            released,
+            params[:, 2 + column],
+            self.caps[:bs, column],
+            self._reader(q, k_pages, v_pages, bs, run),
+        )
+        self._keep(outcome, sampled, column, bs)
+        has_rest = valid.any(dim=1)
+        output = torch.where(has_rest[:, None, None], outcome.combined.output, part1.output.float())
+        share = torch.where(has_rest[:, None], outcome.combined.exact_share, 1.0)
+        return output, share
+
+    def _reader(self, q, k_pages, v_pages, bs: int, run: dict):
+        physical = self.physical[:bs]
+        if self.triton:
+            return lambda chosen: masked_page_attention(q, k_pages, v_pages, physical, chosen, **run)
+        ps = self.page_size
+
+        def read(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            plan = plan_from_table(physical, torch.where(chosen, ps, 0), ps)
+            res = decode_importance_paged(q, k_pages, v_pages, plan, native=False, chunk_pages=0, **run)
+            return torch.where(plan.live[:, None], res.lse, float("-inf")), res.output.float()
+
+        return read
+
+    def _keep(self, outcome: GuardOutcome, sampled: torch.Tensor, column: int, bs: int) -> None:
+        p, layers = self.pages, self.num_layers
+        t = self.tally[:bs]
+        torch.maximum(t[:, :p], outcome.mass, out=t[:, :p])
+        torch.maximum(t[:, p : 2 * p], outcome.wanted.double(), out=t[:, p : 2 * p])
+        counts = torch.stack(
+            (
+                outcome.read.any(dim=1),
+                outcome.read.sum(dim=1),
+                outcome.estimated.sum(dim=1),
+                outcome.missed.sum(dim=1),
+                (outcome.estimated & sampled).sum(dim=1),
+            ),
+            dim=1,
+        )
+        t[:, 2 * p : 2 * p + 5].add_(counts.double())
+        flagged = t[:, 2 * p + 5 + column]
+        torch.maximum(flagged, outcome.flagged.double(), out=flagged)
+        t[:, 2 * p + 5 + layers + column].copy_(outcome.wanted.sum(dim=1).double())
+
+    def epilogue(self) -> None:
+        self.tally_host.copy_(self.tally, non_blocking=True)
+
+    # -- after the step (host) ----------------------------------------------------------
+
+    def fold(self, live: Sequence[LiveRequest]) -> None:
+        """The guard's tally into the guarded requests, as ``StepTally.fold_outside`` does."""
+        t, p, layers = self.tally_host, self.pages, self.num_layers
+        for b in self._guarded:
+            req = live[b]
+            flags = self._stage[b, FLAGS]
+            n = int((flags & VALID).sum())  # valid columns come first
+            logical = self._stage[b, LOGICAL, :n]
+            req.outside_mass[logical] = torch.maximum(req.outside_mass[logical], t[b, :n])
+            req.guarded[logical[t[b, p : p + n] > 0]] = True
+            counts = t[b, 2 * p : 2 * p + 5].long().tolist()
+            flagged = t[b, 2 * p + 5 : 2 * p + 5 + layers] > 0
+            wanted = t[b, 2 * p + 5 + layers :].long()
+            c = req.counts
+            c.guard_checks += layers
+            c.guard_reads += counts[GUARD_READS]
+            c.pages_guard_read += counts[PAGES_READ]
+            c.pages_attended += counts[PAGES_READ] + counts[PAGES_SAMPLED]
+            c.pages_estimated += counts[PAGES_ESTIMATED]
+            c.guard_flagged += int(flagged.sum())
+            c.pages_sampled += counts[PAGES_SAMPLED]
+            c.pages_missed += counts[PAGES_MISSED]
+            req.flagged = flagged if req.flagged is None else req.flagged | flagged
+            req.wanted = wanted if req.wanted is None else torch.maximum(req.wanted, wanted)
