@@ -26,7 +26,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed; the Triton decode kernels cannot run")
 pytest.importorskip("sglang", reason="the backends subclass SGLang's")
 
-from sgl_importance.attention.hot_set_attention import eager_with_hot_set_requests  # noqa: E402
+from sgl_importance.attention.hot_set_graphs import eager_with_hot_set_requests  # noqa: E402
 from sgl_importance.hot_set import HotSetParams  # noqa: E402
 from sgl_importance.importance import page_importance  # noqa: E402
 from sgl_kernel_ext import scatter_page_importance  # noqa: E402

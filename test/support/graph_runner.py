@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from sglang.srt.model_executor.runner_utils import capture_mode
 
-from sgl_importance.attention.hot_set_attention import (
+from sgl_importance.attention.hot_set_graphs import (
     HotSetGraphVariants,
     after_graph_replay,
     eager_with_hot_set_requests,

@@ -171,15 +171,15 @@ ATTRIBUTES = [
         for n in ("encoder_lens", "extend_seq_lens", "seq_lens", "req_pool_indices", "out_cache_loc")
     ),
     Name("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "rids", "attention/"),
-    # Which decode batches may replay a CUDA graph with the hot set on (attention/hot_set_attention.py).
-    Name("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "seq_lens_cpu", "attention/hot_set_attention.py"),
+    # Which decode batches may replay a CUDA graph with the hot set on (attention/hot_set_graphs.py).
+    Name("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "seq_lens_cpu", "attention/hot_set_graphs.py"),
     Name("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "forward_mode", "attention/triton_backend.py"),
     Name(
         "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner",
         "require_mlp_sync",
-        "attention/hot_set_attention.py",
+        "attention/hot_set_graphs.py",
     ),
-    # The captured hot-set step (attention/hot_set_attention.py, attention/triton_backend.py).
+    # The captured hot-set step (attention/hot_set_graphs.py, attention/triton_backend.py).
     *(
         Name("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner", n, "attention/")
         for n in ("attn_backend", "capture_bs")

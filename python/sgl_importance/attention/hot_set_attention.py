@@ -14,11 +14,11 @@ here:
 - page copies run on the residency's ``PageCopies`` (a side stream on CUDA), fenced before
   any forward reads (``fence``);
 - a decode batch that holds no request longer than ``--hot-set-threshold`` may be
-  replayed from SGLang's CUDA graph (``eager_with_hot_set_requests``, around the graph
+  replayed from SGLang's CUDA graph (``hot_set_graphs.eager_with_hot_set_requests``, around the graph
   runner's check, decides from the host's copy of the lengths); such a step attends
   every page densely, as the decoder would for those requests, without the decoder:
   its host side only fences and drops what the decoder tracked (``graph_step``);
-- with ``--hot-set-graph-rows``, a batch that holds one replays the ``hot`` graph variant
+- with ``--hot-set-graph-rows``, a batch that holds one replays the ``hot`` (or ``hot_guard``) graph variant
   (``HotSetGraphVariants``): the decoder plans it in that same hook and the plan goes into
   the fixed-shape step's buffers (``hot_set/graph_step.py``, ``plan_graph_step``), the layers
   run it (``attend_graph``), and after the runner's ``execute`` the step is folded and ended
@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from sgl_importance.attention.hot_set_graphs import GUARD_VARIANT, HOT_VARIANT
 from sgl_importance.hot_set.estimate import on_device
 from sgl_importance.hot_set.guard_budget import KVShape, describe, guard_budget
 from sgl_importance.hot_set.selection import HotSetCounts
@@ -302,86 +303,6 @@ class HotSetAttention:
         self.decoder.held_bytes = 0
         if self.metrics is not None:
             self._after_step()
-
-
-def holds_hot_set_request(seq_lens_cpu: Optional[torch.Tensor], threshold: int) -> bool:
-    """Whether a decode batch holds a request longer than ``threshold`` tokens (one the hot set
-    decodes), from SGLang's host copy of the batch's lengths; without that copy, assume so."""
-    if seq_lens_cpu is None:
-        return True
-    return seq_lens_cpu.numel() > 0 and int(seq_lens_cpu.max()) > threshold
-
-
-DENSE_VARIANT, HOT_VARIANT, GUARD_VARIANT = "dense", "hot", "hot_guard"
-
-
-class HotSetGraphVariants:
-    """The decode graphs captured with ``--hot-set-graph-rows``, per batch size: ``dense``
-    (every page, the graphs SGLang captures anyway), ``hot`` (the fixed-shape hot-set step,
-    guard off) and ``hot_guard`` (the same with the guard's layers, ``hot_set/graph_guard.py``).
-    A batch holding a request past the threshold selects ``hot``, or ``hot_guard`` where the
-    step planned for it (``plan_graph_step``, just before) has a guarded row.
-
-    Args:
-        threshold: ``--hot-set-threshold``.
-        runtime: the process's runtime (``hot_set_attention``: the decode backend's hot set).
-    """
-
-    capture_labels = (DENSE_VARIANT, HOT_VARIANT, GUARD_VARIANT)
-
-    def __init__(self, threshold: int, runtime: Any) -> None:
-        self.threshold = threshold
-        self.runtime = runtime
-
-    def select(self, forward_batch: Any) -> str:
-        if not holds_hot_set_request(forward_batch.seq_lens_cpu, self.threshold):
-            return DENSE_VARIANT
-        hot_set = self.runtime.hot_set_attention
-        guarded = hot_set is not None and hot_set.graph is not None and hot_set.graph.guarded
-        return GUARD_VARIANT if guarded else HOT_VARIANT
-
-
-def graph_variants(runtime: Runtime, original: Callable[..., Any], hf_config: Any) -> Any:
-    """Around SGLang's ``create_attention_graph_variants``: the hot set's, where a model has
-    none of its own and ``--hot-set-graph-rows`` is set."""
-    variants = original(hf_config)
-    config = runtime.config
-    if variants is not None or config.hot_set_policy == "off" or not config.hot_set_graph_rows:
-        return variants
-    return HotSetGraphVariants(config.hot_set_threshold, runtime)
-
-
-def eager_with_hot_set_requests(config: Any, original: Callable[..., bool], runner: Any, forward_batch: Any) -> bool:
-    """Around ``DecodeCudaGraphRunner.can_run_graph``: a batch holding a request the hot set
-    decodes replays the captured hot-set step where its buffers take the planned step
-    (``--hot-set-graph-rows``, ``plan_hot_set_graph_step``), else runs eagerly.
-
-    The eager step picks its pages, their count, the guard's reads and host copies on the
-    host from the step's data; a graph of it would replay the captured step's choices. A
-    batch of short requests is left to SGLang's own check. Where ranks must agree on graph
-    or eager (``require_mlp_sync``: DP attention, gathered buffers), each rank would decide
-    from its own batch: every decode runs eagerly there.
-    """
-    if config.hot_set_policy == "off":
-        return original(runner, forward_batch)
-    if runner.require_mlp_sync:
-        return False
-    if not holds_hot_set_request(forward_batch.seq_lens_cpu, config.hot_set_threshold):
-        return original(runner, forward_batch)
-    plan = getattr(getattr(runner, "attn_backend", None), "plan_hot_set_graph_step", None)
-    if plan is None or not original(runner, forward_batch):
-        return False
-    # SGLang pads the batch to the next size it captured: the hot graph of that size runs.
-    bs = forward_batch.batch_size
-    padded = min((b for b in getattr(runner, "capture_bs", ()) if b >= bs), default=bs)
-    return plan(forward_batch, padded)
-
-
-def after_graph_replay(runner: Any) -> None:
-    """After ``DecodeCudaGraphRunner.execute``: a replayed hot-set step folded and ended."""
-    hot_set = getattr(getattr(runner, "attn_backend", None), "hot_set", None)
-    if hot_set is not None:
-        hot_set.finish_graph_step()
 
 
 def build_hot_set(

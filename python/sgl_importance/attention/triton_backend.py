@@ -30,7 +30,7 @@ eager hot-set step is data dependent (which pages, how many, what the guard read
 copies), so a batch that holds a request longer than ``--hot-set-threshold`` replays a
 CUDA graph only as the fixed-shape step of ``hot_set/graph_step.py`` (``--hot-set-graph-rows``;
 the ``hot`` graph variant: its plan written between steps by the plugin's hook around
-SGLang's ``can_run_graph``, ``hot_set_attention.eager_with_hot_set_requests``, its prologue
+SGLang's ``can_run_graph``, ``hot_set_graphs.eager_with_hot_set_requests``, its prologue
 in ``init_forward_metadata_in_graph``, its fold after the runner's ``execute``); otherwise, or
 where its buffers refuse the batch, the step runs eagerly. Graphs are
 captured as without the hot set, and a batch of short requests replays one: dense
