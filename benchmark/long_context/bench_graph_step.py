@@ -136,6 +136,67 @@ class _nothing:
         return False
 
 
+def host_time(bs: int, context: int, steps: int, layers: int = 32, page: int = 16) -> dict:
+    """Host milliseconds a step costs around its layers, eager against captured, at ``bs`` x
+    ``context`` tokens (``layers`` layers, the hot set at 20 %, the guard off; one KV head of 8
+    channels: the host's work is sized by pages, requests and layers, not by the heads). Eager:
+    ``begin_step`` (plan, lists, tally) and ``end_step`` (fold, summaries, next plan). Captured:
+    ``plan_step`` and ``GraphStep.prepare`` before the replay, ``fold`` and ``end_step`` after.
+    The layers run in between, untimed (on a GPU they are the device's work)."""
+    import time
+
+    from sgl_importance.hot_set import HotSetDecoder
+
+    g = torch.Generator().manual_seed(1)
+    pages = context // page + 2
+    pool = bs * pages + 1
+    k = [torch.randn(pool * page, 1, 8, generator=g) for _ in range(layers)]
+    v = [torch.randn(pool * page, 1, 8, generator=g) for _ in range(layers)]
+    req_to_token = torch.zeros(bs + 1, pages * page, dtype=torch.int32)
+    for r in range(bs):
+        req_to_token[r + 1] = torch.arange(pages * page, dtype=torch.int32) + (1 + r * pages) * page
+    params = HotSetParams(policy="importance", budget=0.2, window=4, sinks=1, guard_threshold=1.0)
+
+    def decoder() -> HotSetDecoder:
+        ranges = KeyRanges(layers, 1, 8, capacity_pages=pool, dtype=torch.float32)
+        return HotSetDecoder(params, ranges, pool_pages=pool, page_size=page, threshold=1024)
+
+    eager, graphed = decoder(), decoder()
+    step = GraphStep(GraphCapacity(bs, pages), num_layers=layers, page_size=page, ranges=graphed.ranges, device="cpu")
+    rids = [f"r{r}" for r in range(bs)]
+    times = {"eager": [], "graph": []}
+    out = torch.zeros(bs, 2, 8)
+    for i in range(2 + steps):  # two warm-up steps (the first is the dense warm-up)
+        length = context + i
+        slots = [req_to_token[r + 1, :length] for r in range(bs)]
+        q = torch.randn(layers, bs, 2, 8, generator=g)
+        t0 = time.perf_counter()
+        eager.begin_step(rids, slots)
+        t1 = time.perf_counter()
+        for layer in range(layers):
+            eager.attend(layer, q[layer], k[layer], v[layer], sm_scale=0.35)
+        t2 = time.perf_counter()
+        eager.end_step()
+        t3 = time.perf_counter()
+        live = graphed.plan_step(rids, slots)
+        assert step.prepare(live, list(range(1, bs + 1))) is None
+        t4 = time.perf_counter()
+        step.prologue(bs, req_to_token, pool)
+        for layer in range(layers):
+            kp, vp = graphed.pool_as_pages(layer, k[layer], v[layer])
+            step.attend(layer, q[layer], kp, vp, out, sm_scale=0.35)
+        step.epilogue()
+        t5 = time.perf_counter()
+        step.fold()
+        graphed.end_step()
+        t6 = time.perf_counter()
+        if i >= 2:
+            times["eager"].append((t1 - t0 + t3 - t2) * 1e3)
+            times["graph"].append((t4 - t3 + t6 - t5) * 1e3)
+    return {"batch": bs, "context": context, "layers": layers,
+            **{f"{k}_host_ms": sorted(v)[len(v) // 2] for k, v in times.items()}}  # fmt: skip
+
+
 def llama_bytes(rows: int, context: int, hot: float) -> dict:
     """The captured step's buffers (``GraphStep`` on the meta device) and one layer-step's reads."""
     m = LLAMA
@@ -171,7 +232,8 @@ def main() -> None:
         launches = [count_launches(lengths, a.steps) for lengths in ([5, 120, 180], [5, 120, 130, 150])]
         launches.append(count_launches([5, 120, 180], a.steps, guard=0.1))
     sizes = [llama_bytes(a.rows, context, 0.2) for context in (32768, 131072)]
-    (a.out / "results.json").write_text(json.dumps({"launches": launches, "llama_8b": sizes}, indent=1))
+    hosts = [host_time(bs, 32768, a.steps) for bs in (1, 8)]
+    (a.out / "results.json").write_text(json.dumps({"launches": launches, "llama_8b": sizes, "host": hosts}, indent=1))
     lines = ["| guard | batch | eager: step start | eager: layer | eager: last layer | graph: prep | graph: prologue "
              "| graph: layer | graph: last layer | graph: fold + end | host reads in graph | tally copies |",
              "|" + "---|" * 12]  # fmt: skip
@@ -188,6 +250,13 @@ def main() -> None:
         lines.append(
             f"| {s['rows']} | {s['context'] // 1024}K | {s['device_buffers_mib']:.1f} | {s['host_pinned_mib']:.1f} | "
             f"{s['dense_layer_mib']:.1f} | {s['hot_layer_mib']:.1f} | {s['hot_over_dense']:.3f} |"
+        )
+    lines += ["", "| batch | context | layers | eager: host ms a step (begin + end) | captured: host ms a step "
+              "(plan + prepare, fold + end) |", "|---|---|---|---|---|"]  # fmt: skip
+    for h in hosts:
+        lines.append(
+            f"| {h['batch']} | {h['context'] // 1024}K | {h['layers']} | {h['eager_host_ms']:.1f} | "
+            f"{h['graph_host_ms']:.1f} |"
         )
     table = "\n".join(lines)
     (a.out / "RESULTS.md").write_text(table + "\n")
