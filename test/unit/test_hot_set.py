@@ -457,3 +457,52 @@ def test_the_key_bound_ranking_is_the_same_however_many_layers_the_step_end_take
     for a, b in zip(one, whole):
         assert torch.equal(a, b)
     assert ((whole[-1] > 0) & (whole[-1] < 1)).any()  # real bounds, neither all 0 nor all capped at 1
+
+
+def _swaps_one_by_one(state: RequestHotSet, fixed: torch.Tensor, slots: int, num_pages: int) -> torch.Tensor:
+    """The resident set's rule written as a loop over the swaps (the reference the vectorised
+    ``_resident_set`` is held to): demote past the budget, fill free slots, then swap the
+    strongest candidates for the weakest residents until one does not beat its resident."""
+    importance = state.params.policy == "importance"
+    key = state.importance() if importance else state.last_use.double()
+    residents = sorted(torch.nonzero(state.resident & ~fixed).flatten().tolist(), key=lambda p: -float(key[p]))
+    kept = residents[:slots]
+    eligible = ~state.resident & ~fixed & (state.outside_mass >= 1.0 / num_pages)
+    if state.params.guard_threshold < 1.0:
+        eligible &= state.needed
+    candidates = sorted(torch.nonzero(eligible).flatten().tolist(), key=lambda p: -float(state.outside_mass[p]))
+    free = slots - len(kept)
+    chosen = set(kept) | set(candidates[:free])
+    candidates = candidates[max(free, 0) :]
+    weakest = kept[::-1]
+    for cand, res in list(zip(candidates, weakest))[: max(1, int(slots / 8))]:
+        if importance:
+            beats = float(state.outside_mass[cand]) > float(key[res])
+        else:
+            beats = int(state.last_use[res]) < state.step
+        if not beats:
+            break
+        chosen.discard(res)
+        chosen.add(cand)
+    mask = torch.zeros(num_pages, dtype=torch.bool)
+    mask[list(chosen)] = True
+    return mask
+
+
+@pytest.mark.parametrize("policy", ["importance", "lru"])
+@pytest.mark.parametrize("seed", range(20))
+def test_the_resident_set_swaps_as_the_one_by_one_rule(policy, seed):
+    g = torch.Generator().manual_seed(seed)
+    pages = 40
+    state = RequestHotSet(HotSetParams(policy=policy, budget=0.3, window=2, sinks=1, guard_threshold=0.1))
+    state._grow(pages)
+    state.step = 5
+    state.resident = torch.rand(pages, generator=g) < 0.4
+    state.ema = torch.rand(pages, generator=g, dtype=torch.float64)
+    state.observed = torch.randint(0, 4, (pages,), generator=g)
+    state.last_use = torch.randint(-1, 6, (pages,), generator=g)
+    state.outside_mass = torch.rand(pages, generator=g, dtype=torch.float64) * 0.5
+    state.needed = torch.rand(pages, generator=g) < 0.7
+    fixed = fixed_mask(pages, 1, 2)
+    slots = int(torch.randint(1, 14, (1,), generator=g))
+    assert torch.equal(state._resident_set(fixed, slots, pages), _swaps_one_by_one(state, fixed, slots, pages))

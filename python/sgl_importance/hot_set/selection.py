@@ -244,21 +244,20 @@ class RequestHotSet:
         free = slots - kept.numel()
         promoted = [candidates[:free]]
         candidates = candidates[free:]
-        # Swaps: the strongest candidates against the weakest residents.
-        weakest = kept.flip(0).tolist()
+        # Swaps: the strongest candidates against the weakest residents, pair by pair, while
+        # the candidate beats the resident (the first that does not ends the swaps).
+        weakest = kept.flip(0)
         kept_mask = torch.zeros(num_pages, dtype=torch.bool)
         kept_mask[kept] = True
-        swaps = min(len(weakest), candidates.numel(), max(1, int(slots * SWAP_FRACTION)))
-        for i in range(swaps):
-            cand, res = int(candidates[i]), weakest[i]
-            if importance:
-                beats = float(self.outside_mass[cand]) > float(key[res])
-            else:
-                beats = int(self.last_use[res]) < self.step
-            if not beats:
-                break
-            kept_mask[res] = False
-            promoted.append(candidates[i : i + 1])
+        swaps = min(weakest.numel(), candidates.numel(), max(1, int(slots * SWAP_FRACTION)))
+        cand, res = candidates[:swaps], weakest[:swaps]
+        if importance:
+            beats = self.outside_mass[cand] > key[res]
+        else:
+            beats = self.last_use[res] < self.step
+        swapped = int(beats.long().cumprod(0).sum())  # the leading run of pairs that beat
+        kept_mask[res[:swapped]] = False
+        promoted.append(cand[:swapped])
         for extra in promoted:
             kept_mask[extra] = True
         return kept_mask
