@@ -33,6 +33,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is imported
 import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
+from contextlib import nullcontext  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Optional  # noqa: E402
 
@@ -81,7 +82,7 @@ def count_launches(lengths: list[int], steps: int, guard: float = 1.0) -> dict:
         for name, counter in counters.items():
             if step >= WARMUP:
                 counter.begin_step()
-            with triton_launches_counted(counter), counter.paused() if step < WARMUP else _nothing():
+            with triton_launches_counted(counter), counter.paused() if step < WARMUP else nullcontext():
                 if name == "eager":
                     eager.step(*kv, q, counter=counter)  # it enters the counter itself
                 else:
@@ -126,14 +127,6 @@ def count_launches(lengths: list[int], steps: int, guard: float = 1.0) -> dict:
         "replayed": runner.replayed,
         "variants": runner.variants_run[WARMUP:],
     }
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def host_time(bs: int, context: int, steps: int, layers: int = 32, page: int = 16) -> dict:

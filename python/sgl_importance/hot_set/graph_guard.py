@@ -261,20 +261,17 @@ class GraphGuard:
             req = live[b]
             flags = self._stage[b, FLAGS]
             n = int((flags & VALID).sum())  # valid columns come first
-            logical = self._stage[b, LOGICAL, :n]
-            req.outside_mass[logical] = torch.maximum(req.outside_mass[logical], t[b, :n])
-            req.guarded[logical[t[b, p : p + n] > 0]] = True
             counts = t[b, 2 * p : 2 * p + 5].long().tolist()
-            flagged = t[b, 2 * p + 5 : 2 * p + 5 + layers] > 0
-            wanted = t[b, 2 * p + 5 + layers :].long()
-            c = req.counts
-            c.guard_checks += layers
-            c.guard_reads += counts[GUARD_READS]
-            c.pages_guard_read += counts[PAGES_READ]
-            c.pages_attended += counts[PAGES_READ] + counts[PAGES_SAMPLED]
-            c.pages_estimated += counts[PAGES_ESTIMATED]
-            c.guard_flagged += int(flagged.sum())
-            c.pages_sampled += counts[PAGES_SAMPLED]
-            c.pages_missed += counts[PAGES_MISSED]
-            req.flagged = flagged if req.flagged is None else req.flagged | flagged
-            req.wanted = wanted if req.wanted is None else torch.maximum(req.wanted, wanted)
+            req.take_guard(
+                self._stage[b, LOGICAL, :n],
+                t[b, :n],
+                t[b, p : p + n] > 0,
+                t[b, 2 * p + 5 : 2 * p + 5 + layers] > 0,
+                t[b, 2 * p + 5 + layers :].long(),
+                layers=layers,
+                reads=counts[GUARD_READS],
+                pages_read=counts[PAGES_READ],
+                pages_estimated=counts[PAGES_ESTIMATED],
+                pages_sampled=counts[PAGES_SAMPLED],
+                pages_missed=counts[PAGES_MISSED],
+            )

@@ -174,6 +174,8 @@ class GraphStep:
             padded_bs: the batch size it replays at (rows past the batch list nothing).
         """
         why = self.refusal(live, padded_bs)
+        if why is None and self.guard is not None:
+            why = self.guard.prepare(live)  # the guarded rows' lists (written where it takes them)
         if why is not None:
             self.refusals[why] = self.refusals.get(why, 0) + 1
             return why
@@ -192,11 +194,6 @@ class GraphStep:
             if req.bounds_unread:
                 ids = req.tracked.ranges[:num_pages]
                 stage[b, 1 + 2 * pages : 1 + 2 * pages + ids.numel()] = ids
-        if self.guard is not None:
-            why = self.guard.prepare(live)
-            if why is not None:
-                self.refusals[why] = self.refusals.get(why, 0) + 1
-                return why
         self._plan.copy_(stage, non_blocking=True)
         self._live = list(live)
         return None
@@ -322,14 +319,9 @@ class GraphStep:
             if req.bounds_unread:
                 bound = tally[BOUND, b, :num].double().clamp(max=0.0).exp().nan_to_num(0.0)
                 torch.maximum(req.outside_mass, bound, out=req.outside_mass)
-            listed = req.planned
-            n = listed.numel()
-            mass = (
-                tally[MAX, b, :n].clamp_min(0.0) if req.tracked.state.params.ranks_by_max else tally[SUM, b, :n]
-            ).double()
-            req.mass_over_layers[listed] = mass
-            req.layers[listed] += layers
-            req.counts.pages_attended += n * layers
+            n = req.planned.numel()
+            mass = tally[MAX, b, :n].clamp_min(0.0) if req.tracked.state.params.ranks_by_max else tally[SUM, b, :n]
+            req.take_exact(req.planned, mass.double(), layers)
         if self.guard is not None:
             self.guard.fold(self._live)
         live, self._live = self._live, []

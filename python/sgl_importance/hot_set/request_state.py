@@ -100,6 +100,44 @@ class LiveRequest:
     wanted: Optional[torch.Tensor] = None  # int64 [L] rest pages each layer's selection wanted this step
     counts: HotSetCounts = field(default_factory=HotSetCounts)
 
+    def take_exact(self, listed: torch.Tensor, mass: torch.Tensor, layers: int) -> None:
+        """A step's exact masses ``mass`` of the ``listed`` pages, read in ``layers`` layers."""
+        self.mass_over_layers[listed] = mass
+        self.layers[listed] += layers
+        self.counts.pages_attended += listed.numel() * layers
+
+    def take_guard(
+        self,
+        logical: torch.Tensor,
+        mass: torch.Tensor,
+        wanted: torch.Tensor,
+        flagged: torch.Tensor,
+        wanted_per_layer: torch.Tensor,
+        *,
+        layers: int,
+        reads: int,
+        pages_read: int,
+        pages_estimated: int,
+        pages_sampled: int,
+        pages_missed: int,
+    ) -> None:
+        """A step's guard over the rest pages ``logical``: their largest estimated ``mass``,
+        those some layer ``wanted``, the ``flagged`` layers and what each wanted, its counts
+        over ``layers`` layers (``reads``: layers in which the selection read)."""
+        self.outside_mass[logical] = torch.maximum(self.outside_mass[logical], mass)
+        self.guarded[logical[wanted]] = True
+        c = self.counts
+        c.guard_checks += layers
+        c.guard_reads += reads
+        c.pages_guard_read += pages_read
+        c.pages_attended += pages_read + pages_sampled  # sampled pages are read exactly, each on its own
+        c.pages_estimated += pages_estimated
+        c.guard_flagged += int(flagged.sum())
+        c.pages_sampled += pages_sampled
+        c.pages_missed += pages_missed
+        self.flagged = flagged if self.flagged is None else self.flagged | flagged
+        self.wanted = wanted_per_layer if self.wanted is None else torch.maximum(self.wanted, wanted_per_layer)
+
     @property
     def guard_on(self) -> bool:
         """Whether unread pages are estimated and the error bounded (dense reads everything)."""

@@ -287,24 +287,20 @@ class StepTally:
         """The outside plan's part into its requests (``layers``: how many it covers)."""
         tally = self.on_host()
         for i, row in enumerate(outside.rows.tolist()):
-            req = live[row]
             cols = outside.valid[i]
-            logical = outside.logical[i][cols]
-            req.outside_mass[logical] = torch.maximum(req.outside_mass[logical], tally.outside_mass[i][cols])
-            wanted = tally.outside_wanted[i][cols]
-            req.guarded[logical[wanted]] = True
-            reads = int(tally.pages_guard_read[i])
-            req.counts.guard_checks += layers
-            req.counts.guard_reads += int(tally.guard_reads[i])
-            req.counts.pages_guard_read += reads
-            req.counts.pages_attended += reads
-            req.counts.pages_estimated += int(tally.pages_estimated[i])
-            req.counts.guard_flagged += int(tally.flagged[i].sum())
-            req.flagged = tally.flagged[i] if req.flagged is None else req.flagged | tally.flagged[i]
-            req.wanted = tally.wanted[i] if req.wanted is None else torch.maximum(req.wanted, tally.wanted[i])
-            req.counts.pages_sampled += int(tally.pages_sampled[i])
-            req.counts.pages_missed += int(tally.pages_missed[i])
-            req.counts.pages_attended += int(tally.pages_sampled[i])  # read exactly, each page on its own
+            live[row].take_guard(
+                outside.logical[i][cols],
+                tally.outside_mass[i][cols],
+                tally.outside_wanted[i][cols],
+                tally.flagged[i],
+                tally.wanted[i],
+                layers=layers,
+                reads=int(tally.guard_reads[i]),
+                pages_read=int(tally.pages_guard_read[i]),
+                pages_estimated=int(tally.pages_estimated[i]),
+                pages_sampled=int(tally.pages_sampled[i]),
+                pages_missed=int(tally.pages_missed[i]),
+            )
 
     def fold(
         self,
@@ -337,9 +333,7 @@ class StepTally:
             if tally.warm_wanted is not None and bool(tally.warm[b]):
                 req.tracked.seed_caps(tally.warm_wanted[:, b], req.tokens.numel())
             listed = exact.logical[b]
-            req.mass_over_layers[listed] = tally.exact_mass[b, : listed.numel()]
-            req.layers[listed] += tally.layers
-            req.counts.pages_attended += listed.numel() * tally.layers
+            req.take_exact(listed, tally.exact_mass[b, : listed.numel()], tally.layers)
             req.counts.pages_read_from_host += int(released_among(req.pages, listed).sum()) * tally.layers
         if tally.layers and not outside.empty:
             tally.fold_outside(live, outside, layers=tally.layers)
