@@ -19,7 +19,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from sgl_importance.choices import HOT_SET_POLICIES, PREFIX_RESIDENCES, REDUCTIONS
+from sgl_importance.choices import ADMISSIONS, HOT_SET_POLICIES, PREFIX_RESIDENCES, REDUCTIONS
 from sgl_importance.flags import Flag, add_arguments, check_fields, choice, flag, integer, number, specs
 from sgl_importance.validate import int_in, invalid, is_int, number_in
 
@@ -230,6 +230,18 @@ class ImportanceConfig:
             "HiCache's host copies and the tree's device pages become evictable (needs "
             "--enable-hierarchical-cache and the Python tree core, which --radix-eviction-policy "
             "importance selects); device = the whole matched prefix stays on the device while it runs.",
+        ),
+    )
+    hot_set_admission: str = flag(
+        "footprint",
+        choice(
+            ADMISSIONS,
+            "How the scheduler charges a request the hot set will release when it admits it: "
+            "footprint = the prompt, then its growth only up to what it keeps on the device (its hot "
+            "set at its final length), while the host pool and the key-range pool can take its pages "
+            "(counted: hot_set_admitted_by_footprint, hot_set_footprint_refused); length = as SGLang "
+            "charges any request, its prompt and max_new_tokens (a long generation is admitted as if "
+            "it kept all its KV).",
         ),
     )
     hot_set_reduce: str = flag(

@@ -328,6 +328,14 @@ HOT_SET_SERIES = {
         "Planned pages left on the host: no device page free, none the tree could evict.",
     ),
     "releases_refused": ("releases_refused", "Pages kept on the device for lack of a free host page."),
+    "admitted_by_footprint": (
+        "admitted_by_footprint",
+        "Hot-set requests admitted charging what they keep on the device, not their whole length.",
+    ),
+    "footprint_refused": (
+        "footprint_refused",
+        "Hot-set requests admitted at their whole length: the host or key-range pool could not take their pages.",
+    ),
     "finished_reinserted": (
         "finished_reinserted",
         "Finished hot-set requests whose released pages came back to the device and entered the radix tree.",

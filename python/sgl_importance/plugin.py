@@ -22,6 +22,7 @@ checks each, and every public attribute the plugin reads, against the installed 
 | hook `PagedTokenToKVPoolAllocator._release_page_ids`       | importance/allocator_reset.py |
 | hook `TokenizerManager._validate_one_request`              | request_check/prompt.py     |
 | hook `DualGemm._select_mode` (torch_cuda: no CuTe kernel)   | platform/torch_cuda.py      |
+| overridden `PrefillAdder._get_running_request_total_token_offset`, `PrefillAdder._select_prefill_admission`, `PrefillAdder._commit_prefill_admission`, `PrefillAdder._update_prefill_budget` | scheduler/admission.py |
 
 Our state on SGLang's objects: ``NodeState`` per radix node, ``server_args._importance``, ``CacheState`` per strategy.
 """
@@ -53,12 +54,10 @@ HOOKS = (
     Hook("server_args.ServerArgs.add_cli_args", "config:add_cli_args", "after", "any"),
     Hook("server_args.ServerArgs.from_cli_args", "config:from_cli_args", "around", "any"),
     Hook("entrypoints.openai.serving_base.OpenAIServingBase.handle_request", "request_check.openai:check_openai_request", "around", "any"),
-    # Wherever a tokenizer manager may run (the scheduler never builds one); its runtime holds the config.
-    Hook("managers.tokenizer_manager.TokenizerManager.__init__", "runtime:start", "before", "http"),
+    Hook("managers.tokenizer_manager.TokenizerManager.__init__", "runtime:start", "before", "http"),  # wherever a tokenizer manager may run (the scheduler never builds one); its runtime holds the config
     Hook("managers.tokenizer_manager.TokenizerManager._validate_one_request", "request_check.prompt:check_hot_set_request", "before", "http", ("config",)),
     Hook("managers.tokenizer_manager.TokenizerManager._validate_one_request", "request_check.prompt:check_before_validation", "before", "http"),
-    # Around: the check raises on the generator's first step, where SGLang's own errors do.
-    Hook("managers.tokenizer_manager.TokenizerManager.generate_request", "request_check.hook:checked_generate", "around", "http", ("config",)),
+    Hook("managers.tokenizer_manager.TokenizerManager.generate_request", "request_check.hook:checked_generate", "around", "http", ("config",)),  # around: it raises on the generator's first step, where SGLang's own errors do
     Hook("entrypoints.http_server.ORJSONRequest.json", "request_check.openai:checked_json", "around", "http"),
     Hook("importance_torch", "attention.torch_backend:ImportanceTorchAttnBackend", "backend", "any", ("runtime",)),
     Hook("importance_triton", "attention.triton_backend:ImportanceTritonAttnBackend", "backend", "any", ("runtime",)),
@@ -90,6 +89,7 @@ HOOKS = (
     Hook("mem_cache.common.release_kv_cache", "scheduler.hot_set_release:release_with_pages", "around", "scheduler", ("residency", "request_params")),
     Hook("mem_cache.base_prefix_cache.BasePrefixCache.free_kv_row", "scheduler.hot_set_release:free_row_around_released", "around", "scheduler", ("residency",)),
     Hook("managers.schedule_policy.PrefillAdder.__init__", "cache.prefetch:note_prefill_adder", "after", "scheduler"),
+    Hook("managers.scheduler.Scheduler.get_prefill_adder_class", "scheduler.admission:footprint_adder", "around", "scheduler", ("runtime",)),
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.ready_to_load_host_cache", "cache.prefetch:prefetch_with_batch_load", "around", "scheduler"),  # queued before SGLang merges the load queue into one copy
     Hook("mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore.insert_host", "cache.stored:restore_after_insert_host", "after", "scheduler"),
     Hook("mem_cache.storage_prefetch.StoragePrefetchRetries.pop_ready", "cache.stored:rank_storage_retries", "around", "scheduler", ("scheduler",)),

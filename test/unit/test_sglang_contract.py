@@ -112,6 +112,20 @@ ATTRIBUTES = [
     Name(SCHEDULER, "disaggregation_mode", "cache/prefetch.py"),
     Name("sglang.srt.managers.schedule_policy.PrefillAdder", "can_run_list", "cache/prefetch.py"),
     Name("sglang.srt.managers.schedule_policy.PrefillAdder", "memory_budget", "cache/prefetch.py"),
+    # Admission by footprint (scheduler/admission.py): what the adder subclass reads.
+    Name("sglang.srt.managers.schedule_policy.PrefillAdder", "new_token_ratio", "scheduler/admission.py"),
+    Name("sglang.srt.managers.schedule_policy.PrefillAdder", "add_chunked_req", "scheduler/admission.py"),
+    Name("sglang.srt.managers.schedule_policy", "CLIP_MAX_NEW_TOKENS", "scheduler/admission.py"),
+    Name("sglang.srt.managers.schedule_policy", "AddReqResult", "scheduler/admission.py"),
+    *(
+        Name("sglang.srt.managers.schedule_policy._PrefillAdmission", n, "scheduler/admission.py")
+        for n in ("max_new_tokens", "is_chunked")
+    ),
+    *(Name(REQ, n, "scheduler/admission.py") for n in ("rid", "output_ids", "origin_input_ids", "sampling_params")),
+    *(
+        Name("sglang.srt.sampling.sampling_params.SamplingParams", n, "scheduler/admission.py")
+        for n in ("max_new_tokens", "ignore_eos")
+    ),
     Name("sglang.srt.managers.schedule_batch.ScheduleBatch", "reqs", "scheduler/fold.py"),
     Name("sglang.srt.managers.schedule_batch.ScheduleBatch", "forward_mode", "scheduler/fold.py"),
     *(
@@ -307,6 +321,16 @@ PRIVATE = [
     Name(f"{MEM}.allocator.paged.PagedTokenToKVPoolAllocator", "_release_page_ids", "plugin.py (hook)"),
     Name("sglang.srt.managers.tokenizer_manager.TokenizerManager", "_validate_one_request", "plugin.py (hook)"),
     Name("sglang.srt.layers.dual_gemm.DualGemm", "_select_mode", "plugin.py (hook, torch_cuda)"),
+    # Overridden by the footprint adder (scheduler/admission.py), each called through super().
+    *(
+        Name("sglang.srt.managers.schedule_policy.PrefillAdder", n, "scheduler/admission.py")
+        for n in (
+            "_get_running_request_total_token_offset",
+            "_select_prefill_admission",
+            "_commit_prefill_admission",
+            "_update_prefill_budget",
+        )
+    ),
 ]
 
 # Hook targets plugin.py registers (a hook cannot target a missing attribute).
@@ -338,6 +362,7 @@ HOOK_TARGETS = [
     f"{CACHE}.write_backup_storage",
     f"{CACHE}.ready_to_load_host_cache",
     "sglang.srt.managers.schedule_policy.PrefillAdder.__init__",
+    "sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class",
     f"{CORE}.insert_host",
     f"{MEM}.storage_prefetch.StoragePrefetchRetries.pop_ready",
     f"{MEM}.storage.backend_factory.StorageBackendFactory.create_backend",

@@ -14,6 +14,7 @@ Plain arithmetic; nothing here imports SGLang.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from sgl_importance.hot_set.selection import HotSetParams
 
@@ -45,3 +46,44 @@ def kept_bytes(num_pages: int, params: HotSetParams, page: PageBytes, *, release
     on_device = params.budget_pages(num_pages) if released else num_pages
     codes = full if params.guard_threshold < 1.0 else 0
     return held_bytes(on_device, full, codes, page)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What a released hot-set request of ``final`` tokens holds on the device, in KV tokens
+    (admission's arithmetic: ``scheduler/admission.py``).
+
+    A request past ``threshold`` tokens releases every page outside its hot set; before, it
+    is dense. Its prompt stays whole until its first decode step has planned (a prompt past
+    the threshold), or stays as the tree's pages (a short prompt that grows past it).
+
+    Attributes:
+        dense: tokens it holds before its releases begin (its prompt, or up to the threshold).
+        kept: tokens it holds once released (the hot set at ``final``, sinks and window,
+            the page being filled, and a short prompt's tree pages).
+        released: pages it keeps on the host at ``final`` (what the host pool must take).
+        ranged: full pages at ``final`` (a key-range row each).
+    """
+
+    dense: int
+    kept: int
+    released: int
+    ranged: int
+
+    @property
+    def peak(self) -> int:
+        return max(self.dense, self.kept)
+
+
+def footprint(prompt: int, final: int, params: HotSetParams, *, threshold: int, page_size: int) -> Optional[Footprint]:
+    """The device footprint of a request of ``prompt`` tokens that ends at ``final``; None
+    when it never releases (``final`` within the threshold, or a dense policy)."""
+    if params.policy == "dense" or final <= threshold:
+        return None
+    ps = page_size
+    pages = -(-final // ps)
+    hot = max(params.budget_pages(pages), min(pages, params.sinks + params.window))
+    tree = -(-prompt // ps) if prompt <= threshold else 0  # a grown request's prompt: the tree's pages
+    kept = min(pages, hot + 1 + tree)
+    dense = -(-(prompt if prompt > threshold else threshold) // ps) + 1
+    return Footprint(dense * ps, kept * ps, max(pages - kept, 0), max(pages - 1, 0))

@@ -70,6 +70,7 @@ ON_DEVICE = (S.TREE, S.LENT, S.LENT_OWNED, S.RESIDENT, S.COPIED)
 OWN_DEVICE = (S.LENT_OWNED, S.RESIDENT, S.COPIED)  # device pages the request frees itself
 OWN_HOST = (S.COPIED, S.RELEASED)  # host copies the request frees itself
 OFF_DEVICE = (S.LENT_RELEASED, S.RELEASED)
+_OWN_HOST = torch.tensor([int(s) for s in OWN_HOST], dtype=torch.uint8)
 
 
 class PagePools(Protocol):
@@ -126,6 +127,8 @@ class ReleaseCounts:
     prefix_relocked: int = 0  # ... finished with the tree's pages still on the device: taken back, nothing copied
     copies_out: int = 0  # device → host copy calls (one per step that releases, whatever the batch)
     copies_in: int = 0  # host → device copy calls (one per step that promotes)
+    admitted_by_footprint: int = 0  # requests admitted charging their footprint (scheduler/admission.py)
+    footprint_refused: int = 0  # hot-set requests admitted at full charge: host or range pool short
 
 
 @dataclass
@@ -296,6 +299,10 @@ class Residency:
         if pages is None:
             pages = self._pages[rid] = RequestPages(row, first_owned_page, page_size, owner=rid)
         return pages
+
+    def host_pages_held(self) -> int:
+        """Host pages the admitted requests hold as their own copies."""
+        return sum(int(torch.isin(p.state, _OWN_HOST).sum()) for p in self._pages.values())
 
     def admitted(self, rid: str) -> bool:
         return rid in self._pages

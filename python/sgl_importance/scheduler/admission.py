@@ -1,0 +1,230 @@
+"""Admission by footprint: a hot-set request is charged what it will keep on the device.
+
+SGLang's ``PrefillAdder`` reserves, for each running request and each one it admits,
+``min(max_new_tokens - generated, 4096) x new_token_ratio`` tokens of future growth (the
+ratio is 1 under ``ignore_eos``), as if every generated token stayed on the device. A
+request the hot set releases keeps its hot set, not its length: past ``--hot-set-threshold``
+its pages outside the hot set leave for the host pool as they are generated. So a long
+generation was admitted as if it kept all its KV (11 of 20 at equal memory,
+``benchmark/long_context/RESULTS.md``).
+
+``FootprintAdder`` (SGLang's adder class, through ``Scheduler.get_prefill_adder_class``)
+charges such a request its growth up to its peak footprint instead
+(``hot_set/footprint.footprint``: the prompt or the threshold held densely, then the hot set,
+sinks, window, the page being filled), times SGLang's ratio, never more than SGLang's own
+charge. The prompt (the extend) is charged as SGLang charges it, so a prefill never
+overruns; only the future growth is discounted. A request is charged this way only while
+what it will release fits:
+
+- the **host pool** must take every page it releases (``releases_refused`` would keep them
+  on the device): running hot-set requests' final releases and this round's, against the
+  pool's size (the tree's host copies are evicted for them: ``HiCachePagePools.alloc_host``);
+- the **key-range pool** must take a row for each of its full pages (a request refused
+  ranges decodes dense with every page kept): the pool's free rows less what running
+  requests will still take.
+
+Otherwise it is charged as SGLang charges it (counted: ``footprint_refused``). What the
+discount can get wrong (a request whose hot set grows past the estimate, promotions waiting
+for room) is caught by SGLang's decode check, which retracts the fewest-output requests as
+it does for any request; a retracted request is prefilled again.
+
+The overridden methods are private to SGLang 0.5.23's ``PrefillAdder`` (plugin.py's table;
+``test/unit/test_sglang_contract.py`` checks each).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+from typing import Any, Callable, Optional
+
+import torch
+
+from sgl_importance.hot_set.footprint import Footprint, footprint
+from sgl_importance.hot_set.residency import ON_DEVICE, Residency
+from sgl_importance.hot_set.selection import HotSetParams
+
+_ON_DEVICE = torch.tensor([int(s) for s in ON_DEVICE], dtype=torch.uint8)
+
+
+class FootprintBook:
+    """One admission round's charges by footprint, and what they take of the host and range pools.
+
+    Args:
+        params_for: a request id -> its hot-set parameters (the server's unless it chose its own).
+        residency: the runtime's page records (release is off unless it is enabled).
+        host_pages: host pages release copies may take (the pool less the admitted requests' own).
+        range_rows: the key-range pool's free rows now (None: no range pool to check).
+        clip: SGLang's cap on a request's estimated new tokens.
+    """
+
+    def __init__(
+        self,
+        params_for: Callable[[str], Optional[HotSetParams]],
+        residency: Residency,
+        host_pages: int,
+        range_rows: Optional[int],
+        clip: int,
+    ) -> None:
+        self.params_for, self.residency, self.clip = params_for, residency, clip
+        self.host_left, self.ranges_left = host_pages, range_rows
+
+    def _footprint(self, rid: str, prompt: int, final: int) -> Optional[Footprint]:
+        r = self.residency
+        params = self.params_for(rid)
+        if params is None or not r.enabled:
+            return None
+        return footprint(prompt, final, params, threshold=r.threshold, page_size=r.pools.page_size)
+
+    def fits(self, f: Footprint, ranged_now: int = 0, released_now: int = 0) -> bool:
+        """Whether the host and range pools can take what ``f`` will still release and code."""
+        host = max(f.released - released_now, 0)
+        ranges = max(f.ranged - ranged_now, 0)
+        return host <= self.host_left and (self.ranges_left is None or ranges <= self.ranges_left)
+
+    def take(self, f: Footprint, ranged_now: int = 0, released_now: int = 0) -> None:
+        """Book what ``f`` will still take of the host and range pools (after ``fits``)."""
+        self.host_left -= max(f.released - released_now, 0)
+        if self.ranges_left is not None:
+            self.ranges_left -= max(f.ranged - ranged_now, 0)
+
+    def running(self, req: Any, dense_charge: float, ratio: float) -> float:
+        """A running request's future growth, booked (SGLang's ``dense_charge`` unless it
+        releases and its releases fit)."""
+        generated = len(req.output_ids)
+        prompt = len(req.origin_input_ids)
+        now = prompt + generated
+        remaining = max(req.sampling_params.max_new_tokens - generated, 0)
+        f = self._footprint(req.rid, prompt, now + min(remaining, self.clip))
+        if f is None:
+            return dense_charge
+        pages = self.residency.peek(req.rid)
+        ps = self.residency.pools.page_size
+        if pages is None:  # not released yet: dense up to here, its peak still ahead
+            held, released_now, peak = now, 0, f.peak
+        else:
+            on_device = torch.isin(pages.state, _ON_DEVICE)
+            held, released_now, peak = int(on_device.sum()) * ps, int((~on_device).sum()), f.kept
+        ranged_now = max(-(-now // ps) - 1, 0)
+        if not self.fits(f, ranged_now, released_now):
+            return dense_charge
+        self.take(f, ranged_now, released_now)
+        return min(dense_charge, max(peak - held, 0) * ratio)
+
+    def new(self, req: Any, max_new: int) -> tuple[Optional[Footprint], bool]:
+        """A request being admitted: ``(its footprint, whether it fits)``; ``(None, False)``
+        when it is charged as SGLang charges it anyway (no release for it)."""
+        prompt = len(req.origin_input_ids) + len(req.output_ids)  # a retracted one's output too
+        f = self._footprint(req.rid, prompt, prompt + max_new)
+        return f, f is not None and self.fits(f)
+
+    @staticmethod
+    def growth(req: Any, f: Footprint, max_new: int) -> int:
+        """Tokens a fitting request is charged instead of ``max_new``."""
+        prompt = len(req.origin_input_ids) + len(req.output_ids)
+        return min(max_new, max(f.peak - prompt, 0))
+
+
+def footprint_adder(runtime: Any, original: Callable[..., type], scheduler: Any) -> type:
+    """Around ``Scheduler.get_prefill_adder_class``: SGLang's adder class, charging hot-set
+    requests their footprint (a subclass made once per base class)."""
+    base = original(scheduler)
+    off = runtime.hot_set_params is None or runtime.config.hot_set_admission != "footprint"
+    return base if off else _adder_class(base)
+
+
+def new_book() -> FootprintBook:
+    """This process's book for one admission round (the runtime's pools and parameters)."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    from sgl_importance import runtime as runtime_module
+
+    rt = runtime_module.current()
+    r = rt.residency
+    host_pages = 0
+    if r.enabled:
+        host_pages = r.pools.host_pool.size // r.pools.page_size - r.host_pages_held()
+    hot_set = rt.hot_set_attention
+    ranges = hot_set.decoder.ranges if hot_set is not None else None
+    rows = ranges.capacity - ranges.pages_in_use if ranges is not None else None
+
+    def params_for(rid: str) -> Optional[HotSetParams]:
+        return rt.request_params.get(rid) or rt.hot_set_params
+
+    return FootprintBook(params_for, r, host_pages, rows, CLIP_MAX_NEW_TOKENS)
+
+
+@functools.cache  # one subclass per SGLang class: a pure function of it
+def _adder_class(base: type) -> type:
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    class FootprintAdder(base):
+        """SGLang's ``PrefillAdder``, charging hot-set requests their footprint (module docstring)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            # The base's __init__ charges the running requests: the book comes first.
+            self.footprint_book = new_book()
+            self._selected: dict[str, Optional[Footprint]] = {}  # rid -> its footprint if it fits
+            self._continuing: Optional[Any] = None
+            super().__init__(*args, **kwargs)
+
+        def _get_running_request_total_token_offset(self, req: Any) -> int:
+            dense = super()._get_running_request_total_token_offset(req)
+            ratio = 1.0 if req.sampling_params.ignore_eos else self.new_token_ratio
+            return self.footprint_book.running(req, dense, ratio)
+
+        def _select_prefill_admission(self, req: Any, *, total_tokens: int, **kwargs: Any) -> Any:
+            max_new = _max_new(req)
+            f, fits = self.footprint_book.new(req, max_new)
+            self._selected.pop(req.rid, None)
+            if f is not None:
+                self._selected[req.rid] = f if fits else None
+            if not fits:
+                return super()._select_prefill_admission(req, total_tokens=total_tokens, **kwargs)
+            growth = self.footprint_book.growth(req, f, max_new)
+            admission = super()._select_prefill_admission(req, total_tokens=total_tokens - max_new + growth, **kwargs)
+            if isinstance(admission, AddReqResult) or admission.is_chunked:
+                return admission
+            return replace(admission, max_new_tokens=min(admission.max_new_tokens, growth))
+
+        def _commit_prefill_admission(self, req: Any, admission: Any, *args: Any, **kwargs: Any) -> None:
+            super()._commit_prefill_admission(req, admission, *args, **kwargs)
+            if req.rid in self._selected:
+                self._charged(self._selected.pop(req.rid), counted=not admission.is_chunked)
+
+        def add_chunked_req(self, req: Any) -> Any:
+            self._continuing = req
+            try:
+                return super().add_chunked_req(req)
+            finally:
+                self._continuing = None
+
+        def _update_prefill_budget(self, prefix_len: int, extend_input_len: int, max_new_tokens: int, *a, **kw):
+            req = self._continuing
+            if req is not None and max_new_tokens > 0:  # a chunked prompt's last chunk
+                max_new = _max_new(req)
+                f, fits = self.footprint_book.new(req, max_new)
+                if fits:
+                    max_new_tokens = min(max_new_tokens, self.footprint_book.growth(req, f, max_new))
+                if f is not None:
+                    self._charged(f if fits else None, counted=True)
+            return super()._update_prefill_budget(prefix_len, extend_input_len, max_new_tokens, *a, **kw)
+
+        def _charged(self, f: Optional[Footprint], *, counted: bool) -> None:
+            """A hot-set request admitted: booked when charged its footprint; counted."""
+            counts = self.footprint_book.residency.counts
+            if f is not None:
+                self.footprint_book.take(f)
+            if counted and f is not None:
+                counts.admitted_by_footprint += 1
+            elif counted:
+                counts.footprint_refused += 1
+
+    FootprintAdder.__qualname__ = FootprintAdder.__name__ = f"Footprint{base.__name__}"
+    return FootprintAdder
+
+
+def _max_new(req: Any) -> int:
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    return min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)

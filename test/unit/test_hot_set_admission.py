@@ -1,0 +1,117 @@
+"""Admission by footprint: the arithmetic (``hot_set.footprint.footprint``) and one round's
+book (``scheduler.admission.FootprintBook``) against hand-worked cases; the adder itself
+runs inside the server (``test/e2e/test_hot_set_admission.py``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sgl_importance.hot_set import HotSetParams
+from sgl_importance.hot_set.footprint import footprint
+from sgl_importance.hot_set.residency import PageState, Residency
+from sgl_importance.scheduler.admission import FootprintBook
+
+PS = 16
+THRESHOLD = 512
+PARAMS = HotSetParams(policy="importance", budget=0.2, window=4, sinks=1)
+
+
+def test_a_long_generation_keeps_its_hot_set_its_prompt_and_the_threshold_at_its_peak():
+    # 256 prompt tokens (16 pages, the tree's) + 640 new: 56 pages at the end; the hot set
+    # ceil(0.2 * 56) = 12 pages, +1 being filled, +16 of prompt = 29 pages; dense until the
+    # threshold: 512 / 16 + 1 = 33 pages.
+    f = footprint(256, 896, PARAMS, threshold=THRESHOLD, page_size=PS)
+    assert (f.dense, f.kept, f.released, f.ranged) == (33 * PS, 29 * PS, 56 - 29, 55)
+    assert f.peak == 33 * PS
+
+
+def test_a_long_prompt_is_held_whole_before_it_releases():
+    # 4,000 prompt tokens (250 pages) + 100 new: 257 pages; the prompt is past the
+    # threshold (no tree pages of its own kept): 52 hot + 1; dense: 250 + 1 pages.
+    f = footprint(4000, 4100, PARAMS, threshold=THRESHOLD, page_size=PS)
+    assert (f.dense, f.kept, f.released) == (251 * PS, 53 * PS, 257 - 53)
+    assert f.peak == 251 * PS
+
+
+def test_requests_that_never_release_have_no_footprint():
+    assert footprint(256, 512, PARAMS, threshold=THRESHOLD, page_size=PS) is None  # never past the threshold
+    dense = HotSetParams(policy="dense", budget=0.2, window=4, sinks=1)
+    assert footprint(256, 4096, dense, threshold=THRESHOLD, page_size=PS) is None
+
+
+def test_sinks_and_window_bound_a_small_budget_from_below():
+    tiny = HotSetParams(policy="window", budget=2, window=6, sinks=2)
+    f = footprint(1024, 2048, tiny, threshold=THRESHOLD, page_size=PS)
+    assert f.kept == (8 + 1) * PS
+
+
+class _Pools:
+    page_size = PS
+
+
+def _residency(admitted: dict[str, list[int]] | None = None) -> Residency:
+    r = Residency()
+    r.enable(_Pools(), THRESHOLD)
+    for rid, states in (admitted or {}).items():
+        pages = r.admit(rid, torch.zeros(1), 0, PS)
+        pages.state = torch.tensor(states, dtype=torch.uint8)
+    return r
+
+
+def _req(rid: str, prompt: int, generated: int, max_new: int, ignore_eos: bool = True):
+    sampling = SimpleNamespace(max_new_tokens=max_new, ignore_eos=ignore_eos)
+    return SimpleNamespace(rid=rid, origin_input_ids=[0] * prompt, output_ids=[0] * generated, sampling_params=sampling)
+
+
+def _book(residency: Residency, host_pages: int = 10_000, range_rows=10_000, params=PARAMS) -> FootprintBook:
+    return FootprintBook(lambda rid: params, residency, host_pages, range_rows, clip=4096)
+
+
+def test_a_new_request_is_charged_its_growth_to_its_peak_and_books_its_pools_only_when_taken():
+    book = _book(_residency(), host_pages=100, range_rows=100)
+    req = _req("a", 256, 0, 640)
+    f, fits = book.new(req, 640)
+    assert fits and book.growth(req, f, 640) == 33 * PS - 256
+    assert (book.host_left, book.ranges_left) == (100, 100)  # asked, not booked
+    book.take(f)
+    assert (book.host_left, book.ranges_left) == (100 - 27, 100 - 55)
+
+
+@pytest.mark.parametrize("host, ranges", [(26, 100), (100, 54)])
+def test_a_request_whose_pages_the_host_or_range_pool_cannot_take_is_charged_in_full(host, ranges):
+    book = _book(_residency(), host_pages=host, range_rows=ranges)
+    f, fits = book.new(_req("a", 256, 0, 640), 640)
+    assert f is not None and not fits
+
+
+def test_without_release_or_a_hot_set_a_request_is_charged_as_sglang_charges_it():
+    off = Residency()  # no host pool: release is off
+    assert FootprintBook(lambda rid: PARAMS, off, 100, 100, clip=4096).new(_req("a", 256, 0, 640), 640) == (None, False)
+    assert _book(_residency(), params=None).new(_req("a", 256, 0, 640), 640) == (None, False)
+    assert _book(_residency()).running(_req("a", 100, 10, 200), 190.0, 1.0) == 190.0  # never past the threshold
+
+
+def test_a_running_request_not_released_yet_is_charged_to_its_peak_from_where_it_is():
+    book = _book(_residency())
+    # 256 + 100 generated of 640: holds 356 tokens, its peak (the threshold's 33 pages) ahead.
+    assert book.running(_req("a", 256, 100, 640), 540.0, 1.0) == 33 * PS - 356
+    assert book.running(_req("b", 256, 100, 640), 540.0, 0.5) == (33 * PS - 356) * 0.5  # SGLang's ratio
+
+
+def test_a_released_running_request_is_charged_up_to_what_it_keeps_never_more_than_sglang():
+    # 600 of 896 tokens: 38 pages, 20 on the device (tree and own), 18 released.
+    states = [int(PageState.TREE)] * 16 + [int(PageState.COPIED)] * 4 + [int(PageState.RELEASED)] * 18
+    r = _residency({"a": states})
+    book = _book(r, host_pages=100, range_rows=100)
+    charge = book.running(_req("a", 256, 344, 640), 296.0, 1.0)
+    assert charge == 29 * PS - 20 * PS  # kept at the end (29 pages) less the 20 it holds
+    assert book.host_left == 100 - (27 - 18) and book.ranges_left == 100 - (55 - 37)
+    assert _book(r).running(_req("a", 256, 344, 640), 40.0, 1.0) == 40.0
+
+
+def test_the_host_pages_admitted_requests_hold_are_their_own_copies():
+    states = [int(s) for s in (PageState.TREE, PageState.COPIED, PageState.RELEASED, PageState.LENT_RELEASED)]
+    assert _residency({"a": states, "b": [int(PageState.RELEASED)] * 3}).host_pages_held() == 2 + 3
