@@ -19,8 +19,13 @@ for all of them, decode tokens/s (the median of the per-step rates SGLang logs a
 batch 1, one request sent alone first, and at the largest batch reached), how many
 greedy outputs equal dense's and how many tokens they share with it before the first
 difference, the pages released to the host, the KV pool's and the guard pool's sizes
-(from the server's start-up log) and the peak resident memory of the server's
-processes. Writes RESULTS_capacity.md and capacity.png into --out and prints the table.
+(from the server's start-up log), the peak resident memory of the server's
+processes, and how admission went: requests admitted by footprint or charged their whole
+length for want of host or key-range room (``--hot-set-admission``,
+``scheduler/admission.py``) and requests SGLang retracted. ``--stop-after-s`` aborts the
+concurrent requests after that long (a long generation's admission is settled in its first
+minutes; its outputs are then not compared). Writes RESULTS_capacity.md and capacity.png
+into --out and prints the table.
 
     python -m benchmark.long_context.bench_capacity --out /tmp/bench_capacity
 """
@@ -33,9 +38,13 @@ import shlex
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
+
+import requests
 
 from benchmark.long_context.bench_hot_set import PAGE, essay_text
 from sgl_importance.client import flush_cache, generate, greedy, metrics_text
@@ -49,14 +58,19 @@ KV_LINE = re.compile(r"max_total_num_tokens=(\d+)")
 POOLS_LINE = re.compile(r"hot set: pools of (\d+) tokens .*?; ([\d.]+) MiB in all")
 
 
-CONFIG_KEYS = ("dense", "guard", "guard-off")
+CONFIG_KEYS = ("dense", "guard", "guard-off", "guard-length", "guard-off-length")
+ADMITTED = "sgl_importance:hot_set_admitted_by_footprint_total"
+REFUSED = "sgl_importance:hot_set_footprint_refused_total"
+RETRACTED = "sglang:num_retracted_requests_total"
 
 
 def configs(budget: float, keys: list[str], device_tokens: int) -> dict[str, tuple[int, list[str]]]:
     """name -> (``--max-total-tokens``, the other flags): dense (always, the baseline),
     then of ``keys``: the hot set with the server's default guard (``guard``), and with
     the guard off (``guard-off``: reads only the hot set, what the page saving is worth
-    in decode speed), each at dense's ``--max-total-tokens`` (its pools come out of it)."""
+    in decode speed), each at dense's ``--max-total-tokens`` (its pools come out of it);
+    ``guard-length`` / ``guard-off-length``: the same, admitted as SGLang charges any request
+    (``--hot-set-admission length``: prompt + max_new_tokens) instead of by footprint."""
     hot = ["--hot-set-policy", "importance", "--hot-set-budget", str(budget), "--hot-set-threshold", "512"]
     tokens = device_tokens
     every = {
@@ -64,6 +78,10 @@ def configs(budget: float, keys: list[str], device_tokens: int) -> dict[str, tup
         "guard": (f"hot set {budget:.0%}", (tokens, hot)),
         "guard-off": (f"hot set {budget:.0%} guard off", (tokens, hot + ["--hot-set-guard-threshold", "1"])),
     }
+    by_length = ["--hot-set-admission", "length"]
+    every["guard-length"] = (f"{every['guard'][0]}, admitted by length", (tokens, hot + by_length))
+    off = every["guard-off"]
+    every["guard-off-length"] = (f"{off[0]}, admitted by length", (tokens, off[1][1] + by_length))
     return dict(every[k] for k in ["dense"] + [k for k in keys if k != "dense"])
 
 
@@ -96,10 +114,21 @@ def run_config(name: str, tokens: int, extra: list[str], prompts: list[list[int]
         mark = len(server.log())
         released = metric(metrics_text(server.url), RELEASED)
         start = time.time()
+        stopper = None
+        if a.stop_after_s:
+            # Admission is settled within minutes; the rest of a long generation only
+            # decodes. Abort everything then (SGLang's /abort_request, abort_all).
+            stopper = threading.Timer(a.stop_after_s, abort_all, (server.url,))
+            stopper.start()
         with ThreadPoolExecutor(len(prompts)) as pool:
-            results = list(pool.map(decode, prompts))
+            results = list(pool.map(lambda ids: decode_or_stopped(decode, ids, stopper), prompts))
+        if stopper is not None:
+            stopper.cancel()
         wall = time.time() - start
-        released = metric(metrics_text(server.url), RELEASED) - released
+        scrape = metrics_text(server.url)
+        released = metric(scrape, RELEASED) - released
+        series = (("by_footprint", ADMITTED), ("footprint_refused", REFUSED), ("retracted", RETRACTED))
+        admission = {k: metric(scrape, name) for k, name in series}
         lines = decode_steps(server.log()[mark:])
         peak_mb = _peak_rss_mb(server.proc.pid)
         log_text = server.log()
@@ -120,11 +149,30 @@ def run_config(name: str, tokens: int, extra: list[str], prompts: list[list[int]
         "outputs": [r["output_ids"] for r in results],
         "peak_rss_mb": peak_mb,
         "pages_released": released,
+        **admission,
         "device_tokens_peak": max(held, default=0),
         "kv_tokens": int(kv.group(1)) if kv else 0,
         "pool_tokens": int(pools.group(1)) if pools else 0,
         "pool_mib": float(pools.group(2)) if pools else 0.0,
     }
+
+
+def abort_all(url: str) -> None:
+    requests.post(url + "/abort_request", json={"abort_all": True}, timeout=60).raise_for_status()
+
+
+def decode_or_stopped(decode, ids: list[int], stopper: Optional[threading.Timer]) -> dict:
+    """``decode(ids)``; once ``stopper`` fired, an aborted request's answer, whatever SGLang
+    returned for it (its tokens, if any, are not compared)."""
+    try:
+        result = decode(ids)
+    except requests.HTTPError:
+        if stopper is None or not stopper.finished.is_set():
+            raise
+        return {"output_ids": [], "stopped": True}
+    if stopper is not None and stopper.finished.is_set():
+        result = {**result, "stopped": True}
+    return result
 
 
 def _peak_rss_mb(pid: int) -> float:
@@ -161,6 +209,13 @@ def main() -> None:
     p.add_argument("--length", type=int, default=1500, help="prompt tokens")
     p.add_argument("--requests", type=int, default=12, help="sent at once")
     p.add_argument("--max-new", type=int, default=64)
+    p.add_argument(
+        "--stop-after-s",
+        type=float,
+        default=0,
+        help="abort the concurrent requests after this many seconds (0: let them finish); for long "
+        "generations, whose admission is settled early: outputs are then not compared",
+    )
     p.add_argument("--budget", type=float, default=0.2)
     p.add_argument("--hicache-ratio", type=float, default=0.0, help="host pool over the device pool (0: SGLang's)")
     p.add_argument("--dtype", default="float32", help="every server's --dtype (the runs on record: float32)")
@@ -193,8 +248,8 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
         "| decode tok/s, bs 1 | decode tok/s at that batch | greedy outputs = dense | peak RSS, MB "
         "| tokens before the first difference from dense: min / median | pages released "
         "| device KV tokens in use, most in one step "
-        "| KV pool tokens | hot-set pools: tokens, MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| KV pool tokens | hot-set pools: tokens, MiB | admitted by footprint / refused | retracted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = r["peak"] / base["peak"] if base["peak"] else float("nan")
@@ -205,13 +260,15 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
             f"{r['wall_s']:.0f}",
             f"{r['tps_bs1']:.1f}",
             f"{r['tps_peak']:.1f}",
-            f"{sum(x == y for x, y in zip(r['outputs'], base['outputs']))}/{a.requests}",
+            "–" if a.stop_after_s else f"{sum(x == y for x, y in zip(r['outputs'], base['outputs']))}/{a.requests}",
             f"{r.get('peak_rss_mb', 0):.0f}",
             _first_differences(r["outputs"], base["outputs"]),
             f"{r.get('pages_released', 0):.0f}",
             r.get("device_tokens_peak", 0),
             r.get("kv_tokens", 0),
             f"{r.get('pool_tokens', 0)}, {r.get('pool_mib', 0.0):.1f}",
+            f"{r.get('by_footprint', 0):.0f} / {r.get('footprint_refused', 0):.0f}",
+            f"{r.get('retracted', 0):.0f}",
         )
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     table = "\n".join(lines)

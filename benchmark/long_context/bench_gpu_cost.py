@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
+from sgl_importance.hot_set.footprint import footprint
 from sgl_importance.hot_set.guard_budget import KVShape, auto_coverage, plan_guard
 from sgl_importance.hot_set.key_codes import bytes_per_token, kv_bytes_per_token
 from sgl_importance.hot_set.key_ranges import range_bytes_per_page
@@ -68,6 +69,8 @@ torch.set_grad_enabled(False)
 LAYERS, KV_HEADS, Q_HEADS, DIM, PAGE, ELEMENT = 32, 8, 32, 128, 16, 2  # Llama-3.1-8B, bf16
 HBM, BANDWIDTH, WEIGHTS, RESERVE = 80e9, 3.35e12, 16e9, 0.10  # H100 SXM
 BUDGET = 0.2
+THRESHOLD = 2048  # --hot-set-threshold's default
+CLIP_NEW_TOKENS = 4096  # SGLang's cap on a request's estimated new tokens (SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION)
 LAYER_HEADS = LAYERS * KV_HEADS
 
 # Per layer and KV head.
@@ -235,6 +238,41 @@ def budget_table() -> str:
     return "\n".join(lines)
 
 
+def admission_table(prompt: int = 1024, generated: tuple[int, ...] = (3072, 8192, 31744)) -> str:
+    """Long generations admitted at once on the card, guard off, pools at their auto size
+    with a host tier: charged their prompt and ``min(max_new, 4096)`` (SGLang's charge under
+    ``ignore_eos``; ``--hot-set-admission length``) against their prompt and their growth to
+    their peak footprint (``hot_set/footprint.footprint``, the default threshold) while the
+    key-range pool has a row for each of their full pages (past that, the length charge),
+    as ``scheduler/admission.py`` charges; and how many the device holds once all are at
+    their final length (the hot set kept), which SGLang's 4,096-token cap ignores."""
+    usable = HBM - WEIGHTS - RESERVE * HBM
+    alone = int(usable // SHAPE.kv_bytes_per_page) * PAGE
+    got = plan_guard(alone, SHAPE, guard_tokens=None, coverage=auto_coverage(BUDGET, True), ranges=True, guard=False)
+    params = HotSetParams(policy="importance", budget=BUDGET)
+    lines = [
+        "| prompt + generated | by length: tokens charged, requests at once | by footprint: tokens charged "
+        "(its peak), requests at once | ratio | key-range pool's rows for | kept once released | "
+        "held at the final length |",
+        "|" + "---|" * 7,
+    ]
+    for new in generated:
+        f = footprint(prompt, prompt + new, params, threshold=THRESHOLD, page_size=PAGE)
+        by_length = prompt + min(new, CLIP_NEW_TOKENS) + PAGE
+        by_footprint = prompt + min(new, CLIP_NEW_TOKENS, f.peak - prompt) + PAGE
+        rows = got.range_pages // max(f.ranged, 1)
+        n_length = got.kv_tokens // by_length
+        n_footprint = got.kv_tokens // by_footprint
+        if n_footprint > rows:  # the rest charged by length
+            n_footprint = rows + (got.kv_tokens - rows * by_footprint) // by_length
+        held = min(got.kv_tokens // f.kept, rows)
+        lines.append(
+            f"| {prompt:,} + {new:,} | {by_length:,}, {n_length} | {by_footprint:,} ({f.peak:,}), {n_footprint} | "
+            f"{n_footprint / max(n_length, 1):.2f}x | {rows} | {f.kept:,} | {held} |"
+        )
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     head = (
         "| context | configuration | device bytes / token | vs KV | requests that fit: all pages on device / "
@@ -322,6 +360,9 @@ def main() -> None:
         + "\n\nWhat the hot set takes out of the KV budget (``plan_guard``, as the server calls it; "
         + "every plugin device byte is in these pools):\n\n"
         + budget_table()
+        + "\n\nLong generations admitted at once (guard off, host tier; admission by footprint, "
+        + "``scheduler/admission.py``; arithmetic):\n\n"
+        + admission_table()
         + "\n"
     )
     (a.out / "RESULTS_gpu_cost.md").write_text(text)
