@@ -332,6 +332,10 @@ HOT_SET_SERIES = {
         "admitted_by_footprint",
         "Hot-set requests admitted charging what they keep on the device, not their whole length.",
     ),
+    "release_waits": (
+        "release_waits",
+        "Decode steps short of device room that waited for in-flight release copies before SGLang could retract.",
+    ),
     "footprint_refused": (
         "footprint_refused",
         "Hot-set requests admitted at their whole length: the host or key-range pool could not take their pages.",

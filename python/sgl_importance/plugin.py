@@ -86,6 +86,7 @@ HOOKS = (
     Hook("managers.scheduler.Scheduler.handle_generate_request", "scheduler.hot_set_requests:note_request", "before", "scheduler", ("request_params", "config")),
     Hook("mem_cache.common.checkpoint_kv_cache", "scheduler.hot_set_release:checkpoint_unless_released", "around", "scheduler", ("residency",)),
     Hook("managers.schedule_batch.ScheduleBatch.prepare_for_decode", "scheduler.hot_set_release:admit_grown", "after", "scheduler", ("residency",)),  # lengths set, before the forward
+    Hook("managers.schedule_batch.ScheduleBatch.check_decode_mem", "scheduler.hot_set_release:decode_fits_after_releases", "around", "scheduler", ("residency",)),  # before SGLang retracts
     Hook("mem_cache.common.release_kv_cache", "scheduler.hot_set_release:release_with_pages", "around", "scheduler", ("residency", "request_params")),
     Hook("mem_cache.base_prefix_cache.BasePrefixCache.free_kv_row", "scheduler.hot_set_release:free_row_around_released", "around", "scheduler", ("residency",)),
     Hook("managers.schedule_policy.PrefillAdder.__init__", "cache.prefetch:note_prefill_adder", "after", "scheduler"),
@@ -94,8 +95,7 @@ HOOKS = (
     Hook("mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore.insert_host", "cache.stored:restore_after_insert_host", "after", "scheduler"),
     Hook("mem_cache.storage_prefetch.StoragePrefetchRetries.pop_ready", "cache.stored:rank_storage_retries", "around", "scheduler", ("scheduler",)),
     Hook("mem_cache.storage.backend_factory.StorageBackendFactory.create_backend", "runtime:Runtime.storage_backend", "around", "scheduler", ("runtime",)),  # outside SGLang's failure injector
-    # Launcher checks: a bad value stops start-up in one line, before any model loads.
-    Hook("server_args.ServerArgs.from_cli_args", "trace.recorder:export_trace_dir", "check", "any"),
+    Hook("server_args.ServerArgs.from_cli_args", "trace.recorder:export_trace_dir", "check", "any"),  # launcher checks: a bad value stops start-up in one line, before any model loads
     Hook("server_args.ServerArgs.from_cli_args", "storage.factory:check_cli_args", "check", "any"),
     Hook("managers.scheduler.Scheduler.__init__", "trace.tracing:Tracing.start", "after", "trace", ("tracing",)),
     Hook("managers.scheduler.Scheduler.process_batch_result", "trace.tracing:Tracing.around_batch_result", "around", "trace", ("tracing",)),

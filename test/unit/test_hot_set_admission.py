@@ -115,3 +115,40 @@ def test_a_released_running_request_is_charged_up_to_what_it_keeps_never_more_th
 def test_the_host_pages_admitted_requests_hold_are_their_own_copies():
     states = [int(s) for s in (PageState.TREE, PageState.COPIED, PageState.RELEASED, PageState.LENT_RELEASED)]
     assert _residency({"a": states, "b": [int(PageState.RELEASED)] * 3}).host_pages_held() == 2 + 3
+
+
+class _Copies:
+    """Release copies in flight: ``pending`` device pages freed once collected."""
+
+    def __init__(self, pending: int) -> None:
+        self.pending, self.freed, self.waited = pending, 0, False
+
+    @property
+    def frees_waiting(self) -> bool:
+        return self.pending > 0
+
+    def collect(self, wait: bool = False) -> None:
+        self.waited = wait
+        self.freed, self.pending = self.freed + self.pending, 0
+
+
+@pytest.mark.parametrize("pending, fits_after", [(4, True), (1, False), (0, False)])
+def test_a_decode_check_short_of_room_waits_for_release_copies_before_sglang_retracts(pending, fits_after):
+    from sgl_importance.scheduler.hot_set_release import decode_fits_after_releases
+
+    r = _residency()
+    r.copies = _Copies(pending)
+    free = {"pages": 2}
+    checks = []
+
+    def check(batch, selected_indices=None):  # SGLang's: the step needs 4 free pages
+        checks.append(selected_indices)
+        return free["pages"] + r.copies.freed >= 4
+
+    assert decode_fits_after_releases(r, check, "batch", selected_indices=[0]) is fits_after
+    assert r.counts.release_waits == (1 if pending else 0)
+    assert r.copies.waited == bool(pending)
+    assert checks == [[0]] * (2 if pending else 1)  # asked again only after freeing
+    r.copies = _Copies(5)
+    free["pages"] = 4
+    assert decode_fits_after_releases(r, check, "batch") and r.copies.pending == 5  # room: nothing waited for

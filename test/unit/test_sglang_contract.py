@@ -363,6 +363,7 @@ HOOK_TARGETS = [
     f"{CACHE}.ready_to_load_host_cache",
     "sglang.srt.managers.schedule_policy.PrefillAdder.__init__",
     "sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class",
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem",
     f"{CORE}.insert_host",
     f"{MEM}.storage_prefetch.StoragePrefetchRetries.pop_ready",
     f"{MEM}.storage.backend_factory.StorageBackendFactory.create_backend",

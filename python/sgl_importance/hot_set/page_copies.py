@@ -41,6 +41,11 @@ class PageCopies:
         """Whether copies were queued that no fence has waited for yet."""
         return self._event is not None
 
+    @property
+    def frees_waiting(self) -> bool:
+        """Whether device pages wait for a copy out of them to finish before they are freed."""
+        return bool(self._frees)
+
     def run(self, copy: Callable[[], None], *held: Any) -> None:
         """Issue ``copy`` on the side stream (in line without one)."""
         if self.stream is None:
