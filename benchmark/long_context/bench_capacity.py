@@ -262,7 +262,7 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
             f"{r['tps_peak']:.1f}",
             "–" if a.stop_after_s else f"{sum(x == y for x, y in zip(r['outputs'], base['outputs']))}/{a.requests}",
             f"{r.get('peak_rss_mb', 0):.0f}",
-            _first_differences(r["outputs"], base["outputs"]),
+            "–" if a.stop_after_s else _first_differences(r["outputs"], base["outputs"]),
             f"{r.get('pages_released', 0):.0f}",
             r.get("device_tokens_peak", 0),
             r.get("kv_tokens", 0),
