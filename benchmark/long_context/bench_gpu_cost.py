@@ -70,7 +70,6 @@ LAYERS, KV_HEADS, Q_HEADS, DIM, PAGE, ELEMENT = 32, 8, 32, 128, 16, 2  # Llama-3
 HBM, BANDWIDTH, WEIGHTS, RESERVE = 80e9, 3.35e12, 16e9, 0.10  # H100 SXM
 BUDGET = 0.2
 THRESHOLD = 2048  # --hot-set-threshold's default
-CLIP_NEW_TOKENS = 4096  # SGLang's cap on a request's estimated new tokens (SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION)
 LAYER_HEADS = LAYERS * KV_HEADS
 
 # Per layer and KV head.
@@ -246,6 +245,8 @@ def admission_table(prompt: int = 1024, generated: tuple[int, ...] = (3072, 8192
     key-range pool has a row for each of their full pages (past that, the length charge),
     as ``scheduler/admission.py`` charges; and how many the device holds once all are at
     their final length (the hot set kept), which SGLang's 4,096-token cap ignores."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS as CLIP_NEW_TOKENS  # what admission reads
+
     usable = HBM - WEIGHTS - RESERVE * HBM
     alone = int(usable // SHAPE.kv_bytes_per_page) * PAGE
     got = plan_guard(alone, SHAPE, guard_tokens=None, coverage=auto_coverage(BUDGET, True), ranges=True, guard=False)

@@ -7,12 +7,11 @@ The torch reader's proof is ``test/unit/test_hot_set_graph_step.py``."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("triton", reason="triton is not installed; the Triton decode kernels cannot run")
 
 from support.graph_replay import first_difference, record, signature  # noqa: E402
-from support.graph_twin import Twin, assert_same_states, params  # noqa: E402
+from support.graph_twin import Twin, assert_decodes_alike, params  # noqa: E402
 
 
 def test_the_triton_step_replayed_decodes_as_the_eager_step():
@@ -24,9 +23,7 @@ def test_the_triton_step_replayed_decodes_as_the_eager_step():
             twin.join("long-b", 30)
         if step == 6:
             twin.leave("short")
-        eager, graph = twin.decode()
-        assert torch.allclose(eager, graph, atol=2e-5), step
-        assert_same_states(twin)
+        assert_decodes_alike(twin, step, atol=2e-5)
     assert sorted(twin.graphs) == [(2, False), (3, False)] and not twin.refused
     kernels = {str(op[0]) for op in twin.graphs[2, False].ops if str(op[0]).startswith("triton.")}
     assert {"triton._decode_importance_stage1", "triton._tally_pages_kernel"} <= kernels, kernels
@@ -59,8 +56,6 @@ def test_the_guarded_triton_step_replayed_decodes_as_the_eager_guarded_step(monk
     twin.join("g", 60)
     twin.join("short", 5)
     for step in range(6):
-        eager, graph = twin.decode()
-        assert torch.allclose(eager, graph, atol=2e-5), step
-        assert_same_states(twin)
+        assert_decodes_alike(twin, step, atol=2e-5)
     assert twin.refused == ["warmup"] and (2, True) in twin.graphs
     assert twin.graphed.totals.guard_checks == twin.eager.totals.guard_checks > 0

@@ -141,3 +141,10 @@ def assert_same_states(twin: Twin) -> None:
     for rid in eager:
         assert torch.allclose(eager[rid].importance(), graphed[rid].importance(), atol=1e-6), rid
         assert torch.equal(eager[rid].resident, graphed[rid].resident), rid
+
+
+def assert_decodes_alike(twin: Twin, step: int, atol: float) -> None:
+    """One step both ways: the outputs within ``atol``, the requests' states the same."""
+    eager, graph = twin.decode()
+    assert torch.allclose(eager, graph, atol=atol), step
+    assert_same_states(twin)

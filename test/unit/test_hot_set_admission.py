@@ -73,8 +73,8 @@ def _book(residency: Residency, host_pages: int = 10_000, range_rows=10_000, par
 def test_a_new_request_is_charged_its_growth_to_its_peak_and_books_its_pools_only_when_taken():
     book = _book(_residency(), host_pages=100, range_rows=100)
     req = _req("a", 256, 0, 640)
-    f, fits = book.new(req, 640)
-    assert fits and book.growth(req, f, 640) == 33 * PS - 256
+    f, growth = book.new(req)
+    assert growth == 33 * PS - 256
     assert (book.host_left, book.ranges_left) == (100, 100)  # asked, not booked
     book.take(f)
     assert (book.host_left, book.ranges_left) == (100 - 27, 100 - 55)
@@ -83,14 +83,14 @@ def test_a_new_request_is_charged_its_growth_to_its_peak_and_books_its_pools_onl
 @pytest.mark.parametrize("host, ranges", [(26, 100), (100, 54)])
 def test_a_request_whose_pages_the_host_or_range_pool_cannot_take_is_charged_in_full(host, ranges):
     book = _book(_residency(), host_pages=host, range_rows=ranges)
-    f, fits = book.new(_req("a", 256, 0, 640), 640)
-    assert f is not None and not fits
+    f, growth = book.new(_req("a", 256, 0, 640))
+    assert f is not None and growth is None
 
 
 def test_without_release_or_a_hot_set_a_request_is_charged_as_sglang_charges_it():
     off = Residency()  # no host pool: release is off
-    assert FootprintBook(lambda rid: PARAMS, off, 100, 100, clip=4096).new(_req("a", 256, 0, 640), 640) == (None, False)
-    assert _book(_residency(), params=None).new(_req("a", 256, 0, 640), 640) == (None, False)
+    assert FootprintBook(lambda rid: PARAMS, off, 100, 100, clip=4096).new(_req("a", 256, 0, 640)) == (None, None)
+    assert _book(_residency(), params=None).new(_req("a", 256, 0, 640)) == (None, None)
     assert _book(_residency()).running(_req("a", 100, 10, 200), 190.0, 1.0) == 190.0  # never past the threshold
 
 

@@ -16,7 +16,7 @@ import torch
 
 from sgl_importance.hot_set.graph_step import GraphCapacity, GraphStep
 from support.graph_replay import first_difference, outside_tensors, record, signature
-from support.graph_twin import LAYERS, PAGE, POOL_PAGES, ROW_PAGES, SCALE, Twin, assert_same_states, params
+from support.graph_twin import LAYERS, PAGE, POOL_PAGES, ROW_PAGES, SCALE, Twin, assert_decodes_alike, params
 from support.host_syncs import SYNC_KINDS, UPLOAD, HostSyncCounter
 
 
@@ -32,9 +32,7 @@ def test_a_replayed_step_decodes_as_the_eager_step_through_joins_leaves_and_new_
             twin.leave("short")
         if step == 12:
             twin.join("short-2", 3)
-        eager, graph = twin.decode()
-        assert torch.allclose(eager, graph, atol=1e-5), step
-        assert_same_states(twin)
+        assert_decodes_alike(twin, step, atol=1e-5)
     assert not twin.refused
     assert sorted(twin.graphs) == [(2, False), (3, False)]  # one graph per batch size, each replayed
     assert twin.graphed.totals.steps == twin.eager.totals.steps > 0
@@ -155,9 +153,7 @@ def test_a_replayed_guarded_step_decodes_as_the_eager_guarded_step(monkeypatch, 
     for step in range(steps):
         if step == 3:
             twin.join("g2", 45)
-        eager, graph = twin.decode()
-        assert torch.allclose(eager, graph, atol=1e-5), step
-        assert_same_states(twin)
+        assert_decodes_alike(twin, step, atol=1e-5)
         for rid, tracked in twin.eager.tracked.items():
             other = twin.graphed.tracked[rid]
             assert (tracked.caps is None) == (other.caps is None)

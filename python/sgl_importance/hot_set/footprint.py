@@ -4,9 +4,9 @@ A tracked request holds the KV pages its row reads from the device, and, in the 
 set's fixed pools, one key-range row per full page and, guarded, one key-code row per
 full page (``key_ranges.py``, ``key_codes.py``). :func:`held_bytes` counts that for a
 request as it is now (the ``sgl_importance:hot_set_device_bytes`` gauge sums it over the
-running requests); :func:`kept_bytes` is what a request of a given length keeps once its
-hot set has settled (its budget's pages on the device, every full page in the pools),
-which admission charges it.
+running requests); :func:`footprint` is what a request of a given length holds on the
+device at its peak and keeps once released, in KV tokens, which admission charges it
+(``scheduler/admission.py``).
 
 Plain arithmetic; nothing here imports SGLang.
 """
@@ -31,21 +31,6 @@ class PageBytes:
 def held_bytes(device_pages: int, ranged_pages: int, coded_pages: int, page: PageBytes) -> int:
     """F(request) now: the KV pages its row reads on the device and its pool rows."""
     return device_pages * page.kv + ranged_pages * page.ranges + coded_pages * page.codes
-
-
-def kept_bytes(num_pages: int, params: HotSetParams, page: PageBytes, *, released: bool = True) -> int:
-    """F(request) settled: a request of ``num_pages`` pages under ``params``.
-
-    Args:
-        released: whether pages outside the hot set leave the device (a host pool is
-            there); otherwise every page stays.
-    """
-    full = max(num_pages - 1, 0)
-    if params.policy == "dense":
-        return num_pages * page.kv
-    on_device = params.budget_pages(num_pages) if released else num_pages
-    codes = full if params.guard_threshold < 1.0 else 0
-    return held_bytes(on_device, full, codes, page)
 
 
 @dataclass(frozen=True)

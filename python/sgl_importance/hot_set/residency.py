@@ -70,7 +70,6 @@ ON_DEVICE = (S.TREE, S.LENT, S.LENT_OWNED, S.RESIDENT, S.COPIED)
 OWN_DEVICE = (S.LENT_OWNED, S.RESIDENT, S.COPIED)  # device pages the request frees itself
 OWN_HOST = (S.COPIED, S.RELEASED)  # host copies the request frees itself
 OFF_DEVICE = (S.LENT_RELEASED, S.RELEASED)
-_OWN_HOST = torch.tensor([int(s) for s in OWN_HOST], dtype=torch.uint8)
 
 
 class PagePools(Protocol):
@@ -206,6 +205,10 @@ class RequestPages:
         off[inside] = (st == S.RELEASED) | (st == S.LENT_RELEASED)
         return off
 
+    def own_host(self) -> torch.Tensor:
+        """Which logical pages have a host copy of the request's own (bool per page)."""
+        return (self.state == S.COPIED) | (self.state == S.RELEASED)
+
     def released_pages(self) -> torch.Tensor:
         """Logical pages with no device page, ascending."""
         return torch.nonzero((self.state == S.RELEASED) | (self.state == S.LENT_RELEASED)).flatten()
@@ -303,7 +306,7 @@ class Residency:
 
     def host_pages_held(self) -> int:
         """Host pages the admitted requests hold as their own copies."""
-        return sum(int(torch.isin(p.state, _OWN_HOST).sum()) for p in self._pages.values())
+        return sum(int(p.own_host().sum()) for p in self._pages.values())
 
     def admitted(self, rid: str) -> bool:
         return rid in self._pages
@@ -316,7 +319,7 @@ class Residency:
         pages = self._pages.pop(rid, None)
         if pages is None or self.pools is None:
             return
-        own = (pages.state == S.COPIED) | (pages.state == S.RELEASED)
+        own = pages.own_host()
         if bool(own.any()):
             self.copies.host_ready()  # a release copy into them may still be running
             self.pools.free_host(pages.host_slots(torch.nonzero(own).flatten()), pages.owner)

@@ -38,13 +38,9 @@ import functools
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
-import torch
-
 from sgl_importance.hot_set.footprint import Footprint, footprint
-from sgl_importance.hot_set.residency import ON_DEVICE, Residency
+from sgl_importance.hot_set.residency import Residency
 from sgl_importance.hot_set.selection import HotSetParams
-
-_ON_DEVICE = torch.tensor([int(s) for s in ON_DEVICE], dtype=torch.uint8)
 
 
 class FootprintBook:
@@ -88,14 +84,16 @@ class FootprintBook:
         if self.ranges_left is not None:
             self.ranges_left -= max(f.ranged - ranged_now, 0)
 
+    def max_new(self, req: Any) -> int:
+        """New tokens SGLang charges ``req`` for: what it may still generate, capped."""
+        return min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), self.clip)
+
     def running(self, req: Any, dense_charge: float, ratio: float) -> float:
         """A running request's future growth, booked (SGLang's ``dense_charge`` unless it
         releases and its releases fit)."""
-        generated = len(req.output_ids)
         prompt = len(req.origin_input_ids)
-        now = prompt + generated
-        remaining = max(req.sampling_params.max_new_tokens - generated, 0)
-        f = self._footprint(req.rid, prompt, now + min(remaining, self.clip))
+        now = prompt + len(req.output_ids)
+        f = self._footprint(req.rid, prompt, now + self.max_new(req))
         if f is None:
             return dense_charge
         pages = self.residency.peek(req.rid)
@@ -103,26 +101,24 @@ class FootprintBook:
         if pages is None:  # not released yet: dense up to here, its peak still ahead
             held, released_now, peak = now, 0, f.peak
         else:
-            on_device = torch.isin(pages.state, _ON_DEVICE)
-            held, released_now, peak = int(on_device.sum()) * ps, int((~on_device).sum()), f.kept
+            released_now = pages.released_pages().numel()
+            held, peak = (pages.num_pages - released_now) * ps, f.kept
         ranged_now = max(-(-now // ps) - 1, 0)
         if not self.fits(f, ranged_now, released_now):
             return dense_charge
         self.take(f, ranged_now, released_now)
         return min(dense_charge, max(peak - held, 0) * ratio)
 
-    def new(self, req: Any, max_new: int) -> tuple[Optional[Footprint], bool]:
-        """A request being admitted: ``(its footprint, whether it fits)``; ``(None, False)``
-        when it is charged as SGLang charges it anyway (no release for it)."""
+    def new(self, req: Any) -> tuple[Optional[Footprint], Optional[int]]:
+        """A request being admitted: ``(its footprint, the tokens it is charged instead of
+        max_new)``; the growth is None when its releases do not fit, the footprint None when
+        it never releases (either way it is charged as SGLang charges it)."""
         prompt = len(req.origin_input_ids) + len(req.output_ids)  # a retracted one's output too
+        max_new = self.max_new(req)
         f = self._footprint(req.rid, prompt, prompt + max_new)
-        return f, f is not None and self.fits(f)
-
-    @staticmethod
-    def growth(req: Any, f: Footprint, max_new: int) -> int:
-        """Tokens a fitting request is charged instead of ``max_new``."""
-        prompt = len(req.origin_input_ids) + len(req.output_ids)
-        return min(max_new, max(f.peak - prompt, 0))
+        if f is None or not self.fits(f):
+            return f, None
+        return f, min(max_new, max(f.peak - prompt, 0))
 
 
 def footprint_adder(runtime: Any, original: Callable[..., type], scheduler: Any) -> type:
@@ -174,15 +170,14 @@ def _adder_class(base: type) -> type:
             return self.footprint_book.running(req, dense, ratio)
 
         def _select_prefill_admission(self, req: Any, *, total_tokens: int, **kwargs: Any) -> Any:
-            max_new = _max_new(req)
-            f, fits = self.footprint_book.new(req, max_new)
+            f, growth = self.footprint_book.new(req)
             self._selected.pop(req.rid, None)
             if f is not None:
-                self._selected[req.rid] = f if fits else None
-            if not fits:
+                self._selected[req.rid] = f if growth is not None else None
+            if growth is None:
                 return super()._select_prefill_admission(req, total_tokens=total_tokens, **kwargs)
-            growth = self.footprint_book.growth(req, f, max_new)
-            admission = super()._select_prefill_admission(req, total_tokens=total_tokens - max_new + growth, **kwargs)
+            total_tokens += growth - self.footprint_book.max_new(req)
+            admission = super()._select_prefill_admission(req, total_tokens=total_tokens, **kwargs)
             if isinstance(admission, AddReqResult) or admission.is_chunked:
                 return admission
             return replace(admission, max_new_tokens=min(admission.max_new_tokens, growth))
@@ -202,12 +197,11 @@ def _adder_class(base: type) -> type:
         def _update_prefill_budget(self, prefix_len: int, extend_input_len: int, max_new_tokens: int, *a, **kw):
             req = self._continuing
             if req is not None and max_new_tokens > 0:  # a chunked prompt's last chunk
-                max_new = _max_new(req)
-                f, fits = self.footprint_book.new(req, max_new)
-                if fits:
-                    max_new_tokens = min(max_new_tokens, self.footprint_book.growth(req, f, max_new))
+                f, growth = self.footprint_book.new(req)
+                if growth is not None:
+                    max_new_tokens = min(max_new_tokens, growth)
                 if f is not None:
-                    self._charged(f if fits else None, counted=True)
+                    self._charged(f if growth is not None else None, counted=True)
             return super()._update_prefill_budget(prefix_len, extend_input_len, max_new_tokens, *a, **kw)
 
         def _charged(self, f: Optional[Footprint], *, counted: bool) -> None:
@@ -222,9 +216,3 @@ def _adder_class(base: type) -> type:
 
     FootprintAdder.__qualname__ = FootprintAdder.__name__ = f"Footprint{base.__name__}"
     return FootprintAdder
-
-
-def _max_new(req: Any) -> int:
-    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
-
-    return min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
