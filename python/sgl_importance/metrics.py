@@ -336,6 +336,11 @@ HOT_SET_SERIES = {
         "release_waits",
         "Decode steps short of device room that waited for in-flight release copies before SGLang could retract.",
     ),
+    "hot_sets_shrunk": (
+        "hot_sets_shrunk",
+        "Hot sets the guard had grown past their budget (its selection wanted released pages), put back to it "
+        "by a decode step short of device room before SGLang could retract.",
+    ),
     "footprint_refused": (
         "footprint_refused",
         "Hot-set requests admitted at their whole length: the host or key-range pool could not take their pages.",

@@ -86,7 +86,7 @@ HOOKS = (
     Hook("managers.scheduler.Scheduler.handle_generate_request", "scheduler.hot_set_requests:note_request", "before", "scheduler", ("request_params", "config")),
     Hook("mem_cache.common.checkpoint_kv_cache", "scheduler.hot_set_release:checkpoint_unless_released", "around", "scheduler", ("residency",)),
     Hook("managers.schedule_batch.ScheduleBatch.prepare_for_decode", "scheduler.hot_set_release:admit_grown", "after", "scheduler", ("residency",)),  # lengths set, before the forward
-    Hook("managers.schedule_batch.ScheduleBatch.check_decode_mem", "scheduler.hot_set_release:decode_fits_after_releases", "around", "scheduler", ("residency",)),  # before SGLang retracts
+    Hook("managers.schedule_batch.ScheduleBatch.check_decode_mem", "scheduler.decode_room:fits_after_releases", "around", "scheduler", ("runtime",)),  # before SGLang retracts
     Hook("mem_cache.common.release_kv_cache", "scheduler.hot_set_release:release_with_pages", "around", "scheduler", ("residency", "request_params")),
     Hook("mem_cache.base_prefix_cache.BasePrefixCache.free_kv_row", "scheduler.hot_set_release:free_row_around_released", "around", "scheduler", ("residency",)),
     Hook("managers.schedule_policy.PrefillAdder.__init__", "cache.prefetch:note_prefill_adder", "after", "scheduler"),

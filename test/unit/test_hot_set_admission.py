@@ -66,8 +66,9 @@ def _req(rid: str, prompt: int, generated: int, max_new: int, ignore_eos: bool =
     return SimpleNamespace(rid=rid, origin_input_ids=[0] * prompt, output_ids=[0] * generated, sampling_params=sampling)
 
 
-def _book(residency: Residency, host_pages: int = 10_000, range_rows=10_000, params=PARAMS) -> FootprintBook:
-    return FootprintBook(lambda rid: params, residency, host_pages, range_rows, clip=4096)
+def _book(residency: Residency, host_pages: int = 10_000, range_rows=10_000, params=PARAMS, kept=None) -> FootprintBook:
+    kept = kept or {}
+    return FootprintBook(lambda rid: params, lambda rid: kept.get(rid), residency, host_pages, range_rows, clip=4096)
 
 
 def test_a_new_request_is_charged_its_growth_to_its_peak_and_books_its_pools_only_when_taken():
@@ -89,7 +90,8 @@ def test_a_request_whose_pages_the_host_or_range_pool_cannot_take_is_charged_in_
 
 def test_without_release_or_a_hot_set_a_request_is_charged_as_sglang_charges_it():
     off = Residency()  # no host pool: release is off
-    assert FootprintBook(lambda rid: PARAMS, off, 100, 100, clip=4096).new(_req("a", 256, 0, 640)) == (None, None)
+    book = FootprintBook(lambda rid: PARAMS, lambda rid: None, off, 100, 100, clip=4096)
+    assert book.new(_req("a", 256, 0, 640)) == (None, None)
     assert _book(_residency(), params=None).new(_req("a", 256, 0, 640)) == (None, None)
     assert _book(_residency()).running(_req("a", 100, 10, 200), 190.0, 1.0) == 190.0  # never past the threshold
 
@@ -112,6 +114,19 @@ def test_a_released_running_request_is_charged_up_to_what_it_keeps_never_more_th
     assert _book(r).running(_req("a", 256, 344, 640), 40.0, 1.0) == 40.0
 
 
+def test_a_hot_set_the_guard_grew_keeps_its_grown_share_and_is_charged_for_it():
+    # The 56-page generation of the first test with its hot set grown to 30 % of its pages:
+    # ceil(0.3 * 56) = 17 hot + 1 being filled + 16 of prompt = 34 pages kept (29 at the budget).
+    f = footprint(256, 896, PARAMS, threshold=THRESHOLD, page_size=PS, kept=0.3)
+    assert (f.kept, f.released) == (34 * PS, 56 - 34)
+    states = [int(PageState.TREE)] * 16 + [int(PageState.COPIED)] * 4 + [int(PageState.RELEASED)] * 18
+    r = _residency({"a": states})
+    grown = _book(r, kept={"a": 0.3}).running(_req("a", 256, 344, 640), 296.0, 1.0)
+    assert grown == 34 * PS - 20 * PS  # its grown share at the end less the 20 pages it holds
+    assert _book(r).running(_req("a", 256, 344, 640), 296.0, 1.0) == 29 * PS - 20 * PS
+    assert _book(r, kept={"a": 0.5}).running(_req("a", 256, 344, 640), 296.0, 1.0) == 296.0  # never past SGLang's
+
+
 def test_the_host_pages_admitted_requests_hold_are_their_own_copies():
     states = [int(s) for s in (PageState.TREE, PageState.COPIED, PageState.RELEASED, PageState.LENT_RELEASED)]
     assert _residency({"a": states, "b": [int(PageState.RELEASED)] * 3}).host_pages_held() == 2 + 3
@@ -132,9 +147,25 @@ class _Copies:
         self.freed, self.pending = self.freed + self.pending, 0
 
 
+class _Decoder:
+    """``HotSetDecoder.shrink`` as the decode check sees it: ``grown`` requests' pages to release."""
+
+    def __init__(self, grown: list) -> None:
+        self.grown, self.shrunk = grown, 0
+
+    def shrink(self) -> list:
+        self.shrunk += 1
+        grown, self.grown = self.grown, []
+        return grown
+
+
+def _runtime(r: Residency, grown: list | None = None) -> SimpleNamespace:
+    return SimpleNamespace(residency=r, hot_set_attention=SimpleNamespace(decoder=_Decoder(grown or [])))
+
+
 @pytest.mark.parametrize("pending, fits_after", [(4, True), (1, False), (0, False)])
 def test_a_decode_check_short_of_room_waits_for_release_copies_before_sglang_retracts(pending, fits_after):
-    from sgl_importance.scheduler.hot_set_release import decode_fits_after_releases
+    from sgl_importance.scheduler.decode_room import fits_after_releases
 
     r = _residency()
     r.copies = _Copies(pending)
@@ -145,10 +176,29 @@ def test_a_decode_check_short_of_room_waits_for_release_copies_before_sglang_ret
         checks.append(selected_indices)
         return free["pages"] + r.copies.freed >= 4
 
-    assert decode_fits_after_releases(r, check, "batch", selected_indices=[0]) is fits_after
+    runtime = _runtime(r)
+    assert fits_after_releases(runtime, check, "batch", selected_indices=[0]) is fits_after
     assert r.counts.release_waits == (1 if pending else 0)
     assert r.copies.waited == bool(pending)
     assert checks == [[0]] * (2 if pending else 1)  # asked again only after freeing
+    assert runtime.hot_set_attention.decoder.shrunk == (0 if fits_after else 1)  # nothing grown: no third check
     r.copies = _Copies(5)
     free["pages"] = 4
-    assert decode_fits_after_releases(r, check, "batch") and r.copies.pending == 5  # room: nothing waited for
+    assert fits_after_releases(_runtime(r), check, "batch") and r.copies.pending == 5  # room: nothing waited for
+
+
+def test_a_decode_check_still_short_puts_grown_hot_sets_back_to_their_budget_before_sglang_retracts():
+    from sgl_importance.scheduler.decode_room import fits_after_releases
+
+    r = _residency()
+    released = []
+    r.copies = _Copies(0)
+    r.release = lambda wanted: released.extend(wanted)  # the owner's release, seen from here
+    grown = [("pages-a", torch.tensor([3, 4])), ("pages-b", torch.tensor([7]))]
+    runtime = _runtime(r, grown)
+    room = lambda batch: len(released) == 2  # noqa: E731  (SGLang's check: fits once both released)
+    assert fits_after_releases(runtime, room, "batch")
+    assert released == grown and r.counts.hot_sets_shrunk == 2 and r.copies.waited  # the frees run before the check
+    # Short with nothing grown: SGLang retracts (the check's False is returned as is).
+    assert not fits_after_releases(_runtime(r), lambda batch: False, "batch")
+    assert r.counts.hot_sets_shrunk == 2

@@ -218,11 +218,21 @@ class Placed:
         done = self.written.get(req.rid, 0)
         for pos in range(done, req.length):
             if pos % PAGE == 0:
-                req.row[pos : pos + PAGE] = self.tiers.alloc_device(1).to(torch.int32)
+                req.row[pos : pos + PAGE] = self._page().to(torch.int32)
             slot = int(req.row[pos])
             self.tiers.k[:, slot], self.tiers.v[:, slot] = req.k[:, pos], req.v[:, pos]
         self.written[req.rid] = req.length
         self.requests[req.rid] = req
+
+    def _page(self) -> torch.Tensor:
+        """A free device page; where none is, what the server's decode check does first
+        (grown hot sets back to their budget) before SGLang would retract."""
+        from sgl_importance.scheduler.decode_room import fits_after_releases
+
+        runtime = SimpleNamespace(residency=self.residency, hot_set_attention=SimpleNamespace(decoder=self.decoder))
+        if fits_after_releases(runtime, lambda batch: bool(self.tiers.free_device_pages), None):
+            return self.tiers.alloc_device(1)
+        raise AssertionError("the device is full even with every hot set at its budget")
 
     def step(self, queries: torch.Tensor):
         reqs = list(self.requests.values())
@@ -242,7 +252,9 @@ class Placed:
 def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_the_device(guard):
     """Guard off, the outputs equal the reference's; guarded, the selection wants released
     pages the reference has on its device: misses, not read (no host read inside a layer),
-    promoted for later steps, so the outputs differ there and the moves are checked."""
+    promoted for later steps (the hot set growing by them), so the outputs differ there and
+    the moves are checked; where the device runs short, grown hot sets go back to their
+    budget before a page is refused (the server's decode check, ``Placed.place``)."""
     # Three requests of 20 pages (60 pages with what they generate) on a 32-page
     # device: each is prefilled after the previous ones released what their hot
     # sets (4 pages) leave out. The reference keeps everything on a large device.
@@ -284,6 +296,10 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_
     if guard < 1.0:
         # The selection wanted released pages: misses, counted per layer, promoted later.
         assert moved.late_arrivals > 0 and moved.pages_missed > 0
+        # The misses grew hot sets past the 4-page budget, the device ran short, and the grown
+        # ones went back to their budget for good.
+        assert moved.hot_sets_shrunk > 0
+        assert any(not physical.decoder.tracked[r.rid].grows for r in copies)
         assert reference.decoder.totals.pages_missed == 0  # every page on its device
     else:
         assert moved.pages_missed == 0 and moved.guard_checks == 0
@@ -291,6 +307,66 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_
     for req in copies:
         released.forget(req.rid)
     assert len(small.free_host_pages) == 100
+
+
+def test_a_guarded_hot_set_grows_by_what_its_selection_missed_and_goes_back_to_its_budget_for_good():
+    tiers = array_pools(device_pages=200, host_pages=100)
+    residency = residency_over(tiers)
+    placed = Placed(tiers, residency, guard=0.05)
+    req = Request("r", 24, seed=3)
+    placed.place(req)
+    residency.admit(req.rid, req.row, first_owned_page=0, page_size=PAGE)
+    g = torch.Generator().manual_seed(11)
+    tracked = placed.decoder.tracked
+
+    def on_device() -> int:
+        return int((~residency.peek("r").off_device(torch.arange(-(-req.length // PAGE)))).sum())
+
+    held, misses = [], []
+    for _ in range(6):
+        req.grow()
+        placed.place(req)
+        _, counts = placed.step(torch.randn(LAYERS, 1, KV_HEADS * GROUP, DIM, generator=g))
+        held.append(on_device())
+        misses.append(counts.late_arrivals)
+    # The first guarded step released all but the 4-page budget (and the sample and the
+    # page being written); its selections wanted released pages in flagged layers, so the
+    # hot set grew by them and they came back, and the misses fell.
+    assert tracked["r"].kept is not None and tracked["r"].grows
+    assert max(held[2:]) > held[1] and placed.decoder.totals.pages_copied_in > 0
+    assert sum(misses[2:]) < misses[1]
+    # A decode check short of room puts it back to its budget and releases the rest, for good.
+    residency.release(placed.decoder.shrink())
+    residency.copies.collect(wait=True)
+    back = on_device()
+    assert back < held[-1] and tracked["r"].kept is None and not tracked["r"].grows
+    for _ in range(3):
+        req.grow()
+        placed.place(req)
+        placed.step(torch.randn(LAYERS, 1, KV_HEADS * GROUP, DIM, generator=g))
+        assert tracked["r"].kept is None and on_device() <= back + 1
+    assert placed.decoder.shrink() == []  # nothing grown: nothing to give back
+
+
+def test_a_hot_set_grows_by_flagged_misses_holds_while_flagged_and_gives_back_a_tenth_once_certified():
+    from sgl_importance.hot_set.request_state import TrackedRequest
+    from sgl_importance.hot_set.selection import RequestHotSet
+
+    tracked = TrackedRequest(RequestHotSet(HotSetParams(policy="importance", budget=0.2)))
+    flagged, certified, wanted = torch.tensor([True, False]), torch.tensor([False, False]), torch.tensor([9, 9])
+    steps = [  # (flags, missed) -> pages its hot set may hold of 100 (the budget: 20)
+        ((flagged, 30), 50),  # grown by the misses of a flagged step
+        ((flagged, 0), 50),  # still flagged: held
+        ((certified, 0), 47),  # every layer certified: a tenth of the 30 given back
+        ((certified, 5), 44),  # misses without a flag do not grow it (a tenth of 27, rounded up, back)
+        ((flagged, 80), 100),  # up to every page
+    ]
+    for (flags, missed), pages in steps:
+        tracked.follow_flags(flags, wanted, 100, missed=missed)
+        assert tracked.kept_pages(100) == pages
+    tracked.kept, tracked.grows = None, False  # put back to its budget for want of room
+    tracked.follow_flags(flagged, wanted, 100, missed=30)
+    assert tracked.kept is None and tracked.kept_pages(100) == 20
 
 
 def test_key_codes_land_under_their_own_page_when_two_requests_fill_and_release_pages_in_one_step():

@@ -73,13 +73,13 @@ from sgl_importance.hot_set.page_lists import (
     quest_lists,
 )
 from sgl_importance.hot_set.request_params import RequestParams
-from sgl_importance.hot_set.request_state import LiveRequest, StepPlan, TrackedRequest
-from sgl_importance.hot_set.residency import RequestMoves, Residency, StepMoves
+from sgl_importance.hot_set.request_state import LiveRequest, StepPlan, TrackedRequest, plan_moves
+from sgl_importance.hot_set.residency import RequestPages, Residency, StepMoves
 from sgl_importance.hot_set.sample import PageDraw, request_seed
 from sgl_importance.hot_set.sample import inclusion as sample_inclusion
 from sgl_importance.hot_set.sample import reserve as sample_reserve
 from sgl_importance.hot_set.selection import HotSetCounts, HotSetParams, RequestHotSet, fixed_mask
-from sgl_importance.hot_set.step_tally import StepTally, kv_group_share
+from sgl_importance.hot_set.step_tally import StepTally, shared_masses
 from sgl_kernel_ext import (
     DecodeImportanceOutput,
     PagedDecodeWorkspace,
@@ -290,15 +290,30 @@ class HotSetDecoder:
             planned, counts = state.plan(num_pages)
             return StepPlan(planned, _NONE, planned), counts
         p = state.params
-        budget = p.budget_pages(num_pages)
+        budget = tracked.kept_pages(num_pages)
         always = fixed_mask(num_pages, p.sinks, p.window)
         room = budget - int(always.sum())
         fixed = always.clone()
         fixed[coded:] = True  # pages without key codes yet are read exactly
         pi = tracked.sample_pi = sample_inclusion(coded, room)
-        kept, counts = state.plan(num_pages, reserve=sample_reserve(pi, num_pages, budget))
+        kept, counts = state.plan(num_pages, reserve=sample_reserve(pi, num_pages, budget), budget=budget)
         members = tracked.draw.members(coded, pi) & ~fixed[:coded]
         return StepPlan(torch.nonzero(fixed).flatten(), torch.nonzero(members).flatten(), kept), counts
+
+    def shrink(self) -> list[tuple[RequestPages, torch.Tensor]]:
+        """Every hot set the guard grew (``TrackedRequest.kept``) back to its budget for good, its
+        next step planned again: per such request, the full pages that plan leaves out (for the
+        residency owner to release now: SGLang is about to retract for want of room)."""
+        wanted = []
+        for rid, tracked in self.tracked.items():
+            pages = self.residency.peek(rid)
+            if tracked.kept is None or pages is None or tracked.next_plan is None:
+                continue
+            tracked.kept, tracked.grows, num_pages = None, False, tracked.next_plan[0]
+            plan, counts = self._plan_pages(tracked, num_pages)
+            tracked.next_plan = (num_pages, plan, counts)
+            wanted.append((pages, plan_moves(rid, plan, num_pages, num_pages - 1).release))
+        return wanted
 
     # -- one layer -----------------------------------------------------------------
 
@@ -347,7 +362,8 @@ class HotSetDecoder:
             share[rows] = combined.exact_share
         self._tally.add_exact(self._live, layer_id, q, result, exact, share, run, per_layer)
         self._step_layers += 1
-        return LayerResult(output, _rescaled(result, share), exact.kv_indptr, exact.kv_indices)
+        masses = shared_masses(result.importance_per_kv_head, share)
+        return LayerResult(output, masses, exact.kv_indptr, exact.kv_indices)
 
     def pool_as_pages(self, layer_id: int, k_buffer: torch.Tensor, v_buffer: torch.Tensor):
         """The layer's pool viewed as pages (kept: ``end_step`` codes full pages from it)."""
@@ -447,7 +463,7 @@ class HotSetDecoder:
             late[live.kept] = False
             state.observe(attended, mass, live.outside_mass, needed=late)
             if live.flagged is not None:
-                live.tracked.follow_flags(live.flagged, live.wanted, live.tokens.numel())
+                live.tracked.follow_flags(live.flagged, live.wanted, live.tokens.numel(), missed=live.missed())
             live.counts.steps = 1
             live.counts.late_arrivals = int(late.sum())
             length = live.slots.numel()
@@ -464,14 +480,8 @@ class HotSetDecoder:
             if live.pages is not None:
                 on_device -= int(live.pages.off_device(torch.arange(on_device)).sum())
             held += held_bytes(on_device, live.tracked.ranges.numel(), live.tracked.codes.numel(), page)
-            if live.pages is not None:
-                keep = torch.zeros(num_pages, dtype=torch.bool)
-                keep[torch.cat([plan.read, plan.keep, plan.sample])] = True
-                # Only full pages leave: the last one is still being written.
-                full = torch.arange(num_pages) < length // ps
-                moves.requests.append(
-                    RequestMoves(live.pages.owner, torch.nonzero(full & ~keep).flatten(), torch.nonzero(keep).flatten())
-                )
+            if live.pages is not None:  # only full pages leave: the last one is still being written
+                moves.requests.append(plan_moves(live.pages.owner, plan, num_pages, length // ps))
         step.add(self.residency.take_counts())
         self.held_bytes = held
         self._live = []
@@ -488,13 +498,3 @@ class StepResult(NamedTuple):
 
 
 _NONE = torch.zeros(0, dtype=torch.int64)
-
-
-def _rescaled(result: DecodeImportanceOutput, share: Optional[torch.Tensor]) -> torch.Tensor:
-    """Part 1's masses per KV head as the page importance table takes them: of the combined
-    denominator (``share``: the exact pages' share per query head; None: all of it), mean
-    over KV heads."""
-    if share is None:
-        return result.importance_per_kv_head.mean(-1)
-    group_share = kv_group_share(share, result.importance_per_kv_head.shape[-1])  # [bs, kv]
-    return (result.importance_per_kv_head * group_share[:, None, :]).mean(-1)

@@ -15,12 +15,13 @@ Plain torch; nothing here imports SGLang.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 import torch
 
-from sgl_importance.hot_set.residency import RequestPages
+from sgl_importance.hot_set.residency import RequestMoves, RequestPages
 from sgl_importance.hot_set.sample import PageDraw
 from sgl_importance.hot_set.selection import HotSetCounts, RequestHotSet
 
@@ -52,6 +53,15 @@ class TrackedRequest:
     ranges_refused: bool = False  # the range pool had no room: decodes dense, every page kept
     next_plan: Optional[tuple] = None  # (pages, StepPlan, counts), made one step ahead
     caps: Optional[torch.Tensor] = None  # float64 [L] read cap per layer (a share of its pages)
+    kept: Optional[float] = None  # share of its pages kept on the device past the budget (None: the budget)
+    grows: bool = True  # False once a decode step short of room put it back to its budget (it stays there)
+
+    def kept_pages(self, num_pages: int) -> int:
+        """Pages its hot set may hold: the policy's budget, or more where the guard raised it."""
+        budget = self.state.params.budget_pages(num_pages)
+        if self.kept is None:
+            return budget
+        return max(budget, min(num_pages, math.ceil(self.kept * num_pages)))
 
     def rest_caps(self, num_pages: int, part1: int, sampled: int, num_layers: int) -> torch.Tensor:
         """int64 ``[num_layers]``: the most rest pages each layer reads exactly, its read cap
@@ -67,11 +77,25 @@ class TrackedRequest:
         share = wanted.double() / max(1, num_pages)
         self.caps = share.clamp(min=float(self.state.params.read_cap), max=1.0)
 
-    def follow_flags(self, flagged: torch.Tensor, wanted: torch.Tensor, num_pages: int) -> None:
+    def follow_flags(self, flagged: torch.Tensor, wanted: torch.Tensor, num_pages: int, missed: int = 0) -> None:
         """After a step: a layer whose bound was flagged raises its read cap to at least
         twice what it was and at least what its selection wanted (``wanted`` pages of
         ``num_pages``), up to every page (dense); one whose bound held lowers it by a tenth,
-        back toward the request's ``read_cap`` (slowly: a cap that drops at once flags again)."""
+        back toward the request's ``read_cap`` (slowly: a cap that drops at once flags again).
+
+        Residency follows: where a flagged step's selections ``missed`` pages (wanted, not on
+        the device), the hot set grows by them, up to every page, so they are promoted and
+        kept (a raised cap is worth nothing if what it would read was released); a step
+        whose every layer held its bound gives a tenth of the growth back, toward the budget. A request put back
+        to its budget for want of room (``grows`` False) no longer grows: it would take the
+        same room again at once."""
+        budget = self.state.params.budget_pages(num_pages)
+        now = budget if self.kept is None else max(budget, math.ceil(self.kept * num_pages))
+        if self.grows and missed and bool(flagged.any()):
+            now = min(num_pages, now + missed)
+        elif not bool(flagged.any()):
+            now += (budget - now) // 10
+        self.kept = now / num_pages if now > budget else None
         if self.caps is None or flagged.numel() != self.caps.numel():
             return
         base = float(self.state.params.read_cap)
@@ -138,6 +162,12 @@ class LiveRequest:
         self.flagged = flagged if self.flagged is None else self.flagged | flagged
         self.wanted = wanted_per_layer if self.wanted is None else torch.maximum(self.wanted, wanted_per_layer)
 
+    def missed(self) -> int:
+        """Pages some layer's selection wanted that were off the device this step (released)."""
+        if self.pages is None or self.guarded is None:
+            return 0
+        return int(self.pages.off_device(torch.nonzero(self.guarded).flatten()).sum())
+
     @property
     def guard_on(self) -> bool:
         """Whether unread pages are estimated and the error bounded (dense reads everything)."""
@@ -152,6 +182,16 @@ class LiveRequest:
         dense request reads every page, so there is nothing to rank (and the bound over
         all its pages cost a dense hot-set step ~15 % at 4 x 7.5K)."""
         return self.tracked is not None and not self.guard_on and self.tracked.state.params.policy != "dense"
+
+
+def plan_moves(owner: str, plan: StepPlan, num_pages: int, full: int) -> RequestMoves:
+    """What ``plan`` (for a request of ``num_pages``) wants moved: its ``full`` pages
+    outside it released (the page being written never leaves), every page it holds kept
+    (promoted where it is off the device)."""
+    keep = torch.zeros(num_pages, dtype=torch.bool)
+    keep[torch.cat([plan.read, plan.keep, plan.sample])] = True
+    outside = (torch.arange(num_pages) < full) & ~keep
+    return RequestMoves(owner, torch.nonzero(outside).flatten(), torch.nonzero(keep).flatten())
 
 
 def page_slots(slots: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:

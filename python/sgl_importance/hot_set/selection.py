@@ -189,13 +189,15 @@ class RequestHotSet:
         value[seen] = self.ema[seen] / (1.0 - self.params.decay ** self.observed[seen].double())
         return value
 
-    def plan(self, num_pages: int, reserve: int = 0) -> tuple[torch.Tensor, HotSetCounts]:
+    def plan(self, num_pages: int, reserve: int = 0, budget: Optional[int] = None) -> tuple[torch.Tensor, HotSetCounts]:
         """The logical pages the next step attends, ascending, and what the plan cost.
 
         Args:
             num_pages: the request's pages now (its last one holds the token decoded).
             reserve: budget pages kept for others (the guard's page sample), chosen
                 without looking at them.
+            budget: pages the hot set may hold (default the policy's budget; a guarded
+                request's grows where its selection missed: ``TrackedRequest.kept_pages``).
         """
         previous = min(self.num_pages, num_pages)
         self._grow(num_pages, shrink=True)
@@ -206,7 +208,8 @@ class RequestHotSet:
             counts.warmups = int(self.step == 0)
         else:
             fixed = fixed_mask(num_pages, p.sinks, p.window)
-            slots = max(0, p.budget_pages(num_pages) - int(fixed.sum()) - reserve)
+            budget = p.budget_pages(num_pages) if budget is None else budget
+            slots = max(0, budget - int(fixed.sum()) - reserve)
             if p.policy == "quest":
                 # Chosen per layer from the current query (quest_layer_pages); the
                 # step keeps every page on the device.
@@ -232,13 +235,14 @@ class RequestHotSet:
         # Demotion: residents beyond the budget, lowest key first.
         residents = residents[torch.argsort(key[residents], descending=True, stable=True)]
         kept = residents[:slots]
-        share = 1.0 / num_pages
-        eligible = ~self.resident & ~fixed & (self.outside_mass >= share)
+        eligible = ~self.resident & ~fixed
         if self.params.guard_threshold < 1.0:
-            # Guarded: a page is copied to the device only once a layer's selection
-            # wanted it (a miss), so promotions (host -> device copies) stay within
-            # what the selection asked for; the estimate covers every other page.
+            # Guarded: a page is copied to the device once a layer's selection wanted it
+            # (a miss), whatever its estimated share (top-p wants diffuse heads' small
+            # pages too), and only then: promotions stay within what the selection asked for.
             eligible &= self.needed
+        else:
+            eligible &= self.outside_mass >= 1.0 / num_pages
         candidates = torch.nonzero(eligible).flatten()
         candidates = candidates[torch.argsort(self.outside_mass[candidates], descending=True, stable=True)]
         free = slots - kept.numel()

@@ -358,6 +358,15 @@ def kv_group_share(share: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return share.unflatten(-1, (kv_heads, -1)).mean(-1)
 
 
+def shared_masses(per_kv: torch.Tensor, share: Optional[torch.Tensor]) -> torch.Tensor:
+    """Part 1's masses per KV head ``[bs, pages, kv]`` as the page importance table takes
+    them: of the combined denominator (``share``: the exact pages' share per query head;
+    None: all of it), mean over KV heads."""
+    if share is None:
+        return per_kv.mean(-1)
+    return (per_kv * kv_group_share(share, per_kv.shape[-1])[:, None, :]).mean(-1)
+
+
 def _room(
     buffer: Optional[torch.Tensor],
     slot: int,

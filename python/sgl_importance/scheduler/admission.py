@@ -23,10 +23,13 @@ what it will release fits:
   ranges decodes dense with every page kept): the pool's free rows less what running
   requests will still take.
 
-Otherwise it is charged as SGLang charges it (counted: ``footprint_refused``). What the
-discount can get wrong (a request whose hot set grows past the estimate, promotions waiting
-for room) is caught by SGLang's decode check, which retracts the fewest-output requests as
-it does for any request; a retracted request is prefilled again.
+Otherwise it is charged as SGLang charges it (counted: ``footprint_refused``). A running
+request whose hot set the guard grew (its selection wanted released pages:
+``request_state.TrackedRequest.follow_flags``) is charged its grown share of its final
+length. What the discount can still get wrong (a hot set that grows after others were
+admitted) meets the decode check: there grown hot sets go back to their budget first
+(``decode_room.fits_after_releases``), and only then does SGLang retract the
+fewest-output requests as it does for any request (a retracted request is prefilled again).
 
 The overridden methods are private to SGLang 0.5.23's ``PrefillAdder`` (plugin.py's table;
 ``test/unit/test_sglang_contract.py`` checks each).
@@ -48,6 +51,8 @@ class FootprintBook:
 
     Args:
         params_for: a request id -> its hot-set parameters (the server's unless it chose its own).
+        kept_for: a request id -> the share of its pages its hot set holds where the guard
+            grew it past the budget (None: the budget).
         residency: the runtime's page records (release is off unless it is enabled).
         host_pages: host pages release copies may take (the pool less the admitted requests' own).
         range_rows: the key-range pool's free rows now (None: no range pool to check).
@@ -57,12 +62,13 @@ class FootprintBook:
     def __init__(
         self,
         params_for: Callable[[str], Optional[HotSetParams]],
+        kept_for: Callable[[str], Optional[float]],
         residency: Residency,
         host_pages: int,
         range_rows: Optional[int],
         clip: int,
     ) -> None:
-        self.params_for, self.residency, self.clip = params_for, residency, clip
+        self.params_for, self.kept_for, self.residency, self.clip = params_for, kept_for, residency, clip
         self.host_left, self.ranges_left = host_pages, range_rows
 
     def _footprint(self, rid: str, prompt: int, final: int) -> Optional[Footprint]:
@@ -70,7 +76,8 @@ class FootprintBook:
         params = self.params_for(rid)
         if params is None or not r.enabled:
             return None
-        return footprint(prompt, final, params, threshold=r.threshold, page_size=r.pools.page_size)
+        ps, kept = r.pools.page_size, self.kept_for(rid)
+        return footprint(prompt, final, params, threshold=r.threshold, page_size=ps, kept=kept)
 
     def fits(self, f: Footprint, ranged_now: int = 0, released_now: int = 0) -> bool:
         """Whether the host and range pools can take what ``f`` will still release and code."""
@@ -147,7 +154,13 @@ def new_book() -> FootprintBook:
     def params_for(rid: str) -> Optional[HotSetParams]:
         return rt.request_params.get(rid) or rt.hot_set_params
 
-    return FootprintBook(params_for, r, host_pages, rows, CLIP_MAX_NEW_TOKENS)
+    tracked = hot_set.decoder.tracked if hot_set is not None else {}
+
+    def kept_for(rid: str) -> Optional[float]:
+        request = tracked.get(rid)
+        return request.kept if request is not None else None
+
+    return FootprintBook(params_for, kept_for, r, host_pages, rows, CLIP_MAX_NEW_TOKENS)
 
 
 @functools.cache  # one subclass per SGLang class: a pure function of it

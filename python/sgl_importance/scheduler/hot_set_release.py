@@ -235,22 +235,6 @@ def apply_step_moves(residency: Residency) -> None:
     residency.apply_pending()
 
 
-def decode_fits_after_releases(
-    residency: Residency, original: Callable[..., bool], batch: Any, *args: Any, **kwargs: Any
-) -> bool:
-    """Around ``ScheduleBatch.check_decode_mem``: before SGLang retracts requests for want
-    of room, the device pages of this step's releases whose copies to the host are still
-    in flight (freed once each lands, ``reopen_admission``) are waited for and freed, and
-    the check is made again (counted: ``release_waits``)."""
-    if original(batch, *args, **kwargs):
-        return True
-    if not residency.copies.frees_waiting:
-        return False
-    residency.copies.collect(wait=True)
-    residency.counts.release_waits += 1
-    return original(batch, *args, **kwargs)
-
-
 def checkpoint_unless_released(residency: Residency, original: Callable[..., Any], req: Any, tree_cache: Any) -> Any:
     """Around ``checkpoint_kv_cache``: keep a long prefill's pages out of the tree."""
     if not residency.enabled or req.skip_radix_cache_insert:
