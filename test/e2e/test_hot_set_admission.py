@@ -8,7 +8,12 @@ on a small device pool gets ``REQUESTS`` short prompts that each generate ``NEW`
 each keeps (``scheduler/admission.py``) all of them do. What must hold: every request is
 answered with all its tokens; one decode step runs all of them; each was counted as
 admitted by footprint; SGLang never had to retract one (the charge was not optimistic
-past the pool); the log is clean and the pools are back at their start once idle.
+past the pool); the log is clean.
+
+With the guard on, the same requests' selections want pages they released, so their hot
+sets grow (``request_state.TrackedRequest.follow_flags``) past what admission charged them
+when it let all six in; the device runs short while they decode, and the grown hot sets go
+back to their budget before SGLang would retract anyone (``scheduler/decode_room.py``).
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ ARGS = [
 RUNNING = re.compile(r"Decode batch, #running-req: (\d+)")
 
 
-def test_long_generations_are_admitted_by_what_they_keep_and_decode_together(launch, token_ids):
-    server = launch(ARGS)
+def _decode_together(launch, token_ids, args: list[str]):
+    server = launch(args)
     log_text = server.log()
     kv_tokens = int(re.search(r"max_total_num_tokens=(\d+)", log_text).group(1))
     by_length = kv_tokens // (PROMPT + NEW + PAGE)  # what SGLang's charge admits at once
@@ -63,3 +68,19 @@ def test_long_generations_are_admitted_by_what_they_keep_and_decode_together(lau
     assert not re.search(r"(?i)retract", log), [line for line in log.splitlines() if "etract" in line][:5]
     assert "Traceback" not in log and not re.search(r"\bERROR\b", log), log[-4000:]
     assert server.proc.poll() is None
+    return scrape
+
+
+def test_long_generations_are_admitted_by_what_they_keep_and_decode_together(launch, token_ids):
+    scrape = _decode_together(launch, token_ids, ARGS)
+    assert metric(scrape, "sgl_importance:hot_set_hot_sets_shrunk_total") == 0  # guard off: nothing grows
+
+
+def test_grown_hot_sets_go_back_to_their_budget_before_sglang_retracts(launch, token_ids):
+    at = ARGS.index("--hot-set-guard-threshold")
+    guarded = ARGS[:at] + ARGS[at + 2 :]  # the default guard
+    scrape = _decode_together(launch, token_ids, guarded)
+    assert metric(scrape, "sgl_importance:hot_set_guard_checks_total") > 0
+    assert metric(scrape, "sgl_importance:hot_set_pages_copied_in_total") > 0  # misses promoted: hot sets grew
+    assert metric(scrape, "sgl_importance:hot_set_hot_sets_shrunk_total") > 0
+    assert metric(scrape, "sglang:num_retracted_requests_total") == 0
