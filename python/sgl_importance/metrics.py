@@ -336,6 +336,11 @@ HOT_SET_SERIES = {
         "release_waits",
         "Decode steps short of device room that waited for in-flight release copies before SGLang could retract.",
     ),
+    "retracted_to_host": (
+        "retracted_to_host",
+        "Retracted hot-set requests whose full pages entered the radix tree host-only, so their prefill again "
+        "loads them back instead of computing them.",
+    ),
     "hot_sets_shrunk": (
         "hot_sets_shrunk",
         "Hot sets the guard had grown past their budget (its selection wanted released pages), put back to it "

@@ -20,7 +20,8 @@ them: admission through ``checkpoint_kv_cache``, each decode step's ``admit_grow
 (``hold_prefixes``: lend, then drop the device lock) and the release through
 ``release_kv_cache``; the test plays the decoder, releasing pages its plan leaves out
 (``RequestPages.release``). The ledger fails the first move of a slot by someone not
-holding it, naming both.
+holding it, naming both. A retracted request (the same release, unfinished, no checkpoint)
+enters the tree host-only, as a finished one the device cannot take back does.
 """
 
 from __future__ import annotations
@@ -235,12 +236,22 @@ def abort(drop_device_lock):
     return run
 
 
+def retract(world, out):
+    # SGLang's retract_decode: release_kv_cache without a checkpoint, the request unfinished
+    # (it is prefilled again later from its prompt and what it generated).
+    world.lend()
+    world.leave(None, checkpoint=False, out=out)
+    out["prefix_host_kv_intact"] = world.prefix_host_kv_intact()
+    out["resume"] = world.host_match(PROMPT + OUTPUT)
+
+
 # 4 host pages: the prefix's 2 and R's 2 released ones fill it. 6: room for R's last 2.
 print("RESULT " + json.dumps({
     "finish_host_full": scenario(4, finish),
     "finish_host_room": scenario(6, finish),
     "abort_prefix_on_host": scenario(4, abort(drop_device_lock=True)),
     "abort_prefix_locked_on_device": scenario(4, abort(drop_device_lock=False)),
+    "retract_host_room": scenario(6, retract),
 }))
 """
 
@@ -291,8 +302,19 @@ def test_an_aborted_lent_request_inserts_nothing_and_leaves_the_prefix_to_the_tr
     assert aborted["tree_match"] == {"device": on_device, "host": 8 - on_device}
 
 
+def test_a_retracted_request_enters_the_tree_on_the_host_so_its_prefill_again_loads_it_back(result):
+    retracted = ran(result["retract_host_room"])
+    assert retracted["counts"]["retracted_to_host"] == 1
+    assert not {"finished_on_host", "finished_uncached", "finished_reinserted"} & retracted["counts"].keys()
+    assert retracted["prefix_host_kv_intact"]
+    # All 6 pages of its KV match: the prefix still on the device (unlocked, not evicted), its
+    # own 4 on the host (without this, its own pages were dropped: a match of 8).
+    assert retracted["resume"] == {"device": 8, "host": 16}
+
+
 @pytest.mark.parametrize(
-    "state", ["finish_host_full", "finish_host_room", "abort_prefix_on_host", "abort_prefix_locked_on_device"]
+    "state",
+    ["finish_host_full", "finish_host_room", "abort_prefix_on_host", "abort_prefix_locked_on_device", "retract_host_room"],
 )
 def test_every_device_and_host_slot_comes_back_once_the_tree_is_emptied(result, state):
     outcome = ran(result[state])

@@ -396,6 +396,11 @@ def release_with_pages(
                 if inserting:
                     residency.counts.finished_reinserted += 1
             else:
+                if not checkpoint and not req.finished() and not req.skip_radix_cache_insert:
+                    # Retracted (SGLang re-prefills it later): its full pages enter the tree
+                    # host-only, so its prefill again matches them and loads them back.
+                    if _insert_on_host(residency, pages, req, tree_cache):
+                        residency.counts.retracted_to_host += 1
                 if inserting:
                     if _insert_on_host(residency, pages, req, tree_cache):
                         residency.counts.finished_on_host += 1
