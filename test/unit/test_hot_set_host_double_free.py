@@ -314,7 +314,13 @@ def test_a_retracted_request_enters_the_tree_on_the_host_so_its_prefill_again_lo
 
 @pytest.mark.parametrize(
     "state",
-    ["finish_host_full", "finish_host_room", "abort_prefix_on_host", "abort_prefix_locked_on_device", "retract_host_room"],
+    [
+        "finish_host_full",
+        "finish_host_room",
+        "abort_prefix_on_host",
+        "abort_prefix_locked_on_device",
+        "retract_host_room",
+    ],
 )
 def test_every_device_and_host_slot_comes_back_once_the_tree_is_emptied(result, state):
     outcome = ran(result[state])

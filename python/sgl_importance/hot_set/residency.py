@@ -129,7 +129,7 @@ class ReleaseCounts:
     admitted_by_footprint: int = 0  # requests admitted charging their footprint (scheduler/admission.py)
     footprint_refused: int = 0  # hot-set requests admitted at full charge: host or range pool short
     release_waits: int = 0  # decode checks short of room that waited for in-flight release copies
-    retracted_to_host: int = 0  # retracted requests whose full pages entered the tree host-only (resumed by a load-back)
+    retracted_to_host: int = 0  # retracted requests whose full pages entered the tree host-only (loaded back)
     hot_sets_shrunk: int = 0  # hot sets the guard had grown, put back to their budget by a decode check short of room
 
 
