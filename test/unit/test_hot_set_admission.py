@@ -127,6 +127,26 @@ def test_a_hot_set_the_guard_grew_keeps_its_grown_share_and_is_charged_for_it():
     assert _book(r, kept={"a": 0.5}).running(_req("a", 256, 344, 640), 296.0, 1.0) == 296.0  # never past SGLang's
 
 
+def test_a_new_request_is_charged_what_the_guard_has_grown_the_running_ones_to():
+    from sgl_importance.hot_set.request_state import TrackedRequest, kept_share
+    from sgl_importance.hot_set.selection import RequestHotSet
+
+    def tracked(kept):
+        return TrackedRequest(RequestHotSet(PARAMS), kept=kept)
+
+    running = {"a": tracked(0.9), "b": tracked(None), "c": tracked(0.6)}
+    assert kept_share(running, "a") == 0.9 and kept_share(running, "b") is None  # its own
+    assert kept_share(running, "new") == pytest.approx(0.5)  # (0.9 + 0 + 0.6) / 3
+    assert kept_share({"b": tracked(None)}, "new") is None and kept_share({}, "new") is None
+    # Charged by it: the 56-page generation at half its pages keeps 28 + 1 + 16 = 45 pages,
+    # more than the threshold's 33 it holds before it releases: its peak, and it releases
+    # (books host room for) 11 pages, not 27.
+    book = FootprintBook(lambda rid: PARAMS, lambda rid: 0.5, _residency(), 10_000, 10_000, clip=4096)
+    f, growth = book.new(_req("new", 256, 0, 640))
+    assert (f.kept, f.released, f.peak) == (45 * PS, 56 - 45, 45 * PS)
+    assert growth == 45 * PS - 256
+
+
 def test_the_host_pages_admitted_requests_hold_are_their_own_copies():
     states = [int(s) for s in (PageState.TREE, PageState.COPIED, PageState.RELEASED, PageState.LENT_RELEASED)]
     assert _residency({"a": states, "b": [int(PageState.RELEASED)] * 3}).host_pages_held() == 2 + 3

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import Mapping, NamedTuple, Optional
 
 import torch
 
@@ -182,6 +182,17 @@ class LiveRequest:
         dense request reads every page, so there is nothing to rank (and the bound over
         all its pages cost a dense hot-set step ~15 % at 4 x 7.5K)."""
         return self.tracked is not None and not self.guard_on and self.tracked.state.params.policy != "dense"
+
+
+def kept_share(tracked: Mapping[str, TrackedRequest], rid: str) -> Optional[float]:
+    """The share of its pages request ``rid``'s hot set holds past the budget (None: the
+    budget): its own where it decodes, else (a request being admitted) the mean over those
+    that decode, a budget-sized one counting 0: what the guard has been growing hot sets to."""
+    own = tracked.get(rid)
+    if own is not None:
+        return own.kept
+    mean = sum(t.kept or 0.0 for t in tracked.values()) / max(1, len(tracked))
+    return mean or None
 
 
 def plan_moves(owner: str, plan: StepPlan, num_pages: int, full: int) -> RequestMoves:

@@ -26,10 +26,12 @@ what it will release fits:
 Otherwise it is charged as SGLang charges it (counted: ``footprint_refused``). A running
 request whose hot set the guard grew (its selection wanted released pages:
 ``request_state.TrackedRequest.follow_flags``) is charged its grown share of its final
-length. What the discount can still get wrong (a hot set that grows after others were
-admitted) meets the decode check: there grown hot sets go back to their budget first
-(``decode_room.fits_after_releases``), and only then does SGLang retract the
-fewest-output requests as it does for any request (a retracted request is prefilled again).
+length, and a new one the running requests' mean grown share (``request_state.kept_share``).
+What the discount can still get wrong (a hot set that grows after others were admitted)
+meets the decode check: there grown hot sets go back to their budget first
+(``decode_room.fits_after_releases``), and only then does SGLang retract the fewest-output
+requests as it does for any request (a retracted one's pages wait for it in the tree, on
+the host: ``hot_set_release.release_with_pages``).
 
 The overridden methods are private to SGLang 0.5.23's ``PrefillAdder`` (plugin.py's table;
 ``test/unit/test_sglang_contract.py`` checks each).
@@ -42,6 +44,7 @@ from dataclasses import replace
 from typing import Any, Callable, Optional
 
 from sgl_importance.hot_set.footprint import Footprint, footprint
+from sgl_importance.hot_set.request_state import kept_share
 from sgl_importance.hot_set.residency import Residency
 from sgl_importance.hot_set.selection import HotSetParams
 
@@ -52,7 +55,8 @@ class FootprintBook:
     Args:
         params_for: a request id -> its hot-set parameters (the server's unless it chose its own).
         kept_for: a request id -> the share of its pages its hot set holds where the guard
-            grew it past the budget (None: the budget).
+            grew it past the budget (None: the budget); for one not decoding yet, what the
+            guard has grown the running ones to (``request_state.kept_share``).
         residency: the runtime's page records (release is off unless it is enabled).
         host_pages: host pages release copies may take (the pool less the admitted requests' own).
         range_rows: the key-range pool's free rows now (None: no range pool to check).
@@ -154,12 +158,7 @@ def new_book() -> FootprintBook:
     def params_for(rid: str) -> Optional[HotSetParams]:
         return rt.request_params.get(rid) or rt.hot_set_params
 
-    tracked = hot_set.decoder.tracked if hot_set is not None else {}
-
-    def kept_for(rid: str) -> Optional[float]:
-        request = tracked.get(rid)
-        return request.kept if request is not None else None
-
+    kept_for = functools.partial(kept_share, hot_set.decoder.tracked if hot_set is not None else {})
     return FootprintBook(params_for, kept_for, r, host_pages, rows, CLIP_MAX_NEW_TOKENS)
 
 
