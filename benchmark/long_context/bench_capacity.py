@@ -22,7 +22,10 @@ difference, the pages released to the host, the KV pool's and the guard pool's s
 (from the server's start-up log), the peak resident memory of the server's
 processes, and how admission went: requests admitted by footprint or charged their whole
 length for want of host or key-range room (``--hot-set-admission``,
-``scheduler/admission.py``) and requests SGLang retracted. ``--stop-after-s`` aborts the
+``scheduler/admission.py``) and requests SGLang retracted; and the guard under release: the
+pages its selections wanted that were released (misses) against dense's page-reads, the
+layer-steps it flagged, the hot sets it had grown that a decode step short of room put back
+to their budget, and the promotions that found no device room. ``--stop-after-s`` aborts the
 concurrent requests after that long (a long generation's admission is settled in its first
 minutes; its outputs are then not compared). Writes RESULTS_capacity.md and capacity.png
 into --out and prints the table.
@@ -62,6 +65,12 @@ CONFIG_KEYS = ("dense", "guard", "guard-off", "guard-length", "guard-off-length"
 ADMITTED = "sgl_importance:hot_set_admitted_by_footprint_total"
 REFUSED = "sgl_importance:hot_set_footprint_refused_total"
 RETRACTED = "sglang:num_retracted_requests_total"
+# What the server counted over the whole run: admission, and the guard under release (its
+# selections' misses against dense's page-reads, its flags, hot sets put back to budget).
+SERIES = (("by_footprint", ADMITTED), ("footprint_refused", REFUSED), ("retracted", RETRACTED)) + tuple(
+    (k, f"sgl_importance:hot_set_{k}_total")
+    for k in ("pages_missed", "pages_dense", "guard_flagged", "guard_checks", "hot_sets_shrunk", "promotions_refused")
+)
 
 
 def configs(budget: float, keys: list[str], device_tokens: int) -> dict[str, tuple[int, list[str]]]:
@@ -127,8 +136,7 @@ def run_config(name: str, tokens: int, extra: list[str], prompts: list[list[int]
         wall = time.time() - start
         scrape = metrics_text(server.url)
         released = metric(scrape, RELEASED) - released
-        series = (("by_footprint", ADMITTED), ("footprint_refused", REFUSED), ("retracted", RETRACTED))
-        admission = {k: metric(scrape, name) for k, name in series}
+        admission = {k: metric(scrape, name) for k, name in SERIES}
         lines = decode_steps(server.log()[mark:])
         peak_mb = _peak_rss_mb(server.proc.pid)
         log_text = server.log()
@@ -191,6 +199,10 @@ def _peak_rss_mb(pid: int) -> float:
     return total_kb / 1024
 
 
+def _share(part: float, whole: float) -> str:
+    return f"{part / whole:.1%}" if whole else "–"
+
+
 def _first_differences(outputs: list[list[int]], dense: list[list[int]]) -> str:
     """Tokens each greedy output shares with dense's before they first differ: min / median."""
     firsts = sorted(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -248,8 +260,10 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
         "| decode tok/s, bs 1 | decode tok/s at that batch | greedy outputs = dense | peak RSS, MB "
         "| tokens before the first difference from dense: min / median | pages released "
         "| device KV tokens in use, most in one step "
-        "| KV pool tokens | hot-set pools: tokens, MiB | admitted by footprint / refused | retracted |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| KV pool tokens | hot-set pools: tokens, MiB | admitted by footprint / refused | retracted "
+        "| guard: pages missed / dense's page-reads | layer-steps flagged | hot sets put back to budget "
+        "| promotions refused |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = r["peak"] / base["peak"] if base["peak"] else float("nan")
@@ -269,6 +283,10 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
             f"{r.get('pool_tokens', 0)}, {r.get('pool_mib', 0.0):.1f}",
             f"{r.get('by_footprint', 0):.0f} / {r.get('footprint_refused', 0):.0f}",
             f"{r.get('retracted', 0):.0f}",
+            _share(r.get("pages_missed", 0), r.get("pages_dense", 0)),
+            _share(r.get("guard_flagged", 0), r.get("guard_checks", 0)),
+            f"{r.get('hot_sets_shrunk', 0):.0f}",
+            f"{r.get('promotions_refused', 0):.0f}",
         )
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     table = "\n".join(lines)
