@@ -6,7 +6,8 @@ set lends matched prefixes from the host, and finished requests that the device 
 take back enter the tree host-only), short prompts between them, some streams dropped by
 the client mid-decode, ``/generate`` and ``/v1/completions``, and one ``/flush_cache``
 midway; a 4,096-token device pool with 16-token pages pushes KV through the host pool
-into the ``file`` tier. Both ``--hot-set-prefix`` modes.
+into the ``file`` tier. Both ``--hot-set-prefix`` modes with the guard off, and the host mode
+with it on (hot sets growing by their misses, put back to budget when the device runs short).
 
 What must hold: every request the client waited for is answered 200; the log has no
 traceback, no ERROR and no leak report; the hot set's host-slot ledger (on in the test
@@ -136,12 +137,18 @@ def occupancy(url: str, expected: dict | None = None, timeout: float = 45) -> di
         time.sleep(3)
 
 
-@pytest.mark.parametrize("prefix_mode", ["host", "device"])
-def test_hot_set_soak_serves_everything_and_frees_every_host_slot_once(launch, tmp_path, token_ids, prefix_mode):
-    storage = tmp_path / f"hicache-{prefix_mode}"
+@pytest.mark.parametrize(
+    "prefix_mode, guard", [("host", False), ("device", False), ("host", True)], ids=["host", "device", "host-guard"]
+)
+def test_hot_set_soak_serves_everything_and_frees_every_host_slot_once(launch, tmp_path, token_ids, prefix_mode, guard):
+    storage = tmp_path / f"hicache-{prefix_mode}-{guard}"
     storage.mkdir()
+    # Guard on (the default, as the README serves it): hot sets grow by their selections'
+    # misses and go back to their budget where the device runs short.
+    at = ARGS.index("--hot-set-guard-threshold")
+    args = ARGS[:at] + ARGS[at + 2 :] if guard else ARGS
     server = launch(
-        [*ARGS, "--hot-set-prefix", prefix_mode],
+        [*args, "--hot-set-prefix", prefix_mode],
         env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(storage)},
     )
     canary = lambda: server.generate(CANARY, max_new_tokens=16)["output_ids"]  # noqa: E731
@@ -184,6 +191,8 @@ def test_hot_set_soak_serves_everything_and_frees_every_host_slot_once(launch, t
 
     released = metric(scrape, "sgl_importance:hot_set_pages_released_total")
     assert released > 0, "no hot-set page was released: the soak did not reach the path"
+    if guard:
+        assert metric(scrape, "sgl_importance:hot_set_guard_checks_total") > 0
     print(
         f"\nhot-set soak ({prefix_mode}): "
         + json.dumps(
@@ -195,6 +204,8 @@ def test_hot_set_soak_serves_everything_and_frees_every_host_slot_once(launch, t
                 "prefix_pages_lent": metric(scrape, "sgl_importance:hot_set_prefix_pages_lent_total"),
                 "finished_on_host": metric(scrape, "sgl_importance:hot_set_finished_on_host_total"),
                 "finished_reinserted": metric(scrape, "sgl_importance:hot_set_finished_reinserted_total"),
+                "hot_sets_shrunk": metric(scrape, "sgl_importance:hot_set_hot_sets_shrunk_total"),
+                "retracted_to_host": metric(scrape, "sgl_importance:hot_set_retracted_to_host_total"),
             }
         )
     )
