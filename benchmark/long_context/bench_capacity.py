@@ -27,7 +27,8 @@ pages its selections wanted that were released (misses) against dense's page-rea
 layer-steps it flagged, the hot sets it had grown that a decode step short of room put back
 to their budget, and the promotions that found no device room. ``--stop-after-s`` aborts the
 concurrent requests after that long (a long generation's admission is settled in its first
-minutes; its outputs are then not compared). Writes RESULTS_capacity.md and capacity.png
+minutes; its outputs are then not compared); ``--guard-tokens`` sizes the hot-set servers' key-code
+pool instead of their auto size (which assumes requests held at the budget). Writes RESULTS_capacity.md and capacity.png
 into --out and prints the table.
 
     python -m benchmark.long_context.bench_capacity --out /tmp/bench_capacity
@@ -73,7 +74,9 @@ SERIES = (("by_footprint", ADMITTED), ("footprint_refused", REFUSED), ("retracte
 )
 
 
-def configs(budget: float, keys: list[str], device_tokens: int) -> dict[str, tuple[int, list[str]]]:
+def configs(
+    budget: float, keys: list[str], device_tokens: int, guard_tokens: int = 0
+) -> dict[str, tuple[int, list[str]]]:
     """name -> (``--max-total-tokens``, the other flags): dense (always, the baseline),
     then of ``keys``: the hot set with the server's default guard (``guard``), and with
     the guard off (``guard-off``: reads only the hot set, what the page saving is worth
@@ -81,6 +84,7 @@ def configs(budget: float, keys: list[str], device_tokens: int) -> dict[str, tup
     ``guard-length`` / ``guard-off-length``: the same, admitted as SGLang charges any request
     (``--hot-set-admission length``: prompt + max_new_tokens) instead of by footprint."""
     hot = ["--hot-set-policy", "importance", "--hot-set-budget", str(budget), "--hot-set-threshold", "512"]
+    hot += ["--hot-set-guard-tokens", str(guard_tokens)] if guard_tokens else []
     tokens = device_tokens
     every = {
         "dense": ("dense", (device_tokens, [])),
@@ -229,6 +233,9 @@ def main() -> None:
         "generations, whose admission is settled early: outputs are then not compared",
     )
     p.add_argument("--budget", type=float, default=0.2)
+    p.add_argument(
+        "--guard-tokens", type=int, default=0, help="the hot-set servers' --hot-set-guard-tokens (0: their auto size)"
+    )
     p.add_argument("--hicache-ratio", type=float, default=0.0, help="host pool over the device pool (0: SGLang's)")
     p.add_argument("--dtype", default="float32", help="every server's --dtype (the runs on record: float32)")
     p.add_argument("--configs", default="guard,guard-off", help=f"beside dense, from {', '.join(CONFIG_KEYS[1:])}")
@@ -248,7 +255,7 @@ def main() -> None:
     started = time.time()
     rows = [
         run_config(name, tokens, extra, prompts, a, a.out)
-        for name, (tokens, extra) in configs(a.budget, keys, a.device_tokens).items()
+        for name, (tokens, extra) in configs(a.budget, keys, a.device_tokens, a.guard_tokens).items()
     ]
     write_results(rows, a, (time.time() - started) / 60, a.out)
 
