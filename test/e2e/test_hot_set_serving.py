@@ -172,9 +172,9 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_together(hot_set_serve
     # back the device pages its hot set left out. (Without release it would wait.)
     assert re.search(r"Prefill batch, #new-seq: 1, #new-token: \d+, .*#running-req: 1,", log), log[-3000:]
     alone = [generate_with_tops(hot_set_server, p, MAX_NEW) for p in pair]
-    # The first to finish came back to the device and entered the tree: its prompt
-    # again is a prefix hit. (The second may find the device full of the first's
-    # pages, not yet evictable; it is then left out of the tree, and counted.)
+    # The first to finish entered the tree: its prompt again is a prefix hit. (The second
+    # may find the device full of the first's pages, not yet evictable; it is then left
+    # out of the tree, and counted.)
     assert max(one["meta_info"]["cached_tokens"] for one in alone) >= len(pair[0]) - PAGE
     after = scrape(hot_set_server)
 
@@ -196,7 +196,10 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_together(hot_set_serve
             assert_same_until_a_near_tie(both["output_ids"], one["output_ids"], one["tops"])
 
     assert delta("pages_released") > 0 and delta("pages_copied_out") > 0
-    assert delta("finished_reinserted") >= 1
+    # How each entered the tree depends on what its hot set held at the end: released pages
+    # brought back (finished_reinserted), or host-only (finished_on_host), or nothing released
+    # any more (its guard's misses had grown its hot set to every page: residency follows the
+    # guard), an ordinary insert; the prefix hit above is what must hold.
     left_out = len(re.findall(r"hot set: request \S+ leaves \d+ pages on the host", hot_set_server.log()[log_start:]))
     assert delta("finished_uncached") <= left_out
 
