@@ -117,7 +117,7 @@ def test_a_released_running_request_is_charged_up_to_what_it_keeps_never_more_th
 def test_a_hot_set_the_guard_grew_keeps_its_grown_share_and_is_charged_for_it():
     # The 56-page generation of the first test with its hot set grown to 30 % of its pages:
     # ceil(0.3 * 56) = 17 hot + 1 being filled + 16 of prompt = 34 pages kept (29 at the budget).
-    f = footprint(256, 896, PARAMS, threshold=THRESHOLD, page_size=PS, kept=0.3)
+    f = footprint(256, 896, PARAMS, threshold=THRESHOLD, page_size=PS, kept_share=0.3)
     assert (f.kept, f.released) == (34 * PS, 56 - 34)
     states = [int(PageState.TREE)] * 16 + [int(PageState.COPIED)] * 4 + [int(PageState.RELEASED)] * 18
     r = _residency({"a": states})

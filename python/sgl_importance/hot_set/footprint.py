@@ -13,7 +13,6 @@ Plain arithmetic; nothing here imports SGLang.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -62,18 +61,23 @@ class Footprint:
 
 
 def footprint(
-    prompt: int, final: int, params: HotSetParams, *, threshold: int, page_size: int, kept: Optional[float] = None
+    prompt: int,
+    final: int,
+    params: HotSetParams,
+    *,
+    threshold: int,
+    page_size: int,
+    kept_share: Optional[float] = None,
 ) -> Optional[Footprint]:
     """The device footprint of a request of ``prompt`` tokens that ends at ``final``; None
-    when it never releases (``final`` within the threshold, or a dense policy). ``kept``: the
-    share of its pages its hot set holds where the guard grew it past the budget
+    when it never releases (``final`` within the threshold, or a dense policy). ``kept_share``:
+    the share of its pages its hot set holds where the guard grew it past the budget
     (``request_state.TrackedRequest.kept``)."""
     if params.policy == "dense" or final <= threshold:
         return None
     ps = page_size
     pages = -(-final // ps)
-    grown = math.ceil(kept * pages) if kept is not None else 0
-    hot = max(params.budget_pages(pages), min(pages, params.sinks + params.window), min(pages, grown))
+    hot = max(params.budget_pages(pages, kept_share), min(pages, params.sinks + params.window))
     tree = -(-prompt // ps) if prompt <= threshold else 0  # a grown request's prompt: the tree's pages
     kept = min(pages, hot + 1 + tree)
     dense = -(-(prompt if prompt > threshold else threshold) // ps) + 1

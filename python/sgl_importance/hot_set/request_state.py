@@ -15,7 +15,6 @@ Plain torch; nothing here imports SGLang.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Optional
 
@@ -58,10 +57,7 @@ class TrackedRequest:
 
     def kept_pages(self, num_pages: int) -> int:
         """Pages its hot set may hold: the policy's budget, or more where the guard raised it."""
-        budget = self.state.params.budget_pages(num_pages)
-        if self.kept is None:
-            return budget
-        return max(budget, min(num_pages, math.ceil(self.kept * num_pages)))
+        return self.state.params.budget_pages(num_pages, self.kept)
 
     def rest_caps(self, num_pages: int, part1: int, sampled: int, num_layers: int) -> torch.Tensor:
         """int64 ``[num_layers]``: the most rest pages each layer reads exactly, its read cap
@@ -86,11 +82,10 @@ class TrackedRequest:
         Residency follows: where a flagged step's selections ``missed`` pages (wanted, not on
         the device), the hot set grows by them, up to every page, so they are promoted and
         kept (a raised cap is worth nothing if what it would read was released); a step
-        whose every layer held its bound gives a tenth of the growth back, toward the budget. A request put back
-        to its budget for want of room (``grows`` False) no longer grows: it would take the
-        same room again at once."""
-        budget = self.state.params.budget_pages(num_pages)
-        now = budget if self.kept is None else max(budget, math.ceil(self.kept * num_pages))
+        whose every layer held its bound gives a tenth of the growth back, toward the budget.
+        A request put back to its budget for want of room (``grows`` False) no longer grows:
+        it would take the same room again at once."""
+        budget, now = self.state.params.budget_pages(num_pages), self.kept_pages(num_pages)
         if self.grows and missed and bool(flagged.any()):
             now = min(num_pages, now + missed)
         elif not bool(flagged.any()):

@@ -92,12 +92,16 @@ class HotSetParams:
         """Whether a step's page mass is its largest over layers and KV heads."""
         return self.policy == "importance" and self.reduce == "max"
 
-    def budget_pages(self, num_pages: int) -> int:
-        """The hot set's size for a request of ``num_pages`` pages."""
+    def budget_pages(self, num_pages: int, kept_share: Optional[float] = None) -> int:
+        """The hot set's size for a request of ``num_pages`` pages; ``kept_share``: the share
+        of its pages the guard grew it to (``request_state.TrackedRequest.kept``; never
+        below the budget)."""
         if isinstance(self.budget, int):
             pages = self.budget
         else:
             pages = math.ceil(self.budget * num_pages)
+        if kept_share is not None:
+            pages = max(pages, math.ceil(kept_share * num_pages))
         return max(1, min(num_pages, pages))
 
 

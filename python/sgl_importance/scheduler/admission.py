@@ -80,8 +80,8 @@ class FootprintBook:
         params = self.params_for(rid)
         if params is None or not r.enabled:
             return None
-        ps, kept = r.pools.page_size, self.kept_for(rid)
-        return footprint(prompt, final, params, threshold=r.threshold, page_size=ps, kept=kept)
+        ps, kept_share = r.pools.page_size, self.kept_for(rid)
+        return footprint(prompt, final, params, threshold=r.threshold, page_size=ps, kept_share=kept_share)
 
     def fits(self, f: Footprint, ranged_now: int = 0, released_now: int = 0) -> bool:
         """Whether the host and range pools can take what ``f`` will still release and code."""
