@@ -108,6 +108,16 @@ def generate_with_tops(server: LocalServer, input_ids: list[int], max_new_tokens
     return out
 
 
+def follows_until_a_near_tie(got: list[int], want: list[int], tops: list[list[tuple[float, int]]]) -> bool:
+    """Whether ``assert_same_until_a_near_tie(got, want, tops)`` holds."""
+    for g, w, top in zip(got, want, tops):
+        if top[0][0] - top[1][0] < NEAR_TIE:
+            return g in (top[0][1], top[1][1])
+        if g != w:
+            return False
+    return len(got) == len(want)
+
+
 def assert_same_until_a_near_tie(got: list[int], want: list[int], tops: list[list[tuple[float, int]]]) -> None:
     """Greedy tokens ``got`` equal ``want`` at every step where ``want``'s run chose clearly
     (its top two ``tops`` apart by ``NEAR_TIE`` or more); at its first near-tie either tied
