@@ -111,8 +111,9 @@ def run_config(name: str, tokens: int, extra: list[str], prompts: list[list[int]
     try:
         server.wait_ready()
 
-        def decode(ids: list[int], new: int = a.max_new) -> dict:
-            return generate(server.url, input_ids=ids, sampling_params=greedy(new, ignore_eos=True), timeout=7200)
+        def decode(ids: list[int], new: int = a.max_new, **rid: str) -> dict:
+            sampling = greedy(new, ignore_eos=True)
+            return generate(server.url, input_ids=ids, sampling_params=sampling, timeout=7200, **rid)
 
         solo_prompt, prompts = prompts[0], prompts[1:]
         decode(solo_prompt[: a.length // 2], 8)  # warm-up, not measured
@@ -133,8 +134,11 @@ def run_config(name: str, tokens: int, extra: list[str], prompts: list[list[int]
             # decodes. Abort everything then (SGLang's /abort_request, abort_all).
             stopper = threading.Timer(a.stop_after_s, abort_all, (server.url,))
             stopper.start()
+        # Fixed rids: the guard's page sample is seeded by the rid (hot_set/sample.py), so
+        # runs and configs compare on the same samples.
+        rids = [f"capacity-{i}" for i in range(len(prompts))]
         with ThreadPoolExecutor(len(prompts)) as pool:
-            results = list(pool.map(lambda ids: decode_or_stopped(decode, ids, stopper), prompts))
+            results = list(pool.map(lambda ids, rid: decode_or_stopped(decode, ids, stopper, rid), prompts, rids))
         if stopper is not None:
             stopper.cancel()
         wall = time.time() - start
@@ -173,11 +177,11 @@ def abort_all(url: str) -> None:
     requests.post(url + "/abort_request", json={"abort_all": True}, timeout=60).raise_for_status()
 
 
-def decode_or_stopped(decode, ids: list[int], stopper: Optional[threading.Timer]) -> dict:
-    """``decode(ids)``; once ``stopper`` fired, an aborted request's answer, whatever SGLang
-    returned for it (its tokens, if any, are not compared)."""
+def decode_or_stopped(decode, ids: list[int], stopper: Optional[threading.Timer], rid: str) -> dict:
+    """``decode(ids)`` as request ``rid``; once ``stopper`` fired, an aborted request's answer,
+    whatever SGLang returned for it (its tokens, if any, are not compared)."""
     try:
-        result = decode(ids)
+        result = decode(ids, rid=rid)
     except requests.HTTPError:
         if stopper is None or not stopper.finished.is_set():
             raise

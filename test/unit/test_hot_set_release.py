@@ -369,6 +369,33 @@ def test_a_hot_set_grows_by_flagged_misses_holds_while_flagged_and_gives_back_a_
     assert tracked.kept is None and tracked.kept_pages(100) == 20
 
 
+def test_only_what_a_flagged_layer_missed_counts_as_missed():
+    from sgl_importance.hot_set.request_state import LiveRequest, TrackedRequest
+    from sgl_importance.hot_set.selection import RequestHotSet
+
+    tiers = array_pools(device_pages=8, host_pages=8)
+    residency = residency_over(tiers)
+    row, _ = filled_request(tiers, 5)
+    pages = residency.admit("r", row, first_owned_page=0, page_size=PAGE)
+    residency.release([(pages, torch.tensor([2, 3]))])
+    tracked = TrackedRequest(RequestHotSet(HotSetParams(policy="importance", budget=0.2)))
+    live = LiveRequest(row[: 5 * PAGE], tracked, pages=pages, guarded=torch.zeros(5, dtype=torch.bool))
+    live.outside_mass = torch.zeros(5, dtype=torch.float64)
+    rest = torch.tensor([1, 2, 3, 4])
+    wanted = torch.tensor([True, True, True, False])  # page 1 read; 2 and 3 wanted while released
+    needed = torch.tensor([False, True, False, False])  # 2 by a flagged layer; 3 only by certified ones
+    flags = torch.tensor([True, False])
+    counts = dict(reads=1, pages_read=1, pages_estimated=3, pages_sampled=0, pages_missed=2)
+    live.take_guard(
+        rest, torch.zeros(4, dtype=torch.float64), wanted, flags, torch.tensor([3, 2]), needed, layers=2, **counts
+    )
+    assert live.guarded.tolist() == [False, True, True, True, False]
+    # A layer whose bound held did without page 3: the hot set grows by page 2 alone.
+    assert live.missed() == 1
+    residency.promote([(pages, torch.tensor([2]))])
+    assert live.missed() == 0  # back on the device
+
+
 def test_key_codes_land_under_their_own_page_when_two_requests_fill_and_release_pages_in_one_step():
     pools = array_pools(device_pages=120, host_pages=120)
     released = residency_over(pools)

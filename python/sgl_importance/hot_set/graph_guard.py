@@ -233,7 +233,9 @@ class GraphGuard:
         p, layers = self.pages, self.num_layers
         t = self.tally[:bs]
         torch.maximum(t[:, :p], outcome.mass, out=t[:, :p])
-        torch.maximum(t[:, p : 2 * p], outcome.wanted.double(), out=t[:, p : 2 * p])
+        # 1: some layer wanted the page; 2: a flagged layer wanted it while it was released.
+        wanted = outcome.wanted.double() + (outcome.missed & outcome.flagged[:, None]).double()
+        torch.maximum(t[:, p : 2 * p], wanted, out=t[:, p : 2 * p])
         counts = torch.stack(
             (
                 outcome.read.any(dim=1),
@@ -268,6 +270,7 @@ class GraphGuard:
                 t[b, p : p + n] > 0,
                 t[b, 2 * p + 5 : 2 * p + 5 + layers] > 0,
                 t[b, 2 * p + 5 + layers :].long(),
+                t[b, p : p + n] > 1,
                 layers=layers,
                 reads=counts[GUARD_READS],
                 pages_read=counts[PAGES_READ],

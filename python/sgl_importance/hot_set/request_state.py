@@ -115,6 +115,7 @@ class LiveRequest:
     layers: Optional[torch.Tensor] = None  # layers that read each page exactly
     outside_mass: Optional[torch.Tensor] = None  # largest estimated (or bound) mass of unread pages
     guarded: Optional[torch.Tensor] = None  # pages the selection wanted in some layer (read or missed)
+    needed: Optional[torch.Tensor] = None  # pages a flagged layer wanted while they were released
     flagged: Optional[torch.Tensor] = None  # bool [L] layers whose bound was flagged this step
     wanted: Optional[torch.Tensor] = None  # int64 [L] rest pages each layer's selection wanted this step
     counts: HotSetCounts = field(default_factory=HotSetCounts)
@@ -132,6 +133,7 @@ class LiveRequest:
         wanted: torch.Tensor,
         flagged: torch.Tensor,
         wanted_per_layer: torch.Tensor,
+        needed: torch.Tensor,
         *,
         layers: int,
         reads: int,
@@ -141,10 +143,14 @@ class LiveRequest:
         pages_missed: int,
     ) -> None:
         """A step's guard over the rest pages ``logical``: their largest estimated ``mass``,
-        those some layer ``wanted``, the ``flagged`` layers and what each wanted, its counts
-        over ``layers`` layers (``reads``: layers in which the selection read)."""
+        those some layer ``wanted``, the ``flagged`` layers and what each wanted, those a
+        flagged layer wanted while released (``needed``), its counts over ``layers`` layers
+        (``reads``: layers in which the selection read)."""
         self.outside_mass[logical] = torch.maximum(self.outside_mass[logical], mass)
         self.guarded[logical[wanted]] = True
+        if self.needed is None:
+            self.needed = torch.zeros_like(self.guarded)
+        self.needed[logical[needed]] = True
         c = self.counts
         c.guard_checks += layers
         c.guard_reads += reads
@@ -158,10 +164,11 @@ class LiveRequest:
         self.wanted = wanted_per_layer if self.wanted is None else torch.maximum(self.wanted, wanted_per_layer)
 
     def missed(self) -> int:
-        """Pages some layer's selection wanted that were off the device this step (released)."""
-        if self.pages is None or self.guarded is None:
+        """Pages a flagged layer's selection wanted that are off the device (released): a
+        layer whose bound held did without them this step."""
+        if self.pages is None or self.needed is None:
             return 0
-        return int(self.pages.off_device(torch.nonzero(self.guarded).flatten()).sum())
+        return int(self.pages.off_device(torch.nonzero(self.needed).flatten()).sum())
 
     @property
     def guard_on(self) -> bool:

@@ -45,6 +45,7 @@ class StepTally:
     layers: int = 0  # layers read with part 1's fixed lists
     outside_mass: Optional[torch.Tensor] = None  # float64 [n, P] largest estimated mass
     outside_wanted: Optional[torch.Tensor] = None  # bool [n, P] wanted by the selection in some layer
+    outside_needed: Optional[torch.Tensor] = None  # bool [n, P] wanted by a flagged layer while released
     guard_reads: Optional[torch.Tensor] = None  # int64 [n] layers in which the selection read
     flagged: Optional[torch.Tensor] = None  # bool [n, L] layers whose bound exceeded the threshold
     wanted: Optional[torch.Tensor] = None  # int64 [n, L] rest pages each layer's selection wanted
@@ -122,6 +123,7 @@ class StepTally:
         n, width = outside.codes.shape
         self.outside_mass = torch.zeros(n, width, dtype=torch.float64, device=device)
         self.outside_wanted = torch.zeros(n, width, dtype=torch.bool, device=device)
+        self.outside_needed = torch.zeros(n, width, dtype=torch.bool, device=device)
         self.guard_reads = torch.zeros(n, dtype=torch.int64, device=device)
         self.pages_guard_read = torch.zeros(n, dtype=torch.int64, device=device)
         self.pages_estimated = torch.zeros(n, dtype=torch.int64, device=device)
@@ -153,6 +155,7 @@ class StepTally:
         read, its misses and whether its bound was flagged."""
         torch.maximum(self.outside_mass, outcome.mass, out=self.outside_mass)
         self.outside_wanted |= outcome.wanted
+        self.outside_needed |= outcome.missed & outcome.flagged[:, None]
         self.guard_reads += outcome.read.any(dim=1)
         self.flagged[:, layer_id % self.num_layers] |= outcome.flagged
         self.wanted[:, layer_id % self.num_layers] = outcome.wanted.sum(dim=1)
@@ -294,6 +297,7 @@ class StepTally:
                 tally.outside_wanted[i][cols],
                 tally.flagged[i],
                 tally.wanted[i],
+                tally.outside_needed[i][cols],
                 layers=layers,
                 reads=int(tally.guard_reads[i]),
                 pages_read=int(tally.pages_guard_read[i]),
