@@ -96,6 +96,10 @@ def test_budget_is_pages_when_at_least_one_else_a_fraction_rounded_up():
     assert HotSetParams(budget=7).budget_pages(100) == 7
     assert HotSetParams(budget=0.2).budget_pages(101) == 21
     assert HotSetParams(budget=500).budget_pages(100) == 100
+    # A share the guard grew it to (a page count over the pages then) comes back exactly:
+    # 0.56 * 100 is 56.00000000000001 in floats, and one page more was kept.
+    assert HotSetParams(budget=0.2).budget_pages(100, kept_share=56 / 100) == 56
+    assert HotSetParams(budget=0.2).budget_pages(100, kept_share=0.1) == 20  # never below the budget
 
 
 def test_fixed_pages_are_the_sinks_and_the_recent_window():

@@ -101,7 +101,8 @@ class HotSetParams:
         else:
             pages = math.ceil(self.budget * num_pages)
         if kept_share is not None:
-            pages = max(pages, math.ceil(kept_share * num_pages))
+            # The share was a page count over num_pages: round-trip it without float's overshoot.
+            pages = max(pages, math.ceil(kept_share * num_pages - 1e-9))
         return max(1, min(num_pages, pages))
 
 
