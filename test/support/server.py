@@ -7,9 +7,11 @@ is the tests' own shape of them (the fixtures are in ``test/conftest.py``).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 from sgl_importance.client import generate, greedy
@@ -37,11 +39,26 @@ class Server(LocalServer):
     def __init__(self, model_path: str, args: list[str], env: dict[str, str], log: Path):
         # The suite's invariant checks, on in every server it starts (docs/testing.md).
         super().__init__(model_path, with_test_dtype(list(args)), log, {CHECKS_ENV: "1", **env})
+        self._sent: Counter[str] = Counter()
+
+    def rid(self, prompt: object) -> str:
+        """A rid for the next request of ``prompt`` (text or token ids): the prompt's hash and
+        how many times this server was sent it before. The hot set's page sample is seeded
+        by the rid (``hot_set/sample.py``); random rids made a guarded test's tokens a draw
+        per run, these make them the same every run (distinct prompts sent at once included)."""
+        digest = hashlib.blake2b(repr(prompt).encode(), digest_size=6).hexdigest()
+        n, self._sent[digest] = self._sent[digest], self._sent[digest] + 1
+        return f"test-{digest}-{n}"
 
     def generate(self, text: str, max_new_tokens: int = 8, **extra) -> dict:
         """Greedy /generate of ``text`` with logprobs and the cache report."""
-        body = {"return_logprob": True, "return_cached_tokens_details": True, **extra}
+        body = {"return_logprob": True, "return_cached_tokens_details": True, "rid": self.rid(text), **extra}
         return generate(self.url, text=text, sampling_params=greedy(max_new_tokens), **body)
+
+
+def pinned_rid(server: LocalServer, prompt: object) -> dict:
+    """``{"rid": ...}`` from ``Server.rid`` for the suite's servers; nothing for others."""
+    return {"rid": server.rid(prompt)} if isinstance(server, Server) else {}
 
 
 def generate_ids(server: LocalServer, input_ids: list[int], max_new_tokens: int, timeout: float = 300) -> dict:
@@ -52,6 +69,7 @@ def generate_ids(server: LocalServer, input_ids: list[int], max_new_tokens: int,
         sampling_params=greedy(max_new_tokens),
         return_cached_tokens_details=True,
         timeout=timeout,
+        **pinned_rid(server, input_ids),
     )
 
 
@@ -94,6 +112,7 @@ def generate_with_tops(server: LocalServer, input_ids: list[int], max_new_tokens
     """Greedy /generate of exact token ids with the cache report and each step's top two
     ``(logprob, id)`` under ``"tops"``."""
     sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, **extra.pop("sampling_params", {})}
+    extra = {**pinned_rid(server, input_ids), **extra}
     out = generate(
         server.url,
         input_ids=input_ids,
