@@ -56,12 +56,7 @@ class Server(LocalServer):
         return generate(self.url, text=text, sampling_params=greedy(max_new_tokens), **body)
 
 
-def pinned_rid(server: LocalServer, prompt: object) -> dict:
-    """``{"rid": ...}`` from ``Server.rid`` for the suite's servers; nothing for others."""
-    return {"rid": server.rid(prompt)} if isinstance(server, Server) else {}
-
-
-def generate_ids(server: LocalServer, input_ids: list[int], max_new_tokens: int, timeout: float = 300) -> dict:
+def generate_ids(server: Server, input_ids: list[int], max_new_tokens: int, timeout: float = 300) -> dict:
     """Greedy /generate of exact token ids, with the cache report."""
     return generate(
         server.url,
@@ -69,7 +64,7 @@ def generate_ids(server: LocalServer, input_ids: list[int], max_new_tokens: int,
         sampling_params=greedy(max_new_tokens),
         return_cached_tokens_details=True,
         timeout=timeout,
-        **pinned_rid(server, input_ids),
+        rid=server.rid(input_ids),
     )
 
 
@@ -108,11 +103,11 @@ def launch_and_fail(model_path: str, *args: str) -> str:
 NEAR_TIE = 0.1
 
 
-def generate_with_tops(server: LocalServer, input_ids: list[int], max_new_tokens: int, **extra) -> dict:
+def generate_with_tops(server: Server, input_ids: list[int], max_new_tokens: int, **extra) -> dict:
     """Greedy /generate of exact token ids with the cache report and each step's top two
     ``(logprob, id)`` under ``"tops"``."""
     sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, **extra.pop("sampling_params", {})}
-    extra = {**pinned_rid(server, input_ids), **extra}
+    extra = {"rid": server.rid(input_ids), **extra}
     out = generate(
         server.url,
         input_ids=input_ids,
@@ -127,23 +122,24 @@ def generate_with_tops(server: LocalServer, input_ids: list[int], max_new_tokens
     return out
 
 
-def follows_until_a_near_tie(got: list[int], want: list[int], tops: list[list[tuple[float, int]]]) -> bool:
-    """Whether ``assert_same_until_a_near_tie(got, want, tops)`` holds."""
-    for g, w, top in zip(got, want, tops):
+def departure(got: list[int], want: list[int], tops: list[list[tuple[float, int]]]) -> str | None:
+    """Where greedy tokens ``got`` leave ``want`` at a step where ``want``'s run chose clearly
+    (its top two ``tops`` apart by ``NEAR_TIE`` or more), said in words; None if they never
+    do. At the first near-tie either tied token is right, and the two may part there."""
+    for step, (g, w, top) in enumerate(zip(got, want, tops)):
         if top[0][0] - top[1][0] < NEAR_TIE:
-            return g in (top[0][1], top[1][1])
+            return None if g in (top[0][1], top[1][1]) else f"step {step}: {g} is neither of the tied {top}"
         if g != w:
-            return False
-    return len(got) == len(want)
+            return f"step {step}: {got} vs {want}"
+    return None if len(got) == len(want) else f"lengths differ: {got} vs {want}"
+
+
+def follows_until_a_near_tie(got: list[int], want: list[int], tops: list[list[tuple[float, int]]]) -> bool:
+    """Whether ``got`` follows ``want`` until ``want``'s first near-tie (``departure``)."""
+    return departure(got, want, tops) is None
 
 
 def assert_same_until_a_near_tie(got: list[int], want: list[int], tops: list[list[tuple[float, int]]]) -> None:
-    """Greedy tokens ``got`` equal ``want`` at every step where ``want``'s run chose clearly
-    (its top two ``tops`` apart by ``NEAR_TIE`` or more); at its first near-tie either tied
-    token is right, and the two may part there."""
-    for step, (g, w, top) in enumerate(zip(got, want, tops)):
-        if top[0][0] - top[1][0] < NEAR_TIE:
-            assert g in (top[0][1], top[1][1]), f"step {step}: {g} is neither of the tied {top}"
-            return
-        assert g == w, f"step {step}: {got} vs {want}"
-    assert len(got) == len(want), (got, want)
+    """``got`` follows ``want`` until ``want``'s first near-tie (``departure``)."""
+    reason = departure(got, want, tops)
+    assert reason is None, reason

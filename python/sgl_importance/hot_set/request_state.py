@@ -79,8 +79,8 @@ class TrackedRequest:
         ``num_pages``), up to every page (dense); one whose bound held lowers it by a tenth,
         back toward the request's ``read_cap`` (slowly: a cap that drops at once flags again).
 
-        Residency follows: where a flagged step's selections ``missed`` pages (wanted, not on
-        the device), the hot set grows by them, up to every page, so they are promoted and
+        Residency follows: where flagged layers ``missed`` pages (wanted, not on the device:
+        ``LiveRequest.missed``), the hot set grows by them, up to every page, so they are promoted and
         kept (a raised cap is worth nothing if what it would read was released); a step
         whose every layer held its bound gives a tenth of the growth back, toward the budget.
         A request put back to its budget for want of room (``grows`` False) no longer grows:
