@@ -62,7 +62,7 @@ KV_LINE = re.compile(r"max_total_num_tokens=(\d+)")
 POOLS_LINE = re.compile(r"hot set: pools of (\d+) tokens .*?; ([\d.]+) MiB in all")
 
 
-CONFIG_KEYS = ("dense", "guard", "guard-off", "guard-length", "guard-off-length")
+CONFIG_KEYS = ("dense", "guard", "guard-off", "guard-length", "guard-off-length", "guard-unstreamed")
 ADMITTED = "sgl_importance:hot_set_admitted_by_footprint_total"
 REFUSED = "sgl_importance:hot_set_footprint_refused_total"
 RETRACTED = "sglang:num_retracted_requests_total"
@@ -82,7 +82,8 @@ def configs(
     the guard off (``guard-off``: reads only the hot set, what the page saving is worth
     in decode speed), each at dense's ``--max-total-tokens`` (its pools come out of it);
     ``guard-length`` / ``guard-off-length``: the same, admitted as SGLang charges any request
-    (``--hot-set-admission length``: prompt + max_new_tokens) instead of by footprint."""
+    (``--hot-set-admission length``: prompt + max_new_tokens) instead of by footprint;
+    ``guard-unstreamed``: ``guard`` with its prompts prefilled dense (``--hot-set-prefill dense``)."""
     hot = ["--hot-set-policy", "importance", "--hot-set-budget", str(budget), "--hot-set-threshold", "512"]
     hot += ["--hot-set-guard-tokens", str(guard_tokens)] if guard_tokens else []
     tokens = device_tokens
@@ -95,6 +96,7 @@ def configs(
     every["guard-length"] = (f"{every['guard'][0]}, admitted by length", (tokens, hot + by_length))
     off = every["guard-off"]
     every["guard-off-length"] = (f"{off[0]}, admitted by length", (tokens, off[1][1] + by_length))
+    every["guard-unstreamed"] = (f"{every['guard'][0]}, dense prefill", (tokens, hot + ["--hot-set-prefill", "dense"]))
     return dict(every[k] for k in ["dense"] + [k for k in keys if k != "dense"])
 
 
@@ -106,6 +108,8 @@ def run_config(name: str, tokens: int, extra: list[str], prompts: list[list[int]
     ]  # fmt: skip
     if a.hicache_ratio:
         args += ["--hicache-ratio", str(a.hicache_ratio)]
+    if a.chunk:
+        args += ["--chunked-prefill-size", str(a.chunk)]
     log = out / f"server_{name.replace(' ', '_').replace('%', '')}.log"
     server = LocalServer(model_path(), args, log)
     try:
@@ -241,6 +245,9 @@ def main() -> None:
         "--guard-tokens", type=int, default=0, help="the hot-set servers' --hot-set-guard-tokens (0: their auto size)"
     )
     p.add_argument("--hicache-ratio", type=float, default=0.0, help="host pool over the device pool (0: SGLang's)")
+    p.add_argument(
+        "--chunk", type=int, default=0, help="every server's --chunked-prefill-size (0: SGLang's, 2048 here)"
+    )
     p.add_argument("--dtype", default="float32", help="every server's --dtype (the runs on record: float32)")
     p.add_argument("--configs", default="guard,guard-off", help=f"beside dense, from {', '.join(CONFIG_KEYS[1:])}")
     p.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench_capacity_")))
@@ -308,7 +315,8 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
         f"```\n{command}\n```\n\n{a.requests} requests of {a.length} tokens at once, {a.max_new} new tokens each, "
         f"--max-total-tokens {a.device_tokens} for every server ({a.device_tokens // PAGE} pages of {PAGE}): "
         "dense's KV pool; a hot-set server's KV pool and its pools (key ranges, key codes, the page importance "
-        f"table), which it takes out of it itself; --dtype {a.dtype}; HiCache host pool on.\n\n"
+        f"table), which it takes out of it itself; --dtype {a.dtype}; HiCache host pool on; "
+        f"--chunked-prefill-size {a.chunk or 'SGLang default'}.\n\n"
         f"{table}\n"
     )
     (out / "RESULTS_capacity.md").write_text(text)

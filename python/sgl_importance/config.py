@@ -19,7 +19,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from sgl_importance.choices import ADMISSIONS, HOT_SET_POLICIES, PREFIX_RESIDENCES, REDUCTIONS
+from sgl_importance.choices import ADMISSIONS, HOT_SET_POLICIES, PREFILLS, PREFIX_RESIDENCES, REDUCTIONS
 from sgl_importance.flags import Flag, add_arguments, check_fields, choice, flag, integer, number, specs
 from sgl_importance.validate import int_in, invalid, is_int, number_in
 
@@ -242,6 +242,19 @@ class ImportanceConfig:
             "(counted: hot_set_admitted_by_footprint, hot_set_footprint_refused); length = as SGLang "
             "charges any request, its prompt and max_new_tokens (a long generation is admitted as if "
             "it kept all its KV).",
+        ),
+    )
+    hot_set_prefill: str = flag(
+        "stream",
+        choice(
+            PREFILLS,
+            "How a prompt past --hot-set-threshold is prefilled with --enable-hierarchical-cache: "
+            "stream = at the end of each prefill chunk (--chunked-prefill-size) its full pages are "
+            "summarised and released to the host pool (sinks and window kept), and later chunks and "
+            "the first decode step read them back from there, so the device holds about one chunk "
+            "while it prefills; the output is the same as dense prefill's (importance_torch only: "
+            "importance_triton prefills dense); dense = the whole prompt stays on the device until its "
+            "first decode step.",
         ),
     )
     hot_set_reduce: str = flag(

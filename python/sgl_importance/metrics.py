@@ -346,6 +346,11 @@ HOT_SET_SERIES = {
         "Hot sets the guard had grown past their budget (its selection wanted released pages), put back to it "
         "by a decode step short of device room before SGLang could retract.",
     ),
+    "prefill_chunks_released": (
+        "prefill_chunks_released",
+        "Prefill chunks after which a streamed long prompt's full pages left the device for the host pool "
+        "(--hot-set-prefill stream).",
+    ),
     "footprint_refused": (
         "footprint_refused",
         "Hot-set requests admitted at their whole length: the host or key-range pool could not take their pages.",

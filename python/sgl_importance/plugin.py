@@ -84,7 +84,7 @@ HOOKS = (
     Hook("managers.scheduler.Scheduler.run_batch", "scheduler.hot_set_release:apply_step_moves", "after", "scheduler", ("residency",)),  # between steps
     Hook("managers.scheduler.Scheduler.process_batch_result", "scheduler.hot_set_release:reopen_admission", "after", "scheduler", ("residency",)),
     Hook("managers.scheduler.Scheduler.handle_generate_request", "scheduler.hot_set_requests:note_request", "before", "scheduler", ("request_params", "config")),
-    Hook("mem_cache.common.checkpoint_kv_cache", "scheduler.hot_set_release:checkpoint_unless_released", "around", "scheduler", ("residency",)),
+    Hook("mem_cache.common.checkpoint_kv_cache", "scheduler.hot_set_release:checkpoint_unless_released", "around", "scheduler", ("residency", "hot_set_attention")),
     Hook("managers.schedule_batch.ScheduleBatch.prepare_for_decode", "scheduler.hot_set_release:admit_grown", "after", "scheduler", ("residency",)),  # lengths set, before the forward
     Hook("managers.schedule_batch.ScheduleBatch.check_decode_mem", "scheduler.decode_room:fits_after_releases", "around", "scheduler", ("runtime",)),  # before SGLang retracts
     Hook("mem_cache.common.release_kv_cache", "scheduler.hot_set_release:release_with_pages", "around", "scheduler", ("residency", "request_params")),

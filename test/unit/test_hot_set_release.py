@@ -1,4 +1,5 @@
-"""Hot-set pages leave the device and come back: the host copy is exact, freed device
+"""Hot-set pages leave the device and come back (in decode, and chunk by chunk while a long prompt
+prefills: streamed prefill): the host copy is exact, freed device
 pages are re-used by other requests, and requests whose KV together exceeds the
 device pool decode exactly as they do with every page on the device."""
 
@@ -11,6 +12,7 @@ import torch
 
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
 from sgl_importance.hot_set.key_codes import quantise
+from sgl_importance.hot_set.prefill import summarise_prefill
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import RELEASED_SLOT, TRANSITIONS, PageState, Residency, subtract_pages
 from sgl_importance.scheduler.hot_set_release import (
@@ -564,7 +566,7 @@ def test_a_grown_request_retracted_frees_only_what_it_holds_and_is_admitted_agai
     scheduled.full_untruncated_fill_ids = list(range(grown.copy.length))  # SGLang's refresh_fill_ids
     scheduled.extend_end = grown.copy.length
     checkpointed = []
-    checkpoint_unless_released(released, lambda req, cache: checkpointed.append(req), scheduled, tree_cache)
+    checkpoint_unless_released(released, None, lambda req, cache: checkpointed.append(req), scheduled, tree_cache)
     assert checkpointed == [] and released.admitted("r")
     assert released.peek("r").first_owned_page == TREE_PAGES
     assert scheduled.prefix_len == scheduled.extend_end
@@ -592,5 +594,144 @@ def test_only_running_requests_past_the_threshold_that_may_enter_the_tree_are_ad
     short = ScheduledReq("prompt", GROWN_THRESHOLD)
     for req in (short, reqs["grown"]):
         tree_cache = tree_cache_of(tiers, torch.zeros(64))
-        checkpoint_unless_released(released, lambda req, cache: checkpointed.append(req.rid), req, tree_cache)
+        checkpoint_unless_released(released, None, lambda req, cache: checkpointed.append(req.rid), req, tree_cache)
     assert checkpointed == ["prompt"] and not released.admitted("prompt")
+
+
+# -- streamed prefill (--hot-set-prefill stream) ----------------------------------------------
+
+CHUNK_PAGES = 3
+PROMPT_PAGES = 13  # the last page partial: 50 tokens
+PROMPT = PROMPT_PAGES * PAGE - 2
+
+
+class Streaming:
+    """The backend's hot set as the checkpoint hook sees it: streams, summarises into the decoder."""
+
+    def __init__(self, placed: Placed) -> None:
+        self.decoder = placed.decoder
+        self.stream_prefill = True
+        for layer in range(LAYERS):
+            self.decoder.pool_as_pages(layer, placed.tiers.k[layer], placed.tiers.v[layer])
+
+    def summarise_prefill(self, rid: str, slots: torch.Tensor, full: int) -> bool:
+        return summarise_prefill(self.decoder, rid, slots, full)
+
+
+class Chunked:
+    """SGLang's ``Req`` where the checkpoint hook reads it, prefilled chunk by chunk."""
+
+    ROW = 3
+
+    def __init__(self, rid: str, prompt: int) -> None:
+        self.rid = rid
+        self.kv = SimpleNamespace(req_pool_idx=self.ROW, cache_protected_len=0)
+        self.full_untruncated_fill_ids = list(range(prompt))
+        self.extend_end = self.prefix_len = 0
+        self.skip_radix_cache_insert = False
+
+    def finished(self) -> bool:
+        return False
+
+
+def prefill_in_chunks(placed: Placed, req: Request, hot_set, residency: Residency):
+    """Place ``req``'s prompt chunk by chunk, with the checkpoint hook after each; returns
+    the device pages its row held after each chunk's checkpoint."""
+    full_k, full_v = req.k, req.v
+    scheduled = Chunked(req.rid, PROMPT)
+    tree_cache = SimpleNamespace(
+        token_to_kv_pool_allocator=SimpleNamespace(page_size=PAGE),
+        req_to_token_pool=SimpleNamespace(req_to_token={Chunked.ROW: req.row}),
+    )
+    held = []
+    for end in range(CHUNK_PAGES * PAGE, PROMPT + CHUNK_PAGES * PAGE, CHUNK_PAGES * PAGE):
+        end = min(end, PROMPT)
+        req.k, req.v = full_k[:, :end], full_v[:, :end]
+        placed.place(req)
+        scheduled.extend_end = end
+        checkpoint_unless_released(residency, hot_set, lambda *a: pytest.fail("checkpointed"), scheduled, tree_cache)
+        pages = residency.peek(req.rid)
+        held.append(-(-end // PAGE) - int(pages.off_device(torch.arange(-(-end // PAGE))).sum()))
+    return held
+
+
+@pytest.mark.parametrize("guard", [1.0, 0.05])
+def test_a_prompt_streamed_in_chunks_decodes_as_the_one_whose_pages_stayed(guard):
+    """Between chunks the device holds the sinks and the window;
+    every released page was summarised before it left (its key range the one a dense
+    prefill's first step writes) and its host copy is exact; the decode that follows (its
+    first step reads the released pages from the host) equals the same request's prefilled
+    with every page kept until its first step, on the same pools."""
+    outputs = {}
+    for streamed in (False, True):
+        tiers = array_pools(device_pages=40, host_pages=40)
+        residency = residency_over(tiers, threshold=8)
+        placed = Placed(tiers, residency, guard)
+        hot_set = Streaming(placed) if streamed else None
+        req = Request("r", PROMPT_PAGES, seed=5)
+        truth_k, truth_v = req.k.clone(), req.v.clone()
+        held = prefill_in_chunks(placed, req, hot_set, residency)
+        pages = residency.peek("r")
+        params = placed.decoder.params
+        if streamed:
+            keep = params.sinks + params.window
+            # After each middle chunk (they end on a page): the sinks and the window; the last
+            # chunk's pages stay for the first decode step's plan.
+            assert held == [keep] * (len(held) - 1) + [keep + PROMPT_PAGES - 4 * CHUNK_PAGES]
+            released = pages.released_pages()
+            assert released.tolist() == list(range(params.sinks, 4 * CHUNK_PAGES - params.window))
+            host = pages.host_slots(released)
+            positions = (released[:, None] * PAGE + torch.arange(PAGE)).flatten()
+            assert torch.equal(tiers.hk[:, host], truth_k[:, positions])
+            assert torch.equal(tiers.hv[:, host], truth_v[:, positions])
+            tracked = placed.decoder.tracked["r"]
+            assert tracked.ranges.numel() == 4 * CHUNK_PAGES  # every full page of the middle chunks
+            assert residency.counts.prefill_chunks_released == 4
+        else:
+            assert pages.released_pages().numel() == 0 and held[-1] == PROMPT_PAGES
+        g = torch.Generator().manual_seed(9)
+        steps = []
+        for _ in range(6):
+            q = torch.randn(LAYERS, 1, KV_HEADS * GROUP, DIM, generator=g)
+            got, counts = placed.step(q)
+            steps.append(([r.output for r in got], counts))
+            req.grow()
+            placed.place(req)
+        outputs[streamed] = steps
+        key_min = placed.decoder.ranges.key_min[:, placed.decoder.tracked["r"].ranges[: PROMPT_PAGES - 1]]
+        outputs[streamed, "ranges"] = key_min
+    for (dense, _), (streamed, _) in zip(outputs[False], outputs[True]):
+        for a, b in zip(dense, streamed):
+            assert torch.equal(a, b)
+    assert torch.equal(outputs[False, "ranges"], outputs[True, "ranges"])
+    # The first step read the released pages from their host copies (every layer).
+    assert outputs[True][0][1].pages_read_from_host >= 4 * CHUNK_PAGES - 2
+    assert outputs[False][0][1].pages_read_from_host == 0
+
+
+def test_a_streaming_request_is_tracked_until_it_leaves_and_a_dense_one_is_not_streamed():
+    tiers = array_pools(device_pages=40, host_pages=40)
+    residency = residency_over(tiers, threshold=8)
+    placed = Placed(tiers, residency, 1.0)
+    decoder = placed.decoder
+    decoder.request_params = RequestParams()
+    Streaming(placed)  # the pool's views
+    req = Request("r", PROMPT_PAGES, seed=1)
+    full_k, full_v = req.k, req.v
+    req.k, req.v = full_k[:, : 2 * CHUNK_PAGES * PAGE], full_v[:, : 2 * CHUNK_PAGES * PAGE]
+    placed.place(req)
+    residency.admit("r", req.row, 0, PAGE)
+    assert summarise_prefill(decoder, "r", req.row[: req.length], 2 * CHUNK_PAGES)
+    # Another request's decode steps leave it tracked while it prefills...
+    decoder.drop_absent(["other"])
+    assert "r" in decoder.tracked and "r" in decoder.prefilling
+    # ... and drop it (its pool rows back) once it left (aborted mid-prefill).
+    rows_in_use = decoder.ranges.pages_in_use
+    residency.forget("r")
+    decoder.drop_absent(["other"])
+    assert "r" not in decoder.tracked and decoder.ranges.pages_in_use == rows_in_use - 2 * CHUNK_PAGES
+    # A request decoding dense reads every page: its prompt is not streamed.
+    decoder.request_params.note("d", HotSetParams(policy="dense"))
+    residency.admit("d", req.row, 0, PAGE)
+    assert not summarise_prefill(decoder, "d", req.row[: req.length], 2 * CHUNK_PAGES)
+    assert "d" not in decoder.tracked

@@ -70,11 +70,21 @@ class ImportanceDecodeSteps:
     hot_set: Optional[HotSetAttention]
     token_to_kv_pool: Any
 
-    def _init_decode_steps(self, runtime: Runtime, model_runner: Any, *, exact: Any = None) -> None:
-        """Call after the parent's ``__init__``; ``exact``: the hot set's page reader."""
+    def _init_decode_steps(
+        self, runtime: Runtime, model_runner: Any, *, exact: Any = None, prefill_reads_host: bool = False
+    ) -> None:
+        """Call after the parent's ``__init__``; ``exact``: the hot set's page reader;
+        ``prefill_reads_host``: the backend's extend reads released pages from the host pool."""
         self.page_importance = page_importance_for(runtime, model_runner)
         self.last_layer_id = last_attention_layer_id(model_runner)
-        self.hot_set = build_hot_set(runtime, model_runner, self.last_layer_id, self.page_importance, exact=exact)
+        self.hot_set = build_hot_set(
+            runtime,
+            model_runner,
+            self.last_layer_id,
+            self.page_importance,
+            exact=exact,
+            prefill_reads_host=prefill_reads_host,
+        )
 
     # -- what a backend supplies ----------------------------------------------------
 

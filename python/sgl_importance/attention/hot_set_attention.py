@@ -57,12 +57,21 @@ class HotSetAttention:
         metrics: ``metrics.HotSetMetrics`` or None (``--enable-metrics`` off).
         graph_rows: most requests a captured hot-set step holds (``--hot-set-graph-rows``;
             0: a batch holding a hot-set request always runs eagerly).
+        kv_pool: SGLang's KV pool, for a streamed prompt's pages (None: prompts are not streamed).
     """
 
     def __init__(
-        self, decoder: Any, page_importance: PageImportanceTable, metrics: Any = None, graph_rows: int = 0
+        self,
+        decoder: Any,
+        page_importance: PageImportanceTable,
+        metrics: Any = None,
+        graph_rows: int = 0,
+        kv_pool: Any = None,
     ) -> None:
         self.decoder = decoder
+        # Set: a long prompt's full pages leave the device as it prefills (--hot-set-prefill
+        # stream, a backend whose extend reads them back), summarised first (summarise_prefill).
+        self.kv_pool = kv_pool
         self.graph_rows = graph_rows
         self.page_importance = page_importance
         self.metrics = metrics
@@ -286,6 +295,21 @@ class HotSetAttention:
         d = self.decoder
         self.metrics.after_step(d.guard.pages_in_use, d.ranges.pages_in_use, d.held_bytes, len(d.tracked))
 
+    @property
+    def stream_prefill(self) -> bool:
+        return self.kv_pool is not None
+
+    def summarise_prefill(self, rid: str, slots: torch.Tensor, full: int) -> bool:
+        """Summarise a prefilling request's full pages ``[0, full)`` before they are released
+        (``hot_set/prefill.py``); False: they must stay on the device."""
+        from sgl_importance.hot_set.prefill import summarise_prefill
+
+        d = self.decoder
+        for layer in range(d.ranges.num_layers):
+            if layer not in d.pool_views:
+                d.pool_as_pages(layer, self.kv_pool.get_key_buffer(layer), self.kv_pool.get_value_buffer(layer))
+        return summarise_prefill(d, rid, slots, full)
+
     def fence(self) -> None:
         """Make the current stream wait for page copies still in flight (a no-op without any)."""
         self.decoder.residency.copies.fence()
@@ -312,6 +336,7 @@ def build_hot_set(
     page_importance: PageImportanceTable,
     *,
     exact: Any = None,
+    prefill_reads_host: bool = False,
 ) -> Optional[HotSetAttention]:
     """The backend's hot set when ``--hot-set-policy`` is on, else None.
 
@@ -323,6 +348,8 @@ def build_hot_set(
         last_layer_id: the last attention layer; the pools cover layers up to it.
         page_importance: where attended pages' masses are filed.
         exact: the decoder's exact page reader (default: ``decode_importance_paged``).
+        prefill_reads_host: the backend's extend reads a request's released pages from the
+            host pool (what ``--hot-set-prefill stream`` needs).
     """
     config = runtime.config
     params = runtime.hot_set_params
@@ -366,7 +393,13 @@ def build_hot_set(
     metrics = _build_metrics(runtime)
     if metrics is not None:
         metrics.pools(guard.capacity, guard.nbytes, ranges.capacity, ranges.nbytes)
-    attention = HotSetAttention(decoder, page_importance, metrics, graph_rows=config.hot_set_graph_rows)
+    # On a GPU the chunk's summary would race the overlap scheduler's forward stream.
+    stream = config.hot_set_prefill == "stream" and prefill_reads_host and keys.device.type == "cpu"
+    if config.hot_set_prefill == "stream" and not stream:
+        logger.info("hot set: prompts are prefilled dense (streamed prefill needs importance_torch on the CPU)")
+    attention = HotSetAttention(
+        decoder, page_importance, metrics, graph_rows=config.hot_set_graph_rows, kv_pool=pool if stream else None
+    )
     runtime.hot_set_attention = attention
     return attention
 

@@ -37,12 +37,13 @@ soft cap and attention sinks.
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_importance.attention.decode_step import ImportanceDecodeSteps
@@ -57,7 +58,6 @@ from sgl_kernel_ext import (
 )
 
 if TYPE_CHECKING:
-    from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 # Which dense decode runs: the batched page-list path, or the slot-by-slot reference
@@ -83,7 +83,11 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
         self.page_ids: Optional[torch.Tensor] = None
         self.page_tokens: Optional[torch.Tensor] = None
         self.paged_workspace = PagedDecodeWorkspace()
-        self._init_decode_steps(runtime, model_runner)
+        # Per request of an extend batch: its released prefix pages' positions and host
+        # slots (None: all on the device), read back from the host pool in every layer.
+        self.extend_released: Optional[list] = None
+        plain = all(_plain_causal(m) for m in model_runner.model.modules() if isinstance(m, RadixAttention))
+        self._init_decode_steps(runtime, model_runner, prefill_reads_host=plain)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         super().init_forward_metadata(forward_batch)
@@ -92,6 +96,7 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
         self.kv_indptr = self.kv_indices = None
         self.decode_plan = self.page_indptr = self.page_ids = self.page_tokens = None
         self.decoding = forward_batch.forward_mode.is_decode() and forward_batch.encoder_lens is None
+        self.extend_released = None if self.decoding else self._released_prefixes(forward_batch)
         if self.decoding and self.hot_set is not None:
             # The hot set plans its own lists (every layer reads them): the dense ones
             # would cost a pass over every request's slots for nothing.
@@ -126,8 +131,35 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
             forward_batch.seq_lens,
             forward_batch.extend_seq_lens,
             scaling=layer.scaling,
+            released=self.extend_released,
+            read_host=functools.partial(self.hot_set.decoder.residency.read_host, layer.layer_id)
+            if self.extend_released
+            else None,
         )
         return o
+
+    def _released_prefixes(self, forward_batch: ForwardBatch) -> Optional[list]:
+        """Where an extend's requests have released pages before their new tokens (a prompt
+        streamed chunk by chunk: ``--hot-set-prefill stream``): per request, the positions and
+        the host slots of those pages; None when no request has any."""
+        residency = self.hot_set.decoder.residency if self.hot_set is not None else None
+        lengths_known = forward_batch.seq_lens_cpu is not None and forward_batch.extend_seq_lens_cpu is not None
+        if residency is None or not residency.enabled or forward_batch.rids is None or not lengths_known:
+            return None
+        out, any_released, ps = [], False, self.page_size
+        lengths = zip(forward_batch.rids, forward_batch.seq_lens_cpu.tolist(), forward_batch.extend_seq_lens_cpu)
+        for rid, seq_len, new in lengths:
+            pages = residency.peek(rid)
+            released = pages.released_pages() if pages is not None else None
+            if released is not None:
+                released = released[(released + 1) * ps <= seq_len - new]
+            if released is None or released.numel() == 0:
+                out.append(None)
+                continue
+            positions = (released[:, None] * ps + torch.arange(ps)[None, :]).flatten()
+            out.append((positions, pages.host_slots(released)))
+            any_released = True
+        return out if any_released else None
 
     def _store_kv(self, layer: RadixAttention, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         self.token_to_kv_pool.set_kv_buffer(
@@ -213,6 +245,8 @@ def extend_causal_attention(
     extend_seq_lens: torch.Tensor,
     *,
     scaling: float,
+    released: Optional[list] = None,
+    read_host: Optional[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None,
 ) -> None:
     """Causal attention of each request's new tokens over its whole sequence.
 
@@ -222,16 +256,26 @@ def extend_causal_attention(
         k_buffer, v_buffer: the layer's KV pool, the new tokens' KV already stored.
         req_to_token, req_pool_indices, seq_lens: where each request's sequence lives.
         extend_seq_lens: new tokens per request (the last ones of its sequence).
+        released, read_host: per request, ``(positions, host slots)`` of its prefix pages
+            that live only in the host pool (None: every page on the device), and what reads
+            host slots' K and V for this layer: those positions are attended from there, the
+            same values the device held, so the output is what it would have been.
     """
     gqa = q.shape[1] != k_buffer.shape[1]
     start = 0
-    for row, seq_len, new in zip(req_pool_indices.tolist(), seq_lens.tolist(), extend_seq_lens.tolist()):
+    rows = zip(req_pool_indices.tolist(), seq_lens.tolist(), extend_seq_lens.tolist())
+    for i, (row, seq_len, new) in enumerate(rows):
         if new == 0:
             continue
         slots = req_to_token[row, :seq_len].to(torch.int64)
         qr = q[start : start + new].transpose(0, 1)  # [heads, new, D]
-        kr = k_buffer[slots].transpose(0, 1).to(qr.dtype)
-        vr = v_buffer[slots].transpose(0, 1).to(qr.dtype)
+        kr, vr = k_buffer[slots], v_buffer[slots]  # copies
+        if released is not None and released[i] is not None:
+            positions, host_slots = released[i]
+            host_k, host_v = read_host(host_slots)
+            kr[positions], vr[positions] = host_k.to(kr.device), host_v.to(vr.device)
+        kr = kr.transpose(0, 1).to(qr.dtype)
+        vr = vr.transpose(0, 1).to(qr.dtype)
         prefix = seq_len - new
         mask = None
         if prefix:

@@ -1,11 +1,9 @@
 """One decode step over hot sets: plan per request, attend per layer, guard, observe.
 
-The granularity is the *step*: a request reads the same planned pages exactly in
-every layer of a step. SGLang stores all layers of a page in one physical page, so
-what a device can hold — and what ``residency.py`` gives back and copies in — is a page
-across all layers. The ``quest`` baseline is the exception: it keeps every page on
-the device, as Quest does, and picks each layer's pages from that layer's query
-(``page_lists.quest_lists``).
+The granularity is the *step*: a request reads the same planned pages exactly in every
+layer of a step (SGLang stores all layers of a page in one physical page, which is what
+``residency.py`` moves). The ``quest`` baseline keeps every page on the device, as Quest
+does, and picks each layer's pages from that layer's query (``page_lists.quest_lists``).
 
 A layer attends in up to two parts, one batched call each for the whole batch:
 
@@ -23,28 +21,21 @@ A layer attends in up to two parts, one batched call each for the whole batch:
    (``guard.guard_layer``, ``request_state.TrackedRequest.follow_flags``).
 
 The step's lists are planned on the host once, where it begins, and the guard's are put
-on the layers' device there (``page_lists.GuardLists``): no layer reads a device value
-back to the host or reads a host copy (the selection is a mask over a fixed page list,
-``guard_reads.exact_reader``).
+on the layers' device there (``page_lists.GuardLists``): no layer reads a device value back
+to the host or reads a host copy (``guard_reads.exact_reader``). Full pages are summarised
+once, from the device pool before any release (``coding.py``: key ranges and, guarded, key
+codes; a streamed prompt's while it prefills, ``prefill.py``).
 
-Full pages are summarised at ``end_step``, once, from the device pool before any
-release: their key ranges into a ``key_ranges.KeyRanges`` pool and, guarded, their
-key codes into a ``key_codes.GuardPool`` (``coding.py``), both of fixed size: a request
-the range pool cannot hold decodes dense with every page kept (``ranges_refused``), one
-the guard pool cannot hold decodes unguarded (``guard_refused``).
+A backend drives it: ``begin_step`` per decode batch, ``attend`` per layer, ``end_step``
+after the last (or ``plan_step``, a ``graph_step.GraphStep``'s layers, then ``end_step``).
+``end_step`` plans the *next* step and returns, as data (``residency.StepMoves``), the pages
+that plan leaves out (to release) and the released ones it keeps (to promote), moved by the
+residency owner between steps. A planned page with no device page is read from its host
+copy (staged before the layers) and counted.
 
-An attention backend drives it: ``begin_step`` per decode batch, ``attend`` per layer,
-``end_step`` after the last (or ``plan_step``, a ``graph_step.GraphStep``'s layers, then
-``end_step``: a step in fixed shapes). ``end_step`` plans the *next* step and returns, as
-data (``residency.StepMoves``), the pages that plan leaves out (to release) and the
-released ones it keeps (to promote), moved by the residency owner between steps; the
-decoder moves no page. A planned page with no device page is read from its host copy
-(staged before the layers) and counted.
-
-Exact pages get exact masses; rest pages masses estimated from their key codes (guard
-off: their key min/max bound, Quest's), which rank them for promotion. What the layers
-find is tallied as tensors and folded into each request once per step
-(``step_tally.py``); the decoder's records of its requests are ``request_state.py``.
+Exact pages get exact masses; rest pages masses estimated from their key codes (guard off:
+their key min/max bound, Quest's), which rank them for promotion. What the layers find is
+tallied as tensors, folded into each request once per step (``step_tally.py``).
 
 Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 """
@@ -128,6 +119,8 @@ class HotSetDecoder:
         self.residency = residency if residency is not None else Residency()
         self._guard = guard
         self.tracked: dict[str, TrackedRequest] = {}
+        self.prefilling: set[str] = set()  # tracked while their prompt streams (hot_set/prefill.py)
+        self.prefill_counts = HotSetCounts()  # what streamed prefills counted, added at the next end_step
         self.totals = HotSetCounts()
         self._live: list[LiveRequest] = []
         self._exact: Optional[ExactPlan] = None
@@ -137,7 +130,7 @@ class HotSetDecoder:
         self._tally: Optional[StepTally] = None
         self._pool_pages_planned = 0
         self._step_layers = 0
-        self._pool_pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (K, V) viewed as pages
+        self.pool_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (K, V) viewed as pages
         self._workspace = PagedDecodeWorkspace()
         self._read = exact or self._read_paged
         self.last_guard: Optional[GuardOutcome] = None
@@ -196,8 +189,9 @@ class HotSetDecoder:
         for i, (rid, req_slots) in enumerate(zip(rids, slots)):
             # Slots stay where they are (the device's row in the server): the plan
             # gathers from them, the host never reads them.
+            self.prefilling.discard(rid)
             if req_slots.numel() <= self.threshold:
-                self._drop(rid)
+                self.forget_request(rid)
                 self._live.append(LiveRequest(req_slots, None))
                 continue
             tracked = self.tracked.get(rid)
@@ -255,7 +249,9 @@ class HotSetDecoder:
             # pages are staged, so the device plan is never read back.
             prepare(self._exact.plan, pool_pages, device, staged=self._exact.staged_host.numel() > 0)
 
-    def _drop(self, rid: str) -> None:
+    def forget_request(self, rid: str) -> None:
+        """Drop ``rid``'s record, its pool rows back."""
+        self.prefilling.discard(rid)
         tracked = self.tracked.pop(rid, None)
         if tracked is not None:
             self.ranges.free(tracked.ranges)
@@ -263,8 +259,10 @@ class HotSetDecoder:
                 self.guard.free(tracked.codes)
 
     def drop_absent(self, rids: Sequence[str]) -> None:  # begin_step's rule, for a step without it (a CUDA graph's)
-        for rid in [r for r in self.tracked if r not in rids]:
-            self._drop(rid)
+        # A request streaming its prompt is in no decode batch yet; it is absent once it left.
+        streaming = {r for r in self.prefilling if self.residency.admitted(r)}
+        for rid in [r for r in self.tracked if r not in rids and r not in streaming]:
+            self.forget_request(rid)
 
     def _plan(self, tracked: TrackedRequest, num_pages: int) -> tuple[StepPlan, HotSetCounts]:
         ahead, tracked.next_plan = tracked.next_plan, None
@@ -369,14 +367,12 @@ class HotSetDecoder:
         """The layer's pool viewed as pages (kept: ``end_step`` codes full pages from it)."""
         whole = k_buffer.shape[0] // self.page_size * self.page_size  # rows past the last whole page are no page
         pages = tuple(b[:whole].view(-1, self.page_size, *b.shape[1:]) for b in (k_buffer, v_buffer))
-        self._pool_pages[layer_id] = pages
+        self.pool_views[layer_id] = pages
         return pages
 
     def _page_bytes(self) -> PageBytes:
         """One page's device bytes (all layers): its KV in the pool, its range and code rows."""
-        kv = sum(
-            k[0].numel() * k.element_size() + v[0].numel() * v.element_size() for k, v in self._pool_pages.values()
-        )
+        kv = sum(k[0].numel() * k.element_size() + v[0].numel() * v.element_size() for k, v in self.pool_views.values())
         r = self.ranges
         return PageBytes(kv, 2 * r.key_min[:, 0].numel() * r.key_min.element_size(), self.guard.bytes_per_page())
 
@@ -468,7 +464,7 @@ class HotSetDecoder:
             live.counts.late_arrivals = int(late.sum())
             length = live.slots.numel()
             # Summarise the pages full now while every one of them is still on the device.
-            refused = summarise_pages(self.ranges, self.guard, live, length // ps, self._pool_pages, ps)
+            refused = summarise_pages(self.ranges, self.guard, live, length // ps, self.pool_views, ps)
             live.counts.ranges_refused, live.counts.guard_refused = refused
             step.add(live.counts)
             # The next step decodes one more token: plan it now, one step ahead.
@@ -483,6 +479,8 @@ class HotSetDecoder:
             if live.pages is not None:  # only full pages leave: the last one is still being written
                 moves.requests.append(plan_moves(live.pages.owner, plan, num_pages, length // ps))
         step.add(self.residency.take_counts())
+        step.add(self.prefill_counts)
+        self.prefill_counts = HotSetCounts()
         self.held_bytes = held
         self._live = []
         self._exact = self._outside = self._sample = self._tally = self._guard_lists = None

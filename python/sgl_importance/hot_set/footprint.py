@@ -40,10 +40,12 @@ class Footprint:
 
     A request past ``threshold`` tokens releases every page outside its hot set; before, it
     is dense. Its prompt stays whole until its first decode step has planned (a prompt past
-    the threshold), or stays as the tree's pages (a short prompt that grows past it).
+    the threshold), or stays as the tree's pages (a short prompt that grows past it); a
+    streamed prompt holds its sinks, window and one chunk while it prefills.
 
     Attributes:
-        dense: tokens it holds before its releases begin (its prompt, or up to the threshold).
+        dense: tokens it holds before its releases begin (its prompt, or up to the threshold;
+            streamed, its last chunk with the sinks and window, and the first decode step's page).
         kept: tokens it holds once released (the hot set at ``final``, sinks and window,
             the page being filled, and a short prompt's tree pages).
         released: pages it keeps on the host at ``final`` (what the host pool must take).
@@ -68,11 +70,13 @@ def footprint(
     threshold: int,
     page_size: int,
     kept_share: Optional[float] = None,
+    chunk: int = 0,
 ) -> Optional[Footprint]:
     """The device footprint of a request of ``prompt`` tokens that ends at ``final``; None
     when it never releases (``final`` within the threshold, or a dense policy). ``kept_share``:
     the share of its pages its hot set holds where the guard grew it past the budget
-    (``request_state.TrackedRequest.kept``)."""
+    (``request_state.TrackedRequest.kept``); ``chunk``: the prefill chunk where a prompt past
+    the threshold is streamed (0: it is not)."""
     if params.policy == "dense" or final <= threshold:
         return None
     ps = page_size
@@ -81,4 +85,7 @@ def footprint(
     tree = -(-prompt // ps) if prompt <= threshold else 0  # a grown request's prompt: the tree's pages
     kept = min(pages, hot + 1 + tree)
     dense = -(-(prompt if prompt > threshold else threshold) // ps) + 1
+    if chunk and prompt > threshold and params.policy != "quest":
+        # The last chunk beside the sinks, the window and the previous chunk's partial page.
+        dense = min(dense, -(-chunk // ps) + params.sinks + params.window + 2)
     return Footprint(dense * ps, kept * ps, max(pages - kept, 0), max(pages - 1, 0))

@@ -131,6 +131,7 @@ class ReleaseCounts:
     release_waits: int = 0  # decode checks short of room that waited for in-flight release copies
     retracted_to_host: int = 0  # retracted requests whose full pages entered the tree host-only (loaded back)
     hot_sets_shrunk: int = 0  # hot sets the guard had grown, put back to their budget by a decode check short of room
+    prefill_chunks_released: int = 0  # prefill chunks after which a streamed prompt's full pages left the device
 
 
 @dataclass

@@ -13,8 +13,10 @@ charges such a request its growth up to its peak footprint instead
 (``hot_set/footprint.footprint``: the prompt or the threshold held densely, then the hot set,
 sinks, window, the page being filled), times SGLang's ratio, never more than SGLang's own
 charge. The prompt (the extend) is charged as SGLang charges it, so a prefill never
-overruns; only the future growth is discounted. A request is charged this way only while
-what it will release fits:
+overruns, and only the future growth is discounted; where long prompts stream
+(``--hot-set-prefill stream``: ``streamed_prefill.py``) a prompt never held whole is charged
+its peak instead, its last chunk beside its sinks and window or its hot set, whichever is
+larger. A request is charged this way only while what it will release fits:
 
 - the **host pool** must take every page it releases (``releases_refused`` would keep them
   on the device): running hot-set requests' final releases and this round's, against the
@@ -61,6 +63,7 @@ class FootprintBook:
         host_pages: host pages release copies may take (the pool less the admitted requests' own).
         range_rows: the key-range pool's free rows now (None: no range pool to check).
         clip: SGLang's cap on a request's estimated new tokens.
+        chunk: the prefill chunk where long prompts are streamed (0: they are prefilled dense).
     """
 
     def __init__(
@@ -71,8 +74,10 @@ class FootprintBook:
         host_pages: int,
         range_rows: Optional[int],
         clip: int,
+        chunk: int = 0,
     ) -> None:
         self.params_for, self.kept_for, self.residency, self.clip = params_for, kept_for, residency, clip
+        self.chunk = chunk
         self.host_left, self.ranges_left = host_pages, range_rows
 
     def _footprint(self, rid: str, prompt: int, final: int) -> Optional[Footprint]:
@@ -81,7 +86,9 @@ class FootprintBook:
         if params is None or not r.enabled:
             return None
         ps, kept_share = r.pools.page_size, self.kept_for(rid)
-        return footprint(prompt, final, params, threshold=r.threshold, page_size=ps, kept_share=kept_share)
+        return footprint(
+            prompt, final, params, threshold=r.threshold, page_size=ps, kept_share=kept_share, chunk=self.chunk
+        )
 
     def fits(self, f: Footprint, ranged_now: int = 0, released_now: int = 0) -> bool:
         """Whether the host and range pools can take what ``f`` will still release and code."""
@@ -131,6 +138,11 @@ class FootprintBook:
             return f, None
         return f, min(max_new, max(f.peak - prompt, 0))
 
+    def charge(self, f: Footprint, extend: int, growth: int) -> int:
+        """What a request admitted by footprint is charged for its extend and its growth: both,
+        or where its prompt streams (it never holds it whole), never more than its peak."""
+        return min(extend + growth, f.peak) if self.chunk else extend + growth
+
 
 def footprint_adder(runtime: Any, original: Callable[..., type], scheduler: Any) -> type:
     """Around ``Scheduler.get_prefill_adder_class``: SGLang's adder class, charging hot-set
@@ -159,7 +171,10 @@ def new_book() -> FootprintBook:
         return rt.request_params.get(rid) or rt.hot_set_params
 
     kept_for = functools.partial(kept_share, hot_set.decoder.tracked if hot_set is not None else {})
-    return FootprintBook(params_for, kept_for, r, host_pages, rows, CLIP_MAX_NEW_TOKENS)
+    chunk = 0
+    if hot_set is not None and hot_set.stream_prefill and rt.scheduler is not None:
+        chunk = max(rt.scheduler.chunked_prefill_size or 0, 0)
+    return FootprintBook(params_for, kept_for, r, host_pages, rows, CLIP_MAX_NEW_TOKENS, chunk)
 
 
 @functools.cache  # one subclass per SGLang class: a pure function of it
@@ -188,7 +203,9 @@ def _adder_class(base: type) -> type:
                 self._selected[req.rid] = f if growth is not None else None
             if growth is None:
                 return super()._select_prefill_admission(req, total_tokens=total_tokens, **kwargs)
-            total_tokens += growth - self.footprint_book.max_new(req)
+            extend = len(req.full_untruncated_fill_ids) - req.prefix_len
+            book = self.footprint_book
+            total_tokens += book.charge(f, extend, growth) - extend - book.max_new(req)
             admission = super()._select_prefill_admission(req, total_tokens=total_tokens, **kwargs)
             if isinstance(admission, AddReqResult) or admission.is_chunked:
                 return admission

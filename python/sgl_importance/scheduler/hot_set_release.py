@@ -76,6 +76,7 @@ from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import RequestPages, Residency, subtract_pages
 from sgl_importance.hot_set.selection import HotSetParams
 from sgl_importance.scheduler.hot_set_requests import forget_request
+from sgl_importance.scheduler.streamed_prefill import release_chunk
 
 logger = logging.getLogger(__name__)
 
@@ -235,8 +236,11 @@ def apply_step_moves(residency: Residency) -> None:
     residency.apply_pending()
 
 
-def checkpoint_unless_released(residency: Residency, original: Callable[..., Any], req: Any, tree_cache: Any) -> Any:
-    """Around ``checkpoint_kv_cache``: keep a long prefill's pages out of the tree."""
+def checkpoint_unless_released(
+    residency: Residency, hot_set: Any, original: Callable[..., Any], req: Any, tree_cache: Any
+) -> Any:
+    """Around ``checkpoint_kv_cache``: keep a long prefill's pages out of the tree; streamed
+    (``hot_set.stream_prefill``), release the chunk's full pages."""
     if not residency.enabled or req.skip_radix_cache_insert:
         return original(req, tree_cache)
     # The whole prefill, every chunk alike: the prompt, and after a retraction what
@@ -245,9 +249,14 @@ def checkpoint_unless_released(residency: Residency, original: Callable[..., Any
         return original(req, tree_cache)
     page_size = tree_cache.token_to_kv_pool_allocator.page_size
     row = tree_cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-    residency.admit(req.rid, row, _first_own_page(req, page_size), page_size)
+    pages = residency.admit(req.rid, row, _first_own_page(req, page_size), page_size)
     # What SGLang does for a request barred from the tree: resume after this extend.
     req.prefix_len = req.extend_end
+    # A middle chunk (SGLang stashes it before the next is scheduled); after the last, the
+    # first decode step's plan decides (it may already have run, under the overlap scheduler).
+    middle = req.extend_end < len(req.full_untruncated_fill_ids)
+    if hot_set is not None and hot_set.stream_prefill and middle and not req.finished():
+        release_chunk(residency, hot_set, pages, req.rid, req.extend_end)
     return None
 
 

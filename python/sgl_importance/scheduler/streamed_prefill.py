@@ -1,0 +1,39 @@
+"""Streamed prefill, the scheduler's side: a long prompt's pages leave the device chunk by chunk.
+
+With ``--hot-set-prefill stream`` (the default, on a backend whose extend reads released
+pages back: ``importance_torch``) a prompt past ``--hot-set-threshold`` that SGLang prefills
+in chunks (``--chunked-prefill-size``) gives its full pages to the host pool after each
+chunk, from the hook that already keeps its chunks out of the tree
+(``hot_set_release.checkpoint_unless_released``), through the residency owner's release
+(one device->host copy; the device pages freed once it is done). Before a page leaves, the
+decoder summarises it (``hot_set/prefill.py``). Later chunks attend the released pages from
+their host copies (``attention/torch_backend.extend_causal_attention``), and so does the
+first decode step, which reads every page; its plan then promotes the hot set. The values
+read are the ones the device held, so the output is dense prefill's, and the device holds
+about one chunk, the sinks and the window while the prompt prefills.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sgl_importance.hot_set.prefill import params_of
+from sgl_importance.hot_set.residency import RequestPages, Residency
+
+
+def release_chunk(residency: Residency, hot_set: Any, pages: RequestPages, rid: str, length: int) -> None:
+    """Streamed prefill, after a chunk: the request's full pages so far, summarised (the
+    decoder's one pass over their keys), go to the host pool but its sinks and its last
+    ``window`` full pages (those the next chunk releases); the partial last page stays.
+    The next chunk's extend and the first decode step read them from there."""
+    ps = pages.page_size
+    full = length // ps
+    if not hot_set.summarise_prefill(rid, pages.row[:length], full):
+        return  # refused key ranges, or a policy that keeps its pages: dense prefill
+    params = params_of(hot_set.decoder, rid)
+    first, end = max(pages.first_owned_page, params.sinks), full - params.window
+    if end > first:
+        residency.release([(pages, torch.arange(first, end))])
+        residency.counts.prefill_chunks_released += 1

@@ -1,0 +1,137 @@
+"""Streamed prefill in the real server: a long prompt's pages leave the device chunk by chunk
+and the output is dense prefill's.
+
+Two servers on the embedded model in float32, one after the other, alike but for
+``--hot-set-prefill``: the importance hot set for requests past 256 tokens, 128-token prefill
+chunks, HiCache's host pool, ``/metrics`` on. The same 20 prompts (500-690 tokens: four to six
+chunks) are sent one at a time to each with their rids pinned (the guard's page sample is
+drawn by the rid): every prompt token's logprob (the prefill's output at each position) and
+every greedy token must be equal; the streamed server must have released the middle chunks'
+pages and never held much more than a chunk while it prefilled, where the other held the
+whole prompt. A long prompt aborted mid-prefill leaves nothing of it behind.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from sgl_importance.client import generate, greedy, metrics_text
+from sgl_importance.local_server import metric
+from support.prompts import essay_text
+from support.server import importance_torch_args
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+PAGE = 16
+CHUNK = 128
+DEVICE_TOKENS = 4096
+MAX_NEW = 6
+PROMPTS = 20
+ARGS = importance_torch_args(
+    PAGE, DEVICE_TOKENS,
+    "--dtype", "float32", "--chunked-prefill-size", str(CHUNK), "--enable-hierarchical-cache", "--enable-metrics",
+    "--hot-set-policy", "importance", "--hot-set-threshold", "256",
+)  # fmt: skip
+USAGE = re.compile(r"Prefill batch, .*#new-token: (\d+), .*token usage: ([\d.]+),")
+POOL = re.compile(r"the KV pool gave up \d+ tokens: \d+ -> (\d+)")
+
+
+@pytest.fixture(scope="module")
+def prompts(token_ids):
+    ids = token_ids(essay_text(12), 40_000)
+    return [ids[i * 1500 : i * 1500 + 500 + 10 * i] for i in range(PROMPTS)]
+
+
+def run(launch, prompts, prefill: str) -> dict:
+    server = launch([*ARGS, "--hot-set-prefill", prefill])
+    try:
+        outputs = []
+        for i, ids in enumerate(prompts):
+            out = generate(
+                server.url,
+                input_ids=ids,
+                sampling_params=greedy(MAX_NEW),
+                rid=f"streamed-{i}",  # the same samples on both servers
+                return_logprob=True,
+                logprob_start_len=0,
+                timeout=900,
+            )
+            logprobs = [entry[0] for entry in out["meta_info"]["input_token_logprobs"]]
+            outputs.append((out["output_ids"], logprobs))
+        aborted = abort_mid_prefill(server, prompts) if prefill == "stream" else None
+        log = server.log()
+        pool = int(POOL.search(log).group(1))
+        usage = [float(u) * pool for _, u in USAGE.findall(log)]
+        scrape = metrics_text(server.url)
+        counts = {k: metric(scrape, f"sgl_importance:hot_set_{k}_total") for k in ("prefill_chunks_released", "steps")}
+        return {"outputs": outputs, "peak_tokens": max(usage), "counts": counts, "aborted": aborted}
+    finally:
+        server.stop()  # one server at a time
+
+
+def abort_mid_prefill(server, prompts) -> dict:
+    """A long prompt aborted (``/abort_request``) once some of its chunks left the device,
+    then a short request: what the hot set still holds after it."""
+    released = lambda: metric(metrics_text(server.url), "sgl_importance:hot_set_prefill_chunks_released_total")  # noqa: E731
+    before = released()
+    long_prompt = sum(prompts[:6], [])[:3000]  # 24 chunks
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(
+            generate, server.url, input_ids=long_prompt, sampling_params=greedy(4), rid="aborted", timeout=900
+        )
+        deadline = time.time() + 300
+        while released() < before + 2 and time.time() < deadline:
+            time.sleep(0.2)
+        requests.post(server.url + "/abort_request", json={"rid": "aborted"}, timeout=60).raise_for_status()
+        try:
+            finish = answer.result()["meta_info"]["finish_reason"]["type"]
+        except requests.HTTPError as e:  # SGLang answers an aborted request with an error status
+            finish = f"http {e.response.status_code}"
+    after = generate(server.url, input_ids=prompts[0][:64], sampling_params=greedy(2), timeout=300)
+    scrape = metrics_text(server.url)
+    gauges = {k: metric(scrape, f"sgl_importance:hot_set_{k}") for k in ("range_pages_in_use", "tracked_requests")}
+    return {"chunks": released() - before, "finish": finish, "after": after["output_ids"], **gauges}
+
+
+@pytest.fixture(scope="module")
+def dense_prefill(launch, prompts):
+    return run(launch, prompts, "dense")
+
+
+@pytest.fixture(scope="module")
+def streamed(launch, prompts, dense_prefill):
+    return run(launch, prompts, "stream")
+
+
+def test_a_streamed_prefill_writes_what_a_dense_one_writes_and_decodes_the_same_tokens(streamed, dense_prefill):
+    for i, ((tokens, logprobs), (want_tokens, want_logprobs)) in enumerate(
+        zip(streamed["outputs"], dense_prefill["outputs"])
+    ):
+        assert logprobs == want_logprobs, f"prompt {i}: the prefill's output differs"
+        assert tokens == want_tokens, f"prompt {i}"
+    # Both decoded on their hot sets; only one streamed: four to six chunks, the last kept.
+    assert streamed["counts"]["steps"] > 0 and dense_prefill["counts"]["steps"] > 0
+    assert streamed["counts"]["prefill_chunks_released"] >= 3 * PROMPTS
+    assert dense_prefill["counts"]["prefill_chunks_released"] == 0
+
+
+def test_a_streamed_prefill_holds_about_a_chunk_of_the_device(streamed, dense_prefill):
+    # A chunk, the sinks and window the hot set keeps (1 + 4 pages by default), a partial
+    # page: what the server's own "token usage" said when it scheduled each chunk.
+    assert streamed["peak_tokens"] <= CHUNK + 6 * PAGE + 1
+    assert dense_prefill["peak_tokens"] >= 500
+
+
+def test_a_request_aborted_mid_prefill_leaves_nothing_behind(streamed):
+    # Some of its chunks had left the device; the server goes on, its pools empty again
+    # (its key ranges back; SGLang's own checks and the host-slot ledger would have failed it
+    # had a page been freed twice).
+    aborted = streamed["aborted"]
+    assert aborted["chunks"] >= 2 and aborted["finish"] in ("abort", "http 400")
+    assert len(aborted["after"]) == 2
+    assert aborted["range_pages_in_use"] == 0 and aborted["tracked_requests"] == 0
