@@ -6,7 +6,8 @@ set lends matched prefixes from the host, and finished requests that the device 
 take back enter the tree host-only), short prompts between them, some streams dropped by
 the client mid-decode, ``/generate`` and ``/v1/completions``, and one ``/flush_cache``
 midway; a 4,096-token device pool with 16-token pages pushes KV through the host pool
-into the ``file`` tier. Both ``--hot-set-prefix`` modes: the device mode with the guard off, the
+into the ``file`` tier; long prompts are prefilled in 512-token chunks, so they stream
+(``--hot-set-prefill stream``) beside the rest. Both ``--hot-set-prefix`` modes: the device mode with the guard off, the
 host mode with it on (the README's default: hot sets growing by their misses, put back to budget
 when the device runs short) and half its ``/generate`` requests turning it off for themselves
 (``custom_params``), so guarded and unguarded hot sets share the device.
@@ -46,12 +47,13 @@ PREFIXES = 3
 SEED = 44
 MAX_NEW_TOKENS = 48
 CANARY = "Name three primary colours."
-# The README's hot-set line on a small device pool (the flags).
+# The README's hot-set line on a small device pool (the flags); 512-token prefill chunks,
+# so long prompts stream (released chunk by chunk, read back by later chunks) under the load.
 ARGS = [
     "--attention-backend", "importance_torch", "--radix-eviction-policy", "importance",
     "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
     "--max-total-tokens", str(DEVICE_TOKENS), "--page-size", str(PAGE),
-    "--max-running-requests", str(CONCURRENCY),
+    "--max-running-requests", str(CONCURRENCY), "--chunked-prefill-size", "512",
     "--hot-set-policy", "importance", "--hot-set-budget", "0.2", "--hot-set-threshold", "512",
     "--hot-set-guard-threshold", "1", "--enable-metrics",
 ]  # fmt: skip
@@ -195,6 +197,8 @@ def test_hot_set_soak_serves_everything_and_frees_every_host_slot_once(launch, t
 
     released = metric(scrape, "sgl_importance:hot_set_pages_released_total")
     assert released > 0, "no hot-set page was released: the soak did not reach the path"
+    streamed = metric(scrape, "sgl_importance:hot_set_prefill_chunks_released_total")
+    assert streamed > 0, "no prompt was streamed: the soak did not reach the path"
     if guard:
         assert metric(scrape, "sgl_importance:hot_set_guard_checks_total") > 0
     print(
@@ -205,6 +209,7 @@ def test_hot_set_soak_serves_everything_and_frees_every_host_slot_once(launch, t
                 "seconds": round(elapsed, 1),
                 "answers": {f"{k}:{s}": n for (k, s), n in sorted(statuses.items())},
                 "pages_released": released,
+                "prefill_chunks_released": streamed,
                 "prefix_pages_lent": metric(scrape, "sgl_importance:hot_set_prefix_pages_lent_total"),
                 "finished_on_host": metric(scrape, "sgl_importance:hot_set_finished_on_host_total"),
                 "finished_reinserted": metric(scrape, "sgl_importance:hot_set_finished_reinserted_total"),

@@ -138,6 +138,10 @@ class FootprintBook:
             return f, None
         return f, min(max_new, max(f.peak - prompt, 0))
 
+    def streams(self, rid: str) -> bool:
+        """Whether request ``rid``'s prompt is being streamed (a continuing chunked prefill)."""
+        return bool(self.chunk) and self.residency.enabled and self.residency.admitted(rid)
+
     def charge(self, f: Footprint, extend: int, growth: int) -> int:
         """What a request admitted by footprint is charged for its extend and its growth: both,
         or where its prompt streams (it never holds it whole), never more than its peak."""
@@ -148,7 +152,11 @@ def footprint_adder(runtime: Any, original: Callable[..., type], scheduler: Any)
     """Around ``Scheduler.get_prefill_adder_class``: SGLang's adder class, charging hot-set
     requests their footprint (a subclass made once per base class)."""
     base = original(scheduler)
-    off = runtime.hot_set_params is None or runtime.config.hot_set_admission != "footprint"
+    config = runtime.config
+    # Streamed prompts need the adder's continuing-chunk rule under either admission.
+    off = runtime.hot_set_params is None or (
+        config.hot_set_admission != "footprint" and config.hot_set_prefill != "stream"
+    )
     return base if off else _adder_class(base)
 
 
@@ -168,6 +176,8 @@ def new_book() -> FootprintBook:
     rows = ranges.capacity - ranges.pages_in_use if ranges is not None else None
 
     def params_for(rid: str) -> Optional[HotSetParams]:
+        if rt.config.hot_set_admission != "footprint":
+            return None  # admitted by length: charged as SGLang charges any request
         return rt.request_params.get(rid) or rt.hot_set_params
 
     kept_for = functools.partial(kept_share, hot_set.decoder.tracked if hot_set is not None else {})
@@ -204,8 +214,10 @@ def _adder_class(base: type) -> type:
             if growth is None:
                 return super()._select_prefill_admission(req, total_tokens=total_tokens, **kwargs)
             extend = len(req.full_untruncated_fill_ids) - req.prefix_len
+            # A host hit is loaded back whole before the prefill (HiCache), streamed or not.
+            loaded = min(kwargs.get("host_hit_length") or 0, extend)
             book = self.footprint_book
-            total_tokens += book.charge(f, extend, growth) - extend - book.max_new(req)
+            total_tokens += loaded + book.charge(f, extend - loaded, growth) - extend - book.max_new(req)
             admission = super()._select_prefill_admission(req, total_tokens=total_tokens, **kwargs)
             if isinstance(admission, AddReqResult) or admission.is_chunked:
                 return admission
@@ -218,9 +230,22 @@ def _adder_class(base: type) -> type:
 
         def add_chunked_req(self, req: Any) -> Any:
             self._continuing = req
+            limit = lowered = self.rem_chunk_tokens
             try:
+                if limit is not None and self.footprint_book.streams(req.rid):
+                    # SGLang schedules a continuing chunk even where the pool is short (its earlier
+                    # chunks are only freed when it ends); a streamed prompt's leave after each
+                    # chunk, so it takes the room there is and waits for a page of it instead.
+                    ps = self.page_size
+                    room = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
+                    lowered = min(limit, room // ps * ps - ps)
+                    if lowered < ps:
+                        return req
+                    self.rem_chunk_tokens = lowered
                 return super().add_chunked_req(req)
             finally:
+                if limit is not None and self.rem_chunk_tokens is not None:
+                    self.rem_chunk_tokens += limit - lowered
                 self._continuing = None
 
         def _update_prefill_budget(self, prefix_len: int, extend_input_len: int, max_new_tokens: int, *a, **kw):
