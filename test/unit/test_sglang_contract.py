@@ -115,6 +115,16 @@ ATTRIBUTES = [
     # Admission by footprint (scheduler/admission.py): what the adder subclass reads.
     Name("sglang.srt.managers.schedule_policy.PrefillAdder", "new_token_ratio", "scheduler/admission.py"),
     Name("sglang.srt.managers.schedule_policy.PrefillAdder", "add_chunked_req", "scheduler/admission.py"),
+    # A continuing streamed chunk takes only the room there is (scheduler/admission.py).
+    *(
+        Name("sglang.srt.managers.schedule_policy.PrefillAdder", n, "scheduler/admission.py")
+        for n in ("rem_chunk_tokens", "page_size", "token_to_kv_pool_allocator", "tree_cache")
+    ),
+    Name(SCHEDULER, "chunked_prefill_size", "scheduler/admission.py"),
+    *(
+        Name("sglang.srt.model_executor.forward_batch_info.ForwardBatch", n, "attention/torch_backend.py")
+        for n in ("seq_lens_cpu", "extend_seq_lens_cpu")
+    ),
     Name("sglang.srt.managers.schedule_policy", "CLIP_MAX_NEW_TOKENS", "scheduler/admission.py"),
     Name("sglang.srt.managers.schedule_policy", "AddReqResult", "scheduler/admission.py"),
     *(
