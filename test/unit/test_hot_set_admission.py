@@ -240,3 +240,47 @@ def test_a_decode_check_still_short_puts_grown_hot_sets_back_to_their_budget_bef
     # Short with nothing grown: SGLang retracts (the check's False is returned as is).
     assert not fits_after_releases(_runtime(r), lambda batch: False, "batch")
     assert r.counts.hot_sets_shrunk == 2
+
+
+class _BaseAdder:
+    """SGLang's ``PrefillAdder`` where ``add_chunked_req`` reads and charges the chunk budget."""
+
+    def __init__(self, available: int, rem_chunk_tokens: int) -> None:
+        self.page_size = PS
+        self.rem_chunk_tokens = rem_chunk_tokens
+        self.token_to_kv_pool_allocator = SimpleNamespace(available_size=lambda: available)
+        self.tree_cache = SimpleNamespace(evictable_size=lambda: 0)
+        self.scheduled: list[int] = []
+
+    def add_chunked_req(self, req):
+        chunk = min(self.rem_chunk_tokens, req.left)  # what SGLang schedules, then charges
+        self.scheduled.append(chunk)
+        self.rem_chunk_tokens -= chunk
+        return req
+
+
+def _continuing_adder(available: int, streamed: bool, chunk: int = 512):
+    from sgl_importance.scheduler.admission import _adder_class
+
+    adder = object.__new__(_adder_class(_BaseAdder))  # the subclass, without SGLang's __init__
+    _BaseAdder.__init__(adder, available, chunk)
+    residency = _residency({"r": [int(PageState.RELEASED)]} if streamed else {})
+    adder.footprint_book = FootprintBook(lambda rid: PARAMS, lambda rid: None, residency, 100, 100, 4096, chunk)
+    adder._continuing = None
+    return adder
+
+
+@pytest.mark.parametrize("available, scheduled", [(10_000, [512]), (300, [272]), (20, [])])
+def test_a_continuing_streamed_chunk_takes_only_the_room_there_is(available, scheduled):
+    # SGLang schedules a continuing chunk even where the pool is short (a dense prompt frees its
+    # earlier chunks only when it ends): a streamed one takes the page-floored room less a page
+    # (the allocator's alignment), or waits for a page of it; the budget is charged what ran.
+    adder = _continuing_adder(available, streamed=True)
+    req = SimpleNamespace(rid="r", left=900)
+    assert adder.add_chunked_req(req) is req
+    assert adder.scheduled == scheduled
+    assert adder.rem_chunk_tokens == 512 - sum(scheduled)
+    # A prompt that does not stream is scheduled as SGLang schedules it.
+    dense = _continuing_adder(20, streamed=False)
+    dense.add_chunked_req(SimpleNamespace(rid="r", left=900))
+    assert dense.scheduled == [512]

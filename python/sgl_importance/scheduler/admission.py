@@ -238,10 +238,10 @@ def _adder_class(base: type) -> type:
                     # chunk, so it takes the room there is and waits for a page of it instead.
                     ps = self.page_size
                     room = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
-                    lowered = min(limit, room // ps * ps - ps)
-                    if lowered < ps:
+                    fit = min(limit, room // ps * ps - ps)
+                    if fit < ps:
                         return req
-                    self.rem_chunk_tokens = lowered
+                    self.rem_chunk_tokens = lowered = fit
                 return super().add_chunked_req(req)
             finally:
                 if limit is not None and self.rem_chunk_tokens is not None:
