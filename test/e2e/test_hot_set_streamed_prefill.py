@@ -71,7 +71,7 @@ def run(launch, prompts, prefill: str) -> dict:
         usage = [float(u) * pool for u, _ in USAGE.findall(log)]
         scrape = metrics_text(server.url)
         counts = {k: metric(scrape, f"sgl_importance:hot_set_{k}_total") for k in ("prefill_chunks_released", "steps")}
-        return {"outputs": outputs, "peak_tokens": max(usage), "counts": counts, "aborted": aborted}
+        return {"outputs": outputs, "peak_tokens": max(usage), "pool": pool, "counts": counts, "aborted": aborted}
     finally:
         server.stop()  # one server at a time
 
@@ -124,9 +124,10 @@ def test_a_streamed_prefill_writes_what_a_dense_one_writes_and_decodes_the_same_
 
 
 def test_a_streamed_prefill_holds_about_a_chunk_of_the_device(streamed, dense_prefill):
-    # A chunk, the sinks and window the hot set keeps (1 + 4 pages by default), a partial
-    # page: what the server's own "token usage" said when it scheduled each chunk.
-    assert streamed["peak_tokens"] <= CHUNK + 6 * PAGE + 1
+    # What the server's own "token usage" said for each chunk with more to come: a chunk, the
+    # sinks and window the hot set keeps (1 + 4 pages by default) and a partial page, within
+    # the line's rounding (a hundredth of the pool).
+    assert streamed["peak_tokens"] <= CHUNK + 6 * PAGE + streamed["pool"] / 100
     assert dense_prefill["peak_tokens"] >= 3 * CHUNK
 
 
