@@ -606,16 +606,14 @@ PROMPT = PROMPT_PAGES * PAGE - 2
 
 
 class Streaming:
-    """The backend's hot set as the checkpoint hook sees it: streams, summarises into the decoder."""
+    """The backend's hot set as the checkpoint hook sees it: streaming, its decoder's pool
+    views made for every layer (as the backend makes them at start-up)."""
 
     def __init__(self, placed: Placed) -> None:
         self.decoder = placed.decoder
         self.stream_prefill = True
         for layer in range(LAYERS):
             self.decoder.pool_as_pages(layer, placed.tiers.k[layer], placed.tiers.v[layer])
-
-    def summarise_prefill(self, rid: str, slots: torch.Tensor, full: int) -> bool:
-        return summarise_prefill(self.decoder, rid, slots, full)
 
 
 class Chunked:

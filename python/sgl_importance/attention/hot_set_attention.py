@@ -57,7 +57,9 @@ class HotSetAttention:
         metrics: ``metrics.HotSetMetrics`` or None (``--enable-metrics`` off).
         graph_rows: most requests a captured hot-set step holds (``--hot-set-graph-rows``;
             0: a batch holding a hot-set request always runs eagerly).
-        kv_pool: SGLang's KV pool, for a streamed prompt's pages (None: prompts are not streamed).
+        stream_prefill: a long prompt's full pages leave the device as it prefills
+            (``--hot-set-prefill stream`` on a backend whose extend reads them back;
+            ``scheduler/streamed_prefill.py``).
     """
 
     def __init__(
@@ -66,12 +68,10 @@ class HotSetAttention:
         page_importance: PageImportanceTable,
         metrics: Any = None,
         graph_rows: int = 0,
-        kv_pool: Any = None,
+        stream_prefill: bool = False,
     ) -> None:
         self.decoder = decoder
-        # Set: a long prompt's full pages leave the device as it prefills (--hot-set-prefill
-        # stream, a backend whose extend reads them back), summarised first (summarise_prefill).
-        self.kv_pool = kv_pool
+        self.stream_prefill = stream_prefill
         self.graph_rows = graph_rows
         self.page_importance = page_importance
         self.metrics = metrics
@@ -295,21 +295,6 @@ class HotSetAttention:
         d = self.decoder
         self.metrics.after_step(d.guard.pages_in_use, d.ranges.pages_in_use, d.held_bytes, len(d.tracked))
 
-    @property
-    def stream_prefill(self) -> bool:
-        return self.kv_pool is not None
-
-    def summarise_prefill(self, rid: str, slots: torch.Tensor, full: int) -> bool:
-        """Summarise a prefilling request's full pages ``[0, full)`` before they are released
-        (``hot_set/prefill.py``); False: they must stay on the device."""
-        from sgl_importance.hot_set.prefill import summarise_prefill
-
-        d = self.decoder
-        for layer in range(d.ranges.num_layers):
-            if layer not in d.pool_views:
-                d.pool_as_pages(layer, self.kv_pool.get_key_buffer(layer), self.kv_pool.get_value_buffer(layer))
-        return summarise_prefill(d, rid, slots, full)
-
     def fence(self) -> None:
         """Make the current stream wait for page copies still in flight (a no-op without any)."""
         self.decoder.residency.copies.fence()
@@ -397,8 +382,11 @@ def build_hot_set(
     stream = config.hot_set_prefill == "stream" and prefill_reads_host and keys.device.type == "cpu"
     if config.hot_set_prefill == "stream" and not stream:
         logger.info("hot set: prompts are prefilled dense (streamed prefill needs importance_torch on the CPU)")
+    for layer in range(layers) if stream else ():
+        # A prefill chunk's pages are summarised from these before any decode step made them.
+        decoder.pool_as_pages(layer, pool.get_key_buffer(layer), pool.get_value_buffer(layer))
     attention = HotSetAttention(
-        decoder, page_importance, metrics, graph_rows=config.hot_set_graph_rows, kv_pool=pool if stream else None
+        decoder, page_importance, metrics, graph_rows=config.hot_set_graph_rows, stream_prefill=stream
     )
     runtime.hot_set_attention = attention
     return attention

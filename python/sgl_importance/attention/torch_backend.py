@@ -48,6 +48,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_importance.attention.decode_step import ImportanceDecodeSteps
 from sgl_importance.env import DECODE_ENV
+from sgl_importance.hot_set.residency import page_offsets
 from sgl_importance.runtime import Runtime
 from sgl_kernel_ext import (
     PagedDecodePlan,
@@ -156,8 +157,7 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
             if released is None or released.numel() == 0:
                 out.append(None)
                 continue
-            positions = (released[:, None] * ps + torch.arange(ps)[None, :]).flatten()
-            out.append((positions, pages.host_slots(released)))
+            out.append((page_offsets(released, ps), pages.host_slots(released)))
             any_released = True
         return out if any_released else None
 

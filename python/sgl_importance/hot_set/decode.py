@@ -196,7 +196,7 @@ class HotSetDecoder:
                 continue
             tracked = self.tracked.get(rid)
             if tracked is None:
-                params = self.request_params.get(rid) or self.params
+                params = self.request_params.get(rid, self.params)
                 tracked = self.tracked[rid] = TrackedRequest(RequestHotSet(params), draw=PageDraw(request_seed(rid)))
             pages = None
             if rows is not None and self.residency.enabled:

@@ -62,6 +62,12 @@ class Footprint:
         return max(self.dense, self.kept)
 
 
+def streams(params: HotSetParams) -> bool:
+    """Whether a request with ``params`` may release its prompt while it prefills: not a
+    ``dense`` one (it reads every page) nor a ``quest`` one (it keeps every page)."""
+    return params.policy not in ("dense", "quest")
+
+
 def footprint(
     prompt: int,
     final: int,
@@ -85,7 +91,7 @@ def footprint(
     tree = -(-prompt // ps) if prompt <= threshold else 0  # a grown request's prompt: the tree's pages
     kept = min(pages, hot + 1 + tree)
     dense = -(-(prompt if prompt > threshold else threshold) // ps) + 1
-    if chunk and prompt > threshold and params.policy != "quest":
+    if chunk and prompt > threshold and streams(params):
         # The last chunk beside the sinks, the window and the previous chunk's partial page.
         dense = min(dense, -(-chunk // ps) + params.sinks + params.window + 2)
     return Footprint(dense * ps, kept * ps, max(pages - kept, 0), max(pages - 1, 0))

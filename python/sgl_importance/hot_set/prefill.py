@@ -1,7 +1,7 @@
 """A long prompt summarised chunk by chunk while it prefills (streamed prefill, the decoder's side).
 
 With ``--hot-set-prefill stream`` the scheduler releases a long prompt's full pages at the
-end of each prefill chunk (``scheduler/hot_set_release.py``); a page leaves the device only
+end of each prefill chunk (``scheduler/streamed_prefill.py``); a page leaves the device only
 once it is summarised (its key range, and guarded its key codes: ``coding.py``), the one
 pass over its keys, which would otherwise happen at the end of the first decode step. So
 the decoder tracks the request from its first chunk on: its ``TrackedRequest`` is made here
@@ -18,27 +18,18 @@ from typing import Any
 import torch
 
 from sgl_importance.hot_set.coding import summarise_pages
+from sgl_importance.hot_set.footprint import streams
 from sgl_importance.hot_set.request_state import LiveRequest, TrackedRequest
 from sgl_importance.hot_set.sample import PageDraw, request_seed
-from sgl_importance.hot_set.selection import HotSetParams, RequestHotSet
-
-
-def params_of(decoder: Any, rid: str) -> HotSetParams:
-    """The hot-set parameters request ``rid`` decodes with (its own, else the server's)."""
-    return decoder.request_params.get(rid) or decoder.params
-
-
-def streams(params: HotSetParams) -> bool:
-    """Whether a request with ``params`` may release its prompt while it prefills: not a
-    ``dense`` one (it reads every page) nor a ``quest`` one (it keeps every page)."""
-    return params.policy not in ("dense", "quest")
+from sgl_importance.hot_set.selection import RequestHotSet
 
 
 def summarise_prefill(decoder: Any, rid: str, slots: torch.Tensor, full: int) -> bool:
     """Summarise request ``rid``'s pages ``[0, full)`` (those not done yet) from the device pool.
 
     Args:
-        decoder: the process's ``HotSetDecoder`` (its pools' views must cover every layer).
+        decoder: the process's ``HotSetDecoder`` (its ``pool_views`` cover every layer: the
+            backend made them at start-up).
         slots: the request's token slots so far (its ``req_to_token`` row, a view).
         full: its full pages now.
 
@@ -46,7 +37,7 @@ def summarise_prefill(decoder: Any, rid: str, slots: torch.Tensor, full: int) ->
         Whether every one of them is summarised (False: the range pool refused it, or its
         policy keeps its pages; then nothing of it may be released before it decodes).
     """
-    params = params_of(decoder, rid)
+    params = decoder.request_params.get(rid, decoder.params)
     if not streams(params):
         return False
     tracked = decoder.tracked.get(rid)

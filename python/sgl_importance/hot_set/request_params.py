@@ -38,8 +38,9 @@ class RequestParams:
         while len(self._params) > self.capacity:
             self._params.popitem(last=False)
 
-    def get(self, rid: str) -> Optional[HotSetParams]:
-        return self._params.get(rid)
+    def get(self, rid: str, default: Optional[HotSetParams] = None) -> Optional[HotSetParams]:
+        """The request's own parameters, else ``default`` (the server's, where the caller has them)."""
+        return self._params.get(rid, default)
 
     def forget(self, rid: str) -> None:
         self._params.pop(rid, None)

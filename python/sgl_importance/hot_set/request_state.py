@@ -20,7 +20,7 @@ from typing import Mapping, NamedTuple, Optional
 
 import torch
 
-from sgl_importance.hot_set.residency import RequestMoves, RequestPages
+from sgl_importance.hot_set.residency import RequestMoves, RequestPages, page_offsets
 from sgl_importance.hot_set.sample import PageDraw
 from sgl_importance.hot_set.selection import HotSetCounts, RequestHotSet
 
@@ -210,7 +210,7 @@ def plan_moves(owner: str, plan: StepPlan, num_pages: int, full: int) -> Request
 def page_slots(slots: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
     """The slots of logical ``pages`` (ascending, on the host) of a request holding
     ``slots`` (wherever they live: gathered there)."""
-    offsets = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).flatten()
+    offsets = page_offsets(pages, page_size)
     return slots[offsets[offsets < slots.numel()].to(slots.device)]
 
 

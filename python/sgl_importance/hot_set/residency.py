@@ -151,7 +151,8 @@ class StepMoves:
     requests: list[RequestMoves] = field(default_factory=list)
 
 
-def _page_offsets(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+def page_offsets(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The token positions of logical ``pages``, page after page."""
     return (pages[:, None] * page_size + torch.arange(page_size)[None, :]).flatten()
 
 
@@ -221,10 +222,10 @@ class RequestPages:
         hosts = self.host_page[pages]
         if bool((hosts == NO_HOST_PAGE).any()):
             raise RuntimeError(f"request {self.owner}: pages {pages[hosts == NO_HOST_PAGE].tolist()} have no host copy")
-        return _page_offsets(hosts, self.page_size)
+        return page_offsets(hosts, self.page_size)
 
     def _device_slots(self, pages: torch.Tensor) -> torch.Tensor:
-        return self.row[_page_offsets(pages, self.page_size).to(self.row.device)].to(torch.int64)
+        return self.row[page_offsets(pages, self.page_size).to(self.row.device)].to(torch.int64)
 
     def _move(self, move: str, pages: torch.Tensor) -> None:
         table = TRANSITIONS[move]
@@ -246,7 +247,7 @@ class RequestPages:
         self.host_page[pages] = slots.view(-1, self.page_size)[:, 0].to(torch.int64) // self.page_size
 
     def _point(self, pages: torch.Tensor, slots: torch.Tensor) -> None:
-        self.row[_page_offsets(pages, self.page_size).to(self.row.device)] = slots.to(self.row.device, self.row.dtype)
+        self.row[page_offsets(pages, self.page_size).to(self.row.device)] = slots.to(self.row.device, self.row.dtype)
 
 
 def subtract_pages(ranges: list[tuple[int, int]], pages: list[int], page_size: int) -> list[tuple[int, int]]:

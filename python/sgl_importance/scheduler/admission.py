@@ -178,7 +178,7 @@ def new_book() -> FootprintBook:
     def params_for(rid: str) -> Optional[HotSetParams]:
         if rt.config.hot_set_admission != "footprint":
             return None  # admitted by length: charged as SGLang charges any request
-        return rt.request_params.get(rid) or rt.hot_set_params
+        return rt.request_params.get(rid, rt.hot_set_params)
 
     kept_for = functools.partial(kept_share, hot_set.decoder.tracked if hot_set is not None else {})
     chunk = 0

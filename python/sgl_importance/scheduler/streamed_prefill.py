@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from sgl_importance.hot_set.prefill import params_of
+from sgl_importance.hot_set.prefill import summarise_prefill
 from sgl_importance.hot_set.residency import RequestPages, Residency
 
 
@@ -30,9 +30,10 @@ def release_chunk(residency: Residency, hot_set: Any, pages: RequestPages, rid: 
     The next chunk's extend and the first decode step read them from there."""
     ps = pages.page_size
     full = length // ps
-    if not hot_set.summarise_prefill(rid, pages.row[:length], full):
+    decoder = hot_set.decoder
+    if not summarise_prefill(decoder, rid, pages.row[:length], full):
         return  # refused key ranges, or a policy that keeps its pages: dense prefill
-    params = params_of(hot_set.decoder, rid)
+    params = decoder.request_params.get(rid, decoder.params)
     first, end = max(pages.first_owned_page, params.sinks), full - params.window
     if end > first:
         residency.release([(pages, torch.arange(first, end))])
