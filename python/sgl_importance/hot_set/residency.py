@@ -151,8 +151,7 @@ class StepMoves:
     requests: list[RequestMoves] = field(default_factory=list)
 
 
-def page_offsets(pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    """The token positions of logical ``pages``, page after page."""
+def page_offsets(pages: torch.Tensor, page_size: int) -> torch.Tensor:  # token positions, page after page
     return (pages[:, None] * page_size + torch.arange(page_size)[None, :]).flatten()
 
 
