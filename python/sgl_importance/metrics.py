@@ -351,6 +351,11 @@ HOT_SET_SERIES = {
         "Prefill chunks after which a streamed long prompt's full pages left the device for the host pool "
         "(--hot-set-prefill stream).",
     ),
+    "history_pages_on_host": (
+        "history_pages_on_host",
+        "Pages of returning turns' histories matched in the host pool and read from there by their prefill "
+        "and first decode step, never loaded back whole (--hot-set-prefix host with streamed prefill).",
+    ),
     "footprint_refused": (
         "footprint_refused",
         "Hot-set requests admitted at their whole length: the host or key-range pool could not take their pages.",

@@ -86,6 +86,8 @@ HOOKS = (
     Hook("managers.scheduler.Scheduler.handle_generate_request", "scheduler.hot_set_requests:note_request", "before", "scheduler", ("request_params", "config")),
     Hook("mem_cache.common.checkpoint_kv_cache", "scheduler.hot_set_release:checkpoint_unless_released", "around", "scheduler", ("residency", "hot_set_attention")),
     Hook("managers.schedule_batch.ScheduleBatch.prepare_for_decode", "scheduler.hot_set_release:admit_grown", "after", "scheduler", ("residency",)),  # lengths set, before the forward
+    Hook("managers.schedule_batch.ScheduleBatch.prepare_for_extend", "scheduler.returning:lend_history", "after", "scheduler", ("runtime",)),  # rows written, before the forward
+    Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.prefix_device_indices", "scheduler.returning:prefix_with_history", "around", "scheduler", ("history_loans",)),
     Hook("managers.schedule_batch.ScheduleBatch.check_decode_mem", "scheduler.decode_room:fits_after_releases", "around", "scheduler", ("runtime",)),  # before SGLang retracts
     Hook("mem_cache.common.release_kv_cache", "scheduler.hot_set_release:release_with_pages", "around", "scheduler", ("residency", "request_params")),
     Hook("mem_cache.base_prefix_cache.BasePrefixCache.free_kv_row", "scheduler.hot_set_release:free_row_around_released", "around", "scheduler", ("residency",)),
@@ -135,8 +137,7 @@ def _resolve(call: str) -> Callable[..., Any]:
 
 
 def _fitted(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` called with as many positional arguments and such keywords as it declares
-    (``result``, which only an ``after`` hook passes, by keyword); worked out once."""
+    """``fn`` called with the positional arguments and keywords it declares (an ``after`` hook's ``result``)."""
     params = inspect.signature(fn).parameters.values()
     names = {p.name for p in params}
     any_keyword = any(p.kind is p.VAR_KEYWORD for p in params)
@@ -169,9 +170,8 @@ def _bind(hook: Hook) -> Callable[..., Any]:
     def none(*args: Any, **kwargs: Any) -> None:  # SGLang takes a before/after hook's value as new arguments/result
         target(*args, **kwargs)
 
-    # check: before the classmethod from_cli_args(cls, args).
-    wrappers = {"after": lambda result, *a, **kw: none(*a, **kw, result=result), "before": none}
-    return {**wrappers, "check": lambda cls, args: none(args)}.get(hook.kind, target)
+    wrappers = {"after": lambda result, *a, **kw: none(*a, **kw, result=result), "before": none}  # check: below
+    return {**wrappers, "check": lambda cls, args: none(args)}.get(hook.kind, target)  # before from_cli_args(cls, args)
 
 
 def load() -> None:

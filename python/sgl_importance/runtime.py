@@ -68,6 +68,9 @@ class Runtime:
         # The test suite's forward check (checks.py; its hooks are registered only under it).
         self.checks = ForwardCheck()
         self.request_params = RequestParams()
+        # Returning turns admitted with their history on the host, until their rows exist
+        # (rid -> scheduler/returning.HistoryLoan).
+        self.history_loans: dict[str, Any] = {}
         # The guard's pool size and what the KV pool gave up for it, set when SGLang
         # sizes the KV pool (attention/hot_set_attention.reserve_guard); None before.
         self.guard_budget: Optional[GuardBudget] = None

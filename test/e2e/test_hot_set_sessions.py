@@ -8,7 +8,8 @@ hold needs). Each serves one session: a first turn of ~1,200 tokens; then a long
 turn (the history plus a question, 160 new tokens) and, once it holds the prefix on the
 host, a ~4,000-token unrelated prompt that needs the device pages the prefix leaves and a
 second returning turn sharing the prefix, which on the ``host`` server finds it in the
-host pool while the first still decodes from it; then ``/flush_cache`` (device and host emptied: the history is only in
+host pool while the first still decodes from it (and reads it from there, never loading it
+back whole: ``scheduler/returning.py``); then ``/flush_cache`` (device and host emptied: the history is only in
 the file tier) and a third turn that brings it back from storage. Prefill reads every page
 exactly wherever it lives, so each answer's first token must be the same on both servers;
 after it they may part by design: a prefix page held on the host that a layer's selection
@@ -52,7 +53,14 @@ ARGS = [
     # The third turn's storage hit must not depend on how busy the machine is (best_effort may admit first).
     "--hicache-storage-prefetch-policy", "wait_complete",
 ]  # fmt: skip
-COUNTERS = ("prefix_pages_lent", "prefix_pages_released", "prefix_pages_owned", "prefix_holds", "guard_checks")
+COUNTERS = (
+    "prefix_pages_lent",
+    "prefix_pages_released",
+    "prefix_pages_owned",
+    "prefix_holds",
+    "guard_checks",
+    "history_pages_on_host",
+)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +157,10 @@ def test_a_prefix_held_on_the_host_by_a_running_request_is_matched_by_another(on
     # of it there and copied in only what their plans kept.
     assert lent["prefix_holds"] >= 2 and lent["prefix_pages_lent"] >= 2 * (FIRST_TURN // PAGE)
     assert lent["prefix_pages_released"] > lent["prefix_pages_owned"] > 0
-    assert on_device["after"]["prefix_pages_lent"] == 0
+    # The second turn read the history it found in the host pool from there (never loaded
+    # back whole), and its first token is the device server's, which loaded it back.
+    assert lent["history_pages_on_host"] > 0
+    assert on_device["after"]["prefix_pages_lent"] == on_device["after"]["history_pages_on_host"] == 0
 
 
 def test_a_prefix_back_from_file_storage_is_held_on_the_host_again(on_device, on_host):
@@ -157,7 +168,8 @@ def test_a_prefix_back_from_file_storage_is_held_on_the_host_again(on_device, on
     assert details["storage"] > 0 and details["device"] == 0, details
     assert on_host["answers"][3][:1] == on_device["answers"][3][:1]
     grew = {k: on_host["after"][k] - on_host["before_storage"][k] for k in COUNTERS}
-    assert grew["prefix_holds"] >= 1 and grew["prefix_pages_released"] > 0, grew
+    # Storage brought it into the host pool; the turn read it from there, not loaded back.
+    assert grew["prefix_holds"] >= 1 and grew["history_pages_on_host"] >= FIRST_TURN // PAGE - 1, grew
 
 
 def test_the_guard_still_checks_a_resumed_request(on_device, on_host):

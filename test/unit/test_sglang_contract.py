@@ -121,6 +121,28 @@ ATTRIBUTES = [
         for n in ("rem_chunk_tokens", "page_size", "token_to_kv_pool_allocator", "tree_cache")
     ),
     Name(SCHEDULER, "chunked_prefill_size", "scheduler/admission.py"),
+    # A returning turn's history read from the host pool, not loaded back (scheduler/returning.py).
+    *(
+        Name(REQ, n, "scheduler/returning.py")
+        for n in (
+            "host_hit_length",
+            "host_loaded_length",
+            "swa_host_hit_length",
+            "mamba_host_hit_length",
+            "auxiliary_swa_host_hit_length",
+            "best_match_node",
+            "prefix_len",
+            "full_untruncated_fill_ids",
+            "lock",
+        )
+    ),
+    Name("sglang.srt.managers.schedule_batch.ReqKvInfo", "holds_kv", "scheduler/returning.py"),
+    Name("sglang.srt.managers.schedule_batch.ReqKvInfo", "cache_protected_len", "scheduler/returning.py"),
+    *(
+        Name(CACHE, n, "scheduler/returning.py")
+        for n in ("linker", "buffer_pipeline", "inc_host_lock_ref", "dec_host_lock_ref", "path_device_indices")
+    ),
+    Name("sglang.srt.managers.schedule_policy.PrefillAdder", "add_one_req", "scheduler/admission.py"),
     *(
         Name("sglang.srt.model_executor.forward_batch_info.ForwardBatch", n, "attention/torch_backend.py")
         for n in ("seq_lens_cpu", "extend_seq_lens_cpu")
@@ -366,6 +388,8 @@ HOOK_TARGETS = [
     "sglang.srt.managers.scheduler.Scheduler.handle_generate_request",
     "sglang.srt.mem_cache.common.checkpoint_kv_cache",
     "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode",
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
+    f"{CACHE}.prefix_device_indices",
     "sglang.srt.mem_cache.common.release_kv_cache",
     "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.free_kv_row",
     f"{CACHE}.__init__",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import Callable, Optional
 
 import torch
 
@@ -35,12 +36,16 @@ def summarise_pages(
     full: int,
     pool_pages: dict[int, tuple[torch.Tensor, torch.Tensor]],
     page_size: int,
+    read_host: Optional[Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None,
 ) -> tuple[int, int]:
     """Key ranges (and, guarded, codes) of a tracked request's pages full now and not yet done.
 
     Args:
         full: the request's full pages now.
         pool_pages: layer -> (K, V) of the device pool viewed as pages.
+        read_host: (layer, host slots) -> their K and V, for pages that were never on the
+            device in this request (a returning turn's history, lent by the tree from its
+            host copies); None: such a page makes the request keep every page.
 
     Returns:
         (1 when the range pool refused the request, 1 when the guard pool refused it).
@@ -53,10 +58,12 @@ def summarise_pages(
     if full <= done:
         return 0, 0
     new = torch.arange(done, full)
-    if bool(released_among(live.pages, new).any()):
+    off = released_among(live.pages, new)
+    if bool(off.any()) and read_host is None:
         # Released before it was summarised (never with the owner's order of moves): the
         # request keeps every page rather than read its pages back.
         return refuse_ranges(ranges, guard, tracked), 0
+    host_slots = live.pages.host_slots(new[off]) if bool(off.any()) else None
     ids = ranges.alloc(new.numel())
     if ids is None:
         return refuse_ranges(ranges, guard, tracked), 0
@@ -68,11 +75,17 @@ def summarise_pages(
     physical = torch.div(live.slots[(new * page_size).to(live.slots.device)], page_size, rounding_mode="floor")
     for layer, (k_pages, v_pages) in pool_pages.items():
         index = physical.to(k_pages.device, torch.int64)
-        keys = k_pages[index]
+        keys, values = k_pages[index], v_pages[index] if codes is not None else None
+        if host_slots is not None:
+            host_k, host_v = read_host(layer, host_slots)
+            at = off.to(keys.device)
+            keys[at] = host_k.to(keys.device, keys.dtype).view(-1, *keys.shape[1:])
+            if values is not None:
+                values[at] = host_v.to(values.device, values.dtype).view(-1, *values.shape[1:])
         # The codes are written against the range as stored (rounded outward), as read.
         low, high = ranges.write(layer, ids, keys.amin(dim=1), keys.amax(dim=1))
         if codes is not None:
-            guard.write(layer, codes, keys, low, high, v_pages[index])
+            guard.write(layer, codes, keys, low, high, values)
     tracked.ranges = torch.cat((tracked.ranges, ids))
     if codes is not None:
         tracked.codes = torch.cat((tracked.codes, codes))

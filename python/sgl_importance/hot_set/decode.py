@@ -463,8 +463,9 @@ class HotSetDecoder:
             live.counts.steps = 1
             live.counts.late_arrivals = int(late.sum())
             length = live.slots.numel()
-            # Summarise the pages full now while every one of them is still on the device.
-            refused = summarise_pages(self.ranges, self.guard, live, length // ps, self.pool_views, ps)
+            # The pages full now, while on the device (a history never loaded back: its host copies).
+            host = self.residency.read_host
+            refused = summarise_pages(self.ranges, self.guard, live, length // ps, self.pool_views, ps, host)
             live.counts.ranges_refused, live.counts.guard_refused = refused
             step.add(live.counts)
             # The next step decodes one more token: plan it now, one step ahead.

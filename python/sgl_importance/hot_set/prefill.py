@@ -47,7 +47,9 @@ def summarise_prefill(decoder: Any, rid: str, slots: torch.Tensor, full: int) ->
         tracked = decoder.tracked[rid] = TrackedRequest(RequestHotSet(params), draw=PageDraw(request_seed(rid)))
         decoder.prefilling.add(rid)
     live = LiveRequest(slots, tracked, pages=decoder.residency.peek(rid))
-    refused = summarise_pages(decoder.ranges, decoder.guard, live, full, decoder.pool_views, decoder.page_size)
+    refused = summarise_pages(
+        decoder.ranges, decoder.guard, live, full, decoder.pool_views, decoder.page_size, decoder.residency.read_host
+    )
     decoder.prefill_counts.ranges_refused += refused[0]
     decoder.prefill_counts.guard_refused += refused[1]
     return not tracked.ranges_refused and tracked.ranges.numel() >= full

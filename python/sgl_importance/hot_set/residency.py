@@ -78,22 +78,17 @@ class PagePools(Protocol):
 
     page_size: int
 
-    def alloc_device(self, num_pages: int) -> Optional[torch.Tensor]:
-        """Token slots of ``num_pages`` fresh device pages, or None when full."""
+    def alloc_device(self, num_pages: int) -> Optional[torch.Tensor]: ...  # None when full
 
     def free_device(self, slots: torch.Tensor) -> None: ...
 
-    def alloc_host(self, num_pages: int, owner: str) -> Optional[torch.Tensor]:
-        """Token slots of ``num_pages`` host pages for request ``owner``, or None when full."""
+    def alloc_host(self, num_pages: int, owner: str) -> Optional[torch.Tensor]: ...  # for request owner; None: full
 
-    def free_host(self, slots: torch.Tensor, owner: str) -> None:
-        """Free host slots request ``owner`` allocated."""
+    def free_host(self, slots: torch.Tensor, owner: str) -> None: ...  # slots request ``owner`` allocated
 
-    def give_host(self, slots: torch.Tensor, owner: str) -> None:
-        """Request ``owner``'s host slots now belong to the radix tree (a host insert)."""
+    def give_host(self, slots: torch.Tensor, owner: str) -> None: ...  # now the radix tree's (a host insert)
 
-    def borrow_host(self, slots: torch.Tensor, owner: str) -> None:
-        """Request ``owner`` reads the tree's host slots (its matched prefix) until ``unborrow_host``."""
+    def borrow_host(self, slots: torch.Tensor, owner: str) -> None: ...  # the tree's, read until unborrow_host
 
     def unborrow_host(self, owner: str) -> None: ...
 
@@ -132,6 +127,7 @@ class ReleaseCounts:
     retracted_to_host: int = 0  # retracted requests whose full pages entered the tree host-only (loaded back)
     hot_sets_shrunk: int = 0  # hot sets the guard had grown, put back to their budget by a decode check short of room
     prefill_chunks_released: int = 0  # prefill chunks after which a streamed prompt's full pages left the device
+    history_pages_on_host: int = 0  # pages of a returning turn's history read from the host pool, never loaded back
 
 
 @dataclass
@@ -426,19 +422,23 @@ class Residency:
 
     # -- a matched prefix held on the host (--hot-set-prefix host) ---------------------------
 
-    def lend_prefix(self, pages: RequestPages, host_slots: torch.Tensor) -> None:
+    def lend_prefix(self, pages: RequestPages, host_slots: torch.Tensor, on_device: Optional[int] = None) -> None:
         """Take the tree's pages ``[0, n)`` as the request's own, ``host_slots`` (their host
         copies, ``n`` pages of slots, the tree's) standing for them once released. The row
-        keeps the tree's device slots until a page is released or owned. The caller keeps
-        the tree from freeing the slots (a host lock) until ``forget``."""
+        keeps the tree's device slots until a page is released or owned; pages from
+        ``on_device`` on (a history matched in the host pool, never loaded back) are released
+        from the start, their row positions the released slot. The caller keeps the tree
+        from freeing the slots (a host lock) until ``forget``."""
         num = host_slots.numel() // pages.page_size
         pages._grow(num)
         lent = torch.arange(num)
         self.pools.borrow_host(host_slots, pages.owner)
         pages._move("lend", lent)
         pages._set_host(lent, host_slots)
-        pages.lent_pages = num
-        pages.first_owned_page = 0
+        if on_device is not None and on_device < num:
+            pages._move("release", lent[on_device:])
+            self.counts.history_pages_on_host += num - on_device
+        pages.lent_pages, pages.first_owned_page = num, 0
         self.counts.prefix_pages_lent += num
 
     def own_tree_pages(self, pages: RequestPages) -> bool:
@@ -461,13 +461,13 @@ class Residency:
         return True
 
     def return_prefix(self, pages: RequestPages, tree_slots: torch.Tensor) -> None:
-        """Point the lent pages back at the tree's device slots ``tree_slots`` (the prefix's,
-        in order) and free the request's own copies of them: the prefix is the tree's again."""
+        """Point the lent pages back at the tree's device slots ``tree_slots`` (fewer where it holds
+        the rest host-only) and free the request's own copies of them: the prefix is the tree's again."""
         lent = torch.arange(pages.lent_pages)
         owned = lent[pages.state[lent] == S.LENT_OWNED]
         if owned.numel():
             self.pools.free_device(pages._device_slots(owned))
-        pages.row[: lent.numel() * pages.page_size] = tree_slots.to(pages.row.dtype)
+        pages.row[: tree_slots.numel()] = tree_slots.to(pages.row.dtype)
         pages._move("unlend", lent)
         pages.host_page[lent] = NO_HOST_PAGE  # the tree's copies: no longer the request's to read
 

@@ -191,6 +191,9 @@ def new_book() -> FootprintBook:
 def _adder_class(base: type) -> type:
     from sglang.srt.managers.schedule_policy import AddReqResult
 
+    from sgl_importance import runtime as runtime_module
+    from sgl_importance.scheduler import returning
+
     class FootprintAdder(base):
         """SGLang's ``PrefillAdder``, charging hot-set requests their footprint (module docstring)."""
 
@@ -200,6 +203,20 @@ def _adder_class(base: type) -> type:
             self._selected: dict[str, Optional[Footprint]] = {}  # rid -> its footprint if it fits
             self._continuing: Optional[Any] = None
             super().__init__(*args, **kwargs)
+
+        def add_one_req(self, req: Any, *args: Any, **kwargs: Any) -> Any:
+            # A returning turn whose history is in the host pool takes it as prefix, unloaded.
+            rt = runtime_module.current()
+            loan = returning.borrow(rt, req, self.tree_cache)
+            if loan is None:
+                return super().add_one_req(req, *args, **kwargs)
+            admitted = False
+            try:
+                result = super().add_one_req(req, *args, **kwargs)
+                admitted = any(r is req for r in self.can_run_list)
+                return result
+            finally:
+                returning.settle(rt, req, self.tree_cache, loan, admitted)
 
         def _get_running_request_total_token_offset(self, req: Any) -> int:
             dense = super()._get_running_request_total_token_offset(req)

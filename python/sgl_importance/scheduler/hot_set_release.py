@@ -169,6 +169,7 @@ class PrefixHold:
     host_receipt: Any  # the host lock on it, to give back
     fresh: bool = True  # lent this step: the step's moves release the unplanned pages first
     unlocked: bool = False  # the request's device lock on the prefix has gone
+    history: bool = False  # a returning turn's: its match's host part never loaded back (returning.py)
 
 
 def enable(
@@ -310,7 +311,7 @@ def _lend(residency: Residency, pages: RequestPages, req: Any, tree_cache: Any) 
     prefix = pages.first_owned_page * pages.page_size
     if lock is None or req.kv.cache_protected_len != prefix:
         return
-    host = _path_host_slots(tree_cache, lock.node)
+    host = path_host_slots(tree_cache, lock.node)
     if host is None or host.numel() != prefix:
         return  # a node without a host copy yet (its write-through still running): next step
     receipt = tree_cache.inc_host_lock_ref(lock.node).to_dec_params()
@@ -318,7 +319,7 @@ def _lend(residency: Residency, pages: RequestPages, req: Any, tree_cache: Any) 
     pages.hold = PrefixHold(lock.node, receipt)
 
 
-def _path_host_slots(tree_cache: Any, node_id: Any) -> Optional[torch.Tensor]:
+def path_host_slots(tree_cache: Any, node_id: Any) -> Optional[torch.Tensor]:
     """The host slots of the path root → ``node_id``, or None where a node of it has no
     finished host copy."""
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
@@ -360,8 +361,9 @@ def _return_prefix(residency: Residency, pages: RequestPages, req: Any, tree_cac
     tree's pages. The host lock stays until the request's record is gone
     (``release_with_pages``): its borrowed host copies are read until then."""
     hold, prefix_len = pages.hold, pages.lent_pages * pages.page_size
-    if not hold.unlocked:
-        residency.return_prefix(pages, tree_cache.path_device_indices(hold.node)[:prefix_len])
+    if not hold.unlocked:  # a returning turn's: the device part of its match only
+        node = req.lock.node if hold.history else hold.node
+        residency.return_prefix(pages, tree_cache.path_device_indices(node)[:prefix_len])
     elif inserting and not tree_cache.tree_core.is_full_device_evicted(hold.node):
         device = tree_cache.path_device_indices(hold.node)
         if device.numel() == prefix_len:
@@ -392,6 +394,8 @@ def release_with_pages(
     pages = residency.peek(req.rid)
     hold = pages.hold if pages is not None else None
     try:
+        if checkpoint and hold is not None and hold.history and not hold.unlocked:
+            req.skip_radix_cache_insert = True  # its row shows no device page for the history (returning.py)
         inserting = checkpoint and not req.skip_radix_cache_insert
         if pages is not None and pages.hold is not None:
             _return_prefix(residency, pages, req, tree_cache, inserting=inserting)
@@ -446,8 +450,8 @@ def _insert_on_host(residency: Residency, pages: RequestPages, req: Any, tree_ca
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    if not residency.host_insert:
-        return False  # the host insert walks SGLang's Python tree core, as the prefix hold does
+    if not residency.host_insert or (pages.hold is not None and pages.hold.history and not pages.hold.unlocked):
+        return False  # the Python tree core's walk; a returning turn's row reads no device page for its history
     ps = pages.page_size
     req.refresh_fill_ids()
     start = req.kv.cache_protected_len
