@@ -16,6 +16,7 @@ from sgl_importance.hot_set.prefill import summarise_prefill
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import RELEASED_SLOT, TRANSITIONS, PageState, Residency, subtract_pages
 from sgl_importance.scheduler.hot_set_release import (
+    PrefixHold,
     admit_grown,
     checkpoint_unless_released,
     free_row_around_released,
@@ -733,3 +734,103 @@ def test_a_streaming_request_is_tracked_until_it_leaves_and_a_dense_one_is_not_s
     residency.admit("d", req.row, 0, PAGE)
     assert not summarise_prefill(decoder, "d", req.row[: req.length], 2 * CHUNK_PAGES)
     assert "d" not in decoder.tracked
+
+
+# -- a returning turn's history read from the host pool (scheduler/returning.py) -------------
+
+HISTORY_PAGES = 10  # the match: 2 pages still on the device, 8 only in the host pool
+ON_DEVICE = 2
+
+
+@pytest.mark.parametrize("guard", [1.0, 0.05])
+def test_a_history_lent_from_host_copies_decodes_as_the_one_loaded_back(guard):
+    """A returning turn whose match is mostly host-only: its record lends the whole match,
+    the host part released from the start (its row shows the released slot), so its first
+    decode step reads those pages from the tree's host copies and summarises them there
+    (their key ranges the ones the device's KV gives). The decode equals the same turn's
+    after HiCache loaded the history back whole, on the same pools; the tree's host copies
+    are borrowed, never freed by the request."""
+    outputs = {}
+    for on_host in (False, True):
+        tiers = array_pools(device_pages=40, host_pages=40)
+        residency = residency_over(tiers, threshold=8)
+        placed = Placed(tiers, residency, guard)
+        req = Request("r", PROMPT_PAGES, seed=7)
+        placed.place(req)  # loaded back (on_host False) or written for the tree's host copies
+        slots = req.row[: req.length].to(torch.int64)
+        tree_host = tiers.alloc_host(HISTORY_PAGES).to(torch.int64)
+        tiers.to_host(slots[: HISTORY_PAGES * PAGE], tree_host)
+        pages = residency.admit("r", req.row, first_owned_page=HISTORY_PAGES, page_size=PAGE)
+        if on_host:
+            # What the device never held in this turn: the host part's pages go back and its
+            # row positions show the released slot (as prefix_with_history writes them).
+            host_part = slots[ON_DEVICE * PAGE : HISTORY_PAGES * PAGE]
+            tiers.free_device(host_part)
+            req.row[ON_DEVICE * PAGE : HISTORY_PAGES * PAGE] = RELEASED_SLOT
+            residency.lend_prefix(pages, tree_host, on_device=ON_DEVICE)
+            assert (pages.state[:ON_DEVICE] == PageState.LENT).all()
+            assert (pages.state[ON_DEVICE:HISTORY_PAGES] == PageState.LENT_RELEASED).all()
+            assert residency.counts.history_pages_on_host == HISTORY_PAGES - ON_DEVICE
+        else:
+            residency.lend_prefix(pages, tree_host)
+            assert residency.counts.history_pages_on_host == 0
+        free_host = len(tiers.free_host_pages)
+        g = torch.Generator().manual_seed(11)
+        steps = []
+        for _ in range(6):
+            q = torch.randn(LAYERS, 1, KV_HEADS * GROUP, DIM, generator=g)
+            got, counts = placed.step(q)
+            steps.append(([r.output for r in got], counts))
+            req.grow()
+            placed.place(req)
+        outputs[on_host] = steps
+        tracked = placed.decoder.tracked["r"]
+        assert not tracked.ranges_refused
+        outputs[on_host, "ranges"] = placed.decoder.ranges.key_min[:, tracked.ranges[:HISTORY_PAGES]]
+        # The tree's host copies stay the tree's: the request borrowed them.
+        assert len(tiers.free_host_pages) <= free_host
+        residency.forget("r")
+        assert all(int(s) // PAGE not in tiers.free_host_pages for s in tree_host[::PAGE])
+    for (loaded, _), (read, _) in zip(outputs[False], outputs[True]):
+        for a, b in zip(loaded, read):
+            assert torch.equal(a, b)
+    assert torch.equal(outputs[False, "ranges"], outputs[True, "ranges"])
+    # The first step read the host part from the tree's host copies.
+    assert outputs[True][0][1].pages_read_from_host >= HISTORY_PAGES - ON_DEVICE
+    assert outputs[False][0][1].pages_read_from_host == 0
+
+
+def test_a_returning_turn_finishing_before_its_hold_is_not_inserted_and_frees_only_its_own_pages():
+    """Finished before its decode steps took its device prefix over (the hold still locked):
+    its row shows no device page for the history, so it is not inserted; the device part
+    points back at the tree's pages, its own pages (the new turn's) are freed, the tree's
+    host copies are never freed, and the host lock goes back."""
+    tiers = array_pools(device_pages=40, host_pages=40)
+    residency = residency_over(tiers, threshold=8)
+    req = Request("r", PROMPT_PAGES, seed=7)
+    Placed(tiers, residency, 1.0).place(req)
+    slots = req.row[: req.length].to(torch.int64)
+    tree_host = tiers.alloc_host(HISTORY_PAGES).to(torch.int64)
+    tiers.to_host(slots[: HISTORY_PAGES * PAGE], tree_host)
+    tiers.free_device(slots[ON_DEVICE * PAGE : HISTORY_PAGES * PAGE])
+    req.row[ON_DEVICE * PAGE : HISTORY_PAGES * PAGE] = RELEASED_SLOT
+    pages = residency.admit("r", req.row, first_owned_page=HISTORY_PAGES, page_size=PAGE)
+    residency.lend_prefix(pages, tree_host, on_device=ON_DEVICE)
+    host_locks = []
+    pages.hold = PrefixHold("history-node", "receipt", history=True)
+    tree_device = slots[: ON_DEVICE * PAGE].clone()
+    scheduled = ScheduledReq("r", req.length)
+    scheduled.kv.cache_protected_len = HISTORY_PAGES * PAGE  # the tree's, as after a load-back
+    scheduled.lock = SimpleNamespace(node="device-node")
+    scheduled.done = True
+    tree_cache = tree_cache_of(tiers, req.row)
+    tree_cache.path_device_indices = lambda node: tree_device if node == "device-node" else pytest.fail(node)
+    tree_cache.dec_host_lock_ref = lambda node, receipt: host_locks.append((node, receipt))
+    release = SGLangRelease(tiers, residency, req.row)
+    free_device = len(tiers.free_device_pages)
+    release_with_pages(residency, RequestParams(), release, scheduled, tree_cache, checkpoint=True)
+    assert release.inserted == [] and scheduled.skip_radix_cache_insert
+    assert torch.equal(req.row[: ON_DEVICE * PAGE].to(torch.int64), tree_device)
+    assert len(tiers.free_device_pages) == free_device + PROMPT_PAGES - HISTORY_PAGES
+    assert host_locks == [("history-node", "receipt")] and not residency.admitted("r")
+    assert all(int(s) // PAGE not in tiers.free_host_pages for s in tree_host[::PAGE])
