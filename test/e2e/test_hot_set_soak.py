@@ -211,6 +211,7 @@ def test_hot_set_soak_serves_everything_and_frees_every_host_slot_once(launch, t
                 "pages_released": released,
                 "prefill_chunks_released": streamed,
                 "prefix_pages_lent": metric(scrape, "sgl_importance:hot_set_prefix_pages_lent_total"),
+                "history_pages_on_host": metric(scrape, "sgl_importance:hot_set_history_pages_on_host_total"),
                 "finished_on_host": metric(scrape, "sgl_importance:hot_set_finished_on_host_total"),
                 "finished_reinserted": metric(scrape, "sgl_importance:hot_set_finished_reinserted_total"),
                 "hot_sets_shrunk": metric(scrape, "sgl_importance:hot_set_hot_sets_shrunk_total"),
