@@ -201,6 +201,8 @@ def test_hot_set_soak_serves_everything_and_frees_every_host_slot_once(launch, t
     assert streamed > 0, "no prompt was streamed: the soak did not reach the path"
     if guard:
         assert metric(scrape, "sgl_importance:hot_set_guard_checks_total") > 0
+    if prefix_mode == "host":  # returning turns read their histories from the host pool
+        assert metric(scrape, "sgl_importance:hot_set_history_pages_on_host_total") > 0
     print(
         f"\nhot-set soak ({prefix_mode}): "
         + json.dumps(
