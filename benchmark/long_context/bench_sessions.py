@@ -22,7 +22,10 @@ Arms, each on a fresh server:
   importance --hot-set-budget 0.2``) with ``--hot-set-prefix device``: a running
   request's matched prefix stays resident on the device;
 - ``hot-set-host``: the same with ``--hot-set-prefix host``: a running request holds
-  its matched prefix in the host pool and brings back the pages its plan asks for.
+  its matched prefix in the host pool and brings back the pages its plan asks for;
+- ``hot-set-seeded``: the same with ``--hot-set-first-step seeded``: a request's first
+  decode step is planned from its prefill's last token, reading its hot set rather than
+  every page (a history on the host, a streamed prompt) a second time.
 
 **Equal memory**, as ``bench_capacity``: every arm gets the same ``--max-total-tokens``
 (a hot-set server takes its pools, every device byte of its own, out of it); every arm
@@ -83,7 +86,7 @@ from sgl_importance.local_server import (
     start_with_retry,
 )
 
-ARMS = ("lru", "importance", "hot-set-device", "hot-set-host")
+ARMS = ("lru", "importance", "hot-set-device", "hot-set-host", "hot-set-seeded")
 BUDGET = 0.2  # the README's hot set
 FACT_DEPTHS = (0.02, 0.15)  # planted facts sit in this share of the history
 QUESTION_ROOM = 32  # tokens a question takes, with margin (sizes the pool and the context check)
@@ -238,8 +241,10 @@ def arm_flags(arm: str, device_tokens: int) -> tuple[int, list[str]]:
         return device_tokens, ["--radix-eviction-policy", "lru"]
     if arm == "importance":
         return device_tokens, ["--radix-eviction-policy", "importance"]
-    prefix = {"hot-set-device": "device", "hot-set-host": "host"}[arm]
+    prefix = {"hot-set-device": "device", "hot-set-host": "host", "hot-set-seeded": "host"}[arm]
     hot = ["--hot-set-policy", "importance", "--hot-set-budget", str(BUDGET), "--hot-set-prefix", prefix]
+    if arm == "hot-set-seeded":
+        hot += ["--hot-set-first-step", "seeded"]
     return device_tokens, ["--radix-eviction-policy", "importance", *hot]
 
 

@@ -33,6 +33,7 @@ HOT_SET_PREFIX = "hot_set_"
 PREFIX_RESIDENCES = ("host", "device")
 ADMISSIONS = ("footprint", "length")  # --hot-set-admission
 PREFILLS = ("stream", "dense")  # --hot-set-prefill
+FIRST_STEPS = ("dense", "seeded")  # --hot-set-first-step
 # What one request may set for itself in ``custom_params["hot_set"]`` (the threshold
 # stays the server's: it decides, at admission, whether the prompt's pages may leave).
 # Each key is a HotSetParams field and, with HOT_SET_PREFIX, a config field.

@@ -19,7 +19,14 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from sgl_importance.choices import ADMISSIONS, HOT_SET_POLICIES, PREFILLS, PREFIX_RESIDENCES, REDUCTIONS
+from sgl_importance.choices import (
+    ADMISSIONS,
+    FIRST_STEPS,
+    HOT_SET_POLICIES,
+    PREFILLS,
+    PREFIX_RESIDENCES,
+    REDUCTIONS,
+)
 from sgl_importance.flags import Flag, add_arguments, check_fields, choice, flag, integer, number, specs
 from sgl_importance.validate import int_in, invalid, is_int, number_in
 
@@ -255,6 +262,17 @@ class ImportanceConfig:
             "while it prefills; the output is the same as dense prefill's (importance_torch only: "
             "importance_triton prefills dense); dense = the whole prompt stays on the device until its "
             "first decode step.",
+        ),
+    )
+    hot_set_first_step: str = flag(
+        "dense",
+        choice(
+            FIRST_STEPS,
+            "A long request's first decode step with --enable-hierarchical-cache: dense = it reads "
+            "every page exactly (from the host pool where its prefill released them) and seeds the "
+            "hot set from what it found; seeded = the hot set is seeded from the prefill's last "
+            "token's attention (importance_torch on the CPU), so that step reads only the hot set, "
+            "the sinks and the window (counted as fewer warmups and host reads).",
         ),
     )
     hot_set_reduce: str = flag(

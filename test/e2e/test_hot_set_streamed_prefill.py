@@ -8,7 +8,9 @@ chunks) are sent one at a time to each with their rids pinned (the guard's page 
 drawn by the rid): every prompt token's logprob (the prefill's output at each position) and
 every greedy token must be equal; the streamed server must have released the middle chunks'
 pages and never held much more than a chunk while it prefilled, where the other held the
-whole prompt. A long prompt aborted mid-prefill leaves nothing of it behind.
+whole prompt. A long prompt aborted mid-prefill leaves nothing of it behind. A third server,
+streaming with ``--hot-set-first-step seeded``, prefills the same and reads its released pages back
+far less (its first decode steps read their hot sets, not every page).
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ def prompts(token_ids):
     return [ids[i * 1500 : i * 1500 + 500 + 10 * i] for i in range(PROMPTS)]
 
 
-def run(launch, prompts, prefill: str) -> dict:
-    server = launch([*ARGS, "--hot-set-prefill", prefill])
+def run(launch, prompts, prefill: str, *extra: str) -> dict:
+    server = launch([*ARGS, "--hot-set-prefill", prefill, *extra])
     try:
         outputs = []
         for i, ids in enumerate(prompts):
@@ -65,12 +67,13 @@ def run(launch, prompts, prefill: str) -> dict:
             )
             logprobs = [entry[0] for entry in out["meta_info"]["input_token_logprobs"]]
             outputs.append((out["output_ids"], logprobs))
-        aborted = abort_mid_prefill(server, prompts) if prefill == "stream" else None
+        aborted = abort_mid_prefill(server, prompts) if prefill == "stream" and not extra else None
         log = server.log()
         pool = int(POOL.search(log).group(1))
         usage = [float(u) * pool for u, _ in USAGE.findall(log)]
         scrape = metrics_text(server.url)
-        counts = {k: metric(scrape, f"sgl_importance:hot_set_{k}_total") for k in ("prefill_chunks_released", "steps")}
+        names = ("prefill_chunks_released", "steps", "warmups", "pages_read_from_host")
+        counts = {k: metric(scrape, f"sgl_importance:hot_set_{k}_total") for k in names}
         return {"outputs": outputs, "peak_tokens": max(usage), "pool": pool, "counts": counts, "aborted": aborted}
     finally:
         server.stop()  # one server at a time
@@ -139,3 +142,19 @@ def test_a_request_aborted_mid_prefill_leaves_nothing_behind(streamed):
     assert 4 <= aborted["chunks"] < 18 and aborted["finish"] in ("abort", "http 400")
     assert len(aborted["after"]) == 2
     assert aborted["range_pages_in_use"] == 0 and aborted["tracked_requests"] == 0
+
+
+@pytest.fixture(scope="module")
+def seeded(launch, prompts, streamed):
+    return run(launch, prompts, "stream", "--hot-set-first-step", "seeded")
+
+
+def test_a_first_step_seeded_by_the_streamed_prefill_reads_its_hot_set_not_the_whole_prompt(seeded, streamed):
+    # ``--hot-set-first-step seeded``: the prefill is the same (every prompt token's logprob, the
+    # first token); no request's first step was a dense warm-up, and the released pages read
+    # back from the host over the whole run are fewer than the streamed server's first steps'.
+    for i, ((tokens, logprobs), (want_tokens, want_logprobs)) in enumerate(zip(seeded["outputs"], streamed["outputs"])):
+        assert logprobs == want_logprobs and tokens[:1] == want_tokens[:1], f"prompt {i}"
+    assert streamed["counts"]["warmups"] >= PROMPTS and seeded["counts"]["warmups"] == 0
+    assert seeded["counts"]["prefill_chunks_released"] >= 3 * PROMPTS
+    assert seeded["counts"]["pages_read_from_host"] < streamed["counts"]["pages_read_from_host"] / 2

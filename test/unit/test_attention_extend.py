@@ -99,3 +99,32 @@ def test_an_extend_attends_released_prefix_pages_from_their_host_copies_exactly(
     blind = torch.empty_like(q)
     extend_causal_attention(q, blind, k_buffer, v_buffer, *args, scaling=0.3)
     assert not torch.allclose(blind, dense)
+
+
+def test_the_extends_seed_is_the_last_tokens_page_mass_as_a_decode_step_reports_it():
+    """``seed``: each request's last new token's mass per page and KV head, what the decode
+    reference reports for that query over the same keys (``--hot-set-first-step seeded``)."""
+    from sgl_kernel_ext.reference import decode_importance_reference
+
+    torch.manual_seed(1)
+    q_heads, kv_heads, head_dim, page, slots = 4, 2, 16, 4, 128
+    k_buffer, v_buffer = torch.randn(slots, kv_heads, head_dim), torch.randn(slots, kv_heads, head_dim)
+    seq_lens, new_lens = [23, 18], [7, 18]
+    req_to_token = torch.zeros(3, 32, dtype=torch.int32)
+    req_to_token[1, :23] = torch.arange(1, 24, dtype=torch.int32)
+    req_to_token[2, :18] = torch.arange(40, 58, dtype=torch.int32)
+    q = torch.randn(sum(new_lens), q_heads, head_dim)
+    seeds = {}
+    extend_causal_attention(
+        q, torch.empty_like(q), k_buffer, v_buffer, req_to_token, torch.tensor([1, 2]), torch.tensor(seq_lens),
+        torch.tensor(new_lens), scaling=0.25, seed=seeds.__setitem__, page_size=page,
+    )  # fmt: skip
+    last = torch.stack([q[new_lens[0] - 1], q[-1]])
+    indices = torch.cat([req_to_token[1, :23], req_to_token[2, :18]]).long()
+    want = decode_importance_reference(
+        last, k_buffer, v_buffer, torch.tensor([0, 23, 41]), indices, page_size=page, sm_scale=0.25,
+        mask_page0=False, compute_dtype=torch.float64,
+    ).importance_per_kv_head  # fmt: skip
+    for i, n in enumerate(seq_lens):
+        pages = -(-n // page)
+        torch.testing.assert_close(seeds[i], want[i, :pages].T.float(), rtol=1e-5, atol=1e-6)

@@ -834,3 +834,57 @@ def test_a_returning_turn_finishing_before_its_hold_is_not_inserted_and_frees_on
     assert len(tiers.free_device_pages) == free_device + PROMPT_PAGES - HISTORY_PAGES
     assert host_locks == [("history-node", "receipt")] and not residency.admitted("r")
     assert all(int(s) // PAGE not in tiers.free_host_pages for s in tree_host[::PAGE])
+
+
+@pytest.mark.parametrize("guard", [1.0, 0.05])
+def test_a_first_step_seeded_by_the_prefill_reads_its_hot_set_not_every_released_page(guard):
+    """``--hot-set-first-step seeded``: after a streamed prefill the first decode step is
+    planned from the prefill's last token (its masses per page, ``prefill.seed_layer``): no
+    dense warm-up; it reads the seeded hot set, the sinks and the window exactly (host copies
+    where released, counted) instead of every released page; guarded, every full page has its
+    key codes first, so part 1 is that hot set and the pages the device still holds."""
+    from sgl_importance.attention.torch_backend import _last_token_masses
+    from sgl_importance.hot_set.prefill import seed_layer
+
+    firsts = {}
+    for seeded in (False, True):
+        tiers = array_pools(device_pages=40, host_pages=40)
+        residency = residency_over(tiers, threshold=8)
+        placed = Placed(tiers, residency, guard)
+        req = Request("r", PROMPT_PAGES, seed=5)
+        prefill_in_chunks(placed, req, Streaming(placed), residency)
+        released = residency.peek("r").released_pages().numel()
+        decoder = placed.decoder
+        g = torch.Generator().manual_seed(3)
+        if seeded:
+            decoder.seed_first_step = True
+            last_q = torch.randn(LAYERS, KV_HEADS * GROUP, DIM, generator=g)
+            for layer in range(LAYERS):
+                masses = _last_token_masses(last_q[layer], req.k[layer].transpose(0, 1), 0.4, PAGE)
+                seed_layer(decoder, "r", layer, masses)
+            seed = decoder.seeds["r"].mass
+        plans = []
+
+        def recorded(tracked, num_pages, planner=decoder._plan, plans=plans):
+            plans.append(planner(tracked, num_pages))
+            return plans[-1]
+
+        decoder._plan = recorded
+        q = torch.randn(LAYERS, 1, KV_HEADS * GROUP, DIM, generator=torch.Generator().manual_seed(9))
+        _, counts = placed.step(q)
+        firsts[seeded] = counts
+        if seeded:
+            assert "r" not in decoder.seeds and not decoder.tracked["r"].seeded
+            # The step's hot set: the sinks, the window and the seed's heaviest pages between.
+            params, kept = decoder.params, plans[0][0].keep
+            fixed = list(range(params.sinks)) + list(range(kept.max() + 1 - params.window, kept.max() + 1))
+            middle = torch.tensor([p for p in range(PROMPT_PAGES) if p not in fixed])
+            heaviest = middle[torch.argsort(seed[middle], descending=True)][: kept.numel() - len(fixed)]
+            assert sorted(kept.tolist()) == sorted(fixed + heaviest.tolist())
+    assert firsts[False].warmups == 1 and firsts[True].warmups == 0
+    # Unseeded, the warm-up read every released page from its host copy, in every layer.
+    assert firsts[False].pages_read_from_host == LAYERS * released
+    # Seeded, only its hot set's released pages (guarded at this budget the sample's reserve
+    # leaves it the sinks and the window: nothing off the device).
+    assert firsts[True].pages_read_from_host < LAYERS * released
+    assert (firsts[True].pages_read_from_host > 0) == (guard == 1.0)

@@ -382,7 +382,11 @@ def build_hot_set(
     stream = config.hot_set_prefill == "stream" and prefill_reads_host and keys.device.type == "cpu"
     if config.hot_set_prefill == "stream" and not stream:
         logger.info("hot set: prompts are prefilled dense (streamed prefill needs importance_torch on the CPU)")
-    for layer in range(layers) if stream else ():
+    # The first decode step seeded from the prefill (its pages summarised before it is planned).
+    decoder.seed_first_step = config.hot_set_first_step == "seeded" and prefill_reads_host and keys.device.type == "cpu"
+    if config.hot_set_first_step == "seeded" and not decoder.seed_first_step:
+        logger.info("hot set: first decode steps read every page (a seeded one needs importance_torch on the CPU)")
+    for layer in range(layers) if stream or decoder.seed_first_step else ():
         # A prefill chunk's pages are summarised from these before any decode step made them.
         decoder.pool_as_pages(layer, pool.get_key_buffer(layer), pool.get_value_buffer(layer))
     attention = HotSetAttention(

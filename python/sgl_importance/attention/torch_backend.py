@@ -48,6 +48,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_importance.attention.decode_step import ImportanceDecodeSteps
 from sgl_importance.env import DECODE_ENV
+from sgl_importance.hot_set.prefill import seed_layer
 from sgl_importance.hot_set.residency import page_offsets
 from sgl_importance.runtime import Runtime
 from sgl_kernel_ext import (
@@ -136,8 +137,27 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
             read_host=functools.partial(self.hot_set.decoder.residency.read_host, layer.layer_id)
             if self.extend_released
             else None,
+            seed=self._seed_for(layer.layer_id, forward_batch),
+            page_size=self.page_size,
         )
         return o
+
+    def _seed_for(self, layer_id: int, forward_batch: ForwardBatch) -> Optional[Callable[[int, torch.Tensor], None]]:
+        """Where long requests' first decode steps are seeded (``--hot-set-first-step seeded``):
+        what hands the decoder each request's last-token masses for this layer."""
+        decoder = self.hot_set.decoder if self.hot_set is not None else None
+        if decoder is None or not decoder.seed_first_step or forward_batch.rids is None:
+            return None
+        lengths = forward_batch.seq_lens_cpu.tolist() if forward_batch.seq_lens_cpu is not None else None
+        if lengths is None:
+            return None
+        rids = forward_batch.rids
+
+        def seed(i: int, masses: torch.Tensor) -> None:
+            if lengths[i] > decoder.threshold:
+                seed_layer(decoder, rids[i], layer_id, masses)
+
+        return seed
 
     def _released_prefixes(self, forward_batch: ForwardBatch) -> Optional[list]:
         """Where an extend's requests have released pages before their new tokens (a prompt
@@ -247,6 +267,8 @@ def extend_causal_attention(
     scaling: float,
     released: Optional[list] = None,
     read_host: Optional[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None,
+    seed: Optional[Callable[[int, torch.Tensor], None]] = None,
+    page_size: int = 1,
 ) -> None:
     """Causal attention of each request's new tokens over its whole sequence.
 
@@ -260,6 +282,9 @@ def extend_causal_attention(
             that live only in the host pool (None: every page on the device), and what reads
             host slots' K and V for this layer: those positions are attended from there, the
             same values the device held, so the output is what it would have been.
+        seed, page_size: where given, called with each request's index and its last new
+            token's attention mass per page and KV head ``[kv_heads, pages]`` (the mean over
+            the head's query group, as the decode kernels report a page's mass).
     """
     gqa = q.shape[1] != k_buffer.shape[1]
     start = 0
@@ -286,7 +311,18 @@ def extend_causal_attention(
             qr[None], kr[None], vr[None], attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa
         )
         out[start : start + new] = o[0].transpose(0, 1)
+        if seed is not None:
+            seed(i, _last_token_masses(qr[:, -1], kr, scaling, page_size))
         start += new
+
+
+def _last_token_masses(q: torch.Tensor, k: torch.Tensor, scaling: float, page_size: int) -> torch.Tensor:
+    """``q`` ``[q_heads, D]`` (the last token's, which sees every key) over ``k`` ``[kv_heads, n, D]``:
+    each page's attention mass per KV head, ``[kv_heads, pages]`` float32."""
+    kv_heads, n = k.shape[0], k.shape[1]
+    scores = torch.einsum("kgd,knd->kgn", q.view(kv_heads, -1, q.shape[-1]).float(), k.float()) * scaling
+    probs = torch.nn.functional.pad(torch.softmax(scores, dim=-1), (0, -n % page_size))
+    return probs.view(kv_heads, probs.shape[1], -1, page_size).sum(-1).mean(1)
 
 
 def decode_impl_from_env() -> str:

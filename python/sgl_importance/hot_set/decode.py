@@ -1,9 +1,8 @@
 """One decode step over hot sets: plan per request, attend per layer, guard, observe.
 
-The granularity is the *step*: a request reads the same planned pages exactly in every
-layer of a step (SGLang stores all layers of a page in one physical page, which is what
-``residency.py`` moves). The ``quest`` baseline keeps every page on the device, as Quest
-does, and picks each layer's pages from that layer's query (``page_lists.quest_lists``).
+The granularity is the *step*: a request reads the same planned pages exactly in every layer
+(SGLang stores all layers of a page in one page, which ``residency.py`` moves). The ``quest``
+baseline keeps every page on the device and picks each layer's from its query (``quest_lists``).
 
 A layer attends in up to two parts, one batched call each for the whole batch:
 
@@ -20,22 +19,19 @@ A layer attends in up to two parts, one batched call each for the whole batch:
    layer-step and raises that layer's cap for the request's later steps
    (``guard.guard_layer``, ``request_state.TrackedRequest.follow_flags``).
 
-The step's lists are planned on the host once, where it begins, and the guard's are put
-on the layers' device there (``page_lists.GuardLists``): no layer reads a device value back
-to the host or reads a host copy (``guard_reads.exact_reader``). Full pages are summarised
-once, from the device pool before any release (``coding.py``: key ranges and, guarded, key
-codes; a streamed prompt's while it prefills, ``prefill.py``).
+The step's lists are planned on the host once, where it begins, and the guard's put on the
+layers' device (``page_lists.GuardLists``): no layer reads a device value back or a host copy.
+Full pages are summarised once, before any release (``coding.py``; a streamed prompt's as it
+prefills, ``prefill.py``, which also seeds a first step from the prefill).
 
 A backend drives it: ``begin_step`` per decode batch, ``attend`` per layer, ``end_step``
 after the last (or ``plan_step``, a ``graph_step.GraphStep``'s layers, then ``end_step``).
 ``end_step`` plans the *next* step and returns, as data (``residency.StepMoves``), the pages
 that plan leaves out (to release) and the released ones it keeps (to promote), moved by the
 residency owner between steps. A planned page with no device page is read from its host
-copy (staged before the layers) and counted.
-
-Exact pages get exact masses; rest pages masses estimated from their key codes (guard off:
-their key min/max bound, Quest's), which rank them for promotion. What the layers find is
-tallied as tensors, folded into each request once per step (``step_tally.py``).
+copy (staged before the layers) and counted. Exact pages get exact masses; rest pages masses
+estimated from their key codes (guard off: their key bound, Quest's), which rank them for
+promotion; tallied as tensors, folded into each request once per step (``step_tally.py``).
 
 Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 """
@@ -63,6 +59,7 @@ from sgl_importance.hot_set.page_lists import (
     plan_outside,
     quest_lists,
 )
+from sgl_importance.hot_set.prefill import Seed, apply_seed
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.request_state import LiveRequest, StepPlan, TrackedRequest, plan_moves
 from sgl_importance.hot_set.residency import RequestPages, Residency, StepMoves
@@ -120,6 +117,8 @@ class HotSetDecoder:
         self._guard = guard
         self.tracked: dict[str, TrackedRequest] = {}
         self.prefilling: set[str] = set()  # tracked while their prompt streams (hot_set/prefill.py)
+        self.seed_first_step = False  # --hot-set-first-step seeded: the extend seeds self.seeds
+        self.seeds: dict[str, Seed] = {}  # rid -> its prefill's last-token masses (prefill.seed_layer)
         self.prefill_counts = HotSetCounts()  # what streamed prefills counted, added at the next end_step
         self.totals = HotSetCounts()
         self._live: list[LiveRequest] = []
@@ -163,13 +162,9 @@ class HotSetDecoder:
         slots: Sequence[torch.Tensor],
         rows: Optional[Sequence[torch.Tensor]] = None,
     ) -> None:
-        """Plan the step for the batch's requests.
-
-        Args:
-            slots: request i's token slots (released pages show the padding slot).
-            rows: request i's ``req_to_token`` row (a view), where pages may be
-                released; None keeps every page on the device.
-        """
+        """Plan the step for the batch's requests: ``slots``, request i's token slots (released
+        pages show the padding slot); ``rows``, its ``req_to_token`` row (a view) where pages
+        may be released (None keeps every page on the device)."""
         self.plan_step(rids, slots, rows)
         self.plan_lists()
 
@@ -202,9 +197,12 @@ class HotSetDecoder:
             if rows is not None and self.residency.enabled:
                 pages = self.residency.peek(rid)  # admitted by the scheduler, or None
             num_pages = -(-req_slots.numel() // ps)
-            plan, counts = self._plan(tracked, num_pages)
             if pages is not None:
                 req_slots = rows[i][: req_slots.numel()]
+            if rid in self.seeds:  # its first step, planned from its prefill
+                apply_seed(self, rid, LiveRequest(req_slots, tracked, pages=pages), num_pages)
+            plan, counts = self._plan(tracked, num_pages)
+            tracked.seeded = False
             tokens = torch.full((num_pages,), ps, dtype=torch.int64)
             tokens[-1] = req_slots.numel() - (num_pages - 1) * ps
             f64 = dict(dtype=torch.float64)
@@ -252,6 +250,7 @@ class HotSetDecoder:
     def forget_request(self, rid: str) -> None:
         """Drop ``rid``'s record, its pool rows back."""
         self.prefilling.discard(rid)
+        self.seeds.pop(rid, None)
         tracked = self.tracked.pop(rid, None)
         if tracked is not None:
             self.ranges.free(tracked.ranges)
@@ -263,6 +262,8 @@ class HotSetDecoder:
         streaming = {r for r in self.prefilling if self.residency.admitted(r)}
         for rid in [r for r in self.tracked if r not in rids and r not in streaming]:
             self.forget_request(rid)
+        for rid in [r for r in self.seeds if r not in rids and not self.residency.admitted(r)]:
+            del self.seeds[rid]  # its prefill's seed, once it left before decoding
 
     def _plan(self, tracked: TrackedRequest, num_pages: int) -> tuple[StepPlan, HotSetCounts]:
         ahead, tracked.next_plan = tracked.next_plan, None
@@ -272,14 +273,11 @@ class HotSetDecoder:
 
     def _plan_pages(self, tracked: TrackedRequest, num_pages: int) -> tuple[StepPlan, HotSetCounts]:
         """What the step reads in part 1, its sampled rest pages and the pages kept on the
-        device, with the plan's counts.
-
-        Guarded, part 1 is the sinks, the window and the pages not coded yet; every other
-        page is the rest, chosen from per layer by top-p on its key codes
-        (``guard.guard_layer``). What stays on the device is the policy's hot set (the
-        budget, with room kept for the expected sample) and the sample, drawn without
-        looking at the plan or any query (the estimate needs that).
-        """
+        device, with the plan's counts. Guarded, part 1 is the sinks, the window and the pages
+        not coded yet; every other page is the rest, chosen from per layer by top-p on its key
+        codes (``guard.guard_layer``). What stays on the device is the policy's hot set (the
+        budget, with room kept for the expected sample) and the sample, drawn without looking
+        at the plan or any query (the estimate needs that)."""
         state = tracked.state
         coded = tracked.codes.numel()
         guarded = coded > 0 and not tracked.guard_refused and state.params.guard_threshold < 1.0
@@ -295,6 +293,7 @@ class HotSetDecoder:
         fixed[coded:] = True  # pages without key codes yet are read exactly
         pi = tracked.sample_pi = sample_inclusion(coded, room)
         kept, counts = state.plan(num_pages, reserve=sample_reserve(pi, num_pages, budget), budget=budget)
+        fixed[kept] |= tracked.seeded  # seeded first step: its hot set is not promoted yet, so read exactly
         members = tracked.draw.members(coded, pi) & ~fixed[:coded]
         return StepPlan(torch.nonzero(fixed).flatten(), torch.nonzero(members).flatten(), kept), counts
 

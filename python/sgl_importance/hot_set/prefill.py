@@ -8,11 +8,17 @@ the decoder tracks the request from its first chunk on: its ``TrackedRequest`` i
 and kept while it prefills, although no decode batch holds it yet
 (``HotSetDecoder.drop_absent`` spares it while the residency still has it admitted).
 
+With ``--hot-set-first-step seeded`` the extend also hands over what its last token attended
+(``seed_layer``): the first decode step's plan starts from it (``apply_seed``), reading the
+hot set rather than every page, which after a streamed prefill or a history left on the host
+(``scheduler/returning.py``) would be a second read of all of it from the host pool.
+
 Plain torch; nothing here imports SGLang.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,3 +59,57 @@ def summarise_prefill(decoder: Any, rid: str, slots: torch.Tensor, full: int) ->
     decoder.prefill_counts.ranges_refused += refused[0]
     decoder.prefill_counts.guard_refused += refused[1]
     return not tracked.ranges_refused and tracked.ranges.numel() >= full
+
+
+@dataclass
+class Seed:
+    """What a request's last prefill token attended, per page, over the layers seen so far."""
+
+    mass: torch.Tensor  # float64 [pages]: largest over layers and KV heads, or summed (policy's reduce)
+    last_layer: int
+    layers: int
+
+
+def seed_layer(decoder: Any, rid: str, layer: int, masses: torch.Tensor) -> None:
+    """One layer of request ``rid``'s extend: its last token's mass per page and KV head
+    ``[kv_heads, pages]`` folded into its seed (``--hot-set-first-step seeded``). Each extend
+    starts a new seed at its first layer: the last chunk's is the one its first step uses."""
+    params = decoder.request_params.get(rid, decoder.params)
+    if not streams(params):
+        return
+    by_max = params.ranks_by_max
+    page = (masses.amax(0) if by_max else masses.mean(0)).double().cpu()
+    seed = decoder.seeds.get(rid)
+    if seed is None or layer <= seed.last_layer or seed.mass.numel() != page.numel():
+        decoder.seeds[rid] = Seed(page, layer, 1)
+        return
+    seed.mass = torch.maximum(seed.mass, page) if by_max else seed.mass + page
+    seed.last_layer, seed.layers = layer, seed.layers + 1
+
+
+def apply_seed(decoder: Any, rid: str, live: LiveRequest, num_pages: int) -> None:
+    """Before a tracked request's first decode step is planned: its pages summarised (a
+    history never on the device from its host copies) and its hot set seeded from its
+    prefill's last token, as if that had been the dense first step; its plan then reads the
+    hot set exactly (``TrackedRequest.seeded``)."""
+    tracked, seed = live.tracked, decoder.seeds.pop(rid, None)
+    if seed is None or tracked.state.step or seed.mass.numel() > num_pages:
+        return
+    ps = decoder.page_size
+    refused = summarise_pages(
+        decoder.ranges,
+        decoder.guard,
+        live,
+        live.slots.numel() // ps,
+        decoder.pool_views,
+        ps,
+        decoder.residency.read_host,
+    )
+    decoder.prefill_counts.ranges_refused += refused[0]
+    decoder.prefill_counts.guard_refused += refused[1]
+    if tracked.ranges_refused:
+        return  # decodes dense from now on: its first step reads every page
+    mass = torch.zeros(num_pages, dtype=torch.float64)
+    mass[: seed.mass.numel()] = seed.mass if tracked.state.params.ranks_by_max else seed.mass / seed.layers
+    tracked.state.observe(torch.ones(num_pages, dtype=torch.bool), mass, torch.zeros(num_pages, dtype=torch.float64))
+    tracked.seeded = True

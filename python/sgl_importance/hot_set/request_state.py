@@ -54,6 +54,7 @@ class TrackedRequest:
     caps: Optional[torch.Tensor] = None  # float64 [L] read cap per layer (a share of its pages)
     kept: Optional[float] = None  # share of its pages kept on the device past the budget (None: the budget)
     grows: bool = True  # False once a decode step short of room put it back to its budget (it stays there)
+    seeded: bool = False  # its first decode step is planned from the prefill's seed (prefill.apply_seed)
 
     def kept_pages(self, num_pages: int) -> int:
         """Pages its hot set may hold: the policy's budget, or more where the guard raised it."""
