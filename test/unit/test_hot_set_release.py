@@ -633,6 +633,19 @@ class Chunked:
         return False
 
 
+def decode_steps(placed: Placed, req: Request, seed: int, steps: int = 6) -> list:
+    """``steps`` decode steps of ``req`` (growing it a token each): each step's outputs and counts."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        q = torch.randn(LAYERS, 1, KV_HEADS * GROUP, DIM, generator=g)
+        got, counts = placed.step(q)
+        out.append(([r.output for r in got], counts))
+        req.grow()
+        placed.place(req)
+    return out
+
+
 def prefill_in_chunks(placed: Placed, req: Request, hot_set, residency: Residency):
     """Place ``req``'s prompt chunk by chunk, with the checkpoint hook after each; returns
     the device pages its row held after each chunk's checkpoint."""
@@ -688,15 +701,7 @@ def test_a_prompt_streamed_in_chunks_decodes_as_the_one_whose_pages_stayed(guard
             assert residency.counts.prefill_chunks_released == 4
         else:
             assert pages.released_pages().numel() == 0 and held[-1] == PROMPT_PAGES
-        g = torch.Generator().manual_seed(9)
-        steps = []
-        for _ in range(6):
-            q = torch.randn(LAYERS, 1, KV_HEADS * GROUP, DIM, generator=g)
-            got, counts = placed.step(q)
-            steps.append(([r.output for r in got], counts))
-            req.grow()
-            placed.place(req)
-        outputs[streamed] = steps
+        outputs[streamed] = decode_steps(placed, req, seed=9)
         key_min = placed.decoder.ranges.key_min[:, placed.decoder.tracked["r"].ranges[: PROMPT_PAGES - 1]]
         outputs[streamed, "ranges"] = key_min
     for (dense, _), (streamed, _) in zip(outputs[False], outputs[True]):
@@ -775,15 +780,7 @@ def test_a_history_lent_from_host_copies_decodes_as_the_one_loaded_back(guard):
             residency.lend_prefix(pages, tree_host)
             assert residency.counts.history_pages_on_host == 0
         free_host = len(tiers.free_host_pages)
-        g = torch.Generator().manual_seed(11)
-        steps = []
-        for _ in range(6):
-            q = torch.randn(LAYERS, 1, KV_HEADS * GROUP, DIM, generator=g)
-            got, counts = placed.step(q)
-            steps.append(([r.output for r in got], counts))
-            req.grow()
-            placed.place(req)
-        outputs[on_host] = steps
+        outputs[on_host] = decode_steps(placed, req, seed=11)
         tracked = placed.decoder.tracked["r"]
         assert not tracked.ranges_refused
         outputs[on_host, "ranges"] = placed.decoder.ranges.key_min[:, tracked.ranges[:HISTORY_PAGES]]
