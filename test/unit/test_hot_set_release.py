@@ -633,6 +633,13 @@ class Chunked:
         return False
 
 
+def placed_world(guard: float) -> tuple[ArrayPools, Residency, Placed]:
+    """40 device and 40 host pages, release past 8 tokens, a decoder over them."""
+    tiers = array_pools(device_pages=40, host_pages=40)
+    residency = residency_over(tiers, threshold=8)
+    return tiers, residency, Placed(tiers, residency, guard)
+
+
 def decode_steps(placed: Placed, req: Request, seed: int, steps: int = 6) -> list:
     """``steps`` decode steps of ``req`` (growing it a token each): each step's outputs and counts."""
     g = torch.Generator().manual_seed(seed)
@@ -676,9 +683,7 @@ def test_a_prompt_streamed_in_chunks_decodes_as_the_one_whose_pages_stayed(guard
     with every page kept until its first step, on the same pools."""
     outputs = {}
     for streamed in (False, True):
-        tiers = array_pools(device_pages=40, host_pages=40)
-        residency = residency_over(tiers, threshold=8)
-        placed = Placed(tiers, residency, guard)
+        tiers, residency, placed = placed_world(guard)
         hot_set = Streaming(placed) if streamed else None
         req = Request("r", PROMPT_PAGES, seed=5)
         truth_k, truth_v = req.k.clone(), req.v.clone()
@@ -757,9 +762,7 @@ def test_a_history_lent_from_host_copies_decodes_as_the_one_loaded_back(guard):
     are borrowed, never freed by the request."""
     outputs = {}
     for on_host in (False, True):
-        tiers = array_pools(device_pages=40, host_pages=40)
-        residency = residency_over(tiers, threshold=8)
-        placed = Placed(tiers, residency, guard)
+        tiers, residency, placed = placed_world(guard)
         req = Request("r", PROMPT_PAGES, seed=7)
         placed.place(req)  # loaded back (on_host False) or written for the tree's host copies
         slots = req.row[: req.length].to(torch.int64)
@@ -845,9 +848,7 @@ def test_a_first_step_seeded_by_the_prefill_reads_its_hot_set_not_every_released
 
     firsts = {}
     for seeded in (False, True):
-        tiers = array_pools(device_pages=40, host_pages=40)
-        residency = residency_over(tiers, threshold=8)
-        placed = Placed(tiers, residency, guard)
+        tiers, residency, placed = placed_world(guard)
         req = Request("r", PROMPT_PAGES, seed=5)
         prefill_in_chunks(placed, req, Streaming(placed), residency)
         released = residency.peek("r").released_pages().numel()
