@@ -42,7 +42,10 @@ ONE_OFF_TOKENS = 192
 # Reuse weight 0: hits must not be what keeps the document. L3 admission: a node
 # reaches the file tier with 2 hits or a tenth of the hottest node's importance.
 IMPORTANCE_CONFIG = {"reuse_weight": 0, "storage_min_hits": 2, "storage_min_importance": 0.1}
-COMMON = importance_torch_args(PAGE, DEVICE_TOKENS)
+# Float32 pinned: greedy tokens must be equal whether a prefix came from the cache or was
+# computed again; in bfloat16 on a CPU with AMX tiles the rounding depends on the shapes
+# (the extend's length), and the outputs parted at the third token (seen 2026-11-28).
+COMMON = importance_torch_args(PAGE, DEVICE_TOKENS, "--dtype", "float32")
 TIERED = [
     "--enable-hierarchical-cache",
     "--hicache-ratio", "4",
