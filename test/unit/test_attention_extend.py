@@ -1,5 +1,7 @@
 """importance_torch's extend: new tokens attend to their prefix without placeholder queries."""
 
+import functools
+
 import pytest
 import torch
 
@@ -117,7 +119,8 @@ def test_the_extends_seed_is_the_last_tokens_page_mass_as_a_decode_step_reports_
     seeds = {}
     extend_causal_attention(
         q, torch.empty_like(q), k_buffer, v_buffer, req_to_token, torch.tensor([1, 2]), torch.tensor(seq_lens),
-        torch.tensor(new_lens), scaling=0.25, seed=seeds.__setitem__, page_size=page,
+        torch.tensor(new_lens), scaling=0.25, seeds=[functools.partial(seeds.__setitem__, i) for i in range(2)],
+        page_size=page,
     )  # fmt: skip
     last = torch.stack([q[new_lens[0] - 1], q[-1]])
     indices = torch.cat([req_to_token[1, :23], req_to_token[2, :18]]).long()

@@ -56,7 +56,7 @@ def world(monkeypatch, *, host_path: int = 12 * PAGE, stream: bool = True):
 
 def test_a_turn_admitted_takes_its_host_hit_as_prefix_and_its_row_shows_it_released(monkeypatch):
     runtime, tree_cache, req, locks = world(monkeypatch)
-    loan = returning.borrow(runtime, req, tree_cache)
+    loan = returning.borrow(runtime, req, tree_cache, lambda: True)
     assert loan is not None and locks == [("lock", "host-node")]
     # What SGLang's admission sees: no host hit to load back, the history a prefix.
     assert req.prefix_len == 12 * PAGE and req.host_hit_length == 0
@@ -75,7 +75,7 @@ def test_a_turn_admitted_takes_its_host_hit_as_prefix_and_its_row_shows_it_relea
 
 def test_a_turn_not_admitted_gets_its_host_hit_back_and_the_lock_goes(monkeypatch):
     runtime, tree_cache, req, locks = world(monkeypatch)
-    loan = returning.borrow(runtime, req, tree_cache)
+    loan = returning.borrow(runtime, req, tree_cache, lambda: True)
     returning.settle(runtime, req, tree_cache, loan, admitted=False)
     assert req.prefix_len == 2 * PAGE and req.host_hit_length == 10 * PAGE and runtime.history_loans == {}
     assert locks == [("lock", "host-node"), ("unlock", "host-node", "rc")]
@@ -91,6 +91,7 @@ def test_a_turn_not_admitted_gets_its_host_hit_back_and_the_lock_goes(monkeypatc
         "dense",
         "copy missing",
         "no host hit",
+        "ranges do not fit",
     ],
 )
 def test_what_is_not_eligible_is_loaded_back_as_sglang_does(monkeypatch, change):
@@ -108,5 +109,5 @@ def test_what_is_not_eligible_is_loaded_back_as_sglang_does(monkeypatch, change)
     elif change == "no host hit":
         req.host_hit_length = 0
     before = (req.prefix_len, req.host_hit_length)
-    assert returning.borrow(runtime, req, tree_cache) is None
+    assert returning.borrow(runtime, req, tree_cache, lambda: change != "ranges do not fit") is None
     assert (req.prefix_len, req.host_hit_length) == before and locks == []

@@ -378,12 +378,14 @@ def build_hot_set(
     metrics = _build_metrics(runtime)
     if metrics is not None:
         metrics.pools(guard.capacity, guard.nbytes, ranges.capacity, ranges.nbytes)
-    # On a GPU the chunk's summary would race the overlap scheduler's forward stream.
-    stream = config.hot_set_prefill == "stream" and prefill_reads_host and keys.device.type == "cpu"
+    # Both need importance_torch's extend on the CPU (on a GPU the summaries would race the
+    # overlap scheduler's forward stream).
+    cpu_extend = prefill_reads_host and keys.device.type == "cpu"
+    stream = config.hot_set_prefill == "stream" and cpu_extend
     if config.hot_set_prefill == "stream" and not stream:
         logger.info("hot set: prompts are prefilled dense (streamed prefill needs importance_torch on the CPU)")
     # The first decode step seeded from the prefill (its pages summarised before it is planned).
-    decoder.seed_first_step = config.hot_set_first_step == "seeded" and prefill_reads_host and keys.device.type == "cpu"
+    decoder.seed_first_step = config.hot_set_first_step == "seeded" and cpu_extend
     if config.hot_set_first_step == "seeded" and not decoder.seed_first_step:
         logger.info("hot set: first decode steps read every page (a seeded one needs importance_torch on the CPU)")
     for layer in range(layers) if stream or decoder.seed_first_step else ():

@@ -88,6 +88,9 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
         # Per request of an extend batch: its released prefix pages' positions and host
         # slots (None: all on the device), read back from the host pool in every layer.
         self.extend_released: Optional[list] = None
+        # Per request of an extend batch: its rid where its first decode step is seeded from
+        # this extend (--hot-set-first-step seeded; None: not seeded), worked out once a forward.
+        self.extend_seeded: Optional[list] = None
         plain = all(_plain_causal(m) for m in model_runner.model.modules() if isinstance(m, RadixAttention))
         self._init_decode_steps(runtime, model_runner, prefill_reads_host=plain)
 
@@ -99,6 +102,7 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
         self.decode_plan = self.page_indptr = self.page_ids = self.page_tokens = None
         self.decoding = forward_batch.forward_mode.is_decode() and forward_batch.encoder_lens is None
         self.extend_released = None if self.decoding else self._released_prefixes(forward_batch)
+        self.extend_seeded = None if self.decoding else self._seeded_requests(forward_batch)
         if self.decoding and self.hot_set is not None:
             # The hot set plans its own lists (every layer reads them): the dense ones
             # would cost a pass over every request's slots for nothing.
@@ -137,27 +141,24 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
             read_host=functools.partial(self.hot_set.decoder.residency.read_host, layer.layer_id)
             if self.extend_released
             else None,
-            seed=self._seed_for(layer.layer_id, forward_batch),
+            seeds=[
+                functools.partial(seed_layer, self.hot_set.decoder, rid, layer.layer_id) if rid else None
+                for rid in self.extend_seeded
+            ]
+            if self.extend_seeded
+            else None,
             page_size=self.page_size,
         )
         return o
 
-    def _seed_for(self, layer_id: int, forward_batch: ForwardBatch) -> Optional[Callable[[int, torch.Tensor], None]]:
-        """Where long requests' first decode steps are seeded (``--hot-set-first-step seeded``):
-        what hands the decoder each request's last-token masses for this layer."""
+    def _seeded_requests(self, forward_batch: ForwardBatch) -> Optional[list]:
+        """Where long requests' first decode steps are seeded from this extend
+        (``--hot-set-first-step seeded``): per request, its rid if past the threshold, else None."""
         decoder = self.hot_set.decoder if self.hot_set is not None else None
-        if decoder is None or not decoder.seed_first_step or forward_batch.rids is None:
+        lengths = forward_batch.seq_lens_cpu
+        if decoder is None or not decoder.seed_first_step or forward_batch.rids is None or lengths is None:
             return None
-        lengths = forward_batch.seq_lens_cpu.tolist() if forward_batch.seq_lens_cpu is not None else None
-        if lengths is None:
-            return None
-        rids = forward_batch.rids
-
-        def seed(i: int, masses: torch.Tensor) -> None:
-            if lengths[i] > decoder.threshold:
-                seed_layer(decoder, rids[i], layer_id, masses)
-
-        return seed
+        return [rid if n > decoder.threshold else None for rid, n in zip(forward_batch.rids, lengths.tolist())]
 
     def _released_prefixes(self, forward_batch: ForwardBatch) -> Optional[list]:
         """Where an extend's requests have released pages before their new tokens (a prompt
@@ -267,7 +268,7 @@ def extend_causal_attention(
     scaling: float,
     released: Optional[list] = None,
     read_host: Optional[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None,
-    seed: Optional[Callable[[int, torch.Tensor], None]] = None,
+    seeds: Optional[list] = None,
     page_size: int = 1,
 ) -> None:
     """Causal attention of each request's new tokens over its whole sequence.
@@ -282,9 +283,9 @@ def extend_causal_attention(
             that live only in the host pool (None: every page on the device), and what reads
             host slots' K and V for this layer: those positions are attended from there, the
             same values the device held, so the output is what it would have been.
-        seed, page_size: where given, called with each request's index and its last new
-            token's attention mass per page and KV head ``[kv_heads, pages]`` (the mean over
-            the head's query group, as the decode kernels report a page's mass).
+        seeds, page_size: per request, None or what is called with its last new token's
+            attention mass per page and KV head ``[kv_heads, pages]`` (the mean over the
+            head's query group, as the decode kernels report a page's mass).
     """
     gqa = q.shape[1] != k_buffer.shape[1]
     start = 0
@@ -311,8 +312,8 @@ def extend_causal_attention(
             qr[None], kr[None], vr[None], attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa
         )
         out[start : start + new] = o[0].transpose(0, 1)
-        if seed is not None:
-            seed(i, _last_token_masses(qr[:, -1], kr, scaling, page_size))
+        if seeds is not None and seeds[i] is not None:
+            seeds[i](_last_token_masses(qr[:, -1], kr, scaling, page_size))
         start += new
 
 

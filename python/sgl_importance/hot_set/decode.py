@@ -293,7 +293,8 @@ class HotSetDecoder:
         fixed[coded:] = True  # pages without key codes yet are read exactly
         pi = tracked.sample_pi = sample_inclusion(coded, room)
         kept, counts = state.plan(num_pages, reserve=sample_reserve(pi, num_pages, budget), budget=budget)
-        fixed[kept] |= tracked.seeded  # seeded first step: its hot set is not promoted yet, so read exactly
+        if tracked.seeded:  # the first step, seeded: its hot set is not promoted yet, so read exactly
+            fixed[kept] = True
         members = tracked.draw.members(coded, pi) & ~fixed[:coded]
         return StepPlan(torch.nonzero(fixed).flatten(), torch.nonzero(members).flatten(), kept), counts
 

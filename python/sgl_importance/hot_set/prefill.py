@@ -52,13 +52,17 @@ def summarise_prefill(decoder: Any, rid: str, slots: torch.Tensor, full: int) ->
         decoder.forget_request(rid)
         tracked = decoder.tracked[rid] = TrackedRequest(RequestHotSet(params), draw=PageDraw(request_seed(rid)))
         decoder.prefilling.add(rid)
-    live = LiveRequest(slots, tracked, pages=decoder.residency.peek(rid))
-    refused = summarise_pages(
-        decoder.ranges, decoder.guard, live, full, decoder.pool_views, decoder.page_size, decoder.residency.read_host
-    )
+    _summarise(decoder, LiveRequest(slots, tracked, pages=decoder.residency.peek(rid)), full)
+    return not tracked.ranges_refused and tracked.ranges.numel() >= full
+
+
+def _summarise(decoder: Any, live: LiveRequest, full: int) -> None:
+    """``coding.summarise_pages`` with the decoder's pools (host copies for pages off the
+    device), its refusals counted with the next step's."""
+    ps, host = decoder.page_size, decoder.residency.read_host
+    refused = summarise_pages(decoder.ranges, decoder.guard, live, full, decoder.pool_views, ps, host)
     decoder.prefill_counts.ranges_refused += refused[0]
     decoder.prefill_counts.guard_refused += refused[1]
-    return not tracked.ranges_refused and tracked.ranges.numel() >= full
 
 
 @dataclass
@@ -95,18 +99,7 @@ def apply_seed(decoder: Any, rid: str, live: LiveRequest, num_pages: int) -> Non
     tracked, seed = live.tracked, decoder.seeds.pop(rid, None)
     if seed is None or tracked.state.step or seed.mass.numel() > num_pages:
         return
-    ps = decoder.page_size
-    refused = summarise_pages(
-        decoder.ranges,
-        decoder.guard,
-        live,
-        live.slots.numel() // ps,
-        decoder.pool_views,
-        ps,
-        decoder.residency.read_host,
-    )
-    decoder.prefill_counts.ranges_refused += refused[0]
-    decoder.prefill_counts.guard_refused += refused[1]
+    _summarise(decoder, live, live.slots.numel() // decoder.page_size)
     if tracked.ranges_refused:
         return  # decodes dense from now on: its first step reads every page
     mass = torch.zeros(num_pages, dtype=torch.float64)

@@ -206,11 +206,9 @@ def _adder_class(base: type) -> type:
 
         def add_one_req(self, req: Any, *args: Any, **kwargs: Any) -> Any:
             # A returning turn whose history is in the host pool takes it as prefix, unloaded,
-            # where it is admitted by footprint (its releases and key ranges fit): a turn the
-            # range pool refused would decode dense, reading its whole history from the host.
-            rt, loan = runtime_module.current(), None
-            if self.footprint_book.new(req)[1] is not None:
-                loan = returning.borrow(rt, req, self.tree_cache)
+            # where it is admitted by footprint (scheduler/returning.py).
+            rt = runtime_module.current()
+            loan = returning.borrow(rt, req, self.tree_cache, lambda: self.footprint_book.new(req)[1] is not None)
             if loan is None:
                 return super().add_one_req(req, *args, **kwargs)
             admitted = False

@@ -171,6 +171,8 @@ class PrefixHold:
     unlocked: bool = False  # the request's device lock on the prefix has gone
     history: bool = False  # a returning turn's: its match's host part never loaded back (returning.py)
 
+    history_unheld = property(lambda self: self.history and not self.unlocked)  # its row: no page of the history
+
 
 def enable(
     residency: Residency, hot_set_params: Optional[HotSetParams], config: ImportanceConfig, scheduler: Any
@@ -394,7 +396,7 @@ def release_with_pages(
     pages = residency.peek(req.rid)
     hold = pages.hold if pages is not None else None
     try:
-        if checkpoint and hold is not None and hold.history and not hold.unlocked:
+        if checkpoint and hold is not None and hold.history_unheld:
             req.skip_radix_cache_insert = True  # its row shows no device page for the history (returning.py)
         inserting = checkpoint and not req.skip_radix_cache_insert
         if pages is not None and pages.hold is not None:
@@ -450,7 +452,7 @@ def _insert_on_host(residency: Residency, pages: RequestPages, req: Any, tree_ca
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    if not residency.host_insert or (pages.hold is not None and pages.hold.history and not pages.hold.unlocked):
+    if not residency.host_insert or (pages.hold is not None and pages.hold.history_unheld):
         return False  # the Python tree core's walk; a returning turn's row reads no device page for its history
     ps = pages.page_size
     req.refresh_fill_ids()

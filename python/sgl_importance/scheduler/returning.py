@@ -24,8 +24,9 @@ A turn that finishes before its decode steps gave the tree its device prefix bac
 two) is not inserted: the history stays in the tree as it was, the new turn's KV is not cached.
 
 Eligible: a request past the threshold whose policy streams, a host hit and nothing else
-loaded (no SWA, Mamba or linker state), and a finished host copy of every node of its match.
-Otherwise HiCache loads the history back as usual.
+loaded (no SWA, Mamba or linker state), a finished host copy of every node of its match, and
+admitted by footprint (a turn the range pool refused would read its whole history from the host
+every step). Otherwise HiCache loads the history back as usual.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ class HistoryLoan:
     host_hit: int  # SGLang's host hit, given back if it is not admitted
 
 
-def borrow(runtime: Any, req: Any, tree_cache: Any) -> Optional[HistoryLoan]:
+def borrow(runtime: Any, req: Any, tree_cache: Any, fits: Callable[[], bool]) -> Optional[HistoryLoan]:
     """Before SGLang's admission of ``req``: take its host hit as prefix (module docstring),
-    or None where it is not eligible (SGLang loads it back)."""
+    or None where it is not eligible (SGLang loads it back). ``fits``: whether admission would
+    charge it its footprint (its releases and key ranges fit), asked last."""
     from sgl_importance.scheduler.hot_set_release import path_host_slots
 
     residency, hot_set = runtime.residency, runtime.hot_set_attention
@@ -64,7 +66,7 @@ def borrow(runtime: Any, req: Any, tree_cache: Any) -> Optional[HistoryLoan]:
         return None
     if tree_cache.linker is not None or tree_cache.buffer_pipeline is not None:
         return None
-    if not streams(runtime.request_params.get(req.rid, runtime.hot_set_params)):
+    if not streams(runtime.request_params.get(req.rid, runtime.hot_set_params)) or not fits():
         return None
     host = path_host_slots(tree_cache, req.best_match_node)
     if host is None or host.numel() != req.prefix_len + hit or (req.prefix_len + hit) % residency.pools.page_size:
@@ -111,6 +113,8 @@ def lend_history(runtime: Any, batch: Any) -> None:
     from sgl_importance.scheduler.hot_set_release import PrefixHold
 
     loans, residency = runtime.history_loans, runtime.residency
+    if not loans:
+        return
     for req in batch.reqs:
         loan = loans.pop(req.rid, None)
         if loan is None:
