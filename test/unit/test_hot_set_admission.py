@@ -45,7 +45,7 @@ def test_a_streamed_prompt_is_held_a_chunk_at_a_time():
     assert f.peak == 53 * PS
     # A short prompt growing past the threshold is not streamed (its prompt is the tree's).
     assert footprint(256, 896, PARAMS, threshold=THRESHOLD, page_size=PS, chunk=64).dense == 33 * PS
-    book = FootprintBook(lambda rid: PARAMS, lambda rid: None, _residency(), 10_000, 10_000, clip=4096, chunk=512)
+    book = FootprintBook(lambda rid: PARAMS, lambda rid: None, _residency(), _NONE_HELD, 10_000, 10_000, clip=4096, chunk=512)
     f, growth = book.new(_req("a", 4000, 0, 100))
     # Charged its peak for the prompt and its 100 new tokens, not the prompt's 4,000 tokens.
     assert growth == 0 and book.charge(f, 4000, growth) == 53 * PS
@@ -84,9 +84,23 @@ def _req(rid: str, prompt: int, generated: int, max_new: int, ignore_eos: bool =
     return SimpleNamespace(rid=rid, origin_input_ids=[0] * prompt, output_ids=[0] * generated, sampling_params=sampling)
 
 
-def _book(residency: Residency, host_pages: int = 10_000, range_rows=10_000, params=PARAMS, kept=None) -> FootprintBook:
-    kept = kept or {}
-    return FootprintBook(lambda rid: params, lambda rid: kept.get(rid), residency, host_pages, range_rows, clip=4096)
+def _NONE_HELD(rid: str) -> int:
+    return 0
+
+
+def _book(
+    residency: Residency, host_pages: int = 10_000, range_rows=10_000, params=PARAMS, kept=None, held=None
+) -> FootprintBook:
+    kept, held = kept or {}, held or {}
+    return FootprintBook(
+        lambda rid: params,
+        lambda rid: kept.get(rid),
+        residency,
+        lambda rid: held.get(rid, 0),
+        host_pages,
+        range_rows,
+        clip=4096,
+    )
 
 
 def test_a_new_request_is_charged_its_growth_to_its_peak_and_books_its_pools_only_when_taken():
@@ -108,7 +122,7 @@ def test_a_request_whose_pages_the_host_or_range_pool_cannot_take_is_charged_in_
 
 def test_without_release_or_a_hot_set_a_request_is_charged_as_sglang_charges_it():
     off = Residency()  # no host pool: release is off
-    book = FootprintBook(lambda rid: PARAMS, lambda rid: None, off, 100, 100, clip=4096)
+    book = FootprintBook(lambda rid: PARAMS, lambda rid: None, off, _NONE_HELD, 100, 100, clip=4096)
     assert book.new(_req("a", 256, 0, 640)) == (None, None)
     assert _book(_residency(), params=None).new(_req("a", 256, 0, 640)) == (None, None)
     assert _book(_residency()).running(_req("a", 100, 10, 200), 190.0, 1.0) == 190.0  # never past the threshold
@@ -125,11 +139,44 @@ def test_a_released_running_request_is_charged_up_to_what_it_keeps_never_more_th
     # 600 of 896 tokens: 38 pages, 20 on the device (tree and own), 18 released.
     states = [int(PageState.TREE)] * 16 + [int(PageState.COPIED)] * 4 + [int(PageState.RELEASED)] * 18
     r = _residency({"a": states})
-    book = _book(r, host_pages=100, range_rows=100)
+    book = _book(r, host_pages=100, range_rows=100, held={"a": 37})
     charge = book.running(_req("a", 256, 344, 640), 296.0, 1.0)
     assert charge == 29 * PS - 20 * PS  # kept at the end (29 pages) less the 20 it holds
     assert book.host_left == 100 - (27 - 18) and book.ranges_left == 100 - (55 - 37)
     assert _book(r).running(_req("a", 256, 344, 640), 40.0, 1.0) == 40.0
+
+
+def test_a_running_request_books_the_range_rows_it_does_not_hold_yet():
+    # A 4,000-token turn prefilled and not yet summarised (its first decode step ahead) holds
+    # no rows: it still takes a row for each of its 256 full pages at the end (the book once
+    # counted its 249 full pages as held and admitted past the pool). With 250 rows free it
+    # does not fit: charged as SGLang charges it, nothing booked.
+    r = _residency({"a": [int(PageState.COPIED)] * 250})
+    assert _book(r, range_rows=250).running(_req("a", 4000, 0, 100), 100.0, 1.0) == 100.0
+    book = _book(r, range_rows=260)
+    assert book.running(_req("a", 4000, 0, 100), 100.0, 1.0) < 100.0 and book.ranges_left == 260 - 256
+    summarised = _book(r, range_rows=10, held={"a": 249})
+    assert summarised.running(_req("a", 4000, 0, 100), 100.0, 1.0) < 100.0 and summarised.ranges_left == 10 - 7
+
+
+def test_a_running_request_the_range_pool_refused_is_charged_as_sglang_charges_it():
+    # It decodes dense with every page kept and takes no rows: no discount, nothing booked.
+    states = [int(PageState.TREE)] * 16 + [int(PageState.COPIED)] * 22
+    book = FootprintBook(
+        lambda rid: PARAMS, lambda rid: None, _residency({"a": states}), lambda rid: None, 100, 100, clip=4096
+    )
+    assert book.running(_req("a", 256, 344, 640), 296.0, 1.0) == 296.0
+    assert (book.host_left, book.ranges_left) == (100, 100)
+
+
+def test_the_rows_a_request_holds_are_its_summarised_pages_none_once_refused():
+    from sgl_importance.hot_set.request_state import TrackedRequest, ranges_held
+    from sgl_importance.hot_set.selection import RequestHotSet
+
+    summarised = TrackedRequest(RequestHotSet(PARAMS), ranges=torch.arange(1, 8))
+    refused = TrackedRequest(RequestHotSet(PARAMS), ranges_refused=True)
+    tracked = {"a": summarised, "b": refused}
+    assert [ranges_held(tracked, rid) for rid in ("a", "b", "new")] == [7, None, 0]
 
 
 def test_a_hot_set_the_guard_grew_keeps_its_grown_share_and_is_charged_for_it():
@@ -159,7 +206,7 @@ def test_a_new_request_is_charged_what_the_guard_has_grown_the_running_ones_to()
     # Charged by it: the 56-page generation at half its pages keeps 28 + 1 + 16 = 45 pages,
     # more than the threshold's 33 it holds before it releases: its peak, and it releases
     # (books host room for) 11 pages, not 27.
-    book = FootprintBook(lambda rid: PARAMS, lambda rid: 0.5, _residency(), 10_000, 10_000, clip=4096)
+    book = FootprintBook(lambda rid: PARAMS, lambda rid: 0.5, _residency(), _NONE_HELD, 10_000, 10_000, clip=4096)
     f, growth = book.new(_req("new", 256, 0, 640))
     assert (f.kept, f.released, f.peak) == (45 * PS, 56 - 45, 45 * PS)
     assert growth == 45 * PS - 256
@@ -265,7 +312,7 @@ def _continuing_adder(available: int, streamed: bool, chunk: int = 512):
     adder = object.__new__(_adder_class(_BaseAdder))  # the subclass, without SGLang's __init__
     _BaseAdder.__init__(adder, available, chunk)
     residency = _residency({"r": [int(PageState.RELEASED)]} if streamed else {})
-    adder.footprint_book = FootprintBook(lambda rid: PARAMS, lambda rid: None, residency, 100, 100, 4096, chunk)
+    adder.footprint_book = FootprintBook(lambda rid: PARAMS, lambda rid: None, residency, _NONE_HELD, 100, 100, 4096, chunk)
     adder._continuing = None
     return adder
 

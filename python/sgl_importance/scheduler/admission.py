@@ -46,7 +46,7 @@ from dataclasses import replace
 from typing import Any, Callable, Optional
 
 from sgl_importance.hot_set.footprint import Footprint, footprint
-from sgl_importance.hot_set.request_state import kept_share
+from sgl_importance.hot_set.request_state import kept_share, ranges_held
 from sgl_importance.hot_set.residency import Residency
 from sgl_importance.hot_set.selection import HotSetParams
 
@@ -60,6 +60,8 @@ class FootprintBook:
             grew it past the budget (None: the budget); for one not decoding yet, what the
             guard has grown the running ones to (``request_state.kept_share``).
         residency: the runtime's page records (release is off unless it is enabled).
+        ranged_for: a request id -> the key-range rows it holds now (None: the range pool
+            refused it, it keeps every page; ``request_state.ranges_held``).
         host_pages: host pages release copies may take (the pool less the admitted requests' own).
         range_rows: the key-range pool's free rows now (None: no range pool to check).
         clip: SGLang's cap on a request's estimated new tokens.
@@ -71,12 +73,14 @@ class FootprintBook:
         params_for: Callable[[str], Optional[HotSetParams]],
         kept_for: Callable[[str], Optional[float]],
         residency: Residency,
+        ranged_for: Callable[[str], Optional[int]],
         host_pages: int,
         range_rows: Optional[int],
         clip: int,
         chunk: int = 0,
     ) -> None:
         self.params_for, self.kept_for, self.residency, self.clip = params_for, kept_for, residency, clip
+        self.ranged_for = ranged_for
         self.chunk = chunk
         self.host_left, self.ranges_left = host_pages, range_rows
 
@@ -112,7 +116,9 @@ class FootprintBook:
         prompt = len(req.origin_input_ids)
         now = prompt + len(req.output_ids)
         f = self._footprint(req.rid, prompt, now + self.max_new(req))
-        if f is None:
+        # Rows it holds, not its full pages: one prefilled and not yet summarised holds none.
+        ranged_now = self.ranged_for(req.rid)
+        if f is None or ranged_now is None:
             return dense_charge
         pages = self.residency.peek(req.rid)
         ps = self.residency.pools.page_size
@@ -121,7 +127,6 @@ class FootprintBook:
         else:
             released_now = pages.released_pages().numel()
             held, peak = (pages.num_pages - released_now) * ps, f.kept
-        ranged_now = max(-(-now // ps) - 1, 0)
         if not self.fits(f, ranged_now, released_now):
             return dense_charge
         self.take(f, ranged_now, released_now)
@@ -180,11 +185,12 @@ def new_book() -> FootprintBook:
             return None  # admitted by length: charged as SGLang charges any request
         return rt.request_params.get(rid, rt.hot_set_params)
 
-    kept_for = functools.partial(kept_share, hot_set.decoder.tracked if hot_set is not None else {})
+    tracked = hot_set.decoder.tracked if hot_set is not None else {}
+    kept_for, ranged_for = functools.partial(kept_share, tracked), functools.partial(ranges_held, tracked)
     chunk = 0
     if hot_set is not None and hot_set.stream_prefill and rt.scheduler is not None:
         chunk = max(rt.scheduler.chunked_prefill_size or 0, 0)
-    return FootprintBook(params_for, kept_for, r, host_pages, rows, CLIP_MAX_NEW_TOKENS, chunk)
+    return FootprintBook(params_for, kept_for, r, ranged_for, host_pages, rows, CLIP_MAX_NEW_TOKENS, chunk)
 
 
 @functools.cache  # one subclass per SGLang class: a pure function of it
