@@ -45,7 +45,9 @@ def test_a_streamed_prompt_is_held_a_chunk_at_a_time():
     assert f.peak == 53 * PS
     # A short prompt growing past the threshold is not streamed (its prompt is the tree's).
     assert footprint(256, 896, PARAMS, threshold=THRESHOLD, page_size=PS, chunk=64).dense == 33 * PS
-    book = FootprintBook(lambda rid: PARAMS, lambda rid: None, _residency(), _NONE_HELD, 10_000, 10_000, clip=4096, chunk=512)
+    book = FootprintBook(
+        lambda rid: PARAMS, lambda rid: None, _residency(), _none_held, 10_000, 10_000, clip=4096, chunk=512
+    )
     f, growth = book.new(_req("a", 4000, 0, 100))
     # Charged its peak for the prompt and its 100 new tokens, not the prompt's 4,000 tokens.
     assert growth == 0 and book.charge(f, 4000, growth) == 53 * PS
@@ -84,7 +86,7 @@ def _req(rid: str, prompt: int, generated: int, max_new: int, ignore_eos: bool =
     return SimpleNamespace(rid=rid, origin_input_ids=[0] * prompt, output_ids=[0] * generated, sampling_params=sampling)
 
 
-def _NONE_HELD(rid: str) -> int:
+def _none_held(rid: str) -> int:
     return 0
 
 
@@ -122,7 +124,7 @@ def test_a_request_whose_pages_the_host_or_range_pool_cannot_take_is_charged_in_
 
 def test_without_release_or_a_hot_set_a_request_is_charged_as_sglang_charges_it():
     off = Residency()  # no host pool: release is off
-    book = FootprintBook(lambda rid: PARAMS, lambda rid: None, off, _NONE_HELD, 100, 100, clip=4096)
+    book = FootprintBook(lambda rid: PARAMS, lambda rid: None, off, _none_held, 100, 100, clip=4096)
     assert book.new(_req("a", 256, 0, 640)) == (None, None)
     assert _book(_residency(), params=None).new(_req("a", 256, 0, 640)) == (None, None)
     assert _book(_residency()).running(_req("a", 100, 10, 200), 190.0, 1.0) == 190.0  # never past the threshold
@@ -206,7 +208,7 @@ def test_a_new_request_is_charged_what_the_guard_has_grown_the_running_ones_to()
     # Charged by it: the 56-page generation at half its pages keeps 28 + 1 + 16 = 45 pages,
     # more than the threshold's 33 it holds before it releases: its peak, and it releases
     # (books host room for) 11 pages, not 27.
-    book = FootprintBook(lambda rid: PARAMS, lambda rid: 0.5, _residency(), _NONE_HELD, 10_000, 10_000, clip=4096)
+    book = FootprintBook(lambda rid: PARAMS, lambda rid: 0.5, _residency(), _none_held, 10_000, 10_000, clip=4096)
     f, growth = book.new(_req("new", 256, 0, 640))
     assert (f.kept, f.released, f.peak) == (45 * PS, 56 - 45, 45 * PS)
     assert growth == 45 * PS - 256
@@ -312,7 +314,9 @@ def _continuing_adder(available: int, streamed: bool, chunk: int = 512):
     adder = object.__new__(_adder_class(_BaseAdder))  # the subclass, without SGLang's __init__
     _BaseAdder.__init__(adder, available, chunk)
     residency = _residency({"r": [int(PageState.RELEASED)]} if streamed else {})
-    adder.footprint_book = FootprintBook(lambda rid: PARAMS, lambda rid: None, residency, _NONE_HELD, 100, 100, 4096, chunk)
+    adder.footprint_book = FootprintBook(
+        lambda rid: PARAMS, lambda rid: None, residency, _none_held, 100, 100, 4096, chunk
+    )
     adder._continuing = None
     return adder
 
