@@ -836,6 +836,61 @@ def test_a_returning_turn_finishing_before_its_hold_is_not_inserted_and_frees_on
     assert all(int(s) // PAGE not in tiers.free_host_pages for s in tree_host[::PAGE])
 
 
+def _top_p_pages(masses: torch.Tensor, top_p: float) -> int:
+    """Pages some KV head of ``masses [kv, pages]`` needs, largest first, to reach ``top_p``
+    of its mass (the union over heads), one head at a time."""
+    union = set()
+    for head in masses.double():
+        share = head.clamp_min(0) / head.clamp_min(0).sum()
+        order = torch.argsort(share, descending=True).tolist()
+        total = 0.0
+        for page in order:
+            if total >= top_p or share[page] <= 0:
+                break
+            union.add(page)
+            total += float(share[page])
+    return len(union)
+
+
+def seed_from_last_query(decoder, req: Request, g: torch.Generator, sharpness: float = 1.0) -> list[int]:
+    """Seed ``req``'s first step as its extend would, from a random last query (scaled by
+    ``sharpness``: the larger, the fewer pages its top-p wants); returns each layer's top-p pages."""
+    from sgl_importance.attention.torch_backend import _last_token_masses
+    from sgl_importance.hot_set.prefill import seed_layer
+
+    decoder.seed_first_step = True
+    last_q = sharpness * torch.randn(LAYERS, KV_HEADS * GROUP, DIM, generator=g)
+    wanted = []
+    for layer in range(LAYERS):
+        masses = _last_token_masses(last_q[layer], req.k[layer].transpose(0, 1), 0.4, PAGE)
+        seed_layer(decoder, req.rid, layer, masses)
+        wanted.append(_top_p_pages(masses, decoder.params.top_p))
+    return wanted
+
+
+def test_a_seeded_guarded_first_step_starts_its_read_caps_where_the_seeds_top_p_needed_them():
+    """Without a warm-up, the caps start as the warm-up would have set them: each layer's
+    top-p pages of the prefill's last token over the request's pages, never below read_cap
+    (else a selection that wants more is flagged, step after step, until they rise)."""
+    tiers, residency, placed = placed_world(0.05)
+    req = Request("r", PROMPT_PAGES, seed=5)
+    prefill_in_chunks(placed, req, Streaming(placed), residency)
+    decoder = placed.decoder
+    wanted = seed_from_last_query(decoder, req, torch.Generator().manual_seed(3), sharpness=4.0)
+    caps = []
+
+    def recorded(tracked, num_pages, planner=decoder._plan):
+        caps.append(tracked.caps.clone())
+        return planner(tracked, num_pages)
+
+    decoder._plan = recorded
+    placed.step(torch.randn(LAYERS, 1, KV_HEADS * GROUP, DIM, generator=torch.Generator().manual_seed(9)))
+    share = torch.tensor(wanted, dtype=torch.float64) / PROMPT_PAGES
+    expected = share.clamp(min=decoder.params.read_cap, max=1.0)
+    assert torch.allclose(caps[0], expected)
+    assert bool(((expected > decoder.params.read_cap) & (expected < 1.0)).any())  # a cap the seed moved
+
+
 @pytest.mark.parametrize("guard", [1.0, 0.05])
 def test_a_first_step_seeded_by_the_prefill_reads_its_hot_set_not_every_released_page(guard):
     """``--hot-set-first-step seeded``: after a streamed prefill the first decode step is
@@ -843,9 +898,6 @@ def test_a_first_step_seeded_by_the_prefill_reads_its_hot_set_not_every_released
     dense warm-up; it reads the seeded hot set, the sinks and the window exactly (host copies
     where released, counted) instead of every released page; guarded, every full page has its
     key codes first, so part 1 is that hot set and the pages the device still holds."""
-    from sgl_importance.attention.torch_backend import _last_token_masses
-    from sgl_importance.hot_set.prefill import seed_layer
-
     firsts = {}
     for seeded in (False, True):
         tiers, residency, placed = placed_world(guard)
@@ -856,10 +908,7 @@ def test_a_first_step_seeded_by_the_prefill_reads_its_hot_set_not_every_released
         g = torch.Generator().manual_seed(3)
         if seeded:
             decoder.seed_first_step = True
-            last_q = torch.randn(LAYERS, KV_HEADS * GROUP, DIM, generator=g)
-            for layer in range(LAYERS):
-                masses = _last_token_masses(last_q[layer], req.k[layer].transpose(0, 1), 0.4, PAGE)
-                seed_layer(decoder, "r", layer, masses)
+            seed_from_last_query(decoder, req, g)
             seed = decoder.seeds["r"].mass
         plans = []
 

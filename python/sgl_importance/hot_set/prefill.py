@@ -28,6 +28,7 @@ from sgl_importance.hot_set.footprint import streams
 from sgl_importance.hot_set.request_state import LiveRequest, TrackedRequest
 from sgl_importance.hot_set.sample import PageDraw, request_seed
 from sgl_importance.hot_set.selection import RequestHotSet
+from sgl_importance.hot_set.step_tally import top_p_counts
 
 
 def summarise_prefill(decoder: Any, rid: str, slots: torch.Tensor, full: int) -> bool:
@@ -72,6 +73,7 @@ class Seed:
     mass: torch.Tensor  # float64 [pages]: largest over layers and KV heads, or summed (policy's reduce)
     last_layer: int
     layers: int
+    wanted: torch.Tensor  # int64 [num_layers]: pages each layer's top-p needs (guarded: its first read cap)
 
 
 def seed_layer(decoder: Any, rid: str, layer: int, masses: torch.Tensor) -> None:
@@ -85,10 +87,16 @@ def seed_layer(decoder: Any, rid: str, layer: int, masses: torch.Tensor) -> None
     page = (masses.amax(0) if by_max else masses.mean(0)).double().cpu()
     seed = decoder.seeds.get(rid)
     if seed is None or layer <= seed.last_layer or seed.mass.numel() != page.numel():
-        decoder.seeds[rid] = Seed(page, layer, 1)
-        return
-    seed.mass = torch.maximum(seed.mass, page) if by_max else seed.mass + page
-    seed.last_layer, seed.layers = layer, seed.layers + 1
+        wanted = torch.zeros(decoder.ranges.num_layers, dtype=torch.int64)
+        seed = decoder.seeds[rid] = Seed(page, layer, 1, wanted)
+    else:
+        seed.mass = torch.maximum(seed.mass, page) if by_max else seed.mass + page
+        seed.last_layer, seed.layers = layer, seed.layers + 1
+    if params.guard_threshold < 1.0:
+        # What the dense warm-up would have told the first guarded step's read caps.
+        top_p = torch.tensor([params.top_p], dtype=torch.float64)
+        count = top_p_counts(masses.double().cpu().T[None, None], top_p)
+        seed.wanted[layer % seed.wanted.numel()] = count.view(())
 
 
 def apply_seed(decoder: Any, rid: str, live: LiveRequest, num_pages: int) -> None:
@@ -103,6 +111,11 @@ def apply_seed(decoder: Any, rid: str, live: LiveRequest, num_pages: int) -> Non
     if tracked.ranges_refused:
         return  # decodes dense from now on: its first step reads every page
     mass = torch.zeros(num_pages, dtype=torch.float64)
-    mass[: seed.mass.numel()] = seed.mass if tracked.state.params.ranks_by_max else seed.mass / seed.layers
+    params = tracked.state.params
+    mass[: seed.mass.numel()] = seed.mass if params.ranks_by_max else seed.mass / seed.layers
     tracked.state.observe(torch.ones(num_pages, dtype=torch.bool), mass, torch.zeros(num_pages, dtype=torch.float64))
     tracked.seeded = True
+    if params.guard_threshold < 1.0 and seed.layers == seed.wanted.numel():
+        # Each layer's first read cap where its top-p needed it, as after a warm-up (else the
+        # caps start at read_cap and a selection that wants more is flagged until they rise).
+        tracked.seed_caps(seed.wanted, num_pages)
