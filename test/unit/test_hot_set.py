@@ -471,9 +471,11 @@ def _swaps_one_by_one(state: RequestHotSet, fixed: torch.Tensor, slots: int, num
     key = state.importance() if importance else state.last_use.double()
     residents = sorted(torch.nonzero(state.resident & ~fixed).flatten().tolist(), key=lambda p: -float(key[p]))
     kept = residents[:slots]
-    eligible = ~state.resident & ~fixed & (state.outside_mass >= 1.0 / num_pages)
+    eligible = ~state.resident & ~fixed
     if state.params.guard_threshold < 1.0:
-        eligible &= state.needed
+        eligible &= state.needed  # guarded: whatever a selection missed, whatever its share
+    else:
+        eligible &= state.outside_mass >= 1.0 / num_pages
     candidates = sorted(torch.nonzero(eligible).flatten().tolist(), key=lambda p: -float(state.outside_mass[p]))
     free = slots - len(kept)
     chosen = set(kept) | set(candidates[:free])
@@ -493,12 +495,13 @@ def _swaps_one_by_one(state: RequestHotSet, fixed: torch.Tensor, slots: int, num
     return mask
 
 
+@pytest.mark.parametrize("guard", [0.1, 1.0])
 @pytest.mark.parametrize("policy", ["importance", "lru"])
 @pytest.mark.parametrize("seed", range(20))
-def test_the_resident_set_swaps_as_the_one_by_one_rule(policy, seed):
+def test_the_resident_set_swaps_as_the_one_by_one_rule(policy, seed, guard):
     g = torch.Generator().manual_seed(seed)
     pages = 40
-    state = RequestHotSet(HotSetParams(policy=policy, budget=0.3, window=2, sinks=1, guard_threshold=0.1))
+    state = RequestHotSet(HotSetParams(policy=policy, budget=0.3, window=2, sinks=1, guard_threshold=guard))
     state._grow(pages)
     state.step = 5
     state.resident = torch.rand(pages, generator=g) < 0.4
