@@ -85,6 +85,7 @@ from sgl_importance.local_server import (
     model_path,
     start_with_retry,
 )
+from sgl_importance.platform.torch_cpu import cpu_flags, default_dtype
 
 ARMS = ("lru", "importance", "hot-set-device", "hot-set-host", "hot-set-seeded")
 BUDGET = 0.2  # the README's hot set
@@ -218,6 +219,15 @@ def model_shape(config: dict, dtype: str) -> KVShape:
     return KVShape(config["num_hidden_layers"], kv_heads, head_dim, head_dim, DTYPE_BYTES[dtype], PAGE)
 
 
+def server_dtype(config: dict, dtype: str) -> str:
+    """The KV dtype a torch_cpu server started with ``--dtype dtype`` gets: ``auto`` is what
+    the platform makes of it on this CPU (float32 without native bfloat16), then the
+    checkpoint's. The hot-set arm's KV pool, and so its host pool's ratio, depend on it."""
+    if dtype == "auto":
+        dtype = default_dtype(cpu_flags())
+    return config.get("torch_dtype", "bfloat16") if dtype == "auto" else dtype
+
+
 def model_kv_bytes(config: dict, dtype: str) -> int:
     """K and V of one token in every layer (``model_shape``'s)."""
     return model_shape(config, dtype).kv_bytes_per_page // PAGE
@@ -314,7 +324,8 @@ def run_arm(arm: str, sessions: list[dict], a, out: Path) -> dict:
     tokens, extra = arm_flags(arm, a.device_tokens)
     args = [
         "--page-size", str(PAGE), "--attention-backend", "importance_torch", "--enable-hierarchical-cache",
-        "--max-total-tokens", str(tokens), "--decode-log-interval", "1", "--enable-metrics", *extra,
+        "--max-total-tokens", str(tokens), "--decode-log-interval", "1", "--enable-metrics", "--dtype", a.dtype,
+        *extra,
     ]  # fmt: skip
     # The same host pool for every arm (the issue's equal memory: KV + host + guard): SGLang
     # sizes it as a ratio of the KV pool, which beside a guard pool is the smaller.
@@ -352,6 +363,9 @@ def run_arm(arm: str, sessions: list[dict], a, out: Path) -> dict:
     kv = KV_LINE.search(log_text)
     host = HOST_LINE.search(log_text)
     dtype = KV_DTYPE_LINE.search(log_text)
+    if host and abs(int(host.group(1)) - host_tokens) > 0.02 * host_tokens:
+        # Equal memory needs equal host pools: the ratio was sized for a KV pool the server did not make.
+        print(f"[{arm}] WARNING: host pool {host.group(1)} tokens, not {host_tokens:.0f}", flush=True)
     return {
         "arm": arm,
         "max_total_tokens": tokens,
@@ -554,6 +568,7 @@ def main() -> None:
     )
     p.add_argument("--arms", default=",".join(ARMS), help=f"from {', '.join(ARMS)}")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", help="every server's --dtype (auto: bfloat16 where the CPU has it)")
     p.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench_sessions_")))
     a = p.parse_args()
     arms = [x for x in a.arms.split(",") if x]
@@ -571,7 +586,7 @@ def main() -> None:
     model = model_path()
     tokenizer = AutoTokenizer.from_pretrained(model)
     config = json.loads((Path(model) / "config.json").read_text())
-    a.kv_shape = model_shape(config, "float32")  # the torch_cpu server's KV
+    a.kv_shape = model_shape(config, server_dtype(config, a.dtype))  # the torch_cpu server's KV
 
     def tokenize(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
