@@ -37,6 +37,7 @@ into --out and prints the table.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shlex
 import statistics
@@ -52,13 +53,18 @@ import requests
 
 from benchmark.long_context.bench_hot_set import PAGE, essay_text
 from sgl_importance.client import flush_cache, generate, greedy, metrics_text
+from sgl_importance.config import add_cli_args, from_namespace
+from sgl_importance.hot_set.guard_budget import KVShape, guard_budget
 from sgl_importance.local_server import LocalServer, metric, model_path
+from sgl_importance.platform.torch_cpu import cpu_flags, default_dtype
 
 DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+), .*gen throughput \(token/s\): ([\d.]+)")
 TOKENS_LINE = re.compile(r"Decode batch, #running-req: \d+, #token: (\d+),")
 SOLO_NEW = 128
 RELEASED = "sgl_importance:hot_set_pages_released_total"
 KV_LINE = re.compile(r"max_total_num_tokens=(\d+)")
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+SGLANG_HICACHE_RATIO = 2.0  # SGLang's --hicache-ratio default
 POOLS_LINE = re.compile(r"hot set: pools of (\d+) tokens .*?; ([\d.]+) MiB in all")
 
 
@@ -100,14 +106,50 @@ def configs(
     return dict(every[k] for k in ["dense"] + [k for k in keys if k != "dense"])
 
 
+def model_shape(config: dict, dtype: str) -> KVShape:
+    """The KV pool's shape of a Hugging Face ``config.json`` at KV dtype ``dtype``."""
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads", heads)
+    return KVShape(config["num_hidden_layers"], kv_heads, head_dim, head_dim, DTYPE_BYTES[dtype], PAGE)
+
+
+def server_dtype(config: dict, dtype: str) -> str:
+    """The KV dtype a torch_cpu server started with ``--dtype dtype`` gets: ``auto`` is what
+    the platform makes of it on this CPU (float32 without native bfloat16), then the
+    checkpoint's. The hot-set arm's KV pool, and so its host pool's ratio, depend on it."""
+    if dtype == "auto":
+        dtype = default_dtype(cpu_flags())
+    return config.get("torch_dtype", "bfloat16") if dtype == "auto" else dtype
+
+
+def server_kv_tokens(max_total_tokens: int, shape: KVShape, flags: list[str]) -> int:
+    """The KV pool a server started with ``--max-total-tokens max_total_tokens`` and the
+    plugin ``flags`` makes: a hot-set server's pools come out of it (``guard_budget``, from
+    the flags as the server parses them). Equal host memory needs it: SGLang sizes the host
+    pool as a ratio of the KV pool."""
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    config = from_namespace(parser.parse_known_args(flags)[0])
+    if config.hot_set_policy == "off":
+        return max_total_tokens
+    return guard_budget(config, shape, max_total_tokens, hierarchical=True).kv_tokens
+
+
+def host_ratio(max_total_tokens: int, shape: KVShape, flags: list[str], host_tokens: float) -> list[str]:
+    """``--hicache-ratio`` giving a server with these flags a host pool of ``host_tokens``."""
+    return ["--hicache-ratio", f"{host_tokens / server_kv_tokens(max_total_tokens, shape, flags):.4f}"]
+
+
 def run_config(name: str, tokens: int, extra: list[str], prompts: list[list[int]], a, out: Path) -> dict:
     args = [
         "--page-size", str(PAGE), "--attention-backend", "importance_torch", "--enable-hierarchical-cache",
         "--max-total-tokens", str(tokens), "--decode-log-interval", "1", "--enable-metrics", "--dtype", a.dtype,
         *extra,
     ]  # fmt: skip
-    if a.hicache_ratio:
-        args += ["--hicache-ratio", str(a.hicache_ratio)]
+    # Every server the same host pool (equal memory): SGLang sizes it as a ratio of the KV
+    # pool, which beside a hot set's pools is the smaller.
+    args += host_ratio(tokens, a.kv_shape, extra, (a.hicache_ratio or SGLANG_HICACHE_RATIO) * a.device_tokens)
     if a.chunk:
         args += ["--chunked-prefill-size", str(a.chunk)]
     log = out / f"server_{name.replace(' ', '_').replace('%', '')}.log"
@@ -244,7 +286,12 @@ def main() -> None:
     p.add_argument(
         "--guard-tokens", type=int, default=0, help="the hot-set servers' --hot-set-guard-tokens (0: their auto size)"
     )
-    p.add_argument("--hicache-ratio", type=float, default=0.0, help="host pool over the device pool (0: SGLang's)")
+    p.add_argument(
+        "--hicache-ratio",
+        type=float,
+        default=0.0,
+        help="every server's host pool over dense's device pool (0: SGLang's 2)",
+    )
     p.add_argument(
         "--chunk", type=int, default=0, help="every server's --chunked-prefill-size (0: SGLang's, 2048 here)"
     )
@@ -259,6 +306,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path())
+    config = json.loads((Path(model_path()) / "config.json").read_text())
+    a.kv_shape = model_shape(config, server_dtype(config, a.dtype))
     filler = tokenizer(essay_text(), add_special_tokens=False)["input_ids"]
     # One prompt for the batch-1 measurement, then the concurrent ones; all distinct.
     stride = (len(filler) - a.length) // (a.requests + 1)

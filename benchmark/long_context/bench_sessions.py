@@ -73,10 +73,16 @@ from typing import Callable, Optional
 
 import requests
 
-from benchmark.long_context.bench_capacity import KV_LINE, decode_steps
+from benchmark.long_context.bench_capacity import (
+    KV_LINE,
+    SGLANG_HICACHE_RATIO,
+    decode_steps,
+    host_ratio,
+    model_shape,
+    server_dtype,
+)
 from benchmark.long_context.bench_hot_set import NAMES, PAGE, essay_text
 from sgl_importance.client import flush_cache, greedy, metrics_text
-from sgl_importance.hot_set.guard_budget import KVShape, auto_coverage, plan_guard
 from sgl_importance.local_server import (
     HOST_MEMORY,
     PORT_CLASH,
@@ -85,7 +91,6 @@ from sgl_importance.local_server import (
     model_path,
     start_with_retry,
 )
-from sgl_importance.platform.torch_cpu import cpu_flags, default_dtype
 
 ARMS = ("lru", "importance", "hot-set-device", "hot-set-host", "hot-set-seeded")
 BUDGET = 0.2  # the README's hot set
@@ -95,7 +100,6 @@ CONTEXT = 8192  # the embedded model's context
 LLAMA_8B_TOKEN_BYTES = 2 * 32 * 8 * 128 * 2  # 32 layers, 8 KV heads, head dim 128, bf16: 128 KiB
 HOST_LINE = re.compile(r"Allocating kv hierarchical KV host pool: (\d+) tokens")
 KV_DTYPE_LINE = re.compile(r"KV Cache is allocated\. dtype: torch\.(\w+)")
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 # /metrics series read before and after the sessions (absent ones print "—"). SGLang
 # shows its labelled load-back counter only from the first load-back on: absent is 0.
 LOAD_BACK = "sglang:load_back_tokens_total"
@@ -211,38 +215,9 @@ def default_device_tokens(length: int, turns: int, per_turn: int, max_new: int) 
     return math.ceil(2.2 * longest / PAGE) * PAGE
 
 
-def model_shape(config: dict, dtype: str) -> KVShape:
-    """The KV pool's shape of a Hugging Face ``config.json`` at KV dtype ``dtype``."""
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    kv_heads = config.get("num_key_value_heads", heads)
-    return KVShape(config["num_hidden_layers"], kv_heads, head_dim, head_dim, DTYPE_BYTES[dtype], PAGE)
-
-
-def server_dtype(config: dict, dtype: str) -> str:
-    """The KV dtype a torch_cpu server started with ``--dtype dtype`` gets: ``auto`` is what
-    the platform makes of it on this CPU (float32 without native bfloat16), then the
-    checkpoint's. The hot-set arm's KV pool, and so its host pool's ratio, depend on it."""
-    if dtype == "auto":
-        dtype = default_dtype(cpu_flags())
-    return config.get("torch_dtype", "bfloat16") if dtype == "auto" else dtype
-
-
 def model_kv_bytes(config: dict, dtype: str) -> int:
     """K and V of one token in every layer (``model_shape``'s)."""
     return model_shape(config, dtype).kv_bytes_per_page // PAGE
-
-
-SGLANG_HICACHE_RATIO = 2.0  # SGLang's --hicache-ratio default
-
-
-def kv_pool_tokens(arm: str, max_total_tokens: int, shape: KVShape) -> int:
-    """The KV pool the arm's server will have: a hot-set server's pools (auto size) come
-    out of ``--max-total-tokens`` (``guard_budget.plan_guard``, as the server does)."""
-    if not arm.startswith("hot-set"):
-        return max_total_tokens
-    coverage = auto_coverage(BUDGET, hierarchical=True)
-    return plan_guard(max_total_tokens, shape, guard_tokens=None, coverage=coverage, ranges=True).kv_tokens
 
 
 def arm_flags(arm: str, device_tokens: int) -> tuple[int, list[str]]:
@@ -330,7 +305,7 @@ def run_arm(arm: str, sessions: list[dict], a, out: Path) -> dict:
     # The same host pool for every arm (the issue's equal memory: KV + host + guard): SGLang
     # sizes it as a ratio of the KV pool, which beside a guard pool is the smaller.
     host_tokens = (a.hicache_ratio or SGLANG_HICACHE_RATIO) * a.device_tokens
-    args += ["--hicache-ratio", f"{host_tokens / kv_pool_tokens(arm, tokens, a.kv_shape):.4f}"]
+    args += host_ratio(tokens, a.kv_shape, extra, host_tokens)
     log = out / f"server_{arm}.log"
     print(f"[{arm}] starting: --max-total-tokens {tokens} {' '.join(extra)}", flush=True)
     server = start_with_retry(
