@@ -91,6 +91,16 @@ def test_the_kv_pool_gives_up_the_pages_that_hold_the_guard_and_says_so(guarded,
     assert gauge(guarded, "range_bytes") == expected.range_bytes
 
 
+def test_the_benchmarks_know_the_kv_pool_a_hot_set_servers_flags_make(guarded, model_path):
+    # bench_capacity and bench_sessions give every server dense's host pool through a ratio
+    # of the KV pool each server will make: their prediction against the server's own.
+    from benchmark.long_context.bench_capacity import server_kv_tokens
+
+    shape = model_shape(model_path, guarded.log())
+    assert server_kv_tokens(DEVICE_TOKENS, shape, HOT_SET_ARGS) == server_tokens(guarded) < DEVICE_TOKENS
+    assert server_kv_tokens(DEVICE_TOKENS, shape, []) == DEVICE_TOKENS
+
+
 def filler(topic: str) -> str:
     return " ".join(f"Note {i} on {topic}: item {i} sits in box {i * 7 % 13} of row {i % 5}." for i in range(120))
 
