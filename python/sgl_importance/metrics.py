@@ -293,6 +293,10 @@ HOT_SET_SERIES = {
         "ranges_refused",
         "Hot-set requests refused key ranges (no room left in the range pool): decoded dense, every page kept.",
     ),
+    "ranges_regained": (
+        "ranges_regained",
+        "Hot-set requests refused key ranges that got them once the pool had room again: back on their hot set.",
+    ),
     "pages_estimated": (
         "pages_estimated",
         "Unread pages accounted for by the guard's sampled estimate, summed over layers.",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,38 @@ def test_a_request_the_pools_cannot_hold_is_served_dense_and_counted(guarded, to
     assert metric(after, "sgl_importance:hot_set_guard_pages_in_use") == 0
     assert metric(after, "sgl_importance:hot_set_range_pages_in_use") == 0
     assert "no room in the key-range pool" in guarded.log()
+
+
+def test_a_request_refused_ranges_goes_back_on_its_hot_set_once_rows_free_up(guarded, token_ids):
+    # Two 12-page prompts over 16 rows: the second, sent while the first decodes, is refused;
+    # once the first finishes (it generates fewer tokens) the second gets its rows back.
+    import threading
+
+    from sgl_importance.client import generate, greedy
+
+    before = metrics_text(guarded.url)
+    first_ids, second_ids = token_ids(filler("plums"), 200), token_ids(filler("figs"), 200)
+    out = {}
+
+    def ask(name: str, ids: list[int], new: int) -> None:
+        out[name] = generate(guarded.url, input_ids=ids, sampling_params=greedy(new, ignore_eos=True), timeout=600)
+
+    first = threading.Thread(target=ask, args=("first", first_ids, 40))
+    first.start()
+    deadline = time.time() + 300
+    while gauge(guarded, "range_pages_in_use") == 0 and first.is_alive() and time.time() < deadline:
+        time.sleep(0.05)
+    ask("second", second_ids, 48)  # 200 + 48 tokens: 15 full pages at most, within the 16 rows
+    first.join()
+    after = metrics_text(guarded.url)
+    assert len(out["first"]["output_ids"]) == 40 and len(out["second"]["output_ids"]) == 48
+
+    def delta(name: str) -> float:
+        return metric(after, f"sgl_importance:hot_set_{name}_total") - metric(
+            before, f"sgl_importance:hot_set_{name}_total"
+        )
+
+    assert delta("ranges_refused") == 1 and delta("ranges_regained") == 1
+    # The first's rows went back; the second's wait for the next decode batch (its record is
+    # dropped where a batch no longer holds it).
+    assert 0 < metric(after, "sgl_importance:hot_set_range_pages_in_use") <= (200 + 48) // PAGE

@@ -513,3 +513,35 @@ def test_the_resident_set_swaps_as_the_one_by_one_rule(policy, seed, guard):
     fixed = fixed_mask(pages, 1, 2)
     slots = int(torch.randint(1, 14, (1,), generator=g))
     assert torch.equal(state._resident_set(fixed, slots, pages), _swaps_one_by_one(state, fixed, slots, pages))
+
+
+def test_a_request_refused_key_ranges_gets_them_back_once_the_pool_has_room():
+    # Two requests of 10 full pages over a range pool of 12 rows: the second is refused and
+    # decodes dense; once the first leaves, its rows are free and the second goes back on
+    # its own hot set (summarised then), counted.
+    g = torch.Generator().manual_seed(3)
+    layers, n_tokens = 2, 42
+    rows = PAGE * 30
+    k_bufs = [torch.randn(rows, KV_HEADS, DIM, generator=g) for _ in range(layers)]
+    v_bufs = [torch.randn(rows, KV_HEADS, DIM, generator=g) for _ in range(layers)]
+    params = HotSetParams(policy="importance", budget=4, window=1, sinks=1, guard_threshold=1.0)
+    ranges = KeyRanges(layers, KV_HEADS, DIM, capacity_pages=12)
+    decoder = HotSetDecoder(params, ranges, pool_pages=30, page_size=PAGE, threshold=8)
+    slots = {"a": torch.arange(PAGE, PAGE + n_tokens), "b": torch.arange(15 * PAGE, 15 * PAGE + n_tokens)}
+
+    def step(rids):
+        decoder.begin_step(rids, [slots[r] for r in rids])
+        q = torch.randn(len(rids), KV_HEADS * GROUP, DIM, generator=g)
+        for layer in range(layers):
+            decoder.attend(layer, q, k_bufs[layer], v_bufs[layer], sm_scale=DIM**-0.5)
+        return decoder.end_step().counts
+
+    counts = step(["a", "b"])
+    b = decoder.tracked["b"]
+    assert counts.ranges_refused == 1 and b.ranges_refused and b.state.params.policy == "dense"
+    assert step(["a", "b"]).ranges_refused == 0  # still no room: refused once, no retry counted
+    assert b.ranges_refused and b.ranges.numel() == 0
+    counts = step(["b"])  # "a" left: its 10 rows are free
+    assert counts.ranges_regained == 1 and not b.ranges_refused and b.refused_params is None
+    assert b.state.params == params and b.ranges.numel() == n_tokens // PAGE
+    assert b.next_plan[1].read.numel() < -(-(n_tokens + 1) // PAGE)  # its hot set again, not every page

@@ -8,8 +8,10 @@ one) and, when the request is guarded, its 4-bit key codes against that same ran
 (``key_codes.GuardPool``), so reader and writer use the same numbers.
 
 Both pools are fixed: a request the range pool cannot hold decodes dense with every page
-kept on the device (``ranges_refused``, counted as ``ranges_refused``); one the guard pool
-cannot hold decodes unguarded (``guard_refused``).
+kept on the device (``ranges_refused``, counted as ``ranges_refused``) until the pool has a
+row for each of its full pages again (rows freed by requests that left: ``regain_ranges``,
+counted as ``ranges_regained``); one the guard pool cannot hold decodes unguarded
+(``guard_refused``).
 
 Plain torch; nothing here imports SGLang.
 """
@@ -48,8 +50,23 @@ def summarise_pages(
             host copies); None: such a page makes the request keep every page.
 
     Returns:
-        (1 when the range pool refused the request, 1 when the guard pool refused it).
+        (1 when the range pool refused the request, 1 when the guard pool refused it,
+        1 when a request it had refused got its rows back).
     """
+    tracked = live.tracked
+    regained = regain_ranges(ranges, tracked, full, live, read_host is not None) if tracked.ranges_refused else 0
+    return (*_summarise(ranges, guard, live, full, pool_pages, page_size, read_host), regained)
+
+
+def _summarise(
+    ranges: KeyRanges,
+    guard: GuardPool,
+    live: LiveRequest,
+    full: int,
+    pool_pages: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    page_size: int,
+    read_host: Optional[Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]],
+) -> tuple[int, int]:
     tracked = live.tracked
     params = tracked.state.params
     if params.policy == "dense" or tracked.ranges_refused or not pool_pages:
@@ -107,6 +124,7 @@ def refuse_ranges(ranges: KeyRanges, guard: GuardPool, tracked: TrackedRequest) 
     """A request the range pool cannot hold: dense from now on, every page planned (so the
     owner releases none and brings any released one back), its ids back to the pools; returns 1."""
     tracked.ranges_refused = True
+    tracked.refused_params = tracked.state.params
     tracked.state.params = replace(tracked.state.params, policy="dense", guard_threshold=1.0)
     if tracked.ranges.numel():
         ranges.free(tracked.ranges)
@@ -115,4 +133,18 @@ def refuse_ranges(ranges: KeyRanges, guard: GuardPool, tracked: TrackedRequest) 
         guard.free(tracked.codes)
         tracked.codes = tracked.codes[:0]
     logger.warning("hot set: no room in the key-range pool for a request's pages; it decodes dense, kept on the device")
+    return 1
+
+
+def regain_ranges(ranges: KeyRanges, tracked: TrackedRequest, full: int, live: LiveRequest, host: bool) -> int:
+    """A request the range pool refused, back on its own settings once the pool has a row for
+    each of its ``full`` pages (to be summarised now, its released ones from their host copies
+    where ``host``: else only while none is released); returns 1 when it is. Refused, it
+    decodes dense and its released pages are read from the host every step; this ends that."""
+    if tracked.refused_params is None or ranges.capacity - ranges.pages_in_use < full:
+        return 0
+    if not host and bool(released_among(live.pages, torch.arange(full)).any()):
+        return 0
+    tracked.ranges_refused = False
+    tracked.state.params, tracked.refused_params = tracked.refused_params, None
     return 1

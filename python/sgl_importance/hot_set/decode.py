@@ -466,7 +466,7 @@ class HotSetDecoder:
             # The pages full now, while on the device (a history never loaded back: its host copies).
             host = self.residency.read_host
             refused = summarise_pages(self.ranges, self.guard, live, length // ps, self.pool_views, ps, host)
-            live.counts.ranges_refused, live.counts.guard_refused = refused
+            live.counts.ranges_refused, live.counts.guard_refused, live.counts.ranges_regained = refused
             step.add(live.counts)
             # The next step decodes one more token: plan it now, one step ahead.
             num_pages = -(-(length + 1) // ps)

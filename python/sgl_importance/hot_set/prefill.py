@@ -64,6 +64,7 @@ def _summarise(decoder: Any, live: LiveRequest, full: int) -> None:
     refused = summarise_pages(decoder.ranges, decoder.guard, live, full, decoder.pool_views, ps, host)
     decoder.prefill_counts.ranges_refused += refused[0]
     decoder.prefill_counts.guard_refused += refused[1]
+    decoder.prefill_counts.ranges_regained += refused[2]
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch
 
 from sgl_importance.hot_set.residency import RequestMoves, RequestPages, page_offsets
 from sgl_importance.hot_set.sample import PageDraw
-from sgl_importance.hot_set.selection import HotSetCounts, RequestHotSet
+from sgl_importance.hot_set.selection import HotSetCounts, HotSetParams, RequestHotSet
 
 
 def _no_ids() -> torch.Tensor:
@@ -50,6 +50,7 @@ class TrackedRequest:
     sample_pi: float = 1.0  # the sample's inclusion probability in the current plan
     guard_refused: bool = False  # the guard pool had no room for its codes: decodes unguarded
     ranges_refused: bool = False  # the range pool had no room: decodes dense, every page kept
+    refused_params: Optional[HotSetParams] = None  # its settings before that refusal (coding.regain_ranges)
     next_plan: Optional[tuple] = None  # (pages, StepPlan, counts), made one step ahead
     caps: Optional[torch.Tensor] = None  # float64 [L] read cap per layer (a share of its pages)
     kept: Optional[float] = None  # share of its pages kept on the device past the budget (None: the budget)

@@ -129,6 +129,7 @@ class HotSetCounts(ReleaseCounts):
     guard_flagged: int = 0  # ... of which the bound exceeded the threshold (flagged; the cap rises)
     guard_refused: int = 0  # requests refused a guard: no room for their key codes (decoded unguarded)
     ranges_refused: int = 0  # requests refused key ranges: no room in the pool (decoded dense, nothing released)
+    ranges_regained: int = 0  # ... of them given their rows once the pool had room again (back on their hot set)
     pages_attended: int = 0  # pages read exactly, summed over layers (the guard's reads included)
     pages_guard_read: int = 0  # pages the guard read exactly, summed over layers
     pages_estimated: int = 0  # rest pages left to the sampled estimate, summed over layers
