@@ -39,7 +39,7 @@ def summarise_pages(
     pool_pages: dict[int, tuple[torch.Tensor, torch.Tensor]],
     page_size: int,
     read_host: Optional[Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None,
-) -> tuple[int, int]:
+) -> tuple[int, int, int]:
     """Key ranges (and, guarded, codes) of a tracked request's pages full now and not yet done.
 
     Args:
@@ -55,35 +55,22 @@ def summarise_pages(
     """
     tracked = live.tracked
     regained = regain_ranges(ranges, tracked, full, live, read_host is not None) if tracked.ranges_refused else 0
-    return (*_summarise(ranges, guard, live, full, pool_pages, page_size, read_host), regained)
-
-
-def _summarise(
-    ranges: KeyRanges,
-    guard: GuardPool,
-    live: LiveRequest,
-    full: int,
-    pool_pages: dict[int, tuple[torch.Tensor, torch.Tensor]],
-    page_size: int,
-    read_host: Optional[Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]],
-) -> tuple[int, int]:
-    tracked = live.tracked
     params = tracked.state.params
     if params.policy == "dense" or tracked.ranges_refused or not pool_pages:
-        return 0, 0
+        return 0, 0, regained
     done = tracked.ranges.numel()
     if full <= done:
-        return 0, 0
+        return 0, 0, regained
     new = torch.arange(done, full)
     off = released_among(live.pages, new)
     if bool(off.any()) and read_host is None:
         # Released before it was summarised (never with the owner's order of moves): the
         # request keeps every page rather than read its pages back.
-        return refuse_ranges(ranges, guard, tracked), 0
+        return refuse_ranges(ranges, guard, tracked), 0, regained
     host_slots = live.pages.host_slots(new[off]) if bool(off.any()) else None
     ids = ranges.alloc(new.numel())
     if ids is None:
-        return refuse_ranges(ranges, guard, tracked), 0
+        return refuse_ranges(ranges, guard, tracked), 0, regained
     guarded = not tracked.guard_refused and params.guard_threshold < 1.0
     codes = guard.alloc(new.numel()) if guarded else None
     refused = 0
@@ -106,7 +93,7 @@ def _summarise(
     tracked.ranges = torch.cat((tracked.ranges, ids))
     if codes is not None:
         tracked.codes = torch.cat((tracked.codes, codes))
-    return 0, refused
+    return 0, refused, regained
 
 
 def refuse_guard(guard: GuardPool, tracked: TrackedRequest) -> int:
