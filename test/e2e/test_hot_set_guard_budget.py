@@ -36,7 +36,6 @@ HOT_SET_ARGS = [
     "--hot-set-policy", "importance", "--hot-set-threshold", str(THRESHOLD), "--hot-set-budget", "0.5",
     "--hot-set-guard-tokens", str(GUARD_TOKENS), "--enable-metrics",
 ]  # fmt: skip
-ELEMENT_SIZE = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
 
 
 def server_tokens(server) -> int:
@@ -47,15 +46,12 @@ def server_tokens(server) -> int:
 
 def model_shape(model_path: str, log: str) -> "KVShape":  # noqa: F821
     """The KV pool's shape from the model's config and the dtype the server's log names."""
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    dtype = re.search(r"KV Cache is allocated\. dtype: (\S+),", log).group(1)
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     # Imported here: importing sgl_importance.hot_set at collection would import triton
     # before test/kernels/conftest.py sets TRITON_INTERPRET for the workers.
-    from sgl_importance.hot_set.guard_budget import KVShape
+    from benchmark.long_context.bench_capacity import model_shape as shape_of
 
-    return KVShape(config["num_hidden_layers"], config["num_key_value_heads"], head_dim, head_dim,
-                   ELEMENT_SIZE[dtype], PAGE)  # fmt: skip
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return shape_of(config, re.search(r"KV Cache is allocated\. dtype: torch\.(\w+),", log).group(1))
 
 
 @pytest.fixture(scope="module")
