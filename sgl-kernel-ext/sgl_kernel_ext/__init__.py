@@ -2,7 +2,8 @@
 much attention mass each KV page received (Triton, and a batched page-list torch path
 for CPUs), the same Triton kernel over a step's page lists (``page_list``), its torch
 reference, a scatter of that importance into a per-physical-page table, and the hot-set
-guard's page log-masses from 4-bit key codes (``key_codes``), its exact reads of a
+guard's page log-masses from 4-bit key codes (``key_codes``), its selection of the rest
+pages to read (``guard_select``), its exact reads of a
 fixed page list under a page mask (``masked_pages``), its merge of two softmax parts
 (``merge``) and its sampled estimate with the bound (``combine``); each a Triton kernel
 on a GPU beside its torch path.
@@ -68,6 +69,7 @@ if HAS_TRITON:
         decode_attention_with_importance,
         decode_importance_fwd,
     )
+    from .guard_select import guard_select_triton
     from .key_codes import key_code_pages_triton
     from .merge import merge_parts_triton
     from .page_list import PageListSlots, TritonPageListDecode, page_list_slots
@@ -79,6 +81,7 @@ if HAS_TRITON:
         "combine_triton",
         "decode_attention_with_importance",
         "decode_importance_fwd",
+        "guard_select_triton",
         "key_code_pages_triton",
         "merge_parts_triton",
         "page_list_slots",

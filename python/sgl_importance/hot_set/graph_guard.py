@@ -209,6 +209,7 @@ class GraphGuard:
             params[:, 2 + column],
             self.caps[:bs, column],
             self._reader(q, k_pages, v_pages, bs, run),
+            use_triton=self.triton,
         )
         self._keep(outcome, sampled, column, bs)
         has_rest = valid.any(dim=1)

@@ -21,18 +21,22 @@ guarded request, with fixed shapes and no host in the loop:
 output 0). The selection's inputs are the key codes (``estimate.estimate_outside``), which
 never look at the sample, so the pages left unread keep the sample uniform over them.
 
-Plain torch, but for the merge of two softmax parts (``sgl_kernel_ext.merge_parts``:
-a Triton kernel on a GPU, torch elsewhere); nothing here imports SGLang.
+Plain torch, but for the selection (``select_pages``: three Triton launches on a GPU) and
+the merge of two softmax parts (``sgl_kernel_ext.merge_parts``: a Triton kernel on a GPU);
+torch elsewhere; nothing here imports SGLang.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from sgl_importance.hot_set.estimate import Combined, Outside, Sampled, combine, negligible_rest
-from sgl_kernel_ext import merge_parts
+from sgl_kernel_ext import HAS_TRITON, merge_parts
+
+if HAS_TRITON:
+    from sgl_kernel_ext import guard_select_triton
 
 NEG_INF = float("-inf")
 
@@ -98,12 +102,38 @@ def top_p_mask(share: torch.Tensor, held: torch.Tensor, top_p: torch.Tensor) -> 
 
 def capped(weight: torch.Tensor, chosen: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
     """bool ``[n, P]``: per row, at most ``cap`` of the ``chosen`` pages, the largest
-    ``weight`` first (a fixed-shape sort; no row's count is read on the host)."""
+    ``weight`` first, ties to the lower column (a fixed-shape sort; no row's count is read
+    on the host)."""
     key = weight.masked_fill(~chosen, NEG_INF)
-    order = torch.argsort(key, dim=1, descending=True)
+    order = torch.argsort(key, dim=1, descending=True, stable=True)
     ranks = torch.arange(order.shape[1], device=order.device)[None, :]
     keep = torch.zeros_like(chosen).scatter_(1, order, ranks < cap[:, None])  # cap on the device already
     return keep & chosen
+
+
+def select_pages(
+    lse: torch.Tensor,
+    page_lse: torch.Tensor,
+    valid: torch.Tensor,
+    released: torch.Tensor,
+    top_p: torch.Tensor,
+    cap: torch.Tensor,
+    *,
+    use_triton: Optional[bool] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(wanted, missed, read)``, bool ``[n, P]``: the pages top-p wants, those of them
+    released, and the rest of them read, at most ``cap``, the heaviest first.
+
+    ``use_triton`` None: three Triton launches for CUDA tensors
+    (``sgl_kernel_ext.guard_select_triton``: top-p by bisection, no sort), the torch
+    code below otherwise (its reference)."""
+    if use_triton is None:
+        use_triton = HAS_TRITON and page_lse.is_cuda
+    if use_triton:
+        return guard_select_triton(lse, page_lse, valid, released, top_p, cap)
+    wanted = wanted_pages(lse, page_lse, valid, top_p)
+    weight = page_lse.amax(dim=1)  # [n, P] the page's largest log mass in any head
+    return wanted, wanted & released, capped(weight, wanted & ~released, cap)
 
 
 def guard_layer(
@@ -119,6 +149,8 @@ def guard_layer(
     top_p: torch.Tensor,
     cap: torch.Tensor,
     read_exactly: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    *,
+    use_triton: Optional[bool] = None,
 ) -> GuardOutcome:
     """Top-p of the rest by its key codes, at most ``cap`` pages read, the rest estimated.
 
@@ -134,11 +166,9 @@ def guard_layer(
         top_p: ``[n]``; cap: int64 ``[n]`` the most rest pages read in this layer.
         read_exactly: bool ``[n, P]`` chosen pages -> their exact ``(lse, output)``; a
             row with no page chosen gets lse -inf and output 0.
+        use_triton: the selection's kernels (``select_pages``).
     """
-    wanted = wanted_pages(lse, outside.page_lse, valid, top_p)
-    missed = wanted & released
-    weight = outside.page_lse.amax(dim=1)  # [n, P] the page's largest log mass in any head
-    read = capped(weight, wanted & ~released, cap)
+    wanted, missed, read = select_pages(lse, outside.page_lse, valid, released, top_p, cap, use_triton=use_triton)
     lse_r, out_r = read_exactly(read)
     lse, out = merge_parts(lse, out, lse_r, out_r)
     statistical = _combine(lse, out, outside, sampled, valid & ~read, in_sample, inclusion)
