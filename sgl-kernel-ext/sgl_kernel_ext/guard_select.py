@@ -18,10 +18,12 @@ Per request, over its ``P`` rest pages and their log-masses estimated from the k
 
 Pages within rounding of the top-p boundary may land on either side of it against a
 sort's cumulative sum (the sums run in another order); otherwise the sets are the
-torch code's (``guard.py``, the reference the tests hold this to). Cost per request and layer (Llama-3.1-8B at 32K: 2,048 pages, 32
-query heads): the top-p pass reads each head's page log-masses 36 times from cache
-(~9 MB of L2 traffic a request, ~3 µs on an H100's L2), the other two read them once
-and the ranks 33 times.
+torch code's (``guard.py``, the reference the tests hold this to). What it reads per
+request and layer (Llama-3.1-8B at 32K: 2,048 pages, 32 query heads): each head's page
+log-masses four times (1 MiB; dense reads 128 MiB of KV there), the flags, and the ranks
+a few times (8 KiB); up to
+``MAX_SINGLE`` pages a program holds its row in registers through the 34 bisection steps,
+which are then reductions, not reads. Not timed on a GPU.
 
 Nothing here imports SGLang.
 """
@@ -30,14 +32,17 @@ from __future__ import annotations
 
 import torch
 
+from sgl_kernel_ext.plan import next_power_of_2
 from sgl_kernel_ext.scatter import HAS_TRITON
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-# Pages one program reads at a time.
+# Pages one program reads at a time; a row of up to MAX_SINGLE pages (128K tokens at
+# page 16) is read once and held in registers through the bisection.
 BLOCK_P = 256
+MAX_SINGLE = 8192
 # Bisection steps: the ordered-integer range of a float32 is 2^32 wide (+2 sentinels).
 STEPS = 34
 
@@ -66,6 +71,7 @@ if HAS_TRITON:
         stride_top_p,
         STEPS: tl.constexpr,
         BLOCK_P: tl.constexpr,
+        SINGLE: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
@@ -104,18 +110,30 @@ if HAS_TRITON:
         # (held plus their shares < top_p); hi + 1 stands for "no page at all".
         lo = lo - 1
         hi = hi + 1
-        for _ in range(STEPS):
-            mid = lo + (hi - lo) // 2
-            above = tl.zeros([], tl.float32)
-            for p0 in range(0, pages, BLOCK_P):
-                cols = p0 + offs
-                live = tl.load(Valid + row * pages + cols, mask=cols < pages, other=0) != 0
-                x = tl.load(base + cols * stride_p, mask=live, other=neg_inf).to(tl.float32)
-                above += tl.sum(tl.where(live & (_ordered(x) > mid), tl.exp(x - total), 0.0), axis=0)
-            short = held + above < top_p
-            go = lo < hi
-            hi = tl.where(go & short, mid, hi)
-            lo = tl.where(go & ~short, mid + 1, lo)
+        if SINGLE:  # the head's pages held in registers across the steps
+            live = tl.load(Valid + row * pages + offs, mask=offs < pages, other=0) != 0
+            x = tl.load(base + offs * stride_p, mask=live, other=neg_inf).to(tl.float32)
+            key = _ordered(x)
+            share = tl.where(live, tl.exp(x - total), 0.0)
+            for _ in range(STEPS):
+                mid = lo + (hi - lo) // 2
+                short = held + tl.sum(tl.where(key > mid, share, 0.0), axis=0) < top_p
+                go = lo < hi
+                hi = tl.where(go & short, mid, hi)
+                lo = tl.where(go & ~short, mid + 1, lo)
+        else:
+            for _ in range(STEPS):
+                mid = lo + (hi - lo) // 2
+                above = tl.zeros([], tl.float32)
+                for p0 in range(0, pages, BLOCK_P):
+                    cols = p0 + offs
+                    live = tl.load(Valid + row * pages + cols, mask=cols < pages, other=0) != 0
+                    x = tl.load(base + cols * stride_p, mask=live, other=neg_inf).to(tl.float32)
+                    above += tl.sum(tl.where(live & (_ordered(x) > mid), tl.exp(x - total), 0.0), axis=0)
+                short = held + above < top_p
+                go = lo < hi
+                hi = tl.where(go & short, mid, hi)
+                lo = tl.where(go & ~short, mid + 1, lo)
         tl.store(Threshold + row * hq + head, lo)
         tl.store(Total + row * hq + head, total)
 
@@ -158,6 +176,15 @@ if HAS_TRITON:
             tl.store(Rank + row * pages + cols, tl.where(want & ~gone, rank, neg_inf), mask=inside)
 
     @triton.jit
+    def _candidates(Rank, Wanted, Released, row, pages, cols):
+        """The candidates among ``cols`` (wanted, not released) and their ranks as ordered integers."""
+        inside = cols < pages
+        chosen = (tl.load(Wanted + row * pages + cols, mask=inside, other=0) != 0) & (
+            tl.load(Released + row * pages + cols, mask=inside, other=1) == 0
+        )
+        return chosen, _ordered(tl.load(Rank + row * pages + cols, mask=inside, other=0.0))
+
+    @triton.jit
     def _cap_kernel(
         Rank,
         Wanted,
@@ -168,6 +195,7 @@ if HAS_TRITON:
         stride_cap,
         STEPS: tl.constexpr,
         BLOCK_P: tl.constexpr,
+        SINGLE: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_P)
@@ -176,55 +204,45 @@ if HAS_TRITON:
         lo = tl.full([], 2**31, tl.int64)
         hi = tl.full([], -(2**31) - 1, tl.int64)
         for p0 in range(0, pages, BLOCK_P):
-            cols = p0 + offs
-            inside = cols < pages
-            chosen = (tl.load(Wanted + row * pages + cols, mask=inside, other=0) != 0) & (
-                tl.load(Released + row * pages + cols, mask=inside, other=1) == 0
-            )
-            key = _ordered(tl.load(Rank + row * pages + cols, mask=inside, other=0.0))
+            chosen, key = _candidates(Rank, Wanted, Released, row, pages, p0 + offs)
             lo = tl.minimum(lo, tl.min(tl.where(chosen, key, 2**31), axis=0))
             hi = tl.maximum(hi, tl.max(tl.where(chosen, key, -(2**31) - 1), axis=0))
         # Bisection: the largest t with at least ``cap`` candidates at or above it (the
         # cap-th largest rank); lo - 1 when there are fewer: every candidate is read.
         lo = lo - 1
-        for _ in range(STEPS):
-            mid = lo + (hi - lo + 1) // 2
-            count = tl.zeros([], tl.int64)
-            for p0 in range(0, pages, BLOCK_P):
-                cols = p0 + offs
-                inside = cols < pages
-                chosen = (tl.load(Wanted + row * pages + cols, mask=inside, other=0) != 0) & (
-                    tl.load(Released + row * pages + cols, mask=inside, other=1) == 0
-                )
-                key = _ordered(tl.load(Rank + row * pages + cols, mask=inside, other=0.0))
-                count += tl.sum((chosen & (key >= mid)).to(tl.int64), axis=0)
-            enough = count >= cap
-            go = lo < hi
-            lo = tl.where(go & enough, mid, lo)
-            hi = tl.where(go & ~enough, mid - 1, hi)
+        if SINGLE:  # the row's candidates held in registers across the steps
+            chosen, key = _candidates(Rank, Wanted, Released, row, pages, offs)
+            for _ in range(STEPS):
+                mid = lo + (hi - lo + 1) // 2
+                enough = tl.sum((chosen & (key >= mid)).to(tl.int64), axis=0) >= cap
+                go = lo < hi
+                lo = tl.where(go & enough, mid, lo)
+                hi = tl.where(go & ~enough, mid - 1, hi)
+        else:
+            for _ in range(STEPS):
+                mid = lo + (hi - lo + 1) // 2
+                count = tl.zeros([], tl.int64)
+                for p0 in range(0, pages, BLOCK_P):
+                    chosen, key = _candidates(Rank, Wanted, Released, row, pages, p0 + offs)
+                    count += tl.sum((chosen & (key >= mid)).to(tl.int64), axis=0)
+                enough = count >= cap
+                go = lo < hi
+                lo = tl.where(go & enough, mid, lo)
+                hi = tl.where(go & ~enough, mid - 1, hi)
         # Read: every candidate above the cut, and at the cut the lowest columns up to the cap.
         above = tl.zeros([], tl.int64)
         for p0 in range(0, pages, BLOCK_P):
-            cols = p0 + offs
-            inside = cols < pages
-            chosen = (tl.load(Wanted + row * pages + cols, mask=inside, other=0) != 0) & (
-                tl.load(Released + row * pages + cols, mask=inside, other=1) == 0
-            )
-            key = _ordered(tl.load(Rank + row * pages + cols, mask=inside, other=0.0))
+            chosen, key = _candidates(Rank, Wanted, Released, row, pages, p0 + offs)
             above += tl.sum((chosen & (key > lo)).to(tl.int64), axis=0)
         room = cap - above
         taken = tl.zeros([], tl.int64)
         for p0 in range(0, pages, BLOCK_P):
             cols = p0 + offs
-            inside = cols < pages
-            chosen = (tl.load(Wanted + row * pages + cols, mask=inside, other=0) != 0) & (
-                tl.load(Released + row * pages + cols, mask=inside, other=1) == 0
-            )
-            key = _ordered(tl.load(Rank + row * pages + cols, mask=inside, other=0.0))
+            chosen, key = _candidates(Rank, Wanted, Released, row, pages, cols)
             tie = chosen & (key == lo)
             order = taken + tl.cumsum(tie.to(tl.int64), axis=0)  # 1-based among the ties
             read = chosen & ((key > lo) | (tie & (order <= room)))
-            tl.store(Read + row * pages + cols, read, mask=inside)
+            tl.store(Read + row * pages + cols, read, mask=cols < pages)
             taken += tl.sum(tie.to(tl.int64), axis=0)
 
 
@@ -265,12 +283,19 @@ def guard_select_triton(
     total = torch.empty(n, hq, dtype=torch.float32, device=dev)
     rank = torch.empty(n, pages, dtype=torch.float32, device=dev)
     strides = page_lse.stride()
+    # A row of up to MAX_SINGLE pages is held in registers through the bisection.
+    single = pages <= MAX_SINGLE
+    block = next_power_of_2(pages) if single else BLOCK_P
+    warps = 8 if block >= 2048 else 4
     _top_p_kernel[(n, hq)](
         lse, page_lse, valid, top_p, threshold, total, hq, pages, *strides, top_p.stride(0),
-        STEPS=STEPS, BLOCK_P=BLOCK_P,
+        STEPS=STEPS, BLOCK_P=block, SINGLE=single, num_warps=warps,
     )  # fmt: skip
     _wanted_kernel[(n,)](
         page_lse, valid, released, threshold, total, wanted, missed, rank, hq, pages, *strides, BLOCK_P=BLOCK_P
     )
-    _cap_kernel[(n,)](rank, wanted, released, cap, read, pages, cap.stride(0), STEPS=STEPS, BLOCK_P=BLOCK_P)
+    _cap_kernel[(n,)](
+        rank, wanted, released, cap, read, pages, cap.stride(0), STEPS=STEPS, BLOCK_P=block, SINGLE=single,
+        num_warps=warps,
+    )  # fmt: skip
     return wanted, missed, read

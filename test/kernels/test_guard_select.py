@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed; the Triton guard kernels cannot run")
 
 from sgl_importance.hot_set.guard import select_pages  # noqa: E402
-from sgl_kernel_ext import guard_select_triton  # noqa: E402
+from sgl_kernel_ext import guard_select, guard_select_triton  # noqa: E402
 from support.kernel_device import DEVICE  # noqa: E402
 
 CLEARANCE = 1e-5  # a page's cumulative share this near top-p may land either side
@@ -79,12 +79,21 @@ def check(args, seed, what):
     assert (read.sum(dim=1) <= cap).all() and not (read & gone).any(), f"seed={seed} {what}"
 
 
+@pytest.fixture(params=["held-in-registers", "read-by-blocks"])
+def rows_by_blocks(request, monkeypatch):
+    """Both forms of the bisection: a row held whole, and (rows past ``MAX_SINGLE`` pages,
+    lowered here so that small rows take it) one read block by block every step."""
+    if request.param == "read-by-blocks":
+        monkeypatch.setattr(guard_select, "MAX_SINGLE", 4)
+    return request.param
+
+
 @pytest.mark.parametrize(
     "n,hq,pages",
     [(3, 2, 5), (2, 8, 70), (2, 4, 300)],
     ids=["few-pages", "gqa-heads", "pages-tiled-twice"],
 )
-def test_the_selection_kernels_choose_the_torch_selections_pages(n, hq, pages):
+def test_the_selection_kernels_choose_the_torch_selections_pages(n, hq, pages, rows_by_blocks):
     seed = _seed()
     check(draw(n, hq, pages, seed=seed), seed, f"n={n} hq={hq} pages={pages}")
 
@@ -103,12 +112,13 @@ def test_an_exact_part_that_reaches_top_p_alone_wants_nothing_and_empty_rows_rea
     lse[0] = 50.0  # the exact part holds every head's mass
     valid[1] = False  # no rest at all
     cap[:] = 20
-    wanted, missed, read = (t.cpu() for t in guard_select_triton(*(t.to(DEVICE) for t in (lse, page_lse, valid, gone, top_p, cap))))
+    args = (lse, page_lse, valid, gone, top_p, cap)
+    wanted, missed, read = (t.cpu() for t in guard_select_triton(*(t.to(DEVICE) for t in args)))
     assert not wanted[:2].any() and not missed[:2].any() and not read[:2].any(), f"seed={seed}"
     assert wanted[2].any(), f"seed={seed}"
 
 
-def test_the_cap_takes_the_largest_pages_and_breaks_ties_to_the_lower_column():
+def test_the_cap_takes_the_largest_pages_and_breaks_ties_to_the_lower_column(rows_by_blocks):
     # Every page wanted (top-p 1); columns 1, 3, 4, 6 tie at the largest mass, 0 released.
     page_lse = torch.zeros(1, 2, 8)
     page_lse[0, 0] = torch.tensor([5.0, 3.0, -1.0, 3.0, 3.0, 0.0, 3.0, 1.0])

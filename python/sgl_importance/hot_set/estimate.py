@@ -161,6 +161,7 @@ def estimate_outside(
     sm_scale: float,
     logit_cap: float = 0.0,
     use_native: Optional[bool] = None,
+    use_triton: Optional[bool] = None,
 ) -> Outside:
     """Every rest page's estimated log-mass and logit error, from its key codes.
 
@@ -168,7 +169,7 @@ def estimate_outside(
         q: ``[n, Hq, D]`` the guarded requests' queries (plan order).
         key_min, key_max: ``[n, P, Hkv, D]``: the plan's pages' per-channel key range,
             the one their codes were written against.
-        use_native: ``key_code_pages``' choice (False: its torch path).
+        use_native, use_triton: ``key_code_pages``' choice (False: its torch path).
     """
     n, hq, d = q.shape
     hkv = pool.num_kv_heads
@@ -186,6 +187,7 @@ def estimate_outside(
         logit_cap=logit_cap,
         margin=ROUNDING_MARGIN,
         use_native=use_native,
+        use_triton=use_triton,
     )  # [Hkv, n, P, g] each
     norms = pool.value_norm[layer].index_select(1, on_device(plan.codes.reshape(-1), pool.device)).view(hkv, n, -1)
 
@@ -255,6 +257,8 @@ def combine(
     inclusion: torch.Tensor,
     uncovered: torch.Tensor,
     codes: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    *,
+    use_triton: Optional[bool] = None,
 ) -> Combined:
     """The Horvitz-Thompson estimate of the rest folded into the exact pages' softmax.
 
@@ -269,10 +273,12 @@ def combine(
             variance is then at least what the codes say the whole rest holds
             (``code_variance``).
 
-    On CUDA tensors it runs as two Triton launches (``sgl_kernel_ext.combine_triton``,
-    the same math); this torch code is its reference.
+    On CUDA tensors (or ``use_triton``) it runs as two Triton launches
+    (``sgl_kernel_ext.combine_triton``, the same math); this torch code is its reference.
     """
-    if HAS_TRITON and out_exact.is_cuda:
+    if use_triton is None:
+        use_triton = HAS_TRITON and out_exact.is_cuda
+    if use_triton:
         parts = (lse_exact, out_exact, sampled.lse, sampled.output, inclusion, uncovered, codes)
         return Combined(*combine_triton(*parts, quantiles=T_QUANTILES, z=Z, min_sampled=MIN_SAMPLED))
     pi = on_device(inclusion, lse_exact.device).to(torch.float32)

@@ -188,8 +188,11 @@ class GraphGuard:
         valid, sampled, released = self.valid[:bs], self.sampled[:bs], self.released[:bs]
         plan = OutsidePlan(self.index[:bs], lists[:, CODES], lists[:, LOGICAL], valid, sampled, params[:, 0])
         kmin, kmax = self.ranges.gather(layer_id, lists[:, RANGES])
-        native = None if self.device.type == "cuda" else False  # a recording replays torch and Triton only
-        outside = estimate_outside(q, self.pool, layer_id, plan, kmin, kmax, use_native=native, **run)
+        # A recording replays torch and Triton only; on the Triton backend the kernels a GPU runs.
+        native, triton = (None if self.device.type == "cuda" else False), (self.triton or None)
+        outside = estimate_outside(
+            q, self.pool, layer_id, plan, kmin, kmax, use_native=native, use_triton=triton, **run
+        )
         width = self.samples
         sample_ids = self.physical[:bs, :width]
         keys, values = k_pages[sample_ids], v_pages[sample_ids]
@@ -209,7 +212,7 @@ class GraphGuard:
             params[:, 2 + column],
             self.caps[:bs, column],
             self._reader(q, k_pages, v_pages, bs, run),
-            use_triton=self.triton,
+            use_triton=triton,
         )
         self._keep(outcome, sampled, column, bs)
         has_rest = valid.any(dim=1)

@@ -166,12 +166,13 @@ def guard_layer(
         top_p: ``[n]``; cap: int64 ``[n]`` the most rest pages read in this layer.
         read_exactly: bool ``[n, P]`` chosen pages -> their exact ``(lse, output)``; a
             row with no page chosen gets lse -inf and output 0.
-        use_triton: the selection's kernels (``select_pages``).
+        use_triton: None: the Triton kernels (selection, merge, combine) for CUDA
+            tensors; True: them whatever the device (under the interpreter on a CPU).
     """
     wanted, missed, read = select_pages(lse, outside.page_lse, valid, released, top_p, cap, use_triton=use_triton)
     lse_r, out_r = read_exactly(read)
-    lse, out = merge_parts(lse, out, lse_r, out_r)
-    statistical = _combine(lse, out, outside, sampled, valid & ~read, in_sample, inclusion)
+    lse, out = merge_parts(lse, out, lse_r, out_r, use_triton=use_triton)
+    statistical = _combine(lse, out, outside, sampled, valid & ~read, in_sample, inclusion, use_triton)
     deterministic = negligible_rest(lse, out, outside, valid & ~read)
     # min(B_det, B_stat): the output that comes with the smaller bound.
     combined = _choose(deterministic.relative <= statistical.relative, deterministic, statistical)
@@ -191,6 +192,7 @@ def _combine(
     keep: torch.Tensor,
     in_sample: torch.Tensor,
     inclusion: torch.Tensor,
+    use_triton: Optional[bool],
 ) -> Combined:
     """``combine`` over the sampled pages still estimated (``keep``); the plan lists each
     request's sampled pages first, so ``sampled`` covers its first columns only."""
@@ -200,7 +202,7 @@ def _combine(
     uncovered = keep.any(dim=1) & ~kept.any(dim=1)
     rest_codes = outside.page_lse.masked_fill(~keep[:, None, :], NEG_INF)
     codes = (rest_codes, rest_codes[..., :width].masked_fill(~kept[:, None, :], NEG_INF))
-    return combine(lse, out, Sampled(lse_pages, sampled.output), inclusion, uncovered, codes)
+    return combine(lse, out, Sampled(lse_pages, sampled.output), inclusion, uncovered, codes, use_triton=use_triton)
 
 
 def _choose(which: torch.Tensor, a: Combined, b: Combined) -> Combined:
