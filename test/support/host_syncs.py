@@ -82,8 +82,9 @@ UPLOAD = "upload"
 # device, counted in the device-aware view only; reported beside the round trips.
 ALLOC = "alloc"
 # A device kernel launch (device-aware view only): a call that computes into a device
-# tensor (a new one, or one written in place), not a view and not an uninitialised
-# allocation, plus each Triton kernel launched (``launch_kernel``). On a GPU an eager
+# tensor (a new one, or one written in place), not a view, not an uninitialised
+# allocation and not an input handed back (``.to()`` where it is, ``.contiguous()`` of a
+# contiguous tensor), plus each Triton kernel launched (``launch_kernel``). On a GPU an eager
 # step's host time grows with them (each costs microseconds of host time to issue).
 LAUNCH = "launch"
 
@@ -285,7 +286,8 @@ class HostSyncCounter(TorchFunctionMode):
         if kind is not None and self._counting:
             self.events[Event(self.step, self._where, kind, self._site(), device)] += 1
         result = func(*args, **kwargs)
-        if self._counting and name not in _NO_KERNEL and self._launches(name, args, kwargs, result, lands):
+        launched = not any(result is t for t in inputs)  # handed back an input (.to(), .contiguous()): no kernel
+        if self._counting and name not in _NO_KERNEL and self._launches(name, args, kwargs, result, lands and launched):
             self.events[Event(self.step, self._where, LAUNCH, self._site(), True)] += 1
         lands = lands and isinstance(result, torch.Tensor)
         if isinstance(result, torch.Tensor) and not lands and from_device and any(result is t for t in inputs):

@@ -13,7 +13,7 @@ from collections import Counter
 
 import torch
 
-from support.host_syncs import ALLOC, OUTSIDE, STEP, SYNC_KINDS, UPLOAD, HostSyncCounter
+from support.host_syncs import ALLOC, LAUNCH, OUTSIDE, STEP, SYNC_KINDS, UPLOAD, HostSyncCounter
 
 
 def _one_of_each(t: torch.Tensor) -> list:
@@ -172,3 +172,19 @@ def test_new_device_tensors_are_counted_as_allocations_views_and_in_place_writes
         torch.zeros(6)  # on the host: not the device's
     assert counter.total(kinds=[ALLOC], device_only=True) == 2
     assert counter.total() == 0  # no round trip among them
+
+
+def test_launches_count_computing_calls_not_an_input_handed_back():
+    counter = HostSyncCounter(roots=(__file__,))
+    device = torch.device("cpu")
+    with counter:
+        with counter.paused():
+            made = torch.zeros(4, 6, device=device)
+        made.to(device, torch.float32)  # already there, already float32: handed back
+        made.contiguous()  # already contiguous: handed back
+        made.t().contiguous()  # 1: a transposed copy
+        made.to(torch.float64)  # 2: a cast
+        made + 1  # 3
+        made.add_(1)  # 4: in place
+        made[1:3]  # a view: nothing computed
+    assert counter.total(kinds=[LAUNCH], device_only=True) == 4
