@@ -3,7 +3,8 @@ much attention mass each KV page received (Triton, and a batched page-list torch
 for CPUs), the same Triton kernel over a step's page lists (``page_list``), its torch
 reference, a scatter of that importance into a per-physical-page table, and the hot-set
 guard's page log-masses from 4-bit key codes (``key_codes``), its selection of the rest
-pages to read (``guard_select``), its exact reads of a
+pages to read (``guard_select``) and its end in a captured step (``guard_finish``), its
+exact reads of a
 fixed page list under a page mask (``masked_pages``), its merge of two softmax parts
 (``merge``) and its sampled estimate with the bound (``combine``); each a Triton kernel
 on a GPU beside its torch path.
@@ -69,6 +70,7 @@ if HAS_TRITON:
         decode_attention_with_importance,
         decode_importance_fwd,
     )
+    from .guard_finish import guard_finish_triton
     from .guard_select import guard_select_triton
     from .key_codes import key_code_pages_triton
     from .merge import merge_parts_triton
@@ -81,6 +83,7 @@ if HAS_TRITON:
         "combine_triton",
         "decode_attention_with_importance",
         "decode_importance_fwd",
+        "guard_finish_triton",
         "guard_select_triton",
         "key_code_pages_triton",
         "merge_parts_triton",

@@ -28,13 +28,22 @@ from typing import Optional, Sequence
 import torch
 
 from sgl_importance.hot_set.estimate import OutsidePlan, estimate_outside, sampled_pages
-from sgl_importance.hot_set.guard import GuardOutcome, guard_layer
+from sgl_importance.hot_set.guard import GuardOutcome, guard_layer, read_rest
 from sgl_importance.hot_set.key_codes import GuardPool
 from sgl_importance.hot_set.key_ranges import KeyRanges
 from sgl_importance.hot_set.page_lists import plan_outside
 from sgl_importance.hot_set.request_state import LiveRequest, released_among
 from sgl_importance.hot_set.sample import FRACTION, MIN_PAGES
-from sgl_kernel_ext import DecodeImportanceOutput, decode_importance_paged, masked_page_attention, plan_from_table
+from sgl_kernel_ext import (
+    HAS_TRITON,
+    DecodeImportanceOutput,
+    decode_importance_paged,
+    masked_page_attention,
+    plan_from_table,
+)
+
+if HAS_TRITON:
+    from sgl_kernel_ext import guard_finish_triton
 
 # Columns of the int64 lists: logical page, guard id, range id, flags (valid, sampled, released).
 LOGICAL, CODES, RANGES, FLAGS = range(4)
@@ -199,22 +208,20 @@ class GraphGuard:
         in_sample = (valid & sampled)[:, :width]
         sample = sampled_pages(q, keys, values, in_sample, **run)
         column = layer_id % self.num_layers
-        outcome = guard_layer(
-            part1.lse,
-            part1.output.float(),
-            outside,
-            sample,
-            valid,
-            sampled,
-            params[:, 0],
-            params[:, 1],
-            released,
-            params[:, 2 + column],
-            self.caps[:bs, column],
-            self._reader(q, k_pages, v_pages, bs, run),
-            use_triton=triton,
-        )
-        self._keep(outcome, sampled, column, bs)
+        args = (part1.lse, part1.output.float(), outside, sample, valid, sampled, params[:, 0])
+        reader = self._reader(q, k_pages, v_pages, bs, run)
+        top_p, cap = params[:, 2 + column], self.caps[:bs, column]
+        if self.triton:  # the layer's end in one kernel, its tally row written there
+            reads = read_rest(*args, released, top_p, cap, reader, use_triton=True)
+            intervals = (outside.page_lse, outside.logit_error, outside.value_norm)
+            masks = (valid, reads.read, reads.wanted, reads.missed, sampled)
+            output, share, _ = guard_finish_triton(
+                reads.lse, reads.out, tuple(vars(reads.statistical).values()), intervals, masks, params[:, 1],
+                part1.output, self.tally[:bs], layer=column, layers=self.num_layers,
+            )  # fmt: skip
+            return output, share
+        outcome = guard_layer(*args, params[:, 1], released, top_p, cap, reader)
+        keep_in_tally(self.tally[:bs], outcome, sampled, column, self.num_layers)
         has_rest = valid.any(dim=1)
         output = torch.where(has_rest[:, None, None], outcome.combined.output, part1.output.float())
         share = torch.where(has_rest[:, None], outcome.combined.exact_share, 1.0)
@@ -232,28 +239,6 @@ class GraphGuard:
             return torch.where(plan.live[:, None], res.lse, float("-inf")), res.output.float()
 
         return read
-
-    def _keep(self, outcome: GuardOutcome, sampled: torch.Tensor, column: int, bs: int) -> None:
-        p, layers = self.pages, self.num_layers
-        t = self.tally[:bs]
-        torch.maximum(t[:, :p], outcome.mass, out=t[:, :p])
-        # 1: some layer wanted the page; 2: a flagged layer wanted it while it was released.
-        wanted = outcome.wanted.double() + (outcome.missed & outcome.flagged[:, None]).double()
-        torch.maximum(t[:, p : 2 * p], wanted, out=t[:, p : 2 * p])
-        counts = torch.stack(
-            (
-                outcome.read.any(dim=1),
-                outcome.read.sum(dim=1),
-                outcome.estimated.sum(dim=1),
-                outcome.missed.sum(dim=1),
-                (outcome.estimated & sampled).sum(dim=1),
-            ),
-            dim=1,
-        )
-        t[:, 2 * p : 2 * p + 5].add_(counts.double())
-        flagged = t[:, 2 * p + 5 + column]
-        torch.maximum(flagged, outcome.flagged.double(), out=flagged)
-        t[:, 2 * p + 5 + layers + column].copy_(outcome.wanted.sum(dim=1).double())
 
     def epilogue(self) -> None:
         self.tally_host.copy_(self.tally, non_blocking=True)
@@ -282,3 +267,29 @@ class GraphGuard:
                 pages_sampled=counts[PAGES_SAMPLED],
                 pages_missed=counts[PAGES_MISSED],
             )
+
+
+def keep_in_tally(tally: torch.Tensor, outcome: GuardOutcome, sampled: torch.Tensor, layer: int, layers: int) -> None:
+    """One guarded layer's outcome into the guard's tally rows (float64 ``[n, 2P + 5 + 2L]``:
+    masses, wanted marks, counts, flags, wanted per layer; ``sgl_kernel_ext.guard_finish``
+    writes the same rows in a captured step on a GPU)."""
+    p = outcome.read.shape[1]
+    t = tally
+    torch.maximum(t[:, :p], outcome.mass, out=t[:, :p])
+    # 1: some layer wanted the page; 2: a flagged layer wanted it while it was released.
+    wanted = outcome.wanted.double() + (outcome.missed & outcome.flagged[:, None]).double()
+    torch.maximum(t[:, p : 2 * p], wanted, out=t[:, p : 2 * p])
+    counts = torch.stack(
+        (
+            outcome.read.any(dim=1),
+            outcome.read.sum(dim=1),
+            outcome.estimated.sum(dim=1),
+            outcome.missed.sum(dim=1),
+            (outcome.estimated & sampled).sum(dim=1),
+        ),
+        dim=1,
+    )
+    t[:, 2 * p : 2 * p + 5].add_(counts.double())
+    flagged = t[:, 2 * p + 5 + layer]
+    torch.maximum(flagged, outcome.flagged.double(), out=flagged)
+    t[:, 2 * p + 5 + layers + layer].copy_(outcome.wanted.sum(dim=1).double())

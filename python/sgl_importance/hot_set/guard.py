@@ -136,6 +136,48 @@ def select_pages(
     return wanted, wanted & released, capped(weight, wanted & ~released, cap)
 
 
+class GuardReads(NamedTuple):
+    """A guarded layer's selection and reads, before its bounds are weighed (``read_rest``).
+
+    Attributes:
+        wanted, missed, read: bool ``[n, P]`` (``GuardOutcome``'s).
+        lse, out: the exact part with the read pages merged in.
+        statistical: the sampled estimate of the unread rest with its bound.
+    """
+
+    wanted: torch.Tensor
+    missed: torch.Tensor
+    read: torch.Tensor
+    lse: torch.Tensor
+    out: torch.Tensor
+    statistical: Combined
+
+
+def read_rest(
+    lse: torch.Tensor,
+    out: torch.Tensor,
+    outside: Outside,
+    sampled: Sampled,
+    valid: torch.Tensor,
+    in_sample: torch.Tensor,
+    inclusion: torch.Tensor,
+    released: torch.Tensor,
+    top_p: torch.Tensor,
+    cap: torch.Tensor,
+    read_exactly: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    *,
+    use_triton: Optional[bool] = None,
+) -> GuardReads:
+    """Steps 1 and 2 of ``guard_layer`` (its arguments): the selection, its one read, the
+    sampled estimate of the rest. A captured step on a GPU ends the layer in one kernel
+    (``sgl_kernel_ext.guard_finish_triton``); ``guard_layer`` ends it in torch."""
+    wanted, missed, read = select_pages(lse, outside.page_lse, valid, released, top_p, cap, use_triton=use_triton)
+    lse_r, out_r = read_exactly(read)
+    lse, out = merge_parts(lse, out, lse_r, out_r, use_triton=use_triton)
+    statistical = _combine(lse, out, outside, sampled, valid & ~read, in_sample, inclusion, use_triton)
+    return GuardReads(wanted, missed, read, lse, out, statistical)
+
+
 def guard_layer(
     lse: torch.Tensor,
     out: torch.Tensor,
@@ -169,10 +211,18 @@ def guard_layer(
         use_triton: None: the Triton kernels (selection, merge, combine) for CUDA
             tensors; True: them whatever the device (under the interpreter on a CPU).
     """
-    wanted, missed, read = select_pages(lse, outside.page_lse, valid, released, top_p, cap, use_triton=use_triton)
-    lse_r, out_r = read_exactly(read)
-    lse, out = merge_parts(lse, out, lse_r, out_r, use_triton=use_triton)
-    statistical = _combine(lse, out, outside, sampled, valid & ~read, in_sample, inclusion, use_triton)
+    reads = read_rest(
+        lse, out, outside, sampled, valid, in_sample, inclusion, released, top_p, cap, read_exactly,
+        use_triton=use_triton,
+    )  # fmt: skip
+    return weigh_bounds(reads, outside, valid, thresholds)
+
+
+def weigh_bounds(reads: GuardReads, outside: Outside, valid: torch.Tensor, thresholds: torch.Tensor) -> GuardOutcome:
+    """Step 3 of ``guard_layer``: the deterministic bound, the smaller bound's output, the
+    flag, the estimated masses (torch; ``sgl_kernel_ext.guard_finish_triton`` in a
+    captured step on a GPU)."""
+    wanted, missed, read, lse, out, statistical = reads
     deterministic = negligible_rest(lse, out, outside, valid & ~read)
     # min(B_det, B_stat): the output that comes with the smaller bound.
     combined = _choose(deterministic.relative <= statistical.relative, deterministic, statistical)

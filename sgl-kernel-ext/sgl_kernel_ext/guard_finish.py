@@ -1,0 +1,267 @@
+"""The end of a guarded layer in a captured hot-set step as one Triton launch: the
+deterministic bound, the choice of the smaller bound, the flag, the pages' estimated
+masses and the guard's tally row, the layer's output.
+
+In: the exact part with the selection's reads merged in (``lse``, ``out``), the sampled
+estimate of the rest with its bound (``combine``'s five results), the rest pages' logit
+intervals (``page_lse``, ``logit_error``, ``value_norm``, ``[n, Hq, P]``), the
+selection's masks, each row's threshold, and the part-1 output (the output of a row with
+no rest). One program per row (grid ``(n,)``):
+
+1. the deterministic bound of leaving the unread rest out (``estimate.negligible_rest``:
+   the unread pages' upper mass against the exact part's, their largest value norm);
+2. the smaller of the two bounds chooses the output, its lse and the exact share
+   (``guard_layer``'s ``min(B_det, B_stat)``); over the threshold the row is flagged;
+3. the row's output and exact share written where the layer's output goes (the part-1
+   output where the row has no rest);
+4. the guard's tally row (float64, one per batch row, for the step's one read-back):
+   ``[mass (P) | wanted (P) | counts (5) | flagged (L) | wanted per layer (L)]``: the
+   pages' estimated share of the chosen denominator, largest over heads (max over
+   layers); 1 where a layer wanted the page, 2 where a flagged layer wanted it released
+   (max); the layer's guard reads, pages read, estimated, missed and estimated-and-sampled
+   (added); the layer's flag; its wanted count.
+
+The torch code it replaces (``hot_set.guard.guard_layer`` after its reads and
+``hot_set.graph_guard.GraphGuard._keep``) is its reference in the tests. Reads per
+request and layer: the rest pages' three interval tensors once and their log-masses
+again for the masses (Llama-3.1-8B at 32K, 32 query heads: 1 MiB), the tally row twice.
+
+Nothing here imports SGLang.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from sgl_kernel_ext.plan import next_power_of_2
+from sgl_kernel_ext.scatter import HAS_TRITON
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+BLOCK_P = 128
+# Counts in the tally row, after the masses and the wanted marks.
+COUNTS = 5
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _finish_kernel(
+        Lse,
+        Out,
+        StatOut,
+        StatLse,
+        StatShare,
+        StatBound,
+        StatRelative,
+        PageLse,
+        LogitError,
+        ValueNorm,
+        Valid,
+        Read,
+        Wanted,
+        Missed,
+        Sampled,
+        Threshold,
+        Part1,
+        Output,
+        Share,
+        Flagged,
+        Tally,
+        hq,
+        pages,
+        dv,
+        stride_n,
+        stride_h,
+        stride_p,
+        stride_en,
+        stride_eh,
+        stride_ep,
+        stride_vn,
+        stride_vh,
+        stride_vp,
+        stride_threshold,
+        stride_part1_n,
+        stride_part1_h,
+        stride_tally,
+        layer,
+        layers,
+        BLOCK_P: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        neg_inf = float("-inf")
+        offs = tl.arange(0, BLOCK_P)
+        offs_d = tl.arange(0, BLOCK_DV)
+        mask_d = offs_d < dv
+        flags = row * pages
+        # 1. The deterministic bound: per head, the unread rest's upper mass and largest value norm.
+        bound_sq = tl.zeros([], tl.float32)
+        size_sq = tl.zeros([], tl.float32)
+        for h in range(hq):
+            base = row * stride_n + h * stride_h
+            base_e = row * stride_en + h * stride_eh
+            base_v = row * stride_vn + h * stride_vh
+            m = tl.full([], neg_inf, tl.float32)
+            largest = tl.zeros([], tl.float32)
+            for p0 in range(0, pages, BLOCK_P):
+                cols = p0 + offs
+                inside = cols < pages
+                keep = (tl.load(Valid + flags + cols, mask=inside, other=0) != 0) & (
+                    tl.load(Read + flags + cols, mask=inside, other=1) == 0
+                )
+                x = tl.load(PageLse + base + cols * stride_p, mask=keep, other=neg_inf).to(tl.float32)
+                e = tl.load(LogitError + base_e + cols * stride_ep, mask=keep, other=0.0).to(tl.float32)
+                m = tl.maximum(m, tl.max(tl.where(keep, x + e, neg_inf), axis=0))
+                v = tl.load(ValueNorm + base_v + cols * stride_vp, mask=keep, other=0.0).to(tl.float32)
+                largest = tl.maximum(largest, tl.max(tl.where(keep, v, 0.0), axis=0))
+            m_safe = tl.where(m > neg_inf, m, 0.0)
+            den = tl.zeros([], tl.float32)
+            for p0 in range(0, pages, BLOCK_P):
+                cols = p0 + offs
+                inside = cols < pages
+                keep = (tl.load(Valid + flags + cols, mask=inside, other=0) != 0) & (
+                    tl.load(Read + flags + cols, mask=inside, other=1) == 0
+                )
+                x = tl.load(PageLse + base + cols * stride_p, mask=keep, other=neg_inf).to(tl.float32)
+                e = tl.load(LogitError + base_e + cols * stride_ep, mask=keep, other=0.0).to(tl.float32)
+                den += tl.sum(tl.where(keep, tl.exp(x + e - m_safe), 0.0), axis=0)
+            lse_hi = m_safe + tl.log(tl.where(den > 0, den, 1.0))
+            lse_e = tl.load(Lse + row * hq + h).to(tl.float32)
+            alpha = tl.where(den > 0, tl.sigmoid(lse_hi - lse_e), 0.0)
+            o = tl.load(Out + (row * hq + h) * dv + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+            head_sq = tl.sum(o * o, axis=0)
+            term = alpha * (largest + tl.sqrt(head_sq))
+            bound_sq += term * term
+            size_sq += head_sq
+        bound = tl.sqrt(bound_sq)
+        size = tl.sqrt(size_sq)
+        det = tl.where(bound < size, bound / (size - bound), float("inf"))
+        det = tl.where(bound == 0, 0.0, det)
+        # 2. The smaller bound chooses; over the threshold the row is flagged.
+        stat = tl.load(StatRelative + row).to(tl.float32)
+        use_det = det <= stat
+        relative = tl.where(use_det, det, stat)
+        flagged = relative > tl.load(Threshold + row * stride_threshold).to(tl.float32)
+        tl.store(Flagged + row, flagged)
+        # The row's rest, and its masks' counts (the tally's wanted marks on the way).
+        has_rest = tl.zeros([], tl.int32)
+        counts_read = tl.zeros([], tl.int32)
+        counts_estimated = tl.zeros([], tl.int32)
+        counts_missed = tl.zeros([], tl.int32)
+        counts_sampled = tl.zeros([], tl.int32)
+        counts_wanted = tl.zeros([], tl.int32)
+        t_row = Tally + row * stride_tally
+        for p0 in range(0, pages, BLOCK_P):
+            cols = p0 + offs
+            inside = cols < pages
+            live = tl.load(Valid + flags + cols, mask=inside, other=0) != 0
+            read = tl.load(Read + flags + cols, mask=inside, other=0) != 0
+            want = tl.load(Wanted + flags + cols, mask=inside, other=0) != 0
+            miss = tl.load(Missed + flags + cols, mask=inside, other=0) != 0
+            drawn = tl.load(Sampled + flags + cols, mask=inside, other=0) != 0
+            estimated = live & ~read
+            has_rest += tl.sum(live.to(tl.int32), axis=0)
+            counts_read += tl.sum(read.to(tl.int32), axis=0)
+            counts_estimated += tl.sum(estimated.to(tl.int32), axis=0)
+            counts_missed += tl.sum(miss.to(tl.int32), axis=0)
+            counts_sampled += tl.sum((estimated & drawn).to(tl.int32), axis=0)
+            counts_wanted += tl.sum(want.to(tl.int32), axis=0)
+            mark = want.to(tl.float64) + (miss.to(tl.int32) * flagged.to(tl.int32)).to(tl.float64)
+            old = tl.load(t_row + pages + cols, mask=inside, other=0.0)
+            tl.store(t_row + pages + cols, tl.maximum(old, mark), mask=inside)
+        # 3. The output, the exact share, and the pages' masses of the chosen denominator.
+        for h in range(hq):
+            rh = row * hq + h
+            lse_e = tl.load(Lse + rh).to(tl.float32)
+            lse_c = tl.where(use_det, tl.where(lse_e > neg_inf, lse_e, 0.0), tl.load(StatLse + rh).to(tl.float32))
+            share = tl.where(use_det, 1.0, tl.load(StatShare + rh).to(tl.float32))
+            o = tl.where(
+                use_det,
+                tl.load(Out + rh * dv + offs_d, mask=mask_d, other=0.0),
+                tl.load(StatOut + rh * dv + offs_d, mask=mask_d, other=0.0),
+            ).to(tl.float32)
+            first = tl.load(Part1 + row * stride_part1_n + h * stride_part1_h + offs_d, mask=mask_d, other=0.0)
+            o = tl.where(has_rest > 0, o, first.to(tl.float32))
+            tl.store(Output + rh * dv + offs_d, o, mask=mask_d)
+            tl.store(Share + rh, tl.where(has_rest > 0, share, 1.0))
+            base = row * stride_n + h * stride_h
+            for p0 in range(0, pages, BLOCK_P):
+                cols = p0 + offs
+                inside = cols < pages
+                live = tl.load(Valid + flags + cols, mask=inside, other=0) != 0
+                x = tl.load(PageLse + base + cols * stride_p, mask=live, other=neg_inf).to(tl.float32)
+                mass = tl.where(live, tl.exp(x - lse_c), 0.0).to(tl.float64)
+                old = tl.load(t_row + cols, mask=inside, other=0.0)
+                tl.store(t_row + cols, tl.maximum(old, mass), mask=inside)
+        # 4. The counts, the flag and the wanted count of this layer.
+        c = t_row + 2 * pages
+        tl.store(c + 0, tl.load(c + 0) + (counts_read > 0).to(tl.float64))
+        tl.store(c + 1, tl.load(c + 1) + counts_read.to(tl.float64))
+        tl.store(c + 2, tl.load(c + 2) + counts_estimated.to(tl.float64))
+        tl.store(c + 3, tl.load(c + 3) + counts_missed.to(tl.float64))
+        tl.store(c + 4, tl.load(c + 4) + counts_sampled.to(tl.float64))
+        f = c + 5 + layer
+        tl.store(f, tl.maximum(tl.load(f), flagged.to(tl.float64)))
+        tl.store(c + 5 + layers + layer, counts_wanted.to(tl.float64))
+
+
+def guard_finish_triton(
+    lse: torch.Tensor,
+    out: torch.Tensor,
+    statistical: Sequence[torch.Tensor],
+    intervals: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor],
+    threshold: torch.Tensor,
+    part1: torch.Tensor,
+    tally: torch.Tensor,
+    *,
+    layer: int,
+    layers: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One Triton launch (GPU; CPU tensors under ``TRITON_INTERPRET=1``): see the module docstring.
+
+    Args:
+        lse, out: ``[n, Hq]``, ``[n, Hq, Dv]`` the exact part with the reads merged in.
+        statistical: ``combine``'s ``(output, lse, exact_share, bound, relative)``.
+        intervals: ``(page_lse, logit_error, value_norm)``, ``[n, Hq, P]`` each (any strides).
+        masks: bool ``(valid, read, wanted, missed, sampled)``, ``[n, P]`` each.
+        threshold: ``[n]`` each row's guard threshold (any stride).
+        part1: ``[n, Hq, Dv]`` the part-1 output (the output of a row with no rest).
+        tally: float64 ``[n, >= 2P + 5 + 2L]``, updated in place (its rows' stride any).
+
+    Returns:
+        (output ``[n, Hq, Dv]`` float32, exact share ``[n, Hq]`` float32, flagged bool ``[n]``).
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("guard_finish_triton needs Triton")
+    n, hq, dv = out.shape
+    page_lse, logit_error, value_norm = intervals
+    pages = page_lse.shape[-1]
+    same = logit_error.shape == value_norm.shape == page_lse.shape
+    if not same or lse.shape != (n, hq) or page_lse.shape[:2] != (n, hq) or any(m.shape != (n, pages) for m in masks):
+        raise ValueError(
+            f"shapes do not match: out {tuple(out.shape)}, lse {tuple(lse.shape)}, page_lse {tuple(page_lse.shape)}, "
+            f"masks {[tuple(m.shape) for m in masks]}"
+        )
+    if tally.dtype != torch.float64 or tally.shape[1] < 2 * pages + COUNTS + 2 * layers or tally.stride(1) != 1:
+        raise ValueError(f"the tally must be float64 [n, >= {2 * pages + COUNTS + 2 * layers}] with unit column stride")
+    dev = out.device
+    output = torch.empty(n, hq, dv, dtype=torch.float32, device=dev)
+    share = torch.empty(n, hq, dtype=torch.float32, device=dev)
+    flagged = torch.empty(n, dtype=torch.bool, device=dev)
+    if n == 0:
+        return output, share, flagged
+    dense = [t.contiguous() for t in (lse, out, *statistical, *masks)]  # each already is as the step calls it
+    if part1.stride(-1) != 1:
+        part1 = part1.contiguous()
+    _finish_kernel[(n,)](
+        *dense[:7], page_lse, logit_error, value_norm, *dense[7:], threshold, part1, output, share, flagged, tally,
+        hq, pages, dv, *page_lse.stride(), *logit_error.stride(), *value_norm.stride(), threshold.stride(0),
+        part1.stride(0), part1.stride(1), tally.stride(0), layer, layers, BLOCK_P=BLOCK_P, BLOCK_DV=next_power_of_2(dv),
+    )  # fmt: skip
+    return output, share, flagged

@@ -1,0 +1,117 @@
+"""The end of a captured guarded layer in one kernel (``guard_finish_triton``) against the
+torch code it replaces: ``guard.weigh_bounds`` (the deterministic bound, the smaller
+bound's output, the flag, the masses), ``graph_guard.keep_in_tally`` and the part-1
+output of a row with no rest.
+
+Under TRITON_INTERPRET=1 on a CPU (conftest.py): rows where each bound wins, a row with no
+rest, flagged and unflagged rows, released pages wanted by a flagged row, pages tiled
+over two blocks, the value norms as the estimate passes them (a broadcast view), a
+bfloat16 part 1, a tally already holding earlier layers. Fresh random numbers each run
+(seed in every failure message; pin one with KERNEL_TEST_SEED).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed; the Triton guard kernels cannot run")
+
+from sgl_importance.hot_set.estimate import Combined, Outside  # noqa: E402
+from sgl_importance.hot_set.graph_guard import keep_in_tally  # noqa: E402
+from sgl_importance.hot_set.guard import GuardReads, weigh_bounds  # noqa: E402
+from sgl_kernel_ext import guard_finish_triton  # noqa: E402
+from support.kernel_device import DEVICE  # noqa: E402
+
+LAYERS = 3
+
+
+def _seed() -> int:
+    return int(os.environ.get("KERNEL_TEST_SEED", random.randrange(2**31)))
+
+
+def case(n, hq, kv, pages, dv, *, seed, part1_dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.rand(*s, generator=gen)  # noqa: E731
+    valid = rand(n, pages) < 0.85
+    valid[2] = False  # a row with no rest
+    released = (rand(n, pages) < 0.2) & valid
+    wanted = (rand(n, pages) < 0.4) & valid
+    valid[0, 0] = released[0, 0] = wanted[0, 0] = True  # row 0 wants a released page
+    missed = wanted & released
+    read = wanted & ~released & (rand(n, pages) < 0.7)
+    sampled = (rand(n, pages) < 0.3) & valid & ~released
+    lse = torch.randn(n, hq, generator=gen) + 2.0
+    out = torch.randn(n, hq, dv, generator=gen)
+    page_lse = torch.randn(n, hq, pages, generator=gen) - 1.0
+    error = rand(n, hq, pages) * 0.5
+    # One value norm per KV head, broadcast over its query heads (as estimate_outside passes it).
+    norms = rand(n, kv, pages) * 3
+    value_norm = norms[:, :, None, :].expand(n, kv, hq // kv, pages).reshape(n, hq, pages)
+    relative = rand(n) * 0.3
+    relative[0] = float("inf")  # the deterministic bound wins
+    relative[1] = 0.0  # the statistical one wins
+    statistical = Combined(torch.randn(n, hq, dv, generator=gen), torch.randn(n, hq, generator=gen) + 2.5,
+                           rand(n, hq), rand(n), relative)  # fmt: skip
+    thresholds = torch.where(rand(n) < 0.5, 0.0, 10.0)
+    thresholds[0] = 0.0  # row 0 flagged (its bound is > 0): its released wanted pages are marked 2
+    part1 = torch.randn(n, hq, dv, generator=gen).to(part1_dtype)
+    tally = torch.zeros(n, 2 * pages + 5 + 2 * LAYERS, dtype=torch.float64)
+    tally[:, :pages] = rand(n, pages).double() * 0.1  # earlier layers' masses
+    tally[:, 2 * pages : 2 * pages + 5] = torch.randint(0, 4, (n, 5), generator=gen).double()
+    reads = GuardReads(wanted, missed, read, lse, out, statistical)
+    return reads, Outside(page_lse, error, value_norm), valid, sampled, thresholds, part1, tally
+
+
+def reference(reads, outside, valid, sampled, thresholds, part1, tally, layer):
+    outcome = weigh_bounds(reads, outside, valid, thresholds)
+    tally = tally.clone()
+    keep_in_tally(tally, outcome, sampled, layer, LAYERS)
+    has_rest = valid.any(dim=1)
+    output = torch.where(has_rest[:, None, None], outcome.combined.output, part1.float())
+    share = torch.where(has_rest[:, None], outcome.combined.exact_share, 1.0)
+    return output, share, outcome.flagged, tally, outcome
+
+
+def run_kernel(reads, outside, valid, sampled, thresholds, part1, tally, layer):
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    tally = dev(tally.clone())
+    got = guard_finish_triton(
+        dev(reads.lse), dev(reads.out), tuple(dev(t) for t in vars(reads.statistical).values()),
+        tuple(dev(t) for t in vars(outside).values()),
+        tuple(dev(t) for t in (valid, reads.read, reads.wanted, reads.missed, sampled)),
+        dev(thresholds), dev(part1), tally, layer=layer, layers=LAYERS,
+    )  # fmt: skip
+    return (*(t.cpu() for t in got), tally.cpu())
+
+
+@pytest.mark.parametrize(
+    "n,hq,kv,pages,dv,part1_dtype",
+    [(4, 4, 2, 20, 16, torch.float32), (5, 8, 2, 300, 64, torch.bfloat16)],
+    ids=["small", "pages-over-two-blocks-bf16-part1"],
+)
+def test_the_finish_kernel_ends_the_layer_as_the_torch_code(n, hq, kv, pages, dv, part1_dtype):
+    seed = _seed()
+    args = case(n, hq, kv, pages, dv, seed=seed, part1_dtype=part1_dtype)
+    output, share, flagged, tally, outcome = reference(*args, layer=1)
+    got = run_kernel(*args, layer=1)
+    msg = f"seed={seed}"
+    torch.testing.assert_close(got[0], output, rtol=1e-5, atol=1e-5, msg=msg)
+    torch.testing.assert_close(got[1], share, rtol=1e-5, atol=1e-6, msg=msg)
+    assert torch.equal(got[2], flagged), msg
+    torch.testing.assert_close(got[3], tally, rtol=1e-5, atol=1e-9, msg=msg)
+    # The case covers what it says: each bound chosen somewhere, a flagged row with a miss.
+    det = outcome.deterministic.relative <= outcome.statistical.relative
+    assert det[0] and not det[1], msg
+    assert flagged[0] and (tally[0, pages : 2 * pages] == 2).any(), msg
+
+
+def test_the_finish_kernel_refuses_mismatched_masks_and_a_narrow_tally():
+    reads, outside, valid, sampled, thresholds, part1, tally = case(4, 4, 2, 10, 8, seed=0)
+    with pytest.raises(ValueError, match="do not match"):
+        run_kernel(reads, outside, valid[:, :9], sampled, thresholds, part1, tally, 0)
+    with pytest.raises(ValueError, match="tally"):
+        run_kernel(reads, outside, valid, sampled, thresholds, part1, tally[:, :-1], 0)
