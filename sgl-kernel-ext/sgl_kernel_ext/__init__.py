@@ -17,6 +17,7 @@ from .masked_pages import (
     PageParts,
     masked_page_attention,
     masked_page_attention_reference,
+    masked_page_parts,
     merge_page_parts,
     page_parts,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "key_code_pages",
     "key_code_pages_torch",
     "masked_page_attention",
+    "masked_page_parts",
     "masked_page_attention_reference",
     "merge_page_parts",
     "page_parts",

@@ -10,6 +10,8 @@ merges with another part of the softmax as nothing.
 
 - :func:`masked_page_attention` (Triton, CUDA): reads only the chosen pages (a masked
   page costs its mask load), split over the list (split-K) and merged on the device;
+  :func:`masked_page_parts`, the same kernel a split a page: each chosen page's own part
+  (the guard's sampled pages in a captured step);
 - :func:`page_parts` and :func:`merge_page_parts` (torch, any device): every listed
   page's own log-sum-exp and output once, then any mask's pages as one softmax part.
   This reads every listed page once, whatever the masks; it is the CPU's path and the
@@ -144,6 +146,44 @@ def masked_page_attention(
         ``(lse [n, Hq], output [n, Hq, Dv])`` float32; lse -inf and output 0 where a
         row reads nothing.
     """
+    listed = pages.shape[1]
+    splits = num_splits or max(1, min(MAX_SPLITS, -(-listed // PAGES_PER_SPLIT)))
+    return _merge_splits(*_launch(q, k_pages, v_pages, pages, mask, sm_scale, logit_cap, splits))
+
+
+def masked_page_parts(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    pages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+) -> PageParts:
+    """Each chosen listed page's own softmax part, in one Triton launch (one split a page):
+    :func:`page_parts` of ``k_pages[pages]``, read straight from the pool, with lse -inf
+    and output 0 where ``mask`` is False (those pages are never read). The arguments are
+    :func:`masked_page_attention`'s."""
+    return PageParts(*_launch(q, k_pages, v_pages, pages, mask, sm_scale, logit_cap, pages.shape[1]))
+
+
+def _merge_splits(lse_parts: torch.Tensor, out_parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_merge`` of the kernel's splits in one Triton launch (grid ``(n, Hq)``)."""
+    n, hq, splits, dv = out_parts.shape
+    lse = torch.empty(n, hq, dtype=torch.float32, device=out_parts.device)
+    out = torch.empty(n, hq, dv, dtype=torch.float32, device=out_parts.device)
+    if n and hq:
+        _merge_splits_kernel[(n, hq)](
+            lse_parts, out_parts, lse, out, splits, dv,
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_DV=triton.next_power_of_2(dv),
+        )  # fmt: skip
+    return lse, out
+
+
+def _launch(q, k_pages, v_pages, pages, mask, sm_scale, logit_cap, splits) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel over ``splits`` even runs of each row's list: ``(lse [n, Hq, splits],
+    output [n, Hq, splits, Dv])``, each split's own part."""
     if not HAS_TRITON:
         raise RuntimeError("masked_page_attention needs Triton")
     if q.stride(-1) != 1 or k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
@@ -152,11 +192,10 @@ def masked_page_attention(
     _, ps, hkv, dv = v_pages.shape
     listed = pages.shape[1]
     g = hq // hkv
-    splits = num_splits or max(1, min(MAX_SPLITS, -(-listed // PAGES_PER_SPLIT)))
     lse_parts = torch.empty(n, hq, splits, dtype=torch.float32, device=q.device)
     out_parts = torch.empty(n, hq, splits, dv, dtype=torch.float32, device=q.device)
     if n == 0 or listed == 0:
-        return _merge(lse_parts.fill_(NEG_INF), out_parts.zero_())
+        return lse_parts.fill_(NEG_INF), out_parts.zero_()
     q = q.contiguous()
     chosen = mask.to(torch.int8).contiguous()
     pages = pages.contiguous()
@@ -175,7 +214,7 @@ def masked_page_attention(
         BLOCK_DV=triton.next_power_of_2(dv), BLOCK_T=triton.next_power_of_2(ps),
         HAS_CAP=logit_cap > 0,
     )  # fmt: skip
-    return _merge(lse_parts, out_parts)
+    return lse_parts, out_parts
 
 
 if HAS_TRITON:
@@ -258,3 +297,24 @@ if HAS_TRITON:
             out,
             mask=mask_g[:, None] & mask_dv[None, :],
         )
+
+    @triton.jit
+    def _merge_splits_kernel(LseParts, OutParts, Lse, Out, splits, dv, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """One (request, query head): its splits' parts (contiguous) as one; -inf and 0 where none has a token."""
+        rh = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_DV)
+        x = tl.load(LseParts + rh * splits + offs_s, mask=offs_s < splits, other=float("-inf"))
+        m = tl.max(x, 0)
+        m_ref = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.where(x > float("-inf"), tl.exp(x - m_ref), 0.0)
+        total = tl.sum(w, 0)
+        o = tl.load(
+            OutParts + (rh * splits + offs_s[:, None]) * dv + offs_d[None, :],
+            mask=(offs_s[:, None] < splits) & (offs_d[None, :] < dv),
+            other=0.0,
+        )
+        has = total > 0
+        merged = tl.sum(w[:, None] * o, 0) / tl.where(has, total, 1.0)
+        tl.store(Lse + rh, tl.where(has, m_ref + tl.log(tl.where(has, total, 1.0)), float("-inf")))
+        tl.store(Out + rh * dv + offs_d, merged, mask=offs_d < dv)

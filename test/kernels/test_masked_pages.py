@@ -97,3 +97,23 @@ def test_the_triton_kernel_never_reads_a_page_it_is_not_given():
     assert torch.isinf(lse[0].cpu()).all() and (out[0].cpu() == 0).all()
     assert torch.allclose(lse[1].cpu().double(), want_lse[1], atol=1e-4)
     assert torch.allclose(out.cpu().double(), want_out, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("logit_cap", [0.0, 3.0])
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 2), (6, 2)])
+def test_each_chosen_pages_own_part_is_the_torch_paths_read_from_the_pool(q_heads, kv_heads, logit_cap):
+    """masked_page_parts (the guard's sampled pages in a captured step): page_parts of the
+    gathered pages where chosen, lse -inf and output 0 elsewhere, no page read off the mask."""
+    from sgl_kernel_ext.masked_pages import masked_page_parts
+
+    q, k_pages, v_pages, pages, mask = make_case(3, 7, q_heads=q_heads, kv_heads=kv_heads, seed=4)
+    run = dict(sm_scale=DIM**-0.5, logit_cap=logit_cap)
+    wild = torch.where(mask, pages, 10**6)  # an unchosen entry may hold any id
+    got = masked_page_parts(*(t.to(DEVICE) for t in (q, k_pages, v_pages, wild, mask)), **run)
+    want = page_parts(q, k_pages[pages], v_pages[pages], **run)
+    lse, out = got.lse.cpu(), got.output.cpu()
+    chosen = mask[:, None, :].expand_as(lse)
+    assert torch.isneginf(lse[~chosen]).all() and (out[~chosen] == 0).all()
+    assert torch.allclose(lse[chosen], want.lse[chosen], atol=1e-4)
+    assert torch.allclose(out[chosen], want.output[chosen], rtol=1e-5, atol=1e-5)

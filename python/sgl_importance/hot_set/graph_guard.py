@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from sgl_importance.hot_set.estimate import OutsidePlan, estimate_outside, sampled_pages
+from sgl_importance.hot_set.estimate import OutsidePlan, Sampled, estimate_outside, sampled_pages
 from sgl_importance.hot_set.guard import GuardOutcome, guard_layer, read_rest
 from sgl_importance.hot_set.key_codes import GuardPool
 from sgl_importance.hot_set.key_ranges import KeyRanges
@@ -39,6 +39,7 @@ from sgl_kernel_ext import (
     DecodeImportanceOutput,
     decode_importance_paged,
     masked_page_attention,
+    masked_page_parts,
     plan_from_table,
 )
 
@@ -202,11 +203,7 @@ class GraphGuard:
         outside = estimate_outside(
             q, self.pool, layer_id, plan, kmin, kmax, use_native=native, use_triton=triton, **run
         )
-        width = self.samples
-        sample_ids = self.physical[:bs, :width]
-        keys, values = k_pages[sample_ids], v_pages[sample_ids]
-        in_sample = (valid & sampled)[:, :width]
-        sample = sampled_pages(q, keys, values, in_sample, **run)
+        sample = self._sample(q, k_pages, v_pages, (valid & sampled)[:, : self.samples], run)
         column = layer_id % self.num_layers
         args = (part1.lse, part1.output.float(), outside, sample, valid, sampled, params[:, 0])
         reader = self._reader(q, k_pages, v_pages, bs, run)
@@ -226,6 +223,13 @@ class GraphGuard:
         output = torch.where(has_rest[:, None, None], outcome.combined.output, part1.output.float())
         share = torch.where(has_rest[:, None], outcome.combined.exact_share, 1.0)
         return output, share
+
+    def _sample(self, q, k_pages, v_pages, in_sample: torch.Tensor, run: dict) -> Sampled:
+        """The sampled pages' own parts (the plan lists them first; all on the device)."""
+        ids = self.physical[: q.shape[0], : in_sample.shape[1]]
+        if self.triton:  # read from the pool in one launch, no gathered copy
+            return Sampled(*masked_page_parts(q, k_pages, v_pages, ids, in_sample, **run))
+        return sampled_pages(q, k_pages[ids], v_pages[ids], in_sample, **run)
 
     def _reader(self, q, k_pages, v_pages, bs: int, run: dict):
         physical = self.physical[:bs]
