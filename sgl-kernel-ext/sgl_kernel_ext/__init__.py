@@ -66,7 +66,7 @@ __all__ = [
 from .combine import t_quantile  # noqa: E402 (torch; the module's kernels need Triton)
 
 if HAS_TRITON:
-    from .combine import combine_triton
+    from .combine import combine_rest_triton, combine_triton
     from .decode_importance import (
         DecodeImportanceWrapper,
         decode_attention_with_importance,
@@ -82,6 +82,7 @@ if HAS_TRITON:
         "DecodeImportanceWrapper",
         "PageListSlots",
         "TritonPageListDecode",
+        "combine_rest_triton",
         "combine_triton",
         "decode_attention_with_importance",
         "decode_importance_fwd",

@@ -74,6 +74,21 @@ def t_quantile(count: torch.Tensor, quantiles: Mapping[int, float], z: float) ->
 if HAS_TRITON:
 
     @triton.jit
+    def _kept(Keep, InSample, row, cols, num_sampled, num_rest):
+        """Sampled columns still estimated: kept (not read) and in the sample ([n, P] masks)."""
+        inside = cols < num_sampled
+        keep = tl.load(Keep + row * num_rest + cols, mask=inside, other=0) != 0
+        return keep & (tl.load(InSample + row * num_rest + cols, mask=inside, other=0) != 0)
+
+    @triton.jit
+    def _sampled_lse(SLse, Keep, InSample, row, rh, cols, num_sampled, num_rest, MASKED: tl.constexpr):
+        """The sampled pages' lse, -inf where a page is not estimated (masked here where ``MASKED``)."""
+        x = tl.load(SLse + rh * num_sampled + cols, mask=cols < num_sampled, other=float("-inf"))
+        if MASKED:
+            x = tl.where(_kept(Keep, InSample, row, cols, num_sampled, num_rest), x, float("-inf"))
+        return x
+
+    @triton.jit
     def _combine_heads_kernel(
         LseE,
         OutE,
@@ -82,6 +97,8 @@ if HAS_TRITON:
         Pi,
         RestLse,
         RestS,
+        Keep,
+        InSample,
         Out,
         Lse,
         Share,
@@ -90,13 +107,18 @@ if HAS_TRITON:
         num_sampled,
         num_rest,
         dv,
+        stride_rn,
+        stride_rh,
+        stride_rp,
         HAS_CODES: tl.constexpr,
+        MASKED: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_P: tl.constexpr,
         BLOCK_DV: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
+        rest = RestLse + row * stride_rn + head * stride_rh
         rh = row * hq + head
         neg_inf = float("-inf")
         offs_s = tl.arange(0, BLOCK_S)
@@ -110,7 +132,7 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_DV], tl.float32)
         for s0 in range(0, num_sampled, BLOCK_S):
             cols = s0 + offs_s
-            x = tl.load(SLse + rh * num_sampled + cols, mask=cols < num_sampled, other=neg_inf)
+            x = _sampled_lse(SLse, Keep, InSample, row, rh, cols, num_sampled, num_rest, MASKED)
             live = x > neg_inf
             m_new = tl.maximum(m, tl.max(x, axis=0))
             m_safe = tl.where(m_new > neg_inf, m_new, 0.0)
@@ -153,7 +175,7 @@ if HAS_TRITON:
         for s0 in range(0, num_sampled, BLOCK_S):
             cols = s0 + offs_s
             mask_s = cols < num_sampled
-            x = tl.load(SLse + rh * num_sampled + cols, mask=mask_s, other=neg_inf)
+            x = _sampled_lse(SLse, Keep, InSample, row, rh, cols, num_sampled, num_rest, MASKED)
             live = x > neg_inf
             share = tl.where(live, tl.exp(x - lse), 0.0)
             o = tl.load(
@@ -165,7 +187,11 @@ if HAS_TRITON:
             y = tl.where(live[:, None] & mask_d[None, :], y, 0.0)
             spread += tl.sum(tl.sum(y * y, axis=1), axis=0)
             if HAS_CODES:
-                c = tl.load(RestS + rh * num_sampled + cols, mask=mask_s, other=neg_inf)
+                if MASKED:  # the sampled pages' own codes, where still estimated
+                    c = tl.load(rest + cols * stride_rp, mask=mask_s, other=neg_inf)
+                    c = tl.where(_kept(Keep, InSample, row, cols, num_sampled, num_rest), c, neg_inf)
+                else:
+                    c = tl.load(RestS + rh * num_sampled + cols, mask=mask_s, other=neg_inf)
                 xc = tl.where(c > neg_inf, tl.exp(c - lse), 0.0)
                 x_sampled += tl.sum(xc * xc, axis=0)
         # Pass 3: the key codes' squared shares of every rest page still estimated.
@@ -174,7 +200,9 @@ if HAS_TRITON:
             offs_p = tl.arange(0, BLOCK_P)
             for p0 in range(0, num_rest, BLOCK_P):
                 cols = p0 + offs_p
-                c = tl.load(RestLse + rh * num_rest + cols, mask=cols < num_rest, other=neg_inf)
+                c = tl.load(rest + cols * stride_rp, mask=cols < num_rest, other=neg_inf)
+                if MASKED:
+                    c = tl.where(tl.load(Keep + row * num_rest + cols, mask=cols < num_rest, other=0) != 0, c, neg_inf)
                 xc = tl.where(c > neg_inf, tl.exp(c - lse), 0.0)
                 x_rest += tl.sum(xc * xc, axis=0)
         norm_sq = tl.sum(output * output, axis=0)
@@ -188,6 +216,8 @@ if HAS_TRITON:
         SLse,
         Pi,
         Uncovered,
+        Keep,
+        InSample,
         Work,
         Dfs,
         Quantiles,
@@ -195,12 +225,15 @@ if HAS_TRITON:
         Relative,
         hq,
         num_sampled,
+        num_rest,
         z,
         min_sampled,
         HAS_CODES: tl.constexpr,
+        MASKED: tl.constexpr,
         NUM_QUANTILES: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_S: tl.constexpr,
+        BLOCK_P: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         neg_inf = float("-inf")
@@ -228,6 +261,8 @@ if HAS_TRITON:
                 mask=mask_h[:, None] & (cols[None, :] < num_sampled),
                 other=neg_inf,
             )
+            if MASKED:
+                x = tl.where(_kept(Keep, InSample, row, cols, num_sampled, num_rest)[None, :], x, neg_inf)
             seen = tl.max(tl.where(x > neg_inf, 1, 0), axis=0)
             count += tl.sum(seen, axis=0)
 
@@ -245,7 +280,19 @@ if HAS_TRITON:
         relative = tl.where(bound < size, bound / gap, inf)
         relative = tl.where(bound == 0.0, 0.0, relative)
         too_few = (count < min_sampled) & (pi < 1.0) & (count > 0)
-        uncovered = tl.load(Uncovered + row) != 0
+        if MASKED:  # rest pages remain, none of them sampled
+            left = tl.zeros([], tl.int32)
+            offs_p = tl.arange(0, BLOCK_P)
+            for p0 in range(0, num_rest, BLOCK_P):
+                cols = p0 + offs_p
+                left += tl.sum((tl.load(Keep + row * num_rest + cols, mask=cols < num_rest, other=0) != 0).to(tl.int32))
+            sampled_left = tl.zeros([], tl.int32)
+            for s0 in range(0, num_sampled, BLOCK_S):
+                cols = s0 + offs_s
+                sampled_left += tl.sum(_kept(Keep, InSample, row, cols, num_sampled, num_rest).to(tl.int32))
+            uncovered = (left > 0) & (sampled_left == 0)
+        else:
+            uncovered = tl.load(Uncovered + row) != 0
         relative = tl.where(uncovered | too_few, inf, relative)
         tl.store(Bound + row, bound)
         tl.store(Relative + row, relative)
@@ -287,6 +334,63 @@ def combine_triton(
     if not HAS_TRITON:
         raise RuntimeError("combine_triton needs Triton")
     n, hq = lse_exact.shape
+    if codes is not None and (codes[1].shape != sampled_lse.shape or codes[0].shape[:2] != (n, hq)):
+        raise ValueError(f"codes {tuple(codes[0].shape)} / {tuple(codes[1].shape)} do not match")
+    dev = out_exact.device
+    dense = lambda t: t.to(dev, torch.float32).contiguous()  # noqa: E731
+    sampled_lse = dense(sampled_lse)
+    rest_lse, rest_sampled = (sampled_lse, sampled_lse) if codes is None else (dense(codes[0]), dense(codes[1]))
+    flags = uncovered.to(dev).to(torch.uint8).contiguous()
+    masks = None, None
+    return _run(lse_exact, out_exact, sampled_lse, sampled_output, inclusion, (rest_lse, rest_sampled), flags, masks,
+                has_codes=codes is not None, quantiles=quantiles, z=z, min_sampled=min_sampled)  # fmt: skip
+
+
+def combine_rest_triton(
+    lse_exact: torch.Tensor,
+    out_exact: torch.Tensor,
+    sampled_lse: torch.Tensor,
+    sampled_output: torch.Tensor,
+    inclusion: torch.Tensor,
+    page_lse: torch.Tensor,
+    keep: torch.Tensor,
+    in_sample: torch.Tensor,
+    *,
+    quantiles: Mapping[int, float],
+    z: float,
+    min_sampled: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`combine_triton` over the rest pages still estimated, masked inside the two
+    launches: what ``hot_set.guard``'s ``_combine`` builds with torch before it (the
+    sampled lse and the key codes' log-masses masked, ``uncovered``), a captured step's
+    guarded layer passes unmasked.
+
+    Args:
+        sampled_lse, sampled_output: ``[n, Hq, S]``, ``[n, Hq, S, Dv]`` the sampled pages
+            (the plan's first ``S`` columns), unmasked.
+        page_lse: ``[n, Hq, P]`` every listed rest page's key-code log-mass (any strides).
+        keep, in_sample: bool ``[n, P]``: the pages still estimated, and those sampled.
+        The rest as :func:`combine_triton`'s.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("combine_rest_triton needs Triton")
+    n, hq, pages = page_lse.shape
+    if keep.shape != (n, pages) or in_sample.shape != (n, pages) or sampled_lse.shape[-1] > pages:
+        raise ValueError(
+            f"masks {tuple(keep.shape)} / {tuple(in_sample.shape)} do not match page_lse {tuple(page_lse.shape)} "
+            f"and {sampled_lse.shape[-1]} sampled columns"
+        )
+    dev = out_exact.device
+    sampled_lse = sampled_lse.to(dev, torch.float32).contiguous()
+    masks = keep.contiguous(), in_sample.contiguous()
+    return _run(lse_exact, out_exact, sampled_lse, sampled_output, inclusion, (page_lse, sampled_lse), None, masks,
+                has_codes=True, quantiles=quantiles, z=z, min_sampled=min_sampled)  # fmt: skip
+
+
+def _run(lse_exact, out_exact, sampled_lse, sampled_output, inclusion, codes, uncovered, masks, *, has_codes,
+         quantiles, z, min_sampled):  # fmt: skip
+    """The two launches; ``masks`` ``(keep, in_sample)`` or ``(None, None)`` (then ``uncovered``)."""
+    n, hq = lse_exact.shape
     dv = out_exact.shape[-1]
     num_sampled = sampled_lse.shape[-1]
     if sampled_output.shape != (n, hq, num_sampled, dv) or out_exact.shape != (n, hq, dv):
@@ -307,32 +411,34 @@ def combine_triton(
         return output, lse, share, bound, relative
     work = torch.empty(n, hq, 4, dtype=f32, device=dev)
     dense = lambda t: t.to(dev, f32).contiguous()  # noqa: E731
-    sampled_lse = dense(sampled_lse)
-    if codes is None:
-        rest_lse = rest_sampled = sampled_lse  # never read
-        num_rest = 0
+    rest_lse, rest_sampled = codes
+    num_rest = rest_lse.shape[-1] if has_codes else 0
+    keep, in_sample = masks
+    masked = keep is not None
+    if masked:
+        num_rest = keep.shape[1]  # the masks' row stride, codes or not
     else:
-        rest_lse, rest_sampled = dense(codes[0]), dense(codes[1])
-        num_rest = rest_lse.shape[-1]
-        if rest_sampled.shape != sampled_lse.shape or rest_lse.shape[:2] != (n, hq):
-            raise ValueError(f"codes {tuple(rest_lse.shape)} / {tuple(rest_sampled.shape)} do not match")
+        keep = in_sample = work  # never read
     pi = dense(inclusion)
     dfs, values = _table(quantiles, dev)
     _combine_heads_kernel[(n, hq)](
         dense(lse_exact), dense(out_exact), sampled_lse, dense(sampled_output), pi, rest_lse, rest_sampled,
-        output, lse, share, work,
-        hq, num_sampled, num_rest, dv,
-        HAS_CODES=codes is not None,
+        keep, in_sample, output, lse, share, work,
+        hq, num_sampled, num_rest, dv, *(rest_lse.stride() if has_codes else (0, 0, 0)),
+        HAS_CODES=has_codes,
+        MASKED=masked,
         BLOCK_S=BLOCK_S,
         BLOCK_P=BLOCK_P,
         BLOCK_DV=next_power_of_2(dv),
     )  # fmt: skip
     _combine_bound_kernel[(n,)](
-        sampled_lse, pi, uncovered.to(dev).to(torch.uint8).contiguous(), work, dfs, values, bound, relative,
-        hq, num_sampled, float(z), int(min_sampled),
-        HAS_CODES=codes is not None,
+        sampled_lse, pi, work if uncovered is None else uncovered, keep, in_sample, work, dfs, values, bound,
+        relative, hq, num_sampled, num_rest, float(z), int(min_sampled),
+        HAS_CODES=has_codes,
+        MASKED=masked,
         NUM_QUANTILES=dfs.numel(),
         BLOCK_H=next_power_of_2(hq),
         BLOCK_S=BLOCK_S,
+        BLOCK_P=BLOCK_P,
     )  # fmt: skip
     return output, lse, share, bound, relative

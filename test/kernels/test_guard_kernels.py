@@ -21,9 +21,11 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed; the Triton guard kernels cannot run")
 
-from sgl_importance.hot_set.estimate import MIN_SAMPLED, T_QUANTILES, Sampled, Z, combine  # noqa: E402
+from sgl_importance.hot_set.estimate import MIN_SAMPLED, T_QUANTILES, Outside, Sampled, Z, combine  # noqa: E402
+from sgl_importance.hot_set.guard import _combine  # noqa: E402
 from sgl_importance.hot_set.key_codes import ROUNDING_MARGIN, quantise, steps  # noqa: E402
 from sgl_kernel_ext import (  # noqa: E402
+    combine_rest_triton,
     combine_triton,
     key_code_pages,
     key_code_pages_torch,
@@ -316,6 +318,34 @@ def test_the_combine_kernel_matches_the_torch_estimate(n, hq, sampled, dv, rest,
     # The cases reach both a finite bound and the ones that cannot vouch.
     assert torch.isinf(want.relative[-1]) and torch.isfinite(want.bound).all(), f"seed={seed}"
     assert (want.bound[0] > 0).item(), f"seed={seed}"
+
+
+@pytest.mark.parametrize("n,hq,sampled,dv,rest", [(4, 4, 6, 64, 30), (3, 8, 20, 128, 150)], ids=["small", "tiled"])
+def test_the_masked_combine_kernel_is_the_guards_combine_over_the_pages_still_estimated(n, hq, sampled, dv, rest):
+    """combine_rest_triton (a captured guarded layer): the masks of the pages read and of
+    the sample applied inside the launches, against guard._combine's torch masking."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    lse_e, out_e = torch.randn(n, hq, generator=gen) * 2 + 3, torch.randn(n, hq, dv, generator=gen)
+    sample = Sampled(torch.randn(n, hq, sampled, generator=gen) * 2, torch.randn(n, hq, sampled, dv, generator=gen))
+    page_lse = (torch.randn(hq, n, rest, generator=gen) * 2).transpose(0, 1)  # strided, as the estimate's heads
+    keep = torch.rand(n, rest, generator=gen) < 0.7
+    in_sample = torch.zeros(n, rest, dtype=torch.bool)
+    in_sample[:, :sampled] = torch.rand(n, sampled, generator=gen) < 0.8
+    keep[0] = True  # every page estimated
+    in_sample[0, :sampled] = True
+    keep[-1, :sampled] = False  # pages left, none of them sampled: uncovered
+    keep[-1, sampled] = True
+    pi = torch.rand(n, generator=gen) * 0.3 + 0.05
+    zeros = torch.zeros_like(page_lse)
+    want = _combine(lse_e, out_e, Outside(page_lse, zeros, zeros), sample, keep, in_sample, pi, use_triton=False)
+    on = lambda t: t.to(DEVICE)  # noqa: E731
+    got = combine_rest_triton(
+        on(lse_e), on(out_e), on(sample.lse), on(sample.output), on(pi), on(page_lse), on(keep), on(in_sample),
+        quantiles=T_QUANTILES, z=Z, min_sampled=MIN_SAMPLED,
+    )  # fmt: skip
+    assert_combined_match(got, want, seed, f"n={n} hq={hq} S={sampled} P={rest}")
+    assert torch.isinf(want.relative[-1]) and (want.bound[0] > 0).item(), f"seed={seed}"
 
 
 def test_the_combine_kernel_reads_its_quantile_by_the_count_of_sampled_pages():

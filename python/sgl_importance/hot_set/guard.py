@@ -32,11 +32,20 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from sgl_importance.hot_set.estimate import Combined, Outside, Sampled, combine, negligible_rest
+from sgl_importance.hot_set.estimate import (
+    MIN_SAMPLED,
+    T_QUANTILES,
+    Combined,
+    Outside,
+    Sampled,
+    Z,
+    combine,
+    negligible_rest,
+)
 from sgl_kernel_ext import HAS_TRITON, merge_parts
 
 if HAS_TRITON:
-    from sgl_kernel_ext import guard_select_triton
+    from sgl_kernel_ext import combine_rest_triton, guard_select_triton
 
 NEG_INF = float("-inf")
 
@@ -245,14 +254,20 @@ def _combine(
     use_triton: Optional[bool],
 ) -> Combined:
     """``combine`` over the sampled pages still estimated (``keep``); the plan lists each
-    request's sampled pages first, so ``sampled`` covers its first columns only."""
+    request's sampled pages first, so ``sampled`` covers its first columns only. On the
+    Triton path the masks are applied inside its two launches (``combine_rest_triton``)."""
+    if use_triton is None:
+        use_triton = HAS_TRITON and out.is_cuda
+    if use_triton:
+        parts = (sampled.lse, sampled.output, inclusion, outside.page_lse, keep, in_sample)
+        return Combined(*combine_rest_triton(lse, out, *parts, quantiles=T_QUANTILES, z=Z, min_sampled=MIN_SAMPLED))
     width = sampled.lse.shape[-1]
     kept = (keep & in_sample)[:, :width]
     lse_pages = sampled.lse.masked_fill(~kept[:, None, :], NEG_INF)
     uncovered = keep.any(dim=1) & ~kept.any(dim=1)
     rest_codes = outside.page_lse.masked_fill(~keep[:, None, :], NEG_INF)
     codes = (rest_codes, rest_codes[..., :width].masked_fill(~kept[:, None, :], NEG_INF))
-    return combine(lse, out, Sampled(lse_pages, sampled.output), inclusion, uncovered, codes, use_triton=use_triton)
+    return combine(lse, out, Sampled(lse_pages, sampled.output), inclusion, uncovered, codes, use_triton=False)
 
 
 def _choose(which: torch.Tensor, a: Combined, b: Combined) -> Combined:
