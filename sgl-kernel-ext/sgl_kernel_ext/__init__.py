@@ -74,7 +74,7 @@ if HAS_TRITON:
     )
     from .guard_finish import guard_finish_triton
     from .guard_select import guard_select_triton
-    from .key_codes import key_code_pages_triton
+    from .key_codes import key_code_pages_ranged, key_code_pages_triton
     from .merge import merge_parts_triton
     from .page_list import PageListSlots, TritonPageListDecode, page_list_slots
 
@@ -88,6 +88,7 @@ if HAS_TRITON:
         "decode_importance_fwd",
         "guard_finish_triton",
         "guard_select_triton",
+        "key_code_pages_ranged",
         "key_code_pages_triton",
         "merge_parts_triton",
         "page_list_slots",

@@ -153,11 +153,13 @@ if HAS_TRITON:
         Ids,
         Low,
         Step,
+        RangeIds,
         Valid,
         Lse,
         Err,
         logit_cap,
         margin,
+        q_scale,
         stride_qh,
         stride_qn,
         stride_qg,
@@ -175,6 +177,8 @@ if HAS_TRITON:
         stride_oh,
         stride_on,
         stride_op,
+        stride_og,
+        stride_ri,
         GROUP: tl.constexpr,
         HALF: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
@@ -182,9 +186,11 @@ if HAS_TRITON:
         BLOCK_HALF: tl.constexpr,
         BLOCK_T: tl.constexpr,
         HAS_CAP: tl.constexpr,
+        RANGED: tl.constexpr,
     ):
         # One program per (listed page, request, KV head): the page's codes are read
-        # once for every query head of the group.
+        # once for every query head of the group. RANGED: Low and Step are the range
+        # tables' min and max, rows picked by RangeIds, the step computed here.
         col = tl.program_id(0).to(tl.int64)
         row = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2).to(tl.int64)
@@ -199,15 +205,26 @@ if HAS_TRITON:
         # each half of q, low and step pairs with one nibble.
         q_ptr = Q + head * stride_qh + row * stride_qn + offs_g[:, None] * stride_qg + offs_j[None, :]
         q_mask = mask_g[:, None] & mask_j[None, :]
-        q_a = tl.load(q_ptr, mask=q_mask, other=0.0).to(tl.float32)
-        q_b = tl.load(q_ptr + HALF, mask=q_mask, other=0.0).to(tl.float32)
-        low_ptr = Low + row * stride_ln + col * stride_lp + head * stride_lh + offs_j
-        step_ptr = Step + row * stride_sn + col * stride_sp + head * stride_sh + offs_j
+        q_a = tl.load(q_ptr, mask=q_mask, other=0.0).to(tl.float32) * q_scale
+        q_b = tl.load(q_ptr + HALF, mask=q_mask, other=0.0).to(tl.float32) * q_scale
         range_mask = mask_j & live
-        low_a = tl.load(low_ptr, mask=range_mask, other=0.0).to(tl.float32)
-        low_b = tl.load(low_ptr + HALF, mask=range_mask, other=0.0).to(tl.float32)
-        step_a = tl.load(step_ptr, mask=range_mask, other=0.0).to(tl.float32)
-        step_b = tl.load(step_ptr + HALF, mask=range_mask, other=0.0).to(tl.float32)
+        if RANGED:
+            rid = tl.load(RangeIds + row * stride_ri + col, mask=live, other=0).to(tl.int64)
+            low_ptr = Low + rid * stride_ln + head * stride_lh + offs_j
+            high_ptr = Step + rid * stride_sn + head * stride_sh + offs_j
+            low_a = tl.load(low_ptr, mask=range_mask, other=0.0).to(tl.float32)
+            low_b = tl.load(low_ptr + HALF, mask=range_mask, other=0.0).to(tl.float32)
+            high_a = tl.load(high_ptr, mask=range_mask, other=0.0).to(tl.float32)
+            high_b = tl.load(high_ptr + HALF, mask=range_mask, other=0.0).to(tl.float32)
+            step_a = tl.maximum(high_a - low_a, 0.0) / 15.0  # LEVELS, as steps() computes it
+            step_b = tl.maximum(high_b - low_b, 0.0) / 15.0
+        else:
+            low_ptr = Low + row * stride_ln + col * stride_lp + head * stride_lh + offs_j
+            step_ptr = Step + row * stride_sn + col * stride_sp + head * stride_sh + offs_j
+            low_a = tl.load(low_ptr, mask=range_mask, other=0.0).to(tl.float32)
+            low_b = tl.load(low_ptr + HALF, mask=range_mask, other=0.0).to(tl.float32)
+            step_a = tl.load(step_ptr, mask=range_mask, other=0.0).to(tl.float32)
+            step_b = tl.load(step_ptr + HALF, mask=range_mask, other=0.0).to(tl.float32)
 
         base = tl.sum(q_a * low_a[None, :] + q_b * low_b[None, :], axis=1)  # [BLOCK_G]
         qs_a = q_a * step_a[None, :]
@@ -247,7 +264,7 @@ if HAS_TRITON:
         lse = m + tl.log(s)
         lse = tl.where(live, lse, float("-inf"))
         err = tl.where(live, err, 0.0)
-        out = head * stride_oh + row * stride_on + col * stride_op + offs_g
+        out = head * stride_oh + row * stride_on + col * stride_op + offs_g * stride_og
         tl.store(Lse + out, lse, mask=mask_g)
         tl.store(Err + out, err, mask=mask_g)
 
@@ -305,15 +322,15 @@ def key_code_pages_triton(
     page_size = codes.shape[2]
     half = d // 2
     _key_code_pages_kernel[(listed, n, kv)](
-        q, codes, ids, low, step, valid, lse, err,
-        float(logit_cap), float(margin),
+        q, codes, ids, low, step, ids, valid, lse, err,
+        float(logit_cap), float(margin), 1.0,
         q.stride(0), q.stride(1), q.stride(2),
         codes.stride(0), codes.stride(1), codes.stride(2),
         ids.stride(0),
         low.stride(0), low.stride(1), low.stride(2),
         step.stride(0), step.stride(1), step.stride(2),
         valid.stride(0),
-        lse.stride(0), lse.stride(1), lse.stride(2),
+        lse.stride(0), lse.stride(1), lse.stride(2), 1, 0,
         GROUP=g,
         HALF=half,
         PAGE_SIZE=page_size,
@@ -321,6 +338,82 @@ def key_code_pages_triton(
         BLOCK_HALF=next_power_of_2(half),
         BLOCK_T=min(next_power_of_2(page_size), TRITON_BLOCK_T),
         HAS_CAP=logit_cap > 0,
+        RANGED=False,
+        num_warps=4,
+    )  # fmt: skip
+    return lse, err
+
+
+def key_code_pages_ranged(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    ids: torch.Tensor,
+    key_min: torch.Tensor,
+    key_max: torch.Tensor,
+    range_ids: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+    margin: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`key_code_pages_triton` for a captured step, with nothing prepared around the
+    launch: the queries unscaled in their own layout, each page's range read from the range
+    tables by its row (the step ``(max - min) / 15`` computed in the kernel, as ``steps`` does
+    on the host), the results in query-head order.
+
+    Args:
+        q: ``[n, Hq, D]`` the queries (scaled by ``sm_scale`` in the kernel).
+        codes, ids, valid: as :func:`key_code_pages`.
+        key_min, key_max: ``[rows, Hkv, D]`` one layer's range tables (any float dtype).
+        range_ids: int ``[n, P]`` each listed page's row in them.
+
+    Returns:
+        (lse, err), float32 ``[n, Hq, P]`` each (query head ``h`` of KV head ``h // (Hq / Hkv)``).
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("key_code_pages_ranged needs Triton")
+    n, hq, d = q.shape
+    kv = codes.shape[0]
+    g = hq // kv
+    listed = ids.shape[1]
+    if d % 2 or hq % kv or codes.shape[3] != d // 2 or key_min.shape[1:] != (kv, d) or key_max.shape != key_min.shape:
+        raise ValueError(
+            f"shapes do not match: q {tuple(q.shape)}, codes {tuple(codes.shape)}, ranges {tuple(key_min.shape)}"
+        )
+    if range_ids.shape != ids.shape or valid.shape != ids.shape:
+        raise ValueError(f"range_ids {tuple(range_ids.shape)} / valid {tuple(valid.shape)} / ids {tuple(ids.shape)}")
+    if ids.stride(1) != 1 or range_ids.stride(1) != 1 or valid.stride(1) != 1:
+        raise ValueError("ids, range_ids and valid must be contiguous along their pages")
+    if q.stride(-1) != 1 or codes.stride(3) != 1 or key_min.stride(-1) != 1 or key_max.stride(-1) != 1:
+        raise ValueError("q, codes and the range tables must be contiguous in their last dimension")
+    dev = q.device
+    lse = torch.empty(n, hq, listed, dtype=torch.float32, device=dev)
+    err = torch.empty(n, hq, listed, dtype=torch.float32, device=dev)
+    if lse.numel() == 0:
+        return lse, err
+    valid = valid.view(torch.uint8) if valid.dtype == torch.bool else valid.to(torch.uint8)
+    page_size = codes.shape[2]
+    half = d // 2
+    # Output [n, Hq, P] written as [Hkv, n, P, g]: KV head h's query heads are rows h * g ...
+    _key_code_pages_kernel[(listed, n, kv)](
+        q, codes, ids, key_min, key_max, range_ids, valid, lse, err,
+        float(logit_cap), float(margin), float(sm_scale),
+        g * q.stride(1), q.stride(0), q.stride(1),
+        codes.stride(0), codes.stride(1), codes.stride(2),
+        ids.stride(0),
+        key_min.stride(0), 0, key_min.stride(1),
+        key_max.stride(0), 0, key_max.stride(1),
+        valid.stride(0),
+        g * lse.stride(1), lse.stride(0), lse.stride(2), lse.stride(1), range_ids.stride(0),
+        GROUP=g,
+        HALF=half,
+        PAGE_SIZE=page_size,
+        BLOCK_G=next_power_of_2(g),
+        BLOCK_HALF=next_power_of_2(half),
+        BLOCK_T=min(next_power_of_2(page_size), TRITON_BLOCK_T),
+        HAS_CAP=logit_cap > 0,
+        RANGED=True,
         num_warps=4,
     )  # fmt: skip
     return lse, err

@@ -197,8 +197,9 @@ def _launch(q, k_pages, v_pages, pages, mask, sm_scale, logit_cap, splits) -> tu
     if n == 0 or listed == 0:
         return lse_parts.fill_(NEG_INF), out_parts.zero_()
     q = q.contiguous()
-    chosen = mask.to(torch.int8).contiguous()
-    pages = pages.contiguous()
+    # Read where they lie (the step's buffers: a column slice keeps its rows' stride).
+    chosen = mask if mask.stride(-1) == 1 else mask.contiguous()
+    pages = pages if pages.stride(-1) == 1 else pages.contiguous()
     _masked_pages_kernel[(n, hkv, splits)](
         q, k_pages, v_pages, pages, chosen, lse_parts, out_parts,
         float(sm_scale), float(logit_cap),

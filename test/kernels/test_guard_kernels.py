@@ -28,6 +28,7 @@ from sgl_kernel_ext import (  # noqa: E402
     combine_rest_triton,
     combine_triton,
     key_code_pages,
+    key_code_pages_ranged,
     key_code_pages_torch,
     key_code_pages_triton,
     merge_parts,
@@ -112,6 +113,32 @@ def test_the_key_code_kernel_masks_odd_widths_and_tiles_long_pages(d, page_size,
     want = key_code_pages_torch(*args, margin=ROUNDING_MARGIN)
     got = key_code_pages_triton(*(t.to(DEVICE) for t in args), margin=ROUNDING_MARGIN)
     assert_pages_match(got, want, seed, f"d={d} page={page_size} group={group}")
+
+
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group,logit_cap", [(1, 0.0), (4, 3.0)])
+def test_the_ranged_key_code_kernel_reads_the_range_tables_as_the_gathered_ranges(group, logit_cap, table_dtype):
+    """key_code_pages_ranged (a captured step): ranges read from the tables by row, the
+    step computed in the kernel, q scaled there, heads in query order; against the torch
+    reference over the same ranges gathered and their steps (as estimate_outside builds them)."""
+    seed = _seed()
+    keys, q, codes, ids, _, _, valid = coded_case(kv=2, group=group, d=64, page_size=16, n=3, listed=5, seed=seed)
+    low, high = keys.amin(dim=1), keys.amax(dim=1)  # coded_case's ranges, page i at code row i + 1
+    pad = torch.zeros(1, *low.shape[1:])
+    tables = tuple(torch.cat((pad, t)).to(table_dtype) for t in (low, high))  # row = code id
+    # Range rows apart from code ids: a permuted table, its rows named by range_ids.
+    rows = torch.randperm(tables[0].shape[0], generator=torch.Generator().manual_seed(seed))
+    tables = tuple(t[rows] for t in tables)
+    range_ids = torch.argsort(rows)[ids]
+    lo, st = tables[0][range_ids].float(), steps(tables[0][range_ids], tables[1][range_ids])
+    kw = dict(logit_cap=logit_cap, margin=ROUNDING_MARGIN)
+    want = key_code_pages_torch(q, codes, ids, lo, st, valid, **kw)
+    n, hq = q.shape[1], q.shape[0] * q.shape[2]
+    q_rows = (q * 2).transpose(0, 1).reshape(n, hq, -1)  # unscaled by sm_scale 0.5 (exact in binary)
+    args = (q_rows, codes, ids, *tables, range_ids, valid)
+    lse, err = key_code_pages_ranged(*(t.to(DEVICE) for t in args), sm_scale=0.5, **kw)
+    heads = lambda x: x.transpose(2, 3).transpose(0, 1).reshape(n, hq, -1)  # noqa: E731  [Hkv, n, P, g] -> [n, Hq, P]
+    assert_pages_match((lse.cpu(), err.cpu()), tuple(map(heads, want)), seed, f"ranged group={group}")
 
 
 def test_the_key_code_kernel_brackets_the_exact_page_mass():

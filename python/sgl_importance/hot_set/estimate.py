@@ -50,7 +50,7 @@ from sgl_importance.hot_set.key_codes import ROUNDING_MARGIN, GuardPool, steps
 from sgl_kernel_ext import HAS_TRITON, key_code_pages, page_parts, t_quantile
 
 if HAS_TRITON:
-    from sgl_kernel_ext import combine_triton
+    from sgl_kernel_ext import combine_triton, key_code_pages_ranged
 
 NEG_INF = float("-inf")
 DELTA = 0.05  # the bound's failure probability per certified layer-step
@@ -196,6 +196,33 @@ def estimate_outside(
 
     value_norm = on_device(norms, dev)[:, :, :, None].expand(hkv, n, norms.shape[2], g)
     return Outside(heads(page_lse), heads(error), heads(value_norm))
+
+
+def estimate_outside_ranged(
+    q: torch.Tensor,
+    pool: GuardPool,
+    layer: int,
+    plan: OutsidePlan,
+    tables: tuple[torch.Tensor, torch.Tensor],
+    range_ids: torch.Tensor,
+    *,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+) -> Outside:
+    """``estimate_outside`` in one Triton launch, for a captured step: the pages' ranges
+    read from the range tables (``tables``: one layer's ``key_min``, ``key_max``) by their
+    rows ``range_ids`` ``[n, P]`` inside the kernel (``sgl_kernel_ext.key_code_pages_ranged``),
+    the queries scaled there, the results in query-head order: no gathered ranges, steps or
+    per-head copies around it. The same numbers as ``estimate_outside`` on its Triton path."""
+    n, hq, _ = q.shape
+    hkv = pool.num_kv_heads
+    page_lse, error = key_code_pages_ranged(
+        q, pool.codes[layer], plan.codes, *tables, range_ids, plan.valid,
+        sm_scale=sm_scale, logit_cap=logit_cap, margin=ROUNDING_MARGIN,
+    )  # fmt: skip
+    norms = pool.value_norm[layer].index_select(1, plan.codes.reshape(-1)).view(hkv, n, -1)  # [Hkv, n, P]
+    value_norm = norms.transpose(0, 1)[:, :, None, :].expand(n, hkv, hq // hkv, norms.shape[2]).reshape(n, hq, -1)
+    return Outside(page_lse, error, value_norm)
 
 
 @dataclass

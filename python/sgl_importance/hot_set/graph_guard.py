@@ -27,7 +27,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from sgl_importance.hot_set.estimate import OutsidePlan, Sampled, estimate_outside, sampled_pages
+from sgl_importance.hot_set.estimate import (
+    OutsidePlan,
+    Sampled,
+    estimate_outside,
+    estimate_outside_ranged,
+    sampled_pages,
+)
 from sgl_importance.hot_set.guard import GuardOutcome, guard_layer, read_rest
 from sgl_importance.hot_set.key_codes import GuardPool
 from sgl_importance.hot_set.key_ranges import KeyRanges
@@ -197,12 +203,13 @@ class GraphGuard:
         lists, params = self._lists[:bs], self._params[:bs]
         valid, sampled, released = self.valid[:bs], self.sampled[:bs], self.released[:bs]
         plan = OutsidePlan(self.index[:bs], lists[:, CODES], lists[:, LOGICAL], valid, sampled, params[:, 0])
-        kmin, kmax = self.ranges.gather(layer_id, lists[:, RANGES])
-        # A recording replays torch and Triton only; on the Triton backend the kernels a GPU runs.
-        native, triton = (None if self.device.type == "cuda" else False), (self.triton or None)
-        outside = estimate_outside(
-            q, self.pool, layer_id, plan, kmin, kmax, use_native=native, use_triton=triton, **run
-        )
+        if self.triton:  # on the Triton backend the kernels a GPU runs (under the interpreter on a CPU)
+            tables = (self.ranges.key_min[layer_id], self.ranges.key_max[layer_id])
+            outside = estimate_outside_ranged(q, self.pool, layer_id, plan, tables, lists[:, RANGES], **run)
+        else:  # torch (a recording replays torch and Triton only: no C kernel)
+            kmin, kmax = self.ranges.gather(layer_id, lists[:, RANGES])
+            native = None if self.device.type == "cuda" else False
+            outside = estimate_outside(q, self.pool, layer_id, plan, kmin, kmax, use_native=native, **run)
         sample = self._sample(q, k_pages, v_pages, (valid & sampled)[:, : self.samples], run)
         column = layer_id % self.num_layers
         args = (part1.lse, part1.output.float(), outside, sample, valid, sampled, params[:, 0])
