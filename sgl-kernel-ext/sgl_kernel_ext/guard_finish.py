@@ -73,6 +73,7 @@ if HAS_TRITON:
         Flagged,
         Tally,
         hq,
+        group,
         pages,
         dv,
         stride_n,
@@ -105,7 +106,7 @@ if HAS_TRITON:
         for h in range(hq):
             base = row * stride_n + h * stride_h
             base_e = row * stride_en + h * stride_eh
-            base_v = row * stride_vn + h * stride_vh
+            base_v = row * stride_vn + (h // group) * stride_vh
             m = tl.full([], neg_inf, tl.float32)
             largest = tl.zeros([], tl.float32)
             for p0 in range(0, pages, BLOCK_P):
@@ -228,7 +229,8 @@ def guard_finish_triton(
     Args:
         lse, out: ``[n, Hq]``, ``[n, Hq, Dv]`` the exact part with the reads merged in.
         statistical: ``combine``'s ``(output, lse, exact_share, bound, relative)``.
-        intervals: ``(page_lse, logit_error, value_norm)``, ``[n, Hq, P]`` each (any strides).
+        intervals: ``(page_lse, logit_error, value_norm)``, ``[n, Hq, P]``, ``[n, Hq, P]``,
+            ``[n, Hkv, P]`` (any strides; ``estimate.Outside``).
         masks: bool ``(valid, read, wanted, missed, sampled)``, ``[n, P]`` each.
         threshold: ``[n]`` each row's guard threshold (any stride).
         part1: ``[n, Hq, Dv]`` the part-1 output (the output of a row with no rest).
@@ -242,8 +244,9 @@ def guard_finish_triton(
     n, hq, dv = out.shape
     page_lse, logit_error, value_norm = intervals
     pages = page_lse.shape[-1]
-    same = logit_error.shape == value_norm.shape == page_lse.shape
-    if not same or lse.shape != (n, hq) or page_lse.shape[:2] != (n, hq) or any(m.shape != (n, pages) for m in masks):
+    same = logit_error.shape == page_lse.shape and value_norm.shape[::2] == page_lse.shape[::2]
+    heads = lse.shape == (n, hq) and page_lse.shape[:2] == (n, hq) and hq % value_norm.shape[1] == 0
+    if not (same and heads) or any(m.shape != (n, pages) for m in masks):
         raise ValueError(
             f"shapes do not match: out {tuple(out.shape)}, lse {tuple(lse.shape)}, page_lse {tuple(page_lse.shape)}, "
             f"masks {[tuple(m.shape) for m in masks]}"
@@ -261,7 +264,8 @@ def guard_finish_triton(
         part1 = part1.contiguous()
     _finish_kernel[(n,)](
         *dense[:7], page_lse, logit_error, value_norm, *dense[7:], threshold, part1, output, share, flagged, tally,
-        hq, pages, dv, *page_lse.stride(), *logit_error.stride(), *value_norm.stride(), threshold.stride(0),
-        part1.stride(0), part1.stride(1), tally.stride(0), layer, layers, BLOCK_P=BLOCK_P, BLOCK_DV=next_power_of_2(dv),
+        hq, hq // value_norm.shape[1], pages, dv, *page_lse.stride(), *logit_error.stride(), *value_norm.stride(),
+        threshold.stride(0), part1.stride(0), part1.stride(1), tally.stride(0), layer, layers,
+        BLOCK_P=BLOCK_P, BLOCK_DV=next_power_of_2(dv),
     )  # fmt: skip
     return output, share, flagged

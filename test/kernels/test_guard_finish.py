@@ -5,7 +5,7 @@ output of a row with no rest.
 
 Under TRITON_INTERPRET=1 on a CPU (conftest.py): rows where each bound wins, a row with no
 rest, flagged and unflagged rows, released pages wanted by a flagged row, pages tiled
-over two blocks, the value norms as the estimate passes them (a broadcast view), a
+over two blocks, the value norms per KV head as the estimate passes them (a transposed view), a
 bfloat16 part 1, a tally already holding earlier layers. Fresh random numbers each run
 (seed in every failure message; pin one with KERNEL_TEST_SEED).
 """
@@ -48,9 +48,8 @@ def case(n, hq, kv, pages, dv, *, seed, part1_dtype=torch.float32):
     out = torch.randn(n, hq, dv, generator=gen)
     page_lse = torch.randn(n, hq, pages, generator=gen) - 1.0
     error = rand(n, hq, pages) * 0.5
-    # One value norm per KV head, broadcast over its query heads (as estimate_outside passes it).
-    norms = rand(n, kv, pages) * 3
-    value_norm = norms[:, :, None, :].expand(n, kv, hq // kv, pages).reshape(n, hq, pages)
+    # One value norm per KV head (a transposed view, as estimate_outside passes it).
+    value_norm = (rand(kv, n, pages) * 3).transpose(0, 1)
     relative = rand(n) * 0.3
     relative[0] = float("inf")  # the deterministic bound wins
     relative[1] = 0.0  # the statistical one wins

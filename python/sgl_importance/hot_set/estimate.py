@@ -120,12 +120,14 @@ class OutsidePlan:
 
 @dataclass
 class Outside:
-    """One layer's logit intervals of the rest pages (``[n, Hq, P]`` each).
+    """One layer's logit intervals of the rest pages.
 
     Attributes:
-        page_lse: log of each page's estimated mass, ``log sum_t exp(m_t)`` (-inf on padding).
-        logit_error: ``e_p``: every token's logit within it of its estimate.
-        value_norm: the page's largest value norm (of the query head's KV head).
+        page_lse: ``[n, Hq, P]`` log of each page's estimated mass, ``log sum_t exp(m_t)``
+            (-inf on padding).
+        logit_error: ``[n, Hq, P]`` ``e_p``: every token's logit within it of its estimate.
+        value_norm: ``[n, Hkv, P]`` the page's largest value norm per KV head (query head
+            ``h`` reads KV head ``h // (Hq / Hkv)``'s).
     """
 
     page_lse: torch.Tensor
@@ -194,8 +196,7 @@ def estimate_outside(
     def heads(x: torch.Tensor) -> torch.Tensor:  # [Hkv, n, P, g] -> [n, Hq, P]
         return _per_q_head(on_device(x, dev).transpose(2, 3), n, hq)
 
-    value_norm = on_device(norms, dev)[:, :, :, None].expand(hkv, n, norms.shape[2], g)
-    return Outside(heads(page_lse), heads(error), heads(value_norm))
+    return Outside(heads(page_lse), heads(error), on_device(norms, dev).transpose(0, 1))
 
 
 def estimate_outside_ranged(
@@ -214,15 +215,13 @@ def estimate_outside_ranged(
     rows ``range_ids`` ``[n, P]`` inside the kernel (``sgl_kernel_ext.key_code_pages_ranged``),
     the queries scaled there, the results in query-head order: no gathered ranges, steps or
     per-head copies around it. The same numbers as ``estimate_outside`` on its Triton path."""
-    n, hq, _ = q.shape
-    hkv = pool.num_kv_heads
+    n, hkv = q.shape[0], pool.num_kv_heads
     page_lse, error = key_code_pages_ranged(
         q, pool.codes[layer], plan.codes, *tables, range_ids, plan.valid,
         sm_scale=sm_scale, logit_cap=logit_cap, margin=ROUNDING_MARGIN,
     )  # fmt: skip
     norms = pool.value_norm[layer].index_select(1, plan.codes.reshape(-1)).view(hkv, n, -1)  # [Hkv, n, P]
-    value_norm = norms.transpose(0, 1)[:, :, None, :].expand(n, hkv, hq // hkv, norms.shape[2]).reshape(n, hq, -1)
-    return Outside(page_lse, error, value_norm)
+    return Outside(page_lse, error, norms.transpose(0, 1))
 
 
 @dataclass
@@ -384,7 +383,9 @@ def negligible_rest(lse_exact: torch.Tensor, out_exact: torch.Tensor, outside: O
     upper = (outside.page_lse + outside.logit_error).masked_fill(~keep[:, None, :], NEG_INF)
     lse_hi = torch.logsumexp(upper, dim=-1)  # [n, Hq]
     alpha = torch.where(torch.isfinite(lse_hi), torch.sigmoid(lse_hi - lse_exact), 0.0)
-    largest = outside.value_norm.masked_fill(~keep[:, None, :], 0.0).amax(dim=-1)  # [n, Hq]
+    largest = outside.value_norm.masked_fill(~keep[:, None, :], 0.0).amax(dim=-1)  # [n, Hkv]
+    n, hkv = largest.shape
+    largest = largest[:, :, None].expand(n, hkv, lse_exact.shape[1] // hkv).reshape(n, -1)  # [n, Hq]
     head = out_exact.norm(dim=-1)
     bound = (alpha * (largest + head)).norm(dim=-1)  # [n]
     relative = _relative(bound, out_exact)

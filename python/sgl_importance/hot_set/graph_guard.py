@@ -210,7 +210,7 @@ class GraphGuard:
             kmin, kmax = self.ranges.gather(layer_id, lists[:, RANGES])
             native = None if self.device.type == "cuda" else False
             outside = estimate_outside(q, self.pool, layer_id, plan, kmin, kmax, use_native=native, **run)
-        sample = self._sample(q, k_pages, v_pages, (valid & sampled)[:, : self.samples], run)
+        sample = self._sample(q, k_pages, v_pages, sampled[:, : self.samples], run)  # sampled columns are valid
         column = layer_id % self.num_layers
         args = (part1.lse, part1.output.float(), outside, sample, valid, sampled, params[:, 0])
         reader = self._reader(q, k_pages, v_pages, bs, run)
