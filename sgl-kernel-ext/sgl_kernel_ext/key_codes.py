@@ -392,7 +392,6 @@ def key_code_pages_ranged(
     err = torch.empty(n, hq, listed, dtype=torch.float32, device=dev)
     if lse.numel() == 0:
         return lse, err
-    valid = valid.view(torch.uint8) if valid.dtype == torch.bool else valid.to(torch.uint8)
     page_size = codes.shape[2]
     half = d // 2
     # Output [n, Hq, P] written as [Hkv, n, P, g]: KV head h's query heads are rows h * g ...

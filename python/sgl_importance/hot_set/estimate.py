@@ -215,12 +215,11 @@ def estimate_outside_ranged(
     rows ``range_ids`` ``[n, P]`` inside the kernel (``sgl_kernel_ext.key_code_pages_ranged``),
     the queries scaled there, the results in query-head order: no gathered ranges, steps or
     per-head copies around it. The same numbers as ``estimate_outside`` on its Triton path."""
-    n, hkv = q.shape[0], pool.num_kv_heads
     page_lse, error = key_code_pages_ranged(
         q, pool.codes[layer], plan.codes, *tables, range_ids, plan.valid,
         sm_scale=sm_scale, logit_cap=logit_cap, margin=ROUNDING_MARGIN,
     )  # fmt: skip
-    norms = pool.value_norm[layer].index_select(1, plan.codes.reshape(-1)).view(hkv, n, -1)  # [Hkv, n, P]
+    norms = pool.value_norm[layer][:, plan.codes]  # [Hkv, n, P], one gather from the strided ids
     return Outside(page_lse, error, norms.transpose(0, 1))
 
 
