@@ -74,18 +74,25 @@ def t_quantile(count: torch.Tensor, quantiles: Mapping[int, float], z: float) ->
 if HAS_TRITON:
 
     @triton.jit
-    def _kept(Keep, InSample, row, cols, num_sampled, num_rest):
-        """Sampled columns still estimated: kept (not read) and in the sample ([n, P] masks)."""
+    def _still(Valid, Read, row, cols, limit, num_rest):
+        """Columns (below ``limit``) still estimated: listed and not read ([n, P] masks)."""
+        inside = cols < limit
+        listed = tl.load(Valid + row * num_rest + cols, mask=inside, other=0) != 0
+        return listed & (tl.load(Read + row * num_rest + cols, mask=inside, other=1) == 0)
+
+    @triton.jit
+    def _kept(Valid, Read, InSample, row, cols, num_sampled, num_rest):
+        """Sampled columns still estimated: listed, not read, in the sample."""
         inside = cols < num_sampled
-        keep = tl.load(Keep + row * num_rest + cols, mask=inside, other=0) != 0
+        keep = _still(Valid, Read, row, cols, num_sampled, num_rest)
         return keep & (tl.load(InSample + row * num_rest + cols, mask=inside, other=0) != 0)
 
     @triton.jit
-    def _sampled_lse(SLse, Keep, InSample, row, rh, cols, num_sampled, num_rest, MASKED: tl.constexpr):
+    def _sampled_lse(SLse, Valid, Read, InSample, row, rh, cols, num_sampled, num_rest, MASKED: tl.constexpr):
         """The sampled pages' lse, -inf where a page is not estimated (masked here where ``MASKED``)."""
         x = tl.load(SLse + rh * num_sampled + cols, mask=cols < num_sampled, other=float("-inf"))
         if MASKED:
-            x = tl.where(_kept(Keep, InSample, row, cols, num_sampled, num_rest), x, float("-inf"))
+            x = tl.where(_kept(Valid, Read, InSample, row, cols, num_sampled, num_rest), x, float("-inf"))
         return x
 
     @triton.jit
@@ -97,7 +104,8 @@ if HAS_TRITON:
         Pi,
         RestLse,
         RestS,
-        Keep,
+        Valid,
+        Read,
         InSample,
         Out,
         Lse,
@@ -107,6 +115,7 @@ if HAS_TRITON:
         num_sampled,
         num_rest,
         dv,
+        stride_pi,
         stride_rn,
         stride_rh,
         stride_rp,
@@ -124,7 +133,7 @@ if HAS_TRITON:
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_DV)
         mask_d = offs_d < dv
-        pi = tl.load(Pi + row).to(tl.float32)
+        pi = tl.load(Pi + row * stride_pi).to(tl.float32)
 
         # Pass 1: the sampled pages' own softmax (online over page blocks).
         m = tl.full([], neg_inf, tl.float32)
@@ -132,7 +141,7 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_DV], tl.float32)
         for s0 in range(0, num_sampled, BLOCK_S):
             cols = s0 + offs_s
-            x = _sampled_lse(SLse, Keep, InSample, row, rh, cols, num_sampled, num_rest, MASKED)
+            x = _sampled_lse(SLse, Valid, Read, InSample, row, rh, cols, num_sampled, num_rest, MASKED)
             live = x > neg_inf
             m_new = tl.maximum(m, tl.max(x, axis=0))
             m_safe = tl.where(m_new > neg_inf, m_new, 0.0)
@@ -175,7 +184,7 @@ if HAS_TRITON:
         for s0 in range(0, num_sampled, BLOCK_S):
             cols = s0 + offs_s
             mask_s = cols < num_sampled
-            x = _sampled_lse(SLse, Keep, InSample, row, rh, cols, num_sampled, num_rest, MASKED)
+            x = _sampled_lse(SLse, Valid, Read, InSample, row, rh, cols, num_sampled, num_rest, MASKED)
             live = x > neg_inf
             share = tl.where(live, tl.exp(x - lse), 0.0)
             o = tl.load(
@@ -189,7 +198,7 @@ if HAS_TRITON:
             if HAS_CODES:
                 if MASKED:  # the sampled pages' own codes, where still estimated
                     c = tl.load(rest + cols * stride_rp, mask=mask_s, other=neg_inf)
-                    c = tl.where(_kept(Keep, InSample, row, cols, num_sampled, num_rest), c, neg_inf)
+                    c = tl.where(_kept(Valid, Read, InSample, row, cols, num_sampled, num_rest), c, neg_inf)
                 else:
                     c = tl.load(RestS + rh * num_sampled + cols, mask=mask_s, other=neg_inf)
                 xc = tl.where(c > neg_inf, tl.exp(c - lse), 0.0)
@@ -202,7 +211,7 @@ if HAS_TRITON:
                 cols = p0 + offs_p
                 c = tl.load(rest + cols * stride_rp, mask=cols < num_rest, other=neg_inf)
                 if MASKED:
-                    c = tl.where(tl.load(Keep + row * num_rest + cols, mask=cols < num_rest, other=0) != 0, c, neg_inf)
+                    c = tl.where(_still(Valid, Read, row, cols, num_rest, num_rest), c, neg_inf)
                 xc = tl.where(c > neg_inf, tl.exp(c - lse), 0.0)
                 x_rest += tl.sum(xc * xc, axis=0)
         norm_sq = tl.sum(output * output, axis=0)
@@ -216,7 +225,8 @@ if HAS_TRITON:
         SLse,
         Pi,
         Uncovered,
-        Keep,
+        Valid,
+        Read,
         InSample,
         Work,
         Dfs,
@@ -226,6 +236,7 @@ if HAS_TRITON:
         hq,
         num_sampled,
         num_rest,
+        stride_pi,
         z,
         min_sampled,
         HAS_CODES: tl.constexpr,
@@ -240,7 +251,7 @@ if HAS_TRITON:
         inf = float("inf")
         offs_h = tl.arange(0, BLOCK_H)
         mask_h = offs_h < hq
-        pi = tl.load(Pi + row).to(tl.float32)
+        pi = tl.load(Pi + row * stride_pi).to(tl.float32)
         work = Work + (row * hq + offs_h) * 4
         spread = tl.load(work + 0, mask=mask_h, other=0.0)
         norm_sq = tl.load(work + 3, mask=mask_h, other=0.0)
@@ -262,7 +273,7 @@ if HAS_TRITON:
                 other=neg_inf,
             )
             if MASKED:
-                x = tl.where(_kept(Keep, InSample, row, cols, num_sampled, num_rest)[None, :], x, neg_inf)
+                x = tl.where(_kept(Valid, Read, InSample, row, cols, num_sampled, num_rest)[None, :], x, neg_inf)
             seen = tl.max(tl.where(x > neg_inf, 1, 0), axis=0)
             count += tl.sum(seen, axis=0)
 
@@ -285,11 +296,11 @@ if HAS_TRITON:
             offs_p = tl.arange(0, BLOCK_P)
             for p0 in range(0, num_rest, BLOCK_P):
                 cols = p0 + offs_p
-                left += tl.sum((tl.load(Keep + row * num_rest + cols, mask=cols < num_rest, other=0) != 0).to(tl.int32))
+                left += tl.sum(_still(Valid, Read, row, cols, num_rest, num_rest).to(tl.int32))
             sampled_left = tl.zeros([], tl.int32)
             for s0 in range(0, num_sampled, BLOCK_S):
                 cols = s0 + offs_s
-                sampled_left += tl.sum(_kept(Keep, InSample, row, cols, num_sampled, num_rest).to(tl.int32))
+                sampled_left += tl.sum(_kept(Valid, Read, InSample, row, cols, num_sampled, num_rest).to(tl.int32))
             uncovered = (left > 0) & (sampled_left == 0)
         else:
             uncovered = tl.load(Uncovered + row) != 0
@@ -341,7 +352,7 @@ def combine_triton(
     sampled_lse = dense(sampled_lse)
     rest_lse, rest_sampled = (sampled_lse, sampled_lse) if codes is None else (dense(codes[0]), dense(codes[1]))
     flags = uncovered.to(dev).to(torch.uint8).contiguous()
-    masks = None, None
+    masks = None, None, None
     return _run(lse_exact, out_exact, sampled_lse, sampled_output, inclusion, (rest_lse, rest_sampled), flags, masks,
                 has_codes=codes is not None, quantiles=quantiles, z=z, min_sampled=min_sampled)  # fmt: skip
 
@@ -353,7 +364,8 @@ def combine_rest_triton(
     sampled_output: torch.Tensor,
     inclusion: torch.Tensor,
     page_lse: torch.Tensor,
-    keep: torch.Tensor,
+    valid: torch.Tensor,
+    read: torch.Tensor,
     in_sample: torch.Tensor,
     *,
     quantiles: Mapping[int, float],
@@ -369,27 +381,29 @@ def combine_rest_triton(
         sampled_lse, sampled_output: ``[n, Hq, S]``, ``[n, Hq, S, Dv]`` the sampled pages
             (the plan's first ``S`` columns), unmasked.
         page_lse: ``[n, Hq, P]`` every listed rest page's key-code log-mass (any strides).
-        keep, in_sample: bool ``[n, P]``: the pages still estimated, and those sampled.
+        valid, read, in_sample: bool ``[n, P]``: the listed pages, those read exactly (the
+            rest are still estimated), those sampled.
         The rest as :func:`combine_triton`'s.
     """
     if not HAS_TRITON:
         raise RuntimeError("combine_rest_triton needs Triton")
     n, hq, pages = page_lse.shape
-    if keep.shape != (n, pages) or in_sample.shape != (n, pages) or sampled_lse.shape[-1] > pages:
+    masks = valid, read, in_sample
+    if any(m.shape != (n, pages) for m in masks) or sampled_lse.shape[-1] > pages:
         raise ValueError(
-            f"masks {tuple(keep.shape)} / {tuple(in_sample.shape)} do not match page_lse {tuple(page_lse.shape)} "
+            f"masks {[tuple(m.shape) for m in masks]} do not match page_lse {tuple(page_lse.shape)} "
             f"and {sampled_lse.shape[-1]} sampled columns"
         )
     dev = out_exact.device
     sampled_lse = sampled_lse.to(dev, torch.float32).contiguous()
-    masks = keep.contiguous(), in_sample.contiguous()
+    masks = tuple(m.contiguous() for m in masks)
     return _run(lse_exact, out_exact, sampled_lse, sampled_output, inclusion, (page_lse, sampled_lse), None, masks,
                 has_codes=True, quantiles=quantiles, z=z, min_sampled=min_sampled)  # fmt: skip
 
 
 def _run(lse_exact, out_exact, sampled_lse, sampled_output, inclusion, codes, uncovered, masks, *, has_codes,
          quantiles, z, min_sampled):  # fmt: skip
-    """The two launches; ``masks`` ``(keep, in_sample)`` or ``(None, None)`` (then ``uncovered``)."""
+    """The two launches; ``masks`` ``(valid, read, in_sample)`` or ``(None, None, None)`` (then ``uncovered``)."""
     n, hq = lse_exact.shape
     dv = out_exact.shape[-1]
     num_sampled = sampled_lse.shape[-1]
@@ -413,18 +427,18 @@ def _run(lse_exact, out_exact, sampled_lse, sampled_output, inclusion, codes, un
     dense = lambda t: t.to(dev, f32).contiguous()  # noqa: E731
     rest_lse, rest_sampled = codes
     num_rest = rest_lse.shape[-1] if has_codes else 0
-    keep, in_sample = masks
-    masked = keep is not None
+    valid, read, in_sample = masks
+    masked = valid is not None
     if masked:
-        num_rest = keep.shape[1]  # the masks' row stride, codes or not
+        num_rest = valid.shape[1]  # the masks' row stride, codes or not
     else:
-        keep = in_sample = work  # never read
-    pi = dense(inclusion)
+        valid = read = in_sample = work  # never read
+    pi = inclusion.to(dev, f32)  # read through its stride (a column of the step's parameters)
     dfs, values = _table(quantiles, dev)
     _combine_heads_kernel[(n, hq)](
         dense(lse_exact), dense(out_exact), sampled_lse, dense(sampled_output), pi, rest_lse, rest_sampled,
-        keep, in_sample, output, lse, share, work,
-        hq, num_sampled, num_rest, dv, *(rest_lse.stride() if has_codes else (0, 0, 0)),
+        valid, read, in_sample, output, lse, share, work,
+        hq, num_sampled, num_rest, dv, pi.stride(0), *(rest_lse.stride() if has_codes else (0, 0, 0)),
         HAS_CODES=has_codes,
         MASKED=masked,
         BLOCK_S=BLOCK_S,
@@ -432,8 +446,8 @@ def _run(lse_exact, out_exact, sampled_lse, sampled_output, inclusion, codes, un
         BLOCK_DV=next_power_of_2(dv),
     )  # fmt: skip
     _combine_bound_kernel[(n,)](
-        sampled_lse, pi, work if uncovered is None else uncovered, keep, in_sample, work, dfs, values, bound,
-        relative, hq, num_sampled, num_rest, float(z), int(min_sampled),
+        sampled_lse, pi, work if uncovered is None else uncovered, valid, read, in_sample, work, dfs, values, bound,
+        relative, hq, num_sampled, num_rest, pi.stride(0), float(z), int(min_sampled),
         HAS_CODES=has_codes,
         MASKED=masked,
         NUM_QUANTILES=dfs.numel(),

@@ -1,6 +1,7 @@
 """The end of a guarded layer in a captured hot-set step as one Triton launch: the
 deterministic bound, the choice of the smaller bound, the flag, the pages' estimated
-masses and the guard's tally row, the layer's output.
+masses and the guard's tally row, the layer's output written where it goes, part 1's
+page masses rescaled.
 
 In: the exact part with the selection's reads merged in (``lse``, ``out``), the sampled
 estimate of the rest with its bound (``combine``'s five results), the rest pages' logit
@@ -19,10 +20,13 @@ no rest). One program per row (grid ``(n,)``):
    pages' estimated share of the chosen denominator, largest over heads (max over
    layers); 1 where a layer wanted the page, 2 where a flagged layer wanted it released
    (max); the layer's guard reads, pages read, estimated, missed and estimated-and-sampled
-   (added); the layer's flag; its wanted count.
+   (added); the layer's flag; its wanted count;
+5. part 1's per-KV-head page masses scaled by each KV head's mean exact share (shares of
+   the chosen denominator, for the importance table and the step's tally), and their mean.
 
-The torch code it replaces (``hot_set.guard.guard_layer`` after its reads and
-``hot_set.graph_guard.GraphGuard._keep``) is its reference in the tests. Reads per
+The torch code it replaces (``hot_set.guard.weigh_bounds``, ``hot_set.graph_guard``'s
+``keep_in_tally`` and the importance scaling of ``GraphGuard.attend``'s torch path) is its
+reference in the tests. Reads per
 request and layer: the rest pages' three interval tensors once and their log-masses
 again for the masses (Llama-3.1-8B at 32K, 32 query heads: 1 MiB), the tally row twice.
 
@@ -43,6 +47,7 @@ if HAS_TRITON:
     import triton.language as tl
 
 BLOCK_P = 128
+BLOCK_L = 64  # listed pages of part 1 a step of the importance scaling covers
 # Counts in the tally row, after the masses and the wanted marks.
 COUNTS = 5
 
@@ -72,6 +77,8 @@ if HAS_TRITON:
         Share,
         Flagged,
         Tally,
+        PerKv,
+        Importance,
         hq,
         group,
         pages,
@@ -89,10 +96,18 @@ if HAS_TRITON:
         stride_part1_n,
         stride_part1_h,
         stride_tally,
+        stride_out_n,
+        stride_out_h,
+        listed,
+        stride_kn,
+        stride_kl,
+        stride_kh,
         layer,
         layers,
         BLOCK_P: tl.constexpr,
         BLOCK_DV: tl.constexpr,
+        BLOCK_L: tl.constexpr,
+        BLOCK_KV: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         neg_inf = float("-inf")
@@ -176,6 +191,8 @@ if HAS_TRITON:
             old = tl.load(t_row + pages + cols, mask=inside, other=0.0)
             tl.store(t_row + pages + cols, tl.maximum(old, mark), mask=inside)
         # 3. The output, the exact share, and the pages' masses of the chosen denominator.
+        offs_kv = tl.arange(0, BLOCK_KV)
+        kv_share = tl.zeros([BLOCK_KV], tl.float32)  # each KV head's mean exact share over its group
         for h in range(hq):
             rh = row * hq + h
             lse_e = tl.load(Lse + rh).to(tl.float32)
@@ -188,8 +205,11 @@ if HAS_TRITON:
             ).to(tl.float32)
             first = tl.load(Part1 + row * stride_part1_n + h * stride_part1_h + offs_d, mask=mask_d, other=0.0)
             o = tl.where(has_rest > 0, o, first.to(tl.float32))
-            tl.store(Output + rh * dv + offs_d, o, mask=mask_d)
-            tl.store(Share + rh, tl.where(has_rest > 0, share, 1.0))
+            out_ptr = Output + row * stride_out_n + h * stride_out_h + offs_d
+            tl.store(out_ptr, o.to(Output.dtype.element_ty), mask=mask_d)
+            share = tl.where(has_rest > 0, share, 1.0)
+            tl.store(Share + rh, share)
+            kv_share = tl.where(offs_kv == h // group, kv_share + share / group, kv_share)
             base = row * stride_n + h * stride_h
             for p0 in range(0, pages, BLOCK_P):
                 cols = p0 + offs
@@ -209,6 +229,16 @@ if HAS_TRITON:
         f = c + 5 + layer
         tl.store(f, tl.maximum(tl.load(f), flagged.to(tl.float64)))
         tl.store(c + 5 + layers + layer, counts_wanted.to(tl.float64))
+        # 5. Part 1's per-KV-head masses as shares of the chosen denominator, and their mean.
+        kv_heads = hq // group
+        offs_l = tl.arange(0, BLOCK_L)
+        for l0 in range(0, listed, BLOCK_L):
+            cols = l0 + offs_l
+            tile = (cols[:, None] < listed) & (offs_kv[None, :] < kv_heads)
+            ptr = PerKv + row * stride_kn + cols[:, None] * stride_kl + offs_kv[None, :] * stride_kh
+            scaled = tl.load(ptr, mask=tile, other=0.0).to(tl.float32) * kv_share[None, :]
+            tl.store(ptr, scaled.to(PerKv.dtype.element_ty), mask=tile)
+            tl.store(Importance + row * listed + cols, tl.sum(scaled, axis=1) / kv_heads, mask=cols < listed)
 
 
 def guard_finish_triton(
@@ -220,6 +250,8 @@ def guard_finish_triton(
     threshold: torch.Tensor,
     part1: torch.Tensor,
     tally: torch.Tensor,
+    output: torch.Tensor,
+    per_kv: torch.Tensor,
     *,
     layer: int,
     layers: int,
@@ -235,9 +267,14 @@ def guard_finish_triton(
         threshold: ``[n]`` each row's guard threshold (any stride).
         part1: ``[n, Hq, Dv]`` the part-1 output (the output of a row with no rest).
         tally: float64 ``[n, >= 2P + 5 + 2L]``, updated in place (its rows' stride any).
+        output: ``[n, Hq, Dv]`` where the layer's output goes (SGLang's; any float dtype,
+            unit stride in its last dimension), written.
+        per_kv: ``[n, pages listed, Hkv]`` part 1's per-KV-head page masses, scaled in place
+            by each KV head's mean exact share (they become shares of the chosen denominator).
 
     Returns:
-        (output ``[n, Hq, Dv]`` float32, exact share ``[n, Hq]`` float32, flagged bool ``[n]``).
+        (exact share ``[n, Hq]`` float32, flagged bool ``[n]``, part 1's page masses, the
+        mean of ``per_kv`` over KV heads ``[n, pages listed]`` float32).
     """
     if not HAS_TRITON:
         raise RuntimeError("guard_finish_triton needs Triton")
@@ -253,19 +290,25 @@ def guard_finish_triton(
         )
     if tally.dtype != torch.float64 or tally.shape[1] < 2 * pages + COUNTS + 2 * layers or tally.stride(1) != 1:
         raise ValueError(f"the tally must be float64 [n, >= {2 * pages + COUNTS + 2 * layers}] with unit column stride")
+    kv_heads = per_kv.shape[2]
+    if output.shape != out.shape or output.stride(-1) != 1 or per_kv.shape[0] != n or hq % kv_heads:
+        raise ValueError(f"output {tuple(output.shape)}, per_kv {tuple(per_kv.shape)}: out is {tuple(out.shape)}")
     dev = out.device
-    output = torch.empty(n, hq, dv, dtype=torch.float32, device=dev)
     share = torch.empty(n, hq, dtype=torch.float32, device=dev)
     flagged = torch.empty(n, dtype=torch.bool, device=dev)
+    listed = per_kv.shape[1]
+    importance = torch.empty(n, listed, dtype=torch.float32, device=dev)
     if n == 0:
-        return output, share, flagged
+        return share, flagged, importance
     dense = [t.contiguous() for t in (lse, out, *statistical, *masks)]  # each already is as the step calls it
     if part1.stride(-1) != 1:
         part1 = part1.contiguous()
     _finish_kernel[(n,)](
         *dense[:7], page_lse, logit_error, value_norm, *dense[7:], threshold, part1, output, share, flagged, tally,
+        per_kv, importance,
         hq, hq // value_norm.shape[1], pages, dv, *page_lse.stride(), *logit_error.stride(), *value_norm.stride(),
-        threshold.stride(0), part1.stride(0), part1.stride(1), tally.stride(0), layer, layers,
-        BLOCK_P=BLOCK_P, BLOCK_DV=next_power_of_2(dv),
+        threshold.stride(0), part1.stride(0), part1.stride(1), tally.stride(0), output.stride(0), output.stride(1),
+        listed, *per_kv.stride(), layer, layers,
+        BLOCK_P=BLOCK_P, BLOCK_DV=next_power_of_2(dv), BLOCK_L=BLOCK_L, BLOCK_KV=next_power_of_2(per_kv.shape[2]),
     )  # fmt: skip
-    return output, share, flagged
+    return share, flagged, importance

@@ -6,7 +6,8 @@ output of a row with no rest.
 Under TRITON_INTERPRET=1 on a CPU (conftest.py): rows where each bound wins, a row with no
 rest, flagged and unflagged rows, released pages wanted by a flagged row, pages tiled
 over two blocks, the value norms per KV head as the estimate passes them (a transposed view), a
-bfloat16 part 1, a tally already holding earlier layers. Fresh random numbers each run
+bfloat16 part 1 and output buffer, a tally already holding earlier layers, part 1's per-KV-head
+page masses rescaled in place (listed pages over two blocks). Fresh random numbers each run
 (seed in every failure message; pin one with KERNEL_TEST_SEED).
 """
 
@@ -23,6 +24,7 @@ pytest.importorskip("triton", reason="triton is not installed; the Triton guard 
 from sgl_importance.hot_set.estimate import Combined, Outside  # noqa: E402
 from sgl_importance.hot_set.graph_guard import keep_in_tally  # noqa: E402
 from sgl_importance.hot_set.guard import GuardReads, weigh_bounds  # noqa: E402
+from sgl_importance.hot_set.step_tally import kv_group_share  # noqa: E402
 from sgl_kernel_ext import guard_finish_triton  # noqa: E402
 from support.kernel_device import DEVICE  # noqa: E402
 
@@ -33,7 +35,7 @@ def _seed() -> int:
     return int(os.environ.get("KERNEL_TEST_SEED", random.randrange(2**31)))
 
 
-def case(n, hq, kv, pages, dv, *, seed, part1_dtype=torch.float32):
+def case(n, hq, kv, pages, dv, *, seed, part1_dtype=torch.float32, listed=7):
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *s: torch.rand(*s, generator=gen)  # noqa: E731
     valid = rand(n, pages) < 0.85
@@ -62,55 +64,63 @@ def case(n, hq, kv, pages, dv, *, seed, part1_dtype=torch.float32):
     tally[:, :pages] = rand(n, pages).double() * 0.1  # earlier layers' masses
     tally[:, 2 * pages : 2 * pages + 5] = torch.randint(0, 4, (n, 5), generator=gen).double()
     reads = GuardReads(wanted, missed, read, lse, out, statistical)
-    return reads, Outside(page_lse, error, value_norm), valid, sampled, thresholds, part1, tally
+    per_kv = rand(n, listed, kv)  # part 1's per-KV-head masses of its listed pages
+    return reads, Outside(page_lse, error, value_norm), valid, sampled, thresholds, part1, tally, per_kv
 
 
-def reference(reads, outside, valid, sampled, thresholds, part1, tally, layer):
+def reference(reads, outside, valid, sampled, thresholds, part1, tally, per_kv, layer, out_dtype):
     outcome = weigh_bounds(reads, outside, valid, thresholds)
     tally = tally.clone()
     keep_in_tally(tally, outcome, sampled, layer, LAYERS)
     has_rest = valid.any(dim=1)
-    output = torch.where(has_rest[:, None, None], outcome.combined.output, part1.float())
+    output = torch.where(has_rest[:, None, None], outcome.combined.output, part1.float()).to(out_dtype)
     share = torch.where(has_rest[:, None], outcome.combined.exact_share, 1.0)
-    return output, share, outcome.flagged, tally, outcome
+    per_kv = per_kv * kv_group_share(share, per_kv.shape[2])[:, None, :]
+    return output, share, outcome.flagged, tally, per_kv, per_kv.mean(dim=-1), outcome
 
 
-def run_kernel(reads, outside, valid, sampled, thresholds, part1, tally, layer):
+def run_kernel(reads, outside, valid, sampled, thresholds, part1, tally, per_kv, layer, out_dtype):
     dev = lambda t: t.to(DEVICE)  # noqa: E731
-    tally = dev(tally.clone())
-    got = guard_finish_triton(
+    tally, per_kv = dev(tally.clone()), dev(per_kv.clone())
+    out = torch.full(reads.out.shape, float("nan"), dtype=out_dtype, device=DEVICE)  # SGLang's output buffer
+    share, flagged, importance = guard_finish_triton(
         dev(reads.lse), dev(reads.out), tuple(dev(t) for t in vars(reads.statistical).values()),
         tuple(dev(t) for t in vars(outside).values()),
         tuple(dev(t) for t in (valid, reads.read, reads.wanted, reads.missed, sampled)),
-        dev(thresholds), dev(part1), tally, layer=layer, layers=LAYERS,
+        dev(thresholds), dev(part1), tally, out, per_kv, layer=layer, layers=LAYERS,
     )  # fmt: skip
-    return (*(t.cpu() for t in got), tally.cpu())
+    return tuple(t.cpu() for t in (out, share, flagged, tally, per_kv, importance))
 
 
 @pytest.mark.parametrize(
     "n,hq,kv,pages,dv,part1_dtype",
     [(4, 4, 2, 20, 16, torch.float32), (5, 8, 2, 300, 64, torch.bfloat16)],
-    ids=["small", "pages-over-two-blocks-bf16-part1"],
+    ids=["small", "pages-over-two-blocks-bf16"],
 )
 def test_the_finish_kernel_ends_the_layer_as_the_torch_code(n, hq, kv, pages, dv, part1_dtype):
     seed = _seed()
-    args = case(n, hq, kv, pages, dv, seed=seed, part1_dtype=part1_dtype)
-    output, share, flagged, tally, outcome = reference(*args, layer=1)
-    got = run_kernel(*args, layer=1)
+    args = case(n, hq, kv, pages, dv, seed=seed, part1_dtype=part1_dtype, listed=70)
+    want = reference(*args, layer=1, out_dtype=part1_dtype)
+    got = run_kernel(*args, layer=1, out_dtype=part1_dtype)
     msg = f"seed={seed}"
-    torch.testing.assert_close(got[0], output, rtol=1e-5, atol=1e-5, msg=msg)
-    torch.testing.assert_close(got[1], share, rtol=1e-5, atol=1e-6, msg=msg)
-    assert torch.equal(got[2], flagged), msg
-    torch.testing.assert_close(got[3], tally, rtol=1e-5, atol=1e-9, msg=msg)
+    tol = dict(rtol=1e-5, atol=1e-5) if part1_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got[0], want[0], **tol, msg=msg)  # written into the output buffer, its dtype
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6, msg=msg)
+    assert torch.equal(got[2], want[2]), msg
+    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-9, msg=msg)
+    torch.testing.assert_close(got[4], want[4], rtol=1e-5, atol=1e-7, msg=msg)  # part 1's masses, scaled in place
+    torch.testing.assert_close(got[5], want[5], rtol=1e-5, atol=1e-7, msg=msg)
     # The case covers what it says: each bound chosen somewhere, a flagged row with a miss.
+    outcome = want[6]
     det = outcome.deterministic.relative <= outcome.statistical.relative
     assert det[0] and not det[1], msg
-    assert flagged[0] and (tally[0, pages : 2 * pages] == 2).any(), msg
+    assert want[2][0] and (want[3][0, pages : 2 * pages] == 2).any(), msg
 
 
 def test_the_finish_kernel_refuses_mismatched_masks_and_a_narrow_tally():
-    reads, outside, valid, sampled, thresholds, part1, tally = case(4, 4, 2, 10, 8, seed=0)
+    reads, outside, valid, sampled, thresholds, part1, tally, per_kv = case(4, 4, 2, 10, 8, seed=0)
+    f32 = torch.float32
     with pytest.raises(ValueError, match="do not match"):
-        run_kernel(reads, outside, valid[:, :9], sampled, thresholds, part1, tally, 0)
+        run_kernel(reads, outside, valid[:, :9], sampled, thresholds, part1, tally, per_kv, 0, f32)
     with pytest.raises(ValueError, match="tally"):
-        run_kernel(reads, outside, valid, sampled, thresholds, part1, tally[:, :-1], 0)
+        run_kernel(reads, outside, valid, sampled, thresholds, part1, tally[:, :-1], per_kv, 0, f32)

@@ -356,19 +356,22 @@ def test_the_masked_combine_kernel_is_the_guards_combine_over_the_pages_still_es
     lse_e, out_e = torch.randn(n, hq, generator=gen) * 2 + 3, torch.randn(n, hq, dv, generator=gen)
     sample = Sampled(torch.randn(n, hq, sampled, generator=gen) * 2, torch.randn(n, hq, sampled, dv, generator=gen))
     page_lse = (torch.randn(hq, n, rest, generator=gen) * 2).transpose(0, 1)  # strided, as the estimate's heads
-    keep = torch.rand(n, rest, generator=gen) < 0.7
+    valid = torch.rand(n, rest, generator=gen) < 0.9
+    read = (torch.rand(n, rest, generator=gen) < 0.3) & valid
+    valid[0], read[0] = True, False  # every page estimated
+    valid[-1, sampled], read[-1, sampled] = True, False
     in_sample = torch.zeros(n, rest, dtype=torch.bool)
     in_sample[:, :sampled] = torch.rand(n, sampled, generator=gen) < 0.8
-    keep[0] = True  # every page estimated
     in_sample[0, :sampled] = True
-    keep[-1, :sampled] = False  # pages left, none of them sampled: uncovered
-    keep[-1, sampled] = True
-    pi = torch.rand(n, generator=gen) * 0.3 + 0.05
+    read[-1, :sampled] = valid[-1, :sampled]  # pages left (column S), none of them sampled: uncovered
+    pi = (torch.rand(n, 3, generator=gen) * 0.3 + 0.05)[:, 1]  # a column, as the step's parameters hold it
     zeros = torch.zeros_like(page_lse)
-    want = _combine(lse_e, out_e, Outside(page_lse, zeros, zeros), sample, keep, in_sample, pi, use_triton=False)
+    outside = Outside(page_lse, zeros, zeros)
+    want = _combine(lse_e, out_e, outside, sample, valid, read, in_sample, pi, use_triton=False)
     on = lambda t: t.to(DEVICE)  # noqa: E731
     got = combine_rest_triton(
-        on(lse_e), on(out_e), on(sample.lse), on(sample.output), on(pi), on(page_lse), on(keep), on(in_sample),
+        on(lse_e), on(out_e), on(sample.lse), on(sample.output), on(pi), on(page_lse), on(valid), on(read),
+        on(in_sample),
         quantiles=T_QUANTILES, z=Z, min_sampled=MIN_SAMPLED,
     )  # fmt: skip
     assert_combined_match(got, want, seed, f"n={n} hq={hq} S={sampled} P={rest}")

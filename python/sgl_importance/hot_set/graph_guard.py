@@ -49,6 +49,7 @@ from sgl_importance.hot_set.key_ranges import KeyRanges
 from sgl_importance.hot_set.page_lists import plan_outside
 from sgl_importance.hot_set.request_state import LiveRequest, released_among
 from sgl_importance.hot_set.sample import FRACTION, MIN_PAGES
+from sgl_importance.hot_set.step_tally import kv_group_share
 from sgl_kernel_ext import (
     HAS_TRITON,
     DecodeImportanceOutput,
@@ -200,13 +201,14 @@ class GraphGuard:
         k_pages: torch.Tensor,
         v_pages: torch.Tensor,
         part1: DecodeImportanceOutput,
+        out: torch.Tensor,
         *,
         sm_scale: float,
         logit_cap: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's guard over every row: ``(output [bs, Hq, Dv] float32, the exact
-        pages' share of the combined denominator [bs, Hq])``, the part-1 ones where a row
-        has no rest."""
+    ) -> DecodeImportanceOutput:
+        """One layer's guard over every row, its output written into ``out`` (the part-1
+        output where a row has no rest); returned with part 1's page masses as shares of
+        the combined denominator (each KV head's scaled by its query heads' mean exact share)."""
         bs = q.shape[0]
         run = dict(sm_scale=sm_scale, logit_cap=logit_cap)
         lists, params = self._lists[:bs], self._params[:bs]
@@ -228,17 +230,19 @@ class GraphGuard:
             reads = read_rest(*args, released, top_p, cap, reader, use_triton=True)
             intervals = (outside.page_lse, outside.logit_error, outside.value_norm)
             masks = (valid, reads.read, reads.wanted, reads.missed, sampled)
-            output, share, _ = guard_finish_triton(
+            per_kv = part1.importance_per_kv_head
+            _, _, importance = guard_finish_triton(
                 reads.lse, reads.out, tuple(vars(reads.statistical).values()), intervals, masks, params[:, 1],
-                part1.output, self.tally[:bs], layer=column, layers=self.num_layers,
+                part1.output, self.tally[:bs], out, per_kv, layer=column, layers=self.num_layers,
             )  # fmt: skip
-            return output, share
+            return DecodeImportanceOutput(out, part1.lse, importance, per_kv)
         outcome = guard_layer(*args, params[:, 1], released, top_p, cap, reader)
         keep_in_tally(self.tally[:bs], outcome, sampled, column, self.num_layers)
         has_rest = valid.any(dim=1)
-        output = torch.where(has_rest[:, None, None], outcome.combined.output, part1.output.float())
+        out.copy_(torch.where(has_rest[:, None, None], outcome.combined.output, part1.output.float()))
         share = torch.where(has_rest[:, None], outcome.combined.exact_share, 1.0)
-        return output, share
+        per_kv = part1.importance_per_kv_head * kv_group_share(share, k_pages.shape[2])[:, None, :]
+        return DecodeImportanceOutput(out, part1.lse, per_kv.mean(dim=-1), per_kv)
 
     def _sample(self, q, k_pages, v_pages, in_sample: torch.Tensor, run: dict) -> Sampled:
         """The sampled pages' own parts (the plan lists them first; all on the device)."""

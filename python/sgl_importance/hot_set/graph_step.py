@@ -50,7 +50,6 @@ from sgl_importance.hot_set.graph_guard import GraphGuard
 from sgl_importance.hot_set.key_codes import GuardPool
 from sgl_importance.hot_set.key_ranges import KeyRanges
 from sgl_importance.hot_set.request_state import LiveRequest, released_among
-from sgl_importance.hot_set.step_tally import kv_group_share
 from sgl_kernel_ext import DecodeImportanceOutput, PagedDecodePlan, PagedDecodeWorkspace, decode_importance_paged
 from sgl_kernel_ext.page_list import PageListSlots, TritonPageListDecode, page_list_slots
 from sgl_kernel_ext.page_tally import BOUND, MAX, SUM, tally_pages
@@ -274,13 +273,10 @@ class GraphStep:
             result = decode_importance_paged(
                 q, k_pages, v_pages, plan, native=False, chunk_pages=0, workspace=self._workspace, **run
             )
-        if self.guard_mode:
-            # Part 2 (graph_guard.py), then part 1's masses as shares of the combined denominator.
-            output, share = self.guard.attend(layer_id, q, k_pages, v_pages, result, sm_scale=sm_scale,
-                                              logit_cap=logit_cap)  # fmt: skip
-            per_kv = result.importance_per_kv_head * kv_group_share(share, k_pages.shape[2])[:, None, :]
-            result = DecodeImportanceOutput(output, result.lse, per_kv.mean(dim=-1), per_kv)
-        if not direct:
+        if self.guard_mode:  # part 2 (graph_guard.py) writes ``out``; part 1's masses as shares of it
+            result = self.guard.attend(layer_id, q, k_pages, v_pages, result, out, sm_scale=sm_scale,
+                                       logit_cap=logit_cap)  # fmt: skip
+        elif not direct:
             out.copy_(result.output)
         # The pages' masses, and each full page's key bound against the layer's denominator
         # (the next step's promotions): one launch (a Triton kernel with the Triton reader).

@@ -183,7 +183,7 @@ def read_rest(
     wanted, missed, read = select_pages(lse, outside.page_lse, valid, released, top_p, cap, use_triton=use_triton)
     lse_r, out_r = read_exactly(read)
     lse, out = merge_parts(lse, out, lse_r, out_r, use_triton=use_triton)
-    statistical = _combine(lse, out, outside, sampled, valid & ~read, in_sample, inclusion, use_triton)
+    statistical = _combine(lse, out, outside, sampled, valid, read, in_sample, inclusion, use_triton)
     return GuardReads(wanted, missed, read, lse, out, statistical)
 
 
@@ -248,19 +248,21 @@ def _combine(
     out: torch.Tensor,
     outside: Outside,
     sampled: Sampled,
-    keep: torch.Tensor,
+    valid: torch.Tensor,
+    read: torch.Tensor,
     in_sample: torch.Tensor,
     inclusion: torch.Tensor,
     use_triton: Optional[bool],
 ) -> Combined:
-    """``combine`` over the sampled pages still estimated (``keep``); the plan lists each
-    request's sampled pages first, so ``sampled`` covers its first columns only. On the
-    Triton path the masks are applied inside its two launches (``combine_rest_triton``)."""
+    """``combine`` over the sampled pages still estimated (listed, not ``read``); the plan
+    lists each request's sampled pages first, so ``sampled`` covers its first columns only.
+    On the Triton path the masks are applied inside its two launches (``combine_rest_triton``)."""
     if use_triton is None:
         use_triton = HAS_TRITON and out.is_cuda
     if use_triton:
-        parts = (sampled.lse, sampled.output, inclusion, outside.page_lse, keep, in_sample)
+        parts = (sampled.lse, sampled.output, inclusion, outside.page_lse, valid, read, in_sample)
         return Combined(*combine_rest_triton(lse, out, *parts, quantiles=T_QUANTILES, z=Z, min_sampled=MIN_SAMPLED))
+    keep = valid & ~read
     width = sampled.lse.shape[-1]
     kept = (keep & in_sample)[:, :width]
     lse_pages = sampled.lse.masked_fill(~kept[:, None, :], NEG_INF)
