@@ -157,6 +157,8 @@ if HAS_TRITON:
         Valid,
         Lse,
         Err,
+        Norms,
+        NormOut,
         logit_cap,
         margin,
         q_scale,
@@ -179,6 +181,9 @@ if HAS_TRITON:
         stride_op,
         stride_og,
         stride_ri,
+        stride_nh,
+        stride_non,
+        stride_noh,
         GROUP: tl.constexpr,
         HALF: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
@@ -187,6 +192,7 @@ if HAS_TRITON:
         BLOCK_T: tl.constexpr,
         HAS_CAP: tl.constexpr,
         RANGED: tl.constexpr,
+        HAS_NORMS: tl.constexpr,
     ):
         # One program per (listed page, request, KV head): the page's codes are read
         # once for every query head of the group. RANGED: Low and Step are the range
@@ -266,6 +272,9 @@ if HAS_TRITON:
         err = tl.where(live, err, 0.0)
         out = head * stride_oh + row * stride_on + col * stride_op + offs_g * stride_og
         tl.store(Lse + out, lse, mask=mask_g)
+        if HAS_NORMS:  # the page's largest value norm for this KV head, by its code row
+            norm = tl.load(Norms + head * stride_nh + page, mask=live, other=0.0)
+            tl.store(NormOut + row * stride_non + head * stride_noh + col, norm)
         tl.store(Err + out, err, mask=mask_g)
 
 
@@ -322,7 +331,7 @@ def key_code_pages_triton(
     page_size = codes.shape[2]
     half = d // 2
     _key_code_pages_kernel[(listed, n, kv)](
-        q, codes, ids, low, step, ids, valid, lse, err,
+        q, codes, ids, low, step, ids, valid, lse, err, lse, lse,
         float(logit_cap), float(margin), 1.0,
         q.stride(0), q.stride(1), q.stride(2),
         codes.stride(0), codes.stride(1), codes.stride(2),
@@ -330,7 +339,7 @@ def key_code_pages_triton(
         low.stride(0), low.stride(1), low.stride(2),
         step.stride(0), step.stride(1), step.stride(2),
         valid.stride(0),
-        lse.stride(0), lse.stride(1), lse.stride(2), 1, 0,
+        lse.stride(0), lse.stride(1), lse.stride(2), 1, 0, 0, 0, 0,
         GROUP=g,
         HALF=half,
         PAGE_SIZE=page_size,
@@ -339,6 +348,7 @@ def key_code_pages_triton(
         BLOCK_T=min(next_power_of_2(page_size), TRITON_BLOCK_T),
         HAS_CAP=logit_cap > 0,
         RANGED=False,
+        HAS_NORMS=False,
         num_warps=4,
     )  # fmt: skip
     return lse, err
@@ -352,11 +362,12 @@ def key_code_pages_ranged(
     key_max: torch.Tensor,
     range_ids: torch.Tensor,
     valid: torch.Tensor,
+    norms: torch.Tensor,
     *,
     sm_scale: float,
     logit_cap: float = 0.0,
     margin: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`key_code_pages_triton` for a captured step, with nothing prepared around the
     launch: the queries unscaled in their own layout, each page's range read from the range
     tables by its row (the step ``(max - min) / 15`` computed in the kernel, as ``steps`` does
@@ -367,9 +378,11 @@ def key_code_pages_ranged(
         codes, ids, valid: as :func:`key_code_pages`.
         key_min, key_max: ``[rows, Hkv, D]`` one layer's range tables (any float dtype).
         range_ids: int ``[n, P]`` each listed page's row in them.
+        norms: ``[Hkv, rows]`` one layer's largest value norm of each code row's page.
 
     Returns:
-        (lse, err), float32 ``[n, Hq, P]`` each (query head ``h`` of KV head ``h // (Hq / Hkv)``).
+        (lse, err), float32 ``[n, Hq, P]`` each (query head ``h`` of KV head ``h // (Hq / Hkv)``),
+        and each listed page's value norms ``[n, Hkv, P]`` in ``norms``' dtype (0 where not valid).
     """
     if not HAS_TRITON:
         raise RuntimeError("key_code_pages_ranged needs Triton")
@@ -390,13 +403,16 @@ def key_code_pages_ranged(
     dev = q.device
     lse = torch.empty(n, hq, listed, dtype=torch.float32, device=dev)
     err = torch.empty(n, hq, listed, dtype=torch.float32, device=dev)
+    norm_out = torch.empty(n, kv, listed, dtype=norms.dtype, device=dev)
     if lse.numel() == 0:
-        return lse, err
+        return lse, err, norm_out
+    if norms.shape[0] != kv or norms.stride(1) != 1:
+        raise ValueError(f"norms {tuple(norms.shape)} must be [{kv}, rows], contiguous along the rows")
     page_size = codes.shape[2]
     half = d // 2
     # Output [n, Hq, P] written as [Hkv, n, P, g]: KV head h's query heads are rows h * g ...
     _key_code_pages_kernel[(listed, n, kv)](
-        q, codes, ids, key_min, key_max, range_ids, valid, lse, err,
+        q, codes, ids, key_min, key_max, range_ids, valid, lse, err, norms, norm_out,
         float(logit_cap), float(margin), float(sm_scale),
         g * q.stride(1), q.stride(0), q.stride(1),
         codes.stride(0), codes.stride(1), codes.stride(2),
@@ -405,6 +421,7 @@ def key_code_pages_ranged(
         key_max.stride(0), 0, key_max.stride(1),
         valid.stride(0),
         g * lse.stride(1), lse.stride(0), lse.stride(2), lse.stride(1), range_ids.stride(0),
+        norms.stride(0), norm_out.stride(0), norm_out.stride(1),
         GROUP=g,
         HALF=half,
         PAGE_SIZE=page_size,
@@ -413,6 +430,7 @@ def key_code_pages_ranged(
         BLOCK_T=min(next_power_of_2(page_size), TRITON_BLOCK_T),
         HAS_CAP=logit_cap > 0,
         RANGED=True,
+        HAS_NORMS=True,
         num_warps=4,
     )  # fmt: skip
-    return lse, err
+    return lse, err, norm_out

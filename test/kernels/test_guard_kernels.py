@@ -119,8 +119,9 @@ def test_the_key_code_kernel_masks_odd_widths_and_tiles_long_pages(d, page_size,
 @pytest.mark.parametrize("group,logit_cap", [(1, 0.0), (4, 3.0)])
 def test_the_ranged_key_code_kernel_reads_the_range_tables_as_the_gathered_ranges(group, logit_cap, table_dtype):
     """key_code_pages_ranged (a captured step): ranges read from the tables by row, the
-    step computed in the kernel, q scaled there, heads in query order; against the torch
-    reference over the same ranges gathered and their steps (as estimate_outside builds them)."""
+    step computed in the kernel, q scaled there, heads in query order, the value norms by
+    code row; against the torch reference over the same ranges gathered and their steps
+    (as estimate_outside builds them)."""
     seed = _seed()
     keys, q, codes, ids, _, _, valid = coded_case(kv=2, group=group, d=64, page_size=16, n=3, listed=5, seed=seed)
     low, high = keys.amin(dim=1), keys.amax(dim=1)  # coded_case's ranges, page i at code row i + 1
@@ -135,8 +136,11 @@ def test_the_ranged_key_code_kernel_reads_the_range_tables_as_the_gathered_range
     want = key_code_pages_torch(q, codes, ids, lo, st, valid, **kw)
     n, hq = q.shape[1], q.shape[0] * q.shape[2]
     q_rows = (q * 2).transpose(0, 1).reshape(n, hq, -1)  # unscaled by sm_scale 0.5 (exact in binary)
-    args = (q_rows, codes, ids, *tables, range_ids, valid)
-    lse, err = key_code_pages_ranged(*(t.to(DEVICE) for t in args), sm_scale=0.5, **kw)
+    norms = torch.rand(q.shape[0], codes.shape[1], generator=torch.Generator().manual_seed(seed))  # [Hkv, rows]
+    args = (q_rows, codes, ids, *tables, range_ids, valid, norms)
+    lse, err, got_norms = key_code_pages_ranged(*(t.to(DEVICE) for t in args), sm_scale=0.5, **kw)
+    want_norms = torch.where(valid[:, None, :], norms[:, ids].transpose(0, 1), 0.0)  # [n, Hkv, P] by code row
+    assert torch.equal(got_norms.cpu(), want_norms), f"seed={seed}: value norms"
     heads = lambda x: x.transpose(2, 3).transpose(0, 1).reshape(n, hq, -1)  # noqa: E731  [Hkv, n, P, g] -> [n, Hq, P]
     assert_pages_match((lse.cpu(), err.cpu()), tuple(map(heads, want)), seed, f"ranged group={group}")
 

@@ -213,14 +213,14 @@ def estimate_outside_ranged(
     """``estimate_outside`` in one Triton launch, for a captured step: the pages' ranges
     read from the range tables (``tables``: one layer's ``key_min``, ``key_max``) by their
     rows ``range_ids`` ``[n, P]`` inside the kernel (``sgl_kernel_ext.key_code_pages_ranged``),
-    the queries scaled there, the results in query-head order: no gathered ranges, steps or
-    per-head copies around it. The same numbers as ``estimate_outside`` on its Triton path."""
-    page_lse, error = key_code_pages_ranged(
-        q, pool.codes[layer], plan.codes, *tables, range_ids, plan.valid,
+    the queries scaled there, the results in query-head order, the pages' value norms read by
+    their code rows in the same launch: no gathered ranges, steps, norms or per-head copies.
+    The same numbers as ``estimate_outside`` on its Triton path."""
+    page_lse, error, norms = key_code_pages_ranged(
+        q, pool.codes[layer], plan.codes, *tables, range_ids, plan.valid, pool.value_norm[layer],
         sm_scale=sm_scale, logit_cap=logit_cap, margin=ROUNDING_MARGIN,
     )  # fmt: skip
-    norms = pool.value_norm[layer][:, plan.codes]  # [Hkv, n, P], one gather from the strided ids
-    return Outside(page_lse, error, norms.transpose(0, 1))
+    return Outside(page_lse, error, norms)
 
 
 @dataclass
