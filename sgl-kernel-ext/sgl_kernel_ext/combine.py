@@ -99,6 +99,10 @@ if HAS_TRITON:
     def _combine_heads_kernel(
         LseE,
         OutE,
+        LseB,
+        OutB,
+        ExactLse,
+        ExactOut,
         SLse,
         SOut,
         Pi,
@@ -121,6 +125,7 @@ if HAS_TRITON:
         stride_rp,
         HAS_CODES: tl.constexpr,
         MASKED: tl.constexpr,
+        TWO_PARTS: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_P: tl.constexpr,
         BLOCK_DV: tl.constexpr,
@@ -134,6 +139,25 @@ if HAS_TRITON:
         offs_d = tl.arange(0, BLOCK_DV)
         mask_d = offs_d < dv
         pi = tl.load(Pi + row * stride_pi).to(tl.float32)
+        # The exact part: one, or two over disjoint pages merged here (and written out).
+        lse_e = tl.load(LseE + rh).to(tl.float32)
+        out_e = tl.load(OutE + rh * dv + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        if TWO_PARTS:
+            lse_b = tl.load(LseB + rh).to(tl.float32)
+            out_b = tl.load(OutB + rh * dv + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+            big = tl.maximum(lse_e, lse_b)
+            big_safe = tl.where(big > neg_inf, big, 0.0)
+            both = tl.where(lse_e > neg_inf, tl.exp(lse_e - big_safe), 0.0) + tl.where(
+                lse_b > neg_inf, tl.exp(lse_b - big_safe), 0.0
+            )
+            merged = tl.where(both > 0.0, big_safe + tl.log(tl.where(both > 0.0, both, 1.0)), neg_inf)
+            safe = tl.where(merged > neg_inf, merged, 0.0)
+            out_e = tl.where(lse_e > neg_inf, tl.exp(lse_e - safe), 0.0) * out_e + tl.where(
+                lse_b > neg_inf, tl.exp(lse_b - safe), 0.0
+            ) * out_b
+            lse_e = merged
+            tl.store(ExactLse + rh, lse_e)
+            tl.store(ExactOut + rh * dv + offs_d, out_e, mask=mask_d)
 
         # Pass 1: the sampled pages' own softmax (online over page blocks).
         m = tl.full([], neg_inf, tl.float32)
@@ -161,7 +185,6 @@ if HAS_TRITON:
         # Weighted by 1 / pi: the sample stands for the whole remaining rest.
         lse_s = tl.where(any_sampled, tl.where(m > neg_inf, m, 0.0) + tl.log(den_safe) - tl.log(pi), neg_inf)
 
-        lse_e = tl.load(LseE + rh).to(tl.float32)
         top = tl.maximum(lse_e, lse_s)
         top_safe = tl.where(top > neg_inf, top, 0.0)
         wa = tl.where(lse_e > neg_inf, tl.exp(lse_e - top_safe), 0.0)
@@ -172,7 +195,6 @@ if HAS_TRITON:
         lse = tl.where(live_total, top_safe + tl.log(tl.where(live_total, total, 1.0)), 0.0)
         a = tl.where(lse_e > neg_inf, tl.exp(lse_e - lse), 0.0)
         b = tl.where(lse_s > neg_inf, tl.exp(lse_s - lse), 0.0)
-        out_e = tl.load(OutE + rh * dv + offs_d, mask=mask_d, other=0.0).to(tl.float32)
         output = a * out_e + b * out_s
         tl.store(Out + rh * dv + offs_d, output, mask=mask_d)
         tl.store(Lse + rh, lse)
@@ -360,6 +382,7 @@ def combine_triton(
 def combine_rest_triton(
     lse_exact: torch.Tensor,
     out_exact: torch.Tensor,
+    read_part: tuple[torch.Tensor, torch.Tensor],
     sampled_lse: torch.Tensor,
     sampled_output: torch.Tensor,
     inclusion: torch.Tensor,
@@ -371,13 +394,19 @@ def combine_rest_triton(
     quantiles: Mapping[int, float],
     z: float,
     min_sampled: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]:
     """:func:`combine_triton` over the rest pages still estimated, masked inside the two
     launches: what ``hot_set.guard``'s ``_combine`` builds with torch before it (the
     sampled lse and the key codes' log-masses masked, ``uncovered``), a captured step's
-    guarded layer passes unmasked.
+    guarded layer passes unmasked; and the exact part given in two (part 1 and the pages
+    the selection read) merged in the first launch, as ``merge_parts`` would.
+
+    Returns:
+        ``((lse, output)`` of the merged exact part, float32 ``[n, Hq]``, ``[n, Hq, Dv]``;
+        :func:`combine_triton`'s five results``)``.
 
     Args:
+        lse_exact, out_exact, read_part: the two exact parts (``[n, Hq]``, ``[n, Hq, Dv]`` each).
         sampled_lse, sampled_output: ``[n, Hq, S]``, ``[n, Hq, S, Dv]`` the sampled pages
             (the plan's first ``S`` columns), unmasked.
         page_lse: ``[n, Hq, P]`` every listed rest page's key-code log-mass (any strides).
@@ -397,13 +426,19 @@ def combine_rest_triton(
     dev = out_exact.device
     sampled_lse = sampled_lse.to(dev, torch.float32).contiguous()
     masks = tuple(m.contiguous() for m in masks)
-    return _run(lse_exact, out_exact, sampled_lse, sampled_output, inclusion, (page_lse, sampled_lse), None, masks,
-                has_codes=True, quantiles=quantiles, z=z, min_sampled=min_sampled)  # fmt: skip
+    merged = (torch.empty(lse_exact.shape, dtype=torch.float32, device=dev),
+              torch.empty(out_exact.shape, dtype=torch.float32, device=dev))  # fmt: skip
+    if read_part[0].shape != lse_exact.shape or read_part[1].shape != out_exact.shape:
+        raise ValueError(f"the read part {tuple(read_part[1].shape)} does not match {tuple(out_exact.shape)}")
+    results = _run(lse_exact, out_exact, sampled_lse, sampled_output, inclusion, (page_lse, sampled_lse), None, masks,
+                   has_codes=True, quantiles=quantiles, z=z, min_sampled=min_sampled, second=(*read_part, *merged))
+    return merged, results
 
 
 def _run(lse_exact, out_exact, sampled_lse, sampled_output, inclusion, codes, uncovered, masks, *, has_codes,
-         quantiles, z, min_sampled):  # fmt: skip
-    """The two launches; ``masks`` ``(valid, read, in_sample)`` or ``(None, None, None)`` (then ``uncovered``)."""
+         quantiles, z, min_sampled, second=None):  # fmt: skip
+    """The two launches; ``masks`` ``(valid, read, in_sample)`` or ``(None, None, None)`` (then
+    ``uncovered``); ``second``: a second exact part and the merged part's buffers, or None."""
     n, hq = lse_exact.shape
     dv = out_exact.shape[-1]
     num_sampled = sampled_lse.shape[-1]
@@ -435,12 +470,18 @@ def _run(lse_exact, out_exact, sampled_lse, sampled_output, inclusion, codes, un
         valid = read = in_sample = work  # never read
     pi = inclusion.to(dev, f32)  # read through its stride (a column of the step's parameters)
     dfs, values = _table(quantiles, dev)
+    lse_exact, out_exact = dense(lse_exact), dense(out_exact)
+    two = second is not None
+    lse_b, out_b, merged_lse, merged_out = (dense(second[0]), dense(second[1]), *second[2:]) if two else (
+        lse_exact, out_exact, lse_exact, out_exact)  # fmt: skip
     _combine_heads_kernel[(n, hq)](
-        dense(lse_exact), dense(out_exact), sampled_lse, dense(sampled_output), pi, rest_lse, rest_sampled,
+        lse_exact, out_exact, lse_b, out_b, merged_lse, merged_out, sampled_lse, dense(sampled_output), pi,
+        rest_lse, rest_sampled,
         valid, read, in_sample, output, lse, share, work,
         hq, num_sampled, num_rest, dv, pi.stride(0), *(rest_lse.stride() if has_codes else (0, 0, 0)),
         HAS_CODES=has_codes,
         MASKED=masked,
+        TWO_PARTS=two,
         BLOCK_S=BLOCK_S,
         BLOCK_P=BLOCK_P,
         BLOCK_DV=next_power_of_2(dv),

@@ -353,8 +353,9 @@ def test_the_combine_kernel_matches_the_torch_estimate(n, hq, sampled, dv, rest,
 
 @pytest.mark.parametrize("n,hq,sampled,dv,rest", [(4, 4, 6, 64, 30), (3, 8, 20, 128, 150)], ids=["small", "tiled"])
 def test_the_masked_combine_kernel_is_the_guards_combine_over_the_pages_still_estimated(n, hq, sampled, dv, rest):
-    """combine_rest_triton (a captured guarded layer): the masks of the pages read and of
-    the sample applied inside the launches, against guard._combine's torch masking."""
+    """combine_rest_triton (a captured guarded layer): the read pages' part merged into
+    part 1 and the masks of the pages read and of the sample applied inside the launches,
+    against guard._combine's torch merge and masking."""
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
     lse_e, out_e = torch.randn(n, hq, generator=gen) * 2 + 3, torch.randn(n, hq, dv, generator=gen)
@@ -371,14 +372,20 @@ def test_the_masked_combine_kernel_is_the_guards_combine_over_the_pages_still_es
     pi = (torch.rand(n, 3, generator=gen) * 0.3 + 0.05)[:, 1]  # a column, as the step's parameters hold it
     zeros = torch.zeros_like(page_lse)
     outside = Outside(page_lse, zeros, zeros)
-    want = _combine(lse_e, out_e, outside, sample, valid, read, in_sample, pi, use_triton=False)
+    # The pages the selection read: a second exact part (one row read nothing; one had no part 1 in a head).
+    read_part = (torch.randn(n, hq, generator=gen) * 2 + 2, torch.randn(n, hq, dv, generator=gen))
+    read_part[0][1] = float("-inf")
+    lse_e[0, 0] = float("-inf")
+    masks = (valid, read, in_sample)
+    lse_w, out_w, want = _combine(lse_e, out_e, read_part, outside, sample, masks, pi, use_triton=False)
     on = lambda t: t.to(DEVICE)  # noqa: E731
-    got = combine_rest_triton(
-        on(lse_e), on(out_e), on(sample.lse), on(sample.output), on(pi), on(page_lse), on(valid), on(read),
-        on(in_sample),
-        quantiles=T_QUANTILES, z=Z, min_sampled=MIN_SAMPLED,
+    (lse_g, out_g), got = combine_rest_triton(
+        on(lse_e), on(out_e), tuple(map(on, read_part)), on(sample.lse), on(sample.output), on(pi), on(page_lse),
+        *map(on, masks), quantiles=T_QUANTILES, z=Z, min_sampled=MIN_SAMPLED,
     )  # fmt: skip
     assert_combined_match(got, want, seed, f"n={n} hq={hq} S={sampled} P={rest}")
+    torch.testing.assert_close(lse_g.cpu(), lse_w, rtol=1e-6, atol=1e-5, msg=f"seed={seed}: the merged exact part")
+    torch.testing.assert_close(out_g.cpu(), out_w, rtol=1e-5, atol=1e-5, msg=f"seed={seed}: the merged exact part")
     assert torch.isinf(want.relative[-1]) and (want.bound[0] > 0).item(), f"seed={seed}"
 
 

@@ -181,9 +181,8 @@ def read_rest(
     sampled estimate of the rest. A captured step on a GPU ends the layer in one kernel
     (``sgl_kernel_ext.guard_finish_triton``); ``guard_layer`` ends it in torch."""
     wanted, missed, read = select_pages(lse, outside.page_lse, valid, released, top_p, cap, use_triton=use_triton)
-    lse_r, out_r = read_exactly(read)
-    lse, out = merge_parts(lse, out, lse_r, out_r, use_triton=use_triton)
-    statistical = _combine(lse, out, outside, sampled, valid, read, in_sample, inclusion, use_triton)
+    masks = (valid, read, in_sample)
+    lse, out, statistical = _combine(lse, out, read_exactly(read), outside, sampled, masks, inclusion, use_triton)
     return GuardReads(wanted, missed, read, lse, out, statistical)
 
 
@@ -246,22 +245,30 @@ def weigh_bounds(reads: GuardReads, outside: Outside, valid: torch.Tensor, thres
 def _combine(
     lse: torch.Tensor,
     out: torch.Tensor,
+    read_part: tuple[torch.Tensor, torch.Tensor],
     outside: Outside,
     sampled: Sampled,
-    valid: torch.Tensor,
-    read: torch.Tensor,
-    in_sample: torch.Tensor,
+    masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     inclusion: torch.Tensor,
     use_triton: Optional[bool],
-) -> Combined:
-    """``combine`` over the sampled pages still estimated (listed, not ``read``); the plan
-    lists each request's sampled pages first, so ``sampled`` covers its first columns only.
-    On the Triton path the masks are applied inside its two launches (``combine_rest_triton``)."""
+) -> tuple[torch.Tensor, torch.Tensor, Combined]:
+    """The read pages' part merged into the exact part, and ``combine`` over the sampled
+    pages still estimated: ``(lse, out)`` of the merged exact part and the estimate.
+
+    ``masks``: ``(valid, read, in_sample)``, bool ``[n, P]``; a page listed and not read is
+    still estimated. The plan lists each request's sampled pages first, so ``sampled``
+    covers its first columns only. On the Triton path the merge and the masks are done
+    inside the estimate's two launches (``combine_rest_triton``)."""
     if use_triton is None:
         use_triton = HAS_TRITON and out.is_cuda
     if use_triton:
-        parts = (sampled.lse, sampled.output, inclusion, outside.page_lse, valid, read, in_sample)
-        return Combined(*combine_rest_triton(lse, out, *parts, quantiles=T_QUANTILES, z=Z, min_sampled=MIN_SAMPLED))
+        parts = (sampled.lse, sampled.output, inclusion, outside.page_lse, *masks)
+        (lse, out), results = combine_rest_triton(
+            lse, out, read_part, *parts, quantiles=T_QUANTILES, z=Z, min_sampled=MIN_SAMPLED
+        )
+        return lse, out, Combined(*results)
+    lse, out = merge_parts(lse, out, *read_part, use_triton=False)
+    valid, read, in_sample = masks
     keep = valid & ~read
     width = sampled.lse.shape[-1]
     kept = (keep & in_sample)[:, :width]
@@ -269,7 +276,8 @@ def _combine(
     uncovered = keep.any(dim=1) & ~kept.any(dim=1)
     rest_codes = outside.page_lse.masked_fill(~keep[:, None, :], NEG_INF)
     codes = (rest_codes, rest_codes[..., :width].masked_fill(~kept[:, None, :], NEG_INF))
-    return combine(lse, out, Sampled(lse_pages, sampled.output), inclusion, uncovered, codes, use_triton=False)
+    estimate = combine(lse, out, Sampled(lse_pages, sampled.output), inclusion, uncovered, codes, use_triton=False)
+    return lse, out, estimate
 
 
 def _choose(which: torch.Tensor, a: Combined, b: Combined) -> Combined:
