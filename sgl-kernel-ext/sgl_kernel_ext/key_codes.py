@@ -51,7 +51,6 @@ def key_code_pages(
     logit_cap: float = 0.0,
     margin: float = 0.0,
     use_native: Optional[bool] = None,
-    use_triton: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Estimated log-mass and logit error of each listed page, per query head.
 
@@ -63,16 +62,12 @@ def key_code_pages(
         valid: bool ``[n, P]``; invalid entries get lse ``-inf`` and error 0.
         use_native: None: the C kernel on a CPU where it can run, the Triton kernel
             on a GPU; False: the torch path; True: the C or Triton kernel, or an error.
-        use_triton: True: the Triton kernel whatever the device (CPU tensors under
-            ``TRITON_INTERPRET=1``: what a captured step runs on a GPU); else as ``use_native``.
 
     Returns:
         (lse, err), float32 ``[Hkv, n, P, g]`` each.
     """
     kv, n, g, d = q.shape
     listed = ids.shape[1]
-    if use_triton:
-        return key_code_pages_triton(q, codes, ids, low, step, valid, logit_cap=logit_cap, margin=margin)
     if q.device.type == "cuda" and use_native is not False:
         if HAS_TRITON and d % 2 == 0:
             return key_code_pages_triton(q, codes, ids, low, step, valid, logit_cap=logit_cap, margin=margin)

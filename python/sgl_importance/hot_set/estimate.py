@@ -163,7 +163,6 @@ def estimate_outside(
     sm_scale: float,
     logit_cap: float = 0.0,
     use_native: Optional[bool] = None,
-    use_triton: Optional[bool] = None,
 ) -> Outside:
     """Every rest page's estimated log-mass and logit error, from its key codes.
 
@@ -171,7 +170,7 @@ def estimate_outside(
         q: ``[n, Hq, D]`` the guarded requests' queries (plan order).
         key_min, key_max: ``[n, P, Hkv, D]``: the plan's pages' per-channel key range,
             the one their codes were written against.
-        use_native, use_triton: ``key_code_pages``' choice (False: its torch path).
+        use_native: ``key_code_pages``' choice (False: its torch path).
     """
     n, hq, d = q.shape
     hkv = pool.num_kv_heads
@@ -189,7 +188,6 @@ def estimate_outside(
         logit_cap=logit_cap,
         margin=ROUNDING_MARGIN,
         use_native=use_native,
-        use_triton=use_triton,
     )  # [Hkv, n, P, g] each
     norms = pool.value_norm[layer].index_select(1, on_device(plan.codes.reshape(-1), pool.device)).view(hkv, n, -1)
 

@@ -178,8 +178,9 @@ def read_rest(
     use_triton: Optional[bool] = None,
 ) -> GuardReads:
     """Steps 1 and 2 of ``guard_layer`` (its arguments): the selection, its one read, the
-    sampled estimate of the rest. A captured step on a GPU ends the layer in one kernel
-    (``sgl_kernel_ext.guard_finish_triton``); ``guard_layer`` ends it in torch."""
+    sampled estimate of the rest. ``use_triton`` None: the Triton kernels for CUDA tensors;
+    True: them whatever the device (under the interpreter on a CPU). A captured step ends
+    the layer in one kernel (``sgl_kernel_ext.guard_finish_triton``); ``guard_layer`` in torch."""
     wanted, missed, read = select_pages(lse, outside.page_lse, valid, released, top_p, cap, use_triton=use_triton)
     masks = (valid, read, in_sample)
     lse, out, statistical = _combine(lse, out, read_exactly(read), outside, sampled, masks, inclusion, use_triton)
@@ -199,8 +200,6 @@ def guard_layer(
     top_p: torch.Tensor,
     cap: torch.Tensor,
     read_exactly: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-    *,
-    use_triton: Optional[bool] = None,
 ) -> GuardOutcome:
     """Top-p of the rest by its key codes, at most ``cap`` pages read, the rest estimated.
 
@@ -216,13 +215,8 @@ def guard_layer(
         top_p: ``[n]``; cap: int64 ``[n]`` the most rest pages read in this layer.
         read_exactly: bool ``[n, P]`` chosen pages -> their exact ``(lse, output)``; a
             row with no page chosen gets lse -inf and output 0.
-        use_triton: None: the Triton kernels (selection, merge, combine) for CUDA
-            tensors; True: them whatever the device (under the interpreter on a CPU).
     """
-    reads = read_rest(
-        lse, out, outside, sampled, valid, in_sample, inclusion, released, top_p, cap, read_exactly,
-        use_triton=use_triton,
-    )  # fmt: skip
+    reads = read_rest(lse, out, outside, sampled, valid, in_sample, inclusion, released, top_p, cap, read_exactly)
     return weigh_bounds(reads, outside, valid, thresholds)
 
 
