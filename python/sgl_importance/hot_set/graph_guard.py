@@ -14,13 +14,14 @@ does; the output of a row without a rest is its exact part's. What the layers fi
 kept in one float64 tally, copied to the host once with the step's.
 
 On the Triton backend (``triton``) the layer is the kernels a GPU runs, fused where torch
-glue stood (under the interpreter on a CPU): the key codes' pass reading each page's range
-from the range tables (``key_code_pages_ranged``), the sampled pages' own parts from the pool
-(``masked_page_parts``), the selection by bisection (``guard_select_triton``), the masked read
-and its split merge, the merge into the exact part, the sampled estimate masking inside its
-launches (``combine_rest_triton``), and the end of the layer with its tally row in one launch
-(``guard_finish_triton``). Elsewhere, torch (``guard.guard_layer`` and ``keep_in_tally``: the
-reference the kernels are tested against).
+glue stood (under the interpreter on a CPU), ten launches: the key codes' pass reading each
+page's range from the range tables and its value norms by code row (``key_code_pages_ranged``),
+the sampled pages' own parts from the pool (``masked_page_parts``), the selection by bisection
+(``guard_select_triton``, three), the masked read and its split merge (two), the read part
+merged into part 1 and the sampled estimate with its masks inside (``combine_rest_triton``,
+two), and the end of the layer, its output into SGLang's buffer, its importance rescaled and its
+tally row, in one (``guard_finish_triton``). Elsewhere, torch (``guard.guard_layer`` and
+``keep_in_tally``: the reference the kernels are tested against).
 
 Refused (the batch runs eagerly, counted): a guarded request's first step (its dense
 warm-up seeds the read caps from per-layer top-p counts), a sample larger than the
