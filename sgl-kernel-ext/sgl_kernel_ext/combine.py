@@ -152,9 +152,10 @@ if HAS_TRITON:
             )
             merged = tl.where(both > 0.0, big_safe + tl.log(tl.where(both > 0.0, both, 1.0)), neg_inf)
             safe = tl.where(merged > neg_inf, merged, 0.0)
-            out_e = tl.where(lse_e > neg_inf, tl.exp(lse_e - safe), 0.0) * out_e + tl.where(
-                lse_b > neg_inf, tl.exp(lse_b - safe), 0.0
-            ) * out_b
+            out_e = (
+                tl.where(lse_e > neg_inf, tl.exp(lse_e - safe), 0.0) * out_e
+                + tl.where(lse_b > neg_inf, tl.exp(lse_b - safe), 0.0) * out_b
+            )
             lse_e = merged
             tl.store(ExactLse + rh, lse_e)
             tl.store(ExactOut + rh * dv + offs_d, out_e, mask=mask_d)
@@ -430,8 +431,21 @@ def combine_rest_triton(
               torch.empty(out_exact.shape, dtype=torch.float32, device=dev))  # fmt: skip
     if read_part[0].shape != lse_exact.shape or read_part[1].shape != out_exact.shape:
         raise ValueError(f"the read part {tuple(read_part[1].shape)} does not match {tuple(out_exact.shape)}")
-    results = _run(lse_exact, out_exact, sampled_lse, sampled_output, inclusion, (page_lse, sampled_lse), None, masks,
-                   has_codes=True, quantiles=quantiles, z=z, min_sampled=min_sampled, second=(*read_part, *merged))
+    results = _run(
+        lse_exact,
+        out_exact,
+        sampled_lse,
+        sampled_output,
+        inclusion,
+        (page_lse, sampled_lse),
+        None,
+        masks,
+        has_codes=True,
+        quantiles=quantiles,
+        z=z,
+        min_sampled=min_sampled,
+        second=(*read_part, *merged),
+    )
     return merged, results
 
 

@@ -55,6 +55,17 @@ COUNTS = 5
 if HAS_TRITON:
 
     @triton.jit
+    def _unread_upper(Valid, Read, PageLse, LogitError, flags, base, base_e, cols, pages, stride_p, stride_ep):
+        """The rest pages left unread among ``cols`` and their upper log-masses (-inf elsewhere)."""
+        inside = cols < pages
+        keep = (tl.load(Valid + flags + cols, mask=inside, other=0) != 0) & (
+            tl.load(Read + flags + cols, mask=inside, other=1) == 0
+        )
+        x = tl.load(PageLse + base + cols * stride_p, mask=keep, other=float("-inf")).to(tl.float32)
+        e = tl.load(LogitError + base_e + cols * stride_ep, mask=keep, other=0.0).to(tl.float32)
+        return keep, tl.where(keep, x + e, float("-inf"))
+
+    @triton.jit
     def _finish_kernel(
         Lse,
         Out,
@@ -126,26 +137,18 @@ if HAS_TRITON:
             largest = tl.zeros([], tl.float32)
             for p0 in range(0, pages, BLOCK_P):
                 cols = p0 + offs
-                inside = cols < pages
-                keep = (tl.load(Valid + flags + cols, mask=inside, other=0) != 0) & (
-                    tl.load(Read + flags + cols, mask=inside, other=1) == 0
-                )
-                x = tl.load(PageLse + base + cols * stride_p, mask=keep, other=neg_inf).to(tl.float32)
-                e = tl.load(LogitError + base_e + cols * stride_ep, mask=keep, other=0.0).to(tl.float32)
-                m = tl.maximum(m, tl.max(tl.where(keep, x + e, neg_inf), axis=0))
+                keep, upper = _unread_upper(Valid, Read, PageLse, LogitError, flags, base, base_e, cols, pages,
+                                            stride_p, stride_ep)  # fmt: skip
+                m = tl.maximum(m, tl.max(upper, axis=0))
                 v = tl.load(ValueNorm + base_v + cols * stride_vp, mask=keep, other=0.0).to(tl.float32)
                 largest = tl.maximum(largest, tl.max(tl.where(keep, v, 0.0), axis=0))
             m_safe = tl.where(m > neg_inf, m, 0.0)
             den = tl.zeros([], tl.float32)
             for p0 in range(0, pages, BLOCK_P):
                 cols = p0 + offs
-                inside = cols < pages
-                keep = (tl.load(Valid + flags + cols, mask=inside, other=0) != 0) & (
-                    tl.load(Read + flags + cols, mask=inside, other=1) == 0
-                )
-                x = tl.load(PageLse + base + cols * stride_p, mask=keep, other=neg_inf).to(tl.float32)
-                e = tl.load(LogitError + base_e + cols * stride_ep, mask=keep, other=0.0).to(tl.float32)
-                den += tl.sum(tl.where(keep, tl.exp(x + e - m_safe), 0.0), axis=0)
+                keep, upper = _unread_upper(Valid, Read, PageLse, LogitError, flags, base, base_e, cols, pages,
+                                            stride_p, stride_ep)  # fmt: skip
+                den += tl.sum(tl.where(keep, tl.exp(upper - m_safe), 0.0), axis=0)
             lse_hi = m_safe + tl.log(tl.where(den > 0, den, 1.0))
             lse_e = tl.load(Lse + row * hq + h).to(tl.float32)
             alpha = tl.where(den > 0, tl.sigmoid(lse_hi - lse_e), 0.0)

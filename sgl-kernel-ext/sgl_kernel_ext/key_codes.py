@@ -335,6 +335,14 @@ def key_code_pages_triton(
         step.stride(0), step.stride(1), step.stride(2),
         valid.stride(0),
         lse.stride(0), lse.stride(1), lse.stride(2), 1, 0, 0, 0, 0,
+        **_meta(g, half, page_size, logit_cap, ranged=False),
+    )  # fmt: skip
+    return lse, err
+
+
+def _meta(g: int, half: int, page_size: int, logit_cap: float, *, ranged: bool) -> dict:
+    """The key-code kernel's compile-time arguments (``ranged``: range tables and norms)."""
+    return dict(
         GROUP=g,
         HALF=half,
         PAGE_SIZE=page_size,
@@ -342,11 +350,10 @@ def key_code_pages_triton(
         BLOCK_HALF=next_power_of_2(half),
         BLOCK_T=min(next_power_of_2(page_size), TRITON_BLOCK_T),
         HAS_CAP=logit_cap > 0,
-        RANGED=False,
-        HAS_NORMS=False,
+        RANGED=ranged,
+        HAS_NORMS=ranged,
         num_warps=4,
-    )  # fmt: skip
-    return lse, err
+    )
 
 
 def key_code_pages_ranged(
@@ -417,15 +424,6 @@ def key_code_pages_ranged(
         valid.stride(0),
         g * lse.stride(1), lse.stride(0), lse.stride(2), lse.stride(1), range_ids.stride(0),
         norms.stride(0), norm_out.stride(0), norm_out.stride(1),
-        GROUP=g,
-        HALF=half,
-        PAGE_SIZE=page_size,
-        BLOCK_G=next_power_of_2(g),
-        BLOCK_HALF=next_power_of_2(half),
-        BLOCK_T=min(next_power_of_2(page_size), TRITON_BLOCK_T),
-        HAS_CAP=logit_cap > 0,
-        RANGED=True,
-        HAS_NORMS=True,
-        num_warps=4,
+        **_meta(g, half, page_size, logit_cap, ranged=True),
     )  # fmt: skip
     return lse, err, norm_out
