@@ -21,9 +21,8 @@ guarded request, with fixed shapes and no host in the loop:
 output 0). The selection's inputs are the key codes (``estimate.estimate_outside``), which
 never look at the sample, so the pages left unread keep the sample uniform over them.
 
-Plain torch, but for the selection (``select_pages``: three Triton launches on a GPU) and
-the merge of two softmax parts (``sgl_kernel_ext.merge_parts``: a Triton kernel on a GPU);
-torch elsewhere; nothing here imports SGLang.
+Torch, but on a GPU (CUDA tensors) the selection (``select_pages``: three Triton launches)
+and the merge with the sampled estimate (``_combine``: two); nothing here imports SGLang.
 """
 
 from __future__ import annotations
