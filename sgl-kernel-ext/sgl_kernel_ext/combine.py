@@ -484,9 +484,10 @@ def _run(lse_exact, out_exact, sampled_lse, sampled_output, inclusion, codes, un
         valid = read = in_sample = work  # never read
     pi = inclusion.to(dev, f32)  # read through its stride (a column of the step's parameters)
     dfs, values = _table(quantiles, dev)
-    lse_exact, out_exact = dense(lse_exact), dense(out_exact)
+    # The exact parts in their own float dtype (a bfloat16 part 1 is read as it is, cast in the kernel).
+    lse_exact, out_exact = dense(lse_exact), out_exact.to(dev).contiguous()
     two = second is not None
-    lse_b, out_b, merged_lse, merged_out = (dense(second[0]), dense(second[1]), *second[2:]) if two else (
+    lse_b, out_b, merged_lse, merged_out = (dense(second[0]), second[1].to(dev).contiguous(), *second[2:]) if two else (
         lse_exact, out_exact, lse_exact, out_exact)  # fmt: skip
     _combine_heads_kernel[(n, hq)](
         lse_exact, out_exact, lse_b, out_b, merged_lse, merged_out, sampled_lse, dense(sampled_output), pi,

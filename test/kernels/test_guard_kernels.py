@@ -351,14 +351,21 @@ def test_the_combine_kernel_matches_the_torch_estimate(n, hq, sampled, dv, rest,
     assert (want.bound[0] > 0).item(), f"seed={seed}"
 
 
-@pytest.mark.parametrize("n,hq,sampled,dv,rest", [(4, 4, 6, 64, 30), (3, 8, 20, 128, 150)], ids=["small", "tiled"])
-def test_the_masked_combine_kernel_is_the_guards_combine_over_the_pages_still_estimated(n, hq, sampled, dv, rest):
+@pytest.mark.parametrize(
+    "n,hq,sampled,dv,rest,part1_dtype",
+    [(4, 4, 6, 64, 30, torch.float32), (3, 8, 20, 128, 150, torch.bfloat16)],
+    ids=["small", "tiled-bf16-part1"],
+)
+def test_the_masked_combine_kernel_is_the_guards_combine_over_the_pages_still_estimated(
+    n, hq, sampled, dv, rest, part1_dtype
+):
     """combine_rest_triton (a captured guarded layer): the read pages' part merged into
     part 1 and the masks of the pages read and of the sample applied inside the launches,
     against guard._combine's torch merge and masking."""
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
     lse_e, out_e = torch.randn(n, hq, generator=gen) * 2 + 3, torch.randn(n, hq, dv, generator=gen)
+    out_e = out_e.to(part1_dtype)  # part 1 as the decode wrote it; the kernel reads it as it is
     sample = Sampled(torch.randn(n, hq, sampled, generator=gen) * 2, torch.randn(n, hq, sampled, dv, generator=gen))
     page_lse = (torch.randn(hq, n, rest, generator=gen) * 2).transpose(0, 1)  # strided, as the estimate's heads
     valid = torch.rand(n, rest, generator=gen) < 0.9
@@ -377,7 +384,7 @@ def test_the_masked_combine_kernel_is_the_guards_combine_over_the_pages_still_es
     read_part[0][1] = float("-inf")
     lse_e[0, 0] = float("-inf")
     masks = (valid, read, in_sample)
-    lse_w, out_w, want = _combine(lse_e, out_e, read_part, outside, sample, masks, pi, use_triton=False)
+    lse_w, out_w, want = _combine(lse_e, out_e.float(), read_part, outside, sample, masks, pi, use_triton=False)
     on = lambda t: t.to(DEVICE)  # noqa: E731
     (lse_g, out_g), got = combine_rest_triton(
         on(lse_e), on(out_e), tuple(map(on, read_part)), on(sample.lse), on(sample.output), on(pi), on(page_lse),

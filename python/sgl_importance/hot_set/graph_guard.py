@@ -224,11 +224,11 @@ class GraphGuard:
             outside = estimate_outside(q, self.pool, layer_id, plan, kmin, kmax, use_native=native, **run)
         sample = self._sample(q, k_pages, v_pages, sampled[:, : self.samples], run)  # sampled columns are valid
         column = layer_id % self.num_layers
-        args = (part1.lse, part1.output.float(), outside, sample, valid, sampled, params[:, 0])
+        rest = (outside, sample, valid, sampled, params[:, 0])
         reader = self._reader(q, k_pages, v_pages, bs, run)
         top_p, cap = params[:, 2 + column], self.caps[:bs, column]
-        if self.triton:  # the layer's end in one kernel, its tally row written there
-            reads = read_rest(*args, released, top_p, cap, reader, use_triton=True)
+        if self.triton:  # the layer's end in one kernel, its tally row written there; part 1 read as it is
+            reads = read_rest(part1.lse, part1.output, *rest, released, top_p, cap, reader, use_triton=True)
             intervals = (outside.page_lse, outside.logit_error, outside.value_norm)
             masks = (valid, reads.read, reads.wanted, reads.missed, sampled)
             per_kv = part1.importance_per_kv_head
@@ -237,7 +237,7 @@ class GraphGuard:
                 part1.output, self.tally[:bs], out, per_kv, layer=column, layers=self.num_layers,
             )  # fmt: skip
             return DecodeImportanceOutput(out, part1.lse, importance, per_kv)
-        outcome = guard_layer(*args, params[:, 1], released, top_p, cap, reader)
+        outcome = guard_layer(part1.lse, part1.output.float(), *rest, params[:, 1], released, top_p, cap, reader)
         keep_in_tally(self.tally[:bs], outcome, sampled, column, self.num_layers)
         has_rest = valid.any(dim=1)
         out.copy_(torch.where(has_rest[:, None, None], outcome.combined.output, part1.output.float()))
