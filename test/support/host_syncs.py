@@ -286,16 +286,17 @@ class HostSyncCounter(TorchFunctionMode):
         if kind is not None and self._counting:
             self.events[Event(self.step, self._where, kind, self._site(), device)] += 1
         result = func(*args, **kwargs)
-        launched = not any(result is t for t in inputs)  # handed back an input (.to(), .contiguous()): no kernel
-        if self._counting and name not in _NO_KERNEL and self._launches(name, args, kwargs, result, lands and launched):
+        handed_back = any(result is t for t in inputs)  # an input itself (.to(), .contiguous()): no kernel
+        counted = self._counting and name not in _NO_KERNEL
+        if counted and self._launches(name, args, kwargs, result, lands and not handed_back):
             self.events[Event(self.step, self._where, LAUNCH, self._site(), True)] += 1
         lands = lands and isinstance(result, torch.Tensor)
-        if isinstance(result, torch.Tensor) and not lands and from_device and any(result is t for t in inputs):
+        if isinstance(result, torch.Tensor) and not lands and from_device and handed_back:
             # On a CPU ``.cpu()``/``.to("cpu")`` hand back the device tensor itself; on a GPU
             # they make a host copy: so does this, and the copy is on the host.
             result = result.clone()
         if lands:
-            if self._counting and result._base is None and not any(result is t for t in inputs):
+            if self._counting and result._base is None and not handed_back:
                 site = self._site()
                 self.events[Event(self.step, self._where, ALLOC, site, True)] += 1
                 self.allocations.append((self.step, self._where, site, result.numel() * result.element_size()))
