@@ -427,10 +427,10 @@ def combine_rest_triton(
     dev = out_exact.device
     sampled_lse = sampled_lse.to(dev, torch.float32).contiguous()
     masks = tuple(m.contiguous() for m in masks)
-    merged = (torch.empty(lse_exact.shape, dtype=torch.float32, device=dev),
-              torch.empty(out_exact.shape, dtype=torch.float32, device=dev))  # fmt: skip
     if read_part[0].shape != lse_exact.shape or read_part[1].shape != out_exact.shape:
         raise ValueError(f"the read part {tuple(read_part[1].shape)} does not match {tuple(out_exact.shape)}")
+    merged = (torch.empty(lse_exact.shape, dtype=torch.float32, device=dev),
+              torch.empty(out_exact.shape, dtype=torch.float32, device=dev))  # fmt: skip
     results = _run(
         lse_exact,
         out_exact,

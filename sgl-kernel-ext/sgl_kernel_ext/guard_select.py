@@ -176,19 +176,16 @@ if HAS_TRITON:
             tl.store(Rank + row * pages + cols, tl.where(want & ~gone, rank, neg_inf), mask=inside)
 
     @triton.jit
-    def _candidates(Rank, Wanted, Released, row, pages, cols):
-        """The candidates among ``cols`` (wanted, not released) and their ranks as ordered integers."""
-        inside = cols < pages
-        chosen = (tl.load(Wanted + row * pages + cols, mask=inside, other=0) != 0) & (
-            tl.load(Released + row * pages + cols, mask=inside, other=1) == 0
-        )
-        return chosen, _ordered(tl.load(Rank + row * pages + cols, mask=inside, other=0.0))
+    def _candidates(Rank, row, pages, cols):
+        """The candidates among ``cols`` and their ranks as ordered integers: the wanted
+        kernel leaves a rank only on a wanted page still on the device (a wanted page has a
+        finite log-mass in some head), -inf elsewhere."""
+        rank = tl.load(Rank + row * pages + cols, mask=cols < pages, other=float("-inf"))
+        return rank > float("-inf"), _ordered(rank)
 
     @triton.jit
     def _cap_kernel(
         Rank,
-        Wanted,
-        Released,
         Cap,
         Read,
         pages,
@@ -204,14 +201,14 @@ if HAS_TRITON:
         lo = tl.full([], 2**31, tl.int64)
         hi = tl.full([], -(2**31) - 1, tl.int64)
         for p0 in range(0, pages, BLOCK_P):
-            chosen, key = _candidates(Rank, Wanted, Released, row, pages, p0 + offs)
+            chosen, key = _candidates(Rank, row, pages, p0 + offs)
             lo = tl.minimum(lo, tl.min(tl.where(chosen, key, 2**31), axis=0))
             hi = tl.maximum(hi, tl.max(tl.where(chosen, key, -(2**31) - 1), axis=0))
         # Bisection: the largest t with at least ``cap`` candidates at or above it (the
         # cap-th largest rank); lo - 1 when there are fewer: every candidate is read.
         lo = lo - 1
         if SINGLE:  # the row's candidates held in registers across the steps
-            chosen, key = _candidates(Rank, Wanted, Released, row, pages, offs)
+            chosen, key = _candidates(Rank, row, pages, offs)
             for _ in range(STEPS):
                 mid = lo + (hi - lo + 1) // 2
                 enough = tl.sum((chosen & (key >= mid)).to(tl.int64), axis=0) >= cap
@@ -223,7 +220,7 @@ if HAS_TRITON:
                 mid = lo + (hi - lo + 1) // 2
                 count = tl.zeros([], tl.int64)
                 for p0 in range(0, pages, BLOCK_P):
-                    chosen, key = _candidates(Rank, Wanted, Released, row, pages, p0 + offs)
+                    chosen, key = _candidates(Rank, row, pages, p0 + offs)
                     count += tl.sum((chosen & (key >= mid)).to(tl.int64), axis=0)
                 enough = count >= cap
                 go = lo < hi
@@ -232,13 +229,13 @@ if HAS_TRITON:
         # Read: every candidate above the cut, and at the cut the lowest columns up to the cap.
         above = tl.zeros([], tl.int64)
         for p0 in range(0, pages, BLOCK_P):
-            chosen, key = _candidates(Rank, Wanted, Released, row, pages, p0 + offs)
+            chosen, key = _candidates(Rank, row, pages, p0 + offs)
             above += tl.sum((chosen & (key > lo)).to(tl.int64), axis=0)
         room = cap - above
         taken = tl.zeros([], tl.int64)
         for p0 in range(0, pages, BLOCK_P):
             cols = p0 + offs
-            chosen, key = _candidates(Rank, Wanted, Released, row, pages, cols)
+            chosen, key = _candidates(Rank, row, pages, cols)
             tie = chosen & (key == lo)
             order = taken + tl.cumsum(tie.to(tl.int64), axis=0)  # 1-based among the ties
             read = chosen & ((key > lo) | (tie & (order <= room)))
@@ -295,7 +292,7 @@ def guard_select_triton(
         page_lse, valid, released, threshold, total, wanted, missed, rank, hq, pages, *strides, BLOCK_P=BLOCK_P
     )
     _cap_kernel[(n,)](
-        rank, wanted, released, cap, read, pages, cap.stride(0), STEPS=STEPS, BLOCK_P=block, SINGLE=single,
+        rank, cap, read, pages, cap.stride(0), STEPS=STEPS, BLOCK_P=block, SINGLE=single,
         num_warps=warps,
     )  # fmt: skip
     return wanted, missed, read
