@@ -53,7 +53,7 @@ torch.set_grad_enabled(False)
 
 WARMUP = 2
 KV_WRITE = "sgl_importance/attention/triton_backend.py"  # the backend's _store_kv: SGLang's KV write
-EPILOGUE = ("sgl_importance/hot_set/graph_step.py", "sgl_importance/hot_set/graph_guard.py")
+READ_BACK = ("sgl_importance/hot_set/graph_step.py", "sgl_importance/hot_set/graph_guard.py")  # the tallies' copies
 LLAMA = dict(layers=32, kv_heads=8, q_heads=32, dim=128, page=16, kv_bytes=2)
 
 
@@ -116,14 +116,16 @@ def count_launches(lengths: list[int], steps: int, guard: float = 1.0) -> dict:
         "graph_layer": layer_g[0],
         "graph_last_layer": layer_g[-1],
         "graph_fold_and_end": per(gr, replayed, where="step"),
-        # Host reads inside the graph but the epilogue's copies of the tallies (the step's read back).
+        # Host reads inside the graph (none: the tallies are read back after the replay).
         "graph_syncs_inside": sum(
-            n
-            for w in ("prologue", *range(LAYERS))
-            for site, n in gr.by("site", kinds=SYNC_KINDS, device_only=True, where=w).items()
-            if not site.startswith(EPILOGUE)
+            gr.total(kinds=SYNC_KINDS, device_only=True, where=w) for w in ("prologue", *range(LAYERS))
         ),
-        "graph_tally_copies": sum(gr.total(kinds=SYNC_KINDS, device_only=True, where=w) for w in range(LAYERS)) / steps,
+        "graph_tally_copies": sum(
+            n
+            for site, n in gr.by("site", kinds=SYNC_KINDS, device_only=True, where="step").items()
+            if site.startswith(READ_BACK)
+        )
+        / steps,
         "replayed": runner.replayed,
         "variants": runner.variants_run[WARMUP:],
     }
@@ -178,9 +180,8 @@ def host_time(bs: int, context: int, steps: int, layers: int = 32, page: int = 1
         for layer in range(layers):
             kp, vp = graphed.pool_as_pages(layer, k[layer], v[layer])
             step.attend(layer, q[layer], kp, vp, out, sm_scale=0.35)
-        step.epilogue()
         t5 = time.perf_counter()
-        step.fold()
+        step.fold(step.read_back())
         graphed.end_step()
         t6 = time.perf_counter()
         if i >= 2:
@@ -197,7 +198,7 @@ def llama_bytes(rows: int, context: int, hot: float) -> dict:
     ranges = KeyRanges(m["layers"], m["kv_heads"], m["dim"], capacity_pages=1, dtype=torch.bfloat16, device="meta")
     step = GraphStep(GraphCapacity(rows, pages), num_layers=m["layers"], page_size=m["page"], ranges=ranges,
                      device="meta")  # fmt: skip
-    host = step._stage.numel() * step._stage.element_size() + step.tally_host.numel() * step.tally_host.element_size()
+    host = sum(t.numel() * t.element_size() for t in (*step._stages, *step._tally_hosts))
     kv_page = 2 * m["page"] * m["kv_heads"] * m["dim"] * m["kv_bytes"]  # one layer's K and V of a page
     dense = pages * kv_page
     listed = int(hot * pages + 0.999)

@@ -212,6 +212,18 @@ class ImportanceConfig:
             "on a GPU: proven on the CPU by the capture harness (docs/hot_set.md).",
         ),
     )
+    # attention/hot_set_attention.py: each step ended one step late.
+    hot_set_plan_ahead: str = flag(
+        "off",
+        choice(
+            SWITCH,
+            "on = a hot-set decode step is folded and ended (its tally read, the step after the next "
+            "planned, its page moves made) while the next step runs, not before it starts: with "
+            "--hot-set-graph-rows the host's work between steps overlaps the replay on a GPU instead of "
+            "waiting for it; each plan is one step older (eager steps keep the same rhythm). Not yet "
+            "run on a GPU.",
+        ),
+    )
     # hot_set/guard_budget.py; 0 = auto.
     hot_set_guard_tokens: int = flag(
         0,

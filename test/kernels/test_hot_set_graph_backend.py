@@ -3,7 +3,7 @@
 The runner (``support/graph_runner.py``) plans each batch in the plugin's hook around
 ``can_run_graph``, captures each batch size's variant, and runs the step as a replay runs it
 (prep, prologue, every layer's ``forward_decode``: KV write, fixed-shape decode, importance
-filed; the epilogue; the fold after ``execute``). Against ``importance_torch``'s eager hot set on the same pool,
+filed; the read back and the fold after ``execute``). Against ``importance_torch``'s eager hot set on the same pool,
 requests and queries: the same outputs, page importance and counts, with short requests
 beside long ones, requests joining and leaving, and a guarded request (refused: eager).
 
@@ -23,7 +23,7 @@ pytest.importorskip("sglang", reason="the backends subclass SGLang's")
 from sgl_importance.hot_set import HotSetParams  # noqa: E402
 from support.counted_world import triton_launches_counted  # noqa: E402
 from support.graph_runner import GraphRunner  # noqa: E402
-from support.host_syncs import LAUNCH, HostSyncCounter  # noqa: E402
+from support.host_syncs import LAUNCH, STEP, SYNC_KINDS, HostSyncCounter  # noqa: E402
 from support.hot_set_world import DIM, KV_HEADS, LAYERS, Q_HEADS, World, parents_metadata  # noqa: E402
 from support.kernel_device import EMPTY_PAGES_WARN  # noqa: E402
 
@@ -98,20 +98,20 @@ def test_a_captured_hot_set_step_decodes_as_the_eager_hot_set_with_joins_leaves_
     assert {(2, "hot"), (3, "hot"), (3, "hot_guard")} <= runner.captured
     assert runner.variants_run.count("hot_guard") == 1 and totals["guard_checks"] > 0
     assert graphed.backend.hot_set.graph.refusals == {"warmup": 1}
-    # What a graph holds (prologue, layers, epilogue) hands no device value to the host but the
-    # epilogue's copies of the tallies (the step's, and the guard's in a guarded step: copies into
-    # pinned memory on a GPU, what the host reads after the replay), and uploads nothing.
+    # What a graph holds (prologue, layers) hands no device value to the host and uploads nothing.
+    # The tallies come back after the replay (the step's, and the guard's in a guarded step: copies
+    # into pinned memory on a GPU, what the host reads when it folds the step), one copy each.
     for where in ("prologue", *range(LAYERS)):
         assert counter.total(kinds=("upload",), where=where, device_only=True) == 0
         syncs = counter.by("site", where=where, device_only=True)
-        if where != LAYERS - 1:
-            assert not syncs, (where, syncs)
-    epilogue = sorted(syncs.items())
-    assert [site.split(":")[0] for site, _ in epilogue] == [
-        "sgl_importance/hot_set/graph_guard.py",
-        "sgl_importance/hot_set/graph_step.py",
-    ]
-    assert [n for _, n in epilogue] == [1, 8], epilogue  # one guarded step of 8 replayed
+        assert not syncs, (where, syncs)
+    read_back = {
+        site.split(":")[0]: n
+        for site, n in counter.by("site", kinds=SYNC_KINDS, where=STEP, device_only=True).items()
+        if "graph_" in site
+    }
+    # one guarded step of 8 replayed
+    assert read_back == {"sgl_importance/hot_set/graph_guard.py": 1, "sgl_importance/hot_set/graph_step.py": 8}
     # The launches a layer of the hot graph replays: the same every step, whatever the batch
     # (7 steps, 2 sizes).
     hot = [step for step, variant in enumerate(runner.variants_run) if variant == "hot"]

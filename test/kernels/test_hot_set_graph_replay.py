@@ -40,7 +40,7 @@ def test_the_triton_steps_launches_and_buffers_are_the_same_every_step():
         live = twin.graphed.plan_step(list(twin.rows), twin.slots())
         assert twin.step.prepare(live, [twin.rows[r] for r in twin.rows]) is None
         traces.append(signature(record(lambda: twin.region(2), triton=True)))
-        twin.step.fold()
+        twin.step.fold(twin.step.read_back())
         twin.graphed.end_step()
     for i in range(2, len(traces)):
         assert traces[i] == traces[1], first_difference(traces[1], traces[i])

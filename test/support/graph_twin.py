@@ -122,17 +122,16 @@ class Twin:
             self.graphs[key].replay()
         else:
             self.graphs[key] = record(lambda: self.region(bs), triton=self.triton)
-        self.step.fold()
+        self.step.fold(self.step.read_back())
         self.graphed.end_step()
         return eager, self.out[:, :bs].clone()
 
     def region(self, bs: int) -> None:
-        """What a graph records: the step's prologue, its layers, its epilogue."""
+        """What a graph records: the step's prologue, its layers."""
         self.step.prologue(bs, self.req_to_token, POOL_PAGES)
         for i in range(LAYERS):
             k_pages, v_pages = self.graphed.pool_as_pages(i, self.k[i], self.v[i])
             self.step.attend(i, self.q[i, :bs], k_pages, v_pages, self.out[i, :bs], sm_scale=SCALE)
-        self.step.epilogue()
 
 
 def assert_same_states(twin: Twin) -> None:

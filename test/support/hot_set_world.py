@@ -109,6 +109,7 @@ class World:
         promotions: bool = True,
         device: str = DEVICE,
         layers: int = LAYERS,
+        plan_ahead: bool = False,
     ) -> None:
         # A device object, not a string: the host round-trip counter tells the server's
         # device tensors from host ones by it (support/host_syncs.py).
@@ -131,7 +132,7 @@ class World:
             residency=self.residency,
             exact=exact,
         )
-        hot_set = HotSetAttention(decoder, self.page_importance)
+        hot_set = HotSetAttention(decoder, self.page_importance, plan_ahead=plan_ahead)
         self.backend = self._backend(kind, hot_set, layers)
         self.layers = [_layer(i) for i in range(layers)]
         self.rows: dict[str, int] = {}

@@ -51,7 +51,7 @@ def test_the_steps_ops_shapes_and_buffers_are_the_same_every_step():
         live = twin.graphed.plan_step(list(twin.rows), twin.slots())
         assert twin.step.prepare(live, [twin.rows[r] for r in twin.rows]) is None
         rec = record(lambda: twin.region(3))
-        twin.step.fold()
+        twin.step.fold(twin.step.read_back())
         twin.graphed.end_step()
         traces.append(signature(rec))
         buffers.append(outside_tensors(rec))
@@ -80,18 +80,18 @@ def test_the_step_reads_nothing_back_uploads_nothing_and_makes_no_data_sized_op(
                 for i in range(LAYERS):
                     k_pages, v_pages = twin.graphed.pool_as_pages(i, twin.k[i], twin.v[i])
                     twin.step.attend(i, twin.q[i, :2], k_pages, v_pages, twin.out[i, :2], sm_scale=SCALE)
-            with counter.where("epilogue"):
-                twin.step.epilogue()
+            with counter.where("read back"):
+                replayed = twin.step.read_back()
             with counter.paused():
-                twin.step.fold()
+                twin.step.fold(replayed)
                 twin.graphed.end_step()
     # The device-aware view: the server's device tensors told from host ones (on a CPU
     # both are the host; a .to() onto the device it is already on counts in the other view).
     layers = dict(where="layers", device_only=True)
     assert counter.total(**layers) == 0, counter.by("site", **layers)
     assert counter.total(kinds=(UPLOAD,), **layers) == 0
-    epilogue = dict(where="epilogue", device_only=True)
-    assert counter.by("kind", kinds=(*SYNC_KINDS, UPLOAD, "alloc"), **epilogue) == {"cpu": 6}  # one copy a step
+    read_back = dict(where="read back", device_only=True)
+    assert counter.by("kind", kinds=(*SYNC_KINDS, UPLOAD, "alloc"), **read_back) == {"cpu": 6}  # one copy a step
 
 
 def test_a_region_that_freezes_a_plan_value_at_capture_is_caught_by_the_replay():

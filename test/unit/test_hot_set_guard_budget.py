@@ -288,7 +288,8 @@ def test_the_pools_gauges_show_their_size_and_after_each_step_their_use_and_what
         residency=Residency(),
         held_bytes=1234,
         tracked={"a": None},
-        end_step=lambda: StepResult(HotSetCounts(), StepMoves()),
+        fold_step=lambda: [None],  # the step's requests (what end_step, faked too, takes)
+        end_step=lambda live, ahead: StepResult(HotSetCounts(), StepMoves()),
         totals=HotSetCounts(),
     )
     hot_set = hot_set_attention.HotSetAttention(decoder, page_importance=None, metrics=metrics)

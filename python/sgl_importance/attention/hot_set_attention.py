@@ -22,7 +22,11 @@ here:
   (``HotSetGraphVariants``): the decoder plans it in that same hook and the plan goes into
   the fixed-shape step's buffers (``hot_set/graph_step.py``, ``plan_graph_step``), the layers
   run it (``attend_graph``), and after the runner's ``execute`` the step is folded and ended
-  (``finish_graph_step``); a batch the buffers refuse runs eagerly from the same plan.
+  (``finish_graph_step``); a batch the buffers refuse runs eagerly from the same plan;
+- with ``--hot-set-plan-ahead`` a step is ended one step late: after step N runs (its tally's
+  copy queued, not waited for), step N-1 is folded and ended, planning N+1 and the page moves
+  it wants, while N runs on the device (``hot_set/late_ends.py``; a request's first step ends
+  at once); eager steps keep the same rhythm, so a batch decides the same pages however it runs.
 
 The guard's key codes are written by the decoder itself, from the pool, at the end of
 the step that filled a page (``hot_set/coding.py``), into a ``GuardPool`` built here
@@ -41,6 +45,7 @@ import torch
 from sgl_importance.attention.hot_set_graphs import GUARD_VARIANT, HOT_VARIANT
 from sgl_importance.hot_set.estimate import on_device
 from sgl_importance.hot_set.guard_budget import KVShape, describe, guard_budget
+from sgl_importance.hot_set.late_ends import LateEnds
 from sgl_importance.hot_set.selection import HotSetCounts
 from sgl_importance.importance.page_importance import PageImportanceTable
 from sgl_importance.runtime import Runtime
@@ -60,6 +65,7 @@ class HotSetAttention:
         stream_prefill: a long prompt's full pages leave the device as it prefills
             (``--hot-set-prefill stream`` on a backend whose extend reads them back;
             ``scheduler/streamed_prefill.py``).
+        plan_ahead: end each step one step late (``--hot-set-plan-ahead``).
     """
 
     def __init__(
@@ -69,9 +75,12 @@ class HotSetAttention:
         metrics: Any = None,
         graph_rows: int = 0,
         stream_prefill: bool = False,
+        plan_ahead: bool = False,
     ) -> None:
         self.decoder = decoder
         self.stream_prefill = stream_prefill
+        self.plan_ahead = plan_ahead
+        self.late = LateEnds()  # with plan_ahead: the step run and not yet ended
         self.graph_rows = graph_rows
         self.page_importance = page_importance
         self.metrics = metrics
@@ -215,20 +224,31 @@ class HotSetAttention:
         self.page_importance.add_layer(result.importance, *self.graph.slot_lists())
 
     def finish_graph_step(self) -> Any:
-        """After a replayed hot-set step: its tally folded into the requests, then the step
-        ended as an eager one ends (``end_step``). Returns its counts, None if none ran."""
+        """After a replayed hot-set step: its tally read back, folded into the requests, then
+        the step ended as an eager one ends (``end_step``; with ``--hot-set-plan-ahead`` the
+        step before it, the tally's copy not waited for). Returns the counts of the step
+        ended, None if none was."""
         if not self.graph_planned:
             return None
         self.graph_planned = False
         if not self._graph_ran:  # planned, then no replay came (nothing to fold; the plan is dropped)
             return None
-        self._graph_ran = False
-        if self.graph.device.type == "cuda":
-            torch.cuda.current_stream(self.graph.device).synchronize()  # the tally's copy has landed
-        self.graph.fold()
+        self._graph_ran = self.graph_mode = False
         self._graph_counts.graph_steps += 1
-        self.graph_mode, self.in_step = False, True
-        return self.end_step()
+        replayed = self.graph.read_back()
+        if self.plan_ahead:
+            # The moves ended here may free pages this step still reads: copies wait for it.
+            self.decoder.residency.copies.after(replayed.done)
+            return self._end(*self.late.ran(replayed, self._fold))
+        return self._end(self._fold(replayed))
+
+    def end_pending(self) -> Any:
+        """End the step ``--hot-set-plan-ahead`` holds back, if any (its requests are leaving:
+        a batch without them, or the end of a run); returns its counts."""
+        return self._end(self.late.drain(self._fold))
+
+    def _fold(self, replayed: Any) -> list:  # a replayed step's read back (only where a graph ran)
+        return self.graph.fold(replayed)
 
     def batch_changed(self) -> None:
         """An extend ran: the next decode reads its requests' rows again."""
@@ -272,16 +292,22 @@ class HotSetAttention:
         return out
 
     def end_step(self) -> Any:
-        """After the step's last layer: fold it, plan the next one; what it wants moved is
+        """After an eager step's last layer: fold it, plan the next one; what it wants moved is
         left on the residency (``pending``), which the scheduler applies before the next
-        step. Returns the step's ``HotSetCounts``, or None outside a step."""
-        if self.graph_mode:
-            self.graph.epilogue()  # in the graph: the tally's copy to the host
-            return None
-        if not self.in_step:
+        step. Returns the step's ``HotSetCounts``, or None outside a step (and in a captured
+        one, which ends after its replay: ``finish_graph_step``)."""
+        if self.graph_mode or not self.in_step:
             return None
         self.in_step = False
-        counts, self.decoder.residency.pending = self.decoder.end_step()
+        live = self.decoder.fold_step()
+        return self._end(*self.late.ran(live, self._fold)) if self.plan_ahead else self._end(live)
+
+    def _end(self, live: list, ahead: Sequence[int] | int = 1) -> Any:
+        """End a folded step (``live``: its requests; none: nothing to end, None returned),
+        planning the one ``ahead`` steps on."""
+        if not live:
+            return None
+        counts, self.decoder.residency.pending = self.decoder.end_step(live, ahead)
         # The batch's graph counts (replayed, or refused) with the step's, in the totals too.
         counts.add(self._graph_counts)
         self.decoder.totals.add(self._graph_counts)
@@ -302,13 +328,12 @@ class HotSetAttention:
     def graph_step(self) -> None:
         """The host side of a decode step replayed from a CUDA graph, in place of ``begin_step``.
 
-        The batch holds no request longer than the threshold, so none the decoder tracks:
-        their state is dropped, as ``begin_step`` drops requests absent from its batch
-        (they finished or were retracted). Promotions still in flight are fenced first,
-        as before any forward. Nothing else of the decoder runs.
-        """
+        The batch holds no request longer than the threshold, so none the decoder tracks: their
+        state is dropped, as ``begin_step`` drops requests absent from its batch (they finished or
+        were retracted). Promotions in flight are fenced first, as before any forward."""
         self.fence()
         self.decoder.drop_absent(())
+        self.end_pending()  # its requests left: their counts only, as an eager step ends them
         self.decoder.held_bytes = 0
         if self.metrics is not None:
             self._after_step()
@@ -392,8 +417,9 @@ def build_hot_set(
         # A prefill chunk's pages are summarised from these before any decode step made them.
         decoder.pool_as_pages(layer, pool.get_key_buffer(layer), pool.get_value_buffer(layer))
     attention = HotSetAttention(
-        decoder, page_importance, metrics, graph_rows=config.hot_set_graph_rows, stream_prefill=stream
-    )
+        decoder, page_importance, metrics, graph_rows=config.hot_set_graph_rows, stream_prefill=stream,
+        plan_ahead=config.hot_set_plan_ahead == "on",
+    )  # fmt: skip
     runtime.hot_set_attention = attention
     return attention
 

@@ -25,12 +25,12 @@ Full pages are summarised once, before any release (``coding.py``; a streamed pr
 prefills, ``prefill.py``, which also seeds a first step from the prefill).
 
 A backend drives it: ``begin_step`` per decode batch, ``attend`` per layer, ``end_step``
-after the last (or ``plan_step``, a ``graph_step.GraphStep``'s layers, then ``end_step``).
-``end_step`` plans the *next* step and returns, as data (``residency.StepMoves``), the pages
-that plan leaves out (to release) and the released ones it keeps (to promote), moved by the
-residency owner between steps. A planned page with no device page is read from its host
-copy (staged before the layers) and counted. Exact pages get exact masses; rest pages masses
-estimated from their key codes (guard off: their key bound, Quest's), which rank them for
+after the last (or ``plan_step``, a ``graph_step.GraphStep``'s layers, then ``end_step``),
+which plans the *next* step (or the one after, a step late) and returns, as data
+(``residency.StepMoves``), the pages that plan leaves out and the released ones it keeps,
+moved by the residency owner between steps. A planned page with no device page is read from
+its host copy (staged before the layers), counted. Exact pages get exact masses; rest pages
+masses estimated from their key codes (guard off: their key bound), ranking them for
 promotion; tallied as tensors, folded into each request once per step (``step_tally.py``).
 
 Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
@@ -122,6 +122,7 @@ class HotSetDecoder:
         self.prefill_counts = HotSetCounts()  # what streamed prefills counted, added at the next end_step
         self.totals = HotSetCounts()
         self._live: list[LiveRequest] = []
+        # The eager step's lists and tally (plan_lists), dropped by fold_step.
         self._exact: Optional[ExactPlan] = None
         self._outside: Optional[OutsidePlan] = None
         self._sample: Optional[SamplePlan] = None
@@ -142,16 +143,12 @@ class HotSetDecoder:
 
     @property
     def guard(self) -> GuardPool:
-        if self._guard is None:
+        if self._guard is None:  # a decoder built without one (tests): a page per range page
             r = self.ranges
             self._guard = GuardPool(
-                r.num_layers,
-                r.num_kv_heads,
-                r.head_dim,
-                page_size=self.page_size,
-                capacity_pages=r.capacity,  # a decoder built without one (tests): a page per range page
+                r.num_layers, r.num_kv_heads, r.head_dim, page_size=self.page_size, capacity_pages=r.capacity,
                 device=r.device,
-            )
+            )  # fmt: skip
         return self._guard
 
     # -- planning, once per step ---------------------------------------------------
@@ -412,18 +409,10 @@ class HotSetDecoder:
         keys, values = self._sample_pages(layer_id, k_pages, v_pages, lists.sample)
         sampled = sampled_pages(q_rows, keys, values, lists.sample.valid, **run)
         outcome = guard_layer(
-            result.lse[rows],
-            result.output[rows].float(),
-            outside,
-            sampled,
-            plan.valid,
-            plan.sampled,
-            plan.inclusion,
-            lists.thresholds,
-            lists.released,
-            *lists.of_layer(layer_id),
+            result.lse[rows], result.output[rows].float(), outside, sampled, plan.valid, plan.sampled, plan.inclusion,
+            lists.thresholds, lists.released, *lists.of_layer(layer_id),
             exact_reader(self, layer_id, q, k_pages, v_pages, lists, run),
-        )
+        )  # fmt: skip
         self.last_guard = outcome  # what the layer's guard did (benchmarks read its bound)
         layers = self.ranges.num_layers
         tally = self._tally if not per_layer else StepTally.for_outside(lists.host, plan.rows.device, layers)
@@ -434,19 +423,33 @@ class HotSetDecoder:
 
     # -- after the last layer ------------------------------------------------------
 
-    def end_step(self) -> "StepResult":
-        """Fold the step into each long request's state, code its newly full pages, then
-        plan the next step. Returns the step's counts (with the page moves the owner made
-        since the last step) and what the next step wants moved: the full pages its plan
-        leaves out, the released ones it reads."""
-        step = HotSetCounts()
-        moves = StepMoves()
-        held, page = 0, self._page_bytes()
-        ps = self.page_size
+    def fold_step(self) -> list[LiveRequest]:
+        """An eager step's tally into its requests; the step's lists dropped. Returns its requests."""
         if self._tally is not None:
             self._tally.fold(self._live, self._exact, self._outside, self._step_layers, self.ranges)
-        for live in self._live:
+        live, self._live = self._live, []
+        self._exact = self._outside = self._sample = self._tally = self._guard_lists = None
+        return live
+
+    def end_step(self, step_live: Optional[list[LiveRequest]] = None, ahead: Sequence[int] | int = 1) -> "StepResult":
+        """Fold a step into each long request's state, code its newly full pages, then plan
+        the step ``ahead`` steps on. Returns the step's counts (with the owner's page moves
+        since the last step) and what that plan wants moved: the full pages it leaves out,
+        the released ones it reads. ``step_live``: a step folded already (``fold_step``,
+        ``GraphStep.fold``), perhaps ended a step late (``--hot-set-plan-ahead``, ``ahead``
+        2, or one per request: a request dropped since gives its counts only); None: the
+        eager step just run."""
+        step_live = self.fold_step() if step_live is None else step_live
+        aheads = [ahead] * len(step_live) if isinstance(ahead, int) else list(ahead)
+        step, moves = HotSetCounts(), StepMoves()
+        held, page = 0, self._page_bytes()
+        ps = self.page_size
+        current = {id(tracked) for tracked in self.tracked.values()}
+        for live, ahead in zip(step_live, aheads):
             if live.tracked is None:
+                continue
+            if id(live.tracked) not in current:  # left since it ran: its counts only
+                step.add(live.counts)
                 continue
             state = live.tracked.state
             attended = live.layers > 0
@@ -468,8 +471,8 @@ class HotSetDecoder:
             refused = summarise_pages(self.ranges, self.guard, live, length // ps, self.pool_views, ps, host)
             live.counts.ranges_refused, live.counts.guard_refused, live.counts.ranges_regained = refused
             step.add(live.counts)
-            # The next step decodes one more token: plan it now, one step ahead.
-            num_pages = -(-(length + 1) // ps)
+            # The step ``ahead`` decodes that many more tokens: plan it now.
+            num_pages = -(-(length + ahead) // ps)
             plan, counts = self._plan_pages(live.tracked, num_pages)
             live.tracked.next_plan = (num_pages, plan, counts)
             # F(request) during this step: its pages on the device, its pool rows.
@@ -483,8 +486,6 @@ class HotSetDecoder:
         step.add(self.prefill_counts)
         self.prefill_counts = HotSetCounts()
         self.held_bytes = held
-        self._live = []
-        self._exact = self._outside = self._sample = self._tally = self._guard_lists = None
         self.totals.add(step)
         return StepResult(step, moves)
 

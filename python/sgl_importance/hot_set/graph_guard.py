@@ -11,7 +11,7 @@ pages' physical ids gathered in the step's prologue. Per layer, inside the graph
 codes' estimate of every rest page, the sample read page by page, the selection (top-p, at
 most the cap, one read of the chosen pages), the bound and the flag, as the eager layer
 does; the output of a row without a rest is its exact part's. What the layers find is
-kept in one float64 tally, copied to the host once with the step's.
+kept in one float64 tally, copied to the host once with the step's (``read_back``).
 
 On the Triton backend (``triton``) the layer is the kernels a GPU runs, fused where torch
 glue stood (under the interpreter on a CPU), ten launches: the key codes' pass reading each
@@ -33,7 +33,7 @@ Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -97,10 +97,11 @@ class GraphGuard:
         self.pool, self.ranges, self.device, self.triton = pool, ranges, device, triton
         pinned = device.type == "cuda"
         i64, f32 = dict(dtype=torch.int64), dict(dtype=torch.float32)
-        # Host-written: the lists, and per row [inclusion, threshold, top-p per layer, cap per layer].
-        self._stage = torch.zeros(rows, 4, pages, pin_memory=pinned, **i64)
+        # Host-written: the lists, and per row [inclusion, threshold, top-p per layer, cap per layer];
+        # two of each, taken in turn with the step's (``GraphStep.prepare``).
+        self._stages = [torch.zeros(rows, 4, pages, pin_memory=pinned, **i64) for _ in range(2)]
         self._lists = torch.zeros(rows, 4, pages, device=device, **i64)
-        self._stage_f = torch.zeros(rows, 2 + 2 * num_layers, pin_memory=pinned, **f32)
+        self._stages_f = [torch.zeros(rows, 2 + 2 * num_layers, pin_memory=pinned, **f32) for _ in range(2)]
         self._params = torch.zeros(rows, 2 + 2 * num_layers, device=device, **f32)
         # Written by the prologue.
         self.physical = torch.zeros(rows, pages, device=device, **i64)
@@ -114,7 +115,7 @@ class GraphGuard:
         width = 2 * pages + 5 + 2 * num_layers
         f64 = dict(dtype=torch.float64)
         self.tally = torch.zeros(rows, width, device=device, **f64)
-        self.tally_host = torch.zeros(rows, width, pin_memory=pinned, **f64)
+        self._tally_hosts = [torch.zeros(rows, width, pin_memory=pinned, **f64) for _ in range(2)]
         self._guarded: list[int] = []  # batch rows with a rest (host)
 
     @property
@@ -124,15 +125,15 @@ class GraphGuard:
 
     # -- between steps (host) ------------------------------------------------------------
 
-    def prepare(self, live: Sequence[LiveRequest]) -> Optional[str]:
-        """Write the batch's guard lists (every row; one with no rest lists nothing);
-        returns why it cannot take them instead, None when written (and ``guarded``: some
-        row has a rest)."""
+    def prepare(self, live: Sequence[LiveRequest], turn: int) -> Optional[str]:
+        """Write the batch's guard lists (every row; one with no rest lists nothing) from
+        staging buffer ``turn``; returns why it cannot take them instead, None when written
+        (and ``guarded``: some row has a rest)."""
         for req in live:
             if req.guard_on and req.tracked.state.step == 0:
                 return "warmup"
         plan = plan_outside(live, [req.planned for req in live])
-        stage, stage_f = self._stage, self._stage_f
+        stage, stage_f = self._stages[turn], self._stages_f[turn]
         stage.zero_()
         stage_f.zero_()
         stage_f[:, 0] = 1.0  # inclusion of rows with nothing sampled (never read)
@@ -265,21 +266,24 @@ class GraphGuard:
 
         return read
 
-    def epilogue(self) -> None:
-        self.tally_host.copy_(self.tally, non_blocking=True)
-
     # -- after the step (host) ----------------------------------------------------------
 
-    def fold(self, live: Sequence[LiveRequest]) -> None:
-        """The guard's tally into the guarded requests, as ``StepTally.fold_outside`` does."""
-        t, p, layers = self.tally_host, self.pages, self.num_layers
-        for b in self._guarded:
+    def read_back(self, turn: int) -> GuardReadBack:
+        """After the replay: the tally's copy to the host, with what ``fold`` reads of the step."""
+        host = self._tally_hosts[turn]
+        host.copy_(self.tally, non_blocking=True)
+        return GuardReadBack(host, self._stages[turn], list(self._guarded))
+
+    def fold(self, live: Sequence[LiveRequest], step: GuardReadBack) -> None:
+        """A step's guard tally (landed) into its guarded requests, as ``StepTally.fold_outside`` does."""
+        t, p, layers = step.tally, self.pages, self.num_layers
+        for b in step.guarded:
             req = live[b]
-            flags = self._stage[b, FLAGS]
+            flags = step.lists[b, FLAGS]
             n = int((flags & VALID).sum())  # valid columns come first
             counts = t[b, 2 * p : 2 * p + 5].long().tolist()
             req.take_guard(
-                self._stage[b, LOGICAL, :n],
+                step.lists[b, LOGICAL, :n],
                 t[b, :n],
                 t[b, p : p + n] > 0,
                 t[b, 2 * p + 5 : 2 * p + 5 + layers] > 0,
@@ -292,6 +296,14 @@ class GraphGuard:
                 pages_sampled=counts[PAGES_SAMPLED],
                 pages_missed=counts[PAGES_MISSED],
             )
+
+
+class GuardReadBack(NamedTuple):
+    """A replayed step's guard tally on the host and the lists it was written by."""
+
+    tally: torch.Tensor  # the tally's host copy
+    lists: torch.Tensor  # the step's host staging lists (read until the turn comes round again)
+    guarded: list[int]  # its batch rows with a rest
 
 
 def keep_in_tally(tally: torch.Tensor, outcome: GuardOutcome, sampled: torch.Tensor, layer: int, layers: int) -> None:

@@ -10,13 +10,13 @@ once for ``GraphCapacity``: ``rows`` requests of at most ``pages`` pages each.
 - Between steps, on the host (``prepare``): the decoder has planned the step
   (``HotSetDecoder.plan_step``); each row's plan is written into one staging buffer
   (the ``req_to_token`` row, the logical pages it reads, their tokens, the range ids of
-  its full pages) and uploaded in one copy. A batch the buffers
+  its full pages) and uploaded in one copy (two staging buffers, taken in turn). A batch the buffers
   cannot take is refused, with the reason, and runs eagerly: more rows or a longer list
   than the capacity, a guarded row (its selection is per layer and data-sized), a
   planned page with no device page (it would be staged from the host), the ``quest``
   baseline (its lists change per layer).
-- Inside the step (``prologue``, ``attend`` per layer, ``epilogue``: what a graph
-  records), fixed-shape ops only, no host read, no upload, every buffer where it was
+- Inside the step (``prologue``, ``attend`` per layer: what a graph records),
+  fixed-shape ops only, no host read, no upload, every buffer where it was
   when the graph was captured; Python values are the captured batch size and the model's
   constants, never the plan's:
 
@@ -27,11 +27,12 @@ once for ``GraphCapacity``: ``rows`` requests of at most ``pages`` pages each.
     each page's mass added to the tally (summed over layers and the mean over KV heads, and
     the largest over both) and the key bound of each full page of a ``HOT`` row against the
     layer's denominator, the largest over layers and heads (``step_tally.StepTally._reduce_bounds``'
-    quantity, per layer);
-  - epilogue: the tally copied to the host in one copy (into pinned memory on CUDA).
-- After the step, on the host (``fold``): the tally into the decoder's requests, as the
-  eager step's ``StepTally.fold`` does; then the decoder's ``end_step`` as after an
-  eager step.
+    quantity, per layer).
+- After the replay, on its stream (``read_back``): the tally copied to the host in one
+  copy (into pinned memory on CUDA, the turn's buffer), an event after it.
+- After the step, on the host (``fold``, once that event has passed): the tally into the
+  step's requests, as the eager step's ``StepTally.fold`` does; then the decoder's
+  ``end_step`` as after an eager step (with ``--hot-set-plan-ahead``, one step later).
 
 The work per layer is the capacity's, not the plan's: on a GPU the kernel loops by the
 device's counts (``TritonPageListDecode``: padding columns cost grid slots, no reads);
@@ -42,11 +43,11 @@ Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
-from sgl_importance.hot_set.graph_guard import GraphGuard
+from sgl_importance.hot_set.graph_guard import GraphGuard, GuardReadBack
 from sgl_importance.hot_set.key_codes import GuardPool
 from sgl_importance.hot_set.key_ranges import KeyRanges
 from sgl_importance.hot_set.request_state import LiveRequest, released_among
@@ -97,9 +98,12 @@ class GraphStep:
         self.exact = exact
         dev = self.device
         pinned = dev.type == "cuda"
-        # One int64 buffer for the whole plan: [row, logical..., tokens..., range ids...].
+        # One int64 buffer for the whole plan: [row, logical..., tokens..., range ids...]. Two
+        # host stages, taken in turn: a step's upload may still be queued (``--hot-set-plan-ahead``)
+        # when the next plan is written.
         width = 1 + 3 * pages
-        self._stage = torch.zeros(rows, width, dtype=torch.int64, pin_memory=pinned)
+        self._stages = [torch.zeros(rows, width, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._turn = 0  # the stage (and tally copy) of the prepared step
         self._plan = torch.zeros(rows, width, dtype=torch.int64, device=dev)
         self.rows = self._plan[:, 0]
         self.logical = self._plan[:, 1 : 1 + pages]
@@ -111,7 +115,8 @@ class GraphStep:
         self.bias = torch.zeros(rows, pages * page_size, dtype=torch.float32, device=dev)
         self.live = torch.zeros(rows, dtype=torch.bool, device=dev)
         self.tally = torch.zeros(3, rows, pages, dtype=torch.float32, device=dev)
-        self.tally_host = torch.zeros(3, rows, pages, dtype=torch.float32, pin_memory=pinned)
+        # Where ``read_back`` copies it, by turn: a step's copy is folded while the next may land.
+        self._tally_hosts = [torch.zeros(3, rows, pages, dtype=torch.float32, pin_memory=pinned) for _ in range(2)]
         self._offsets = torch.arange(page_size, device=dev)
         self._workspace = PagedDecodeWorkspace()
         self._plans: dict[int, PagedDecodePlan] = {}
@@ -172,14 +177,16 @@ class GraphStep:
             rows: their ``req_to_token`` rows, in batch order.
             padded_bs: the batch size it replays at (rows past the batch list nothing).
         """
+        turn = self._turn ^ 1
         why = self.refusal(live, padded_bs)
         if why is None and self.guard is not None:
-            why = self.guard.prepare(live)  # the guarded rows' lists (written where it takes them)
+            why = self.guard.prepare(live, turn)  # the guarded rows' lists (written where it takes them)
         if why is not None:
             self.refusals[why] = self.refusals.get(why, 0) + 1
             return why
         ps, pages = self.page_size, self.capacity.pages
-        stage = self._stage
+        self._turn = turn
+        stage = self._stages[turn]
         stage.zero_()
         for b, (req, row) in enumerate(zip(live, rows)):
             length = req.slots.numel()
@@ -295,19 +302,27 @@ class GraphStep:
             raise RuntimeError("slot_lists before the step's prologue")
         return self._slots.kv_indptr, self._slots.kv_indices
 
-    def epilogue(self) -> None:
-        """The step's one read back: the tally to the host (asynchronous on CUDA)."""
-        self.tally_host.copy_(self.tally, non_blocking=True)
-        if self.guard_mode:
-            self.guard.epilogue()
-
     # -- after the step (host) ---------------------------------------------------------
 
-    def fold(self) -> list[LiveRequest]:
-        """The tally into the step's requests (the host copy must have landed); returns them."""
-        tally = self.tally_host
+    def read_back(self) -> "Replayed":
+        """After the replay, on its stream: the step's one read back, the tallies to the host
+        (asynchronous on CUDA, into pinned memory: the guard's too in a guarded step), and what
+        ``fold`` needs of the step. Outside the graph, so a step's copy can be folded while the
+        next step's lands in the other turn's buffer (``--hot-set-plan-ahead``)."""
+        host = self._tally_hosts[self._turn]
+        host.copy_(self.tally, non_blocking=True)
+        guard = self.guard.read_back(self._turn) if self.guard_mode else None
+        done = torch.cuda.current_stream(self.device).record_event() if self.device.type == "cuda" else None
+        live, self._live = self._live, []
+        return Replayed(live, host, guard, done)
+
+    def fold(self, step: "Replayed") -> list[LiveRequest]:
+        """A replayed step's tally into its requests (waiting for its copies); returns them."""
+        if step.done is not None:
+            step.done.synchronize()
+        tally = step.tally
         layers = self.num_layers
-        for b, req in enumerate(self._live):
+        for b, req in enumerate(step.live):
             if req.tracked is None:
                 continue
             num = req.tokens.numel()
@@ -318,7 +333,15 @@ class GraphStep:
             n = req.planned.numel()
             mass = tally[MAX, b, :n].clamp_min(0.0) if req.tracked.state.params.ranks_by_max else tally[SUM, b, :n]
             req.take_exact(req.planned, mass.double(), layers)
-        if self.guard is not None:
-            self.guard.fold(self._live)
-        live, self._live = self._live, []
-        return live
+        if step.guard is not None:
+            self.guard.fold(step.live, step.guard)
+        return step.live
+
+
+class Replayed(NamedTuple):
+    """A replayed step as ``GraphStep.read_back`` leaves it for ``GraphStep.fold``."""
+
+    live: list[LiveRequest]  # its requests, in batch order
+    tally: torch.Tensor  # the host copy of its tally (landed once ``done`` has)
+    guard: Optional[GuardReadBack]  # the guard's, in a guarded step
+    done: Optional[Any]  # a CUDA event after the copies (None where copies run in line)

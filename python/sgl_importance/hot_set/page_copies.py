@@ -35,6 +35,8 @@ class PageCopies:
         self._event: Optional[Any] = None
         self._held: list[Any] = []  # tensors a queued copy reads: alive until fenced
         self._frees: list[tuple[Any, Callable[[], None]]] = []  # (copy done, free)
+        self._after: list[Any] = []  # events the next copies wait for besides the current stream
+        self._step: Optional[Any] = None  # the last such event: a free with no copy waits for it
 
     @property
     def pending(self) -> bool:
@@ -52,17 +54,29 @@ class PageCopies:
             copy()
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        for event in self._after:
+            self.stream.wait_event(event)
+        self._after.clear()
         with torch.cuda.stream(self.stream):
             copy()
             self._event = self.stream.record_event()
         self._held.extend(held)
 
+    def after(self, event: Optional[Any]) -> None:
+        """The next copies also wait for ``event`` (a step still running on another stream that
+        reads pages they may overwrite: ``--hot-set-plan-ahead``); None: nothing to wait for."""
+        if event is not None and self.stream is not None:
+            self._after.append(event)
+            self._step = event
+
     def defer_free(self, free: Callable[[], None]) -> None:
-        """Run ``free`` once every copy issued so far is done (at once without a stream)."""
-        if self.stream is None or self._event is None:
+        """Run ``free`` once every copy issued so far is done, and the step ``after`` named
+        (at once without a stream)."""
+        event = self._event if self._event is not None else self._step
+        if self.stream is None or event is None:
             free()
             return
-        self._frees.append((self._event, free))
+        self._frees.append((event, free))
 
     def collect(self, wait: bool = False) -> None:
         """Run the deferred frees whose copies are done (``wait``: all, waiting if need be)."""

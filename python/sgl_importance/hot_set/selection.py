@@ -292,7 +292,11 @@ class RequestHotSet:
             needed: bool ``[pages]``, pages a layer's selection wanted outside the plan
                 (misses: the promotion candidates when the guard is on); None: none.
         """
-        self._grow(attended.numel())
+        n = max(attended.numel(), self.num_pages)
+        self._grow(n)
+        if attended.numel() < n:  # a step ended late (--hot-set-plan-ahead): a later plan grew the state
+            attended, masses, outside_mass = (_padded(t, n) for t in (attended, masses, outside_mass))
+            needed = _padded(needed, n) if needed is not None else None
         masses = masses.double()
         keep = self.params.decay
         self.ema[attended] = ema_fold(self.ema[attended], masses[attended], keep)
@@ -325,3 +329,8 @@ def quest_layer_pages(bounds: torch.Tensor, params: HotSetParams) -> torch.Tenso
     if slots:
         chosen[torch.topk(rank, min(slots, int((~fixed).sum())), sorted=False).indices] = True
     return torch.nonzero(chosen).flatten()
+
+
+def _padded(values: torch.Tensor, n: int) -> torch.Tensor:
+    """``values`` with zeros (False) after it, to ``n`` entries."""
+    return torch.cat((values, values.new_zeros(n - values.numel())))

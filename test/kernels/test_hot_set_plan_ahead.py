@@ -1,0 +1,146 @@
+"""``--hot-set-plan-ahead``: each hot-set step ended one step late, captured or eager alike.
+
+With the flag a step's host work (its tally folded, the step after the next planned, the page
+moves that plan wants) runs after the next step has been issued: on a GPU beside the replay
+instead of before it. The decisions are the same however a step runs: the captured step
+(``support/graph_runner.py``, the Triton reader under the interpreter) decodes as the eager
+``importance_torch`` step with the flag on the same pool, requests and queries, through
+releases and promotions and requests leaving, and every page a step plans is on the device
+when it runs (the moves were made between the steps).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed; the Triton decode kernels cannot run")
+pytest.importorskip("sglang", reason="the backends subclass SGLang's")
+
+from sgl_importance.hot_set import HotSetParams  # noqa: E402
+from support.graph_runner import GraphRunner  # noqa: E402
+from support.hot_set_world import DIM, KV_HEADS, LAYERS, PAGE, Q_HEADS, THRESHOLD, World, parents_metadata  # noqa: E402
+from support.kernel_device import EMPTY_PAGES_WARN  # noqa: E402
+
+pytestmark = [EMPTY_PAGES_WARN]
+
+OUT_ATOL = 2e-5
+IMP_ATOL = 2e-6
+
+
+@pytest.fixture(autouse=True)
+def _parents_metadata():
+    with parents_metadata():
+        yield
+
+
+def _draws(g: torch.Generator, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    k_new, v_new = (torch.randn(LAYERS, bs, KV_HEADS, DIM, generator=g) for _ in range(2))
+    return k_new, v_new, torch.randn(LAYERS, bs, Q_HEADS, DIM, generator=g) * 2
+
+
+def test_captured_steps_ended_a_step_late_decode_as_eager_ones_through_releases_and_leaves():
+    params = HotSetParams(policy="importance", budget=3, window=1, sinks=1, guard_threshold=1.0)
+    pools = dict(device_pages=48, host_pages=64, release=True, plan_ahead=True)
+    eager = World("torch", params, **pools)
+    runner = GraphRunner(World("triton", params, **pools), params)
+    graphed = runner.world
+    g = torch.Generator().manual_seed(5)
+    for rid, n in (("long", 33), ("long-2", 30), ("short", 5)):
+        k, v = (torch.randn(LAYERS, n, KV_HEADS, DIM, generator=g) for _ in range(2))
+        for w in (eager, graphed):
+            w.place(rid, k, v)
+
+    def step() -> None:
+        k_new, v_new, q = _draws(g, len(graphed.rows))
+        want, got = eager.step(k_new, v_new, q), runner.step(k_new, v_new, q)
+        for layer, (a, b) in enumerate(zip(want, got)):
+            assert torch.allclose(b, a, atol=OUT_ATOL, rtol=0), f"layer {layer}"
+        assert torch.allclose(graphed.page_importance.last, eager.page_importance.last, atol=IMP_ATOL, rtol=0)
+        # Both rewrote the requests' rows alike (releases and promotions, between the steps).
+        assert torch.equal(graphed.req_to_token, eager.req_to_token)
+
+    hot_sets = [w.backend.hot_set for w in (eager, graphed)]
+    step()
+    # A request's first step ends at once (its plan is the dense warm-up's); the rest waits.
+    assert all(h.decoder.totals.steps == 2 and h.late.pending is not None for h in hot_sets)
+    for _ in range(7):
+        step()
+    decoder = hot_sets[1].decoder
+    # Ended one step late: the plan waiting for the next step was made a step before it ran.
+    # Steps 1-7 ended (the 8th pending): the long requests' and the short one's past the threshold
+    # (its first such step, the 4th, at once).
+    assert decoder.totals.steps == 2 * 7 + sum(5 + k > THRESHOLD for k in range(1, 8))
+    length = graphed.written["long"]
+    assert decoder.tracked["long"].next_plan[0] == -(-(length + 1) // PAGE)
+    k, v = (torch.randn(LAYERS, 3, KV_HEADS, DIM, generator=g) for _ in range(2))
+    for w in (eager, graphed):
+        for rid in ("long", "long-2", "short"):
+            w.finish(rid)
+        w.place("tiny", k, v)
+    step()  # a short request alone: a dense graph (the pending step's requests have left)
+    for h in hot_sets:
+        h.end_pending()
+    totals = [h.decoder.totals.as_dict() for h in hot_sets]
+    graph_steps, graph_eager = totals[1].pop("graph_steps"), totals[1].pop("graph_eager")
+    assert {k: v for k, v in totals[0].items() if not k.startswith("graph_")} == totals[1]
+    assert graph_steps == 8 and graph_eager == 0, runner.variants_run
+    assert runner.variants_run == ["hot"] * 8 + ["dense"]
+    # Pages left and came back between steps; every planned page was on the device when its
+    # step ran (a captured step refuses one that is not: "staged").
+    assert totals[1]["pages_released"] > 0 and totals[1]["pages_copied_in"] > 0
+    assert totals[1]["pages_read_from_host"] == 0 and hot_sets[1].graph.refusals == {}
+    assert not decoder.tracked
+
+
+def test_a_step_ended_late_plans_the_step_after_the_next():
+    """The eager step's rhythm alone (``importance_torch``): a request's first step ends at
+    once, a later one only once the next step has run, and the plan made then is for the step
+    after that (at length 12, ending the step of length 11 plans 13 tokens: 4 pages, where
+    planning the next step of 11 would say 3); ``end_pending`` ends the last."""
+    params = HotSetParams(policy="importance", budget=3, window=1, sinks=1, guard_threshold=1.0)
+    world = World("torch", params, device_pages=48, host_pages=0, release=False, plan_ahead=True)
+    g = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(LAYERS, 2 * PAGE + 1, KV_HEADS, DIM, generator=g) for _ in range(2))
+    world.place("r", k, v)
+    hot_set = world.backend.hot_set
+    decoder = hot_set.decoder
+    for steps in range(1, 4):  # lengths 10, 11, 12
+        world.step(*_draws(g, 1))
+        assert decoder.totals.steps == max(1, steps - 1)
+        ahead = decoder.tracked["r"].next_plan
+        if steps == 2:  # the plan step 1's end made was taken by step 2, which waits to end
+            assert ahead is None
+        else:
+            assert ahead[0] == -(-(world.written["r"] + 1) // PAGE)
+    hot_set.end_pending()
+    assert decoder.totals.steps == 3 and hot_set.late.pending is None
+
+
+def test_guarded_captured_steps_ended_a_step_late_decode_as_eager_ones():
+    """The guard's tally read back with the step's (``GraphGuard.read_back``) and folded a step
+    later, from the lists that step was planned with, while the next step's are written."""
+    params = HotSetParams(policy="importance", budget=3, window=1, sinks=1, guard_threshold=0.05)
+    pools = dict(device_pages=96, host_pages=0, release=False, plan_ahead=True)
+    eager = World("torch", params, **pools)
+    runner = GraphRunner(World("triton", params, **pools), params)
+    graphed = runner.world
+    g = torch.Generator().manual_seed(7)
+    for rid, n in (("a", 20), ("b", 23)):
+        k, v = (torch.randn(LAYERS, n, KV_HEADS, DIM, generator=g) for _ in range(2))
+        for w in (eager, graphed):
+            w.place(rid, k, v)
+    for _ in range(3):
+        k_new, v_new, q = _draws(g, 2)
+        for a, b in zip(eager.step(k_new, v_new, q), runner.step(k_new, v_new, q)):
+            assert torch.allclose(b, a, atol=OUT_ATOL, rtol=0)
+        assert torch.allclose(graphed.page_importance.last, eager.page_importance.last, atol=IMP_ATOL, rtol=0)
+    hot_sets = [w.backend.hot_set for w in (eager, graphed)]
+    for h in hot_sets:
+        h.end_pending()
+    totals = [h.decoder.totals.as_dict() for h in hot_sets]
+    graph_steps, graph_eager = totals[1].pop("graph_steps"), totals[1].pop("graph_eager")
+    assert {k: v for k, v in totals[0].items() if not k.startswith("graph_")} == totals[1]
+    # The dense warm-up (eager) ends at once: the next step is planned from it and replayed.
+    assert runner.variants_run == [None, "hot_guard", "hot_guard"]
+    assert graph_steps == 2 and graph_eager == 1 and totals[1]["guard_checks"] > 0
