@@ -64,6 +64,8 @@ STAGES = ("env", "kernels", "serve", "speed", "kbench", "memory")
 DECODE_GRAPHS = ["--cuda-graph-backend-decode", "full", "--cuda-graph-max-bs-decode", "8"]
 # The hot set's captured step (--hot-set-graph-rows): as many rows as the graphs' largest batch.
 HOT_SET_GRAPHS = ["--hot-set-graph-rows", "8"]
+# The host's work between hot-set steps beside the next replay (speed mode "ahead").
+PLAN_AHEAD = ["--hot-set-plan-ahead", "on"]
 GRAPH_LINE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?(?:cuda|cpu) graph: (True|False)")
 
 
@@ -326,7 +328,8 @@ def stage_serve(run: Run) -> dict:
 
 def stage_speed(run: Run) -> dict:
     """bench_speed per graph mode in ``run.speed_graphs`` ("off": eager decode; "on": decode
-    graphs, torch_cuda's default, which hot-set batches skip)."""
+    graphs with the hot set's captured step; "ahead": the same, each step ended a step late,
+    ``--hot-set-plan-ahead on``)."""
     folder = _dummy_model(run)
     if run.rehearse:
         grid = ["--lengths", "1024", "--batches", "1,2", "--new-tokens", "16", "--dtype", "float32",
@@ -341,10 +344,11 @@ def stage_speed(run: Run) -> dict:
             continue
         speed_out = run.logs / f"speed_graphs_{mode}"
         server_args = "--load-format dummy --skip-tokenizer-init"
-        if mode == "on":  # the flag parses and serves on the CPU too (torch_cpu captures no graph)
-            server_args += " " + " ".join(HOT_SET_GRAPHS)
+        graphs = mode in ("on", "ahead")
+        if graphs:  # the flags parse and serve on the CPU too (torch_cpu captures no graph)
+            server_args += " " + " ".join(HOT_SET_GRAPHS + (PLAN_AHEAD if mode == "ahead" else []))
         if not run.rehearse:  # torch_cuda captures decode graphs unless told not to
-            server_args += " " + (" ".join(DECODE_GRAPHS) if mode == "on" else "--cuda-graph-backend-decode disabled")
+            server_args += " " + (" ".join(DECODE_GRAPHS) if graphs else "--cuda-graph-backend-decode disabled")
         cmd = [sys.executable, "-m", "benchmark.long_context.bench_speed", "--platform", run.platform,
                "--model-path", str(folder), "--server-args", server_args,
                "--no-hicache", "--out", str(speed_out), *grid]  # fmt: skip
@@ -547,17 +551,17 @@ def main() -> None:
     ap.add_argument("--speed-configs", default="dense,hot-20,hot-20-guard", help="bench_speed --configs, graphs off")
     ap.add_argument("--speed-configs-graphs", default="dense,hot-20,sglang-triton", help="the same, graphs on")
     ap.add_argument("--speed-batches", default="1,8", help="bench_speed --batches on the GPU")
-    ap.add_argument("--speed-graphs", default="off,on", help="decode graph modes, in order: off, on")
+    ap.add_argument("--speed-graphs", default="off,on", help="decode graph modes, in order: off, on, ahead")
     ap.add_argument("--memory-length", type=int, default=32768, help="memory stage: tokens per request")
     ap.add_argument("--memory-requests", type=int, default=8, help="memory stage: requests sent at once")
     a = ap.parse_args()
     run = Run(a.out, a.rehearse, a.budget_s)
     run.speed_lengths, run.speed_batches = a.speed_lengths, a.speed_batches
-    run.speed_configs = {"off": a.speed_configs, "on": a.speed_configs_graphs}
+    run.speed_configs = {"off": a.speed_configs, "on": a.speed_configs_graphs, "ahead": a.speed_configs_graphs}
     run.speed_graphs = [m for m in a.speed_graphs.split(",") if m]
     run.memory_length, run.memory_requests = a.memory_length, a.memory_requests
-    if set(run.speed_graphs) - {"off", "on"}:
-        ap.error("--speed-graphs: off and/or on")
+    if set(run.speed_graphs) - {"off", "on", "ahead"}:
+        ap.error("--speed-graphs: off, on and/or ahead")
     wanted = a.stages.split(",")
     unknown = set(wanted) - set(STAGES)
     if unknown:
