@@ -7,9 +7,10 @@ take back enter the tree host-only), short prompts between them, some streams dr
 the client mid-decode, ``/generate`` and ``/v1/completions``, and one ``/flush_cache``
 midway; a 4,096-token device pool with 16-token pages pushes KV through the host pool
 into the ``file`` tier; long prompts are prefilled in 512-token chunks, so they stream
-(``--hot-set-prefill stream``) beside the rest. Both ``--hot-set-prefix`` modes: the device mode with the guard off, the
-host mode with it on (the README's default: hot sets growing by their misses, put back to budget
-when the device runs short) and half its ``/generate`` requests turning it off for themselves
+(``--hot-set-prefill stream``) beside the rest. Both ``--hot-set-prefix`` modes: the device mode
+with the guard off and each step ended a step late (``--hot-set-plan-ahead on``), the host mode
+with it on (the README's default: hot sets growing by their misses, put back to budget when the
+device runs short) and half its ``/generate`` requests turning it off for themselves
 (``custom_params``), so guarded and unguarded hot sets share the device.
 
 What must hold: every request the client waited for is answered 200; the log has no
@@ -144,8 +145,14 @@ def occupancy(url: str, expected: dict | None = None, timeout: float = 45) -> di
         time.sleep(3)
 
 
-@pytest.mark.parametrize("prefix_mode, guard", [("host", True), ("device", False)], ids=["host-guard", "device"])
-def test_hot_set_soak_serves_everything_and_frees_every_host_slot_once(launch, tmp_path, token_ids, prefix_mode, guard):
+@pytest.mark.parametrize(
+    "prefix_mode, guard, plan_ahead",
+    [("host", True, "off"), ("device", False, "on")],
+    ids=["host-guard", "device-ahead"],
+)
+def test_hot_set_soak_serves_everything_and_frees_every_host_slot_once(
+    launch, tmp_path, token_ids, prefix_mode, guard, plan_ahead
+):
     storage = tmp_path / f"hicache-{prefix_mode}-{guard}"
     storage.mkdir()
     # Guard on (the default, as the README serves it): hot sets grow by their selections'
@@ -154,7 +161,7 @@ def test_hot_set_soak_serves_everything_and_frees_every_host_slot_once(launch, t
     at = ARGS.index("--hot-set-guard-threshold")
     args = ARGS[:at] + ARGS[at + 2 :] if guard else ARGS
     server = launch(
-        [*args, "--hot-set-prefix", prefix_mode],
+        [*args, "--hot-set-prefix", prefix_mode, "--hot-set-plan-ahead", plan_ahead],
         env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(storage)},
     )
     canary = lambda: server.generate(CANARY, max_new_tokens=16)["output_ids"]  # noqa: E731

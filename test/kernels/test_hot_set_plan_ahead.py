@@ -39,24 +39,40 @@ def _draws(g: torch.Generator, bs: int) -> tuple[torch.Tensor, torch.Tensor, tor
     return k_new, v_new, torch.randn(LAYERS, bs, Q_HEADS, DIM, generator=g) * 2
 
 
+def _twins(params: HotSetParams, requests: list, seed: int, **pools) -> tuple[World, GraphRunner, torch.Generator]:
+    """The eager ``importance_torch`` world and the graph runner over an ``importance_triton``
+    one, both with the flag, holding ``requests`` (rid, tokens) with the same keys and values."""
+    eager = World("torch", params, **pools, plan_ahead=True)
+    runner = GraphRunner(World("triton", params, **pools, plan_ahead=True), params)
+    g = torch.Generator().manual_seed(seed)
+    for rid, n in requests:
+        _place((eager, runner.world), g, rid, n)
+    return eager, runner, g
+
+
+def _place(worlds: tuple[World, ...], g: torch.Generator, rid: str, n: int) -> None:
+    k, v = (torch.randn(LAYERS, n, KV_HEADS, DIM, generator=g) for _ in range(2))
+    for w in worlds:
+        w.place(rid, k, v)
+
+
+def _step_both(eager: World, runner: GraphRunner, g: torch.Generator) -> None:
+    """One step both ways: the same outputs and page importance."""
+    graphed = runner.world
+    k_new, v_new, q = _draws(g, len(graphed.rows))
+    for layer, (a, b) in enumerate(zip(eager.step(k_new, v_new, q), runner.step(k_new, v_new, q))):
+        assert torch.allclose(b, a, atol=OUT_ATOL, rtol=0), f"layer {layer}"
+    assert torch.allclose(graphed.page_importance.last, eager.page_importance.last, atol=IMP_ATOL, rtol=0)
+
+
 def test_captured_steps_ended_a_step_late_decode_as_eager_ones_through_releases_and_leaves():
     params = HotSetParams(policy="importance", budget=3, window=1, sinks=1, guard_threshold=1.0)
-    pools = dict(device_pages=48, host_pages=64, release=True, plan_ahead=True)
-    eager = World("torch", params, **pools)
-    runner = GraphRunner(World("triton", params, **pools), params)
+    requests = [("long", 33), ("long-2", 30), ("short", 5)]
+    eager, runner, g = _twins(params, requests, 5, device_pages=48, host_pages=64, release=True)
     graphed = runner.world
-    g = torch.Generator().manual_seed(5)
-    for rid, n in (("long", 33), ("long-2", 30), ("short", 5)):
-        k, v = (torch.randn(LAYERS, n, KV_HEADS, DIM, generator=g) for _ in range(2))
-        for w in (eager, graphed):
-            w.place(rid, k, v)
 
     def step() -> None:
-        k_new, v_new, q = _draws(g, len(graphed.rows))
-        want, got = eager.step(k_new, v_new, q), runner.step(k_new, v_new, q)
-        for layer, (a, b) in enumerate(zip(want, got)):
-            assert torch.allclose(b, a, atol=OUT_ATOL, rtol=0), f"layer {layer}"
-        assert torch.allclose(graphed.page_importance.last, eager.page_importance.last, atol=IMP_ATOL, rtol=0)
+        _step_both(eager, runner, g)
         # Both rewrote the requests' rows alike (releases and promotions, between the steps).
         assert torch.equal(graphed.req_to_token, eager.req_to_token)
 
@@ -73,11 +89,10 @@ def test_captured_steps_ended_a_step_late_decode_as_eager_ones_through_releases_
     assert decoder.totals.steps == 2 * 7 + sum(5 + k > THRESHOLD for k in range(1, 8))
     length = graphed.written["long"]
     assert decoder.tracked["long"].next_plan[0] == -(-(length + 1) // PAGE)
-    k, v = (torch.randn(LAYERS, 3, KV_HEADS, DIM, generator=g) for _ in range(2))
     for w in (eager, graphed):
         for rid in ("long", "long-2", "short"):
             w.finish(rid)
-        w.place("tiny", k, v)
+    _place((eager, graphed), g, "tiny", 3)
     step()  # a short request alone: a dense graph (the pending step's requests have left)
     for h in hot_sets:
         h.end_pending()
@@ -101,8 +116,7 @@ def test_a_step_ended_late_plans_the_step_after_the_next():
     params = HotSetParams(policy="importance", budget=3, window=1, sinks=1, guard_threshold=1.0)
     world = World("torch", params, device_pages=48, host_pages=0, release=False, plan_ahead=True)
     g = torch.Generator().manual_seed(2)
-    k, v = (torch.randn(LAYERS, 2 * PAGE + 1, KV_HEADS, DIM, generator=g) for _ in range(2))
-    world.place("r", k, v)
+    _place((world,), g, "r", 2 * PAGE + 1)
     hot_set = world.backend.hot_set
     decoder = hot_set.decoder
     for steps in range(1, 4):  # lengths 10, 11, 12
@@ -121,21 +135,10 @@ def test_guarded_captured_steps_ended_a_step_late_decode_as_eager_ones():
     """The guard's tally read back with the step's (``GraphGuard.read_back``) and folded a step
     later, from the lists that step was planned with, while the next step's are written."""
     params = HotSetParams(policy="importance", budget=3, window=1, sinks=1, guard_threshold=0.05)
-    pools = dict(device_pages=96, host_pages=0, release=False, plan_ahead=True)
-    eager = World("torch", params, **pools)
-    runner = GraphRunner(World("triton", params, **pools), params)
-    graphed = runner.world
-    g = torch.Generator().manual_seed(7)
-    for rid, n in (("a", 20), ("b", 23)):
-        k, v = (torch.randn(LAYERS, n, KV_HEADS, DIM, generator=g) for _ in range(2))
-        for w in (eager, graphed):
-            w.place(rid, k, v)
+    eager, runner, g = _twins(params, [("a", 20), ("b", 23)], 7, device_pages=96, host_pages=0, release=False)
     for _ in range(3):
-        k_new, v_new, q = _draws(g, 2)
-        for a, b in zip(eager.step(k_new, v_new, q), runner.step(k_new, v_new, q)):
-            assert torch.allclose(b, a, atol=OUT_ATOL, rtol=0)
-        assert torch.allclose(graphed.page_importance.last, eager.page_importance.last, atol=IMP_ATOL, rtol=0)
-    hot_sets = [w.backend.hot_set for w in (eager, graphed)]
+        _step_both(eager, runner, g)
+    hot_sets = [w.backend.hot_set for w in (eager, runner.world)]
     for h in hot_sets:
         h.end_pending()
     totals = [h.decoder.totals.as_dict() for h in hot_sets]
