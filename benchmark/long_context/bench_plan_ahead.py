@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -71,14 +72,15 @@ def write_results(rows: list[dict], a: argparse.Namespace, out: Path) -> str:
     base = rows[0]
     lines = [
         f"| --hot-set-plan-ahead | wall s | {' | '.join(COUNTERS)} | greedy outputs = {base['mode']}'s "
-        "| tokens before the first difference, min |",
+        "| tokens before the first difference, min / median |",
         "|---" * (4 + len(COUNTERS)) + "|",
     ]
     for r in rows:
         same = sum(x == y for x, y in zip(r["outputs"], base["outputs"]))
-        first = min(first_difference(x, y) for x, y in zip(r["outputs"], base["outputs"]))
+        first = [first_difference(x, y) for x, y in zip(r["outputs"], base["outputs"])]
         cells = [r["mode"], f"{r['wall_s']:.1f}", *(f"{r[name]:.0f}" for name in COUNTERS)]
-        lines.append("| " + " | ".join([*cells, f"{same}/{len(base['outputs'])}", str(first)]) + " |")
+        cells += [f"{same}/{len(base['outputs'])}", f"{min(first)} / {statistics.median(first):g}"]
+        lines.append("| " + " | ".join(cells) + " |")
     command = "python -m benchmark.long_context.bench_plan_ahead " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     text = (
         "# Steps ended where they ran and a step late (bench_plan_ahead.py)\n\n"
@@ -87,7 +89,7 @@ def write_results(rows: list[dict], a: argparse.Namespace, out: Path) -> str:
         f"--hot-set-threshold {a.threshold}.\n\n" + "\n".join(lines) + "\n"
     )
     (out / "RESULTS.md").write_text(text)
-    (out / "results.json").write_text(json.dumps(rows))
+    (out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "rows": rows}))
     import matplotlib
 
     matplotlib.use("Agg")
