@@ -142,3 +142,39 @@ def test_page_copies_on_cuda_run_on_a_side_stream_land_before_the_fence_and_free
     assert not copies.pending
     copies.collect(wait=True)
     assert freed == [1]
+
+
+class _Event:
+    """A CUDA event's host side, passed when told (``done``)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        assert self.done, "collect waited for an event it had not found done"
+
+
+def test_a_free_waits_for_its_copy_and_for_the_step_still_running():
+    """``--hot-set-plan-ahead``: a page released while the step that reads it still runs goes back
+    to the allocator only once that step is done, and once its copy out is (the side stream's
+    bookkeeping, without a device: the stream is a stand-in, the events host-side fakes)."""
+    copies, freed = PageCopies("cpu"), []
+    copies.stream = object()  # as on CUDA: frees wait for events
+    older, step = _Event(), _Event()
+    copies.after(older)
+    copies.after(step)  # steps end in order: the last one is what is waited for
+    copies._event = copy_out = _Event()  # a release's copy issued after the step began
+    copies.defer_free(lambda: freed.append("copied"))
+    copies._event = None  # fenced: a page with a host copy already, released with no copy
+    copies.defer_free(lambda: freed.append("no copy"))
+    copy_out.done = True
+    copies.collect()
+    assert freed == []  # the step still runs
+    step.done = True
+    copies.collect()
+    assert freed == ["copied", "no copy"]
+    copies.after(None)  # a step with nothing to wait for (CPU) changes nothing
+    assert copies._step is step

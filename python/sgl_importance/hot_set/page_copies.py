@@ -34,9 +34,10 @@ class PageCopies:
         self.stream: Optional[Any] = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._event: Optional[Any] = None
         self._held: list[Any] = []  # tensors a queued copy reads: alive until fenced
-        self._frees: list[tuple[Any, Callable[[], None]]] = []  # (copy done, free)
-        self._after: list[Any] = []  # events the next copies wait for besides the current stream
-        self._step: Optional[Any] = None  # the last such event: a free with no copy waits for it
+        self._frees: list[tuple[tuple[Any, ...], Callable[[], None]]] = []  # (what it waits for, free)
+        # A step still running on another stream (``after``): copies and frees wait for it. The
+        # last one only: steps end in order on their stream.
+        self._step: Optional[Any] = None
 
     @property
     def pending(self) -> bool:
@@ -54,9 +55,8 @@ class PageCopies:
             copy()
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        for event in self._after:
-            self.stream.wait_event(event)
-        self._after.clear()
+        if self._step is not None:
+            self.stream.wait_event(self._step)
         with torch.cuda.stream(self.stream):
             copy()
             self._event = self.stream.record_event()
@@ -66,27 +66,27 @@ class PageCopies:
         """The next copies also wait for ``event`` (a step still running on another stream that
         reads pages they may overwrite: ``--hot-set-plan-ahead``); None: nothing to wait for."""
         if event is not None and self.stream is not None:
-            self._after.append(event)
             self._step = event
 
     def defer_free(self, free: Callable[[], None]) -> None:
         """Run ``free`` once every copy issued so far is done, and the step ``after`` named
         (at once without a stream)."""
-        event = self._event if self._event is not None else self._step
-        if self.stream is None or event is None:
+        events = tuple(e for e in (self._event, self._step) if e is not None)
+        if self.stream is None or not events:
             free()
             return
-        self._frees.append((event, free))
+        self._frees.append((events, free))
 
     def collect(self, wait: bool = False) -> None:
         """Run the deferred frees whose copies are done (``wait``: all, waiting if need be)."""
         still = []
-        for event, free in self._frees:
-            if wait or event.query():
-                event.synchronize()
+        for events, free in self._frees:
+            if wait or all(e.query() for e in events):
+                for e in events:
+                    e.synchronize()
                 free()
             else:
-                still.append((event, free))
+                still.append((events, free))
         self._frees = still
 
     def fence(self) -> None:
