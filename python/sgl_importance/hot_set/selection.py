@@ -40,6 +40,7 @@ from dataclasses import dataclass, fields
 from typing import Optional, Union
 
 import torch
+import torch.nn.functional as F
 
 from sgl_importance.choices import HOT_SET_POLICIES as POLICIES
 from sgl_importance.choices import REDUCTIONS
@@ -295,8 +296,9 @@ class RequestHotSet:
         n = max(attended.numel(), self.num_pages)
         self._grow(n)
         if attended.numel() < n:  # a step ended late (--hot-set-plan-ahead): a later plan grew the state
-            attended, masses, outside_mass = (_padded(t, n) for t in (attended, masses, outside_mass))
-            needed = _padded(needed, n) if needed is not None else None
+            pad = (0, n - attended.numel())  # zeros (False) for the pages it did not have
+            attended, masses, outside_mass = (F.pad(t, pad) for t in (attended, masses, outside_mass))
+            needed = F.pad(needed, pad) if needed is not None else None
         masses = masses.double()
         keep = self.params.decay
         self.ema[attended] = ema_fold(self.ema[attended], masses[attended], keep)
@@ -329,8 +331,3 @@ def quest_layer_pages(bounds: torch.Tensor, params: HotSetParams) -> torch.Tenso
     if slots:
         chosen[torch.topk(rank, min(slots, int((~fixed).sum())), sorted=False).indices] = True
     return torch.nonzero(chosen).flatten()
-
-
-def _padded(values: torch.Tensor, n: int) -> torch.Tensor:
-    """``values`` with zeros (False) after it, to ``n`` entries."""
-    return torch.cat((values, values.new_zeros(n - values.numel())))
