@@ -300,7 +300,8 @@ def serve_tiered(run: Run, model: str, name: str, extra: list[str]) -> dict:
         result = {"answers": answers, "mixed": result_mixed, "plugin_series": sorted(series)[:40]}
         for key in ("sgl_importance:hot_set_pages_attended_total", "sgl_importance:hot_set_pages_dense_total",
                     "sgl_importance:hot_set_pages_released_total", "sgl_importance:hot_set_guard_reads_total",
-                    "sgl_importance:hot_set_guard_checks_total", "sgl_importance:folded_steps_total"):  # fmt: skip
+                    "sgl_importance:hot_set_guard_checks_total", "sgl_importance:folded_steps_total",
+                    "sgl_importance:hot_set_prefill_chunks_released_total"):  # fmt: skip
             result[key] = metric(scrape, key)
         errors = [line for line in server.log().splitlines() if "Traceback" in line or "Error" in line]
         result["log_errors"] = errors[:10]
@@ -312,17 +313,25 @@ def serve_tiered(run: Run, model: str, name: str, extra: list[str]) -> dict:
 def stage_serve(run: Run) -> dict:
     model = make_tiny(run)
     out: dict[str, Any] = {}
+    hot = ["--radix-eviction-policy", "importance", "--hot-set-policy", "importance", "--hot-set-budget", "0.2",
+           "--hot-set-threshold", "1024"]  # fmt: skip
+    # The long prompt in 512-token chunks, streamed (its released pages read back from the host by
+    # the next chunks, on CUDA ordered against the forward stream) and prefilled dense: the same answers.
+    chunked = [*hot, "--chunked-prefill-size", "512"]
     for name, fn in (
         ("dense", lambda: serve_dense(run, model)),
-        ("hot-set", lambda: serve_tiered(run, model, "hot_set",
-                                         ["--radix-eviction-policy", "importance", "--hot-set-policy", "importance",
-                                          "--hot-set-budget", "0.2", "--hot-set-threshold", "1024"])),
+        ("hot-set", lambda: serve_tiered(run, model, "hot_set", hot)),
+        ("hot-set-streamed", lambda: serve_tiered(run, model, "hot_set_streamed", chunked)),
+        ("hot-set-chunked-dense", lambda: serve_tiered(run, model, "hot_set_chunked_dense",
+                                                       [*chunked, "--hot-set-prefill", "dense"])),
     ):  # fmt: skip
         try:
             out[name] = fn()
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {e}"[-3000:]}
         (run.out / "results.json").write_text(json.dumps({**run.results, "serve_partial": out}, default=str))
+    texts = [[a["text"] for a in out[n].get("answers", [])] for n in ("hot-set-streamed", "hot-set-chunked-dense")]
+    out["streamed_answers_equal_dense_prefill"] = bool(texts[0]) and texts[0] == texts[1]
     return out
 
 

@@ -10,13 +10,11 @@ backends agree to rounding. Reference: importance_torch on the same model.
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 
 from support.page_table_dump import read_dump
 from support.server import output_ids_and_logprobs
+from support.tiny_llama import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
 
@@ -27,30 +25,7 @@ SERVER_ARGS = ["--dtype", "float32", "--max-total-tokens", "4096"]
 
 @pytest.fixture(scope="module")
 def tiny_model(model_path, tmp_path_factory) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(
-        vocab_size=49152,  # the embedded model's tokenizer
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=2048,
-        initializer_range=0.3,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(model_path) / name, out / name)
-    return str(out)
+    return save_tiny_llama(model_path, tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")

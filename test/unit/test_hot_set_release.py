@@ -613,6 +613,7 @@ class Streaming:
     def __init__(self, placed: Placed) -> None:
         self.decoder = placed.decoder
         self.stream_prefill = True
+        self.forward_stream = None  # the CPU: no model runner's stream to wait for
         for layer in range(LAYERS):
             self.decoder.pool_as_pages(layer, placed.tiers.k[layer], placed.tiers.v[layer])
 

@@ -244,8 +244,19 @@ ATTRIBUTES = [
     ),
     *(
         Name("sglang.srt.layers.attention.triton_backend.ForwardMetadata", n, "attention/triton_backend.py")
-        for n in ("kv_indptr", "kv_indices")
+        for n in ("kv_indptr", "kv_indices", "qo_indptr", "custom_mask", "mask_indptr", "max_extend_len")
     ),
+    # importance_triton's extend over prefixes staged from the host pool (attention/triton_backend.py).
+    Name(
+        "sglang.srt.layers.attention.triton_backend.TritonAttnBackend",
+        "extend_attention_fwd",
+        "attention/triton_backend.py",
+    ),
+    *(
+        Name("sglang.srt.layers.radix_attention.RadixAttention", n, "attention/triton_backend.py")
+        for n in ("k_scale", "tp_q_head_num", "qk_head_dim", "v_head_dim")
+    ),
+    Name("sglang.srt.model_executor.model_runner.ModelRunner", "forward_stream", "attention/hot_set_attention.py"),
     Name("sglang.srt.model_executor.model_runner.ModelRunner", "sliding_window_size", "attention/triton_backend.py"),
     Name(SERVER_ARGS, "dtype", "platform/torch_cpu.py"),
     # Per-request hot-set parameters (request_check/prompt.py, scheduler/hot_set_requests.py).
@@ -586,3 +597,17 @@ def test_the_unit_tests_fake_tree_uses_only_sglangs_names(fake, owner):
     own = {"add", "nodes", "loaded", "free", "evictable_tokens"}
     foreign = sorted(n for n in _public_fields(fake()) - own if not has_name(owner, n))
     assert not foreign, f"the fake {owner.rsplit('.', 1)[-1]} has names SGLang's lacks: {foreign}"
+
+
+def test_sglangs_triton_extend_takes_the_arguments_the_staged_extend_passes():
+    # attention/triton_backend.py calls TritonAttnBackend.extend_attention_fwd over prefixes
+    # staged from the host pool: sixteen positional arguments, then keywords.
+    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+
+    names = list(inspect.signature(extend_attention_fwd).parameters)
+    positional = ["q_extend", "k_extend", "v_extend", "o_extend", "k_buffer", "v_buffer", "qo_indptr", "kv_indptr"]
+    positional += ["kv_indices", "custom_mask", "is_causal", "mask_indptr", "max_len_extend", "k_scale", "v_scale"]
+    assert names[: len(positional) + 1] == [*positional, "sm_scale"]
+    keywords = {"logit_cap", "sliding_window_size", "sinks", "window_kv_offsets", "xai_temperature_len", "page_size"}
+    keywords |= {"score_mod", "aux_tensors", "extend_seq_lens_cpu", "identity_kv_indices"}
+    assert keywords <= set(names)

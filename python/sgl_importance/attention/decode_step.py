@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from sgl_importance.attention.hot_set_attention import HotSetAttention, build_hot_set
+from sgl_importance.hot_set.residency import page_offsets
 from sgl_importance.importance.page_importance import PageImportanceTable
 from sgl_importance.runtime import Runtime
 
@@ -49,6 +50,18 @@ def last_attention_layer_id(model_runner: Any) -> int:
     return model_runner.model_config.num_hidden_layers - 1
 
 
+def plain_causal(layer: Any) -> bool:
+    """A decoder self-attention layer over the whole sequence (no window, no encoder): one
+    whose extend may read a prefix released to the host pool."""
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    return (
+        not layer.is_cross_attention
+        and layer.attn_type != AttentionType.ENCODER_ONLY
+        and (layer.sliding_window_size is None or layer.sliding_window_size < 0)
+    )
+
+
 class ImportanceDecodeSteps:
     """The decode-step plumbing both backends share; mixed in before SGLang's backend,
     whose ``token_to_kv_pool`` it reads and whose ``forward_decode`` / ``forward_extend``
@@ -71,10 +84,17 @@ class ImportanceDecodeSteps:
     token_to_kv_pool: Any
 
     def _init_decode_steps(
-        self, runtime: Runtime, model_runner: Any, *, exact: Any = None, prefill_reads_host: bool = False
+        self,
+        runtime: Runtime,
+        model_runner: Any,
+        *,
+        exact: Any = None,
+        prefill_reads_host: bool = False,
+        extend_seeds: bool = False,
     ) -> None:
         """Call after the parent's ``__init__``; ``exact``: the hot set's page reader;
-        ``prefill_reads_host``: the backend's extend reads released pages from the host pool."""
+        ``prefill_reads_host``: the backend's extend reads released pages from the host pool;
+        ``extend_seeds``: it reports a prompt's last token's masses (a seeded first step)."""
         self.page_importance = page_importance_for(runtime, model_runner)
         self.last_layer_id = last_attention_layer_id(model_runner)
         self.hot_set = build_hot_set(
@@ -84,7 +104,30 @@ class ImportanceDecodeSteps:
             self.page_importance,
             exact=exact,
             prefill_reads_host=prefill_reads_host,
+            extend_seeds=extend_seeds,
         )
+
+    def _released_prefixes(self, forward_batch: Any) -> Optional[list]:
+        """Where an extend's requests have released pages before their new tokens (a prompt
+        streamed chunk by chunk: ``--hot-set-prefill stream``): per request, the positions and
+        the host slots of those pages; None when no request has any."""
+        residency = self.hot_set.decoder.residency if self.hot_set is not None else None
+        lengths_known = forward_batch.seq_lens_cpu is not None and forward_batch.extend_seq_lens_cpu is not None
+        if residency is None or not residency.enabled or forward_batch.rids is None or not lengths_known:
+            return None
+        out, any_released, ps = [], False, self.page_size
+        lengths = zip(forward_batch.rids, forward_batch.seq_lens_cpu.tolist(), forward_batch.extend_seq_lens_cpu)
+        for rid, seq_len, new in lengths:
+            pages = residency.peek(rid)
+            released = pages.released_pages() if pages is not None else None
+            if released is not None:
+                released = released[(released + 1) * ps <= seq_len - new]
+            if released is None or released.numel() == 0:
+                out.append(None)
+                continue
+            out.append((page_offsets(released, ps), pages.host_slots(released)))
+            any_released = True
+        return out if any_released else None
 
     # -- what a backend supplies ----------------------------------------------------
 

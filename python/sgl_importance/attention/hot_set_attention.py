@@ -95,6 +95,9 @@ class HotSetAttention:
         self.graph: Any = None
         self.graph_mode = False
         self.graph_planned = False
+        # CUDA: the model runner's forward stream, which a prefill chunk's summary and release
+        # wait for (under the overlap scheduler the chunk's forward may still run); None on the CPU.
+        self.forward_stream: Any = None
         self._planned: Optional[tuple] = None
         self._graph_ran = False  # the planned step's replay was prepared (graph_metadata)
         self._graph_counts = HotSetCounts()
@@ -347,6 +350,7 @@ def build_hot_set(
     *,
     exact: Any = None,
     prefill_reads_host: bool = False,
+    extend_seeds: bool = False,
 ) -> Optional[HotSetAttention]:
     """The backend's hot set when ``--hot-set-policy`` is on, else None.
 
@@ -360,6 +364,8 @@ def build_hot_set(
         exact: the decoder's exact page reader (default: ``decode_importance_paged``).
         prefill_reads_host: the backend's extend reads a request's released pages from the
             host pool (what ``--hot-set-prefill stream`` needs).
+        extend_seeds: the backend's extend reports what a prompt's last token attended
+            (what ``--hot-set-first-step seeded`` needs).
     """
     config = runtime.config
     params = runtime.hot_set_params
@@ -403,14 +409,12 @@ def build_hot_set(
     metrics = _build_metrics(runtime)
     if metrics is not None:
         metrics.pools(guard.capacity, guard.nbytes, ranges.capacity, ranges.nbytes)
-    # Both need importance_torch's extend on the CPU (on a GPU the summaries would race the
-    # overlap scheduler's forward stream).
-    cpu_extend = prefill_reads_host and keys.device.type == "cpu"
-    stream = config.hot_set_prefill == "stream" and cpu_extend
+    stream = config.hot_set_prefill == "stream" and prefill_reads_host
     if config.hot_set_prefill == "stream" and not stream:
-        logger.info("hot set: prompts are prefilled dense (streamed prefill needs importance_torch on the CPU)")
-    # The first decode step seeded from the prefill (its pages summarised before it is planned).
-    decoder.seed_first_step = config.hot_set_first_step == "seeded" and cpu_extend
+        logger.info("hot set: prompts are prefilled dense (this backend's extend cannot read the host pool)")
+    # The first decode step seeded from the prefill (its pages summarised before it is planned):
+    # importance_torch's extend reports the masses, on the CPU (not yet ordered for a GPU's streams).
+    decoder.seed_first_step = config.hot_set_first_step == "seeded" and extend_seeds and keys.device.type == "cpu"
     if config.hot_set_first_step == "seeded" and not decoder.seed_first_step:
         logger.info("hot set: first decode steps read every page (a seeded one needs importance_torch on the CPU)")
     for layer in range(layers) if stream or decoder.seed_first_step else ():
@@ -420,6 +424,8 @@ def build_hot_set(
         decoder, page_importance, metrics, graph_rows=config.hot_set_graph_rows, stream_prefill=stream,
         plan_ahead=config.hot_set_plan_ahead == "on",
     )  # fmt: skip
+    if keys.device.type == "cuda":
+        attention.forward_stream = model_runner.forward_stream
     runtime.hot_set_attention = attention
     return attention
 

@@ -43,13 +43,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
+from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sgl_importance.attention.decode_step import ImportanceDecodeSteps
+from sgl_importance.attention.decode_step import ImportanceDecodeSteps, plain_causal
 from sgl_importance.env import DECODE_ENV
 from sgl_importance.hot_set.prefill import seed_layer
-from sgl_importance.hot_set.residency import page_offsets
 from sgl_importance.runtime import Runtime
 from sgl_kernel_ext import (
     PagedDecodePlan,
@@ -91,8 +90,8 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
         # Per request of an extend batch: its rid where its first decode step is seeded from
         # this extend (--hot-set-first-step seeded; None: not seeded), worked out once a forward.
         self.extend_seeded: Optional[list] = None
-        plain = all(_plain_causal(m) for m in model_runner.model.modules() if isinstance(m, RadixAttention))
-        self._init_decode_steps(runtime, model_runner, prefill_reads_host=plain)
+        plain = all(plain_causal(m) for m in model_runner.model.modules() if isinstance(m, RadixAttention))
+        self._init_decode_steps(runtime, model_runner, prefill_reads_host=plain, extend_seeds=plain)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         super().init_forward_metadata(forward_batch)
@@ -122,7 +121,7 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
     def _extend(
         self, q: Any, k: Any, v: Any, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool, **kwargs
     ) -> torch.Tensor:
-        if not (_plain_causal(layer) and forward_batch.encoder_lens is None and not kwargs):
+        if not (plain_causal(layer) and forward_batch.encoder_lens is None and not kwargs):
             return super()._extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         if save_kv_cache and k is not None and v is not None:
             self._store_kv(layer, forward_batch, k, v)
@@ -159,28 +158,6 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
         if decoder is None or not decoder.seed_first_step or forward_batch.rids is None or lengths is None:
             return None
         return [rid if n > decoder.threshold else None for rid, n in zip(forward_batch.rids, lengths.tolist())]
-
-    def _released_prefixes(self, forward_batch: ForwardBatch) -> Optional[list]:
-        """Where an extend's requests have released pages before their new tokens (a prompt
-        streamed chunk by chunk: ``--hot-set-prefill stream``): per request, the positions and
-        the host slots of those pages; None when no request has any."""
-        residency = self.hot_set.decoder.residency if self.hot_set is not None else None
-        lengths_known = forward_batch.seq_lens_cpu is not None and forward_batch.extend_seq_lens_cpu is not None
-        if residency is None or not residency.enabled or forward_batch.rids is None or not lengths_known:
-            return None
-        out, any_released, ps = [], False, self.page_size
-        lengths = zip(forward_batch.rids, forward_batch.seq_lens_cpu.tolist(), forward_batch.extend_seq_lens_cpu)
-        for rid, seq_len, new in lengths:
-            pages = residency.peek(rid)
-            released = pages.released_pages() if pages is not None else None
-            if released is not None:
-                released = released[(released + 1) * ps <= seq_len - new]
-            if released is None or released.numel() == 0:
-                out.append(None)
-                continue
-            out.append((page_offsets(released, ps), pages.host_slots(released)))
-            any_released = True
-        return out if any_released else None
 
     def _store_kv(self, layer: RadixAttention, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         self.token_to_kv_pool.set_kv_buffer(
@@ -244,15 +221,6 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
             )
         out.copy_(result.output)
         self.page_importance.add_layer(result.importance, self.kv_indptr, self.kv_indices)
-
-
-def _plain_causal(layer: Any) -> bool:
-    """A decoder self-attention layer over the whole sequence (no window, no encoder)."""
-    return (
-        not layer.is_cross_attention
-        and layer.attn_type != AttentionType.ENCODER_ONLY
-        and (layer.sliding_window_size is None or layer.sliding_window_size < 0)
-    )
 
 
 def extend_causal_attention(

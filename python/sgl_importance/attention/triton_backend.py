@@ -45,20 +45,22 @@ dtype other than the model's), checked when the backend is built.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend, logit_capping_mod
+from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_attention_variant
 
-from sgl_importance.attention.decode_step import ImportanceDecodeSteps
+from sgl_importance.attention.decode_step import ImportanceDecodeSteps, plain_causal
+from sgl_importance.attention.released_prefix import ReleasedPrefixes
 from sgl_importance.runtime import Runtime
 from sgl_kernel_ext.decode_importance import DecodeImportanceWrapper
 from sgl_kernel_ext.page_list import TritonPageListDecode
 
 if TYPE_CHECKING:
-    from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -81,7 +83,12 @@ class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
         self.eager_wrapper: Optional[DecodeImportanceWrapper] = None
         # The wrapper the next forward_decode uses, chosen by the metadata init.
         self.decode_wrapper: Optional[DecodeImportanceWrapper] = None
-        self._init_decode_steps(runtime, model_runner, exact=TritonPageListDecode(max_splits=self.max_kv_splits))
+        # An extend batch's prefixes with pages on the host (streamed prefill, a returning
+        # turn), staged for the parent's kernel once a forward; None: every page on the device.
+        self.extend_staged: Optional[ReleasedPrefixes] = None
+        plain = all(plain_causal(m) for m in model_runner.model.modules() if isinstance(m, RadixAttention))
+        exact = TritonPageListDecode(max_splits=self.max_kv_splits)
+        self._init_decode_steps(runtime, model_runner, exact=exact, prefill_reads_host=plain)
         if self.hot_set is not None:
             check_hot_set_serves(
                 self._serves_with_importance(),
@@ -151,12 +158,15 @@ class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         super().init_forward_metadata(forward_batch)
         self.decode_wrapper = None
+        self.extend_staged = None
         if self.hot_set is not None:
             self.hot_set.graph_mode = False  # an eager forward: no captured step runs
             # Promotions of the last step must land before this forward reads or frees pages.
             self.hot_set.fence()
             if forward_batch.forward_mode.is_decode():
                 self._begin_hot_set_step(forward_batch, self.req_to_token)
+            elif forward_batch.forward_mode.is_extend() and not forward_batch.forward_mode.is_target_verify():
+                self.extend_staged = self._staged_prefixes(forward_batch)
             return
         if forward_batch.forward_mode.is_decode() and self._serves_with_importance():
             bs = self.forward_metadata.kv_indptr.numel() - 1
@@ -166,6 +176,71 @@ class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
                 size = min(max(1 << max(bs - 1, 0).bit_length(), 8), max(self.max_decode_bs, bs))
                 wrapper = self.eager_wrapper = self._new_wrapper(size)
             self.decode_wrapper = wrapper
+
+    def _staged_prefixes(self, forward_batch: ForwardBatch) -> Optional[ReleasedPrefixes]:
+        released = self._released_prefixes(forward_batch)
+        if released is None:
+            return None
+        keys, values = self.token_to_kv_pool.get_key_buffer(0), self.token_to_kv_pool.get_value_buffer(0)
+        lengths = zip(forward_batch.seq_lens_cpu.tolist(), forward_batch.extend_seq_lens_cpu)
+        prefix_lens = [n - new for n, new in lengths]
+        return ReleasedPrefixes(
+            released,
+            prefix_lens,
+            kv_heads=keys.shape[1],
+            head_dim=keys.shape[2],
+            v_head_dim=values.shape[2],
+            dtype=keys.dtype,
+            device=keys.device,
+        )
+
+    # -- extend over pages on the host --------------------------------------------
+
+    def _extend(
+        self, q: Any, k: Any, v: Any, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool, **kwargs
+    ) -> torch.Tensor:
+        staged = self.extend_staged
+        plain = plain_causal(layer) and forward_batch.encoder_lens is None and layer.k_scale is None
+        if staged is None or not plain or k is None or v is None or any(a is not None for a in kwargs.values()):
+            return super()._extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        if save_kv_cache:
+            self._store_kv(layer, forward_batch, k, v)
+        pool, md = self.token_to_kv_pool, self.forward_metadata
+        read_host = functools.partial(self.hot_set.decoder.residency.read_host, layer.layer_id)
+        stage_k, stage_v = staged.layer(
+            pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), md.kv_indices, read_host
+        )
+        o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        # The parent's kernel and arguments for a plain causal layer, over the staged prefixes.
+        self.extend_attention_fwd(
+            q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+            k.contiguous(),
+            v.contiguous(),
+            o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
+            stage_k,
+            stage_v,
+            md.qo_indptr,
+            md.kv_indptr,
+            md.kv_indices,
+            md.custom_mask,
+            True,
+            md.mask_indptr,
+            md.max_extend_len,
+            1.0,
+            1.0,
+            layer.scaling,
+            logit_cap=self._logit_cap(layer),
+            sliding_window_size=-1,
+            sinks=None,
+            window_kv_offsets=None,
+            xai_temperature_len=layer.xai_temperature_len,
+            page_size=1,
+            score_mod=None,
+            aux_tensors=None,
+            extend_seq_lens_cpu=forward_batch.extend_seq_lens_cpu,
+            identity_kv_indices=True,
+        )
+        return o
 
     # -- decode -------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Streamed prefill, the scheduler's side: a long prompt's pages leave the device chunk by chunk.
 
 With ``--hot-set-prefill stream`` (the default, on a backend whose extend reads released
-pages back: ``importance_torch``) a prompt past ``--hot-set-threshold`` that SGLang prefills
+pages back: ``importance_torch`` and ``importance_triton``) a prompt past ``--hot-set-threshold`` that SGLang prefills
 in chunks (``--chunked-prefill-size``) gives its full pages to the host pool after each
 chunk, from the hook that already keeps its chunks out of the tree
 (``hot_set_release.checkpoint_unless_released``), through the residency owner's release
@@ -10,7 +10,14 @@ decoder summarises it (``hot_set/prefill.py``). Later chunks attend the released
 their host copies (``attention/torch_backend.extend_causal_attention``), and so does the
 first decode step, which reads every page; its plan then promotes the hot set. The values
 read are the ones the device held, so the output is dense prefill's, and the device holds
-about one chunk, the sinks and the window while the prompt prefills.
+about one chunk, the sinks and the window while the prompt prefills. ``importance_triton``
+stages each layer's prefixes for SGLang's Triton kernel (``attention/released_prefix.py``).
+
+On CUDA this runs on the scheduler's stream while, under the overlap scheduler, the chunk's
+forward may still run on the model runner's: the summary and the copies out wait for that
+stream first; the device pages go back to the allocator once their copy is done
+(``PageCopies``), and a later chunk reads the host copies after it (``Residency.read_host``).
+Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +38,11 @@ def release_chunk(residency: Residency, hot_set: Any, pages: RequestPages, rid: 
     ps = pages.page_size
     full = length // ps
     decoder = hot_set.decoder
+    if hot_set.forward_stream is not None:
+        # CUDA, under the overlap scheduler: the chunk's forward may still be writing its KV on
+        # the model runner's stream; the summary below and the copies out (issued after what
+        # this stream has queued) wait for it, as HiCache's own write-through does.
+        torch.cuda.current_stream(pages.row.device).wait_stream(hot_set.forward_stream)
     if not summarise_prefill(decoder, rid, pages.row[:length], full):
         return  # refused key ranges, or a policy that keeps its pages: dense prefill
     params = decoder.request_params.get(rid, decoder.params)

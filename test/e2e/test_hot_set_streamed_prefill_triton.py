@@ -1,0 +1,108 @@
+"""Streamed prefill on ``importance_triton`` in the real server: SGLang's Triton extend kernel
+reads a prompt's released pages from staged host copies, and the output is dense prefill's.
+
+Its kernels run under Triton's interpreter on this CPU (as in ``test_attention_triton.py``), so
+the model is the two-layer Llama with random weights, in float32. Two servers, one after the
+other, alike but for ``--hot-set-prefill``: the importance hot set for requests past 256 tokens,
+128-token prefill chunks, HiCache's host pool, ``/metrics`` on. The same prompts (400-610
+tokens: four to five chunks) go to each, one at a time, with their rids pinned: every prompt
+token's logprob and every greedy token must be equal, and the streamed server must have
+released the middle chunks' pages (so its later chunks read them from the host) where the other
+released none. Then all of them at once (one prefilling while others decode, the scheduler's
+batches as they fall): the same tokens, the logprobs within float32 rounding (the batches differ
+from run to run). Several requests' staged prefixes in one extend are held by
+``test/kernels/test_released_prefix.py``.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from sgl_importance.client import generate, greedy, metrics_text
+from sgl_importance.local_server import metric
+from support.prompts import essay_text
+from support.server import importance_torch_args
+from support.tiny_llama import save_tiny_llama
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+PAGE = 16
+CHUNK = 128
+MAX_NEW = 4
+PROMPTS = 4
+ARGS = [
+    *importance_torch_args(PAGE, 4096, "--dtype", "float32", "--chunked-prefill-size", str(CHUNK)),
+    "--attention-backend", "importance_triton",  # the later flag wins
+    "--enable-hierarchical-cache", "--enable-metrics", "--hot-set-policy", "importance", "--hot-set-threshold", "256",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_model(model_path, tmp_path_factory) -> str:
+    return save_tiny_llama(model_path, tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def prompts(token_ids):
+    ids = token_ids(essay_text(6), 20_000)
+    return [ids[i * 1000 : i * 1000 + 400 + 70 * i] for i in range(PROMPTS)]
+
+
+def run(launch, model: str, prompts, prefill: str) -> dict:
+    server = launch(["--model-path", model, *ARGS, "--hot-set-prefill", prefill], env={"TRITON_INTERPRET": "1"})
+    try:
+
+        def ask(i: int, ids: list[int], tag: str) -> tuple[list[int], list[float]]:
+            out = generate(
+                server.url,
+                input_ids=ids,
+                sampling_params=greedy(MAX_NEW),
+                rid=f"{tag}-{i}",  # the same samples on both servers
+                return_logprob=True,
+                logprob_start_len=0,
+                timeout=900,
+            )
+            return out["output_ids"], [entry[0] for entry in out["meta_info"]["input_token_logprobs"]]
+
+        alone = [ask(i, ids, "alone") for i, ids in enumerate(prompts)]
+        with ThreadPoolExecutor(PROMPTS) as pool:
+            together = list(pool.map(lambda a: ask(*a, "together"), enumerate(prompts)))
+        scrape = metrics_text(server.url)
+        names = ("prefill_chunks_released", "steps", "pages_read_from_host")
+        counts = {k: metric(scrape, f"sgl_importance:hot_set_{k}_total") for k in names}
+        assert "Traceback" not in server.log()
+        return {"alone": alone, "together": together, "counts": counts}
+    finally:
+        server.stop()  # one server at a time
+
+
+@pytest.fixture(scope="module")
+def dense_prefill(launch, tiny_model, prompts):
+    return run(launch, tiny_model, prompts, "dense")
+
+
+@pytest.fixture(scope="module")
+def streamed(launch, tiny_model, prompts, dense_prefill):
+    return run(launch, tiny_model, prompts, "stream")
+
+
+def test_the_triton_extend_over_staged_host_pages_writes_what_a_dense_prefill_writes(streamed, dense_prefill):
+    for i, ((tokens, logprobs), (want_tokens, want_logprobs)) in enumerate(
+        zip(streamed["alone"], dense_prefill["alone"])
+    ):
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-5), f"prompt {i}: the prefill's output differs"
+        assert tokens == want_tokens, f"prompt {i}"
+    assert streamed["counts"]["prefill_chunks_released"] >= 2 * 2 * PROMPTS
+    assert dense_prefill["counts"]["prefill_chunks_released"] == 0
+    # The first decode step read the released pages back, as importance_torch's does.
+    assert streamed["counts"]["pages_read_from_host"] > 0
+
+
+def test_requests_sent_together_stream_the_same(streamed, dense_prefill):
+    for i, ((tokens, logprobs), (want_tokens, want_logprobs)) in enumerate(
+        zip(streamed["together"], dense_prefill["together"])
+    ):
+        assert logprobs == pytest.approx(want_logprobs, rel=1e-5, abs=1e-5), f"prompt {i}"
+        assert tokens == want_tokens, f"prompt {i}"
