@@ -131,6 +131,7 @@ def test_a_step_ended_late_plans_the_step_after_the_next():
     assert decoder.totals.steps == 3 and hot_set.late.pending is None
 
 
+@pytest.mark.slow  # ~30 s under the interpreter: in `make test`, out of the inner loop
 def test_guarded_captured_steps_ended_a_step_late_decode_as_eager_ones():
     """The guard's tally read back with the step's (``GraphGuard.read_back``) and folded a step
     later, from the lists that step was planned with, while the next step's are written."""
