@@ -33,6 +33,7 @@ Everything lands in ``--out``: ``results.json``, ``summary.md`` (also printed la
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -300,8 +301,7 @@ def serve_tiered(run: Run, model: str, name: str, extra: list[str]) -> dict:
         result = {"answers": answers, "mixed": result_mixed, "plugin_series": sorted(series)[:40]}
         for key in ("sgl_importance:hot_set_pages_attended_total", "sgl_importance:hot_set_pages_dense_total",
                     "sgl_importance:hot_set_pages_released_total", "sgl_importance:hot_set_guard_reads_total",
-                    "sgl_importance:hot_set_guard_checks_total", "sgl_importance:folded_steps_total",
-                    "sgl_importance:hot_set_prefill_chunks_released_total"):  # fmt: skip
+                    "sgl_importance:hot_set_guard_checks_total", "sgl_importance:folded_steps_total"):  # fmt: skip
             result[key] = metric(scrape, key)
         errors = [line for line in server.log().splitlines() if "Traceback" in line or "Error" in line]
         result["log_errors"] = errors[:10]
@@ -310,28 +310,52 @@ def serve_tiered(run: Run, model: str, name: str, extra: list[str]) -> dict:
     return result
 
 
+def serve_streamed(run: Run, model: str, hot: list[str]) -> dict:
+    """The long prompt in 512-token chunks on a hot-set server streaming its prefill (released
+    pages read back from the host by the later chunks; on CUDA ordered against the forward
+    stream) and on one prefilling dense: the prompt's logprobs and the greedy tokens, rid pinned
+    (the guard's sample is drawn from it)."""
+    from sgl_importance.client import generate, greedy, metrics_text
+    from sgl_importance.local_server import LocalServer, metric, start_with_retry
+
+    got = {}
+    for prefill in ("stream", "dense"):
+        args = [*TINY_ARGS, "--page-size", "16", "--attention-backend", run.backend, "--enable-metrics",
+                "--enable-hierarchical-cache", "--hicache-ratio", "2", "--chunked-prefill-size", "512", *hot,
+                "--hot-set-prefill", prefill, *graph_flags(run)]  # fmt: skip
+        log = run.logs / f"server_prefill_{prefill}.log"
+        server = start_with_retry(functools.partial(LocalServer, model, args, log, platform=run.platform), timeout=240)
+        try:
+            out = generate(server.url, text=long_prompt(1500 if run.rehearse else 3000), sampling_params=greedy(24),
+                           rid="streamed-check", return_logprob=True, logprob_start_len=0)  # fmt: skip
+            chunks = metric(metrics_text(server.url), "sgl_importance:hot_set_prefill_chunks_released_total")
+            errors = [line for line in server.log().splitlines() if "Traceback" in line][:5]
+        finally:
+            server.stop()
+        logprobs = [e[0] for e in out["meta_info"]["input_token_logprobs"] if e[0] is not None]
+        got[prefill] = {"ids": out["output_ids"], "logprobs": logprobs, "chunks_released": chunks, "errors": errors}
+    stream, dense = got["stream"], got["dense"]
+    diff = max((abs(a - b) for a, b in zip(stream["logprobs"], dense["logprobs"])), default=None)
+    return {"chunks_released": [stream["chunks_released"], dense["chunks_released"]],
+            "prompt_logprobs_max_abs_diff": diff, "greedy_equal": stream["ids"] == dense["ids"],
+            "errors": stream["errors"] + dense["errors"]}  # fmt: skip
+
+
 def stage_serve(run: Run) -> dict:
     model = make_tiny(run)
     out: dict[str, Any] = {}
     hot = ["--radix-eviction-policy", "importance", "--hot-set-policy", "importance", "--hot-set-budget", "0.2",
            "--hot-set-threshold", "1024"]  # fmt: skip
-    # The long prompt in 512-token chunks, streamed (its released pages read back from the host by
-    # the next chunks, on CUDA ordered against the forward stream) and prefilled dense: the same answers.
-    chunked = [*hot, "--chunked-prefill-size", "512"]
     for name, fn in (
         ("dense", lambda: serve_dense(run, model)),
         ("hot-set", lambda: serve_tiered(run, model, "hot_set", hot)),
-        ("hot-set-streamed", lambda: serve_tiered(run, model, "hot_set_streamed", chunked)),
-        ("hot-set-chunked-dense", lambda: serve_tiered(run, model, "hot_set_chunked_dense",
-                                                       [*chunked, "--hot-set-prefill", "dense"])),
-    ):  # fmt: skip
+        ("streamed-prefill", lambda: serve_streamed(run, model, hot)),
+    ):
         try:
             out[name] = fn()
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {e}"[-3000:]}
         (run.out / "results.json").write_text(json.dumps({**run.results, "serve_partial": out}, default=str))
-    texts = [[a["text"] for a in out[n].get("answers", [])] for n in ("hot-set-streamed", "hot-set-chunked-dense")]
-    out["streamed_answers_equal_dense_prefill"] = bool(texts[0]) and texts[0] == texts[1]
     return out
 
 
