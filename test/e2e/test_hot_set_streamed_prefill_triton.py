@@ -64,7 +64,8 @@ def run(launch, model: str, prompts, prefill: str) -> dict:
                 logprob_start_len=0,
                 timeout=900,
             )
-            return out["output_ids"], [entry[0] for entry in out["meta_info"]["input_token_logprobs"]]
+            # The first prompt token has no logprob (None).
+            return out["output_ids"], [entry[0] for entry in out["meta_info"]["input_token_logprobs"]][1:]
 
         alone = [ask(i, ids, "alone") for i, ids in enumerate(prompts)]
         with ThreadPoolExecutor(PROMPTS) as pool:
