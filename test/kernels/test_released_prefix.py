@@ -75,13 +75,10 @@ def test_the_extend_over_staged_prefixes_writes_what_it_writes_over_the_device(r
         kv_indices[int(kv_indptr[i]) + positions.to(DEVICE)] = RELEASED_SLOT
         released.append((positions, host_slots))
 
-    staged = ReleasedPrefixes(
-        released, prefix_lens, kv_heads=KV_HEADS, head_dim=DIM, v_head_dim=DIM, dtype=k_buffer.dtype, device=DEVICE
-    )
+    layout = dict(kv_heads=KV_HEADS, head_dim=DIM, v_head_dim=DIM, dtype=k_buffer.dtype, device=DEVICE)
+    staged = ReleasedPrefixes(released, prefix_lens, kv_indices, **layout)
     read = []
-    stage_k, stage_v = staged.layer(
-        k_buffer, v_buffer, kv_indices, lambda s: read.append(s.clone()) or (host_k[s], host_v[s])
-    )
+    stage_k, stage_v = staged.layer(k_buffer, v_buffer, lambda s: read.append(s.clone()) or (host_k[s], host_v[s]))
     assert stage_k.shape[0] == sum(prefix_lens) and staged.nbytes == 2 * sum(prefix_lens) * KV_HEADS * DIM * 4
     assert len(read) == (1 if released_pages else 0)
     got = extend(q, k_new, v_new, stage_k, stage_v, *args, kv_indices, max(new_lens), identity_kv_indices=True)

@@ -32,6 +32,8 @@ class ReleasedPrefixes:
             slots)`` of its prefix tokens held only in the host pool (positions from the
             start of its sequence).
         prefix_lens: each request's prefix length (tokens before its new ones), on the host.
+        kv_indices: the pool slots of the prefixes, request after request (SGLang's extend
+            metadata; a released token shows the released slot, overwritten here).
         kv_heads, head_dim, v_head_dim, dtype, device: the KV pool's layout.
     """
 
@@ -39,6 +41,7 @@ class ReleasedPrefixes:
         self,
         released: Sequence[Optional[tuple[torch.Tensor, torch.Tensor]]],
         prefix_lens: Sequence[int],
+        kv_indices: torch.Tensor,
         *,
         kv_heads: int,
         head_dim: int,
@@ -50,6 +53,7 @@ class ReleasedPrefixes:
         for n in prefix_lens:
             starts.append(starts[-1] + int(n))
         self.tokens = starts[-1]
+        self.index = kv_indices[: self.tokens].to(torch.int64)
         rows, slots = [], []
         for start, entry in zip(starts, released):
             if entry is not None:
@@ -65,15 +69,12 @@ class ReleasedPrefixes:
         """The staging buffers' bytes (one layer of the batch's prefixes)."""
         return self.k.nbytes + self.v.nbytes
 
-    def layer(
-        self, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indices: torch.Tensor, read_host: ReadHost
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's prefixes, densely packed ``[tokens, kv_heads, D]``: ``kv_indices``'s
-        first ``tokens`` slots read from the layer's pool, the released ones overwritten from
-        their host copies (``read_host(host slots) -> (K, V)``)."""
-        index = kv_indices[: self.tokens].to(torch.int64)
-        torch.index_select(k_buffer, 0, index, out=self.k)
-        torch.index_select(v_buffer, 0, index, out=self.v)
+    def layer(self, k_buffer: torch.Tensor, v_buffer: torch.Tensor, read_host: ReadHost) -> tuple[torch.Tensor, ...]:
+        """This layer's prefixes, densely packed ``[tokens, kv_heads, D]`` (K, V): the slots read
+        from the layer's pool, the released ones overwritten from their host copies
+        (``read_host(host slots) -> (K, V)``)."""
+        torch.index_select(k_buffer, 0, self.index, out=self.k)
+        torch.index_select(v_buffer, 0, self.index, out=self.v)
         if self.host_slots.numel():
             host_k, host_v = read_host(self.host_slots)
             self.k[self.rows] = host_k.to(self.k.device, non_blocking=True)

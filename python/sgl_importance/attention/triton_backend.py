@@ -187,6 +187,7 @@ class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
         return ReleasedPrefixes(
             released,
             prefix_lens,
+            self.forward_metadata.kv_indices,
             kv_heads=keys.shape[1],
             head_dim=keys.shape[2],
             v_head_dim=values.shape[2],
@@ -200,16 +201,19 @@ class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
         self, q: Any, k: Any, v: Any, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool, **kwargs
     ) -> torch.Tensor:
         staged = self.extend_staged
-        plain = plain_causal(layer) and forward_batch.encoder_lens is None and layer.k_scale is None
-        if staged is None or not plain or k is None or v is None or any(a is not None for a in kwargs.values()):
+        if staged is None:
             return super()._extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        sinks = kwargs.pop("sinks", None)
+        plain = plain_causal(layer) and forward_batch.encoder_lens is None and layer.k_scale is None
+        if not plain or k is None or v is None or any(a is not None for a in kwargs.values()):
+            # The parent would read the released slot for the prefix's released tokens.
+            raise NotImplementedError(f"layer {layer.layer_id}: an extend over released pages needs a plain layer")
         if save_kv_cache:
             self._store_kv(layer, forward_batch, k, v)
         pool, md = self.token_to_kv_pool, self.forward_metadata
         read_host = functools.partial(self.hot_set.decoder.residency.read_host, layer.layer_id)
-        stage_k, stage_v = staged.layer(
-            pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), md.kv_indices, read_host
-        )
+        keys, values = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        stage_k, stage_v = staged.layer(keys, values, read_host)
         o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
         # The parent's kernel and arguments for a plain causal layer, over the staged prefixes.
         self.extend_attention_fwd(
@@ -231,7 +235,7 @@ class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
             layer.scaling,
             logit_cap=self._logit_cap(layer),
             sliding_window_size=-1,
-            sinks=None,
+            sinks=sinks,
             window_kv_offsets=None,
             xai_temperature_len=layer.xai_temperature_len,
             page_size=1,
