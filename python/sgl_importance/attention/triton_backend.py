@@ -181,7 +181,8 @@ class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
         released = self._released_prefixes(forward_batch)
         if released is None:
             return None
-        keys, values = self.token_to_kv_pool.get_key_buffer(0), self.token_to_kv_pool.get_value_buffer(0)
+        pool, last = self.token_to_kv_pool, self.last_layer_id  # every layer's buffers alike
+        keys, values = pool.get_key_buffer(last), pool.get_value_buffer(last)
         lengths = zip(forward_batch.seq_lens_cpu.tolist(), forward_batch.extend_seq_lens_cpu)
         prefix_lens = [n - new for n, new in lengths]
         return ReleasedPrefixes(

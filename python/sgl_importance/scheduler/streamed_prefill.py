@@ -1,9 +1,9 @@
 """Streamed prefill, the scheduler's side: a long prompt's pages leave the device chunk by chunk.
 
 With ``--hot-set-prefill stream`` (the default, on a backend whose extend reads released
-pages back: ``importance_torch`` and ``importance_triton``) a prompt past ``--hot-set-threshold`` that SGLang prefills
-in chunks (``--chunked-prefill-size``) gives its full pages to the host pool after each
-chunk, from the hook that already keeps its chunks out of the tree
+pages back: ``importance_torch`` and ``importance_triton``) a prompt past
+``--hot-set-threshold`` that SGLang prefills in chunks (``--chunked-prefill-size``) gives its
+full pages to the host pool after each chunk, from the hook that already keeps its chunks out of the tree
 (``hot_set_release.checkpoint_unless_released``), through the residency owner's release
 (one device->host copy; the device pages freed once it is done). Before a page leaves, the
 decoder summarises it (``hot_set/prefill.py``). Later chunks attend the released pages from
