@@ -46,6 +46,7 @@ def test_the_triton_steps_launches_and_buffers_are_the_same_every_step():
         assert traces[i] == traces[1], first_difference(traces[1], traces[i])
 
 
+@pytest.mark.slow  # ~30 s under the interpreter: in `make test`, out of the inner loop
 def test_the_guarded_triton_step_replayed_decodes_as_the_eager_guarded_step(monkeypatch):
     """The hot_guard graph on the Triton reader: the guard's layer recorded and replayed with the
     rest (both decoders on the torch key-code pass: the graph cannot record the C kernels)."""
