@@ -29,6 +29,14 @@ def model_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_model(model_path, tmp_path_factory) -> str:
+    """The two-layer random Llama for servers whose Triton kernels run under the interpreter."""
+    from support.tiny_llama import save_tiny_llama
+
+    return save_tiny_llama(model_path, tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
 def token_ids(model_path: str):
     """token_ids(text, n) -> exactly n of the model's token ids for text (repeated if short)."""
     from transformers import AutoTokenizer

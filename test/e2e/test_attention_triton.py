@@ -14,18 +14,12 @@ import pytest
 
 from support.page_table_dump import read_dump
 from support.server import output_ids_and_logprobs
-from support.tiny_llama import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
 
 MAX_NEW = 12
 PROMPTS = ["Hello there, my name is", "The capital of France is", "def fibonacci(n):"]
 SERVER_ARGS = ["--dtype", "float32", "--max-total-tokens", "4096"]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(model_path, tmp_path_factory) -> str:
-    return save_tiny_llama(model_path, tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")
