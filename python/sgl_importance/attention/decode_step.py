@@ -42,12 +42,16 @@ def last_attention_layer_id(model_runner: Any) -> int:
     modules rather than the layer count, so pipeline stages and models whose last
     layer is not attention still close their steps.
     """
-    from sglang.srt.layers.radix_attention import RadixAttention
-
-    ids = [m.layer_id for m in model_runner.model.modules() if isinstance(m, RadixAttention)]
+    ids = [m.layer_id for m in _attention_layers(model_runner)]
     if ids:
         return max(ids)
     return model_runner.model_config.num_hidden_layers - 1
+
+
+def _attention_layers(model_runner: Any) -> list:
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    return [m for m in model_runner.model.modules() if isinstance(m, RadixAttention)]
 
 
 def plain_causal(layer: Any) -> bool:
@@ -82,6 +86,7 @@ class ImportanceDecodeSteps:
     last_layer_id: int
     hot_set: Optional[HotSetAttention]
     token_to_kv_pool: Any
+    page_size: int
 
     def _init_decode_steps(
         self,
@@ -89,22 +94,23 @@ class ImportanceDecodeSteps:
         model_runner: Any,
         *,
         exact: Any = None,
-        prefill_reads_host: bool = False,
         extend_seeds: bool = False,
     ) -> None:
         """Call after the parent's ``__init__``; ``exact``: the hot set's page reader;
-        ``prefill_reads_host``: the backend's extend reads released pages from the host pool;
-        ``extend_seeds``: it reports a prompt's last token's masses (a seeded first step)."""
+        ``extend_seeds``: the backend's extend reports a prompt's last token's masses (a seeded
+        first step). Both backends' extends read released pages from the host pool where every
+        attention layer is plain causal."""
         self.page_importance = page_importance_for(runtime, model_runner)
         self.last_layer_id = last_attention_layer_id(model_runner)
+        plain = all(plain_causal(m) for m in _attention_layers(model_runner))
         self.hot_set = build_hot_set(
             runtime,
             model_runner,
             self.last_layer_id,
             self.page_importance,
             exact=exact,
-            prefill_reads_host=prefill_reads_host,
-            extend_seeds=extend_seeds,
+            prefill_reads_host=plain,
+            extend_seeds=extend_seeds and plain,
         )
 
     def _released_prefixes(self, forward_batch: Any) -> Optional[list]:

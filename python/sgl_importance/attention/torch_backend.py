@@ -90,8 +90,7 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
         # Per request of an extend batch: its rid where its first decode step is seeded from
         # this extend (--hot-set-first-step seeded; None: not seeded), worked out once a forward.
         self.extend_seeded: Optional[list] = None
-        plain = all(plain_causal(m) for m in model_runner.model.modules() if isinstance(m, RadixAttention))
-        self._init_decode_steps(runtime, model_runner, prefill_reads_host=plain, extend_seeds=plain)
+        self._init_decode_steps(runtime, model_runner, extend_seeds=True)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         super().init_forward_metadata(forward_batch)

@@ -50,7 +50,6 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend, logit_capping_mod
-from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_attention_variant
 
@@ -61,6 +60,7 @@ from sgl_kernel_ext.decode_importance import DecodeImportanceWrapper
 from sgl_kernel_ext.page_list import TritonPageListDecode
 
 if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -86,9 +86,7 @@ class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
         # An extend batch's prefixes with pages on the host (streamed prefill, a returning
         # turn), staged for the parent's kernel once a forward; None: every page on the device.
         self.extend_staged: Optional[ReleasedPrefixes] = None
-        plain = all(plain_causal(m) for m in model_runner.model.modules() if isinstance(m, RadixAttention))
-        exact = TritonPageListDecode(max_splits=self.max_kv_splits)
-        self._init_decode_steps(runtime, model_runner, exact=exact, prefill_reads_host=plain)
+        self._init_decode_steps(runtime, model_runner, exact=TritonPageListDecode(max_splits=self.max_kv_splits))
         if self.hot_set is not None:
             check_hot_set_serves(
                 self._serves_with_importance(),
