@@ -25,7 +25,7 @@ import requests
 from sgl_importance.client import generate, greedy, metrics_text
 from sgl_importance.local_server import metric
 from support.prompts import essay_text
-from support.server import importance_torch_args
+from support.server import greedy_with_prompt_logprobs, importance_torch_args, prompt_logprobs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -56,17 +56,8 @@ def run(launch, prompts, prefill: str, *extra: str) -> dict:
     try:
         outputs = []
         for i, ids in enumerate(prompts):
-            out = generate(
-                server.url,
-                input_ids=ids,
-                sampling_params=greedy(MAX_NEW),
-                rid=f"streamed-{i}",  # the same samples on both servers
-                return_logprob=True,
-                logprob_start_len=0,
-                timeout=900,
-            )
-            logprobs = [entry[0] for entry in out["meta_info"]["input_token_logprobs"]]
-            outputs.append((out["output_ids"], logprobs))
+            out = greedy_with_prompt_logprobs(server.url, ids, MAX_NEW, f"streamed-{i}")
+            outputs.append((out["output_ids"], prompt_logprobs(out)))
         aborted = abort_mid_prefill(server, prompts) if prefill == "stream" and not extra else None
         log = server.log()
         pool = int(POOL.search(log).group(1))

@@ -28,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sgl_importance.client import flush_cache, generate, greedy, metrics_text
+from sgl_importance.client import flush_cache, metrics_text
 from sgl_importance.local_server import metric
 from support.prompts import essay_text
-from support.server import importance_torch_args
+from support.server import greedy_with_prompt_logprobs, importance_torch_args, prompt_logprobs
 from support.storage import settled
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -64,17 +64,8 @@ def run(launch, tmp_path_factory, model: str, prompts, prefill: str) -> dict:
     try:
 
         def ask(i: int, ids: list[int], tag: str) -> tuple[list[int], list[float]]:
-            out = generate(
-                server.url,
-                input_ids=ids,
-                sampling_params=greedy(MAX_NEW),
-                rid=f"{tag}-{i}",  # the same samples on both servers
-                return_logprob=True,
-                logprob_start_len=0,
-                timeout=900,
-            )
-            # The first prompt token has no logprob (None).
-            return out["output_ids"], [entry[0] for entry in out["meta_info"]["input_token_logprobs"]][1:]
+            out = greedy_with_prompt_logprobs(server.url, ids, MAX_NEW, f"{tag}-{i}")
+            return out["output_ids"], prompt_logprobs(out)[1:]  # the first prompt token has none
 
         alone = [ask(i, ids, "alone") for i, ids in enumerate(prompts)]
         with ThreadPoolExecutor(PROMPTS) as pool:
@@ -86,11 +77,10 @@ def run(launch, tmp_path_factory, model: str, prompts, prefill: str) -> dict:
         history = prompts[0] + alone[0][0]
         assert settled(storage), "nothing was written to the file tier"
         assert flush_cache(server.url).status_code == 200
-        out = generate(server.url, input_ids=history + question, sampling_params=greedy(MAX_NEW), rid="returning",
-                       return_logprob=True, logprob_start_len=len(history), timeout=900)  # fmt: skip
+        out = greedy_with_prompt_logprobs(server.url, history + question, MAX_NEW, "returning", start=len(history))
         returning = {
             "tokens": out["output_ids"],
-            "logprobs": [entry[0] for entry in out["meta_info"]["input_token_logprobs"]][1:],
+            "logprobs": prompt_logprobs(out)[1:],
             "cached": out["meta_info"]["cached_tokens"],
             "history_on_host": metric(metrics_text(server.url), "sgl_importance:hot_set_history_pages_on_host_total")
             - counts["history_pages_on_host"],

@@ -84,6 +84,26 @@ def output_ids_and_logprobs(response: dict) -> tuple[list[int], list[float]]:
     return response["output_ids"], [entry[0] for entry in meta["output_token_logprobs"]]
 
 
+def greedy_with_prompt_logprobs(url: str, input_ids: list[int], max_new_tokens: int, rid: str, start: int = 0) -> dict:
+    """A greedy request returning the logprob of every prompt token from ``start`` (the prefill's
+    output at each position: ``prompt_logprobs``), the rid pinned (a guarded hot set draws its
+    page sample from it, so two servers decode alike)."""
+    return generate(
+        url,
+        input_ids=input_ids,
+        sampling_params=greedy(max_new_tokens),
+        rid=rid,
+        return_logprob=True,
+        logprob_start_len=start,
+        timeout=900,
+    )
+
+
+def prompt_logprobs(response: dict) -> list[float | None]:
+    """The prompt tokens' logprobs of a response (None for the prompt's first token)."""
+    return [entry[0] for entry in response["meta_info"]["input_token_logprobs"]]
+
+
 def launch_and_fail(model_path: str, *args: str) -> str:
     """Run the launcher with invalid flags; return its output (it must exit non-zero)."""
     proc = subprocess.run(
