@@ -37,7 +37,6 @@ HOT_SET_BACKENDS = ("importance_torch", "importance_triton")
 MAX_HOT_SET_PAGES = 1 << 20
 MAX_HOT_SET_SINKS = 64
 MAX_HOT_SET_THRESHOLD = 1 << 30
-MAX_HOT_SET_GUARD_TOKENS = 1 << 40
 MAX_HOT_SET_GRAPH_ROWS = 4096
 BUDGET_RANGE = "an integer number of pages >= 1, or a fraction in (0, 1] written with a '.'"
 MAX_REQUEST_SEQUENCES = 1 << 20
@@ -222,22 +221,6 @@ class ImportanceConfig:
             "--hot-set-graph-rows the host's work between steps overlaps the replay on a GPU instead of "
             "waiting for it; each plan is one step older (eager steps keep the same rhythm). Not yet "
             "run on a GPU.",
-        ),
-    )
-    # hot_set/guard_budget.py; 0 = auto.
-    hot_set_guard_tokens: int = flag(
-        0,
-        integer(
-            0,
-            MAX_HOT_SET_GUARD_TOKENS,
-            "Tokens the guard's device pool covers: 4-bit key codes of every full page of each "
-            "guarded request (head_dim/2 + 4/page_size bytes per token, layer and KV head: 1/8 of "
-            "bf16 KV at head dim 128), allocated once at start-up and taken out of the KV pool's memory; "
-            "a request that finds no room decodes unguarded, counted. 0 = auto: what the device pool can "
-            "hold of released long requests, the KV pool's tokens / the --hot-set-budget fraction (a "
-            "released request keeps at least that share of its pages on the device; 5x for a budget in "
-            "pages, at most 10x), or 1x without --enable-hierarchical-cache (nothing is released). "
-            "Nothing is reserved with --hot-set-guard-threshold 1.",
         ),
     )
     hot_set_prefix: str = flag(

@@ -18,7 +18,7 @@ mode.
 | `sgl_importance:storage_tokens_total{decision}` | L3 admission: tokens written / deferred / written late |
 | `sgl_importance:prefetch_tokens_total{reason,outcome}` | host→device prefetch: tokens issued / used / wasted, for waiting requests or warming |
 | `sgl_importance:hot_set_*_total`                | per-request hot set (``HotSetMetrics``): steps, promotions, hits, late arrivals, guard fallbacks, pages attended vs dense |
-| `sgl_importance:hot_set_{guard,range}_capacity_pages`, `..._pages_in_use`, `..._bytes`; `..._device_bytes`, `..._tracked_requests` | the guard's and the key ranges' fixed pools: pages held, pages in use (each step), device bytes; what the running hot-set requests hold (F(request), summed) |
+| `sgl_importance:hot_set_{guard,range}_rows_in_use`, `..._borrowed_pages`, `..._device_bytes`, `..._tracked_requests` | the key-code and key-range rows in use and the KV pages borrowed for them (each step); what the running hot-set requests hold (F(request), summed) |
 | `sgl_importance:storage_corrupt_pages_total{reason}` | storage-tier pages refused on read (checksum, short, format, layout, unreadable) |
 | `sgl_importance:storage_write_pauses_total` | times storage-tier writes were paused after repeated failures |
 | `sgl_importance:storage_pages_total{op,precision}` | storage-tier pages written / read per stored class (full, int8, int4; all full with `--importance-storage-precision off`) |
@@ -287,15 +287,15 @@ HOT_SET_SERIES = {
     "pages_guard_read": ("pages_guard_read", "Rest pages the selection read exactly, summed over layers."),
     "guard_refused": (
         "guard_refused",
-        "Hot-set requests refused a guard (no room left in the guard pool for their key codes); decoded unguarded.",
+        "Hot-set requests refused a guard (no KV page could be lent for their key codes); decoded unguarded.",
     ),
     "ranges_refused": (
         "ranges_refused",
-        "Hot-set requests refused key ranges (no room left in the range pool): decoded dense, every page kept.",
+        "Hot-set requests refused key ranges (no KV page could be lent for them): decoded dense, every page kept.",
     ),
     "ranges_regained": (
         "ranges_regained",
-        "Hot-set requests refused key ranges that got them once the pool had room again: back on their hot set.",
+        "Hot-set requests refused key ranges that got them once pages could be lent again: back on their hot set.",
     ),
     "pages_estimated": (
         "pages_estimated",
@@ -402,13 +402,10 @@ HOT_SET_SERIES = {
 
 # The hot set's gauges: name after ``hot_set_`` -> help.
 HOT_SET_GAUGES = {
-    "guard_capacity_pages": "Pages of key codes the guard's device pool holds (fixed at start-up; "
-    "tokens = pages x --page-size; --hot-set-guard-tokens).",
-    "guard_pages_in_use": "Guard pool pages holding key codes of guarded requests, after the last decode step.",
-    "guard_bytes": "Device bytes of the guard's pool (taken out of the KV pool's memory at start-up).",
-    "range_capacity_pages": "Pages of key ranges the key-range pool holds (fixed at start-up, as the guard's).",
-    "range_pages_in_use": "Key-range pool pages holding ranges of tracked requests' full pages, after the last decode step.",
-    "range_bytes": "Device bytes of the key-range pool (taken out of the KV pool's memory at start-up).",
+    "guard_rows_in_use": "Key-code rows of guarded requests' full pages, after the last decode step.",
+    "range_rows_in_use": "Key-range rows of tracked requests' full pages, after the last decode step.",
+    "borrowed_pages": "KV pages the hot set has borrowed from the allocator for those rows (tokens = pages x "
+    "--page-size; in use for SGLang's own counts too), after the last decode step.",
     "device_bytes": "Device bytes the running hot-set requests hold, summed (F(request): the KV pages their rows "
     "read from the device and their key-range and key-code rows), after the last decode step.",
     "tracked_requests": "Requests the hot set decoded in the last decode step.",
@@ -416,7 +413,7 @@ HOT_SET_GAUGES = {
 
 
 class HotSetMetrics(_Series):
-    """``sgl_importance:hot_set_*_total`` counters and the guard pool's gauges
+    """``sgl_importance:hot_set_*_total`` counters and the borrowed rows' gauges
     (``--enable-metrics`` only).
 
     Args:
@@ -438,21 +435,12 @@ class HotSetMetrics(_Series):
             for name, text in HOT_SET_GAUGES.items()
         }
 
-    def pools(self, guard_pages: int, guard_bytes: int, range_pages: int, range_bytes: int) -> None:
-        """The fixed pools' sizes, once at start-up."""
+    def after_step(self, code_rows: int, range_rows: int, borrowed: int, device_bytes: int, tracked: int) -> None:
+        """What the borrowed rows and the running requests hold, after each step."""
         for name, value in (
-            ("guard_capacity_pages", guard_pages),
-            ("guard_bytes", guard_bytes),
-            ("range_capacity_pages", range_pages),
-            ("range_bytes", range_bytes),
-        ):
-            self._gauges[name].set(value)
-
-    def after_step(self, guard_in_use: int, ranges_in_use: int, device_bytes: int, tracked: int) -> None:
-        """What the pools and the running requests hold, after each step."""
-        for name, value in (
-            ("guard_pages_in_use", guard_in_use),
-            ("range_pages_in_use", ranges_in_use),
+            ("guard_rows_in_use", code_rows),
+            ("range_rows_in_use", range_rows),
+            ("borrowed_pages", borrowed),
             ("device_bytes", device_bytes),
             ("tracked_requests", tracked),
         ):

@@ -13,10 +13,8 @@ checks each, and every public attribute the plugin reads, against the installed 
 |-----------------------------------------------------------|-----------------------------|
 | `mem_cache.utils._EVICTION_POLICY_FACTORIES` (policy name) | plugin.py                   |
 | `components.base._LAST_ACCESS_TIME_COUNTER_FLOAT` (clock)  | cache/strategy.py           |
-| `UnifiedRadixCache._all_reduce` (rank consensus)           | cache/prefetch.py           |
-| `UnifiedRadixCache._apply_cache_actions` (a host insert's) | scheduler/hot_set_release.py |
-| `HiCacheFile._get_suffixed_key` (page file names)          | storage/file.py             |
-| `HiCacheFile._evictor` (forget a dropped page)             | storage/file.py             |
+| `UnifiedRadixCache._all_reduce`, `UnifiedRadixCache._apply_cache_actions` (rank consensus; a host insert's) | cache/prefetch.py, scheduler/hot_set_release.py |
+| `HiCacheFile._get_suffixed_key`, `HiCacheFile._evictor` (page file names; forget a dropped page) | storage/file.py |
 | `HiCacheStorageFailureInjector._backend` (unwrap)          | storage/factory.py          |
 | `TritonAttnBackend._set_kv_buffer`                         | attention/triton_backend.py |
 | hook `PagedTokenToKVPoolAllocator._release_page_ids`       | importance/allocator_reset.py |
@@ -69,8 +67,7 @@ HOOKS = (
     Hook("importance", "runtime:Runtime.eviction_strategy", "policy", "any", ("runtime",)),
     Hook("server_args.ServerArgs.from_cli_args", "cache.strategy:check_cli_args", "check", "any"),
     Hook("managers.scheduler.Scheduler.__init__", "runtime:start", "before", "scheduler"),  # before the pool, cache, backend
-    # The KV pool's tokens less the guard's pool (hot_set/guard_budget.py), before either is allocated.
-    Hook("mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget", "attention.hot_set_attention:reserve_guard", "around", "scheduler", ("runtime",)),
+    Hook("mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget", "attention.hot_set_attention:reserve_table", "around", "scheduler", ("runtime",)),  # the KV pool less the page importance table
     Hook("model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph", "attention.hot_set_graphs:eager_with_hot_set_requests", "around", "scheduler", ("config",)),
     Hook("model_executor.runner.decode_cuda_graph_runner.create_attention_graph_variants", "attention.hot_set_graphs:graph_variants", "around", "scheduler", ("runtime",)),
     Hook("model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute", "attention.hot_set_graphs:after_graph_replay", "after", "scheduler"),
@@ -81,15 +78,18 @@ HOOKS = (
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.write_backup_storage", "cache.stored:grade_before_storage_write", "before", "scheduler", ("page_classes", "page_importance")),
     Hook("managers.scheduler.Scheduler.__init__", "runtime:Runtime.attach_scheduler", "after", "scheduler", ("runtime",)),
     Hook("managers.scheduler.Scheduler.__init__", "scheduler.hot_set_release:enable", "after", "scheduler", ("residency", "hot_set_params", "config")),
-    Hook("managers.scheduler.Scheduler.run_batch", "scheduler.hot_set_release:apply_step_moves", "after", "scheduler", ("residency",)),  # between steps
+    Hook("managers.scheduler.Scheduler.__init__", "scheduler.long_requests:set_limits", "after", "scheduler", ("runtime",)),  # requests longer than the device pool
+    Hook("managers.scheduler.Scheduler.init_req_max_new_tokens", "scheduler.long_requests:clip_new_tokens", "around", "scheduler", ("runtime",)),
+    Hook("managers.scheduler.Scheduler.run_batch", "scheduler.hot_set_rows:around_batch", "around", "scheduler", ("runtime",)),  # rows' pages lent, then the step's moves
     Hook("managers.scheduler.Scheduler.process_batch_result", "scheduler.hot_set_release:reopen_admission", "after", "scheduler", ("residency",)),
     Hook("managers.scheduler.Scheduler.handle_generate_request", "scheduler.hot_set_requests:note_request", "before", "scheduler", ("request_params", "config")),
-    Hook("mem_cache.common.checkpoint_kv_cache", "scheduler.hot_set_release:checkpoint_unless_released", "around", "scheduler", ("residency", "hot_set_attention")),
+    Hook("mem_cache.common.checkpoint_kv_cache", "scheduler.hot_set_release:checkpoint_unless_released", "around", "scheduler", ("residency", "hot_set_attention", "row_pages")),
     Hook("managers.schedule_batch.ScheduleBatch.prepare_for_decode", "scheduler.hot_set_release:admit_grown", "after", "scheduler", ("residency",)),  # lengths set, before the forward
     Hook("managers.schedule_batch.ScheduleBatch.prepare_for_extend", "scheduler.returning:lend_history", "after", "scheduler", ("runtime",)),  # rows written, before the forward
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.prefix_device_indices", "scheduler.returning:prefix_with_history", "around", "scheduler", ("history_loans",)),
     Hook("managers.schedule_batch.ScheduleBatch.check_decode_mem", "scheduler.decode_room:fits_after_releases", "around", "scheduler", ("runtime",)),  # before SGLang retracts
     Hook("mem_cache.common.release_kv_cache", "scheduler.hot_set_release:release_with_pages", "around", "scheduler", ("residency", "request_params")),
+    Hook("mem_cache.common.release_kv_cache", "scheduler.hot_set_rows:release_rows", "around", "scheduler", ("runtime",)),  # its rows back
     Hook("mem_cache.base_prefix_cache.BasePrefixCache.free_kv_row", "scheduler.hot_set_release:free_row_around_released", "around", "scheduler", ("residency",)),
     Hook("managers.schedule_policy.PrefillAdder.__init__", "cache.prefetch:note_prefill_adder", "after", "scheduler"),
     Hook("managers.scheduler.Scheduler.get_prefill_adder_class", "scheduler.admission:footprint_adder", "around", "scheduler", ("runtime",)),

@@ -31,11 +31,11 @@ from sgl_importance.cache.state_of import state_of
 from sgl_importance.cache.strategy import ImportanceStrategy
 from sgl_importance.checks import ForwardCheck
 from sgl_importance.config import ImportanceConfig
-from sgl_importance.hot_set.guard_budget import GuardBudget
 from sgl_importance.hot_set.params import hot_set_params
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import Residency
 from sgl_importance.hot_set.selection import HotSetParams
+from sgl_importance.hot_set.table_budget import TableBudget
 from sgl_importance.importance.page_importance import PageImportanceHolder
 from sgl_importance.metrics import Metrics
 from sgl_importance.storage.factory import share_importance, wrap_backend
@@ -71,9 +71,13 @@ class Runtime:
         # Returning turns admitted with their history on the host, until their rows exist
         # (rid -> scheduler/returning.HistoryLoan).
         self.history_loans: dict[str, Any] = {}
-        # The guard's pool size and what the KV pool gave up for it, set when SGLang
-        # sizes the KV pool (attention/hot_set_attention.reserve_guard); None before.
-        self.guard_budget: Optional[GuardBudget] = None
+        # The page importance table and what the KV pool gave up for it, set when SGLang
+        # sizes the KV pool (attention/hot_set_attention.reserve_table); None before.
+        self.table_budget: Optional[TableBudget] = None
+        # The KV pages lent to the hot set's rows (hot_set/rows.py; built with the hot set).
+        self.row_pages: Any = None
+        # What a hot-set server takes (scheduler/long_requests.py); None: SGLang's own limits.
+        self.limits: Any = None
         # The decode backend's hot set (attention/hot_set_attention.py): the graph variants read its plan.
         self.hot_set_attention: Any = None
         self.tracing = Tracing(self.config)

@@ -56,7 +56,8 @@ def key_code_pages(
 
     Args:
         q: float32 ``[Hkv, n, g, D]``, scaled by ``sm_scale``.
-        codes: uint8 ``[Hkv, rows, page_size, D / 2]``, one layer's code pool.
+        codes: uint8 ``[Hkv, rows, page_size, D / 2]``, one layer's code rows (any strides of
+            heads and rows: a view of the KV pool's bytes).
         ids: int64 ``[n, P]`` rows of ``codes`` listed per request.
         low, step: float32 ``[n, P, Hkv, D]`` each listed page's range.
         valid: bool ``[n, P]``; invalid entries get lse ``-inf`` and error 0.
@@ -80,7 +81,9 @@ def key_code_pages(
         if use_native:
             raise RuntimeError("use_native=True, but the C kernel is not built or does not take these inputs")
         return key_code_pages_torch(q, codes, ids, low, step, valid, logit_cap=logit_cap, margin=margin)
-    q, codes = q.contiguous().float(), codes.contiguous()
+    q = q.contiguous().float()
+    if codes.stride(3) != 1 or codes.stride(2) != d // 2:
+        codes = codes.contiguous()  # a row's tokens d / 2 bytes apart (the pool's own rows are)
     ids, valid = ids.contiguous().to(torch.int64), valid.contiguous().to(torch.uint8)
     low, step = low.contiguous().float(), step.contiguous().float()
     lse = torch.empty(kv, n, listed, g, dtype=torch.float32)
@@ -89,7 +92,7 @@ def key_code_pages(
         return lse, err
     status = lib.sgl_key_code_pages(
         _ptr(q), _ptr(codes), _ptr(ids), _ptr(low), _ptr(step), _ptr(valid),
-        kv, n, g, d, listed, codes.shape[2], codes.shape[1], float(logit_cap), float(margin),
+        kv, n, g, d, listed, codes.shape[2], codes.stride(0), codes.stride(1), float(logit_cap), float(margin),
         _ptr(lse), _ptr(err), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
@@ -176,7 +179,8 @@ if HAS_TRITON:
         stride_op,
         stride_og,
         stride_ri,
-        stride_nh,
+        norm_rows_per_half,
+        norm_row_floats,
         stride_non,
         stride_noh,
         GROUP: tl.constexpr,
@@ -188,6 +192,9 @@ if HAS_TRITON:
         HAS_CAP: tl.constexpr,
         RANGED: tl.constexpr,
         HAS_NORMS: tl.constexpr,
+        NORM_HALVES: tl.constexpr = 1,
+        NORM_PER_PAGE: tl.constexpr = 1,
+        NORM_ROWS: tl.constexpr = 1,
     ):
         # One program per (listed page, request, KV head): the page's codes are read
         # once for every query head of the group. RANGED: Low and Step are the range
@@ -267,8 +274,12 @@ if HAS_TRITON:
         err = tl.where(live, err, 0.0)
         out = head * stride_oh + row * stride_on + col * stride_op + offs_g * stride_og
         tl.store(Lse + out, lse, mask=mask_g)
-        if HAS_NORMS:  # the page's largest value norm for this KV head, by its code row
-            norm = tl.load(Norms + head * stride_nh + page, mask=live, other=0.0)
+        if HAS_NORMS:  # the page's largest value norm for this KV head, in its code row's norm block
+            half = page // norm_rows_per_half
+            local = page - half * norm_rows_per_half
+            block = (NORM_HALVES - 1) * norm_rows_per_half + (local // NORM_PER_PAGE + 1) * NORM_PER_PAGE - NORM_ROWS
+            slot = local % NORM_PER_PAGE + half * NORM_PER_PAGE
+            norm = tl.load(Norms + block * norm_row_floats + slot * tl.num_programs(2) + head, mask=live, other=0.0)
             tl.store(NormOut + row * stride_non + head * stride_noh + col, norm)
         tl.store(Err + out, err, mask=mask_g)
 
@@ -334,7 +345,7 @@ def key_code_pages_triton(
         low.stride(0), low.stride(1), low.stride(2),
         step.stride(0), step.stride(1), step.stride(2),
         valid.stride(0),
-        lse.stride(0), lse.stride(1), lse.stride(2), 1, 0, 0, 0, 0,
+        lse.stride(0), lse.stride(1), lse.stride(2), 1, 0, 1, 0, 0, 0,
         **_meta(g, half, page_size, logit_cap, ranged=False),
     )  # fmt: skip
     return lse, err
@@ -365,6 +376,7 @@ def key_code_pages_ranged(
     range_ids: torch.Tensor,
     valid: torch.Tensor,
     norms: torch.Tensor,
+    norm_layout: tuple,
     *,
     sm_scale: float,
     logit_cap: float = 0.0,
@@ -380,7 +392,11 @@ def key_code_pages_ranged(
         codes, ids, valid: as :func:`key_code_pages`.
         key_min, key_max: ``[rows, Hkv, D]`` one layer's range tables (any float dtype).
         range_ids: int ``[n, P]`` each listed page's row in them.
-        norms: ``[Hkv, rows]`` one layer's largest value norm of each code row's page.
+        norms: float32, one layer's bytes as floats, where each code row's value norms are.
+        norm_layout: ``(halves, rows_per_half, per_page, row_floats, kv_heads, norm_rows)``:
+            code rows ``per_page`` to a page in each of ``halves``, ``rows_per_half`` a half,
+            ``row_floats`` floats each; the last ``norm_rows`` of a page in its last half hold
+            the norms of its other rows (K rows first), ``kv_heads`` floats a row.
 
     Returns:
         (lse, err), float32 ``[n, Hq, P]`` each (query head ``h`` of KV head ``h // (Hq / Hkv)``),
@@ -402,12 +418,33 @@ def key_code_pages_ranged(
         raise ValueError("ids, range_ids and valid must be contiguous along their pages")
     if q.stride(-1) != 1 or codes.stride(3) != 1 or key_min.stride(-1) != 1 or key_max.stride(-1) != 1:
         raise ValueError("q, codes and the range tables must be contiguous in their last dimension")
+    halves, rows_per_half, per_page, row_floats, heads, norm_rows = norm_layout
+    if heads != kv or norms.dim() != 1:
+        raise ValueError(f"norms: one layer's floats, {kv} KV heads a row; not {tuple(norms.shape)} / {heads}")
     dev = q.device
     lse = torch.empty(n, hq, listed, dtype=torch.float32, device=dev)
     err = torch.empty(n, hq, listed, dtype=torch.float32, device=dev)
     norm_out = torch.empty(n, kv, listed, dtype=norms.dtype, device=dev)
     if lse.numel() == 0:
         return lse, err, norm_out
+    page_size = codes.shape[2]
+    half = d // 2
+    # Output [n, Hq, P] written as [Hkv, n, P, g]: KV head h's query heads are rows h * g ...
+    _key_code_pages_kernel[(listed, n, kv)](
+        q, codes, ids, key_min, key_max, range_ids, valid, lse, err, norms, norm_out,
+        float(logit_cap), float(margin), float(sm_scale),
+        g * q.stride(1), q.stride(0), q.stride(1),
+        codes.stride(0), codes.stride(1), codes.stride(2),
+        ids.stride(0),
+        key_min.stride(0), 0, key_min.stride(1),
+        key_max.stride(0), 0, key_max.stride(1),
+        valid.stride(0),
+        g * lse.stride(1), lse.stride(0), lse.stride(2), lse.stride(1), range_ids.stride(0),
+        rows_per_half, row_floats, norm_out.stride(0), norm_out.stride(1),
+        **_meta(g, half, page_size, logit_cap, ranged=True),
+        NORM_HALVES=halves, NORM_PER_PAGE=per_page, NORM_ROWS=norm_rows,
+    )  # fmt: skip
+    return lse, err, norm_out
     if norms.shape[0] != kv or norms.stride(1) != 1:
         raise ValueError(f"norms {tuple(norms.shape)} must be [{kv}, rows], contiguous along the rows")
     page_size = codes.shape[2]

@@ -117,7 +117,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sgl_key_code_pages.restype = i32
     lib.sgl_key_code_pages.argtypes = [
         p, p, p, p, p, p,  # q, codes, ids, low, step, valid
-        i64, i64, i64, i64, i64, i64, i64,  # kv, n, group, d, listed, page_size, rows
+        i64, i64, i64, i64, i64, i64, i64, i64,  # kv, n, group, d, listed, page_size, stride_h, stride_r
         f32, f32,  # logit_cap, margin
         p, p,  # lse, err
         i32,  # threads

@@ -30,13 +30,13 @@ MAX_NEW = 8
 # Float32 pinned: a budget covering every page must decode exactly like dense, and the pools
 # below are sized for float32's bytes per token.
 BASE_ARGS = ["--dtype", "float32", "--page-size", str(PAGE), "--attention-backend", "importance_torch"]
-# The hot set's pools come out of the device pool's memory: 2560 tokens (two 1200-token
-# requests) of key codes and key ranges take 256 of 2224 float32 KV tokens, leaving 1968
-# (123 pages; the start-up log line says how many).
+# The hot set keeps its key codes and ranges in KV pages it borrows as requests need them; at
+# start-up only the page importance table comes out of the pool: one page of 1984 tokens,
+# leaving 1968 (123 pages; the start-up log line says how many).
 HOT_SET_ARGS = [
     "--hot-set-policy", "importance", "--hot-set-budget", "40", "--hot-set-threshold", "256",
     "--hot-set-window", "2", "--hot-set-guard-threshold", "0.1", "--enable-metrics",
-    "--enable-hierarchical-cache", "--max-total-tokens", "2224", "--hot-set-guard-tokens", "2560",
+    "--enable-hierarchical-cache", "--max-total-tokens", "1984",
 ]  # fmt: skip
 DEVICE_TOKENS = 1968
 

@@ -23,7 +23,7 @@ pytest.importorskip("triton", reason="triton is not installed; the Triton guard 
 
 from sgl_importance.hot_set.estimate import MIN_SAMPLED, T_QUANTILES, Outside, Sampled, Z, combine  # noqa: E402
 from sgl_importance.hot_set.guard import _combine  # noqa: E402
-from sgl_importance.hot_set.key_codes import ROUNDING_MARGIN, quantise, steps  # noqa: E402
+from sgl_importance.hot_set.key_codes import ROUNDING_MARGIN, RowLayout, quantise, steps  # noqa: E402
 from sgl_kernel_ext import (  # noqa: E402
     combine_rest_triton,
     combine_triton,
@@ -136,10 +136,16 @@ def test_the_ranged_key_code_kernel_reads_the_range_tables_as_the_gathered_range
     want = key_code_pages_torch(q, codes, ids, lo, st, valid, **kw)
     n, hq = q.shape[1], q.shape[0] * q.shape[2]
     q_rows = (q * 2).transpose(0, 1).reshape(n, hq, -1)  # unscaled by sm_scale 0.5 (exact in binary)
-    norms = torch.rand(q.shape[0], codes.shape[1], generator=torch.Generator().manual_seed(seed))  # [Hkv, rows]
-    args = (q_rows, codes, ids, *tables, range_ids, valid, norms)
-    lse, err, got_norms = key_code_pages_ranged(*(t.to(DEVICE) for t in args), sm_scale=0.5, **kw)
-    want_norms = torch.where(valid[:, None, :], norms[:, ids].transpose(0, 1), 0.0)  # [n, Hkv, P] by code row
+    # The norms as a pool keeps them: in the norm block of each code row's KV page.
+    kv, rows = q.shape[0], codes.shape[1]
+    row_bytes = kv * 16 * 64 // 2
+    layout = RowLayout.of(2, -(-rows // 4) * 4, 4, row_bytes, kv)  # every id a K-half row
+    flat = torch.zeros(layout.halves * layout.rows_per_half * layout.row_floats)
+    norms = torch.rand(rows, kv, generator=torch.Generator().manual_seed(seed))  # [rows, Hkv]
+    flat[layout.norm_index(torch.arange(rows))[:, None] + torch.arange(kv)] = norms
+    args = (q_rows, codes, ids, *tables, range_ids, valid, flat)
+    lse, err, got_norms = key_code_pages_ranged(*(t.to(DEVICE) for t in args), layout, sm_scale=0.5, **kw)
+    want_norms = torch.where(valid[:, None, :], norms[ids].permute(0, 2, 1), 0.0)  # [n, Hkv, P] by code row
     assert torch.equal(got_norms.cpu(), want_norms), f"seed={seed}: value norms"
     heads = lambda x: x.transpose(2, 3).transpose(0, 1).reshape(n, hq, -1)  # noqa: E731  [Hkv, n, P, g] -> [n, Hq, P]
     assert_pages_match((lse.cpu(), err.cpu()), tuple(map(heads, want)), seed, f"ranged group={group}")

@@ -52,3 +52,34 @@ def test_the_exact_page_mass_lies_within_the_estimate_and_its_error():
     exact = torch.logsumexp(torch.einsum("hgd,pthd->hpgt", q[:, 0].double(), keys.double()), dim=-1)  # [KV, P, G]
     assert (exact <= lse[:, 0].double() + err[:, 0].double() + 1e-5).all()
     assert (exact >= lse[:, 0].double() - err[:, 0].double() - 1e-5).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_c_kernel_reads_code_rows_in_place_in_the_kv_pool(dtype):
+    """Codes kept in borrowed KV pages (a strided view over a layer's K and V bytes): the C
+    kernel reads them where they are, as the torch reference reads the same rows."""
+    if native.library() is None:
+        pytest.skip("no C compiler here")
+    from sgl_importance.hot_set.key_codes import GuardPool
+    from sgl_importance.hot_set.rows import LocalPages
+
+    pages = 6
+    fused = torch.zeros(2, pages * PAGE, KV, D, dtype=dtype)
+    pool = GuardPool.over_pool([fused[0]], [fused[1]], PAGE, LocalPages(1, pages - 1))
+    keys, low, high, _ = coded_pool(20, 4)
+    rows = pool.alloc(20)
+    pool.write(0, rows, keys, low, high, keys)
+    assert not pool.codes[0].is_contiguous()
+    g = torch.Generator().manual_seed(6)
+    n, listed = 3, 9
+    pick = torch.randint(0, 20, (n, listed), generator=g)
+    valid = torch.rand(n, listed, generator=g) > 0.2
+    q = torch.randn(KV, n, G, D, generator=g) * 0.3
+    lo, st = low[pick].float(), steps(low, high)[pick]
+    args = (q, pool.codes[0], rows[pick], lo, st, valid)
+    lse_c, err_c = key_code_pages(*args, margin=2.0**-18, use_native=True)
+    lse_t, err_t = key_code_pages_torch(q, coded_pool(20, 4)[3][:, 1:], pick, lo, st, valid, margin=2.0**-18)
+    finite = torch.isfinite(lse_t)
+    assert finite.any() and torch.equal(torch.isinf(lse_c), torch.isinf(lse_t))
+    assert torch.allclose(lse_c[finite], lse_t[finite], rtol=1e-5, atol=1e-4)
+    assert torch.allclose(err_c, err_t, rtol=1e-5, atol=1e-6)

@@ -57,10 +57,10 @@ def test_bound_is_at_least_every_logit_of_the_page(seed, logit_cap):
     assert (one[0] <= logits[0].reshape(-1) + slack + 1e-5).all()
 
 
-def test_a_pool_page_id_is_reused_after_it_is_freed_and_the_pool_never_grows():
+def test_a_range_id_is_reused_after_it_is_freed_and_a_standalone_store_never_grows():
     pool = KeyRanges(2, KV_HEADS, DIM, capacity_pages=3)
     ids = pool.alloc(3)
-    assert sorted(ids.tolist()) == [1, 2, 3] and pool.alloc(1) is None and pool.refused == 1
+    assert len(set(ids.tolist())) == 3 and ids.min() > 0 and pool.alloc(1) is None and pool.refused == 1
     pool.free(ids[:1])
     assert pool.alloc(1).tolist() == ids[:1].tolist() and pool.pages_in_use == 3
     # Row 0 is padding: an empty range, read as bounding nothing.

@@ -46,7 +46,7 @@ def test_a_streamed_prompt_is_held_a_chunk_at_a_time():
     # A short prompt growing past the threshold is not streamed (its prompt is the tree's).
     assert footprint(256, 896, PARAMS, threshold=THRESHOLD, page_size=PS, chunk=64).dense == 33 * PS
     book = FootprintBook(
-        lambda rid: PARAMS, lambda rid: None, _residency(), _none_held, 10_000, 10_000, clip=4096, chunk=512
+        lambda rid: PARAMS, lambda rid: None, _residency(), _never_refused, 10_000, clip=4096, chunk=512
     )
     f, growth = book.new(_req("a", 4000, 0, 100))
     # Charged its peak for the prompt and its 100 new tokens, not the prompt's 4,000 tokens.
@@ -86,45 +86,47 @@ def _req(rid: str, prompt: int, generated: int, max_new: int, ignore_eos: bool =
     return SimpleNamespace(rid=rid, origin_input_ids=[0] * prompt, output_ids=[0] * generated, sampling_params=sampling)
 
 
-def _none_held(rid: str) -> int:
-    return 0
+def _never_refused(rid: str) -> bool:
+    return False
 
 
-def _book(
-    residency: Residency, host_pages: int = 10_000, range_rows=10_000, params=PARAMS, kept=None, held=None
-) -> FootprintBook:
-    kept, held = kept or {}, held or {}
+def _book(residency: Residency, host_pages: int = 10_000, params=PARAMS, kept=None, refused=()) -> FootprintBook:
+    kept = kept or {}
     return FootprintBook(
-        lambda rid: params,
-        lambda rid: kept.get(rid),
-        residency,
-        lambda rid: held.get(rid, 0),
-        host_pages,
-        range_rows,
-        clip=4096,
+        lambda rid: params, lambda rid: kept.get(rid), residency, lambda rid: rid in refused, host_pages, clip=4096
     )
 
 
-def test_a_new_request_is_charged_its_growth_to_its_peak_and_books_its_pools_only_when_taken():
-    book = _book(_residency(), host_pages=100, range_rows=100)
+def test_a_requests_key_ranges_and_codes_are_charged_as_the_kv_pages_borrowed_for_them():
+    # The 56-page generation: 55 full pages at the end take ceil(55/16) = 4 pages of ranges and,
+    # guarded, ceil(55/7) = 8 of codes: kept 29 + 12 pages; while dense, the threshold's 32
+    # pages' rows (2 + 5) beside its 33.
+    f = footprint(256, 896, PARAMS, threshold=THRESHOLD, page_size=PS, rows_per_page=(16, 7))
+    assert (f.dense, f.kept, f.released) == ((33 + 7) * PS, (29 + 12) * PS, 56 - 29)
+    unguarded = HotSetParams(policy="importance", budget=0.2, window=4, sinks=1, guard_threshold=1.0)
+    f = footprint(256, 896, unguarded, threshold=THRESHOLD, page_size=PS, rows_per_page=(16, 7))
+    assert (f.dense, f.kept) == ((33 + 2) * PS, (29 + 4) * PS), "no code rows without the guard"
+
+
+def test_a_new_request_is_charged_its_growth_to_its_peak_and_books_host_pages_only_when_taken():
+    book = _book(_residency(), host_pages=100)
     req = _req("a", 256, 0, 640)
     f, growth = book.new(req)
     assert growth == 33 * PS - 256
-    assert (book.host_left, book.ranges_left) == (100, 100)  # asked, not booked
+    assert book.host_left == 100  # asked, not booked
     book.take(f)
-    assert (book.host_left, book.ranges_left) == (100 - 27, 100 - 55)
+    assert book.host_left == 100 - 27
 
 
-@pytest.mark.parametrize("host, ranges", [(26, 100), (100, 54)])
-def test_a_request_whose_pages_the_host_or_range_pool_cannot_take_is_charged_in_full(host, ranges):
-    book = _book(_residency(), host_pages=host, range_rows=ranges)
-    f, growth = book.new(_req("a", 256, 0, 640))
+def test_a_request_whose_pages_the_host_pool_cannot_take_is_charged_in_full():
+    f, growth = _book(_residency(), host_pages=26).new(_req("a", 256, 0, 640))
     assert f is not None and growth is None
+    assert _book(_residency(), host_pages=27).new(_req("a", 256, 0, 640))[1] is not None
 
 
 def test_without_release_or_a_hot_set_a_request_is_charged_as_sglang_charges_it():
     off = Residency()  # no host pool: release is off
-    book = FootprintBook(lambda rid: PARAMS, lambda rid: None, off, _none_held, 100, 100, clip=4096)
+    book = FootprintBook(lambda rid: PARAMS, lambda rid: None, off, _never_refused, 100, clip=4096)
     assert book.new(_req("a", 256, 0, 640)) == (None, None)
     assert _book(_residency(), params=None).new(_req("a", 256, 0, 640)) == (None, None)
     assert _book(_residency()).running(_req("a", 100, 10, 200), 190.0, 1.0) == 190.0  # never past the threshold
@@ -141,44 +143,29 @@ def test_a_released_running_request_is_charged_up_to_what_it_keeps_never_more_th
     # 600 of 896 tokens: 38 pages, 20 on the device (tree and own), 18 released.
     states = [int(PageState.TREE)] * 16 + [int(PageState.COPIED)] * 4 + [int(PageState.RELEASED)] * 18
     r = _residency({"a": states})
-    book = _book(r, host_pages=100, range_rows=100, held={"a": 37})
+    book = _book(r, host_pages=100)
     charge = book.running(_req("a", 256, 344, 640), 296.0, 1.0)
     assert charge == 29 * PS - 20 * PS  # kept at the end (29 pages) less the 20 it holds
-    assert book.host_left == 100 - (27 - 18) and book.ranges_left == 100 - (55 - 37)
+    assert book.host_left == 100 - (27 - 18)
     assert _book(r).running(_req("a", 256, 344, 640), 40.0, 1.0) == 40.0
 
 
-def test_a_running_request_books_the_range_rows_it_does_not_hold_yet():
-    # A 4,000-token turn prefilled and not yet summarised (its first decode step ahead) holds
-    # no rows: it still takes a row for each of its 256 full pages at the end (the book once
-    # counted its 249 full pages as held and admitted past the pool). With 250 rows free it
-    # does not fit: charged as SGLang charges it, nothing booked.
-    r = _residency({"a": [int(PageState.COPIED)] * 250})
-    assert _book(r, range_rows=250).running(_req("a", 4000, 0, 100), 100.0, 1.0) == 100.0
-    book = _book(r, range_rows=260)
-    assert book.running(_req("a", 4000, 0, 100), 100.0, 1.0) < 100.0 and book.ranges_left == 260 - 256
-    summarised = _book(r, range_rows=10, held={"a": 249})
-    assert summarised.running(_req("a", 4000, 0, 100), 100.0, 1.0) < 100.0 and summarised.ranges_left == 10 - 7
-
-
-def test_a_running_request_the_range_pool_refused_is_charged_as_sglang_charges_it():
-    # It decodes dense with every page kept and takes no rows: no discount, nothing booked.
+def test_a_running_request_refused_key_ranges_is_charged_as_sglang_charges_it():
+    # It decodes dense with every page kept: no discount, nothing booked.
     states = [int(PageState.TREE)] * 16 + [int(PageState.COPIED)] * 22
-    book = FootprintBook(
-        lambda rid: PARAMS, lambda rid: None, _residency({"a": states}), lambda rid: None, 100, 100, clip=4096
-    )
-    assert book.running(_req("a", 256, 344, 640), 296.0, 1.0) == 296.0
-    assert (book.host_left, book.ranges_left) == (100, 100)
+    book = _book(_residency({"a": states}), host_pages=100, refused={"a"})
+    assert book.running(_req("a", 256, 344, 640), 296.0, 1.0) == 296.0 and book.host_left == 100
 
 
-def test_the_rows_a_request_holds_are_its_summarised_pages_none_once_refused():
-    from sgl_importance.hot_set.request_state import TrackedRequest, ranges_held
+def test_a_request_refused_key_ranges_is_known_by_its_record_a_new_one_is_not():
+    from sgl_importance.hot_set.request_state import TrackedRequest, ranges_refused
     from sgl_importance.hot_set.selection import RequestHotSet
 
-    summarised = TrackedRequest(RequestHotSet(PARAMS), ranges=torch.arange(1, 8))
-    refused = TrackedRequest(RequestHotSet(PARAMS), ranges_refused=True)
-    tracked = {"a": summarised, "b": refused}
-    assert [ranges_held(tracked, rid) for rid in ("a", "b", "new")] == [7, None, 0]
+    tracked = {
+        "a": TrackedRequest(RequestHotSet(PARAMS)),
+        "b": TrackedRequest(RequestHotSet(PARAMS), ranges_refused=True),
+    }
+    assert [ranges_refused(tracked, rid) for rid in ("a", "b", "new")] == [False, True, False]
 
 
 def test_a_hot_set_the_guard_grew_keeps_its_grown_share_and_is_charged_for_it():
@@ -208,7 +195,7 @@ def test_a_new_request_is_charged_what_the_guard_has_grown_the_running_ones_to()
     # Charged by it: the 56-page generation at half its pages keeps 28 + 1 + 16 = 45 pages,
     # more than the threshold's 33 it holds before it releases: its peak, and it releases
     # (books host room for) 11 pages, not 27.
-    book = FootprintBook(lambda rid: PARAMS, lambda rid: 0.5, _residency(), _none_held, 10_000, 10_000, clip=4096)
+    book = FootprintBook(lambda rid: PARAMS, lambda rid: 0.5, _residency(), _never_refused, 10_000, clip=4096)
     f, growth = book.new(_req("new", 256, 0, 640))
     assert (f.kept, f.released, f.peak) == (45 * PS, 56 - 45, 45 * PS)
     assert growth == 45 * PS - 256
@@ -315,7 +302,7 @@ def _continuing_adder(available: int, streamed: bool, chunk: int = 512):
     _BaseAdder.__init__(adder, available, chunk)
     residency = _residency({"r": [int(PageState.RELEASED)]} if streamed else {})
     adder.footprint_book = FootprintBook(
-        lambda rid: PARAMS, lambda rid: None, residency, _none_held, 100, 100, 4096, chunk
+        lambda rid: PARAMS, lambda rid: None, residency, _never_refused, 100, 4096, chunk
     )
     adder._continuing = None
     return adder

@@ -21,6 +21,7 @@ from sgl_importance.hot_set.estimate import (
 )
 from sgl_importance.hot_set.guard import capped, guard_layer, wanted_pages
 from sgl_importance.hot_set.key_codes import bytes_per_token, kv_bytes_per_token, quantise, steps
+from sgl_importance.hot_set.rows import LocalPages
 from sgl_kernel_ext.key_codes import unpack
 
 PAGE = 4
@@ -75,12 +76,36 @@ def rest_of(q, keys, values, exact_pages, logit_cap=0.0, sampled=()):
     return plan, outside, lse_e[None].float(), out_e[None].float(), rest_t
 
 
-def test_guard_state_is_an_eighth_of_bf16_kv_for_a_llama_8b_shape_and_counts_every_byte():
+def test_guard_state_is_an_eighth_of_bf16_kv_for_a_llama_8b_shape():
     assert bytes_per_token(128, 16) == 64.25
     assert bytes_per_token(128, 16) / kv_bytes_per_token(128, 2) < 0.15
-    pool = GuardPool(3, KV_HEADS, DIM, page_size=PAGE, capacity_pages=10)
-    # Codes and value norms of 10 pages (+ the padding page), every layer and head.
-    assert pool.nbytes == 3 * KV_HEADS * 11 * (PAGE * DIM // 2 + 4)
+
+
+@pytest.mark.parametrize("dtype,rows", [(torch.bfloat16, 7), (torch.float32, 15)])
+def test_a_borrowed_kv_page_holds_the_codes_and_norms_of_several_pages_without_overlap(dtype, rows):
+    """Over SGLang's pool layout (a layer's K and V one allocation), one KV page holds
+    ``4 x element size - 1`` code rows and their value norms; writing every row of a page
+    leaves each row's codes and norms as written (a norm block over a code row would not)."""
+    layers, pages, head_dim = 2, 4, 64
+    fused = [torch.zeros(2, pages * PAGE, KV_HEADS, head_dim, dtype=dtype) for _ in range(layers)]
+    k_buffers, v_buffers = [f[0] for f in fused], [f[1] for f in fused]
+    pool = GuardPool.over_pool(k_buffers, v_buffers, PAGE, LocalPages(1, 1))
+    ids = pool.alloc(rows)
+    assert ids is not None and pool.alloc(1) is None, "one page holds exactly this many code rows"
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(rows, PAGE, KV_HEADS, head_dim, generator=g)
+    values = torch.randn(rows, PAGE, KV_HEADS, head_dim, generator=g)
+    low, high = keys.amin(dim=1), keys.amax(dim=1)
+    for layer in range(layers):
+        pool.write(layer, ids, keys, low, high, values * (layer + 1))
+    for layer in range(layers):
+        codes, norms = pool.gather(layer, ids)
+        assert torch.equal(codes, quantise(keys, low, high))
+        assert torch.allclose(norms.T, (values * (layer + 1)).norm(dim=-1).amax(dim=1))
+    # Page 0 (SGLang's padding page) is never written.
+    assert all((f[:, :PAGE] == 0).all() for f in fused)
+    pool.free(ids)
+    assert pool.rows.pages == 0
 
 
 def test_every_key_is_within_half_a_step_of_its_code():

@@ -567,7 +567,7 @@ def test_a_grown_request_retracted_frees_only_what_it_holds_and_is_admitted_agai
     scheduled.full_untruncated_fill_ids = list(range(grown.copy.length))  # SGLang's refresh_fill_ids
     scheduled.extend_end = grown.copy.length
     checkpointed = []
-    checkpoint_unless_released(released, None, lambda req, cache: checkpointed.append(req), scheduled, tree_cache)
+    checkpoint_unless_released(released, None, None, lambda req, cache: checkpointed.append(req), scheduled, tree_cache)
     assert checkpointed == [] and released.admitted("r")
     assert released.peek("r").first_owned_page == TREE_PAGES
     assert scheduled.prefix_len == scheduled.extend_end
@@ -595,7 +595,9 @@ def test_only_running_requests_past_the_threshold_that_may_enter_the_tree_are_ad
     short = ScheduledReq("prompt", GROWN_THRESHOLD)
     for req in (short, reqs["grown"]):
         tree_cache = tree_cache_of(tiers, torch.zeros(64))
-        checkpoint_unless_released(released, None, lambda req, cache: checkpointed.append(req.rid), req, tree_cache)
+        checkpoint_unless_released(
+            released, None, None, lambda req, cache: checkpointed.append(req.rid), req, tree_cache
+        )
     assert checkpointed == ["prompt"] and not released.admitted("prompt")
 
 
@@ -669,7 +671,9 @@ def prefill_in_chunks(placed: Placed, req: Request, hot_set, residency: Residenc
         req.k, req.v = full_k[:, :end], full_v[:, :end]
         placed.place(req)
         scheduled.extend_end = end
-        checkpoint_unless_released(residency, hot_set, lambda *a: pytest.fail("checkpointed"), scheduled, tree_cache)
+        checkpoint_unless_released(
+            residency, hot_set, None, lambda *a: pytest.fail("checkpointed"), scheduled, tree_cache
+        )
         pages = residency.peek(req.rid)
         held.append(-(-end // PAGE) - int(pages.off_device(torch.arange(-(-end // PAGE))).sum()))
     return held
@@ -708,7 +712,8 @@ def test_a_prompt_streamed_in_chunks_decodes_as_the_one_whose_pages_stayed(guard
         else:
             assert pages.released_pages().numel() == 0 and held[-1] == PROMPT_PAGES
         outputs[streamed] = decode_steps(placed, req, seed=9)
-        key_min = placed.decoder.ranges.key_min[:, placed.decoder.tracked["r"].ranges[: PROMPT_PAGES - 1]]
+        ids = placed.decoder.tracked["r"].ranges[: PROMPT_PAGES - 1]
+        key_min = torch.stack([table[ids] for table in placed.decoder.ranges.key_min])
         outputs[streamed, "ranges"] = key_min
     for (dense, _), (streamed, _) in zip(outputs[False], outputs[True]):
         for a, b in zip(dense, streamed):
@@ -787,7 +792,8 @@ def test_a_history_lent_from_host_copies_decodes_as_the_one_loaded_back(guard):
         outputs[on_host] = decode_steps(placed, req, seed=11)
         tracked = placed.decoder.tracked["r"]
         assert not tracked.ranges_refused
-        outputs[on_host, "ranges"] = placed.decoder.ranges.key_min[:, tracked.ranges[:HISTORY_PAGES]]
+        ids = tracked.ranges[:HISTORY_PAGES]
+        outputs[on_host, "ranges"] = torch.stack([table[ids] for table in placed.decoder.ranges.key_min])
         # The tree's host copies stay the tree's: the request borrowed them.
         assert len(tiers.free_host_pages) <= free_host
         residency.forget("r")

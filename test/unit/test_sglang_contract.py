@@ -322,7 +322,32 @@ ATTRIBUTES = [
     Name(f"{MEM}.common", "evict_from_tree_cache", "scheduler/hot_set_release.py"),
     Name(SCHEDULER, "running_batch", "scheduler/hot_set_release.py"),
     Name("sglang.srt.managers.schedule_batch.ScheduleBatch", "batch_is_full", "scheduler/hot_set_release.py"),
-    # The guard's share of the KV pool's memory (attention/hot_set_attention.py: reserve_guard).
+    # The page importance table's share of the KV pool's memory (attention/hot_set_attention.py:
+    # reserve_table); the hot set's rows in KV pages (hot_set/key_codes.py: K and V of a layer as one
+    # allocation in MHATokenToKVPool).
+    *(
+        Name(f"{MEM}.memory_pool.MHATokenToKVPool", n, "attention/hot_set_attention.py")
+        for n in ("k_buffer", "v_buffer")
+    ),
+    # Requests longer than the device pool (scheduler/long_requests.py, request_check/prompt.py).
+    *(
+        Name(SCHEDULER, n, "scheduler/long_requests.py")
+        for n in (
+            "chunked_prefill_size",
+            "model_config",
+            "init_req_max_new_tokens",
+            "max_new_tokens_limit",
+        )
+    ),
+    *(
+        Name(TOKENIZER_MANAGER, n, "request_check/prompt.py")
+        for n in ("max_req_input_len", "context_len", "server_args")
+    ),
+    *(
+        Name("sglang.srt.managers.schedule_batch.ScheduleBatch", n, "scheduler/hot_set_rows.py")
+        for n in ("seq_lens_cpu",)
+    ),
+    Name(REQ, "seqlen", "scheduler/hot_set_rows.py"),
     *(
         Name(f"{MEM}.kv_cache_configurator.KVCacheConfigurator", n, "attention/hot_set_attention.py")
         for n in ("model_config", "layer_info", "kv_cache_dtype", "page_size")
@@ -397,6 +422,7 @@ HOOK_TARGETS = [
     "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.evict",
     "sglang.srt.managers.scheduler.Scheduler.__init__",
     "sglang.srt.managers.scheduler.Scheduler.handle_generate_request",
+    "sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens",
     "sglang.srt.mem_cache.common.checkpoint_kv_cache",
     "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode",
     "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
@@ -611,3 +637,12 @@ def test_sglangs_triton_extend_takes_the_arguments_the_staged_extend_passes():
     keywords = {"logit_cap", "sliding_window_size", "sinks", "window_kv_offsets", "xai_temperature_len", "page_size"}
     keywords |= {"score_mod", "aux_tensors", "extend_seq_lens_cpu", "identity_kv_indices"}
     assert keywords <= set(names)
+
+
+def test_the_scheduler_takes_its_request_limits_from_the_workers_info_as_attributes():
+    # scheduler/long_requests.py raises them after __init__: they must be the attributes
+    # SGLang reads each request against, unpacked from get_worker_info (no plain assignment).
+    source = inspect.getsource(_resolve(SCHEDULER))
+    assert re.search(r"self\.max_req_len,\s*self\.max_req_input_len,", source)
+    assert re.search(r"self\.max_total_num_tokens,", source) and "self.max_req_input_len," in source
+    assert "len(req.origin_input_ids) >= self.max_req_input_len" in inspect.getsource(_resolve(SCHEDULER))

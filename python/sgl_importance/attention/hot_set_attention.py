@@ -28,10 +28,11 @@ here:
   it wants, while N runs on the device (``hot_set/late_ends.py``; a request's first step ends
   at once); eager steps keep the same rhythm, so a batch decides the same pages however it runs.
 
-The guard's key codes are written by the decoder itself, from the pool, at the end of
-the step that filled a page (``hot_set/coding.py``), into a ``GuardPool`` built here
-once, at the size ``reserve_guard`` took out of the KV pool's memory when SGLang sized
-it (``hot_set/guard_budget.py``); the pool never grows.
+The key ranges and, guarded, key codes of a tracked request's full pages are written by the
+decoder itself, from the pool, at the end of the step that filled a page (``hot_set/coding.py``),
+into rows of KV pages borrowed from SGLang's allocator (``hot_set/rows.py``; lent before the
+batch by ``scheduler/hot_set_rows.py``): nothing is set aside at start-up but the page
+importance table (``reserve_table``).
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ import torch
 
 from sgl_importance.attention.hot_set_graphs import GUARD_VARIANT, HOT_VARIANT
 from sgl_importance.hot_set.estimate import on_device
-from sgl_importance.hot_set.guard_budget import KVShape, describe, guard_budget
 from sgl_importance.hot_set.late_ends import LateEnds
 from sgl_importance.hot_set.selection import HotSetCounts
+from sgl_importance.hot_set.table_budget import KVShape, describe, plan_table
 from sgl_importance.importance.page_importance import PageImportanceTable
 from sgl_importance.runtime import Runtime
 
@@ -82,6 +83,7 @@ class HotSetAttention:
         self.plan_ahead = plan_ahead
         self.late = LateEnds()  # with plan_ahead: the step run and not yet ended
         self.graph_rows = graph_rows
+        self.guarded = True  # the server's settings guard (a guarded graph variant is captured)
         self.page_importance = page_importance
         self.metrics = metrics
         # A decode step begun and not yet ended (end_step runs after its last layer).
@@ -170,7 +172,7 @@ class HotSetAttention:
             ranges=d.ranges,
             device=d.ranges.device,
             exact=exact,
-            guard_pool=d.guard if d.guard.capacity > 0 else None,  # none reserved: the guard is off
+            guard_pool=d.guard if self.guarded else None,  # the server's guard off: no guarded variant
         )
 
     def plan_graph_step(self, rids, req_pool_indices, seq_lens_cpu, req_to_token, padded_bs: int) -> bool:
@@ -317,12 +319,14 @@ class HotSetAttention:
         self._graph_counts = HotSetCounts()
         if self.metrics is not None:
             self.metrics.add(counts.as_dict())
-            self._after_step()
+            self.after_step()
         return counts
 
-    def _after_step(self) -> None:
+    def after_step(self) -> None:
+        """The gauges of what the rows and the running requests hold (after a step, or a leave)."""
         d = self.decoder
-        self.metrics.after_step(d.guard.pages_in_use, d.ranges.pages_in_use, d.held_bytes, len(d.tracked))
+        borrowed = d.ranges.rows.pages + d.guard.rows.pages
+        self.metrics.after_step(d.guard.pages_in_use, d.ranges.pages_in_use, borrowed, d.held_bytes, len(d.tracked))
 
     def fence(self) -> None:
         """Make the current stream wait for page copies still in flight (a no-op without any)."""
@@ -339,7 +343,7 @@ class HotSetAttention:
         self.end_pending()  # its requests left: their counts only, as an eager step ends them
         self.decoder.held_bytes = 0
         if self.metrics is not None:
-            self._after_step()
+            self.after_step()
 
 
 def build_hot_set(
@@ -372,29 +376,24 @@ def build_hot_set(
     if params is None:
         return None
     from sgl_importance.hot_set import GuardPool, HotSetDecoder, KeyRanges
+    from sgl_importance.hot_set.rows import BorrowedPages
 
     pool = model_runner.token_to_kv_pool
-    keys = pool.get_key_buffer(last_layer_id)
-    page_size = model_runner.page_size
-    budget = runtime.guard_budget
+    layers = last_layer_id + 1
+    k_buffers = [pool.get_key_buffer(layer) for layer in range(layers)]
+    v_buffers = [pool.get_value_buffer(layer) for layer in range(layers)]
+    keys, page_size = k_buffers[-1], model_runner.page_size
+    budget = runtime.table_budget
     if budget is None:
-        # Built without SGLang's pool sizing (reserve_guard never ran): the same size,
-        # but outside the KV pool's memory, and the start-up line says so.
-        values = pool.get_value_buffer(last_layer_id)
-        shape = KVShape(
-            last_layer_id + 1, keys.shape[1], keys.shape[2], values.shape[2], keys.element_size(), page_size
-        )
-        hierarchical = _hierarchical(model_runner.server_args)
-        budget = guard_budget(config, shape, model_runner.max_total_num_tokens, hierarchical=hierarchical)
-        budget = replace(budget, kv_tokens=budget.kv_tokens_alone, sized_by="NOT taken out of the KV pool")
-    layers, kv_heads, dim = last_layer_id + 1, keys.shape[1], keys.shape[2]
-    guard = GuardPool(layers, kv_heads, dim, page_size=page_size, capacity_pages=budget.guard_pages, device=keys.device)
-    ranges = KeyRanges(layers, kv_heads, dim, capacity_pages=budget.range_pages, dtype=keys.dtype, device=keys.device)
+        # Built without SGLang's pool sizing (reserve_table never ran): the table beside the pool.
+        shape = KVShape(layers, keys.shape[1], keys.shape[2], v_buffers[-1].shape[2], keys.element_size(), page_size)
+        total = model_runner.max_total_num_tokens
+        budget = replace(plan_table(total, shape), kv_tokens=total, sized_by="the table NOT taken out of the KV pool")
+    # Rows live in KV pages lent to the stores between steps (scheduler/hot_set_rows.py).
+    runtime.row_pages = BorrowedPages(page_size)
+    ranges = KeyRanges.over_pool(k_buffers, v_buffers, page_size, runtime.row_pages)
+    guard = GuardPool.over_pool(k_buffers, v_buffers, page_size, runtime.row_pages)
     logger.info(describe(budget))
-    held = guard.nbytes * bool(budget.guard_pages) + (ranges.nbytes + page_importance.nbytes) * bool(budget.range_pages)
-    if held > budget.reserved_bytes:
-        # Another shape than SGLang's pool sizing saw (pipeline stages, say).
-        logger.warning("hot set: its pools' %d bytes exceed the %d reserved for them", held, budget.reserved_bytes)
     decoder = HotSetDecoder(
         params,
         ranges,
@@ -407,8 +406,6 @@ def build_hot_set(
         guard=guard,
     )
     metrics = _build_metrics(runtime)
-    if metrics is not None:
-        metrics.pools(guard.capacity, guard.nbytes, ranges.capacity, ranges.nbytes)
     stream = config.hot_set_prefill == "stream" and prefill_reads_host
     if config.hot_set_prefill == "stream" and not stream:
         logger.info("hot set: prompts are prefilled dense (this backend's extend cannot read the host pool)")
@@ -424,6 +421,7 @@ def build_hot_set(
         decoder, page_importance, metrics, graph_rows=config.hot_set_graph_rows, stream_prefill=stream,
         plan_ahead=config.hot_set_plan_ahead == "on",
     )  # fmt: skip
+    attention.guarded = guard_wanted(config)
     if keys.device.type == "cuda":
         attention.forward_stream = model_runner.forward_stream
     runtime.hot_set_attention = attention
@@ -441,11 +439,13 @@ def _build_metrics(runtime: Runtime) -> Any:
     return HotSetMetrics({"tp_rank": get_parallel().tp_rank})
 
 
-def _hierarchical(server_args: Any) -> bool:
-    return bool(server_args.enable_hierarchical_cache)
+def guard_wanted(config: Any) -> bool:
+    """Whether the server's settings use the guard: a hot set that is not dense, with a
+    guard threshold below 1 (a request may still ask for one itself)."""
+    return config.hot_set_policy not in ("off", "dense") and config.hot_set_guard_threshold < 1.0
 
 
-def reserve_guard(
+def reserve_table(
     runtime: Runtime,
     original: Callable[..., Any],
     configurator: Any,
@@ -455,24 +455,24 @@ def reserve_guard(
     **kwargs: Any,
 ) -> Any:
     """Around ``KVCacheConfigurator.config_from_budget``: the KV pool SGLang sizes, less
-    the guard's pool (``hot_set/guard_budget.py``), recorded on the runtime for
-    ``build_hot_set``.
+    the page importance table (``hot_set/table_budget.py``), recorded on the runtime for
+    ``build_hot_set``; the hot set's rows are borrowed from the pool later, as used.
 
     SGLang turns the profiled memory into the KV pool's tokens there, capped by
-    ``--max-total-tokens``; the guard's bytes come out of that count, whichever bound
+    ``--max-total-tokens``; the table's bytes come out of that count, whichever bound
     it, and SGLang sizes the pool again under its own cap (``cap_tokens``). A call that
     already has a cap is SGLang's post-capture resize of a pool sized by the first call:
-    the memory it measures already excludes the guard's pool, so it passes through.
+    the memory it measures already excludes the table, so it passes through.
     """
     config = original(configurator, budget_bytes, *args, cap_tokens=cap_tokens, **kwargs)
-    if cap_tokens is not None or runtime.hot_set_params is None:
-        return config
-    shape, cap, hierarchical = kv_sizing(configurator)
+    if cap_tokens is not None or runtime.config.hot_set_policy in ("off", "dense"):
+        return config  # a dense hot set keeps no rows: it files nothing the table must hold apart
+    shape, cap, _ = kv_sizing(configurator)
     kv_tokens_alone = config.max_total_num_tokens
-    budget = guard_budget(runtime.config, shape, kv_tokens_alone, hierarchical=hierarchical)
+    budget = plan_table(kv_tokens_alone, shape)
     if cap is not None and kv_tokens_alone == cap // shape.page_size * shape.page_size:
         budget = replace(budget, sized_by=f"--max-total-tokens {cap} bound it")
-    runtime.guard_budget = budget
+    runtime.table_budget = budget
     if budget.kv_tokens == kv_tokens_alone:
         return config
     return original(configurator, budget_bytes, *args, cap_tokens=budget.kv_tokens, **kwargs)

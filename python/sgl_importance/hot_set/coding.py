@@ -7,11 +7,11 @@ only pass. Its key range (``key_ranges.KeyRanges``, every tracked request but a 
 one) and, when the request is guarded, its 4-bit key codes against that same range
 (``key_codes.GuardPool``), so reader and writer use the same numbers.
 
-Both pools are fixed: a request the range pool cannot hold decodes dense with every page
-kept on the device (``ranges_refused``, counted as ``ranges_refused``) until the pool has a
-row for each of its full pages again (rows freed by requests that left: ``regain_ranges``,
-counted as ``ranges_regained``); one the guard pool cannot hold decodes unguarded
-(``guard_refused``).
+Rows are borrowed from the KV pool (``rows.py``), lent before the step that writes them:
+a request that gets no range rows decodes dense with every page kept on the device
+(``ranges_refused``, counted as ``ranges_refused``) until rows can be had for each of its
+full pages again (``regain_ranges``, counted as ``ranges_regained``); one that gets no code
+rows decodes unguarded (``guard_refused``).
 
 Plain torch; nothing here imports SGLang.
 """
@@ -97,18 +97,18 @@ def summarise_pages(
 
 
 def refuse_guard(guard: GuardPool, tracked: TrackedRequest) -> int:
-    """Turn a request's guard off for good (its codes back to the pool); returns 1."""
+    """Turn a request's guard off for good (its code rows given back); returns 1."""
     tracked.guard_refused = True
     tracked.state.params = replace(tracked.state.params, guard_threshold=1.0)
     if tracked.codes.numel():
         guard.free(tracked.codes)
         tracked.codes = tracked.codes[:0]
-    logger.warning("hot set: no room in the guard pool for a request's key codes; it decodes without a guard")
+    logger.warning("hot set: no KV page could be lent for a request's key codes; it decodes without a guard")
     return 1
 
 
 def refuse_ranges(ranges: KeyRanges, guard: GuardPool, tracked: TrackedRequest) -> int:
-    """A request the range pool cannot hold: dense from now on, every page planned (so the
+    """A request that gets no range rows: dense from now on, every page planned (so the
     owner releases none and brings any released one back), its ids back to the pools; returns 1."""
     tracked.ranges_refused = True
     tracked.refused_params = tracked.state.params
@@ -119,7 +119,7 @@ def refuse_ranges(ranges: KeyRanges, guard: GuardPool, tracked: TrackedRequest) 
     if tracked.codes.numel():
         guard.free(tracked.codes)
         tracked.codes = tracked.codes[:0]
-    logger.warning("hot set: no room in the key-range pool for a request's pages; it decodes dense, kept on the device")
+    logger.warning("hot set: no KV page could be lent for a request's key ranges; it decodes dense, kept on the device")
     return 1
 
 
@@ -128,7 +128,7 @@ def regain_ranges(ranges: KeyRanges, tracked: TrackedRequest, full: int, live: L
     each of its ``full`` pages (to be summarised now, its released ones from their host copies
     where ``host``: else only while none is released); returns 1 when it is. Refused, it
     decodes dense and its released pages are read from the host every step; this ends that."""
-    if tracked.refused_params is None or ranges.capacity - ranges.pages_in_use < full:
+    if tracked.refused_params is None or not ranges.rows.can_alloc(full):
         return 0
     if not host and bool(released_among(live.pages, torch.arange(full)).any()):
         return 0

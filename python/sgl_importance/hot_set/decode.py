@@ -143,10 +143,10 @@ class HotSetDecoder:
 
     @property
     def guard(self) -> GuardPool:
-        if self._guard is None:  # a decoder built without one (tests): a page per range page
+        if self._guard is None:  # a decoder built without one (tests): a row per range row
             r = self.ranges
             self._guard = GuardPool(
-                r.num_layers, r.num_kv_heads, r.head_dim, page_size=self.page_size, capacity_pages=r.capacity,
+                r.num_layers, r.num_kv_heads, r.head_dim, page_size=self.page_size, capacity_pages=r.capacity or 0,
                 device=r.device,
             )  # fmt: skip
         return self._guard
@@ -370,8 +370,7 @@ class HotSetDecoder:
     def _page_bytes(self) -> PageBytes:
         """One page's device bytes (all layers): its KV in the pool, its range and code rows."""
         kv = sum(k[0].numel() * k.element_size() + v[0].numel() * v.element_size() for k, v in self.pool_views.values())
-        r = self.ranges
-        return PageBytes(kv, 2 * r.key_min[:, 0].numel() * r.key_min.element_size(), self.guard.bytes_per_page())
+        return PageBytes(kv, self.ranges.row_bytes, self.guard.bytes_per_page())
 
     def _staged(self, layer_id: int, host_slots: torch.Tensor):
         if host_slots.numel() == 0:

@@ -189,7 +189,7 @@ def estimate_outside(
         margin=ROUNDING_MARGIN,
         use_native=use_native,
     )  # [Hkv, n, P, g] each
-    norms = pool.value_norm[layer].index_select(1, on_device(plan.codes.reshape(-1), pool.device)).view(hkv, n, -1)
+    norms = pool.gather_norms(layer, plan.codes)  # [Hkv, n, P]
 
     def heads(x: torch.Tensor) -> torch.Tensor:  # [Hkv, n, P, g] -> [n, Hq, P]
         return _per_q_head(on_device(x, dev).transpose(2, 3), n, hq)
@@ -215,7 +215,7 @@ def estimate_outside_ranged(
     their code rows in the same launch: no gathered ranges, steps, norms or per-head copies.
     The same numbers as ``estimate_outside`` on its Triton path."""
     page_lse, error, norms = key_code_pages_ranged(
-        q, pool.codes[layer], plan.codes, *tables, range_ids, plan.valid, pool.value_norm[layer],
+        q, pool.codes[layer], plan.codes, *tables, range_ids, plan.valid, pool.norms[layer], pool.layout,
         sm_scale=sm_scale, logit_cap=logit_cap, margin=ROUNDING_MARGIN,
     )  # fmt: skip
     return Outside(page_lse, error, norms)

@@ -1,8 +1,9 @@
 """What a hot-set request holds on the device, in bytes: one function, F(request).
 
-A tracked request holds the KV pages its row reads from the device, and, in the hot
-set's fixed pools, one key-range row per full page and, guarded, one key-code row per
-full page (``key_ranges.py``, ``key_codes.py``). :func:`held_bytes` counts that for a
+A tracked request holds the KV pages its row reads from the device, and one key-range row
+per full page and, guarded, one key-code row per full page (``key_ranges.py``,
+``key_codes.py``), in KV pages borrowed for them (``rows.py``: ``page_size`` ranges or a few
+code rows to a page). :func:`held_bytes` counts that for a
 request as it is now (the ``sgl_importance:hot_set_device_bytes`` gauge sums it over the
 running requests); :func:`footprint` is what a request of a given length holds on the
 device at its peak and keeps once released, in KV tokens, which admission charges it
@@ -47,7 +48,8 @@ class Footprint:
         dense: tokens it holds before its releases begin (its prompt, or up to the threshold;
             streamed, its last chunk with the sinks and window, and the first decode step's page).
         kept: tokens it holds once released (the hot set at ``final``, sinks and window,
-            the page being filled, and a short prompt's tree pages).
+            the page being filled, and a short prompt's tree pages), with the KV pages
+            borrowed for its rows.
         released: pages it keeps on the host at ``final`` (what the host pool must take).
         ranged: full pages at ``final`` (a key-range row each).
     """
@@ -77,12 +79,14 @@ def footprint(
     page_size: int,
     kept_share: Optional[float] = None,
     chunk: int = 0,
+    rows_per_page: tuple[int, int] = (0, 0),
 ) -> Optional[Footprint]:
     """The device footprint of a request of ``prompt`` tokens that ends at ``final``; None
     when it never releases (``final`` within the threshold, or a dense policy). ``kept_share``:
     the share of its pages its hot set holds where the guard grew it past the budget
     (``request_state.TrackedRequest.kept``); ``chunk``: the prefill chunk where a prompt past
-    the threshold is streamed (0: it is not)."""
+    the threshold is streamed (0: it is not); ``rows_per_page``: the key ranges and key-code
+    rows one borrowed KV page holds (0: none counted), its rows charged as those pages."""
     if params.policy == "dense" or final <= threshold:
         return None
     ps = page_size
@@ -94,4 +98,15 @@ def footprint(
     if chunk and prompt > threshold and streams(params):
         # The last chunk beside the sinks, the window and the previous chunk's partial page.
         dense = min(dense, -(-chunk // ps) + params.sinks + params.window + 2)
-    return Footprint(dense * ps, kept * ps, max(pages - kept, 0), max(pages - 1, 0))
+    released = max(pages - kept, 0)
+
+    def rows(full: int) -> int:  # borrowed KV pages for the rows of ``full`` summarised pages
+        per_range, per_code = rows_per_page
+        guarded = params.guard_threshold < 1.0 and per_code > 0
+        return (-(-full // per_range) if per_range else 0) + (-(-full // per_code) if guarded else 0)
+
+    # Rows exist from the first summary on: beside the prompt (or its last chunk) while it is
+    # still whole, and beside the hot set at the end.
+    dense += rows(-(-(prompt if prompt > threshold else threshold) // ps))
+    kept += rows(max(pages - 1, 0))
+    return Footprint(dense * ps, kept * ps, released, max(pages - 1, 0))

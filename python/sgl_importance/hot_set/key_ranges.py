@@ -1,61 +1,50 @@
 """Key ranges: an upper bound of a page's logits without reading its keys, by range id.
 
-Per full page of a tracked request, layer and KV head the pool keeps the elementwise
+Per full page of a tracked request, layer and KV head the hot set keeps the elementwise
 minimum and maximum of the page's keys (Quest, Tang et al. 2024). For a query ``q`` and
 any key ``k`` of the page, ``q . k = sum_d q_d k_d <= sum_d max(q_d min_d, q_d max_d)``,
 so two vectors per page bound every logit of the page; reading them costs ``2 / page_size``
 of reading the page's keys. The bound ranks unread pages for promotion with the guard off
 (and drives the ``quest`` baseline); the guard's 4-bit key codes are quantised against the
-same range (``key_codes.py``). Ranges are stored in 16 bits (float32 keys' in bfloat16),
-rounded outward (the min down, the max up), so every key stays inside its page's stored
-range and every bound stays valid: half the bytes of float32 ranges, a bound a few parts
-in a thousand looser.
+same range (``key_codes.py``).
 
-A page's range is written once, at the end of the step that filled it (a full page never
-changes again), from the device pool while the page is still there (``coding.py``): there
-is no per-write upkeep and no copy per physical page. Ranges live in one fixed pool by
-range id, allocated once at start-up inside SGLang's KV budget (``guard_budget.py``) and
-never grown: a request that gets no ids decodes dense and keeps every page on the device
-(counted). Row 0 is padding: an empty range (+inf / -inf), which bounds nothing.
+A range row is a token slot of a page borrowed from the KV pool (``rows.py``): the min in
+the slot's K, the max in its V, in the pool's own dtype, so a borrowed page holds the
+ranges of ``page_size`` pages (1/16 of the KV at page 16) and a range id is that slot. A
+page's range is written once, at the end of the step that filled it (a full page never
+changes again), from the device pool while the page is still there (``coding.py``). Row 0
+(SGLang's padding slot) is never handed out: a padding id reads as an empty range (+inf /
+-inf), which bounds nothing.
 
 Plain torch; nothing here imports SGLang.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
-
-def range_dtype(key_dtype: torch.dtype) -> torch.dtype:
-    """What ranges of ``key_dtype`` keys are stored in: the key dtype, float32 as bfloat16."""
-    return torch.bfloat16 if key_dtype == torch.float32 else key_dtype
+from sgl_importance.hot_set.rows import LocalPages, PageSource, RowStore
 
 
 def range_bytes_per_page(head_dim: int, element_size: int) -> int:
     """Device bytes of one page's range per layer and KV head (keys of ``element_size``
-    bytes): its min and max vectors, in 16 bits for float32 keys."""
-    return 2 * head_dim * min(element_size, 2)
-
-
-def round_outward(low: torch.Tensor, high: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``low`` and ``high`` in ``dtype``, the min rounded down and the max up: whatever lay
-    in ``[low, high]`` lies in the result."""
-    lo, hi = low.to(dtype), high.to(dtype)
-    if dtype != low.dtype:
-        lo = torch.where(lo.float() > low.float(), torch.nextafter(lo, torch.full_like(lo, float("-inf"))), lo)
-        hi = torch.where(hi.float() < high.float(), torch.nextafter(hi, torch.full_like(hi, float("inf"))), hi)
-    return lo, hi
+    bytes): its min and max vectors, a token slot's K and V."""
+    return 2 * head_dim * element_size
 
 
 class KeyRanges:
     """Per-channel key min/max of full pages, by range id, for every layer.
 
+    Standalone (this constructor: offline benchmarks, tests) it keeps private tables for
+    ``capacity_pages`` ranges; in the server it is made over the KV pool (``over_pool``),
+    its rows in borrowed pages.
+
     Args:
         num_layers, num_kv_heads, head_dim: the KV pool's key shape.
-        capacity_pages: pages it holds, fixed (id 0 is padding, not counted).
-        dtype: the key dtype (the ranges are stored in ``range_dtype`` of it).
+        capacity_pages: ranges it holds at most (id 0 is padding, not counted).
+        dtype: the key dtype (ranges are stored in it).
     """
 
     def __init__(
@@ -67,70 +56,93 @@ class KeyRanges:
         capacity_pages: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        page_size: int = 16,
     ) -> None:
         if min(num_layers, num_kv_heads, head_dim) < 1 or capacity_pages < 0:
             raise ValueError("KeyRanges dimensions must be >= 1 and its capacity >= 0")
-        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.device = torch.device(device)
-        shape = (num_layers, capacity_pages + 1, num_kv_heads, head_dim)
-        stored = range_dtype(dtype)
-        self.key_min = torch.full(shape, float("inf"), dtype=stored, device=self.device)
-        self.key_max = torch.full(shape, float("-inf"), dtype=stored, device=self.device)
-        # Ids are planned on the host; freed ids are reused last-in first-out.
-        self._free = list(range(capacity_pages, 0, -1))
-        self.refused = 0  # allocations refused for want of room
+        pages = -(-capacity_pages // page_size) + 1  # page 0 is padding
+        shape = (pages * page_size, num_kv_heads, head_dim)
+        low = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        high = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._init(low, high, page_size, LocalPages(1, pages - 1), max_rows=capacity_pages)
+
+    @classmethod
+    def over_pool(
+        cls, k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], page_size: int, source: PageSource
+    ) -> "KeyRanges":
+        """Ranges in the KV pool's own pages: row ``s`` is token slot ``s``, its min in
+        ``k_buffers[layer][s]`` and its max in ``v_buffers[layer][s]``; pages from ``source``."""
+        ranges = cls.__new__(cls)
+        ranges._init(list(k_buffers), list(v_buffers), page_size, source, max_rows=None)
+        return ranges
+
+    def _init(self, low: list, high: list, page_size: int, source: PageSource, max_rows: Optional[int]) -> None:
+        if low[0].shape != high[0].shape:
+            raise ValueError(f"key ranges need K and V slots of one shape, not {low[0].shape} / {high[0].shape}")
+        self.key_min, self.key_max = low, high  # per layer: [slots, Hkv, D]
+        self.num_layers = len(low)
+        self.num_kv_heads, self.head_dim = low[0].shape[1:]
+        self.device, self.page_size = low[0].device, page_size
+        self.rows = RowStore(lambda p: list(range(p * page_size, (p + 1) * page_size)), source, max_rows)
+        self._capacity = max_rows
 
     @property
-    def capacity(self) -> int:
-        return self.key_min.shape[1] - 1
+    def capacity(self) -> Optional[int]:
+        """Ranges it may hold at most (None: what the KV pool can lend)."""
+        return self._capacity
 
     @property
     def pages_in_use(self) -> int:
-        return self.capacity - len(self._free)
+        return self.rows.rows_in_use
 
     @property
-    def nbytes(self) -> int:
-        return 2 * self.key_min.numel() * self.key_min.element_size()
+    def refused(self) -> int:
+        return self.rows.refused
+
+    @property
+    def row_bytes(self) -> int:
+        """Device bytes of one range, all layers and KV heads."""
+        return 2 * self.num_layers * self.key_min[0][0].numel() * self.key_min[0].element_size()
+
+    def can_hold(self, num_rows: int) -> bool:
+        """Whether ``num_rows`` more ranges fit under the standalone capacity (always, over the pool)."""
+        return self._capacity is None or self.pages_in_use + num_rows <= self._capacity
 
     def alloc(self, num_pages: int) -> Optional[torch.Tensor]:
-        """``num_pages`` ids, or None (nothing taken) when the pool has fewer free."""
-        if num_pages > len(self._free):
-            self.refused += 1
-            return None
-        return torch.tensor([self._free.pop() for _ in range(num_pages)], dtype=torch.int64)
+        """``num_pages`` ids, or None (nothing taken) when no row can be had."""
+        return self.rows.alloc(num_pages)
 
     def free(self, ids: torch.Tensor) -> None:
-        for i in ids.tolist():
-            if i > 0:
-                self._free.append(int(i))
+        self.rows.free(ids)
 
     def write(
         self, layer: int, ids: torch.Tensor, low: torch.Tensor, high: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's ranges ``[n, kv_heads, D]`` of pages ``ids``; returns them as stored
-        (rounded outward), which is what the key codes must be written against."""
-        lo, hi = round_outward(low, high, self.key_min.dtype)
+        (in the table's dtype), which is what the key codes must be written against."""
+        table = self.key_min[layer]
+        lo, hi = low.to(table.dtype), high.to(table.dtype)
         if ids.numel():
             ids = ids.to(self.device)
-            self.key_min[layer].index_copy_(0, ids, lo.to(self.device))
+            table.index_copy_(0, ids, lo.to(self.device))
             self.key_max[layer].index_copy_(0, ids, hi.to(self.device))
         return lo, hi
 
     def gather(self, layers: torch.Tensor | int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ranges of ``ids`` in ``layers``: ``[*ids.shape, Hkv, D]`` for one layer,
-        ``[l, *ids.shape, Hkv, D]`` for a tensor of layers (copies)."""
+        ``[l, *ids.shape, Hkv, D]`` for a tensor of layers (copies); id 0 reads as empty."""
+        if not isinstance(layers, int):
+            parts = [self.gather(int(layer), ids) for layer in layers.tolist()]
+            return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
         flat = ids.reshape(-1)
         if flat.device != self.device:  # ids planned on the host; a move is a copy (and reads as a sync)
             flat = flat.to(self.device)
-        if isinstance(layers, int):
-            kmin, kmax = self.key_min[layers].index_select(0, flat), self.key_max[layers].index_select(0, flat)
-            return kmin.view(*ids.shape, *kmin.shape[1:]), kmax.view(*ids.shape, *kmax.shape[1:])
-        # One gather of the (layer, id) pairs: never a whole layer of the pool.
-        at = (layers.to(self.device)[:, None], flat[None, :])
-        kmin, kmax = self.key_min[at], self.key_max[at]
-        return kmin.view(kmin.shape[0], *ids.shape, *kmin.shape[2:]), kmax.view(
-            kmax.shape[0], *ids.shape, *kmax.shape[2:]
-        )
+        kmin = self.key_min[layers].index_select(0, flat)
+        kmax = self.key_max[layers].index_select(0, flat)
+        pad = (flat == 0)[:, None, None]
+        kmin = kmin.masked_fill(pad, float("inf"))
+        kmax = kmax.masked_fill(pad, float("-inf"))
+        return kmin.view(*ids.shape, *kmin.shape[1:]), kmax.view(*ids.shape, *kmax.shape[1:])
 
 
 def key_bound(

@@ -199,13 +199,10 @@ def kept_share(tracked: Mapping[str, TrackedRequest], rid: str) -> Optional[floa
     return mean or None
 
 
-def ranges_held(tracked: Mapping[str, TrackedRequest], rid: str) -> Optional[int]:
-    """Key-range rows request ``rid`` holds now (0 where it decodes no hot set yet: short, or
-    prefilled and not summarised); None where the range pool refused it (it keeps every page)."""
+def ranges_refused(tracked: Mapping[str, TrackedRequest], rid: str) -> bool:
+    """Whether request ``rid`` was refused key ranges (it decodes dense and keeps every page)."""
     own = tracked.get(rid)
-    if own is None:
-        return 0
-    return None if own.ranges_refused else own.ranges.numel()
+    return own is not None and own.ranges_refused
 
 
 def plan_moves(owner: str, plan: StepPlan, num_pages: int, full: int) -> RequestMoves:

@@ -261,7 +261,7 @@ class StepTally:
         context (at least one page and one layer), so no allocation grows with it."""
         ids = torch.tensor(self.bound_layer_ids)
         rows = [b for b, req in enumerate(live) if req.bounds_unread]
-        page_bytes = ranges.key_min[0, 0].numel() * ranges.key_min.element_size() * 2
+        page_bytes = ranges.row_bytes // ranges.num_layers
         block = max(1, BOUND_CHUNK_BYTES // (page_bytes * ids.numel()))  # pages, every layer at once
         for i, b in enumerate(rows):
             tracked = live[b].tracked

@@ -81,14 +81,19 @@ def check_before_validation(tokenizer_manager: Any, obj: Any, input_ids: Optiona
     check_prompt(obj, input_ids, tokenizer_manager.model_config.vocab_size)
 
 
-def check_hot_set_request(config: Any, tokenizer_manager: Any, obj: Any) -> None:
-    """Raise :class:`InvalidRequestError` (a 400) for bad ``custom_params.hot_set`` values.
+def check_hot_set_request(
+    config: Any, tokenizer_manager: Any, obj: Any, input_ids: Optional[Sequence[Any]] = None
+) -> None:
+    """Raise :class:`InvalidRequestError` (a 400) for bad ``custom_params.hot_set`` values,
+    and for a prompt past the longest request a hot-set server takes, naming what bounds it.
 
     The scheduler parses them again (``scheduler/hot_set_requests.py``); checking here
     turns a bad value into the caller's error instead of a scheduler failure.
     """
     from sgl_importance.choices import REQUEST_HOT_SET_KEY
     from sgl_importance.hot_set.params import request_hot_set_params
+
+    check_length(config, tokenizer_manager, obj, input_ids)
 
     sampling = obj.sampling_params
     custom = sampling.get("custom_params") if isinstance(sampling, dict) else None
@@ -98,3 +103,29 @@ def check_hot_set_request(config: Any, tokenizer_manager: Any, obj: Any) -> None
         request_hot_set_params(config, custom[REQUEST_HOT_SET_KEY])
     except ValueError as err:
         raise InvalidRequestError(str(err)) from None
+
+
+def check_length(config: Any, tokenizer_manager: Any, obj: Any, input_ids: Optional[Sequence[Any]]) -> None:
+    """A prompt past the longest request a hot-set server takes (``scheduler/long_requests.py``:
+    the model's context or the host pool, which holds a long request's whole KV) is refused
+    with the limit and the flag that raises it; SGLang's own message names neither. A prompt
+    past the model's context gets SGLang's message (it names ``--context-length``)."""
+    if config.hot_set_policy == "off" or input_ids is None:
+        return
+    limit = tokenizer_manager.max_req_input_len
+    if limit is None or len(input_ids) < limit:
+        return
+    context = tokenizer_manager.context_len
+    if len(input_ids) >= context:
+        return
+    if tokenizer_manager.server_args.enable_hierarchical_cache:
+        why = "the host pool holds a long request's whole KV: --hicache-ratio or --hicache-size raises it"
+    else:
+        why = (
+            "the device pool holds the whole request: --enable-hierarchical-cache lets the hot set keep a long "
+            "request's KV in the host pool"
+        )
+    raise InvalidPromptError(
+        prompt_field(obj),
+        f"the prompt has {len(input_ids)} tokens; this server takes at most {limit} ({why})",
+    )

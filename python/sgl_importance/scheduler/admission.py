@@ -11,21 +11,17 @@ generation was admitted as if it kept all its KV (11 of 20 at equal memory,
 ``FootprintAdder`` (SGLang's adder class, through ``Scheduler.get_prefill_adder_class``)
 charges such a request its growth up to its peak footprint instead
 (``hot_set/footprint.footprint``: the prompt or the threshold held densely, then the hot set,
-sinks, window, the page being filled), times SGLang's ratio, never more than SGLang's own
-charge. The prompt (the extend) is charged as SGLang charges it, so a prefill never
-overruns, and only the future growth is discounted; where long prompts stream
-(``--hot-set-prefill stream``: ``streamed_prefill.py``) a prompt never held whole is charged
-its peak instead, its last chunk beside its sinks and window or its hot set, whichever is
-larger. A request is charged this way only while what it will release fits:
-
-- the **host pool** must take every page it releases (``releases_refused`` would keep them
-  on the device): running hot-set requests' final releases and this round's, against the
-  pool's size (the tree's host copies are evicted for them: ``HiCachePagePools.alloc_host``);
-- the **key-range pool** must take a row for each of its full pages (a request refused
-  ranges decodes dense with every page kept): the pool's free rows less what running
-  requests will still take.
-
-Otherwise it is charged as SGLang charges it (counted: ``footprint_refused``). A running
+sinks, window, the page being filled, and the KV pages borrowed for its key ranges and codes:
+``hot_set/rows.py``), times SGLang's ratio, never more than SGLang's own charge. The prompt
+(the extend) is charged as SGLang charges it, so a prefill never overruns, and only the future
+growth is discounted; where long prompts stream (``--hot-set-prefill stream``:
+``streamed_prefill.py``) a prompt never held whole is charged its peak instead, its last chunk
+beside its sinks and window or its hot set, whichever is larger. A request is charged this way
+only while the **host pool** can take every page it releases (``releases_refused`` would keep
+them on the device): running hot-set requests' final releases and this round's, against the
+pool's size (the tree's host copies are evicted for them: ``HiCachePagePools.alloc_host``), and
+while it holds its key ranges (one refused them keeps every page). Otherwise it is charged as
+SGLang charges it (counted: ``footprint_refused``). A running
 request whose hot set the guard grew (its selection wanted released pages:
 ``request_state.TrackedRequest.follow_flags``) is charged its grown share of its final
 length, and a new one the running requests' mean grown share (``request_state.kept_share``).
@@ -46,13 +42,13 @@ from dataclasses import replace
 from typing import Any, Callable, Optional
 
 from sgl_importance.hot_set.footprint import Footprint, footprint
-from sgl_importance.hot_set.request_state import kept_share, ranges_held
+from sgl_importance.hot_set.request_state import kept_share, ranges_refused
 from sgl_importance.hot_set.residency import Residency
 from sgl_importance.hot_set.selection import HotSetParams
 
 
 class FootprintBook:
-    """One admission round's charges by footprint, and what they take of the host and range pools.
+    """One admission round's charges by footprint, and what they take of the host pool.
 
     Args:
         params_for: a request id -> its hot-set parameters (the server's unless it chose its own).
@@ -60,12 +56,11 @@ class FootprintBook:
             grew it past the budget (None: the budget); for one not decoding yet, what the
             guard has grown the running ones to (``request_state.kept_share``).
         residency: the runtime's page records (release is off unless it is enabled).
-        ranged_for: a request id -> the key-range rows it holds now (None: the range pool
-            refused it, it keeps every page; ``request_state.ranges_held``).
+        refused_for: a request id -> whether it was refused key ranges (it keeps every page).
         host_pages: host pages release copies may take (the pool less the admitted requests' own).
-        range_rows: the key-range pool's free rows now (None: no range pool to check).
         clip: SGLang's cap on a request's estimated new tokens.
         chunk: the prefill chunk where long prompts are streamed (0: they are prefilled dense).
+        rows_per_page: key ranges and key-code rows one borrowed KV page holds.
     """
 
     def __init__(
@@ -73,16 +68,16 @@ class FootprintBook:
         params_for: Callable[[str], Optional[HotSetParams]],
         kept_for: Callable[[str], Optional[float]],
         residency: Residency,
-        ranged_for: Callable[[str], Optional[int]],
+        refused_for: Callable[[str], bool],
         host_pages: int,
-        range_rows: Optional[int],
         clip: int,
         chunk: int = 0,
+        rows_per_page: tuple[int, int] = (0, 0),
     ) -> None:
         self.params_for, self.kept_for, self.residency, self.clip = params_for, kept_for, residency, clip
-        self.ranged_for = ranged_for
-        self.chunk = chunk
-        self.host_left, self.ranges_left = host_pages, range_rows
+        self.refused_for = refused_for
+        self.chunk, self.rows_per_page = chunk, rows_per_page
+        self.host_left = host_pages
 
     def _footprint(self, rid: str, prompt: int, final: int) -> Optional[Footprint]:
         r = self.residency
@@ -91,20 +86,17 @@ class FootprintBook:
             return None
         ps, kept_share = r.pools.page_size, self.kept_for(rid)
         return footprint(
-            prompt, final, params, threshold=r.threshold, page_size=ps, kept_share=kept_share, chunk=self.chunk
-        )
+            prompt, final, params, threshold=r.threshold, page_size=ps, kept_share=kept_share, chunk=self.chunk,
+            rows_per_page=self.rows_per_page,
+        )  # fmt: skip
 
-    def fits(self, f: Footprint, ranged_now: int = 0, released_now: int = 0) -> bool:
-        """Whether the host and range pools can take what ``f`` will still release and code."""
-        host = max(f.released - released_now, 0)
-        ranges = max(f.ranged - ranged_now, 0)
-        return host <= self.host_left and (self.ranges_left is None or ranges <= self.ranges_left)
+    def fits(self, f: Footprint, released_now: int = 0) -> bool:
+        """Whether the host pool can take what ``f`` will still release."""
+        return max(f.released - released_now, 0) <= self.host_left
 
-    def take(self, f: Footprint, ranged_now: int = 0, released_now: int = 0) -> None:
-        """Book what ``f`` will still take of the host and range pools (after ``fits``)."""
+    def take(self, f: Footprint, released_now: int = 0) -> None:
+        """Book what ``f`` will still take of the host pool (after ``fits``)."""
         self.host_left -= max(f.released - released_now, 0)
-        if self.ranges_left is not None:
-            self.ranges_left -= max(f.ranged - ranged_now, 0)
 
     def max_new(self, req: Any) -> int:
         """New tokens SGLang charges ``req`` for: what it may still generate, capped."""
@@ -116,9 +108,7 @@ class FootprintBook:
         prompt = len(req.origin_input_ids)
         now = prompt + len(req.output_ids)
         f = self._footprint(req.rid, prompt, now + self.max_new(req))
-        # Rows it holds, not its full pages: one prefilled and not yet summarised holds none.
-        ranged_now = self.ranged_for(req.rid)
-        if f is None or ranged_now is None:
+        if f is None or self.refused_for(req.rid):
             return dense_charge
         pages = self.residency.peek(req.rid)
         ps = self.residency.pools.page_size
@@ -127,9 +117,9 @@ class FootprintBook:
         else:
             released_now = pages.released_pages().numel()
             held, peak = (pages.num_pages - released_now) * ps, f.kept
-        if not self.fits(f, ranged_now, released_now):
+        if not self.fits(f, released_now):
             return dense_charge
-        self.take(f, ranged_now, released_now)
+        self.take(f, released_now)
         return min(dense_charge, max(peak - held, 0) * ratio)
 
     def new(self, req: Any) -> tuple[Optional[Footprint], Optional[int]]:
@@ -177,8 +167,6 @@ def new_book() -> FootprintBook:
     if r.enabled:
         host_pages = r.pools.host_pool.size // r.pools.page_size - r.host_pages_held()
     hot_set = rt.hot_set_attention
-    ranges = hot_set.decoder.ranges if hot_set is not None else None
-    rows = ranges.capacity - ranges.pages_in_use if ranges is not None else None
 
     def params_for(rid: str) -> Optional[HotSetParams]:
         if rt.config.hot_set_admission != "footprint":
@@ -186,11 +174,14 @@ def new_book() -> FootprintBook:
         return rt.request_params.get(rid, rt.hot_set_params)
 
     tracked = hot_set.decoder.tracked if hot_set is not None else {}
-    kept_for, ranged_for = functools.partial(kept_share, tracked), functools.partial(ranges_held, tracked)
-    chunk = 0
-    if hot_set is not None and hot_set.stream_prefill and rt.scheduler is not None:
-        chunk = max(rt.scheduler.chunked_prefill_size or 0, 0)
-    return FootprintBook(params_for, kept_for, r, ranged_for, host_pages, rows, CLIP_MAX_NEW_TOKENS, chunk)
+    kept_for, refused_for = functools.partial(kept_share, tracked), functools.partial(ranges_refused, tracked)
+    chunk, per_page = 0, (0, 0)
+    if hot_set is not None:
+        d = hot_set.decoder
+        per_page = (d.ranges.rows.rows_per_page, d.guard.rows.rows_per_page)
+        if hot_set.stream_prefill and rt.scheduler is not None:
+            chunk = max(rt.scheduler.chunked_prefill_size or 0, 0)
+    return FootprintBook(params_for, kept_for, r, refused_for, host_pages, CLIP_MAX_NEW_TOKENS, chunk, per_page)
 
 
 @functools.cache  # one subclass per SGLang class: a pure function of it

@@ -5,8 +5,8 @@ The records these hooks act on (the runtime's ``Residency``, passed in as ``resi
 plugin.py calls and ``HiCachePagePools``, the adapter of ``residency.PagePools`` over
 SGLang's allocator and host pool. These hooks, all between forwards, are the only callers
 of the moves: the decoder asks for its next step's releases and promotions as data, and
-``apply_step_moves`` (after ``Scheduler.run_batch``) makes them before the next step's
-allocation.
+``hot_set_rows.around_batch`` (after ``Scheduler.run_batch``) makes them before the next
+step's allocation.
 
 With ``--hot-set-policy`` on and HiCache's host pool present (``--enable-hierarchical-cache``),
 a request longer than ``--hot-set-threshold`` tokens is *admitted* to release: its pages
@@ -76,6 +76,7 @@ from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import RequestPages, Residency, subtract_pages
 from sgl_importance.hot_set.selection import HotSetParams
 from sgl_importance.scheduler.hot_set_requests import forget_request
+from sgl_importance.scheduler.hot_set_rows import lent_for
 from sgl_importance.scheduler.streamed_prefill import release_chunk
 
 logger = logging.getLogger(__name__)
@@ -232,18 +233,12 @@ def reopen_admission(residency: Residency, scheduler: Any) -> None:
         scheduler.running_batch.batch_is_full = False
 
 
-def apply_step_moves(residency: Residency) -> None:
-    """After ``Scheduler.run_batch``: the page moves the decode step just run wants for the
-    next one (``residency.pending``: releases, then promotions), before anything allocates
-    for that step. The only place a hot-set step's pages move."""
-    residency.apply_pending()
-
-
 def checkpoint_unless_released(
-    residency: Residency, hot_set: Any, original: Callable[..., Any], req: Any, tree_cache: Any
+    residency: Residency, hot_set: Any, row_pages: Any, original: Callable[..., Any], req: Any, tree_cache: Any
 ) -> Any:
     """Around ``checkpoint_kv_cache``: keep a long prefill's pages out of the tree; streamed
-    (``hot_set.stream_prefill``), release the chunk's full pages."""
+    (``hot_set.stream_prefill``), release the chunk's full pages, their rows lent for the
+    summary first (``row_pages``, the runtime's ``hot_set/rows.BorrowedPages``)."""
     if not residency.enabled or req.skip_radix_cache_insert:
         return original(req, tree_cache)
     # The whole prefill, every chunk alike: the prompt, and after a retraction what
@@ -259,7 +254,8 @@ def checkpoint_unless_released(
     # first decode step's plan decides (it may already have run, under the overlap scheduler).
     middle = req.extend_end < len(req.full_untruncated_fill_ids)
     if hot_set is not None and hot_set.stream_prefill and middle and not req.finished():
-        release_chunk(residency, hot_set, pages, req.rid, req.extend_end)
+        with lent_for(row_pages, tree_cache, hot_set.decoder, {req.rid: req.extend_end}):
+            release_chunk(residency, hot_set, pages, req.rid, req.extend_end)
     return None
 
 

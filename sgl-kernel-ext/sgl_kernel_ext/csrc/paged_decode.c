@@ -230,9 +230,9 @@ int sgl_paged_decode(const float *q, const void *k_pool, const void *v_pool, con
 
 /* The hot set's guard: each listed page's estimated log-mass from its 4-bit key codes.
  *
- * For KV head h, request r and listed page c (guard id ids[r, c] into this layer's
- * code pool [kv, rows, page_size, d / 2], channel j in the low nibble and j + d/2 in
- * the high one), every token's logit is estimated as q . (low + code * step), soft-
+ * For KV head h, request r and listed page c (code row ids[r, c] of this layer's codes,
+ * [kv, rows, page_size, d / 2] at byte strides stride_h and stride_r, tokens d / 2 bytes
+ * apart; channel j in the low nibble and j + d/2 in the high one), every token's logit is estimated as q . (low + code * step), soft-
  * capped, and lse[h, r, c, :] = log sum_t exp(logit) per query head of the group;
  * err[h, r, c, :] = sum_j |q_j| step_j / 2 + sum_j |q_j| * max|key| * margin bounds
  * every token's logit error. Reads d / 2 bytes per token: no float copy of the keys.
@@ -241,8 +241,8 @@ int sgl_paged_decode(const float *q, const void *k_pool, const void *v_pool, con
 
 int sgl_key_code_pages(const float *q, const uint8_t *codes, const int64_t *ids, const float *low,
                        const float *step, const uint8_t *valid, int64_t kv, int64_t n, int64_t g, int64_t d,
-                       int64_t listed, int64_t page_size, int64_t rows, float logit_cap, float margin, float *lse,
-                       float *err, int threads) {
+                       int64_t listed, int64_t page_size, int64_t stride_h, int64_t stride_r, float logit_cap,
+                       float margin, float *lse, float *err, int threads) {
     if (g > 16 || d > 256 || (d & 1) || page_size > KC_PAGE) return -1;
     const int64_t half = d / 2, items = kv * n * listed;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -259,7 +259,7 @@ int sgl_key_code_pages(const float *q, const uint8_t *codes, const int64_t *ids,
         const float *qh = q + (h * n + r) * g * d;
         const float *lo = low + ((r * listed + c) * kv + h) * d;
         const float *st = step + ((r * listed + c) * kv + h) * d;
-        const uint8_t *cp = codes + (h * rows + ids[r * listed + c]) * page_size * half;
+        const uint8_t *cp = codes + h * stride_h + ids[r * listed + c] * stride_r;
         float qs[16][256], base[16], m[16], cf[256], xs[16][KC_PAGE];
         float mag = 0.0f;
         for (int64_t j = 0; j < d; j++) {
