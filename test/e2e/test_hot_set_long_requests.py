@@ -37,7 +37,9 @@ HOT = importance_torch_args(
     PAGE, DEVICE, *COMMON, "--enable-hierarchical-cache", "--hicache-ratio", "4", "--hicache-storage-backend",
     "file", "--radix-eviction-policy", "importance", "--hot-set-policy", "importance", "--hot-set-threshold", "256",
 )  # fmt: skip
-LIMITS = re.compile(r"hot set: the longest request is (\d+) tokens \((.+?)\), the device pool holds (\d+) tokens, the host pool (\d+)")
+LIMITS = re.compile(
+    r"hot set: the longest request is (\d+) tokens \((.+?)\), the device pool holds (\d+) tokens, the host pool (\d+)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -133,9 +135,7 @@ def test_a_request_that_keeps_every_page_is_refused_past_the_device_pool(hot, pr
 def test_a_long_request_aborted_mid_prefill_and_a_flush_leave_nothing_behind(hot, prompt):
     mark = len(hot.log())
     with ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(
-            generate, hot.url, input_ids=prompt, sampling_params=greedy(4), rid="aborted", timeout=900
-        )
+        answer = pool.submit(generate, hot.url, input_ids=prompt, sampling_params=greedy(4), rid="aborted", timeout=900)
         deadline = time.time() + 600
         while "Prefill batch" not in hot.log()[mark:] and time.time() < deadline:
             time.sleep(0.2)
