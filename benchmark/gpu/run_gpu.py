@@ -523,10 +523,10 @@ def _memory_of(run: Run, folder: Path, name: str, args: list[str], length: int, 
     for key in ("max_total_num_tokens", "mem_fraction_static"):
         m = re.search(rf"{key}[=:' ]+([\d.]+)", log)
         row[key] = float(m.group(1)) if m else None
-    for line in ("Load weight end", "KV Cache is allocated", "Memory pool end", "hot set: pools of"):
+    for line in ("Load weight end", "KV Cache is allocated", "Memory pool end", "hot set: nothing set aside"):
         found = [text for text in log.splitlines() if line in text]
         row[line] = found[-1][-300:] if found else None
-    for key in ("device_bytes", "guard_bytes", "range_bytes", "tracked_requests"):
+    for key in ("device_bytes", "borrowed_pages", "guard_rows_in_use", "range_rows_in_use", "tracked_requests"):
         row[key] = metric(scrape, f"sgl_importance:hot_set_{key}")
     row["pages_released"] = metric(scrape, "sgl_importance:hot_set_pages_released_total")
     return row

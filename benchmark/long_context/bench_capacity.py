@@ -4,9 +4,9 @@ Each configuration gets a fresh ``python -m sglang.launch_server`` on torch_cpu 
 ``importance_torch``, HiCache's host pool (``--enable-hierarchical-cache``) and
 ``--decode-log-interval 1``, so that every decode step logs its running requests.
 **Equal memory**: every server gets the same ``--max-total-tokens`` (``--device-tokens``):
-dense all of it for its KV pool, a hot-set server its KV pool and, taken out of it by the
-server itself, every device byte of its own (the key-range and key-code pools and the page
-importance table: nothing outside). ``--dtype`` is pinned (float32 by default, the runs on
+dense all of it for its KV pool, a hot-set server the same pool less the page importance
+table (one page at these sizes), its key ranges and codes borrowed from that pool as its
+requests need them: every device byte of its own inside it. ``--dtype`` is pinned (float32 by default, the runs on
 record; a CPU with bfloat16 would pick that). All configurations see the same prompts, distinct essay slices
 of ``--length`` tokens: one alone (batch 1), then, after ``/flush_cache`` (a concurrent
 request matching a cached prompt would pin that prefix on the device), ``--requests``
@@ -18,8 +18,8 @@ reports the most requests decoding in one step (from the server log), the wall t
 for all of them, decode tokens/s (the median of the per-step rates SGLang logs at
 batch 1, one request sent alone first, and at the largest batch reached), how many
 greedy outputs equal dense's and how many tokens they share with it before the first
-difference, the pages released to the host, the KV pool's and the guard pool's sizes
-(from the server's start-up log), the peak resident memory of the server's
+difference, the pages released to the host, the KV pool's size and the most KV pages the
+hot set borrowed for its rows in one step (``/metrics``), the peak resident memory of the server's
 processes, and how admission went: requests admitted by footprint or charged their whole
 length for want of host or key-range room (``--hot-set-admission``,
 ``scheduler/admission.py``) and requests SGLang retracted; and the guard under release: the
@@ -27,8 +27,7 @@ pages its selections wanted that were released (misses) against dense's page-rea
 layer-steps it flagged, the hot sets it had grown that a decode step short of room put back
 to their budget, and the promotions that found no device room. ``--stop-after-s`` aborts the
 concurrent requests after that long (a long generation's admission is settled in its first
-minutes; its outputs are then not compared); ``--guard-tokens`` sizes the hot-set servers' key-code
-pool instead of their auto size (which assumes requests held at the budget). Writes RESULTS_capacity.md and capacity.png
+minutes; its outputs are then not compared). Writes RESULTS_capacity.md and capacity.png
 into --out and prints the table.
 
     python -m benchmark.long_context.bench_capacity --out /tmp/bench_capacity
@@ -54,7 +53,7 @@ import requests
 from benchmark.long_context.bench_hot_set import PAGE, essay_text
 from sgl_importance.client import flush_cache, generate, greedy, metrics_text
 from sgl_importance.config import add_cli_args, from_namespace
-from sgl_importance.hot_set.guard_budget import KVShape, guard_budget
+from sgl_importance.hot_set.table_budget import KVShape, plan_table
 from sgl_importance.local_server import LocalServer, metric, model_path
 from sgl_importance.platform.torch_cpu import cpu_flags, default_dtype
 
@@ -65,7 +64,7 @@ RELEASED = "sgl_importance:hot_set_pages_released_total"
 KV_LINE = re.compile(r"max_total_num_tokens=(\d+)")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 SGLANG_HICACHE_RATIO = 2.0  # SGLang's --hicache-ratio default
-POOLS_LINE = re.compile(r"hot set: pools of (\d+) tokens .*?; ([\d.]+) MiB in all")
+BORROWED = "sgl_importance:hot_set_borrowed_pages"
 
 
 CONFIG_KEYS = ("dense", "guard", "guard-off", "guard-length", "guard-off-length", "guard-unstreamed")
@@ -80,18 +79,15 @@ SERIES = (("by_footprint", ADMITTED), ("footprint_refused", REFUSED), ("retracte
 )
 
 
-def configs(
-    budget: float, keys: list[str], device_tokens: int, guard_tokens: int = 0
-) -> dict[str, tuple[int, list[str]]]:
+def configs(budget: float, keys: list[str], device_tokens: int) -> dict[str, tuple[int, list[str]]]:
     """name -> (``--max-total-tokens``, the other flags): dense (always, the baseline),
     then of ``keys``: the hot set with the server's default guard (``guard``), and with
     the guard off (``guard-off``: reads only the hot set, what the page saving is worth
-    in decode speed), each at dense's ``--max-total-tokens`` (its pools come out of it);
+    in decode speed), each at dense's ``--max-total-tokens`` (its rows borrowed from it);
     ``guard-length`` / ``guard-off-length``: the same, admitted as SGLang charges any request
     (``--hot-set-admission length``: prompt + max_new_tokens) instead of by footprint;
     ``guard-unstreamed``: ``guard`` with its prompts prefilled dense (``--hot-set-prefill dense``)."""
     hot = ["--hot-set-policy", "importance", "--hot-set-budget", str(budget), "--hot-set-threshold", "512"]
-    hot += ["--hot-set-guard-tokens", str(guard_tokens)] if guard_tokens else []
     tokens = device_tokens
     every = {
         "dense": ("dense", (device_tokens, [])),
@@ -125,15 +121,15 @@ def server_dtype(config: dict, dtype: str) -> str:
 
 def server_kv_tokens(max_total_tokens: int, shape: KVShape, flags: list[str]) -> int:
     """The KV pool a server started with ``--max-total-tokens max_total_tokens`` and the
-    plugin ``flags`` makes: a hot-set server's pools come out of it (``guard_budget``, from
-    the flags as the server parses them). Equal host memory needs it: SGLang sizes the host
-    pool as a ratio of the KV pool."""
+    plugin ``flags`` makes: a hot-set server's page importance table comes out of it
+    (``plan_table``, where the flags as the server parses them keep rows). Equal host memory
+    needs it: SGLang sizes the host pool as a ratio of the KV pool."""
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
     config = from_namespace(parser.parse_known_args(flags)[0])
-    if config.hot_set_policy == "off":
+    if config.hot_set_policy in ("off", "dense"):
         return max_total_tokens
-    return guard_budget(config, shape, max_total_tokens, hierarchical=True).kv_tokens
+    return plan_table(max_total_tokens, shape).kv_tokens
 
 
 def host_ratio(max_total_tokens: int, shape: KVShape, flags: list[str], host_tokens: float) -> list[str]:
@@ -148,7 +144,7 @@ def run_config(name: str, tokens: int, extra: list[str], prompts: list[list[int]
         *extra,
     ]  # fmt: skip
     # Every server the same host pool (equal memory): SGLang sizes it as a ratio of the KV
-    # pool, which beside a hot set's pools is the smaller.
+    # pool, which beside a hot set's page importance table is a page smaller.
     args += host_ratio(tokens, a.kv_shape, extra, (a.hicache_ratio or SGLANG_HICACHE_RATIO) * a.device_tokens)
     if a.chunk:
         args += ["--chunked-prefill-size", str(a.chunk)]
@@ -183,8 +179,10 @@ def run_config(name: str, tokens: int, extra: list[str], prompts: list[list[int]
         # Fixed rids: the guard's page sample is seeded by the rid (hot_set/sample.py), so
         # runs and configs compare on the same samples.
         rids = [f"capacity-{i}" for i in range(len(prompts))]
+        watch = BorrowedWatch(server.url)
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(lambda ids, rid: decode_or_stopped(decode, ids, stopper, rid), prompts, rids))
+        borrowed = watch.stop()
         if stopper is not None:
             stopper.cancel()
         wall = time.time() - start
@@ -197,7 +195,6 @@ def run_config(name: str, tokens: int, extra: list[str], prompts: list[list[int]
     finally:
         server.stop()
     kv = KV_LINE.search(log_text)
-    pools = POOLS_LINE.search(log_text)
     peak = max((n for n, _ in lines), default=0)
     held = [int(m.group(1)) for m in TOKENS_LINE.finditer(log_text[mark:])]
     at_peak = [rate for n, rate in lines if n == peak]
@@ -214,9 +211,30 @@ def run_config(name: str, tokens: int, extra: list[str], prompts: list[list[int]
         **admission,
         "device_tokens_peak": max(held, default=0),
         "kv_tokens": int(kv.group(1)) if kv else 0,
-        "pool_tokens": int(pools.group(1)) if pools else 0,
-        "pool_mib": float(pools.group(2)) if pools else 0.0,
+        "borrowed_pages": borrowed,
     }
+
+
+class BorrowedWatch:
+    """The most KV pages the hot set held borrowed for its rows (``/metrics``, every 2 s) while
+    the concurrent requests run; ``stop`` returns it."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.most, self._done = url, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(2.0):
+            try:
+                self.most = max(self.most, metric(metrics_text(self.url), BORROWED))
+            except (requests.RequestException, ValueError):
+                pass
+
+    def stop(self) -> float:
+        self._done.set()
+        self._thread.join()
+        return self.most
 
 
 def abort_all(url: str) -> None:
@@ -284,9 +302,6 @@ def main() -> None:
     )
     p.add_argument("--budget", type=float, default=0.2)
     p.add_argument(
-        "--guard-tokens", type=int, default=0, help="the hot-set servers' --hot-set-guard-tokens (0: their auto size)"
-    )
-    p.add_argument(
         "--hicache-ratio",
         type=float,
         default=0.0,
@@ -315,7 +330,7 @@ def main() -> None:
     started = time.time()
     rows = [
         run_config(name, tokens, extra, prompts, a, a.out)
-        for name, (tokens, extra) in configs(a.budget, keys, a.device_tokens, a.guard_tokens).items()
+        for name, (tokens, extra) in configs(a.budget, keys, a.device_tokens).items()
     ]
     write_results(rows, a, (time.time() - started) / 60, a.out)
 
@@ -327,7 +342,7 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
         "| decode tok/s, bs 1 | decode tok/s at that batch | greedy outputs = dense | peak RSS, MB "
         "| tokens before the first difference from dense: min / median | pages released "
         "| device KV tokens in use, most in one step "
-        "| KV pool tokens | hot-set pools: tokens, MiB | admitted by footprint / refused | retracted "
+        "| KV pool tokens | KV pages borrowed for rows, most | admitted by footprint / refused | retracted "
         "| guard: pages missed / dense's page-reads | layer-steps flagged | hot sets put back to budget "
         "| promotions refused |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -347,7 +362,7 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
             f"{r.get('pages_released', 0):.0f}",
             r.get("device_tokens_peak", 0),
             r.get("kv_tokens", 0),
-            f"{r.get('pool_tokens', 0)}, {r.get('pool_mib', 0.0):.1f}",
+            f"{r.get('borrowed_pages', 0):.0f}",
             f"{r.get('by_footprint', 0):.0f} / {r.get('footprint_refused', 0):.0f}",
             f"{r.get('retracted', 0):.0f}",
             _share(r.get("pages_missed", 0), r.get("pages_dense", 0)),
@@ -363,8 +378,8 @@ def write_results(rows: list[dict], a, minutes: float, out: Path) -> None:
         f"Command (took {minutes:.0f} min):\n\n"
         f"```\n{command}\n```\n\n{a.requests} requests of {a.length} tokens at once, {a.max_new} new tokens each, "
         f"--max-total-tokens {a.device_tokens} for every server ({a.device_tokens // PAGE} pages of {PAGE}): "
-        "dense's KV pool; a hot-set server's KV pool and its pools (key ranges, key codes, the page importance "
-        f"table), which it takes out of it itself; --dtype {a.dtype}; HiCache host pool on; "
+        "dense's KV pool; a hot-set server's KV pool less its page importance table, its key ranges and codes "
+        f"borrowed from it as used; --dtype {a.dtype}; HiCache host pool on; "
         f"--chunked-prefill-size {a.chunk or 'SGLang default'}.\n\n"
         f"{table}\n"
     )

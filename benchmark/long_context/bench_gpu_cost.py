@@ -5,23 +5,17 @@ tokens of context on an H100 (80 GB, 3.35 TB/s HBM; 16 GB of weights; 10 % of th
 memory kept in reserve), per configuration — dense, the hot set at 20 % with the guard
 off, and with the guard on —:
 
-- device bytes per token of context: the KV; each tracked page's key range in the
-  fixed key-range pool (``KeyRanges``: key min/max per page, layer and KV head, 16-bit,
-  ``range_bytes_per_page``: 1/16 of a bf16 KV page); with the guard, its key codes in the
-  guard pool (``key_codes.bytes_per_token``); the page importance table
-  (``TABLE_BYTES_PER_PAGE`` per KV pool page). Every one of these is inside SGLang's
-  budget: the KV pool gives them up at start-up (``guard_budget.plan_guard``, called
-  here as the server calls it);
+- device bytes per token of context: the KV; each tracked page's key range (a token slot of a
+  KV page borrowed for it: 1/16 of a page) and, with the guard, its key codes (``key_codes``:
+  one code row of 7 in a borrowed bf16 page); the page importance table
+  (``TABLE_BYTES_PER_PAGE`` per KV pool page, the one thing set aside at start-up,
+  ``table_budget.plan_table`` as the server calls it). Every byte is inside SGLang's budget:
+  the rows are KV pages;
 - concurrent requests that fit in ``80 GB - weights - reserve``: with every page on the
-  device (the pools cover the KV pool's tokens once), and with pages outside the hot set
-  released to a host pool (HiCache; the pools then cover ``1 / budget`` times the KV
-  pool's tokens, ``guard_budget.auto_coverage``, and the device holds each request's
-  hot set plus one request's whole KV as headroom: a prompt is still prefilled onto the
-  device before its pages can leave, and admission still asks for the whole request —
-  the issue that admits by what the hot set keeps removes that headroom); the auto size
-  can over-reserve (it covers ``1 / budget`` of the KV pool whether or not that many
-  requests fit), so a third count sizes the pools with ``--hot-set-guard-tokens`` to the
-  best request count;
+  device (a request holds its KV and its rows), and with pages outside the hot set released
+  to a host pool (HiCache; the device holds each request's hot set and its rows, plus one
+  prefill chunk of headroom: a prompt streams, so the newest request holds a chunk and its
+  rows so far while it prefills);
 - bytes a decode step reads per request: dense all KV; guard off the hot set's pages and
   the key min/max of every page (unread pages are ranked by their key bound each layer,
   ``StepTally._reduce_bounds``); guard on the planned and sampled pages exactly and the key
@@ -57,11 +51,11 @@ import torch
 
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
 from sgl_importance.hot_set.footprint import footprint
-from sgl_importance.hot_set.guard_budget import KVShape, auto_coverage, plan_guard
 from sgl_importance.hot_set.key_codes import bytes_per_token, kv_bytes_per_token
 from sgl_importance.hot_set.key_ranges import range_bytes_per_page
 from sgl_importance.hot_set.sample import inclusion, reserve
 from sgl_importance.hot_set.selection import fixed_mask
+from sgl_importance.hot_set.table_budget import KVShape, plan_table
 from sgl_importance.importance.page_importance import TABLE_BYTES_PER_PAGE
 
 torch.set_grad_enabled(False)
@@ -120,40 +114,29 @@ def expected_sample(tokens: int, budget: float) -> dict:
     return {"pages": pages, "budget": budget_pages, "pi": pi, "reserve": kept, "planned": budget_pages - kept}
 
 
-def fits(tokens: int, hot_pages: int, *, ranges: bool, guard: bool) -> tuple[int, int, int]:
-    """Requests of ``tokens`` that fit: every page on the device; pages outside the hot set
-    of ``hot_pages`` released, with the pools at their auto size; and released, with the
-    pools sized by ``--hot-set-guard-tokens`` to the best request count — each with the
-    pools ``plan_guard`` reserves for it."""
+CHUNK = 8192  # the prefill chunk a streamed prompt holds (the headroom of the newest request)
+
+
+def fits(tokens: int, hot_pages: int, *, ranges: bool, guard: bool) -> tuple[int, int]:
+    """Requests of ``tokens`` that fit: every page on the device; and pages outside the hot
+    set of ``hot_pages`` released, one prefill chunk of headroom kept. A tracked request also
+    holds the KV pages borrowed for its rows (``KVShape.row_pages``)."""
     usable = HBM - WEIGHTS - RESERVE * HBM
     alone = int(usable // SHAPE.kv_bytes_per_page) * PAGE
+    pool = plan_table(alone, SHAPE).kv_tokens if ranges else alone
+    pages = -(-tokens // PAGE)
+    rows = SHAPE.row_pages(pages - 1, guarded=guard) if ranges else 0
+    resident = pool // ((pages + rows) * PAGE)
     if not ranges:
-        return (alone // tokens,) * 3
-    resident = plan_guard(alone, SHAPE, guard_tokens=None, coverage=1.0, ranges=True, guard=guard)
-    fit_resident = min(resident.kv_tokens // tokens, resident.range_pages * PAGE // tokens)
-
-    def released(guard_tokens: int | None) -> int:
-        got = plan_guard(
-            alone, SHAPE, guard_tokens=guard_tokens, coverage=auto_coverage(BUDGET, True), ranges=True, guard=guard
-        )
-        # One request's whole KV stays free for the next prefill; the rest holds hot sets.
-        by_kv = max(got.kv_tokens - tokens, 0) // (hot_pages * PAGE)
-        by_pools = got.range_pages * PAGE // tokens  # each tracked request's every page
-        return min(by_kv, by_pools)
-
-    sized = 0
-    for n in range(1, alone // (hot_pages * PAGE) + 1):
-        try:
-            sized = max(sized, released(n * tokens))
-        except ValueError:  # the pools leave the KV pool nothing
-            break
-    return fit_resident, released(None), sized
+        return resident, resident
+    released = max(pool - CHUNK, 0) // ((hot_pages + 1 + rows) * PAGE)
+    return resident, released
 
 
 def rows_for(tokens: int, counts: dict, plan: dict) -> list[dict]:
     """Per configuration: device bytes per token, requests that fit, bytes read per step."""
     kv_token = kv_bytes_per_token(DIM, ELEMENT) * LAYER_HEADS
-    range_token = SUMMARY_PAGE / PAGE * LAYER_HEADS
+    range_token = SUMMARY_PAGE / PAGE * LAYER_HEADS  # what a range and the codes need, by themselves
     codes_token = bytes_per_token(DIM, PAGE) * LAYER_HEADS
     table_token = TABLE_BYTES_PER_PAGE / PAGE
     pages = counts["pages_dense"]
@@ -184,8 +167,11 @@ def rows_for(tokens: int, counts: dict, plan: dict) -> list[dict]:
         read_pages, from_host = reads[key]
         read = (read_pages * KV_PAGE + extra) * LAYER_HEADS
         per_token = kv_token + (range_token + table_token if hot else 0.0) + (codes_token if guard else 0.0)
-        fit, fit_released, fit_sized = fits(tokens, plan["budget"], ranges=hot, guard=guard)
-        batch = max(fit_sized, 1)
+        if hot:  # the rows as the KV pages borrowed for them
+            per_token = kv_token * (1 + 1 / SHAPE.ranges_per_page + (1 / SHAPE.codes_per_page if guard else 0.0))
+            per_token += table_token
+        fit, fit_released = fits(tokens, plan["budget"], ranges=hot, guard=guard)
+        batch = max(fit_released, 1)
         step = (WEIGHTS + batch * read) / BANDWIDTH
         rows.append(
             {
@@ -195,7 +181,6 @@ def rows_for(tokens: int, counts: dict, plan: dict) -> list[dict]:
                 "share_of_kv": per_token / kv_token,
                 "fit_resident": fit,
                 "fit_released": fit_released,
-                "fit_sized": fit_sized,
                 "pages_read": read_pages,
                 "read_bytes": read,
                 "host_bytes": from_host * KV_PAGE * LAYER_HEADS,
@@ -209,67 +194,48 @@ def rows_for(tokens: int, counts: dict, plan: dict) -> list[dict]:
 
 
 def budget_table() -> str:
-    """What the hot set takes out of SGLang's KV budget on the card, per configuration, as the
-    server sizes it (``plan_guard``): every plugin device byte is one of these pools."""
+    """What the hot set sets aside on the card at start-up (``plan_table``, as the server calls it):
+    the page importance table only; its rows are borrowed KV pages, paid as requests use them."""
     usable = HBM - WEIGHTS - RESERVE * HBM
     alone = int(usable // SHAPE.kv_bytes_per_page) * PAGE
-    lines = [
-        "| configuration | pools cover (tokens) | key ranges GiB | key codes GiB | page table MiB | "
-        "pools in all GiB | KV pool tokens: alone → beside them | plugin bytes ≤ what the KV pool gave up |",
-        "|" + "---|" * 8,
-    ]
-    for name, guard, hierarchical in (
-        ("guard off, nothing released", False, False),
-        ("guard off, host tier (auto coverage 5×)", False, True),
-        ("guard on, nothing released", True, False),
-        ("guard on, host tier (auto coverage 5×)", True, True),
-    ):
-        got = plan_guard(
-            alone, SHAPE, guard_tokens=None, coverage=auto_coverage(BUDGET, hierarchical), ranges=True, guard=guard
-        )
-        given_up = got.kv_tokens_given_up // PAGE * SHAPE.kv_bytes_per_page
-        lines.append(
-            f"| {name} | {got.range_pages * PAGE:,} | {got.range_bytes / 2**30:.2f} | {got.guard_bytes / 2**30:.2f} | "
-            f"{got.table_bytes / 2**20:.1f} | {got.reserved_bytes / 2**30:.2f} | {alone:,} → {got.kv_tokens:,} | "
-            f"{'yes' if got.reserved_bytes <= given_up else 'NO'} ({got.reserved_bytes / 2**30:.2f} ≤ "
-            f"{given_up / 2**30:.2f} GiB) |"
-        )
-    return "\n".join(lines)
+    got = plan_table(alone, SHAPE)
+    return (
+        "| KV pool tokens: alone → beside the table | page importance table | set aside for rows |\n|---|---|---|\n"
+        f"| {alone:,} → {got.kv_tokens:,} | {got.table_bytes / 2**20:.2f} MiB | 0 |"
+    )
 
 
 def admission_table(prompt: int = 1024, generated: tuple[int, ...] = (3072, 8192, 31744)) -> str:
-    """Long generations admitted at once on the card, guard off, pools at their auto size
-    with a host tier: charged their prompt and ``min(max_new, 4096)`` (SGLang's charge under
-    ``ignore_eos``; ``--hot-set-admission length``) against their prompt and their growth to
-    their peak footprint (``hot_set/footprint.footprint``, the default threshold) while the
-    key-range pool has a row for each of their full pages (past that, the length charge),
-    as ``scheduler/admission.py`` charges; and how many the device holds once all are at
-    their final length (the hot set kept), which SGLang's 4,096-token cap ignores."""
+    """Long generations admitted at once on the card, guard off, with a host tier: charged their
+    prompt and ``min(max_new, 4096)`` (SGLang's charge under ``ignore_eos``;
+    ``--hot-set-admission length``) against their prompt and their growth to their peak
+    footprint, its rows' pages included (``hot_set/footprint.footprint``, the default
+    threshold), as ``scheduler/admission.py`` charges; and how many the device holds once all
+    are at their final length (the hot set and its rows kept), which SGLang's 4,096-token cap
+    ignores."""
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS as CLIP_NEW_TOKENS  # what admission reads
 
     usable = HBM - WEIGHTS - RESERVE * HBM
     alone = int(usable // SHAPE.kv_bytes_per_page) * PAGE
-    got = plan_guard(alone, SHAPE, guard_tokens=None, coverage=auto_coverage(BUDGET, True), ranges=True, guard=False)
-    params = HotSetParams(policy="importance", budget=BUDGET)
+    pool = plan_table(alone, SHAPE).kv_tokens
+    params = HotSetParams(policy="importance", budget=BUDGET, guard_threshold=1.0)
+    per_page = (SHAPE.ranges_per_page, SHAPE.codes_per_page)
     lines = [
         "| prompt + generated | by length: tokens charged, requests at once | by footprint: tokens charged "
-        "(its peak), requests at once | ratio | key-range pool's rows for | kept once released | "
+        "(its peak, rows included), requests at once | ratio | kept once released, rows included | "
         "held at the final length |",
-        "|" + "---|" * 7,
+        "|" + "---|" * 6,
     ]
     for new in generated:
-        f = footprint(prompt, prompt + new, params, threshold=THRESHOLD, page_size=PAGE)
+        f = footprint(prompt, prompt + new, params, threshold=THRESHOLD, page_size=PAGE, rows_per_page=per_page)
         by_length = prompt + min(new, CLIP_NEW_TOKENS) + PAGE
         by_footprint = prompt + min(new, CLIP_NEW_TOKENS, f.peak - prompt) + PAGE
-        rows = got.range_pages // max(f.ranged, 1)
-        n_length = got.kv_tokens // by_length
-        n_footprint = got.kv_tokens // by_footprint
-        if n_footprint > rows:  # the rest charged by length
-            n_footprint = rows + (got.kv_tokens - rows * by_footprint) // by_length
-        held = min(got.kv_tokens // f.kept, rows)
+        n_length = pool // by_length
+        n_footprint = pool // by_footprint
+        held = pool // f.kept
         lines.append(
             f"| {prompt:,} + {new:,} | {by_length:,}, {n_length} | {by_footprint:,} ({f.peak:,}), {n_footprint} | "
-            f"{n_footprint / max(n_length, 1):.2f}x | {rows} | {f.kept:,} | {held} |"
+            f"{n_footprint / max(n_length, 1):.2f}x | {f.kept:,} | {held} |"
         )
     return "\n".join(lines)
 
@@ -277,16 +243,16 @@ def admission_table(prompt: int = 1024, generated: tuple[int, ...] = (3072, 8192
 def table(rows: list[dict]) -> str:
     head = (
         "| context | configuration | device bytes / token | vs KV | requests that fit: all pages on device / "
-        "released to host, pools at auto size / pools sized | pages read / step (of dense) | "
+        "released to host | pages read / step (of dense) | "
         "bytes read / step / request | vs dense | "
         "of which released pages (host copies, if released) | time floor / request | "
-        "full batch (released, pools sized): step floor, tokens/s |"
+        "full batch (released): step floor, tokens/s |"
     )
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         lines.append(
             f"| {r['tokens'] // 1024}K | {r['config']} | {r['bytes_per_token'] / 1024:,.1f} KiB | "
-            f"{r['share_of_kv']:.3f}× | {r['fit_resident']} / {r['fit_released']} / {r['fit_sized']} | "
+            f"{r['share_of_kv']:.3f}× | {r['fit_resident']} / {r['fit_released']} | "
             f"{r['pages_read']:,} | "
             f"{r['read_bytes'] / 1e9:.3f} GB | {r['read_share']:.1%} | {r['host_bytes'] / 1e9:.3f} GB | "
             f"{r['floor_ms']:.3f} ms | "
@@ -358,8 +324,8 @@ def main() -> None:
         + "\n".join(plan_lines)
         + "\n\nArithmetic, not measured:\n\n"
         + table(rows)
-        + "\n\nWhat the hot set takes out of the KV budget (``plan_guard``, as the server calls it; "
-        + "every plugin device byte is in these pools):\n\n"
+        + "\n\nWhat the hot set sets aside at start-up (``plan_table``, as the server calls it; its rows "
+        + "are KV pages borrowed as requests use them):\n\n"
         + budget_table()
         + "\n\nLong generations admitted at once (guard off, host tier; admission by footprint, "
         + "``scheduler/admission.py``; arithmetic):\n\n"

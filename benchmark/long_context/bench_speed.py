@@ -349,19 +349,17 @@ def measure_transformers(model_dir: str, prompts: dict[int, list[list[int]]], ba
 
 def server_args(kind: str, a, max_tokens: int, guard_share: float, context: int) -> tuple[list[str], dict[str, str]]:
     """The server's flags for ``kind``: a pool of ``max_tokens`` KV tokens (the hot-set
-    server's with room for its guard beside them, ``guard_share`` the guard's bytes per KV
-    byte), ``--context-length context``, then ``--server-args`` (last, so they win).
+    server's with room for the rows it borrows beside them, ``guard_share`` their pages per KV
+    page), ``--context-length context``, then ``--server-args`` (last, so they win).
 
     ``sglang-<backend>`` is the dense server with SGLang's own backend instead of
     ``--attention-backend``."""
     hot = kind == "hot"
     if hot:
-        # The server takes the guard's pool out of --max-total-tokens: the guard covers the
-        # pool's tokens and its bytes come on top, so the KV pool still keeps every prompt
-        # cached. (With the auto guard, 5x the pool, it kept 23.7K of 31.2K tokens: the
-        # 4 x 7.5K prompts were prefilled again for every measurement and prefill chunks
-        # interleaved with the decode steps being timed.)
-        guard_tokens, max_tokens = max_tokens, max_tokens + math.ceil(max_tokens * guard_share / PAGE) * PAGE
+        # The server borrows its key ranges and codes from --max-total-tokens: room for them
+        # beside the prompts, so the KV pool still keeps every prompt cached (else the prompts
+        # are prefilled again for every measurement, chunks interleaved with the timed steps).
+        max_tokens += math.ceil(max_tokens * guard_share / PAGE) * PAGE + PAGE
     backend = kind[len(PEER_PREFIX) :] if kind.startswith(PEER_PREFIX) else a.attention_backend
     args = [
         "--page-size", str(PAGE), "--attention-backend", backend, "--dtype", a.dtype, "--enable-metrics",
@@ -375,7 +373,6 @@ def server_args(kind: str, a, max_tokens: int, guard_share: float, context: int)
         env["SGL_IMPORTANCE_DECODE"] = "torch" if kind == "dense-torch" else "reference"
     if hot:
         args += ["--hot-set-policy", "importance", "--hot-set-threshold", str(a.threshold)]
-        args += ["--hot-set-guard-tokens", str(guard_tokens)]
     return args + shlex.split(a.server_args), env
 
 
@@ -751,8 +748,11 @@ def main() -> None:
     top = max(max(ids) for ps in prompts.values() for ids in ps)
     if top >= shape["vocab"]:
         sys.exit(f"the tokenizer's ids reach {top}, past the model's vocabulary of {shape['vocab']}")
-    # The guard's bytes per KV token (the hot-set server's pool makes room for them).
-    guard_share = code_bytes_per_page(shape) / kv_bytes_per_page(shape, DTYPE_BYTES[a.dtype])
+    # The rows' pages per KV page (the hot-set server's pool makes room for them): a sixteenth
+    # for the ranges, one in 4 x element size - 1 for the codes.
+    from sgl_importance.hot_set.key_codes import code_rows_per_page
+
+    guard_share = 1 / PAGE + 1 / code_rows_per_page(DTYPE_BYTES[a.dtype])
     rows: list[dict] = []
     errors: dict[str, str] = {}
     if max(lengths) <= a.threshold:

@@ -278,3 +278,30 @@ def test_the_gauges_show_rows_in_use_the_pages_borrowed_for_them_and_what_reques
     assert gauge("guard_rows_in_use") == 3 and gauge("range_rows_in_use") == 5
     assert gauge("borrowed_pages") == guard.rows.pages + ranges.rows.pages == 1 + 2
     assert gauge("device_bytes") == 1234 and gauge("tracked_requests") == 1
+
+
+def test_a_batch_is_lent_pages_for_the_rows_its_requests_will_write_and_no_more():
+    from sgl_importance.hot_set import HotSetDecoder, HotSetParams
+    from sgl_importance.hot_set.request_state import TrackedRequest
+    from sgl_importance.hot_set.selection import RequestHotSet
+
+    ranges = KeyRanges(2, 1, 8, capacity_pages=1000, page_size=PAGE)
+    guard = GuardPool(2, 1, 8, page_size=PAGE, capacity_pages=1000)
+    params = HotSetParams(policy="importance", budget=0.5)
+    decoder = HotSetDecoder(params, ranges, pool_pages=64, page_size=PAGE, threshold=256, guard=guard)
+    per_code = guard.rows.rows_per_page
+    # A request at 40 full pages, untracked: a row of each kind for every full page.
+    assert hot_set_rows.pages_wanted(decoder, {"a": 40 * PAGE + 3}) == 3 + -(-40 // per_code)
+    # Within the threshold: none, unless it is known to be long (a streamed prompt's first chunk).
+    assert hot_set_rows.pages_wanted(decoder, {"a": 10 * PAGE}) == 0
+    assert hot_set_rows.pages_wanted(decoder, {"a": 10 * PAGE}, long=True) == 1 + -(-10 // per_code)
+    # Tracked with 39 pages summarised: one page more of each kind's rows, within the stores'
+    # free rows once they hold pages.
+    tracked = decoder.tracked["a"] = TrackedRequest(RequestHotSet(params))
+    tracked.ranges, tracked.codes = ranges.alloc(39), guard.alloc(39)
+    assert hot_set_rows.pages_wanted(decoder, {"a": 40 * PAGE}) == 0, "the stores' held pages have free rows"
+    # Refused a guard: ranges only; a dense policy keeps no rows at all.
+    tracked.guard_refused = True
+    assert hot_set_rows.pages_wanted(decoder, {"a": 200 * PAGE}) == ranges.rows.pages_for(200 - 39)
+    decoder.request_params.note("b", HotSetParams(policy="dense", budget=0.5))
+    assert hot_set_rows.pages_wanted(decoder, {"b": 200 * PAGE}) == 0

@@ -119,7 +119,11 @@ def check_length(config: Any, tokenizer_manager: Any, obj: Any, input_ids: Optio
     if len(input_ids) >= context:
         return
     if tokenizer_manager.server_args.enable_hierarchical_cache:
-        why = "the host pool holds a long request's whole KV: --hicache-ratio or --hicache-size raises it"
+        why = (
+            "its host pool holds a long request's whole KV, --hicache-ratio or --hicache-size raises it; its "
+            "device pool its hot set and rows, --max-total-tokens raises it, a smaller --hot-set-budget lowers them; "
+            "the start-up log says which bounds it"
+        )
     else:
         why = (
             "the device pool holds the whole request: --enable-hierarchical-cache lets the hot set keep a long "

@@ -58,8 +58,9 @@ def lent(rows: Any, tree_cache: Any, pages: Callable[[], int]) -> Iterator[None]
 
 
 def lent_for(rows: Any, tree_cache: Any, decoder: Any, lengths: Mapping[str, int]) -> Any:
-    """``lent`` with the pages the rows of these requests (rid -> length) need."""
-    return lent(rows, tree_cache, lambda: pages_wanted(decoder, lengths))
+    """``lent`` with the pages the rows of these requests (rid -> length) need, each known to be
+    long already (a streamed prompt's first chunks are shorter than the threshold)."""
+    return lent(rows, tree_cache, lambda: pages_wanted(decoder, lengths, long=True))
 
 
 def release_rows(runtime: Any, original: Callable[..., Any], req: Any, tree_cache: Any, **kwargs: Any) -> Any:
@@ -76,13 +77,14 @@ def release_rows(runtime: Any, original: Callable[..., Any], req: Any, tree_cach
                     hot_set.after_step()
 
 
-def pages_wanted(decoder: Any, lengths: Mapping[str, int]) -> int:
+def pages_wanted(decoder: Any, lengths: Mapping[str, int], long: bool = False) -> int:
     """KV pages the row stores must be lent before a batch of these requests (request id ->
     its length when the step ends) writes the key ranges and codes of their full pages
-    (``hot_set/coding.summarise_pages``, inside the forward, where nothing may allocate)."""
+    (``hot_set/coding.summarise_pages``, inside the forward, where nothing may allocate); ``long``:
+    each is past the threshold whatever its length so far."""
     ranges = codes = 0
     for rid, length in lengths.items():
-        if length <= decoder.threshold:
+        if length <= decoder.threshold and not long:
             continue
         tracked = decoder.tracked.get(rid)
         params = decoder.request_params.get(rid, decoder.params) if tracked is None else tracked.state.params

@@ -5,11 +5,12 @@ SGLang derives the longest request it takes from the device KV pool
 new tokens to what the pool could hold alone (``init_req_max_new_tokens``), so a prompt
 longer than the pool is refused before streamed prefill or release could act. With the hot
 set on and HiCache's host pool, a long request holds on the device only its hot set and the
-rows of its pages, its whole KV in the host pool: the limit is the model's context and the
-host pool, not the device. So, after the scheduler is built:
+rows of its pages, its whole KV in the host pool: the limit is the model's context, the host
+pool and the longest request whose hot set and rows the device pool holds
+(``longest_held``), not the device pool itself. So, after the scheduler is built:
 
 - ``max_req_len`` / ``max_req_input_len`` (which the tokenizer manager also takes for its
-  400) become ``min(context, host pool) - 1`` where that is longer;
+  400) become the least of those where that is longer;
 - prefill is chunked with chunks that fit beside the rest (a quarter of the device pool at
   most), so a long prompt streams (``streamed_prefill.py``);
 - each request's new tokens are clipped to that limit instead of the device pool's, except
@@ -25,6 +26,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+
+from sgl_importance.hot_set.footprint import footprint
 
 logger = logging.getLogger(__name__)
 
@@ -62,16 +65,22 @@ def set_limits(runtime: Any, scheduler: Any) -> Optional[Limits]:
         return None
     host = residency.pools.host_pool.size
     context = scheduler.model_config.context_len
-    longest, bound = min((context - 1, "the model's context"), (host - 1, "the host pool"))
+    device = scheduler.max_total_num_tokens
+    ps = residency.pools.page_size
+    fit = max(ps, device // CHUNK_SHARE // ps * ps)
+    if scheduler.chunked_prefill_size is None or scheduler.chunked_prefill_size > fit:
+        scheduler.chunked_prefill_size = fit
+    held = longest_held(runtime, device, context, scheduler.chunked_prefill_size)
+    longest, bound = min(
+        (context - 1, "the model's context"),
+        (host - 1, "the host pool"),
+        (held, "what the device pool holds of one request's hot set and rows"),
+    )
     device_longest = scheduler.max_req_len
     if longest > scheduler.max_req_len:
         scheduler.max_req_len, scheduler.max_req_input_len = longest, longest - INPUT_MARGIN
     else:
         longest, bound = scheduler.max_req_len, "the device pool"
-    ps = residency.pools.page_size
-    fit = max(ps, scheduler.max_total_num_tokens // CHUNK_SHARE // ps * ps)
-    if scheduler.chunked_prefill_size is None or scheduler.chunked_prefill_size > fit:
-        scheduler.chunked_prefill_size = fit
     runtime.limits = Limits(longest, bound, device_longest, scheduler.max_total_num_tokens, host)
     logger.info(
         "hot set: the longest request is %d tokens (%s), the device pool holds %d tokens, the host pool %d; "
@@ -83,6 +92,31 @@ def set_limits(runtime: Any, scheduler: Any) -> Optional[Limits]:
         scheduler.chunked_prefill_size,
     )
     return runtime.limits
+
+
+def longest_held(runtime: Any, device: int, context: int, chunk: int) -> int:
+    """The longest request whose peak footprint at the server's hot-set settings (its hot set,
+    the KV pages borrowed for its rows, its prefill chunk: ``hot_set/footprint.footprint``)
+    fits the device pool alone."""
+    hot_set = runtime.hot_set_attention
+    params = runtime.hot_set_params
+    if hot_set is None or params is None:
+        return context
+    d = hot_set.decoder
+    per_page = (d.ranges.rows.rows_per_page, d.guard.rows.rows_per_page)
+
+    def fits(length: int) -> bool:
+        f = footprint(
+            length, length + 1, params, threshold=d.threshold, page_size=d.page_size, chunk=chunk,
+            rows_per_page=per_page,
+        )  # fmt: skip
+        return f is None or f.peak + d.page_size <= device
+
+    low, high = 1, context
+    while low < high:  # the longest length that fits (footprints grow with the length)
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
 
 
 def clip_new_tokens(runtime: Any, original: Callable[..., Any], scheduler: Any, req: Any) -> Any:
