@@ -245,8 +245,45 @@ def retract(world, out):
     out["resume"] = world.host_match(PROMPT + OUTPUT)
 
 
+def returning(world, out):
+    # The prefix's device pages evicted: a returning turn matches its history on the host only,
+    # borrows it there (scheduler/returning.py: the host part as prefix, the node host-locked,
+    # the row's history showing the released slot, the record lent it) and finishes after one
+    # decode step, its hold still taking the history over: its own pages go in host-only, under
+    # the history's node.
+    from sgl_importance.hot_set.residency import RELEASED_SLOT
+    from sgl_importance.scheduler.returning import HistoryLoan, lend_history, settle
+
+    world.cache.evict(EvictParams(num_tokens=len(PREFIX)))
+    req = Req("R", "", PROMPT[:], SamplingParams(max_new_tokens=len(OUTPUT)))
+    match = world.cache.match_prefix(MatchPrefixParams(key=RadixKey(PROMPT)))
+    assert match.device_prefix_len == 0 and match.host_hit_length == len(PREFIX), match
+    node = match.best_match_node
+    req.lock = world.cache.lock(match.last_device_node)  # as SGLang locks the device part (the root here)
+    host = hot_set_release.path_host_slots(world.cache, node)
+    receipt = world.cache.inc_host_lock_ref(node).to_dec_params()
+    req.prefix_len = len(PREFIX)
+    settle(world.rt, req, world.cache, HistoryLoan(node, receipt, host, 0, len(PREFIX)), admitted=True)
+    world.r2t.alloc([req])
+    world.row = world.r2t.req_to_token[req.kv.req_pool_idx]
+    world.row[: len(PREFIX)] = RELEASED_SLOT
+    world.row[len(PREFIX) : len(PROMPT)] = world.alloc.alloc(len(PROMPT) - len(PREFIX)).to(world.row.dtype)
+    req.kv.kv_allocated_len = req.kv.kv_committed_len = len(PROMPT)
+    req.refresh_fill_ids()
+    req.extend_end = len(PROMPT)
+    world.req, world.batch = req, SimpleNamespace(reqs=[req], tree_cache=world.cache, req_to_token_pool=world.r2t)
+    lend_history(world.rt, world.batch)  # after prepare_for_extend
+    common.checkpoint_kv_cache(req, world.cache)
+    req.output_ids.append(OUTPUT[0])
+    world.decode_step()
+    assert world.pages.hold.history_unheld
+    world.leave(FINISH_LENGTH(length=2), checkpoint=True, out=out)
+    out["next_turn"] = world.host_match(PROMPT + OUTPUT[:2])
+
+
 # 4 host pages: the prefix's 2 and R's 2 released ones fill it. 6: room for R's last 2.
 print("RESULT " + json.dumps({
+    "finish_history_on_host": scenario(6, returning),
     "finish_host_full": scenario(4, finish),
     "finish_host_room": scenario(6, finish),
     "abort_prefix_on_host": scenario(4, abort(drop_device_lock=True)),
@@ -292,6 +329,18 @@ def test_with_host_room_it_enters_the_tree_on_the_host_behind_its_prefix(result)
     assert finished["next_turn"] == {"device": 0, "host": 24}  # all 6 pages, on the host
 
 
+def test_a_returning_turn_that_finishes_holding_its_history_enters_the_tree_on_the_host_after_it(result):
+    # Its row never showed a device page of its history: its own pages go in host-only, under
+    # the history's host node, so the next turn matches them too (it was left out of the tree).
+    finished = ran(result["finish_history_on_host"])
+    assert finished["counts"]["finished_on_host"] == 1 and "finished_uncached" not in finished["counts"]
+    assert finished["next_turn"] == {"device": 0, "host": len_prompt_pages() * 4}
+
+
+def len_prompt_pages() -> int:
+    return (8 + 12) // 4  # the history's 2 pages and its own 3 (the first decode token's page is partial)
+
+
 @pytest.mark.parametrize("state", ["abort_prefix_on_host", "abort_prefix_locked_on_device"])
 def test_an_aborted_lent_request_inserts_nothing_and_leaves_the_prefix_to_the_tree(result, state):
     aborted = ran(result[state])
@@ -315,6 +364,7 @@ def test_a_retracted_request_enters_the_tree_on_the_host_so_its_prefill_again_lo
 @pytest.mark.parametrize(
     "state",
     [
+        "finish_history_on_host",
         "finish_host_full",
         "finish_host_room",
         "abort_prefix_on_host",

@@ -392,18 +392,21 @@ def release_with_pages(
     pages = residency.peek(req.rid)
     hold = pages.hold if pages is not None else None
     try:
-        if checkpoint and hold is not None and hold.history_unheld:
-            req.skip_radix_cache_insert = True  # its row shows no device page for the history (returning.py)
+        # A returning turn whose row shows no device page of its history (returning.py): its own
+        # pages can only go in host-only, under the history's node.
+        history = checkpoint and hold is not None and hold.history_unheld and not req.skip_radix_cache_insert
+        if history:
+            req.skip_radix_cache_insert = True
         inserting = checkpoint and not req.skip_radix_cache_insert
         if pages is not None and pages.hold is not None:
             _return_prefix(residency, pages, req, tree_cache, inserting=inserting)
-        if pages is not None and pages.released_pages().numel():
+        if pages is not None and (pages.released_pages().numel() or history):
             if inserting:
                 # Promotions evict unlocked tree nodes for room (``HiCachePagePools``); the
                 # insert's write-through reads the pages, so it waits for the copies.
                 residency.promote([(pages, pages.released_pages())])
                 residency.copies.fence()
-            if not pages.released_pages().numel():
+            if not pages.released_pages().numel() and not history:
                 if inserting:
                     residency.counts.finished_reinserted += 1
             else:
@@ -412,7 +415,7 @@ def release_with_pages(
                     # host-only, so its prefill again matches them and loads them back.
                     if _insert_on_host(residency, pages, req, tree_cache):
                         residency.counts.retracted_to_host += 1
-                if inserting:
+                if inserting or history:
                     if _insert_on_host(residency, pages, req, tree_cache):
                         residency.counts.finished_on_host += 1
                     else:
@@ -448,8 +451,8 @@ def _insert_on_host(residency: Residency, pages: RequestPages, req: Any, tree_ca
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    if not residency.host_insert or (pages.hold is not None and pages.hold.history_unheld):
-        return False  # the Python tree core's walk; a returning turn's row reads no device page for its history
+    if not residency.host_insert:
+        return False  # the Python tree core's walk
     ps = pages.page_size
     req.refresh_fill_ids()
     start = req.kv.cache_protected_len
@@ -457,6 +460,8 @@ def _insert_on_host(residency: Residency, pages: RequestPages, req: Any, tree_ca
     if start % ps or end <= start:
         return False
     node_id = req.lock.node if req.lock is not None else tree_cache.root_node_handle(req.extra_key)
+    if pages.hold is not None and pages.hold.history_unheld:
+        node_id = pages.hold.node  # a returning turn's own pages, after its history's host node
     wanted = torch.arange(start // ps, end // ps)
     host = residency.host_page_slots(pages, wanted)
     if host is None:

@@ -21,7 +21,9 @@ prefix held on the host (``--hot-set-prefix host``), an eligible turn loads noth
   matched prefix (``hot_set_release.py``).
 
 A turn that finishes before its decode steps gave the tree its device prefix back (the first
-two) is not inserted: the history stays in the tree as it was, the new turn's KV is not cached.
+two) goes into the tree host-only: its own full pages under the history's host node
+(``hot_set_release._insert_on_host``, counted ``finished_on_host``), so the next turn matches
+them too.
 
 Eligible: a request past the threshold whose policy streams, a host hit and nothing else
 loaded (no SWA, Mamba or linker state), a finished host copy of every node of its match, and
