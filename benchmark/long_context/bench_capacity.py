@@ -79,7 +79,9 @@ SERIES = (("by_footprint", ADMITTED), ("footprint_refused", REFUSED), ("retracte
 )
 
 
-def configs(budget: float, keys: list[str], device_tokens: int) -> dict[str, tuple[int, list[str]]]:
+def configs(
+    budget: float, keys: list[str], device_tokens: int, threshold: int = 512
+) -> dict[str, tuple[int, list[str]]]:
     """name -> (``--max-total-tokens``, the other flags): dense (always, the baseline),
     then of ``keys``: the hot set with the server's default guard (``guard``), and with
     the guard off (``guard-off``: reads only the hot set, what the page saving is worth
@@ -87,7 +89,8 @@ def configs(budget: float, keys: list[str], device_tokens: int) -> dict[str, tup
     ``guard-length`` / ``guard-off-length``: the same, admitted as SGLang charges any request
     (``--hot-set-admission length``: prompt + max_new_tokens) instead of by footprint;
     ``guard-unstreamed``: ``guard`` with its prompts prefilled dense (``--hot-set-prefill dense``)."""
-    hot = ["--hot-set-policy", "importance", "--hot-set-budget", str(budget), "--hot-set-threshold", "512"]
+    hot = ["--hot-set-policy", "importance", "--hot-set-budget", str(budget), "--hot-set-threshold", str(threshold)]
+    hot += ["--radix-eviction-policy", "importance"]  # the README's line (a grown prompt held on the host)
     tokens = device_tokens
     every = {
         "dense": ("dense", (device_tokens, [])),
@@ -301,6 +304,7 @@ def main() -> None:
         "generations, whose admission is settled early: outputs are then not compared",
     )
     p.add_argument("--budget", type=float, default=0.2)
+    p.add_argument("--threshold", type=int, default=512, help="the hot-set servers' --hot-set-threshold")
     p.add_argument(
         "--hicache-ratio",
         type=float,
@@ -330,7 +334,7 @@ def main() -> None:
     started = time.time()
     rows = [
         run_config(name, tokens, extra, prompts, a, a.out)
-        for name, (tokens, extra) in configs(a.budget, keys, a.device_tokens).items()
+        for name, (tokens, extra) in configs(a.budget, keys, a.device_tokens, a.threshold).items()
     ]
     write_results(rows, a, (time.time() - started) / 60, a.out)
 

@@ -322,3 +322,13 @@ def test_a_continuing_streamed_chunk_takes_only_the_room_there_is(available, sch
     dense = _continuing_adder(20, streamed=False)
     dense.add_chunked_req(SimpleNamespace(rid="r", left=900))
     assert dense.scheduled == [512]
+
+
+def test_a_grown_request_whose_prompt_is_held_on_the_host_keeps_only_its_hot_set():
+    # The 56-page generation: with --hot-set-prefix host its prompt's 16 tree pages are lent and
+    # released like its own, so it keeps its hot set and the page being filled (13), not 29.
+    f = footprint(256, 896, PARAMS, threshold=THRESHOLD, page_size=PS, prefix_on_host=True)
+    assert (f.kept, f.released) == (13 * PS, 56 - 13)
+    r = _residency()
+    r.prefix_on_host = True
+    assert _book(r).new(_req("a", 256, 0, 640))[0].kept == 13 * PS

@@ -80,19 +80,23 @@ def footprint(
     kept_share: Optional[float] = None,
     chunk: int = 0,
     rows_per_page: tuple[int, int] = (0, 0),
+    prefix_on_host: bool = False,
 ) -> Optional[Footprint]:
     """The device footprint of a request of ``prompt`` tokens that ends at ``final``; None
     when it never releases (``final`` within the threshold, or a dense policy). ``kept_share``:
     the share of its pages its hot set holds where the guard grew it past the budget
     (``request_state.TrackedRequest.kept``); ``chunk``: the prefill chunk where a prompt past
     the threshold is streamed (0: it is not); ``rows_per_page``: the key ranges and key-code
-    rows one borrowed KV page holds (0: none counted), its rows charged as those pages."""
+    rows one borrowed KV page holds (0: none counted), its rows charged as those pages;
+    ``prefix_on_host``: a grown request's prompt (the tree's pages) is held on the host like its
+    own pages (``--hot-set-prefix host``), not kept whole on the device."""
     if params.policy == "dense" or final <= threshold:
         return None
     ps = page_size
     pages = -(-final // ps)
     hot = max(params.budget_pages(pages, kept_share), min(pages, params.sinks + params.window))
-    tree = -(-prompt // ps) if prompt <= threshold else 0  # a grown request's prompt: the tree's pages
+    # A grown request's prompt: the tree's pages, on the device unless lent from the host.
+    tree = -(-prompt // ps) if prompt <= threshold and not prefix_on_host else 0
     kept = min(pages, hot + 1 + tree)
     dense = -(-(prompt if prompt > threshold else threshold) // ps) + 1
     if chunk and prompt > threshold and streams(params):

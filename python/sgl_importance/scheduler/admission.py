@@ -87,7 +87,7 @@ class FootprintBook:
         ps, kept_share = r.pools.page_size, self.kept_for(rid)
         return footprint(
             prompt, final, params, threshold=r.threshold, page_size=ps, kept_share=kept_share, chunk=self.chunk,
-            rows_per_page=self.rows_per_page,
+            rows_per_page=self.rows_per_page, prefix_on_host=r.prefix_on_host,
         )  # fmt: skip
 
     def fits(self, f: Footprint, released_now: int = 0) -> bool:
