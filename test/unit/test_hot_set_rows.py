@@ -305,3 +305,37 @@ def test_a_batch_is_lent_pages_for_the_rows_its_requests_will_write_and_no_more(
     assert hot_set_rows.pages_wanted(decoder, {"a": 200 * PAGE}) == ranges.rows.pages_for(200 - 39)
     decoder.request_params.note("b", HotSetParams(policy="dense", budget=0.5))
     assert hot_set_rows.pages_wanted(decoder, {"b": 200 * PAGE}) == 0
+
+
+@pytest.mark.parametrize("checkpoint", [True, False], ids=["finished", "retracted or aborted"])
+def test_a_leaving_request_gives_its_rows_back_and_their_pages_go_back_to_the_allocator(checkpoint):
+    from sgl_importance.hot_set import HotSetDecoder, HotSetParams
+    from sgl_importance.hot_set.request_state import TrackedRequest
+    from sgl_importance.hot_set.selection import RequestHotSet
+
+    freed: list[torch.Tensor] = []
+    pages = iter(range(1, 100))
+    allocator = types.SimpleNamespace(
+        alloc=lambda n: pages_to_slots([next(pages) for _ in range(n // PAGE)], PAGE), free=freed.append
+    )
+    tree_cache = types.SimpleNamespace(token_to_kv_pool_allocator=allocator)
+    runtime = Runtime(GUARDED)
+    runtime.row_pages = BorrowedPages(PAGE)
+    fused = torch.zeros(2, 100 * PAGE, 1, 8)
+    ranges = KeyRanges.over_pool([fused[0]], [fused[1]], PAGE, runtime.row_pages)
+    guard = GuardPool.over_pool([fused[0]], [fused[1]], PAGE, runtime.row_pages)
+    params = HotSetParams(policy="importance", budget=0.5)
+    decoder = HotSetDecoder(params, ranges, pool_pages=100, page_size=PAGE, threshold=0, guard=guard)
+    runtime.hot_set_attention = types.SimpleNamespace(decoder=decoder, metrics=None)
+    hot_set_rows.settle(runtime.row_pages, tree_cache, 5)
+    tracked = decoder.tracked["r"] = TrackedRequest(RequestHotSet(params))
+    tracked.ranges, tracked.codes = ranges.alloc(20), guard.alloc(20)
+    hot_set_rows.settle(runtime.row_pages, tree_cache, 0)  # after the batch: the stock back
+    held = ranges.rows.pages + guard.rows.pages  # 20 ranges in 2 pages, 20 code rows in 2 (15 a page)
+    assert held == 4 and runtime.row_pages.borrowed == held and sum(f.numel() for f in freed) == PAGE
+    left = []
+    hot_set_rows.release_rows(runtime, lambda req, cache, **kw: left.append(kw), types.SimpleNamespace(rid="r"),
+                              tree_cache, checkpoint=checkpoint)  # fmt: skip
+    assert left == [{"checkpoint": checkpoint}] and "r" not in decoder.tracked
+    assert runtime.row_pages.borrowed == 0 and sum(f.numel() for f in freed) == 5 * PAGE  # the stock's and the rows'
+    assert ranges.pages_in_use == guard.pages_in_use == 0
