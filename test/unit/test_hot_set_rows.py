@@ -88,9 +88,15 @@ def test_the_stock_borrows_and_returns_whole_pages_between_steps_only_through_se
     assert stock.borrowed == 0 and sum(f.numel() for f in freed) == 3 * PAGE
 
 
-def test_the_stock_keeps_what_the_allocator_had_when_it_is_short():
+def test_the_stock_takes_what_the_allocator_has_when_it_is_short():
     stock = BorrowedPages(PAGE)
     assert stock.settle(4, lambda tokens: None, lambda slots: None) == 0
+    two_left = iter([[7, 8]])
+
+    def alloc(tokens: int):  # an allocator with two free pages: more is refused whole
+        return pages_to_slots(next(two_left), PAGE) if tokens <= 2 * PAGE else None
+
+    assert stock.settle(5, alloc, lambda slots: None) == 2 and sorted(stock.stock) == [7, 8]
 
 
 def test_range_rows_are_token_slots_of_the_borrowed_page_min_in_k_max_in_v():
@@ -231,7 +237,7 @@ def test_a_batch_is_lent_the_pages_its_rows_need_and_gives_back_the_rest(monkeyp
     runtime.row_pages = BorrowedPages(PAGE)
     tokens = iter(range(1, 50))
     allocator = types.SimpleNamespace(
-        alloc=lambda n: pages_to_slots([next(tokens) for _ in range(n // PAGE)], PAGE), free=freed.append
+        alloc=lambda n: pages_to_slots([next(tokens) for _ in range(n // PAGE)], PAGE), free=freed.append, device="cpu"
     )
     scheduler = types.SimpleNamespace(tree_cache=types.SimpleNamespace(token_to_kv_pool_allocator=allocator))
     runtime.residency.apply_pending = lambda: moves.append("moved")
@@ -316,7 +322,7 @@ def test_a_leaving_request_gives_its_rows_back_and_their_pages_go_back_to_the_al
     freed: list[torch.Tensor] = []
     pages = iter(range(1, 100))
     allocator = types.SimpleNamespace(
-        alloc=lambda n: pages_to_slots([next(pages) for _ in range(n // PAGE)], PAGE), free=freed.append
+        alloc=lambda n: pages_to_slots([next(pages) for _ in range(n // PAGE)], PAGE), free=freed.append, device="cpu"
     )
     tree_cache = types.SimpleNamespace(token_to_kv_pool_allocator=allocator)
     runtime = Runtime(GUARDED)

@@ -107,16 +107,21 @@ class BorrowedPages:
     ) -> int:
         """Make the stock ``want`` pages: borrow what is missing (``alloc(tokens)`` -> token
         slots or None), give back what is over (``free(slots)``). Between steps only.
-        Returns the stock's pages (fewer than ``want`` where the allocator had no room)."""
+        Returns the stock's pages (fewer than ``want`` where the allocator had no room: then as
+        many as it gave, asking for half each time)."""
         ps = self.page_size
         if want < len(self.stock):
             extra = self.stock[want:]
             del self.stock[want:]
             free(pages_to_slots(extra, ps))
-        elif want > len(self.stock):
-            slots = alloc((want - len(self.stock)) * ps)
-            if slots is not None:
-                self.stock.extend(torch.unique(slots.to("cpu", torch.int64) // ps).tolist())
+        else:
+            missing = want - len(self.stock)
+            while missing > 0:  # what the allocator has, halving the ask until it gives
+                slots = alloc(missing * ps)
+                if slots is not None:
+                    self.stock.extend(torch.unique(slots.to("cpu", torch.int64) // ps).tolist())
+                    break
+                missing //= 2
         return len(self.stock)
 
 

@@ -104,7 +104,8 @@ def settle(rows: Any, tree_cache: Any, want: int) -> int:
     """The stock (``hot_set/rows.BorrowedPages``) made ``want`` pages, between steps only;
     returns what it holds."""
     allocator = tree_cache.token_to_kv_pool_allocator
-    return rows.settle(want, lambda tokens: alloc_evicting(tree_cache, tokens), allocator.free)
+    free = lambda slots: allocator.free(slots.to(allocator.device))  # noqa: E731  (its free lists are on its device)
+    return rows.settle(want, lambda tokens: alloc_evicting(tree_cache, tokens), free)
 
 
 def alloc_evicting(tree_cache: Any, tokens: int) -> Optional[torch.Tensor]:
