@@ -32,7 +32,9 @@ Llama-3.1-8B arithmetic beside it.
     python -m benchmark.long_context.bench_bound --n 1 --lengths 2048 --steps 3 --seeds 4 --out /tmp/bb  # smoke
 
 layer_steps.jsonl (one row per guarded layer-step and seed), RESULTS_bound.md, bound.json and
-bound.png go to ``--out``. An 8K prompt's prefill through transformers peaks near 8 GB.
+bound.png go to ``--out``; ``--report [DIR ...]`` writes them from runs' journals instead (a run
+killed part way reports the prompts it finished). An 8K prompt's prefill through transformers
+peaks near 8 GB.
 """
 
 from __future__ import annotations
@@ -309,8 +311,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="decode steps per prompt (the first is dense)")
     p.add_argument("--seeds", type=int, default=200, help="request seeds each prompt is replayed under")
     p.add_argument("--out", type=Path, default=Path("/tmp/bench_bound"))
+    p.add_argument("--report", nargs="*", type=Path, metavar="DIR",
+                   help="no run: the tables from these runs' journals (default --out), prompts finished")  # fmt: skip
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.report is not None:
+        report(a, a.report or [a.out])
+        return
     tokenizer, model, capture, scale = load_captured_model()
     caps = [float(c) for c in a.caps.split(",")]
     started = time.time()
@@ -334,13 +341,34 @@ def main() -> None:
                     journal.flush()
                     print(f"{prompt['rid']}: {prompt_len} tokens, {time.time() - t0:.0f} s", flush=True)
                     del prompt, queries, keys, values
-    minutes = (time.time() - started) / 60
+    write_tables(a, cells_rows, f"{(time.time() - started) / 60:.1f} min")
+
+
+def report(a: argparse.Namespace, runs: list[Path]) -> None:
+    """The tables from runs' journals (a run killed part way: the prompts it finished)."""
+    cells_rows: dict[tuple, list[dict]] = {}
+    for run in runs:
+        prompts: dict[tuple, list[dict]] = {}
+        for line in (run / "layer_steps.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            prompts.setdefault((r["task"], r["length"], r["cap"]), []).append(r)
+        seeds = {key: len({r["seed"] for r in rows}) for key, rows in prompts.items()}
+        for (task, length, cap), rows in prompts.items():
+            done = seeds[task, length, cap] == max(seeds.values())  # the one a killed run was on: left out
+            left = "" if done else ", left out"
+            print(f"{run}: {task}-{length} at cap {cap}: {seeds[task, length, cap]} seeds{left}")
+            if done:
+                cells_rows.setdefault((length, cap), []).extend(rows)
+    write_tables(a, cells_rows, "from the journals of " + ", ".join(map(str, runs)))
+
+
+def write_tables(a: argparse.Namespace, cells_rows: dict[tuple, list[dict]], took: str) -> None:
     cells = {key: summarise(rows, a.threshold) for key, rows in cells_rows.items()}
     (a.out / "bound.json").write_text(json.dumps({f"{k[0]}@{k[1]}": c for k, c in cells.items()}, indent=1))
     plot(cells, a.out / "bound.png")
     text = (
         f"# The selection's bound (bench_bound.py)\n\nCommand: `python -m benchmark.long_context.bench_bound "
-        f"{' '.join(sys.argv[1:])}` ({minutes:.1f} min). Top-p {a.top_p}, threshold {a.threshold}, delta {DELTA}, "
+        f"{' '.join(sys.argv[1:])}` ({took}). Top-p {a.top_p}, threshold {a.threshold}, delta {DELTA}, "
         f"tasks {a.tasks}, {a.n} prompt(s) each, {a.steps} steps (the first dense).\n\n" + table(cells) + "\n"
     )
     (a.out / "RESULTS_bound.md").write_text(text)
