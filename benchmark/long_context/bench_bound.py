@@ -17,19 +17,24 @@ top-p selection read (at most its cap), the read pages alone with the determinis
 the sampled estimate with the statistical bound, and the output it kept (the smaller
 bound). Each is compared with float64 attention over every token.
 
-Per length and read cap it reports: layer-steps, flagged (bound over ``--threshold``);
-**deterministic violations** (must be 0); the statistical bound's exceedance over
-(layer-step, seed) pairs with a finite bound, with a 95 % interval over seeds (a seed's
-layer-steps share its draw); error / bound quantiles (a bound 4x loose reads too much);
-the output's error quantiles; pages read exactly per layer-step (part 1, the selection,
-the sample) and the bytes per step as a share of dense's KV bytes, bf16 (part 1 + selection
-+ sample pages + every rest page's key codes), with the Llama-3.1-8B arithmetic beside it.
+Per length and read cap it reports: layer-steps, flagged (bound over ``--threshold``); for
+each bound (deterministic, statistical, the one the layer kept) its violations **of the
+layer-steps where it was finite** (an infinite bound cannot be exceeded; the finite share is
+printed beside every count, and the share at most ``--threshold``, the layer-steps it
+certified); **deterministic violations** must be 0; the statistical bound's exceedance with a
+95 % interval over seeds (a seed's layer-steps share its draw); error / bound quantiles (a
+bound 4x loose reads too much); the output's error quantiles; pages read exactly per
+layer-step (part 1, the selection, the sample) and the bytes per step as a share of dense's
+KV bytes, bf16 (part 1 + selection + sample pages + every rest page's key codes), with the
+Llama-3.1-8B arithmetic beside it.
 
     python -m benchmark.long_context.bench_bound --out /tmp/bench_bound
     python -m benchmark.long_context.bench_bound --n 1 --lengths 2048 --steps 3 --seeds 4 --out /tmp/bb  # smoke
 
 layer_steps.jsonl (one row per guarded layer-step and seed), RESULTS_bound.md, bound.json and
-bound.png go to ``--out``. An 8K prompt's prefill through transformers peaks near 8 GB.
+bound.png go to ``--out``; ``--report [DIR ...]`` writes them from runs' journals instead (a run
+killed part way reports the prompts it finished). An 8K prompt's prefill through transformers
+peaks near 8 GB.
 """
 
 from __future__ import annotations
@@ -198,8 +203,10 @@ def bytes_share(read_pages: float, rest_pages: float, pages: float, head_dim: in
     return (read_pages + codes * rest_pages) / pages
 
 
-def summarise(rows: list[dict]) -> dict:
-    """One (length, cap) cell over its prompts, layer-steps and seeds."""
+def summarise(rows: list[dict], threshold: float) -> dict:
+    """One (length, cap) cell over its prompts, layer-steps and seeds. A bound that is infinite
+    cannot be exceeded, so every violation count is stated beside how many bounds were finite
+    (the denominator that could fail) and how many were at most ``threshold`` (certified)."""
     n = len(rows)
     stat = [r for r in rows if math.isfinite(r["stat_bound"])]
     over = [r["stat_error"] > r["stat_bound"] + SLACK for r in stat]
@@ -212,14 +219,20 @@ def summarise(rows: list[dict]) -> dict:
     read = sum(r["read"] + r["sampled"] + (r["pages"] - r["rest"]) for r in rows) / max(1, n)
     rest = sum(r["rest"] for r in rows) / max(1, n)
     pages = sum(r["pages"] for r in rows) / max(1, n)
-    ratio = [r["error"] / r["bound"] for r in rows if r["bound"] > 0]
+    ratio = [r["error"] / r["bound"] for r in rows if r["bound"] > 0 and math.isfinite(r["bound"])]
+    det = [r for r in rows if math.isfinite(r["det_bound"])]
+    kept = [r for r in rows if math.isfinite(r["bound"])]
     return {
         "layer_steps": n, "seeds": len(by_seed),
         "flagged": sum(r["flagged"] for r in rows) / max(1, n),
-        "det_violations": sum(r["det_error"] > r["det_bound"] + SLACK for r in rows),
-        "det_finite": sum(math.isfinite(r["det_bound"]) for r in rows),
+        "det_violations": sum(r["det_error"] > r["det_bound"] + SLACK for r in det),
+        "det_finite": len(det), "det_certified": sum(r["det_bound"] <= threshold for r in det),
         "stat_checks": len(stat), "stat_over": sum(over), "stat_rate": mean, "stat_ci": half,
-        "kept_det": sum(r["bound"] == r["det_bound"] for r in rows) / max(1, n),
+        "stat_certified": sum(r["stat_bound"] <= threshold for r in stat),
+        "kept_finite": len(kept), "kept_over": sum(r["error"] > r["bound"] + SLACK for r in kept),
+        "certified": sum(r["bound"] <= threshold for r in kept),
+        # Where both bounds are infinite the kept one "equals" B_det: not counted as kept.
+        "kept_det": sum(r["bound"] == r["det_bound"] for r in det) / max(1, n),
         "error_p50": quantile([r["error"] for r in rows], 0.5), "error_p99": quantile([r["error"] for r in rows], 0.99),
         "ratio_p50": quantile(ratio, 0.5), "ratio_p90": quantile(ratio, 0.9),
         "bound_p50": quantile([r["bound"] for r in rows], 0.5),
@@ -238,18 +251,30 @@ def num(x: float, digits: int = 3) -> str:
     return f"{x:.{digits}f}" if math.isfinite(x) else "–"
 
 
+def _checked(over: int, finite: int, certified: int, n: int) -> str:
+    """A violation count with the denominator that could fail: ``over of finite (share of n);
+    certified (share of n) at most the threshold``."""
+    return f"{over:,} of {finite:,} finite ({pct(finite / max(1, n))}); {pct(certified / max(1, n))} ≤ τ"
+
+
 def table(cells: dict) -> str:
     head = (
-        "| length | read cap | layer-steps × seeds | flagged | deterministic violations | statistical exceedance "
-        "(mean over seeds ± 95 %) | output error p50 / p99 | error / bound p50 / p90 | kept the deterministic "
-        "bound | pages read / dense | bytes / dense, bf16 (f32) | Llama-3.1-8B bytes / dense, bf16 |"
+        "| length | read cap | layer-steps × seeds | flagged | deterministic bound: violations of finite; "
+        "certified | statistical bound: exceedances of finite; certified | statistical exceedance (mean over "
+        "seeds ± 95 %) | kept bound: violations of finite; certified | output error p50 / p99 | error / bound "
+        "p50 / p90 | kept the deterministic bound | pages read / dense | bytes / dense, bf16 (f32) | "
+        "Llama-3.1-8B bytes / dense, bf16 |"
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 14]
     for (length, cap), c in sorted(cells.items()):
+        n = c["layer_steps"]
         lines.append(
-            f"| {length} | {cap:.0%} | {c['layer_steps']} ({c['seeds']} seeds) | {pct(c['flagged'])} | "
-            f"{c['det_violations']} of {c['layer_steps']} | {c['stat_over']} of {c['stat_checks']}: "
-            f"{pct(c['stat_rate'])} ± {pct(c['stat_ci'])} | {num(c['error_p50'])} / {num(c['error_p99'])} | "
+            f"| {length} | {cap:.0%} | {n:,} ({c['seeds']} seeds) | {pct(c['flagged'])} | "
+            f"{_checked(c['det_violations'], c['det_finite'], c['det_certified'], n)} | "
+            f"{_checked(c['stat_over'], c['stat_checks'], c['stat_certified'], n)} | "
+            f"{pct(c['stat_rate'])} ± {pct(c['stat_ci'])} | "
+            f"{_checked(c['kept_over'], c['kept_finite'], c['certified'], n)} | "
+            f"{num(c['error_p50'])} / {num(c['error_p99'])} | "
             f"{num(c['ratio_p50'], 2)} / {num(c['ratio_p90'], 2)} | {pct(c['kept_det'])} | {pct(c['read_share'])} | "
             f"{num(c['bytes_bf16'])} ({num(c['bytes_f32'])}) | {num(c['llama_bytes_bf16'])} |"
         )
@@ -286,8 +311,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="decode steps per prompt (the first is dense)")
     p.add_argument("--seeds", type=int, default=200, help="request seeds each prompt is replayed under")
     p.add_argument("--out", type=Path, default=Path("/tmp/bench_bound"))
+    p.add_argument("--report", nargs="*", type=Path, metavar="DIR",
+                   help="no run: the tables from these runs' journals (default --out), prompts finished")  # fmt: skip
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.report is not None:
+        report(a, a.report or [a.out])
+        return
     tokenizer, model, capture, scale = load_captured_model()
     caps = [float(c) for c in a.caps.split(",")]
     started = time.time()
@@ -311,13 +341,34 @@ def main() -> None:
                     journal.flush()
                     print(f"{prompt['rid']}: {prompt_len} tokens, {time.time() - t0:.0f} s", flush=True)
                     del prompt, queries, keys, values
-    minutes = (time.time() - started) / 60
-    cells = {key: summarise(rows) for key, rows in cells_rows.items()}
+    write_tables(a, cells_rows, f"{(time.time() - started) / 60:.1f} min")
+
+
+def report(a: argparse.Namespace, runs: list[Path]) -> None:
+    """The tables from runs' journals (a run killed part way: the prompts it finished)."""
+    cells_rows: dict[tuple, list[dict]] = {}
+    for run in runs:
+        prompts: dict[tuple, list[dict]] = {}
+        for line in (run / "layer_steps.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            prompts.setdefault((r["task"], r["length"], r["cap"]), []).append(r)
+        seeds = {key: len({r["seed"] for r in rows}) for key, rows in prompts.items()}
+        for (task, length, cap), rows in prompts.items():
+            done = seeds[task, length, cap] == max(seeds.values())  # the one a killed run was on: left out
+            left = "" if done else ", left out"
+            print(f"{run}: {task}-{length} at cap {cap}: {seeds[task, length, cap]} seeds{left}")
+            if done:
+                cells_rows.setdefault((length, cap), []).extend(rows)
+    write_tables(a, cells_rows, "from the journals of " + ", ".join(map(str, runs)))
+
+
+def write_tables(a: argparse.Namespace, cells_rows: dict[tuple, list[dict]], took: str) -> None:
+    cells = {key: summarise(rows, a.threshold) for key, rows in cells_rows.items()}
     (a.out / "bound.json").write_text(json.dumps({f"{k[0]}@{k[1]}": c for k, c in cells.items()}, indent=1))
     plot(cells, a.out / "bound.png")
     text = (
         f"# The selection's bound (bench_bound.py)\n\nCommand: `python -m benchmark.long_context.bench_bound "
-        f"{' '.join(sys.argv[1:])}` ({minutes:.1f} min). Top-p {a.top_p}, threshold {a.threshold}, delta {DELTA}, "
+        f"{' '.join(sys.argv[1:])}` ({took}). Top-p {a.top_p}, threshold {a.threshold}, delta {DELTA}, "
         f"tasks {a.tasks}, {a.n} prompt(s) each, {a.steps} steps (the first dense).\n\n" + table(cells) + "\n"
     )
     (a.out / "RESULTS_bound.md").write_text(text)

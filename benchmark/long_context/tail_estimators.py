@@ -183,7 +183,9 @@ def evaluate(step: LayerStep, setup: Setup, importance: torch.Tensor, seeds: tor
 
     Returns:
         candidate -> {"read": pages read (mean over KV heads, seeds), "pages": P, "error",
-        "head_error", "bound": ``[S]`` tensors (the bound inf where the candidate has none)}.
+        "head_error", "bound": ``[S]`` tensors (the bound inf where the candidate has none),
+        "bound_det" (relative, inf where ``||o_hat||`` is within it), "bound_det_abs" (on ``||o - o_hat||``,
+        finite)}.
     """
     pages = step.always.numel()
     g = step.group
@@ -231,13 +233,14 @@ def evaluate(step: LayerStep, setup: Setup, importance: torch.Tensor, seeds: tor
             o_hat = ((n_e + model_n) / (d_e + model_d)[:, None]).expand(s, -1, -1)
         else:
             o_hat, b_stat = _sampled(step, setup, name, picks, sizes, tail, d_e, n_e, model_d, model_n)
-        b_det = _bound_relative((o_hat - o_e).norm(dim=-1).add(radius).norm(dim=-1), o_hat)
+        b_det_abs = (o_hat - o_e).norm(dim=-1).add(radius).norm(dim=-1)  # [S], on ||o - o_hat||
+        b_det = _bound_relative(b_det_abs, o_hat)
         bound = b_det if not uses_sample else torch.minimum(b_det, b_stat)
         if name == "plan":
             bound = torch.full((s,), torch.inf, dtype=torch.float64)
         error, head_error = _relative(o_hat, step.exact)
         out[name] = {"read": read_pages, "pages": pages, "error": error, "head_error": head_error, "bound": bound,
-                     "bound_det": b_det,
+                     "bound_det": b_det, "bound_det_abs": b_det_abs,
                      "rest": int(rest.sum()), "tail": (tail.double().sum(-1).mean()).item()}  # fmt: skip
     return out
 

@@ -21,7 +21,7 @@ import requests
 from sgl_importance.client import generate, greedy, metrics_text
 from sgl_importance.local_server import metric
 from support.prompts import essay_text
-from support.server import assert_same_until_a_near_tie, follows_until_a_near_tie, generate_ids, generate_with_tops
+from support.server import assert_same_until_a_near_tie, departure, generate_ids, generate_with_tops
 
 pytestmark = pytest.mark.e2e
 
@@ -159,10 +159,12 @@ def test_a_token_needed_moves_every_step_and_the_selection_follows_it_as_dense_d
     assert checks == len(runs) * 30 * (MAX_NEW - 2)  # every layer of every step past the dense warm-up, guarded
     # The guard bounds each layer-step's error with high probability over page samples, and a
     # flagged layer reads more only from its next step: it does not make every greedy token
-    # dense's. With random rids 2 of 12 runs wrote a wrong last digit, every page on the device
-    # (docs/hot_set.md); these six follow dense. Most must.
-    followed = sum(follows_until_a_near_tie(run["output_ids"], outputs["copies"], tops["copies"]) for run in runs)
-    assert followed >= len(runs) - 2, [run["output_ids"] for run in runs]
+    # dense's (with random rids 2 of 12 runs wrote a wrong digit, docs/hot_set.md). A rid seeds
+    # its sample, so these six pinned rids decode the same every run: each must follow dense.
+    departed = {
+        rid: departure(run["output_ids"], outputs["copies"], tops["copies"]) for rid, run in zip(COPY_RIDS, runs)
+    }
+    assert not any(departed.values()), departed
 
 
 def test_requests_whose_kv_exceeds_the_device_pool_decode_together(hot_set_server, token_ids):

@@ -31,11 +31,13 @@ pytestmark = [EMPTY_PAGES_WARN]
 
 OUT_ATOL = 2e-5
 IMP_ATOL = 2e-6
-# The plugin's launches in a captured layer on the Triton backend with the guard off, torch calls
-# and Triton kernels as the CPU counts them: the decode's two kernels (writing SGLang's output), the
-# page tally (masses and key bounds in one kernel), the importance scatter; SGLang's KV write comes
-# on top (1 kernel, 2 ops on torch_cuda). Issue 47's target: at most 6 a layer with the KV write.
+# The plugin's launches in a captured layer on the Triton backend, torch calls and Triton kernels
+# as the CPU counts them (host_syncs.LAUNCH), SGLang's KV write aside (1 kernel, 2 ops on
+# torch_cuda). Guard off: the decode's two kernels (writing SGLang's output), the page tally
+# (masses and key bounds in one kernel), the importance scatter (issue 47's target: at most 6 a
+# layer with the KV write). Guard on (hot_guard): those 4 and the guard's 10 (graph_guard.py).
 GRAPH_LAYER_LAUNCHES = 4
+GUARD_LAYER_LAUNCHES = 14
 KV_WRITE = "sgl_importance/attention/triton_backend.py"  # the backend's _store_kv (SGLang's write)
 
 
@@ -120,7 +122,11 @@ def test_a_captured_hot_set_step_decodes_as_the_eager_hot_set_with_joins_leaves_
         sites = counter.by("site", kinds=(LAUNCH,), where=0, step=step, device_only=True)
         # SGLang's KV write (the backend's _store_kv, through the world's stand-in pool) aside.
         per_step.append(sum(n for site, n in sites.items() if not site.startswith(KV_WRITE)))
-    assert len(hot) == 7 and len(set(per_step)) == 1 and 0 < per_step[0] <= GRAPH_LAYER_LAUNCHES, per_step
+    assert len(hot) == 7 and per_step == [GRAPH_LAYER_LAUNCHES] * 7, per_step
+    # And of the guarded graph (a layer but the last, which also files the step's importance).
+    (guarded,) = [step for step, variant in enumerate(runner.variants_run) if variant == "hot_guard"]
+    sites = counter.by("site", kinds=(LAUNCH,), where=0, step=guarded, device_only=True)
+    assert sum(n for site, n in sites.items() if not site.startswith(KV_WRITE)) == GUARD_LAYER_LAUNCHES, sites
 
 
 def test_a_batch_past_the_buffers_rows_runs_eagerly_counted():

@@ -133,7 +133,9 @@ def test_a_triton_layer_issues_the_same_few_launches_whatever_the_batch():
         per_layer[len(lengths)] = {counter.total(kinds=[LAUNCH], device_only=True, where=w) for w in range(LAYERS - 1)}
     assert per_layer[3] == per_layer[6], per_layer
     (launches,) = per_layer[3]
-    assert 0 < launches <= 16, launches
+    # SGLang's KV write, the page-list read and what the tally keeps; an equality, so one launch
+    # more in a layer fails (the bound it replaced, <= 16, had room for five).
+    assert launches == 11, launches
 
 
 # The triton parent's dense decode metadata (every token's slot: SGLang's TritonAttnBackend

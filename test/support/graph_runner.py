@@ -29,6 +29,7 @@ from sgl_importance.attention.hot_set_graphs import (
     eager_with_hot_set_requests,
 )
 from sgl_importance.hot_set import HotSetParams
+from support.graph_twin import plan_put_aside
 from support.hot_set_world import THRESHOLD, World
 
 MAX_BS = 4  # the largest batch SGLang captured graphs for
@@ -84,21 +85,12 @@ class GraphRunner:
         start-up, before any request; here a shape is captured when first needed, after the
         step was planned, so the plan is put aside while the capture empties the buffers."""
         backend = self.world.backend
-        graph = backend.hot_set.graph
-        guard = graph.guard
-        saved = (graph._plan.clone(), list(graph._live))
-        saved_guard = (guard._lists.clone(), guard._params.clone(), list(guard._guarded)) if guard else None
         capture_mode._set_capture_attention_variant(variant)
         try:
-            backend.init_forward_metadata_out_graph(batch, in_capture=True)
-            backend.init_forward_metadata_in_graph(batch)
-            self.world.layers_forward(batch, k_new, v_new, q)  # the capture's run: nothing listed
+            with plan_put_aside(backend.hot_set.graph):
+                backend.init_forward_metadata_out_graph(batch, in_capture=True)
+                backend.init_forward_metadata_in_graph(batch)
+                self.world.layers_forward(batch, k_new, v_new, q)  # the capture's run: nothing listed
         finally:
             capture_mode._set_capture_attention_variant(None)
-        graph._plan.copy_(saved[0])
-        graph._live = saved[1]
-        if guard is not None:
-            guard._lists.copy_(saved_guard[0])
-            guard._params.copy_(saved_guard[1])
-            guard._guarded = saved_guard[2]
         self.captured.add((batch.batch_size, variant))

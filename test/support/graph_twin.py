@@ -1,18 +1,26 @@
 """Two hot-set decoders over one pool, one stepping eagerly, one through a ``GraphStep``.
 
 Shared by ``test/unit/test_hot_set_graph_step.py`` (the torch reader) and
-``test/kernels/test_hot_set_graph_replay.py`` (the Triton reader under the interpreter):
-the captured step is recorded once per batch size (``graph_replay.py``) and replayed
-without its Python after the host has rewritten its buffers.
+``test/kernels/test_hot_set_graph_replay.py`` (the Triton reader under the interpreter).
+The captured step runs in SGLang's order: each batch size and variant (``hot``, ``hot_guard``)
+is captured with the buffers listing nothing (SGLang captures at start-up, before any
+request: here when first needed, the step's plan put aside meanwhile), after one warm-up run
+on the same empty buffers, and recorded (``graph_replay.py``); every step, its own included,
+then replays the recording without the step's Python after the host has rewritten the buffers.
+With ``replay=False`` the step's Python runs every step instead, recorded, so its op trace and
+buffers can be held to the capture's (``traces``).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
 from sgl_importance.hot_set.graph_step import GraphCapacity, GraphStep
-from support.graph_replay import Recording, record
+from support.graph_replay import Recording, first_difference, outside_tensors, record, signature
 
 PAGE = 4
 KV_HEADS, GROUP, DIM = 2, 2, 8
@@ -33,9 +41,9 @@ def params(**kw) -> HotSetParams:
 
 class Twin:
     """Two decoders over one pool, fed the same tokens: one steps eagerly, one through a
-    ``GraphStep`` recorded per batch size and replayed (``replay=False``: run its Python
-    every step, as an eager run of the fixed-shape step; ``triton``: its reader and tally
-    the Triton kernels)."""
+    ``GraphStep`` captured on empty buffers per batch size and variant and replayed
+    (``replay=False``: run its Python every step, recorded into ``traces``, as an eager run of
+    the fixed-shape step; ``triton``: its reader and tally the Triton kernels)."""
 
     def __init__(self, hot: HotSetParams, *, capacity=CAPACITY, seed=0, replay=True, triton=False) -> None:
         self.g = torch.Generator().manual_seed(seed)
@@ -63,6 +71,8 @@ class Twin:
         self.replay = replay
         self.graphs: dict[tuple[int, bool], Recording] = {}  # per batch size and guard
         self.refused: list[str] = []
+        # Per step run through its Python (replay=False): (variant, op trace, outside buffers).
+        self.traces: list[tuple[tuple[int, bool], list, dict]] = []
 
     @staticmethod
     def _decoder(hot: HotSetParams) -> HotSetDecoder:
@@ -116,15 +126,28 @@ class Twin:
         self.q[:, :bs].copy_(q)  # as SGLang fills a graph's static inputs before replay
         key = (bs, self.step.guarded)  # the graph variant: hot or hot with the guard
         self.step.guard_mode = key[1]
-        if not self.replay:
-            self.region(bs)
-        elif key in self.graphs:
+        if key not in self.graphs:
+            self.graphs[key] = self.capture(bs)
+        if self.replay:
             self.graphs[key].replay()
         else:
-            self.graphs[key] = record(lambda: self.region(bs), triton=self.triton)
+            rec = record(lambda: self.region(bs), triton=self.triton)
+            self.traces.append((key, signature(rec), outside_tensors(rec)))
         self.step.fold(self.step.read_back())
         self.graphed.end_step()
         return eager, self.out[:, :bs].clone()
+
+    def capture(self, bs: int) -> Recording:
+        """The step's variant (``step.guard_mode``) at ``bs`` rows, captured as SGLang captures
+        it: a warm-up run (where traces are compared), then the recorded one, on buffers listing
+        nothing."""
+        with plan_put_aside(self.step):
+            if not self.replay:
+                # SGLang's warm-up run before capture, where traces are compared: the views and
+                # workspaces a first run makes are then made outside the capture, as on a GPU.
+                # (A replay re-makes them inside either way; the warm-up only costs time there.)
+                self.region(bs)
+            return record(lambda: self.region(bs), triton=self.triton)
 
     def region(self, bs: int) -> None:
         """What a graph records: the step's prologue, its layers."""
@@ -147,3 +170,31 @@ def assert_decodes_alike(twin: Twin, step: int, atol: float) -> None:
     eager, graph = twin.decode()
     assert torch.allclose(eager, graph, atol=atol), step
     assert_same_states(twin)
+
+
+def assert_every_step_is_its_capture(twin: Twin) -> None:
+    """Each step run through its Python (``replay=False``) made the ops, shapes, scalars and
+    buffer addresses its variant's capture on empty buffers recorded: the graph it would replay."""
+    for key, trace, buffers in twin.traces:
+        captured = twin.graphs[key]
+        assert trace == signature(captured), (key, first_difference(signature(captured), trace))
+        assert buffers == outside_tensors(captured), key
+
+
+@contextmanager
+def plan_put_aside(step: GraphStep) -> Iterator[None]:
+    """The step's buffers list nothing inside (a capture, which SGLang runs before any request);
+    the plan the host wrote for the coming step is put back after."""
+    guard = step.guard
+    plan, live = step._plan.clone(), list(step._live)
+    guarded = (guard._lists.clone(), guard._params.clone(), list(guard._guarded)) if guard is not None else None
+    step.clear()
+    try:
+        yield
+    finally:
+        step._plan.copy_(plan)
+        step._live = live
+        if guarded is not None:
+            guard._lists.copy_(guarded[0])
+            guard._params.copy_(guarded[1])
+            guard._guarded = guarded[2]

@@ -25,7 +25,10 @@ The rule, chosen so that it holds on a CPU where every tensor is on the host:
   in place) are what a step allocates on the device; reported, not a round trip.
 - Uploads (``torch.tensor``/``as_tensor``/``from_numpy`` from host data) do not block
   the host, but a plan built in Python every layer shows up as them; counted as kind
-  ``upload``, reported, and not part of :data:`SYNC_KINDS`.
+  ``upload``, reported, and not part of :data:`SYNC_KINDS`. In the device-aware view an
+  upload is the device's when its tensor lands there (a factory given the device), and a
+  ``copy_`` of a host tensor into a device one is one too; ``.to(device)`` of a host tensor
+  is not seen where the device is the CPU (below).
 
 A second, device-aware view (``device_only=True`` in :meth:`HostSyncCounter.total` and
 :meth:`HostSyncCounter.by`) counts only the calls whose tensor would live on the device in
@@ -279,10 +282,16 @@ class HostSyncCounter(TorchFunctionMode):
         lands = self._lands_on_device(name, args, kwargs, from_device)
         # .to() a device tensor reads it back only where it goes to the host.
         device = from_device and not (name == "to" and lands)
+        if kind == UPLOAD:
+            # An upload has no tensor input: it is the device's when what it makes lands there
+            # (``torch.tensor(data, device=dev)``), or the device view would never see one.
+            device = lands
         if name == "copy_" and len(args) >= 2 and isinstance(args[1], torch.Tensor):
-            # A device tensor copied into a host one is a read back (what .cpu() is).
-            device = args[1] in self._device and args[0] not in self._device
-            kind = "cpu" if device else None
+            # A device tensor copied into a host one is a read back (what .cpu() is); a host
+            # tensor copied into a device one is an upload.
+            src, dst = args[1] in self._device, args[0] in self._device
+            device = src != dst
+            kind = ("cpu" if src else UPLOAD) if device else None
         if kind is not None and self._counting:
             self.events[Event(self.step, self._where, kind, self._site(), device)] += 1
         result = func(*args, **kwargs)

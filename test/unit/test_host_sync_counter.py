@@ -152,6 +152,22 @@ def test_the_device_view_counts_only_what_a_device_tensor_hands_to_the_host():
     assert counter.on_device(derived) and not counter.on_device(back) and back is not derived
 
 
+def test_the_device_view_counts_an_upload_that_has_no_tensor_input():
+    """The check behind "the captured step uploads nothing" can fail: ``torch.tensor(data,
+    device=dev)`` has no tensor input to be on the device, so an upload is the device's by
+    where its tensor lands (mutant: file uploads by their inputs only, and this fails)."""
+    counter = HostSyncCounter(roots=(__file__,))
+    device = torch.device("cpu")  # the server's device, as a device object
+    with counter:
+        on_device = torch.zeros(3, device=device)
+        torch.tensor([0, 1, 2], device=device)  # an upload onto the device
+        torch.as_tensor([0.5], device="cuda" if torch.cuda.is_available() else device)  # and another
+        on_device.copy_(torch.ones(3))  # a host tensor copied into a device one
+        torch.tensor([3, 4])  # host data staying on the host: the device never sees it
+    assert counter.total(kinds=(UPLOAD,), device_only=True) == 3
+    assert counter.total(kinds=(UPLOAD,)) == 4 and counter.total(device_only=True) == 0
+
+
 def test_paused_counts_nothing_but_still_sees_where_tensors_come_from():
     counter = HostSyncCounter(roots=(__file__,))
     with counter:

@@ -341,7 +341,9 @@ def test_the_selection_reads_a_page_the_plan_left_out_when_its_codes_say_it_hold
         q, k_buf, v_buf, torch.tensor([0, 80], dtype=torch.int32), slots, page_size=PAGE, sm_scale=DIM**-0.5
     )
     error = (out.output - dense.output).norm() / dense.output.norm()
-    assert error <= float(decoder.last_guard.combined.relative[0]) + 1e-5  # 0 when every page was read: rounding
+    bound = float(decoder.last_guard.combined.relative[0])
+    assert bound < 1.0  # finite: the check below can fail
+    assert error <= bound + 1e-5  # 0 when every page was read: rounding
 
 
 def test_the_guard_off_attends_only_the_plan():

@@ -15,8 +15,17 @@ import pytest
 import torch
 
 from sgl_importance.hot_set.graph_step import GraphCapacity, GraphStep
-from support.graph_replay import first_difference, outside_tensors, record, signature
-from support.graph_twin import LAYERS, PAGE, POOL_PAGES, ROW_PAGES, SCALE, Twin, assert_decodes_alike, params
+from support.graph_twin import (
+    LAYERS,
+    PAGE,
+    POOL_PAGES,
+    ROW_PAGES,
+    SCALE,
+    Twin,
+    assert_decodes_alike,
+    assert_every_step_is_its_capture,
+    params,
+)
 from support.host_syncs import SYNC_KINDS, UPLOAD, HostSyncCounter
 
 
@@ -39,28 +48,57 @@ def test_a_replayed_step_decodes_as_the_eager_step_through_joins_leaves_and_new_
     assert twin.graphed.totals.pages_attended == twin.eager.totals.pages_attended
 
 
-def test_the_steps_ops_shapes_and_buffers_are_the_same_every_step():
+def test_the_steps_ops_shapes_and_buffers_are_those_captured_on_empty_buffers():
     twin = Twin(params(), replay=False)
     twin.join("a", 30)
     twin.join("b", 13)
     twin.join("c", 6)
-    traces, buffers = [], []
     for _ in range(9):  # across page boundaries, budget growth and a request passing the threshold
-        for rid in list(twin.rows):
-            twin._write(rid)
-        live = twin.graphed.plan_step(list(twin.rows), twin.slots())
-        assert twin.step.prepare(live, [twin.rows[r] for r in twin.rows]) is None
-        rec = record(lambda: twin.region(3))
-        twin.step.fold(twin.step.read_back())
-        twin.graphed.end_step()
-        traces.append(signature(rec))
-        buffers.append(outside_tensors(rec))
-    # The first step is the warm-up (SGLang runs one before capturing): views and
-    # workspaces are made there once.
-    for i in range(2, len(traces)):
-        assert traces[i] == traces[1], first_difference(traces[1], traces[i])
-        assert buffers[i] == buffers[1]
-    assert len(traces[1]) > 50 and len(twin.graphed.tracked) == 3  # "c" passed the threshold on the way
+        twin.decode()
+    assert_every_step_is_its_capture(twin)
+    assert [key for key, _, _ in twin.traces] == [(3, False)] * 9
+    assert len(twin.traces[0][1]) > 50 and len(twin.graphed.tracked) == 3  # "c" passed the threshold on the way
+
+
+@pytest.mark.slow  # ~8 s: make test-fast stands near its 3 minutes
+def test_the_guarded_steps_ops_shapes_and_buffers_are_those_captured_on_empty_buffers(monkeypatch):
+    """The hot_guard variant as the hot one: its capture lists no guarded row, every later step
+    lists one or two (torch paths: the graph cannot record the C kernels)."""
+    from sgl_kernel_ext import native
+
+    monkeypatch.setattr(native, "library", lambda: None)
+    twin = Twin(params(policy="window", guard_threshold=0.1, budget=0.3), replay=False)
+    twin.join("g", 60)
+    twin.join("short", 5)
+    for step in range(4):
+        if step == 2:
+            twin.join("g2", 45)  # its first step a dense warm-up: eager
+        twin.decode()
+    assert_every_step_is_its_capture(twin)
+    assert [key for key, _, _ in twin.traces] == [(2, True), (3, True)]
+    assert twin.graphed.totals.guard_checks > 0
+
+
+def test_a_step_whose_ops_follow_its_plan_differs_from_its_capture():
+    """The trace check can fail: a layer that reads only the pages the host listed (a slice
+    to the widest list, a Python int) records other shapes than its capture on empty buffers."""
+    twin = Twin(params(budget=1.0, policy="dense"), replay=False)
+    twin.join("a", 14)
+    frozen = GraphStep.plan
+
+    def plan(self, bs):
+        got = frozen(self, bs)
+        width = max(1, int((self.listed_tokens[:bs] > 0).sum(dim=1).max()))
+        got.bias[:, : width * PAGE].add_(0.0)
+        return got
+
+    GraphStep.plan = plan
+    try:
+        twin.decode()
+    finally:
+        GraphStep.plan = frozen
+    with pytest.raises(AssertionError):
+        assert_every_step_is_its_capture(twin)
 
 
 def test_the_step_reads_nothing_back_uploads_nothing_and_makes_no_data_sized_op():
@@ -116,6 +154,33 @@ def test_a_region_that_freezes_a_plan_value_at_capture_is_caught_by_the_replay()
     finally:
         GraphStep.plan = frozen
     assert parted
+
+
+def test_a_guarded_region_that_freezes_a_plan_value_at_capture_is_caught_by_the_replay(monkeypatch):
+    """The same for the hot_guard variant: a prologue that scales the read caps by a Python
+    value read from the buffers (1 once a row is listed: run through its Python it decodes as
+    the eager step; 0 on the capture's empty buffers) parts from the eager step replayed. With
+    the graph recorded on a step's live plan, as this harness did before, it passed."""
+    from sgl_importance.hot_set.graph_guard import GraphGuard
+    from sgl_kernel_ext import native
+
+    monkeypatch.setattr(native, "library", lambda: None)
+    prologue = GraphGuard.prologue
+
+    def frozen(self, bs, req_to_token, rows):
+        prologue(self, bs, req_to_token, rows)
+        listed = int(self._params[:bs].abs().sum() > 0)  # read at capture, frozen
+        self.caps[:bs].mul_(listed)
+
+    monkeypatch.setattr(GraphGuard, "prologue", frozen)
+    twin = Twin(params(policy="window", guard_threshold=0.1, budget=0.3))
+    twin.join("g", 60)
+    parted = False
+    for _ in range(3):  # a dense warm-up, then the guarded graph captured and replayed twice
+        eager, graph = twin.decode()
+        parted |= not torch.allclose(eager, graph, atol=1e-5)
+    assert (1, True) in twin.graphs
+    assert parted or twin.eager.totals.pages_guard_read != twin.graphed.totals.pages_guard_read
 
 
 def test_batches_the_buffers_cannot_take_are_refused_and_say_why():

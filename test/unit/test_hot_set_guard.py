@@ -218,11 +218,19 @@ def test_the_read_never_passes_the_cap_nor_touches_a_released_page_and_an_overbo
 
 def _adversarial(seed):
     """Keys and values built to break a bound: outlier channels, duplicated keys, a few
-    pages holding most of the mass (heavy-tailed), large value norms on light pages."""
+    pages holding most of the mass (heavy-tailed), large value norms on light pages (seeds
+    0-23, a kind each in turn); from seed 24, values the bound is nearly tight on: every page
+    left out holds one value opposite the read part's, the read part holding most of the mass."""
     g = torch.Generator().manual_seed(seed)
     q, keys, values = request(20, seed, key_scale=0.5)
-    kind = seed % 4
-    if kind == 0:
+    kind = seed % 4 if seed < 24 else 4
+    if kind == 4:
+        u = torch.randn(KV_HEADS, DIM, generator=g)
+        u = u / u.norm(dim=-1, keepdim=True)
+        values[:] = -u * (1 + seed % 3)
+        values[[0, 18, 19]] = u  # the pages read exactly (exact_pages below)
+        keys[[0, 18, 19]] = q.view(KV_HEADS, GROUP, DIM).mean(1)[None, None] * (1.5 + seed % 4 * 0.5)
+    elif kind == 0:
         keys[..., 0] *= 40.0  # an outlier channel
         values[..., 0] *= 30.0
     elif kind == 1:
@@ -236,21 +244,34 @@ def _adversarial(seed):
     return q, keys, values
 
 
-@pytest.mark.parametrize("seed", range(24))
-def test_the_deterministic_bound_is_never_exceeded_on_adversarial_keys(seed):
-    q, keys, values = _adversarial(seed)
-    plan, outside, lse_e, out_e, rest = rest_of(q, keys, values, exact_pages={0, 18, 19})
-    calls = []
-    read = capped(outside.page_lse.amax(dim=1), wanted_pages(lse_e, outside.page_lse, plan.valid, torch.tensor([0.95])),
-                  torch.tensor([seed % 6]))  # fmt: skip
-    lse_r, out_r = _reader(q, keys, values, rest, calls)(read)
+def test_the_deterministic_bound_is_never_exceeded_on_adversarial_keys():
+    """40 cases. The bound on the error's norm, ``||o - o_hat|| <= B``, is finite on every one
+    and holds, within 1-12 % of the error on most opposed-value cases. The relative bound
+    ``B / (||o_hat|| - B)`` (what the threshold is compared to) is finite only where
+    ``B < ||o_hat||``: on 18 of the 40, honestly infinite where what is left out can outweigh
+    what was read (every outlier-channel and duplicated-key case, most heavy-tailed ones);
+    where finite it holds. Mutants caught: ``alpha`` halved, the codes' rounding radius or
+    ``||o_E||`` left out of ``estimate.negligible_rest``'s bound."""
     from sgl_kernel_ext import merge_parts
 
-    lse, out = merge_parts(lse_e, out_e, lse_r, out_r)
-    left_out = negligible_rest(lse, out, outside, plan.valid & ~read)
-    _, true = exact_attention(q, keys.flatten(0, 1), values.flatten(0, 1))
-    error = (left_out.output[0].double() - true).norm() / true.norm()
-    assert error <= float(left_out.relative[0]) * (1 + 1e-5) + 1e-6
+    finite, relative_finite = 0, 0
+    for seed in range(40):
+        q, keys, values = _adversarial(seed)
+        plan, outside, lse_e, out_e, rest = rest_of(q, keys, values, exact_pages={0, 18, 19})
+        wanted = wanted_pages(lse_e, outside.page_lse, plan.valid, torch.tensor([0.95]))
+        read = capped(outside.page_lse.amax(dim=1), wanted, torch.tensor([seed % 6]))
+        lse_r, out_r = _reader(q, keys, values, rest, [])(read)
+        lse, out = merge_parts(lse_e, out_e, lse_r, out_r)
+        left_out = negligible_rest(lse, out, outside, plan.valid & ~read)
+        _, true = exact_attention(q, keys.flatten(0, 1), values.flatten(0, 1))
+        error = float((left_out.output[0].double() - true).norm())
+        bound = float(left_out.bound[0])
+        finite += int(torch.isfinite(left_out.bound[0]))
+        assert error <= bound * (1 + 1e-5) + 1e-6, (seed, error, bound)
+        if torch.isfinite(left_out.relative[0]):
+            relative_finite += 1
+            assert error / float(true.norm()) <= float(left_out.relative[0]) * (1 + 1e-5) + 1e-6, seed
+    assert finite == 40 and relative_finite == 18
 
 
 @pytest.mark.parametrize("pi", [0.08, 0.2])

@@ -22,13 +22,19 @@ them: admission through ``checkpoint_kv_cache``, each decode step's ``admit_grow
 (``RequestPages.release``). The ledger fails the first move of a slot by someone not
 holding it, naming both. A retracted request (the same release, unfinished, no checkpoint)
 enters the tree host-only, as a finished one the device cannot take back does.
+
+The ledger is shown to fire (the servers' tests rely on its message being absent from their
+logs): issue 44's early host unlock, made on purpose, and a pool's free of a request's own host
+slots, then of slots already free, each raise ``HostSlotError`` naming the mover and the holder.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sgl_importance.env import CHECKS_ENV, PLATFORM_ENV
+from sgl_importance.hot_set.host_ledger import HostSlotError, HostSlotLedger
 from support.hooked import Hooked
 
 _SCRIPT = r"""
@@ -281,9 +287,36 @@ def returning(world, out):
     out["next_turn"] = world.host_match(PROMPT + OUTPUT[:2])
 
 
+def early_host_unlock(world, out):
+    # Issue 44 brought back (a mutant): R gives the prefix's host lock back while it still
+    # borrows the copies, and the full host pool's eviction frees them under it.
+    world.lend()
+    hold = world.pages.hold
+    world.cache.dec_host_lock_ref(hold.node, hold.host_receipt)
+    world.fill_device()
+    world.cache.evict_host(world.host.size)
+
+
+def own_slots_freed(world, out):
+    # A free of the pool's (the tree's, HiCache's) of host slots R took for its own released
+    # pages, then the same slots freed again (a mutant of any of them).
+    world.lend()
+    own = world.pages.host_slots(torch.nonzero(world.pages.own_host()).flatten())
+    out["own_slots"] = own.numel()
+    try:
+        world.host.free(own)
+    except Exception as exc:
+        out["first"] = f"{type(exc).__name__}: {exc}"
+    world.pools.ledger.release(own, "R")  # as if R had freed them itself
+    world.host.free(own)
+    world.host.free(own)
+
+
 # 4 host pages: the prefix's 2 and R's 2 released ones fill it. 6: room for R's last 2.
 print("RESULT " + json.dumps({
     "finish_history_on_host": scenario(6, returning),
+    "early_host_unlock": scenario(4, early_host_unlock),
+    "own_slots_freed": scenario(4, own_slots_freed),
     "finish_host_full": scenario(4, finish),
     "finish_host_room": scenario(6, finish),
     "abort_prefix_on_host": scenario(4, abort(drop_device_lock=True)),
@@ -361,6 +394,24 @@ def test_a_retracted_request_enters_the_tree_on_the_host_so_its_prefill_again_lo
     assert retracted["resume"] == {"device": 8, "host": 16}
 
 
+def test_the_ledger_stops_the_tree_freeing_a_prefix_a_request_borrows(result):
+    """The check the soak and streamed-prefill servers rely on (a log free of "host slot
+    ledger") fires: issue 44's early host unlock, made on purpose, raises at the tree's free."""
+    error = result["early_host_unlock"]["error"]
+    assert error.startswith("HostSlotError: host slot ledger: a free of the tree's"), error
+    assert "while request R borrows them" in error.splitlines()[0]
+
+
+def test_the_ledger_names_who_frees_a_requests_host_slots_and_a_slot_freed_twice(result):
+    outcome = result["own_slots_freed"]
+    assert outcome["own_slots"] == 2 * 4  # R's 2 released pages' own host copies
+    assert outcome["first"].startswith("HostSlotError: host slot ledger: a free of the tree's")
+    assert "held by request R (expected the tree)" in outcome["first"]
+    # Freed once by the pool, the second free finds them free.
+    assert outcome["error"].startswith("HostSlotError: host slot ledger: a free of the tree's")
+    assert "held by free (expected the tree)" in outcome["error"].splitlines()[0]
+
+
 @pytest.mark.parametrize(
     "state",
     [
@@ -381,3 +432,29 @@ def test_every_device_and_host_slot_comes_back_once_the_tree_is_emptied(result, 
     # Catches issue 44 without the ledger too: a slot twice in one host node passes
     # SGLang's double-free check when the node is freed, and the pool counts it free twice.
     assert empty["free"] == empty["start"]
+
+
+def test_every_move_by_someone_not_holding_the_slots_raises_naming_both():
+    """The ledger's table, move by move (the rows a server run cannot easily reach)."""
+    ledger = HostSlotLedger(8)
+    a, b = torch.arange(0, 4), torch.arange(4, 8)
+    with pytest.raises(HostSlotError, match="request R took 4 slots .* held by free"):
+        ledger.take(a, "R")  # not allocated first
+    ledger.allocated(a)
+    ledger.take(a, "R")
+    with pytest.raises(HostSlotError, match="request S gave the tree 4 slots .* held by request R"):
+        ledger.give(a, "S")
+    with pytest.raises(HostSlotError, match="the pool was cleared while request R held 4 slots"):
+        ledger.cleared()
+    ledger.allocated(b)
+    ledger.borrow(b, "S")
+    with pytest.raises(HostSlotError, match="request S borrowed a prefix twice"):
+        ledger.borrow(b, "S")
+    with pytest.raises(HostSlotError, match="request T borrowed 4 slots .* held by request R, not the tree"):
+        ledger.borrow(a, "T")
+    assert ledger.held_by_requests() == 8
+    ledger.unborrow("S")
+    ledger.release(a, "R")
+    ledger.freed(torch.cat([a, b]))
+    assert ledger.held_by_requests() == 0
+    ledger.cleared()

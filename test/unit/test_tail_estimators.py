@@ -28,23 +28,74 @@ def adversarial(seed: int, pages: int = 40) -> tuple[torch.Tensor, torch.Tensor,
     return q, k, v
 
 
-@pytest.mark.parametrize("seed", range(8))
-@pytest.mark.parametrize("cap", [0.1, 0.25])
-def test_the_deterministic_bound_holds_for_every_candidate(seed, cap):
-    q, k, v = adversarial(seed)
-    setup = Setup(page=PAGE, cap=cap, stratum=8)
-    step = layer_step(q, k, v, 1 / math.sqrt(D), setup)
-    got = evaluate(step, setup, torch.rand(step.always.numel()), torch.arange(16))
-    for name in CANDIDATES[1:]:
-        r = got[name]
-        assert bool((r["error"] <= r["bound_det"] + 1e-9).all()), (name, r["error"], r["bound_det"])
+def opposed(seed: int, pages: int = 40) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cases the deterministic bound is nearly tight on: the sink and window pages (always read)
+    hold most of the mass and one value, every other token the opposite value."""
+    g = torch.Generator().manual_seed(seed)
+    n = pages * PAGE - 5
+    q = torch.randn(HQ, D, generator=g) * 2
+    k = torch.randn(HKV, n, D, generator=g) * 0.5
+    u = torch.randn(HKV, 1, D, generator=g)
+    u = u / u.norm(dim=-1, keepdim=True)
+    v = (-u * (1 + seed % 2)).expand(HKV, n, D).clone()
+    read = torch.zeros(n, dtype=torch.bool)
+    read[:PAGE] = True
+    read[(pages - 4) * PAGE :] = True
+    k[:, read] += q.view(HKV, -1, D).mean(1)[:, None] * (1.0 + 0.25 * (seed % 4))
+    v[:, read] = u
+    return q, k, v
+
+
+def _deterministic_bounds(make, caps: tuple[float, ...]) -> tuple[int, int, int, float]:
+    """Every candidate but the plan on ``make``'s 8 seeds at ``caps``, 16 sample seeds
+    each: asserts the bound on ``||o - o_hat||`` (and the relative one where finite) holds;
+    returns (values, finite bounds, finite relative bounds, the largest error / bound)."""
+    values = finite = relative_finite = 0
+    tightest = 0.0
+    for seed in range(8):
+        for cap in caps:
+            q, k, v = make(seed)
+            setup = Setup(page=PAGE, cap=cap, stratum=8)
+            step = layer_step(q, k, v, 1 / math.sqrt(D), setup)
+            importance = torch.rand(step.always.numel(), generator=torch.Generator().manual_seed(seed))
+            got = evaluate(step, setup, importance, torch.arange(16))
+            for name in CANDIDATES[1:]:
+                r = got[name]
+                error = r["error"] * step.exact.norm()  # on ||o - o_hat||
+                assert bool((error <= r["bound_det_abs"] * (1 + 1e-9)).all()), (name, seed, cap)
+                rel = torch.isfinite(r["bound_det"])
+                assert bool((r["error"][rel] <= r["bound_det"][rel] + 1e-9).all()), (name, seed, cap)
+                values += error.numel()
+                finite += int(torch.isfinite(r["bound_det_abs"]).sum())
+                relative_finite += int(rel.sum())
+                tightest = max(tightest, float((error / r["bound_det_abs"]).max()))
+    return values, finite, relative_finite, tightest
+
+
+def test_the_deterministic_bound_holds_for_every_candidate_on_adversarial_keys():
+    """1,280 bound values, every one finite on ``||o - o_hat||``. The relative bound is finite on
+    32 only: the values' page scales spread over e^+-4, so the tail's largest value outweighs the
+    output and ``B / (||o_hat|| - B)`` is honestly infinite; what is finite is checked."""
+    values, finite, relative_finite, _ = _deterministic_bounds(adversarial, (0.1, 0.25))
+    assert values == finite == 1280 and relative_finite == 32
+
+
+def test_the_deterministic_bound_is_nearly_tight_where_the_rest_opposes_the_read_part():
+    """The same check where it can fail: the left-out candidate's error is 0.69-0.88 of its bound,
+    and the relative bound is finite on 448 of the 640 values (cap 0.1). Mutants caught: ``alpha`` halved, or
+    ``||o_E||`` or the codes' radius left out of ``tail_estimators``' bound."""
+    values, finite, relative_finite, tightest = _deterministic_bounds(opposed, (0.1,))
+    assert values == finite == 640 and relative_finite == 448
+    assert tightest > 0.8
 
 
 def test_reading_every_page_is_exact_with_a_zero_bound():
     q, k, v = adversarial(1)
     setup = Setup(page=PAGE, cap=1.0, p=1.0)
     step = layer_step(q, k, v, 1 / math.sqrt(D), setup)
-    got = evaluate(step, setup, torch.rand(step.always.numel()), torch.arange(4))["topp"]
+    got = evaluate(
+        step, setup, torch.rand(step.always.numel(), generator=torch.Generator().manual_seed(0)), torch.arange(4)
+    )["topp"]
     assert float(got["error"].max()) < 1e-12
     assert float(got["bound_det"].max()) < 1e-12
     assert float(got["read"].max()) == step.always.numel()
@@ -55,7 +106,9 @@ def test_a_sample_of_every_tail_page_makes_the_estimators_exact():
     # Strata of two pages, both drawn: every tail page is read into the estimate with weight 1.
     setup = Setup(page=PAGE, cap=0.9, stratum=2)
     step = layer_step(q, k, v, 1 / math.sqrt(D), setup)
-    got = evaluate(step, setup, torch.rand(step.always.numel()), torch.arange(3))
+    got = evaluate(
+        step, setup, torch.rand(step.always.numel(), generator=torch.Generator().manual_seed(0)), torch.arange(3)
+    )
     for name in ("topp+ht", "topp+diff"):
         assert float(got[name]["error"].max()) < 1e-9, name
 
