@@ -83,6 +83,7 @@ from sgl_importance.local_server import LocalServer, metric, model_path
 GUARD_DEFAULT = "server default"
 ALL_CONFIGS = (
     "transformers",
+    "serve",
     "reference",
     "dense-torch",
     "dense",
@@ -96,7 +97,7 @@ ALL_CONFIGS = (
 PEER_PREFIX = "sglang-"
 DEFAULT_BACKEND = {"torch_cpu": "importance_torch", "torch_cuda": "importance_triton"}
 DEFAULT_PEER = {"torch_cpu": "sglang-torch_native", "torch_cuda": "sglang-triton"}
-SERVER_KINDS = ("reference", "dense-torch", "dense", "hot")
+SERVER_KINDS = ("serve", "reference", "dense-torch", "dense", "hot")
 DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+), .*?gen throughput \(token/s\): ([\d.]+)")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GRAPH_REPLAYED = re.compile(r"Decode batch.*?(?:cuda|cpu) graph: True")
@@ -113,7 +114,7 @@ def parse_config(name: str) -> dict[str, Any]:
     """
     if name == "transformers":
         return {"name": name, "server": None, "hot_set": None}
-    if name in ("reference", "dense-torch", "dense"):
+    if name in ("serve", "reference", "dense-torch", "dense"):
         return {"name": name, "server": name, "hot_set": None}
     peer = re.fullmatch(PEER_PREFIX + r"([a-z0-9_]+)", name)
     if peer:
@@ -353,7 +354,13 @@ def server_args(kind: str, a, max_tokens: int, guard_share: float, context: int)
     byte), ``--context-length context``, then ``--server-args`` (last, so they win).
 
     ``sglang-<backend>`` is the dense server with SGLang's own backend instead of
-    ``--attention-backend``."""
+    ``--attention-backend``. ``serve`` is ``make serve``'s server: no flag of the plugin's or of
+    SGLang's attention (the platform's default backend, SGLang's page size of 1, no HiCache),
+    only the dtype and what measuring needs (the context, a pool that holds the batch, the
+    per-step log)."""
+    if kind == "serve":
+        args = ["--dtype", a.dtype, "--context-length", str(context), "--max-total-tokens", str(max_tokens)]
+        return args + ["--decode-log-interval", "1", *shlex.split(a.server_args)], {}
     hot = kind == "hot"
     if hot:
         # The server takes the guard's pool out of --max-total-tokens: the guard covers the
@@ -451,11 +458,15 @@ def measure_server(
                     results = at_once(cached[:batch], a.new_tokens, config["hot_set"])
                     after, log = scrape(), server.log()[mark:]
                     steps = step_times_from_log(log, batch)
+                    # The first token's latency is reported with --enable-metrics only (the
+                    # serve server has none): there the logged steps give the mean too.
                     means = [
                         (r["meta_info"]["e2e_latency"] - r["meta_info"]["first_token_latency"])
                         / max(r["meta_info"]["completion_tokens"] - 1, 1)
                         for r in results
+                        if "first_token_latency" in r["meta_info"]
                     ]
+                    means = means if len(means) == len(results) else steps
                     attended = metric(after, "sgl_importance:hot_set_pages_attended_total") - metric(
                         before, "sgl_importance:hot_set_pages_attended_total"
                     )
