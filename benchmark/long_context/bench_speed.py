@@ -283,63 +283,88 @@ def prompts_from_filler(filler: list[int], lengths: list[int], count: int) -> di
 # ------------------------------------------------------------------ transformers, the peer
 
 
+def load_transformers(model_dir: str, dtype: str) -> Any:
+    """transformers' own model of the folder in ``dtype`` (SDPA attention), for inference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    return model.eval()
+
+
+def transformers_prefill(model: Any, ids: list[list[int]]) -> tuple[list, list, list[int]]:
+    """Each prompt prefilled alone in chunks of 2,048 (like the server's): per layer one
+    ``[requests, kv_heads, tokens, D]`` K and V, and each request's first greedy token."""
+    import torch
+    from transformers import DynamicCache
+
+    keys: list = []
+    values: list = []
+    firsts = []
+    with torch.inference_mode():
+        for i, prompt in enumerate(ids):
+            cache = DynamicCache(config=model.config)
+            for s in range(0, len(prompt), 2048):
+                chunk = torch.tensor([prompt[s : s + 2048]])
+                out = model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            firsts.append(int(out.logits[0, -1].argmax()))
+            for layer, entry in enumerate(cache.layers):
+                if i == 0:
+                    keys.append(entry.keys.new_empty((len(ids), *entry.keys.shape[1:])))
+                    values.append(entry.values.new_empty((len(ids), *entry.values.shape[1:])))
+                keys[layer][i] = entry.keys[0]
+                values[layer][i] = entry.values[0]
+            del cache
+    return keys, values, firsts
+
+
+def transformers_decode(model: Any, keys: list, values: list, firsts: list[int], batch: int, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` greedy decode steps of the first ``batch`` prefilled
+    requests (forward + argmax: ``generate``'s loop without its logits processors)."""
+    import torch
+    from transformers import DynamicCache
+
+    # Slices: the cache concatenates new tokens into fresh tensors, the store stays.
+    cache = DynamicCache(ddp_cache_data=[(k[:batch], v[:batch]) for k, v in zip(keys, values)])
+    token = torch.tensor(firsts[:batch])[:, None]
+    times = []
+    with torch.inference_mode():
+        for _ in range(steps):
+            start = time.perf_counter()
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            times.append(time.perf_counter() - start)
+    del cache
+    return times
+
+
 def measure_transformers(model_dir: str, prompts: dict[int, list[list[int]]], batches: list[int], a) -> list[dict]:
     """Greedy decode with transformers' own model and KV cache, every step timed."""
-    import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, a.dtype), attn_implementation="sdpa")
-    model.eval()
+    model = load_transformers(model_dir, a.dtype)
     rows = []
-    with torch.inference_mode():
-        for length, ids in prompts.items():
-            need = max(batches)
-            keys: list[torch.Tensor] = []
-            values: list[torch.Tensor] = []
-            firsts = []
-            for i, prompt in enumerate(ids[:need]):
-                cache = DynamicCache(config=model.config)
-                for s in range(0, len(prompt), 2048):  # chunked like the server's prefill
-                    chunk = torch.tensor([prompt[s : s + 2048]])
-                    out = model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                firsts.append(int(out.logits[0, -1].argmax()))
-                for layer, entry in enumerate(cache.layers):
-                    if i == 0:  # one [requests, kv_heads, tokens, D] tensor per layer
-                        keys.append(entry.keys.new_empty((need, *entry.keys.shape[1:])))
-                        values.append(entry.values.new_empty((need, *entry.values.shape[1:])))
-                    keys[layer][i] = entry.keys[0]
-                    values[layer][i] = entry.values[0]
-                del cache
-            for batch in batches:
-                bandwidth = copy_bandwidth()
-                # Slices: the cache concatenates new tokens into fresh tensors, the store stays.
-                cache = DynamicCache(ddp_cache_data=[(k[:batch], v[:batch]) for k, v in zip(keys, values)])
-                token = torch.tensor(firsts[:batch])[:, None]
-                times = []
-                load = load_average()
-                for _ in range(a.new_tokens - 1):
-                    start = time.perf_counter()
-                    out = model(input_ids=token, past_key_values=cache, use_cache=True)
-                    token = out.logits[:, -1].argmax(-1, keepdim=True)
-                    times.append(time.perf_counter() - start)
-                del cache
-                step = statistics.median(times)
-                rows.append(
-                    {
-                        "config": "transformers",
-                        "length": length,
-                        "batch": batch,
-                        "step_s": step,
-                        "step_mean_s": statistics.fmean(times),
-                        "steps": len(times),
-                        "hot_ratio": None,
-                        "bandwidth_gbs": bandwidth,
-                        "load": load,
-                    }
-                )
-                print(f"transformers {length} x{batch}: {step * 1e3:.1f} ms/step", flush=True)
-            del keys, values
-            gc.collect()
+    for length, ids in prompts.items():
+        keys, values, firsts = transformers_prefill(model, ids[: max(batches)])
+        for batch in batches:
+            bandwidth = copy_bandwidth()
+            load = load_average()
+            times = transformers_decode(model, keys, values, firsts, batch, a.new_tokens - 1)
+            step = statistics.median(times)
+            rows.append(
+                {
+                    "config": "transformers",
+                    "length": length,
+                    "batch": batch,
+                    "step_s": step,
+                    "step_mean_s": statistics.fmean(times),
+                    "steps": len(times),
+                    "hot_ratio": None,
+                    "bandwidth_gbs": bandwidth,
+                    "load": load,
+                }
+            )
+            print(f"transformers {length} x{batch}: {step * 1e3:.1f} ms/step", flush=True)
+        del keys, values
+        gc.collect()
     del model
     gc.collect()
     return rows
