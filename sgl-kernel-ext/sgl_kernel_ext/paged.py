@@ -37,7 +37,7 @@ Knows nothing of SGLang.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -74,6 +74,9 @@ class PagedDecodePlan:
     page_indptr: torch.Tensor
     page_ids: torch.Tensor
     page_tokens: torch.Tensor
+    # What the C kernel takes of the plan (its lists as it reads them, the split count, its
+    # scratch), made by a step's first layer and reused by the others (``_decode_native``).
+    native_inputs: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -403,23 +406,40 @@ def _decode_native(
     num_pages, page_size, kv_heads, _ = k_pages.shape
     v_dim, group, max_pages = v_pages.shape[-1], num_q_heads // kv_heads, plan.max_pages
     threads = torch.get_num_threads()
-    # Enough (request, split) items to keep every thread busy, each split at least 8
-    # pages long so the merge stays small.
-    splits = max(1, min(-(-4 * threads // bs), -(-max_pages // 8)))
     f32, cpu = torch.float32, q.device
+    key = (ws, bool(importance), threads, kv_heads, group, v_dim)
+    if plan.native_inputs is None or plan.native_inputs[0] != key:
+        # Enough (request, split) items to keep every thread busy, each split at least 8
+        # pages long so the merge stays small.
+        splits = max(1, min(-(-4 * threads // bs), -(-max_pages // 8)))
+        table = plan.table.to(torch.int64).contiguous()
+        tokens = plan.tokens.to(torch.int64).contiguous()
+        live = plan.live.contiguous().view(torch.uint8) if plan.live.dtype == torch.bool else plan.live.to(torch.uint8)
+        scratch = [
+            ws.get("native_split_max", (bs, kv_heads, splits, group), f32, cpu),
+            ws.get("native_split_sum", (bs, kv_heads, splits, group), f32, cpu),
+            ws.get("native_split_acc", (bs, kv_heads, splits, group, v_dim), f32, cpu),
+        ]
+        if importance:
+            scratch[:0] = [
+                ws.get("native_page_max", (bs, kv_heads, max_pages, group), f32, cpu),
+                ws.get("native_page_sum", (bs, kv_heads, max_pages, group), f32, cpu),
+            ]
+        # The tensors stay referenced here, so their addresses hold for the step. Kept on the
+        # plan only where the lists are its own tensors (no converted copy), so a plan
+        # updated in place between calls (a captured step's) is still read as it stands.
+        kept = (table, tokens, live, *scratch)
+        inputs = (key, splits, kept, [t.data_ptr() for t in kept])
+        same = all(a.data_ptr() == b.data_ptr() for a, b in zip(kept, (plan.table, plan.tokens, plan.live)))
+        plan.native_inputs = inputs if same else None
+    else:
+        inputs = plan.native_inputs
+    _, splits, _, (table_p, tokens_p, live_p, *scratch_p) = inputs
+    page_max_p, page_sum_p = scratch_p[:-3] if importance else (None, None)
+    split_max_p, split_sum_p, split_acc_p = scratch_p[-3:]
     qf = (q.to(f32) * sm_scale).contiguous()
-    table = plan.table.to(torch.int64).contiguous()
-    tokens = plan.tokens.to(torch.int64).contiguous()
-    live = plan.live.to(torch.uint8).contiguous()
     sink_logits = sinks.to(f32).contiguous() if sinks is not None else None
-    page_max = page_sum = mass = None
-    if importance:
-        page_max = ws.get("native_page_max", (bs, kv_heads, max_pages, group), f32, cpu)
-        page_sum = ws.get("native_page_sum", (bs, kv_heads, max_pages, group), f32, cpu)
-        mass = torch.empty(bs, max_pages, kv_heads, dtype=f32)
-    split_max = ws.get("native_split_max", (bs, kv_heads, splits, group), f32, cpu)
-    split_sum = ws.get("native_split_sum", (bs, kv_heads, splits, group), f32, cpu)
-    split_acc = ws.get("native_split_acc", (bs, kv_heads, splits, group, v_dim), f32, cpu)
+    mass = torch.empty(bs, max_pages, kv_heads, dtype=f32) if importance else None
     out = torch.empty(bs, num_q_heads, v_dim, dtype=f32)
     lse = torch.empty(bs, num_q_heads, dtype=f32)
 
@@ -428,11 +448,11 @@ def _decode_native(
 
     rc = lib.sgl_paged_decode(
         ptr(qf), ptr(k_pages), ptr(v_pages), ptr(extra_k), ptr(extra_v),
-        ptr(table), ptr(tokens), ptr(live), ptr(sink_logits),
+        table_p, tokens_p, live_p, ptr(sink_logits),
         num_pages, extra_k.shape[0] if extra_k is not None else 0, bs, max_pages,
         page_size, kv_heads, group, head_dim, v_dim,
         _NATIVE_DTYPES[k_pages.dtype], splits, float(logit_cap), int(importance),
-        ptr(page_max), ptr(page_sum), ptr(split_max), ptr(split_sum), ptr(split_acc),
+        page_max_p, page_sum_p, split_max_p, split_sum_p, split_acc_p,
         ptr(out), ptr(lse), ptr(mass), threads,
     )  # fmt: skip
     if rc == -2:

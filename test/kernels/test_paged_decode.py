@@ -10,6 +10,7 @@ with KERNEL_TEST_SEED).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -203,6 +204,26 @@ def test_the_build_without_importance_decodes_as_importance_off(decode_path):
     got = _decode_native(bare, q, k_pages, v_pages, plan, 64**-0.5, 0.0, None, None, None, ws, False)
     off = fast(q, k, v, plan, 1, importance=False)
     torch.testing.assert_close(got.output, off.output, rtol=1e-6, atol=1e-7, msg=f"seed={seed}")
+
+
+def test_one_plan_serves_every_layer_and_sees_its_lists_changed_in_place():
+    # The C kernel keeps a plan's inputs from its first call (a step's first layer).
+    seed = _seed()
+    q, k, v, indptr, ids, toks = make_case([12, 5], page_size=4, seed=seed, partial=False)
+    plan = plan_paged_decode(indptr, ids, toks, page_size=4)
+    plan = dataclasses.replace(plan, tokens=plan.tokens.int())  # the kernel reads a converted copy
+    ws = PagedDecodeWorkspace()
+    for layer in range(2):  # another layer: other K, V and queries on the same plan
+        q2, k2, v2 = q + layer, k * (1 + layer), v - layer
+        fresh = fast(q2, k2, v2, plan_paged_decode(indptr, ids, toks, page_size=4), 4)
+        torch.testing.assert_close(fast(q2, k2, v2, plan, 4, workspace=ws).output, fresh.output, msg=f"seed={seed}")
+    changed = toks.clone()
+    changed[3] = 0
+    other = plan_paged_decode(indptr, ids, changed, page_size=4)
+    for name in ("table", "tokens", "bias", "live"):  # as a captured step rewrites its plan
+        getattr(plan, name).copy_(getattr(other, name))
+    fresh = fast(q, k, v, other, 4)
+    torch.testing.assert_close(fast(q, k, v, plan, 4, workspace=ws).output, fresh.output, msg=f"seed={seed}")
 
 
 def test_logit_cap_and_scale_match_the_reference():
