@@ -11,6 +11,11 @@ alike:
   where the importance code is not there at all: the baseline ``off`` is held to
   (at most 1.03x its time).
 
+Times are this thread's CPU time (run it with ``OMP_NUM_THREADS=1``: the kernel then runs
+on the calling thread), so a machine shared with other work does not count against it;
+each ratio is the median over rounds of the two ways' times in that round (a round takes
+the three ways in turn, a few milliseconds each).
+
 Shapes: SmolLM2-135M's layer (9 query / 3 KV heads, head dim 64), SGLang's default page
 of 1 token and the 16 the tiering features use, float32 and bfloat16 pools, contexts and
 batches of the serving benchmark. Prints a table and writes results.json and a plot
@@ -22,8 +27,10 @@ into ``--out``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -55,18 +62,33 @@ def batch(bs: int, context: int, page_size: int, dtype: torch.dtype, seed: int =
     return q, k.view(shape), v.view(shape), plan
 
 
-def time_ways(calls: dict, rounds: int, inner: int) -> dict[str, float]:
-    """Median seconds of each call, timed round-robin (``inner`` calls a sample)."""
+def time_ways(calls: dict, rounds: int, sample_s: float = 0.005) -> dict[str, list[float]]:
+    """CPU seconds per call of each way (this thread's: the kernel runs on it with one
+    OpenMP thread, and time the machine gives other work is not counted), one sample per
+    round (about ``sample_s`` of calls), the ways taken in turn within a round, starting
+    from another one each round."""
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for fn in calls.values():
         fn()  # warm-up: workspace, page faults
-    for _ in range(rounds):
-        for name, fn in calls.items():
-            start = time.perf_counter()
+    start = time.thread_time()
+    next(iter(calls.values()))()
+    inner = max(1, int(sample_s / max(time.thread_time() - start, 1e-6)))
+    names = list(calls)
+    for r in range(rounds):
+        # The order turns each round: a way never always follows the one that warmed the
+        # cache with the same K and V.
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            fn = calls[name]
+            start = time.thread_time()
             for _ in range(inner):
                 fn()
-            samples[name].append((time.perf_counter() - start) / inner)
-    return {name: statistics.median(s) for name, s in samples.items()}
+            samples[name].append((time.thread_time() - start) / inner)
+    return samples
+
+
+def round_ratio(samples: dict[str, list[float]], way: str, base: str) -> float:
+    """The median over rounds of ``way``'s time over ``base``'s in the same round."""
+    return statistics.median(x / y for x, y in zip(samples[way], samples[base]))
 
 
 def main() -> None:
@@ -75,14 +97,13 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--page-sizes", default="1,16")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=41)
     ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench_cpu_decode_")))
     a = ap.parse_args()
     full, bare = native.library(), native.library(NO_IMPORTANCE)
     if full is None or bare is None:
         raise SystemExit("the C decode kernel does not build here (see the warning above)")
     rows = []
-    ws = PagedDecodeWorkspace()
     for dtype_name in a.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for page_size in (int(x) for x in a.page_sizes.split(",")):
@@ -90,20 +111,20 @@ def main() -> None:
                 for bs in (int(x) for x in a.batches.split(",")):
                     case = batch(bs, context, page_size, dtype)
                     calls = {
-                        "on": functools.partial(native_decode, full, *case, ws, True),
-                        "off": functools.partial(native_decode, full, *case, ws, False),
-                        "built without": functools.partial(native_decode, bare, *case, ws, False),
+                        "on": way(full, case, True),
+                        "off": way(full, case, False),
+                        "built without": way(bare, case, False),
                     }
-                    inner = max(1, int(2e6 // (bs * context)))
-                    t = time_ways(calls, a.rounds, inner)
+                    samples = time_ways(calls, a.rounds)
                     row = {
                         "dtype": dtype_name,
                         "page_size": page_size,
                         "context": context,
                         "batch": bs,
-                        **{f"{w}_us": t[w] * 1e6 for w in WAYS},
-                        "off_vs_without": t["off"] / t["built without"],
-                        "on_vs_without": t["on"] / t["built without"],
+                        **{f"{w}_us": statistics.median(samples[w]) * 1e6 for w in WAYS},
+                        "off_vs_without": round_ratio(samples, "off", "built without"),
+                        "on_vs_without": round_ratio(samples, "on", "built without"),
+                        "load": os.getloadavg()[0],
                     }
                     rows.append(row)
                     print(
@@ -113,11 +134,21 @@ def main() -> None:
                         flush=True,
                     )
     a.out.mkdir(parents=True, exist_ok=True)
+    if torch.get_num_threads() != 1:
+        print("warning: more than one torch thread: CPU time then misses the other threads' work", flush=True)
     meta = {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads", "rounds": a.rounds}
     (a.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(table(rows))
     plot(rows, a.out / "cpu_decode_importance.png")
     print(f"\n{a.out}/results.json, cpu_decode_importance.png")
+
+
+def way(lib, case: tuple, importance: bool):
+    """One way of decoding ``case`` (q, k, v, plan), with a plan and scratch of its own, as a
+    server's step has: the kernel keeps its inputs on the plan from the first call on."""
+    q, k, v, plan = case
+    own = dataclasses.replace(plan, native_inputs=None)
+    return functools.partial(native_decode, lib, q, k, v, own, PagedDecodeWorkspace(), importance)
 
 
 def native_decode(lib, q, k, v, plan, ws, importance: bool):

@@ -13,8 +13,11 @@ the server... (``--rounds``), so a machine shared with other work slows both ali
 side's step is the median over its rounds' steps (the server's from its per-step decode
 log, steps where the whole batch ran); the ratio is the median of the rounds' ratios
 (tok/s of the server's turn over the transformers turn just before it), with their
-range. Both stay loaded for the whole dtype; a length whose transformers cache would not
-fit in the memory left is skipped, and said so.
+range. Beside it, the same comparison in CPU seconds per step (the scheduler process's,
+from /proc, against the transformers thread's): what each side's decode costs, which a
+machine shared with other work leaves much as it is while it scatters the wall times.
+Both stay loaded for the whole dtype; a batch whose transformers cache would not fit in
+the memory left is skipped, and said so.
 
 Writes RESULTS.md (table, command, machine), results.json and serve_speed.png into
 ``--out``, and prints the table.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -34,6 +38,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from benchmark.long_context import bench_speed as speed
 from sgl_importance.client import generate, greedy
@@ -58,16 +63,39 @@ def available_bytes() -> int:
     return 0
 
 
-def server_step(server: LocalServer, ids: list[list[int]], new_tokens: int) -> list[float]:
-    """Seconds per decode step of ``len(ids)`` cached prompts decoding at once."""
-    mark = len(server.log())
+def scheduler_pid(server: LocalServer) -> int:
+    """The server's scheduler process (a child of the launcher named ``sglang::scheduler``)."""
+    for child in Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split():
+        if "scheduler" in Path(f"/proc/{child}/cmdline").read_text():
+            return int(child)
+    raise RuntimeError(f"no scheduler among the children of {server.proc.pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has run (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_step(server: LocalServer, ids: list[list[int]], new_tokens: int, pid: int) -> tuple[list[float], float]:
+    """Seconds per decode step of ``len(ids)`` cached prompts decoding at once (from the
+    server's log), and the scheduler's CPU seconds per token step (the cached prompts'
+    one-token prefill counted as a step)."""
+    mark, cpu = len(server.log()), cpu_seconds(pid)
     pool = ThreadPoolExecutor(len(ids))
     try:
         params = greedy(new_tokens, ignore_eos=True)
         list(pool.map(lambda p: generate(server.url, input_ids=p, sampling_params=params, timeout=3600), ids))
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    return speed.step_times_from_log(server.log()[mark:], len(ids))
+    return speed.step_times_from_log(server.log()[mark:], len(ids)), (cpu_seconds(pid) - cpu) / new_tokens
+
+
+def transformers_step(model: Any, keys: list, values: list, firsts: list[int], batch: int, steps: int):
+    """transformers' decode step times, and its CPU seconds per step (this thread's)."""
+    cpu = time.thread_time()
+    times = speed.transformers_decode(model, keys, values, firsts, batch, steps)
+    return times, (time.thread_time() - cpu) / steps
 
 
 def measure_dtype(dtype: str, model_dir: str, prompts: dict[int, list[list[int]]], a, shape: dict, logs: Path):
@@ -84,6 +112,7 @@ def measure_dtype(dtype: str, model_dir: str, prompts: dict[int, list[list[int]]
     model = speed.load_transformers(model_dir, dtype)
     try:
         server.wait_ready(timeout=900)
+        pid = scheduler_pid(server)
         for length, ids in prompts.items():
             steps = a.new_tokens if length <= 2048 else a.long_new_tokens
             # The transformers store and a batch's grown cache beside it, with 2 GiB to spare:
@@ -102,18 +131,22 @@ def measure_dtype(dtype: str, model_dir: str, prompts: dict[int, list[list[int]]
                 continue
             ids = ids[: max(fits)]
             started = time.time()
-            list(ThreadPoolExecutor(len(ids)).map(lambda p: server_step(server, [p], 1), ids))  # cached
-            server_step(server, ids[:1], 4)  # warm-up
+            list(ThreadPoolExecutor(len(ids)).map(lambda p: server_step(server, [p], 1, pid), ids))  # cached
+            server_step(server, ids[:1], 4, pid)  # warm-up
             keys, values, firsts = speed.transformers_prefill(model, ids)
             print(f"{dtype} {length}: prefilled both sides in {time.time() - started:.0f} s", flush=True)
             for batch in fits:
                 times: dict[str, list[float]] = {"transformers": [], "serve": []}
-                ratios = []
+                cpu: dict[str, list[float]] = {"transformers": [], "serve": []}
+                ratios, cpu_ratios = [], []
                 for _ in range(a.rounds):
-                    t = speed.transformers_decode(model, keys, values, firsts, batch, steps - 1)
-                    s = server_step(server, ids[:batch], steps)
+                    t, t_cpu = transformers_step(model, keys, values, firsts, batch, steps - 1)
+                    s, s_cpu = server_step(server, ids[:batch], steps, pid)
                     times["transformers"] += t
                     times["serve"] += s
+                    cpu["transformers"].append(t_cpu)
+                    cpu["serve"].append(s_cpu)
+                    cpu_ratios.append(t_cpu / s_cpu)
                     if s:
                         ratios.append(statistics.median(t) / statistics.median(s))
                 for side, got in times.items():
@@ -130,6 +163,8 @@ def measure_dtype(dtype: str, model_dir: str, prompts: dict[int, list[list[int]]
                             "steps": len(got),
                             "tok_s": batch / statistics.median(got),
                             "round_ratios": ratios,
+                            "cpu_step_s": statistics.median(cpu[side]),
+                            "cpu_ratios": cpu_ratios,
                             "load": speed.load_average(),
                         }
                     )
@@ -161,14 +196,15 @@ def paired(rows: list[dict]) -> list[dict]:
             # under much the same load from the machine's other work.
             e["ratio"] = statistics.median(rounds)
             e["round_range"] = (min(rounds), max(rounds))
+            e["cpu_ratio"] = statistics.median(e["serve"]["cpu_ratios"])
     return sorted(out.values(), key=lambda e: (DTYPES.index(e["dtype"]), e["length"], e["batch"]))
 
 
 def table_lines(pairs: list[dict]) -> list[str]:
     lines = [
         "| dtype | prompt tokens | batch | make serve tok/s | transformers tok/s | make serve / transformers "
-        "(median of rounds) | rounds' range |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "(median of rounds) | rounds' range | CPU s per step, make serve / transformers, inverted |",
+        "|---|---:|---:|---:|---:|---:|---|---:|",
     ]
     for e in pairs:
         serve, peer, rng = e.get("serve"), e.get("transformers"), e.get("round_range")
@@ -180,6 +216,7 @@ def table_lines(pairs: list[dict]) -> list[str]:
             f"{peer['tok_s']:.1f}" if peer else "-",
             f"**{e['ratio']:.2f}x**" if "ratio" in e else "-",
             f"{rng[0]:.2f}-{rng[1]:.2f}x" if rng else "-",
+            f"{e['cpu_ratio']:.2f}x" if "cpu_ratio" in e else "-",
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines

@@ -20,7 +20,7 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 /* e^x for x <= 0 to float32 rounding (Taylor degree 7 of 2^f on |f| <= 1/2,
  * relative error < 1e-8 before rounding). Plain arithmetic, so loops over it
  * vectorise, unlike libm's expf. Below -87 the result is flushed to 0. */
-static inline float exp_nonpos(float x) {
+static inline __attribute__((always_inline)) float exp_nonpos(float x) {
     float c = x < -87.0f ? -87.0f : x;
     float t = c * 1.44269504088896341f;
     float n = __builtin_rintf(t); /* nearest; an add-and-subtract trick would not survive -fassociative-math */
@@ -34,7 +34,8 @@ static inline float exp_nonpos(float x) {
 
 /* `n` elements of a pool of `dtype` from `offset`, as float32: the pool itself when
  * it is float32, else converted into `tile`. */
-static inline const float *page_f32(const void *base, int dtype, int64_t offset, int64_t n, float *tile) {
+static inline __attribute__((always_inline)) const float *page_f32(const void *base, int dtype, int64_t offset,
+                                                                     int64_t n, float *tile) {
     if (dtype == DT_F32) return (const float *)base + offset;
     if (dtype == DT_BF16) {
         const uint16_t *p = (const uint16_t *)base + offset;
@@ -195,26 +196,34 @@ static inline __attribute__((always_inline)) void run_split_shape(const Args *a,
     }
 }
 
-/* IMP: 1 with importance; 0 without (the build -DSGL_PAGED_DECODE_NO_IMPORTANCE has only
- * this copy: the baseline the importance-off path is measured against). */
-static void run_split(const Args *a, int64_t b, int64_t s) {
-    const int64_t G = a->group, D = a->d, DV = a->dv;
-#ifdef SGL_PAGED_DECODE_NO_IMPORTANCE
-#define IMPS(g, d, dv) return run_split_shape(a, b, s, g, d, dv, 0);
-#else
-#define IMPS(g, d, dv) \
-    if (a->importance) return run_split_shape(a, b, s, g, d, dv, 1); \
-    return run_split_shape(a, b, s, g, d, dv, 0);
+/* Every shape's copy, for importance on (IMP 1) or off (IMP 0). Each is a function of its
+ * own, optimised alone, so the importance-off decode is the same code whether or not the
+ * build also holds the importance one (-DSGL_PAGED_DECODE_NO_IMPORTANCE holds only it: the
+ * baseline the importance-off path is measured against). */
+#define SHAPE(g, d, IMPV) \
+    if (G == g && D == d && DV == d) return run_split_shape(a, b, s, g, d, d, IMPV);
+#define SHAPES(d, IMPV)                                                                                             \
+    SHAPE(1, d, IMPV) SHAPE(2, d, IMPV) SHAPE(3, d, IMPV) SHAPE(4, d, IMPV) SHAPE(5, d, IMPV) SHAPE(6, d, IMPV) \
+    SHAPE(7, d, IMPV) SHAPE(8, d, IMPV)
+#define DISPATCH(IMPV)                                     \
+    const int64_t G = a->group, D = a->d, DV = a->dv;      \
+    SHAPES(64, IMPV)                                       \
+    SHAPES(128, IMPV)                                      \
+    run_split_shape(a, b, s, G, D, DV, IMPV); /* any other shape, not unrolled */
+
+static __attribute__((noinline)) void run_split_off(const Args *a, int64_t b, int64_t s) { DISPATCH(0) }
+#ifndef SGL_PAGED_DECODE_NO_IMPORTANCE
+static __attribute__((noinline)) void run_split_on(const Args *a, int64_t b, int64_t s) { DISPATCH(1) }
 #endif
-#define SHAPE(g, d) \
-    if (G == g && D == d && DV == d) { IMPS(g, d, d) }
-#define SHAPES(d) SHAPE(1, d) SHAPE(2, d) SHAPE(3, d) SHAPE(4, d) SHAPE(5, d) SHAPE(6, d) SHAPE(7, d) SHAPE(8, d)
-    SHAPES(64)
-    SHAPES(128)
+#undef DISPATCH
 #undef SHAPES
 #undef SHAPE
-    IMPS(G, D, DV) /* any other shape, not unrolled */
-#undef IMPS
+
+static void run_split(const Args *a, int64_t b, int64_t s) {
+#ifndef SGL_PAGED_DECODE_NO_IMPORTANCE
+    if (a->importance) return run_split_on(a, b, s);
+#endif
+    run_split_off(a, b, s);
 }
 
 /* Combine the splits of (b, h): output, lse and (with importance) the masses of its pages. */
