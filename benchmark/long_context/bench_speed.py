@@ -5,7 +5,9 @@ invocation, one measurement after another (never two at once):
 
 1. ``transformers`` — the peer: ``AutoModelForCausalLM`` from the model folder
    (``--dtype``, SDPA attention, its own KV cache), greedy decode of the same prompts,
-   each step timed;
+   each step timed; ``serve`` — ``make serve``'s server (no attention, page or HiCache
+   flag: the platform's default backend; ``benchmark/serving/bench_serve_speed.py`` runs
+   it against transformers in turns);
 2. ``reference`` — a plain ``importance_torch`` server (no hot set, HiCache on) with
    ``SGL_IMPORTANCE_DECODE=reference``: the slot-by-slot reference decode;
    ``dense-torch`` — the same with ``SGL_IMPORTANCE_DECODE=torch``: the batched
