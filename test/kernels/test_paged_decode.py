@@ -176,6 +176,26 @@ def test_small_pages_share_softmax_blocks_and_still_match_the_reference(page_siz
     assert_close(fast(q, k, v, plan, page_size), ref, seed)
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pages_that_follow_one_another_in_the_pool_are_read_as_one_run(page_size, dtype):
+    # A request's consecutive slots (1-token pages prefilled together) are one run of rows
+    # in the C kernel; a page with fewer tokens than a page holds ends its run even where
+    # the next listed page is the next one in the pool.
+    seed = _seed()
+    q, k, v, _, _, _ = make_case([60, 45], page_size=page_size, dtype=dtype, seed=seed, partial=False)
+    ids = torch.cat([torch.arange(1, 61), torch.arange(61, 106)])
+    toks = torch.full((105,), page_size, dtype=torch.int64)
+    toks[20] = max(page_size // 2, 1) if page_size > 1 else 0  # mid-request: short, or skipped
+    indptr = torch.tensor([0, 60, 105])
+    plan = plan_paged_decode(indptr, ids, toks, page_size=page_size)
+    ref = reference_of(q.float(), k.float(), v.float(), indptr, ids, toks, page_size, plan.max_pages)
+    got = fast(q, k, v, plan, page_size)
+    err = (got.output.double() - ref.output).norm() / ref.output.norm()
+    assert err.item() < OUT_RTOL, f"seed={seed}"
+    assert (got.lse.double() - ref.lse.double()).abs().max().item() < LSE_ATOL, f"seed={seed}"
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_importance_off_gives_the_same_output_and_lse_and_no_masses(page_size):
     seed = _seed()

@@ -95,14 +95,16 @@ static inline __attribute__((always_inline)) void run_split_shape(const Args *a,
     const int converted = a->dtype != DT_F32;
     float M[KV * G], L[KV * G], beta[KV * G], acc[KV * G * DV], logit[KV * G * BT];
     float ktile[converted ? BT * KV * D : 1], vtile[converted ? BT * KV * DV : 1];
-    /* per page of the block: its K and V rows, tokens, first token in the block, column */
-    const float *pk[BT], *pv[BT];
-    int64_t pn[BT], first[BT], page_of[BT];
+    /* Per run of the block (pages whose rows follow one another in memory, read as one: a
+     * request's consecutive slots of 1-token pages, a converted tile): its K and V rows,
+     * tokens and first token in the block. Per page: tokens, first token, column. */
+    const float *rk[BT], *rv[BT];
+    int64_t rn[BT], rfirst[BT], pn[BT], first[BT], page_of[BT];
     for (int64_t x = 0; x < KV * G; x++) M[x] = -INFINITY, L[x] = 0.0f;
     memset(acc, 0, sizeof(float) * KV * G * DV);
     int64_t j = j0;
     while (j < j1) {
-        int64_t n_tok = 0, n_pages = 0;
+        int64_t n_tok = 0, n_pages = 0, n_runs = 0;
         for (; j < j1; j++) {
             const int64_t col = b * MP + j, n = a->tokens[col];
             if (n <= 0) {
@@ -118,16 +120,22 @@ static inline __attribute__((always_inline)) void run_split_shape(const Args *a,
             int64_t id = a->table[col];
             const void *kb = a->k_pool, *vb = a->v_pool;
             if (id >= a->num_pages) id -= a->num_pages, kb = a->k_extra, vb = a->v_extra;
-            pk[n_pages] = page_f32(kb, a->dtype, id * P * KV * D, n * KV * D, ktile + (converted ? n_tok * KV * D : 0));
-            pv[n_pages] =
+            const float *kp = page_f32(kb, a->dtype, id * P * KV * D, n * KV * D, ktile + (converted ? n_tok * KV * D : 0));
+            const float *vp =
                 page_f32(vb, a->dtype, id * P * KV * DV, n * KV * DV, vtile + (converted ? n_tok * KV * DV : 0));
+            const int64_t last = n_runs - 1;
+            if (n_runs && kp == rk[last] + rn[last] * KV * D && vp == rv[last] + rn[last] * KV * DV) {
+                rn[last] += n;
+            } else {
+                rk[n_runs] = kp, rv[n_runs] = vp, rn[n_runs] = n, rfirst[n_runs] = n_tok, n_runs++;
+            }
             pn[n_pages] = n, first[n_pages] = n_tok, page_of[n_pages] = j, n_pages++;
             n_tok += n;
         }
         if (n_tok == 0) continue;
-        for (int64_t p = 0; p < n_pages; p++) {
-            const float *kp = pk[p];
-            const int64_t n = pn[p], t0 = first[p];
+        for (int64_t u = 0; u < n_runs; u++) {
+            const float *kp = rk[u];
+            const int64_t n = rn[u], t0 = rfirst[u];
             for (int64_t t = 0; t < n; t++) {
                 const float *krow = kp + t * KV * D;
                 for (int64_t h = 0; h < KV; h++) {
@@ -178,9 +186,9 @@ static inline __attribute__((always_inline)) void run_split_shape(const Args *a,
             const float *w = logit + x * BT;
             float r[DV];
             for (int64_t i = 0; i < DV; i++) r[i] = acc[x * DV + i];
-            for (int64_t p = 0; p < n_pages; p++) {
-                const float *v = pv[p] + (x / G) * DV, *wp = w + first[p];
-                for (int64_t t = 0; t < pn[p]; t++) {
+            for (int64_t u = 0; u < n_runs; u++) {
+                const float *v = rv[u] + (x / G) * DV, *wp = w + rfirst[u];
+                for (int64_t t = 0; t < rn[u]; t++) {
                     const float wt = beta[x] * wp[t];
 #pragma omp simd
                     for (int64_t i = 0; i < DV; i++) r[i] += wt * v[t * KV * DV + i];
