@@ -10,8 +10,9 @@ configuration). The peer is transformers' own model of the folder (SDPA attentio
 For each dtype, length and batch both sides decode the same cached prompts (distinct
 essay slices, prefilled once per side) in turns: transformers, the server, transformers,
 the server... (``--rounds``), so a machine shared with other work slows both alike. Each
-side's step is the median over its rounds' steps (the server's from its per-step decode
-log, steps where the whole batch ran); the ratio is the median of the rounds' ratios
+side's step is the median over its rounds (transformers' from its timed steps, the
+server's from the requests' wall time over their tokens: no per-step log line, whose
+writing the server would pay); the ratio is the median of the rounds' ratios
 (tok/s of the server's turn over the transformers turn just before it), with their
 range. Beside it, the same comparison in CPU seconds per step (the scheduler process's,
 from /proc, against the transformers thread's): what each side's decode costs, which a
@@ -78,17 +79,19 @@ def cpu_seconds(pid: int) -> float:
 
 
 def server_step(server: LocalServer, ids: list[list[int]], new_tokens: int, pid: int) -> tuple[list[float], float]:
-    """Seconds per decode step of ``len(ids)`` cached prompts decoding at once (from the
-    server's log), and the scheduler's CPU seconds per token step (the cached prompts'
-    one-token prefill counted as a step)."""
-    mark, cpu = len(server.log()), cpu_seconds(pid)
+    """Seconds per token step of ``len(ids)`` cached prompts decoding at once, and the
+    scheduler's CPU seconds per step: the requests' wall time and the scheduler's CPU time
+    over ``new_tokens`` (the cached prompts' one-token prefill counted as a step, the HTTP
+    round trip in the wall time). From the outside: a per-step log line would cost the
+    server the time it takes to write it (5 % of a 64-token step at batch 8)."""
+    cpu, start = cpu_seconds(pid), time.perf_counter()
     pool = ThreadPoolExecutor(len(ids))
     try:
         params = greedy(new_tokens, ignore_eos=True)
         list(pool.map(lambda p: generate(server.url, input_ids=p, sampling_params=params, timeout=3600), ids))
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    return speed.step_times_from_log(server.log()[mark:], len(ids)), (cpu_seconds(pid) - cpu) / new_tokens
+    return [(time.perf_counter() - start) / new_tokens], (cpu_seconds(pid) - cpu) / new_tokens
 
 
 def transformers_step(model: Any, keys: list, values: list, firsts: list[int], batch: int, steps: int):
@@ -106,6 +109,8 @@ def measure_dtype(dtype: str, model_dir: str, prompts: dict[int, list[list[int]]
     server_args, env = speed.server_args(
         "serve", args, max_tokens, 0.0, speed.context_length(list(prompts), a.new_tokens)
     )
+    at = server_args.index("--decode-log-interval")  # make serve's own logging: timed from outside
+    del server_args[at : at + 2]
     server = LocalServer(model_dir, server_args, logs / f"server_{dtype}.log", env=env)
     print(f"{dtype}: {shlex.join(server.cmd)}", flush=True)
     rows, skipped = [], {}
@@ -232,10 +237,12 @@ def plot(pairs: list[dict], path: Path) -> None:
     done = [e for e in pairs if "ratio" in e]
     for dtype, marker in zip(DTYPES, "os"):
         mine = [e for e in done if e["dtype"] == dtype]
-        ax.plot([f"{e['length']}x{e['batch']}" for e in mine], [e["ratio"] for e in mine], marker, label=dtype, ms=7)
+        cells = [f"{e['length']}x{e['batch']}" for e in mine]
+        ax.plot(cells, [e["ratio"] for e in mine], marker, label=f"{dtype}, tok/s (median of rounds)", ms=7)
+        ax.plot(cells, [e["cpu_ratio"] for e in mine], marker, mfc="none", label=f"{dtype}, CPU s per step (inverted)")
     ax.axhline(1.0, color="k", ls="--", lw=1, label="transformers")
     ax.set_xlabel("prompt tokens x batch")
-    ax.set_ylabel("make serve decode tok/s / transformers'")
+    ax.set_ylabel("make serve / transformers")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
