@@ -5,7 +5,9 @@ invocation, one measurement after another (never two at once):
 
 1. ``transformers`` — the peer: ``AutoModelForCausalLM`` from the model folder
    (``--dtype``, SDPA attention, its own KV cache), greedy decode of the same prompts,
-   each step timed;
+   each step timed; ``serve`` — ``make serve``'s server (no attention, page or HiCache
+   flag: the platform's default backend; ``benchmark/serving/bench_serve_speed.py`` runs
+   it against transformers in turns);
 2. ``reference`` — a plain ``importance_torch`` server (no hot set, HiCache on) with
    ``SGL_IMPORTANCE_DECODE=reference``: the slot-by-slot reference decode;
    ``dense-torch`` — the same with ``SGL_IMPORTANCE_DECODE=torch``: the batched
@@ -83,6 +85,7 @@ from sgl_importance.local_server import LocalServer, metric, model_path
 GUARD_DEFAULT = "server default"
 ALL_CONFIGS = (
     "transformers",
+    "serve",
     "reference",
     "dense-torch",
     "dense",
@@ -96,7 +99,7 @@ ALL_CONFIGS = (
 PEER_PREFIX = "sglang-"
 DEFAULT_BACKEND = {"torch_cpu": "importance_torch", "torch_cuda": "importance_triton"}
 DEFAULT_PEER = {"torch_cpu": "sglang-torch_native", "torch_cuda": "sglang-triton"}
-SERVER_KINDS = ("reference", "dense-torch", "dense", "hot")
+SERVER_KINDS = ("serve", "reference", "dense-torch", "dense", "hot")
 DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+), .*?gen throughput \(token/s\): ([\d.]+)")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GRAPH_REPLAYED = re.compile(r"Decode batch.*?(?:cuda|cpu) graph: True")
@@ -113,7 +116,7 @@ def parse_config(name: str) -> dict[str, Any]:
     """
     if name == "transformers":
         return {"name": name, "server": None, "hot_set": None}
-    if name in ("reference", "dense-torch", "dense"):
+    if name in ("serve", "reference", "dense-torch", "dense"):
         return {"name": name, "server": name, "hot_set": None}
     peer = re.fullmatch(PEER_PREFIX + r"([a-z0-9_]+)", name)
     if peer:
@@ -282,63 +285,88 @@ def prompts_from_filler(filler: list[int], lengths: list[int], count: int) -> di
 # ------------------------------------------------------------------ transformers, the peer
 
 
+def load_transformers(model_dir: str, dtype: str) -> Any:
+    """transformers' own model of the folder in ``dtype`` (SDPA attention), for inference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    return model.eval()
+
+
+def transformers_prefill(model: Any, ids: list[list[int]]) -> tuple[list, list, list[int]]:
+    """Each prompt prefilled alone in chunks of 2,048 (like the server's): per layer one
+    ``[requests, kv_heads, tokens, D]`` K and V, and each request's first greedy token."""
+    import torch
+    from transformers import DynamicCache
+
+    keys: list = []
+    values: list = []
+    firsts = []
+    with torch.inference_mode():
+        for i, prompt in enumerate(ids):
+            cache = DynamicCache(config=model.config)
+            for s in range(0, len(prompt), 2048):
+                chunk = torch.tensor([prompt[s : s + 2048]])
+                out = model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            firsts.append(int(out.logits[0, -1].argmax()))
+            for layer, entry in enumerate(cache.layers):
+                if i == 0:
+                    keys.append(entry.keys.new_empty((len(ids), *entry.keys.shape[1:])))
+                    values.append(entry.values.new_empty((len(ids), *entry.values.shape[1:])))
+                keys[layer][i] = entry.keys[0]
+                values[layer][i] = entry.values[0]
+            del cache
+    return keys, values, firsts
+
+
+def transformers_decode(model: Any, keys: list, values: list, firsts: list[int], batch: int, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` greedy decode steps of the first ``batch`` prefilled
+    requests (forward + argmax: ``generate``'s loop without its logits processors)."""
+    import torch
+    from transformers import DynamicCache
+
+    # Slices: the cache concatenates new tokens into fresh tensors, the store stays.
+    cache = DynamicCache(ddp_cache_data=[(k[:batch], v[:batch]) for k, v in zip(keys, values)])
+    token = torch.tensor(firsts[:batch])[:, None]
+    times = []
+    with torch.inference_mode():
+        for _ in range(steps):
+            start = time.perf_counter()
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            times.append(time.perf_counter() - start)
+    del cache
+    return times
+
+
 def measure_transformers(model_dir: str, prompts: dict[int, list[list[int]]], batches: list[int], a) -> list[dict]:
     """Greedy decode with transformers' own model and KV cache, every step timed."""
-    import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, a.dtype), attn_implementation="sdpa")
-    model.eval()
+    model = load_transformers(model_dir, a.dtype)
     rows = []
-    with torch.inference_mode():
-        for length, ids in prompts.items():
-            need = max(batches)
-            keys: list[torch.Tensor] = []
-            values: list[torch.Tensor] = []
-            firsts = []
-            for i, prompt in enumerate(ids[:need]):
-                cache = DynamicCache(config=model.config)
-                for s in range(0, len(prompt), 2048):  # chunked like the server's prefill
-                    chunk = torch.tensor([prompt[s : s + 2048]])
-                    out = model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                firsts.append(int(out.logits[0, -1].argmax()))
-                for layer, entry in enumerate(cache.layers):
-                    if i == 0:  # one [requests, kv_heads, tokens, D] tensor per layer
-                        keys.append(entry.keys.new_empty((need, *entry.keys.shape[1:])))
-                        values.append(entry.values.new_empty((need, *entry.values.shape[1:])))
-                    keys[layer][i] = entry.keys[0]
-                    values[layer][i] = entry.values[0]
-                del cache
-            for batch in batches:
-                bandwidth = copy_bandwidth()
-                # Slices: the cache concatenates new tokens into fresh tensors, the store stays.
-                cache = DynamicCache(ddp_cache_data=[(k[:batch], v[:batch]) for k, v in zip(keys, values)])
-                token = torch.tensor(firsts[:batch])[:, None]
-                times = []
-                load = load_average()
-                for _ in range(a.new_tokens - 1):
-                    start = time.perf_counter()
-                    out = model(input_ids=token, past_key_values=cache, use_cache=True)
-                    token = out.logits[:, -1].argmax(-1, keepdim=True)
-                    times.append(time.perf_counter() - start)
-                del cache
-                step = statistics.median(times)
-                rows.append(
-                    {
-                        "config": "transformers",
-                        "length": length,
-                        "batch": batch,
-                        "step_s": step,
-                        "step_mean_s": statistics.fmean(times),
-                        "steps": len(times),
-                        "hot_ratio": None,
-                        "bandwidth_gbs": bandwidth,
-                        "load": load,
-                    }
-                )
-                print(f"transformers {length} x{batch}: {step * 1e3:.1f} ms/step", flush=True)
-            del keys, values
-            gc.collect()
+    for length, ids in prompts.items():
+        keys, values, firsts = transformers_prefill(model, ids[: max(batches)])
+        for batch in batches:
+            bandwidth = copy_bandwidth()
+            load = load_average()
+            times = transformers_decode(model, keys, values, firsts, batch, a.new_tokens - 1)
+            step = statistics.median(times)
+            rows.append(
+                {
+                    "config": "transformers",
+                    "length": length,
+                    "batch": batch,
+                    "step_s": step,
+                    "step_mean_s": statistics.fmean(times),
+                    "steps": len(times),
+                    "hot_ratio": None,
+                    "bandwidth_gbs": bandwidth,
+                    "load": load,
+                }
+            )
+            print(f"transformers {length} x{batch}: {step * 1e3:.1f} ms/step", flush=True)
+        del keys, values
+        gc.collect()
     del model
     gc.collect()
     return rows
@@ -353,7 +381,13 @@ def server_args(kind: str, a, max_tokens: int, guard_share: float, context: int)
     page), ``--context-length context``, then ``--server-args`` (last, so they win).
 
     ``sglang-<backend>`` is the dense server with SGLang's own backend instead of
-    ``--attention-backend``."""
+    ``--attention-backend``. ``serve`` is ``make serve``'s server: no flag of the plugin's or of
+    SGLang's attention (the platform's default backend, SGLang's page size of 1, no HiCache),
+    only the dtype and what measuring needs (the context, a pool that holds the batch, the
+    per-step log)."""
+    if kind == "serve":
+        args = ["--dtype", a.dtype, "--context-length", str(context), "--max-total-tokens", str(max_tokens)]
+        return args + ["--decode-log-interval", "1", *shlex.split(a.server_args)], {}
     hot = kind == "hot"
     if hot:
         # The server borrows its key ranges and codes from --max-total-tokens: room for them
@@ -448,11 +482,15 @@ def measure_server(
                     results = at_once(cached[:batch], a.new_tokens, config["hot_set"])
                     after, log = scrape(), server.log()[mark:]
                     steps = step_times_from_log(log, batch)
+                    # The first token's latency is reported with --enable-metrics only (the
+                    # serve server has none): there the logged steps give the mean too.
                     means = [
                         (r["meta_info"]["e2e_latency"] - r["meta_info"]["first_token_latency"])
                         / max(r["meta_info"]["completion_tokens"] - 1, 1)
                         for r in results
+                        if "first_token_latency" in r["meta_info"]
                     ]
+                    means = means if len(means) == len(results) else steps
                     attended = metric(after, "sgl_importance:hot_set_pages_attended_total") - metric(
                         before, "sgl_importance:hot_set_pages_attended_total"
                     )

@@ -370,15 +370,28 @@ def from_namespace(args: argparse.Namespace) -> ImportanceConfig:
             values[name] = getattr(args, dest)
     config = ImportanceConfig(**values)
     # Only the plugin's flags (a parser without SGLang's, as in tests): no backend to check.
-    if config.hot_set_policy != "off" and hasattr(args, "attention_backend"):
+    if hasattr(args, "attention_backend"):
         backend = args.decode_attention_backend or args.attention_backend
-        if backend not in HOT_SET_BACKENDS:
-            raise ValueError(
-                f"--hot-set-policy {config.hot_set_policy} needs the decode attention backend "
-                f"{' or '.join(HOT_SET_BACKENDS)} (--attention-backend or "
-                f"--decode-attention-backend); got {backend!r}"
-            )
+        if backend is not None:  # unset: the platform chooses; checked once chosen (runtime.py)
+            check_hot_set_backend(config, backend)
     return config
+
+
+def check_hot_set_backend(config: ImportanceConfig, backend: Optional[str]) -> None:
+    """``--hot-set-policy`` other than ``off`` needs one of the plugin's decode backends.
+
+    Args:
+        config: the plugin's flags; backend: the decode attention backend.
+
+    Raises:
+        ValueError: naming the policy, the backends allowed and the one given.
+    """
+    if config.hot_set_policy != "off" and backend not in HOT_SET_BACKENDS:
+        raise ValueError(
+            f"--hot-set-policy {config.hot_set_policy} needs the decode attention backend "
+            f"{' or '.join(HOT_SET_BACKENDS)} (--attention-backend or "
+            f"--decode-attention-backend); got {backend!r}"
+        )
 
 
 def from_cli_args(original: Callable[..., Any], cls: Any, args: argparse.Namespace) -> Any:

@@ -23,6 +23,7 @@ May import any layer below it (``importance/``, ``cache/``, ``hot_set/``,
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from typing import Any, Callable, Mapping, Optional
 
@@ -30,13 +31,15 @@ from sgl_importance.cache.state import CacheState
 from sgl_importance.cache.state_of import state_of
 from sgl_importance.cache.strategy import ImportanceStrategy
 from sgl_importance.checks import ForwardCheck
-from sgl_importance.config import ImportanceConfig
+from sgl_importance.config import ImportanceConfig, check_hot_set_backend
+from sgl_importance.env import DUMP_DIR_ENV
 from sgl_importance.hot_set.params import hot_set_params
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import Residency
 from sgl_importance.hot_set.selection import HotSetParams
 from sgl_importance.hot_set.table_budget import TableBudget
 from sgl_importance.importance.page_importance import PageImportanceHolder
+from sgl_importance.importance.priority import POLICY_NAME
 from sgl_importance.metrics import Metrics
 from sgl_importance.storage.factory import share_importance, wrap_backend
 from sgl_importance.storage.precision import PageClasses, page_classes_for
@@ -55,6 +58,9 @@ class Runtime:
 
     def __init__(self, config: Optional[ImportanceConfig] = None, server_args: Any = None) -> None:
         self.config = config if config is not None else ImportanceConfig()
+        if server_args is not None:
+            # The backend the platform chose where none was named (platform/attention_choice.py).
+            check_hot_set_backend(self.config, server_args.decode_attention_backend or server_args.attention_backend)
         # What of SGLang's flags the storage hook reads (defaults outside a server).
         self.eviction_policy = server_args.radix_eviction_policy if server_args is not None else None
         self.enable_metrics = bool(server_args.enable_metrics) if server_args is not None else False
@@ -95,6 +101,16 @@ class Runtime:
         # importance, found once the scheduler is attached; None under other policies.
         self.cache_state: Optional[CacheState] = None
         self._scheduler: Optional[weakref.ref] = None
+        # Whether anything reads the page importance decode records: the importance policy,
+        # the hot set, graded storage, the tracer, the table's dump; outside a server (tests,
+        # tools) always. Without a reader the CPU decode skips it (attention/torch_backend.py).
+        self.records_importance = server_args is None or (
+            self.eviction_policy == POLICY_NAME
+            or self.hot_set_params is not None
+            or self.page_classes is not None
+            or self.tracing.requested
+            or bool(os.environ.get(DUMP_DIR_ENV))
+        )
 
     @property
     def scheduler(self) -> Any:

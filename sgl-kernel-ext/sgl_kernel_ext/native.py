@@ -40,7 +40,7 @@ FLAGS = (
 )  # fmt: skip
 
 _lock = threading.Lock()
-_loaded: dict[str, Optional[ctypes.CDLL]] = {}
+_loaded: dict[tuple[str, tuple[str, ...]], Optional[ctypes.CDLL]] = {}
 
 
 def enabled() -> bool:
@@ -59,45 +59,52 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: processes starting together (TP ranks)
     # never load a half-written library.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [compiler, *FLAGS, str(SOURCE), "-o", str(out), "-lm"]
+        cmd = [compiler, *flags, str(SOURCE), "-o", str(out), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
         os.replace(out, target)
 
 
-def library() -> Optional[ctypes.CDLL]:
-    """The built kernel, or None where it is turned off or cannot be built."""
+def library(defines: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
+    """The built kernel, or None where it is turned off or cannot be built.
+
+    Args:
+        defines: preprocessor names to build with (``-D``), each build cached apart:
+            ``("SGL_PAGED_DECODE_NO_IMPORTANCE",)`` is the decode without its importance
+            code, the baseline ``benchmark/kernel/bench_cpu_decode.py`` times against.
+    """
     if not enabled():
         return None
     compiler = os.environ.get("CC", "cc")
+    flags = (*FLAGS, *(f"-D{name}" for name in defines))
     with _lock:
-        if compiler in _loaded:
-            return _loaded[compiler]
+        if (compiler, flags) in _loaded:
+            return _loaded[(compiler, flags)]
         lib = None
         try:
             if shutil.which(compiler) is None:
                 raise RuntimeError(f"no C compiler {compiler!r} on PATH")
             version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
             key = hashlib.sha256(
-                "\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode()
+                "\n".join([SOURCE.read_text(), " ".join(flags), version, _cpu_signature()]).encode()
             ).hexdigest()[:16]
             cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "sgl-kernel-ext")
             target = cache / f"paged_decode-{key}.so"
             if not target.exists():
-                _build(compiler, target)
+                _build(compiler, flags, target)
             lib = ctypes.CDLL(str(target))
             _declare(lib)
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             logger.warning("sgl-kernel-ext: the C decode kernel is unavailable, using the torch path: %s", e)
             lib = None
-        _loaded[compiler] = lib
+        _loaded[(compiler, flags)] = lib
         return lib
 
 
@@ -109,7 +116,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         p, p, p, p,  # table, tokens, live, sinks
         i64, i64, i64, i64,  # num_pages, extra_pages, bs, max_pages
         i64, i64, i64, i64, i64,  # page_size, kv, group, d, dv
-        i32, i32, f32,  # dtype, splits, logit_cap
+        i32, i32, f32, i32,  # dtype, splits, logit_cap, importance
         p, p, p, p, p,  # page_max, page_sum, split_max, split_sum, split_acc
         p, p, p,  # out, lse, mass
         i32,  # threads

@@ -37,7 +37,7 @@ Knows nothing of SGLang.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -74,6 +74,9 @@ class PagedDecodePlan:
     page_indptr: torch.Tensor
     page_ids: torch.Tensor
     page_tokens: torch.Tensor
+    # What the C kernel takes of the plan (its lists as it reads them, the split count, its
+    # scratch), made by a step's first layer and reused by the others (``_decode_native``).
+    native_inputs: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -240,6 +243,7 @@ def decode_importance_paged(
     chunk_pages: Optional[int] = None,
     workspace: Optional[PagedDecodeWorkspace] = None,
     native: Optional[bool] = None,
+    importance: bool = True,
 ) -> DecodeImportanceOutput:
     """Attention output, lse and page importance of one decode step over page lists.
 
@@ -263,12 +267,16 @@ def decode_importance_paged(
             place). None: when it is built and the inputs suit it (CPU tensors, a
             contiguous float32/bf16/f16 pool), else the torch path below; True: the C
             kernel or an error; False: the torch path.
+        importance: False skips the page masses (a plain decode nobody reads them from):
+            the C kernel then runs without its importance code, the torch path without
+            the mass sums.
 
     Returns:
         DecodeImportanceOutput: ``output`` float32 ``[bs, q_heads, Dv]``, ``lse`` float32,
         ``importance`` ``[bs, max_pages]`` and ``importance_per_kv_head``
-        ``[bs, max_pages, kv_heads]`` in listed order (float32). A request without a valid
-        token gets zero output, lse and importance.
+        ``[bs, max_pages, kv_heads]`` in listed order (float32; both None with
+        ``importance=False``). A request without a valid token gets zero output, lse and
+        importance.
     """
     bs, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
@@ -289,7 +297,7 @@ def decode_importance_paged(
         lib = _native.library() if bs else None
         if lib is not None and _native_fits(q, k_pages, v_pages, extra_k_pages, extra_v_pages):
             return _decode_native(
-                lib, q, k_pages, v_pages, plan, sm_scale, logit_cap, sinks, extra_k_pages, extra_v_pages, ws
+                lib, q, k_pages, v_pages, plan, sm_scale, logit_cap, sinks, extra_k_pages, extra_v_pages, ws, importance
             )
         if native:
             raise RuntimeError("native=True, but the C decode kernel is not built or does not take these inputs")
@@ -339,6 +347,8 @@ def decode_importance_paged(
     inv = torch.where(live, 1.0 / denom, 0.0)
     output = out.mul_(inv).view(bs, num_q_heads, v_head_dim)
     lse = torch.where(live, peak + torch.log(denom), 0.0).view(bs, num_q_heads)
+    if not importance:
+        return DecodeImportanceOutput(output=output, lse=lse, importance=None, importance_per_kv_head=None)
     # [bs, kv, g, pages, page_size] -> mass per (request, kv head, page), mean over the group
     mass = weights.view(bs, num_kv_heads, group, max_pages, page_size).sum(-1)
     per_kv = mass.mul_(inv).mean(dim=2).transpose(1, 2).contiguous()  # [bs, pages, kv]
@@ -351,8 +361,13 @@ def decode_importance_paged(
 
 
 _NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Per work item the kernel keeps q_heads x page_size logits and q_heads x Dv sums on its stack.
-_NATIVE_MAX_STACK_FLOATS = 1 << 16
+# Tokens of one online-softmax update in the C kernel (BLOCK_TOKENS in csrc/paged_decode.c;
+# a page larger than that is a block of its own).
+_NATIVE_BLOCK_TOKENS = 32
+# Per work item the kernel keeps on its stack: a block's logits and its K and V rows as
+# float32 (a bf16/f16 pool's, converted), and q_heads x Dv sums. 512 KiB, well inside a
+# thread's stack.
+_NATIVE_MAX_STACK_FLOATS = 1 << 17
 
 
 def _native_fits(
@@ -363,12 +378,13 @@ def _native_fits(
     extra_v: Optional[torch.Tensor],
 ) -> bool:
     pools = [k_pages, v_pages] + ([extra_k, extra_v] if extra_k is not None else [])
+    block = max(k_pages.shape[1], _NATIVE_BLOCK_TOKENS)
+    rows = block * k_pages.shape[2] * (k_pages.shape[-1] + v_pages.shape[-1])
     return (
         q.device.type == "cpu"
         and all(t.device.type == "cpu" and t.dtype == k_pages.dtype and t.is_contiguous() for t in pools)
         and k_pages.dtype in _NATIVE_DTYPES
-        and q.shape[1] * (k_pages.shape[1] + v_pages.shape[-1] + 3) + q.shape[-1] * k_pages.shape[2]
-        <= _NATIVE_MAX_STACK_FLOATS
+        and q.shape[1] * (block + v_pages.shape[-1] + 3) + rows + 8 * block <= _NATIVE_MAX_STACK_FLOATS
     )
 
 
@@ -384,45 +400,67 @@ def _decode_native(
     extra_k: Optional[torch.Tensor],
     extra_v: Optional[torch.Tensor],
     ws: PagedDecodeWorkspace,
+    importance: bool = True,
 ) -> DecodeImportanceOutput:
     bs, num_q_heads, head_dim = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     v_dim, group, max_pages = v_pages.shape[-1], num_q_heads // kv_heads, plan.max_pages
     threads = torch.get_num_threads()
-    # Enough (request, split) items to keep every thread busy, each split at least 8
-    # pages long so the merge stays small.
-    splits = max(1, min(-(-4 * threads // bs), -(-max_pages // 8)))
     f32, cpu = torch.float32, q.device
+    key = (ws, bool(importance), threads, kv_heads, group, v_dim)
+    if plan.native_inputs is None or plan.native_inputs[0] != key:
+        # Enough (request, split) items to keep every thread busy, each split at least 8
+        # pages long so the merge stays small.
+        splits = max(1, min(-(-4 * threads // bs), -(-max_pages // 8)))
+        table = plan.table.to(torch.int64).contiguous()
+        tokens = plan.tokens.to(torch.int64).contiguous()
+        live = plan.live.contiguous().view(torch.uint8) if plan.live.dtype == torch.bool else plan.live.to(torch.uint8)
+        scratch = [
+            ws.get("native_split_max", (bs, kv_heads, splits, group), f32, cpu),
+            ws.get("native_split_sum", (bs, kv_heads, splits, group), f32, cpu),
+            ws.get("native_split_acc", (bs, kv_heads, splits, group, v_dim), f32, cpu),
+        ]
+        if importance:
+            scratch[:0] = [
+                ws.get("native_page_max", (bs, kv_heads, max_pages, group), f32, cpu),
+                ws.get("native_page_sum", (bs, kv_heads, max_pages, group), f32, cpu),
+            ]
+        # The tensors stay referenced here, so their addresses hold for the step. Kept on the
+        # plan only where the lists are its own tensors (no converted copy), so a plan
+        # updated in place between calls (a captured step's) is still read as it stands.
+        kept = (table, tokens, live, *scratch)
+        inputs = (key, splits, kept, [t.data_ptr() for t in kept])
+        same = all(a.data_ptr() == b.data_ptr() for a, b in zip(kept, (plan.table, plan.tokens, plan.live)))
+        plan.native_inputs = inputs if same else None
+    else:
+        inputs = plan.native_inputs
+    _, splits, _, (table_p, tokens_p, live_p, *scratch_p) = inputs
+    page_max_p, page_sum_p = scratch_p[:-3] if importance else (None, None)
+    split_max_p, split_sum_p, split_acc_p = scratch_p[-3:]
     qf = (q.to(f32) * sm_scale).contiguous()
-    table = plan.table.to(torch.int64).contiguous()
-    tokens = plan.tokens.to(torch.int64).contiguous()
-    live = plan.live.to(torch.uint8).contiguous()
     sink_logits = sinks.to(f32).contiguous() if sinks is not None else None
-    page_max = ws.get("native_page_max", (bs, kv_heads, max_pages, group), f32, cpu)
-    page_sum = ws.get("native_page_sum", (bs, kv_heads, max_pages, group), f32, cpu)
-    split_max = ws.get("native_split_max", (bs, kv_heads, splits, group), f32, cpu)
-    split_sum = ws.get("native_split_sum", (bs, kv_heads, splits, group), f32, cpu)
-    split_acc = ws.get("native_split_acc", (bs, kv_heads, splits, group, v_dim), f32, cpu)
+    mass = torch.empty(bs, max_pages, kv_heads, dtype=f32) if importance else None
     out = torch.empty(bs, num_q_heads, v_dim, dtype=f32)
     lse = torch.empty(bs, num_q_heads, dtype=f32)
-    mass = torch.empty(bs, max_pages, kv_heads, dtype=f32)
 
     def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
         return t.data_ptr() if t is not None else None
 
     rc = lib.sgl_paged_decode(
         ptr(qf), ptr(k_pages), ptr(v_pages), ptr(extra_k), ptr(extra_v),
-        ptr(table), ptr(tokens), ptr(live), ptr(sink_logits),
+        table_p, tokens_p, live_p, ptr(sink_logits),
         num_pages, extra_k.shape[0] if extra_k is not None else 0, bs, max_pages,
         page_size, kv_heads, group, head_dim, v_dim,
-        _NATIVE_DTYPES[k_pages.dtype], splits, float(logit_cap),
-        ptr(page_max), ptr(page_sum), ptr(split_max), ptr(split_sum), ptr(split_acc),
+        _NATIVE_DTYPES[k_pages.dtype], splits, float(logit_cap), int(importance),
+        page_max_p, page_sum_p, split_max_p, split_sum_p, split_acc_p,
         ptr(out), ptr(lse), ptr(mass), threads,
     )  # fmt: skip
     if rc == -2:
         raise IndexError(f"a listed page is outside the pool ({num_pages} pages) and the staging pages")
     if rc != 0:
         raise RuntimeError(f"sgl_paged_decode returned {rc}")
+    if mass is None:
+        return DecodeImportanceOutput(output=out, lse=lse, importance=None, importance_per_kv_head=None)
     return DecodeImportanceOutput(output=out, lse=lse, importance=mass.mean(dim=-1), importance_per_kv_head=mass)
 
 

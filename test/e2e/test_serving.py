@@ -176,6 +176,13 @@ def test_plugin_is_loaded_in_every_server_process(server):
     assert len(pids) >= 3, server.log()[-2000:]
 
 
+def test_with_no_backend_named_the_server_decodes_with_the_plugins_attention(server):
+    # torch_cpu's default for a plain decoder (platform/attention_choice.py), said once at start-up.
+    assert server.log().count("torch_cpu: attention backend importance_torch") == 1, server.log()[-2000:]
+    info = requests.get(server.url + "/get_server_info", timeout=60).json()
+    assert info["attention_backend"] == "importance_torch"
+
+
 def test_server_shuts_down_cleanly_on_sigterm(server):
     # Last in the module: stops the shared server.
     code = server.stop()

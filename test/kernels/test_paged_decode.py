@@ -10,6 +10,7 @@ with KERNEL_TEST_SEED).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -161,6 +162,88 @@ def test_every_page_size_and_a_partial_last_page(page_size):
     plan = plan_paged_decode(indptr, ids, toks, page_size=page_size)
     ref = reference_of(q, k, v, indptr, ids, toks, page_size, plan.max_pages)
     assert_close(fast(q, k, v, plan, page_size, chunk_pages=2), ref, seed)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_pages_share_softmax_blocks_and_still_match_the_reference(page_size, dtype):
+    # The C kernel takes small pages whole into blocks of up to 32 tokens (10 pages of 3, 8
+    # of 4...); a bf16 pool's pages are converted into one block-wide tile.
+    seed = _seed()
+    q, k, v, indptr, ids, toks = make_case([97, 40, 5], page_size=page_size, dtype=dtype, seed=seed)
+    plan = plan_paged_decode(indptr, ids, toks, page_size=page_size)
+    ref = reference_of(q.float(), k.float(), v.float(), indptr, ids, toks, page_size, plan.max_pages)
+    assert_close(fast(q, k, v, plan, page_size), ref, seed)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pages_that_follow_one_another_in_the_pool_are_read_as_one_run(page_size, dtype):
+    # A request's consecutive slots (1-token pages prefilled together) are one run of rows
+    # in the C kernel; a page with fewer tokens than a page holds ends its run even where
+    # the next listed page is the next one in the pool.
+    seed = _seed()
+    q, k, v, _, _, _ = make_case([60, 45], page_size=page_size, dtype=dtype, seed=seed, partial=False)
+    ids = torch.cat([torch.arange(1, 61), torch.arange(61, 106)])
+    toks = torch.full((105,), page_size, dtype=torch.int64)
+    toks[20] = max(page_size // 2, 1) if page_size > 1 else 0  # mid-request: short, or skipped
+    indptr = torch.tensor([0, 60, 105])
+    plan = plan_paged_decode(indptr, ids, toks, page_size=page_size)
+    ref = reference_of(q.float(), k.float(), v.float(), indptr, ids, toks, page_size, plan.max_pages)
+    got = fast(q, k, v, plan, page_size)
+    err = (got.output.double() - ref.output).norm() / ref.output.norm()
+    assert err.item() < OUT_RTOL, f"seed={seed}"
+    assert (got.lse.double() - ref.lse.double()).abs().max().item() < LSE_ATOL, f"seed={seed}"
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_importance_off_gives_the_same_output_and_lse_and_no_masses(page_size):
+    seed = _seed()
+    q, k, v, indptr, ids, toks = make_case([60, 9], page_size=page_size, dtype=torch.bfloat16, seed=seed)
+    plan = plan_paged_decode(indptr, ids, toks, page_size=page_size)
+    on, off = fast(q, k, v, plan, page_size), fast(q, k, v, plan, page_size, importance=False)
+    assert off.importance is None and off.importance_per_kv_head is None
+    torch.testing.assert_close(off.output, on.output, rtol=1e-6, atol=1e-7, msg=f"seed={seed}")
+    torch.testing.assert_close(off.lse, on.lse, rtol=1e-6, atol=1e-6, msg=f"seed={seed}")
+
+
+def test_the_build_without_importance_decodes_as_importance_off(decode_path):
+    # benchmark/kernel/bench_cpu_decode.py times importance off against this build.
+    if decode_path != "native":
+        pytest.skip("a build of the C kernel")
+    from sgl_kernel_ext.paged import _decode_native
+
+    bare = native.library(("SGL_PAGED_DECODE_NO_IMPORTANCE",))
+    seed = _seed()
+    q, k, v, indptr, ids, toks = make_case([70, 3], page_size=1, seed=seed)
+    plan = plan_paged_decode(indptr, ids, toks, page_size=1)
+    ws = PagedDecodeWorkspace()
+    k_pages, v_pages = k.view(-1, 1, *k.shape[1:]), v.view(-1, 1, *v.shape[1:])
+    with pytest.raises(RuntimeError, match="returned -1"):  # it has no masses to give
+        _decode_native(bare, q, k_pages, v_pages, plan, 64**-0.5, 0.0, None, None, None, ws, True)
+    got = _decode_native(bare, q, k_pages, v_pages, plan, 64**-0.5, 0.0, None, None, None, ws, False)
+    off = fast(q, k, v, plan, 1, importance=False)
+    torch.testing.assert_close(got.output, off.output, rtol=1e-6, atol=1e-7, msg=f"seed={seed}")
+
+
+def test_one_plan_serves_every_layer_and_sees_its_lists_changed_in_place():
+    # The C kernel keeps a plan's inputs from its first call (a step's first layer).
+    seed = _seed()
+    q, k, v, indptr, ids, toks = make_case([12, 5], page_size=4, seed=seed, partial=False)
+    plan = plan_paged_decode(indptr, ids, toks, page_size=4)
+    plan = dataclasses.replace(plan, tokens=plan.tokens.int())  # the kernel reads a converted copy
+    ws = PagedDecodeWorkspace()
+    for layer in range(2):  # another layer: other K, V and queries on the same plan
+        q2, k2, v2 = q + layer, k * (1 + layer), v - layer
+        fresh = fast(q2, k2, v2, plan_paged_decode(indptr, ids, toks, page_size=4), 4)
+        torch.testing.assert_close(fast(q2, k2, v2, plan, 4, workspace=ws).output, fresh.output, msg=f"seed={seed}")
+    changed = toks.clone()
+    changed[3] = 0
+    other = plan_paged_decode(indptr, ids, changed, page_size=4)
+    for name in ("table", "tokens", "bias", "live"):  # as a captured step rewrites its plan
+        getattr(plan, name).copy_(getattr(other, name))
+    fresh = fast(q, k, v, other, 4)
+    torch.testing.assert_close(fast(q, k, v, plan, 4, workspace=ws).output, fresh.output, msg=f"seed={seed}")
 
 
 def test_logit_cap_and_scale_match_the_reference():

@@ -122,6 +122,8 @@ def test_hot_set_needs_the_importance_torch_decode_backend():
         ]
     )
     assert from_namespace(ok).hot_set_policy == "lru"
+    # None named: the platform's default decides, checked once chosen (runtime.py).
+    assert from_namespace(parser.parse_args(["--hot-set-policy", "lru"])).hot_set_policy == "lru"
 
 
 def test_a_request_may_override_the_servers_hot_set_settings():

@@ -39,13 +39,96 @@ def platform():
     return TorchCpuPlatform()
 
 
-def test_defaults_cap_the_pool_and_pick_torch_native(platform):
+def test_defaults_cap_the_pool_and_pick_the_plugins_decode(platform, monkeypatch):
+    from sgl_importance.platform import attention_choice
+
+    monkeypatch.setattr(attention_choice, "model_config_for", lambda args: model_config())
     args = server_args()
     platform.apply_server_args_defaults(args)
     assert args.max_total_tokens == 32768
-    assert args.attention_backend == "torch_native"
+    assert args.attention_backend == "importance_torch"
     assert args.disable_cuda_graph is True
     assert args.device == "cpu"
+
+
+def model_config(**overrides):
+    """What ``unserved`` reads of SGLang's ``ModelConfig``: a plain decoder by default."""
+    fields = dict(
+        attention_arch=SimpleNamespace(name="MHA"),
+        is_encoder_decoder=False,
+        is_hybrid_swa=False,
+        sliding_window_size=None,
+        attention_chunk_size=None,
+        linear_attn_registry_result=None,
+        use_alibi=False,
+    )
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+def choose(config=None, fails=None, **flags):
+    from sgl_importance.platform.attention_choice import choose_attention_backend
+
+    args = SimpleNamespace(
+        model_path="m", attention_backend=None, prefill_attention_backend=None, decode_attention_backend=None
+    )
+    vars(args).update(flags)
+
+    def config_of(_):
+        if fails is not None:
+            raise fails
+        return config if config is not None else model_config()
+
+    choose_attention_backend(args, config_of)
+    return args
+
+
+@pytest.mark.parametrize(
+    "unset",
+    [None, "intel_amx"],  # intel_amx: SGLang's CPU default, set before the platform's defaults run
+)
+def test_a_plain_decoder_gets_importance_torch_when_no_backend_is_named(unset):
+    assert choose(attention_backend=unset).attention_backend == "importance_torch"
+
+
+@pytest.mark.parametrize(
+    "overrides,reason",
+    [
+        (dict(sliding_window_size=4096), "sliding attention window"),
+        (dict(is_hybrid_swa=True), "sliding attention window"),
+        (dict(is_encoder_decoder=True), "encoder-decoder"),
+        (dict(attention_chunk_size=8192), "local chunks"),
+        (dict(linear_attn_registry_result=object()), "linear-attention"),
+        (dict(attention_arch=SimpleNamespace(name="MLA")), "MLA"),
+    ],
+)
+def test_a_model_it_does_not_read_exactly_falls_back_to_torch_native_with_one_line(overrides, reason, caplog):
+    with caplog.at_level("INFO", logger="sgl_importance.platform.attention_choice"):
+        args = choose(model_config(**overrides))
+    assert args.attention_backend == "torch_native"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and reason in lines[0] and "importance_torch" in lines[0]
+
+
+def test_an_unreadable_configuration_falls_back_to_torch_native():
+    assert choose(fails=OSError("no config.json")).attention_backend == "torch_native"
+
+
+@pytest.mark.parametrize("flag", ["attention_backend", "decode_attention_backend", "prefill_attention_backend"])
+def test_importance_torch_named_for_a_model_it_cannot_read_is_a_start_up_error(flag):
+    with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} importance_torch cannot serve m: .*MLA"):
+        choose(model_config(attention_arch=SimpleNamespace(name="MLA")), **{flag: "importance_torch"})
+
+
+def test_importance_torch_named_for_a_windowed_model_keeps_its_per_layer_fallback():
+    args = choose(model_config(sliding_window_size=4096), attention_backend="importance_torch")
+    assert args.attention_backend == "importance_torch"
+
+
+def test_another_named_backend_is_left_to_sglang():
+    assert choose(fails=AssertionError("not read"), attention_backend="torch_native").attention_backend == (
+        "torch_native"
+    )
 
 
 def test_explicit_values_win_over_platform_defaults(platform):

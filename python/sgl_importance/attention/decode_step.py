@@ -80,11 +80,14 @@ class ImportanceDecodeSteps:
         page_importance: the process's ``PageImportanceTable``.
         last_layer_id: the layer whose decode closes the step.
         hot_set: the backend's ``HotSetAttention``, None with ``--hot-set-policy off``.
+        records_importance: the dense decode files page importance (a backend sets it
+            False where nothing reads it; then no table step is closed either).
     """
 
     page_importance: PageImportanceTable
     last_layer_id: int
     hot_set: Optional[HotSetAttention]
+    records_importance: bool = True
     token_to_kv_pool: Any
     page_size: int
 
@@ -184,7 +187,8 @@ class ImportanceDecodeSteps:
             o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         if layer.layer_id == self.last_layer_id:
             # The last layer closes the step: the table's, then the hot set's.
-            self.page_importance.finish_step()
+            if self.records_importance:
+                self.page_importance.finish_step()
             if self.hot_set is not None:
                 self.hot_set.end_step()
         return o

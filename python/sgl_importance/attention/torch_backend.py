@@ -91,6 +91,9 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
         # this extend (--hot-set-first-step seeded; None: not seeded), worked out once a forward.
         self.extend_seeded: Optional[list] = None
         self._init_decode_steps(runtime, model_runner, extend_seeds=True)
+        # Nothing reads page importance (no importance policy, hot set, grading, trace):
+        # a dense decode skips it, so plain serving pays nothing for it.
+        self.records_importance = runtime.records_importance
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         super().init_forward_metadata(forward_batch)
@@ -106,7 +109,9 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
             # would cost a pass over every request's slots for nothing.
             self._begin_hot_set_step(forward_batch, self.req_to_token_pool.req_to_token)
         elif self.decoding:
-            self.kv_indptr, self.kv_indices = self._decode_kv_indices(forward_batch)
+            if self.records_importance or self.decode_impl == "reference":
+                # The slots the reference reads and the table files importance under.
+                self.kv_indptr, self.kv_indices = self._decode_kv_indices(forward_batch)
             if self.decode_impl != "reference":
                 plan = plan_from_slots(
                     self.req_to_token_pool.req_to_token,
@@ -205,6 +210,7 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
                 sinks=sinks,
                 workspace=self.paged_workspace,
                 native=False if self.decode_impl == "torch" else None,
+                importance=self.records_importance,
             )
         else:
             result = decode_importance_reference(
@@ -219,7 +225,8 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
                 sinks=sinks,
             )
         out.copy_(result.output)
-        self.page_importance.add_layer(result.importance, self.kv_indptr, self.kv_indices)
+        if self.records_importance:
+            self.page_importance.add_layer(result.importance, self.kv_indptr, self.kv_indices)
 
 
 def extend_causal_attention(

@@ -3,11 +3,12 @@
 SGLang's in-tree CPU platform (``SGLANG_USE_CPU_ENGINE=1``) needs the compiled
 ``sgl_kernel`` CPU extension. This platform needs nothing compiled: it is an
 out-of-tree platform (``PlatformEnum.OOT``), so SGLang's fused ops run their
-``forward_native`` torch paths, attention uses ``torch_native`` SDPA, and the
-KV pool is sized from a token budget instead of a fraction of RAM.
+``forward_native`` torch paths, attention is the plugin's ``importance_torch`` (its C
+decode kernel; SGLang's ``torch_native`` SDPA for a model it does not read exactly:
+``attention_choice.py``), and the KV pool is sized from a token budget instead of a
+fraction of RAM.
 
-It exists for development, CI and demos on machines without a GPU; it is not
-a fast inference path.
+It exists for development, CI and demos on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
+
+from sgl_importance.platform.attention_choice import FALLBACK_BACKEND, choose_attention_backend
 
 # Without a cap, mem_fraction_static x host RAM becomes tens of millions of KV
 # slots (gigabytes zero-filled at start-up) for a 135M model.
@@ -76,9 +79,10 @@ class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
         return False
 
     def get_default_attention_backend(self) -> str:
-        # On hosts with AMX, SGLang would otherwise pick `intel_amx`, which
-        # needs the compiled CPU kernels.
-        return "torch_native"
+        # What SGLang falls back to where it asks without the model in view (the
+        # defaults below choose per model first). On hosts with AMX, SGLang would
+        # otherwise pick `intel_amx`, which needs the compiled CPU kernels.
+        return FALLBACK_BACKEND
 
     def apply_server_args_defaults(self, server_args: Any) -> None:
         """Defaults for a CPU without compiled kernels; explicit flags win."""
@@ -88,8 +92,8 @@ class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
             server_args.chunked_prefill_size = DEFAULT_CHUNKED_PREFILL_SIZE
         if server_args.max_running_requests is None:
             server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
-        if server_args.attention_backend is None:
-            server_args.attention_backend = self.get_default_attention_backend()
+        # importance_torch where it reads the model exactly, else torch_native (one line why).
+        choose_attention_backend(server_args)
         if server_args.dtype == "auto":
             server_args.dtype = default_dtype(cpu_flags())
             if server_args.dtype != "auto":

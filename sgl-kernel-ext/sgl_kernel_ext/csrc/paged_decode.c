@@ -20,7 +20,7 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 /* e^x for x <= 0 to float32 rounding (Taylor degree 7 of 2^f on |f| <= 1/2,
  * relative error < 1e-8 before rounding). Plain arithmetic, so loops over it
  * vectorise, unlike libm's expf. Below -87 the result is flushed to 0. */
-static inline float exp_nonpos(float x) {
+static inline __attribute__((always_inline)) float exp_nonpos(float x) {
     float c = x < -87.0f ? -87.0f : x;
     float t = c * 1.44269504088896341f;
     float n = __builtin_rintf(t); /* nearest; an add-and-subtract trick would not survive -fassociative-math */
@@ -34,7 +34,8 @@ static inline float exp_nonpos(float x) {
 
 /* `n` elements of a pool of `dtype` from `offset`, as float32: the pool itself when
  * it is float32, else converted into `tile`. */
-static inline const float *page_f32(const void *base, int dtype, int64_t offset, int64_t n, float *tile) {
+static inline __attribute__((always_inline)) const float *page_f32(const void *base, int dtype, int64_t offset,
+                                                                     int64_t n, float *tile) {
     if (dtype == DT_F32) return (const float *)base + offset;
     if (dtype == DT_BF16) {
         const uint16_t *p = (const uint16_t *)base + offset;
@@ -49,6 +50,13 @@ static inline const float *page_f32(const void *base, int dtype, int64_t offset,
     return tile;
 }
 
+/* Tokens of one online-softmax update: pages join a block whole while it has room, so
+ * small pages (SGLang's default page of 1 token) share the update and its rescale of
+ * the running sums instead of paying them per token. */
+#ifndef BLOCK_TOKENS
+#define BLOCK_TOKENS 32
+#endif
+
 typedef struct {
     const float *q;        /* [bs, kv, group, d], already times sm_scale */
     const void *k_pool;    /* [num_pages, page_size, kv, d] */
@@ -58,10 +66,10 @@ typedef struct {
     const int64_t *table;  /* [bs, max_pages] page ids; >= num_pages: extra page */
     const int64_t *tokens; /* [bs, max_pages] valid tokens per listed page */
     int64_t num_pages, bs, max_pages, page_size, kv, group, d, dv;
-    int dtype, splits;
+    int dtype, splits, importance;
     float logit_cap;
-    float *page_max;   /* [bs, kv, max_pages, group] */
-    float *page_sum;   /* [bs, kv, max_pages, group] */
+    float *page_max;   /* [bs, kv, max_pages, group]: the logit each page's sum is taken from */
+    float *page_sum;   /* [bs, kv, max_pages, group]; both NULL without importance */
     float *split_max;  /* [bs, kv, splits, group] */
     float *split_sum;  /* [bs, kv, splits, group] */
     float *split_acc;  /* [bs, kv, splits, group, dv] */
@@ -70,58 +78,98 @@ typedef struct {
 /* One split of request b's page list, every KV head at once: a token's K (and V)
  * row holds all its KV heads side by side, so each row is read once, in order.
  * (Items per KV head would read every row once per head; past the last-level
- * cache that is once from memory per head.) Inlined into copies with G, D and DV
- * fixed at compile time for the common shapes, so the compiler unrolls the dot
- * products and keeps each head's sums in registers. */
+ * cache that is once from memory per head.) Pages are taken in blocks of up to
+ * BLOCK_TOKENS tokens (a larger page is a block of its own); a block's logits share
+ * one maximum, and with importance each page of it records that maximum and the sum
+ * of its own tokens' exp(logit - maximum), which is all its mass needs. Inlined into
+ * copies with G, D and DV fixed at compile time for the common shapes, so the
+ * compiler unrolls the dot products and keeps each head's sums in registers. With
+ * IMP a compile-time 0, the importance code is not there at all. */
 static inline __attribute__((always_inline)) void run_split_shape(const Args *a, int64_t b, int64_t s, const int64_t G,
-                                                                   const int64_t D, const int64_t DV) {
+                                                                   const int64_t D, const int64_t DV, const int IMP) {
     const int64_t P = a->page_size, KV = a->kv, MP = a->max_pages;
+    const int64_t BT = P > BLOCK_TOKENS ? P : BLOCK_TOKENS;
     const int64_t per = (MP + a->splits - 1) / a->splits;
     const int64_t j0 = s * per, j1 = j0 + per < MP ? j0 + per : MP;
     const float *q = a->q + b * KV * G * D;
-    float M[KV * G], L[KV * G], beta[KV * G], acc[KV * G * DV], logit[KV * G * P], tile[P * KV * (D > DV ? D : DV)];
+    const int converted = a->dtype != DT_F32;
+    float M[KV * G], L[KV * G], beta[KV * G], acc[KV * G * DV], logit[KV * G * BT];
+    float ktile[converted ? BT * KV * D : 1], vtile[converted ? BT * KV * DV : 1];
+    /* Per run of the block (pages whose rows follow one another in memory, read as one: a
+     * request's consecutive slots of 1-token pages, a converted tile): its K and V rows,
+     * tokens and first token in the block. Per page: tokens, first token, column. */
+    const float *rk[BT], *rv[BT];
+    int64_t rn[BT], rfirst[BT], pn[BT], first[BT], page_of[BT];
     for (int64_t x = 0; x < KV * G; x++) M[x] = -INFINITY, L[x] = 0.0f;
     memset(acc, 0, sizeof(float) * KV * G * DV);
-    for (int64_t j = j0; j < j1; j++) {
-        const int64_t col = b * MP + j, n = a->tokens[col];
-        if (n <= 0) {
-            for (int64_t h = 0; h < KV; h++)
-                for (int64_t g = 0; g < G; g++) {
-                    const int64_t at = ((b * KV + h) * MP + j) * G + g;
-                    a->page_max[at] = -INFINITY, a->page_sum[at] = 0.0f;
-                }
-            continue;
+    int64_t j = j0;
+    while (j < j1) {
+        int64_t n_tok = 0, n_pages = 0, n_runs = 0;
+        for (; j < j1; j++) {
+            const int64_t col = b * MP + j, n = a->tokens[col];
+            if (n <= 0) {
+                if (IMP)
+                    for (int64_t h = 0; h < KV; h++)
+                        for (int64_t g = 0; g < G; g++) {
+                            const int64_t at = ((b * KV + h) * MP + j) * G + g;
+                            a->page_max[at] = -INFINITY, a->page_sum[at] = 0.0f;
+                        }
+                continue;
+            }
+            if (n_tok + n > BT) break;
+            int64_t id = a->table[col];
+            const void *kb = a->k_pool, *vb = a->v_pool;
+            if (id >= a->num_pages) id -= a->num_pages, kb = a->k_extra, vb = a->v_extra;
+            const float *kp = page_f32(kb, a->dtype, id * P * KV * D, n * KV * D, ktile + (converted ? n_tok * KV * D : 0));
+            const float *vp =
+                page_f32(vb, a->dtype, id * P * KV * DV, n * KV * DV, vtile + (converted ? n_tok * KV * DV : 0));
+            const int64_t last = n_runs - 1;
+            if (n_runs && kp == rk[last] + rn[last] * KV * D && vp == rv[last] + rn[last] * KV * DV) {
+                rn[last] += n;
+            } else {
+                rk[n_runs] = kp, rv[n_runs] = vp, rn[n_runs] = n, rfirst[n_runs] = n_tok, n_runs++;
+            }
+            pn[n_pages] = n, first[n_pages] = n_tok, page_of[n_pages] = j, n_pages++;
+            n_tok += n;
         }
-        int64_t id = a->table[col];
-        const void *kb = a->k_pool, *vb = a->v_pool;
-        if (id >= a->num_pages) id -= a->num_pages, kb = a->k_extra, vb = a->v_extra;
-        const float *kp = page_f32(kb, a->dtype, id * P * KV * D, n * KV * D, tile);
-        for (int64_t t = 0; t < n; t++) {
-            const float *krow = kp + t * KV * D;
-            for (int64_t h = 0; h < KV; h++) {
-                const float *k = krow + h * D;
-                for (int64_t g = 0; g < G; g++) {
-                    const float *qg = q + (h * G + g) * D;
-                    float dot = 0.0f;
+        if (n_tok == 0) continue;
+        for (int64_t u = 0; u < n_runs; u++) {
+            const float *kp = rk[u];
+            const int64_t n = rn[u], t0 = rfirst[u];
+            for (int64_t t = 0; t < n; t++) {
+                const float *krow = kp + t * KV * D;
+                for (int64_t h = 0; h < KV; h++) {
+                    const float *k = krow + h * D;
+                    for (int64_t g = 0; g < G; g++) {
+                        const float *qg = q + (h * G + g) * D;
+                        float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                    for (int64_t i = 0; i < D; i++) dot += qg[i] * k[i];
-                    if (a->logit_cap > 0.0f) dot = a->logit_cap * tanhf(dot / a->logit_cap);
-                    logit[(h * G + g) * P + t] = dot;
+                        for (int64_t i = 0; i < D; i++) dot += qg[i] * k[i];
+                        if (a->logit_cap > 0.0f) dot = a->logit_cap * tanhf(dot / a->logit_cap);
+                        logit[(h * G + g) * BT + t0 + t] = dot;
+                    }
                 }
             }
         }
         for (int64_t x = 0; x < KV * G; x++) {
-            float *lg = logit + x * P;
+            float *lg = logit + x * BT;
             float m = lg[0];
-            for (int64_t t = 1; t < n; t++) m = lg[t] > m ? lg[t] : m;
+            for (int64_t t = 1; t < n_tok; t++) m = lg[t] > m ? lg[t] : m;
             float l = 0.0f;
 #pragma omp simd reduction(+ : l)
-            for (int64_t t = 0; t < n; t++) {
+            for (int64_t t = 0; t < n_tok; t++) {
                 lg[t] = exp_nonpos(lg[t] - m);
                 l += lg[t];
             }
-            const int64_t h = x / G, g = x % G, at = ((b * KV + h) * MP + j) * G + g;
-            a->page_max[at] = m, a->page_sum[at] = l;
+            if (IMP) {
+                const int64_t h = x / G, g = x % G;
+                for (int64_t p = 0; p < n_pages; p++) {
+                    float ps = 0.0f;
+                    for (int64_t t = first[p]; t < first[p] + pn[p]; t++) ps += lg[t];
+                    const int64_t at = ((b * KV + h) * MP + page_of[p]) * G + g;
+                    a->page_max[at] = m, a->page_sum[at] = ps;
+                }
+            }
             if (m > M[x]) { /* rescale what this split has so far to the new maximum */
                 const float alpha = M[x] == -INFINITY ? 0.0f : exp_nonpos(M[x] - m);
                 L[x] *= alpha;
@@ -133,17 +181,18 @@ static inline __attribute__((always_inline)) void run_split_shape(const Args *a,
             }
             L[x] += beta[x] * l;
         }
-        /* Per query head, the page's tokens in turn: its DV sums stay in registers. */
-        const float *vp = page_f32(vb, a->dtype, id * P * KV * DV, n * KV * DV, tile);
+        /* Per query head, the block's tokens in turn: its DV sums stay in registers. */
         for (int64_t x = 0; x < KV * G; x++) {
-            const float *v = vp + (x / G) * DV;
-            const float *w = logit + x * P;
+            const float *w = logit + x * BT;
             float r[DV];
             for (int64_t i = 0; i < DV; i++) r[i] = acc[x * DV + i];
-            for (int64_t t = 0; t < n; t++) {
-                const float wt = beta[x] * w[t];
+            for (int64_t u = 0; u < n_runs; u++) {
+                const float *v = rv[u] + (x / G) * DV, *wp = w + rfirst[u];
+                for (int64_t t = 0; t < rn[u]; t++) {
+                    const float wt = beta[x] * wp[t];
 #pragma omp simd
-                for (int64_t i = 0; i < DV; i++) r[i] += wt * v[t * KV * DV + i];
+                    for (int64_t i = 0; i < DV; i++) r[i] += wt * v[t * KV * DV + i];
+                }
             }
             for (int64_t i = 0; i < DV; i++) acc[x * DV + i] = r[i];
         }
@@ -155,19 +204,37 @@ static inline __attribute__((always_inline)) void run_split_shape(const Args *a,
     }
 }
 
-static void run_split(const Args *a, int64_t b, int64_t s) {
-    const int64_t G = a->group, D = a->d, DV = a->dv;
-#define SHAPE(g, d) \
-    if (G == g && D == d && DV == d) return run_split_shape(a, b, s, g, d, d);
-#define SHAPES(d) SHAPE(1, d) SHAPE(2, d) SHAPE(3, d) SHAPE(4, d) SHAPE(5, d) SHAPE(6, d) SHAPE(7, d) SHAPE(8, d)
-    SHAPES(64)
-    SHAPES(128)
+/* Every shape's copy, for importance on (IMP 1) or off (IMP 0). Each is a function of its
+ * own, optimised alone, so the importance-off decode is the same code whether or not the
+ * build also holds the importance one (-DSGL_PAGED_DECODE_NO_IMPORTANCE holds only it: the
+ * baseline the importance-off path is measured against). */
+#define SHAPE(g, d, IMPV) \
+    if (G == g && D == d && DV == d) return run_split_shape(a, b, s, g, d, d, IMPV);
+#define SHAPES(d, IMPV)                                                                                             \
+    SHAPE(1, d, IMPV) SHAPE(2, d, IMPV) SHAPE(3, d, IMPV) SHAPE(4, d, IMPV) SHAPE(5, d, IMPV) SHAPE(6, d, IMPV) \
+    SHAPE(7, d, IMPV) SHAPE(8, d, IMPV)
+#define DISPATCH(IMPV)                                     \
+    const int64_t G = a->group, D = a->d, DV = a->dv;      \
+    SHAPES(64, IMPV)                                       \
+    SHAPES(128, IMPV)                                      \
+    run_split_shape(a, b, s, G, D, DV, IMPV); /* any other shape, not unrolled */
+
+static __attribute__((noinline)) void run_split_off(const Args *a, int64_t b, int64_t s) { DISPATCH(0) }
+#ifndef SGL_PAGED_DECODE_NO_IMPORTANCE
+static __attribute__((noinline)) void run_split_on(const Args *a, int64_t b, int64_t s) { DISPATCH(1) }
+#endif
+#undef DISPATCH
 #undef SHAPES
 #undef SHAPE
-    run_split_shape(a, b, s, G, D, DV);
+
+static void run_split(const Args *a, int64_t b, int64_t s) {
+#ifndef SGL_PAGED_DECODE_NO_IMPORTANCE
+    if (a->importance) return run_split_on(a, b, s);
+#endif
+    run_split_off(a, b, s);
 }
 
-/* Combine the splits of (b, h): output, lse and the masses of its pages. */
+/* Combine the splits of (b, h): output, lse and (with importance) the masses of its pages. */
 static void merge(const Args *a, int64_t b, int64_t h, const float *sinks, const uint8_t *live, float *out,
                   float *lse, float *mass) {
     const int64_t G = a->group, DV = a->dv, KV = a->kv, S = a->splits, MP = a->max_pages;
@@ -195,6 +262,7 @@ static void merge(const Args *a, int64_t b, int64_t h, const float *sinks, const
         const float inv = 1.0f / denom;
         for (int64_t i = 0; i < DV; i++) o[i] *= inv;
         lse[b * KV * G + qh] = peak + logf(denom);
+        if (!a->importance) continue;
         /* mass[b, j, h] is the mean over the group of each head's share */
         const float *pmax = a->page_max + (b * KV + h) * MP * G;
         const float *psum = a->page_sum + (b * KV + h) * MP * G;
@@ -211,18 +279,22 @@ static void merge(const Args *a, int64_t b, int64_t h, const float *sinks, const
 int sgl_paged_decode(const float *q, const void *k_pool, const void *v_pool, const void *k_extra, const void *v_extra,
                      const int64_t *table, const int64_t *tokens, const uint8_t *live, const float *sinks,
                      int64_t num_pages, int64_t extra_pages, int64_t bs, int64_t max_pages, int64_t page_size, int64_t kv, int64_t group,
-                     int64_t d, int64_t dv, int dtype, int splits, float logit_cap, float *page_max, float *page_sum,
-                     float *split_max, float *split_sum, float *split_acc, float *out, float *lse, float *mass,
-                     int threads) {
+                     int64_t d, int64_t dv, int dtype, int splits, float logit_cap, int importance, float *page_max,
+                     float *page_sum, float *split_max, float *split_sum, float *split_acc, float *out, float *lse,
+                     float *mass, int threads) {
+#ifdef SGL_PAGED_DECODE_NO_IMPORTANCE
+    if (importance) return -1; /* this build has no importance code */
+#endif
     if (dtype < DT_F32 || dtype > DT_F16 || splits < 1 || page_size < 1 || group < 1) return -1;
+    if (importance && (!page_max || !page_sum || !mass)) return -1;
     for (int64_t c = 0; c < bs * max_pages; c++)
         if (tokens[c] > 0 && (table[c] < 0 || table[c] >= num_pages + (k_extra ? extra_pages : 0) || tokens[c] > page_size))
             return -2;
     Args a = {q, k_pool, v_pool, k_extra, v_extra, table, tokens, num_pages, bs, max_pages, page_size, kv, group, d, dv,
-              dtype, splits, logit_cap, page_max, page_sum, split_max, split_sum, split_acc};
+              dtype, splits, importance, logit_cap, page_max, page_sum, split_max, split_sum, split_acc};
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t it = 0; it < bs * splits; it++) run_split(&a, it / splits, it % splits);
-    memset(mass, 0, sizeof(float) * bs * max_pages * kv);
+    if (importance) memset(mass, 0, sizeof(float) * bs * max_pages * kv);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t it = 0; it < bs * kv; it++) merge(&a, it / kv, it % kv, sinks, live, out, lse, mass);
     return 0;
