@@ -154,3 +154,25 @@ class SLRU(Policy):
         self.prot.remove(keys)
         self.n_prot -= int(np.count_nonzero(self.seg[keys] == 2))
         self.seg[keys] = 0
+
+
+class SGLangSLRU(Policy):
+    """SGLang's ``slru`` on the prefix cache: a node covered by ``protected_hits``
+    requests or more (the one that inserted it counts, as SGLang's ``hit_count`` does)
+    is evicted after every other node; ties by recency.
+
+    Unlike :class:`SLRU` the protected segment has no cap: what SGLang runs.
+    """
+
+    name = "sglang_slru"
+    defaults = {"protected_hits": 2.0}
+    regimes = frozenset({"prefix"})
+
+    def reset(self, ctx: StreamContext) -> None:
+        self.count = np.zeros(ctx.n_keys, np.float64)
+        self.scale = float(ctx.n_events + 1)
+
+    def priorities(self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        c = np.where(hit, self.count[keys], 0.0) + 1.0
+        self.count[keys] = c
+        return (c >= self.protected_hits) * self.scale + t + np.arange(keys.shape[0]) / (keys.shape[0] + 1.0)
