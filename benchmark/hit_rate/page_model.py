@@ -1,7 +1,8 @@
 """The offline page model of a trace replay: the same pages, SGLang's radix rules, any policy.
 
 A scaled slice (``production_trace.py``) is replayed by the simulator's prefix cache
-(``sgl_importance.sim.prefix.replay_prefix``) with one radix node per page:
+(``sgl_importance.sim.prefix.replay_prefix``) on radix nodes of whole pages, split
+where SGLang's tree splits them (where a prompt or a sequence ends, where paths part):
 
 - a request's path is its full prompt pages (one per block that scales to a whole
   page), then the pages its own output fills: SGLang keeps the prompt and the KV of
@@ -11,7 +12,8 @@ A scaled slice (``production_trace.py``) is replayed by the simulator's prefix c
 - a hit is a resident prefix of the path, at most ``(prompt - 1) // page`` pages
   (SGLang computes at least one prompt token);
 - the budget is the device pool's tokens; requests are served one after another (the
-  live replay's closed loop at concurrency 1).
+  live replay's closed loop at concurrency 1), and before each, room is made for its
+  uncached prompt tokens plus one page, as SGLang's paged allocator asks.
 
 The pages carry no attention mass (the trace releases no text; the replay's token ids
 are synthetic), so importance plays no part here: ``shipped`` folds nothing.
@@ -51,6 +53,10 @@ class PageModel:
 def build(requests: Sequence[ScaledRequest], new_tokens: int = 4, page: int = PAGE) -> PageModel:
     """The page model of ``requests`` (in the order they are sent).
 
+    Pages are grouped into radix nodes as SGLang's tree splits them: a node ends
+    where a request's prompt or sequence ends, or where paths part, so every request
+    path is whole nodes and an eviction frees a whole node, as SGLang's does.
+
     Args:
         requests: the scaled slice.
         new_tokens: tokens each request generates.
@@ -58,48 +64,75 @@ def build(requests: Sequence[ScaledRequest], new_tokens: int = 4, page: int = PA
     """
     index: dict[tuple[int, int], int] = {}
     parent: list[int] = []
-    start: list[int] = []
+    depth_of: list[int] = []
     paths: list[list[int]] = []
+    ends: set[int] = set()
     for r in requests:
         path, up = [], -1
         for depth, block in enumerate(r.full_blocks):
             key = (up, block)
-            node = index.get(key)
-            if node is None:
-                node = index[key] = len(parent)
+            p = index.get(key)
+            if p is None:
+                p = index[key] = len(parent)
                 parent.append(up)
-                start.append(depth * page)
-            path.append(node)
-            up = node
+                depth_of.append(depth)
+            path.append(p)
+            up = p
+        if path:
+            ends.add(path[-1])  # the prompt, inserted when its prefill ends
         kept = (len(r.token_ids) + new_tokens - 1) // page
         for depth in range(len(path), kept):  # pages of this request alone
             parent.append(up)
-            start.append(depth * page)
+            depth_of.append(depth)
             up = len(parent) - 1
             path.append(up)
+        if path:
+            ends.add(path[-1])
         paths.append(path)
-    n = len(parent)
-    lens = np.asarray([len(p) for p in paths], np.int64)
+    children = np.bincount(np.asarray([p for p in parent if p >= 0], np.int64), minlength=len(parent))
+    node_of = np.empty(len(parent), np.int64)
+    node_parent, node_pages, node_start = [], [], []
+    for p, up in enumerate(parent):  # parents come before their children
+        if up < 0 or children[up] > 1 or up in ends:
+            node_of[p] = len(node_pages)
+            node_parent.append(int(node_of[up]) if up >= 0 else -1)
+            node_pages.append(1)
+            node_start.append(depth_of[p] * page)
+        else:
+            node_of[p] = node_of[up]
+            node_pages[node_of[up]] += 1
+    node_paths = [list(dict.fromkeys(node_of[path].tolist())) for path in paths]
+    n = len(node_pages)
+    lens = np.asarray([len(p) for p in node_paths], np.int64)
     ptr = np.zeros(len(paths) + 1, np.int64)
     np.cumsum(lens, out=ptr[1:])
-    flat = np.fromiter((x for p in paths for x in p), np.int64, count=int(ptr[-1]))
-    mass = np.repeat(1.0 / np.maximum(lens, 1), lens)  # token shares: no attention here
+    flat = np.fromiter((x for p in node_paths for x in p), np.int64, count=int(ptr[-1]))
+    tokens = np.asarray(node_pages, np.int64) * page
+    path_tokens = np.repeat(np.add.reduceat(tokens[flat], ptr[:-1]) if flat.size else np.zeros(0), lens)
     data = PrefixData(
-        node_parent=np.asarray(parent, np.int64),
-        node_tokens=np.full(n, page, np.int64),
+        node_parent=np.asarray(node_parent, np.int64),
+        node_tokens=tokens,
         node_ids=np.arange(n, dtype=np.int64),
         path_ptr=ptr,
         path_node=flat,
-        path_mass=mass,
+        path_mass=tokens[flat] / np.maximum(path_tokens, 1),  # token shares: no attention here
         request_id=np.arange(len(paths), dtype=np.int64),
         has_importance=False,
         page_size=page,
-        node_start=np.asarray(start, np.int64),
+        node_start=np.asarray(node_start, np.int64),
         request_steps=np.zeros(len(paths), np.int64),
         head_mass=np.zeros((len(paths), SINK_PAGES_MAX)),
     )
     prompt = np.asarray([len(r.token_ids) for r in requests], np.int64)
+    # SGLang evicts for a prefill's uncached tokens plus a page (its allocation margin);
+    # what of that is not a node the request inserts is held only while it runs.
+    data.transient_tokens = np.maximum(prompt + page - lens_tokens(node_paths, tokens), 0)
     return PageModel(data, (prompt - 1) // page * page, prompt)
+
+
+def lens_tokens(paths: list[list[int]], tokens: np.ndarray) -> np.ndarray:
+    """Tokens of each path's nodes."""
+    return np.asarray([int(tokens[p].sum()) for p in paths], np.int64)
 
 
 def cached_tokens(model: PageModel, policy: str | Policy, pool_tokens: int) -> np.ndarray:

@@ -21,6 +21,8 @@ from benchmark.hit_rate.production_trace import (
 from benchmark.hit_rate.trace_report import belady_share, offline_markdown
 from sgl_importance.importance.priority import ImportancePolicyConfig, PriorityWeights, eviction_priority
 from sgl_importance.importance.turnover import TurnoverClock
+from sgl_importance.sim.policies import make_policy
+from sgl_importance.sim.prefix import replay_prefix
 
 
 def conversations(n: int, turns: int, blocks: int = 2) -> list[dict]:
@@ -99,16 +101,21 @@ def request(blocks: tuple[int, ...], partial: int) -> ScaledRequest:
     return ScaledRequest(0.0, 0, ids, blocks)
 
 
-def test_the_page_model_hits_what_sglang_reports():
-    # 1: two pages + 14 tokens + 3 kept generated ones fill a third page of its own;
-    # 2: re-reads both pages; 3: a prompt of exactly two cached pages hits one (SGLang
-    # computes at least one token); 4: its own third page is not shared.
+def test_the_page_model_hits_and_evicts_what_sglang_would():
+    # 1: pages 1, 2 + 14 tokens + 3 kept generated ones fill a third page of its own;
+    # 2: re-reads pages 1-2 and adds page 3; 3: a prompt of exactly pages 1-2 hits one
+    # page (SGLang computes at least one token); 4: re-reads 1-2 and adds page 4.
     slice_ = [request((1, 2), 14), request((1, 2, 3), 4), request((1, 2), 0), request((1, 2, 4), 4)]
     model = page_model.build(slice_, new_tokens=4)
-    assert model.data.n_nodes == 5  # pages 1, 2, 3, 4 and request 1's own
+    # Radix nodes: pages 1-2 (no path parts or ends between them), request 1's own page, 3, 4.
+    assert model.data.node_tokens.tolist() == [32, 16, 16, 16]
     assert page_model.ideal(model).tolist() == [0, 32, 16, 32]
-    # A three-page pool: request 2's page 3 evicts request 1's own page first, not page 2.
-    assert page_model.cached_tokens(model, "lru", 48).tolist() == [0, 32, 16, 32]
+    # An 80-token pool: request 2 needs its 20 uncached prompt tokens plus a page (36) on
+    # top of the 48 cached, so request 1's own page goes; request 4 then evicts page 3.
+    evicted: list[int] = []
+    _, hits = replay_prefix(model.data, make_policy("lru"), 80, evictions=evicted)
+    assert evicted == [1, 2]
+    assert page_model.cached_tokens(model, "lru", 80).tolist() == [0, 32, 16, 32]
 
 
 def test_offline_rows_report_the_share_of_beladys_gain_taken(tmp_path):
