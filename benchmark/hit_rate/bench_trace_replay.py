@@ -37,10 +37,12 @@ from benchmark.hit_rate.production_trace import (
     CONVERSATION_TRACE,
     SYNTHETIC_TRACE,
     load_slice,
+    read_trace,
     shared_trace,
     slice_label,
+    turn_statistics,
 )
-from benchmark.hit_rate.trace_report import live_markdown, offline_markdown, plot
+from benchmark.hit_rate.trace_report import live_markdown, offline_markdown, plot, turns_markdown
 from sgl_importance.sim.shipped import Shipped
 
 POOLS = "8192,16384,32768"
@@ -158,6 +160,11 @@ def main(argv=None) -> int:
     rows = offline(a) if a.cmd == "offline" else live(a)
     (a.out / "results.json").write_text(json.dumps(rows, indent=1))
     text = offline_markdown(rows) if a.cmd == "offline" else live_markdown(rows)
+    if a.cmd == "offline":
+        # What re-reads can predict: each trace's turns and whether another follows.
+        for path in dict.fromkeys(s[1] for s in slices(a.slices, a.every, a.trace_dir)):
+            turns = turn_statistics(read_trace(path)[0])
+            text += f"\n{Path(path).name}, every conversation:\n\n" + turns_markdown(turns)
     (a.out / "results.md").write_text(text)
     plot(rows, a.out / "results.png", live=a.cmd == "live")
     print(text)

@@ -225,3 +225,33 @@ def slice_label(path: Path, every: int, seed: int, max_requests: Optional[int]) 
 def write_mooncake(path: Path, requests: Sequence[dict]) -> None:
     """Write rows in the Mooncake format (tests build small traces with it)."""
     Path(path).write_text("".join(json.dumps(r) + "\n" for r in requests))
+
+
+def turn_statistics(requests: Sequence[TraceRequest], last_turn: int = 7) -> list[dict]:
+    """Per turn of a conversation (turns past ``last_turn`` counted with it): requests,
+    the share followed by another turn of the same conversation, and the median gap
+    to it in seconds. What a priority built from a node's re-reads can know."""
+    turns: dict[int, list[TraceRequest]] = {}
+    for r in requests:
+        turns.setdefault(r.conversation, []).append(r)
+    rows: dict[int, dict] = {}
+    for rs in turns.values():
+        for k, r in enumerate(rs):
+            row = rows.setdefault(min(k + 1, last_turn), {"requests": 0, "followed": 0, "gaps": []})
+            row["requests"] += 1
+            if k + 1 < len(rs):
+                row["followed"] += 1
+                row["gaps"].append(rs[k + 1].arrival_s - r.arrival_s)
+    out = []
+    for turn in sorted(rows):
+        row = rows[turn]
+        gaps = sorted(row["gaps"])
+        out.append(
+            {
+                "turn": turn,
+                "requests": row["requests"],
+                "followed": row["followed"] / row["requests"],
+                "median_gap_s": gaps[len(gaps) // 2] if gaps else float("nan"),
+            }
+        )
+    return out

@@ -79,6 +79,16 @@ def live_markdown(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+def turns_markdown(rows: list[dict]) -> str:
+    """``production_trace.turn_statistics`` as a table."""
+    out = ["| turn | requests | followed by another turn | median gap to it (s) |", "|---|---|---|---|"]
+    last = rows[-1]["turn"] if rows else 0
+    for r in rows:
+        turn = f"{r['turn']}+" if r["turn"] == last else str(r["turn"])
+        out.append(f"| {turn} | {r['requests']:,} | {r['followed']:.2f} | {r['median_gap_s']:.0f} |")
+    return "\n".join(out) + "\n"
+
+
 def plot(rows: list[dict], path: Path, live: bool = False) -> None:
     """One panel per pool size: each policy's cached tokens as a share of the ideal
     (offline: mean over the conversation slices, bars; other slices as points; live:
@@ -113,9 +123,10 @@ def plot(rows: list[dict], path: Path, live: bool = False) -> None:
                 ax.bar(range(len(names)), [fmean(r[n] / r["ideal"] for r in conv) for n in names], color="tab:blue",
                        label=f"conversation ({len(conv)} slices, mean)")  # fmt: skip
                 ax.axhline(fmean(r["belady"] / r["ideal"] for r in conv), color="k", ls="--", label="Belady")
-            for r in other:
-                ax.plot(range(len(names)), [r[n] / r["ideal"] for n in names], "o", label=r["slice"])
-            ax.set_xticks(range(len(names)), [n.replace("shipped:", "shipped\n") for n in names], fontsize=7)
+            for r, color in zip(other, ("tab:red", "tab:green", "tab:purple")):
+                ax.plot(range(len(names)), [r[n] / r["ideal"] for n in names], "o", color=color, label=r["slice"])
+            short = [n.replace("shipped:form=credit", "credit").replace(":", "\n") for n in names]
+            ax.set_xticks(range(len(names)), short, fontsize=7, rotation=30)
         ax.set_title(f"device pool {pool // 1024}K tokens")
         ax.set_ylabel("cached prompt tokens / ideal")
         ax.legend(fontsize=7)
