@@ -125,7 +125,8 @@ def test_offline_rows_report_the_share_of_beladys_gain_taken(tmp_path):
     row = {"slice": "conversation test", "pool": 256, "requests": model.n_requests, "ideal": 0, "prompt_tokens": 0}
     for p in ("lru", "sglang_slru", "lfu", "reread_oracle", "belady"):
         row[p] = int(page_model.cached_tokens(model, p, 256).sum())
-    assert row["lru"] <= row["reread_oracle"] <= row["belady"]
+    # Knowing which pages come back beats recency; knowing when beats that.
+    assert row["lru"] < row["reread_oracle"] < row["belady"]
     assert belady_share(row["belady"], row["lru"], row["belady"]) == 1.0
     assert "`reread_oracle` | 0K" in offline_markdown([row])
 
