@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import requests
 
 from benchmark.hit_rate.production_trace import ScaledRequest
-from sgl_importance.client import greedy
+from sgl_importance.client import greedy, stream_generate
 from sgl_importance.local_server import HOST_MEMORY, PORT_CLASH, LocalServer, start_with_retry
 
 TIERS = ("device", "host", "storage")
@@ -111,26 +111,17 @@ def server_args(arm: Arm, pool: int, hicache: bool, hicache_ratio: float) -> lis
 
 def send(url: str, ids: Sequence[int], new_tokens: int, timeout: float = 600) -> dict:
     """One streamed greedy request: its TTFT and the cache report."""
-    body = {
-        "input_ids": list(ids),
-        "sampling_params": greedy(new_tokens, ignore_eos=True),
-        "stream": True,
-        "return_cached_tokens_details": True,
-    }
-    start = time.perf_counter()
-    ttft, last = None, None
-    with requests.post(url + "/generate", json=body, stream=True, timeout=timeout) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - start
-            last = json.loads(line[5:])
+    ttft, last = stream_generate(
+        url,
+        timeout=timeout,
+        input_ids=list(ids),
+        sampling_params=greedy(new_tokens, ignore_eos=True),
+        return_cached_tokens_details=True,
+    )
     meta = last["meta_info"]
     details = meta.get("cached_tokens_details") or {}
     cached = int(meta.get("cached_tokens", 0))
-    row = {"ttft_ms": 1000 * (ttft or 0.0), "prompt_tokens": int(meta["prompt_tokens"]), "cached": cached}
+    row = {"ttft_ms": 1000 * ttft, "prompt_tokens": int(meta["prompt_tokens"]), "cached": cached}
     row.update({t: int(details.get(t, 0)) for t in TIERS})
     if not details:
         row["device"] = cached

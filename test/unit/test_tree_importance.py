@@ -42,12 +42,17 @@ for policy in ("lru", "importance"):
     cache, _ = build(policy)
     out[policy] = [type(cache.tree_core).__name__, type(cache.components[ComponentType.FULL]).__name__]
 
-def scenario(config):
+def importance_cache(config):
+    # A cache under importance, and an insert of token ids that returns the leaf id.
     cache, alloc = build("importance", config)
-    core = cache.tree_core
     def insert(tokens):
         slots = alloc.alloc(len(tokens)).to(torch.int64)
         return cache.insert(InsertParams(key=RadixKey(list(tokens)), value=slots)).last_device_node
+    return cache, alloc, insert
+
+def scenario(config):
+    cache, alloc, insert = importance_cache(config)
+    core = cache.tree_core
     doc = insert(range(1000, 1016))                            # oldest
     one_offs = [insert(range(2000 + 100 * i, 2016 + 100 * i)) for i in range(3)]
     # Decode steps in which a request over the document attends it heavily.
@@ -94,11 +99,8 @@ out["demoted"] = {"same_object": core.node_by_id(node_id) is whole, "evicted": w
 # The credit form: a document re-read once outlives one-offs inserted after it; the
 # turnover clock counts the tokens of every new leaf over the allocator's pool.
 def credit(config):
-    cache, alloc = build("importance", config)
+    cache, _, insert = importance_cache(config)
     core = cache.tree_core
-    def insert(tokens):
-        slots = alloc.alloc(len(tokens)).to(torch.int64)
-        return cache.insert(InsertParams(key=RadixKey(list(tokens)), value=slots)).last_device_node
     doc = insert(range(1000, 1016))
     insert(range(1000, 1016))                                 # re-read: SGLang's hit_count 2
     fillers = [insert(range(2000 + 100 * i, 2016 + 100 * i)) for i in range(4)]
