@@ -141,7 +141,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     o = sub.choices["offline"]
     o.add_argument("--slices", default="conversation:1-7,synthetic")
     o.add_argument("--trace-dir", type=Path, default=None)
-    o.add_argument("--policies", default="shipped,shipped:form=credit,shipped:form=credit:reuse_credit=2,reread_oracle")
+    o.add_argument(
+        "--policies",
+        default="shipped,shipped:recency_horizon=512,shipped:reuse_weight=0.25,"
+        "shipped:form=credit,shipped:form=credit:reuse_credit=2,reread_oracle",
+    )
     v = sub.choices["live"]
     v.add_argument("--trace", type=Path, default=None)
     v.add_argument("--seed", type=int, default=1)
