@@ -29,7 +29,7 @@ from sgl_importance.local_server import start_with_retry
 from sgl_importance.sim.shipped import Shipped
 from support.server import Server, importance_torch_args
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 POOL = 512
 CREDIT = {"form": "credit", "reuse_credit": 1.0}
