@@ -29,10 +29,13 @@ from typing import Optional, Sequence
 import requests
 
 from benchmark.hit_rate.production_trace import ScaledRequest
+from benchmark.serving.bench_policies import wait_for_host_memory
 from sgl_importance.client import greedy, stream_generate
 from sgl_importance.local_server import HOST_MEMORY, PORT_CLASH, LocalServer, start_with_retry
 
 TIERS = ("device", "host", "storage")
+# How long a HiCache arm waits for host memory other processes hold (a shared machine).
+HOST_MEMORY_WAIT_S = 1800
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,8 @@ def run_arm(
     args = server_args(arm, pool, hicache, hicache_ratio)
 
     def make() -> LocalServer:
+        if hicache:  # SGLang refuses a host pool while 10 GiB are not free: wait for them
+            wait_for_host_memory(arm.name, HOST_MEMORY_WAIT_S)
         return LocalServer(model, args, run_dir / "server.log", env)
 
     server = start_with_retry(make, attempts=4, retry_on=(PORT_CLASH, HOST_MEMORY), pause_s=10, label=arm.name)
