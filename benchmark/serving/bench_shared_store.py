@@ -38,10 +38,8 @@ import threading
 import time
 from pathlib import Path
 
-import requests
-
 from benchmark.serving.bench_policies import git_state, wait_for_host_memory
-from sgl_importance.client import metrics_text
+from sgl_importance.client import metrics_text, stream_generate
 from sgl_importance.local_server import HOST_MEMORY, PORT_CLASH, LocalServer, metric, model_path, start_with_retry
 from sgl_importance.local_store import LocalStore, store_unavailable
 
@@ -81,23 +79,12 @@ def server_args(policy: str, tier: str, a: argparse.Namespace) -> list[str]:
 
 def send(server: LocalServer, text: str, output_len: int) -> dict:
     """One streamed greedy request: TTFT and the cache report."""
-    body = {
-        "text": text,
-        "sampling_params": {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True},
-        "stream": True,
-        "return_cached_tokens_details": True,
-    }
-    start = time.perf_counter()
-    ttft = None
-    last = None
-    with requests.post(server.url + "/generate", json=body, stream=True, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - start
-            last = json.loads(line[5:])
+    ttft, last = stream_generate(
+        server.url,
+        text=text,
+        sampling_params={"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True},
+        return_cached_tokens_details=True,
+    )
     meta = last["meta_info"]
     details = meta.get("cached_tokens_details") or {}
     return {

@@ -9,8 +9,10 @@ SGLang is reached only over HTTP or as a subprocess; nothing here imports it.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -40,6 +42,27 @@ def generate(url: str, *, timeout: float = 300, **body: Any) -> dict:
     r = requests.post(url + "/generate", json=body, timeout=timeout)
     r.raise_for_status()
     return r.json()
+
+
+def stream_generate(url: str, *, timeout: float = 600, **body: Any) -> tuple[float, dict]:
+    """POST ``body`` to ``url/generate`` with ``stream`` on; returns the seconds to the
+    first chunk (the time to first token) and the last chunk (its ``meta_info`` holds the
+    cache report when ``return_cached_tokens_details`` was asked for).
+
+    Raises:
+        requests.HTTPError: the server answered with an error status.
+    """
+    start = time.perf_counter()
+    first, last = None, {}
+    with requests.post(url + "/generate", json={**body, "stream": True}, stream=True, timeout=timeout) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            if first is None:
+                first = time.perf_counter() - start
+            last = json.loads(line[5:])
+    return (first or 0.0), last
 
 
 def chat(url: str, *, timeout: float = 300, **body: Any) -> dict:

@@ -41,6 +41,8 @@ from support.fake_tree import FakeNode
 PAGE = 4
 # Every term of the priority matters at this scale: a short horizon, reuse, sinks.
 CONFIG = {"recency_horizon": 6, "reuse_weight": 0.4, "decay": 0.9, "sink_pages": 1}
+# The credit form at this scale: a credit of a fraction of the budget's turnover.
+CREDIT = {"form": "credit", "reuse_credit": 0.6, "importance_credit": 0.3, "decay": 0.9, "sink_pages": 1}
 BUDGET = 15 * PAGE
 
 # node id -> (parent id or -1, pages)
@@ -108,6 +110,8 @@ class LiveTree:
         self.nodes: dict[int, FakeNode] = {}
         self.pages: dict[int, list[int]] = {}
         self.budget = budget_tokens
+        # The credit form's clock over a device pool of the budget's size.
+        strategy.state.turnover.pool_tokens = float(budget_tokens)
         self.used = 0
         self.free_pages = list(range(1, 64))
         self.table = PageImportanceTable(64, page_size=PAGE)
@@ -135,6 +139,10 @@ class LiveTree:
             parent = self.nodes.get(TREE[nid][0])
             node = FakeNode(nid, parent, TREE[nid][1] * PAGE)
             node.last_access_time = self.tick()
+            # SGLang counts the inserting request as the node's first hit, and its
+            # FULL component records the new leaf's tokens on the turnover clock.
+            node.hit_count = 1
+            self.strategy.state.turnover.record(node.last_access_time, TREE[nid][1] * PAGE)
             if parent is not None:
                 parent.children[nid] = node
             self.nodes[nid] = node
@@ -222,12 +230,13 @@ def simulated_eviction_order(requests: list, policy: Shipped) -> list[int]:
     return order
 
 
+@pytest.mark.parametrize("config", [CONFIG, CREDIT], ids=["blend", "credit"])
 @pytest.mark.parametrize("seed", [11, 1, 2, 3])
-def test_shipped_replays_the_live_strategys_eviction_order(seed):
+def test_shipped_replays_the_live_strategys_eviction_order(seed, config):
     requests = random_requests(seed, n=40)
-    live = live_eviction_order(requests, CONFIG)
+    live = live_eviction_order(requests, config)
     # The simulator takes the flag's JSON text, parsed by the same code.
-    simulated = simulated_eviction_order(requests, Shipped(config=json.dumps(CONFIG)))
+    simulated = simulated_eviction_order(requests, Shipped(config=json.dumps(config)))
     assert len(live) >= 30
     assert simulated == live
 
@@ -259,6 +268,31 @@ def test_the_sequence_tells_every_config_key_of_the_priority_apart(change):
     assert simulated_eviction_order(requests, Shipped(config={**CONFIG, **change})) != (
         live_eviction_order(requests, CONFIG)
     )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"form": "blend"},
+        {"reuse_credit": 0.2},
+        {"importance_credit": 0.0},
+        {"reuse_credit": 0, "importance_credit": 0, "pin_sinks": False},  # LRU on the turnover
+    ],
+)
+def test_the_sequence_tells_every_credit_key_apart(change):
+    requests = random_requests(11, n=40)
+    assert simulated_eviction_order(requests, Shipped(config={**CREDIT, **change})) != (
+        live_eviction_order(requests, CREDIT)
+    )
+
+
+def test_the_credit_forms_lru_is_lru_on_the_access_clock():
+    # The turnover is a monotone map of the access clock: without credits and sink
+    # pins the credit form evicts exactly what the blend's LRU configuration evicts.
+    requests = random_requests(2, n=40)
+    lru = {"importance_weight": 0, "reuse_weight": 0, "pin_sinks": False}
+    credit_lru = {"form": "credit", "reuse_credit": 0, "pin_sinks": False}
+    assert live_eviction_order(requests, credit_lru) == live_eviction_order(requests, lru)
 
 
 def test_the_sequence_tells_a_density_with_the_sink_page_apart(monkeypatch):

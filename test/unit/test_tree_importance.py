@@ -42,12 +42,17 @@ for policy in ("lru", "importance"):
     cache, _ = build(policy)
     out[policy] = [type(cache.tree_core).__name__, type(cache.components[ComponentType.FULL]).__name__]
 
-def scenario(config):
+def importance_cache(config):
+    # A cache under importance, and an insert of token ids that returns the leaf id.
     cache, alloc = build("importance", config)
-    core = cache.tree_core
     def insert(tokens):
         slots = alloc.alloc(len(tokens)).to(torch.int64)
         return cache.insert(InsertParams(key=RadixKey(list(tokens)), value=slots)).last_device_node
+    return cache, alloc, insert
+
+def scenario(config):
+    cache, alloc, insert = importance_cache(config)
+    core = cache.tree_core
     doc = insert(range(1000, 1016))                            # oldest
     one_offs = [insert(range(2000 + 100 * i, 2016 + 100 * i)) for i in range(3)]
     # Decode steps in which a request over the document attends it heavily.
@@ -90,6 +95,22 @@ node_id, value = whole.id, node_importance(whole)
 cache._demote(node_id, {ComponentType.FULL: 0})
 out["demoted"] = {"same_object": core.node_by_id(node_id) is whole, "evicted": whole.evicted,
                   "importance_kept": node_importance(whole) == value}
+
+# The credit form: a document re-read once outlives one-offs inserted after it; the
+# turnover clock counts the tokens of every new leaf over the allocator's pool.
+def credit(config):
+    cache, _, insert = importance_cache(config)
+    core = cache.tree_core
+    doc = insert(range(1000, 1016))
+    insert(range(1000, 1016))                                 # re-read: SGLang's hit_count 2
+    fillers = [insert(range(2000 + 100 * i, 2016 + 100 * i)) for i in range(4)]
+    cache.evict(EvictParams(num_tokens=16))
+    gone = [n for n in [doc, *fillers] if n not in core._node_arena]
+    turnover = state_of(cache).turnover
+    return {"evicted": ["doc" if n == doc else f"filler{fillers.index(n)}" for n in gone],
+            "total": turnover.total, "pool": turnover.pool_tokens}
+out["credit"] = credit({"form": "credit", "reuse_credit": 1.0})
+out["credit_lru"] = credit({"form": "credit", "reuse_credit": 0.0, "pin_sinks": False})
 print("RESULT " + json.dumps(out))
 """
 
@@ -122,6 +143,13 @@ def test_a_split_gives_both_halves_the_importance_and_their_positions(result):
     assert split["starts"] == [0, 8]
     # sink_pages=1 is one 4-token page: the 8-token prefix straddles it, so it is not pinned.
     assert split["pinned"] == [False, False]
+
+
+def test_the_credit_form_keeps_a_re_read_document_that_its_lru_evicts(result):
+    # Inserted once and re-read, then four one-off leaves: 64 tokens of a 256-token
+    # pool's turnover since the re-read, under a credit of half a pool for one re-read.
+    assert result["credit"] == {"evicted": ["filler0"], "total": 80.0, "pool": 256.0}
+    assert result["credit_lru"]["evicted"] == ["doc"]
 
 
 def test_demotion_to_the_host_tier_keeps_the_node_object_and_its_importance(result):

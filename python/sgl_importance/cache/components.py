@@ -1,6 +1,6 @@
 """The FULL tree component the unified radix cache builds under ``importance``.
 
-Three jobs:
+Four jobs:
 
 - A radix split (``UnifiedTreeCore._split_node``) creates a new prefix node and
   leaves the suffix in the old object; SGLang's FULL component divides the KV
@@ -12,6 +12,8 @@ Three jobs:
   which never calls a Python eviction strategy; a FULL override makes SGLang's own
   selection (``tree_core_registry._rust_fallback_reason``) choose the Python core,
   for this cache only and only when the policy is ``importance``.
+- Recording each new leaf's tokens on the cache's ``TurnoverClock`` (with the device
+  pool's size), the clock of the priority's ``credit`` form.
 - Counting evictions by tier, with the evicted node's importance
   (``sgl_importance:evicted_*``), when SGLang's metrics are on; noting nodes
   demoted while important (the prefetch's warm candidates) and prefetched nodes
@@ -47,6 +49,16 @@ class ImportanceFullComponent(FullComponent):
         super().redistribute_on_node_split(new_parent, child)
         self._state.aggregator.split(new_parent, child, len(new_parent.key), self.tree_core.page_size)
         split_state(new_parent, child)
+
+    def commit_insert_component_data(
+        self, node: Any, is_new_leaf: bool, params: Any, result: Any, cache_actions: list
+    ) -> None:
+        super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
+        if is_new_leaf:
+            turnover = self._state.turnover
+            if not turnover.pool_tokens:
+                turnover.pool_tokens = float(self.cache.token_to_kv_pool_allocator.size)
+            turnover.record(node.last_access_time, len(node.key))
 
     def evict_component(
         self,

@@ -7,6 +7,7 @@ code from the runtime (``Runtime.cache_state``). It holds:
 
 - ``config``: the policy's ``--radix-eviction-policy-config``;
 - ``aggregator``: the fold of the page importance table into node importance, and its scale;
+- ``turnover``: KV tokens the tree inserted, by access tick (the ``credit`` form's clock);
 - ``admission``: the L3 admission rule; ``warm``: the prefetch's warm candidates;
   ``stored``: the importance of pages dropped to the storage tier;
 - what the runtime shares with it: the process's metrics, and, read
@@ -25,6 +26,7 @@ from sgl_importance.cache.prefetch import WarmIndex
 from sgl_importance.cache.stored import StoredImportance
 from sgl_importance.importance.aggregator import ImportanceAggregator
 from sgl_importance.importance.priority import ImportancePolicyConfig
+from sgl_importance.importance.turnover import TurnoverClock
 from sgl_importance.metrics import Metrics
 
 
@@ -49,6 +51,8 @@ class CacheState:
         self.config = ImportancePolicyConfig.from_mapping(config)
         c = self.config
         self.aggregator = ImportanceAggregator(decay=c.decay, sink_pages=c.sink_pages)
+        # Recorded by the FULL component at each new leaf (cache/components.py).
+        self.turnover = TurnoverClock()
         self.admission = StorageAdmission(min_hits=c.storage_min_hits, min_importance=float(c.storage_min_importance))
         # Nodes demoted while important: what the prefetch warms back.
         self.warm = WarmIndex()

@@ -11,12 +11,17 @@ policy replays), which blends:
   the aggregator's running maximum to [0, 1];
 - recency: ``exp(-age / recency_horizon)`` over SGLang's logical access clock
   (``node.last_access_time``);
-- reuse: ``hit_count / (hit_count + 1)``.
+- reuse: ``r / (r + 1)``, r = ``hit_count - 1`` (SGLang counts the inserting request
+  as the node's first hit; the simulator counts re-reads only).
+
+Under ``form: "credit"`` the order is instead LRU on the device pool's turnover (the
+cache's ``TurnoverClock``) with reuse and importance credits.
 
 Attention-sink nodes (``NodeState.pinned``) form a band evicted after all
 others when ``pin_sinks`` is on. Ties fall back to ``last_access_time``, so with
 ``importance_weight=0, reuse_weight=0, pin_sinks=false`` the order is exactly LRU —
-the A/B baseline inside the same code path.
+the A/B baseline inside the same code path (under ``credit``: ``reuse_credit=0,
+pin_sinks=false``).
 
 The strategy is SGLang's shape and nothing more: priorities. The cache's state (the
 aggregator, L3 admission, the prefetch's candidates, stored importance) is a
@@ -84,6 +89,7 @@ class ImportanceStrategy(EvictionStrategy):
         # Resolved once: get_priority runs once per evictable leaf per pass.
         self._weights = PriorityWeights.of(self.state.config)
         self._aggregator = self.state.aggregator
+        self._turnover = self.state.turnover
         # "Now" on last_access_time's scale; tests substitute their own clock.
         self.clock: Callable[[], float] = SGLangAccessClock()
 
@@ -94,16 +100,24 @@ class ImportanceStrategy(EvictionStrategy):
         return eviction_priority(self._weights, 0.0, False, now, 0, now, self._aggregator.scale)
 
     def get_priority(self, node: Any) -> tuple[int, float, float]:
-        """(band, blended score, last_access_time); smaller is evicted first."""
+        """(band, score, last_access_time); smaller is evicted first."""
+        last = node.last_access_time
         return eviction_priority(
             self._weights,
             node_importance(node),
             node_pinned(node),
-            node.last_access_time,
-            node.hit_count,
+            last,
+            reuses(node),
             self.clock(),
             self._aggregator.scale,
+            self._turnover.pools_since(last) if self._weights.credit else 0.0,
         )
+
+
+def reuses(node: Any) -> int:
+    """Requests that re-read the node after the one that inserted it: SGLang's
+    ``hit_count`` counts every request whose prompt covered the node, the first too."""
+    return max(node.hit_count - 1, 0)
 
 
 def check_cli_args(args: Any) -> None:

@@ -6,16 +6,25 @@
 JSON (:func:`parse_policy_config`), so a replay verdict about ``shipped`` is a verdict
 about the deployed policy. Plain Python: no SGLang, no torch, no numpy.
 
-The priority blends three O(1) fields of a node:
+Two forms (the ``form`` key). ``blend`` (the default) blends three O(1) fields of a node:
 
 - persistent importance (an EMA of attention density, ``importance/aggregator.py``)
   divided by the aggregator's running maximum and clipped to [0, 1];
 - recency ``exp(-age / recency_horizon)`` on SGLang's logical access clock;
-- reuse ``hit_count / (hit_count + 1)``.
+- reuse ``r / (r + 1)``, r = the requests that re-read the node after the one that
+  inserted it (SGLang's ``hit_count`` less that first one).
+
+``credit`` is LRU on the device pool's turnover (``importance/turnover.py``: KV tokens
+inserted since the node's last access, in pools) with credits: a node re-read r times
+counts as ``reuse_credit * r / (r + 1)`` pools younger, and ``importance_credit`` pools
+younger per unit of normalised importance. On production conversation traffic a
+history re-read once is more likely to be re-read again than a one-off prompt is to
+come back at all (``benchmark/hit_rate/RESULTS.md``, the production-trace replay).
 
 Attention-sink nodes form a band (the priority's first element) evicted after every
 other node when ``pin_sinks`` is on; ties fall back to the last access time, so with
-``importance_weight=0, reuse_weight=0, pin_sinks=false`` the order is exactly LRU.
+``importance_weight=0, reuse_weight=0, pin_sinks=false`` (blend) or ``reuse_credit=0,
+pin_sinks=false`` (credit) the order is exactly LRU.
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ HORIZON_MAX = 1e12
 HITS_MAX = 1_000_000
 PREFETCH_TOKENS_MAX = 1 << 24
 DECAY_RANGE = "a number in (0, 1)"
+FORMS = ("blend", "credit")
+CREDIT_MAX = 1000.0
 SINK_PAGES_MAX = 64
 
 
@@ -69,7 +80,7 @@ class ImportancePolicyConfig:
     importance_weight: float = 1.0
     # Weight of recency, exp(-age / recency_horizon).
     recency_weight: float = 1.0
-    # Weight of reuse, hit_count / (hit_count + 1).
+    # Weight of reuse, r / (r + 1), r = re-reads after the inserting request.
     reuse_weight: float = 0.5
     # Age, in ticks of SGLang's logical access clock (one tick per node touched or
     # created), at which recency has fallen to 1/e.
@@ -94,6 +105,14 @@ class ImportancePolicyConfig:
     # default: on the serving benchmark 92 % of warmed tokens were evicted unused
     # (benchmark/serving/RESULTS.md); it pays when a few hot documents recur.
     prefetch_min_importance: float = 0.0
+    # The priority's form: "blend" (the weights above) or "credit" (LRU on the device
+    # pool's turnover, with the two credits below; the blend's weights, horizon and
+    # importance EMA's role in the order are then unused).
+    form: str = "blend"
+    # credit: pools of turnover a node re-read r times is credited, times r / (r + 1).
+    reuse_credit: float = 1.0
+    # credit: pools of turnover credited per unit of normalised importance.
+    importance_credit: float = 0.0
 
     def __post_init__(self) -> None:
         weight_range = f"a number in [0, {WEIGHT_MAX:g}]"
@@ -111,6 +130,11 @@ class ImportancePolicyConfig:
         _number("storage_min_importance", self.storage_min_importance, 0.0, 1.0, "a number in [0, 1]")
         _integer("prefetch_max_tokens", self.prefetch_max_tokens, PREFETCH_TOKENS_MAX)
         _number("prefetch_min_importance", self.prefetch_min_importance, 0.0, 1.0, "a number in [0, 1]")
+        if self.form not in FORMS:
+            raise invalid(f"{FLAG} form={self.form!r}", ", ".join(map(repr, FORMS)))
+        credit_range = f"a number in [0, {CREDIT_MAX:g}]"
+        for key in ("reuse_credit", "importance_credit"):
+            _number(key, getattr(self, key), 0.0, CREDIT_MAX, credit_range)
 
     @classmethod
     def from_mapping(cls, config: Optional[Mapping[str, Any]]) -> "ImportancePolicyConfig":
@@ -153,6 +177,9 @@ class PriorityWeights(NamedTuple):
     reuse: float
     inv_horizon: float
     pin_sinks: bool
+    credit: bool = False
+    reuse_credit: float = 0.0
+    importance_credit: float = 0.0
 
     @classmethod
     def of(cls, config: ImportancePolicyConfig) -> "PriorityWeights":
@@ -162,6 +189,9 @@ class PriorityWeights(NamedTuple):
             config.reuse_weight,
             1.0 / config.recency_horizon,
             config.pin_sinks,
+            config.form == "credit",
+            config.reuse_credit,
+            config.importance_credit,
         )
 
 
@@ -170,11 +200,12 @@ def eviction_priority(
     importance: float,
     pinned: bool,
     last_access: float,
-    hit_count: int,
+    reuses: int,
     now: float,
     scale: float,
+    pools_since_access: float = 0.0,
 ) -> tuple[int, float, float]:
-    """(band, blended score, last access); the smallest is evicted first.
+    """(band, score, last access); the smallest is evicted first.
 
     The band is 1 for a pinned sink node (``pin_sinks`` on), else 0: it orders before
     the score, so every other node is evicted first.
@@ -184,18 +215,24 @@ def eviction_priority(
         importance: the node's persistent importance (0 if never attended).
         pinned: the node lies inside its sequence's attention-sink pages.
         last_access: the node's last access time on the access clock.
-        hit_count: how often the node was reused.
+        reuses: requests that re-read the node after the one that inserted it.
         now: the access clock's current value.
         scale: the aggregator's running maximum of importance (0: none yet).
+        pools_since_access: device pools' worth of KV inserted since the last access
+            (``TurnoverClock.pools_since``); read by the ``credit`` form only.
     """
-    score = 0.0
-    if weights.importance and scale > 0.0:
+    band = 1 if weights.pin_sinks and pinned else 0
+    share = 0.0
+    if scale > 0.0 and (weights.importance or weights.importance_credit):
         share = importance / scale
-        score += weights.importance * (share if share < 1.0 else 1.0)
+        share = share if share < 1.0 else 1.0
+    if weights.credit:
+        credited = pools_since_access - weights.reuse_credit * reuses / (reuses + 1.0)
+        return (band, weights.importance_credit * share - credited, last_access)
+    score = weights.importance * share
     if weights.recency:
         age = now - last_access
         score += weights.recency * (math.exp(-age * weights.inv_horizon) if age > 0 else 1.0)
     if weights.reuse:
-        score += weights.reuse * hit_count / (hit_count + 1.0)
-    band = 1 if weights.pin_sinks and pinned else 0
+        score += weights.reuse * reuses / (reuses + 1.0)
     return (band, score, last_access)

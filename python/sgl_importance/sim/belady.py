@@ -60,3 +60,21 @@ class Belady(Policy):
 
     def priorities(self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int) -> np.ndarray:
         return -self.next[lo:hi]
+
+
+class ReReadOracle(Policy):
+    """Offline: evict first what will never be demanded again, LRU within each class.
+
+    Knows *whether* a page is re-read, not *when* (Belady knows when): the bound of
+    any priority whose only job is to predict re-reads.
+    """
+
+    name = "reread_oracle"
+    offline = True
+
+    def reset(self, ctx: StreamContext) -> None:
+        self.again = next_use(ctx.row_keys, ctx.ev_row_ptr, ctx.ev_demand) < ctx.n_events
+        self.scale = float(ctx.n_events + 1)
+
+    def priorities(self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        return self.again[lo:hi] * self.scale + t + np.arange(keys.shape[0]) / (keys.shape[0] + 1.0)

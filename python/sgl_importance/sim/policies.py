@@ -14,10 +14,10 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Iterable, Mapping, Sequence
 
-from sgl_importance.sim.belady import Belady
+from sgl_importance.sim.belady import Belady, ReReadOracle
 from sgl_importance.sim.mass_policies import H2O, Blend, DecayedMass, PrefetchDecayedMass
 from sgl_importance.sim.policy_base import Policy
-from sgl_importance.sim.recency_policies import LFU, LRU, SLRU, TLRU, LRUMass
+from sgl_importance.sim.recency_policies import LFU, LRU, SLRU, TLRU, LRUMass, SGLangSLRU
 from sgl_importance.sim.shipped import Shipped
 
 
@@ -33,7 +33,19 @@ def _by_name(*classes: type[Policy]) -> Mapping[str, type[Policy]]:
 
 # Every policy a spec may name, in the order reports list them by default.
 POLICIES: Mapping[str, type[Policy]] = _by_name(
-    LRU, LRUMass, LFU, TLRU, H2O, DecayedMass, Blend, SLRU, PrefetchDecayedMass, Belady, Shipped
+    LRU,
+    LRUMass,
+    LFU,
+    TLRU,
+    H2O,
+    DecayedMass,
+    Blend,
+    SLRU,
+    PrefetchDecayedMass,
+    Belady,
+    Shipped,
+    SGLangSLRU,
+    ReReadOracle,
 )
 
 

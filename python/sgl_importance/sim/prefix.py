@@ -76,6 +76,9 @@ class PrefixData:
     node_start: np.ndarray | None = None
     request_steps: np.ndarray | None = None
     head_mass: np.ndarray | None = None
+    # Tokens each request holds while it runs beyond the nodes it inserts (its partial
+    # last page, an allocator's margin): room the eviction before it must free too.
+    transient_tokens: np.ndarray | None = None
 
     @property
     def n_nodes(self) -> int:
@@ -317,6 +320,8 @@ def replay_prefix(
         if ranked:
             policy.matched(path, h)
         need = sum(tok[x] for x in path[h:])
+        if pd.transient_tokens is not None:
+            need += int(pd.transient_tokens[r])
         pinned = set(path)
         if ranked and used + need > budget:
             leaves = [x for x in range(n) if resident[x] and not nchild[x] and x not in pinned]

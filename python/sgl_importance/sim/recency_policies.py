@@ -51,10 +51,14 @@ class LFU(Policy):
         self.count = np.zeros(ctx.n_keys, np.float64)
         self.scale = float(ctx.n_events + 1)
 
-    def priorities(self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    def counted(self, keys: np.ndarray, hit: np.ndarray) -> np.ndarray:
+        """Count this use of ``keys`` (a key admitted again starts over at 1)."""
         c = np.where(hit, self.count[keys], 0.0) + 1.0
         self.count[keys] = c
-        return c * self.scale + t
+        return c
+
+    def priorities(self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        return self.counted(keys, hit) * self.scale + t
 
 
 class TLRU(Policy):
@@ -154,3 +158,20 @@ class SLRU(Policy):
         self.prot.remove(keys)
         self.n_prot -= int(np.count_nonzero(self.seg[keys] == 2))
         self.seg[keys] = 0
+
+
+class SGLangSLRU(LFU):
+    """SGLang's ``slru`` on the prefix cache: a node covered by ``protected_hits``
+    requests or more (the one that inserted it counts, as SGLang's ``hit_count`` does)
+    is evicted after every other node; ties by recency.
+
+    Unlike :class:`SLRU` the protected segment has no cap: what SGLang runs.
+    """
+
+    name = "sglang_slru"
+    defaults = {"protected_hits": 2.0}
+    regimes = frozenset({"prefix"})
+
+    def priorities(self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        protected = self.counted(keys, hit) >= self.protected_hits
+        return protected * self.scale + t + np.arange(keys.shape[0]) / (keys.shape[0] + 1.0)

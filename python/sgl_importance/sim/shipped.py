@@ -11,7 +11,10 @@ simulator supplies is the node state the server keeps, rebuilt from the trace:
   (the largest importance folded, decaying by ``decay`` per step);
 - pinned: the key lies inside the first ``sink_pages`` pages of its sequence;
 - last access: a logical clock like SGLang's (below), and ``now`` = its next tick;
-- hit count: reuses while resident, reset when the key is admitted again.
+- reuses: re-reads while resident, reset when the key is admitted again (the server
+  reads SGLang's ``hit_count`` less the inserting request);
+- the ``credit`` form's turnover: tokens inserted so far, and at each key's last
+  access, over the budget (the server's ``TurnoverClock`` over its device pool).
 
 Unlike the research variants, the priority depends on ``now`` and on ``scale``, so
 it is not time-invariant: it is ranked when an eviction happens, over every
@@ -102,6 +105,10 @@ class Shipped(Policy):
         self.last = np.zeros(n, np.float64)
         self.hits = np.zeros(n, np.int64)
         self.scale = 0.0
+        # Tokens (prefix regime; pages in the hot set) inserted so far, and at each key's last access.
+        self.inserted_tokens = 0.0
+        self.last_inserted = np.zeros(n, np.float64)
+        self.pool = float(max(ctx.budget, 1))
         # SGLang's counter starts at 1 and "now" is the value it would hand out next.
         self.clock = 1.0
 
@@ -114,6 +121,7 @@ class Shipped(Policy):
             int(self.hits[key]),
             now,
             self.scale,
+            (self.inserted_tokens - self.last_inserted[key]) / self.pool,
         )
 
     def _fold(self, keys: np.ndarray, density: np.ndarray, pinned: np.ndarray, steps: int) -> None:
@@ -136,6 +144,7 @@ class Shipped(Policy):
         for depth, x in enumerate(path[:hit]):
             self.last[x] = tick - (hit - 1 - depth) * ANCESTOR_STEP
             self.hits[x] += 1
+            self.last_inserted[x] = self.inserted_tokens
 
     def inserted(self, keys: list[int]) -> None:
         """New tree nodes, ancestors first: bare state, one tick each."""
@@ -145,6 +154,8 @@ class Shipped(Policy):
             self.hits[x] = 0
             self.last[x] = self.clock
             self.clock += 1.0
+            self.inserted_tokens += float(self.ctx.key_tokens[x])
+            self.last_inserted[x] = self.inserted_tokens
 
     def decoded(self, r: int, keys: np.ndarray, lo: int) -> None:
         """Fold request ``r``'s decode steps into its path nodes ``keys`` (rows ``lo:``)."""
@@ -181,6 +192,8 @@ class Shipped(Policy):
     def touch(self, keys: np.ndarray, masses: np.ndarray, t: int, hit: np.ndarray, lo: int, hi: int) -> None:
         ctx = self.ctx
         self.hits[keys] = np.where(hit, self.hits[keys] + 1, 0)
+        self.inserted_tokens += float(np.count_nonzero(~hit))
+        self.last_inserted[keys] = self.inserted_tokens
         self.last[keys] = self.clock
         self.clock += 1.0
         end = int(ctx.ev_row_ptr[t + 1])
