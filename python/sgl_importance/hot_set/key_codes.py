@@ -258,8 +258,8 @@ class GuardPool:
 
     def gather_norms(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """One layer's value norms ``[kv_heads, *ids.shape]`` of rows ``ids`` (padding: garbage,
-        masked by the caller's valid flags)."""
-        at = self._norm_at(ids.reshape(-1).to(self.device))
+        masked by the caller's valid flags); ``ids`` on the pool's device (inside a step: no copy)."""
+        at = self._norm_at(ids.reshape(-1))
         return self.norms[layer][at].T.reshape(self.num_kv_heads, *ids.shape)
 
     def gather(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,7 +268,7 @@ class GuardPool:
         flat = ids.reshape(-1).to(self.device)
         codes = self.codes[layer].index_select(1, flat)
         h = self.num_kv_heads
-        return codes.view(h, *ids.shape, *codes.shape[2:]), self.gather_norms(layer, ids)
+        return codes.view(h, *ids.shape, *codes.shape[2:]), self.gather_norms(layer, flat.view(ids.shape))
 
 
 def _fused(k: torch.Tensor, v: torch.Tensor) -> bool:
