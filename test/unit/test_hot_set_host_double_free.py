@@ -43,6 +43,7 @@ from array import array
 from types import SimpleNamespace
 
 import torch
+import msgspec
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
 from sglang.srt.mem_cache import common
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -79,6 +80,9 @@ class World:
             _importance=config,
         )
         server_args = self.override.install()
+        # --attention-backend importance_torch, as a launch names it (the override drops it;
+        # the runtime refuses a hot set without one of the plugin's decode backends).
+        msgspec.Struct.__setattr__(server_args, "attention_backend", "importance_torch")
         self.rt = runtime.start(None, server_args)  # as before Scheduler.__init__
         self.kv = MHATokenToKVPool(DEVICE_TOKENS, page_size=P, dtype=torch.float32, head_num=1, head_dim=8,
                                    layer_num=LAYERS, device="cpu", enable_memory_saver=False)
