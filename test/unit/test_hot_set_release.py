@@ -636,6 +636,15 @@ class Chunked:
         return False
 
 
+def assert_same_but_rounding(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal within float32 rounding. The C kernel reads a request's adjacent device pages
+    as one run and a page staged from its host copy as a run of its own; on some CPUs
+    (``-march=native`` vectorising a run's value sums with more than one accumulator) the
+    order of those sums follows the runs. Bitwise equal on the development VM, not on CI's;
+    a wrong page, token or weight is orders of magnitude past this."""
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def placed_world(guard: float) -> tuple[ArrayPools, Residency, Placed]:
     """40 device and 40 host pages, release past 8 tokens, a decoder over them."""
     tiers = array_pools(device_pages=40, host_pages=40)
@@ -717,7 +726,7 @@ def test_a_prompt_streamed_in_chunks_decodes_as_the_one_whose_pages_stayed(guard
         outputs[streamed, "ranges"] = key_min
     for (dense, _), (streamed, _) in zip(outputs[False], outputs[True]):
         for a, b in zip(dense, streamed):
-            assert torch.equal(a, b)
+            assert_same_but_rounding(a, b)
     assert torch.equal(outputs[False, "ranges"], outputs[True, "ranges"])
     # The first step read the released pages from their host copies (every layer).
     assert outputs[True][0][1].pages_read_from_host >= 4 * CHUNK_PAGES - 2
@@ -800,7 +809,7 @@ def test_a_history_lent_from_host_copies_decodes_as_the_one_loaded_back(guard):
         assert all(int(s) // PAGE not in tiers.free_host_pages for s in tree_host[::PAGE])
     for (loaded, _), (read, _) in zip(outputs[False], outputs[True]):
         for a, b in zip(loaded, read):
-            assert torch.equal(a, b)
+            assert_same_but_rounding(a, b)
     assert torch.equal(outputs[False, "ranges"], outputs[True, "ranges"])
     # The first step read the host part from the tree's host copies.
     assert outputs[True][0][1].pages_read_from_host >= HISTORY_PAGES - ON_DEVICE
