@@ -46,9 +46,9 @@ ARGS = [
     "--dtype", "float32",
     "--page-size", str(PAGE), "--attention-backend", "importance_torch",
     "--radix-eviction-policy", "importance", "--enable-hierarchical-cache", "--hicache-ratio", "4",
-    # 7,600 tokens of memory leave the KV pool 5,152 beside the hot set's pools (key codes
-    # and key ranges at the auto coverage): room for the 4,000-token prompt beside a decoding turn.
-    "--hicache-storage-backend", "file", "--max-total-tokens", "7600", "--enable-metrics",
+    # A 5,152-token KV pool (the hot set's key codes and ranges borrow their rows from it):
+    # room for the 4,000-token prompt beside a decoding turn, not for the held prefix too.
+    "--hicache-storage-backend", "file", "--max-total-tokens", "5152", "--enable-metrics",
     "--hot-set-policy", "importance", "--hot-set-budget", "0.2", "--hot-set-threshold", "256",
     # The third turn's storage hit must not depend on how busy the machine is (best_effort may admit first).
     "--hicache-storage-prefetch-policy", "wait_complete",
