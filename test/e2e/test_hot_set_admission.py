@@ -34,7 +34,7 @@ PROMPT = 256
 NEW = 640
 ARGS = [
     "--attention-backend", "importance_torch", "--enable-hierarchical-cache",
-    "--max-total-tokens", "4096", "--page-size", str(PAGE), "--dtype", "float32",
+    "--max-total-tokens", "3584", "--page-size", str(PAGE), "--dtype", "float32",
     "--hot-set-policy", "importance", "--hot-set-budget", "0.2", "--hot-set-threshold", "512",
     "--hot-set-guard-threshold", "1", "--enable-metrics", "--decode-log-interval", "1",
 ]  # fmt: skip
