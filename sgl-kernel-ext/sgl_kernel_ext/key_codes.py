@@ -445,22 +445,3 @@ def key_code_pages_ranged(
         NORM_HALVES=halves, NORM_PER_PAGE=per_page, NORM_ROWS=norm_rows,
     )  # fmt: skip
     return lse, err, norm_out
-    if norms.shape[0] != kv or norms.stride(1) != 1:
-        raise ValueError(f"norms {tuple(norms.shape)} must be [{kv}, rows], contiguous along the rows")
-    page_size = codes.shape[2]
-    half = d // 2
-    # Output [n, Hq, P] written as [Hkv, n, P, g]: KV head h's query heads are rows h * g ...
-    _key_code_pages_kernel[(listed, n, kv)](
-        q, codes, ids, key_min, key_max, range_ids, valid, lse, err, norms, norm_out,
-        float(logit_cap), float(margin), float(sm_scale),
-        g * q.stride(1), q.stride(0), q.stride(1),
-        codes.stride(0), codes.stride(1), codes.stride(2),
-        ids.stride(0),
-        key_min.stride(0), 0, key_min.stride(1),
-        key_max.stride(0), 0, key_max.stride(1),
-        valid.stride(0),
-        g * lse.stride(1), lse.stride(0), lse.stride(2), lse.stride(1), range_ids.stride(0),
-        norms.stride(0), norm_out.stride(0), norm_out.stride(1),
-        **_meta(g, half, page_size, logit_cap, ranged=True),
-    )  # fmt: skip
-    return lse, err, norm_out
