@@ -24,7 +24,6 @@ import pytest
 import requests
 
 from sgl_importance.client import generate, greedy, metrics_text
-from sgl_importance.hot_set.key_codes import code_rows_per_page
 from sgl_importance.local_server import metric
 from support.prompts import essay_text
 from support.server import greedy_with_prompt_logprobs, importance_torch_args, prompt_logprobs
@@ -125,6 +124,10 @@ def test_a_streamed_prefill_holds_about_a_chunk_of_the_device(streamed, dense_pr
     # pages the released pages' rows borrow (a token slot of key range and 1/15 of a page of
     # codes each in float32, and a page of stock for each store), within the line's rounding
     # (a hundredth of the pool). Dense held four chunks at its longest prompts' fifth.
+    # Imported here, not at the top: collected before test/kernels/conftest.py sets
+    # TRITON_INTERPRET, a module-level import would build the Triton kernels for a GPU in this worker.
+    from sgl_importance.hot_set.key_codes import code_rows_per_page
+
     full = max(len(ids) for ids in prompts) // PAGE
     rows = math.ceil(full / PAGE) + math.ceil(full / code_rows_per_page(4)) + 2
     assert streamed["peak_tokens"] <= CHUNK + (6 + rows) * PAGE + streamed["pool"] / 100
