@@ -16,8 +16,8 @@ from sgl_importance.config import ImportanceConfig
 from sgl_importance.hot_set.decode import StepResult
 from sgl_importance.hot_set.key_codes import GuardPool, code_rows_per_page
 from sgl_importance.hot_set.key_ranges import KeyRanges
-from sgl_importance.hot_set.residency import Residency, StepMoves
-from sgl_importance.hot_set.rows import BorrowedPages, LocalPages, RowStore, pages_to_slots
+from sgl_importance.hot_set.residency import Residency, StepMoves, page_offsets
+from sgl_importance.hot_set.rows import BorrowedPages, LocalPages, RowStore
 from sgl_importance.hot_set.selection import HotSetCounts
 from sgl_importance.hot_set.table_budget import KVShape, describe, plan_table
 from sgl_importance.importance.page_importance import TABLE_BYTES_PER_PAGE, PageImportanceTable
@@ -30,6 +30,11 @@ PAGE = 16
 SMOL = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, v_head_dim=64, element_size=2, page_size=PAGE)
 LLAMA = KVShape(num_layers=32, num_kv_heads=8, head_dim=128, v_head_dim=128, element_size=2, page_size=PAGE)
 GUARDED = ImportanceConfig(hot_set_policy="importance")
+
+
+def slots_of(pages) -> torch.Tensor:
+    """The token slots of device ``pages``, page after page (what the allocator hands out and frees)."""
+    return page_offsets(torch.as_tensor(pages, dtype=torch.int64), PAGE)
 
 
 # -- rows in borrowed pages --------------------------------------------------------
@@ -73,7 +78,7 @@ def test_the_stock_borrows_and_returns_whole_pages_between_steps_only_through_se
     pool = iter(range(10, 100))
 
     def alloc(tokens: int) -> torch.Tensor:
-        return pages_to_slots([next(pool) for _ in range(tokens // PAGE)], PAGE)
+        return slots_of([next(pool) for _ in range(tokens // PAGE)])
 
     stock = BorrowedPages(PAGE)
     assert stock.settle(3, alloc, freed.append) == 3 and stock.borrowed == 3
@@ -81,7 +86,7 @@ def test_the_stock_borrows_and_returns_whole_pages_between_steps_only_through_se
     rows = store.alloc(5)  # two pages to the store, one left in stock
     assert stock.in_stores == 2 and stock.available() == 1 and store.alloc(9) is None
     assert stock.settle(0, alloc, freed.append) == 0
-    assert torch.equal(freed[-1], pages_to_slots([10], PAGE)), "the page left over, as token slots"
+    assert torch.equal(freed[-1], slots_of([10])), "the page left over, as token slots"
     store.free(rows)
     assert stock.in_stores == 0 and stock.available() == 2
     stock.settle(0, alloc, freed.append)
@@ -94,7 +99,7 @@ def test_the_stock_takes_what_the_allocator_has_when_it_is_short():
     two_left = iter([[7, 8]])
 
     def alloc(tokens: int):  # an allocator with two free pages: more is refused whole
-        return pages_to_slots(next(two_left), PAGE) if tokens <= 2 * PAGE else None
+        return slots_of(next(two_left)) if tokens <= 2 * PAGE else None
 
     assert stock.settle(5, alloc, lambda slots: None) == 2 and sorted(stock.stock) == [7, 8]
 
@@ -222,7 +227,7 @@ def test_the_backend_borrows_its_rows_from_the_kv_pool_and_sets_nothing_aside(ca
     assert guard.layout.halves == 2 and guard.rows.rows_per_page == 7 and ranges.rows.rows_per_page == PAGE
     assert runtime.row_pages.borrowed == 0 and guard.alloc(1) is None, "no page is lent before a batch"
     # A page lent: its code rows are bytes of that page's K and V, nowhere else.
-    runtime.row_pages.settle(1, lambda t: pages_to_slots([5], PAGE), lambda s: None)
+    runtime.row_pages.settle(1, lambda t: slots_of([5]), lambda s: None)
     rows = guard.alloc(7)
     keys = torch.randn(7, PAGE, SMOL.num_kv_heads, SMOL.head_dim)
     guard.write(0, rows, keys, keys.amin(1), keys.amax(1), keys)
@@ -237,7 +242,7 @@ def test_a_batch_is_lent_the_pages_its_rows_need_and_gives_back_the_rest(monkeyp
     runtime.row_pages = BorrowedPages(PAGE)
     tokens = iter(range(1, 50))
     allocator = types.SimpleNamespace(
-        alloc=lambda n: pages_to_slots([next(tokens) for _ in range(n // PAGE)], PAGE), free=freed.append, device="cpu"
+        alloc=lambda n: slots_of([next(tokens) for _ in range(n // PAGE)]), free=freed.append, device="cpu"
     )
     scheduler = types.SimpleNamespace(tree_cache=types.SimpleNamespace(token_to_kv_pool_allocator=allocator))
     runtime.residency.apply_pending = lambda: moves.append("moved")
@@ -322,7 +327,7 @@ def test_a_leaving_request_gives_its_rows_back_and_their_pages_go_back_to_the_al
     freed: list[torch.Tensor] = []
     pages = iter(range(1, 100))
     allocator = types.SimpleNamespace(
-        alloc=lambda n: pages_to_slots([next(pages) for _ in range(n // PAGE)], PAGE), free=freed.append, device="cpu"
+        alloc=lambda n: slots_of([next(pages) for _ in range(n // PAGE)]), free=freed.append, device="cpu"
     )
     tree_cache = types.SimpleNamespace(token_to_kv_pool_allocator=allocator)
     runtime = Runtime(GUARDED)

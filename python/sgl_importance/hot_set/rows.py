@@ -30,6 +30,8 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
+from sgl_importance.hot_set.residency import page_offsets
+
 
 class PageSource(Protocol):
     """Where a row store's pages come from, and go back to."""
@@ -113,7 +115,7 @@ class BorrowedPages:
         if want < len(self.stock):
             extra = self.stock[want:]
             del self.stock[want:]
-            free(pages_to_slots(extra, ps))
+            free(page_offsets(torch.tensor(extra, dtype=torch.int64), ps))
         else:
             missing = want - len(self.stock)
             while missing > 0:  # what the allocator has, halving the ask until it gives
@@ -123,12 +125,6 @@ class BorrowedPages:
                     break
                 missing //= 2
         return len(self.stock)
-
-
-def pages_to_slots(pages: list[int], page_size: int) -> torch.Tensor:
-    """The token slots of device ``pages``, page after page (what the allocator frees)."""
-    ids = torch.tensor(pages, dtype=torch.int64)
-    return (ids[:, None] * page_size + torch.arange(page_size)[None, :]).flatten()
 
 
 class RowStore:
