@@ -104,10 +104,6 @@ class KeyRanges:
         """Device bytes of one range, all layers and KV heads."""
         return 2 * self.num_layers * self.key_min[0][0].numel() * self.key_min[0].element_size()
 
-    def can_hold(self, num_rows: int) -> bool:
-        """Whether ``num_rows`` more ranges fit under the standalone capacity (always, over the pool)."""
-        return self._capacity is None or self.pages_in_use + num_rows <= self._capacity
-
     def alloc(self, num_pages: int) -> Optional[torch.Tensor]:
         """``num_pages`` ids, or None (nothing taken) when no row can be had."""
         return self.rows.alloc(num_pages)
