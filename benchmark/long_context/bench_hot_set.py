@@ -310,8 +310,8 @@ def read_journals(*folders: Path) -> list[dict]:
     """Every journal row of these folders, one per (task, length, trial, configuration).
 
     Grids merged for one report share their dense rows (same seed, same prompts). Greedy
-    decoding of one prompt still depends on what shares its batch (RESULTS.md, "Run to
-    run"), so repeated rows may differ: the first is kept and the mismatches are counted
+    decoding of one prompt still depends on what shares its batch (measured in RESULTS.md's
+    history, "Run to run", commit 1cda94b), so repeated rows may differ: the first is kept and the mismatches are counted
     on stderr, not hidden."""
     rows: dict = {}
     mismatched = 0
