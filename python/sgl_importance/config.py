@@ -240,7 +240,7 @@ class ImportanceConfig:
             ADMISSIONS,
             "How the scheduler charges a request the hot set will release when it admits it: "
             "footprint = the prompt, then its growth only up to what it keeps on the device (its hot "
-            "set at its final length), while the host pool and the key-range pool can take its pages "
+            "set at its final length), while the host pool can take its pages and its rows can be borrowed "
             "(counted: hot_set_admitted_by_footprint, hot_set_footprint_refused); length = as SGLang "
             "charges any request, its prompt and max_new_tokens (a long generation is admitted as if "
             "it kept all its KV).",
@@ -254,8 +254,8 @@ class ImportanceConfig:
             "stream = at the end of each prefill chunk (--chunked-prefill-size) its full pages are "
             "summarised and released to the host pool (sinks and window kept), and later chunks and "
             "the first decode step read them back from there, so the device holds about one chunk "
-            "while it prefills; the output is the same as dense prefill's (importance_torch only: "
-            "importance_triton prefills dense); dense = the whole prompt stays on the device until its "
+            "while it prefills; the output is the same as dense prefill's (importance_torch "
+            "and importance_triton); dense = the whole prompt stays on the device until its "
             "first decode step.",
         ),
     )

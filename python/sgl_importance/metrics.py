@@ -362,7 +362,7 @@ HOT_SET_SERIES = {
     ),
     "footprint_refused": (
         "footprint_refused",
-        "Hot-set requests admitted at their whole length: the host or key-range pool could not take their pages.",
+        "Hot-set requests admitted at their whole length: the host pool could not take their pages, or their rows could not be borrowed.",
     ),
     "finished_reinserted": (
         "finished_reinserted",

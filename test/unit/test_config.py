@@ -170,7 +170,7 @@ def test_a_budget_in_pages_must_hold_the_sinks_and_the_window():
 
 def test_a_request_cannot_ask_for_a_guard_the_server_reserved_no_pool_for():
     config = ImportanceConfig(hot_set_policy="importance", hot_set_guard_threshold=1.0)
-    with pytest.raises(ValueError, match="reserved no key-code pool"):
+    with pytest.raises(ValueError, match="runs no guard"):
         request_hot_set_params(config, {"guard_threshold": 0.1})
     params = request_hot_set_params(ImportanceConfig(hot_set_policy="importance"), {"read_cap": 0.5, "top_p": 0.9})
     assert (params.read_cap, params.top_p) == (0.5, 0.9)

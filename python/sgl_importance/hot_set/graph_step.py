@@ -12,8 +12,8 @@ once for ``GraphCapacity``: ``rows`` requests of at most ``pages`` pages each.
   (the ``req_to_token`` row, the logical pages it reads, their tokens, the range ids of
   its full pages) and uploaded in one copy (two staging buffers, taken in turn). A batch the buffers
   cannot take is refused, with the reason, and runs eagerly: more rows or a longer list
-  than the capacity, a guarded row (its selection is per layer and data-sized), a
-  planned page with no device page (it would be staged from the host), the ``quest``
+  than the capacity, a guarded row where no guard graph was built (``graph_guard.py``
+  takes them where one was), a planned page with no device page (it would be staged from the host), the ``quest``
   baseline (its lists change per layer).
 - Inside the step (``prologue``, ``attend`` per layer: what a graph records),
   fixed-shape ops only, no host read, no upload, every buffer where it was

@@ -78,6 +78,6 @@ def request_hot_set_params(config: ImportanceConfig, value: Any) -> HotSetParams
     if values["hot_set_guard_threshold"] < 1.0 and config.hot_set_guard_threshold >= 1.0:
         raise ValueError(
             f"{prefix}guard_threshold {values['hot_set_guard_threshold']!r} asks for a guard, but this server "
-            "reserved no key-code pool (--hot-set-guard-threshold 1); allowed: 1"
+            "runs no guard (--hot-set-guard-threshold 1), so it borrows no key-code rows; allowed: 1"
         )
     return _params(values)
