@@ -1,7 +1,7 @@
 """Admission by footprint through the real server: long generations decode together where
 SGLang's charge of their whole length would have admitted half of them.
 
-A hot-set server (HiCache's host pool, release past a 512-token threshold, the guard off)
+A hot-set server (HiCache's host pool, release past a 256-token threshold, the guard off)
 on a small device pool gets ``REQUESTS`` short prompts that each generate ``NEW`` tokens
 (``ignore_eos``), sent at once. Charged prompt + ``max_new_tokens`` (SGLang, and
 ``--hot-set-admission length``), fewer than half fit the KV pool at once; charged what
@@ -30,12 +30,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PAGE = 16
 REQUESTS = 6
-PROMPT = 256
-NEW = 640
+PROMPT = 128
+NEW = 448
 ARGS = [
     "--attention-backend", "importance_torch", "--enable-hierarchical-cache",
-    "--max-total-tokens", "3584", "--page-size", str(PAGE), "--dtype", "float32",
-    "--hot-set-policy", "importance", "--hot-set-budget", "0.2", "--hot-set-threshold", "512",
+    "--max-total-tokens", "2304", "--page-size", str(PAGE), "--dtype", "float32",
+    "--hot-set-policy", "importance", "--hot-set-budget", "0.2", "--hot-set-threshold", "256",
     "--hot-set-guard-threshold", "1", "--enable-metrics", "--decode-log-interval", "1",
 ]  # fmt: skip
 RUNNING = re.compile(r"Decode batch, #running-req: (\d+)")

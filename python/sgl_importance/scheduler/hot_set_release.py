@@ -36,9 +36,8 @@ An admitted request is never checkpointed into the tree while it runs. When it l
   SGLang's Rust tree core) the request is not inserted (its KV is freed; its matched
   prefix stays in the tree) and ``finished_uncached`` counts it.
 - aborted: nothing is inserted; retracted: its full pages enter the tree host-only
-  (``retracted_to_host``), so its prefill again matches them. Either way the positions
-  it released are left out of what SGLang frees (they are not its pages any more). A
-  retracted request is prefilled again later and admitted again (by its new length).
+  (``retracted_to_host``) for its prefill again to match, and it is admitted again by its
+  new length. The positions it released are left out of what SGLang frees.
 
 Either way its host copies are freed. Without the host pool the hot set stays
 logical: every page stays on the device (logged once at start-up).
