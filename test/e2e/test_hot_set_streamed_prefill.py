@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from sgl_importance.client import generate, greedy, metrics_text
+from sgl_importance.client import flush_cache, generate, greedy, metrics_text
 from sgl_importance.local_server import metric
 from support.prompts import essay_text
 from support.server import greedy_with_prompt_logprobs, importance_torch_args, prompt_logprobs
@@ -75,6 +75,9 @@ def abort_mid_prefill(server, prompts) -> dict:
     """A long prompt aborted (``/abort_request``) once some of its chunks left the device,
     then a short request: what the hot set still holds after it."""
     long_prompt = sum(prompts[:5], [])[:2400]  # 19 chunks
+    # Its first prompt's pages may still sit in the tree: matched, they would stay on the device
+    # under the aborted request's lock (and be counted in its peak), so it starts from nothing.
+    assert flush_cache(server.url)
     mark = len(server.log())
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(
