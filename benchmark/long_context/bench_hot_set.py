@@ -311,8 +311,8 @@ def read_journals(*folders: Path) -> list[dict]:
 
     Grids merged for one report share their dense rows (same seed, same prompts). Greedy
     decoding of one prompt still depends on what shares its batch (measured in RESULTS.md's
-    history, "Run to run", commit 1cda94b), so repeated rows may differ: the first is kept and the mismatches are counted
-    on stderr, not hidden."""
+    history, "Run to run", commit 1cda94b), so repeated rows may differ: the first is kept
+    and the mismatches are counted on stderr, not hidden."""
     rows: dict = {}
     mismatched = 0
     for folder in folders:
