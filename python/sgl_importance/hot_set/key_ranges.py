@@ -84,12 +84,11 @@ class KeyRanges:
         self.num_kv_heads, self.head_dim = low[0].shape[1:]
         self.device, self.page_size = low[0].device, page_size
         self.rows = RowStore(lambda p: list(range(p * page_size, (p + 1) * page_size)), source, max_rows)
-        self._capacity = max_rows
 
     @property
     def capacity(self) -> Optional[int]:
         """Ranges it may hold at most (None: what the KV pool can lend)."""
-        return self._capacity
+        return self.rows.max_rows
 
     @property
     def pages_in_use(self) -> int:
