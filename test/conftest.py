@@ -52,10 +52,13 @@ def token_ids(model_path: str):
     return ids
 
 
-@pytest.fixture(scope="module")
-def launch(model_path: str, tmp_path_factory) -> Iterator:
-    """Factory: launch(args, env) -> ready Server (started again on a port clash); all
-    are stopped at module end."""
+# A neighbour worker's server can hold the memory SGLang wants free (10 GiB beyond the host
+# pool) for a minute: a start refused for host memory waits and tries again.
+_RETRY_ON = (local_server.PORT_CLASH, local_server.HOST_MEMORY)
+
+
+def _launcher(model_path: str, tmp_path_factory) -> Iterator:
+    """launch(args, env) -> ready Server; every server it started stops when it is closed."""
     servers: list[Server] = []
 
     def _launch(args: list[str] = (), env: dict[str, str] | None = None) -> Server:
@@ -65,11 +68,26 @@ def launch(model_path: str, tmp_path_factory) -> Iterator:
             servers.append(Server(model_path, list(args), env or {}, log))
             return servers[-1]
 
-        return local_server.start_with_retry(start)
+        return local_server.start_with_retry(start, attempts=4, retry_on=_RETRY_ON, pause_s=20)
 
-    yield _launch
-    for server in servers:
-        server.stop()
+    try:
+        yield _launch
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def launch(model_path: str, tmp_path_factory) -> Iterator:
+    """Factory: launch(args, env) -> ready Server; all are stopped at module end."""
+    yield from _launcher(model_path, tmp_path_factory)
+
+
+@pytest.fixture
+def launch_here(model_path: str, tmp_path_factory) -> Iterator:
+    """As ``launch``, for a server one test uses: stopped when that test ends, so an idle
+    server with a host pool does not sit through the module's next test."""
+    yield from _launcher(model_path, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -59,10 +59,10 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("layout,io_backend", LAYOUTS)
-def test_prompt_evicted_from_device_returns_from_host_then_from_file_storage(launch, tmp_path, layout, io_backend):
+def test_prompt_evicted_from_device_returns_from_host_then_from_file_storage(launch_here, tmp_path, layout, io_backend):
     storage = tmp_path / "hicache"
     storage.mkdir()
-    server = launch(
+    server = launch_here(
         [
             # Float32 pinned: the point is bit-exact reuse (a prefix read back from the host or file tier answers
             # as computed); in bfloat16 a prefix prefilled at once and one read back before an

@@ -71,15 +71,15 @@ def _decode_together(launch, token_ids, args: list[str]):
     return scrape
 
 
-def test_long_generations_are_admitted_by_what_they_keep_and_decode_together(launch, token_ids):
-    scrape = _decode_together(launch, token_ids, ARGS)
+def test_long_generations_are_admitted_by_what_they_keep_and_decode_together(launch_here, token_ids):
+    scrape = _decode_together(launch_here, token_ids, ARGS)
     assert metric(scrape, "sgl_importance:hot_set_hot_sets_shrunk_total") == 0  # guard off: nothing grows
 
 
-def test_grown_hot_sets_go_back_to_their_budget_before_sglang_retracts(launch, token_ids):
+def test_grown_hot_sets_go_back_to_their_budget_before_sglang_retracts(launch_here, token_ids):
     at = ARGS.index("--hot-set-guard-threshold")
     guarded = ARGS[:at] + ARGS[at + 2 :]  # the default guard
-    scrape = _decode_together(launch, token_ids, guarded)
+    scrape = _decode_together(launch_here, token_ids, guarded)
     assert metric(scrape, "sgl_importance:hot_set_guard_checks_total") > 0
     assert metric(scrape, "sgl_importance:hot_set_pages_copied_in_total") > 0  # misses promoted: hot sets grew
     assert metric(scrape, "sgl_importance:hot_set_hot_sets_shrunk_total") > 0

@@ -151,7 +151,7 @@ def occupancy(url: str, expected: dict | None = None, timeout: float = 45) -> di
     ids=["host-guard", "device-ahead"],
 )
 def test_hot_set_soak_serves_everything_and_frees_every_host_slot_once(
-    launch, tmp_path, token_ids, prefix_mode, guard, plan_ahead
+    launch_here, tmp_path, token_ids, prefix_mode, guard, plan_ahead
 ):
     storage = tmp_path / f"hicache-{prefix_mode}-{guard}"
     storage.mkdir()
@@ -160,7 +160,7 @@ def test_hot_set_soak_serves_everything_and_frees_every_host_slot_once(
     # requests turn it off for themselves.
     at = ARGS.index("--hot-set-guard-threshold")
     args = ARGS[:at] + ARGS[at + 2 :] if guard else ARGS
-    server = launch(
+    server = launch_here(
         [*args, "--hot-set-prefix", prefix_mode, "--hot-set-plan-ahead", plan_ahead],
         env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(storage)},
     )

@@ -118,10 +118,10 @@ def canary(server) -> list[int]:
     return server.generate(CANARY, max_new_tokens=16)["output_ids"]
 
 
-def test_mixed_concurrent_load_with_storage_tier_serves_everything_and_leaks_nothing(launch, tmp_path, token_ids):
+def test_mixed_concurrent_load_with_storage_tier_serves_everything_and_leaks_nothing(launch_here, tmp_path, token_ids):
     storage = tmp_path / "hicache"
     storage.mkdir()
-    server = launch(
+    server = launch_here(
         [
             "--page-size", str(PAGE),
             "--max-total-tokens", str(DEVICE_TOKENS),

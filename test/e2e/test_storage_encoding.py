@@ -102,10 +102,10 @@ def test_a_flushed_prompt_is_served_from_encoded_pages(file_tier):
     assert abs(logprobs[0] - dense_logprobs[0]) < 0.5
 
 
-def test_a_server_with_the_flag_off_refuses_encoded_pages_and_answers_like_dense(file_tier, launch):
+def test_a_server_with_the_flag_off_refuses_encoded_pages_and_answers_like_dense(file_tier, launch_here):
     directory, dense, *_ = file_tier
     env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(directory), "OMP_NUM_THREADS": "1"}
-    server = launch(server_args("off"), env)
+    server = launch_here(server_args("off"), env)
     out = server.generate(document(), max_new_tokens=8)
     assert storage_tokens(out) == 0
     refused = sum(metric(metrics(server), CORRUPT, reason=r) for r in ("short", "format"))
@@ -117,9 +117,11 @@ def test_a_server_with_the_flag_off_refuses_encoded_pages_and_answers_like_dense
     server.stop()
 
 
-def test_mooncake_stores_and_serves_encoded_pages(mooncake_store, launch, file_tier):
+def test_mooncake_stores_and_serves_encoded_pages(mooncake_store, launch_here, file_tier):
     _, dense, *_ = file_tier
-    server = launch(server_args("graded", backend="mooncake"), {**mooncake_store.server_env(), "OMP_NUM_THREADS": "1"})
+    server = launch_here(
+        server_args("graded", backend="mooncake"), {**mooncake_store.server_env(), "OMP_NUM_THREADS": "1"}
+    )
     first = server.generate(document(), max_new_tokens=8)
     assert output_ids_and_logprobs(first)[0] == output_ids_and_logprobs(dense)[0]
     deadline = time.time() + 60

@@ -184,8 +184,8 @@ def tiny_disk(tmp_path):
     subprocess.run(["umount", "-l", str(directory)], check=False)
 
 
-def test_full_disk_pauses_writes_once_keeps_serving_and_resumes_when_space_returns(launch, tiny_disk):
-    server = launch(
+def test_full_disk_pauses_writes_once_keeps_serving_and_resumes_when_space_returns(launch_here, tiny_disk):
+    server = launch_here(
         [*ARGS, "--importance-storage-retry-s", "2"],
         {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(tiny_disk)},
     )
