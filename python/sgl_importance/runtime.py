@@ -33,10 +33,9 @@ from sgl_importance.cache.strategy import ImportanceStrategy
 from sgl_importance.checks import ForwardCheck
 from sgl_importance.config import ImportanceConfig, check_hot_set_backend
 from sgl_importance.env import DUMP_DIR_ENV
-from sgl_importance.hot_set.params import hot_set_params
+from sgl_importance.hot_set.params import HotSetParams, hot_set_params
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import Residency
-from sgl_importance.hot_set.selection import HotSetParams
 from sgl_importance.hot_set.table_budget import TableBudget
 from sgl_importance.importance.page_importance import PageImportanceHolder
 from sgl_importance.importance.priority import POLICY_NAME

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sgl_importance.hot_set.params import HotSetParams
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import RELEASED_SLOT, Residency
-from sgl_importance.hot_set.selection import HotSetParams
 from sgl_importance.scheduler import hot_set_release, returning
 from support.array_pools import ArrayPools
 

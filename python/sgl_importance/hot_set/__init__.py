@@ -37,10 +37,10 @@ from sgl_importance.hot_set.estimate import (
 from sgl_importance.hot_set.key_codes import GuardPool
 from sgl_importance.hot_set.key_ranges import KeyRanges, key_bound
 from sgl_importance.hot_set.page_lists import LayerResult
+from sgl_importance.hot_set.params import HotSetParams
 from sgl_importance.hot_set.selection import (
     POLICIES,
     HotSetCounts,
-    HotSetParams,
     RequestHotSet,
     fixed_mask,
 )

@@ -59,6 +59,7 @@ from sgl_importance.hot_set.page_lists import (
     plan_outside,
     quest_lists,
 )
+from sgl_importance.hot_set.params import HotSetParams
 from sgl_importance.hot_set.prefill import Seed, apply_seed
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.request_state import LiveRequest, StepPlan, TrackedRequest, plan_moves
@@ -66,7 +67,7 @@ from sgl_importance.hot_set.residency import RequestPages, Residency, StepMoves
 from sgl_importance.hot_set.sample import PageDraw, request_seed
 from sgl_importance.hot_set.sample import inclusion as sample_inclusion
 from sgl_importance.hot_set.sample import reserve as sample_reserve
-from sgl_importance.hot_set.selection import HotSetCounts, HotSetParams, RequestHotSet, fixed_mask
+from sgl_importance.hot_set.selection import HotSetCounts, RequestHotSet, fixed_mask
 from sgl_importance.hot_set.step_tally import StepTally, shared_masses
 from sgl_kernel_ext import (
     DecodeImportanceOutput,

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from sgl_importance.hot_set.selection import HotSetParams
+from sgl_importance.hot_set.params import HotSetParams
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional
 
-from sgl_importance.hot_set.selection import HotSetParams
+from sgl_importance.hot_set.params import HotSetParams
 
 DEFAULT_CAPACITY = 1 << 16
 

@@ -20,9 +20,10 @@ from typing import Mapping, NamedTuple, Optional
 
 import torch
 
+from sgl_importance.hot_set.params import HotSetParams
 from sgl_importance.hot_set.residency import RequestMoves, RequestPages, page_offsets
 from sgl_importance.hot_set.sample import PageDraw
-from sgl_importance.hot_set.selection import HotSetCounts, HotSetParams, RequestHotSet
+from sgl_importance.hot_set.selection import HotSetCounts, RequestHotSet
 
 
 def _no_ids() -> torch.Tensor:

@@ -35,76 +35,20 @@ previous step attended. Plain torch; nothing here imports SGLang.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from sgl_importance.choices import HOT_SET_POLICIES as POLICIES
 from sgl_importance.choices import REDUCTIONS
+from sgl_importance.hot_set.params import HotSetParams
 from sgl_importance.hot_set.residency import ReleaseCounts
 from sgl_importance.importance.ema import ema_fold
 
 # Share of the free budget a resident set may swap per step (see module docstring).
 SWAP_FRACTION = 1 / 8
-
-
-@dataclass(frozen=True)
-class HotSetParams:
-    """One policy's settings (validated by ``config.ImportanceConfig``, built by ``params.py``).
-
-    Attributes:
-        policy: one of ``POLICIES`` except ``off``.
-        budget: pages per request when an ``int`` (>= 1), else (a ``float`` in
-            (0, 1]) the fraction of the request's pages, rounded up. Sinks and window always count in it;
-            when they alone exceed it they are still attended.
-        window: recent pages, ``>= 1`` (the last page holds the decoded token).
-        sinks: leading pages.
-        guard_threshold: allowed bound of the relative error of each layer's attention
-            output, in (0, 1]; 1 = no guard (unread pages are neither estimated nor bounded).
-            A guarded layer-step whose bound exceeds it is *flagged* (counted) and raises
-            that layer's read cap for the request's later steps.
-        read_cap: guarded: the most pages a layer reads exactly per step, as a fraction of
-            the request's pages (sinks, window and the page sample included), in (0, 1].
-        top_p: guarded: each query head wants the fewest pages whose estimated mass (from
-            their key codes) with the always-read pages reaches this share, in (0, 1].
-        decay: EMA factor of the ``importance`` policy.
-        reduce: how the ``importance`` policy reduces a step's page masses over
-            layers and KV heads: ``max``, the largest of any (a page one retrieval
-            head needs is not averaged away by the heads that ignore it), or
-            ``mean``. Other policies take the mean (``lru``'s "used" test, a share of
-            the uniform mass, would mark nearly every page used under ``max``).
-    """
-
-    policy: str = "importance"
-    budget: Union[int, float] = 0.2
-    window: int = 4
-    sinks: int = 1
-    guard_threshold: float = 0.1
-    read_cap: float = 0.2
-    top_p: float = 0.95
-    decay: float = 0.98
-    reduce: str = "max"
-
-    @property
-    def ranks_by_max(self) -> bool:
-        """Whether a step's page mass is its largest over layers and KV heads."""
-        return self.policy == "importance" and self.reduce == "max"
-
-    def budget_pages(self, num_pages: int, kept_share: Optional[float] = None) -> int:
-        """The hot set's size for a request of ``num_pages`` pages; ``kept_share``: the share
-        of its pages the guard grew it to (``request_state.TrackedRequest.kept``; never
-        below the budget)."""
-        if isinstance(self.budget, int):
-            pages = self.budget
-        else:
-            pages = math.ceil(self.budget * num_pages)
-        if kept_share is not None:
-            # The share was a page count over num_pages: round-trip it without float's overshoot.
-            pages = max(pages, math.ceil(kept_share * num_pages - 1e-9))
-        return max(1, min(num_pages, pages))
 
 
 def fixed_mask(num_pages: int, sinks: int, window: int) -> torch.Tensor:

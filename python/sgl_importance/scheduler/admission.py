@@ -42,9 +42,9 @@ from dataclasses import replace
 from typing import Any, Callable, Optional
 
 from sgl_importance.hot_set.footprint import Footprint, footprint
+from sgl_importance.hot_set.params import HotSetParams
 from sgl_importance.hot_set.request_state import kept_share, ranges_refused
 from sgl_importance.hot_set.residency import Residency
-from sgl_importance.hot_set.selection import HotSetParams
 
 
 class FootprintBook:

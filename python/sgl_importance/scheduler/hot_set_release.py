@@ -72,9 +72,9 @@ import torch
 from sgl_importance.config import ImportanceConfig
 from sgl_importance.hot_set.host_ledger import ledger_from_env
 from sgl_importance.hot_set.page_copies import PageCopies
+from sgl_importance.hot_set.params import HotSetParams
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import RequestPages, Residency, subtract_pages
-from sgl_importance.hot_set.selection import HotSetParams
 from sgl_importance.scheduler.hot_set_requests import forget_request
 from sgl_importance.scheduler.hot_set_rows import lent_for
 from sgl_importance.scheduler.streamed_prefill import release_chunk
