@@ -1,7 +1,7 @@
 """Admission by footprint through the real server: long generations decode together where
 SGLang's charge of their whole length would have admitted half of them.
 
-A hot-set server (HiCache's host pool, release past a 256-token threshold, the guard off)
+A hot-set server (HiCache's host pool, release past a 128-token threshold, the guard off)
 on a small device pool gets ``REQUESTS`` short prompts that each generate ``NEW`` tokens
 (``ignore_eos``), sent at once. Charged prompt + ``max_new_tokens`` (SGLang, and
 ``--hot-set-admission length``), fewer than half fit the KV pool at once; charged what
@@ -12,7 +12,7 @@ past the pool); the log is clean.
 
 With the guard on, the same requests' selections want pages they released, so their hot
 sets grow (``request_state.TrackedRequest.follow_flags``) past what admission charged them
-when it let all six in; the device runs short while they decode, and the grown hot sets go
+when it let all four in; the device runs short while they decode, and the grown hot sets go
 back to their budget before SGLang would retract anyone (``scheduler/decode_room.py``).
 """
 
@@ -29,13 +29,16 @@ from sgl_importance.local_server import metric
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PAGE = 16
-REQUESTS = 6
-PROMPT = 128
-NEW = 448
+REQUESTS = 4
+PROMPT = 64
+NEW = 256
+# Charged by length (prompt + new + a page: 336 tokens) the pool holds two at once; charged
+# their footprint (a 2-page window, 13 pages guarded: footprint.py) it holds all four.
 ARGS = [
     "--attention-backend", "importance_torch", "--enable-hierarchical-cache",
-    "--max-total-tokens", "2304", "--page-size", str(PAGE), "--dtype", "float32",
-    "--hot-set-policy", "importance", "--hot-set-budget", "0.2", "--hot-set-threshold", "256",
+    "--max-total-tokens", "960", "--page-size", str(PAGE), "--dtype", "float32",
+    "--hot-set-policy", "importance", "--hot-set-budget", "0.2", "--hot-set-threshold", "128",
+    "--hot-set-window", "2",
     "--hot-set-guard-threshold", "1", "--enable-metrics", "--decode-log-interval", "1",
 ]  # fmt: skip
 RUNNING = re.compile(r"Decode batch, #running-req: (\d+)")
