@@ -4,9 +4,9 @@ Two servers, one after the other, alike but for ``--hot-set-prefix``: ``device``
 matched prefix stays on the device) and ``host``. Both run the importance hot set (guard on,
 20 % of a request's pages) on the embedded model with 16-token pages, HiCache's host pool,
 ``file`` storage and ``--radix-eviction-policy importance`` (the Python tree core the host
-hold needs). Each serves one session: a first turn of ~1,200 tokens; then a long returning
+hold needs). Each serves one session: a first turn of ~600 tokens; then a long returning
 turn (the history plus a question, 160 new tokens) and, once it holds the prefix on the
-host, a ~4,000-token unrelated prompt that needs the device pages the prefix leaves and a
+host, a ~2,000-token unrelated prompt that needs the device pages the prefix leaves and a
 second returning turn sharing the prefix, which on the ``host`` server finds it in the
 host pool while the first still decodes from it (and reads it from there, never loading it
 back whole: ``scheduler/returning.py``); then ``/flush_cache`` (device and host emptied: the history is only in
@@ -34,11 +34,11 @@ from support.storage import settled
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PAGE = 16
-FIRST_TURN = 1200
+FIRST_TURN = 600
 QUESTION = 40
 MAX_NEW = 8
 LONG_NEW = 160  # the first returning turn decodes while the others arrive
-FILLER = 4000
+FILLER = 2000
 # Float32 pinned: the first tokens must be the same on two servers whose prefixes reach
 # attention by different paths (device, host, storage), and the pools are sized for float32's
 # bytes per token (bfloat16 changes what the guard's share leaves the KV pool).
@@ -46,9 +46,9 @@ ARGS = [
     "--dtype", "float32",
     "--page-size", str(PAGE), "--attention-backend", "importance_torch",
     "--radix-eviction-policy", "importance", "--enable-hierarchical-cache", "--hicache-ratio", "4",
-    # A 5,152-token KV pool (the hot set's key codes and ranges borrow their rows from it):
-    # room for the 4,000-token prompt beside a decoding turn, not for the held prefix too.
-    "--hicache-storage-backend", "file", "--max-total-tokens", "5152", "--enable-metrics",
+    # A 2,576-token KV pool (the hot set's key codes and ranges borrow their rows from it):
+    # room for the 2,000-token prompt beside a decoding turn, not for the held prefix too.
+    "--hicache-storage-backend", "file", "--max-total-tokens", "2576", "--enable-metrics",
     "--hot-set-policy", "importance", "--hot-set-budget", "0.2", "--hot-set-threshold", "256",
     # The third turn's storage hit must not depend on how busy the machine is (best_effort may admit first).
     "--hicache-storage-prefetch-policy", "wait_complete",
@@ -153,7 +153,7 @@ def test_a_prefix_held_on_the_host_by_a_running_request_is_matched_by_another(on
     assert on_host["cached"][1]["host"] > 0, on_host["cached"][1]
     assert [a[:1] for a in on_host["answers"]] == [a[:1] for a in on_device["answers"]]
     lent = on_host["before_storage"]
-    # Both returning turns held the shared prefix on the host (~75 pages each), left most
+    # Both returning turns held the shared prefix on the host (~38 pages each), left most
     # of it there and copied in only what their plans kept.
     assert lent["prefix_holds"] >= 2 and lent["prefix_pages_lent"] >= 2 * (FIRST_TURN // PAGE)
     assert lent["prefix_pages_released"] > lent["prefix_pages_owned"] > 0
