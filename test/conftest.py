@@ -62,13 +62,12 @@ def _launcher(model_path: str, tmp_path_factory) -> Iterator:
     servers: list[Server] = []
 
     def _launch(args: list[str] = (), env: dict[str, str] | None = None) -> Server:
-        log = tmp_path_factory.mktemp("server") / "server.log"
-
-        def start() -> Server:
+        def start() -> Server:  # each start its own log, so a failed one stays readable
+            log = tmp_path_factory.mktemp("server") / "server.log"
             servers.append(Server(model_path, list(args), env or {}, log))
             return servers[-1]
 
-        return local_server.start_with_retry(start, attempts=4, retry_on=_RETRY_ON, pause_s=20)
+        return local_server.start_with_retry(start, attempts=4, retry_on=_RETRY_ON, pause_s=20, label="launch")
 
     try:
         yield _launch
