@@ -17,7 +17,7 @@ from support.server import output_ids_and_logprobs
 
 pytestmark = pytest.mark.e2e
 
-MAX_NEW = 12
+MAX_NEW = 8
 PROMPTS = ["Hello there, my name is", "The capital of France is", "def fibonacci(n):"]
 SERVER_ARGS = ["--dtype", "float32", "--max-total-tokens", "4096"]
 
