@@ -13,10 +13,10 @@ import torch
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
 from sgl_importance.hot_set.key_codes import quantise
 from sgl_importance.hot_set.prefill import summarise_prefill
+from sgl_importance.hot_set.prefix_hold import PrefixHold
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import RELEASED_SLOT, TRANSITIONS, PageState, Residency, subtract_pages
 from sgl_importance.scheduler.hot_set_release import (
-    PrefixHold,
     admit_grown,
     checkpoint_unless_released,
     free_row_around_released,

@@ -16,10 +16,9 @@ returns what it wants moved as data (``StepMoves``). A move not in ``TRANSITIONS
 
 A step's releases are one device→host copy for the whole batch and its promotions one
 host→device copy, both on a side stream on CUDA (``PageCopies``; in line on the CPU); a
-device page a release copied from is given back to the allocator only once that copy is
-done. Pages shared with the tree (a matched prefix, a grown request's prompt) are the
-tree's; with ``--hot-set-prefix host`` they are lent to the request, the tree's host copies
-standing for them (``LENT*``). Plain torch; nothing here imports SGLang.
+device page a release copied from is given back to the allocator only once that copy is done. Pages
+shared with the tree (a matched prefix, a grown request's prompt) are the tree's; ``--hot-set-prefix host``
+lends them to the request (``LENT*``, ``PrefixHold``). Plain torch; nothing here imports SGLang.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from typing import NewType, Optional, Protocol
 import torch
 
 from sgl_importance.hot_set.page_copies import PageCopies
+from sgl_importance.hot_set.prefix_hold import PrefixHold
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class RequestPages:
         self.state = torch.zeros(0, dtype=torch.uint8)
         self.host_page = torch.zeros(0, dtype=torch.int64)
         self.lent_pages = 0  # pages [0, lent_pages) were lent by the tree (lend_prefix)
-        self.hold: object = None  # the scheduler's record of the lend (its tree locks)
+        self.hold: Optional[PrefixHold] = None  # the lend and its tree locks (set by the scheduler)
 
     # -- reading --------------------------------------------------------------------
 

@@ -64,7 +64,6 @@ the device (logged once).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -73,6 +72,7 @@ from sgl_importance.config import ImportanceConfig
 from sgl_importance.hot_set.host_ledger import ledger_from_env
 from sgl_importance.hot_set.page_copies import PageCopies
 from sgl_importance.hot_set.params import HotSetParams
+from sgl_importance.hot_set.prefix_hold import PrefixHold
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import RequestPages, Residency, subtract_pages
 from sgl_importance.scheduler.hot_set_requests import forget_request
@@ -160,19 +160,6 @@ class HiCachePagePools:
 
     def host_layer(self, layer_id: int, host_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.host_pool.gather_layer(layer_id, host_slots)
-
-
-@dataclass
-class PrefixHold:
-    """A running request's hold on its matched prefix's host copies (``RequestPages.hold``)."""
-
-    node: Any  # the tree node the request matched (its prefix's last)
-    host_receipt: Any  # the host lock on it, to give back
-    fresh: bool = True  # lent this step: the step's moves release the unplanned pages first
-    unlocked: bool = False  # the request's device lock on the prefix has gone
-    history: bool = False  # a returning turn's: its match's host part never loaded back (returning.py)
-
-    history_unheld = property(lambda self: self.history and not self.unlocked)  # its row: no page of the history
 
 
 def enable(

@@ -112,7 +112,7 @@ def prefix_with_history(
 
 def lend_history(runtime: Any, batch: Any) -> None:
     """After ``ScheduleBatch.prepare_for_extend``: a borrowing turn's record, its history lent."""
-    from sgl_importance.scheduler.hot_set_release import PrefixHold
+    from sgl_importance.hot_set.prefix_hold import PrefixHold
 
     loans, residency = runtime.history_loans, runtime.residency
     if not loans:
