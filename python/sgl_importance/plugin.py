@@ -67,10 +67,9 @@ HOOKS = (
     Hook("importance", "runtime:Runtime.eviction_strategy", "policy", "any", ("runtime",)),
     Hook("server_args.ServerArgs.from_cli_args", "cache.strategy:check_cli_args", "check", "any"),
     Hook("managers.scheduler.Scheduler.__init__", "runtime:start", "before", "scheduler"),  # before the pool, cache, backend
-    Hook("mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget", "attention.hot_set_attention:reserve_table", "around", "scheduler", ("runtime",)),  # the KV pool less the page importance table
+    Hook("mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget", "attention.table_reserve:reserve_table", "around", "scheduler", ("runtime",)),  # the KV pool less the page importance table
     Hook("model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph", "attention.hot_set_graphs:eager_with_hot_set_requests", "around", "scheduler", ("config",)),
     Hook("model_executor.runner.decode_cuda_graph_runner.create_attention_graph_variants", "attention.hot_set_graphs:graph_variants", "around", "scheduler", ("runtime",)),
-    Hook("model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute", "attention.hot_set_graphs:after_graph_replay", "after", "scheduler"),
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.__init__", "cache.components:use_importance_components", "before", "scheduler"),
     Hook("managers.scheduler.Scheduler.process_batch_result", "scheduler.fold:fold_after_batch", "after", "scheduler", ("runtime",)),
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.write_backup_storage", "cache.admission:gate_storage_write", "around", "scheduler"),

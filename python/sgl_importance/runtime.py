@@ -77,7 +77,7 @@ class Runtime:
         # (rid -> scheduler/returning.HistoryLoan).
         self.history_loans: dict[str, Any] = {}
         # The page importance table and what the KV pool gave up for it, set when SGLang
-        # sizes the KV pool (attention/hot_set_attention.reserve_table); None before.
+        # sizes the KV pool (attention/table_reserve.reserve_table); None before.
         self.table_budget: Optional[TableBudget] = None
         # The KV pages lent to the hot set's rows (hot_set/rows.py; built with the hot set).
         self.row_pages: Any = None

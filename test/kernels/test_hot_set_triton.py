@@ -83,9 +83,9 @@ class World:
                 self.decoder.attend(layer, queries[layer], self.tiers.k[layer], self.tiers.v[layer], sm_scale=SCALE)
                 for layer in range(LAYERS)
             ]
-            counts, self.residency.pending = self.decoder.end_step()
-        # Between steps, as the scheduler does after a batch: the moves the step asked for.
-        self.residency.apply_pending()
+        # After the forward, as the scheduler does after a batch: the step ends, its moves are made.
+        counts, moves = self.decoder.end_step()
+        self.residency.apply(moves)
         counts.add(self.residency.take_counts())
         return outs, counts
 

@@ -25,7 +25,6 @@ from sglang.srt.model_executor.runner_utils import capture_mode
 
 from sgl_importance.attention.hot_set_graphs import (
     HotSetGraphVariants,
-    after_graph_replay,
     eager_with_hot_set_requests,
 )
 from sgl_importance.hot_set import HotSetParams
@@ -58,7 +57,7 @@ class GraphRunner:
         if not eager_with_hot_set_requests(self.config, lambda r, b: b.batch_size <= MAX_BS, self, batch):
             backend.init_forward_metadata(batch)
             outs = world.layers_forward(batch, k_new, v_new, q)
-            world.residency.apply_pending()
+            world.residency.apply(backend.hot_set.end_batch())  # after the batch, as the scheduler
             self.variants_run.append(None)
             return outs
         variant = self.variants.select(batch)  # after the plan, as the runner's load_batch picks it
@@ -74,10 +73,9 @@ class GraphRunner:
             outs = world.layers_forward(batch, k_new, v_new, q, **({"where": counter.where} if counter else {}))
         finally:
             capture_mode._set_capture_attention_variant(None)
-        after_graph_replay(self)
         self.replayed += 1
         self.variants_run.append(variant)
-        world.residency.apply_pending()
+        world.residency.apply(backend.hot_set.end_batch())  # after the batch, as the scheduler
         return outs
 
     def _capture(self, batch, variant: str, k_new, v_new, q) -> None:

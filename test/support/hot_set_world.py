@@ -237,8 +237,8 @@ class World:
                 self.backend.init_forward_metadata(batch)
         outs = self.layers_forward(batch, k_new, v_new, q, where)
         with where("host"):
-            # Between steps, as the scheduler does after a batch: the moves the step asked for.
-            self.residency.apply_pending()
+            # After the forward, as the scheduler does after a batch: the step ends, its moves are made.
+            self.residency.apply(self.backend.hot_set.end_batch())
         return outs
 
     def next_batch(self) -> SimpleNamespace:

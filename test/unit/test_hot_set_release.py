@@ -246,8 +246,8 @@ class Placed:
                 self.decoder.attend(layer, queries[layer], self.tiers.k[layer], self.tiers.v[layer], sm_scale=0.4)
                 for layer in range(LAYERS)
             ]
-            counts, self.residency.pending = self.decoder.end_step()
-        self.residency.apply_pending()  # between steps, as the scheduler does after a batch
+        counts, moves = self.decoder.end_step()  # after the forward, as the scheduler ends a batch
+        self.residency.apply(moves)
         return outs, counts
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from sgl_importance.attention import hot_set_attention
+from sgl_importance.attention import hot_set_attention, table_reserve
 from sgl_importance.config import ImportanceConfig
 from sgl_importance.hot_set.decode import StepResult
 from sgl_importance.hot_set.key_codes import GuardPool, code_rows_per_page
@@ -158,7 +158,7 @@ def _sizing(tokens_alone: int):
 
 @pytest.fixture
 def smol_shape(monkeypatch):
-    monkeypatch.setattr(hot_set_attention, "kv_sizing", lambda configurator: configurator.sizing)
+    monkeypatch.setattr(table_reserve, "kv_sizing", lambda configurator: configurator.sizing)
 
 
 def test_sglangs_sizing_takes_the_cap_the_hook_passes():
@@ -171,7 +171,7 @@ def test_sglangs_sizing_takes_the_cap_the_hook_passes():
 def test_the_kv_pool_is_sized_again_under_the_tables_cap_and_the_runtime_keeps_the_budget(smol_shape):
     runtime = Runtime(GUARDED)
     original, calls = _sizing(2048)
-    config = hot_set_attention.reserve_table(runtime, original, _configurator(max_total_tokens=2048), 10**9)
+    config = table_reserve.reserve_table(runtime, original, _configurator(max_total_tokens=2048), 10**9)
     assert config.max_total_num_tokens == 2032 and calls == [None, 2032]
     assert runtime.table_budget.kv_tokens_alone == 2048 and runtime.table_budget.sized_by.startswith("--max-total")
 
@@ -179,16 +179,14 @@ def test_the_kv_pool_is_sized_again_under_the_tables_cap_and_the_runtime_keeps_t
 def test_a_resize_with_a_cap_passes_through(smol_shape):
     runtime = Runtime(GUARDED)
     original, calls = _sizing(2048)
-    config = hot_set_attention.reserve_table(runtime, original, _configurator(), 10**9, cap_tokens=2032)
+    config = table_reserve.reserve_table(runtime, original, _configurator(), 10**9, cap_tokens=2032)
     assert config.max_total_num_tokens == 2032 and calls == [2032] and runtime.table_budget is None
 
 
 @pytest.mark.parametrize("config", [ImportanceConfig(), ImportanceConfig(hot_set_policy="dense")])
 def test_without_a_hot_set_or_with_a_dense_one_the_kv_pool_keeps_its_size(smol_shape, config):
     original, calls = _sizing(2048)
-    assert (
-        hot_set_attention.reserve_table(Runtime(config), original, _configurator(), 10**9).max_total_num_tokens == 2048
-    )
+    assert table_reserve.reserve_table(Runtime(config), original, _configurator(), 10**9).max_total_num_tokens == 2048
     assert calls == [None]
 
 
@@ -245,8 +243,8 @@ def test_a_batch_is_lent_the_pages_its_rows_need_and_gives_back_the_rest(monkeyp
         alloc=lambda n: slots_of([next(tokens) for _ in range(n // PAGE)]), free=freed.append, device="cpu"
     )
     scheduler = types.SimpleNamespace(tree_cache=types.SimpleNamespace(token_to_kv_pool_allocator=allocator))
-    runtime.residency.apply_pending = lambda: moves.append("moved")
-    runtime.hot_set_attention = types.SimpleNamespace(decoder=None)
+    runtime.residency.apply = moves.append  # what the step's end returned, made after the batch
+    runtime.hot_set_attention = types.SimpleNamespace(decoder=None, end_batch=lambda: "the step's moves")
     lent = []
 
     def run(scheduler, batch):
@@ -256,7 +254,7 @@ def test_a_batch_is_lent_the_pages_its_rows_need_and_gives_back_the_rest(monkeyp
     monkeypatch.setattr(hot_set_rows, "pages_for_batch", lambda rt, batch: 3)
     hot_set_rows.around_batch(runtime, run, scheduler, types.SimpleNamespace(reqs=[]))
     assert lent == [3] and runtime.row_pages.borrowed == 1 and sum(f.numel() for f in freed) == 2 * PAGE
-    assert moves == ["moved"], "the step's page moves after the stock is back"
+    assert moves == ["the step's moves"], "the step ended and its page moves made after the stock is back"
 
 
 # -- the series ----------------------------------------------------------------------

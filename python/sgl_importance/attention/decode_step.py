@@ -185,12 +185,10 @@ class ImportanceDecodeSteps:
             if sinks is not None:
                 kwargs["sinks"] = sinks
             o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        if layer.layer_id == self.last_layer_id:
-            # The last layer closes the step: the table's, then the hot set's.
-            if self.records_importance:
-                self.page_importance.finish_step()
-            if self.hot_set is not None:
-                self.hot_set.end_step()
+        if layer.layer_id == self.last_layer_id and self.records_importance:
+            # The last layer closes the table's step; the hot set's ends after the forward
+            # (HotSetAttention.end_batch, from the scheduler).
+            self.page_importance.finish_step()
         return o
 
     # -- the shared steps -------------------------------------------------------------

@@ -8,9 +8,10 @@ here:
 - a decode step begins with the batch's requests and their slots, with their
   ``req_to_token`` rows where pages may be released (``begin_step``), attends layer by
   layer (``attend``, which files the attended pages' exact masses in the page importance table)
-  and ends after the last layer (``end_step``: the step's counts, into the
-  ``sgl_importance:hot_set_*`` series with ``--enable-metrics``, and the page moves the next
-  step wants, left for the residency owner to make between steps);
+  and is ended by the scheduler once the batch's forward is done (``end_batch``, after
+  ``Scheduler.run_batch``: the step's counts, into the ``sgl_importance:hot_set_*`` series with
+  ``--enable-metrics``, and the page moves the next step wants, returned to the residency owner,
+  which makes them before the next step; nothing is handed over from inside the forward);
 - page copies run on the residency's ``PageCopies`` (a side stream on CUDA), fenced before
   any forward reads (``fence``);
 - a decode batch that holds no request longer than ``--hot-set-threshold`` may be
@@ -21,8 +22,8 @@ here:
 - with ``--hot-set-graph-rows``, a batch that holds one replays the ``hot`` (or ``hot_guard``) graph variant
   (``HotSetGraphVariants``): the decoder plans it in that same hook and the plan goes into
   the fixed-shape step's buffers (``hot_set/graph_step.py``, ``plan_graph_step``), the layers
-  run it (``attend_graph``), and after the runner's ``execute`` the step is folded and ended
-  (``finish_graph_step``); a batch the buffers refuse runs eagerly from the same plan;
+  run it (``attend_graph``), and after the batch the step is folded and ended
+  (``finish_graph_step``, from ``end_batch``); a batch the buffers refuse runs eagerly from the same plan;
 - with ``--hot-set-plan-ahead`` a step is ended one step late: after step N runs (its tally's
   copy queued, not waited for), step N-1 is folded and ended, planning N+1 and the page moves
   it wants, while N runs on the device (``hot_set/late_ends.py``; a request's first step ends
@@ -39,13 +40,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from sgl_importance.attention.hot_set_graphs import GUARD_VARIANT, HOT_VARIANT
+from sgl_importance.hot_set.decode import StepResult
 from sgl_importance.hot_set.estimate import on_device
 from sgl_importance.hot_set.late_ends import LateEnds
+from sgl_importance.hot_set.residency import StepMoves
 from sgl_importance.hot_set.selection import HotSetCounts
 from sgl_importance.hot_set.table_budget import KVShape, describe, plan_table
 from sgl_importance.importance.page_importance import PageImportanceTable
@@ -86,8 +89,10 @@ class HotSetAttention:
         self.guarded = True  # the server's settings guard (a guarded graph variant is captured)
         self.page_importance = page_importance
         self.metrics = metrics
-        # A decode step begun and not yet ended (end_step runs after its last layer).
+        # A decode step begun and not yet ended (end_batch ends it after the forward); a dense
+        # graph replay's host side ran (its batch holds no hot-set request: a late step's leave).
         self.in_step = False
+        self._dense_replayed = False
         # The last decode batch's request ids and their req_to_token rows (host ints).
         self._batch: Optional[tuple[str, ...]] = None
         self._rows: list[int] = []
@@ -180,7 +185,6 @@ class HotSetAttention:
         plan the step and write it into the graph's buffers (``padded_bs``: the captured
         size the batch replays at). False where they cannot take it (counted): the plan is
         kept for the eager step's ``begin_step``."""
-        self.finish_graph_step()
         rids, slots, rows, rows_idx = self._batch_slots(rids, req_pool_indices, seq_lens_cpu, req_to_token)
         live = self.decoder.plan_step(rids, slots, rows)
         why = self.graph.prepare(live, rows_idx, padded_bs) if self.graph is not None else "off"
@@ -228,11 +232,25 @@ class HotSetAttention:
         )
         self.page_importance.add_layer(result.importance, *self.graph.slot_lists())
 
-    def finish_graph_step(self) -> Any:
+    def end_batch(self) -> Optional[StepMoves]:
+        """After a batch's forward (the scheduler's ``Scheduler.run_batch`` hook, never the
+        forward): end the step it ran, eager or replayed (with ``--hot-set-plan-ahead`` the
+        step before it), or, after a dense replay, the late step whose requests left. Returns
+        the page moves the next step wants (None: no step ended), for ``Residency.apply``."""
+        if self.graph_planned:
+            ended = self.finish_graph_step()
+        elif self.in_step and not self.graph_mode:
+            ended = self.end_step()
+        else:
+            ended = self.end_pending() if self._dense_replayed else None
+        self._dense_replayed = False
+        return ended.moves if ended is not None else None
+
+    def finish_graph_step(self) -> Optional[StepResult]:
         """After a replayed hot-set step: its tally read back, folded into the requests, then
         the step ended as an eager one ends (``end_step``; with ``--hot-set-plan-ahead`` the
-        step before it, the tally's copy not waited for). Returns the counts of the step
-        ended, None if none was."""
+        step before it, the tally's copy not waited for). Returns the counts and moves of the
+        step ended, None if none was."""
         if not self.graph_planned:
             return None
         self.graph_planned = False
@@ -247,9 +265,9 @@ class HotSetAttention:
             return self._end(*self.late.ran(replayed, self._fold))
         return self._end(self._fold(replayed))
 
-    def end_pending(self) -> Any:
+    def end_pending(self) -> Optional[StepResult]:
         """End the step ``--hot-set-plan-ahead`` holds back, if any (its requests are leaving:
-        a batch without them, or the end of a run); returns its counts."""
+        a batch without them, or the end of a run); returns its counts and moves."""
         return self._end(self.late.drain(self._fold))
 
     def _fold(self, replayed: Any) -> list:  # a replayed step's read back (only where a graph ran)
@@ -296,23 +314,22 @@ class HotSetAttention:
         )
         return out
 
-    def end_step(self) -> Any:
-        """After an eager step's last layer: fold it, plan the next one; what it wants moved is
-        left on the residency (``pending``), which the scheduler applies before the next
-        step. Returns the step's ``HotSetCounts``, or None outside a step (and in a captured
-        one, which ends after its replay: ``finish_graph_step``)."""
+    def end_step(self) -> Optional[StepResult]:
+        """After an eager step's forward (``end_batch``): fold it, plan the next one. Returns
+        the step's counts and the moves the next one wants, or None outside a step (and in a
+        captured one, which ``finish_graph_step`` ends)."""
         if self.graph_mode or not self.in_step:
             return None
         self.in_step = False
         live = self.decoder.fold_step()
         return self._end(*self.late.ran(live, self._fold)) if self.plan_ahead else self._end(live)
 
-    def _end(self, live: list, ahead: Sequence[int] | int = 1) -> Any:
+    def _end(self, live: list, ahead: Sequence[int] | int = 1) -> Optional[StepResult]:
         """End a folded step (``live``: its requests; none: nothing to end, None returned),
         planning the one ``ahead`` steps on."""
         if not live:
             return None
-        counts, self.decoder.residency.pending = self.decoder.end_step(live, ahead)
+        counts, moves = self.decoder.end_step(live, ahead)
         # The batch's graph counts (replayed, or refused) with the step's, in the totals too.
         counts.add(self._graph_counts)
         self.decoder.totals.add(self._graph_counts)
@@ -320,7 +337,7 @@ class HotSetAttention:
         if self.metrics is not None:
             self.metrics.add(counts.as_dict())
             self.after_step()
-        return counts
+        return StepResult(counts, moves)
 
     def after_step(self) -> None:
         """The gauges of what the rows and the running requests hold (after a step, or a leave)."""
@@ -340,7 +357,7 @@ class HotSetAttention:
         were retracted). Promotions in flight are fenced first, as before any forward."""
         self.fence()
         self.decoder.drop_absent(())
-        self.end_pending()  # its requests left: their counts only, as an eager step ends them
+        self._dense_replayed = True  # a step held back ends after it (end_batch): its requests left
         self.decoder.held_bytes = 0
         if self.metrics is not None:
             self.after_step()
@@ -443,58 +460,3 @@ def guard_wanted(config: Any) -> bool:
     """Whether the server's settings use the guard: a hot set that is not dense, with a
     guard threshold below 1 (a request may still ask for one itself)."""
     return config.hot_set_policy not in ("off", "dense") and config.hot_set_guard_threshold < 1.0
-
-
-def reserve_table(
-    runtime: Runtime,
-    original: Callable[..., Any],
-    configurator: Any,
-    budget_bytes: int,
-    *args: Any,
-    cap_tokens: Optional[int] = None,
-    **kwargs: Any,
-) -> Any:
-    """Around ``KVCacheConfigurator.config_from_budget``: the KV pool SGLang sizes, less
-    the page importance table (``hot_set/table_budget.py``), recorded on the runtime for
-    ``build_hot_set``; the hot set's rows are borrowed from the pool later, as used.
-
-    SGLang turns the profiled memory into the KV pool's tokens there, capped by
-    ``--max-total-tokens``; the table's bytes come out of that count, whichever bound
-    it, and SGLang sizes the pool again under its own cap (``cap_tokens``). A call that
-    already has a cap is SGLang's post-capture resize of a pool sized by the first call:
-    the memory it measures already excludes the table, so it passes through.
-    """
-    config = original(configurator, budget_bytes, *args, cap_tokens=cap_tokens, **kwargs)
-    if cap_tokens is not None or runtime.config.hot_set_policy in ("off", "dense"):
-        return config  # a dense hot set keeps no rows: it files nothing the table must hold apart
-    shape, cap, _ = kv_sizing(configurator)
-    kv_tokens_alone = config.max_total_num_tokens
-    budget = plan_table(kv_tokens_alone, shape)
-    if cap is not None and kv_tokens_alone == cap // shape.page_size * shape.page_size:
-        budget = replace(budget, sized_by=f"--max-total-tokens {cap} bound it")
-    runtime.table_budget = budget
-    if budget.kv_tokens == kv_tokens_alone:
-        return config
-    return original(configurator, budget_bytes, *args, cap_tokens=budget.kv_tokens, **kwargs)
-
-
-def kv_sizing(configurator: Any) -> tuple[KVShape, Optional[int], bool]:
-    """What SGLang sizes this rank's KV pool by: its shape (as ``KVCacheConfigurator``
-    sizes an MHA pool), the token cap and whether a host pool takes released pages.
-
-    The cap and the host pool are read from SGLang's resolved settings, as its own
-    sizing reads them (a platform's default ``--max-total-tokens`` is not on ServerArgs).
-    """
-    from sglang.srt.runtime_context import get_memory, get_parallel, get_schedule
-
-    parallel = get_parallel()
-    model = configurator.model_config
-    shape = KVShape(
-        num_layers=configurator.layer_info.num_effective_layers,
-        num_kv_heads=model.get_num_kv_heads(parallel.attn_tp_size, parallel.attn_dcp_size),
-        head_dim=model.head_dim,
-        v_head_dim=model.v_head_dim,
-        element_size=configurator.kv_cache_dtype.itemsize,
-        page_size=configurator.page_size,
-    )
-    return shape, get_schedule().max_total_tokens, bool(get_memory().enable_hierarchical_cache)

@@ -8,8 +8,8 @@ variant per batch (``create_attention_graph_variants``); the plugin wraps both (
 - a batch holding one replays the captured hot-set step (``hot``, or ``hot_guard`` where a row is
   guarded: ``hot_set/graph_step.py``) where ``--hot-set-graph-rows`` is set and the step's buffers
   take the plan made here (``plan_hot_set_graph_step`` on the backend), else runs eagerly;
-- after the runner's ``execute`` a replayed hot-set step is folded and ended
-  (``HotSetAttention.finish_graph_step``).
+- after the batch, the scheduler folds and ends a replayed hot-set step as it ends an eager one
+  (``HotSetAttention.end_batch``).
 
 Decided from the host's copy of the batch's lengths. Where ranks must agree on graph or eager
 (``require_mlp_sync``: DP attention, gathered buffers), each rank would decide from its own batch:
@@ -96,10 +96,3 @@ def eager_with_hot_set_requests(config: Any, original: Callable[..., bool], runn
     bs = forward_batch.batch_size
     padded = min((b for b in getattr(runner, "capture_bs", ()) if b >= bs), default=bs)
     return plan(forward_batch, padded)
-
-
-def after_graph_replay(runner: Any) -> None:
-    """After ``DecodeCudaGraphRunner.execute``: a replayed hot-set step folded and ended."""
-    hot_set = getattr(getattr(runner, "attn_backend", None), "hot_set", None)
-    if hot_set is not None:
-        hot_set.finish_graph_step()

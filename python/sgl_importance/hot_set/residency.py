@@ -277,7 +277,6 @@ class Residency:
         self.host_insert = False  # a finished request may enter the tree host-only (SGLang's Python tree core)
         self._pages: dict[str, RequestPages] = {}
         self.counts = ReleaseCounts()
-        self.pending: Optional[StepMoves] = None  # the last step's wants, applied before the next step
         # Set when a step gave device pages back: the scheduler may admit again.
         self.reopen = False
         # req_pool_idx -> the pages of a request being released right now (free_kv_row
@@ -337,11 +336,10 @@ class Residency:
 
     # -- a step's moves -------------------------------------------------------------------
 
-    def apply_pending(self) -> None:
-        """Apply the last step's ``StepMoves`` (between steps, before the next allocation):
+    def apply(self, moves: Optional[StepMoves]) -> None:
+        """Make the ``StepMoves`` a step ended with (between steps, before the next allocation):
         every release as one device→host copy, then every promotion as one host→device copy."""
         self.copies.collect()
-        moves, self.pending = self.pending, None
         if moves is None or not self.enabled:
             return
         records = [(self._pages.get(m.rid), m) for m in moves.requests]

@@ -31,15 +31,16 @@ def around_batch(
     runtime: Any, original: Callable[..., Any], scheduler: Any, batch: Any, *args: Any, **kwargs: Any
 ) -> Any:
     """Around ``Scheduler.run_batch``: before it, the stock filled with the pages this batch's
-    rows may take; after it, what the batch did not take given back, then the page moves the
-    decode step just run wants for the next one (``Residency.apply_pending``: releases, then
-    promotions), before anything allocates for that step. The only place a hot-set step's
-    pages move."""
+    rows may take; after it, what the batch did not take given back, then the decode step it
+    ran ended (``HotSetAttention.end_batch``) and the page moves it returns for the next step
+    made (``Residency.apply``: releases, then promotions), before anything allocates for that
+    step. The only place a hot-set step ends and its pages move."""
     try:
         with lent(runtime.row_pages, scheduler.tree_cache, lambda: pages_for_batch(runtime, batch)):
             return original(scheduler, batch, *args, **kwargs)
     finally:
-        runtime.residency.apply_pending()
+        hot_set = runtime.hot_set_attention
+        runtime.residency.apply(hot_set.end_batch() if hot_set is not None else None)
 
 
 @contextmanager
