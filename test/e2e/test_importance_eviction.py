@@ -15,10 +15,10 @@ document and for a one-off prompt: ``lru`` wrote both; ``importance`` with L3
 admission (``storage_min_hits`` / ``storage_min_importance``) wrote the document
 only. The ``importance`` server also serves its Prometheus series.
 
-All three servers use the ``importance_torch`` backend and must give identical
-greedy tokens: with ``lru``, with ``importance`` and with no radix cache at all (that
-server runs only the requests the others serve from a cached prefix; SGLang on a CPU
-without the radix cache is several times slower per request).
+Both servers use the ``importance_torch`` backend and must give identical greedy tokens,
+with ``lru``, with ``importance`` and computed from nothing cached: the ``lru`` server, last,
+asks again the requests both served from a cached prefix, each under its own ``cache_salt``
+(which matches nothing stored, in any tier: ``test_tenant_isolation.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import json
 
 import pytest
 
-from sgl_importance.client import flush_cache, metrics_text
+from sgl_importance.client import flush_cache, generate, greedy, metrics_text
 from sgl_importance.local_server import metric
 from support.prompts import asked_document
 from support.server import generate_ids, importance_torch_args, launch_and_fail
@@ -81,25 +81,27 @@ def prompts(token_ids):
     return workload, from_storage
 
 
-def run_workload(server, prompts, tiered: bool = True, read_metrics: bool = False) -> dict:
-    """Greedy output ids of the workload, where the last request's prefix came from,
-    (tiered) the storage hits of the document and a one-off after /flush_cache, and
-    the server's /metrics text when asked for. Untiered (no radix cache) runs only
-    the requests a cache serves from a stored prefix."""
+def run_workload(server, prompts, read_metrics: bool = False, uncached: bool = False) -> dict:
+    """Greedy output ids of the workload, where the last request's prefix came from, the
+    storage hits of the document and a one-off after /flush_cache, the server's /metrics
+    text when asked for and (``uncached``) the output ids of the requests served from a
+    cached prefix, asked again under salts that match nothing."""
     workload, from_storage = prompts
-    if not tiered:
-        workload = [workload[i] for i in served_from_cache(prompts)]
-    stored, metrics = {}, ""
+    stored, metrics, fresh = {}, "", []
     try:
         outputs = [generate_ids(server, ids, n) for _, ids, n in workload]
         if read_metrics:
             metrics = metrics_text(server.url)
-        if tiered:
-            r = flush_cache(server.url)
-            assert r.status_code == 200, r.text
-            for name, ids, n in from_storage:
-                details = generate_ids(server, ids, n)["meta_info"].get("cached_tokens_details") or {}
-                stored[name] = details.get("storage", 0)
+        r = flush_cache(server.url)
+        assert r.status_code == 200, r.text
+        for name, ids, n in from_storage:
+            details = generate_ids(server, ids, n)["meta_info"].get("cached_tokens_details") or {}
+            stored[name] = details.get("storage", 0)
+        for i in served_from_cache(prompts) if uncached else ():
+            _, ids, n = workload[i]
+            out = generate(server.url, input_ids=ids, sampling_params=greedy(n), cache_salt=f"uncached-{i}")
+            assert out["meta_info"]["cached_tokens"] == 0, out["meta_info"]
+            fresh.append(out["output_ids"])
     finally:
         # One server at a time: the next arm starts only after this one stopped.
         server.stop()
@@ -108,6 +110,7 @@ def run_workload(server, prompts, tiered: bool = True, read_metrics: bool = Fals
         "details": outputs[-1]["meta_info"].get("cached_tokens_details") or {},
         "stored": stored,
         "metrics": metrics,
+        "uncached": fresh,
         "log": server.log(),
     }
 
@@ -118,18 +121,13 @@ def served_from_cache(prompts) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def uncached(launch, prompts):
-    return run_workload(launch([*COMMON, "--disable-radix-cache"]), prompts, tiered=False)
-
-
-@pytest.fixture(scope="module")
-def lru(launch, prompts, tmp_path_factory, uncached):
+def lru(launch, prompts, tmp_path_factory):
     storage = tmp_path_factory.mktemp("hicache-lru")
     server = launch(
         [*COMMON, *TIERED, "--radix-eviction-policy", "lru"],
         env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(storage)},
     )
-    return run_workload(server, prompts)
+    return run_workload(server, prompts, uncached=True)
 
 
 @pytest.fixture(scope="module")
@@ -190,9 +188,9 @@ def test_l3_admission_keeps_one_off_prompts_out_of_the_file_tier_but_not_the_doc
     assert stored["document"] >= DOC_TOKENS and stored["one-off"] == 0, stored
 
 
-def test_greedy_outputs_are_identical_with_lru_importance_and_no_radix_cache(prompts, uncached, lru, importance):
+def test_greedy_outputs_are_identical_with_lru_importance_and_nothing_cached(prompts, lru, importance):
     assert importance["outputs"] == lru["outputs"]
-    assert [lru["outputs"][i] for i in served_from_cache(prompts)] == uncached["outputs"]
+    assert [lru["outputs"][i] for i in served_from_cache(prompts)] == lru["uncached"]
 
 
 @pytest.mark.parametrize(
