@@ -244,7 +244,13 @@ def test_a_batch_is_lent_the_pages_its_rows_need_and_gives_back_the_rest(monkeyp
     )
     scheduler = types.SimpleNamespace(tree_cache=types.SimpleNamespace(token_to_kv_pool_allocator=allocator))
     runtime.residency.apply = moves.append  # what the step's end returned, made after the batch
-    runtime.hot_set_attention = types.SimpleNamespace(decoder=None, end_batch=lambda: "the step's moves")
+    ended = []  # the stock when the step ended: its end writes rows into borrowed pages
+
+    def end_batch() -> str:
+        ended.append(runtime.row_pages.available())
+        return "the step's moves"
+
+    runtime.hot_set_attention = types.SimpleNamespace(decoder=None, end_batch=end_batch)
     lent = []
 
     def run(scheduler, batch):
@@ -254,7 +260,8 @@ def test_a_batch_is_lent_the_pages_its_rows_need_and_gives_back_the_rest(monkeyp
     monkeypatch.setattr(hot_set_rows, "pages_for_batch", lambda rt, batch: 3)
     hot_set_rows.around_batch(runtime, run, scheduler, types.SimpleNamespace(reqs=[]))
     assert lent == [3] and runtime.row_pages.borrowed == 1 and sum(f.numel() for f in freed) == 2 * PAGE
-    assert moves == ["the step's moves"], "the step ended and its page moves made after the stock is back"
+    assert ended == [2], "the step ended while the stock was still lent"
+    assert moves == ["the step's moves"], "its page moves made after the stock is back"
 
 
 # -- the series ----------------------------------------------------------------------

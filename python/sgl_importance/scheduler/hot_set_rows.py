@@ -35,12 +35,17 @@ def around_batch(
     ran ended (``HotSetAttention.end_batch``) and the page moves it returns for the next step
     made (``Residency.apply``: releases, then promotions), before anything allocates for that
     step. The only place a hot-set step ends and its pages move."""
+    hot_set, moves = runtime.hot_set_attention, None
     try:
         with lent(runtime.row_pages, scheduler.tree_cache, lambda: pages_for_batch(runtime, batch)):
-            return original(scheduler, batch, *args, **kwargs)
+            try:
+                return original(scheduler, batch, *args, **kwargs)
+            finally:
+                # Ended while the stock is lent: the end writes the key ranges and codes of the
+                # pages the step filled into rows of borrowed pages.
+                moves = hot_set.end_batch() if hot_set is not None else None
     finally:
-        hot_set = runtime.hot_set_attention
-        runtime.residency.apply(hot_set.end_batch() if hot_set is not None else None)
+        runtime.residency.apply(moves)
 
 
 @contextmanager
