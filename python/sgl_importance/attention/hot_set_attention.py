@@ -237,12 +237,11 @@ class HotSetAttention:
         forward): end the step it ran, eager or replayed (with ``--hot-set-plan-ahead`` the
         step before it), or, after a dense replay, the late step whose requests left. Returns
         the page moves the next step wants (None: no step ended), for ``Residency.apply``."""
-        if self.graph_planned:
-            ended = self.finish_graph_step()
-        elif self.in_step and not self.graph_mode:
-            ended = self.end_step()
-        else:
-            ended = self.end_pending() if self._dense_replayed else None
+        ended = self.finish_graph_step()  # None where no graph was planned or none replayed
+        if ended is None and self.in_step and not self.graph_mode:
+            ended = self.end_step()  # an eager step (also one whose planned graph never ran)
+        if ended is None and self._dense_replayed:
+            ended = self.end_pending()
         self._dense_replayed = False
         return ended.moves if ended is not None else None
 
