@@ -445,7 +445,6 @@ HOOK_TARGETS = [
     "sglang.srt.layers.dual_gemm.DualGemm._select_mode",
     f"{MEM}.kv_cache_configurator.KVCacheConfigurator.config_from_budget",
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph",
-    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.create_attention_graph_variants",
 ]
 

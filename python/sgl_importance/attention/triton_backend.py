@@ -31,7 +31,7 @@ copies), so a batch that holds a request longer than ``--hot-set-threshold`` rep
 CUDA graph only as the fixed-shape step of ``hot_set/graph_step.py`` (``--hot-set-graph-rows``;
 the ``hot`` graph variant: its plan written between steps by the plugin's hook around
 SGLang's ``can_run_graph``, ``hot_set_graphs.eager_with_hot_set_requests``, its prologue
-in ``init_forward_metadata_in_graph``, its fold after the runner's ``execute``); otherwise, or
+in ``init_forward_metadata_in_graph``, its fold after the batch, ``HotSetAttention.end_batch``); otherwise, or
 where its buffers refuse the batch, the step runs eagerly. Graphs are
 captured as without the hot set, and a batch of short requests replays one: dense
 decode on the graph wrapper, and the hot set's decoder never called (its host side
