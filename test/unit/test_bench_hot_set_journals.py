@@ -36,3 +36,22 @@ def test_a_repeated_row_that_answered_differently_is_counted_and_the_first_kept(
     rows = bench_hot_set.read_journals(a, b)
     assert [r["text"] for r in rows] == [" 1."]
     assert "1 repeated rows answered differently" in capsys.readouterr().err
+
+
+def test_chat_trials_frame_the_question_in_the_template_without_an_answer_prefix(model_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    head, tail = bench_hot_set.chat_frame(tokenizer)
+    for task, pairs in (("needle-chat", 1), ("kv-chat", 4)):
+        trials = bench_hot_set.make_trials(tokenizer, task, [1024], 3, seed=0)
+        for t in trials:
+            assert len(t["ids"]) == 1024
+            assert t["ids"][: len(head)] == head and t["ids"][-len(tail) :] == tail
+            text = tokenizer.decode(t["ids"])
+            assert text.rstrip().endswith("assistant")
+            question = text.rsplit("\n\nWhat is", 1)[1]
+            assert question.split("?")[1].startswith("<|im_end|>")  # nothing primes the answer
+            assert t["answer"] in text and text.count("The magic number for") == (pairs if task == "kv-chat" else 0)
+    plain = bench_hot_set.make_trials(tokenizer, "kv", [1024], 1, seed=0)[0]
+    assert tokenizer.decode(plain["ids"]).endswith(" is")
