@@ -67,7 +67,7 @@ def run_both(params: HotSetParams, *, steps: int, lengths: list[int], **world) -
         tables = [w.page_importance for w in worlds]
         assert bool((tables[0].last > 0).any()), "the attended pages' masses are filed"
         assert torch.allclose(tables[1].last, tables[0].last, atol=IMP_ATOL, rtol=0), f"step {step}"
-        assert not worlds[1].backend.hot_set.in_step, "the last layer ends the step"
+        assert not worlds[1].backend.hot_set.in_step, "the batch's end ends the step"
     totals = [w.backend.hot_set.decoder.totals.as_dict() for w in worlds]
     assert totals[1] == totals[0]
     # Both backends rewrote their request rows the same way (releases and promotions).

@@ -12,6 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from sgl_importance.attention import hot_set_attention, table_reserve
+from sgl_importance.attention.step_phase import StepPhase
 from sgl_importance.config import ImportanceConfig
 from sgl_importance.hot_set.decode import StepResult
 from sgl_importance.hot_set.key_codes import GuardPool, code_rows_per_page
@@ -285,7 +286,7 @@ def test_the_gauges_show_rows_in_use_the_pages_borrowed_for_them_and_what_reques
     hot_set = hot_set_attention.HotSetAttention(decoder, page_importance=None, metrics=metrics)
     guard.alloc(3)
     ranges.alloc(5)
-    hot_set.in_step = True
+    hot_set.phase = StepPhase.EAGER  # begun (its plan faked away above)
     hot_set.end_step()
 
     def gauge(name: str) -> float:

@@ -45,6 +45,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from sgl_importance.attention.hot_set_graphs import GUARD_VARIANT, HOT_VARIANT
+from sgl_importance.attention.step_phase import StepPhase, advance
 from sgl_importance.hot_set.decode import StepResult
 from sgl_importance.hot_set.estimate import on_device
 from sgl_importance.hot_set.late_ends import LateEnds
@@ -89,25 +90,30 @@ class HotSetAttention:
         self.guarded = True  # the server's settings guard (a guarded graph variant is captured)
         self.page_importance = page_importance
         self.metrics = metrics
-        # A decode step begun and not yet ended (end_batch ends it after the forward); a dense
-        # graph replay's host side ran (its batch holds no hot-set request: a late step's leave).
-        self.in_step = False
-        self._dense_replayed = False
+        # Where the batch's step stands (attention/step_phase.py): begun, planned for the
+        # captured step, replayed, ... until end_batch ends it after the forward.
+        self.phase = StepPhase.IDLE
         # The last decode batch's request ids and their req_to_token rows (host ints).
         self._batch: Optional[tuple[str, ...]] = None
         self._rows: list[int] = []
-        # The captured hot-set step (enable_graphs), whether the next forward runs it
-        # (graph_mode) and whether a plan waits in its buffers (graph_planned); a batch
-        # planned for it and refused, for the eager step (_planned: its ids and lengths).
+        # The captured hot-set step (enable_graphs) and whether the forward runs its layers
+        # (graph_mode: a replay, or SGLang capturing it); a batch planned for it and refused,
+        # for the eager step (_planned: its ids and lengths).
         self.graph: Any = None
         self.graph_mode = False
-        self.graph_planned = False
         # CUDA: the model runner's forward stream, which a prefill chunk's summary and release
         # wait for (under the overlap scheduler the chunk's forward may still run); None on the CPU.
         self.forward_stream: Any = None
         self._planned: Optional[tuple] = None
-        self._graph_ran = False  # the planned step's replay was prepared (graph_metadata)
         self._graph_counts = HotSetCounts()
+
+    @property
+    def in_step(self) -> bool:
+        """An eager step is begun and not yet ended (its layers read the hot sets)."""
+        return self.phase is StepPhase.EAGER
+
+    def _to(self, phase: StepPhase) -> None:
+        self.phase = advance(self.phase, phase)
 
     def begin_step(
         self,
@@ -138,7 +144,7 @@ class HotSetAttention:
             self.decoder.plan_lists()  # planned for a graph the buffers refused: its lists
         else:
             self.decoder.begin_step(*self._batch_slots(rids, req_pool_indices, seq_lens_cpu, req_to_token)[:3])
-        self.in_step = True
+        self._to(StepPhase.EAGER)  # a plan the buffers took and no replay came is dropped
 
     def _batch_slots(self, rids, req_pool_indices, seq_lens_cpu, req_to_token) -> tuple:
         """The batch's request ids, slots, rows (where pages may be released) and row indices."""
@@ -189,8 +195,9 @@ class HotSetAttention:
         live = self.decoder.plan_step(rids, slots, rows)
         why = self.graph.prepare(live, rows_idx, padded_bs) if self.graph is not None else "off"
         if why is None:
-            self.graph_planned = True
+            self._to(StepPhase.PLANNED)
             return True
+        self._to(StepPhase.REFUSED)
         self._planned = self._key(rids, seq_lens_cpu)
         self._graph_counts.graph_eager += 1
         return False
@@ -214,14 +221,14 @@ class HotSetAttention:
             if self.graph_mode:
                 graph.clear()
             return
-        if self.graph_mode and not self.graph_planned:
+        if self.graph_mode and self.phase is not StepPhase.PLANNED:
             raise RuntimeError("a hot-set graph step was replayed without its plan (plan_graph_step)")
         if self.graph_mode and graph.guard_mode != graph.guarded:
             raise RuntimeError(f"the {variant} graph was picked for a plan whose guarded is {graph.guarded}")
         if not self.graph_mode:
             self.graph_step()
         else:
-            self._graph_ran = True
+            self._to(StepPhase.REPLAYED)
             self.fence()
 
     def attend_graph(self, layer: Any, q, k_buffer, v_buffer, out, *, logit_cap: float, sinks=None) -> None:
@@ -237,25 +244,24 @@ class HotSetAttention:
         forward): end the step it ran, eager or replayed (with ``--hot-set-plan-ahead`` the
         step before it), or, after a dense replay, the late step whose requests left. Returns
         the page moves the next step wants (None: no step ended), for ``Residency.apply``."""
-        ended = self.finish_graph_step()  # None where no graph was planned or none replayed
-        if ended is None and self.in_step and not self.graph_mode:
-            ended = self.end_step()  # an eager step (also one whose planned graph never ran)
-        if ended is None and self._dense_replayed:
+        phase = self.phase
+        if phase is StepPhase.REPLAYED:
+            ended = self.finish_graph_step()
+        elif phase is StepPhase.EAGER:
+            ended = self.end_step()
+        elif phase is StepPhase.DENSE_REPLAYED:
             ended = self.end_pending()
-        self._dense_replayed = False
+        else:  # idle, or planned and no forward came: nothing ran to end
+            ended = None
+        self.graph_mode = False
+        self._to(StepPhase.IDLE)
         return ended.moves if ended is not None else None
 
     def finish_graph_step(self) -> Optional[StepResult]:
-        """After a replayed hot-set step: its tally read back, folded into the requests, then
-        the step ended as an eager one ends (``end_step``; with ``--hot-set-plan-ahead`` the
-        step before it, the tally's copy not waited for). Returns the counts and moves of the
-        step ended, None if none was."""
-        if not self.graph_planned:
-            return None
-        self.graph_planned = False
-        if not self._graph_ran:  # planned, then no replay came (nothing to fold; the plan is dropped)
-            return None
-        self._graph_ran = self.graph_mode = False
+        """After a replayed hot-set step (``end_batch``): its tally read back, folded into the
+        requests, then the step ended as an eager one ends (``end_step``; with
+        ``--hot-set-plan-ahead`` the step before it, the tally's copy not waited for). Returns
+        the counts and moves of the step ended, None if none was."""
         self._graph_counts.graph_steps += 1
         replayed = self.graph.read_back()
         if self.plan_ahead:
@@ -315,11 +321,10 @@ class HotSetAttention:
 
     def end_step(self) -> Optional[StepResult]:
         """After an eager step's forward (``end_batch``): fold it, plan the next one. Returns
-        the step's counts and the moves the next one wants, or None outside a step (and in a
-        captured one, which ``finish_graph_step`` ends)."""
-        if self.graph_mode or not self.in_step:
+        the step's counts and the moves the next one wants, or None outside an eager step."""
+        if self.phase is not StepPhase.EAGER:
             return None
-        self.in_step = False
+        self.phase = StepPhase.IDLE
         live = self.decoder.fold_step()
         return self._end(*self.late.ran(live, self._fold)) if self.plan_ahead else self._end(live)
 
@@ -356,7 +361,7 @@ class HotSetAttention:
         were retracted). Promotions in flight are fenced first, as before any forward."""
         self.fence()
         self.decoder.drop_absent(())
-        self._dense_replayed = True  # a step held back ends after it (end_batch): its requests left
+        self._to(StepPhase.DENSE_REPLAYED)  # a step held back ends after it (end_batch): its requests left
         self.decoder.held_bytes = 0
         if self.metrics is not None:
             self.after_step()
