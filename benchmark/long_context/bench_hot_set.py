@@ -41,6 +41,9 @@ runs every n-th trial, so n processes, each with its own server and journal
 
     python -m benchmark.long_context.bench_hot_set --out /tmp/bench_hot_set             # full grid, hours
     python -m benchmark.long_context.bench_hot_set --n 2 --lengths 2048 --out /tmp/hs   # a smoke run
+    # the trials a grid's guard lost, again with one setting moved per variant (which gives them back?)
+    python -m benchmark.long_context.bench_hot_set ... --lost-in /tmp/hs "importance 0.2 guard" \
+        --guard-variants "read_cap=0.5;top_p=0.99" --out /tmp/hs-lost
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ TASKS = ("needle", "kv", "adversarial", "needle-chat", "kv-chat")
 MAX_NEW = {"needle": 8, "kv": 8, "adversarial": 24, "needle-chat": 48, "kv-chat": 48}
 KV_PAIRS = {"kv": 8, "adversarial": 8, "kv-chat": 4}
 REDUCE_DEFAULT = "max"  # the server's --hot-set-reduce default; only the importance policy reads it
+VARIANT_KEYS = ("budget", "read_cap", "top_p", "guard_threshold", "window", "sinks")
 
 
 def essay_text() -> str:
@@ -163,13 +167,39 @@ def config_grid(a) -> list[dict]:
                 grid.append({"policy": policy, "budget": budget, "guard_threshold": 1.0, "reduce": reduce})
     for policy in a.guard_policies:
         for budget in a.guard_budgets:
-            grid.append({"policy": policy, "budget": budget, "guard_threshold": GUARD_DEFAULT})
+            base = {"policy": policy, "budget": budget, "guard_threshold": GUARD_DEFAULT}
+            grid.append(base)
+            # Each variant moves one or more of the selection's settings (the request's own
+            # custom_params.hot_set): which one gives a lost answer back names the cause.
+            grid += [variant_config(base, variant) for variant in a.guard_variants]
     return grid
+
+
+def variant_config(base: dict, variant: dict) -> dict:
+    """``base`` with ``variant``'s settings, named after both (``config_key``)."""
+    name = config_key(base) + " " + ",".join(f"{k}={v:g}" for k, v in variant.items())
+    return {**base, **variant, "variant": name}
+
+
+def parse_variants(text: str) -> list[dict]:
+    """``"read_cap=0.5;top_p=0.99,budget=0.3"`` -> one dict of floats per ``;`` group."""
+    variants = []
+    for group in filter(None, text.split(";")):
+        variant = {}
+        for item in group.split(","):
+            key, _, value = item.partition("=")
+            if key not in VARIANT_KEYS or not value:
+                raise ValueError(f"a variant sets key=value of {', '.join(VARIANT_KEYS)}, not {item!r}")
+            variant[key] = float(value)
+        variants.append(variant)
+    return variants
 
 
 def config_key(hot_set: dict) -> str:
     if hot_set["policy"] == "dense":
         return "dense"
+    if "variant" in hot_set:
+        return hot_set["variant"]
     guard = "guard" if hot_set["guard_threshold"] < 1.0 else "no guard"
     policy = hot_set["policy"]
     if hot_set.get("reduce", REDUCE_DEFAULT) != REDUCE_DEFAULT and hot_set["policy"] == "importance":
@@ -178,6 +208,7 @@ def config_key(hot_set: dict) -> str:
 
 
 def _generate(server: LocalServer, trial: dict, hot_set: dict) -> str:
+    hot_set = {k: v for k, v in hot_set.items() if k != "variant"}
     sampling = greedy(MAX_NEW[trial["task"]], custom_params={"hot_set": hot_set})
     return generate(server.url, input_ids=trial["ids"], sampling_params=sampling, timeout=3600)["text"]
 
@@ -231,6 +262,17 @@ def main() -> None:
     )
     ap.add_argument("--guard-policies", default="importance", help="decoded with the server's default guard")
     ap.add_argument("--guard-budgets", default="0.1,0.2,0.3", help="budgets of the --guard-policies")
+    ap.add_argument(
+        "--guard-variants",
+        default="",
+        help="';'-separated settings decoded beside each guard configuration, e.g. 'read_cap=0.5;top_p=0.99'",
+    )
+    ap.add_argument(
+        "--lost-in",
+        nargs=2,
+        metavar=("DIR", "CONFIG"),
+        help="only the trials of DIR's journals that dense answered and CONFIG (a configuration's name) lost",
+    )
     ap.add_argument("--n", type=int, default=50, help="trials per task and length")
     ap.add_argument("--threshold", type=int, default=1024, help="--hot-set-threshold")
     ap.add_argument("--seed", type=int, default=0)
@@ -254,6 +296,10 @@ def main() -> None:
     a.reduces = [r for r in a.reduces.split(",") if r]
     a.budgets = [float(x) for x in a.budgets.split(",")]
     a.guard_budgets = [float(x) for x in a.guard_budgets.split(",")]
+    try:
+        a.guard_variants = parse_variants(a.guard_variants)
+    except ValueError as e:
+        ap.error(str(e))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     shard, shards = (int(x) for x in a.shard.split("/"))
@@ -289,6 +335,11 @@ def main() -> None:
         lengths = a.adversarial_lengths if task == "adversarial" else a.lengths
         trials += make_trials(tokenizer, task, [int(x) for x in lengths.split(",")], a.n, a.seed)
     trials = [t for t in trials if t["trial"] % shards == shard]
+    if a.lost_in:
+        lost = lost_trials(read_journals(Path(a.lost_in[0])), a.lost_in[1])
+        trials = [t for t in trials if (t["task"], t["length"], t["trial"]) in lost]
+        if not trials:
+            ap.error(f"no trial of {a.lost_in[0]} (at these --tasks, --lengths, --n, --seed) lost by {a.lost_in[1]!r}")
     grid = [{"policy": "dense", "budget": 1.0, "guard_threshold": 1.0}] + config_grid(a)
     todo = sum((t["task"], t["length"], t["trial"], config_key(c)) not in done for t in trials for c in grid)
     print(f"{len(trials)} trials x {len(grid)} configurations; {todo} requests to run", flush=True)
@@ -355,6 +406,12 @@ def read_journals(*folders: Path) -> list[dict]:
     return list(rows.values())
 
 
+def lost_trials(rows: list[dict], config: str) -> set[tuple]:
+    """(task, length, trial) of the trials dense answered right and ``config`` wrong."""
+    right = {(r["task"], r["length"], r["trial"]) for r in rows if r["config"] == "dense" and r["correct"]}
+    return {(r["task"], r["length"], r["trial"]) for r in rows if r["config"] == config and not r["correct"]} & right
+
+
 def complete_trials(rows: list[dict]) -> tuple[list[dict], int]:
     """The rows of trials every configuration finished, and how many trials were partial.
 
@@ -391,7 +448,7 @@ def _order(config: str) -> tuple:
     if config == "dense":
         return (0,)
     policy, budget, *guard = config.split(" ")
-    return (1, "guard" in guard and "no" not in guard, policy, float(budget))
+    return (1, "guard" in guard and "no" not in guard, policy, float(budget), config)
 
 
 HEADER = (

@@ -4,6 +4,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("bench_hot_set", REPO / "benchmark" / "long_context" / "bench_hot_set.py")
 bench_hot_set = importlib.util.module_from_spec(spec)
@@ -55,3 +57,27 @@ def test_chat_trials_frame_the_question_in_the_template_without_an_answer_prefix
             assert t["answer"] in text and text.count("The magic number for") == (pairs if task == "kv-chat" else 0)
     plain = bench_hot_set.make_trials(tokenizer, "kv", [1024], 1, seed=0)[0]
     assert tokenizer.decode(plain["ids"]).endswith(" is")
+
+
+def test_guard_variants_are_named_apart_and_lost_trials_are_dense_hits_a_configuration_missed():
+    variants = bench_hot_set.parse_variants("read_cap=0.5;top_p=0.99,budget=0.3")
+    assert variants == [{"read_cap": 0.5}, {"top_p": 0.99, "budget": 0.3}]
+    base = {"policy": "importance", "budget": 0.2, "guard_threshold": bench_hot_set.GUARD_DEFAULT}
+    names = [bench_hot_set.config_key(c) for c in [base] + [bench_hot_set.variant_config(base, v) for v in variants]]
+    assert names == [
+        "importance 0.2 guard",
+        "importance 0.2 guard read_cap=0.5",
+        "importance 0.2 guard top_p=0.99,budget=0.3",
+    ]
+    for bad in ("cap=0.5", "read_cap", "read_cap=x"):
+        with pytest.raises(ValueError):
+            bench_hot_set.parse_variants(bad)
+    rows = [
+        {**_row(0, "dense", "a"), "correct": True},
+        {**_row(0, names[0], "b"), "correct": False},  # lost
+        {**_row(1, "dense", "a"), "correct": False},
+        {**_row(1, names[0], "b"), "correct": False},  # dense missed it too
+        {**_row(2, "dense", "a"), "correct": True},
+        {**_row(2, names[0], "a"), "correct": True},  # kept
+    ]
+    assert bench_hot_set.lost_trials(rows, names[0]) == {("kv", 2048, 0)}
