@@ -13,8 +13,9 @@ its module is never imported), greedy decoding on the embedded model:
   steps' attention does not hold it. Correct when the second number appears.
 - ``needle-chat`` and ``kv-chat`` (issue 67): the chat shape a user sends, the essay and
   the question as one user message in the model's chat template (four magic numbers for
-  ``kv-chat``), no answer prefix: the model writes a preamble first, so the fact's page
-  is needed 10-30 steps into decoding, after the selection has settled on other pages.
+  ``kv-chat``; the needle's question asks for the number), no answer prefix: the model
+  restates the question first, so the fact's page is needed steps into decoding, after
+  the selection has settled on other pages.
   Correct when the passcode / number appears in the reply.
 
 One server (``importance_torch``, ``--hot-set-policy importance``, threshold
@@ -131,8 +132,12 @@ def make_trials(tokenizer, task: str, lengths: list[int], n: int, seed: int) -> 
             if task.startswith("needle"):
                 code = str(rng.randrange(10000, 100000))
                 facts = [(0.05 + 0.9 * (i + 0.5) / n, ids(f" The secret passcode is {code}. Remember it: {code}. "))]
-                q = "\n\nWhat is the secret passcode mentioned above?"
-                question = ids(q if chat else q + " The secret passcode is")
+                # Asked "... mentioned above?" in a chat, this model restates the question and
+                # invents an answer even with the whole prompt read (dense 0 of 8 at 4K).
+                q = "\n\nWhat is the secret passcode? Answer with the number."
+                if not chat:
+                    q = "\n\nWhat is the secret passcode mentioned above? The secret passcode is"
+                question = ids(q)
                 answer = code
             else:
                 names = rng.sample(NAMES, KV_PAIRS[task])

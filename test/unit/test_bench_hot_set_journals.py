@@ -52,8 +52,8 @@ def test_chat_trials_frame_the_question_in_the_template_without_an_answer_prefix
             assert t["ids"][: len(head)] == head and t["ids"][-len(tail) :] == tail
             text = tokenizer.decode(t["ids"])
             assert text.rstrip().endswith("assistant")
-            question = text.rsplit("\n\nWhat is", 1)[1]
-            assert question.split("?")[1].startswith("<|im_end|>")  # nothing primes the answer
+            question = text.rsplit("\n\nWhat is", 1)[1].split("<|im_end|>")[0]
+            assert question.endswith(("?", "Answer with the number."))  # nothing primes the answer
             assert t["answer"] in text and text.count("The magic number for") == (pairs if task == "kv-chat" else 0)
     plain = bench_hot_set.make_trials(tokenizer, "kv", [1024], 1, seed=0)[0]
     assert tokenizer.decode(plain["ids"]).endswith(" is")
