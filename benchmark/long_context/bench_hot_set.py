@@ -280,6 +280,12 @@ def main() -> None:
     )
     ap.add_argument("--n", type=int, default=50, help="trials per task and length")
     ap.add_argument("--threshold", type=int, default=1024, help="--hot-set-threshold")
+    ap.add_argument(
+        "--server-args",
+        default="",
+        help="more server flags, e.g. the README's hot-set line's host pool: "
+        "'--enable-hierarchical-cache --radix-eviction-policy importance' (pages outside a hot set leave the device)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
     ap.add_argument("--report", action="store_true", help="only rewrite RESULTS.md and the plot from trials*.jsonl")
@@ -353,7 +359,7 @@ def main() -> None:
     args = [
         "--page-size", str(PAGE), "--attention-backend", "importance_torch", "--enable-metrics",
         "--context-length", "8192", "--max-total-tokens", str((a.batch + 2) * longest),
-        "--hot-set-policy", "importance", "--hot-set-threshold", str(a.threshold),
+        "--hot-set-policy", "importance", "--hot-set-threshold", str(a.threshold), *shlex.split(a.server_args),
     ]  # fmt: skip
     started, ran = time.time(), 0
     server = LocalServer(model, args, logs / "server.log")
