@@ -45,6 +45,8 @@ from sgl_importance.hot_set.footprint import Footprint, footprint
 from sgl_importance.hot_set.params import HotSetParams
 from sgl_importance.hot_set.request_state import kept_share, ranges_refused
 from sgl_importance.hot_set.residency import Residency
+from sgl_importance.runtime import Runtime
+from sgl_importance.scheduler.sglang_types import PrefillAdmission, Req, Scheduler
 
 
 class FootprintBook:
@@ -98,11 +100,11 @@ class FootprintBook:
         """Book what ``f`` will still take of the host pool (after ``fits``)."""
         self.host_left -= max(f.released - released_now, 0)
 
-    def max_new(self, req: Any) -> int:
+    def max_new(self, req: Req) -> int:
         """New tokens SGLang charges ``req`` for: what it may still generate, capped."""
         return min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), self.clip)
 
-    def running(self, req: Any, dense_charge: float, ratio: float) -> float:
+    def running(self, req: Req, dense_charge: float, ratio: float) -> float:
         """A running request's future growth, booked (SGLang's ``dense_charge`` unless it
         releases and its releases fit)."""
         prompt = len(req.origin_input_ids)
@@ -122,7 +124,7 @@ class FootprintBook:
         self.take(f, released_now)
         return min(dense_charge, max(peak - held, 0) * ratio)
 
-    def new(self, req: Any) -> tuple[Optional[Footprint], Optional[int]]:
+    def new(self, req: Req) -> tuple[Optional[Footprint], Optional[int]]:
         """A request being admitted: ``(its footprint, the tokens it is charged instead of
         max_new)``; the growth is None when its releases do not fit, the footprint None when
         it never releases (either way it is charged as SGLang charges it)."""
@@ -143,7 +145,7 @@ class FootprintBook:
         return min(extend + growth, f.peak) if self.chunk else extend + growth
 
 
-def footprint_adder(runtime: Any, original: Callable[..., type], scheduler: Any) -> type:
+def footprint_adder(runtime: Runtime, original: Callable[..., type], scheduler: Scheduler) -> type:
     """Around ``Scheduler.get_prefill_adder_class``: SGLang's adder class, charging hot-set
     requests their footprint (a subclass made once per base class)."""
     base = original(scheduler)
@@ -198,10 +200,10 @@ def _adder_class(base: type) -> type:
             # The base's __init__ charges the running requests: the book comes first.
             self.footprint_book = new_book()
             self._selected: dict[str, Optional[Footprint]] = {}  # rid -> its footprint if it fits
-            self._continuing: Optional[Any] = None
+            self._continuing: Optional[Req] = None
             super().__init__(*args, **kwargs)
 
-        def add_one_req(self, req: Any, *args: Any, **kwargs: Any) -> Any:
+        def add_one_req(self, req: Req, *args: Any, **kwargs: Any) -> Any:
             # A returning turn whose history is in the host pool takes it as prefix, unloaded,
             # where it is admitted by footprint (scheduler/returning.py).
             rt = runtime_module.current()
@@ -216,12 +218,12 @@ def _adder_class(base: type) -> type:
             finally:
                 returning.settle(rt, req, self.tree_cache, loan, admitted)
 
-        def _get_running_request_total_token_offset(self, req: Any) -> int:
+        def _get_running_request_total_token_offset(self, req: Req) -> int:
             dense = super()._get_running_request_total_token_offset(req)
             ratio = 1.0 if req.sampling_params.ignore_eos else self.new_token_ratio
             return self.footprint_book.running(req, dense, ratio)
 
-        def _select_prefill_admission(self, req: Any, *, total_tokens: int, **kwargs: Any) -> Any:
+        def _select_prefill_admission(self, req: Req, *, total_tokens: int, **kwargs: Any) -> Any:
             f, growth = self.footprint_book.new(req)
             self._selected.pop(req.rid, None)
             if f is not None:
@@ -238,12 +240,12 @@ def _adder_class(base: type) -> type:
                 return admission
             return replace(admission, max_new_tokens=min(admission.max_new_tokens, growth))
 
-        def _commit_prefill_admission(self, req: Any, admission: Any, *args: Any, **kwargs: Any) -> None:
+        def _commit_prefill_admission(self, req: Req, admission: PrefillAdmission, *args: Any, **kwargs: Any) -> None:
             super()._commit_prefill_admission(req, admission, *args, **kwargs)
             if req.rid in self._selected:
                 self._charged(self._selected.pop(req.rid), counted=not admission.is_chunked)
 
-        def add_chunked_req(self, req: Any) -> Any:
+        def add_chunked_req(self, req: Req) -> Optional[Req]:
             self._continuing = req
             limit = lowered = self.rem_chunk_tokens
             try:

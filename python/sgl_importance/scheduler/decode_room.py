@@ -13,8 +13,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from sgl_importance.runtime import Runtime
+from sgl_importance.scheduler.sglang_types import ScheduleBatch
 
-def fits_after_releases(runtime: Any, original: Callable[..., bool], batch: Any, *args: Any, **kwargs: Any) -> bool:
+
+def fits_after_releases(
+    runtime: Runtime, original: Callable[..., bool], batch: ScheduleBatch, *args: Any, **kwargs: Any
+) -> bool:
     """Around ``ScheduleBatch.check_decode_mem``: before SGLang retracts requests for want
     of room, the device pages of this step's releases whose copies to the host are still
     in flight (freed once each lands, ``reopen_admission``) are waited for and freed, and

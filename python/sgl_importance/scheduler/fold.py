@@ -34,17 +34,28 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Optional
 
+import torch
+
 from sgl_importance.cache.admission import admit_deferred
 from sgl_importance.cache.device_pages import device_pages
 from sgl_importance.cache.prefetch import mark_used
 from sgl_importance.importance.aggregator import Observation
 from sgl_importance.node_state import node_importance
 from sgl_importance.runtime import Runtime
+from sgl_importance.scheduler.sglang_types import (
+    NodeHandle,
+    Req,
+    ScheduleBatch,
+    Scheduler,
+    TreeCache,
+    TreeCore,
+    TreeNode,
+)
 
 logger = logging.getLogger(__name__)
 
 
-def fold_after_batch(runtime: Runtime, scheduler: Any, batch: Any) -> int:
+def fold_after_batch(runtime: Runtime, scheduler: Scheduler, batch: Optional[ScheduleBatch]) -> int:
     """Fold the latest recorded decode step into ``batch``'s tree nodes.
 
     Args:
@@ -85,7 +96,7 @@ def fold_after_batch(runtime: Runtime, scheduler: Any, batch: Any) -> int:
     return steps
 
 
-def tree_group(tree_cache: Any) -> Optional[Any]:
+def tree_group(tree_cache: TreeCache) -> Optional[torch.distributed.ProcessGroup]:
     """The process group whose ranks share ``tree_cache``'s tree, or None for one rank.
 
     SGLang's ``UnifiedRadixCache`` keeps its ``tp_cache_group`` (the CPU group of
@@ -98,7 +109,7 @@ def tree_group(tree_cache: Any) -> Optional[Any]:
     return tree_cache.tp_group
 
 
-def observe(tree_core: Any, reqs: Iterable[Any], page_size: int) -> Iterable[Observation]:
+def observe(tree_core: TreeCore, reqs: Iterable[Req], page_size: int) -> Iterable[Observation]:
     """Each distinct device-resident node on the requests' paths, with its position."""
     seen: set[int] = set()
     for req in reqs:
@@ -118,7 +129,7 @@ def observe(tree_core: Any, reqs: Iterable[Any], page_size: int) -> Iterable[Obs
             start += length
 
 
-def _resolve(tree_core: Any, handle: Any) -> Any:
+def _resolve(tree_core: TreeCore, handle: Optional[NodeHandle]) -> Optional[TreeNode]:
     # The unified cache hands requests NodeIds; a node can be gone by the time a
     # finished request's handle is read.
     if handle is None:

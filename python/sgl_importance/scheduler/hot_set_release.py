@@ -77,6 +77,7 @@ from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import RequestPages, Residency, subtract_pages
 from sgl_importance.scheduler.hot_set_requests import forget_request
 from sgl_importance.scheduler.hot_set_rows import lent_for
+from sgl_importance.scheduler.sglang_types import NodeId, Req, ReqKvInfo, ScheduleBatch, Scheduler, TreeCache
 from sgl_importance.scheduler.streamed_prefill import release_chunk
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ logger = logging.getLogger(__name__)
 class HiCachePagePools:
     """``residency.PagePools`` over SGLang's allocator and HiCache's host pool."""
 
-    def __init__(self, tree_cache: Any) -> None:
+    def __init__(self, tree_cache: TreeCache) -> None:
         self.tree_cache = tree_cache
         self.allocator = tree_cache.token_to_kv_pool_allocator
         self.page_size = self.allocator.page_size
@@ -163,7 +164,7 @@ class HiCachePagePools:
 
 
 def enable(
-    residency: Residency, hot_set_params: Optional[HotSetParams], config: ImportanceConfig, scheduler: Any
+    residency: Residency, hot_set_params: Optional[HotSetParams], config: ImportanceConfig, scheduler: Scheduler
 ) -> None:
     """After ``Scheduler.__init__``: turn release on where the hot set and a host pool are.
 
@@ -197,7 +198,7 @@ def enable(
             )
 
 
-def _python_tree_core(tree_cache: Any) -> bool:
+def _python_tree_core(tree_cache: TreeCache) -> bool:
     core = tree_cache.tree_core
     try:
         core.node_by_id(tree_cache.root_node_handle())
@@ -206,7 +207,7 @@ def _python_tree_core(tree_cache: Any) -> bool:
     return True
 
 
-def reopen_admission(residency: Residency, scheduler: Any) -> None:
+def reopen_admission(residency: Residency, scheduler: Scheduler) -> None:
     """After a batch: if the hot set gave device pages back, let the scheduler admit again.
 
     SGLang stops trying to prefill waiting requests once an attempt found no room
@@ -221,7 +222,7 @@ def reopen_admission(residency: Residency, scheduler: Any) -> None:
 
 
 def checkpoint_unless_released(
-    residency: Residency, hot_set: Any, row_pages: Any, original: Callable[..., Any], req: Any, tree_cache: Any
+    residency: Residency, hot_set: Any, row_pages: Any, original: Callable[..., Any], req: Req, tree_cache: TreeCache
 ) -> Any:
     """Around ``checkpoint_kv_cache``: keep a long prefill's pages out of the tree; streamed
     (``hot_set.stream_prefill``), release the chunk's full pages, their rows lent for the
@@ -246,7 +247,7 @@ def checkpoint_unless_released(
     return None
 
 
-def admit_grown(residency: Residency, batch: Any) -> None:
+def admit_grown(residency: Residency, batch: ScheduleBatch) -> None:
     """After ``ScheduleBatch.prepare_for_decode``: admit the requests this step takes
     past the threshold (a short prompt generating a long answer).
 
@@ -270,7 +271,7 @@ def admit_grown(residency: Residency, batch: Any) -> None:
     hold_prefixes(residency, batch)
 
 
-def hold_prefixes(residency: Residency, batch: Any) -> None:
+def hold_prefixes(residency: Residency, batch: ScheduleBatch) -> None:
     """Each decode step, from ``admit_grown``: move the matched prefixes of admitted
     requests onto the host (the module's docstring)."""
     if not residency.enabled or not residency.prefix_on_host:
@@ -291,7 +292,7 @@ def hold_prefixes(residency: Residency, batch: Any) -> None:
                 _drop_device_lock(residency, pages, hold, req, tree_cache)
 
 
-def _lend(residency: Residency, pages: RequestPages, req: Any, tree_cache: Any) -> None:
+def _lend(residency: Residency, pages: RequestPages, req: Req, tree_cache: TreeCache) -> None:
     lock = req.lock
     prefix = pages.first_owned_page * pages.page_size
     if lock is None or req.kv.cache_protected_len != prefix:
@@ -304,7 +305,7 @@ def _lend(residency: Residency, pages: RequestPages, req: Any, tree_cache: Any) 
     pages.hold = PrefixHold(lock.node, receipt)
 
 
-def path_host_slots(tree_cache: Any, node_id: Any) -> Optional[torch.Tensor]:
+def path_host_slots(tree_cache: TreeCache, node_id: NodeId) -> Optional[torch.Tensor]:
     """The host slots of the path root → ``node_id``, or None where a node of it has no
     finished host copy."""
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
@@ -326,7 +327,9 @@ def path_host_slots(tree_cache: Any, node_id: Any) -> Optional[torch.Tensor]:
     return torch.cat(parts[::-1]).to(torch.int64)
 
 
-def _drop_device_lock(residency: Residency, pages: RequestPages, hold: PrefixHold, req: Any, tree_cache: Any) -> None:
+def _drop_device_lock(
+    residency: Residency, pages: RequestPages, hold: PrefixHold, req: Req, tree_cache: TreeCache
+) -> None:
     """Copy the planned lent pages into the request's own device pages, then give the
     tree its prefix back: unlocked, its device pages are the tree's to evict."""
     if not residency.own_tree_pages(pages):
@@ -340,7 +343,9 @@ def _drop_device_lock(residency: Residency, pages: RequestPages, hold: PrefixHol
     residency.counts.prefix_holds += 1
 
 
-def _return_prefix(residency: Residency, pages: RequestPages, req: Any, tree_cache: Any, *, inserting: bool) -> None:
+def _return_prefix(
+    residency: Residency, pages: RequestPages, req: Req, tree_cache: TreeCache, *, inserting: bool
+) -> None:
     """Before a lent request leaves: where it still locks the prefix (or, finishing, can
     lock it again while the tree's pages are on the device) point its row back at the
     tree's pages. The host lock stays until the request's record is gone
@@ -358,7 +363,7 @@ def _return_prefix(residency: Residency, pages: RequestPages, req: Any, tree_cac
             residency.counts.prefix_relocked += 1
 
 
-def _first_own_page(req: Any, page_size: int) -> int:
+def _first_own_page(req: Req, page_size: int) -> int:
     """The request's first page past what it shares with the tree (its matched prefix)."""
     return -(-req.kv.cache_protected_len // page_size)
 
@@ -367,8 +372,8 @@ def release_with_pages(
     residency: Residency,
     request_params: RequestParams,
     original: Callable[..., Any],
-    req: Any,
-    tree_cache: Any,
+    req: Req,
+    tree_cache: TreeCache,
     *,
     checkpoint: bool,
 ) -> Any:
@@ -428,7 +433,7 @@ def release_with_pages(
         residency.forget(req.rid)
 
 
-def _insert_on_host(residency: Residency, pages: RequestPages, req: Any, tree_cache: Any) -> bool:
+def _insert_on_host(residency: Residency, pages: RequestPages, req: Req, tree_cache: TreeCache) -> bool:
     """A finished request whose released pages the device cannot take back: put its full
     pages past what the tree holds for it into the tree host-only (HiCache's host nodes,
     as a storage prefetch does), so the next turn of its session matches them (and loads
@@ -478,7 +483,7 @@ def _insert_on_host(residency: Residency, pages: RequestPages, req: Any, tree_ca
 
 
 def free_row_around_released(
-    residency: Residency, original: Callable[..., Any], cache: Any, kv: Any, ranges: Any
+    residency: Residency, original: Callable[..., Any], cache: TreeCache, kv: ReqKvInfo, ranges: list[tuple[int, int]]
 ) -> Any:
     """Around ``free_kv_row``: a leaving request frees only positions it still holds."""
     pages = residency.leaving.get(kv.req_pool_idx)

@@ -13,15 +13,16 @@ dense for one that must be exact, a smaller budget for a background job.
 
 from __future__ import annotations
 
-from typing import Any
-
 from sgl_importance.choices import REQUEST_HOT_SET_KEY
 from sgl_importance.config import ImportanceConfig
 from sgl_importance.hot_set.params import request_hot_set_params
 from sgl_importance.hot_set.request_params import RequestParams
+from sgl_importance.scheduler.sglang_types import GenerateReqInput, Req, Scheduler
 
 
-def note_request(request_params: RequestParams, config: ImportanceConfig, scheduler: Any, recv_req: Any) -> None:
+def note_request(
+    request_params: RequestParams, config: ImportanceConfig, scheduler: Scheduler, recv_req: GenerateReqInput
+) -> None:
     """Before ``Scheduler.handle_generate_request``: note the request's own parameters
     in ``request_params`` (the runtime's, as is ``config``)."""
     custom = recv_req.sampling_params.custom_params
@@ -33,7 +34,7 @@ def note_request(request_params: RequestParams, config: ImportanceConfig, schedu
     request_params.note(recv_req.rid, params)
 
 
-def forget_request(request_params: RequestParams, req: Any) -> None:
+def forget_request(request_params: RequestParams, req: Req) -> None:
     """When a request's KV is released: forget its parameters if it is leaving."""
     if req.finished():
         request_params.forget(req.rid)

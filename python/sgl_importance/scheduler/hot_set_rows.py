@@ -16,8 +16,11 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
+from sgl_importance.runtime import Runtime
+from sgl_importance.scheduler.sglang_types import Req, ScheduleBatch, Scheduler, TreeCache
 
-def pages_for_batch(runtime: Any, batch: Any) -> int:
+
+def pages_for_batch(runtime: Runtime, batch: Optional[ScheduleBatch]) -> int:
     """Pages the stock needs before ``batch`` runs: rows its requests will write this step."""
     hot_set = runtime.hot_set_attention
     if hot_set is None or batch is None or not batch.reqs:
@@ -28,7 +31,12 @@ def pages_for_batch(runtime: Any, batch: Any) -> int:
 
 
 def around_batch(
-    runtime: Any, original: Callable[..., Any], scheduler: Any, batch: Any, *args: Any, **kwargs: Any
+    runtime: Runtime,
+    original: Callable[..., Any],
+    scheduler: Scheduler,
+    batch: ScheduleBatch,
+    *args: Any,
+    **kwargs: Any,
 ) -> Any:
     """Around ``Scheduler.run_batch``: before it, the stock filled with the pages this batch's
     rows may take; after it, what the batch did not take given back, then the decode step it
@@ -49,7 +57,7 @@ def around_batch(
 
 
 @contextmanager
-def lent(rows: Any, tree_cache: Any, pages: Callable[[], int]) -> Iterator[None]:
+def lent(rows: Any, tree_cache: TreeCache, pages: Callable[[], int]) -> Iterator[None]:
     """The stock (``hot_set/rows.BorrowedPages``; None: no hot set) holds ``pages()`` pages
     while the block runs; what the block did not take goes back to the allocator after it."""
     if rows is None:
@@ -63,13 +71,13 @@ def lent(rows: Any, tree_cache: Any, pages: Callable[[], int]) -> Iterator[None]
             settle(rows, tree_cache, 0)
 
 
-def lent_for(rows: Any, tree_cache: Any, decoder: Any, lengths: Mapping[str, int]) -> Any:
+def lent_for(rows: Any, tree_cache: TreeCache, decoder: Any, lengths: Mapping[str, int]) -> Any:
     """``lent`` with the pages the rows of these requests (rid -> length) need, each known to be
     long already (a streamed prompt's first chunks are shorter than the threshold)."""
     return lent(rows, tree_cache, lambda: pages_wanted(decoder, lengths, long=True))
 
 
-def release_rows(runtime: Any, original: Callable[..., Any], req: Any, tree_cache: Any, **kwargs: Any) -> Any:
+def release_rows(runtime: Runtime, original: Callable[..., Any], req: Req, tree_cache: TreeCache, **kwargs: Any) -> Any:
     """Around ``release_kv_cache``: a leaving request's rows go back with it (finished, aborted
     or retracted), their pages to the allocator, so an idle server holds none of them."""
     try:
@@ -106,7 +114,7 @@ def pages_wanted(decoder: Any, lengths: Mapping[str, int], long: bool = False) -
     return decoder.ranges.rows.pages_for(ranges) + decoder.guard.rows.pages_for(codes)
 
 
-def settle(rows: Any, tree_cache: Any, want: int) -> int:
+def settle(rows: Any, tree_cache: TreeCache, want: int) -> int:
     """The stock (``hot_set/rows.BorrowedPages``) made ``want`` pages, between steps only;
     returns what it holds."""
     allocator = tree_cache.token_to_kv_pool_allocator
@@ -114,7 +122,7 @@ def settle(rows: Any, tree_cache: Any, want: int) -> int:
     return rows.settle(want, lambda tokens: alloc_evicting(tree_cache, tokens), free)
 
 
-def alloc_evicting(tree_cache: Any, tokens: int) -> Optional[torch.Tensor]:
+def alloc_evicting(tree_cache: TreeCache, tokens: int) -> Optional[torch.Tensor]:
     """``tokens`` slots (whole pages) from SGLang's allocator, evicting unlocked tree nodes
     if it is short (cached pages are worth less than pages a running request reads)."""
     allocator = tree_cache.token_to_kv_pool_allocator

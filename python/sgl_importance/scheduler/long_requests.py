@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from sgl_importance.hot_set.footprint import footprint
+from sgl_importance.runtime import Runtime
+from sgl_importance.scheduler.sglang_types import Req, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,7 @@ class Limits:
     host_tokens: int
 
 
-def set_limits(runtime: Any, scheduler: Any) -> Optional[Limits]:
+def set_limits(runtime: Runtime, scheduler: Scheduler) -> Optional[Limits]:
     """After ``Scheduler.__init__`` on a hot-set server whose pages may be released (a host
     pool): raise SGLang's request limits to what the host pool and the context allow, chunk
     prefill to fit, and say so in one line. Returns the limits (also on ``runtime.limits``)."""
@@ -94,7 +96,7 @@ def set_limits(runtime: Any, scheduler: Any) -> Optional[Limits]:
     return runtime.limits
 
 
-def longest_held(runtime: Any, device: int, context: int, chunk: int) -> int:
+def longest_held(runtime: Runtime, device: int, context: int, chunk: int) -> int:
     """The longest request whose peak footprint at the server's hot-set settings (its hot set,
     the KV pages borrowed for its rows, its prefill chunk: ``hot_set/footprint.footprint``)
     fits the device pool alone."""
@@ -119,7 +121,7 @@ def longest_held(runtime: Any, device: int, context: int, chunk: int) -> int:
     return low
 
 
-def clip_new_tokens(runtime: Any, original: Callable[..., Any], scheduler: Any, req: Any) -> Any:
+def clip_new_tokens(runtime: Runtime, original: Callable[..., Any], scheduler: Scheduler, req: Req) -> Any:
     """Around ``Scheduler.init_req_max_new_tokens``: a request is clipped to the server's
     longest request, not to what the device pool alone holds; one whose own settings keep
     every page on the device still fits there or is refused."""

@@ -34,26 +34,28 @@ every step). Otherwise HiCache loads the history back as usual.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
 from sgl_importance.hot_set.footprint import streams
 from sgl_importance.hot_set.residency import RELEASED_SLOT
+from sgl_importance.runtime import Runtime
+from sgl_importance.scheduler.sglang_types import LockReceipt, NodeId, Req, ScheduleBatch, TreeCache
 
 
 @dataclass
 class HistoryLoan:
     """A returning turn's history taken from the tree's host copies, until its record holds it."""
 
-    node: Any  # the tree node its match ended on (host part's last)
-    host_receipt: Any  # the host lock on it
+    node: NodeId  # the tree node its match ended on (host part's last)
+    host_receipt: LockReceipt  # the host lock on it
     host_slots: torch.Tensor  # host slots of its whole match, root first
     device_len: int  # tokens of the match on the device (SGLang's prefix before the host hit)
     host_hit: int  # SGLang's host hit, given back if it is not admitted
 
 
-def borrow(runtime: Any, req: Any, tree_cache: Any, fits: Callable[[], bool]) -> Optional[HistoryLoan]:
+def borrow(runtime: Runtime, req: Req, tree_cache: TreeCache, fits: Callable[[], bool]) -> Optional[HistoryLoan]:
     """Before SGLang's admission of ``req``: take its host hit as prefix (module docstring),
     or None where it is not eligible (SGLang loads it back). ``fits``: whether admission would
     charge it its footprint (its releases and key ranges fit), asked last."""
@@ -80,7 +82,7 @@ def borrow(runtime: Any, req: Any, tree_cache: Any, fits: Callable[[], bool]) ->
     return loan
 
 
-def settle(runtime: Any, req: Any, tree_cache: Any, loan: HistoryLoan, admitted: bool) -> None:
+def settle(runtime: Runtime, req: Req, tree_cache: TreeCache, loan: HistoryLoan, admitted: bool) -> None:
     """After SGLang's admission: an admitted turn's loan waits for its row; a refused one is undone."""
     if admitted:
         # As SGLang leaves a turn whose load-back it made: the prefix the tree's, the host
@@ -94,7 +96,7 @@ def settle(runtime: Any, req: Any, tree_cache: Any, loan: HistoryLoan, admitted:
 
 
 def prefix_with_history(
-    loans: dict[str, HistoryLoan], original: Callable[..., torch.Tensor], cache: Any, req: Any
+    loans: dict[str, HistoryLoan], original: Callable[..., torch.Tensor], cache: TreeCache, req: Req
 ) -> torch.Tensor:
     """Around ``prefix_device_indices``: a borrowing turn's prefix row (module docstring)."""
     loan = loans.get(req.rid)
@@ -110,7 +112,7 @@ def prefix_with_history(
     return torch.cat((device, host_part))
 
 
-def lend_history(runtime: Any, batch: Any) -> None:
+def lend_history(runtime: Runtime, batch: ScheduleBatch) -> None:
     """After ``ScheduleBatch.prepare_for_extend``: a borrowing turn's record, its history lent."""
     from sgl_importance.hot_set.prefix_hold import PrefixHold
 
