@@ -83,7 +83,8 @@ TASKS = ("needle", "kv", "adversarial", "needle-chat", "kv-chat")
 MAX_NEW = {"needle": 8, "kv": 8, "adversarial": 24, "needle-chat": 48, "kv-chat": 48}
 KV_PAIRS = {"kv": 8, "adversarial": 8, "kv-chat": 4}
 REDUCE_DEFAULT = "max"  # the server's --hot-set-reduce default; only the importance policy reads it
-VARIANT_KEYS = ("budget", "read_cap", "top_p", "guard_threshold", "window", "sinks")
+# The selection's fractional settings a variant may move (parsed as floats; budget as a fraction).
+VARIANT_KEYS = ("budget", "read_cap", "top_p", "guard_threshold")
 
 
 def essay_text() -> str:

@@ -324,7 +324,7 @@ class HotSetAttention:
         the step's counts and the moves the next one wants, or None outside an eager step."""
         if self.phase is not StepPhase.EAGER:
             return None
-        self.phase = StepPhase.IDLE
+        self._to(StepPhase.IDLE)
         live = self.decoder.fold_step()
         return self._end(*self.late.ran(live, self._fold)) if self.plan_ahead else self._end(live)
 

@@ -32,9 +32,7 @@ batch late changes nothing that matters, and no GPU stream is waited on.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from sgl_importance.cache.admission import admit_deferred
 from sgl_importance.cache.device_pages import device_pages
@@ -51,6 +49,9 @@ from sgl_importance.scheduler.sglang_types import (
     TreeCore,
     TreeNode,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
