@@ -85,7 +85,7 @@ HOOKS = (
     Hook("mem_cache.common.checkpoint_kv_cache", "scheduler.hot_set_release:checkpoint_unless_released", "around", "scheduler", ("residency", "hot_set_attention", "row_pages")),
     Hook("managers.schedule_batch.ScheduleBatch.prepare_for_decode", "scheduler.hot_set_release:admit_grown", "after", "scheduler", ("residency",)),  # lengths set, before the forward
     Hook("managers.schedule_batch.ScheduleBatch.prepare_for_extend", "scheduler.returning:lend_history", "after", "scheduler", ("runtime",)),  # rows written, before the forward
-    Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.prefix_device_indices", "scheduler.returning:prefix_with_history", "around", "scheduler", ("history_loans",)),
+    Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.prefix_device_indices", "scheduler.returning:prefix_with_history", "around", "scheduler", ("residency",)),
     Hook("managers.schedule_batch.ScheduleBatch.check_decode_mem", "scheduler.decode_room:fits_after_releases", "around", "scheduler", ("runtime",)),  # before SGLang retracts
     Hook("mem_cache.common.release_kv_cache", "scheduler.hot_set_release:release_with_pages", "around", "scheduler", ("residency", "request_params")),
     Hook("mem_cache.common.release_kv_cache", "scheduler.hot_set_rows:release_rows", "around", "scheduler", ("runtime",)),  # its rows back

@@ -73,9 +73,6 @@ class Runtime:
         # The test suite's forward check (checks.py; its hooks are registered only under it).
         self.checks = ForwardCheck()
         self.request_params = RequestParams()
-        # Returning turns admitted with their history on the host, until their rows exist
-        # (rid -> scheduler/returning.HistoryLoan).
-        self.history_loans: dict[str, Any] = {}
         # The page importance table and what the KV pool gave up for it, set when SGLang
         # sizes the KV pool (attention/table_reserve.reserve_table); None before.
         self.table_budget: Optional[TableBudget] = None

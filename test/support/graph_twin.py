@@ -158,7 +158,8 @@ class Twin:
 
 
 def assert_same_states(twin: Twin) -> None:
-    eager, graphed = twin.eager.states, twin.graphed.states
+    eager = {rid: t.state for rid, t in twin.eager.tracked.items()}
+    graphed = {rid: t.state for rid, t in twin.graphed.tracked.items()}
     assert eager.keys() == graphed.keys()
     for rid in eager:
         assert torch.allclose(eager[rid].importance(), graphed[rid].importance(), atol=1e-6), rid

@@ -268,7 +268,7 @@ def test_a_steps_page_mass_is_the_layers_mean_or_the_largest_of_any_layer_and_kv
     per_layer = torch.stack(dense)  # [layers, pages, kv_heads]
     want = per_layer.amax(dim=(0, 2)) if reduce == "max" else per_layer.mean(dim=2).mean(dim=0)
     # One observation: the bias-corrected EMA is that step's mass.
-    assert torch.allclose(decoder.states["r"].importance(), want, atol=1e-6)
+    assert torch.allclose(decoder.tracked["r"].state.importance(), want, atol=1e-6)
 
 
 @pytest.mark.parametrize("policy", ["dense", "importance", "quest", "lru", "window"])
@@ -361,7 +361,7 @@ def test_short_requests_attend_densely_and_keep_no_state():
     decoder, slots, k_buf, v_buf, g = make_step(8, "importance", budget=1)
     decoder.begin_step(["short"], [slots])
     decoder.attend(0, torch.randn(1, KV_HEADS * GROUP, DIM, generator=g), k_buf, v_buf, sm_scale=1.0)
-    assert decoder.end_step().counts.steps == 0 and not decoder.states
+    assert decoder.end_step().counts.steps == 0 and not decoder.tracked
 
 
 def test_a_finished_request_state_is_dropped():
@@ -371,7 +371,7 @@ def test_a_finished_request_state_is_dropped():
     decoder.attend(0, q, k_buf, v_buf, sm_scale=1.0)
     decoder.end_step()
     decoder.begin_step(["b"], [slots])
-    assert set(decoder.states) == {"b"}
+    assert set(decoder.tracked) == {"b"}
 
 
 def test_a_request_decodes_with_the_parameters_it_chose_and_others_with_the_servers():
@@ -388,8 +388,8 @@ def test_a_request_decodes_with_the_parameters_it_chose_and_others_with_the_serv
         decoder.end_step()
     lengths = (out.kv_indptr[1:] - out.kv_indptr[:-1]).tolist()
     assert lengths == [80, 3 * PAGE]  # every page; sink + recent pages under the server's policy
-    assert decoder.states["exact"].params.policy == "dense"
-    assert decoder.states["server"].params.policy == "window"
+    assert decoder.tracked["exact"].state.params.policy == "dense"
+    assert decoder.tracked["server"].state.params.policy == "window"
 
 
 def test_request_parameters_are_forgotten_and_bounded():

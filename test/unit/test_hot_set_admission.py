@@ -11,7 +11,8 @@ import torch
 
 from sgl_importance.hot_set import HotSetParams
 from sgl_importance.hot_set.footprint import footprint
-from sgl_importance.hot_set.residency import PageState, Residency
+from sgl_importance.hot_set.pages import PageState
+from sgl_importance.hot_set.residency import Residency
 from sgl_importance.scheduler.admission import FootprintBook
 
 PS = 16

@@ -354,7 +354,7 @@ def test_the_guard_pool_never_grows_and_a_request_it_cannot_hold_decodes_unguard
         decoder.end_step()
     assert pool.capacity == 10 and pool.pages_in_use == 0 and pool.refused == 1
     assert decoder.totals.guard_refused == 1 and decoder.totals.guard_checks == 0
-    assert decoder.states["r"].params.guard_threshold == 1.0
+    assert decoder.tracked["r"].state.params.guard_threshold == 1.0
 
 
 def test_the_bounds_quantile_is_the_next_smaller_tabled_t_and_the_normals_past_the_table():

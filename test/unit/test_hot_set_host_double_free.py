@@ -261,8 +261,9 @@ def returning(world, out):
     # the row's history showing the released slot, the record lent it) and finishes after one
     # decode step, its hold still taking the history over: its own pages go in host-only, under
     # the history's node.
-    from sgl_importance.hot_set.residency import RELEASED_SLOT
-    from sgl_importance.scheduler.returning import HistoryLoan, lend_history, settle
+    from sgl_importance.hot_set.pages import RELEASED_SLOT
+    from sgl_importance.hot_set.prefix_hold import HistoryLoan
+    from sgl_importance.scheduler.returning import lend_history, settle
 
     world.cache.evict(EvictParams(num_tokens=len(PREFIX)))
     req = Req("R", "", PROMPT[:], SamplingParams(max_new_tokens=len(OUTPUT)))

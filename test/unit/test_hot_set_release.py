@@ -12,10 +12,11 @@ import torch
 
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
 from sgl_importance.hot_set.key_codes import quantise
+from sgl_importance.hot_set.pages import RELEASED_SLOT, TRANSITIONS, PageState
 from sgl_importance.hot_set.prefill import summarise_prefill
 from sgl_importance.hot_set.prefix_hold import PrefixHold
 from sgl_importance.hot_set.request_params import RequestParams
-from sgl_importance.hot_set.residency import RELEASED_SLOT, TRANSITIONS, PageState, Residency, subtract_pages
+from sgl_importance.hot_set.residency import Residency, subtract_pages
 from sgl_importance.scheduler.hot_set_release import (
     admit_grown,
     checkpoint_unless_released,
@@ -320,7 +321,6 @@ def test_a_guarded_hot_set_grows_by_what_its_selection_missed_and_goes_back_to_i
     placed.place(req)
     residency.admit(req.rid, req.row, first_owned_page=0, page_size=PAGE)
     g = torch.Generator().manual_seed(11)
-    tracked = placed.decoder.tracked
 
     def on_device() -> int:
         return int((~residency.peek("r").off_device(torch.arange(-(-req.length // PAGE)))).sum())
@@ -335,6 +335,7 @@ def test_a_guarded_hot_set_grows_by_what_its_selection_missed_and_goes_back_to_i
     # The first guarded step released all but the 4-page budget (and the sample and the
     # page being written); its selections wanted released pages in flagged layers, so the
     # hot set grew by them and they came back, and the misses fell.
+    tracked = placed.decoder.tracked
     assert tracked["r"].kept is not None and tracked["r"].grows
     assert max(held[2:]) > held[1] and placed.decoder.totals.pages_copied_in > 0
     assert sum(misses[2:]) < misses[1]
@@ -748,7 +749,7 @@ def test_a_streaming_request_is_tracked_until_it_leaves_and_a_dense_one_is_not_s
     assert summarise_prefill(decoder, "r", req.row[: req.length], 2 * CHUNK_PAGES)
     # Another request's decode steps leave it tracked while it prefills...
     decoder.drop_absent(["other"])
-    assert "r" in decoder.tracked and "r" in decoder.prefilling
+    assert "r" in decoder.tracked and decoder.residency.record("r").prefilling
     # ... and drop it (its pool rows back) once it left (aborted mid-prefill).
     rows_in_use = decoder.ranges.pages_in_use
     residency.forget("r")
@@ -925,7 +926,7 @@ def test_a_first_step_seeded_by_the_prefill_reads_its_hot_set_not_every_released
         if seeded:
             decoder.seed_first_step = True
             seed_from_last_query(decoder, req, g)
-            seed = decoder.seeds["r"].mass
+            seed = decoder.residency.record("r").seed.mass
         plans = []
 
         def recorded(tracked, num_pages, planner=decoder._plan, plans=plans):
@@ -937,7 +938,7 @@ def test_a_first_step_seeded_by_the_prefill_reads_its_hot_set_not_every_released
         _, counts = placed.step(q)
         firsts[seeded] = counts
         if seeded:
-            assert "r" not in decoder.seeds and not decoder.tracked["r"].seeded
+            assert decoder.residency.record("r").seed is None and not decoder.tracked["r"].seeded
             # The step's hot set: the sinks, the window and the seed's heaviest pages between.
             params, kept = decoder.params, plans[0][0].keep
             fixed = list(range(params.sinks)) + list(range(kept.max() + 1 - params.window, kept.max() + 1))

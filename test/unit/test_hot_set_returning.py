@@ -8,9 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sgl_importance.hot_set.pages import RELEASED_SLOT
 from sgl_importance.hot_set.params import HotSetParams
 from sgl_importance.hot_set.request_params import RequestParams
-from sgl_importance.hot_set.residency import RELEASED_SLOT, Residency
+from sgl_importance.hot_set.residency import Residency
 from sgl_importance.scheduler import hot_set_release, returning
 from support.array_pools import ArrayPools
 
@@ -28,7 +29,6 @@ def world(monkeypatch, *, host_path: int = 12 * PAGE, stream: bool = True):
         hot_set_attention=SimpleNamespace(stream_prefill=stream),
         request_params=RequestParams(),
         hot_set_params=HotSetParams(policy="importance", budget=0.2),
-        history_loans={},
     )
     locks = []
     tree_cache = SimpleNamespace(
@@ -61,14 +61,14 @@ def test_a_turn_admitted_takes_its_host_hit_as_prefix_and_its_row_shows_it_relea
     # What SGLang's admission sees: no host hit to load back, the history a prefix.
     assert req.prefix_len == 12 * PAGE and req.host_hit_length == 0
     returning.settle(runtime, req, tree_cache, loan, admitted=True)
-    assert runtime.history_loans == {"r": loan} and req.kv.cache_protected_len == 12 * PAGE
+    assert runtime.residency.record("r").loan is loan and req.kv.cache_protected_len == 12 * PAGE
     assert req.host_hit_length == req.host_loaded_length == 10 * PAGE  # the cached-token split credits the host
 
     def device_prefix(cache, r):
         assert r.prefix_len == 2 * PAGE  # only the device part is asked of the tree
         return torch.tensor([40, 41, 42, 43, 44, 45, 46, 47])
 
-    row = returning.prefix_with_history(runtime.history_loans, device_prefix, tree_cache, req)
+    row = returning.prefix_with_history(runtime.residency, device_prefix, tree_cache, req)
     assert row[: 2 * PAGE].tolist() == list(range(40, 48))
     assert (row[2 * PAGE :] == RELEASED_SLOT).all() and row.numel() == 12 * PAGE and req.prefix_len == 12 * PAGE
 
@@ -77,7 +77,7 @@ def test_a_turn_not_admitted_gets_its_host_hit_back_and_the_lock_goes(monkeypatc
     runtime, tree_cache, req, locks = world(monkeypatch)
     loan = returning.borrow(runtime, req, tree_cache, lambda: True)
     returning.settle(runtime, req, tree_cache, loan, admitted=False)
-    assert req.prefix_len == 2 * PAGE and req.host_hit_length == 10 * PAGE and runtime.history_loans == {}
+    assert req.prefix_len == 2 * PAGE and req.host_hit_length == 10 * PAGE and runtime.residency.record("r") is None
     assert locks == [("lock", "host-node"), ("unlock", "host-node", "rc")]
 
 

@@ -17,7 +17,8 @@ from sgl_importance.config import ImportanceConfig
 from sgl_importance.hot_set.decode import StepResult
 from sgl_importance.hot_set.key_codes import GuardPool, code_rows_per_page
 from sgl_importance.hot_set.key_ranges import KeyRanges
-from sgl_importance.hot_set.residency import Residency, StepMoves, page_offsets
+from sgl_importance.hot_set.pages import StepMoves, page_offsets
+from sgl_importance.hot_set.residency import Residency
 from sgl_importance.hot_set.rows import BorrowedPages, LocalPages, RowStore
 from sgl_importance.hot_set.selection import HotSetCounts
 from sgl_importance.hot_set.table_budget import KVShape, describe, plan_table
@@ -314,7 +315,7 @@ def test_a_batch_is_lent_pages_for_the_rows_its_requests_will_write_and_no_more(
     assert hot_set_rows.pages_wanted(decoder, {"a": 10 * PAGE}, long=True) == 1 + -(-10 // per_code)
     # Tracked with 39 pages summarised: one page more of each kind's rows, within the stores'
     # free rows once they hold pages.
-    tracked = decoder.tracked["a"] = TrackedRequest(RequestHotSet(params))
+    tracked = decoder.residency.open("a").tracked = TrackedRequest(RequestHotSet(params))
     tracked.ranges, tracked.codes = ranges.alloc(39), guard.alloc(39)
     assert hot_set_rows.pages_wanted(decoder, {"a": 40 * PAGE}) == 0, "the stores' held pages have free rows"
     # Refused a guard: ranges only; a dense policy keeps no rows at all.
@@ -345,7 +346,7 @@ def test_a_leaving_request_gives_its_rows_back_and_their_pages_go_back_to_the_al
     decoder = HotSetDecoder(params, ranges, pool_pages=100, page_size=PAGE, threshold=0, guard=guard)
     runtime.hot_set_attention = types.SimpleNamespace(decoder=decoder, metrics=None)
     hot_set_rows.settle(runtime.row_pages, tree_cache, 5)
-    tracked = decoder.tracked["r"] = TrackedRequest(RequestHotSet(params))
+    tracked = decoder.residency.open("r").tracked = TrackedRequest(RequestHotSet(params))
     tracked.ranges, tracked.codes = ranges.alloc(20), guard.alloc(20)
     hot_set_rows.settle(runtime.row_pages, tree_cache, 0)  # after the batch: the stock back
     held = ranges.rows.pages + guard.rows.pages  # 20 ranges in 2 pages, 20 code rows in 2 (15 a page)

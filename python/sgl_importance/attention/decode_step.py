@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from sgl_importance.attention.hot_set_attention import HotSetAttention, build_hot_set
-from sgl_importance.hot_set.residency import page_offsets
+from sgl_importance.hot_set.pages import page_offsets
 from sgl_importance.importance.page_importance import PageImportanceTable
 from sgl_importance.runtime import Runtime
 

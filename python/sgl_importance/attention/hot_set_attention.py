@@ -49,7 +49,7 @@ from sgl_importance.attention.step_phase import StepPhase, advance
 from sgl_importance.hot_set.decode import StepResult
 from sgl_importance.hot_set.estimate import on_device
 from sgl_importance.hot_set.late_ends import LateEnds
-from sgl_importance.hot_set.residency import StepMoves
+from sgl_importance.hot_set.pages import StepMoves
 from sgl_importance.hot_set.selection import HotSetCounts
 from sgl_importance.hot_set.table_budget import KVShape, describe, plan_table
 from sgl_importance.importance.page_importance import PageImportanceTable

@@ -11,11 +11,11 @@ with the smaller of a deterministic and a statistical bound on each layer's outp
 error; a layer-step over ``--hot-set-guard-threshold`` is flagged and raises that
 layer's cap for the request's later steps (``estimate.py``, ``guard.py``). ``decode.py`` runs a
 step: which pages each layer reads (``page_lists.py``), what the layers found, folded
-once per step (``step_tally.py``), into the decoder's records of its requests
-(``request_state.py``). Key ranges (``key_ranges.py``, each full page's key min/max,
-written once when the page fills, ``coding.py``) rank unread pages when the guard is off
-and drive the ``quest`` baseline. With a host pool,
-``residency.py`` records where each page of a request lives and is the one place pages
+once per step (``step_tally.py``), into each request's selection (``request_state.py``),
+part of its one record (``record.py``, kept by ``residency.py``). Key ranges
+(``key_ranges.py``, each full page's key min/max, written once when the page fills,
+``coding.py``) rank unread pages when the guard is off and drive the ``quest`` baseline. With a host pool,
+a request's pages (``pages.py``) say where each lives, and ``residency.py`` is the one place pages
 move: between steps, the scheduler applies what the decoder's step asked for (releases of
 the pages the next plan leaves out, promotions of the planned ones; copies on a side
 stream); without one, every page stays on the device and only what is read changes. ``request_params.py`` holds

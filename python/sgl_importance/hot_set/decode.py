@@ -59,21 +59,19 @@ from sgl_importance.hot_set.page_lists import (
     plan_outside,
     quest_lists,
 )
+from sgl_importance.hot_set.pages import RequestPages, StepMoves
 from sgl_importance.hot_set.params import HotSetParams
-from sgl_importance.hot_set.prefill import Seed, apply_seed
+from sgl_importance.hot_set.prefill import apply_seed
+from sgl_importance.hot_set.record import LongRequest
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.request_state import LiveRequest, StepPlan, TrackedRequest, plan_moves
-from sgl_importance.hot_set.residency import RequestPages, Residency, StepMoves
+from sgl_importance.hot_set.residency import Residency
 from sgl_importance.hot_set.sample import PageDraw, request_seed
 from sgl_importance.hot_set.sample import inclusion as sample_inclusion
 from sgl_importance.hot_set.sample import reserve as sample_reserve
 from sgl_importance.hot_set.selection import HotSetCounts, RequestHotSet, fixed_mask
 from sgl_importance.hot_set.step_tally import StepTally, shared_masses
-from sgl_kernel_ext import (
-    DecodeImportanceOutput,
-    PagedDecodeWorkspace,
-    decode_importance_paged,
-)
+from sgl_kernel_ext import DecodeImportanceOutput, PagedDecodeWorkspace, decode_importance_paged
 
 
 class HotSetDecoder:
@@ -116,10 +114,7 @@ class HotSetDecoder:
         self.threshold = threshold
         self.residency = residency if residency is not None else Residency()
         self._guard = guard
-        self.tracked: dict[str, TrackedRequest] = {}
-        self.prefilling: set[str] = set()  # tracked while their prompt streams (hot_set/prefill.py)
-        self.seed_first_step = False  # --hot-set-first-step seeded: the extend seeds self.seeds
-        self.seeds: dict[str, Seed] = {}  # rid -> its prefill's last-token masses (prefill.seed_layer)
+        self.seed_first_step = False  # --hot-set-first-step seeded: the extend seeds its records (prefill.seed_layer)
         self.prefill_counts = HotSetCounts()  # what streamed prefills counted, added at the next end_step
         self.totals = HotSetCounts()
         self._live: list[LiveRequest] = []
@@ -139,8 +134,16 @@ class HotSetDecoder:
         self.held_bytes = 0
 
     @property
-    def states(self) -> dict[str, RequestHotSet]:
-        return {rid: t.state for rid, t in self.tracked.items()}
+    def tracked(self) -> dict[str, TrackedRequest]:
+        return self.residency.tracked()
+
+    def track(self, rid: str) -> LongRequest:
+        """``rid``'s record, its selection part made with its settings where it has none."""
+        record = self.residency.open(rid)
+        if record.tracked is None:
+            params = self.request_params.get(rid, self.params)
+            record.tracked = TrackedRequest(RequestHotSet(params), draw=PageDraw(request_seed(rid)))
+        return record
 
     @property
     def guard(self) -> GuardPool:
@@ -182,22 +185,19 @@ class HotSetDecoder:
         for i, (rid, req_slots) in enumerate(zip(rids, slots)):
             # Slots stay where they are (the device's row in the server): the plan
             # gathers from them, the host never reads them.
-            self.prefilling.discard(rid)
             if req_slots.numel() <= self.threshold:
                 self.forget_request(rid)
                 self._live.append(LiveRequest(req_slots, None))
                 continue
-            tracked = self.tracked.get(rid)
-            if tracked is None:
-                params = self.request_params.get(rid, self.params)
-                tracked = self.tracked[rid] = TrackedRequest(RequestHotSet(params), draw=PageDraw(request_seed(rid)))
+            record = self.track(rid)
+            tracked, record.prefilling = record.tracked, False
             pages = None
             if rows is not None and self.residency.enabled:
                 pages = self.residency.peek(rid)  # admitted by the scheduler, or None
             num_pages = -(-req_slots.numel() // ps)
             if pages is not None:
                 req_slots = rows[i][: req_slots.numel()]
-            if rid in self.seeds:  # its first step, planned from its prefill
+            if record.seed is not None:  # its first step, planned from its prefill
                 apply_seed(self, rid, LiveRequest(req_slots, tracked, pages=pages), num_pages)
             plan, counts = self._plan(tracked, num_pages)
             tracked.seeded = False
@@ -246,22 +246,20 @@ class HotSetDecoder:
             prepare(self._exact.plan, pool_pages, device, staged=self._exact.staged_host.numel() > 0)
 
     def forget_request(self, rid: str) -> None:
-        """Drop ``rid``'s record, its pool rows back."""
-        self.prefilling.discard(rid)
-        self.seeds.pop(rid, None)
-        tracked = self.tracked.pop(rid, None)
+        """End ``rid``'s selection part (and its seed), its pool rows back."""
+        record = self.residency.record(rid)
+        if record is None:
+            return
+        tracked, record.tracked, record.seed, record.prefilling = record.tracked, None, None, False
+        self.residency.close_if_empty(rid)
         if tracked is not None:
             self.ranges.free(tracked.ranges)
             if tracked.codes.numel():
                 self.guard.free(tracked.codes)
 
     def drop_absent(self, rids: Sequence[str]) -> None:  # begin_step's rule, for a step without it (a CUDA graph's)
-        # A request streaming its prompt is in no decode batch yet; it is absent once it left.
-        streaming = {r for r in self.prefilling if self.residency.admitted(r)}
-        for rid in [r for r in self.tracked if r not in rids and r not in streaming]:
+        for rid in self.residency.absent(rids):
             self.forget_request(rid)
-        for rid in [r for r in self.seeds if r not in rids and not self.residency.admitted(r)]:
-            del self.seeds[rid]  # its prefill's seed, once it left before decoding
 
     def _plan(self, tracked: TrackedRequest, num_pages: int) -> tuple[StepPlan, HotSetCounts]:
         ahead, tracked.next_plan = tracked.next_plan, None

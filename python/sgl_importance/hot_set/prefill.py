@@ -4,9 +4,9 @@ With ``--hot-set-prefill stream`` the scheduler releases a long prompt's full pa
 end of each prefill chunk (``scheduler/streamed_prefill.py``); a page leaves the device only
 once it is summarised (its key range, and guarded its key codes: ``coding.py``), the one
 pass over its keys, which would otherwise happen at the end of the first decode step. So
-the decoder tracks the request from its first chunk on: its ``TrackedRequest`` is made here
-and kept while it prefills, although no decode batch holds it yet
-(``HotSetDecoder.drop_absent`` spares it while the residency still has it admitted).
+the decoder tracks the request from its first chunk on: its record's ``TrackedRequest`` is
+made here and kept while it prefills (``LongRequest.prefilling``), although no decode batch
+holds it yet (``HotSetDecoder.drop_absent`` spares it while its pages are admitted).
 
 With ``--hot-set-first-step seeded`` the extend also hands over what its last token attended
 (``seed_layer``): the first decode step's plan starts from it (``apply_seed``), reading the
@@ -18,16 +18,13 @@ Plain torch; nothing here imports SGLang.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from sgl_importance.hot_set.coding import summarise_pages
 from sgl_importance.hot_set.footprint import streams
-from sgl_importance.hot_set.request_state import LiveRequest, TrackedRequest
-from sgl_importance.hot_set.sample import PageDraw, request_seed
-from sgl_importance.hot_set.selection import RequestHotSet
+from sgl_importance.hot_set.request_state import LiveRequest, Seed
 from sgl_importance.hot_set.step_tally import top_p_counts
 
 
@@ -47,12 +44,14 @@ def summarise_prefill(decoder: Any, rid: str, slots: torch.Tensor, full: int) ->
     params = decoder.request_params.get(rid, decoder.params)
     if not streams(params):
         return False
-    tracked = decoder.tracked.get(rid)
-    if rid not in decoder.prefilling or tracked is None:
-        # A record left from before (a retracted request prefilled again) is stale.
+    record = decoder.residency.record(rid)
+    if record is None or not record.prefilling or record.tracked is None:
+        # A selection left from before (a retracted request prefilled again) is stale.
         decoder.forget_request(rid)
-        tracked = decoder.tracked[rid] = TrackedRequest(RequestHotSet(params), draw=PageDraw(request_seed(rid)))
-        decoder.prefilling.add(rid)
+        record = decoder.track(rid)
+        tracked, record.prefilling = record.tracked, True
+    else:
+        tracked = record.tracked
     _summarise(decoder, LiveRequest(slots, tracked, pages=decoder.residency.peek(rid)), full)
     return not tracked.ranges_refused and tracked.ranges.numel() >= full
 
@@ -67,16 +66,6 @@ def _summarise(decoder: Any, live: LiveRequest, full: int) -> None:
     decoder.prefill_counts.ranges_regained += refused[2]
 
 
-@dataclass
-class Seed:
-    """What a request's last prefill token attended, per page, over the layers seen so far."""
-
-    mass: torch.Tensor  # float64 [pages]: largest over layers and KV heads, or summed (policy's reduce)
-    last_layer: int
-    layers: int
-    wanted: torch.Tensor  # int64 [num_layers]: pages each layer's top-p needs (guarded: its first read cap)
-
-
 def seed_layer(decoder: Any, rid: str, layer: int, masses: torch.Tensor) -> None:
     """One layer of request ``rid``'s extend: its last token's mass per page and KV head
     ``[kv_heads, pages]`` folded into its seed (``--hot-set-first-step seeded``). Each extend
@@ -86,10 +75,11 @@ def seed_layer(decoder: Any, rid: str, layer: int, masses: torch.Tensor) -> None
         return
     by_max = params.ranks_by_max
     page = (masses.amax(0) if by_max else masses.mean(0)).double().cpu()
-    seed = decoder.seeds.get(rid)
+    record = decoder.residency.open(rid)
+    seed = record.seed
     if seed is None or layer <= seed.last_layer or seed.mass.numel() != page.numel():
         wanted = torch.zeros(decoder.ranges.num_layers, dtype=torch.int64)
-        seed = decoder.seeds[rid] = Seed(page, layer, 1, wanted)
+        seed = record.seed = Seed(page, layer, 1, wanted)
     else:
         seed.mass = torch.maximum(seed.mass, page) if by_max else seed.mass + page
         seed.last_layer, seed.layers = layer, seed.layers + 1
@@ -105,7 +95,8 @@ def apply_seed(decoder: Any, rid: str, live: LiveRequest, num_pages: int) -> Non
     history never on the device from its host copies) and its hot set seeded from its
     prefill's last token, as if that had been the dense first step; its plan then reads the
     hot set exactly (``TrackedRequest.seeded``)."""
-    tracked, seed = live.tracked, decoder.seeds.pop(rid, None)
+    record = decoder.residency.open(rid)
+    tracked, seed, record.seed = live.tracked, record.seed, None
     if seed is None or tracked.state.step or seed.mass.numel() > num_pages:
         return
     _summarise(decoder, live, live.slots.numel() // decoder.page_size)

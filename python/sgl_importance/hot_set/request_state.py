@@ -20,8 +20,8 @@ from typing import Mapping, NamedTuple, Optional
 
 import torch
 
+from sgl_importance.hot_set.pages import RequestMoves, RequestPages, page_offsets
 from sgl_importance.hot_set.params import HotSetParams
-from sgl_importance.hot_set.residency import RequestMoves, RequestPages, page_offsets
 from sgl_importance.hot_set.sample import PageDraw
 from sgl_importance.hot_set.selection import HotSetCounts, RequestHotSet
 
@@ -38,6 +38,16 @@ class StepPlan(NamedTuple):
     read: torch.Tensor
     sample: torch.Tensor
     keep: torch.Tensor
+
+
+@dataclass
+class Seed:
+    """What a request's last prefill token attended, per page, over the layers seen so far."""
+
+    mass: torch.Tensor  # float64 [pages]: largest over layers and KV heads, or summed (policy's reduce)
+    last_layer: int
+    layers: int
+    wanted: torch.Tensor  # int64 [num_layers]: pages each layer's top-p needs (guarded: its first read cap)
 
 
 @dataclass

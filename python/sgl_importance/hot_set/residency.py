@@ -1,18 +1,16 @@
-"""Where each page of a hot-set request lives, and the one owner that moves pages.
+"""The records of the long requests in this process, and the one owner that moves pages.
 
 A long request admitted to release (its pages past the ones the radix tree holds for it
 are its own: a long prefill kept out of the tree, or a request that grew past the threshold
 while decoding) keeps its whole KV in SGLang's host pool and on the device only what its
-hot set reads. Three id spaces, never mixed (``NewType``s below): a request's
-``LogicalPage`` (its i-th page), a ``DevicePage`` of SGLang's KV pool (``slot //
-page_size``; ``PADDING_PAGE`` 0 is SGLang's padding page, which every decode kernel here
-masks) and a ``HostPage`` of HiCache's host pool (``NO_HOST_PAGE`` where there is none).
+hot set reads. Everything the hot set knows about such a request is one ``LongRequest``
+(``record.py``) in ``Residency.records``: its pages (``pages.py``: a ``PageState`` per
+logical page), what the selection tracks, its prefill seed, its history loan.
 
-Each logical page of an admitted request is in exactly one ``PageState`` (docs/hot_set.md
-has the table). ``Residency`` is the only code that moves a page (frees or allocates a
-device or host page, copies, rewrites a ``req_to_token`` row): the scheduler's hooks call it
-between steps (``scheduler/hot_set_release.py``), and the decoder only reads the records and
-returns what it wants moved as data (``StepMoves``). A move not in ``TRANSITIONS`` raises.
+``Residency`` is the only code that moves a page (frees or allocates a device or host page,
+copies, rewrites a ``req_to_token`` row): the scheduler's hooks call it between steps
+(``scheduler/hot_set_release.py``), and the decoder only reads the records and returns what
+it wants moved as data (``StepMoves``).
 
 A step's releases are one device→host copy for the whole batch and its promotions one
 host→device copy, both on a side stream on CUDA (``PageCopies``; in line on the CPU); a
@@ -23,53 +21,24 @@ lends them to the request (``LENT*``, ``PrefixHold``). Plain torch; nothing here
 
 from __future__ import annotations
 
-import enum
 import logging
-from dataclasses import dataclass, field
-from typing import NewType, Optional, Protocol
+from typing import Container, Optional, Protocol
 
 import torch
 
 from sgl_importance.hot_set.page_copies import PageCopies
-from sgl_importance.hot_set.prefix_hold import PrefixHold
+from sgl_importance.hot_set.pages import (
+    NO_HOST_PAGE,
+    RELEASED_SLOT,
+    ReleaseCounts,
+    RequestPages,
+    S,
+    StepMoves,
+)
+from sgl_importance.hot_set.record import LongRequest
+from sgl_importance.hot_set.request_state import TrackedRequest
 
 logger = logging.getLogger(__name__)
-
-LogicalPage = NewType("LogicalPage", int)  # a request's page: token positions [p * page_size, (p + 1) * page_size)
-DevicePage = NewType("DevicePage", int)  # a page of SGLang's KV pool: slot // page_size
-HostPage = NewType("HostPage", int)  # a page of HiCache's host pool: host slot // page_size
-PADDING_PAGE = DevicePage(0)  # what a released page's row points at (masked by every decode kernel)
-NO_HOST_PAGE = HostPage(-1)
-RELEASED_SLOT = PADDING_PAGE  # the slot every position of a released page shows (page 0's first)
-
-
-class PageState(enum.IntEnum):
-    """Where one logical page of an admitted request lives (device page / host copy)."""
-
-    TREE = 0  # the tree's device page, not lent: the row reads it; never moved by the request
-    LENT = 1  # the tree's page lent to the request: the row still reads the tree's device page
-    LENT_RELEASED = 2  # lent and left out: the row reads padding; the tree's host copy stands for it
-    LENT_OWNED = 3  # lent, copied into a device page of the request's own; host copy the tree's
-    RESIDENT = 4  # the request's own device page, no host copy
-    COPIED = 5  # the request's own device page and a host copy of its own
-    RELEASED = 6  # only the request's own host copy; its device page is freed
-
-
-S = PageState
-# move -> {from: to}. Any other (move, state) pair is a bug and raises.
-TRANSITIONS: dict[str, dict[PageState, PageState]] = {
-    "lend": {S.TREE: S.LENT},  # the prefix's host copies borrowed (--hot-set-prefix host)
-    "copy_out": {S.RESIDENT: S.COPIED},  # a host copy of its own (a release's first step, a host insert)
-    "release": {S.COPIED: S.RELEASED, S.LENT: S.LENT_RELEASED, S.LENT_OWNED: S.LENT_RELEASED},
-    "promote": {S.RELEASED: S.COPIED, S.LENT_RELEASED: S.LENT_OWNED},
-    "own": {S.LENT: S.LENT_OWNED},  # a lent page copied into the request's own device page
-    "unlend": {S.LENT: S.TREE, S.LENT_RELEASED: S.TREE, S.LENT_OWNED: S.TREE},  # back to the tree's pages
-    "give": {S.COPIED: S.LENT_OWNED, S.RELEASED: S.LENT_RELEASED},  # own host copies handed to the tree
-}
-ON_DEVICE = (S.TREE, S.LENT, S.LENT_OWNED, S.RESIDENT, S.COPIED)
-OWN_DEVICE = (S.LENT_OWNED, S.RESIDENT, S.COPIED)  # device pages the request frees itself
-OWN_HOST = (S.COPIED, S.RELEASED)  # host copies the request frees itself
-OFF_DEVICE = (S.LENT_RELEASED, S.RELEASED)
 
 
 class PagePools(Protocol):
@@ -102,149 +71,6 @@ class PagePools(Protocol):
         """One layer's K and V rows ``[n, kv_heads, D]`` of host slots (a copy)."""
 
 
-@dataclass
-class ReleaseCounts:
-    """Page moves, summed; folded into ``HotSetCounts`` by the decoder."""
-
-    pages_released: int = 0  # device pages given back to the allocator
-    pages_copied_out: int = 0  # device → host copies (a page's first release)
-    pages_copied_in: int = 0  # host → device promotions
-    promotions_refused: int = 0  # pages no device page could take (none free or evictable): left on the host
-    releases_refused: int = 0  # releases with no free host page (page kept)
-    finished_reinserted: int = 0  # finished requests whose pages all came back (tree insert)
-    finished_uncached: int = 0  # finished requests left out of the tree (no device room, no host insert)
-    finished_on_host: int = 0  # finished requests whose pages entered the tree host-only (no device room)
-    prefix_pages_lent: int = 0  # matched-prefix pages a running request took over from the tree's host copies
-    prefix_pages_released: int = 0  # ... that it then stopped reading from the device
-    prefix_pages_owned: int = 0  # ... planned ones copied into its own device pages, so the tree's could go
-    prefix_holds: int = 0  # requests whose matched prefix no longer pins the tree's device pages
-    prefix_relocked: int = 0  # ... finished with the tree's pages still on the device: taken back, nothing copied
-    copies_out: int = 0  # device → host copy calls (one per step that releases, whatever the batch)
-    copies_in: int = 0  # host → device copy calls (one per step that promotes)
-    admitted_by_footprint: int = 0  # requests admitted charging their footprint (scheduler/admission.py)
-    footprint_refused: int = 0  # hot-set requests admitted at full charge: host or range pool short
-    release_waits: int = 0  # decode checks short of room that waited for in-flight release copies
-    retracted_to_host: int = 0  # retracted requests whose full pages entered the tree host-only (loaded back)
-    hot_sets_shrunk: int = 0  # hot sets the guard had grown, put back to their budget by a decode check short of room
-    prefill_chunks_released: int = 0  # prefill chunks after which a streamed prompt's full pages left the device
-    history_pages_on_host: int = 0  # pages of a returning turn's history read from the host pool, never loaded back
-
-
-@dataclass
-class RequestMoves:
-    """What one request's next step wants moved (logical pages, ascending)."""
-
-    rid: str
-    release: torch.Tensor  # full pages the next plan leaves out: off the device
-    promote: torch.Tensor  # pages the next plan reads that are off the device: back on it
-
-
-@dataclass
-class StepMoves:
-    """What the decoder's step wants moved, for the residency owner to apply before the
-    next step's allocation (the decoder itself moves nothing)."""
-
-    requests: list[RequestMoves] = field(default_factory=list)
-
-
-def page_offsets(pages: torch.Tensor, page_size: int) -> torch.Tensor:  # token positions, page after page
-    return (pages[:, None] * page_size + torch.arange(page_size)[None, :]).flatten()
-
-
-class RequestPages:
-    """One admitted request's pages: a ``PageState`` and a host page each.
-
-    Read by the decoder (``state``, ``off_device``, ``host_slots``); changed only through
-    ``Residency`` (every method that moves a page takes the pools).
-
-    Args:
-        row: the request's ``req_to_token`` row (a view: writes reach SGLang's table).
-        first_owned_page: pages before it are the tree's (``TREE``); from it on, its own.
-        page_size: tokens per page.
-        owner: the request's id, which its host slots are recorded under.
-    """
-
-    def __init__(self, row: torch.Tensor, first_owned_page: int, page_size: int, owner: str = "") -> None:
-        self.row = row
-        self.owner = owner
-        self.first_owned_page = first_owned_page
-        self.page_size = page_size
-        self.state = torch.zeros(0, dtype=torch.uint8)
-        self.host_page = torch.zeros(0, dtype=torch.int64)
-        self.lent_pages = 0  # pages [0, lent_pages) were lent by the tree (lend_prefix)
-        self.hold: Optional[PrefixHold] = None  # the lend and its tree locks (set by the scheduler)
-
-    # -- reading --------------------------------------------------------------------
-
-    @property
-    def num_pages(self) -> int:
-        return self.state.numel()
-
-    def _grow(self, num_pages: int) -> None:
-        extra = num_pages - self.num_pages
-        if extra <= 0:
-            return
-        new = torch.arange(self.num_pages, num_pages)
-        fresh = torch.where(new < self.first_owned_page, int(S.TREE), int(S.RESIDENT)).to(torch.uint8)
-        self.state = torch.cat((self.state, fresh))
-        self.host_page = torch.cat((self.host_page, torch.full((extra,), NO_HOST_PAGE, dtype=torch.int64)))
-
-    def states(self, pages: torch.Tensor) -> torch.Tensor:
-        """The ``PageState`` of each of ``pages`` (uint8; pages past the record are fresh ones)."""
-        self._grow(int(pages.max()) + 1 if pages.numel() else 0)
-        return self.state[pages]
-
-    def off_device(self, pages: torch.Tensor) -> torch.Tensor:
-        """Which of ``pages`` have no device page (bool, same order): read from their host copy."""
-        if pages.numel() == 0 or self.num_pages == 0:
-            return torch.zeros(pages.numel(), dtype=torch.bool)
-        inside = pages < self.num_pages
-        off = torch.zeros(pages.numel(), dtype=torch.bool)
-        st = self.state[pages[inside]]
-        off[inside] = (st == S.RELEASED) | (st == S.LENT_RELEASED)
-        return off
-
-    def own_host(self) -> torch.Tensor:
-        """Which logical pages have a host copy of the request's own (bool per page)."""
-        return (self.state == S.COPIED) | (self.state == S.RELEASED)
-
-    def released_pages(self) -> torch.Tensor:
-        """Logical pages with no device page, ascending."""
-        return torch.nonzero((self.state == S.RELEASED) | (self.state == S.LENT_RELEASED)).flatten()
-
-    def host_slots(self, pages: torch.Tensor) -> torch.Tensor:
-        """Host slots of ``pages`` (each with a host copy), page after page."""
-        hosts = self.host_page[pages]
-        if bool((hosts == NO_HOST_PAGE).any()):
-            raise RuntimeError(f"request {self.owner}: pages {pages[hosts == NO_HOST_PAGE].tolist()} have no host copy")
-        return page_offsets(hosts, self.page_size)
-
-    def _device_slots(self, pages: torch.Tensor) -> torch.Tensor:
-        return self.row[page_offsets(pages, self.page_size).to(self.row.device)].to(torch.int64)
-
-    def _move(self, move: str, pages: torch.Tensor) -> None:
-        table = TRANSITIONS[move]
-        self._grow(int(pages.max()) + 1 if pages.numel() else 0)
-        now = self.state[pages]
-        to = torch.full_like(now, 255)
-        for src, dst in table.items():
-            to[now == src] = int(dst)
-        bad = to == 255
-        if bool(bad.any()):
-            names = sorted({PageState(int(s)).name for s in now[bad]})
-            raise RuntimeError(
-                f"request {self.owner}: no move {move!r} from {', '.join(names)} "
-                f"(pages {pages[bad][:8].tolist()}; allowed from {', '.join(s.name for s in table)})"
-            )
-        self.state[pages] = to
-
-    def _set_host(self, pages: torch.Tensor, slots: torch.Tensor) -> None:
-        self.host_page[pages] = slots.view(-1, self.page_size)[:, 0].to(torch.int64) // self.page_size
-
-    def _point(self, pages: torch.Tensor, slots: torch.Tensor) -> None:
-        self.row[page_offsets(pages, self.page_size).to(self.row.device)] = slots.to(self.row.device, self.row.dtype)
-
-
 def subtract_pages(ranges: list[tuple[int, int]], pages: list[int], page_size: int) -> list[tuple[int, int]]:
     """Half-open row ranges minus the positions of ``pages`` (ascending, disjoint out)."""
     out = []
@@ -263,10 +89,11 @@ def subtract_pages(ranges: list[tuple[int, int]], pages: list[int], page_size: i
 
 
 class Residency:
-    """The records of the requests admitted to release in this process, and every page move.
+    """The records of the long requests in this process, and every page move.
 
     The runtime owns one; the scheduler's hooks (``scheduler/hot_set_release.py``) call its
-    moves between steps, the decoder reads records and files ``StepMoves``.
+    moves between steps, the decoder reads and fills the records' selection parts and files
+    ``StepMoves``.
     """
 
     def __init__(self) -> None:
@@ -275,7 +102,7 @@ class Residency:
         self.threshold: Optional[int] = None  # tokens past which a request may release; None: off
         self.prefix_on_host = False  # a matched prefix may be lent to the request (--hot-set-prefix host)
         self.host_insert = False  # a finished request may enter the tree host-only (SGLang's Python tree core)
-        self._pages: dict[str, RequestPages] = {}
+        self.records: dict[str, LongRequest] = {}
         self.counts = ReleaseCounts()
         # Set when a step gave device pages back: the scheduler may admit again.
         self.reopen = False
@@ -294,28 +121,68 @@ class Residency:
 
     # -- records ----------------------------------------------------------------------
 
+    def record(self, rid: str) -> Optional[LongRequest]:
+        """Everything the hot set holds of ``rid``, or None."""
+        return self.records.get(rid)
+
+    def open(self, rid: str) -> LongRequest:
+        """``rid``'s record, made empty if it has none."""
+        record = self.records.get(rid)
+        if record is None:
+            record = self.records[rid] = LongRequest(rid)
+        return record
+
+    def close_if_empty(self, rid: str) -> None:
+        """Drop ``rid``'s record once its last part has gone."""
+        record = self.records.get(rid)
+        if record is not None and record.empty:
+            del self.records[rid]
+
+    def tracked(self) -> dict[str, TrackedRequest]:
+        """The selection part of each tracked request's record, by request id (a new dict)."""
+        return {rid: r.tracked for rid, r in self.records.items() if r.tracked is not None}
+
+    def absent(self, rids: Container[str]) -> list[str]:
+        """Records whose selection (and seed) ends, their request in no decode batch: left,
+        or never admitted. An admitted prompt still streaming (``prefilling``) keeps its
+        selection, and an admitted request its seed, until its first decode step."""
+        ended = []
+        for rid, r in self.records.items():
+            if rid in rids or (r.tracked is None and r.seed is None):
+                continue
+            if r.pages is None or (r.tracked is not None and not r.prefilling):
+                ended.append(rid)
+        return ended
+
     def admit(self, rid: str, row: torch.Tensor, first_owned_page: int, page_size: int) -> RequestPages:
         """``rid``'s pages from ``first_owned_page`` on are its own (out of the tree) and may
-        be released; a second admission before it leaves keeps the first record."""
-        pages = self._pages.get(rid)
-        if pages is None:
-            pages = self._pages[rid] = RequestPages(row, first_owned_page, page_size, owner=rid)
-        return pages
+        be released; a second admission before it leaves keeps the first pages."""
+        record = self.open(rid)
+        if record.pages is None:
+            record.pages = RequestPages(row, first_owned_page, page_size, owner=rid)
+        return record.pages
 
     def host_pages_held(self) -> int:
         """Host pages the admitted requests hold as their own copies."""
-        return sum(int(p.own_host().sum()) for p in self._pages.values())
+        return sum(int(r.pages.own_host().sum()) for r in self.records.values() if r.pages is not None)
 
     def admitted(self, rid: str) -> bool:
-        return rid in self._pages
+        return self.peek(rid) is not None
 
     def peek(self, rid: str) -> Optional[RequestPages]:
-        return self._pages.get(rid)
+        record = self.records.get(rid)
+        return None if record is None else record.pages
 
     def forget(self, rid: str) -> None:
-        """The request left: free its own host copies and its record."""
-        pages = self._pages.pop(rid, None)
-        if pages is None or self.pools is None:
+        """The request left: free its own host copies and end its pages (its selection
+        part ends with the decoder's ``forget_request``, which frees its rows)."""
+        record = self.records.get(rid)
+        pages = None if record is None else record.pages
+        if pages is None:
+            return
+        record.pages = None
+        self.close_if_empty(rid)
+        if self.pools is None:
             return
         own = pages.own_host()
         if bool(own.any()):
@@ -342,7 +209,7 @@ class Residency:
         self.copies.collect()
         if moves is None or not self.enabled:
             return
-        records = [(self._pages.get(m.rid), m) for m in moves.requests]
+        records = [(self.peek(m.rid), m) for m in moves.requests]
         records = [(pages, m) for pages, m in records if pages is not None]
         self.release([(pages, m.release) for pages, m in records])
         self.promote([(pages, m.promote) for pages, m in records])

@@ -43,8 +43,8 @@ import torch.nn.functional as F
 
 from sgl_importance.choices import HOT_SET_POLICIES as POLICIES
 from sgl_importance.choices import REDUCTIONS
+from sgl_importance.hot_set.pages import ReleaseCounts
 from sgl_importance.hot_set.params import HotSetParams
-from sgl_importance.hot_set.residency import ReleaseCounts
 from sgl_importance.importance.ema import ema_fold
 
 # Share of the free budget a resident set may swap per step (see module docstring).

@@ -175,7 +175,7 @@ def new_book() -> FootprintBook:
             return None  # admitted by length: charged as SGLang charges any request
         return rt.request_params.get(rid, rt.hot_set_params)
 
-    tracked = hot_set.decoder.tracked if hot_set is not None else {}
+    tracked = r.tracked()
     kept_for, refused_for = functools.partial(kept_share, tracked), functools.partial(ranges_refused, tracked)
     chunk, per_page = 0, (0, 0)
     if hot_set is not None:

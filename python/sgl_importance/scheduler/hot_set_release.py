@@ -1,7 +1,8 @@
 """Scheduler hooks of hot-set page release: who may release, the step's moves, leaving cleanly.
 
 The records these hooks act on (the runtime's ``Residency``, passed in as ``residency``;
-``RequestPages``) and the page moves are ``hot_set/residency.py``; here are the hooks
+each request's ``LongRequest``, its ``RequestPages``) and the page moves are
+``hot_set/residency.py``; here are the hooks
 plugin.py calls and ``HiCachePagePools``, the adapter of ``residency.PagePools`` over
 SGLang's allocator and host pool. These hooks, all between forwards, are the only callers
 of the moves: the decoder asks for its next step's releases and promotions as data, and
@@ -71,10 +72,11 @@ import torch
 from sgl_importance.config import ImportanceConfig
 from sgl_importance.hot_set.host_ledger import ledger_from_env
 from sgl_importance.hot_set.page_copies import PageCopies
+from sgl_importance.hot_set.pages import RequestPages
 from sgl_importance.hot_set.params import HotSetParams
 from sgl_importance.hot_set.prefix_hold import PrefixHold
 from sgl_importance.hot_set.request_params import RequestParams
-from sgl_importance.hot_set.residency import RequestPages, Residency, subtract_pages
+from sgl_importance.hot_set.residency import Residency, subtract_pages
 from sgl_importance.scheduler.hot_set_requests import forget_request
 from sgl_importance.scheduler.hot_set_rows import lent_for
 from sgl_importance.scheduler.sglang_types import NodeId, Req, ReqKvInfo, ScheduleBatch, Scheduler, TreeCache

@@ -33,26 +33,16 @@ every step). Otherwise HiCache loads the history back as usual.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from sgl_importance.hot_set.footprint import streams
-from sgl_importance.hot_set.residency import RELEASED_SLOT
+from sgl_importance.hot_set.pages import RELEASED_SLOT
+from sgl_importance.hot_set.prefix_hold import HistoryLoan
+from sgl_importance.hot_set.residency import Residency
 from sgl_importance.runtime import Runtime
-from sgl_importance.scheduler.sglang_types import LockReceipt, NodeId, Req, ScheduleBatch, TreeCache
-
-
-@dataclass
-class HistoryLoan:
-    """A returning turn's history taken from the tree's host copies, until its record holds it."""
-
-    node: NodeId  # the tree node its match ended on (host part's last)
-    host_receipt: LockReceipt  # the host lock on it
-    host_slots: torch.Tensor  # host slots of its whole match, root first
-    device_len: int  # tokens of the match on the device (SGLang's prefix before the host hit)
-    host_hit: int  # SGLang's host hit, given back if it is not admitted
+from sgl_importance.scheduler.sglang_types import Req, ScheduleBatch, TreeCache
 
 
 def borrow(runtime: Runtime, req: Req, tree_cache: TreeCache, fits: Callable[[], bool]) -> Optional[HistoryLoan]:
@@ -89,17 +79,18 @@ def settle(runtime: Runtime, req: Req, tree_cache: TreeCache, loan: HistoryLoan,
         # hit counted as loaded (the cached-token split by tier credits the host pool).
         req.kv.cache_protected_len = req.prefix_len
         req.host_hit_length = req.host_loaded_length = loan.host_hit
-        runtime.history_loans[req.rid] = loan
+        runtime.residency.open(req.rid).loan = loan
         return
     req.prefix_len, req.host_hit_length = loan.device_len, loan.host_hit
     tree_cache.dec_host_lock_ref(loan.node, loan.host_receipt)
 
 
 def prefix_with_history(
-    loans: dict[str, HistoryLoan], original: Callable[..., torch.Tensor], cache: TreeCache, req: Req
+    residency: Residency, original: Callable[..., torch.Tensor], cache: TreeCache, req: Req
 ) -> torch.Tensor:
     """Around ``prefix_device_indices``: a borrowing turn's prefix row (module docstring)."""
-    loan = loans.get(req.rid)
+    record = residency.record(req.rid)
+    loan = None if record is None else record.loan
     if loan is None:
         return original(cache, req)
     prefix_len = req.prefix_len
@@ -116,13 +107,12 @@ def lend_history(runtime: Runtime, batch: ScheduleBatch) -> None:
     """After ``ScheduleBatch.prepare_for_extend``: a borrowing turn's record, its history lent."""
     from sgl_importance.hot_set.prefix_hold import PrefixHold
 
-    loans, residency = runtime.history_loans, runtime.residency
-    if not loans:
-        return
+    residency = runtime.residency
     for req in batch.reqs:
-        loan = loans.pop(req.rid, None)
-        if loan is None:
+        record = residency.record(req.rid)
+        if record is None or record.loan is None:
             continue
+        loan, record.loan = record.loan, None
         ps = residency.pools.page_size
         row = batch.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         pages = residency.admit(req.rid, row, loan.host_slots.numel() // ps, ps)

@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
+from sgl_importance.hot_set.pages import RequestPages
 from sgl_importance.hot_set.prefill import summarise_prefill
-from sgl_importance.hot_set.residency import RequestPages, Residency
+from sgl_importance.hot_set.residency import Residency
 
 
 def release_chunk(residency: Residency, hot_set: Any, pages: RequestPages, rid: str, length: int) -> None:
