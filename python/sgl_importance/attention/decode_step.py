@@ -12,7 +12,7 @@ the plugin hands the backend.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -21,8 +21,13 @@ from sgl_importance.hot_set.pages import page_offsets
 from sgl_importance.importance.page_importance import PageImportanceTable
 from sgl_importance.runtime import Runtime
 
+if TYPE_CHECKING:
+    from sgl_importance.attention.released_prefix import ReleasedPrefix
+    from sgl_importance.attention.sglang_types import AttentionLayer, ForwardBatch, KVPool, ModelRunner
+    from sgl_importance.hot_set.page_lists import ExactAttention
 
-def page_importance_for(runtime: Runtime, model_runner: Any) -> PageImportanceTable:
+
+def page_importance_for(runtime: Runtime, model_runner: ModelRunner) -> PageImportanceTable:
     """The process's page importance table (the runtime's), sized to this model runner's KV pool."""
     config = runtime.config
     pool = model_runner.token_to_kv_pool
@@ -35,7 +40,7 @@ def page_importance_for(runtime: Runtime, model_runner: Any) -> PageImportanceTa
     )
 
 
-def last_attention_layer_id(model_runner: Any) -> int:
+def last_attention_layer_id(model_runner: ModelRunner) -> int:
     """The id of the last attention layer a forward runs on this rank.
 
     Its ``forward_decode`` closes the decode step. Read from the model's attention
@@ -48,13 +53,13 @@ def last_attention_layer_id(model_runner: Any) -> int:
     return model_runner.model_config.num_hidden_layers - 1
 
 
-def _attention_layers(model_runner: Any) -> list:
+def _attention_layers(model_runner: ModelRunner) -> list[AttentionLayer]:
     from sglang.srt.layers.radix_attention import RadixAttention
 
     return [m for m in model_runner.model.modules() if isinstance(m, RadixAttention)]
 
 
-def plain_causal(layer: Any) -> bool:
+def plain_causal(layer: AttentionLayer) -> bool:
     """A decoder self-attention layer over the whole sequence (no window, no encoder): one
     whose extend may read a prefix released to the host pool."""
     from sglang.srt.layers.radix_attention import AttentionType
@@ -88,15 +93,15 @@ class ImportanceDecodeSteps:
     last_layer_id: int
     hot_set: Optional[HotSetAttention]
     records_importance: bool = True
-    token_to_kv_pool: Any
+    token_to_kv_pool: KVPool
     page_size: int
 
     def _init_decode_steps(
         self,
         runtime: Runtime,
-        model_runner: Any,
+        model_runner: ModelRunner,
         *,
-        exact: Any = None,
+        exact: Optional[ExactAttention] = None,
         extend_seeds: bool = False,
     ) -> None:
         """Call after the parent's ``__init__``; ``exact``: the hot set's page reader;
@@ -116,7 +121,7 @@ class ImportanceDecodeSteps:
             extend_seeds=extend_seeds and plain,
         )
 
-    def _released_prefixes(self, forward_batch: Any) -> Optional[list]:
+    def _released_prefixes(self, forward_batch: ForwardBatch) -> Optional[list[ReleasedPrefix]]:
         """Where an extend's requests have released pages before their new tokens (a prompt
         streamed chunk by chunk: ``--hot-set-prefill stream``): per request, the positions and
         the host slots of those pages; None when no request has any."""
@@ -140,29 +145,49 @@ class ImportanceDecodeSteps:
 
     # -- what a backend supplies ----------------------------------------------------
 
-    def _records(self, q: torch.Tensor, layer: Any, kwargs: dict) -> bool:
+    def _records(self, q: torch.Tensor, layer: AttentionLayer, kwargs: dict) -> bool:
         """Whether this layer's decode runs here (with importance) rather than in the parent."""
         raise NotImplementedError
 
-    def _store_kv(self, layer: Any, forward_batch: Any, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _store_kv(self, layer: AttentionLayer, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this step's K and V as the parent would."""
         raise NotImplementedError
 
-    def _decode_dense(self, q: torch.Tensor, o: torch.Tensor, layer: Any, sinks: Optional[torch.Tensor]) -> None:
+    def _decode_dense(
+        self, q: torch.Tensor, o: torch.Tensor, layer: AttentionLayer, sinks: Optional[torch.Tensor]
+    ) -> None:
         """One layer over every page of the batch into ``o``, its importance filed."""
         raise NotImplementedError
 
-    def _logit_cap(self, layer: Any) -> float:
+    def _logit_cap(self, layer: AttentionLayer) -> float:
         raise NotImplementedError
 
-    def _extend(self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, save_kv_cache: bool, *args, **kwargs):
+    def _extend(
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool,
+        *args,
+        **kwargs,
+    ) -> torch.Tensor:
         return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
 
     # -- SGLang's entry points ------------------------------------------------------
 
     def forward_extend(
-        self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, save_kv_cache: bool = True, *args, **kwargs
-    ):
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        *args,
+        **kwargs,
+    ) -> torch.Tensor:
         o = self._extend(q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
         if self.hot_set is not None:
             self.hot_set.batch_changed()
@@ -170,15 +195,15 @@ class ImportanceDecodeSteps:
 
     def forward_decode(
         self,
-        q: Any,
-        k: Any,
-        v: Any,
-        layer: Any,
-        forward_batch: Any,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
-        sinks: Any = None,
+        sinks: Optional[torch.Tensor] = None,
         **kwargs,
-    ):
+    ) -> torch.Tensor:
         if self._records(q, layer, kwargs):
             o = self._decode_with_importance(q, k, v, layer, forward_batch, save_kv_cache, sinks)
         else:
@@ -193,7 +218,7 @@ class ImportanceDecodeSteps:
 
     # -- the shared steps -------------------------------------------------------------
 
-    def _begin_hot_set_step(self, forward_batch: Any, req_to_token: torch.Tensor) -> None:
+    def _begin_hot_set_step(self, forward_batch: ForwardBatch, req_to_token: torch.Tensor) -> None:
         """Plan the hot set's decode step (``HotSetAttention.begin_step``)."""
         seq_lens_cpu = forward_batch.seq_lens_cpu
         if seq_lens_cpu is None:  # SGLang keeps it on decode batches; read back only without it
@@ -201,7 +226,14 @@ class ImportanceDecodeSteps:
         self.hot_set.begin_step(forward_batch.rids, forward_batch.req_pool_indices, seq_lens_cpu, req_to_token)
 
     def _decode_with_importance(
-        self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, save_kv_cache: bool, sinks: Any
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool,
+        sinks: Optional[torch.Tensor],
     ) -> torch.Tensor:
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))

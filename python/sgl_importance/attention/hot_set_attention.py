@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -54,6 +54,16 @@ from sgl_importance.hot_set.selection import HotSetCounts
 from sgl_importance.hot_set.table_budget import KVShape, describe, plan_table
 from sgl_importance.importance.page_importance import PageImportanceTable
 from sgl_importance.runtime import Runtime
+
+if TYPE_CHECKING:
+    from sgl_importance.attention.sglang_types import AttentionLayer, ModelRunner
+    from sgl_importance.config import ImportanceConfig
+    from sgl_importance.hot_set.decode import HotSetDecoder
+    from sgl_importance.hot_set.graph_step import GraphStep, Replayed
+    from sgl_importance.hot_set.page_lists import ExactAttention
+    from sgl_importance.hot_set.request_state import LiveRequest
+    from sgl_importance.metrics import HotSetMetrics
+    from sgl_kernel_ext.page_list import TritonPageListDecode
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +85,9 @@ class HotSetAttention:
 
     def __init__(
         self,
-        decoder: Any,
+        decoder: HotSetDecoder,
         page_importance: PageImportanceTable,
-        metrics: Any = None,
+        metrics: Optional[HotSetMetrics] = None,
         graph_rows: int = 0,
         stream_prefill: bool = False,
         plan_ahead: bool = False,
@@ -99,11 +109,11 @@ class HotSetAttention:
         # The captured hot-set step (enable_graphs) and whether the forward runs its layers
         # (graph_mode: a replay, or SGLang capturing it); a batch planned for it and refused,
         # for the eager step (_planned: its ids and lengths).
-        self.graph: Any = None
+        self.graph: Optional[GraphStep] = None
         self.graph_mode = False
         # CUDA: the model runner's forward stream, which a prefill chunk's summary and release
         # wait for (under the overlap scheduler the chunk's forward may still run); None on the CPU.
-        self.forward_stream: Any = None
+        self.forward_stream: Optional[torch.cuda.Stream] = None
         self._planned: Optional[tuple] = None
         self._graph_counts = HotSetCounts()
 
@@ -167,7 +177,7 @@ class HotSetAttention:
 
     # -- a step replayed from a captured graph (hot_set/graph_step.py) -----------------
 
-    def enable_graphs(self, max_bs: int, max_pages: int, exact: Any = None) -> None:
+    def enable_graphs(self, max_bs: int, max_pages: int, exact: Optional[TritonPageListDecode] = None) -> None:
         """Buffers for a captured hot-set step of ``min(max_bs, --hot-set-graph-rows)``
         requests of at most ``max_pages`` pages, made where SGLang makes its own graph
         buffers (``init_cuda_graph_state``); a no-op with ``--hot-set-graph-rows 0``."""
@@ -231,7 +241,17 @@ class HotSetAttention:
             self._to(StepPhase.REPLAYED)
             self.fence()
 
-    def attend_graph(self, layer: Any, q, k_buffer, v_buffer, out, *, logit_cap: float, sinks=None) -> None:
+    def attend_graph(
+        self,
+        layer: AttentionLayer,
+        q: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        logit_cap: float,
+        sinks: Optional[torch.Tensor] = None,
+    ) -> None:
         """One layer of a captured hot-set step (fixed shapes; into ``out``)."""
         k_pages, v_pages = self.decoder.pool_as_pages(layer.layer_id, k_buffer, v_buffer)
         result = self.graph.attend(
@@ -275,7 +295,7 @@ class HotSetAttention:
         a batch without them, or the end of a run); returns its counts and moves."""
         return self._end(self.late.drain(self._fold))
 
-    def _fold(self, replayed: Any) -> list:  # a replayed step's read back (only where a graph ran)
+    def _fold(self, replayed: Replayed) -> list[LiveRequest]:  # a replayed step's read back (only where a graph ran)
         return self.graph.fold(replayed)
 
     def batch_changed(self) -> None:
@@ -284,7 +304,7 @@ class HotSetAttention:
 
     def attend(
         self,
-        layer: Any,
+        layer: AttentionLayer,
         q: torch.Tensor,
         k_buffer: torch.Tensor,
         v_buffer: torch.Tensor,
@@ -369,11 +389,11 @@ class HotSetAttention:
 
 def build_hot_set(
     runtime: Runtime,
-    model_runner: Any,
+    model_runner: ModelRunner,
     last_layer_id: int,
     page_importance: PageImportanceTable,
     *,
-    exact: Any = None,
+    exact: Optional[ExactAttention] = None,
     prefill_reads_host: bool = False,
     extend_seeds: bool = False,
 ) -> Optional[HotSetAttention]:
@@ -449,7 +469,7 @@ def build_hot_set(
     return attention
 
 
-def _build_metrics(runtime: Runtime) -> Any:
+def _build_metrics(runtime: Runtime) -> Optional[HotSetMetrics]:
     if not runtime.enable_metrics:
         return None
     from sglang.srt.runtime_context import get_parallel
@@ -460,7 +480,7 @@ def _build_metrics(runtime: Runtime) -> Any:
     return HotSetMetrics({"tp_rank": get_parallel().tp_rank})
 
 
-def guard_wanted(config: Any) -> bool:
+def guard_wanted(config: ImportanceConfig) -> bool:
     """Whether the server's settings use the guard: a hot set that is not dense, with a
     guard threshold below 1 (a request may still ask for one itself)."""
     return config.hot_set_policy not in ("off", "dense") and config.hot_set_guard_threshold < 1.0

@@ -18,11 +18,15 @@ every decode with the hot set on runs eagerly there.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from sgl_importance.runtime import Runtime
+
+if TYPE_CHECKING:
+    from sgl_importance.attention.sglang_types import AttentionGraphVariants, DecodeGraphRunner, ForwardBatch
+    from sgl_importance.config import ImportanceConfig
 
 
 def holds_hot_set_request(seq_lens_cpu: Optional[torch.Tensor], threshold: int) -> bool:
@@ -50,11 +54,11 @@ class HotSetGraphVariants:
 
     capture_labels = (DENSE_VARIANT, HOT_VARIANT, GUARD_VARIANT)
 
-    def __init__(self, threshold: int, runtime: Any) -> None:
+    def __init__(self, threshold: int, runtime: Runtime) -> None:
         self.threshold = threshold
         self.runtime = runtime
 
-    def select(self, forward_batch: Any) -> str:
+    def select(self, forward_batch: ForwardBatch) -> str:
         if not holds_hot_set_request(forward_batch.seq_lens_cpu, self.threshold):
             return DENSE_VARIANT
         hot_set = self.runtime.hot_set_attention
@@ -62,9 +66,11 @@ class HotSetGraphVariants:
         return GUARD_VARIANT if guarded else HOT_VARIANT
 
 
-def graph_variants(runtime: Runtime, original: Callable[..., Any], hf_config: Any) -> Any:
+def graph_variants(
+    runtime: Runtime, original: Callable[..., Optional[AttentionGraphVariants]], hf_config: object
+) -> Optional[AttentionGraphVariants]:
     """Around SGLang's ``create_attention_graph_variants``: the hot set's, where a model has
-    none of its own and ``--hot-set-graph-rows`` is set."""
+    none of its own and ``--hot-set-graph-rows`` is set (``hf_config``: the model's, handed on as is)."""
     variants = original(hf_config)
     config = runtime.config
     if variants is not None or config.hot_set_policy == "off" or not config.hot_set_graph_rows:
@@ -72,7 +78,9 @@ def graph_variants(runtime: Runtime, original: Callable[..., Any], hf_config: An
     return HotSetGraphVariants(config.hot_set_threshold, runtime)
 
 
-def eager_with_hot_set_requests(config: Any, original: Callable[..., bool], runner: Any, forward_batch: Any) -> bool:
+def eager_with_hot_set_requests(
+    config: ImportanceConfig, original: Callable[..., bool], runner: DecodeGraphRunner, forward_batch: ForwardBatch
+) -> bool:
     """Around ``DecodeCudaGraphRunner.can_run_graph``: a batch holding a request the hot set
     decodes replays the captured hot-set step where its buffers take the planned step
     (``--hot-set-graph-rows``, ``plan_hot_set_graph_step``), else runs eagerly.

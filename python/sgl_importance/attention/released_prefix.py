@@ -22,6 +22,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 ReadHost = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# One request's: None (its prefix is on the device) or (positions, host slots) of its released tokens.
+ReleasedPrefix = Optional[tuple[torch.Tensor, torch.Tensor]]
 
 
 class ReleasedPrefixes:
@@ -39,7 +41,7 @@ class ReleasedPrefixes:
 
     def __init__(
         self,
-        released: Sequence[Optional[tuple[torch.Tensor, torch.Tensor]]],
+        released: Sequence[ReleasedPrefix],
         prefix_lens: Sequence[int],
         kv_indices: torch.Tensor,
         *,

@@ -8,21 +8,24 @@ scheduler process); ``attention/hot_set_attention.build_hot_set`` reads what it 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from sgl_importance.hot_set.table_budget import KVShape, plan_table
 from sgl_importance.runtime import Runtime
 
+if TYPE_CHECKING:
+    from sgl_importance.attention.sglang_types import KVCacheConfigurator, MemoryPoolConfig
+
 
 def reserve_table(
     runtime: Runtime,
-    original: Callable[..., Any],
-    configurator: Any,
+    original: Callable[..., MemoryPoolConfig],
+    configurator: KVCacheConfigurator,
     budget_bytes: int,
     *args: Any,
     cap_tokens: Optional[int] = None,
     **kwargs: Any,
-) -> Any:
+) -> MemoryPoolConfig:
     """Around ``KVCacheConfigurator.config_from_budget``: the KV pool SGLang sizes, less
     the page importance table (``hot_set/table_budget.py``), recorded on the runtime for
     ``build_hot_set``; the hot set's rows are borrowed from the pool later, as used.
@@ -47,7 +50,7 @@ def reserve_table(
     return original(configurator, budget_bytes, *args, cap_tokens=budget.kv_tokens, **kwargs)
 
 
-def kv_sizing(configurator: Any) -> tuple[KVShape, Optional[int], bool]:
+def kv_sizing(configurator: KVCacheConfigurator) -> tuple[KVShape, Optional[int], bool]:
     """What SGLang sizes this rank's KV pool by: its shape (as ``KVCacheConfigurator``
     sizes an MHA pool), the token cap and whether a host pool takes released pages.
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -60,6 +60,9 @@ from sgl_kernel_ext import (
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    from sgl_importance.attention.released_prefix import ReleasedPrefix
 
 # Which dense decode runs: the batched page-list path, or the slot-by-slot reference
 # (for A/B timing and as a fallback); read once when the backend is built.
@@ -69,7 +72,7 @@ DECODE_IMPLS = ("paged", "torch", "reference")
 class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
     """``torch_native`` plus page importance on decode."""
 
-    def __init__(self, runtime: Runtime, model_runner: Any) -> None:
+    def __init__(self, runtime: Runtime, model_runner: ModelRunner) -> None:
         # runtime: the scheduler process's state (config, page importance, hot-set records).
         super().__init__(model_runner)
         self.page_size = model_runner.page_size
@@ -86,7 +89,7 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
         self.paged_workspace = PagedDecodeWorkspace()
         # Per request of an extend batch: its released prefix pages' positions and host
         # slots (None: all on the device), read back from the host pool in every layer.
-        self.extend_released: Optional[list] = None
+        self.extend_released: Optional[list[ReleasedPrefix]] = None
         # Per request of an extend batch: its rid where its first decode step is seeded from
         # this extend (--hot-set-first-step seeded; None: not seeded), worked out once a forward.
         self.extend_seeded: Optional[list] = None
@@ -123,7 +126,14 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
                 self.page_indptr, self.page_ids, self.page_tokens = plan.page_indptr, plan.page_ids, plan.page_tokens
 
     def _extend(
-        self, q: Any, k: Any, v: Any, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool, **kwargs
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool,
+        **kwargs,
     ) -> torch.Tensor:
         if not (plain_causal(layer) and forward_batch.encoder_lens is None and not kwargs):
             return super()._extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
@@ -240,7 +250,7 @@ def extend_causal_attention(
     extend_seq_lens: torch.Tensor,
     *,
     scaling: float,
-    released: Optional[list] = None,
+    released: Optional[list[ReleasedPrefix]] = None,
     read_host: Optional[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None,
     seeds: Optional[list] = None,
     page_size: int = 1,

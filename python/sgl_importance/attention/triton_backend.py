@@ -62,6 +62,7 @@ from sgl_kernel_ext.page_list import TritonPageListDecode
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -71,7 +72,7 @@ def _cdiv(a: int, b: int) -> int:
 class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
     """``triton`` plus page importance on decode."""
 
-    def __init__(self, runtime: Runtime, model_runner: Any, **kwargs: Any) -> None:
+    def __init__(self, runtime: Runtime, model_runner: ModelRunner, **kwargs: Any) -> None:
         # runtime: the scheduler process's state (config, page importance, hot-set records).
         super().__init__(model_runner, **kwargs)
         self.max_pages = _cdiv(self.max_context_len, self.page_size)
@@ -197,7 +198,14 @@ class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
     # -- extend over pages on the host --------------------------------------------
 
     def _extend(
-        self, q: Any, k: Any, v: Any, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool, **kwargs
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool,
+        **kwargs,
     ) -> torch.Tensor:
         staged = self.extend_staged
         if staged is None:
