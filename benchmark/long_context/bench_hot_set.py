@@ -258,7 +258,8 @@ def make_groups(trials: list[dict], batch: int) -> list[list[dict]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tasks", default="needle,kv,adversarial", help=f"from {', '.join(TASKS)}")
+    # The chat shapes are in every grid: their fact is needed after the selection settled (issue 67).
+    ap.add_argument("--tasks", default="needle,kv,needle-chat,kv-chat,adversarial", help=f"from {', '.join(TASKS)}")
     ap.add_argument("--lengths", default="2048,4096,8000", help="prompt tokens (model context: 8192)")
     ap.add_argument("--adversarial-lengths", default="4096", help="lengths of the adversarial task")
     ap.add_argument("--budgets", default="0.1,0.2,0.3", help="fractions of the request's pages")
