@@ -193,7 +193,7 @@ class HotSetDecoder:
             tracked, record.prefilling = record.tracked, False
             pages = None
             if rows is not None and self.residency.enabled:
-                pages = self.residency.peek(rid)  # admitted by the scheduler, or None
+                pages = record.pages  # admitted by the scheduler, or None
             num_pages = -(-req_slots.numel() // ps)
             if pages is not None:
                 req_slots = rows[i][: req_slots.numel()]

@@ -3,8 +3,9 @@
 A ``LongRequest`` lives in ``residency.Residency.records`` from the first moment the hot set
 has something of the request (its history loan at admission, its pages admitted to release,
 its selection once it passes the threshold, its prefill's seed) until nothing is left:
-``Residency.forget`` (SGLang's ``release_kv_cache``) ends its pages and loan, the decoder's
-``forget_request`` its selection and seed, and the record goes with its last part. So for
+``Residency.forget`` (SGLang's ``release_kv_cache``) ends its pages, the decoder's
+``forget_request`` its selection and seed, ``returning.lend_history`` its loan (once the row
+exists), and the record goes with its last part. So for
 any request, ``residency.record(rid)`` is the one object to read; each part says where it
 lives (``RequestPages`` for each page, ``TrackedRequest`` for its hot set and rows).
 

@@ -85,7 +85,8 @@ def release_rows(runtime: Runtime, original: Callable[..., Any], req: Req, tree_
     finally:
         hot_set = runtime.hot_set_attention
         with lent(runtime.row_pages, tree_cache, lambda: 0):
-            if hot_set is not None and req.rid in hot_set.decoder.tracked:
+            record = None if hot_set is None else hot_set.decoder.residency.record(req.rid)
+            if record is not None and record.tracked is not None:
                 hot_set.decoder.forget_request(req.rid)
                 if hot_set.metrics is not None:
                     hot_set.after_step()
@@ -97,10 +98,11 @@ def pages_wanted(decoder: Any, lengths: Mapping[str, int], long: bool = False) -
     (``hot_set/coding.summarise_pages``, inside the forward, where nothing may allocate); ``long``:
     each is past the threshold whatever its length so far."""
     ranges = codes = 0
+    selections = decoder.tracked  # built from the records once, not per request
     for rid, length in lengths.items():
         if length <= decoder.threshold and not long:
             continue
-        tracked = decoder.tracked.get(rid)
+        tracked = selections.get(rid)
         params = decoder.request_params.get(rid, decoder.params) if tracked is None else tracked.state.params
         if tracked is not None and tracked.ranges_refused:
             params = tracked.refused_params or params  # rows to regain its own settings
