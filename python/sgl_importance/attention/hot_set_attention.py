@@ -56,13 +56,13 @@ from sgl_importance.importance.page_importance import PageImportanceTable
 from sgl_importance.runtime import Runtime
 
 if TYPE_CHECKING:
-    from sgl_importance.attention.sglang_types import AttentionLayer, ModelRunner
     from sgl_importance.config import ImportanceConfig
     from sgl_importance.hot_set.decode import HotSetDecoder
     from sgl_importance.hot_set.graph_step import GraphStep, Replayed
     from sgl_importance.hot_set.page_lists import ExactAttention
     from sgl_importance.hot_set.request_state import LiveRequest
     from sgl_importance.metrics import HotSetMetrics
+    from sgl_importance.sglang_types import AttentionLayer, ModelRunner
     from sgl_kernel_ext.page_list import TritonPageListDecode
 
 logger = logging.getLogger(__name__)

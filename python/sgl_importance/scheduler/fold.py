@@ -40,7 +40,7 @@ from sgl_importance.cache.prefetch import mark_used
 from sgl_importance.importance.aggregator import Observation
 from sgl_importance.node_state import node_importance
 from sgl_importance.runtime import Runtime
-from sgl_importance.scheduler.sglang_types import (
+from sgl_importance.sglang_types import (
     NodeHandle,
     Req,
     ScheduleBatch,

@@ -79,8 +79,8 @@ from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import Residency, subtract_pages
 from sgl_importance.scheduler.hot_set_requests import forget_request
 from sgl_importance.scheduler.hot_set_rows import lent_for
-from sgl_importance.scheduler.sglang_types import NodeId, Req, ReqKvInfo, ScheduleBatch, Scheduler, TreeCache
 from sgl_importance.scheduler.streamed_prefill import release_chunk
+from sgl_importance.sglang_types import NodeId, Req, ReqKvInfo, ScheduleBatch, Scheduler, TreeCache
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 
 from sgl_importance.runtime import Runtime
-from sgl_importance.scheduler.sglang_types import Req, ScheduleBatch, Scheduler, TreeCache
+from sgl_importance.sglang_types import Req, ScheduleBatch, Scheduler, TreeCache
 
 
 def pages_for_batch(runtime: Runtime, batch: Optional[ScheduleBatch]) -> int:

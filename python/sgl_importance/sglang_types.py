@@ -1,12 +1,15 @@
-"""What the scheduler hooks use of SGLang's objects, as Protocols: one place to read it.
+"""What the plugin uses of SGLang's objects, as Protocols: one place to read it.
 
-The hooks in ``scheduler/`` are handed SGLang's own objects (a request, its batch, the
-scheduler, the radix tree cache and its tree core, the KV allocator, HiCache's host pool).
-Each Protocol here stands for one of them and lists only the attributes and methods the
-plugin reads, writes or calls on it, with the types SGLang 0.5.23 gives them (its class is
-named in the docstring), so a field SGLang renames or retypes shows up in one place. They
-are for typing only: nothing here imports SGLang (nor anything of the plugin), and no
-object is checked against them at run time.
+The scheduler hooks are handed SGLang's own objects (a request, its batch, the scheduler, the
+radix tree cache and its tree core, the KV allocator, HiCache's host pool), and so are the
+attention backends' shared code, the hot set's construction, the graph hooks and the KV
+pool's sizing (the model runner and its KV pool, a forward batch, an attention layer, the
+decode graph runner, the KV cache configurator). Each Protocol here stands for one SGLang
+class and lists only the attributes and methods the plugin reads, writes or calls on it, with
+the types SGLang 0.5.23 gives them (its class is named in the docstring), so a field SGLang
+renames or retypes shows up in one place. They are for typing only: nothing here imports
+SGLang (nor anything of the plugin), and no object is checked against them at run time. The
+backends themselves subclass SGLang's backends and name SGLang's classes.
 
 With SGLang's unified radix cache (HiCache's, the one the hot set's release needs) a tree
 node is named by its ``NodeId`` (``tree_core.node_by_id`` finds the node); the fold also
@@ -15,7 +18,8 @@ serves the older caches, whose requests hold the node itself (``NodeHandle``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence, Union
+import enum
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, Protocol, Sequence, Union
 
 if TYPE_CHECKING:
     import torch
@@ -97,12 +101,6 @@ class WriteThrough(Protocol):
     publish_node_ids: list[NodeId]
 
 
-class DeviceKVPool(Protocol):
-    """``mem_cache.memory_pool.KVCache``: the device KV pool (the allocator's)."""
-
-    device: str
-
-
 class KVAllocator(Protocol):
     """``mem_cache.allocator.base.BaseTokenToKVPoolAllocator``: the device KV slots."""
 
@@ -113,13 +111,7 @@ class KVAllocator(Protocol):
 
     def free(self, free_index: torch.Tensor) -> None: ...
 
-    def get_kvcache(self) -> DeviceKVPool: ...
-
-
-class ReqToTokenPool(Protocol):
-    """``mem_cache.memory_pool.ReqToTokenPool``: each request row's KV slots."""
-
-    req_to_token: torch.Tensor  # [rows, context] slots
+    def get_kvcache(self) -> KVPool: ...
 
 
 class HostPool(Protocol):
@@ -132,12 +124,12 @@ class HostPool(Protocol):
     ledger: object  # the hot set's ``hot_set/host_ledger`` check, or None
 
     def backup_from_device_all_layer(
-        self, device_pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
+        self, device_pool: KVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
     ) -> None: ...
 
     def load_to_device_per_layer(
         self,
-        device_pool: DeviceKVPool,
+        device_pool: KVPool,
         host_indices: torch.Tensor,
         device_indices: torch.Tensor,
         layer_id: int,
@@ -291,12 +283,6 @@ class PrefillAdmission(Protocol):
     is_chunked: bool
 
 
-class ModelConfig(Protocol):
-    """``configs.model_config.ModelConfig``."""
-
-    context_len: int
-
-
 class Scheduler(Protocol):
     """``managers.scheduler.Scheduler``."""
 
@@ -308,3 +294,112 @@ class Scheduler(Protocol):
     max_req_input_len: int
     chunked_prefill_size: Optional[int]
     max_new_tokens_limit: Optional[int]  # SGLANG_MAX_NEW_TOKENS_LIMIT
+
+
+class KVPool(Protocol):
+    """``mem_cache.memory_pool.KVCache``: the device KV pool, one K and one V buffer per layer."""
+
+    size: int  # token slots
+    device: str
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor: ...  # [slots, kv_heads, D]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor: ...  # [slots, kv_heads, Dv]
+
+    def set_kv_buffer(
+        self, layer: AttentionLayer, loc: object, cache_k: torch.Tensor, cache_v: torch.Tensor
+    ) -> None: ...  # loc: the slots, or a ``KVWriteLoc``
+
+
+class ReqToTokenPool(Protocol):
+    """``mem_cache.memory_pool.ReqToTokenPool``: each request row's KV slots."""
+
+    size: int  # request rows
+    req_to_token: torch.Tensor  # [rows, context] slots
+
+
+class ModelConfig(Protocol):
+    """``configs.model_config.ModelConfig``."""
+
+    context_len: int
+    num_hidden_layers: int
+    head_dim: int
+    v_head_dim: int
+
+    def get_num_kv_heads(self, tensor_parallel_size: int, dcp_size: int = 1) -> int: ...
+
+
+class ModelRunner(Protocol):
+    """``model_executor.model_runner.ModelRunner``."""
+
+    model: torch.nn.Module  # its RadixAttention modules are the attention layers
+    model_config: ModelConfig
+    token_to_kv_pool: KVPool
+    req_to_token_pool: ReqToTokenPool
+    page_size: int
+    max_total_num_tokens: int  # the KV pool's tokens
+    kv_cache_dtype: torch.dtype
+    dtype: torch.dtype  # the model's
+    sliding_window_size: Optional[int]  # None: no window
+    forward_stream: Union[torch.cuda.Stream, torch.cpu.Stream]  # its device module's Stream
+
+
+class AttentionLayer(Protocol):
+    """``layers.radix_attention.RadixAttention``: one attention layer."""
+
+    layer_id: int
+    tp_q_head_num: int  # query heads on this rank
+    qk_head_dim: int
+    v_head_dim: int
+    scaling: float
+    is_cross_attention: bool
+    attn_type: enum.Enum  # ``radix_attention.AttentionType``
+    sliding_window_size: int  # -1: no window (the plugin takes None as none too)
+
+
+class ForwardBatch(Protocol):
+    """``model_executor.forward_batch_info.ForwardBatch``: one forward's batch."""
+
+    batch_size: int
+    rids: Optional[list[str]]  # the requests' ids; None: not recorded
+    req_pool_indices: torch.Tensor  # their ``req_to_token`` rows, on the device
+    seq_lens: torch.Tensor  # on the device
+    seq_lens_cpu: Optional[torch.Tensor]  # the host's copy; None where SGLang keeps none
+    extend_seq_lens_cpu: Optional[list[int]]  # an extend's new tokens per request
+
+
+class AttentionGraphVariants(Protocol):
+    """``layers.attention.graph_variants.AttentionGraphVariants``: which captured decode graph
+    a batch replays."""
+
+    capture_labels: ClassVar[tuple[str, ...]]  # in capture order
+
+    def select(self, forward_batch: ForwardBatch) -> str: ...  # one of ``capture_labels``
+
+
+class DecodeGraphRunner(Protocol):
+    """``model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner`` (its
+    ``attn_backend`` and ``capture_bs`` are read with ``getattr``, as other runners may lack them)."""
+
+    require_mlp_sync: bool  # ranks must agree on graph or eager (DP attention, gathered buffers)
+
+
+class ModelLayerInfo(Protocol):
+    """``model_executor.model_runner_components.layer_setup.ModelLayerInfo``."""
+
+    num_effective_layers: int  # the layers this rank's pool holds
+
+
+class MemoryPoolConfig(Protocol):
+    """``model_executor.pool_configurator.MemoryPoolConfig``: the pools' sizes SGLang chose."""
+
+    max_total_num_tokens: int
+
+
+class KVCacheConfigurator(Protocol):
+    """``mem_cache.kv_cache_configurator.KVCacheConfigurator``: what sizes the KV pool."""
+
+    model_config: ModelConfig
+    layer_info: ModelLayerInfo
+    kv_cache_dtype: torch.dtype
+    page_size: int
