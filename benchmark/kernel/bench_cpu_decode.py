@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from sgl_kernel_ext import PagedDecodeWorkspace, native, plan_from_slots
-from sgl_kernel_ext.paged import _decode_native  # the C path on a build of our choosing
+from sgl_kernel_ext.paged import _decode_native, _native_inputs  # the C path on a build of our choosing
 
 NO_IMPORTANCE = ("SGL_PAGED_DECODE_NO_IMPORTANCE",)
 WAYS = ("on", "off", "built without")
@@ -153,7 +153,8 @@ def way(lib, case: tuple, importance: bool):
 
 def native_decode(lib, q, k, v, plan, ws, importance: bool):
     """``decode_importance_paged``'s C path on the build ``lib`` (the default one or another)."""
-    return _decode_native(lib, q, k, v, plan, q.shape[-1] ** -0.5, 0.0, None, None, None, ws, importance)
+    inputs = _native_inputs(lib, q, k, v, None, None, plan, ws, importance)
+    return _decode_native(lib, inputs, q, k, v, plan, q.shape[-1] ** -0.5, 0.0, None, None, None, importance)
 
 
 def table(rows: list[dict]) -> str:

@@ -4,10 +4,10 @@ SGLang calls ``load()`` (entry point ``sglang.srt.plugins``) in every process it
 touch-point: (SGLang target, our function, kind, process). Functions (``"module:attribute"`` under ``sgl_importance``)
 are imported on first call; ``state`` names what the process's runtime (``runtime.py``) passes first. A function gets as
 many of SGLang's arguments as it declares (an ``after`` hook's result as ``result`` if it asks). Rows on one target
-apply in order, each wrapping the ones before it (the last ``before`` runs first).
+apply in order, each wrapping the ones before it (the last ``before`` runs first). Our state on SGLang's objects:
+``NodeState`` per radix node, ``server_args._importance``, ``CacheState`` per strategy.
 
-Private SGLang names the plugin relies on (SGLang may change them without notice; ``test/unit/test_sglang_contract.py``
-checks each, and every public attribute the plugin reads, against the installed SGLang):
+Private SGLang names relied on (``test/unit/test_sglang_contract.py`` checks them and every public attribute read):
 
 | private name                                              | module                      |
 |-----------------------------------------------------------|-----------------------------|
@@ -21,8 +21,6 @@ checks each, and every public attribute the plugin reads, against the installed 
 | hook `TokenizerManager._validate_one_request`              | request_check/prompt.py     |
 | hook `DualGemm._select_mode` (torch_cuda: no CuTe kernel)   | platform/torch_cuda.py      |
 | overridden `PrefillAdder._get_running_request_total_token_offset`, `PrefillAdder._select_prefill_admission`, `PrefillAdder._commit_prefill_admission`, `PrefillAdder._update_prefill_budget` | scheduler/admission.py |
-
-Our state on SGLang's objects: ``NodeState`` per radix node, ``server_args._importance``, ``CacheState`` per strategy.
 """
 
 from __future__ import annotations
@@ -31,21 +29,24 @@ import functools
 import importlib
 import inspect
 import os
+import pkgutil
 import sys
 from typing import Any, Callable, NamedTuple, Optional
 
 from sgl_importance.env import ANNOUNCE_ENV, CHECKS_ENV, DUMP_DIR_ENV, PLATFORM_ENV, TRACE_DIR_ENV
-from sgl_importance.platform import NATIVE_PLATFORMS
-
-CHECKED = ("mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc", "mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.free", "mem_cache.unified_radix_cache.UnifiedRadixCache.evict")  # fmt: skip  # never inside a forward (checks.py)
+from sgl_importance.platform import CPU_FORWARDS, DISPATCH_KEY, NATIVE_PLATFORMS
 
 
 class Hook(NamedTuple):
     target: str  # SGLang's attribute under sglang.srt (kind "backend"/"policy": the name)
     call: str  # "module:attribute" under sgl_importance
-    kind: str  # before | after | around | check (launcher, parsed args) | backend | policy
+    kind: str  # before | after | around | check (launcher, parsed args) | backend | policy | forward (a fused op's)
     process: str  # any | http | scheduler | dump | trace | checks | torch_cpu | torch_cuda | native (either)
     state: tuple[str, ...] = ()  # runtime attributes passed first ("runtime": itself)
+
+    @property
+    def path(self) -> str:  # the target's full name (kinds but backend and policy)
+        return f"sglang.srt.{self.target}"
 
 
 HOOKS = (
@@ -102,17 +103,14 @@ HOOKS = (
     Hook("managers.scheduler.Scheduler.process_batch_result", "trace.tracing:Tracing.around_batch_result", "around", "trace", ("tracing",)),
     Hook("mem_cache.pool_host.mha.get_mha_host_pool_cls", "platform.host_pool:host_pool_cls", "around", "native"),
     Hook("mem_cache.l2_transfer.L2TransferEngine.__init__", "platform.streams:use_cpu_streams", "after", "torch_cpu"),
+    *(Hook(f"layers.{op}", f"platform.cpu_forwards:{fn}", "forward", "torch_cpu") for op, fn in CPU_FORWARDS),  # one C call each
     Hook("mem_cache.memory_pool.can_use_store_cache", "platform.torch_cuda:no_compiled_kernel", "around", "torch_cuda"),
     Hook("mem_cache.pool_host.mha.can_use_hicache_jit_kernel", "platform.torch_cuda:no_compiled_kernel", "around", "torch_cuda"),
     Hook("layers.dual_gemm.DualGemm._select_mode", "platform.torch_cuda:no_dual_gemm", "around", "torch_cuda"),
     Hook("server_args.ServerArgs.from_cli_args", "platform.torch_cuda:graph_backends", "check", "torch_cuda"),
     Hook("model_executor.model_runner.ModelRunner.forward", "checks:ForwardCheck.around_forward", "around", "checks", ("checks",)),  # checks.py
-    *(Hook(t, "checks:ForwardCheck.no_page_move", "before", "checks", ("checks",)) for t in CHECKED),
+    *(Hook(f"mem_cache.{t}", "checks:ForwardCheck.no_page_move", "before", "checks", ("checks",)) for t in ("allocator.paged.PagedTokenToKVPoolAllocator.alloc", "allocator.paged.PagedTokenToKVPoolAllocator.free", "unified_radix_cache.UnifiedRadixCache.evict")),  # never inside a forward (checks.py)
 )  # fmt: skip
-
-
-def hook_target(hook: Hook) -> str:
-    return f"sglang.srt.{hook.target}"
 
 
 def _in_process(process: str) -> bool:
@@ -179,6 +177,7 @@ def load() -> None:
 
     if "importance_torch" in ATTENTION_BACKENDS:
         return
+    from sglang.kernels.fused_op import BaseFusedOp
     from sglang.srt.mem_cache.utils import _EVICTION_POLICY_FACTORIES
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import add_attention_backend_choices, add_radix_eviction_policy_choices
@@ -193,7 +192,9 @@ def load() -> None:
         elif hook.kind == "policy":
             _EVICTION_POLICY_FACTORIES[hook.target] = _bind(hook)
             add_radix_eviction_policy_choices([hook.target])
+        elif hook.kind == "forward":  # called per layer: the function itself, not _bind's wrapper
+            BaseFusedOp.register_oot_forward(pkgutil.resolve_name(hook.path), _resolve(hook.call), DISPATCH_KEY)
         else:
-            HookRegistry.register(hook_target(hook), _bind(hook), kinds[hook.kind])
+            HookRegistry.register(hook.path, _bind(hook), kinds[hook.kind])
     if os.environ.get(ANNOUNCE_ENV) == "1":  # before SGLang configures logging: "is the plugin loaded here?"
         print(f"[sgl-importance] plugin loaded (pid {os.getpid()})", file=sys.stderr, flush=True)

@@ -311,6 +311,17 @@ class KVPool(Protocol):
     ) -> None: ...  # loc: the slots, or a ``KVWriteLoc``
 
 
+class MHAPool(KVPool, Protocol):
+    """``mem_cache.memory_pool.MHATokenToKVPool``: what a direct KV write reads of it."""
+
+    k_buffer: list[torch.Tensor]  # per layer of this rank, [slots, kv_heads, D]
+    v_buffer: list[torch.Tensor]
+    start_layer: int
+    dtype: torch.dtype
+    store_dtype: torch.dtype
+    is_quantized_kv_cache: bool
+
+
 class ReqToTokenPool(Protocol):
     """``mem_cache.memory_pool.ReqToTokenPool``: each request row's KV slots."""
 

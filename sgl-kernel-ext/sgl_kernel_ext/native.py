@@ -1,4 +1,4 @@
-"""The CPU decode kernel in C (``csrc/paged_decode.c``), built on first use.
+"""The CPU kernels in C (``csrc/paged_decode.c``, ``csrc/layer_ops.c``), built on first use.
 
 Why C and not torch: a decode step over page lists in torch must first gather the
 listed pages into a contiguous copy (a read and a write of the whole context) and
@@ -10,7 +10,7 @@ about a second to build. No compiler, or a failed build, leaves :func:`library`
 returning None, and callers keep the torch path (one warning says why).
 
 ``SGL_KERNEL_EXT_NATIVE=0`` turns it off; ``SGL_KERNEL_EXT_CACHE`` moves the cache
-(default ``~/.cache/sgl-kernel-ext``).
+(default ``~/.cache/sgl-kernel-ext``); both are read at a process's first call.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 NATIVE_ENV = "SGL_KERNEL_EXT_NATIVE"
 CACHE_ENV = "SGL_KERNEL_EXT_CACHE"
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.c"
+# The decode kernel and a layer's small ops (``layer_ops``), one library.
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_decode.c", "layer_ops.c"))
 # Reassociation lets a dot product end in a tree of vector adds instead of 16 scalar
 # adds in a row (the dominant cost without it); no -ffast-math: infinities stay.
 FLAGS = (
@@ -41,6 +42,8 @@ FLAGS = (
 
 _lock = threading.Lock()
 _loaded: dict[tuple[str, tuple[str, ...]], Optional[ctypes.CDLL]] = {}
+# The default build once resolved (None included): the environment is read once a process.
+_default: list[Optional[ctypes.CDLL]] = []
 
 
 def enabled() -> bool:
@@ -65,7 +68,7 @@ def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
     # never load a half-written library.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [compiler, *flags, str(SOURCE), "-o", str(out), "-lm"]
+        cmd = [compiler, *flags, *map(str, SOURCES), "-o", str(out), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
@@ -80,6 +83,8 @@ def library(defines: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
             ``("SGL_PAGED_DECODE_NO_IMPORTANCE",)`` is the decode without its importance
             code, the baseline ``benchmark/kernel/bench_cpu_decode.py`` times against.
     """
+    if not defines and _default:
+        return _default[0]  # a decode calls this per layer: no environment read, no lock
     if not enabled():
         return None
     compiler = os.environ.get("CC", "cc")
@@ -92,9 +97,8 @@ def library(defines: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
             if shutil.which(compiler) is None:
                 raise RuntimeError(f"no C compiler {compiler!r} on PATH")
             version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-            key = hashlib.sha256(
-                "\n".join([SOURCE.read_text(), " ".join(flags), version, _cpu_signature()]).encode()
-            ).hexdigest()[:16]
+            parts = [*(source.read_text() for source in SOURCES), " ".join(flags), version, _cpu_signature()]
+            key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
             cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "sgl-kernel-ext")
             target = cache / f"paged_decode-{key}.so"
             if not target.exists():
@@ -105,6 +109,8 @@ def library(defines: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
             logger.warning("sgl-kernel-ext: the C decode kernel is unavailable, using the torch path: %s", e)
             lib = None
         _loaded[(compiler, flags)] = lib
+        if not defines:
+            _default.append(lib)
         return lib
 
 
@@ -112,7 +118,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.sgl_paged_decode.restype = i32
     lib.sgl_paged_decode.argtypes = [
-        p, p, p, p, p,  # q, k_pool, v_pool, k_extra, v_extra
+        p, i64, f32, p, p, p, p,  # q, q_stride, sm_scale, k_pool, v_pool, k_extra, v_extra
         p, p, p, p,  # table, tokens, live, sinks
         i64, i64, i64, i64,  # num_pages, extra_pages, bs, max_pages
         i64, i64, i64, i64, i64,  # page_size, kv, group, d, dv
@@ -121,6 +127,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         p, p, p,  # out, lse, mass
         i32,  # threads
     ]  # fmt: skip
+    lib.sgl_rms_norm_f32.restype = i32
+    lib.sgl_rms_norm_f32.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, f32]
+    lib.sgl_rotary_f32.restype = i32
+    lib.sgl_rotary_f32.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, i32]
+    lib.sgl_store_kv.restype = i32
+    lib.sgl_store_kv.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64]
     lib.sgl_key_code_pages.restype = i32
     lib.sgl_key_code_pages.argtypes = [
         p, p, p, p, p, p,  # q, codes, ids, low, step, valid

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -76,7 +76,7 @@ class PagedDecodePlan:
     page_tokens: torch.Tensor
     # What the C kernel takes of the plan (its lists as it reads them, the split count, its
     # scratch), made by a step's first layer and reused by the others (``_decode_native``).
-    native_inputs: Optional[tuple] = field(default=None, repr=False, compare=False)
+    native_inputs: Optional[Any] = field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -244,6 +244,7 @@ def decode_importance_paged(
     workspace: Optional[PagedDecodeWorkspace] = None,
     native: Optional[bool] = None,
     importance: bool = True,
+    out: Optional[torch.Tensor] = None,
 ) -> DecodeImportanceOutput:
     """Attention output, lse and page importance of one decode step over page lists.
 
@@ -270,6 +271,9 @@ def decode_importance_paged(
         importance: False skips the page masses (a plain decode nobody reads them from):
             the C kernel then runs without its importance code, the torch path without
             the mass sums.
+        out: where the C kernel writes the output (contiguous float32 ``[bs, q_heads, Dv]``,
+            e.g. the caller's attention output: no copy afterwards); the torch path and
+            another layout return a fresh tensor. The returned ``output`` is it either way.
 
     Returns:
         DecodeImportanceOutput: ``output`` float32 ``[bs, q_heads, Dv]``, ``lse`` float32,
@@ -295,9 +299,22 @@ def decode_importance_paged(
     ws = workspace if workspace is not None else PagedDecodeWorkspace()
     if native is not False:
         lib = _native.library() if bs else None
-        if lib is not None and _native_fits(q, k_pages, v_pages, extra_k_pages, extra_v_pages):
+        inputs = _native_inputs(lib, q, k_pages, v_pages, extra_k_pages, extra_v_pages, plan, ws, importance)
+        if inputs is not None:
             return _decode_native(
-                lib, q, k_pages, v_pages, plan, sm_scale, logit_cap, sinks, extra_k_pages, extra_v_pages, ws, importance
+                lib,
+                inputs,
+                q,
+                k_pages,
+                v_pages,
+                plan,
+                sm_scale,
+                logit_cap,
+                sinks,
+                extra_k_pages,
+                extra_v_pages,
+                importance,
+                out,
             )
         if native:
             raise RuntimeError("native=True, but the C decode kernel is not built or does not take these inputs")
@@ -365,8 +382,8 @@ _NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # a page larger than that is a block of its own).
 _NATIVE_BLOCK_TOKENS = 32
 # Per work item the kernel keeps on its stack: a block's logits and its K and V rows as
-# float32 (a bf16/f16 pool's, converted), and q_heads x Dv sums. 512 KiB, well inside a
-# thread's stack.
+# float32 (a bf16/f16 pool's, converted), q_heads x Dv sums and the scaled query. 512 KiB,
+# well inside a thread's stack.
 _NATIVE_MAX_STACK_FLOATS = 1 << 17
 
 
@@ -384,12 +401,76 @@ def _native_fits(
         q.device.type == "cpu"
         and all(t.device.type == "cpu" and t.dtype == k_pages.dtype and t.is_contiguous() for t in pools)
         and k_pages.dtype in _NATIVE_DTYPES
-        and q.shape[1] * (block + v_pages.shape[-1] + 3) + rows + 8 * block <= _NATIVE_MAX_STACK_FLOATS
+        and q.shape[1] * (block + v_pages.shape[-1] + q.shape[2] + 3) + rows + 8 * block <= _NATIVE_MAX_STACK_FLOATS
     )
+
+
+class _NativeInputs(NamedTuple):
+    """What a plan's C decode calls share, made at its first call: the key it was made
+    for (workspace, importance, threads, the pools' and q's layout), the split count and
+    the lists' and scratch buffers' addresses (the tensors kept alive beside them)."""
+
+    key: tuple
+    splits: int
+    kept: tuple
+    pointers: list
+
+
+def _native_inputs(
+    lib,
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    extra_k: Optional[torch.Tensor],
+    extra_v: Optional[torch.Tensor],
+    plan: PagedDecodePlan,
+    ws: PagedDecodeWorkspace,
+    importance: bool,
+) -> Optional[_NativeInputs]:
+    """The plan's C-kernel inputs, or None where the kernel does not take these tensors.
+    Every layer of a step calls this: a hit costs a key compare and two contiguity checks."""
+    if lib is None:
+        return None
+    threads = torch.get_num_threads()
+    key = (ws, bool(importance), threads, k_pages.shape, v_pages.shape, k_pages.dtype, q.shape, extra_k is not None)
+    cached = plan.native_inputs
+    if cached is not None and cached.key == key and k_pages.is_contiguous() and v_pages.is_contiguous():
+        if extra_k is None or (extra_k.is_contiguous() and extra_v.is_contiguous() and extra_k.dtype == k_pages.dtype):
+            return cached
+    if not _native_fits(q, k_pages, v_pages, extra_k, extra_v):
+        return None
+    bs, num_q_heads, _ = q.shape
+    kv_heads, v_dim, max_pages = k_pages.shape[2], v_pages.shape[-1], plan.max_pages
+    group, f32, cpu = num_q_heads // kv_heads, torch.float32, q.device
+    # Enough (request, split) items to keep every thread busy, each split at least 8
+    # pages long so the merge stays small.
+    splits = max(1, min(-(-4 * threads // bs), -(-max_pages // 8)))
+    table = plan.table.to(torch.int64).contiguous()
+    tokens = plan.tokens.to(torch.int64).contiguous()
+    live = plan.live.contiguous().view(torch.uint8) if plan.live.dtype == torch.bool else plan.live.to(torch.uint8)
+    scratch = [
+        ws.get("native_split_max", (bs, kv_heads, splits, group), f32, cpu),
+        ws.get("native_split_sum", (bs, kv_heads, splits, group), f32, cpu),
+        ws.get("native_split_acc", (bs, kv_heads, splits, group, v_dim), f32, cpu),
+    ]
+    if importance:
+        scratch[:0] = [
+            ws.get("native_page_max", (bs, kv_heads, max_pages, group), f32, cpu),
+            ws.get("native_page_sum", (bs, kv_heads, max_pages, group), f32, cpu),
+        ]
+    # The tensors stay referenced here, so their addresses hold for the step. Kept on the
+    # plan only where the lists are its own tensors (no converted copy), so a plan
+    # updated in place between calls (a captured step's) is still read as it stands.
+    kept = (table, tokens, live, *scratch)
+    inputs = _NativeInputs(key, splits, kept, [t.data_ptr() for t in kept])
+    same = all(a.data_ptr() == b.data_ptr() for a, b in zip(kept, (plan.table, plan.tokens, plan.live)))
+    plan.native_inputs = inputs if same else None
+    return inputs
 
 
 def _decode_native(
     lib,
+    inputs: _NativeInputs,
     q: torch.Tensor,
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
@@ -399,61 +480,35 @@ def _decode_native(
     sinks: Optional[torch.Tensor],
     extra_k: Optional[torch.Tensor],
     extra_v: Optional[torch.Tensor],
-    ws: PagedDecodeWorkspace,
     importance: bool = True,
+    into: Optional[torch.Tensor] = None,
 ) -> DecodeImportanceOutput:
     bs, num_q_heads, head_dim = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     v_dim, group, max_pages = v_pages.shape[-1], num_q_heads // kv_heads, plan.max_pages
-    threads = torch.get_num_threads()
-    f32, cpu = torch.float32, q.device
-    key = (ws, bool(importance), threads, kv_heads, group, v_dim)
-    if plan.native_inputs is None or plan.native_inputs[0] != key:
-        # Enough (request, split) items to keep every thread busy, each split at least 8
-        # pages long so the merge stays small.
-        splits = max(1, min(-(-4 * threads // bs), -(-max_pages // 8)))
-        table = plan.table.to(torch.int64).contiguous()
-        tokens = plan.tokens.to(torch.int64).contiguous()
-        live = plan.live.contiguous().view(torch.uint8) if plan.live.dtype == torch.bool else plan.live.to(torch.uint8)
-        scratch = [
-            ws.get("native_split_max", (bs, kv_heads, splits, group), f32, cpu),
-            ws.get("native_split_sum", (bs, kv_heads, splits, group), f32, cpu),
-            ws.get("native_split_acc", (bs, kv_heads, splits, group, v_dim), f32, cpu),
-        ]
-        if importance:
-            scratch[:0] = [
-                ws.get("native_page_max", (bs, kv_heads, max_pages, group), f32, cpu),
-                ws.get("native_page_sum", (bs, kv_heads, max_pages, group), f32, cpu),
-            ]
-        # The tensors stay referenced here, so their addresses hold for the step. Kept on the
-        # plan only where the lists are its own tensors (no converted copy), so a plan
-        # updated in place between calls (a captured step's) is still read as it stands.
-        kept = (table, tokens, live, *scratch)
-        inputs = (key, splits, kept, [t.data_ptr() for t in kept])
-        same = all(a.data_ptr() == b.data_ptr() for a, b in zip(kept, (plan.table, plan.tokens, plan.live)))
-        plan.native_inputs = inputs if same else None
-    else:
-        inputs = plan.native_inputs
-    _, splits, _, (table_p, tokens_p, live_p, *scratch_p) = inputs
+    f32 = torch.float32
+    splits, (table_p, tokens_p, live_p, *scratch_p) = inputs.splits, inputs.pointers
     page_max_p, page_sum_p = scratch_p[:-3] if importance else (None, None)
     split_max_p, split_sum_p, split_acc_p = scratch_p[-3:]
-    qf = (q.to(f32) * sm_scale).contiguous()
+    # Rows of heads side by side (a view of a fused QKV output too): read in place.
+    qf = q if q.dtype == f32 and q.stride(2) == 1 and q.stride(1) == head_dim else q.to(f32).contiguous()
     sink_logits = sinks.to(f32).contiguous() if sinks is not None else None
     mass = torch.empty(bs, max_pages, kv_heads, dtype=f32) if importance else None
-    out = torch.empty(bs, num_q_heads, v_dim, dtype=f32)
+    fits = into is not None and into.dtype == f32 and into.shape == (bs, num_q_heads, v_dim) and into.is_contiguous()
+    out = into if fits else torch.empty(bs, num_q_heads, v_dim, dtype=f32)
     lse = torch.empty(bs, num_q_heads, dtype=f32)
 
     def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
         return t.data_ptr() if t is not None else None
 
     rc = lib.sgl_paged_decode(
-        ptr(qf), ptr(k_pages), ptr(v_pages), ptr(extra_k), ptr(extra_v),
+        ptr(qf), qf.stride(0), float(sm_scale), ptr(k_pages), ptr(v_pages), ptr(extra_k), ptr(extra_v),
         table_p, tokens_p, live_p, ptr(sink_logits),
         num_pages, extra_k.shape[0] if extra_k is not None else 0, bs, max_pages,
         page_size, kv_heads, group, head_dim, v_dim,
         _NATIVE_DTYPES[k_pages.dtype], splits, float(logit_cap), int(importance),
         page_max_p, page_sum_p, split_max_p, split_sum_p, split_acc_p,
-        ptr(out), ptr(lse), ptr(mass), threads,
+        ptr(out), ptr(lse), ptr(mass), inputs.key[2],
     )  # fmt: skip
     if rc == -2:
         raise IndexError(f"a listed page is outside the pool ({num_pages} pages) and the staging pages")

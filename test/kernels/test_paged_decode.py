@@ -211,7 +211,7 @@ def test_the_build_without_importance_decodes_as_importance_off(decode_path):
     # benchmark/kernel/bench_cpu_decode.py times importance off against this build.
     if decode_path != "native":
         pytest.skip("a build of the C kernel")
-    from sgl_kernel_ext.paged import _decode_native
+    from sgl_kernel_ext.paged import _decode_native, _native_inputs
 
     bare = native.library(("SGL_PAGED_DECODE_NO_IMPORTANCE",))
     seed = _seed()
@@ -219,9 +219,11 @@ def test_the_build_without_importance_decodes_as_importance_off(decode_path):
     plan = plan_paged_decode(indptr, ids, toks, page_size=1)
     ws = PagedDecodeWorkspace()
     k_pages, v_pages = k.view(-1, 1, *k.shape[1:]), v.view(-1, 1, *v.shape[1:])
+    with_masses = _native_inputs(bare, q, k_pages, v_pages, None, None, plan, ws, True)
     with pytest.raises(RuntimeError, match="returned -1"):  # it has no masses to give
-        _decode_native(bare, q, k_pages, v_pages, plan, 64**-0.5, 0.0, None, None, None, ws, True)
-    got = _decode_native(bare, q, k_pages, v_pages, plan, 64**-0.5, 0.0, None, None, None, ws, False)
+        _decode_native(bare, with_masses, q, k_pages, v_pages, plan, 64**-0.5, 0.0, None, None, None, True)
+    inputs = _native_inputs(bare, q, k_pages, v_pages, None, None, plan, ws, False)
+    got = _decode_native(bare, inputs, q, k_pages, v_pages, plan, 64**-0.5, 0.0, None, None, None, False)
     off = fast(q, k, v, plan, 1, importance=False)
     torch.testing.assert_close(got.output, off.output, rtol=1e-6, atol=1e-7, msg=f"seed={seed}")
 
@@ -460,6 +462,7 @@ def test_without_a_compiler_the_kernel_is_not_built_and_the_torch_path_runs(monk
         pytest.skip("one run is enough")
     monkeypatch.setenv("CC", "no-such-compiler-sgl")
     monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_default", [])
     assert native.library() is None
     seed = _seed()
     q, k, v, indptr, ids, toks = make_case([4], seed=seed)

@@ -30,7 +30,7 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sgl_importance.attention.hot_set_attention import HotSetAttention
-from sgl_importance.attention.torch_backend import ImportanceTorchAttnBackend
+from sgl_importance.attention.torch_backend import ImportanceTorchAttnBackend, plain_kv_pool
 from sgl_importance.attention.triton_backend import ImportanceTritonAttnBackend
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
 from sgl_importance.hot_set.residency import Residency
@@ -160,6 +160,7 @@ class World:
                 page_tokens=None,
                 paged_workspace=PagedDecodeWorkspace(),
                 swa_out_cache_loc=None,
+                plain_pool=plain_kv_pool(self.kv),
             )
         else:
             backend = object.__new__(ImportanceTritonAttnBackend)

@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import pytest
 
+from sgl_importance.platform import ROTARY_CLASSES
 from support.fake_tree import FakeCache, FakeNode, FakeTreeCore
 
 MEM = "sglang.srt.mem_cache"
@@ -329,6 +330,20 @@ ATTRIBUTES = [
         Name(f"{MEM}.memory_pool.MHATokenToKVPool", n, "attention/hot_set_attention.py")
         for n in ("k_buffer", "v_buffer")
     ),
+    # torch_cpu's direct KV write (attention/torch_backend.py: plain_kv_pool, _store_kv) and
+    # its C RMSNorm / rotary forwards (platform/cpu_forwards.py).
+    *(
+        Name(f"{MEM}.memory_pool.MHATokenToKVPool", n, "attention/torch_backend.py")
+        for n in ("start_layer", "dtype", "store_dtype", "is_quantized_kv_cache", "requires_physical_write_loc")
+    ),
+    *(
+        Name("sglang.srt.layers.layernorm.RMSNorm", n, "platform/cpu_forwards.py")
+        for n in ("weight", "variance_epsilon", "variance_size_override", "override_orig_dtype", "forward_native")
+    ),
+    *(
+        Name("sglang.srt.layers.rotary_embedding.base.RotaryEmbedding", n, "platform/cpu_forwards.py")
+        for n in ("head_size", "rotary_dim", "is_neox_style", "cos_sin_cache", "forward_native")
+    ),
     # Requests longer than the device pool (scheduler/long_requests.py, request_check/prompt.py).
     *(
         Name(SCHEDULER, n, "scheduler/long_requests.py")
@@ -446,7 +461,26 @@ HOOK_TARGETS = [
     f"{MEM}.kv_cache_configurator.KVCacheConfigurator.config_from_budget",
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph",
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.create_attention_graph_variants",
+    "sglang.srt.layers.layernorm.RMSNorm",
+    *(f"sglang.srt.layers.rotary_embedding.{cls}" for cls in ROTARY_CLASSES),
 ]
+
+
+def test_the_rotary_classes_torch_cpu_serves_share_the_base_forward():
+    # cpu_forwards.rotary_forward rotates as RotaryEmbedding.forward_native does: a class with
+    # its own forward_native (a variant that rotates otherwise) must not be in the list.
+    base = _resolve("sglang.srt.layers.rotary_embedding.base.RotaryEmbedding")
+    for cls in ROTARY_CLASSES:
+        own = _resolve(f"sglang.srt.layers.rotary_embedding.{cls}")
+        assert own.forward_native is base.forward_native, f"{cls} has its own forward_native"
+
+
+def test_sglangs_fused_ops_dispatch_to_a_forward_registered_for_the_platform_key():
+    # plugin.py registers torch_cpu's C RMSNorm and rotary under this key and this call.
+    from sglang.kernels.fused_op import BaseFusedOp
+
+    assert list(inspect.signature(BaseFusedOp.register_oot_forward).parameters) == ["op_cls", "fn", "platform_key"]
+    assert "_oot_forward_registry" in vars(BaseFusedOp)
 
 
 @cache
@@ -523,7 +557,7 @@ def test_every_hook_target_in_plugin_py_is_checked_here():
     # The targets of plugin.py's table (backend and policy rows register names, not targets).
     from sgl_importance import plugin
 
-    literal = {plugin.hook_target(h) for h in plugin.HOOKS if h.kind not in ("backend", "policy")}
+    literal = {h.path for h in plugin.HOOKS if h.kind not in ("backend", "policy")}
     missing = sorted(literal - set(HOOK_TARGETS))
     assert not missing, f"plugin.py registers hooks this contract does not check: {missing}"
 

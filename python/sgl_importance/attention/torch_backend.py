@@ -57,12 +57,14 @@ from sgl_kernel_ext import (
     decode_importance_reference,
     plan_from_slots,
 )
+from sgl_kernel_ext.layer_ops import store_kv
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     from sgl_importance.attention.released_prefix import ReleasedPrefix
+    from sgl_importance.sglang_types import KVPool, MHAPool
 
 # Which dense decode runs: the batched page-list path, or the slot-by-slot reference
 # (for A/B timing and as a fallback); read once when the backend is built.
@@ -97,6 +99,7 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
         # Nothing reads page importance (no importance policy, hot set, grading, trace):
         # a dense decode skips it, so plain serving pays nothing for it.
         self.records_importance = runtime.records_importance
+        self.plain_pool = plain_kv_pool(self.token_to_kv_pool)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         super().init_forward_metadata(forward_batch)
@@ -174,9 +177,14 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
         return [rid if n > decoder.threshold else None for rid, n in zip(forward_batch.rids, lengths.tolist())]
 
     def _store_kv(self, layer: RadixAttention, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.token_to_kv_pool.set_kv_buffer(
-            layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
-        )
+        pool: MHAPool = self.token_to_kv_pool  # type: ignore[assignment]  # plain_pool says so
+        if self.plain_pool and self.swa_out_cache_loc is None:
+            # SGLang's write for an unquantized MHA pool is pool[loc] = rows behind checks that
+            # cost a short decode step more than the copy: the same copy in one C call.
+            at = layer.layer_id - pool.start_layer
+            if store_kv(k, v, pool.k_buffer[at], pool.v_buffer[at], forward_batch.out_cache_loc):
+                return
+        pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
 
     def _decode_kv_indices(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # The same slots torch_native reads per request (req_to_token[r, :seq_len]),
@@ -221,6 +229,7 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
                 workspace=self.paged_workspace,
                 native=False if self.decode_impl == "torch" else None,
                 importance=self.records_importance,
+                out=out,
             )
         else:
             result = decode_importance_reference(
@@ -234,9 +243,23 @@ class ImportanceTorchAttnBackend(ImportanceDecodeSteps, TorchNativeAttnBackend):
                 logit_cap=self._logit_cap(layer),
                 sinks=sinks,
             )
-        out.copy_(result.output)
+        if result.output is not out:
+            out.copy_(result.output)
         if self.records_importance:
             self.page_importance.add_layer(result.importance, self.kv_indptr, self.kv_indices)
+
+
+def plain_kv_pool(pool: KVPool) -> bool:
+    """SGLang's own unquantized MHA pool (not a subclass, no write-loc plan): one whose
+    ``set_kv_buffer`` is ``pool[loc] = rows``, which ``store_kv`` can do in its place."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return (
+        type(pool) is MHATokenToKVPool
+        and not pool.is_quantized_kv_cache
+        and pool.store_dtype == pool.dtype
+        and not getattr(pool, "requires_physical_write_loc", False)
+    )
 
 
 def extend_causal_attention(

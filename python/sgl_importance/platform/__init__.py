@@ -16,6 +16,17 @@ PLATFORM_NAME = "torch_cpu"
 CUDA_PLATFORM_NAME = "torch_cuda"
 # Both run SGLang's torch-native ops with no compiled SGLang kernels.
 NATIVE_PLATFORMS = (PLATFORM_NAME, CUDA_PLATFORM_NAME)
+# Both platforms' key for SGLang's fused-op dispatch: forward_native, unless a forward is
+# registered under it (torch_cpu's C RMSNorm and rotary, plugin.py).
+DISPATCH_KEY = "native"
+# torch_cpu's forwards for SGLang's fused ops (platform/cpu_forwards.py; plugin.py registers
+# them): the op class under sglang.srt.layers, our function. The rotary variants listed share
+# the base class's forward (test_sglang_contract checks each against SGLang).
+ROTARY_CLASSES = ("base.RotaryEmbedding", "base.LinearScalingRotaryEmbedding", "rope_variant.Llama3RotaryEmbedding")
+CPU_FORWARDS = (
+    ("layernorm.RMSNorm", "rms_norm_forward"),
+    *((f"rotary_embedding.{cls}", "rotary_forward") for cls in ROTARY_CLASSES),
+)
 
 
 def activate() -> str | None:

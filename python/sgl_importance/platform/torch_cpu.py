@@ -20,6 +20,7 @@ from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
+from sgl_importance.platform import DISPATCH_KEY
 from sgl_importance.platform.attention_choice import FALLBACK_BACKEND, choose_attention_backend
 
 # Without a cap, mem_fraction_static x host RAM becomes tens of millions of KV
@@ -113,4 +114,4 @@ class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
             server_args.device = "cpu"
 
     def get_dispatch_key_name(self) -> str:
-        return "native"
+        return DISPATCH_KEY

@@ -25,6 +25,7 @@ from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
 from sgl_importance.env import SKIP_KERNEL_VERSION_CHECK_ENV
+from sgl_importance.platform import DISPATCH_KEY
 
 DEFAULT_ATTENTION_BACKEND = "importance_triton"
 # Attention backends whose kernels are Triton (or torch) only; the others need
@@ -190,4 +191,4 @@ class TorchCudaPlatform(CudaDeviceMixin, SRTPlatform):
             os.environ[SKIP_KERNEL_VERSION_CHECK_ENV] = "1"
 
     def get_dispatch_key_name(self) -> str:
-        return "native"
+        return DISPATCH_KEY

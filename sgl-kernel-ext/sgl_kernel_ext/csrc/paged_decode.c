@@ -58,7 +58,9 @@ static inline __attribute__((always_inline)) const float *page_f32(const void *b
 #endif
 
 typedef struct {
-    const float *q;        /* [bs, kv, group, d], already times sm_scale */
+    const float *q;        /* [bs, kv, group, d], rows q_stride floats apart; times sm_scale here */
+    int64_t q_stride;
+    float sm_scale;
     const void *k_pool;    /* [num_pages, page_size, kv, d] */
     const void *v_pool;    /* [num_pages, page_size, kv, dv] */
     const void *k_extra;   /* [extra_pages, page_size, kv, d] or NULL */
@@ -91,7 +93,10 @@ static inline __attribute__((always_inline)) void run_split_shape(const Args *a,
     const int64_t BT = P > BLOCK_TOKENS ? P : BLOCK_TOKENS;
     const int64_t per = (MP + a->splits - 1) / a->splits;
     const int64_t j0 = s * per, j1 = j0 + per < MP ? j0 + per : MP;
-    const float *q = a->q + b * KV * G * D;
+    /* The request's query, scaled once here rather than by the caller (one torch op a
+     * layer, which at a short step costs more than this loop). */
+    float q[KV * G * D];
+    for (int64_t x = 0; x < KV * G * D; x++) q[x] = a->q[b * a->q_stride + x] * a->sm_scale;
     const int converted = a->dtype != DT_F32;
     float M[KV * G], L[KV * G], beta[KV * G], acc[KV * G * DV], logit[KV * G * BT];
     float ktile[converted ? BT * KV * D : 1], vtile[converted ? BT * KV * DV : 1];
@@ -276,7 +281,7 @@ static void merge(const Args *a, int64_t b, int64_t h, const float *sinks, const
 
 /* Returns 0; -1 for arguments it cannot serve, -2 when a listed page with tokens
  * is outside the pool and the staging pages. */
-int sgl_paged_decode(const float *q, const void *k_pool, const void *v_pool, const void *k_extra, const void *v_extra,
+int sgl_paged_decode(const float *q, int64_t q_stride, float sm_scale, const void *k_pool, const void *v_pool, const void *k_extra, const void *v_extra,
                      const int64_t *table, const int64_t *tokens, const uint8_t *live, const float *sinks,
                      int64_t num_pages, int64_t extra_pages, int64_t bs, int64_t max_pages, int64_t page_size, int64_t kv, int64_t group,
                      int64_t d, int64_t dv, int dtype, int splits, float logit_cap, int importance, float *page_max,
@@ -290,7 +295,7 @@ int sgl_paged_decode(const float *q, const void *k_pool, const void *v_pool, con
     for (int64_t c = 0; c < bs * max_pages; c++)
         if (tokens[c] > 0 && (table[c] < 0 || table[c] >= num_pages + (k_extra ? extra_pages : 0) || tokens[c] > page_size))
             return -2;
-    Args a = {q, k_pool, v_pool, k_extra, v_extra, table, tokens, num_pages, bs, max_pages, page_size, kv, group, d, dv,
+    Args a = {q, q_stride, sm_scale, k_pool, v_pool, k_extra, v_extra, table, tokens, num_pages, bs, max_pages, page_size, kv, group, d, dv,
               dtype, splits, importance, logit_cap, page_max, page_sum, split_max, split_sum, split_acc};
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t it = 0; it < bs * splits; it++) run_split(&a, it / splits, it % splits);
