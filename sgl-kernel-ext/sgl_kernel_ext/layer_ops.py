@@ -27,6 +27,16 @@ def _lib():
     return _found[0]
 
 
+def _done(rc: int, name: str, outside: str) -> bool:
+    """A kernel's return code: 0 is True; -2 (an index outside its table, nothing written)
+    raises IndexError with ``outside``, anything else ValueError."""
+    if rc == -2:
+        raise IndexError(outside)
+    if rc != 0:
+        raise ValueError(f"{name}: bad shape (code {rc})")
+    return True
+
+
 def _rows(t: torch.Tensor) -> bool:
     # Row-major float32 on the CPU with a contiguous last dimension.
     return t.dtype is _F32 and t.dim() == 2 and t.stride(1) == 1 and t.device.type == "cpu"
@@ -59,8 +69,7 @@ def rms_norm(
         x.data_ptr(), res_p, weight.data_ptr(), out_p, res_p, rows, hidden, x.stride(0), res_stride, out_stride,
         res_stride, float(eps),
     )  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"sgl_rms_norm_f32: bad shape {tuple(x.shape)} (code {rc})")
+    _done(rc, "sgl_rms_norm_f32", "")
     return out, residual
 
 
@@ -98,11 +107,7 @@ def rotary(
         q.shape[1] // head_size, k.shape[1] // head_size, head_size, rotary_dim, q.stride(0), k.stride(0),
         cos_sin.shape[0], int(neox),
     )  # fmt: skip
-    if rc == -2:
-        raise IndexError(f"rotary: a position outside the cache's {cos_sin.shape[0]} rows")
-    if rc != 0:
-        raise ValueError(f"sgl_rotary_f32: bad shape (code {rc})")
-    return True
+    return _done(rc, "sgl_rotary_f32", "rotary: a position outside the cache's rows")
 
 
 def _row_major(t: torch.Tensor) -> bool:
@@ -137,8 +142,4 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
         k.stride(1) * k.shape[1] * size, v.stride(1) * v.shape[1] * size, k.stride(0) * size, v.stride(0) * size,
         min(k_pool.shape[0], v_pool.shape[0]),
     )  # fmt: skip
-    if rc == -2:
-        raise IndexError(f"store_kv: a slot outside the pool's {k_pool.shape[0]} rows")
-    if rc != 0:
-        raise ValueError(f"sgl_store_kv: bad shape (code {rc})")
-    return True
+    return _done(rc, "sgl_store_kv", "store_kv: a slot outside the pool's rows")
