@@ -84,6 +84,9 @@ MAX_NEW = {"needle": 8, "kv": 8, "adversarial": 24, "needle-chat": 48, "kv-chat"
 KV_PAIRS = {"kv": 8, "adversarial": 8, "kv-chat": 4}
 REDUCE_DEFAULT = "max"  # the server's --hot-set-reduce default; only the importance policy reads it
 # The selection's fractional settings a variant may move (parsed as floats; budget as a fraction).
+# Dense's margin (nats) below which a lost answer flipped a near tie: its second token is at
+# least e^-0.5 = 0.61 as likely as its first (issue 67's losses: 0.12-0.36 against 5.2).
+NEAR_TIE = 0.5
 VARIANT_KEYS = ("budget", "read_cap", "top_p", "guard_threshold")
 
 
@@ -213,10 +216,19 @@ def config_key(hot_set: dict) -> str:
     return f"{policy} {hot_set['budget']:g} {guard}"
 
 
-def _generate(server: LocalServer, trial: dict, hot_set: dict) -> str:
+def _generate(server: LocalServer, trial: dict, hot_set: dict) -> dict:
+    """The text, the token ids and, for dense, each step's two likeliest tokens: where
+    another configuration leaves dense's tokens, dense's own margin there says whether a
+    lost answer flipped a near tie (``lost_margins``)."""
+    dense = hot_set["policy"] == "dense"
     hot_set = {k: v for k, v in hot_set.items() if k != "variant"}
     sampling = greedy(MAX_NEW[trial["task"]], custom_params={"hot_set": hot_set})
-    return generate(server.url, input_ids=trial["ids"], sampling_params=sampling, timeout=3600)["text"]
+    extra = {"return_logprob": True, "top_logprobs_num": 2} if dense else {}
+    out = generate(server.url, input_ids=trial["ids"], sampling_params=sampling, timeout=3600, **extra)
+    got = {"text": out["text"], "output_ids": out["output_ids"]}
+    if dense:
+        got["tops"] = [[(lp, i) for lp, i, *_ in step] for step in out["meta_info"]["output_top_logprobs"]]
+    return got
 
 
 def run_group(server: LocalServer, trials: list[dict], hot_set: dict) -> list[dict]:
@@ -232,7 +244,7 @@ def run_group(server: LocalServer, trials: list[dict], hot_set: dict) -> list[di
     # at 8K) before the caller could stop the server that would end them.
     pool = ThreadPoolExecutor(len(trials))
     try:
-        texts = list(pool.map(lambda t: _generate(server, t, hot_set), trials))
+        outs = list(pool.map(lambda t: _generate(server, t, hot_set), trials))
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     after = metrics_text(server.url)
@@ -241,8 +253,8 @@ def run_group(server: LocalServer, trials: list[dict], hot_set: dict) -> list[di
         name = f"sgl_importance:hot_set_{c}_total"
         deltas[c] = (metric(after, name) - metric(before, name)) / len(trials)
     rows = []
-    for trial, text in zip(trials, texts):
-        rows.append({"correct": trial["answer"] in text, "text": text, "batch": len(trials), **deltas})
+    for trial, out in zip(trials, outs):
+        rows.append({"correct": trial["answer"] in out["text"], **out, "batch": len(trials), **deltas})
     return rows
 
 
@@ -425,6 +437,30 @@ def lost_trials(rows: list[dict], config: str) -> set[tuple]:
     return {(r["task"], r["length"], r["trial"]) for r in rows if r["config"] == config and not r["correct"]} & right
 
 
+def lost_margins(rows: list[dict]) -> list[str]:
+    """One line per answer a configuration lost that dense gave: the first token where it
+    left dense's, and dense's own margin there (its top logprob over the logprob of the
+    token the configuration wrote, when that was dense's second; else over its second):
+    a lost answer that flipped a near tie is approximation noise, a wide margin a fault."""
+    dense = {(r["task"], r["length"], r["trial"]): r for r in rows if r["config"] == "dense" and r["correct"]}
+    lines = []
+    for r in rows:
+        ref = dense.get((r["task"], r["length"], r["trial"]))
+        if r["config"] == "dense" or r["correct"] or ref is None or "tops" not in ref or "output_ids" not in r:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(ref["output_ids"], r["output_ids"])) if a != b), None)
+        if at is None or at >= len(ref["tops"]):
+            continue
+        (top, _), (second, second_id) = ref["tops"][at][:2]
+        margin = top - second
+        kind = "near tie" if margin < NEAR_TIE else "wide margin"
+        lines.append(
+            f"- {r['task']} {r['length']} #{r['trial']}, {r['config']}: leaves dense at its token {at}; dense's margin "
+            f"there {margin:.2f} nats ({kind}{'' if second_id == r['output_ids'][at] else ', not its second'})"
+        )
+    return lines
+
+
 def complete_trials(rows: list[dict]) -> tuple[list[dict], int]:
     """The rows of trials every configuration finished, and how many trials were partial.
 
@@ -546,6 +582,9 @@ def write_results(rows: list[dict], command: str, minutes: Optional[float], out:
         paired = _paired_lines(rows, task)
         if paired:
             body += [""] + paired
+        lost = lost_margins([r for r in rows if r["task"] == task])
+        if lost:
+            body += ["", "Lost answers, and dense's margin where they left dense's tokens:", "", *lost]
         sections.append("\n".join(body))
     text = "\n\n".join(sections)
     print(text)

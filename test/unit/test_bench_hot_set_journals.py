@@ -81,3 +81,16 @@ def test_guard_variants_are_named_apart_and_lost_trials_are_dense_hits_a_configu
         {**_row(2, names[0], "a"), "correct": True},  # kept
     ]
     assert bench_hot_set.lost_trials(rows, names[0]) == {("kv", 2048, 0)}
+
+
+def test_a_lost_answer_is_placed_where_it_left_dense_with_dense_margin_there():
+    tops = [[[-0.1, 5], [-3.0, 6]], [[-0.75, 7], [-1.07, 8]], [[-0.02, 9], [-5.2, 4]]]
+    dense = {**_row(0, "dense", "579"), "output_ids": [5, 7, 9], "tops": tops}
+    near = {**_row(0, "hot", "58"), "correct": False, "output_ids": [5, 8, 1]}  # dense's second at token 1
+    wide = {**_row(0, "hot wide", "574"), "correct": False, "output_ids": [5, 7, 4]}
+    kept = {**_row(0, "hot kept", "579"), "output_ids": [5, 7, 9]}
+    old = {**_row(0, "hot old", "5"), "correct": False}  # a journal from before output ids
+    lines = bench_hot_set.lost_margins([dense, near, wide, kept, old])
+    assert len(lines) == 2
+    assert "hot: leaves dense at its token 1" in lines[0] and "0.32 nats (near tie)" in lines[0]
+    assert "hot wide: leaves dense at its token 2" in lines[1] and "5.18 nats (wide margin)" in lines[1]
