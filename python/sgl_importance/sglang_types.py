@@ -322,6 +322,28 @@ class MHAPool(KVPool, Protocol):
     is_quantized_kv_cache: bool
 
 
+class NormOp(Protocol):
+    """``layers.layernorm.RMSNorm``: what torch_cpu's C forward reads of it."""
+
+    weight: torch.Tensor
+    variance_epsilon: float
+    variance_size_override: Optional[int]
+    override_orig_dtype: Optional[torch.dtype]
+
+    def forward_native(self, x: torch.Tensor, *args: object) -> Any: ...
+
+
+class RotaryOp(Protocol):
+    """``layers.rotary_embedding.base.RotaryEmbedding``: what torch_cpu's C forward reads of it."""
+
+    head_size: int
+    rotary_dim: int
+    is_neox_style: bool
+    cos_sin_cache: torch.Tensor
+
+    def forward_native(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, *args: object) -> Any: ...
+
+
 class ReqToTokenPool(Protocol):
     """``mem_cache.memory_pool.ReqToTokenPool``: each request row's KV slots."""
 

@@ -11,21 +11,24 @@ setting, no C compiler). Registered per op class by ``plugin.py`` (hook kind
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
 from sgl_kernel_ext.layer_ops import rms_norm, rotary
 
+if TYPE_CHECKING:
+    from sgl_importance.sglang_types import NormOp, RotaryOp
+
 Pair = tuple[torch.Tensor, torch.Tensor]
 
 
 def rms_norm_forward(
-    self: Any,
+    self: NormOp,
     x: torch.Tensor,
     residual: Optional[torch.Tensor] = None,
     post_residual_addition: Optional[torch.Tensor] = None,
-    quant_linear: Any = None,
+    quant_linear: object = None,
 ) -> Union[torch.Tensor, Pair]:
     """``RMSNorm.forward`` (SGLang's ``layers.layernorm``): the output, and with a residual
     the new residual (``x + residual``), written into ``x`` and ``residual`` as SGLang's own
@@ -38,12 +41,12 @@ def rms_norm_forward(
 
 
 def rotary_forward(
-    self: Any,
+    self: RotaryOp,
     positions: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor,
     offsets: Optional[torch.Tensor] = None,
-    fused_set_kv_buffer_arg: Any = None,
+    fused_set_kv_buffer_arg: object = None,
 ) -> Pair:
     """``RotaryEmbedding.forward`` (SGLang's ``layers.rotary_embedding``) for classes
     whose ``forward_native`` is the base class's: query and key rotated in place (as
