@@ -47,6 +47,7 @@ def _parents_metadata():
         yield
 
 
+@pytest.mark.slow  # ~50 s interpreted: a third of make test-fast's budget; make test and CI run it
 def test_a_captured_hot_set_step_decodes_as_the_eager_hot_set_with_joins_leaves_and_a_guarded_request():
     params = HotSetParams(policy="importance", budget=3, window=1, sinks=1, guard_threshold=1.0)
     pools = dict(device_pages=96, host_pages=0, release=False)
