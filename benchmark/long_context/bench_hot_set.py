@@ -83,10 +83,10 @@ TASKS = ("needle", "kv", "adversarial", "needle-chat", "kv-chat")
 MAX_NEW = {"needle": 8, "kv": 8, "adversarial": 24, "needle-chat": 48, "kv-chat": 48}
 KV_PAIRS = {"kv": 8, "adversarial": 8, "kv-chat": 4}
 REDUCE_DEFAULT = "max"  # the server's --hot-set-reduce default; only the importance policy reads it
-# The selection's fractional settings a variant may move (parsed as floats; budget as a fraction).
 # Dense's margin (nats) below which a lost answer flipped a near tie: its second token is at
 # least e^-0.5 = 0.61 as likely as its first (issue 67's losses: 0.12-0.36 against 5.2).
 NEAR_TIE = 0.5
+# The selection's fractional settings a variant may move (parsed as floats; budget as a fraction).
 VARIANT_KEYS = ("budget", "read_cap", "top_p", "guard_threshold")
 
 
@@ -439,9 +439,9 @@ def lost_trials(rows: list[dict], config: str) -> set[tuple]:
 
 def lost_margins(rows: list[dict]) -> list[str]:
     """One line per answer a configuration lost that dense gave: the first token where it
-    left dense's, and dense's own margin there (its top logprob over the logprob of the
-    token the configuration wrote, when that was dense's second; else over its second):
-    a lost answer that flipped a near tie is approximation noise, a wide margin a fault."""
+    left dense's, and dense's own margin there (its top logprob over its second; said
+    when the configuration wrote another token): a lost answer that flipped a near tie is
+    approximation noise, a wide margin a fault."""
     dense = {(r["task"], r["length"], r["trial"]): r for r in rows if r["config"] == "dense" and r["correct"]}
     lines = []
     for r in rows:

@@ -17,14 +17,6 @@ import torch
 from .native import library
 
 _F32 = torch.float32
-# The library once found (these run per layer, where a lookup under a lock shows): [lib or None].
-_found: list = []
-
-
-def _lib():
-    if not _found:
-        _found.append(library())
-    return _found[0]
 
 
 def _done(rc: int, name: str, outside: str) -> bool:
@@ -53,7 +45,7 @@ def rms_norm(
         ``(out, residual)``: without a residual a fresh output and None, with one ``(x,
         residual)`` written in place; None where the C kernel does not apply (nothing written).
     """
-    lib = _lib()
+    lib = library()
     if lib is None or not _rows(x) or weight.dtype is not _F32 or not weight.is_contiguous():
         return None
     rows, hidden = x.shape
@@ -93,7 +85,7 @@ def rotary(
     Raises:
         IndexError: a position outside ``cos_sin``'s rows (nothing written).
     """
-    lib = _lib()
+    lib = library()
     if lib is None or not (_rows(q) and _rows(k)) or q.shape[0] != k.shape[0] or positions.numel() != q.shape[0]:
         return False
     if q.shape[1] % head_size or k.shape[1] % head_size or rotary_dim % 2 or not 0 < rotary_dim <= head_size:
@@ -126,7 +118,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     Raises:
         IndexError: a slot outside the pool (nothing written).
     """
-    lib = _lib()
+    lib = library()
     if lib is None or not (_row_major(k) and _row_major(v)) or loc.dtype is not torch.int64 or loc.dim() != 1:
         return False
     n = loc.shape[0]

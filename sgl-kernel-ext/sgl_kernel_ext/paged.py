@@ -407,10 +407,11 @@ def _native_fits(
 
 class _NativeInputs(NamedTuple):
     """What a plan's C decode calls share, made at its first call: the key it was made
-    for (workspace, importance, threads, the pools' and q's layout), the split count and
-    the lists' and scratch buffers' addresses (the tensors kept alive beside them)."""
+    for (workspace, importance, threads, the pools' and q's layout), the thread and split
+    counts and the lists' and scratch buffers' addresses (the tensors kept alive beside them)."""
 
     key: tuple
+    threads: int
     splits: int
     kept: tuple
     pointers: list
@@ -432,11 +433,12 @@ def _native_inputs(
     if lib is None:
         return None
     threads = torch.get_num_threads()
-    key = (ws, bool(importance), threads, k_pages.shape, v_pages.shape, k_pages.dtype, q.shape, extra_k is not None)
+    extra = None if extra_k is None else (extra_k.dtype, extra_v.dtype)
+    key = (ws, bool(importance), threads, k_pages.shape, v_pages.shape, k_pages.dtype, q.shape, extra)
     cached = plan.native_inputs
-    if cached is not None and cached.key == key and k_pages.is_contiguous() and v_pages.is_contiguous():
-        if extra_k is None or (extra_k.is_contiguous() and extra_v.is_contiguous() and extra_k.dtype == k_pages.dtype):
-            return cached
+    pools = (k_pages, v_pages) if extra_k is None else (k_pages, v_pages, extra_k, extra_v)
+    if cached is not None and cached.key == key and all(t.is_contiguous() for t in pools):
+        return cached  # the key and the layout are what _native_fits found fitting
     if not _native_fits(q, k_pages, v_pages, extra_k, extra_v):
         return None
     bs, num_q_heads, _ = q.shape
@@ -462,7 +464,7 @@ def _native_inputs(
     # plan only where the lists are its own tensors (no converted copy), so a plan
     # updated in place between calls (a captured step's) is still read as it stands.
     kept = (table, tokens, live, *scratch)
-    inputs = _NativeInputs(key, splits, kept, [t.data_ptr() for t in kept])
+    inputs = _NativeInputs(key, threads, splits, kept, [t.data_ptr() for t in kept])
     same = all(a.data_ptr() == b.data_ptr() for a, b in zip(kept, (plan.table, plan.tokens, plan.live)))
     plan.native_inputs = inputs if same else None
     return inputs
@@ -508,7 +510,7 @@ def _decode_native(
         page_size, kv_heads, group, head_dim, v_dim,
         _NATIVE_DTYPES[k_pages.dtype], splits, float(logit_cap), int(importance),
         page_max_p, page_sum_p, split_max_p, split_sum_p, split_acc_p,
-        ptr(out), ptr(lse), ptr(mass), inputs.key[2],
+        ptr(out), ptr(lse), ptr(mass), inputs.threads,
     )  # fmt: skip
     if rc == -2:
         raise IndexError(f"a listed page is outside the pool ({num_pages} pages) and the staging pages")

@@ -51,13 +51,12 @@ def rotary_forward(
     """``RotaryEmbedding.forward`` (SGLang's ``layers.rotary_embedding``) for classes
     whose ``forward_native`` is the base class's: query and key rotated in place (as
     SGLang's compiled rotary kernels do) and returned."""
-    cache = getattr(self, "cos_sin_cache", None)
+    # sin_cos_cache: a per-batch table NPU code sets on the op (a plain attribute), read instead.
     if (
         offsets is None
         and fused_set_kv_buffer_arg is None
-        and cache is not None
-        and not hasattr(self, "sin_cos_cache")
-        and rotary(positions, query, key, cache, self.head_size, self.rotary_dim, self.is_neox_style)
+        and "sin_cos_cache" not in vars(self)
+        and rotary(positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim, self.is_neox_style)
     ):
         return query, key
     return self.forward_native(positions, query, key, offsets, fused_set_kv_buffer_arg)
