@@ -20,6 +20,7 @@ Private SGLang names relied on (``test/unit/test_sglang_contract.py`` checks the
 | hook `PagedTokenToKVPoolAllocator._release_page_ids`       | importance/allocator_reset.py |
 | hook `TokenizerManager._validate_one_request`              | request_check/prompt.py     |
 | hook `DualGemm._select_mode` (torch_cuda: no CuTe kernel)   | platform/torch_cuda.py      |
+| hook `LogitsProcessor._compute_lm_head` (torch_cpu: decode rows in C) | platform/cpu_forwards.py |
 | overridden `PrefillAdder._get_running_request_total_token_offset`, `PrefillAdder._select_prefill_admission`, `PrefillAdder._commit_prefill_admission`, `PrefillAdder._update_prefill_budget` | scheduler/admission.py |
 """
 
@@ -34,13 +35,13 @@ import sys
 from typing import Any, Callable, NamedTuple, Optional
 
 from sgl_importance.env import ANNOUNCE_ENV, CHECKS_ENV, DUMP_DIR_ENV, PLATFORM_ENV, TRACE_DIR_ENV
-from sgl_importance.platform import CPU_FORWARDS, DISPATCH_KEY, NATIVE_PLATFORMS
+from sgl_importance.platform import CPU_OPS, DISPATCH_KEY, NATIVE_PLATFORMS
 
 
 class Hook(NamedTuple):
     target: str  # SGLang's attribute under sglang.srt (kind "backend"/"policy": the name)
     call: str  # "module:attribute" under sgl_importance
-    kind: str  # before | after | around | check (launcher, parsed args) | backend | policy | forward (a fused op's)
+    kind: str  # before | after | around | check (launcher, parsed args) | backend | policy | forward (a fused op's) | inline
     process: str  # any | http | scheduler | dump | trace | checks | torch_cpu | torch_cuda | native (either)
     state: tuple[str, ...] = ()  # runtime attributes passed first ("runtime": itself)
 
@@ -62,8 +63,7 @@ HOOKS = (
     Hook("importance_triton", "attention.triton_backend:ImportanceTritonAttnBackend", "backend", "any", ("runtime",)),
     Hook("mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids", "importance.allocator_reset:pages_released", "after", "any", ("page_importance",)),
     Hook("mem_cache.allocator.token.TokenToKVPoolAllocator.free", "importance.allocator_reset:slots_freed", "after", "any", ("page_importance",)),
-    Hook("mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.clear", "importance.allocator_reset:allocator_cleared", "after", "any", ("page_importance",)),
-    Hook("mem_cache.allocator.token.TokenToKVPoolAllocator.clear", "importance.allocator_reset:allocator_cleared", "after", "any", ("page_importance",)),
+    *(Hook(f"mem_cache.allocator.{a}.clear", "importance.allocator_reset:allocator_cleared", "after", "any", ("page_importance",)) for a in ("paged.PagedTokenToKVPoolAllocator", "token.TokenToKVPoolAllocator")),
     Hook("managers.scheduler.Scheduler.process_batch_result", "importance.page_importance:PageImportanceHolder.dump", "after", "dump", ("page_importance",)),
     Hook("importance", "runtime:Runtime.eviction_strategy", "policy", "any", ("runtime",)),
     Hook("server_args.ServerArgs.from_cli_args", "cache.strategy:check_cli_args", "check", "any"),
@@ -103,9 +103,8 @@ HOOKS = (
     Hook("managers.scheduler.Scheduler.process_batch_result", "trace.tracing:Tracing.around_batch_result", "around", "trace", ("tracing",)),
     Hook("mem_cache.pool_host.mha.get_mha_host_pool_cls", "platform.host_pool:host_pool_cls", "around", "native"),
     Hook("mem_cache.l2_transfer.L2TransferEngine.__init__", "platform.streams:use_cpu_streams", "after", "torch_cpu"),
-    *(Hook(f"layers.{op}", f"platform.cpu_forwards:{fn}", "forward", "torch_cpu") for op, fn in CPU_FORWARDS),  # one C call each
-    Hook("mem_cache.memory_pool.can_use_store_cache", "platform.torch_cuda:no_compiled_kernel", "around", "torch_cuda"),
-    Hook("mem_cache.pool_host.mha.can_use_hicache_jit_kernel", "platform.torch_cuda:no_compiled_kernel", "around", "torch_cuda"),
+    *(Hook(f"layers.{op}", f"platform.cpu_forwards:{fn}", kind, "torch_cpu") for op, fn, kind in CPU_OPS),  # one C call each
+    *(Hook(f"mem_cache.{t}", "platform.torch_cuda:no_compiled_kernel", "around", "torch_cuda") for t in ("memory_pool.can_use_store_cache", "pool_host.mha.can_use_hicache_jit_kernel")),
     Hook("layers.dual_gemm.DualGemm._select_mode", "platform.torch_cuda:no_dual_gemm", "around", "torch_cuda"),
     Hook("server_args.ServerArgs.from_cli_args", "platform.torch_cuda:graph_backends", "check", "torch_cuda"),
     Hook("model_executor.model_runner.ModelRunner.forward", "checks:ForwardCheck.around_forward", "around", "checks", ("checks",)),  # checks.py
@@ -194,7 +193,8 @@ def load() -> None:
             add_radix_eviction_policy_choices([hook.target])
         elif hook.kind == "forward":  # called per layer: the function itself, not _bind's wrapper
             BaseFusedOp.register_oot_forward(pkgutil.resolve_name(hook.path), _resolve(hook.call), DISPATCH_KEY)
-        else:
-            HookRegistry.register(hook.path, _bind(hook), kinds[hook.kind])
+        else:  # inline: an around hook called per layer, the function itself with every argument
+            fn = _resolve(hook.call) if hook.kind == "inline" else _bind(hook)
+            HookRegistry.register(hook.path, fn, kinds.get(hook.kind, HookType.AROUND))
     if os.environ.get(ANNOUNCE_ENV) == "1":  # before SGLang configures logging: "is the plugin loaded here?"
         print(f"[sgl-importance] plugin loaded (pid {os.getpid()})", file=sys.stderr, flush=True)

@@ -436,3 +436,23 @@ class KVCacheConfigurator(Protocol):
     layer_info: ModelLayerInfo
     kv_cache_dtype: torch.dtype
     page_size: int
+
+class LinearLayer(Protocol):
+    """``layers.linear.LinearBase`` (or the ``VocabParallelEmbedding`` an LM head is):
+    what torch_cpu's C linear reads of it (``use_intel_amx_backend``, a packed weight's
+    flag SGLang sets on the layer, is read with ``getattr``)."""
+
+    weight: torch.Tensor
+
+
+class LinearMethod(Protocol):
+    """``layers.quantization.unquant.UnquantizedLinearMethod``: the method torch_cpu's C
+    linear stands in for (it reads nothing of it but hands it back to SGLang's ``apply``)."""
+
+
+class LogitsProcessor(Protocol):
+    """``layers.logits_processor.LogitsProcessor``: the LM-head options torch_cpu's C
+    linear must leave to SGLang."""
+
+    use_fp32_lm_head: bool
+    rl_on_policy_target: Optional[str]

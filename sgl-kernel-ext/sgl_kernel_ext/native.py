@@ -1,4 +1,4 @@
-"""The CPU kernels in C (``csrc/paged_decode.c``, ``csrc/layer_ops.c``), built on first use.
+"""The CPU kernels in C (``csrc/paged_decode.c``, ``csrc/layer_ops.c``, ``csrc/linear.c``), built on first use.
 
 Why C and not torch: a decode step over page lists in torch must first gather the
 listed pages into a contiguous copy (a read and a write of the whole context) and
@@ -31,8 +31,9 @@ logger = logging.getLogger(__name__)
 
 NATIVE_ENV = "SGL_KERNEL_EXT_NATIVE"
 CACHE_ENV = "SGL_KERNEL_EXT_CACHE"
-# The decode kernel and a layer's small ops (``layer_ops``), one library.
-SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_decode.c", "layer_ops.c"))
+# The decode kernel, a layer's small ops (``layer_ops``) and its linear layers (``linear``), one library.
+_CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = tuple(_CSRC / f"{name}.c" for name in ("paged_decode", "layer_ops", "linear"))
 # Reassociation lets a dot product end in a tree of vector adds instead of 16 scalar
 # adds in a row (the dominant cost without it); no -ffast-math: infinities stay.
 FLAGS = (
@@ -131,6 +132,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sgl_rms_norm_f32.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, f32]
     lib.sgl_rotary_f32.restype = i32
     lib.sgl_rotary_f32.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, i32]
+    lib.sgl_linear_f32.restype = i32
+    # x, x_stride, rows, w, k, n, bias, y, y_stride, threads
+    lib.sgl_linear_f32.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, i32]
     lib.sgl_store_kv.restype = i32
     lib.sgl_store_kv.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64]
     lib.sgl_key_code_pages.restype = i32

@@ -1,6 +1,8 @@
 """torch_cpu's C forwards for SGLang's RMSNorm and rotary embedding give what SGLang's own
 ``forward_native`` gives, on SGLang's real op classes, and keep ``forward_native`` for what
-the C ops do not read; plugin.py registers them for torch_cpu processes only."""
+the C ops do not read; its C linear and LM head give what SGLang's own ``apply`` and
+``_compute_lm_head`` give and hand SGLang what they do not take; plugin.py registers them
+for torch_cpu processes only."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from sgl_importance import plugin
-from sgl_importance.platform.cpu_forwards import rms_norm_forward, rotary_forward
+from sgl_importance.platform.cpu_forwards import linear_apply, lm_head_logits, rms_norm_forward, rotary_forward
 from sgl_kernel_ext import native
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the forwards fall back")
@@ -88,3 +90,101 @@ def test_the_forwards_are_registered_for_torch_cpu_only():
     assert {h.process for h in rows} == {"torch_cpu"}
     classes = {pkgutil.resolve_name(h.path).__name__ for h in rows}
     assert {"RMSNorm", "RotaryEmbedding", "Llama3RotaryEmbedding"} <= classes
+    inline = [h for h in plugin.HOOKS if h.kind == "inline"]
+    assert {h.process for h in inline} == {"torch_cpu"}
+    assert {".".join(h.path.split(".")[-2:]) for h in inline} == {
+        "UnquantizedLinearMethod.apply",
+        "LogitsProcessor._compute_lm_head",
+    }
+
+
+class Calls:
+    """SGLang's own function, counting the calls that reach it."""
+
+    def __init__(self, fn):
+        self.fn, self.count = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.count += 1
+        return self.fn(*args, **kwargs)
+
+
+def weighted(out_features, in_features, dtype=torch.float32, seed=0):
+    layer = torch.nn.Module()
+    g = torch.Generator().manual_seed(seed)
+    layer.weight = torch.nn.Parameter(torch.randn(out_features, in_features, generator=g).to(dtype), False)
+    return layer
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_linear_gives_what_sglangs_unquantized_apply_gives(bias):
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    method, layer = UnquantizedLinearMethod(), weighted(48, 64)
+    b = torch.randn(48) if bias else None
+    original = Calls(UnquantizedLinearMethod.apply)
+    x = torch.randn(3, 64)
+    got = linear_apply(original, method, layer, x, b)
+    torch.testing.assert_close(got, UnquantizedLinearMethod.apply(method, layer, x, b), rtol=1e-5, atol=1e-5)
+    assert original.count == 0  # the C kernel's
+
+
+def test_the_linear_hands_sglang_a_prefill_another_dtype_and_a_packed_weight():
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    from sgl_kernel_ext.linear import ROWS_MAX
+
+    method, layer = UnquantizedLinearMethod(), weighted(8, 16)
+    original = Calls(UnquantizedLinearMethod.apply)
+    for x in (torch.randn(ROWS_MAX + 1, 16), torch.randn(2, 3, 16)):
+        want = UnquantizedLinearMethod.apply(method, layer, x)
+        torch.testing.assert_close(linear_apply(original, method, layer, x), want)
+    bf16 = weighted(8, 16, torch.bfloat16)
+    linear_apply(original, method, bf16, torch.randn(2, 16, dtype=torch.bfloat16))
+    layer.use_intel_amx_backend = True  # SGLang packed the weight for its AMX kernel: never read as rows
+    with pytest.raises(Exception):  # noqa: B017 (no sgl_kernel here: SGLang's own path is what ran)
+        linear_apply(original, method, layer, torch.randn(2, 16))
+    assert original.count == 4
+
+
+def head_processor(**options):
+    # What _compute_lm_head reads of its LogitsProcessor (SGLang's defaults), as attributes.
+    base = {"use_fp32_lm_head": False, "use_fp32_lm_head_output": False, "rl_on_policy_target": None}
+    return SimpleNamespace(**{**base, **options})
+
+
+@pytest.mark.parametrize("into_out", [False, True])
+def test_the_lm_head_gives_what_sglangs_compute_lm_head_gives(into_out):
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+    from sglang.srt.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    head = weighted(300, 32, seed=2)
+    head.quant_method = UnquantizedEmbeddingMethod()
+    hidden, processor = torch.randn(4, 32), head_processor()
+    original = Calls(LogitsProcessor._compute_lm_head)
+    out = torch.empty(4, 300) if into_out else None
+    got = lm_head_logits(original, processor, hidden, head, out=out)
+    want = LogitsProcessor._compute_lm_head(processor, hidden, head)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert original.count == 0 and (got is out) == into_out
+
+
+def test_the_lm_head_leaves_sglang_its_options_a_bias_and_lora():
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+    from sglang.srt.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    head = weighted(50, 16, seed=3)
+    head.quant_method = UnquantizedEmbeddingMethod()
+    hidden = torch.randn(2, 16)
+    original = Calls(LogitsProcessor._compute_lm_head)
+    for processor, bias in (
+        (head_processor(use_fp32_lm_head=True), None),
+        (head_processor(rl_on_policy_target="fsdp"), None),
+        (head_processor(), torch.randn(50)),
+    ):
+        got = lm_head_logits(original, processor, hidden, head, bias)
+        torch.testing.assert_close(got, LogitsProcessor._compute_lm_head(processor, hidden, head, bias))
+    lora = weighted(50, 16, seed=3)
+    lora.quant_method, lora.set_lora = head.quant_method, None
+    lm_head_logits(original, head_processor(), hidden, lora)
+    assert original.count == 4

@@ -10,7 +10,7 @@ import pytest
 from sgl_importance import plugin, runtime
 from sgl_importance.plugin import HOOKS, Hook
 
-KINDS = {"before", "after", "around", "check", "backend", "policy", "forward"}
+KINDS = {"before", "after", "around", "check", "backend", "policy", "forward", "inline"}
 PROCESSES = {"any", "http", "scheduler", "dump", "trace", "checks", "torch_cpu", "torch_cuda", "native"}
 
 

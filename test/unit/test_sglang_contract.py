@@ -344,6 +344,12 @@ ATTRIBUTES = [
         Name("sglang.srt.layers.rotary_embedding.base.RotaryEmbedding", n, "platform/cpu_forwards.py")
         for n in ("head_size", "rotary_dim", "is_neox_style", "cos_sin_cache", "forward_native")
     ),
+    # Its C linear and LM head (platform/cpu_forwards.py): what they read to leave SGLang its own branches.
+    *(
+        Name("sglang.srt.layers.logits_processor.LogitsProcessor", n, "platform/cpu_forwards.py")
+        for n in ("use_fp32_lm_head", "rl_on_policy_target")
+    ),
+    Name("sglang.srt.layers.vocab_parallel_embedding", "UnquantizedEmbeddingMethod", "platform/cpu_forwards.py"),
     # Requests longer than the device pool (scheduler/long_requests.py, request_check/prompt.py).
     *(
         Name(SCHEDULER, n, "scheduler/long_requests.py")
@@ -404,6 +410,7 @@ PRIVATE = [
     Name(f"{MEM}.allocator.paged.PagedTokenToKVPoolAllocator", "_release_page_ids", "plugin.py (hook)"),
     Name("sglang.srt.managers.tokenizer_manager.TokenizerManager", "_validate_one_request", "plugin.py (hook)"),
     Name("sglang.srt.layers.dual_gemm.DualGemm", "_select_mode", "plugin.py (hook, torch_cuda)"),
+    Name("sglang.srt.layers.logits_processor.LogitsProcessor", "_compute_lm_head", "plugin.py (hook, torch_cpu)"),
     # Overridden by the footprint adder (scheduler/admission.py), each called through super().
     *(
         Name("sglang.srt.managers.schedule_policy.PrefillAdder", n, "scheduler/admission.py")
@@ -463,7 +470,19 @@ HOOK_TARGETS = [
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.create_attention_graph_variants",
     "sglang.srt.layers.layernorm.RMSNorm",
     *(f"sglang.srt.layers.rotary_embedding.{cls}" for cls in ROTARY_CLASSES),
+    "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply",
+    "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head",
 ]
+
+
+def test_the_matmuls_torch_cpu_wraps_take_the_arguments_its_wrappers_hand_back():
+    # cpu_forwards.linear_apply and lm_head_logits call SGLang's own function with these
+    # (positional, then out= by keyword), and read the LM head's plain branch off them.
+    apply = _resolve("sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply")
+    assert list(inspect.signature(apply).parameters) == ["self", "layer", "x", "bias"]
+    head = inspect.signature(_resolve("sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"))
+    assert list(head.parameters) == ["self", "hidden_states", "lm_head", "embedding_bias", "out"]
+    assert head.parameters["out"].kind is inspect.Parameter.KEYWORD_ONLY
 
 
 def test_the_rotary_classes_torch_cpu_serves_share_the_base_forward():

@@ -28,6 +28,14 @@ CPU_FORWARDS = (
     *((f"rotary_embedding.{cls}", "rotary_forward") for cls in ROTARY_CLASSES),
 )
 
+# torch_cpu's around hooks on SGLang's matmuls (platform/cpu_forwards.py, plugin.py's kind
+# ``inline``): a decode step's float32 rows in one C call, SGLang's code otherwise.
+CPU_MATMULS = (
+    ("quantization.unquant.UnquantizedLinearMethod.apply", "linear_apply"),
+    ("logits_processor.LogitsProcessor._compute_lm_head", "lm_head_logits"),
+)
+CPU_OPS = (*((op, fn, "forward") for op, fn in CPU_FORWARDS), *((op, fn, "inline") for op, fn in CPU_MATMULS))
+
 
 def activate() -> str | None:
     name = os.environ.get(PLATFORM_ENV)

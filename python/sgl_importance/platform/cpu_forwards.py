@@ -1,4 +1,4 @@
-"""torch_cpu's forwards for two of SGLang's fused ops: RMSNorm and rotary embedding.
+"""torch_cpu's forwards for SGLang's RMSNorm, rotary embedding, linear layers and LM head.
 
 SGLang runs an out-of-tree platform's ops through their ``forward_native`` torch paths,
 6 tensor ops a norm and ~20 a rotary embedding, which at a decode step's few rows cost
@@ -7,18 +7,24 @@ arithmetic. These hand float32 rows to one C call each (``sgl_kernel_ext.layer_o
 keep SGLang's own ``forward_native`` for anything else (another dtype, a variant
 setting, no C compiler). Registered per op class by ``plugin.py`` (hook kind
 ``forward``) in torch_cpu processes; each receives the op as ``self``.
+
+The unquantized linear layers and the LM head are ``around`` hooks (plugin.py): at a decode
+step's few float32 rows they are one C call (``sgl_kernel_ext.linear``, 1.2-2.9x torch's
+matmul there), and SGLang's own code otherwise (a prefill's rows, another dtype, a packed
+weight, LoRA, a bias on the LM head, SGLang's float32 LM-head options).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
 from sgl_kernel_ext.layer_ops import rms_norm, rotary
+from sgl_kernel_ext.linear import linear
 
 if TYPE_CHECKING:
-    from sgl_importance.sglang_types import NormOp, RotaryOp
+    from sgl_importance.sglang_types import LinearLayer, LinearMethod, LogitsProcessor, NormOp, RotaryOp
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
@@ -60,3 +66,53 @@ def rotary_forward(
     ):
         return query, key
     return self.forward_native(positions, query, key, offsets, fused_set_kv_buffer_arg)
+
+
+def linear_apply(
+    original: Callable[..., torch.Tensor],
+    method: LinearMethod,
+    layer: LinearLayer,
+    x: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``UnquantizedLinearMethod.apply`` (SGLang's ``layers.quantization.unquant``): a decode
+    step's rows through the C kernel; a weight SGLang packed for its AMX kernel, and
+    anything the kernel does not take, through SGLang's own method."""
+    if not getattr(layer, "use_intel_amx_backend", False):
+        out = linear(x, layer.weight, bias)
+        if out is not None:
+            return out
+    return original(method, layer, x, bias)
+
+
+def lm_head_logits(
+    original: Callable[..., torch.Tensor],
+    processor: LogitsProcessor,
+    hidden_states: torch.Tensor,
+    lm_head: LinearLayer,
+    embedding_bias: Optional[torch.Tensor] = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``LogitsProcessor._compute_lm_head`` (SGLang's ``layers.logits_processor``): its plain
+    branch, ``hidden_states @ lm_head.weight.T`` for an unquantized head with no LoRA, no
+    bias and none of its float32 or on-policy options, through the C kernel at a decode
+    step's rows (into ``out`` when SGLang hands one of the right shape)."""
+    plain = (
+        embedding_bias is None
+        and type(getattr(lm_head, "quant_method", None)).__name__ in _PLAIN_HEADS
+        and not hasattr(lm_head, "set_lora")
+        and not getattr(lm_head, "use_intel_amx_backend", False)
+        and not processor.use_fp32_lm_head
+        and processor.rl_on_policy_target is None
+    )
+    if plain and hidden_states.dtype == lm_head.weight.dtype:
+        fits = out is not None and out.shape == (hidden_states.shape[0], lm_head.weight.shape[0])
+        logits = linear(hidden_states, lm_head.weight, out=out if fits else None)
+        if logits is not None:
+            return logits
+    return original(processor, hidden_states, lm_head, embedding_bias, out=out)
+
+
+# Heads whose weight SGLang multiplies as it stands (no quantized layout).
+_PLAIN_HEADS = ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod")
