@@ -31,7 +31,10 @@ the scheduler process beside the tree cache; they carry the storage config's ran
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 TIERS = ("device", "host")
 # Stored page classes by code, as storage/encoding.py numbers them.
@@ -50,7 +53,7 @@ class _Series:
             collector reads) unless a test passes one.
     """
 
-    def __init__(self, labels: Mapping[str, Any], registry: Any = None) -> None:
+    def __init__(self, labels: Mapping[str, Any], registry: Optional[CollectorRegistry] = None) -> None:
         from prometheus_client import REGISTRY
 
         self.registry = REGISTRY if registry is None else registry
@@ -75,7 +78,7 @@ class ImportanceMetrics(_Series):
             which SGLang's multiprocess collector reads, unless a test passes one).
     """
 
-    def __init__(self, labels: Mapping[str, Any], registry: Any = None) -> None:
+    def __init__(self, labels: Mapping[str, Any], registry: Optional[CollectorRegistry] = None) -> None:
         super().__init__(labels, registry)
         self.evicted_tokens = self._series(
             "Counter",
@@ -162,7 +165,7 @@ class StorageIntegrityMetrics(_Series):
         registry: as for ``ImportanceMetrics``.
     """
 
-    def __init__(self, labels: Mapping[str, Any], registry: Any = None) -> None:
+    def __init__(self, labels: Mapping[str, Any], registry: Optional[CollectorRegistry] = None) -> None:
         super().__init__(labels, registry)
         self.corrupt_pages = self._series(
             "Counter",
@@ -213,7 +216,7 @@ class StorageIntegrityMetrics(_Series):
 class SharedImportanceMetrics(_Series):
     """Series of the importance shared through the storage tier (``storage/shared_importance.py``)."""
 
-    def __init__(self, labels: Mapping[str, Any], registry: Any = None) -> None:
+    def __init__(self, labels: Mapping[str, Any], registry: Optional[CollectorRegistry] = None) -> None:
         super().__init__(labels, registry)
         self.pages = self._series(
             "Counter",
@@ -421,7 +424,7 @@ class HotSetMetrics(_Series):
         registry: prometheus_client's default registry unless a test passes one.
     """
 
-    def __init__(self, labels: Mapping[str, Any], registry: Any = None) -> None:
+    def __init__(self, labels: Mapping[str, Any], registry: Optional[CollectorRegistry] = None) -> None:
         super().__init__(labels, registry)
         self._counters = {
             field: self._series("Counter", f"sgl_importance:hot_set_{suffix}_total", text).labels(**self.labels)

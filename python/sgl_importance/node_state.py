@@ -12,12 +12,17 @@ silent default, ``test/unit/test_sglang_contract.py`` can check that SGLang's no
 never grows an attribute of the same name, and a node's whole plugin state is in
 one place when a split copies it.
 
-Nothing here imports SGLang or torch.
+Nothing here imports SGLang, nor torch at run time (its types only for checking).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import torch
+
+    from sgl_importance.sglang_types import TreeNode
 
 # The one attribute the plugin sets on SGLang's tree nodes.
 NODE_STATE = "sgl_importance"
@@ -65,7 +70,7 @@ class NodeState:
         self.storage: Optional[str] = None
         self.prefetched: Optional[str] = None
         self.prefetch_wasted = False
-        self.pages: Optional[tuple[Any, Any]] = None
+        self.pages: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def __repr__(self) -> str:
         # Without the page tensors: this is for test failure messages.
@@ -73,13 +78,13 @@ class NodeState:
         return f"NodeState({fields})"
 
 
-def peek_state(node: Any) -> Optional[NodeState]:
+def peek_state(node: TreeNode) -> Optional[NodeState]:
     """The node's state, or None when the plugin never recorded anything about it."""
     # A default, not an error: the state is created lazily (see the module docstring).
     return getattr(node, NODE_STATE, None)
 
 
-def node_state(node: Any) -> NodeState:
+def node_state(node: TreeNode) -> NodeState:
     """The node's state, created on first use: the one place that creates it."""
     state = getattr(node, NODE_STATE, None)  # absent until this first runs on the node
     if state is None:
@@ -88,7 +93,7 @@ def node_state(node: Any) -> NodeState:
     return state
 
 
-def node_importance(node: Any) -> float:
+def node_importance(node: TreeNode) -> float:
     """A node's persistent importance (0.0 for a node never attended nor restored)."""
     state = getattr(node, NODE_STATE, None)  # absent until node_state() first runs
     if state is None or state.importance is None:
@@ -96,13 +101,13 @@ def node_importance(node: Any) -> float:
     return state.importance
 
 
-def has_importance(node: Any) -> bool:
+def has_importance(node: TreeNode) -> bool:
     """Whether a fold or the storage tier ever gave the node an importance."""
     state = getattr(node, NODE_STATE, None)  # absent until node_state() first runs
     return state is not None and state.importance is not None
 
 
-def node_pinned(node: Any) -> bool:
+def node_pinned(node: TreeNode) -> bool:
     """Whether the node is an attention-sink node (evicted last under ``pin_sinks``)."""
     state = getattr(node, NODE_STATE, None)  # absent until node_state() first runs
     return state is not None and state.pinned

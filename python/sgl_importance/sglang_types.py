@@ -37,6 +37,8 @@ class NodeComponent(Protocol):
     """``unified_cache.components.base.ComponentData``: one component's data on a tree node."""
 
     host_value: Optional[torch.Tensor]  # host slots of its tokens; None without a host copy
+    value: Optional[torch.Tensor]  # device slots of its tokens; None when evicted
+    lock_ref: int  # requests holding it on the device
 
 
 class TreeNode(Protocol):
@@ -45,10 +47,17 @@ class TreeNode(Protocol):
 
     id: int
     parent: Optional[TreeNode]  # None: the root
+    children: dict[Any, TreeNode]  # by the child's first page of tokens
     key: Optional[RadixKey]
     component_data: Sequence[NodeComponent]  # by ``ComponentType``
     hash_value: Optional[list[str]]  # its pages' storage hashes
     hit_count: int
+    last_access_time: float  # the eviction clock's tick (a numpy float64)
+
+    @property
+    def evicted(self) -> bool: ...  # no device copy (never the root)
+    @property
+    def backuped(self) -> bool: ...  # a host copy
 
 
 NodeHandle = Union[NodeId, TreeNode]  # what a request holds of its node: a NodeId, or the node (older caches)
@@ -59,7 +68,7 @@ class LockReceipt(Protocol):
 
 
 class HostLockResult(Protocol):
-    """``base_prefix_cache.IncLockRefResult``: what taking a host lock returns."""
+    """``base_prefix_cache.IncLockRefResult``: what taking a lock (device or host) returns."""
 
     def to_dec_params(self) -> LockReceipt: ...
 
@@ -79,16 +88,25 @@ class InsertResult(Protocol):
     inserted_host_node: Optional[NodeId]
 
 
+class TreePathNodeInfo(Protocol):
+    """``unified_cache.unified_tree_core_interface.TreePathNodeInfo``: a node on a root-to-node path."""
+
+    node_id: NodeId
+    path_start: int  # its tokens' offsets from the root, half-open
+    path_end: int
+
+
 class TreeCore(Protocol):
     """``unified_cache.unified_tree_core_interface.UnifiedTreeCoreInterface`` (the Python
-    core; the Rust one raises ``NotImplementedError`` from ``node_by_id``)."""
+    core, ``UnifiedTreeCore``, adds ``evictable_device_leaves``; the Rust one raises
+    ``NotImplementedError`` from ``node_by_id``)."""
 
     is_eagle: bool
+    evictable_device_leaves: set[TreeNode]
 
     def node_by_id(self, node_id: NodeId) -> TreeNode: ...
-
     def is_full_device_evicted(self, node_id: NodeId) -> bool: ...
-
+    def collect_path_info(self, end_node_ids: Sequence[NodeId]) -> tuple[tuple[TreePathNodeInfo, ...], ...]: ...
     def insert_host(
         self, node_id: NodeId, key: RadixKey, host_value: torch.Tensor, hash_value: list[str]
     ) -> InsertResult: ...
@@ -108,9 +126,8 @@ class KVAllocator(Protocol):
     device: str
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]: ...  # None: not enough free
-
     def free(self, free_index: torch.Tensor) -> None: ...
-
+    def available_size(self) -> int: ...  # free tokens
     def get_kvcache(self) -> KVPool: ...
 
 
@@ -122,11 +139,16 @@ class HostPool(Protocol):
     layer_num: int
     slot_used: torch.Tensor  # a bool per slot: allocated
     ledger: object  # the hot set's ``hot_set/host_ledger`` check, or None
+    dtype: torch.dtype  # the storage tier's page geometry: dtype, page size, layout
+    page_size: int
+    layout: str
 
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor: ...  # the page at slot ``index``
+    def get_dummy_flat_data_page(self) -> torch.Tensor: ...  # a scratch page of the flat shape
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None: ...
     def backup_from_device_all_layer(
         self, device_pool: KVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
     ) -> None: ...
-
     def load_to_device_per_layer(
         self,
         device_pool: KVPool,
@@ -135,7 +157,6 @@ class HostPool(Protocol):
         layer_id: int,
         io_backend: str,
     ) -> None: ...
-
     def gather_layer(self, layer_id: int, host_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -175,23 +196,23 @@ class TreeCache(Protocol):
     buffer_pipeline: Optional[object]  # only tested for None
     tp_world_size: int
     tp_group: Optional[torch.distributed.ProcessGroup]
+    page_size: int
 
     def root_node_handle(self, extra_key: Optional[str] = None) -> NodeId: ...
-
+    def is_root(self, node_id: NodeId) -> bool: ...
+    def supports_swa(self) -> bool: ...
+    def supports_mamba(self) -> bool: ...
     def path_device_indices(self, node: NodeId) -> torch.Tensor: ...
-
     def lock(self, node_id: NodeId) -> Optional[TreeLock]: ...
-
     def unlock(self, lock: Optional[TreeLock]) -> None: ...
-
+    def inc_lock_ref(self, node_id: NodeId) -> HostLockResult: ...
+    def dec_lock_ref(self, node_id: NodeId, params: LockReceipt) -> object: ...
     def inc_host_lock_ref(self, node_id: NodeId) -> HostLockResult: ...
-
     def dec_host_lock_ref(self, node_id: NodeId, params: LockReceipt) -> object: ...
-
+    def load_back(self, node_id: NodeId) -> bool: ...  # False: not queued
     def evict_host(self, num_tokens: int) -> int: ...
-
     def write_backup_storage(self, node_id: NodeId) -> None: ...
-
+    def _all_reduce(self, data: torch.Tensor, tp_reduce_op: torch.distributed.ReduceOp) -> None: ...
     def _apply_cache_actions(self, actions: list[object]) -> None: ...
 
 
@@ -215,6 +236,12 @@ class ReqKvInfo(Protocol):
     def holds_kv(self) -> bool: ...
 
 
+class ReqTimeStats(Protocol):
+    """``observability.req_time_stats.SchedulerReqTimeStats``: a request's clock in the scheduler."""
+
+    scheduler_recv_time: float  # when the scheduler received it (0.0: not yet)
+
+
 class Req(Protocol):
     """``managers.schedule_batch.Req``: a request in the scheduler."""
 
@@ -236,19 +263,16 @@ class Req(Protocol):
     skip_radix_cache_insert: bool
     extra_key: Optional[str]
     cache_salt: Optional[str]
+    cached_tokens: int  # of its prompt, matched in the cache
+    time_stats: ReqTimeStats
 
     @property
     def auxiliary_swa_host_hit_length(self) -> int: ...
-
     @property
     def seqlen(self) -> int: ...
-
     def finished(self) -> bool: ...
-
     def refresh_fill_ids(self) -> None: ...
-
     def owned_kv_len(self) -> int: ...
-
     def set_finish_with_abort(self, error_msg: str) -> None: ...
 
 
@@ -294,6 +318,8 @@ class Scheduler(Protocol):
     max_req_input_len: int
     chunked_prefill_size: Optional[int]
     max_new_tokens_limit: Optional[int]  # SGLANG_MAX_NEW_TOKENS_LIMIT
+    waiting_queue: list[Req]  # head first
+    disaggregation_mode: enum.Enum  # ``disaggregation.utils.DisaggregationMode``
 
 
 class KVPool(Protocol):
@@ -436,6 +462,7 @@ class KVCacheConfigurator(Protocol):
     layer_info: ModelLayerInfo
     kv_cache_dtype: torch.dtype
     page_size: int
+
 
 class LinearLayer(Protocol):
     """``layers.linear.LinearBase`` (or the ``VocabParallelEmbedding`` an LM head is):

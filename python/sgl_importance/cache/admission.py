@@ -30,11 +30,15 @@ Duck-typed over SGLang's cache and nodes; nothing here imports SGLang.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 from sgl_importance.cache.state_of import state_of
 from sgl_importance.importance.aggregator import ImportanceAggregator
 from sgl_importance.node_state import node_pinned, node_state, peek_state
+
+if TYPE_CHECKING:
+    from sgl_importance.sglang_types import NodeId, TreeCache, TreeNode
+    from sgl_importance.storage.shared_importance import SharedImportance
 
 # A node's ``NodeState.storage``: None (never decided), DEFERRED or ADMITTED.
 DEFERRED = "deferred"
@@ -58,7 +62,9 @@ class StorageAdmission:
     def active(self) -> bool:
         return self.min_hits > 0 or self.min_importance > 0.0
 
-    def qualifies(self, node: Any, aggregator: ImportanceAggregator, shared: Any = None) -> bool:
+    def qualifies(
+        self, node: TreeNode, aggregator: ImportanceAggregator, shared: Optional[SharedImportance] = None
+    ) -> bool:
         """Whether ``node`` may be written; ``shared``: the importance other instances
         published through a shared store (``storage/shared``), or None."""
         if not self.active or node_pinned(node):
@@ -76,7 +82,7 @@ class StorageAdmission:
         return shared is not None and _shared_normalised(shared, hashes, aggregator) >= self.min_importance
 
 
-def _shared_normalised(shared: Any, hashes: Any, aggregator: ImportanceAggregator) -> float:
+def _shared_normalised(shared: SharedImportance, hashes: Sequence[str], aggregator: ImportanceAggregator) -> float:
     """The pages' shared importance (their mean) on this instance's normalisation."""
     if not hashes or aggregator.scale <= 0.0:
         return 0.0
@@ -84,17 +90,17 @@ def _shared_normalised(shared: Any, hashes: Any, aggregator: ImportanceAggregato
     return min(1.0, sum(values) / len(values) / aggregator.scale)
 
 
-def _storage_decision(node: Any) -> Optional[str]:
+def _storage_decision(node: TreeNode) -> Optional[str]:
     state = peek_state(node)
     return None if state is None else state.storage
 
 
-def _active_state(cache: Any) -> Any:
+def _active_state(cache: TreeCache) -> Any:
     state = state_of(cache)
     return state if state is not None and state.admission.active else None
 
 
-def gate_storage_write(original: Callable[[Any, Any], None], cache: Any, node_id: Any) -> None:
+def gate_storage_write(original: Callable[[TreeCache, NodeId], None], cache: TreeCache, node_id: NodeId) -> None:
     """Around ``UnifiedRadixCache.write_backup_storage(node_id)``: write or defer."""
     state = _active_state(cache)
     if state is None:
@@ -120,7 +126,7 @@ def gate_storage_write(original: Callable[[Any, Any], None], cache: Any, node_id
     return None
 
 
-def admit_deferred(cache: Any, nodes: Iterable[Any]) -> int:
+def admit_deferred(cache: TreeCache, nodes: Iterable[TreeNode]) -> int:
     """Write the deferred nodes among ``nodes`` that now qualify, with their deferred
     ancestors first. Returns the number of nodes written."""
     state = _active_state(cache)
@@ -149,13 +155,13 @@ def admit_deferred(cache: Any, nodes: Iterable[Any]) -> int:
     return written
 
 
-def _count(state: Any, cache: Any, decision: str, node: Any) -> None:
+def _count(state: Any, cache: TreeCache, decision: str, node: TreeNode) -> None:
     metrics = state.metrics.importance(cache)
     if metrics is not None:
         metrics.storage_decision(decision, len(node.key))
 
 
-def split_state(prefix: Any, suffix: Any) -> None:
+def split_state(prefix: TreeNode, suffix: TreeNode) -> None:
     """A split node's halves share its storage decision."""
     decision = _storage_decision(suffix)
     if decision is not None:

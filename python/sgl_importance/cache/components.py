@@ -23,7 +23,7 @@ Four jobs:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
@@ -33,6 +33,9 @@ from sgl_importance.cache.admission import split_state
 from sgl_importance.cache.prefetch import mark_evicted
 from sgl_importance.cache.state import CacheState
 from sgl_importance.importance.priority import POLICY_NAME
+
+if TYPE_CHECKING:
+    from sgl_importance.sglang_types import InsertResult, TreeCache, TreeNode
 
 
 class ImportanceFullComponent(FullComponent):
@@ -45,13 +48,13 @@ class ImportanceFullComponent(FullComponent):
         # core built this cache's strategy from the policy name: always ours.
         return self.tree_core.eviction_strategy.state
 
-    def redistribute_on_node_split(self, new_parent: Any, child: Any) -> None:
+    def redistribute_on_node_split(self, new_parent: TreeNode, child: TreeNode) -> None:
         super().redistribute_on_node_split(new_parent, child)
         self._state.aggregator.split(new_parent, child, len(new_parent.key), self.tree_core.page_size)
         split_state(new_parent, child)
 
     def commit_insert_component_data(
-        self, node: Any, is_new_leaf: bool, params: Any, result: Any, cache_actions: list
+        self, node: TreeNode, is_new_leaf: bool, params: Any, result: InsertResult, cache_actions: list
     ) -> None:
         super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
         if is_new_leaf:
@@ -62,7 +65,7 @@ class ImportanceFullComponent(FullComponent):
 
     def evict_component(
         self,
-        node: Any,
+        node: TreeNode,
         device_frees: dict,
         host_frees: dict,
         cache_actions: list,
@@ -86,7 +89,7 @@ class ImportanceFullComponent(FullComponent):
                     metrics.evicted("host", host_freed, normalised)
         return freed, host_freed
 
-    def _remember_if_warm(self, node: Any) -> None:
+    def _remember_if_warm(self, node: TreeNode) -> None:
         # Demoted (host copy kept) while important: a candidate to warm back.
         state = self._state
         if not node.backuped:
@@ -100,7 +103,7 @@ def uses_importance_policy(params: Any) -> bool:
     return (params.eviction_policy or "").lower() == POLICY_NAME
 
 
-def use_importance_components(cache: Any, params: Any) -> None:
+def use_importance_components(cache: TreeCache, params: Any) -> None:
     """Before ``UnifiedRadixCache(params)``: install the FULL override for ``importance``.
 
     Mutates ``params`` (a ``CacheInitParams``; ``cache`` is the one being built, not

@@ -52,12 +52,17 @@ import heapq
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, AbstractSet, Any, Callable, Iterable, Optional
 
 import torch
 
 from sgl_importance.cache.state_of import state_of
 from sgl_importance.node_state import node_importance, node_state, peek_state
+
+if TYPE_CHECKING:
+    from sgl_importance.importance.aggregator import ImportanceAggregator
+    from sgl_importance.metrics import ImportanceMetrics
+    from sgl_importance.sglang_types import LockReceipt, NodeId, Req, TreeCache, TreeCore, TreeNode
 
 logger = logging.getLogger(__name__)
 
@@ -78,16 +83,16 @@ def note_prefill_adder(adder: Any) -> None:
 class Candidate:
     """A host-resident node to load, and what loading it costs."""
 
-    node: Any
+    node: TreeNode
     reason: str
     # Device-evicted nodes from ``node`` up to its first device-resident ancestor:
     # what one load-back of ``node`` copies.
-    path: list
+    path: list[TreeNode]
     tokens: int
-    priority: Any
+    priority: tuple[int, float, float]  # ``ImportanceStrategy.get_priority``'s
 
 
-def evicted_path(node: Any) -> list:
+def evicted_path(node: TreeNode) -> list[TreeNode]:
     """``node`` and its device-evicted ancestors (below the first resident one)."""
     path = []
     while node is not None and node.parent is not None and node.evicted:
@@ -96,11 +101,11 @@ def evicted_path(node: Any) -> list:
     return path
 
 
-def _unlocked(node: Any) -> bool:
+def _unlocked(node: TreeNode) -> bool:
     return not any(cd.lock_ref > 0 for cd in node.component_data)
 
 
-def resident_ancestors(path: list) -> list:
+def resident_ancestors(path: list[TreeNode]) -> list[TreeNode]:
     """The device-resident nodes above an evicted ``path``, up to the root."""
     out = []
     node = path[-1].parent if path else None
@@ -110,7 +115,7 @@ def resident_ancestors(path: list) -> list:
     return out
 
 
-def lock_cost(path: list, already_locked: set = frozenset()) -> int:
+def lock_cost(path: list[TreeNode], already_locked: AbstractSet[int] = frozenset()) -> int:
     """Device tokens a load-back of ``path`` takes from SGLang's room until its
     copy is acknowledged: the loaded tokens, plus every unlocked resident ancestor,
     which the load-back locks with it (locked nodes are not evictable)."""
@@ -121,18 +126,20 @@ def lock_cost(path: list, already_locked: set = frozenset()) -> int:
     return cost
 
 
-def _loadable(node: Any) -> bool:
+def _loadable(node: Optional[TreeNode]) -> bool:
     return node is not None and node.parent is not None and node.evicted and node.backuped
 
 
-def _in_tree(tree_core: Any, node: Any) -> bool:
+def _in_tree(tree_core: TreeCore, node: TreeNode) -> bool:
     try:
         return tree_core.node_by_id(node.id) is node
     except KeyError:
         return False
 
 
-def warm_candidates(tree_core: Any, index: "WarmIndex", aggregator: Any, min_importance: float) -> list:
+def warm_candidates(
+    tree_core: TreeCore, index: WarmIndex, aggregator: ImportanceAggregator, min_importance: float
+) -> list[TreeNode]:
     """Host-resident nodes of normalised importance ≥ ``min_importance``, most
     important first (at most ``WARM_SCAN``)."""
     if min_importance <= 0.0:
@@ -147,14 +154,14 @@ def warm_candidates(tree_core: Any, index: "WarmIndex", aggregator: Any, min_imp
     return nodes[:WARM_SCAN]
 
 
-def _prefetch_wasted(node: Any) -> bool:
+def _prefetch_wasted(node: TreeNode) -> bool:
     # A warm prefetch of the node was evicted unused: it is not warmed again until a
     # request attends it (no load/evict churn on a node nobody asks for).
     state = peek_state(node)
     return state is not None and state.prefetch_wasted
 
 
-def waiting_candidates(tree_core: Any, waiting_queue: Iterable[Any]) -> list:
+def waiting_candidates(tree_core: TreeCore, waiting_queue: Iterable[Req]) -> list[TreeNode]:
     """Host-matched anchors of the requests at the head of the waiting queue."""
     nodes = []
     for i, req in enumerate(waiting_queue):
@@ -175,12 +182,12 @@ def waiting_candidates(tree_core: Any, waiting_queue: Iterable[Any]) -> list:
 
 
 def victims_less_important(
-    tree_core: Any,
-    priority_of: Callable[[Any], Any],
-    bound: Any,
+    tree_core: TreeCore,
+    priority_of: Callable[[TreeNode], tuple[int, float, float]],
+    bound: tuple[int, float, float],
     needed: int,
-    protected: set,
-    gone: Optional[set] = None,
+    protected: set[int],
+    gone: Optional[set[int]] = None,
 ) -> bool:
     """Can ``needed`` device tokens be freed evicting only leaves of priority < ``bound``?
 
@@ -234,9 +241,9 @@ class WarmIndex:
 
     def __init__(self, limit: int = 4096) -> None:
         self.limit = limit
-        self._nodes: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+        self._nodes: weakref.WeakValueDictionary[int, TreeNode] = weakref.WeakValueDictionary()
 
-    def add(self, node: Any) -> None:
+    def add(self, node: TreeNode) -> None:
         if len(self._nodes) >= self.limit:
             self.prune()
             if len(self._nodes) >= self.limit:
@@ -248,7 +255,7 @@ class WarmIndex:
             if not _loadable(node):
                 del self._nodes[node_id]
 
-    def nodes(self) -> list:
+    def nodes(self) -> list[TreeNode]:
         self.prune()
         return list(self._nodes.values())
 
@@ -257,10 +264,10 @@ class WarmIndex:
 
 
 def plan(
-    cache: Any,
+    cache: TreeCache,
     strategy: Any,
     budget: int,
-    waiting_queue: Iterable[Any],
+    waiting_queue: Iterable[Req],
 ) -> list[Candidate]:
     """Choose the load-backs to queue with this batch (no side effects).
 
@@ -318,7 +325,7 @@ def plan(
     return chosen
 
 
-def _consensus(cache: Any, chosen: list[Candidate]) -> bool:
+def _consensus(cache: TreeCache, chosen: list[Candidate]) -> bool:
     """Whether every tree rank planned the same loads (always, on one rank)."""
     if cache.tp_world_size <= 1:
         return True
@@ -330,7 +337,7 @@ def _consensus(cache: Any, chosen: list[Candidate]) -> bool:
     return int(sync[0]) == len(chosen) and int(sync[1]) == -int(sync[2]) == digest
 
 
-def _eligible(cache: Any) -> bool:
+def _eligible(cache: TreeCache) -> bool:
     # Plain full-attention trees only: SWA/Mamba components and buffer-mode or
     # external-linker host tiers load through paths this does not model.
     return (
@@ -342,7 +349,7 @@ def _eligible(cache: Any) -> bool:
     )
 
 
-def prefetch_with_batch_load(original: Callable[[Any], int], cache: Any) -> int:
+def prefetch_with_batch_load(original: Callable[[TreeCache], int], cache: TreeCache) -> int:
     """Around ``UnifiedRadixCache.ready_to_load_host_cache``: queue prefetches first."""
     state = state_of(cache)
     adder = None if state is None else state.take_adder()
@@ -354,7 +361,7 @@ def prefetch_with_batch_load(original: Callable[[Any], int], cache: Any) -> int:
     return original(cache)
 
 
-def issue(cache: Any, strategy: Any, adder: Any) -> list[Candidate]:
+def issue(cache: TreeCache, strategy: Any, adder: Any) -> list[Candidate]:
     """Plan and queue this batch's prefetches; returns the ones queued."""
     state = strategy.state
     cap = state.config.prefetch_max_tokens
@@ -363,7 +370,7 @@ def issue(cache: Any, strategy: Any, adder: Any) -> list[Candidate]:
     budget_obj = adder.memory_budget
     page = cache.page_size
     scheduler = state.scheduler
-    waiting: Iterable[Any] = ()
+    waiting: Iterable[Req] = ()
     # None before the scheduler is built (and in unit tests): no waiting queue to scan.
     if scheduler is not None:
         # SGLang's DisaggregationMode, compared by value: importing the enum would pull
@@ -393,7 +400,7 @@ def _room(budget_obj: Any) -> int:
     return int(min(budget_obj.remaining_total, budget_obj.remaining_current))
 
 
-def _lock_admitted_prefixes(cache: Any, reqs: Iterable[Any]) -> list:
+def _lock_admitted_prefixes(cache: TreeCache, reqs: Iterable[Req]) -> list[tuple[NodeId, LockReceipt]]:
     locks = []
     for req in reqs:
         node_id = req.last_node
@@ -403,7 +410,9 @@ def _lock_admitted_prefixes(cache: Any, reqs: Iterable[Any]) -> list:
     return locks
 
 
-def _load(cache: Any, metrics: Any, chosen: list[Candidate], budget_obj: Any, page: int) -> list[Candidate]:
+def _load(
+    cache: TreeCache, metrics: Optional[ImportanceMetrics], chosen: list[Candidate], budget_obj: Any, page: int
+) -> list[Candidate]:
     queued = []
     for c in chosen:
         # Re-checked live: an earlier load of this batch may have used the room.
@@ -428,7 +437,7 @@ def _load(cache: Any, metrics: Any, chosen: list[Candidate], budget_obj: Any, pa
     return queued
 
 
-def mark_used(metrics: Any, nodes: Iterable[Any]) -> None:
+def mark_used(metrics: Optional[ImportanceMetrics], nodes: Iterable[TreeNode]) -> None:
     """Prefetched nodes a running request attended: the prefetch paid off.
 
     ``metrics``: the cache's ``ImportanceMetrics``, or None when SGLang's are off."""
@@ -445,7 +454,7 @@ def mark_used(metrics: Any, nodes: Iterable[Any]) -> None:
             metrics.prefetch(reason, "used", len(node.key))
 
 
-def mark_evicted(metrics: Any, node: Any, tokens: int) -> None:
+def mark_evicted(metrics: Optional[ImportanceMetrics], node: TreeNode, tokens: int) -> None:
     """The device tier evicted ``node``: a pending prefetch of it was wasted."""
     state = peek_state(node)
     if state is None or state.prefetched is None:

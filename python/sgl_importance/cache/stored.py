@@ -38,11 +38,17 @@ page-hash function is imported only to rank retries.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from sgl_importance.cache.device_pages import device_pages, device_value
 from sgl_importance.cache.state_of import state_of, tree_state
 from sgl_importance.node_state import has_importance, node_importance, node_state, peek_state
+
+if TYPE_CHECKING:
+    from sgl_importance.importance.page_importance import PageImportanceHolder, PageImportanceTable
+    from sgl_importance.sglang_types import InsertResult, NodeId, Req, Scheduler, TreeCache, TreeCore, TreeNode
+    from sgl_importance.storage.precision import PageClasses
+    from sgl_importance.storage.shared_importance import SharedImportance
 
 # Pages of a request's storage span looked up to rank its retry.
 RANK_PAGES = 4
@@ -54,14 +60,16 @@ DEFAULT_CAPACITY = 1 << 16
 class StoredImportance:
     """Page hash → importance of the node the page belonged to when dropped."""
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY, shared: Callable[[], Any] = lambda: None) -> None:
+    def __init__(
+        self, capacity: int = DEFAULT_CAPACITY, shared: Callable[[], Optional[SharedImportance]] = lambda: None
+    ) -> None:
         self.capacity = capacity
         self._by_hash: "OrderedDict[str, float]" = OrderedDict()
         # The importance shared through a Mooncake store (``storage/shared``), read
         # when needed: the runtime starts it after the cache (and this) is built.
         self.shared = shared
 
-    def remember(self, node: Any) -> int:
+    def remember(self, node: TreeNode) -> int:
         """Record ``node``'s importance under each of its page hashes; returns pages recorded."""
         value = node_importance(node)
         hashes = node.hash_value
@@ -78,7 +86,7 @@ class StoredImportance:
             self._by_hash.popitem(last=False)
         return len(hashes)
 
-    def recall(self, node: Any) -> Optional[float]:
+    def recall(self, node: TreeNode) -> Optional[float]:
         """Set a rebuilt node's importance from its pages (their mean, pages never
         remembered counting 0); returns it, or None when no page was remembered."""
         hashes = node.hash_value
@@ -114,7 +122,9 @@ class StoredImportance:
         return len(self._by_hash)
 
 
-def node_page_scores(node: Any, pages: int, page_size: int, table: Any = None) -> list[float]:
+def node_page_scores(
+    node: TreeNode, pages: int, page_size: int, table: Optional[PageImportanceTable] = None
+) -> list[float]:
     """Importance of each of a node's first ``pages`` pages: their accumulated attention
     mass in ``table`` (the page importance table) while the node is on the device, else
     the node's importance."""
@@ -125,7 +135,7 @@ def node_page_scores(node: Any, pages: int, page_size: int, table: Any = None) -
     return [node_importance(node)] * pages
 
 
-def _start_token(node: Any) -> int:
+def _start_token(node: TreeNode) -> int:
     state = peek_state(node)
     if state is not None and state.start is not None:
         return state.start
@@ -137,7 +147,9 @@ def _start_token(node: Any) -> int:
     return start
 
 
-def grade_before_storage_write(classes: Any, page_importance: Any, cache: Any, node_id: Any) -> int:
+def grade_before_storage_write(
+    classes: Optional[PageClasses], page_importance: PageImportanceHolder, cache: TreeCache, node_id: NodeId
+) -> int:
     """Before ``UnifiedRadixCache.write_backup_storage(node_id)``: grade the node's pages
     (under ``--importance-storage-precision graded``). Returns the pages graded.
 
@@ -160,7 +172,7 @@ def grade_before_storage_write(classes: Any, page_importance: Any, cache: Any, n
     return len(hashes)
 
 
-def restore_after_insert_host(tree_core: Any, result: Any) -> int:
+def restore_after_insert_host(tree_core: TreeCore, result: InsertResult) -> int:
     """After ``UnifiedTreeCore.insert_host``: give the nodes it built their importance.
 
     Walks from the inserted node toward the root over nodes never attended in
@@ -181,7 +193,7 @@ def restore_after_insert_host(tree_core: Any, result: Any) -> int:
     return restored
 
 
-def request_storage_importance(stored: StoredImportance, cache: Any, req: Any) -> float:
+def request_storage_importance(stored: StoredImportance, cache: TreeCache, req: Req) -> float:
     """Remembered importance of the first ``RANK_PAGES`` pages a request would fetch
     from storage: the pages after its device + host match, hashed as the storage
     tier keys them. 0.0 when none is known.
@@ -208,13 +220,13 @@ def request_storage_importance(stored: StoredImportance, cache: Any, req: Any) -
 
 
 def rank_storage_retries(
-    scheduler: Any,
-    original: Callable[..., list],
+    scheduler: Optional[Scheduler],
+    original: Callable[..., list[tuple[Req, Optional[int]]]],
     retries: Any,
-    waiting_queue: Sequence[Any],
+    waiting_queue: Sequence[Req],
     *args: Any,
     **kwargs: Any,
-) -> list:
+) -> list[tuple[Req, Optional[int]]]:
     """Around ``StoragePrefetchRetries.pop_ready``: the due retries, most important first.
 
     ``scheduler``: the process's scheduler (the retries know no cache), None before

@@ -42,7 +42,7 @@ attribute); nothing here imports SGLang, so it is tested without a server.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -51,6 +51,10 @@ from sgl_importance.importance.ema import ema_fold
 # The config checks live beside the priority they configure (torch-free).
 from sgl_importance.importance.priority import validate_decay, validate_sink_pages
 from sgl_importance.node_state import has_importance, node_importance, node_state
+
+if TYPE_CHECKING:
+    from sgl_importance.importance.page_importance import PageImportanceTable
+    from sgl_importance.sglang_types import TreeNode
 
 
 class Observation(NamedTuple):
@@ -64,12 +68,14 @@ class Observation(NamedTuple):
             the page importance table's device.
     """
 
-    node: Any
+    node: TreeNode
     start: int
     pages: torch.Tensor
 
 
-def read_last_step(table: Any, pages: torch.Tensor, group: Any = None) -> tuple[list[float], int]:
+def read_last_step(
+    table: PageImportanceTable, pages: torch.Tensor, group: Optional[torch.distributed.ProcessGroup] = None
+) -> tuple[list[float], int]:
     """``table.last`` at ``pages`` and the table's recorded-step count, in one copy.
 
     Adapter over ``PageImportanceTable``: its public ``recorded_steps`` reads the
@@ -93,7 +99,7 @@ def read_last_step(table: Any, pages: torch.Tensor, group: Any = None) -> tuple[
     return values[:-1], int(values[-1])
 
 
-def agree_across_ranks(flat: torch.Tensor, group: Any) -> torch.Tensor:
+def agree_across_ranks(flat: torch.Tensor, group: torch.distributed.ProcessGroup) -> torch.Tensor:
     """One rank's ``[page values..., step count]`` -> the same tensor on every rank.
 
     Each tensor-parallel rank attends with its own heads, so its page importance table holds
@@ -148,7 +154,12 @@ class ImportanceAggregator:
 
     # -- folding -------------------------------------------------------------------
 
-    def fold(self, table: Any, observations: Sequence[Observation], group: Any = None) -> int:
+    def fold(
+        self,
+        table: PageImportanceTable,
+        observations: Sequence[Observation],
+        group: Optional[torch.distributed.ProcessGroup] = None,
+    ) -> int:
         """Fold the table's latest recorded step into the observed nodes.
 
         Reads the table once (one host copy for all nodes). Steps recorded since
@@ -215,7 +226,7 @@ class ImportanceAggregator:
 
     # -- tree events ---------------------------------------------------------------
 
-    def split(self, prefix: Any, suffix: Any, split_len: int, page_size: int) -> None:
+    def split(self, prefix: TreeNode, suffix: TreeNode, split_len: int, page_size: int) -> None:
         """The tree cut ``suffix`` after ``split_len`` tokens into a new ``prefix``.
 
         Both halves keep the node's density (nothing records how attention was
@@ -236,7 +247,7 @@ class ImportanceAggregator:
         whole.start = start + split_len
         half.pinned = whole.pinned or start + split_len <= self.sink_pages * page_size
 
-    def normalised(self, node: Any) -> float:
+    def normalised(self, node: TreeNode) -> float:
         """``importance / scale`` clipped to [0, 1]; 0 before anything was attended."""
         scale = self.scale
         if scale <= 0.0:

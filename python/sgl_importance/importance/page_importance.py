@@ -47,10 +47,10 @@ class StepObserver(Protocol):
     each ``add_layer`` with its arguments and after each ``finish_step``."""
 
     def add_layer(
-        self, table: Any, importance: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
+        self, table: PageImportanceTable, importance: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
     ) -> None: ...
 
-    def finish_step(self, table: Any) -> None: ...
+    def finish_step(self, table: PageImportanceTable) -> None: ...
 
 
 # Device bytes per page of the KV pool: three float32 (last step, accumulated, step in progress).

@@ -12,10 +12,13 @@ backend's page (de)serialisation, which is plain torch in SGLang, works unchange
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+if TYPE_CHECKING:
+    from sgl_importance.sglang_types import KVPool
 
 # Layouts whose per-layer host views can be indexed by token (or by page) with
 # plain torch ops. page_head interleaves heads inside a page and page_unified
@@ -151,7 +154,7 @@ class TorchMHAHostPool(MHATokenToKVPoolHost):
 
     def load_to_device_per_layer(
         self,
-        device_pool: Any,
+        device_pool: KVPool,
         host_indices: torch.Tensor,
         device_indices: torch.Tensor,
         layer_id: int,
@@ -173,7 +176,7 @@ class TorchMHAHostPool(MHATokenToKVPoolHost):
 
     def backup_from_device_all_layer(
         self,
-        device_pool: Any,
+        device_pool: KVPool,
         host_indices: torch.Tensor,
         device_indices: torch.Tensor,
         io_backend: str,

@@ -7,10 +7,13 @@ its own request errors, so every endpoint answers a refused request with a 400.
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from sgl_importance.request_check.fields import RequestLimits
 from sgl_importance.request_check.generate import check_generate_request
+
+if TYPE_CHECKING:
+    from sgl_importance.config import ImportanceConfig
 
 # SamplingParams fields SGLang fills in itself (normalize); never a caller's.
 INTERNAL_SAMPLING_FIELDS = frozenset(
@@ -23,7 +26,7 @@ def is_generate_request(obj: Any) -> bool:
     return hasattr(obj, "top_logprobs_num") and hasattr(obj, "sampling_params")
 
 
-def limits_of(config: Any, tokenizer_manager: Any) -> RequestLimits:
+def limits_of(config: ImportanceConfig, tokenizer_manager: Any) -> RequestLimits:
     """The limits of the server a tokenizer manager belongs to (``config``: its flags,
     from the process's runtime)."""
     server_args = tokenizer_manager.server_args
@@ -40,12 +43,12 @@ def limits_of(config: Any, tokenizer_manager: Any) -> RequestLimits:
 
 
 async def checked_generate(
-    config: Any,
+    config: ImportanceConfig,
     original: Callable[..., Any],
     tokenizer_manager: Any,
     obj: Any,
     *args: Any,
-    limits_for: Callable[[Any, Any], RequestLimits] = limits_of,
+    limits_for: Callable[[ImportanceConfig, Any], RequestLimits] = limits_of,
     **kwargs: Any,
 ) -> AsyncIterator[Any]:
     """AROUND-hook body for ``TokenizerManager.generate_request``: the request is checked

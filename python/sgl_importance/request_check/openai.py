@@ -23,7 +23,11 @@ first, where FastAPI turns an ``HTTPException`` into the endpoint's 400.
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+if TYPE_CHECKING:
+    from fastapi import Request
+    from pydantic import BaseModel
 
 # What the OpenAI protocol models put in `model` when a request omits it.
 OMITTED_MODEL_NAMES = frozenset({"", "default"})
@@ -48,7 +52,9 @@ def unknown_model(model: str | None, known: set[str]) -> bool:
     return not (adapter and (base in known) and (adapter in known))
 
 
-async def reject_unknown_model(original: Callable[..., Any], handler: Any, request: Any, raw_request: Any) -> Any:
+async def reject_unknown_model(
+    original: Callable[..., Any], handler: Any, request: BaseModel, raw_request: Request
+) -> Any:
     """AROUND-hook for ``OpenAIServingBase.handle_request``."""
     model = getattr(request, "model", None)  # a rerank request names no model
     if isinstance(model, str) and unknown_model(model, known_model_names(handler.tokenizer_manager)):
@@ -61,12 +67,14 @@ async def reject_unknown_model(original: Callable[..., Any], handler: Any, reque
     return await original(handler, request, raw_request)
 
 
-def openai_prompt_field(request: Any) -> str | None:
+def openai_prompt_field(request: BaseModel) -> str | None:
     """The field of an OpenAI request that holds its prompt (None if it has none)."""
     return next((name for name in PROMPT_FIELDS if hasattr(request, name)), None)
 
 
-async def check_openai_request(original: Callable[..., Any], handler: Any, request: Any, raw_request: Any) -> Any:
+async def check_openai_request(
+    original: Callable[..., Any], handler: Any, request: BaseModel, raw_request: Request
+) -> Any:
     """AROUND-hook for ``OpenAIServingBase.handle_request``: every OpenAI check."""
     from sgl_importance.request_check.chat_template import check_chat_template_kwargs
     from sgl_importance.request_check.fields import InvalidFieldError, naming_prompt_field
@@ -117,7 +125,7 @@ def chat_body_problem(body: Any) -> str | None:
     return None
 
 
-async def checked_json(original: Callable[..., Any], request: Any) -> Any:
+async def checked_json(original: Callable[[Request], Awaitable[Any]], request: Request) -> Any:
     """AROUND-hook for ``ORJSONRequest.json``: the parsed body, refused with a 400
     where SGLang's own request model would fail on its shape with a 500."""
     body = await original(request)

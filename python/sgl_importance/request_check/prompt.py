@@ -23,10 +23,13 @@ The error names the field the caller used: ``text`` or ``input_ids`` for
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from sgl_importance.request_check.fields import PROMPT_FIELD, InvalidRequestError
 from sgl_importance.validate import is_int
+
+if TYPE_CHECKING:
+    from sgl_importance.config import ImportanceConfig
 
 
 class InvalidPromptError(InvalidRequestError):
@@ -82,7 +85,7 @@ def check_before_validation(tokenizer_manager: Any, obj: Any, input_ids: Optiona
 
 
 def check_hot_set_request(
-    config: Any, tokenizer_manager: Any, obj: Any, input_ids: Optional[Sequence[Any]] = None
+    config: ImportanceConfig, tokenizer_manager: Any, obj: Any, input_ids: Optional[Sequence[Any]] = None
 ) -> None:
     """Raise :class:`InvalidRequestError` (a 400) for bad ``custom_params.hot_set`` values,
     and for a prompt past the longest request a hot-set server takes, naming what bounds it.
@@ -105,7 +108,9 @@ def check_hot_set_request(
         raise InvalidRequestError(str(err)) from None
 
 
-def check_length(config: Any, tokenizer_manager: Any, obj: Any, input_ids: Optional[Sequence[Any]]) -> None:
+def check_length(
+    config: ImportanceConfig, tokenizer_manager: Any, obj: Any, input_ids: Optional[Sequence[Any]]
+) -> None:
     """A prompt past the longest request a hot-set server takes (``scheduler/long_requests.py``:
     the model's context or the host pool, which holds a long request's whole KV) is refused
     with the limit and the flag that raises it; SGLang's own message names neither. A prompt

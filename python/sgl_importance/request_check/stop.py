@@ -85,7 +85,7 @@ def _cap(value: int) -> int:
     return min(value, 1 << 40)
 
 
-def _cost(items: Any) -> _Cost:
+def _cost(items: _sre_parse.SubPattern) -> _Cost:
     span, paths, repeats = 0, 1, False
     for op, arg in items:
         if op in _ONE_CHAR:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageFailureInjector
 
@@ -21,10 +21,16 @@ from sgl_importance.storage.breaker import MAX_WRITE_FAILURES, WriteBreaker
 from sgl_importance.storage.precision import PageClasses, make_precision
 from sgl_importance.storage.wrapper import BackendOps, IntegrityStorage
 
+if TYPE_CHECKING:
+    import argparse
+
+    from sgl_importance.metrics import Metrics
+    from sgl_importance.storage.shared_importance import SharedImportance
+
 logger = logging.getLogger(__name__)
 
 
-def extra_config(args: Any) -> Optional[dict]:
+def extra_config(args: argparse.Namespace) -> Optional[dict]:
     """``--hicache-storage-backend-extra-config`` as a dict; None when it is unset or
     not a JSON object (SGLang reports a malformed value itself)."""
     extra = args.hicache_storage_backend_extra_config
@@ -35,7 +41,7 @@ def extra_config(args: Any) -> Optional[dict]:
     return config if isinstance(config, dict) else None
 
 
-def check_cli_args(args: Any) -> None:
+def check_cli_args(args: argparse.Namespace) -> None:
     """Launcher check of the chosen adapter's setting (``ServerArgs.from_cli_args``): the
     ``file`` backend's directory, the ``mooncake`` client and master; other backends check
     themselves."""
@@ -74,7 +80,7 @@ def wrap_backend(
     storage_config: Any,
     *,
     retry_s: float,
-    metrics: Any = None,
+    metrics: Optional[Metrics] = None,
     precision: str = "off",
     classes: Optional[PageClasses] = None,
 ) -> IntegrityStorage:
@@ -118,7 +124,9 @@ def wrap_backend(
     )
 
 
-def share_importance(backend: HiCacheStorage, rank: int, policy: Optional[str], metrics: Any = None) -> Any:
+def share_importance(
+    backend: HiCacheStorage, rank: int, policy: Optional[str], metrics: Optional[Metrics] = None
+) -> Optional[SharedImportance]:
     """Importance shared next to the pages of ``backend`` (what ``wrap_backend``
     returned) when it stores in a Mooncake store under the ``importance`` eviction
     ``policy`` (no other policy reads importance), started; None otherwise."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import numpy as np
 import torch
@@ -34,6 +34,11 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from sgl_importance.env import MOONCAKE_CLIENT_ENV, MOONCAKE_CONFIG_PATH_ENV, MOONCAKE_MASTER_ENV
 from sgl_importance.storage.wrapper import BackendOps
+
+if TYPE_CHECKING:
+    from sgl_importance.metrics import Metrics
+    from sgl_importance.sglang_types import HostPool
+    from sgl_importance.storage.shared_importance import SharedImportance
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +54,7 @@ class MooncakePages(HiCacheStorage):
         rank: the tensor-parallel rank (pages of different ranks hold different heads).
     """
 
-    def __init__(self, backend: Any, rank: int = 0, shared: Any = None) -> None:
+    def __init__(self, backend: Any, rank: int = 0, shared: Optional[SharedImportance] = None) -> None:
         self.backend = backend
         # SharedImportance: its records are read with the hit query, before the pages.
         self.shared = shared
@@ -65,13 +70,15 @@ class MooncakePages(HiCacheStorage):
     def _object(self, key: str) -> str:
         return f"{self.prefix}{key}_{self.rank}_{PAGE_SUFFIX}"
 
-    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+    def register_mem_pool_host(self, mem_pool_host: HostPool) -> None:
         self.mem_pool_host = mem_pool_host
 
-    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+    def register_mem_host_pool_v2(self, host_pool: HostPool, host_pool_name: str) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
-    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Optional[torch.Tensor]:
+    def get(
+        self, key: str, target_location: Optional[torch.Tensor] = None, target_sizes: Any = None
+    ) -> Optional[torch.Tensor]:
         data = self.store.get(self._object(key))
         if not data:
             return None  # absent (evicted by the store, or never written)
@@ -82,17 +89,25 @@ class MooncakePages(HiCacheStorage):
             out[n:] = 0  # short object: the wrapper's trailer check refuses it
         return target_location
 
-    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+    def set(
+        self, key: str, value: Optional[torch.Tensor] = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
         name = self._object(key)
         rc = self.store.put(name, value.contiguous().view(torch.uint8).reshape(-1).numpy())
         # Another instance may have written the same page first: that is a success.
         return rc == 0 or self.store.is_exist(name) == 1
 
-    def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None) -> list:
+    def batch_get(
+        self, keys: List[str], target_locations: Optional[List[torch.Tensor]] = None, target_sizes: Any = None
+    ) -> List[Optional[torch.Tensor]]:
         return [self.get(k, t) for k, t in zip(keys, target_locations)]
 
     def batch_set(
-        self, keys: List[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+        self,
+        keys: List[str],
+        values: Optional[List[torch.Tensor]] = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
     ) -> bool:
         return all(self.set(k, v) for k, v in zip(keys, values))
 
@@ -131,7 +146,7 @@ class MooncakePages(HiCacheStorage):
         # this drops every instance's pages, not just this server's.
         self.backend.clear()
 
-    def get_stats(self) -> Any:
+    def get_stats(self) -> None:
         return None
 
     def close(self) -> None:
@@ -198,7 +213,7 @@ def check_client() -> None:
         ) from None
 
 
-def start_shared_importance(pages: MooncakePages, rank: int, metrics: Any = None) -> Any:
+def start_shared_importance(pages: MooncakePages, rank: int, metrics: Optional[Metrics] = None) -> SharedImportance:
     """Importance shared next to the pages of this store, started (the runtime calls it
     when the storage backend is built under ``--radix-eviction-policy importance``).
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Union
 
 import numpy as np
 import torch
@@ -43,6 +43,9 @@ from sgl_importance.storage.page import (
 )
 from sgl_importance.storage.precision import Precision
 
+if TYPE_CHECKING:
+    from sgl_importance.sglang_types import HostPool
+
 logger = logging.getLogger(__name__)
 
 
@@ -61,7 +64,7 @@ class BackendOps:
     where: Callable[[str], str] = lambda key: key
     drop: Optional[Callable[[str], None]] = None
     prepare: Optional[Callable[[], None]] = None
-    read: Optional[Callable[[str], Any]] = None
+    read: Optional[Callable[[str], Union[bytes, bytearray, np.ndarray, None]]] = None
 
 
 class IntegrityStorage(HiCacheStorage):
@@ -100,11 +103,11 @@ class IntegrityStorage(HiCacheStorage):
         self.ops = ops or BackendOps()
         self.on_corrupt = on_corrupt
         self.breaker = breaker
-        self._fingerprints: dict[Any, int] = {}
+        self._fingerprints: dict[int, int] = {}  # by id() of the pool
         self._logged: set[str] = set()
         # Damaged keys the backend cannot delete: answered as absent from now on.
         self._refused: set[str] = set()
-        self.mem_pool_host: Any = None
+        self.mem_pool_host: Optional[HostPool] = None
         self._local = threading.local()
         # Pages refused since start (the metric counts the same, when metrics are on).
         self.damaged_pages = 0
@@ -120,18 +123,18 @@ class IntegrityStorage(HiCacheStorage):
 
     # -- host pools ---------------------------------------------------------------------
 
-    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+    def register_mem_pool_host(self, mem_pool_host: HostPool) -> None:
         self.mem_pool_host = mem_pool_host
         self.inner.register_mem_pool_host(mem_pool_host)
 
-    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+    def register_mem_host_pool_v2(self, host_pool: HostPool, host_pool_name: str) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         self.inner.register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def on_host_pools_registered(self) -> None:
         self.inner.on_host_pools_registered()
 
-    def fingerprint_of(self, pool: Any, pool_name: Any = "kv") -> int:
+    def fingerprint_of(self, pool: HostPool, pool_name: str = "kv") -> int:
         """The layout fingerprint of pages of ``pool`` (cached per pool)."""
         cached = self._fingerprints.get(id(pool))
         if cached is None:
@@ -150,14 +153,16 @@ class IntegrityStorage(HiCacheStorage):
 
     # -- single pages -------------------------------------------------------------------
 
-    def _geometry(self, pool: Any) -> Optional[encoding.PageGeometry]:
+    def _geometry(self, pool: Optional[HostPool]) -> Optional[encoding.PageGeometry]:
         if pool is None:
             return None
         if id(pool) not in self._geometries:
             self._geometries[id(pool)] = page_geometry(pool)
         return self._geometries[id(pool)]
 
-    def _read(self, key: str, target: torch.Tensor, fingerprint: int, kv_pool: Any = None) -> Optional[torch.Tensor]:
+    def _read(
+        self, key: str, target: torch.Tensor, fingerprint: int, kv_pool: Optional[HostPool] = None
+    ) -> Optional[torch.Tensor]:
         if key in self._refused:
             return None
         if self.precision is not None:
@@ -186,7 +191,9 @@ class IntegrityStorage(HiCacheStorage):
             self.on_page("read", encoding.FULL, payload_bytes)
         return target
 
-    def _read_whole(self, key: str, target: torch.Tensor, fingerprint: int, kv_pool: Any) -> Optional[torch.Tensor]:
+    def _read_whole(
+        self, key: str, target: torch.Tensor, fingerprint: int, kv_pool: Optional[HostPool]
+    ) -> Optional[torch.Tensor]:
         """Read an object of any length, verify it and decode it into ``target``."""
         try:
             data = self.ops.read(key)
@@ -222,7 +229,9 @@ class IntegrityStorage(HiCacheStorage):
             self.on_page("read", cls, length)
         return target
 
-    def _seal(self, key: str, value: torch.Tensor, fingerprint: int, kv_pool: Any) -> tuple[torch.Tensor, int]:
+    def _seal(
+        self, key: str, value: torch.Tensor, fingerprint: int, kv_pool: Optional[HostPool]
+    ) -> tuple[torch.Tensor, int]:
         """The stored object of a page, and its class."""
         if self.precision is None:
             return seal(key, value, fingerprint), encoding.FULL
@@ -249,7 +258,7 @@ class IntegrityStorage(HiCacheStorage):
             self._local.scratch = buf
         return buf
 
-    def _write(self, key: str, value: torch.Tensor, fingerprint: int, kv_pool: Any = None) -> bool:
+    def _write(self, key: str, value: torch.Tensor, fingerprint: int, kv_pool: Optional[HostPool] = None) -> bool:
         if self.breaker is not None:
             if not self.breaker.allow():
                 return False
@@ -331,7 +340,7 @@ class IntegrityStorage(HiCacheStorage):
                 break
         return out
 
-    def _sweep(self, keys: List[str], pool: Any, fingerprint: int, kv_pool: Any = None) -> None:
+    def _sweep(self, keys: List[str], pool: HostPool, fingerprint: int, kv_pool: Optional[HostPool] = None) -> None:
         """Verify (and drop if damaged) the pages after a damaged one.
 
         Damage rarely comes alone (a bad disk region, a stray process); without this
@@ -369,12 +378,14 @@ class IntegrityStorage(HiCacheStorage):
 
     # -- host-index paths (zero-copy backends, per-pool transfers) ----------------------
 
-    def _sealing(self, pool: Any, pool_name: Any) -> tuple[int, Any]:
+    def _sealing(self, pool: HostPool, pool_name: str) -> tuple[int, Optional[HostPool]]:
         """The fingerprint pages of ``pool`` are sealed with, and the pool whose geometry
         encodes them: ``pool`` for KV pages, None for a sidecar pool's (kept at their dtype)."""
         return self.fingerprint_of(pool, pool_name), (pool if str(pool_name) == "kv" else None)
 
-    def _pages_into_pool(self, pool: Any, pool_name: Any, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
+    def _pages_into_pool(
+        self, pool: HostPool, pool_name: str, keys: List[str], host_indices: torch.Tensor
+    ) -> List[bool]:
         page_size = int(pool.page_size)
         fingerprint, kv_pool = self._sealing(pool, pool_name)
         results = [False] * len(keys)
@@ -389,7 +400,9 @@ class IntegrityStorage(HiCacheStorage):
             results[i] = True
         return results
 
-    def _pages_from_pool(self, pool: Any, pool_name: Any, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
+    def _pages_from_pool(
+        self, pool: HostPool, pool_name: str, keys: List[str], host_indices: torch.Tensor
+    ) -> List[bool]:
         page_size = int(pool.page_size)
         fingerprint, kv_pool = self._sealing(pool, pool_name)
         results = [False] * len(keys)
@@ -431,7 +444,7 @@ class IntegrityStorage(HiCacheStorage):
 
     # -- the rest is the backend's --------------------------------------------------------
 
-    def clear(self) -> Any:
+    def clear(self) -> None:
         self._refused.clear()
         return self.inner.clear()
 

@@ -52,12 +52,20 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
 from sgl_importance.env import TRACE_DIR_ENV
 from sgl_importance.trace.writer_process import RECORD_DTYPE
+
+if TYPE_CHECKING:
+    import argparse
+
+    import torch
+
+    from sgl_importance.importance.page_importance import PageImportanceTable
+    from sgl_importance.sglang_types import Req, ScheduleBatch, TreeCore
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +78,7 @@ MAX_PENDING = 8
 REPORTED_KEEP = 65_536
 
 
-def export_trace_dir(args: Any) -> None:
+def export_trace_dir(args: argparse.Namespace) -> None:
     """Launcher side: validate the flag and hand it to the scheduler through the environment.
 
     Raises:
@@ -99,9 +107,9 @@ def recording_requested() -> bool:
 class CapturedStep:
     step: int
     time_ns: int
-    importance: Any  # [bs, max_pages] float32 tensor
-    kv_indptr: Any
-    kv_indices: Any
+    importance: torch.Tensor  # [bs, max_pages] float32
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
     page_size: int
 
 
@@ -111,12 +119,14 @@ class StepCapture:
     def __init__(self) -> None:
         self.steps = 0
         self.pending: deque[CapturedStep] = deque(maxlen=MAX_PENDING)
-        self._sum: Any = None
+        self._sum: Optional[torch.Tensor] = None
         self._layers = 0
-        self._indptr: Any = None
-        self._indices: Any = None
+        self._indptr: Optional[torch.Tensor] = None
+        self._indices: Optional[torch.Tensor] = None
 
-    def add_layer(self, table: Any, importance: Any, kv_indptr: Any, kv_indices: Any) -> None:
+    def add_layer(
+        self, table: PageImportanceTable, importance: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
+    ) -> None:
         if self._sum is None:
             self._sum = importance.detach().float().clone()
             # Cloned: a backend may refill its metadata buffers before the result is read.
@@ -128,7 +138,7 @@ class StepCapture:
             self._sum.add_(importance.float())
         self._layers += 1
 
-    def finish_step(self, table: Any) -> None:
+    def finish_step(self, table: PageImportanceTable) -> None:
         step = self.steps
         self.steps += 1
         if self._sum is not None and step % table.sample_interval == 0:
@@ -192,7 +202,7 @@ class Recorder:
 
     # -- per batch --------------------------------------------------------------
 
-    def push_if_due(self, batch: Any) -> None:
+    def push_if_due(self, batch: Optional[ScheduleBatch]) -> None:
         """Push when a request of ``batch`` finished or the buffer is a second old.
 
         A finished request's rows are with the writer at once, so they survive the
@@ -203,7 +213,9 @@ class Recorder:
         if any(r.finished() for r in batch.reqs) or time.perf_counter_ns() - self._last_push_ns >= PUSH_INTERVAL_NS:
             self.flush()
 
-    def record_batch(self, capture: StepCapture, batch: Any, tree_core: Any = None) -> int:
+    def record_batch(
+        self, capture: StepCapture, batch: Optional[ScheduleBatch], tree_core: Optional[TreeCore] = None
+    ) -> int:
         """Append the captured step that belongs to ``batch``; call before its result is processed.
 
         Args:
@@ -228,7 +240,7 @@ class Recorder:
         return self._append_step(capture.pending.popleft(), reqs, tree_core)
 
     @staticmethod
-    def _belongs(step: CapturedStep, reqs: list, batch: Any) -> bool:
+    def _belongs(step: CapturedStep, reqs: list[Req], batch: ScheduleBatch) -> bool:
         bs = int(step.importance.shape[0])
         if bs != len(reqs) or bs == 0:
             return False
@@ -245,7 +257,7 @@ class Recorder:
         expected = pool[[reqs[i].kv.req_pool_idx for i in live], 0].cpu().numpy()
         return bool(np.array_equal(first.astype(np.int64), expected.astype(np.int64)))
 
-    def _append_step(self, step: CapturedStep, reqs: list, tree_core: Any = None) -> int:
+    def _append_step(self, step: CapturedStep, reqs: list[Req], tree_core: Optional[TreeCore] = None) -> int:
         importance = step.importance.cpu().numpy()
         indptr = step.kv_indptr[: len(reqs) + 1].cpu().numpy().astype(np.int64)
         indices = step.kv_indices.cpu().numpy().astype(np.int64)
@@ -284,7 +296,7 @@ class Recorder:
             appended += n
         return appended
 
-    def finish_requests(self, batch: Any, step: int, tree_core: Any = None) -> int:
+    def finish_requests(self, batch: Optional[ScheduleBatch], step: int, tree_core: Optional[TreeCore] = None) -> int:
         """Queue a ``requests`` row for each request ``batch`` finished; call after its result.
 
         Args:
@@ -324,7 +336,7 @@ class Recorder:
             )
         return len(done)
 
-    def _code(self, rid: Any) -> int:
+    def _code(self, rid: str) -> int:
         rid = str(rid)
         code = self._codes.get(rid)
         if code is None:
@@ -379,7 +391,7 @@ class Recorder:
 RadixPath = tuple[list[int], list[int], list[int]]  # node ids, start and end offsets (tokens)
 
 
-def request_paths(tree_core: Any, reqs: list) -> list[Optional[RadixPath]]:
+def request_paths(tree_core: Optional[TreeCore], reqs: list[Req]) -> list[Optional[RadixPath]]:
     """Each request's root-to-``last_node`` radix path, or None where it has none.
 
     One ``collect_path_info`` call for the batch; if a handle is gone (KeyError),
