@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from sgl_importance.sglang_types.tree import TreeCache
+
 TIERS = ("device", "host")
 # Stored page classes by code, as storage/encoding.py numbers them.
 PAGE_CLASSES = ("full", "int8", "int4")
@@ -242,7 +244,7 @@ class Metrics:
         self._shared: Optional[SharedImportanceMetrics] = None
         self._storage: Optional[StorageIntegrityMetrics] = None
 
-    def importance(self, cache: Any) -> Optional[ImportanceMetrics]:
+    def importance(self, cache: TreeCache) -> Optional[ImportanceMetrics]:
         """The series for ``cache``, or None when SGLang's metrics are off.
 
         Args:

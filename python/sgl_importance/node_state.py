@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:
     import torch
 
-    from sgl_importance.sglang_types import TreeNode
+    from sgl_importance.sglang_types.tree import TreeNode
 
 # The one attribute the plugin sets on SGLang's tree nodes.
 NODE_STATE = "sgl_importance"

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from typing import Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
 
 from sgl_importance.cache.state import CacheState
 from sgl_importance.cache.state_of import state_of
@@ -44,7 +44,48 @@ from sgl_importance.storage.factory import share_importance, wrap_backend
 from sgl_importance.storage.precision import PageClasses, page_classes_for
 from sgl_importance.trace.tracing import Tracing
 
+if TYPE_CHECKING:
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
+    from sgl_importance.hot_set.decode import HotSetDecoder
+    from sgl_importance.hot_set.graph_step import GraphStep
+    from sgl_importance.hot_set.pages import StepMoves
+    from sgl_importance.hot_set.rows import BorrowedPages
+    from sgl_importance.metrics import HotSetMetrics
+    from sgl_importance.sglang_types.scheduler import Scheduler
+    from sgl_importance.sglang_types.server import ServerArgs
+    from sgl_importance.storage.shared_importance import SharedImportance
+
 logger = logging.getLogger(__name__)
+
+
+# Two of the runtime's parts are built by layers above it (attention/, scheduler/), which import
+# this module: importing their classes here, even for typing only, would close a circle
+# (tools/imports.py counts it), so they are named by what their readers use.
+
+
+class BackendHotSet(Protocol):
+    """The decode backend's hot set (``attention/hot_set_attention.HotSetAttention``): what
+    the scheduler hooks and the graph variants read of it."""
+
+    decoder: HotSetDecoder
+    stream_prefill: bool  # a long prompt's full pages leave the device as it prefills
+    forward_stream: Optional[torch.cuda.Stream]  # the model runner's (CUDA); None on the CPU
+    metrics: Optional[HotSetMetrics]  # None: --enable-metrics off
+    graph: Optional[GraphStep]  # the captured hot-set step (--hot-set-graph-rows)
+
+    def end_batch(self) -> Optional[StepMoves]: ...  # after a batch's forward: the page moves it wants
+
+    def after_step(self) -> None: ...  # the gauges of what the rows and running requests hold
+
+
+class HotSetLimits(Protocol):
+    """What a hot-set server takes (``scheduler/long_requests.Limits``): what clipping a
+    request's new tokens reads of it."""
+
+    device_longest: int  # the longest request that keeps every page on the device
+    device_tokens: int  # the device pool's tokens
 
 
 class Runtime:
@@ -55,7 +96,7 @@ class Runtime:
         server_args: SGLang's server args (None outside a launched server).
     """
 
-    def __init__(self, config: Optional[ImportanceConfig] = None, server_args: Any = None) -> None:
+    def __init__(self, config: Optional[ImportanceConfig] = None, server_args: Optional[ServerArgs] = None) -> None:
         self.config = config if config is not None else ImportanceConfig()
         if server_args is not None:
             # The backend the platform chose where none was named (platform/attention_choice.py).
@@ -77,11 +118,11 @@ class Runtime:
         # sizes the KV pool (attention/table_reserve.reserve_table); None before.
         self.table_budget: Optional[TableBudget] = None
         # The KV pages lent to the hot set's rows (hot_set/rows.py; built with the hot set).
-        self.row_pages: Any = None
+        self.row_pages: Optional[BorrowedPages] = None
         # What a hot-set server takes (scheduler/long_requests.py); None: SGLang's own limits.
-        self.limits: Any = None
+        self.limits: Optional[HotSetLimits] = None
         # The decode backend's hot set (attention/hot_set_attention.py): the graph variants read its plan.
-        self.hot_set_attention: Any = None
+        self.hot_set_attention: Optional[BackendHotSet] = None
         self.tracing = Tracing(self.config)
         if self.tracing.requested:
             # The tracer sees every layer and step the page importance table records.
@@ -92,11 +133,11 @@ class Runtime:
             c.storage_precision, c.storage_precision_thresholds()
         )
         # Importance shared next to the pages of a Mooncake store, once one is built.
-        self.shared_importance: Any = None
+        self.shared_importance: Optional[SharedImportance] = None
         # The state of the scheduler's tree cache under --radix-eviction-policy
         # importance, found once the scheduler is attached; None under other policies.
         self.cache_state: Optional[CacheState] = None
-        self._scheduler: Optional[weakref.ref] = None
+        self._scheduler: Optional[weakref.ref[Scheduler]] = None
         # Whether anything reads the page importance decode records: the importance policy,
         # the hot set, graded storage, the tracer, the table's dump; outside a server (tests,
         # tools) always. Without a reader the CPU decode skips it (attention/torch_backend.py).
@@ -109,7 +150,7 @@ class Runtime:
         )
 
     @property
-    def scheduler(self) -> Any:
+    def scheduler(self) -> Optional[Scheduler]:
         """The process's scheduler, None before it is built (and in tests)."""
         return self._scheduler() if self._scheduler is not None else None
 
@@ -134,11 +175,11 @@ class Runtime:
         original: Callable[..., Any],
         factory: Any,
         backend_name: str,
-        storage_config: Any,
+        storage_config: HiCacheStorageConfig,
         mem_pool_host: Any,
         *args: Any,
         **kwargs: Any,
-    ) -> Any:
+    ) -> HiCacheStorage:
         """Around ``StorageBackendFactory.create_backend`` (at start-up or attached later):
         SGLang's backend with its pages sealed (``storage/factory.py``) unless
         ``--importance-storage-integrity off``, and, over a Mooncake store under the
@@ -160,7 +201,7 @@ class Runtime:
         self.shared_importance = share_importance(backend, storage_config.tp_rank, self.eviction_policy, metrics)
         return backend
 
-    def attach_scheduler(self, scheduler: Any) -> None:
+    def attach_scheduler(self, scheduler: Scheduler) -> None:
         """After ``Scheduler.__init__``: the scheduler the caches' states read, and the
         state of its tree cache (the fold's)."""
         self._scheduler = weakref.ref(scheduler)
@@ -179,7 +220,7 @@ def current() -> Runtime:
     return _current
 
 
-def config_of(server_args: Any) -> ImportanceConfig:
+def config_of(server_args: ServerArgs) -> ImportanceConfig:
     """The config a process was started with (defaults when built without the CLI):
     read here, once, as the runtime is built."""
     # Absent where ServerArgs was built without from_cli_args (the Engine API, tests).
@@ -187,7 +228,7 @@ def config_of(server_args: Any) -> ImportanceConfig:
     return config if isinstance(config, ImportanceConfig) else ImportanceConfig()
 
 
-def start(owner: Any, server_args: Any, *args: Any, **kwargs: Any) -> Runtime:
+def start(owner: Any, server_args: ServerArgs, *args: Any, **kwargs: Any) -> Runtime:
     """Before ``Scheduler.__init__(server_args, ...)`` (or ``TokenizerManager.__init__``
     in the HTTP process): a fresh runtime from the flags."""
     global _current

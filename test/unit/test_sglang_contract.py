@@ -268,7 +268,7 @@ ATTRIBUTES = [
     ),
     Name("sglang.srt.sampling.sampling_params.SamplingParams", "custom_params", "scheduler/hot_set_requests.py"),
     Name(REQ, "finished", "scheduler/hot_set_requests.py"),
-    Name(SCHEDULER, "server_args", "scheduler/hot_set_requests.py"),
+    Name(SCHEDULER, "server_args", "scheduler/hot_set_requests.py, trace/tracing.py"),
     # SGLang's Mooncake backend, which storage/mooncake.py stores sealed pages through.
     *(Name(f"{MOONCAKE}.MooncakeStore", n, "storage/mooncake.py") for n in ("store", "config_prefix")),
     Name(f"{MOONCAKE}.MooncakeStore", "config", "storage/factory.py"),
@@ -290,6 +290,14 @@ ATTRIBUTES = [
     *(Name(LAUNCHER_ARGS, n, "config.py") for n in ("attention_backend", "decode_attention_backend")),
     Name(SERVER_ARGS, "enable_metrics", "storage/factory.py, storage/mooncake.py, attention/torch_backend.py"),
     Name(SERVER_ARGS, "radix_eviction_policy", "storage/mooncake.py"),
+    # What the runtime and the tracer read of the ServerArgs (sglang_types/server.py).
+    *(Name(SERVER_ARGS, n, "runtime.py") for n in ("attention_backend", "decode_attention_backend")),
+    *(Name(SERVER_ARGS, n, "trace/tracing.py") for n in ("page_size", "served_model_name", "model_path")),
+    # The storage tier's identity and ranks (storage/factory.py, runtime.py).
+    *(
+        Name(f"{MEM}.hicache_storage.HiCacheStorageConfig", n, "storage/factory.py, runtime.py")
+        for n in ("tp_rank", "tp_size", "pp_rank", "pp_size", "model_name")
+    ),
     Name("sglang.srt.model_executor.model_runner.ModelRunner", "server_args", "attention/"),
     # Hot-set page release (scheduler/hot_set_release.py).
     *(Name(CACHE, n, "scheduler/hot_set_release.py") for n in ("host_pool_group", "evict_host")),

@@ -24,7 +24,7 @@ from sgl_importance.runtime import Runtime
 if TYPE_CHECKING:
     from sgl_importance.attention.released_prefix import ReleasedPrefix
     from sgl_importance.hot_set.page_lists import ExactAttention
-    from sgl_importance.sglang_types import AttentionLayer, ForwardBatch, KVPool, ModelRunner
+    from sgl_importance.sglang_types.model import AttentionLayer, ForwardBatch, KVPool, ModelRunner
 
 
 def page_importance_for(runtime: Runtime, model_runner: ModelRunner) -> PageImportanceTable:

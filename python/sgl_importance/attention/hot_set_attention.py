@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from sgl_importance.hot_set.page_lists import ExactAttention
     from sgl_importance.hot_set.request_state import LiveRequest
     from sgl_importance.metrics import HotSetMetrics
-    from sgl_importance.sglang_types import AttentionLayer, ModelRunner
+    from sgl_importance.sglang_types.model import AttentionLayer, ModelRunner
     from sgl_kernel_ext.page_list import TritonPageListDecode
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from sgl_importance.runtime import Runtime
 
 if TYPE_CHECKING:
     from sgl_importance.config import ImportanceConfig
-    from sgl_importance.sglang_types import AttentionGraphVariants, DecodeGraphRunner, ForwardBatch
+    from sgl_importance.sglang_types.model import AttentionGraphVariants, DecodeGraphRunner, ForwardBatch
 
 
 def holds_hot_set_request(seq_lens_cpu: Optional[torch.Tensor], threshold: int) -> bool:

@@ -14,7 +14,7 @@ from sgl_importance.hot_set.table_budget import KVShape, plan_table
 from sgl_importance.runtime import Runtime
 
 if TYPE_CHECKING:
-    from sgl_importance.sglang_types import KVCacheConfigurator, MemoryPoolConfig
+    from sgl_importance.sglang_types.model import KVCacheConfigurator, MemoryPoolConfig
 
 
 def reserve_table(

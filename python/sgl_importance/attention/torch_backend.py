@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     from sgl_importance.attention.released_prefix import ReleasedPrefix
-    from sgl_importance.sglang_types import KVPool, MHAPool
+    from sgl_importance.sglang_types.model import KVPool, MHAPool
 
 # Which dense decode runs: the batched page-list path, or the slot-by-slot reference
 # (for A/B timing and as a fallback); read once when the backend is built.

@@ -37,7 +37,7 @@ from sgl_importance.importance.aggregator import ImportanceAggregator
 from sgl_importance.node_state import node_pinned, node_state, peek_state
 
 if TYPE_CHECKING:
-    from sgl_importance.sglang_types import NodeId, TreeCache, TreeNode
+    from sgl_importance.sglang_types.tree import NodeId, TreeCache, TreeNode
     from sgl_importance.storage.shared_importance import SharedImportance
 
 # A node's ``NodeState.storage``: None (never decided), DEFERRED or ADMITTED.

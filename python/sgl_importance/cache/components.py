@@ -23,7 +23,7 @@ Four jobs:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
@@ -35,7 +35,10 @@ from sgl_importance.cache.state import CacheState
 from sgl_importance.importance.priority import POLICY_NAME
 
 if TYPE_CHECKING:
-    from sgl_importance.sglang_types import InsertResult, TreeCache, TreeNode
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from sgl_importance.sglang_types.tree import InsertResult, TreeCache, TreeNode
 
 
 class ImportanceFullComponent(FullComponent):
@@ -54,7 +57,7 @@ class ImportanceFullComponent(FullComponent):
         split_state(new_parent, child)
 
     def commit_insert_component_data(
-        self, node: TreeNode, is_new_leaf: bool, params: Any, result: InsertResult, cache_actions: list
+        self, node: TreeNode, is_new_leaf: bool, params: InsertParams, result: InsertResult, cache_actions: list
     ) -> None:
         super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
         if is_new_leaf:
@@ -99,11 +102,11 @@ class ImportanceFullComponent(FullComponent):
             state.warm.add(node)
 
 
-def uses_importance_policy(params: Any) -> bool:
+def uses_importance_policy(params: CacheInitParams) -> bool:
     return (params.eviction_policy or "").lower() == POLICY_NAME
 
 
-def use_importance_components(cache: TreeCache, params: Any) -> None:
+def use_importance_components(cache: TreeCache, params: CacheInitParams) -> None:
     """Before ``UnifiedRadixCache(params)``: install the FULL override for ``importance``.
 
     Mutates ``params`` (a ``CacheInitParams``; ``cache`` is the one being built, not
@@ -118,7 +121,7 @@ def use_importance_components(cache: TreeCache, params: Any) -> None:
     }
 
 
-def _require_consistent_tree_ranks(params: Any) -> None:
+def _require_consistent_tree_ranks(params: CacheInitParams) -> None:
     # Every rank sharing a tree must make the same eviction decisions. Tensor
     # parallelism is safe: the fold agrees on page values over the tree-cache group
     # (scheduler/fold.py). These layouts are not, so refuse them at start-up:

@@ -9,17 +9,20 @@ load-back), so the fold after every batch does not recompute them.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from sgl_importance.node_state import node_state
 
+if TYPE_CHECKING:
+    from sgl_importance.sglang_types.tree import TreeNode
+
 _FULL = int(ComponentType.FULL)
 
 
-def device_value(node: Any) -> Optional[torch.Tensor]:
+def device_value(node: TreeNode) -> Optional[torch.Tensor]:
     """The node's device token slots, None when it holds none (evicted, or the root)."""
     data = getattr(node, "component_data", None)
     if not data:
@@ -29,7 +32,7 @@ def device_value(node: Any) -> Optional[torch.Tensor]:
     return None if value is None or value.numel() == 0 else value
 
 
-def device_pages(node: Any, page_size: int) -> Optional[torch.Tensor]:
+def device_pages(node: TreeNode, page_size: int) -> Optional[torch.Tensor]:
     """The node's physical page ids (int64, in sequence order), None without device KV."""
     value = device_value(node)
     if value is None:

@@ -62,7 +62,8 @@ from sgl_importance.node_state import node_importance, node_state, peek_state
 if TYPE_CHECKING:
     from sgl_importance.importance.aggregator import ImportanceAggregator
     from sgl_importance.metrics import ImportanceMetrics
-    from sgl_importance.sglang_types import LockReceipt, NodeId, Req, TreeCache, TreeCore, TreeNode
+    from sgl_importance.sglang_types.scheduler import PrefillAdder, PrefillBudget, Req
+    from sgl_importance.sglang_types.tree import LockReceipt, NodeId, TreeCache, TreeCore, TreeNode
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ WAITING_SCAN = 16
 WARM_SCAN = 16
 
 
-def note_prefill_adder(adder: Any) -> None:
+def note_prefill_adder(adder: PrefillAdder) -> None:
     """After ``PrefillAdder.__init__``: the budget of the batch being built."""
     state = state_of(adder.tree_cache)
     if state is not None:
@@ -361,7 +362,7 @@ def prefetch_with_batch_load(original: Callable[[TreeCache], int], cache: TreeCa
     return original(cache)
 
 
-def issue(cache: TreeCache, strategy: Any, adder: Any) -> list[Candidate]:
+def issue(cache: TreeCache, strategy: Any, adder: PrefillAdder) -> list[Candidate]:
     """Plan and queue this batch's prefetches; returns the ones queued."""
     state = strategy.state
     cap = state.config.prefetch_max_tokens
@@ -395,7 +396,7 @@ def issue(cache: TreeCache, strategy: Any, adder: Any) -> list[Candidate]:
             cache.dec_lock_ref(node_id, params)
 
 
-def _room(budget_obj: Any) -> int:
+def _room(budget_obj: PrefillBudget) -> int:
     # Free + evictable device tokens that admission left unpromised, now.
     return int(min(budget_obj.remaining_total, budget_obj.remaining_current))
 
@@ -411,7 +412,11 @@ def _lock_admitted_prefixes(cache: TreeCache, reqs: Iterable[Req]) -> list[tuple
 
 
 def _load(
-    cache: TreeCache, metrics: Optional[ImportanceMetrics], chosen: list[Candidate], budget_obj: Any, page: int
+    cache: TreeCache,
+    metrics: Optional[ImportanceMetrics],
+    chosen: list[Candidate],
+    budget_obj: PrefillBudget,
+    page: int,
 ) -> list[Candidate]:
     queued = []
     for c in chosen:

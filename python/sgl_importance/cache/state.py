@@ -19,7 +19,7 @@ code from the runtime (``Runtime.cache_state``). It holds:
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from sgl_importance.cache.admission import StorageAdmission
 from sgl_importance.cache.prefetch import WarmIndex
@@ -28,6 +28,10 @@ from sgl_importance.importance.aggregator import ImportanceAggregator
 from sgl_importance.importance.priority import ImportancePolicyConfig
 from sgl_importance.importance.turnover import TurnoverClock
 from sgl_importance.metrics import Metrics
+
+if TYPE_CHECKING:
+    from sgl_importance.sglang_types.scheduler import PrefillAdder, Scheduler
+    from sgl_importance.storage.shared_importance import SharedImportance
 
 
 class CacheState:
@@ -45,8 +49,8 @@ class CacheState:
         config: Mapping[str, Any],
         metrics: Optional[Metrics] = None,
         *,
-        scheduler: Callable[[], Any] = lambda: None,
-        shared: Callable[[], Any] = lambda: None,
+        scheduler: Callable[[], Optional[Scheduler]] = lambda: None,
+        shared: Callable[[], Optional[SharedImportance]] = lambda: None,
     ) -> None:
         self.config = ImportancePolicyConfig.from_mapping(config)
         c = self.config
@@ -61,23 +65,23 @@ class CacheState:
         self.metrics = metrics if metrics is not None else Metrics()
         self._scheduler = scheduler
         self._shared = shared
-        self._adder: Optional[weakref.ref] = None
+        self._adder: Optional[weakref.ref[PrefillAdder]] = None
 
     @property
-    def scheduler(self) -> Any:
+    def scheduler(self) -> Optional[Scheduler]:
         """The scheduler of this process (None before it is built, or in a test)."""
         return self._scheduler()
 
     @property
-    def shared(self) -> Any:
+    def shared(self) -> Optional[SharedImportance]:
         """Importance shared through a Mooncake store, None without one."""
         return self._shared()
 
-    def note_adder(self, adder: Any) -> None:
+    def note_adder(self, adder: PrefillAdder) -> None:
         """The prefill adder of the batch being built (its memory budget)."""
         self._adder = weakref.ref(adder)
 
-    def take_adder(self) -> Any:
+    def take_adder(self) -> Optional[PrefillAdder]:
         """The noted adder, once: it belongs to the batch whose load-back starts next."""
         ref, self._adder = self._adder, None
         return ref() if ref is not None else None

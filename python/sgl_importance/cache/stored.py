@@ -46,7 +46,8 @@ from sgl_importance.node_state import has_importance, node_importance, node_stat
 
 if TYPE_CHECKING:
     from sgl_importance.importance.page_importance import PageImportanceHolder, PageImportanceTable
-    from sgl_importance.sglang_types import InsertResult, NodeId, Req, Scheduler, TreeCache, TreeCore, TreeNode
+    from sgl_importance.sglang_types.scheduler import Req, Scheduler
+    from sgl_importance.sglang_types.tree import InsertResult, NodeId, TreeCache, TreeCore, TreeNode
     from sgl_importance.storage.precision import PageClasses
     from sgl_importance.storage.shared_importance import SharedImportance
 

@@ -34,7 +34,7 @@ allowed range.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
@@ -46,6 +46,11 @@ from sgl_importance.importance.priority import (
     parse_policy_config,
 )
 from sgl_importance.node_state import node_importance, node_pinned
+
+if TYPE_CHECKING:
+    import argparse
+
+    from sgl_importance.sglang_types.tree import TreeNode
 
 
 class SGLangAccessClock:
@@ -99,7 +104,7 @@ class ImportanceStrategy(EvictionStrategy):
         now = self.clock()
         return eviction_priority(self._weights, 0.0, False, now, 0, now, self._aggregator.scale)
 
-    def get_priority(self, node: Any) -> tuple[int, float, float]:
+    def get_priority(self, node: TreeNode) -> tuple[int, float, float]:
         """(band, score, last_access_time); smaller is evicted first."""
         last = node.last_access_time
         return eviction_priority(
@@ -114,13 +119,13 @@ class ImportanceStrategy(EvictionStrategy):
         )
 
 
-def reuses(node: Any) -> int:
+def reuses(node: TreeNode) -> int:
     """Requests that re-read the node after the one that inserted it: SGLang's
     ``hit_count`` counts every request whose prompt covered the node, the first too."""
     return max(node.hit_count - 1, 0)
 
 
-def check_cli_args(args: Any) -> None:
+def check_cli_args(args: argparse.Namespace) -> None:
     """Validate ``--radix-eviction-policy-config`` when the policy is ``importance``.
 
     Args:

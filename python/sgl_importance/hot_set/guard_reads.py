@@ -19,18 +19,26 @@ reference. Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable, Protocol
 
 import torch
 
-from sgl_importance.hot_set.page_lists import GuardLists
+from sgl_importance.hot_set.page_lists import ExactAttention, GuardLists
 from sgl_kernel_ext import masked_page_attention, plan_from_table
 from sgl_kernel_ext.masked_pages import HAS_TRITON
 
 Reader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+ReadHost = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (layer, host slots) -> K, V
 
 
-def reads_with_kernel(decoder: Any) -> bool:
+class ExactReads(Protocol):
+    """What the guard's reads use of a ``decode.HotSetDecoder`` (which imports this module):
+    its exact reader."""
+
+    _read: ExactAttention
+
+
+def reads_with_kernel(decoder: ExactReads) -> bool:
     """Whether ``decoder`` reads the guard's rounds with the masked-pages kernel: where its
     exact reader is the Triton backend's (tests force it through this)."""
     if not HAS_TRITON:
@@ -40,7 +48,7 @@ def reads_with_kernel(decoder: Any) -> bool:
     return isinstance(decoder._read, TritonPageListDecode)
 
 
-def pages_of(read_host: Any, layer_id: int, k_pages, v_pages, physical, host_index, host_slots):
+def pages_of(read_host: ReadHost, layer_id: int, k_pages, v_pages, physical, host_index, host_slots):
     """K and V ``[n, C, page_size, Hkv, D]`` of a table of device pages ``physical``
     ``[n, C]``, with the host copies of ``host_index`` (into the flattened table; their
     slots ``host_slots``, read by ``read_host(layer_id, slots)``: ``Residency.read_host``) put in."""
@@ -54,7 +62,7 @@ def pages_of(read_host: Any, layer_id: int, k_pages, v_pages, physical, host_ind
     return keys, values
 
 
-def exact_reader(decoder: Any, layer_id: int, q, k_pages, v_pages, lists: GuardLists, run: dict) -> Reader:
+def exact_reader(decoder: ExactReads, layer_id: int, q, k_pages, v_pages, lists: GuardLists, run: dict) -> Reader:
     """The guard's reader for one layer of ``decoder`` (a ``HotSetDecoder``): bool
     ``[n, P]`` chosen rest pages (none released) -> their exact ``(lse, output)`` (lse -inf
     and output 0 for a row with none chosen); see the module docstring for which path runs where."""
@@ -64,7 +72,7 @@ def exact_reader(decoder: Any, layer_id: int, q, k_pages, v_pages, lists: GuardL
     return lambda chosen: read_table(decoder, q_rows, k_pages, v_pages, lists, chosen, run)
 
 
-def read_table(decoder: Any, q_rows, k_pages, v_pages, lists: GuardLists, chosen, run: dict):
+def read_table(decoder: ExactReads, q_rows, k_pages, v_pages, lists: GuardLists, chosen, run: dict):
     """The ``chosen`` pages of the fixed rest table, read by the decoder's exact reader over
     that table with the unchosen pages' token counts set to 0 (skipped)."""
     page_size = k_pages.shape[1]

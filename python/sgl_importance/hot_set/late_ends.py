@@ -16,9 +16,16 @@ Plain Python over the decoder's step records; nothing here imports SGLang.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
-Fold = Callable[[Any], list]  # a replayed step's read back -> its requests, folded (GraphStep.fold)
+if TYPE_CHECKING:
+    from sgl_importance.hot_set.graph_step import Replayed
+    from sgl_importance.hot_set.request_state import LiveRequest
+
+# A replayed step's read back -> its requests, folded (GraphStep.fold).
+Fold = Callable[["Replayed"], list["LiveRequest"]]
+# A step run: an eager step's folded requests, or a replayed step's read back (folded when it ends).
+Step = Union[list["LiveRequest"], "Replayed"]
 
 
 class LateEnds:
@@ -26,9 +33,9 @@ class LateEnds:
     replayed step's read back (``graph_step.Replayed``, folded when it ends)."""
 
     def __init__(self) -> None:
-        self.pending: Any = None
+        self.pending: Optional[Step] = None
 
-    def ran(self, step: Any, fold: Fold) -> tuple[list, list[int]]:
+    def ran(self, step: Step, fold: Fold) -> tuple[list[LiveRequest], list[int]]:
         """``step`` has run: what ends now (requests, each with how many steps ahead its next
         plan is): the step held back before it (2) and ``step``'s requests on their first step
         (1); the rest of ``step`` is held back."""
@@ -42,19 +49,19 @@ class LateEnds:
             live, aheads = live + first, aheads + [1] * len(first)
         return live, aheads
 
-    def drain(self, fold: Fold) -> list:
+    def drain(self, fold: Fold) -> list[LiveRequest]:
         """The step held back, folded, to end now (its requests are leaving); empty if none."""
         step, self.pending = self.pending, None
         return [] if step is None else _folded(step, fold)
 
 
-def _requests(step: Any) -> list:
+def _requests(step: Step) -> list[LiveRequest]:
     return step if isinstance(step, list) else step.live
 
 
-def _folded(step: Any, fold: Fold) -> list:
+def _folded(step: Step, fold: Fold) -> list[LiveRequest]:
     return step if isinstance(step, list) else fold(step)
 
 
-def _first_step(req: Any) -> bool:
+def _first_step(req: LiveRequest) -> bool:
     return req.tracked is not None and req.tracked.state.step == 0

@@ -33,7 +33,7 @@ class PageCopies:
         device = torch.device(device)
         self.stream: Optional[Any] = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._event: Optional[Any] = None
-        self._held: list[Any] = []  # tensors a queued copy reads: alive until fenced
+        self._held: list[torch.Tensor] = []  # tensors a queued copy reads: alive until fenced
         self._frees: list[tuple[tuple[Any, ...], Callable[[], None]]] = []  # (what it waits for, free)
         # A step still running on another stream (``after``): copies and frees wait for it. The
         # last one only: steps end in order on their stream.
@@ -49,7 +49,7 @@ class PageCopies:
         """Whether device pages wait for a copy out of them to finish before they are freed."""
         return bool(self._frees)
 
-    def run(self, copy: Callable[[], None], *held: Any) -> None:
+    def run(self, copy: Callable[[], None], *held: torch.Tensor) -> None:
         """Issue ``copy`` on the side stream (in line without one)."""
         if self.stream is None:
             copy()

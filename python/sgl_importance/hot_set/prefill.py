@@ -18,7 +18,7 @@ Plain torch; nothing here imports SGLang.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -27,8 +27,37 @@ from sgl_importance.hot_set.footprint import streams
 from sgl_importance.hot_set.request_state import LiveRequest, Seed
 from sgl_importance.hot_set.step_tally import top_p_counts
 
+if TYPE_CHECKING:
+    from sgl_importance.hot_set.key_codes import GuardPool
+    from sgl_importance.hot_set.key_ranges import KeyRanges
+    from sgl_importance.hot_set.params import HotSetParams
+    from sgl_importance.hot_set.record import LongRequest
+    from sgl_importance.hot_set.request_params import RequestParams
+    from sgl_importance.hot_set.residency import Residency
+    from sgl_importance.hot_set.selection import HotSetCounts
 
-def summarise_prefill(decoder: Any, rid: str, slots: torch.Tensor, full: int) -> bool:
+
+class PrefillDecoder(Protocol):
+    """What a streamed prefill and a seeded first step use of the process's
+    ``decode.HotSetDecoder`` (which imports this module)."""
+
+    params: HotSetParams  # the server's
+    request_params: RequestParams  # those requests chose for themselves
+    residency: Residency
+    ranges: KeyRanges
+    pool_views: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (K, V) viewed as pages
+    page_size: int
+    prefill_counts: HotSetCounts  # added to the next step's
+
+    @property
+    def guard(self) -> GuardPool: ...
+
+    def track(self, rid: str) -> LongRequest: ...
+
+    def forget_request(self, rid: str) -> None: ...
+
+
+def summarise_prefill(decoder: PrefillDecoder, rid: str, slots: torch.Tensor, full: int) -> bool:
     """Summarise request ``rid``'s pages ``[0, full)`` (those not done yet) from the device pool.
 
     Args:
@@ -56,7 +85,7 @@ def summarise_prefill(decoder: Any, rid: str, slots: torch.Tensor, full: int) ->
     return not tracked.ranges_refused and tracked.ranges.numel() >= full
 
 
-def _summarise(decoder: Any, live: LiveRequest, full: int) -> None:
+def _summarise(decoder: PrefillDecoder, live: LiveRequest, full: int) -> None:
     """``coding.summarise_pages`` with the decoder's pools (host copies for pages off the
     device), its refusals counted with the next step's."""
     ps, host = decoder.page_size, decoder.residency.read_host
@@ -66,7 +95,7 @@ def _summarise(decoder: Any, live: LiveRequest, full: int) -> None:
     decoder.prefill_counts.ranges_regained += refused[2]
 
 
-def seed_layer(decoder: Any, rid: str, layer: int, masses: torch.Tensor) -> None:
+def seed_layer(decoder: PrefillDecoder, rid: str, layer: int, masses: torch.Tensor) -> None:
     """One layer of request ``rid``'s extend: its last token's mass per page and KV head
     ``[kv_heads, pages]`` folded into its seed (``--hot-set-first-step seeded``). Each extend
     starts a new seed at its first layer: the last chunk's is the one its first step uses."""
@@ -90,7 +119,7 @@ def seed_layer(decoder: Any, rid: str, layer: int, masses: torch.Tensor) -> None
         seed.wanted[layer % seed.wanted.numel()] = count.view(())
 
 
-def apply_seed(decoder: Any, rid: str, live: LiveRequest, num_pages: int) -> None:
+def apply_seed(decoder: PrefillDecoder, rid: str, live: LiveRequest, num_pages: int) -> None:
     """Before a tracked request's first decode step is planned: its pages summarised (a
     history never on the device from its host copies) and its hot set seeded from its
     prefill's last token, as if that had been the dense first step; its plan then reads the

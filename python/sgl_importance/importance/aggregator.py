@@ -54,7 +54,7 @@ from sgl_importance.node_state import has_importance, node_importance, node_stat
 
 if TYPE_CHECKING:
     from sgl_importance.importance.page_importance import PageImportanceTable
-    from sgl_importance.sglang_types import TreeNode
+    from sgl_importance.sglang_types.tree import TreeNode
 
 
 class Observation(NamedTuple):

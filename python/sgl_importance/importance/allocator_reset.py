@@ -18,14 +18,17 @@ allocator; nothing here imports SGLang.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from sgl_importance.importance.page_importance import PageImportanceHolder
 
+if TYPE_CHECKING:
+    from sgl_importance.sglang_types.tree import KVAllocator
 
-def pages_released(page_importance: PageImportanceHolder, allocator: Any, *page_ids: torch.Tensor) -> None:
+
+def pages_released(page_importance: PageImportanceHolder, allocator: KVAllocator, *page_ids: torch.Tensor) -> None:
     """After ``PagedTokenToKVPoolAllocator._release_page_ids(*page_ids)``."""
     table = page_importance.current
     if table is None:
@@ -34,7 +37,7 @@ def pages_released(page_importance: PageImportanceHolder, allocator: Any, *page_
         table.reset_pages(ids)
 
 
-def slots_freed(page_importance: PageImportanceHolder, allocator: Any, free_index: torch.Tensor) -> None:
+def slots_freed(page_importance: PageImportanceHolder, allocator: KVAllocator, free_index: torch.Tensor) -> None:
     """After ``TokenToKVPoolAllocator.free(free_index)`` (page size 1)."""
     table = page_importance.current
     if table is None or allocator.free_group is not None:
@@ -42,7 +45,7 @@ def slots_freed(page_importance: PageImportanceHolder, allocator: Any, free_inde
     table.reset_pages(free_index)
 
 
-def allocator_cleared(page_importance: PageImportanceHolder, allocator: Any) -> None:
+def allocator_cleared(page_importance: PageImportanceHolder, allocator: KVAllocator) -> None:
     """After an allocator's ``clear()``."""
     table = page_importance.current
     if table is not None:

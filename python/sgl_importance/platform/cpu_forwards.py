@@ -24,7 +24,7 @@ from sgl_kernel_ext.layer_ops import rms_norm, rotary
 from sgl_kernel_ext.linear import linear
 
 if TYPE_CHECKING:
-    from sgl_importance.sglang_types import LinearLayer, LinearMethod, LogitsProcessor, NormOp, RotaryOp
+    from sgl_importance.sglang_types.model import LinearLayer, LinearMethod, LogitsProcessor, NormOp, RotaryOp
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 

@@ -18,7 +18,7 @@ import torch
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 if TYPE_CHECKING:
-    from sgl_importance.sglang_types import KVPool
+    from sgl_importance.sglang_types.model import KVPool
 
 # Layouts whose per-layer host views can be indexed by token (or by page) with
 # plain torch ops. page_head interleaves heads inside a page and page_unified

@@ -46,7 +46,7 @@ from sgl_importance.hot_set.params import HotSetParams
 from sgl_importance.hot_set.request_state import kept_share, ranges_refused
 from sgl_importance.hot_set.residency import Residency
 from sgl_importance.runtime import Runtime
-from sgl_importance.sglang_types import PrefillAdmission, Req, Scheduler
+from sgl_importance.sglang_types.scheduler import PrefillAdmission, Req, Scheduler
 
 
 class FootprintBook:

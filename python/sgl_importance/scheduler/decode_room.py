@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from sgl_importance.runtime import Runtime
-from sgl_importance.sglang_types import ScheduleBatch
+from sgl_importance.sglang_types.scheduler import ScheduleBatch
 
 
 def fits_after_releases(

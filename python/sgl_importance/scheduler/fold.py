@@ -32,23 +32,17 @@ batch late changes nothing that matters, and no GPU stream is waited on.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from sgl_importance.cache.admission import admit_deferred
 from sgl_importance.cache.device_pages import device_pages
 from sgl_importance.cache.prefetch import mark_used
 from sgl_importance.importance.aggregator import Observation
+from sgl_importance.importance.page_importance import PageImportanceHolder
 from sgl_importance.node_state import node_importance
 from sgl_importance.runtime import Runtime
-from sgl_importance.sglang_types import (
-    NodeHandle,
-    Req,
-    ScheduleBatch,
-    Scheduler,
-    TreeCache,
-    TreeCore,
-    TreeNode,
-)
+from sgl_importance.sglang_types.scheduler import Req, ScheduleBatch, Scheduler
+from sgl_importance.sglang_types.tree import NodeHandle, TreeCache, TreeCore, TreeNode
 
 if TYPE_CHECKING:
     import torch
@@ -143,7 +137,7 @@ def _resolve(tree_core: TreeCore, handle: Optional[NodeHandle]) -> Optional[Tree
     return handle
 
 
-def _warn_no_table(page_importance: Any) -> None:
+def _warn_no_table(page_importance: PageImportanceHolder) -> None:
     if not page_importance.warned_missing:
         page_importance.warned_missing = True
         logger.warning(

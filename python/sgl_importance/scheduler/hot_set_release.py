@@ -2,12 +2,11 @@
 
 The records these hooks act on (the runtime's ``Residency``, passed in as ``residency``;
 each request's ``LongRequest``, its ``RequestPages``) and the page moves are
-``hot_set/residency.py``; here are the hooks
-plugin.py calls and ``HiCachePagePools``, the adapter of ``residency.PagePools`` over
-SGLang's allocator and host pool. These hooks, all between forwards, are the only callers
-of the moves: the decoder asks for its next step's releases and promotions as data, and
-``hot_set_rows.around_batch`` (after ``Scheduler.run_batch``) makes them before the next
-step's allocation.
+``hot_set/residency.py``; here are the hooks plugin.py calls and ``HiCachePagePools``,
+the adapter of ``residency.PagePools`` over SGLang's allocator and host pool. These
+hooks, all between forwards, are the only callers of the moves: the decoder asks for its
+next step's releases and promotions as data, and ``hot_set_rows.around_batch`` (after
+``Scheduler.run_batch``) makes them before the next step's allocation.
 
 With ``--hot-set-policy`` on and HiCache's host pool present (``--enable-hierarchical-cache``),
 a request longer than ``--hot-set-threshold`` tokens is *admitted* to release: its pages
@@ -45,22 +44,21 @@ logical: every page stays on the device (logged once at start-up).
 
 **A matched prefix held on the host** (``--hot-set-prefix host``, the default): an
 admitted request whose tree pages (its matched prefix; for a grown request, its prompt)
-all have a host copy (HiCache's
-write-through, the copy landed) borrows those copies (``RequestPages.lend_prefix``; the
-tree node it matched is host-locked so they stay). On the step after, the prefix pages its
-plan left out are no longer read from the device; the ones it plans are copied into device
-pages of its own, and its device lock on the prefix goes: the tree's device pages of the
-prefix become evictable like any unlocked node's (evicted under pressure, matched by other
-requests while they last, loaded back from the host by a request that matches them after).
-Two running requests sharing a prefix each read their own copies; the tree's device pages
-stay while any request not holding the prefix on the host locks them. When it leaves: a
-finishing request whose prefix node is still on the device locks it again and points its
-row back at it (nothing copied); otherwise its released prefix pages come back with its
-own and the insert puts them into the evicted nodes. An abort or a retraction frees only
-its own copies. Needs the Python tree core (``--radix-eviction-policy importance``, or
+all have a host copy (HiCache's write-through, the copy landed) borrows those copies
+(``RequestPages.lend_prefix``; the tree node it matched is host-locked so they stay). On
+the step after, the prefix pages its plan left out are no longer read from the device; the
+ones it plans are copied into device pages of its own, and its device lock on the prefix
+goes: the tree's device pages of the prefix become evictable like any unlocked node's
+(evicted under pressure, matched by other requests while they last, loaded back from the
+host by a request that matches them after). Two running requests sharing a prefix each
+read their own copies; the tree's device pages stay while any request not holding the
+prefix on the host locks them. When it leaves: a finishing request whose prefix node is
+still on the device locks it again and points its row back at it (nothing copied);
+otherwise its released prefix pages come back with its own and the insert puts them into
+the evicted nodes. An abort or a retraction frees only its own copies. Needs the Python
+tree core (``--radix-eviction-policy importance``, or
 ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python``); with the Rust core the prefix stays on
-the device (logged once).
-"""
+the device (logged once)."""
 
 from __future__ import annotations
 
@@ -77,10 +75,13 @@ from sgl_importance.hot_set.params import HotSetParams
 from sgl_importance.hot_set.prefix_hold import PrefixHold
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import Residency, subtract_pages
+from sgl_importance.hot_set.rows import BorrowedPages
+from sgl_importance.runtime import BackendHotSet
 from sgl_importance.scheduler.hot_set_requests import forget_request
 from sgl_importance.scheduler.hot_set_rows import lent_for
 from sgl_importance.scheduler.streamed_prefill import release_chunk
-from sgl_importance.sglang_types import NodeId, Req, ReqKvInfo, ScheduleBatch, Scheduler, TreeCache
+from sgl_importance.sglang_types.scheduler import Req, ReqKvInfo, ScheduleBatch, Scheduler
+from sgl_importance.sglang_types.tree import NodeId, TreeCache
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +225,12 @@ def reopen_admission(residency: Residency, scheduler: Scheduler) -> None:
 
 
 def checkpoint_unless_released(
-    residency: Residency, hot_set: Any, row_pages: Any, original: Callable[..., Any], req: Req, tree_cache: TreeCache
+    residency: Residency,
+    hot_set: Optional[BackendHotSet],
+    row_pages: Optional[BorrowedPages],
+    original: Callable[..., Any],
+    req: Req,
+    tree_cache: TreeCache,
 ) -> Any:
     """Around ``checkpoint_kv_cache``: keep a long prefill's pages out of the tree; streamed
     (``hot_set.stream_prefill``), release the chunk's full pages, their rows lent for the

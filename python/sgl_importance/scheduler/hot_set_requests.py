@@ -17,7 +17,7 @@ from sgl_importance.choices import REQUEST_HOT_SET_KEY
 from sgl_importance.config import ImportanceConfig
 from sgl_importance.hot_set.params import request_hot_set_params
 from sgl_importance.hot_set.request_params import RequestParams
-from sgl_importance.sglang_types import GenerateReqInput, Req, Scheduler
+from sgl_importance.sglang_types.scheduler import GenerateReqInput, Req, Scheduler
 
 
 def note_request(

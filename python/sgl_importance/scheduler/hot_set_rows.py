@@ -11,13 +11,18 @@ is exact: the stores hold only the pages of rows that running requests hold.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Optional
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
 from sgl_importance.runtime import Runtime
-from sgl_importance.sglang_types import Req, ScheduleBatch, Scheduler, TreeCache
+from sgl_importance.sglang_types.scheduler import Req, ScheduleBatch, Scheduler
+from sgl_importance.sglang_types.tree import TreeCache
+
+if TYPE_CHECKING:
+    from sgl_importance.hot_set.decode import HotSetDecoder
+    from sgl_importance.hot_set.rows import BorrowedPages
 
 
 def pages_for_batch(runtime: Runtime, batch: Optional[ScheduleBatch]) -> int:
@@ -57,7 +62,7 @@ def around_batch(
 
 
 @contextmanager
-def lent(rows: Any, tree_cache: TreeCache, pages: Callable[[], int]) -> Iterator[None]:
+def lent(rows: Optional[BorrowedPages], tree_cache: TreeCache, pages: Callable[[], int]) -> Iterator[None]:
     """The stock (``hot_set/rows.BorrowedPages``; None: no hot set) holds ``pages()`` pages
     while the block runs; what the block did not take goes back to the allocator after it."""
     if rows is None:
@@ -71,7 +76,9 @@ def lent(rows: Any, tree_cache: TreeCache, pages: Callable[[], int]) -> Iterator
             settle(rows, tree_cache, 0)
 
 
-def lent_for(rows: Any, tree_cache: TreeCache, decoder: Any, lengths: Mapping[str, int]) -> Any:
+def lent_for(
+    rows: Optional[BorrowedPages], tree_cache: TreeCache, decoder: HotSetDecoder, lengths: Mapping[str, int]
+) -> AbstractContextManager[None]:
     """``lent`` with the pages the rows of these requests (rid -> length) need, each known to be
     long already (a streamed prompt's first chunks are shorter than the threshold)."""
     return lent(rows, tree_cache, lambda: pages_wanted(decoder, lengths, long=True))
@@ -92,7 +99,7 @@ def release_rows(runtime: Runtime, original: Callable[..., Any], req: Req, tree_
                     hot_set.after_step()
 
 
-def pages_wanted(decoder: Any, lengths: Mapping[str, int], long: bool = False) -> int:
+def pages_wanted(decoder: HotSetDecoder, lengths: Mapping[str, int], long: bool = False) -> int:
     """KV pages the row stores must be lent before a batch of these requests (request id ->
     its length when the step ends) writes the key ranges and codes of their full pages
     (``hot_set/coding.summarise_pages``, inside the forward, where nothing may allocate); ``long``:
@@ -116,7 +123,7 @@ def pages_wanted(decoder: Any, lengths: Mapping[str, int], long: bool = False) -
     return decoder.ranges.rows.pages_for(ranges) + decoder.guard.rows.pages_for(codes)
 
 
-def settle(rows: Any, tree_cache: TreeCache, want: int) -> int:
+def settle(rows: BorrowedPages, tree_cache: TreeCache, want: int) -> int:
     """The stock (``hot_set/rows.BorrowedPages``) made ``want`` pages, between steps only;
     returns what it holds."""
     allocator = tree_cache.token_to_kv_pool_allocator

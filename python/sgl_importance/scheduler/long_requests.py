@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 from sgl_importance.hot_set.footprint import footprint
 from sgl_importance.runtime import Runtime
-from sgl_importance.sglang_types import Req, Scheduler
+from sgl_importance.sglang_types.scheduler import Req, Scheduler
 
 logger = logging.getLogger(__name__)
 

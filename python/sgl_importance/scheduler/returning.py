@@ -42,7 +42,8 @@ from sgl_importance.hot_set.pages import RELEASED_SLOT
 from sgl_importance.hot_set.prefix_hold import HistoryLoan
 from sgl_importance.hot_set.residency import Residency
 from sgl_importance.runtime import Runtime
-from sgl_importance.sglang_types import Req, ScheduleBatch, TreeCache
+from sgl_importance.sglang_types.scheduler import Req, ScheduleBatch
+from sgl_importance.sglang_types.tree import TreeCache
 
 
 def borrow(runtime: Runtime, req: Req, tree_cache: TreeCache, fits: Callable[[], bool]) -> Optional[HistoryLoan]:

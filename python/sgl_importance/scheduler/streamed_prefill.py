@@ -22,7 +22,7 @@ Not yet run on a GPU.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,8 +30,11 @@ from sgl_importance.hot_set.pages import RequestPages
 from sgl_importance.hot_set.prefill import summarise_prefill
 from sgl_importance.hot_set.residency import Residency
 
+if TYPE_CHECKING:
+    from sgl_importance.runtime import BackendHotSet
 
-def release_chunk(residency: Residency, hot_set: Any, pages: RequestPages, rid: str, length: int) -> None:
+
+def release_chunk(residency: Residency, hot_set: BackendHotSet, pages: RequestPages, rid: str, length: int) -> None:
     """Streamed prefill, after a chunk: the request's full pages so far, summarised (the
     decoder's one pass over their keys), go to the host pool but its sinks and its last
     ``window`` full pages (those the next chunk releases); the partial last page stays.

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageFailureInjector
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageFailureInjector
 
 from sgl_importance.storage import file, mooncake
 from sgl_importance.storage.breaker import MAX_WRITE_FAILURES, WriteBreaker
@@ -52,7 +52,9 @@ def check_cli_args(args: argparse.Namespace) -> None:
         mooncake.check_master(mooncake.master_address(extra_config(args)))
 
 
-def adapt(backend: HiCacheStorage, backend_name: str, storage_config: Any) -> tuple[HiCacheStorage, BackendOps, str]:
+def adapt(
+    backend: HiCacheStorage, backend_name: str, storage_config: HiCacheStorageConfig
+) -> tuple[HiCacheStorage, BackendOps, str]:
     """The backend the wrapper stores through, its operations, and its location for the log.
 
     Args:
@@ -77,7 +79,7 @@ def adapt(backend: HiCacheStorage, backend_name: str, storage_config: Any) -> tu
 def wrap_backend(
     backend: HiCacheStorage,
     backend_name: str,
-    storage_config: Any,
+    storage_config: HiCacheStorageConfig,
     *,
     retry_s: float,
     metrics: Optional[Metrics] = None,

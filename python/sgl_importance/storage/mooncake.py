@@ -37,7 +37,7 @@ from sgl_importance.storage.wrapper import BackendOps
 
 if TYPE_CHECKING:
     from sgl_importance.metrics import Metrics
-    from sgl_importance.sglang_types import HostPool
+    from sgl_importance.sglang_types.tree import HostPool
     from sgl_importance.storage.shared_importance import SharedImportance
 
 logger = logging.getLogger(__name__)

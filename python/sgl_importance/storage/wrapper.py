@@ -44,7 +44,7 @@ from sgl_importance.storage.page import (
 from sgl_importance.storage.precision import Precision
 
 if TYPE_CHECKING:
-    from sgl_importance.sglang_types import HostPool
+    from sgl_importance.sglang_types.tree import HostPool
 
 logger = logging.getLogger(__name__)
 

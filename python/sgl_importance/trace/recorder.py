@@ -65,7 +65,8 @@ if TYPE_CHECKING:
     import torch
 
     from sgl_importance.importance.page_importance import PageImportanceTable
-    from sgl_importance.sglang_types import Req, ScheduleBatch, TreeCore
+    from sgl_importance.sglang_types.scheduler import Req, ScheduleBatch
+    from sgl_importance.sglang_types.tree import TreeCore
 
 logger = logging.getLogger(__name__)
 

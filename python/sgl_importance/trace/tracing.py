@@ -13,11 +13,14 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from sgl_importance.config import ImportanceConfig
 from sgl_importance.env import TRACE_DIR_ENV
 from sgl_importance.trace.recorder import Recorder, StepCapture, recording_requested
+
+if TYPE_CHECKING:
+    from sgl_importance.sglang_types.scheduler import ScheduleBatch, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +43,7 @@ class Tracing:
         """Whether this process records: the flag is on and the launcher exported it."""
         return self.config.trace_dir is not None and recording_requested()
 
-    def start(self, scheduler: Any) -> Optional[Recorder]:
+    def start(self, scheduler: Scheduler) -> Optional[Recorder]:
         """After ``Scheduler.__init__``: start the writer for rank 0 when the flag is on."""
         from sglang.srt.runtime_context import get_parallel
 
@@ -69,7 +72,7 @@ class Tracing:
         return self.recorder
 
     def around_batch_result(
-        self, original: Callable[..., Any], scheduler: Any, batch: Any, *args: Any, **kwargs: Any
+        self, original: Callable[..., Any], scheduler: Scheduler, batch: ScheduleBatch, *args: Any, **kwargs: Any
     ) -> Any:
         """Around ``Scheduler.process_batch_result``: record before (requests still hold
         their KV rows), file finished requests and push after (they are known, and inserted)."""
