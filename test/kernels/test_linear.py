@@ -1,8 +1,9 @@
 """The C linear layer (sgl_kernel_ext.linear) against a float64 matmul written out here:
-every tile shape the kernel has (rows 1 to ROWS_MAX against 1 to 3 weight rows, a shared
-dimension with and without a tail past 8), a bias, rows that are views of a wider tensor,
-an output written in place; each row's result the same bit for bit whatever rows sit
-beside it and however many threads run; and what it does not take refused, nothing written."""
+every tile shape the kernel has (rows 1 to ROWS_MAX against 1 to 3 weight rows, one row
+against 1 to 6, a shared dimension with and without a tail past 8), a bias, rows that are
+views of a wider tensor, an output written in place; each row's result the same bit for bit
+whatever rows sit beside it and however many threads run; and what it does not take
+refused, nothing written."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def reference(x, weight, bias=None):
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8, 9, ROWS_MAX])
-@pytest.mark.parametrize("n, k", [(1, 1), (2, 8), (3, 9), (7, 23), (64, 576)])
+@pytest.mark.parametrize("n, k", [(1, 1), (2, 8), (3, 9), (7, 23), (11, 40), (64, 576)])
 def test_linear_matches_a_float64_matmul(rows, n, k):
     g = torch.Generator().manual_seed(rows * 1000 + n * 10 + k)
     x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)

@@ -22,6 +22,10 @@ typedef float v8 __attribute__((vector_size(32)));
 
 #define MR 4 /* rows of x a tile holds */
 #define NR 3 /* rows of W a tile holds: MR * NR accumulators + NR weights + 1 row of x in 16 registers */
+/* One row of x (a batch of one) is bound by reading W: more rows of W in flight at once
+ * (6 streams) read it ~20 % faster than 3 and than torch's matrix-vector product. */
+#define NR1 6
+#define NR_MOST NR1
 
 static inline v8 load8(const float *p) {
     v8 v;
@@ -44,11 +48,11 @@ static inline float lanes_sum(v8 s) {
 /* y[i][j] = x[i] . w[j] for i < mr, j < nr; k8 = k rounded down to 8 (the rest is scalar). */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t xs, const int mr, const float *w,
                                                          int64_t k, const int nr, int64_t k8, float *y, int64_t ys) {
-    v8 acc[MR][NR];
+    v8 acc[MR][NR_MOST];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) acc[i][j] = (v8){0};
     for (int64_t c = 0; c < k8; c += 8) {
-        v8 wv[NR];
+        v8 wv[NR_MOST];
         for (int j = 0; j < nr; j++) wv[j] = load8(w + j * k + c);
         for (int i = 0; i < mr; i++) {
             const v8 xv = load8(x + i * xs + c);
@@ -81,18 +85,34 @@ static void column_block(const float *x, int64_t xs, int64_t m, const float *w, 
     }
 }
 
+/* One row of x against nr <= NR1 rows of W (constants again, one case each). */
+static void single_row(const float *x, const float *w, int64_t k, int nr, float *y) {
+    const int64_t k8 = k - k % 8;
+    switch (nr) {
+        case 6: tile(x, 0, 1, w, k, 6, k8, y, 0); break;
+        case 5: tile(x, 0, 1, w, k, 5, k8, y, 0); break;
+        case 4: tile(x, 0, 1, w, k, 4, k8, y, 0); break;
+        case 3: tile(x, 0, 1, w, k, 3, k8, y, 0); break;
+        case 2: tile(x, 0, 1, w, k, 2, k8, y, 0); break;
+        default: tile(x, 0, 1, w, k, 1, k8, y, 0); break;
+    }
+}
+
 /* y[m][n] = sum_c x[m][c] w[n][c] (+ bias[n]). x: m rows of k (row stride xs), w: n rows of k,
  * contiguous; y: m rows of n (row stride ys); bias may be NULL. Returns 0, or -1 on a bad
  * shape (nothing written). */
 int sgl_linear_f32(const float *x, int64_t xs, int64_t m, const float *w, int64_t k, int64_t n, const float *bias,
                    float *y, int64_t ys, int threads) {
     if (m < 0 || k < 1 || n < 0 || xs < k || ys < n) return -1;
-    const int64_t blocks = (n + NR - 1) / NR;
+    /* Each (row, output) sum is the same FMAs in the same order whatever tile computes it. */
+    const int width = m == 1 ? NR1 : NR;
+    const int64_t blocks = (n + width - 1) / width;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * NR;
-        const int nr = n - n0 < NR ? (int)(n - n0) : NR;
-        column_block(x, xs, m, w + n0 * k, k, nr, y + n0, ys);
+        const int64_t n0 = b * width;
+        const int nr = n - n0 < width ? (int)(n - n0) : width;
+        if (m == 1) single_row(x, w + n0 * k, k, nr, y + n0);
+        else column_block(x, xs, m, w + n0 * k, k, nr, y + n0, ys);
         if (bias)
             for (int64_t r = 0; r < m; r++)
                 for (int j = 0; j < nr; j++) y[r * ys + n0 + j] += bias[n0 + j];
