@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -22,26 +21,6 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 os.environ.setdefault(CHECKS_ENV, "1")
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
-
-
-def _unused_model_modules() -> str:
-    """SGLang's model modules the suite's servers never load, comma-separated: SGLang imports
-    every one to build its registry (about 3 s of each server start on a 2-core VM) unless
-    ``SGLANG_DISABLED_MODEL_ARCHS`` names it. The suite serves Llama (SmolLM2 and the tiny
-    model) and start-up errors try a DeepSeek-V2 config."""
-    import importlib.util
-    import pkgutil
-
-    spec = importlib.util.find_spec("sglang")  # found, not imported: Triton's interpreter flag comes later
-    if spec is None or not spec.submodule_search_locations:
-        return ""
-    served = {"llama", "deepseek_v2"}
-    folders = [str(Path(p) / "srt" / "models") for p in spec.submodule_search_locations]
-    names = (m.name for m in pkgutil.iter_modules(folders) if not m.ispkg)
-    return ",".join(sorted(n for n in names if n not in served and n != "registry"))
-
-
-os.environ.setdefault("SGLANG_DISABLED_MODEL_ARCHS", _unused_model_modules())
 
 
 @pytest.fixture(scope="session")
