@@ -357,7 +357,7 @@ ATTRIBUTES = [
         Name("sglang.srt.layers.logits_processor.LogitsProcessor", n, "platform/cpu_forwards.py")
         for n in ("use_fp32_lm_head", "rl_on_policy_target")
     ),
-    Name("sglang.srt.layers.vocab_parallel_embedding", "UnquantizedEmbeddingMethod", "platform/cpu_forwards.py"),
+    Name("sglang.srt.layers.logits_processor", "should_apply_lm_head_quant_method", "platform/cpu_forwards.py"),
     # Requests longer than the device pool (scheduler/long_requests.py, request_check/prompt.py).
     *(
         Name(SCHEDULER, n, "scheduler/long_requests.py")

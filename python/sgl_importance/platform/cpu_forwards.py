@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
+from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method
 
 from sgl_kernel_ext.layer_ops import rms_norm, rotary
 from sgl_kernel_ext.linear import linear
@@ -95,12 +96,13 @@ def lm_head_logits(
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``LogitsProcessor._compute_lm_head`` (SGLang's ``layers.logits_processor``): its plain
-    branch, ``hidden_states @ lm_head.weight.T`` for an unquantized head with no LoRA, no
-    bias and none of its float32 or on-policy options, through the C kernel at a decode
+    branch, ``hidden_states @ lm_head.weight.T`` for a head SGLang itself multiplies as it
+    stands (its own ``should_apply_lm_head_quant_method`` says no quantized method), with no
+    LoRA, no bias and none of its float32 or on-policy options, through the C kernel at a decode
     step's rows (into ``out`` when SGLang hands one of the right shape)."""
     plain = (
         embedding_bias is None
-        and type(getattr(lm_head, "quant_method", None)).__name__ in _PLAIN_HEADS
+        and not should_apply_lm_head_quant_method(lm_head, getattr(lm_head, "quant_method", None))
         and not hasattr(lm_head, "set_lora")
         and not getattr(lm_head, "use_intel_amx_backend", False)
         and not processor.use_fp32_lm_head
@@ -112,7 +114,3 @@ def lm_head_logits(
         if logits is not None:
             return logits
     return original(processor, hidden_states, lm_head, embedding_bias, out=out)
-
-
-# Heads whose weight SGLang multiplies as it stands (no quantized layout).
-_PLAIN_HEADS = ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod")
