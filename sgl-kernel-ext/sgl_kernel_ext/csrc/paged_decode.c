@@ -56,6 +56,10 @@ static inline __attribute__((always_inline)) const float *page_f32(const void *b
 #ifndef BLOCK_TOKENS
 #define BLOCK_TOKENS 32
 #endif
+/* Partial sums of a block's weighted V rows, token t in sum t % VSUMS: one chain of adds
+ * would wait on each add's latency, and a fixed split keeps every sum the same steps
+ * wherever the block's pages lie. */
+#define VSUMS 2
 
 typedef struct {
     const float *q;        /* [bs, kv, group, d], rows q_stride floats apart; times sm_scale here */
@@ -103,7 +107,7 @@ static inline __attribute__((always_inline)) void run_split_shape(const Args *a,
     /* Per run of the block (pages whose rows follow one another in memory, read as one: a
      * request's consecutive slots of 1-token pages, a converted tile): its K and V rows,
      * tokens and first token in the block. Per page: tokens, first token, column. */
-    const float *rk[BT], *rv[BT];
+    const float *rk[BT], *rv[BT], *vrow[BT];
     int64_t rn[BT], rfirst[BT], pn[BT], first[BT], page_of[BT];
     for (int64_t x = 0; x < KV * G; x++) M[x] = -INFINITY, L[x] = 0.0f;
     memset(acc, 0, sizeof(float) * KV * G * DV);
@@ -186,20 +190,38 @@ static inline __attribute__((always_inline)) void run_split_shape(const Args *a,
             }
             L[x] += beta[x] * l;
         }
-        /* Per query head, the block's tokens in turn: its DV sums stay in registers. */
+        /* Each token's V row, whatever run it came in: the sums below then take the same
+         * steps wherever the pages lie (a loop per run let the compiler group a long run's
+         * tokens otherwise than short ones', so a page moved to another slot changed the
+         * output in its last bits). */
+        for (int64_t u = 0; u < n_runs; u++)
+            for (int64_t t = 0; t < rn[u]; t++) vrow[rfirst[u] + t] = rv[u] + t * KV * DV;
+        /* Per query head, the block's tokens in turn into VSUMS sums of DV, kept in registers,
+         * met in a fixed order at the block's end. */
         for (int64_t x = 0; x < KV * G; x++) {
             const float *w = logit + x * BT;
-            float r[DV];
-            for (int64_t i = 0; i < DV; i++) r[i] = acc[x * DV + i];
-            for (int64_t u = 0; u < n_runs; u++) {
-                const float *v = rv[u] + (x / G) * DV, *wp = w + rfirst[u];
-                for (int64_t t = 0; t < rn[u]; t++) {
-                    const float wt = beta[x] * wp[t];
+            const int64_t head = (x / G) * DV;
+            float r[VSUMS][DV];
+            for (int64_t i = 0; i < DV; i++) r[0][i] = acc[x * DV + i];
+            for (int64_t c = 1; c < VSUMS; c++)
+                for (int64_t i = 0; i < DV; i++) r[c][i] = 0.0f;
+            int64_t t = 0;
+            for (; t + VSUMS <= n_tok; t += VSUMS)
+                for (int64_t c = 0; c < VSUMS; c++) {
+                    const float wt = beta[x] * w[t + c], *v = vrow[t + c] + head;
 #pragma omp simd
-                    for (int64_t i = 0; i < DV; i++) r[i] += wt * v[t * KV * DV + i];
+                    for (int64_t i = 0; i < DV; i++) r[c][i] += wt * v[i];
                 }
+            for (int64_t c = 0; t < n_tok; t++, c++) {
+                const float wt = beta[x] * w[t], *v = vrow[t] + head;
+#pragma omp simd
+                for (int64_t i = 0; i < DV; i++) r[c][i] += wt * v[i];
             }
-            for (int64_t i = 0; i < DV; i++) acc[x * DV + i] = r[i];
+            for (int64_t i = 0; i < DV; i++) {
+                float sum = r[0][i];
+                for (int64_t c = 1; c < VSUMS; c++) sum += r[c][i];
+                acc[x * DV + i] = sum;
+            }
         }
     }
     for (int64_t h = 0; h < KV; h++) {
