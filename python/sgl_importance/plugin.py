@@ -1,27 +1,20 @@
 """The one place where sgl-importance touches SGLang: a table, and one loop that applies it.
 
-SGLang calls ``load()`` (entry point ``sglang.srt.plugins``) in every process it starts. Each row of ``HOOKS`` is one
-touch-point: (SGLang target, our function, kind, process). Functions (``"module:attribute"`` under ``sgl_importance``)
-are imported on first call; ``state`` names what the process's runtime (``runtime.py``) passes first. A function gets as
-many of SGLang's arguments as it declares (an ``after`` hook's result as ``result`` if it asks). Rows on one target
-apply in order, each wrapping the ones before it (the last ``before`` runs first). Our state on SGLang's objects:
-``NodeState`` per radix node, ``server_args._importance``, ``CacheState`` per strategy.
-
+SGLang calls ``load()`` (entry point ``sglang.srt.plugins``) in every process it starts (a child forked on torch_cpu
+adds its rows at the fork). Each row of ``HOOKS`` is one touch-point: (SGLang target, our function, kind, process).
+Functions (``"module:attribute"`` under ``sgl_importance``) are imported on first call; ``state`` names what the
+process's runtime (``runtime.py``) passes first. A function gets as many of SGLang's arguments as it declares (an
+``after`` hook's result as ``result`` if it asks). Rows on one target apply in order, each wrapping the ones before it
+(the last ``before`` runs first). Ours on SGLang's objects: ``NodeState``, ``server_args._importance``, ``CacheState``.
 Private SGLang names relied on (``test/unit/test_sglang_contract.py`` checks them and every public attribute read):
-
-| private name                                              | module                      |
-|-----------------------------------------------------------|-----------------------------|
-| `mem_cache.utils._EVICTION_POLICY_FACTORIES` (policy name) | plugin.py                   |
-| `components.base._LAST_ACCESS_TIME_COUNTER_FLOAT` (clock)  | cache/strategy.py           |
-| `UnifiedRadixCache._all_reduce`, `UnifiedRadixCache._apply_cache_actions` (rank consensus; a host insert's) | cache/prefetch.py, scheduler/hot_set_release.py |
-| `HiCacheFile._get_suffixed_key`, `HiCacheFile._evictor` (page file names; forget a dropped page) | storage/file.py |
-| `HiCacheStorageFailureInjector._backend` (unwrap)          | storage/factory.py          |
-| `TritonAttnBackend._set_kv_buffer`                         | attention/triton_backend.py |
-| hook `PagedTokenToKVPoolAllocator._release_page_ids`       | importance/allocator_reset.py |
-| hook `TokenizerManager._validate_one_request`              | request_check/prompt.py     |
-| hook `DualGemm._select_mode` (torch_cuda: no CuTe kernel)   | platform/torch_cuda.py      |
-| hook `LogitsProcessor._compute_lm_head` (torch_cpu: decode rows in C) | platform/cpu_forwards.py |
-| overridden `PrefillAdder._get_running_request_total_token_offset`, `PrefillAdder._select_prefill_admission`, `PrefillAdder._commit_prefill_admission`, `PrefillAdder._update_prefill_budget` | scheduler/admission.py |
+- read or written: `mem_cache.utils._EVICTION_POLICY_FACTORIES` (plugin.py), `components.base._LAST_ACCESS_TIME_COUNTER_FLOAT`
+  (cache/strategy.py), `UnifiedRadixCache._all_reduce`, `UnifiedRadixCache._apply_cache_actions` (cache/prefetch.py,
+  scheduler/hot_set_release.py), `HiCacheFile._get_suffixed_key`, `HiCacheFile._evictor` (storage/file.py),
+  `HiCacheStorageFailureInjector._backend` (storage/factory.py), `TritonAttnBackend._set_kv_buffer` (attention/);
+- hooked: `PagedTokenToKVPoolAllocator._release_page_ids` (importance/), `TokenizerManager._validate_one_request`
+  (request_check/), `DualGemm._select_mode`, `LogitsProcessor._compute_lm_head`, `engine._set_envs_and_config` (platform/);
+- overridden (scheduler/admission.py): `PrefillAdder._get_running_request_total_token_offset`,
+  `PrefillAdder._select_prefill_admission`, `PrefillAdder._commit_prefill_admission`, `PrefillAdder._update_prefill_budget`.
 """
 
 from __future__ import annotations
@@ -74,8 +67,7 @@ HOOKS = (
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.__init__", "cache.components:use_importance_components", "before", "scheduler"),
     Hook("managers.scheduler.Scheduler.process_batch_result", "scheduler.fold:fold_after_batch", "after", "scheduler", ("runtime",)),
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.write_backup_storage", "cache.admission:gate_storage_write", "around", "scheduler"),
-    # Graded on the scheduler thread before the write is queued; the I/O thread seals in that class.
-    Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.write_backup_storage", "cache.stored:grade_before_storage_write", "before", "scheduler", ("page_classes", "page_importance")),
+    Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.write_backup_storage", "cache.stored:grade_before_storage_write", "before", "scheduler", ("page_classes", "page_importance")),  # graded on the scheduler thread before the write is queued; the I/O thread seals in that class
     Hook("managers.scheduler.Scheduler.__init__", "runtime:Runtime.attach_scheduler", "after", "scheduler", ("runtime",)),
     Hook("managers.scheduler.Scheduler.__init__", "scheduler.hot_set_release:enable", "after", "scheduler", ("residency", "hot_set_params", "config")),
     Hook("managers.scheduler.Scheduler.__init__", "scheduler.long_requests:set_limits", "after", "scheduler", ("runtime",)),  # requests longer than the device pool
@@ -97,12 +89,12 @@ HOOKS = (
     Hook("mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore.insert_host", "cache.stored:restore_after_insert_host", "after", "scheduler"),
     Hook("mem_cache.storage_prefetch.StoragePrefetchRetries.pop_ready", "cache.stored:rank_storage_retries", "around", "scheduler", ("scheduler",)),
     Hook("mem_cache.storage.backend_factory.StorageBackendFactory.create_backend", "runtime:Runtime.storage_backend", "around", "scheduler", ("runtime",)),  # outside SGLang's failure injector
-    Hook("server_args.ServerArgs.from_cli_args", "trace.recorder:export_trace_dir", "check", "any"),  # launcher checks: a bad value stops start-up in one line, before any model loads
-    Hook("server_args.ServerArgs.from_cli_args", "storage.factory:check_cli_args", "check", "any"),
+    *(Hook("server_args.ServerArgs.from_cli_args", call, "check", "any") for call in ("trace.recorder:export_trace_dir", "storage.factory:check_cli_args")),  # launcher checks: a bad value stops start-up in one line, before any model loads
     Hook("managers.scheduler.Scheduler.__init__", "trace.tracing:Tracing.start", "after", "trace", ("tracing",)),
     Hook("managers.scheduler.Scheduler.process_batch_result", "trace.tracing:Tracing.around_batch_result", "around", "trace", ("tracing",)),
     Hook("mem_cache.pool_host.mha.get_mha_host_pool_cls", "platform.host_pool:host_pool_cls", "around", "native"),
     Hook("mem_cache.l2_transfer.L2TransferEngine.__init__", "platform.streams:use_cpu_streams", "after", "torch_cpu"),
+    Hook("entrypoints.engine._set_envs_and_config", "platform.torch_cpu:fork_children", "after", "torch_cpu"),  # the launcher's children forked (_forked)
     *(Hook(f"layers.{op}", f"platform.cpu_forwards:{fn}", kind, "torch_cpu") for op, fn, kind in CPU_OPS),  # one C call each
     *(Hook(f"mem_cache.{t}", "platform.torch_cuda:no_compiled_kernel", "around", "torch_cuda") for t in ("memory_pool.can_use_store_cache", "pool_host.mha.can_use_hicache_jit_kernel")),
     Hook("layers.dual_gemm.DualGemm._select_mode", "platform.torch_cuda:no_dual_gemm", "around", "torch_cuda"),
@@ -110,6 +102,7 @@ HOOKS = (
     Hook("model_executor.model_runner.ModelRunner.forward", "checks:ForwardCheck.around_forward", "around", "checks", ("checks",)),  # checks.py
     *(Hook(f"mem_cache.{t}", "checks:ForwardCheck.no_page_move", "before", "checks", ("checks",)) for t in ("allocator.paged.PagedTokenToKVPoolAllocator.alloc", "allocator.paged.PagedTokenToKVPoolAllocator.free", "unified_radix_cache.UnifiedRadixCache.evict")),  # never inside a forward (checks.py)
 )  # fmt: skip
+SCHEDULER = ("scheduler", "dump", "trace", "checks")  # process kinds a scheduler is and a launcher is not
 
 
 def _in_process(process: str) -> bool:
@@ -172,19 +165,24 @@ def _bind(hook: Hook) -> Callable[..., Any]:
 
 def load() -> None:
     """Register every row of ``HOOKS`` that belongs in this process; idempotent per process."""
-    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
     if "importance_torch" in ATTENTION_BACKENDS:
         return
+    _register(HOOKS)
+    if _in_process("torch_cpu") and not _in_process("scheduler"):  # a launcher: the children it forks add their rows
+        os.register_at_fork(after_in_child=lambda: _register([h for h in HOOKS if h.process in SCHEDULER], forked=True))
+
+
+def _register(rows: tuple[Hook, ...] | list[Hook], forked: bool = False) -> None:
     from sglang.kernels.fused_op import BaseFusedOp
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
     from sglang.srt.mem_cache.utils import _EVICTION_POLICY_FACTORIES
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import add_attention_backend_choices, add_radix_eviction_policy_choices
 
     kinds = {"before": HookType.BEFORE, "check": HookType.BEFORE, "after": HookType.AFTER, "around": HookType.AROUND}
-    for hook in HOOKS:
-        if not _in_process(hook.process):
-            continue
+    for hook in (row for row in rows if _in_process(row.process)):
         if hook.kind == "backend":
             register_attention_backend(hook.target)(_bind(hook))
             add_attention_backend_choices([hook.target])
@@ -196,5 +194,7 @@ def load() -> None:
         else:  # inline: an around hook called per layer, the function itself with every argument
             fn = _resolve(hook.call) if hook.kind == "inline" else _bind(hook)
             HookRegistry.register(hook.path, fn, kinds.get(hook.kind, HookType.AROUND))
+    if forked:  # SGLang's load_plugins() returns at once in a forked child: its flag came with the fork
+        HookRegistry.apply_hooks()
     if os.environ.get(ANNOUNCE_ENV) == "1":  # before SGLang configures logging: "is the plugin loaded here?"
         print(f"[sgl-importance] plugin loaded (pid {os.getpid()})", file=sys.stderr, flush=True)

@@ -61,3 +61,13 @@ def test_an_around_hook_passes_through_what_the_function_returns(monkeypatch):
     monkeypatch.setattr(plugin, "_resolve", lambda call: lambda original, *args, **kw: original(*args, **kw) + 1)
     bound = plugin._bind(Hook("x.y", "m:f", "around", "any"))
     assert bound(lambda a, b=0: a + b, 1, b=2) == 4
+
+
+def test_a_forked_child_adds_rows_only_on_targets_its_launcher_left_alone():
+    # A child the torch_cpu launcher forks registers its scheduler rows at the fork and applies
+    # them; SGLang's apply_hooks() skips a target patched already, so a scheduler row sharing a
+    # target with a row the launcher applied would be lost without a word.
+    launcher = {h.target for h in HOOKS if h.process not in plugin.SCHEDULER and h.process != "torch_cuda"}
+    shared = sorted({h.target for h in HOOKS if h.process in plugin.SCHEDULER} & launcher)
+    assert shared == []
+    assert set(plugin.SCHEDULER) < PROCESSES and "http" not in plugin.SCHEDULER

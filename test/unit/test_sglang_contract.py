@@ -419,6 +419,7 @@ PRIVATE = [
     Name("sglang.srt.managers.tokenizer_manager.TokenizerManager", "_validate_one_request", "plugin.py (hook)"),
     Name("sglang.srt.layers.dual_gemm.DualGemm", "_select_mode", "plugin.py (hook, torch_cuda)"),
     Name("sglang.srt.layers.logits_processor.LogitsProcessor", "_compute_lm_head", "plugin.py (hook, torch_cpu)"),
+    Name("sglang.srt.entrypoints.engine", "_set_envs_and_config", "plugin.py (hook, torch_cpu: children forked)"),
     # Overridden by the footprint adder (scheduler/admission.py), each called through super().
     *(
         Name("sglang.srt.managers.schedule_policy.PrefillAdder", n, "scheduler/admission.py")
@@ -480,6 +481,7 @@ HOOK_TARGETS = [
     *(f"sglang.srt.layers.rotary_embedding.{cls}" for cls in ROTARY_CLASSES),
     "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply",
     "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head",
+    "sglang.srt.entrypoints.engine._set_envs_and_config",
 ]
 
 

@@ -14,6 +14,8 @@ It exists for development, CI and demos on machines without a GPU.
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
 from typing import Any
 
 from sglang.srt.platforms.cpu import CpuDeviceMixin
@@ -59,6 +61,17 @@ def default_dtype(flags: frozenset[str]) -> str:
     linear on this project's 2-core AVX2 machines, a 4K-token prefill 54 s vs 14 s.
     """
     return "auto" if flags & BF16_CPU_FLAGS else "float32"
+
+
+def fork_children(*_: Any) -> None:
+    """After SGLang's ``_set_envs_and_config`` (``entrypoints/engine.py``) chose "spawn" for the
+    scheduler and detokenizer: "fork". Spawn keeps a parent's CUDA context out of its children;
+    on torch_cpu there is none, and a spawned child imports SGLang, torch and transformers again
+    (a server was ready in ~36 s spawned, ~22 s forked, on a 2-core VM). A forked child registers
+    the rows of its own process (``plugin._forked``)."""
+    multiprocessing.set_start_method("fork", force=True)
+    # Only the launcher's: what a scheduler starts itself (a trace writer, ...) is spawned as before.
+    os.register_at_fork(after_in_child=lambda: multiprocessing.set_start_method("spawn", force=True))
 
 
 class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
