@@ -12,7 +12,7 @@ Private SGLang names relied on (``test/unit/test_sglang_contract.py`` checks the
   scheduler/hot_set_release.py), `HiCacheFile._get_suffixed_key`, `HiCacheFile._evictor` (storage/file.py),
   `HiCacheStorageFailureInjector._backend` (storage/factory.py), `TritonAttnBackend._set_kv_buffer` (attention/);
 - hooked: `PagedTokenToKVPoolAllocator._release_page_ids` (importance/), `TokenizerManager._validate_one_request`
-  (request_check/), `DualGemm._select_mode`, `LogitsProcessor._compute_lm_head`, `engine._set_envs_and_config` (platform/);
+  (request_check/), `DualGemm._select_mode`, `LogitsProcessor._compute_lm_head`, `EagerRunner._execute_decode`, `engine._set_envs_and_config` (platform/);
 - overridden (scheduler/admission.py): `PrefillAdder._get_running_request_total_token_offset`,
   `PrefillAdder._select_prefill_admission`, `PrefillAdder._commit_prefill_admission`, `PrefillAdder._update_prefill_budget`.
 """
@@ -95,7 +95,7 @@ HOOKS = (
     Hook("mem_cache.pool_host.mha.get_mha_host_pool_cls", "platform.host_pool:host_pool_cls", "around", "native"),
     Hook("mem_cache.l2_transfer.L2TransferEngine.__init__", "platform.streams:use_cpu_streams", "after", "torch_cpu"),
     Hook("entrypoints.engine._set_envs_and_config", "platform.torch_cpu:fork_children", "after", "torch_cpu"),  # the launcher's children forked (_forked)
-    *(Hook(f"layers.{op}", f"platform.cpu_forwards:{fn}", kind, "torch_cpu") for op, fn, kind in CPU_OPS),  # one C call each
+    *(Hook(target, f"platform.cpu_forwards:{fn}", kind, "torch_cpu") for target, fn, kind in CPU_OPS),  # one C call each
     *(Hook(f"mem_cache.{t}", "platform.torch_cuda:no_compiled_kernel", "around", "torch_cuda") for t in ("memory_pool.can_use_store_cache", "pool_host.mha.can_use_hicache_jit_kernel")),
     Hook("layers.dual_gemm.DualGemm._select_mode", "platform.torch_cuda:no_dual_gemm", "around", "torch_cuda"),
     Hook("server_args.ServerArgs.from_cli_args", "platform.torch_cuda:graph_backends", "check", "torch_cuda"),

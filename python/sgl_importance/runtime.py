@@ -123,6 +123,8 @@ class Runtime:
         self.limits: Optional[HotSetLimits] = None
         # The decode backend's hot set (attention/hot_set_attention.py): the graph variants read its plan.
         self.hot_set_attention: Optional[BackendHotSet] = None
+        # Inside a decode forward on torch_cpu (platform/cpu_forwards.decode_forward): its matmuls in C.
+        self.decode_forward = False
         self.tracing = Tracing(self.config)
         if self.tracing.requested:
             # The tracer sees every layer and step the page importance table records.

@@ -12,11 +12,27 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sgl_importance import plugin
-from sgl_importance.platform.cpu_forwards import linear_apply, lm_head_logits, rms_norm_forward, rotary_forward
+from sgl_importance import plugin, runtime
+from sgl_importance.platform.cpu_forwards import (
+    decode_forward,
+    linear_apply,
+    lm_head_logits,
+    rms_norm_forward,
+    rotary_forward,
+)
 from sgl_kernel_ext import native
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the forwards fall back")
+
+
+@pytest.fixture(autouse=True)
+def in_a_decode_forward():
+    """The matmuls take the C kernel inside a decode forward only (``decode_forward``): the
+    tests below run as inside one, but the test of the flag itself."""
+    runtime.reset()
+    runtime.current().decode_forward = True
+    yield
+    runtime.reset()
 
 
 @pytest.fixture
@@ -95,7 +111,34 @@ def test_the_forwards_are_registered_for_torch_cpu_only():
     assert {".".join(h.path.split(".")[-2:]) for h in inline} == {
         "UnquantizedLinearMethod.apply",
         "LogitsProcessor._compute_lm_head",
+        "EagerRunner._execute_decode",
     }
+
+
+def test_outside_a_decode_forward_the_matmuls_are_sglangs_and_the_flag_never_outlives_one():
+    # An extend's few rows (a prefix read back from a tier leaves its last page to compute)
+    # take SGLang's matmul, as those rows did in the whole prompt's prefill.
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    method, layer = UnquantizedLinearMethod(), weighted(8, 16)
+    original = Calls(UnquantizedLinearMethod.apply)
+    runtime.current().decode_forward = False
+    linear_apply(original, method, layer, torch.randn(2, 16))
+    assert original.count == 1
+    seen = []
+
+    def execute(runner, batch, *, fail=False):
+        seen.append(runtime.current().decode_forward)
+        linear_apply(original, method, layer, torch.randn(2, 16))
+        if fail:
+            raise RuntimeError("the forward failed")
+        return batch
+
+    assert decode_forward(execute, object(), "batch") == "batch"
+    with pytest.raises(RuntimeError):
+        decode_forward(execute, object(), "batch", fail=True)
+    assert seen == [True, True] and original.count == 1  # inside: the C kernel's
+    assert runtime.current().decode_forward is False
 
 
 class Calls:

@@ -420,6 +420,11 @@ PRIVATE = [
     Name("sglang.srt.layers.dual_gemm.DualGemm", "_select_mode", "plugin.py (hook, torch_cuda)"),
     Name("sglang.srt.layers.logits_processor.LogitsProcessor", "_compute_lm_head", "plugin.py (hook, torch_cpu)"),
     Name("sglang.srt.entrypoints.engine", "_set_envs_and_config", "plugin.py (hook, torch_cpu: children forked)"),
+    Name(
+        "sglang.srt.model_executor.runner.eager_runner.EagerRunner",
+        "_execute_decode",
+        "plugin.py (hook, torch_cpu: decode rows in C)",
+    ),
     # Overridden by the footprint adder (scheduler/admission.py), each called through super().
     *(
         Name("sglang.srt.managers.schedule_policy.PrefillAdder", n, "scheduler/admission.py")
@@ -482,6 +487,7 @@ HOOK_TARGETS = [
     "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply",
     "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head",
     "sglang.srt.entrypoints.engine._set_envs_and_config",
+    "sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_decode",
 ]
 
 

@@ -30,11 +30,15 @@ CPU_FORWARDS = (
 
 # torch_cpu's around hooks on SGLang's matmuls (platform/cpu_forwards.py, plugin.py's kind
 # ``inline``): a decode step's float32 rows in one C call, SGLang's code otherwise.
+# Only inside a decode forward (``decode_forward``): an extend's few rows take the matmul a whole
+# prompt's rows take, so a prefix read back from a tier answers as computed, to the last bit.
 CPU_MATMULS = (
-    ("quantization.unquant.UnquantizedLinearMethod.apply", "linear_apply"),
-    ("logits_processor.LogitsProcessor._compute_lm_head", "lm_head_logits"),
+    ("layers.quantization.unquant.UnquantizedLinearMethod.apply", "linear_apply"),
+    ("layers.logits_processor.LogitsProcessor._compute_lm_head", "lm_head_logits"),
+    ("model_executor.runner.eager_runner.EagerRunner._execute_decode", "decode_forward"),
 )
-CPU_OPS = (*((op, fn, "forward") for op, fn in CPU_FORWARDS), *((op, fn, "inline") for op, fn in CPU_MATMULS))
+# Each op's target under sglang.srt, our function, its plugin.py kind.
+CPU_OPS = (*((f"layers.{op}", fn, "forward") for op, fn in CPU_FORWARDS), *((t, fn, "inline") for t, fn in CPU_MATMULS))
 
 
 def activate() -> str | None:

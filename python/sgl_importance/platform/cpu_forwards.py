@@ -9,9 +9,10 @@ setting, no C compiler). Registered per op class by ``plugin.py`` (hook kind
 ``forward``) in torch_cpu processes; each receives the op as ``self``.
 
 The unquantized linear layers and the LM head are ``around`` hooks (plugin.py): at a decode
-step's few float32 rows they are one C call (``sgl_kernel_ext.linear``, 1.2-2.9x torch's
-matmul there), and SGLang's own code otherwise (a prefill's rows, another dtype, a packed
-weight, LoRA, a bias on the LM head, SGLang's float32 LM-head options).
+step's few float32 rows (inside ``EagerRunner._execute_decode``: ``decode_forward``) they are
+one C call (``sgl_kernel_ext.linear``, 1.2-2.9x torch's matmul there), and SGLang's own code
+otherwise (an extend's rows, another dtype, a packed weight, LoRA, a bias on the LM head,
+SGLang's float32 LM-head options).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 import torch
 from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method
 
+from sgl_importance import runtime
 from sgl_kernel_ext.layer_ops import rms_norm, rotary
 from sgl_kernel_ext.linear import linear
 
@@ -69,6 +71,20 @@ def rotary_forward(
     return self.forward_native(positions, query, key, offsets, fused_set_kv_buffer_arg)
 
 
+def decode_forward(original: Callable[..., object], runner: object, *args: object, **kwargs: object) -> object:
+    """``EagerRunner._execute_decode`` (SGLang's ``model_executor.runner.eager_runner``): the
+    linear layers and the LM head take the C kernel inside it only. An extend's few rows (the
+    last page a prefix read back from a tier leaves to compute) then take torch's matmul, as
+    the same rows did in the whole prompt's prefill: the two sum in another order, and a
+    tiered prefix must answer as computed."""
+    rt = runtime.current()
+    rt.decode_forward = True
+    try:
+        return original(runner, *args, **kwargs)
+    finally:
+        rt.decode_forward = False
+
+
 def linear_apply(
     original: Callable[..., torch.Tensor],
     method: LinearMethod,
@@ -79,7 +95,7 @@ def linear_apply(
     """``UnquantizedLinearMethod.apply`` (SGLang's ``layers.quantization.unquant``): a decode
     step's rows through the C kernel; a weight SGLang packed for its AMX kernel, and
     anything the kernel does not take, through SGLang's own method."""
-    if not getattr(layer, "use_intel_amx_backend", False):
+    if runtime.current().decode_forward and not getattr(layer, "use_intel_amx_backend", False):
         out = linear(x, layer.weight, bias)
         if out is not None:
             return out
@@ -101,7 +117,8 @@ def lm_head_logits(
     LoRA, no bias and none of its float32 or on-policy options, through the C kernel at a decode
     step's rows (into ``out`` when SGLang hands one of the right shape)."""
     plain = (
-        embedding_bias is None
+        runtime.current().decode_forward
+        and embedding_bias is None
         and not should_apply_lm_head_quant_method(lm_head, getattr(lm_head, "quant_method", None))
         and not hasattr(lm_head, "set_lora")
         and not getattr(lm_head, "use_intel_amx_backend", False)

@@ -70,7 +70,7 @@ def fork_children(*_: Any) -> None:
     (a server was ready in ~36 s spawned, ~22 s forked, on a 2-core VM). A forked child registers
     the rows of its own process (``plugin._forked``)."""
     multiprocessing.set_start_method("fork", force=True)
-    # Only the launcher's: what a scheduler starts itself (a trace writer, ...) is spawned as before.
+    # Only the launcher's children: a process a scheduler starts through multiprocessing is spawned as before.
     os.register_at_fork(after_in_child=lambda: multiprocessing.set_start_method("spawn", force=True))
 
 
