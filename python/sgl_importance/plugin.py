@@ -94,7 +94,7 @@ HOOKS = (
     Hook("managers.scheduler.Scheduler.process_batch_result", "trace.tracing:Tracing.around_batch_result", "around", "trace", ("tracing",)),
     Hook("mem_cache.pool_host.mha.get_mha_host_pool_cls", "platform.host_pool:host_pool_cls", "around", "native"),
     Hook("mem_cache.l2_transfer.L2TransferEngine.__init__", "platform.streams:use_cpu_streams", "after", "torch_cpu"),
-    Hook("entrypoints.engine._set_envs_and_config", "platform.torch_cpu:fork_children", "after", "torch_cpu"),  # the launcher's children forked (_forked)
+    Hook("entrypoints.engine._set_envs_and_config", "platform.torch_cpu:fork_children", "after", "torch_cpu"),  # the launcher forks its children; theirs added at the fork (_register)
     *(Hook(target, f"platform.cpu_forwards:{fn}", kind, "torch_cpu") for target, fn, kind in CPU_OPS),  # one C call each
     *(Hook(f"mem_cache.{t}", "platform.torch_cuda:no_compiled_kernel", "around", "torch_cuda") for t in ("memory_pool.can_use_store_cache", "pool_host.mha.can_use_hicache_jit_kernel")),
     Hook("layers.dual_gemm.DualGemm._select_mode", "platform.torch_cuda:no_dual_gemm", "around", "torch_cuda"),
