@@ -67,8 +67,8 @@ def fork_children(*_: Any) -> None:
     """After SGLang's ``_set_envs_and_config`` (``entrypoints/engine.py``) chose "spawn" for the
     scheduler and detokenizer: "fork". Spawn keeps a parent's CUDA context out of its children;
     on torch_cpu there is none, and a spawned child imports SGLang, torch and transformers again
-    (a server was ready in ~36 s spawned, ~22 s forked, on a 2-core VM). A forked child registers
-    the rows of its own process (``plugin._forked``)."""
+    (a server was ready in ~36 s spawned, ~25 s forked, on a 2-core VM). A forked child registers
+    the rows of a scheduler process at the fork (``plugin._register``)."""
     multiprocessing.set_start_method("fork", force=True)
     # Only the launcher's children: a process a scheduler starts through multiprocessing is spawned as before.
     os.register_at_fork(after_in_child=lambda: multiprocessing.set_start_method("spawn", force=True))

@@ -104,10 +104,10 @@ static inline __attribute__((always_inline)) void run_split_shape(const Args *a,
     const int converted = a->dtype != DT_F32;
     float M[KV * G], L[KV * G], beta[KV * G], acc[KV * G * DV], logit[KV * G * BT];
     float ktile[converted ? BT * KV * D : 1], vtile[converted ? BT * KV * DV : 1];
-    /* Per run of the block (pages whose rows follow one another in memory, read as one: a
-     * request's consecutive slots of 1-token pages, a converted tile): its K and V rows,
-     * tokens and first token in the block. Per page: tokens, first token, column. */
-    const float *rk[BT], *rv[BT], *vrow[BT];
+    /* Per run of the block (pages whose K rows follow one another in memory, read as one: a
+     * request's consecutive slots of 1-token pages, a converted tile): its K rows, tokens and
+     * first token in the block. Per token: its V row. Per page: tokens, first token, column. */
+    const float *rk[BT], *vrow[BT];
     int64_t rn[BT], rfirst[BT], pn[BT], first[BT], page_of[BT];
     for (int64_t x = 0; x < KV * G; x++) M[x] = -INFINITY, L[x] = 0.0f;
     memset(acc, 0, sizeof(float) * KV * G * DV);
@@ -133,11 +133,15 @@ static inline __attribute__((always_inline)) void run_split_shape(const Args *a,
             const float *vp =
                 page_f32(vb, a->dtype, id * P * KV * DV, n * KV * DV, vtile + (converted ? n_tok * KV * DV : 0));
             const int64_t last = n_runs - 1;
-            if (n_runs && kp == rk[last] + rn[last] * KV * D && vp == rv[last] + rn[last] * KV * DV) {
+            if (n_runs && kp == rk[last] + rn[last] * KV * D) {
                 rn[last] += n;
             } else {
-                rk[n_runs] = kp, rv[n_runs] = vp, rn[n_runs] = n, rfirst[n_runs] = n_tok, n_runs++;
+                rk[n_runs] = kp, rn[n_runs] = n, rfirst[n_runs] = n_tok, n_runs++;
             }
+            /* Each token's V row, not a run's: the sums below then take the same steps wherever
+             * the pages lie (a loop per run let the compiler group a long run's tokens otherwise
+             * than short ones', so a page moved to another slot changed the output's last bits). */
+            for (int64_t t = 0; t < n; t++) vrow[n_tok + t] = vp + t * KV * DV;
             pn[n_pages] = n, first[n_pages] = n_tok, page_of[n_pages] = j, n_pages++;
             n_tok += n;
         }
@@ -190,12 +194,6 @@ static inline __attribute__((always_inline)) void run_split_shape(const Args *a,
             }
             L[x] += beta[x] * l;
         }
-        /* Each token's V row, whatever run it came in: the sums below then take the same
-         * steps wherever the pages lie (a loop per run let the compiler group a long run's
-         * tokens otherwise than short ones', so a page moved to another slot changed the
-         * output in its last bits). */
-        for (int64_t u = 0; u < n_runs; u++)
-            for (int64_t t = 0; t < rn[u]; t++) vrow[rfirst[u] + t] = rv[u] + t * KV * DV;
         /* Per query head, the block's tokens in turn into VSUMS sums of DV, kept in registers,
          * met in a fixed order at the block's end. */
         for (int64_t x = 0; x < KV * G; x++) {
