@@ -121,7 +121,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sgl_paged_decode.argtypes = [
         p, i64, f32, p, p, p, p,  # q, q_stride, sm_scale, k_pool, v_pool, k_extra, v_extra
         p, p, p, p,  # table, tokens, live, sinks
-        i64, i64, i64, i64,  # num_pages, extra_pages, bs, max_pages
+        i64, i64,  # num_pages, extra_pages
+        i64, i64, i64, i64,  # the extras' strides: K page, K token, V page, V token (elements)
+        i64, i64,  # bs, max_pages
         i64, i64, i64, i64, i64,  # page_size, kv, group, d, dv
         i32, i32, f32, i32,  # dtype, splits, logit_cap, importance
         p, p, p, p, p,  # page_max, page_sum, split_max, split_sum, split_acc

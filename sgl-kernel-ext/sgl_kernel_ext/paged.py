@@ -399,10 +399,23 @@ def _native_fits(
     rows = block * k_pages.shape[2] * (k_pages.shape[-1] + v_pages.shape[-1])
     return (
         q.device.type == "cpu"
-        and all(t.device.type == "cpu" and t.dtype == k_pages.dtype and t.is_contiguous() for t in pools)
+        and all(t.device.type == "cpu" and t.dtype == k_pages.dtype for t in pools)
+        and _pools_laid_out(k_pages, v_pages, extra_k, extra_v)
         and k_pages.dtype in _NATIVE_DTYPES
         and q.shape[1] * (block + v_pages.shape[-1] + q.shape[2] + 3) + rows + 8 * block <= _NATIVE_MAX_STACK_FLOATS
     )
+
+
+def _pools_laid_out(
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    extra_k: Optional[torch.Tensor] = None,
+    extra_v: Optional[torch.Tensor] = None,
+) -> bool:
+    """What the C kernel reads: the pool contiguous; staging pages with each token's heads
+    side by side, pages and tokens at any stride (a host pool's layer view in place)."""
+    rows = (t is None or (t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]) for t in (extra_k, extra_v))
+    return k_pages.is_contiguous() and v_pages.is_contiguous() and all(rows)
 
 
 class _NativeInputs(NamedTuple):
@@ -437,7 +450,7 @@ def _native_inputs(
     key = (ws, bool(importance), threads, k_pages.shape, v_pages.shape, k_pages.dtype, q.shape, extra)
     cached = plan.native_inputs
     pools = (k_pages, v_pages) if extra_k is None else (k_pages, v_pages, extra_k, extra_v)
-    if cached is not None and cached.key == key and all(t.is_contiguous() for t in pools):
+    if cached is not None and cached.key == key and _pools_laid_out(*pools):
         return cached  # the key and the layout are what _native_fits found fitting
     if not _native_fits(q, k_pages, v_pages, extra_k, extra_v):
         return None
@@ -506,7 +519,8 @@ def _decode_native(
     rc = lib.sgl_paged_decode(
         ptr(qf), qf.stride(0), float(sm_scale), ptr(k_pages), ptr(v_pages), ptr(extra_k), ptr(extra_v),
         table_p, tokens_p, live_p, ptr(sink_logits),
-        num_pages, extra_k.shape[0] if extra_k is not None else 0, bs, max_pages,
+        num_pages, extra_k.shape[0] if extra_k is not None else 0,
+        *(extra_k.stride()[:2] + extra_v.stride()[:2] if extra_k is not None else (0, 0, 0, 0)), bs, max_pages,
         page_size, kv_heads, group, head_dim, v_dim,
         _NATIVE_DTYPES[k_pages.dtype], splits, float(logit_cap), int(importance),
         page_max_p, page_sum_p, split_max_p, split_sum_p, split_acc_p,
@@ -555,7 +569,9 @@ class _Gather:
             if where.numel():
                 # Staged pages may live on the host (a released page read from its copy).
                 extra_ids = (self.table[:, c0:c1].reshape(-1)[where] - num_pages).to(self.extra.device)
-                staged = self.extra.view(self.extra.shape[0], -1).index_select(0, extra_ids)
+                # Whole pages by id, then flattened: a page of a host layer view may hold other
+                # layers' rows between its tokens (SGLang's page_first).
+                staged = self.extra.index_select(0, extra_ids).reshape(where.numel(), -1)
                 raw[where] = staged.to(raw.device, raw.dtype)
         if raw.dtype != torch.float32:
             got = self.ws.get(self.name, raw.shape, torch.float32, raw.device)

@@ -342,6 +342,36 @@ def test_pages_past_the_pool_are_read_from_the_staging_buffers():
     assert_close(got, ref, seed)
 
 
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_staging_pages_read_in_place_from_a_host_pools_layer_view(layout, dtype):
+    """A host pool's layer as staging pages, no copy: SGLang's ``page_first`` puts a token's
+    layers together (tokens of a layer lie 3 rows apart here), ``page_first_direct`` a
+    page's layers together (pages lie apart, tokens adjacent). Bit for bit what the same
+    pages give copied out contiguously."""
+    seed = _seed()
+    q, k, v, indptr, ids, toks = make_case([5, 8, 3], dtype=dtype, seed=seed)
+    num_pages, layers, layer = k.shape[0] // 16, 3, 1
+    gen = torch.Generator().manual_seed(seed + 1)
+    host = ids.numel()  # a host page for every listed one
+    if layout == "page_first":  # [tokens, layers, heads, dim]
+        host_k, host_v = (torch.randn(host * 16, layers, 3, 64, generator=gen).to(dtype) for _ in range(2))
+        view_k, view_v = (t[:, layer].view(host, 16, 3, 64) for t in (host_k, host_v))
+    else:  # [pages, layers, page_size, heads, dim]
+        host_k, host_v = (torch.randn(host, layers, 16, 3, 64, generator=gen).to(dtype) for _ in range(2))
+        view_k, view_v = host_k[:, layer], host_v[:, layer]
+    assert not view_k.is_contiguous()
+    staged = torch.arange(ids.numel()) % 2 == 1
+    moved = ids.clone()
+    moved[staged] = num_pages + torch.randperm(host, generator=gen)[: int(staged.sum())]
+    plan = plan_paged_decode(indptr, moved, toks, page_size=16)
+    got = fast(q, k, v, plan, 16, extra_k_pages=view_k, extra_v_pages=view_v)
+    want = fast(q, k, v, plan, 16, extra_k_pages=view_k.contiguous(), extra_v_pages=view_v.contiguous())
+    assert torch.equal(got.output, want.output) and torch.equal(got.importance, want.importance), f"seed={seed}"
+    whole_k, whole_v = (torch.cat([p, x.reshape(-1, 3, 64)]) for p, x in ((k, view_k), (v, view_v)))
+    assert_close(got, reference_of(q, whole_k, whole_v, indptr, moved, toks, 16, plan.max_pages), seed)
+
+
 def test_staging_buffers_of_another_dtype_are_converted_page_by_page():
     seed = _seed()
     q, k, v, indptr, ids, toks = make_case([4, 6], dtype=torch.bfloat16, seed=seed)

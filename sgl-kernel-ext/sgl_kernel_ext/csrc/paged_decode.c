@@ -50,6 +50,21 @@ static inline __attribute__((always_inline)) const float *page_f32(const void *b
     return tile;
 }
 
+/* `n` token rows of `row` elements, `stride` elements apart from `offset`, as float32 rows
+ * side by side: the pool itself where they already are (float32, adjacent), else copied or
+ * converted into `tile` (a staging buffer whose tokens lie apart: a host pool's layer view
+ * in SGLang's page_first layout, every layer of a token together). */
+static inline __attribute__((always_inline)) const float *rows_f32(const void *base, int dtype, int64_t offset,
+                                                                     int64_t n, int64_t row, int64_t stride,
+                                                                     float *tile) {
+    if (stride == row) return page_f32(base, dtype, offset, n * row, tile);
+    for (int64_t t = 0; t < n; t++) {
+        const float *r = page_f32(base, dtype, offset + t * stride, row, tile + t * row);
+        if (r != tile + t * row) memcpy(tile + t * row, r, sizeof(float) * row);
+    }
+    return tile;
+}
+
 /* Tokens of one online-softmax update: pages join a block whole while it has room, so
  * small pages (SGLang's default page of 1 token) share the update and its rescale of
  * the running sums instead of paying them per token. */
@@ -67,8 +82,9 @@ typedef struct {
     float sm_scale;
     const void *k_pool;    /* [num_pages, page_size, kv, d] */
     const void *v_pool;    /* [num_pages, page_size, kv, dv] */
-    const void *k_extra;   /* [extra_pages, page_size, kv, d] or NULL */
-    const void *v_extra;
+    const void *k_extra;   /* [extra_pages, page_size, kv, d] or NULL: rows of kv * d adjacent, */
+    const void *v_extra;   /* tokens and pages at the strides below (elements) */
+    int64_t xk_page, xk_tok, xv_page, xv_tok;
     const int64_t *table;  /* [bs, max_pages] page ids; >= num_pages: extra page */
     const int64_t *tokens; /* [bs, max_pages] valid tokens per listed page */
     int64_t num_pages, bs, max_pages, page_size, kv, group, d, dv;
@@ -101,9 +117,10 @@ static inline __attribute__((always_inline)) void run_split_shape(const Args *a,
      * layer, which at a short step costs more than this loop). */
     float q[KV * G * D];
     for (int64_t x = 0; x < KV * G * D; x++) q[x] = a->q[b * a->q_stride + x] * a->sm_scale;
-    const int converted = a->dtype != DT_F32;
+    /* Pages read through a tile: a pool not in float32, or staging pages whose tokens lie apart. */
+    const int tiled = a->dtype != DT_F32 || (a->k_extra && (a->xk_tok != KV * D || a->xv_tok != KV * DV));
     float M[KV * G], L[KV * G], beta[KV * G], acc[KV * G * DV], logit[KV * G * BT];
-    float ktile[converted ? BT * KV * D : 1], vtile[converted ? BT * KV * DV : 1];
+    float ktile[tiled ? BT * KV * D : 1], vtile[tiled ? BT * KV * DV : 1];
     /* Per run of the block (pages whose K rows follow one another in memory, read as one: a
      * request's consecutive slots of 1-token pages, a converted tile): its K rows, tokens and
      * first token in the block. Per token: its V row. Per page: tokens, first token, column. */
@@ -128,10 +145,13 @@ static inline __attribute__((always_inline)) void run_split_shape(const Args *a,
             if (n_tok + n > BT) break;
             int64_t id = a->table[col];
             const void *kb = a->k_pool, *vb = a->v_pool;
-            if (id >= a->num_pages) id -= a->num_pages, kb = a->k_extra, vb = a->v_extra;
-            const float *kp = page_f32(kb, a->dtype, id * P * KV * D, n * KV * D, ktile + (converted ? n_tok * KV * D : 0));
-            const float *vp =
-                page_f32(vb, a->dtype, id * P * KV * DV, n * KV * DV, vtile + (converted ? n_tok * KV * DV : 0));
+            int64_t ko = id * P * KV * D, vo = id * P * KV * DV, kt = KV * D, vt = KV * DV;
+            if (id >= a->num_pages) {
+                id -= a->num_pages, kb = a->k_extra, vb = a->v_extra;
+                ko = id * a->xk_page, vo = id * a->xv_page, kt = a->xk_tok, vt = a->xv_tok;
+            }
+            const float *kp = rows_f32(kb, a->dtype, ko, n, KV * D, kt, ktile + (tiled ? n_tok * KV * D : 0));
+            const float *vp = rows_f32(vb, a->dtype, vo, n, KV * DV, vt, vtile + (tiled ? n_tok * KV * DV : 0));
             const int64_t last = n_runs - 1;
             if (n_runs && kp == rk[last] + rn[last] * KV * D) {
                 rn[last] += n;
@@ -303,7 +323,8 @@ static void merge(const Args *a, int64_t b, int64_t h, const float *sinks, const
  * is outside the pool and the staging pages. */
 int sgl_paged_decode(const float *q, int64_t q_stride, float sm_scale, const void *k_pool, const void *v_pool, const void *k_extra, const void *v_extra,
                      const int64_t *table, const int64_t *tokens, const uint8_t *live, const float *sinks,
-                     int64_t num_pages, int64_t extra_pages, int64_t bs, int64_t max_pages, int64_t page_size, int64_t kv, int64_t group,
+                     int64_t num_pages, int64_t extra_pages, int64_t xk_page, int64_t xk_tok, int64_t xv_page,
+                     int64_t xv_tok, int64_t bs, int64_t max_pages, int64_t page_size, int64_t kv, int64_t group,
                      int64_t d, int64_t dv, int dtype, int splits, float logit_cap, int importance, float *page_max,
                      float *page_sum, float *split_max, float *split_sum, float *split_acc, float *out, float *lse,
                      float *mass, int threads) {
@@ -315,7 +336,8 @@ int sgl_paged_decode(const float *q, int64_t q_stride, float sm_scale, const voi
     for (int64_t c = 0; c < bs * max_pages; c++)
         if (tokens[c] > 0 && (table[c] < 0 || table[c] >= num_pages + (k_extra ? extra_pages : 0) || tokens[c] > page_size))
             return -2;
-    Args a = {q, q_stride, sm_scale, k_pool, v_pool, k_extra, v_extra, table, tokens, num_pages, bs, max_pages, page_size, kv, group, d, dv,
+    if (k_extra && (xk_tok < kv * d || xv_tok < kv * dv || xk_page < 1 || xv_page < 1)) return -1;
+    Args a = {q, q_stride, sm_scale, k_pool, v_pool, k_extra, v_extra, xk_page, xk_tok, xv_page, xv_tok, table, tokens, num_pages, bs, max_pages, page_size, kv, group, d, dv,
               dtype, splits, importance, logit_cap, page_max, page_sum, split_max, split_sum, split_acc};
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t it = 0; it < bs * splits; it++) run_split(&a, it / splits, it % splits);
