@@ -75,7 +75,7 @@ HOOKS = (
     Hook("managers.scheduler.Scheduler.run_batch", "scheduler.hot_set_rows:around_batch", "around", "scheduler", ("runtime",)),  # rows' pages lent, then the step's moves
     Hook("managers.scheduler.Scheduler.process_batch_result", "scheduler.hot_set_release:reopen_admission", "after", "scheduler", ("residency",)),
     Hook("managers.scheduler.Scheduler.handle_generate_request", "scheduler.hot_set_requests:note_request", "before", "scheduler", ("request_params", "config")),
-    Hook("mem_cache.common.checkpoint_kv_cache", "scheduler.hot_set_release:checkpoint_unless_released", "around", "scheduler", ("residency", "hot_set_attention", "row_pages")),
+    Hook("mem_cache.common.checkpoint_kv_cache", "scheduler.hot_set_release:checkpoint_unless_released", "around", "scheduler", ("residency", "hot_set_attention", "hot_set_decoder", "row_pages")),
     Hook("managers.schedule_batch.ScheduleBatch.prepare_for_decode", "scheduler.hot_set_release:admit_grown", "after", "scheduler", ("residency",)),  # lengths set, before the forward
     Hook("managers.schedule_batch.ScheduleBatch.prepare_for_extend", "scheduler.returning:lend_history", "after", "scheduler", ("runtime",)),  # rows written, before the forward
     Hook("mem_cache.unified_radix_cache.UnifiedRadixCache.prefix_device_indices", "scheduler.returning:prefix_with_history", "around", "scheduler", ("residency",)),

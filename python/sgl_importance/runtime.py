@@ -67,9 +67,9 @@ logger = logging.getLogger(__name__)
 
 class BackendHotSet(Protocol):
     """The decode backend's hot set (``attention/hot_set_attention.HotSetAttention``): what
-    the scheduler hooks and the graph variants read of it."""
+    the scheduler hooks and the graph variants read of it: the batch's step, not the
+    decoder (``Runtime.hot_set_decoder``)."""
 
-    decoder: HotSetDecoder
     stream_prefill: bool  # a long prompt's full pages leave the device as it prefills
     forward_stream: Optional[torch.cuda.Stream]  # the model runner's (CUDA); None on the CPU
     metrics: Optional[HotSetMetrics]  # None: --enable-metrics off
@@ -121,8 +121,12 @@ class Runtime:
         self.row_pages: Optional[BorrowedPages] = None
         # What a hot-set server takes (scheduler/long_requests.py); None: SGLang's own limits.
         self.limits: Optional[HotSetLimits] = None
-        # The decode backend's hot set (attention/hot_set_attention.py): the graph variants read its plan.
+        # The decode backend's hot set (attention/hot_set_attention.py): the batch's step, which the
+        # scheduler ends (end_batch) and the graph variants read.
         self.hot_set_attention: Optional[BackendHotSet] = None
+        # The hot set's decoder, built with the decode backend: what the scheduler's hooks ask of
+        # the selection (pages wanted, rows, shrinking, a request's end), never through the backend.
+        self.hot_set_decoder: Optional[HotSetDecoder] = None
         # Inside a decode forward on torch_cpu (platform/cpu_forwards.decode_forward): its matmuls in C.
         self.decode_forward = False
         self.tracing = Tracing(self.config)

@@ -235,7 +235,7 @@ class _Decoder:
 
 
 def _runtime(r: Residency, grown: list | None = None) -> SimpleNamespace:
-    return SimpleNamespace(residency=r, hot_set_attention=SimpleNamespace(decoder=_Decoder(grown or [])))
+    return SimpleNamespace(residency=r, hot_set_decoder=_Decoder(grown or []))
 
 
 @pytest.mark.parametrize("pending, fits_after", [(4, True), (1, False), (0, False)])
@@ -256,7 +256,7 @@ def test_a_decode_check_short_of_room_waits_for_release_copies_before_sglang_ret
     assert r.counts.release_waits == (1 if pending else 0)
     assert r.copies.waited == bool(pending)
     assert checks == [[0]] * (2 if pending else 1)  # asked again only after freeing
-    assert runtime.hot_set_attention.decoder.shrunk == (0 if fits_after else 1)  # nothing grown: no third check
+    assert runtime.hot_set_decoder.shrunk == (0 if fits_after else 1)  # nothing grown: no third check
     r.copies = _Copies(5)
     free["pages"] = 4
     assert fits_after_releases(_runtime(r), check, "batch") and r.copies.pending == 5  # room: nothing waited for

@@ -18,7 +18,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-from sgl_importance.scheduler.hot_set_release import HiCachePagePools
+from sgl_importance.scheduler.page_pools import HiCachePagePools
 
 P = 4
 out = {}

@@ -233,7 +233,7 @@ class Placed:
         (grown hot sets back to their budget) before SGLang would retract."""
         from sgl_importance.scheduler.decode_room import fits_after_releases
 
-        runtime = SimpleNamespace(residency=self.residency, hot_set_attention=SimpleNamespace(decoder=self.decoder))
+        runtime = SimpleNamespace(residency=self.residency, hot_set_decoder=self.decoder)
         if fits_after_releases(runtime, lambda batch: bool(self.tiers.free_device_pages), None):
             return self.tiers.alloc_device(1)
         raise AssertionError("the device is full even with every hot set at its budget")
@@ -568,7 +568,9 @@ def test_a_grown_request_retracted_frees_only_what_it_holds_and_is_admitted_agai
     scheduled.full_untruncated_fill_ids = list(range(grown.copy.length))  # SGLang's refresh_fill_ids
     scheduled.extend_end = grown.copy.length
     checkpointed = []
-    checkpoint_unless_released(released, None, None, lambda req, cache: checkpointed.append(req), scheduled, tree_cache)
+    checkpoint_unless_released(
+        released, None, None, None, lambda req, cache: checkpointed.append(req), scheduled, tree_cache
+    )
     assert checkpointed == [] and released.admitted("r")
     assert released.peek("r").first_owned_page == TREE_PAGES
     assert scheduled.prefix_len == scheduled.extend_end
@@ -597,7 +599,7 @@ def test_only_running_requests_past_the_threshold_that_may_enter_the_tree_are_ad
     for req in (short, reqs["grown"]):
         tree_cache = tree_cache_of(tiers, torch.zeros(64))
         checkpoint_unless_released(
-            released, None, None, lambda req, cache: checkpointed.append(req.rid), req, tree_cache
+            released, None, None, None, lambda req, cache: checkpointed.append(req.rid), req, tree_cache
         )
     assert checkpointed == ["prompt"] and not released.admitted("prompt")
 
@@ -610,15 +612,14 @@ PROMPT = PROMPT_PAGES * PAGE - 2
 
 
 class Streaming:
-    """The backend's hot set as the checkpoint hook sees it: streaming, its decoder's pool
+    """The backend's hot set as the checkpoint hook sees it: streaming; the decoder's pool
     views made for every layer (as the backend makes them at start-up)."""
 
     def __init__(self, placed: Placed) -> None:
-        self.decoder = placed.decoder
         self.stream_prefill = True
         self.forward_stream = None  # the CPU: no model runner's stream to wait for
         for layer in range(LAYERS):
-            self.decoder.pool_as_pages(layer, placed.tiers.k[layer], placed.tiers.v[layer])
+            placed.decoder.pool_as_pages(layer, placed.tiers.k[layer], placed.tiers.v[layer])
 
 
 class Chunked:
@@ -682,7 +683,7 @@ def prefill_in_chunks(placed: Placed, req: Request, hot_set, residency: Residenc
         placed.place(req)
         scheduled.extend_end = end
         checkpoint_unless_released(
-            residency, hot_set, None, lambda *a: pytest.fail("checkpointed"), scheduled, tree_cache
+            residency, hot_set, placed.decoder, None, lambda *a: pytest.fail("checkpointed"), scheduled, tree_cache
         )
         pages = residency.peek(req.rid)
         held.append(-(-end // PAGE) - int(pages.off_device(torch.arange(-(-end // PAGE))).sum()))

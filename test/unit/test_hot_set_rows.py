@@ -252,7 +252,7 @@ def test_a_batch_is_lent_the_pages_its_rows_need_and_gives_back_the_rest(monkeyp
         ended.append(runtime.row_pages.available())
         return "the step's moves"
 
-    runtime.hot_set_attention = types.SimpleNamespace(decoder=None, end_batch=end_batch)
+    runtime.hot_set_attention = types.SimpleNamespace(end_batch=end_batch)
     lent = []
 
     def run(scheduler, batch):
@@ -344,7 +344,7 @@ def test_a_leaving_request_gives_its_rows_back_and_their_pages_go_back_to_the_al
     guard = GuardPool.over_pool([fused[0]], [fused[1]], PAGE, runtime.row_pages)
     params = HotSetParams(policy="importance", budget=0.5)
     decoder = HotSetDecoder(params, ranges, pool_pages=100, page_size=PAGE, threshold=0, guard=guard)
-    runtime.hot_set_attention = types.SimpleNamespace(decoder=decoder, metrics=None)
+    runtime.hot_set_attention, runtime.hot_set_decoder = types.SimpleNamespace(metrics=None), decoder
     hot_set_rows.settle(runtime.row_pages, tree_cache, 5)
     tracked = decoder.residency.open("r").tracked = TrackedRequest(RequestHotSet(params))
     tracked.ranges, tracked.codes = ranges.alloc(20), guard.alloc(20)

@@ -465,7 +465,7 @@ def build_hot_set(
     attention.guarded = guard_wanted(config)
     if keys.device.type == "cuda":
         attention.forward_stream = model_runner.forward_stream
-    runtime.hot_set_attention = attention
+    runtime.hot_set_attention, runtime.hot_set_decoder = attention, decoder
     return attention
 
 

@@ -19,7 +19,7 @@ growth is discounted; where long prompts stream (``--hot-set-prefill stream``:
 beside its sinks and window or its hot set, whichever is larger. A request is charged this way
 only while the **host pool** can take every page it releases (``releases_refused`` would keep
 them on the device): running hot-set requests' final releases and this round's, against the
-pool's size (the tree's host copies are evicted for them: ``HiCachePagePools.alloc_host``), and
+pool's size (the tree's host copies are evicted for them: ``page_pools.HiCachePagePools.alloc_host``), and
 while it holds its key ranges (one refused them keeps every page). Otherwise it is charged as
 SGLang charges it (counted: ``footprint_refused``). A running
 request whose hot set the guard grew (its selection wanted released pages:
@@ -178,8 +178,8 @@ def new_book() -> FootprintBook:
     tracked = r.tracked()
     kept_for, refused_for = functools.partial(kept_share, tracked), functools.partial(ranges_refused, tracked)
     chunk, per_page = 0, (0, 0)
-    if hot_set is not None:
-        d = hot_set.decoder
+    if hot_set is not None and rt.hot_set_decoder is not None:
+        d = rt.hot_set_decoder
         per_page = (d.ranges.rows.rows_per_page, d.guard.rows.rows_per_page)
         if hot_set.stream_prefill and rt.scheduler is not None:
             chunk = max(rt.scheduler.chunked_prefill_size or 0, 0)

@@ -34,8 +34,8 @@ def fits_after_releases(
         residency.counts.release_waits += 1
         if original(batch, *args, **kwargs):
             return True
-    hot_set = runtime.hot_set_attention
-    shrunk = hot_set.decoder.shrink() if hot_set is not None and residency.enabled else []
+    decoder = runtime.hot_set_decoder
+    shrunk = decoder.shrink() if decoder is not None and residency.enabled else []
     if not shrunk:
         return False
     residency.release(shrunk)

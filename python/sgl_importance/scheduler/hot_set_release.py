@@ -2,8 +2,8 @@
 
 The records these hooks act on (the runtime's ``Residency``, passed in as ``residency``;
 each request's ``LongRequest``, its ``RequestPages``) and the page moves are
-``hot_set/residency.py``; here are the hooks plugin.py calls and ``HiCachePagePools``,
-the adapter of ``residency.PagePools`` over SGLang's allocator and host pool. These
+``hot_set/residency.py``; here are the hooks plugin.py calls (the adapter of ``residency.PagePools`` over SGLang's
+allocator and host pool is ``page_pools.HiCachePagePools``). These
 hooks, all between forwards, are the only callers of the moves: the decoder asks for its
 next step's releases and promotions as data, and ``hot_set_rows.around_batch`` (after
 ``Scheduler.run_batch``) makes them before the next step's allocation.
@@ -63,12 +63,11 @@ the device (logged once)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from sgl_importance.config import ImportanceConfig
-from sgl_importance.hot_set.host_ledger import ledger_from_env
 from sgl_importance.hot_set.page_copies import PageCopies
 from sgl_importance.hot_set.pages import RequestPages
 from sgl_importance.hot_set.params import HotSetParams
@@ -79,91 +78,15 @@ from sgl_importance.hot_set.rows import BorrowedPages
 from sgl_importance.runtime import BackendHotSet
 from sgl_importance.scheduler.hot_set_requests import forget_request
 from sgl_importance.scheduler.hot_set_rows import lent_for
+from sgl_importance.scheduler.page_pools import HiCachePagePools
 from sgl_importance.scheduler.streamed_prefill import release_chunk
 from sgl_importance.sglang_types.scheduler import Req, ReqKvInfo, ScheduleBatch, Scheduler
 from sgl_importance.sglang_types.tree import NodeId, TreeCache
 
+if TYPE_CHECKING:
+    from sgl_importance.hot_set.decode import HotSetDecoder
+
 logger = logging.getLogger(__name__)
-
-
-class HiCachePagePools:
-    """``residency.PagePools`` over SGLang's allocator and HiCache's host pool."""
-
-    def __init__(self, tree_cache: TreeCache) -> None:
-        self.tree_cache = tree_cache
-        self.allocator = tree_cache.token_to_kv_pool_allocator
-        self.page_size = self.allocator.page_size
-        self.device_pool = self.allocator.get_kvcache()
-        self.host_group = tree_cache.host_pool_group
-        self.host_pool = self.host_group.anchor_entry.host_pool
-        self.io_backend = tree_cache.cache_controller.io_backend
-        # Who holds each host slot, checked at every move (on in the test suite).
-        self.ledger = ledger_from_env(self.host_pool.size)
-        if self.ledger is not None:
-            self.host_pool.ledger = self.ledger
-
-    def alloc_device(self, num_pages: int) -> Optional[torch.Tensor]:
-        # A page the plan attends is worth more than an unlocked cached one: read from the
-        # host instead, it would cross PCIe in every layer of every step.
-        tokens = num_pages * self.page_size
-        slots = self.allocator.alloc(tokens)
-        if slots is None and tokens:
-            from sglang.srt.mem_cache.common import evict_from_tree_cache
-
-            evict_from_tree_cache(self.tree_cache, tokens)
-            slots = self.allocator.alloc(tokens)
-        return slots
-
-    def free_device(self, slots: torch.Tensor) -> None:
-        self.allocator.free(slots)
-
-    def alloc_host(self, num_pages: int, owner: str) -> Optional[torch.Tensor]:
-        # Host nodes of the tree make room if the pool is full (they are copies).
-        slots = self.host_group.alloc(num_pages * self.page_size, reclaim=self.tree_cache.evict_host)
-        if slots is not None and self.ledger is not None:
-            self.ledger.take(slots, owner)
-        return slots
-
-    def free_host(self, slots: torch.Tensor, owner: str) -> None:
-        allocated = self.host_allocated(slots)
-        if not bool(allocated.all()):
-            # Someone else freed them (a bug; the ledger names who in the test suite):
-            # freeing them again would kill the scheduler, so leave them.
-            logger.error(
-                "hot set: request %s's host slots %s were already freed; not freeing them again",
-                owner,
-                slots[~allocated][:8].tolist(),
-            )
-            slots = slots[allocated]
-        if self.ledger is not None:
-            self.ledger.release(slots, owner)
-        self.host_group.free(slots)
-
-    def host_allocated(self, slots: torch.Tensor) -> torch.Tensor:
-        """Whether each host slot is allocated in the pool (a bool per slot)."""
-        return self.host_pool.slot_used[slots.to("cpu", torch.int64)]
-
-    def give_host(self, slots: torch.Tensor, owner: str) -> None:
-        if self.ledger is not None:
-            self.ledger.give(slots, owner)
-
-    def borrow_host(self, slots: torch.Tensor, owner: str) -> None:
-        if self.ledger is not None:
-            self.ledger.borrow(slots, owner)
-
-    def unborrow_host(self, owner: str) -> None:
-        if self.ledger is not None:
-            self.ledger.unborrow(owner)
-
-    def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
-        self.host_pool.backup_from_device_all_layer(self.device_pool, host_slots, device_slots, self.io_backend)
-
-    def to_device(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
-        for layer in range(self.host_pool.layer_num):
-            self.host_pool.load_to_device_per_layer(self.device_pool, host_slots, device_slots, layer, self.io_backend)
-
-    def host_layer(self, layer_id: int, host_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.host_pool.gather_layer(layer_id, host_slots)
 
 
 def enable(
@@ -227,6 +150,7 @@ def reopen_admission(residency: Residency, scheduler: Scheduler) -> None:
 def checkpoint_unless_released(
     residency: Residency,
     hot_set: Optional[BackendHotSet],
+    decoder: Optional[HotSetDecoder],
     row_pages: Optional[BorrowedPages],
     original: Callable[..., Any],
     req: Req,
@@ -249,9 +173,9 @@ def checkpoint_unless_released(
     # A middle chunk (SGLang stashes it before the next is scheduled); after the last, the
     # first decode step's plan decides (it may already have run, under the overlap scheduler).
     middle = req.extend_end < len(req.full_untruncated_fill_ids)
-    if hot_set is not None and hot_set.stream_prefill and middle and not req.finished():
-        with lent_for(row_pages, tree_cache, hot_set.decoder, {req.rid: req.extend_end}):
-            release_chunk(residency, hot_set, pages, req.rid, req.extend_end)
+    if hot_set is not None and decoder is not None and hot_set.stream_prefill and middle and not req.finished():
+        with lent_for(row_pages, tree_cache, decoder, {req.rid: req.extend_end}):
+            release_chunk(residency, decoder, hot_set.forward_stream, pages, req.rid, req.extend_end)
     return None
 
 

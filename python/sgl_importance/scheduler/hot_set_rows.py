@@ -27,12 +27,12 @@ if TYPE_CHECKING:
 
 def pages_for_batch(runtime: Runtime, batch: Optional[ScheduleBatch]) -> int:
     """Pages the stock needs before ``batch`` runs: rows its requests will write this step."""
-    hot_set = runtime.hot_set_attention
-    if hot_set is None or batch is None or not batch.reqs:
+    decoder = runtime.hot_set_decoder
+    if decoder is None or batch is None or not batch.reqs:
         return 0
     lengths = batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None else [r.seqlen for r in batch.reqs]
     # One token more than the forward's lengths: a step ended a step late, or a page that fills now.
-    return pages_wanted(hot_set.decoder, {req.rid: int(n) + 1 for req, n in zip(batch.reqs, lengths)})
+    return pages_wanted(decoder, {req.rid: int(n) + 1 for req, n in zip(batch.reqs, lengths)})
 
 
 def around_batch(
@@ -90,12 +90,12 @@ def release_rows(runtime: Runtime, original: Callable[..., Any], req: Req, tree_
     try:
         return original(req, tree_cache, **kwargs)
     finally:
-        hot_set = runtime.hot_set_attention
+        decoder, hot_set = runtime.hot_set_decoder, runtime.hot_set_attention
         with lent(runtime.row_pages, tree_cache, lambda: 0):
-            record = None if hot_set is None else hot_set.decoder.residency.record(req.rid)
+            record = None if decoder is None else decoder.residency.record(req.rid)
             if record is not None and record.tracked is not None:
-                hot_set.decoder.forget_request(req.rid)
-                if hot_set.metrics is not None:
+                decoder.forget_request(req.rid)
+                if hot_set is not None and hot_set.metrics is not None:
                     hot_set.after_step()
 
 

@@ -100,11 +100,9 @@ def longest_held(runtime: Runtime, device: int, context: int, chunk: int) -> int
     """The longest request whose peak footprint at the server's hot-set settings (its hot set,
     the KV pages borrowed for its rows, its prefill chunk: ``hot_set/footprint.footprint``)
     fits the device pool alone."""
-    hot_set = runtime.hot_set_attention
-    params = runtime.hot_set_params
-    if hot_set is None or params is None:
+    d, params = runtime.hot_set_decoder, runtime.hot_set_params
+    if d is None or params is None:
         return context
-    d = hot_set.decoder
     per_page = (d.ranges.rows.rows_per_page, d.guard.rows.rows_per_page)
 
     def fits(length: int) -> bool:

@@ -22,7 +22,7 @@ Not yet run on a GPU.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -31,22 +31,29 @@ from sgl_importance.hot_set.prefill import summarise_prefill
 from sgl_importance.hot_set.residency import Residency
 
 if TYPE_CHECKING:
-    from sgl_importance.runtime import BackendHotSet
+    from sgl_importance.hot_set.decode import HotSetDecoder
 
 
-def release_chunk(residency: Residency, hot_set: BackendHotSet, pages: RequestPages, rid: str, length: int) -> None:
+def release_chunk(
+    residency: Residency,
+    decoder: HotSetDecoder,
+    forward_stream: Optional[torch.cuda.Stream],
+    pages: RequestPages,
+    rid: str,
+    length: int,
+) -> None:
     """Streamed prefill, after a chunk: the request's full pages so far, summarised (the
     decoder's one pass over their keys), go to the host pool but its sinks and its last
     ``window`` full pages (those the next chunk releases); the partial last page stays.
-    The next chunk's extend and the first decode step read them from there."""
+    The next chunk's extend and the first decode step read them from there. ``forward_stream``:
+    the model runner's (CUDA), None on the CPU."""
     ps = pages.page_size
     full = length // ps
-    decoder = hot_set.decoder
-    if hot_set.forward_stream is not None:
+    if forward_stream is not None:
         # CUDA, under the overlap scheduler: the chunk's forward may still be writing its KV on
         # the model runner's stream; the summary below and the copies out (issued after what
         # this stream has queued) wait for it, as HiCache's own write-through does.
-        torch.cuda.current_stream(pages.row.device).wait_stream(hot_set.forward_stream)
+        torch.cuda.current_stream(pages.row.device).wait_stream(forward_stream)
     if not summarise_prefill(decoder, rid, pages.row[:length], full):
         return  # refused key ranges, or a policy that keeps its pages: dense prefill
     params = decoder.request_params.get(rid, decoder.params)
