@@ -310,11 +310,13 @@ HOT_SET_SERIES = {
     "pages_dense": ("pages_dense", "Pages dense attention would have read for the same steps and layers."),
     "pages_read_from_host": (
         "pages_read_from_host",
-        "Attended pages read from their host copy (planned pages whose promotion was refused), over layers.",
+        "Attended pages read from their host copy (planned pages not on the device; on the CPU, released pages "
+        "a guarded layer chose), summed over layers.",
     ),
     "pages_missed": (
         "pages_missed",
-        "Rest pages a layer's selection wanted while they were released: not read (misses), summed over layers.",
+        "Rest pages a layer's selection wanted while they were released and did not read (misses: a GPU's "
+        "kernels read no host copy), summed over layers.",
     ),
     "graph_steps": ("graph_steps", "Decode batches holding a hot-set request that replayed the captured step."),
     "graph_eager": (

@@ -92,7 +92,8 @@ def test_every_guarded_layers_attend_makes_no_host_round_trip(kind, threshold):
 def test_the_guards_kernel_reads_give_what_its_torch_reads_give(monkeypatch, release):
     """The decoder's CUDA branch (the masked-pages Triton kernel), run here under the
     interpreter, against its CPU branch (the exact reader over the fixed table); with
-    released rest pages neither reads them (misses)."""
+    released rest pages neither reads them (misses: the CPU branch's host reads are off
+    here, as where the host pool has no page views)."""
     pytest.importorskip("triton", reason="triton is not installed")
     import sgl_importance.hot_set.decode as decode
     import sgl_importance.hot_set.guard_reads as guard_reads
@@ -100,6 +101,7 @@ def test_the_guards_kernel_reads_give_what_its_torch_reads_give(monkeypatch, rel
     def run(kernel: bool):
         if kernel:
             monkeypatch.setattr(guard_reads, "reads_with_kernel", lambda decoder: True)
+        monkeypatch.setattr(decode, "host_pages", lambda *args: None)
         params = HotSetParams(policy="importance", budget=0.2, window=1, sinks=1, guard_threshold=0.2)
         lengths = [5, 90, 120]
         pages = sum(-(-(n + 8) // PAGE) for n in lengths) + 4
@@ -110,8 +112,8 @@ def test_the_guards_kernel_reads_give_what_its_torch_reads_give(monkeypatch, rel
         outcomes = []
         guard_layer = decode.guard_layer
 
-        def recorded(*args):
-            outcomes.append(guard_layer(*args))
+        def recorded(*args, **kwargs):
+            outcomes.append(guard_layer(*args, **kwargs))
             return outcomes[-1]
 
         monkeypatch.setattr(decode, "guard_layer", recorded)

@@ -48,6 +48,9 @@ class World:
         self.tiers = ArrayPools(
             layers=LAYERS, kv_heads=KV_HEADS, dim=DIM, page_size=PAGE,
             device_pages=device_pages, host_pages=host_pages, promotions=promotions,
+            # The Triton reader reads no host copy (a released page it wants is a miss): the
+            # torch world's host reads are off too, to compare like with like.
+            host_views=False,
         )  # fmt: skip
         self.residency = Residency()
         if release:
@@ -138,7 +141,7 @@ def test_pages_read_from_the_host_pool_are_merged_into_the_same_softmax(guard, p
     # Pages outside each request's 3-page hot set go to the host pool. Planned pages the
     # device has no room for (promotions=False) are staged from their host copies: the
     # kernel's part and the torch part merge. Guarded, released pages a layer wants are
-    # misses (never read from the host inside a layer), promoted for later steps.
+    # misses (the Triton reader reads no host copy inside a layer), promoted for later steps.
     params = HotSetParams(policy="importance", budget=3, window=1, sinks=1, guard_threshold=guard)
     totals = run_both(
         params, steps=5, lengths=[33, 30, 40], device_pages=40, host_pages=64, release=True, promotions=promotions

@@ -25,6 +25,8 @@ class ArrayPools:
         promotions: False: the device has no page for a promotion (new tokens still get
             theirs), so every released page a plan lists is read from its host copy.
         device: where the device pool lives (a stand-in device in the fake-CUDA tests).
+        host_views: whether the host pool offers page views (``host_pages``), as the native
+            platforms' host pool does; False: as SGLang's own on a CUDA platform (none).
     """
 
     def __init__(
@@ -38,8 +40,10 @@ class ArrayPools:
         host_pages: int,
         promotions: bool = True,
         device: str = "cpu",
+        host_views: bool = True,
     ) -> None:
         self.page_size = page_size
+        self.host_views = host_views
         self.promotions = promotions
         self.device = device
         self.device_pages = device_pages
@@ -131,3 +135,9 @@ class ArrayPools:
     def host_layer(self, layer_id: int, host_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch._C.DisableTorchFunction():
             return self.hk[layer_id, host_slots].clone(), self.hv[layer_id, host_slots].clone()
+
+    def host_pages(self, layer_id: int):
+        if not self.host_views:
+            return None
+        ps = self.page_size
+        return tuple(h[layer_id].view(-1, ps, *h.shape[2:]) for h in (self.hk, self.hv))

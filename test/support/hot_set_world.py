@@ -52,11 +52,17 @@ class ArrayKV(ArrayPools):
     """SGLang's KV pool (``set_kv_buffer``/``get_*_buffer``) over ``ArrayPools``' device pool."""
 
     def __init__(
-        self, device_pages: int, host_pages: int, promotions: bool = True, device: str = "cpu", layers: int = LAYERS
+        self,
+        device_pages: int,
+        host_pages: int,
+        promotions: bool = True,
+        device: str = "cpu",
+        layers: int = LAYERS,
+        host_views: bool = True,
     ) -> None:
         super().__init__(
-            layers=layers, kv_heads=KV_HEADS, dim=DIM, page_size=PAGE,
-            device_pages=device_pages, host_pages=host_pages, promotions=promotions, device=device,
+            layers=layers, kv_heads=KV_HEADS, dim=DIM, page_size=PAGE, device_pages=device_pages,
+            host_pages=host_pages, promotions=promotions, device=device, host_views=host_views,
         )  # fmt: skip
 
     def set_kv_buffer(self, layer, loc, k, v, *args, **kwargs) -> None:
@@ -110,11 +116,12 @@ class World:
         device: str = DEVICE,
         layers: int = LAYERS,
         plan_ahead: bool = False,
+        host_views: bool = True,
     ) -> None:
         # A device object, not a string: the host round-trip counter tells the server's
         # device tensors from host ones by it (support/host_syncs.py).
         device = self.device = torch.device(device)
-        self.kv = ArrayKV(device_pages, host_pages, promotions, device, layers)
+        self.kv = ArrayKV(device_pages, host_pages, promotions, device, layers, host_views)
         self.residency = Residency()
         if release:
             self.residency.enable(self.kv, threshold=THRESHOLD)

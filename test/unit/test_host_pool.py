@@ -64,3 +64,20 @@ def test_unknown_io_backend_is_refused():
     pool = make_pool("layer_first")
     with pytest.raises(ValueError, match="not supported on the torch_cpu and torch_cuda platforms"):
         pool.backup_from_device_all_layer(None, token_indices([0]), token_indices([0]), "kernel_ascend")
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_a_layers_page_views_read_what_a_gather_of_its_slots_copies(layout):
+    """``layer_pages`` (the hot set's CPU decode reads released pages there, in place): page
+    p of layer l is the host slots p * PAGE.. of that layer, the same rows ``gather_layer``
+    copies, and a write to the pool shows through the view."""
+    pool = make_pool(layout)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape))
+    for layer in range(LAYERS):
+        k_pages, v_pages = pool.layer_pages(layer)
+        assert k_pages.shape == (HOST_PAGES, PAGE, HEADS, DIM) and k_pages.stride()[2:] == (DIM, 1)
+        for page in (0, 3, HOST_PAGES - 1):
+            want_k, want_v = pool.gather_layer(layer, token_indices([page]))
+            assert torch.equal(k_pages[page], want_k) and torch.equal(v_pages[page], want_v)
+    pool.kv_buffer.zero_()
+    assert not pool.layer_pages(1)[0].any()

@@ -30,10 +30,11 @@ KV_HEADS, GROUP, DIM = 2, 2, 8
 LAYERS = 2
 
 
-def array_pools(device_pages: int, host_pages: int) -> ArrayPools:
+def array_pools(device_pages: int, host_pages: int, host_views: bool = True) -> ArrayPools:
     return ArrayPools(
-        layers=LAYERS, kv_heads=KV_HEADS, dim=DIM, page_size=PAGE, device_pages=device_pages, host_pages=host_pages
-    )
+        layers=LAYERS, kv_heads=KV_HEADS, dim=DIM, page_size=PAGE, device_pages=device_pages, host_pages=host_pages,
+        host_views=host_views,
+    )  # fmt: skip
 
 
 def test_subtract_pages_leaves_out_exactly_the_released_positions():
@@ -252,18 +253,20 @@ class Placed:
         return outs, counts
 
 
-@pytest.mark.parametrize("guard", [1.0, 0.05])
-def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_the_device(guard):
-    """Guard off, the outputs equal the reference's; guarded, the selection wants released
-    pages the reference has on its device: misses, not read (no host read inside a layer),
-    promoted for later steps (the hot set growing by them), so the outputs differ there and
-    the moves are checked; where the device runs short, grown hot sets go back to their
-    budget before a page is refused (the server's decode check, ``Placed.place``)."""
+@pytest.mark.parametrize("guard, host_views", [(1.0, True), (0.05, True), (0.05, False)])
+def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_the_device(guard, host_views):
+    """Guard off, the outputs equal the reference's. Guarded, the selection wants released
+    pages the reference has on its device: misses, promoted for later steps (the hot set
+    growing by them). Where the host pool has page views the layer reads them from their
+    host copies in the same step, so the outputs equal the reference's too; without views
+    they are left unread, the outputs differ there and only the moves are checked. Where
+    the device runs short, grown hot sets go back to their budget before a page is refused
+    (the server's decode check, ``Placed.place``)."""
     # Three requests of 20 pages (60 pages with what they generate) on a 32-page
     # device: each is prefilled after the previous ones released what their hot
     # sets (4 pages) leave out. The reference keeps everything on a large device.
     reference = Placed(array_pools(device_pages=200, host_pages=0), Residency(), guard)
-    small = array_pools(device_pages=32, host_pages=100)
+    small = array_pools(device_pages=32, host_pages=100, host_views=host_views)
     released = residency_over(small)
     physical = Placed(small, released, guard)
     g = torch.Generator().manual_seed(7)
@@ -280,7 +283,7 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_
         want, _ = reference.step(q)
         got, totals = physical.step(q)
         for a, b in zip(want, got):
-            if guard == 1.0:
+            if guard == 1.0 or host_views:
                 assert torch.equal(a.output, b.output)
                 assert torch.equal(a.importance, b.importance)
             assert bool(torch.isfinite(b.output).all())
@@ -297,7 +300,12 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_
     moved.add(released.take_counts())  # the last step's moves, made after it
     assert moved.pages_released > 0 and moved.pages_copied_out > 0
     assert moved.pages_copied_in > 0  # promotions happened, on pages others had used
-    if guard < 1.0:
+    staged = reference.decoder.totals.pages_read_from_host  # part 1's staged pages: none there
+    if guard < 1.0 and host_views:
+        # The selection chose released pages and read them from their host copies: no miss.
+        assert moved.late_arrivals > 0 and moved.pages_missed == 0 and staged == 0
+        assert moved.pages_read_from_host > 0 and moved.pages_guard_read == reference.decoder.totals.pages_guard_read
+    elif guard < 1.0:
         # The selection wanted released pages: misses, counted per layer, promoted later.
         assert moved.late_arrivals > 0 and moved.pages_missed > 0
         # The misses grew hot sets past the 4-page budget, the device ran short, and the grown
@@ -314,7 +322,8 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_
 
 
 def test_a_guarded_hot_set_grows_by_what_its_selection_missed_and_goes_back_to_its_budget_for_good():
-    tiers = array_pools(device_pages=200, host_pages=100)
+    # A host pool without page views (SGLang's own, a CUDA platform's): released pages wanted are misses.
+    tiers = array_pools(device_pages=200, host_pages=100, host_views=False)
     residency = residency_over(tiers)
     placed = Placed(tiers, residency, guard=0.05)
     req = Request("r", 24, seed=3)
@@ -647,9 +656,9 @@ def assert_same_but_rounding(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def placed_world(guard: float) -> tuple[ArrayPools, Residency, Placed]:
+def placed_world(guard: float, host_views: bool = True) -> tuple[ArrayPools, Residency, Placed]:
     """40 device and 40 host pages, release past 8 tokens, a decoder over them."""
-    tiers = array_pools(device_pages=40, host_pages=40)
+    tiers = array_pools(device_pages=40, host_pages=40, host_views=host_views)
     residency = residency_over(tiers, threshold=8)
     return tiers, residency, Placed(tiers, residency, guard)
 
@@ -918,7 +927,8 @@ def test_a_first_step_seeded_by_the_prefill_reads_its_hot_set_not_every_released
     key codes first, so part 1 is that hot set and the pages the device still holds."""
     firsts = {}
     for seeded in (False, True):
-        tiers, residency, placed = placed_world(guard)
+        # No host page views: the guard leaves released pages unread, so the count is part 1's.
+        tiers, residency, placed = placed_world(guard, host_views=False)
         req = Request("r", PROMPT_PAGES, seed=5)
         prefill_in_chunks(placed, req, Streaming(placed), residency)
         released = residency.peek("r").released_pages().numel()

@@ -46,7 +46,7 @@ from sgl_importance.hot_set.coding import summarise_pages
 from sgl_importance.hot_set.estimate import OutsidePlan, estimate_outside, sampled_pages
 from sgl_importance.hot_set.footprint import PageBytes, held_bytes
 from sgl_importance.hot_set.guard import GuardOutcome, guard_layer
-from sgl_importance.hot_set.guard_reads import exact_reader, pages_of
+from sgl_importance.hot_set.guard_reads import exact_reader, host_pages, pages_of
 from sgl_importance.hot_set.key_codes import GuardPool
 from sgl_importance.hot_set.key_ranges import KeyRanges
 from sgl_importance.hot_set.page_lists import (
@@ -398,23 +398,24 @@ class HotSetDecoder:
         """Part 2: the rest pages' intervals, the selection's pages read, the rest estimated.
 
         Everything it reads was put on the layers' device with the step's lists
-        (``GuardLists``): it reads no value back to the host and no host copy
-        (``guard_reads.exact_reader``)."""
+        (``GuardLists``): it reads no value back to the host; the CPU's reader reads a
+        wanted released page from its host copy where it lies (``guard_reads``)."""
         plan = lists.outside
         rows = plan.rows
         q_rows = q[rows]
         outside = estimate_outside(q_rows, self.guard, layer_id, plan, *lists.key_range(self.ranges, layer_id), **run)
         keys, values = self._sample_pages(layer_id, k_pages, v_pages, lists.sample)
         sampled = sampled_pages(q_rows, keys, values, lists.sample.valid, **run)
+        host = host_pages(self, layer_id, k_pages)
         outcome = guard_layer(
             result.lse[rows], result.output[rows].float(), outside, sampled, plan.valid, plan.sampled, plan.inclusion,
             lists.thresholds, lists.released, *lists.of_layer(layer_id),
-            exact_reader(self, layer_id, q, k_pages, v_pages, lists, run),
+            exact_reader(self, layer_id, q, k_pages, v_pages, lists, run, host), from_host=host is not None,
         )  # fmt: skip
         self.last_guard = outcome  # what the layer's guard did (benchmarks read its bound)
         layers = self.ranges.num_layers
         tally = self._tally if not per_layer else StepTally.for_outside(lists.host, plan.rows.device, layers)
-        tally.add_guard(outcome, plan, layer_id)
+        tally.add_guard(outcome, plan, layer_id, lists.released)
         if per_layer:
             tally.fold_outside(self._live, lists.host, layers=1)
         return outcome.combined

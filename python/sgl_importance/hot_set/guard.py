@@ -6,9 +6,11 @@ guarded request, with fixed shapes and no host in the loop:
 1. **selection** (``wanted_pages``): each query head wants the fewest rest pages whose
    masses estimated from their key codes, with the exact part's, reach ``top_p`` of its
    total (top-p); a page any head wants is wanted. Of the wanted pages still on the device
-   the ``cap`` with the largest share in any head are read exactly, in one read; a wanted
-   page that was released is a *miss*: not read (no host read inside a layer), counted,
-   and promoted for later steps through the residency owner;
+   the ``cap`` with the largest share in any head are read exactly, in one read. Where the
+   reader reaches the host pool (``from_host``: the CPU's, ``guard_reads.py``) a released
+   page is read from its host copy like any other; elsewhere a wanted page that was
+   released is a *miss*: not read, counted, and promoted for later steps through the
+   residency owner;
 2. **the rest** (every page not read) is estimated from the request's page sample
    (Horvitz-Thompson, ``estimate.combine``; bound ``B_stat``) or left out under the
    deterministic bound (``estimate.negligible_rest``; ``B_det``), whichever bound is
@@ -56,7 +58,8 @@ class GuardOutcome(NamedTuple):
         combined: the output, lse and bound with the selection's reads merged in.
         read: bool ``[n, P]``: rest pages read exactly in this layer (at most the cap).
         wanted: bool ``[n, P]``: rest pages the top-p selection wanted (read or missed).
-        missed: bool ``[n, P]``: wanted pages that were released (not read).
+        missed: bool ``[n, P]``: wanted pages that were released and not read (none
+            ``from_host``: a released page is read from its host copy there).
         estimated: bool ``[n, P]``: rest pages left to the estimate.
         flagged: bool ``[n]``: requests whose bound exceeds their threshold.
         mass: float64 ``[n, P]``: each rest page's estimated share of the combined
@@ -128,13 +131,19 @@ def select_pages(
     cap: torch.Tensor,
     *,
     use_triton: Optional[bool] = None,
+    from_host: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(wanted, missed, read)``, bool ``[n, P]``: the pages top-p wants, those of them
-    released, and the rest of them read, at most ``cap``, the heaviest first.
+    released (none ``from_host``, where a released page is read from its host copy), and
+    the readable rest of them read, at most ``cap``, the heaviest first.
 
     ``use_triton`` None: three Triton launches for CUDA tensors
     (``sgl_kernel_ext.guard_select_triton``: top-p by bisection, no sort), the torch
     code below otherwise (its reference)."""
+    if from_host:
+        # Every page can be read: none is missed, and the selection is the one with every
+        # page on the device.
+        released = torch.zeros_like(released)
     if use_triton is None:
         use_triton = HAS_TRITON and page_lse.is_cuda
     if use_triton:
@@ -175,12 +184,14 @@ def read_rest(
     read_exactly: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     *,
     use_triton: Optional[bool] = None,
+    from_host: bool = False,
 ) -> GuardReads:
     """Steps 1 and 2 of ``guard_layer`` (its arguments): the selection, its one read, the
     sampled estimate of the rest. ``use_triton`` None: the Triton kernels for CUDA tensors;
     True: them whatever the device (under the interpreter on a CPU). A captured step ends
     the layer in one kernel (``sgl_kernel_ext.guard_finish_triton``); ``guard_layer`` in torch."""
-    wanted, missed, read = select_pages(lse, outside.page_lse, valid, released, top_p, cap, use_triton=use_triton)
+    select = dict(use_triton=use_triton, from_host=from_host)
+    wanted, missed, read = select_pages(lse, outside.page_lse, valid, released, top_p, cap, **select)
     masks = (valid, read, in_sample)
     lse, out, statistical = _combine(lse, out, read_exactly(read), outside, sampled, masks, inclusion, use_triton)
     return GuardReads(wanted, missed, read, lse, out, statistical)
@@ -199,6 +210,8 @@ def guard_layer(
     top_p: torch.Tensor,
     cap: torch.Tensor,
     read_exactly: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    *,
+    from_host: bool = False,
 ) -> GuardOutcome:
     """Top-p of the rest by its key codes, at most ``cap`` pages read, the rest estimated.
 
@@ -210,12 +223,16 @@ def guard_layer(
         valid, in_sample: bool ``[n, P]``: the plan's real entries, and those sampled.
         inclusion: ``[n]`` each request's ``pi``.
         thresholds: ``[n]`` each request's ``guard_threshold``.
-        released: bool ``[n, P]`` rest pages with no device page (never read here).
+        released: bool ``[n, P]`` rest pages with no device page (read only ``from_host``).
         top_p: ``[n]``; cap: int64 ``[n]`` the most rest pages read in this layer.
         read_exactly: bool ``[n, P]`` chosen pages -> their exact ``(lse, output)``; a
             row with no page chosen gets lse -inf and output 0.
+        from_host: ``read_exactly`` reads a released page from its host copy, so the
+            selection may choose it.
     """
-    reads = read_rest(lse, out, outside, sampled, valid, in_sample, inclusion, released, top_p, cap, read_exactly)
+    reads = read_rest(
+        lse, out, outside, sampled, valid, in_sample, inclusion, released, top_p, cap, read_exactly, from_host=from_host
+    )
     return weigh_bounds(reads, outside, valid, thresholds)
 
 

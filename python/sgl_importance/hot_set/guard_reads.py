@@ -1,25 +1,29 @@
 """How a guarded layer reads the rest pages its selection chose (``guard.guard_layer``'s reader).
 
 The selection chooses pages by a mask over the step's fixed rest list
-(``page_lists.GuardLists``), once a layer, and never a released page (a released page a
-layer wants is a miss, promoted for later steps). How the chosen pages are read depends
-on where the step runs:
+(``page_lists.GuardLists``), once a layer. A released page a layer wants is a miss, promoted
+for later steps. How the chosen pages are read depends on where the step runs:
 
 - **the Triton backend** (``importance_triton``, a GPU's): the masked-pages kernel reads
   only the chosen pages of the list (``sgl_kernel_ext.masked_page_attention``), without
   the host looking at what was chosen;
 - **the CPU backend** (``importance_torch``): its exact reader runs over the same fixed
   table with the unchosen pages' token counts set to 0, which its C kernel skips
-  (``read_table``).
+  (``read_table``). A released page's entry names its page of the host pool, passed as
+  the reader's staging pages without a copy (``host_pages``), so a miss is read in the
+  same layer from its host copy: the layer reads what it would with every page on the
+  device (the pool and the host copy hold the same values). Only where the host pool is
+  SGLang's own (a CUDA platform's, without page views) do misses stay unread.
 
-No path reads a host copy or reads a device value back. ``sgl_kernel_ext.page_parts`` /
+The masked-pages kernel reads no host copy (a miss there waits for its promotion); no path
+reads a device value back. ``sgl_kernel_ext.page_parts`` /
 ``merge_page_parts`` (every page's own part, merged per mask) remain the kernel's torch
 reference. Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -36,6 +40,13 @@ class ExactReads(Protocol):
     its exact reader."""
 
     _read: ExactAttention
+    residency: HostPages
+
+
+class HostPages(Protocol):
+    """What the reads use of the residency owner (``residency.Residency``)."""
+
+    def host_pages(self, layer_id: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 def reads_with_kernel(decoder: ExactReads) -> bool:
@@ -62,21 +73,41 @@ def pages_of(read_host: ReadHost, layer_id: int, k_pages, v_pages, physical, hos
     return keys, values
 
 
-def exact_reader(decoder: ExactReads, layer_id: int, q, k_pages, v_pages, lists: GuardLists, run: dict) -> Reader:
+def host_pages(decoder: ExactReads, layer_id: int, k_pages: torch.Tensor):
+    """The layer's host pool as pages where ``decoder``'s guard reads released pages from it
+    (its exact reader, not the masked-pages kernel; a host pool with page views, on the
+    KV pool's device and dtype), else None (they stay unread: misses)."""
+    if reads_with_kernel(decoder):
+        return None
+    views = decoder.residency.host_pages(layer_id)
+    if views is None or any(v.device != k_pages.device or v.dtype != k_pages.dtype for v in views):
+        return None
+    return views
+
+
+def exact_reader(
+    decoder: ExactReads, layer_id: int, q, k_pages, v_pages, lists: GuardLists, run: dict, host=None
+) -> Reader:
     """The guard's reader for one layer of ``decoder`` (a ``HotSetDecoder``): bool
-    ``[n, P]`` chosen rest pages (none released) -> their exact ``(lse, output)`` (lse -inf
-    and output 0 for a row with none chosen); see the module docstring for which path runs where."""
+    ``[n, P]`` chosen rest pages -> their exact ``(lse, output)`` (lse -inf and output 0 for
+    a row with none chosen); see the module docstring for which path runs where. ``host``:
+    the layer's host pages (``host_pages``), where a chosen page may be a released one."""
     q_rows = q[lists.outside.rows]
     if reads_with_kernel(decoder):
         return lambda chosen: masked_page_attention(q_rows, k_pages, v_pages, lists.physical, chosen, **run)
-    return lambda chosen: read_table(decoder, q_rows, k_pages, v_pages, lists, chosen, run)
+    table = lists.physical
+    if host is not None:
+        table = torch.where(lists.released, k_pages.shape[0] + lists.host_ids, table)  # host page i: id pool + i
+    return lambda chosen: read_table(decoder, q_rows, k_pages, v_pages, table, chosen, run, host)
 
 
-def read_table(decoder: ExactReads, q_rows, k_pages, v_pages, lists: GuardLists, chosen, run: dict):
-    """The ``chosen`` pages of the fixed rest table, read by the decoder's exact reader over
-    that table with the unchosen pages' token counts set to 0 (skipped)."""
+def read_table(decoder: ExactReads, q_rows, k_pages, v_pages, table, chosen, run: dict, host=None):
+    """The ``chosen`` pages of the fixed rest ``table``, read by the decoder's exact reader
+    over that table with the unchosen pages' token counts set to 0 (skipped); ids past the
+    pool name pages of ``host`` (the layer's host K and V pages)."""
     page_size = k_pages.shape[1]
-    plan = plan_from_table(lists.physical, torch.where(chosen, page_size, 0), page_size)
-    res = decoder._read(q_rows, k_pages, v_pages, plan, **run)
+    plan = plan_from_table(table, torch.where(chosen, page_size, 0), page_size)
+    extra = {} if host is None else {"extra_k_pages": host[0], "extra_v_pages": host[1]}
+    res = decoder._read(q_rows, k_pages, v_pages, plan, **run, **extra)
     lse = torch.where(plan.live[:, None], res.lse, float("-inf"))
     return lse, res.output.float()

@@ -228,8 +228,10 @@ class GuardLists:
         sample: the sample plan, its ``physical``/``valid`` on the device.
         physical: int64 ``[n, P]`` each rest page's device page id (0 on padding and on
             pages released to the host pool).
-        released: bool ``[n, P]`` rest pages released to the host pool (never read: a
-            layer that wants one counts a miss).
+        released: bool ``[n, P]`` rest pages released to the host pool (a layer that wants
+            one counts a miss; read from its host copy where the reader can: ``guard_reads``).
+        host_ids: int64 ``[n, P]`` each released rest page's host page (its first host slot
+            over ``page_size``; 0 elsewhere).
         thresholds: float32 ``[n]`` each request's ``guard_threshold``.
         top_p: float32 ``[n, L]`` each request's ``top_p`` per layer (1 where the layer's cap
             has risen to every page: a layer that keeps flagging reads densely).
@@ -248,6 +250,7 @@ class GuardLists:
     sample: SamplePlan
     physical: torch.Tensor
     released: torch.Tensor
+    host_ids: torch.Tensor
     thresholds: torch.Tensor
     top_p: torch.Tensor
     caps: torch.Tensor
@@ -281,6 +284,7 @@ class GuardLists:
         # Physical ids are gathered where the slots live (the device), never read back.
         physical = torch.zeros(n, width, dtype=torch.int64, device=_slots_device(live))
         released = torch.zeros(n, width, dtype=torch.bool)
+        host_ids = torch.zeros(n, width, dtype=torch.int64)
         thresholds, top_p, caps = [], [], []
         range_ids = torch.zeros(n, width, dtype=torch.int64)
         for i, row in enumerate(outside.rows.tolist()):
@@ -292,6 +296,9 @@ class GuardLists:
             ids = torch.div(first, page_size, rounding_mode="floor").to(torch.int64)
             physical[i, : pages.numel()] = torch.where(held.to(ids.device), 0, ids)  # valid columns come first
             released[i, : pages.numel()] = held
+            if bool(held.any()):  # host state
+                where = held.nonzero().flatten()
+                host_ids[i, where] = req.pages.host_slots(pages[held])[::page_size].to(torch.int64) // page_size
             params = req.tracked.state.params
             thresholds.append(params.guard_threshold)
             sampled = int(outside.sampled[i].sum())
@@ -305,6 +312,7 @@ class GuardLists:
             sample=SamplePlan(move(sample.physical), move(sample.valid), sample.host_index, sample.host_slots),
             physical=move(physical),
             released=move(released),
+            host_ids=move(host_ids),
             thresholds=torch.tensor(thresholds, dtype=torch.float32, device=device),
             top_p=move(torch.stack(top_p).float() if top_p else torch.zeros(0, num_layers)),
             caps=move(torch.stack(caps) if caps else torch.zeros(0, num_layers, dtype=torch.int64)),

@@ -70,6 +70,11 @@ class PagePools(Protocol):
     def host_layer(self, layer_id: int, host_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V rows ``[n, kv_heads, D]`` of host slots (a copy)."""
 
+    def host_pages(self, layer_id: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """One layer's whole host K and V as ``[host_pages, page_size, kv_heads, D]`` views
+        (no copy; tokens and pages at any stride, a token's heads side by side), or None
+        where the host pool has none."""
+
 
 def subtract_pages(ranges: list[tuple[int, int]], pages: list[int], page_size: int) -> list[tuple[int, int]]:
     """Half-open row ranges minus the positions of ``pages`` (ascending, disjoint out)."""
@@ -196,6 +201,14 @@ class Residency:
         decoder's for a planned page the owner found no device page for)."""
         self.copies.host_ready()
         return self.pools.host_layer(layer_id, host_slots)
+
+    def host_pages(self, layer_id: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """One layer's host pool as pages (``PagePools.host_pages``; None: no view, or no
+        pools), its copies in flight landed first: a kernel reads released pages there."""
+        if self.pools is None:
+            return None
+        self.copies.host_ready()
+        return self.pools.host_pages(layer_id)
 
     def take_counts(self) -> ReleaseCounts:
         counts, self.counts = self.counts, ReleaseCounts()

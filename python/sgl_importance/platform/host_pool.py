@@ -148,6 +148,16 @@ class TorchMHAHostPool(MHATokenToKVPoolHost):
                 out.append(host.index_select(0, host_indices))
         return out[0], out[1]
 
+    def layer_pages(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V host buffers as ``[host_pages, page_size, heads, dim]`` views,
+        no copy: the hot set's CPU decode reads a released page where it lies. In
+        ``page_first`` a layer's tokens lie a token's layers apart, in ``page_first_direct``
+        its pages a page's layers apart; each token's heads are side by side in every layout."""
+        views = []
+        for host in self._host_layer(layer_id):
+            views.append(host if self.layout == "page_first_direct" else host.view(-1, self.page_size, *host.shape[1:]))
+        return views[0], views[1]
+
     def _check_io_backend(self, io_backend: str) -> None:
         if io_backend not in SUPPORTED_IO_BACKENDS:
             check_hicache_support(None, io_backend)
