@@ -1,8 +1,8 @@
 """How a guarded layer reads the rest pages its selection chose (``guard.guard_layer``'s reader).
 
 The selection chooses pages by a mask over the step's fixed rest list
-(``page_lists.GuardLists``), once a layer. A released page a layer wants is a miss, promoted
-for later steps. How the chosen pages are read depends on where the step runs:
+(``page_lists.GuardLists``), once a layer. How the chosen pages are read, and whether a
+released one can be, depends on where the step runs:
 
 - **the Triton backend** (``importance_triton``, a GPU's): the masked-pages kernel reads
   only the chosen pages of the list (``sgl_kernel_ext.masked_page_attention``), without
@@ -10,13 +10,13 @@ for later steps. How the chosen pages are read depends on where the step runs:
 - **the CPU backend** (``importance_torch``): its exact reader runs over the same fixed
   table with the unchosen pages' token counts set to 0, which its C kernel skips
   (``read_table``). A released page's entry names its page of the host pool, passed as
-  the reader's staging pages without a copy (``host_pages``), so a miss is read in the
-  same layer from its host copy: the layer reads what it would with every page on the
-  device (the pool and the host copy hold the same values). Only where the host pool is
-  SGLang's own (a CUDA platform's, without page views) do misses stay unread.
+  the reader's staging pages without a copy (``host_pages``), so a released page is read
+  in the same layer from its host copy: the layer reads what it would with every page on
+  the device (the pool and the host copy hold the same values). Only where the host pool
+  is SGLang's own (a CUDA platform's, without page views) is it a miss.
 
-The masked-pages kernel reads no host copy (a miss there waits for its promotion); no path
-reads a device value back. ``sgl_kernel_ext.page_parts`` /
+The masked-pages kernel reads no host copy: a released page it wants is a miss, promoted
+for later steps. No path reads a device value back. ``sgl_kernel_ext.page_parts`` /
 ``merge_page_parts`` (every page's own part, merged per mask) remain the kernel's torch
 reference. Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 """

@@ -228,8 +228,8 @@ class GuardLists:
         sample: the sample plan, its ``physical``/``valid`` on the device.
         physical: int64 ``[n, P]`` each rest page's device page id (0 on padding and on
             pages released to the host pool).
-        released: bool ``[n, P]`` rest pages released to the host pool (a layer that wants
-            one counts a miss; read from its host copy where the reader can: ``guard_reads``).
+        released: bool ``[n, P]`` rest pages released to the host pool (read from the host
+            copy where the reader can, ``guard_reads``; elsewhere a layer wanting one misses it).
         host_ids: int64 ``[n, P]`` each released rest page's host page (its first host slot
             over ``page_size``; 0 elsewhere).
         thresholds: float32 ``[n]`` each request's ``guard_threshold``.
