@@ -73,7 +73,7 @@ GUARD_DEFAULT = 0.1  # the server's --hot-set-guard-threshold default
 COUNTERS = (
     "steps", "warmups", "guard_flagged", "guard_checks", "guard_reads", "pages_attended", "pages_dense",
     "pages_estimated", "promotions", "late_arrivals", "pages_missed", "pages_sampled", "pages_guard_read",
-    "pages_read_from_host",
+    "pages_read_from_host", "pages_guard_from_host",
 )  # fmt: skip
 NAMES = (
     "Alice Bob Carol David Emma Frank Grace Henry Irene Jack Karen Louis Maria Nathan Olivia Peter "

@@ -310,8 +310,11 @@ HOT_SET_SERIES = {
     "pages_dense": ("pages_dense", "Pages dense attention would have read for the same steps and layers."),
     "pages_read_from_host": (
         "pages_read_from_host",
-        "Attended pages read from their host copy (planned pages not on the device; on the CPU, released pages "
-        "a guarded layer chose), summed over layers.",
+        "Attended pages read from their host copy (planned pages whose promotion was refused), over layers.",
+    ),
+    "pages_guard_from_host": (
+        "pages_guard_from_host",
+        "Released pages a guarded layer chose and read from their host copy in place (the CPU), over layers.",
     ),
     "pages_missed": (
         "pages_missed",

@@ -135,7 +135,7 @@ def test_a_small_budget_serves_and_the_metrics_count_it(hot_set_server, prompts,
     assert delta("pages_estimated") + delta("pages_attended") >= delta("pages_dense")
     # A page the selection chose after its hot set released it is read from its host copy in
     # the same layer (the CPU reads the host pool in place): none is missed.
-    assert delta("pages_missed") == 0 and delta("pages_read_from_host") > 0
+    assert delta("pages_missed") == 0 and delta("pages_guard_from_host") > 0
     # No layer reads past its cap: 20 % of the pages, doubled per flag up to every page.
     assert delta("pages_attended") <= delta("pages_dense")
     # Greedy tokens follow dense's wherever dense's choice is clear. (This prompt's third

@@ -304,7 +304,7 @@ def test_requests_whose_kv_exceeds_the_device_pool_decode_as_with_every_page_on_
     if guard < 1.0 and host_views:
         # The selection chose released pages and read them from their host copies: no miss.
         assert moved.late_arrivals > 0 and moved.pages_missed == 0 and staged == 0
-        assert moved.pages_read_from_host > 0 and moved.pages_guard_read == reference.decoder.totals.pages_guard_read
+        assert moved.pages_guard_from_host > 0 and moved.pages_guard_read == reference.decoder.totals.pages_guard_read
     elif guard < 1.0:
         # The selection wanted released pages: misses, counted per layer, promoted later.
         assert moved.late_arrivals > 0 and moved.pages_missed > 0
@@ -927,8 +927,7 @@ def test_a_first_step_seeded_by_the_prefill_reads_its_hot_set_not_every_released
     key codes first, so part 1 is that hot set and the pages the device still holds."""
     firsts = {}
     for seeded in (False, True):
-        # No host page views: the guard leaves released pages unread, so the count is part 1's.
-        tiers, residency, placed = placed_world(guard, host_views=False)
+        tiers, residency, placed = placed_world(guard)
         req = Request("r", PROMPT_PAGES, seed=5)
         prefill_in_chunks(placed, req, Streaming(placed), residency)
         released = residency.peek("r").released_pages().numel()

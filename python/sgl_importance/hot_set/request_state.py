@@ -174,7 +174,7 @@ class LiveRequest:
         c.guard_flagged += int(flagged.sum())
         c.pages_sampled += pages_sampled
         c.pages_missed += pages_missed
-        c.pages_read_from_host += pages_from_host  # chosen while released: read from the host copy
+        c.pages_guard_from_host += pages_from_host
         self.flagged = flagged if self.flagged is None else self.flagged | flagged
         self.wanted = wanted_per_layer if self.wanted is None else torch.maximum(self.wanted, wanted_per_layer)
 

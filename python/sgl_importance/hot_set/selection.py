@@ -80,7 +80,8 @@ class HotSetCounts(ReleaseCounts):
     pages_estimated: int = 0  # rest pages left to the sampled estimate, summed over layers
     pages_sampled: int = 0  # sampled rest pages read (each on its own), summed over layers
     pages_dense: int = 0  # pages dense attention would have read, over layers
-    pages_read_from_host: int = 0  # attended pages read from their host copy, over layers (planned or chosen)
+    pages_read_from_host: int = 0  # attended pages read from their host copy, over layers (planned, not promoted)
+    pages_guard_from_host: int = 0  # released pages a guarded layer chose, read from their host copy (CPU), over layers
     pages_missed: int = 0  # rest pages a layer wanted that were released (not read: misses), over layers
     graph_steps: int = 0  # decode batches that replayed the captured hot-set step
     graph_eager: int = 0  # hot-set decode batches its buffers refused (run eagerly)
