@@ -235,7 +235,7 @@ class HotSetDecoder:
         self._sample = SamplePlan.build(self._live, self._outside, ps)
         device = self.ranges.device
         layers = self.ranges.num_layers
-        self._guard_lists = GuardLists.build(self._live, self._outside, self._sample, ps, device, layers)
+        self._guard_lists = GuardLists.build(self._live, self._outside, self._sample, ps, device, layers, pool_pages)
         self._tally = StepTally.for_step(self._live, self._exact, self._outside, device, num_layers=layers)
         self._pool_pages_planned = pool_pages
         prepare = getattr(self._read, "slots", None)
@@ -339,7 +339,9 @@ class HotSetDecoder:
             exact, outside_plan = self._quest_layer(layer_id, q, k_pages.shape[0], sm_scale, logit_cap)
             sample_plan = SamplePlan.build(self._live, outside_plan, ps)
             layers = self.ranges.num_layers
-            guard_lists = GuardLists.build(self._live, outside_plan, sample_plan, ps, q.device, layers, layer=layer_id)
+            guard_lists = GuardLists.build(
+                self._live, outside_plan, sample_plan, ps, q.device, layers, k_pages.shape[0], layer=layer_id
+            )
         run = dict(sm_scale=sm_scale, logit_cap=logit_cap)
         extra_k, extra_v = self._staged(layer_id, exact.staged_host)
         result = self._read(

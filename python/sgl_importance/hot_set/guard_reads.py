@@ -95,9 +95,7 @@ def exact_reader(
     q_rows = q[lists.outside.rows]
     if reads_with_kernel(decoder):
         return lambda chosen: masked_page_attention(q_rows, k_pages, v_pages, lists.physical, chosen, **run)
-    table = lists.physical
-    if host is not None:
-        table = torch.where(lists.released, k_pages.shape[0] + lists.host_ids, table)  # host page i: id pool + i
+    table = lists.physical if host is None else lists.host_table
     return lambda chosen: read_table(decoder, q_rows, k_pages, v_pages, table, chosen, run, host)
 
 

@@ -230,8 +230,9 @@ class GuardLists:
             pages released to the host pool).
         released: bool ``[n, P]`` rest pages released to the host pool (read from the host
             copy where the reader can, ``guard_reads``; elsewhere a layer wanting one misses it).
-        host_ids: int64 ``[n, P]`` each released rest page's host page (its first host slot
-            over ``page_size``; 0 elsewhere).
+        host_table: int64 ``[n, P]`` ``physical`` with each released page named by its host
+            page as a staging page (the pool's page count plus its host page): the table a
+            reader of the host pool's layer view reads (``guard_reads``), made once a step.
         thresholds: float32 ``[n]`` each request's ``guard_threshold``.
         top_p: float32 ``[n, L]`` each request's ``top_p`` per layer (1 where the layer's cap
             has risen to every page: a layer that keeps flagging reads densely).
@@ -250,7 +251,7 @@ class GuardLists:
     sample: SamplePlan
     physical: torch.Tensor
     released: torch.Tensor
-    host_ids: torch.Tensor
+    host_table: torch.Tensor
     thresholds: torch.Tensor
     top_p: torch.Tensor
     caps: torch.Tensor
@@ -276,9 +277,11 @@ class GuardLists:
         page_size: int,
         device: torch.device,
         num_layers: int,
+        pool_pages: int,
         layer: Optional[int] = None,
     ) -> "GuardLists":
-        """From the step's plans (on the host), once per step (or for ``layer`` alone)."""
+        """From the step's plans (on the host), once per step (or for ``layer`` alone);
+        ``pool_pages``: the device pool's pages (staged page ids start there)."""
         n, width = outside.logical.shape
         empty = outside.empty  # decided on the host plan: no device value is read
         # Physical ids are gathered where the slots live (the device), never read back.
@@ -297,8 +300,7 @@ class GuardLists:
             physical[i, : pages.numel()] = torch.where(held.to(ids.device), 0, ids)  # valid columns come first
             released[i, : pages.numel()] = held
             if bool(held.any()):  # host state
-                where = held.nonzero().flatten()
-                host_ids[i, where] = req.pages.host_slots(pages[held])[::page_size].to(torch.int64) // page_size
+                host_ids[i, : pages.numel()][held] = pool_pages + req.pages.host_page[pages[held]]
             params = req.tracked.state.params
             thresholds.append(params.guard_threshold)
             sampled = int(outside.sampled[i].sum())
@@ -306,13 +308,14 @@ class GuardLists:
             top_p.append(torch.where(req.tracked.caps >= 1.0, 1.0, params.top_p))
             range_ids[i, : pages.numel()] = req.tracked.ranges[pages]
         move = lambda t: on_device(t, device)  # noqa: E731
+        released, host_ids, physical = move(released), move(host_ids), move(physical)
         return GuardLists(
             host=outside,
             outside=OutsidePlan(*(move(getattr(outside, f)) for f in outside.__dataclass_fields__)),
             sample=SamplePlan(move(sample.physical), move(sample.valid), sample.host_index, sample.host_slots),
-            physical=move(physical),
-            released=move(released),
-            host_ids=move(host_ids),
+            physical=physical,
+            released=released,
+            host_table=torch.where(released, host_ids, physical),
             thresholds=torch.tensor(thresholds, dtype=torch.float32, device=device),
             top_p=move(torch.stack(top_p).float() if top_p else torch.zeros(0, num_layers)),
             caps=move(torch.stack(caps) if caps else torch.zeros(0, num_layers, dtype=torch.int64)),

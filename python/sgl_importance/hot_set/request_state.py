@@ -154,7 +154,7 @@ class LiveRequest:
         pages_estimated: int,
         pages_sampled: int,
         pages_missed: int,
-        pages_from_host: int = 0,
+        pages_guard_from_host: int = 0,
     ) -> None:
         """A step's guard over the rest pages ``logical``: their largest estimated ``mass``,
         those some layer ``wanted``, the ``flagged`` layers and what each wanted, those a
@@ -174,7 +174,7 @@ class LiveRequest:
         c.guard_flagged += int(flagged.sum())
         c.pages_sampled += pages_sampled
         c.pages_missed += pages_missed
-        c.pages_guard_from_host += pages_from_host
+        c.pages_guard_from_host += pages_guard_from_host
         self.flagged = flagged if self.flagged is None else self.flagged | flagged
         self.wanted = wanted_per_layer if self.wanted is None else torch.maximum(self.wanted, wanted_per_layer)
 

@@ -53,7 +53,7 @@ class StepTally:
     pages_guard_read: Optional[torch.Tensor] = None  # int64 [n], over layers
     pages_estimated: Optional[torch.Tensor] = None  # int64 [n], over layers
     pages_missed: Optional[torch.Tensor] = None  # int64 [n], over layers: wanted while released
-    pages_guard_host: Optional[torch.Tensor] = None  # int64 [n], over layers: read from their host copies
+    pages_guard_from_host: Optional[torch.Tensor] = None  # int64 [n], over layers: read from their host copies
     bound_mass: Optional[torch.Tensor] = None  # float64 [m, Pmax] guard-off rows: largest key-bound mass
     bound_rows: Optional[torch.Tensor] = None  # int64 [m] the guard-off rows of the batch
     bound_log_tokens: Optional[torch.Tensor] = None  # float64 [m, Pmax] log of each page's tokens
@@ -132,7 +132,7 @@ class StepTally:
         self.wanted = torch.zeros(n, self.num_layers, dtype=torch.int64, device=device)
         self.pages_sampled = torch.zeros(n, dtype=torch.int64, device=device)
         self.pages_missed = torch.zeros(n, dtype=torch.int64, device=device)
-        self.pages_guard_host = torch.zeros(n, dtype=torch.int64, device=device)
+        self.pages_guard_from_host = torch.zeros(n, dtype=torch.int64, device=device)
 
     def on_host(self) -> "StepTally":
         """The tally with its tensors on the host, where the requests' state lives: one
@@ -165,7 +165,7 @@ class StepTally:
         self.pages_guard_read += outcome.read.sum(dim=1)
         self.pages_estimated += outcome.estimated.sum(dim=1)
         self.pages_missed += outcome.missed.sum(dim=1)
-        self.pages_guard_host += (outcome.read & released).sum(dim=1)
+        self.pages_guard_from_host += (outcome.read & released).sum(dim=1)
         self.pages_sampled += (outcome.estimated & on_device(outside.sampled, outcome.read.device)).sum(dim=1)
 
     def add_exact(
@@ -308,7 +308,7 @@ class StepTally:
                 pages_estimated=int(tally.pages_estimated[i]),
                 pages_sampled=int(tally.pages_sampled[i]),
                 pages_missed=int(tally.pages_missed[i]),
-                pages_from_host=int(tally.pages_guard_host[i]),
+                pages_guard_from_host=int(tally.pages_guard_from_host[i]),
             )
 
     def fold(
