@@ -377,8 +377,7 @@ class HotSetDecoder:
         if host_slots.numel() == 0:
             return None, None
         k, v = self.residency.read_host(layer_id, host_slots)
-        ps = self.page_size
-        return k.view(-1, ps, *k.shape[1:]), v.view(-1, ps, *v.shape[1:])
+        return tuple(x.view(-1, self.page_size, *x.shape[1:]) for x in (k, v))
 
     def _read_paged(self, q, k_pages, v_pages, plan, **kwargs) -> DecodeImportanceOutput:
         return decode_importance_paged(q, k_pages, v_pages, plan, workspace=self._workspace, **kwargs)
