@@ -4,7 +4,7 @@ For every (model, bs, context, budget) it times, for one layer:
 
 - ``dense``: ``DecodeImportanceWrapper.run`` over every page of every request;
 - ``select``: the hot set's per-step selection on the device: key min/max bounds of
-  every page (``hot_set.key_ranges.key_bound``, batched), the top pages by bound mass
+  every page (``hot_set.guard.key_ranges.key_bound``, batched), the top pages by bound mass
   (the ``quest`` policy's ranking, the costliest of the policies: ``importance``
   ranks resident pages by a stored value), sinks and window added, the page list
   built as slot indices;
@@ -87,8 +87,8 @@ def main(argv=None):
         os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import
     import torch
 
-    from sgl_importance.hot_set.key_ranges import key_bound
-    from sgl_importance.hot_set.selection import SWAP_FRACTION
+    from sgl_importance.hot_set.guard.key_ranges import key_bound
+    from sgl_importance.hot_set.plan.selection import SWAP_FRACTION
     from sgl_kernel_ext import DecodeImportanceWrapper, decode_importance_reference
 
     device = "cpu" if args.smoke else "cuda"

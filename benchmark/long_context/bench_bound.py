@@ -51,8 +51,8 @@ import torch
 
 from benchmark.long_context.bench_hot_set import GUARD_DEFAULT, PAGE, make_trials
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
-from sgl_importance.hot_set.estimate import DELTA
-from sgl_importance.hot_set.key_codes import bytes_per_token, kv_bytes_per_token
+from sgl_importance.hot_set.guard.estimate import DELTA
+from sgl_importance.hot_set.guard.key_codes import bytes_per_token, kv_bytes_per_token
 from sgl_importance.local_server import model_path
 
 torch.set_grad_enabled(False)

@@ -179,7 +179,7 @@ def run_config(name: str, tokens: int, extra: list[str], prompts: list[list[int]
             # decodes. Abort everything then (SGLang's /abort_request, abort_all).
             stopper = threading.Timer(a.stop_after_s, abort_all, (server.url,))
             stopper.start()
-        # Fixed rids: the guard's page sample is seeded by the rid (hot_set/sample.py), so
+        # Fixed rids: the guard's page sample is seeded by the rid (hot_set/plan/sample.py), so
         # runs and configs compare on the same samples.
         rids = [f"capacity-{i}" for i in range(len(prompts))]
         watch = BorrowedWatch(server.url)

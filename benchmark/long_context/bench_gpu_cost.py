@@ -50,11 +50,11 @@ from pathlib import Path
 import torch
 
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
-from sgl_importance.hot_set.footprint import footprint
-from sgl_importance.hot_set.key_codes import bytes_per_token, kv_bytes_per_token
-from sgl_importance.hot_set.key_ranges import range_bytes_per_page
-from sgl_importance.hot_set.sample import inclusion, reserve
-from sgl_importance.hot_set.selection import fixed_mask
+from sgl_importance.hot_set.guard.key_codes import bytes_per_token, kv_bytes_per_token
+from sgl_importance.hot_set.guard.key_ranges import range_bytes_per_page
+from sgl_importance.hot_set.pages.footprint import footprint
+from sgl_importance.hot_set.plan.sample import inclusion, reserve
+from sgl_importance.hot_set.plan.selection import fixed_mask
 from sgl_importance.hot_set.table_budget import KVShape, plan_table
 from sgl_importance.importance.page_importance import TABLE_BYTES_PER_PAGE
 

@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "test"))  # the test worlds, importable as ``support``
 
 from sgl_importance.hot_set import HotSetParams, KeyRanges  # noqa: E402
-from sgl_importance.hot_set.graph_step import GraphCapacity, GraphStep  # noqa: E402
+from sgl_importance.hot_set.graph.step import GraphCapacity, GraphStep  # noqa: E402
 from support.counted_world import triton_launches_counted  # noqa: E402
 from support.graph_runner import GraphRunner  # noqa: E402
 from support.host_syncs import LAUNCH, SYNC_KINDS, HostSyncCounter  # noqa: E402
@@ -53,7 +53,7 @@ torch.set_grad_enabled(False)
 
 WARMUP = 2
 KV_WRITE = "sgl_importance/attention/triton_backend.py"  # the backend's _store_kv: SGLang's KV write
-READ_BACK = ("sgl_importance/hot_set/graph_step.py", "sgl_importance/hot_set/graph_guard.py")  # the tallies' copies
+READ_BACK = ("sgl_importance/hot_set/graph/step.py", "sgl_importance/hot_set/graph/guard.py")  # the tallies' copies
 LLAMA = dict(layers=32, kv_heads=8, q_heads=32, dim=128, page=16, kv_bytes=2)
 
 

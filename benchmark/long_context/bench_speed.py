@@ -200,7 +200,7 @@ def kv_bytes_per_page(shape: dict[str, int], dtype_bytes: int, page: int = PAGE)
 
 def code_bytes_per_page(shape: dict[str, int], page: int = PAGE) -> int:
     """Bytes of the guard's key codes of one page in every layer (``key_codes.bytes_per_token``)."""
-    from sgl_importance.hot_set.key_codes import bytes_per_token
+    from sgl_importance.hot_set.guard.key_codes import bytes_per_token
 
     return round(bytes_per_token(shape["head_dim"], page) * page * shape["layers"] * shape["kv_heads"])
 
@@ -788,7 +788,7 @@ def main() -> None:
         sys.exit(f"the tokenizer's ids reach {top}, past the model's vocabulary of {shape['vocab']}")
     # The rows' pages per KV page (the hot-set server's pool makes room for them): a sixteenth
     # for the ranges, one in 4 x element size - 1 for the codes.
-    from sgl_importance.hot_set.key_codes import code_rows_per_page
+    from sgl_importance.hot_set.guard.key_codes import code_rows_per_page
 
     guard_share = 1 / PAGE + 1 / code_rows_per_page(DTYPE_BYTES[a.dtype])
     rows: list[dict] = []

@@ -10,7 +10,7 @@ process rows), so a served request pays nothing for them.
   does, naming it. Per thread: HiCache's own threads allocate host pages while a forward
   runs, and only the forward's thread is in it.
 
-The host-slot ledger (``hot_set/host_ledger.py``) is the other check the same switch turns on.
+The host-slot ledger (``hot_set/pages/host_ledger.py``) is the other check the same switch turns on.
 """
 
 from __future__ import annotations

@@ -197,7 +197,7 @@ class ImportanceConfig:
             "with the sinks' and window's, reaches this share of its total (read up to the cap).",
         ),
     )
-    # attention/hot_set_attention.py (hot_set/graph_step.py); 0 = off.
+    # attention/hot_set_attention.py (hot_set/graph/step.py); 0 = off.
     hot_set_graph_rows: int = flag(
         0,
         integer(

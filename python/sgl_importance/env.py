@@ -16,7 +16,7 @@ ANNOUNCE_ENV = "SGL_IMPORTANCE_ANNOUNCE"
 # Which dense decode the torch backend runs (paged, torch, reference).
 DECODE_ENV = "SGL_IMPORTANCE_DECODE"
 # "1": invariant checks the test suite turns on in every server it starts (who holds each
-# host slot, hot_set/host_ledger.py; no page moved inside a decode forward). Off: no cost.
+# host slot, hot_set/pages/host_ledger.py; no page moved inside a decode forward). Off: no cost.
 CHECKS_ENV = "SGL_IMPORTANCE_CHECKS"
 
 # SGLang's.

@@ -49,9 +49,9 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
     from sgl_importance.hot_set.decode import HotSetDecoder
-    from sgl_importance.hot_set.graph_step import GraphStep
-    from sgl_importance.hot_set.pages import StepMoves
-    from sgl_importance.hot_set.rows import BorrowedPages
+    from sgl_importance.hot_set.graph.step import GraphStep
+    from sgl_importance.hot_set.pages.rows import BorrowedPages
+    from sgl_importance.hot_set.pages.state import StepMoves
     from sgl_importance.metrics import HotSetMetrics
     from sgl_importance.sglang_types.scheduler import Scheduler
     from sgl_importance.sglang_types.server import ServerArgs
@@ -117,7 +117,7 @@ class Runtime:
         # The page importance table and what the KV pool gave up for it, set when SGLang
         # sizes the KV pool (attention/table_reserve.reserve_table); None before.
         self.table_budget: Optional[TableBudget] = None
-        # The KV pages lent to the hot set's rows (hot_set/rows.py; built with the hot set).
+        # The KV pages lent to the hot set's rows (hot_set/pages/rows.py; built with the hot set).
         self.row_pages: Optional[BorrowedPages] = None
         # What a hot-set server takes (scheduler/long_requests.py); None: SGLang's own limits.
         self.limits: Optional[HotSetLimits] = None

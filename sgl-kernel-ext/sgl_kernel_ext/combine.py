@@ -1,5 +1,5 @@
 """The hot-set guard's sampled estimate folded into the exact pages' softmax, with its
-bound, as two Triton launches: the GPU form of ``sgl_importance.hot_set.estimate.combine``.
+bound, as two Triton launches: the GPU form of ``sgl_importance.hot_set.guard.estimate.combine``.
 
 Per request: the exact part (``lse_exact``, ``out_exact``), the sampled rest pages
 (each page's own lse and output; ``-inf`` lse where a page is not estimated) and the
@@ -397,7 +397,7 @@ def combine_rest_triton(
     min_sampled: int,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]:
     """:func:`combine_triton` over the rest pages still estimated, masked inside the two
-    launches: what ``hot_set.guard``'s ``_combine`` builds with torch before it (the
+    launches: what ``hot_set.guard.layer``'s ``_combine`` builds with torch before it (the
     sampled lse and the key codes' log-masses masked, ``uncovered``), a captured step's
     guarded layer passes unmasked; and the exact part given in two (part 1 and the pages
     the selection read) merged in the first launch, as ``merge_parts`` would.

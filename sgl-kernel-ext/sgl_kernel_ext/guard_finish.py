@@ -24,7 +24,7 @@ no rest). One program per row (grid ``(n,)``):
 5. part 1's per-KV-head page masses scaled by each KV head's mean exact share (shares of
    the chosen denominator, for the importance table and the step's tally), and their mean.
 
-The torch code it replaces (``hot_set.guard.weigh_bounds``, ``hot_set.graph_guard``'s
+The torch code it replaces (``hot_set.guard.layer.weigh_bounds``, ``hot_set.graph.guard``'s
 ``keep_in_tally`` and the importance scaling of ``GraphGuard.attend``'s torch path) is its
 reference in the tests. Reads per
 request and layer: the rest pages' three interval tensors once and their log-masses

@@ -1,5 +1,5 @@
 """The hot-set guard's selection as three Triton launches, with no sort: the GPU form of
-``sgl_importance.hot_set.guard``'s ``wanted_pages`` and ``capped``.
+``sgl_importance.hot_set.guard.layer``'s ``wanted_pages`` and ``capped``.
 
 Per request, over its ``P`` rest pages and their log-masses estimated from the key codes:
 
@@ -18,7 +18,7 @@ Per request, over its ``P`` rest pages and their log-masses estimated from the k
 
 Pages within rounding of the top-p boundary may land on either side of it against a
 sort's cumulative sum (the sums run in another order); otherwise the sets are the
-torch code's (``guard.py``, the reference the tests hold this to). What it reads per
+torch code's (``hot_set/guard/layer.py``, the reference the tests hold this to). What it reads per
 request and layer (Llama-3.1-8B at 32K: 2,048 pages, 32 query heads): each head's page
 log-masses four times (1 MiB; dense reads 128 MiB of KV there), the flags, and the ranks
 a few times (8 KiB); up to

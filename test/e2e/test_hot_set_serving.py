@@ -144,7 +144,7 @@ def test_a_small_budget_serves_and_the_metrics_count_it(hot_set_server, prompts,
     assert_same_until_a_near_tie(ids, outputs["exceeds"], tops["exceeds"])
 
 
-# The page sample the guard estimates from is seeded by the rid (hot_set/sample.py), so a
+# The page sample the guard estimates from is seeded by the rid (hot_set/plan/sample.py), so a
 # request's tokens depend on its rid; fixed rids make the run reproducible.
 COPY_RIDS = [f"copies-{i}" for i in range(6)]
 

@@ -129,7 +129,7 @@ def test_a_streamed_prefill_holds_about_a_chunk_of_the_device(streamed, dense_pr
     # (a hundredth of the pool). Dense held four chunks at its longest prompts' fifth.
     # Imported here, not at the top: collected before test/kernels/conftest.py sets
     # TRITON_INTERPRET, a module-level import would build the Triton kernels for a GPU in this worker.
-    from sgl_importance.hot_set.key_codes import code_rows_per_page
+    from sgl_importance.hot_set.guard.key_codes import code_rows_per_page
 
     full = max(len(ids) for ids in prompts) // PAGE
     rows = math.ceil(full / PAGE) + math.ceil(full / code_rows_per_page(4)) + 2

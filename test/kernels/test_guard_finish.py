@@ -21,10 +21,10 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed; the Triton guard kernels cannot run")
 
-from sgl_importance.hot_set.estimate import Combined, Outside  # noqa: E402
-from sgl_importance.hot_set.graph_guard import keep_in_tally  # noqa: E402
-from sgl_importance.hot_set.guard import GuardReads, weigh_bounds  # noqa: E402
-from sgl_importance.hot_set.step_tally import kv_group_share  # noqa: E402
+from sgl_importance.hot_set.graph.guard import keep_in_tally  # noqa: E402
+from sgl_importance.hot_set.guard.estimate import Combined, Outside  # noqa: E402
+from sgl_importance.hot_set.guard.layer import GuardReads, weigh_bounds  # noqa: E402
+from sgl_importance.hot_set.plan.step_tally import kv_group_share  # noqa: E402
 from sgl_kernel_ext import guard_finish_triton  # noqa: E402
 from support.kernel_device import DEVICE  # noqa: E402
 

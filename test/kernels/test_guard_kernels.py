@@ -21,9 +21,9 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed; the Triton guard kernels cannot run")
 
-from sgl_importance.hot_set.estimate import MIN_SAMPLED, T_QUANTILES, Outside, Sampled, Z, combine  # noqa: E402
-from sgl_importance.hot_set.guard import _combine  # noqa: E402
-from sgl_importance.hot_set.key_codes import ROUNDING_MARGIN, RowLayout, quantise, steps  # noqa: E402
+from sgl_importance.hot_set.guard.estimate import MIN_SAMPLED, T_QUANTILES, Outside, Sampled, Z, combine  # noqa: E402
+from sgl_importance.hot_set.guard.key_codes import ROUNDING_MARGIN, RowLayout, quantise, steps  # noqa: E402
+from sgl_importance.hot_set.guard.layer import _combine  # noqa: E402
 from sgl_kernel_ext import (  # noqa: E402
     combine_rest_triton,
     combine_triton,
@@ -266,7 +266,7 @@ def test_merging_two_token_sets_gives_the_softmax_over_their_union():
 
 
 def test_merge_parts_on_the_cpu_is_the_torch_reference_bit_for_bit():
-    # guard.py calls the dispatcher: on CPU tensors it must behave as before.
+    # hot_set/guard/layer.py calls the dispatcher: on CPU tensors it must behave as before.
     seed = _seed()
     args = parts((3, 4), 64, seed=seed, empty=0.3)
     got, want = merge_parts(*args), merge_parts_torch(*args)

@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed; the Triton guard kernels cannot run")
 
-from sgl_importance.hot_set.guard import select_pages  # noqa: E402
+from sgl_importance.hot_set.guard.layer import select_pages  # noqa: E402
 from sgl_kernel_ext import guard_select, guard_select_triton  # noqa: E402
 from support.kernel_device import DEVICE  # noqa: E402
 

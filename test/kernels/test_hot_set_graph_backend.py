@@ -114,7 +114,7 @@ def test_a_captured_hot_set_step_decodes_as_the_eager_hot_set_with_joins_leaves_
         if "graph_" in site
     }
     # one guarded step of 8 replayed
-    assert read_back == {"sgl_importance/hot_set/graph_guard.py": 1, "sgl_importance/hot_set/graph_step.py": 8}
+    assert read_back == {"sgl_importance/hot_set/graph/guard.py": 1, "sgl_importance/hot_set/graph/step.py": 8}
     # The launches a layer of the hot graph replays: the same every step, whatever the batch
     # (7 steps, 2 sizes).
     hot = [step for step, variant in enumerate(runner.variants_run) if variant == "hot"]

@@ -152,7 +152,7 @@ def test_a_guard_off_step_allocates_nothing_that_grows_with_the_context(monkeypa
     (a plan's lists grow with a fractional budget by design). The key-bound ranking at the
     step's end gathers ranges a fixed block at a time (``BOUND_CHUNK_BYTES``, made small
     here so that the contexts span several blocks)."""
-    from sgl_importance.hot_set import step_tally
+    from sgl_importance.hot_set.plan import step_tally
 
     monkeypatch.setattr(step_tally, "BOUND_CHUNK_BYTES", 4096)
     params = HotSetParams(policy="importance", budget=4, window=1, sinks=1, guard_threshold=1.0)

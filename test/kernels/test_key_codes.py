@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_importance.hot_set.key_codes import quantise, steps
+from sgl_importance.hot_set.guard.key_codes import quantise, steps
 from sgl_kernel_ext import key_code_pages, key_code_pages_torch, native
 
 KV, G, D, PAGE = 3, 3, 64, 16
@@ -60,8 +60,8 @@ def test_the_c_kernel_reads_code_rows_in_place_in_the_kv_pool(dtype):
     kernel reads them where they are, as the torch reference reads the same rows."""
     if native.library() is None:
         pytest.skip("no C compiler here")
-    from sgl_importance.hot_set.key_codes import GuardPool
-    from sgl_importance.hot_set.rows import LocalPages
+    from sgl_importance.hot_set.guard.key_codes import GuardPool
+    from sgl_importance.hot_set.pages.rows import LocalPages
 
     pages = 6
     fused = torch.zeros(2, pages * PAGE, KV, D, dtype=dtype)

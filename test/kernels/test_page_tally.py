@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from sgl_importance.hot_set.key_ranges import key_bound
+from sgl_importance.hot_set.guard.key_ranges import key_bound
 from sgl_kernel_ext.page_tally import BOUND, MAX, SUM, tally_pages
 
 pytest.importorskip("triton", reason="triton is not installed")

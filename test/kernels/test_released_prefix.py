@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="SGLang's extend kernel is Triton")
 extend_attention = pytest.importorskip("sglang.kernels.ops.attention.extend_attention")
 
 from sgl_importance.attention.released_prefix import ReleasedPrefixes  # noqa: E402
-from sgl_importance.hot_set.pages import RELEASED_SLOT, page_offsets  # noqa: E402
+from sgl_importance.hot_set.pages.state import RELEASED_SLOT, page_offsets  # noqa: E402
 from support.kernel_device import DEVICE  # noqa: E402
 
 PAGE = 8

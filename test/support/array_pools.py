@@ -3,7 +3,7 @@
 A device pool whose page 0 is padding and a host pool, both ``[layers, slots, kv_heads,
 dim]``. It checks what SGLang's pools would trip on later: a page freed twice, or the
 padding page freed, fails at once; and it keeps the host-slot ledger the test suite keeps
-on every real server (``hot_set/host_ledger.py``): a host slot moved by a request that
+on every real server (``hot_set/pages/host_ledger.py``): a host slot moved by a request that
 does not hold it fails at once, naming both.
 """
 
@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from sgl_importance.hot_set.host_ledger import HostSlotLedger
+from sgl_importance.hot_set.pages.host_ledger import HostSlotLedger
 
 
 class ArrayPools:

@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
-from sgl_importance.hot_set.graph_step import GraphCapacity, GraphStep
+from sgl_importance.hot_set.graph.step import GraphCapacity, GraphStep
 from support.graph_replay import Recording, first_difference, outside_tensors, record, signature
 
 PAGE = 4

@@ -44,7 +44,7 @@ class Server(LocalServer):
     def rid(self, prompt: object) -> str:
         """A rid for the next request of ``prompt`` (text or token ids): the prompt's hash and
         how many times this server was sent it before. The hot set's page sample is seeded
-        by the rid (``hot_set/sample.py``); random rids made a guarded test's tokens a draw
+        by the rid (``hot_set/plan/sample.py``); random rids made a guarded test's tokens a draw
         per run, these make them the same every run (distinct prompts sent at once included)."""
         digest = hashlib.blake2b(repr(prompt).encode(), digest_size=6).hexdigest()
         n, self._sent[digest] = self._sent[digest], self._sent[digest] + 1

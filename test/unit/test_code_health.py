@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sgl_importance.tools.imports import ROOT, circles, import_graph
+from sgl_importance.tools.imports import ROOT, circles, import_graph, upward_imports
 from sgl_importance.tools.state import findings, outside_registry
 
 LONGEST_MODULE = 500
@@ -23,6 +23,25 @@ def test_no_two_modules_of_the_package_import_each_other_even_through_others():
 def test_the_circle_finder_finds_a_circle_through_three_modules():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(graph) == [["a", "b", "c"]]
+
+
+HOT_SET = "sgl_importance.hot_set"
+HOT_SET_PARTS = ["pages", "guard", "plan", "graph"]  # lower first: a part imports only those before it
+
+
+def test_the_hot_sets_parts_import_only_the_parts_below_them():
+    shared = {f"{HOT_SET}.params"}
+    assert upward_imports(import_graph(), HOT_SET, HOT_SET_PARTS, shared) == []
+
+
+def test_the_layering_check_finds_a_part_importing_a_higher_part_or_the_package_above():
+    graph = {
+        "p.low.a": {"p.high.b", "p.low.c", "p.leaf"},
+        "p.low.c": set(),
+        "p.high.b": {"p.low.a", "p.top"},
+        "p.top": {"p.high.b"},
+    }
+    assert upward_imports(graph, "p", ["low", "high"], {"p.leaf"}) == ["p.high.b -> p.top", "p.low.a -> p.high.b"]
 
 
 def test_no_module_level_state_lives_outside_the_runtime_registry():

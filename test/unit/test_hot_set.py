@@ -138,7 +138,7 @@ def test_dense_policy_attends_every_page_whatever_the_budget():
 
 
 def test_quest_keeps_every_page_on_the_device_and_takes_each_layers_largest_bounds():
-    from sgl_importance.hot_set.selection import quest_layer_pages
+    from sgl_importance.hot_set.plan.selection import quest_layer_pages
 
     state = warm("quest", budget=5)
     assert state.plan(20)[0].numel() == 20  # nothing released: Quest keeps all KV
@@ -432,7 +432,7 @@ def test_the_scheduler_notes_a_requests_own_parameters_and_forgets_them_when_it_
 def test_the_key_bound_ranking_is_the_same_however_many_layers_the_step_end_takes_at_once(monkeypatch):
     # Guard off, the unread pages are ranked by the largest key-bound mass over layers and
     # heads, worked out where the step ends, a few layers at a time (bounded memory).
-    from sgl_importance.hot_set import step_tally
+    from sgl_importance.hot_set.plan import step_tally
 
     g = torch.Generator().manual_seed(5)
     n_tokens, layers = 60, 3

@@ -1,4 +1,4 @@
-"""Admission by footprint: the arithmetic (``hot_set.footprint.footprint``) and one round's
+"""Admission by footprint: the arithmetic (``hot_set.pages.footprint.footprint``) and one round's
 book (``scheduler.admission.FootprintBook``) against hand-worked cases; the adder itself
 runs inside the server (``test/e2e/test_hot_set_admission.py``)."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sgl_importance.hot_set import HotSetParams
-from sgl_importance.hot_set.footprint import footprint
-from sgl_importance.hot_set.pages import PageState
+from sgl_importance.hot_set.pages.footprint import footprint
+from sgl_importance.hot_set.pages.state import PageState
 from sgl_importance.hot_set.residency import Residency
 from sgl_importance.scheduler.admission import FootprintBook
 
@@ -159,8 +159,8 @@ def test_a_running_request_refused_key_ranges_is_charged_as_sglang_charges_it():
 
 
 def test_a_request_refused_key_ranges_is_known_by_its_record_a_new_one_is_not():
-    from sgl_importance.hot_set.request_state import TrackedRequest, ranges_refused
-    from sgl_importance.hot_set.selection import RequestHotSet
+    from sgl_importance.hot_set.plan.request_state import TrackedRequest, ranges_refused
+    from sgl_importance.hot_set.plan.selection import RequestHotSet
 
     tracked = {
         "a": TrackedRequest(RequestHotSet(PARAMS)),
@@ -183,8 +183,8 @@ def test_a_hot_set_the_guard_grew_keeps_its_grown_share_and_is_charged_for_it():
 
 
 def test_a_new_request_is_charged_what_the_guard_has_grown_the_running_ones_to():
-    from sgl_importance.hot_set.request_state import TrackedRequest, kept_share
-    from sgl_importance.hot_set.selection import RequestHotSet
+    from sgl_importance.hot_set.plan.request_state import TrackedRequest, kept_share
+    from sgl_importance.hot_set.plan.selection import RequestHotSet
 
     def tracked(kept):
         return TrackedRequest(RequestHotSet(PARAMS), kept=kept)

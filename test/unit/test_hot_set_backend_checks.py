@@ -10,7 +10,7 @@ import torch
 
 from sgl_importance import plugin, runtime
 from sgl_importance.config import ImportanceConfig, add_cli_args, from_namespace
-from sgl_importance.hot_set.page_copies import PageCopies
+from sgl_importance.hot_set.pages.copies import PageCopies
 
 
 def _args(backend: str, decode_backend=None) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""The hot-set step in fixed shapes (``hot_set/graph_step.py``) can be captured: the CPU's proof.
+"""The hot-set step in fixed shapes (``hot_set/graph/step.py``) can be captured: the CPU's proof.
 
 A world of long and short requests decodes token by token, twice over the same pools:
 by the eager decoder (``begin_step``/``attend``/``end_step``) and by a ``GraphStep``
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_importance.hot_set.graph_step import GraphCapacity, GraphStep
+from sgl_importance.hot_set.graph.step import GraphCapacity, GraphStep
 from support.graph_twin import (
     LAYERS,
     PAGE,
@@ -161,7 +161,7 @@ def test_a_guarded_region_that_freezes_a_plan_value_at_capture_is_caught_by_the_
     value read from the buffers (1 once a row is listed: run through its Python it decodes as
     the eager step; 0 on the capture's empty buffers) parts from the eager step replayed. With
     the graph recorded on a step's live plan, as this harness did before, it passed."""
-    from sgl_importance.hot_set.graph_guard import GraphGuard
+    from sgl_importance.hot_set.graph.guard import GraphGuard
     from sgl_kernel_ext import native
 
     monkeypatch.setattr(native, "library", lambda: None)

@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from sgl_importance.hot_set import GuardPool, HotSetDecoder, HotSetParams, KeyRanges, OutsidePlan
-from sgl_importance.hot_set.estimate import (
+from sgl_importance.hot_set.guard.estimate import (
     DELTA,
     combine,
     estimate_outside,
     negligible_rest,
     sampled_pages,
 )
-from sgl_importance.hot_set.guard import capped, guard_layer, wanted_pages
-from sgl_importance.hot_set.key_codes import bytes_per_token, kv_bytes_per_token, quantise, steps
-from sgl_importance.hot_set.rows import LocalPages
+from sgl_importance.hot_set.guard.key_codes import bytes_per_token, kv_bytes_per_token, quantise, steps
+from sgl_importance.hot_set.guard.layer import capped, guard_layer, wanted_pages
+from sgl_importance.hot_set.pages.rows import LocalPages
 from sgl_kernel_ext.key_codes import unpack
 
 PAGE = 4
@@ -358,7 +358,7 @@ def test_the_guard_pool_never_grows_and_a_request_it_cannot_hold_decodes_unguard
 
 
 def test_the_bounds_quantile_is_the_next_smaller_tabled_t_and_the_normals_past_the_table():
-    from sgl_importance.hot_set.estimate import T_QUANTILES, Z, quantile
+    from sgl_importance.hot_set.guard.estimate import T_QUANTILES, Z, quantile
 
     # count sampled pages: count - 1 degrees of freedom.
     cases = {0: T_QUANTILES[1], 1: T_QUANTILES[1], 2: T_QUANTILES[1], 3: T_QUANTILES[2], 11: T_QUANTILES[10],

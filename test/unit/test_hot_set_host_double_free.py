@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from sgl_importance.env import CHECKS_ENV, PLATFORM_ENV
-from sgl_importance.hot_set.host_ledger import HostSlotError, HostSlotLedger
+from sgl_importance.hot_set.pages.host_ledger import HostSlotError, HostSlotLedger
 from support.hooked import Hooked
 
 _SCRIPT = r"""
@@ -261,8 +261,8 @@ def returning(world, out):
     # the row's history showing the released slot, the record lent it) and finishes after one
     # decode step, its hold still taking the history over: its own pages go in host-only, under
     # the history's node.
-    from sgl_importance.hot_set.pages import RELEASED_SLOT
-    from sgl_importance.hot_set.prefix_hold import HistoryLoan
+    from sgl_importance.hot_set.pages.state import RELEASED_SLOT
+    from sgl_importance.hot_set.pages.prefix_hold import HistoryLoan
     from sgl_importance.scheduler.returning import lend_history, settle
 
     world.cache.evict(EvictParams(num_tokens=len(PREFIX)))

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
-from sgl_importance.hot_set.key_codes import quantise
-from sgl_importance.hot_set.pages import RELEASED_SLOT, TRANSITIONS, PageState
+from sgl_importance.hot_set.guard.key_codes import quantise
+from sgl_importance.hot_set.pages.prefix_hold import PrefixHold
+from sgl_importance.hot_set.pages.state import RELEASED_SLOT, TRANSITIONS, PageState
 from sgl_importance.hot_set.prefill import summarise_prefill
-from sgl_importance.hot_set.prefix_hold import PrefixHold
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import Residency, subtract_pages
 from sgl_importance.scheduler.hot_set_release import (
@@ -362,8 +362,8 @@ def test_a_guarded_hot_set_grows_by_what_its_selection_missed_and_goes_back_to_i
 
 
 def test_a_hot_set_grows_by_flagged_misses_holds_while_flagged_and_gives_back_a_tenth_once_certified():
-    from sgl_importance.hot_set.request_state import TrackedRequest
-    from sgl_importance.hot_set.selection import RequestHotSet
+    from sgl_importance.hot_set.plan.request_state import TrackedRequest
+    from sgl_importance.hot_set.plan.selection import RequestHotSet
 
     tracked = TrackedRequest(RequestHotSet(HotSetParams(policy="importance", budget=0.2)))
     flagged, certified, wanted = torch.tensor([True, False]), torch.tensor([False, False]), torch.tensor([9, 9])
@@ -383,8 +383,8 @@ def test_a_hot_set_grows_by_flagged_misses_holds_while_flagged_and_gives_back_a_
 
 
 def test_only_what_a_flagged_layer_missed_counts_as_missed():
-    from sgl_importance.hot_set.request_state import LiveRequest, TrackedRequest
-    from sgl_importance.hot_set.selection import RequestHotSet
+    from sgl_importance.hot_set.plan.request_state import LiveRequest, TrackedRequest
+    from sgl_importance.hot_set.plan.selection import RequestHotSet
 
     tiers = array_pools(device_pages=8, host_pages=8)
     residency = residency_over(tiers)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sgl_importance.hot_set.pages import RELEASED_SLOT
+from sgl_importance.hot_set.pages.state import RELEASED_SLOT
 from sgl_importance.hot_set.params import HotSetParams
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import Residency

@@ -15,12 +15,12 @@ from sgl_importance.attention import hot_set_attention, table_reserve
 from sgl_importance.attention.step_phase import StepPhase
 from sgl_importance.config import ImportanceConfig
 from sgl_importance.hot_set.decode import StepResult
-from sgl_importance.hot_set.key_codes import GuardPool, code_rows_per_page
-from sgl_importance.hot_set.key_ranges import KeyRanges
-from sgl_importance.hot_set.pages import StepMoves, page_offsets
+from sgl_importance.hot_set.guard.key_codes import GuardPool, code_rows_per_page
+from sgl_importance.hot_set.guard.key_ranges import KeyRanges
+from sgl_importance.hot_set.pages.rows import BorrowedPages, LocalPages, RowStore
+from sgl_importance.hot_set.pages.state import StepMoves, page_offsets
+from sgl_importance.hot_set.plan.selection import HotSetCounts
 from sgl_importance.hot_set.residency import Residency
-from sgl_importance.hot_set.rows import BorrowedPages, LocalPages, RowStore
-from sgl_importance.hot_set.selection import HotSetCounts
 from sgl_importance.hot_set.table_budget import KVShape, describe, plan_table
 from sgl_importance.importance.page_importance import TABLE_BYTES_PER_PAGE, PageImportanceTable
 from sgl_importance.metrics import HotSetMetrics
@@ -300,8 +300,8 @@ def test_the_gauges_show_rows_in_use_the_pages_borrowed_for_them_and_what_reques
 
 def test_a_batch_is_lent_pages_for_the_rows_its_requests_will_write_and_no_more():
     from sgl_importance.hot_set import HotSetDecoder, HotSetParams
-    from sgl_importance.hot_set.request_state import TrackedRequest
-    from sgl_importance.hot_set.selection import RequestHotSet
+    from sgl_importance.hot_set.plan.request_state import TrackedRequest
+    from sgl_importance.hot_set.plan.selection import RequestHotSet
 
     ranges = KeyRanges(2, 1, 8, capacity_pages=1000, page_size=PAGE)
     guard = GuardPool(2, 1, 8, page_size=PAGE, capacity_pages=1000)
@@ -328,8 +328,8 @@ def test_a_batch_is_lent_pages_for_the_rows_its_requests_will_write_and_no_more(
 @pytest.mark.parametrize("checkpoint", [True, False], ids=["finished", "retracted or aborted"])
 def test_a_leaving_request_gives_its_rows_back_and_their_pages_go_back_to_the_allocator(checkpoint):
     from sgl_importance.hot_set import HotSetDecoder, HotSetParams
-    from sgl_importance.hot_set.request_state import TrackedRequest
-    from sgl_importance.hot_set.selection import RequestHotSet
+    from sgl_importance.hot_set.plan.request_state import TrackedRequest
+    from sgl_importance.hot_set.plan.selection import RequestHotSet
 
     freed: list[torch.Tensor] = []
     pages = iter(range(1, 100))

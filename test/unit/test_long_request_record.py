@@ -7,9 +7,9 @@ import torch
 
 from sgl_importance.hot_set import HotSetParams
 from sgl_importance.hot_set.decode import HotSetDecoder
-from sgl_importance.hot_set.key_ranges import KeyRanges
-from sgl_importance.hot_set.prefix_hold import HistoryLoan
-from sgl_importance.hot_set.request_state import Seed
+from sgl_importance.hot_set.guard.key_ranges import KeyRanges
+from sgl_importance.hot_set.pages.prefix_hold import HistoryLoan
+from sgl_importance.hot_set.plan.request_state import Seed
 
 PAGE = 4
 

@@ -332,7 +332,7 @@ ATTRIBUTES = [
     Name(SCHEDULER, "running_batch", "scheduler/hot_set_release.py"),
     Name("sglang.srt.managers.schedule_batch.ScheduleBatch", "batch_is_full", "scheduler/hot_set_release.py"),
     # The page importance table's share of the KV pool's memory (attention/table_reserve.py);
-    # the hot set's rows in KV pages (hot_set/key_codes.py: K and V of a layer as one
+    # the hot set's rows in KV pages (hot_set/guard/key_codes.py: K and V of a layer as one
     # allocation in MHATokenToKVPool).
     *(
         Name(f"{MEM}.memory_pool.MHATokenToKVPool", n, "attention/hot_set_attention.py")

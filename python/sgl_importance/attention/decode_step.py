@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from sgl_importance.attention.hot_set_attention import HotSetAttention, build_hot_set
-from sgl_importance.hot_set.pages import page_offsets
+from sgl_importance.hot_set.pages.state import page_offsets
 from sgl_importance.importance.page_importance import PageImportanceTable
 from sgl_importance.runtime import Runtime
 
 if TYPE_CHECKING:
     from sgl_importance.attention.released_prefix import ReleasedPrefix
-    from sgl_importance.hot_set.page_lists import ExactAttention
+    from sgl_importance.hot_set.plan.page_lists import ExactAttention
     from sgl_importance.sglang_types.model import AttentionLayer, ForwardBatch, KVPool, ModelRunner
 
 
@@ -241,7 +241,7 @@ class ImportanceDecodeSteps:
             self._store_kv(layer, forward_batch, k, v)
         out = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
         if self.hot_set is not None and self.hot_set.graph_mode:
-            # A captured hot-set step's layer (hot_set/graph_step.py): fixed shapes.
+            # A captured hot-set step's layer (hot_set/graph/step.py): fixed shapes.
             pool = self.token_to_kv_pool
             k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
             self.hot_set.attend_graph(layer, q, k_buffer, v_buffer, out, logit_cap=self._logit_cap(layer), sinks=sinks)

@@ -21,17 +21,17 @@ here:
   its host side only fences and drops what the decoder tracked (``graph_step``);
 - with ``--hot-set-graph-rows``, a batch that holds one replays the ``hot`` (or ``hot_guard``) graph variant
   (``HotSetGraphVariants``): the decoder plans it in that same hook and the plan goes into
-  the fixed-shape step's buffers (``hot_set/graph_step.py``, ``plan_graph_step``), the layers
+  the fixed-shape step's buffers (``hot_set/graph/step.py``, ``plan_graph_step``), the layers
   run it (``attend_graph``), and after the batch the step is folded and ended
   (``finish_graph_step``, from ``end_batch``); a batch the buffers refuse runs eagerly from the same plan;
 - with ``--hot-set-plan-ahead`` a step is ended one step late: after step N runs (its tally's
   copy queued, not waited for), step N-1 is folded and ended, planning N+1 and the page moves
-  it wants, while N runs on the device (``hot_set/late_ends.py``; a request's first step ends
+  it wants, while N runs on the device (``hot_set/graph/late_ends.py``; a request's first step ends
   at once); eager steps keep the same rhythm, so a batch decides the same pages however it runs.
 
 The key ranges and, guarded, key codes of a tracked request's full pages are written by the
 decoder itself, from the pool, at the end of the step that filled a page (``hot_set/coding.py``),
-into rows of KV pages borrowed from SGLang's allocator (``hot_set/rows.py``; lent before the
+into rows of KV pages borrowed from SGLang's allocator (``hot_set/pages/rows.py``; lent before the
 batch by ``scheduler/hot_set_rows.py``): nothing is set aside at start-up but the page
 importance table (``reserve_table``).
 """
@@ -47,10 +47,10 @@ import torch
 from sgl_importance.attention.hot_set_graphs import GUARD_VARIANT, HOT_VARIANT
 from sgl_importance.attention.step_phase import StepPhase, advance
 from sgl_importance.hot_set.decode import StepResult
-from sgl_importance.hot_set.estimate import on_device
-from sgl_importance.hot_set.late_ends import LateEnds
-from sgl_importance.hot_set.pages import StepMoves
-from sgl_importance.hot_set.selection import HotSetCounts
+from sgl_importance.hot_set.graph.late_ends import LateEnds
+from sgl_importance.hot_set.guard.estimate import on_device
+from sgl_importance.hot_set.pages.state import StepMoves
+from sgl_importance.hot_set.plan.selection import HotSetCounts
 from sgl_importance.hot_set.table_budget import KVShape, describe, plan_table
 from sgl_importance.importance.page_importance import PageImportanceTable
 from sgl_importance.runtime import Runtime
@@ -58,9 +58,9 @@ from sgl_importance.runtime import Runtime
 if TYPE_CHECKING:
     from sgl_importance.config import ImportanceConfig
     from sgl_importance.hot_set.decode import HotSetDecoder
-    from sgl_importance.hot_set.graph_step import GraphStep, Replayed
-    from sgl_importance.hot_set.page_lists import ExactAttention
-    from sgl_importance.hot_set.request_state import LiveRequest
+    from sgl_importance.hot_set.graph.step import GraphStep, Replayed
+    from sgl_importance.hot_set.plan.page_lists import ExactAttention
+    from sgl_importance.hot_set.plan.request_state import LiveRequest
     from sgl_importance.metrics import HotSetMetrics
     from sgl_importance.sglang_types.model import AttentionLayer, ModelRunner
     from sgl_kernel_ext.page_list import TritonPageListDecode
@@ -175,7 +175,7 @@ class HotSetAttention:
     def _key(rids: Optional[Sequence[str]], seq_lens_cpu: torch.Tensor) -> tuple:
         return (tuple(rids) if rids is not None else None, tuple(seq_lens_cpu.tolist()))
 
-    # -- a step replayed from a captured graph (hot_set/graph_step.py) -----------------
+    # -- a step replayed from a captured graph (hot_set/graph/step.py) -----------------
 
     def enable_graphs(self, max_bs: int, max_pages: int, exact: Optional[TritonPageListDecode] = None) -> None:
         """Buffers for a captured hot-set step of ``min(max_bs, --hot-set-graph-rows)``
@@ -183,7 +183,7 @@ class HotSetAttention:
         buffers (``init_cuda_graph_state``); a no-op with ``--hot-set-graph-rows 0``."""
         if not self.graph_rows:
             return
-        from sgl_importance.hot_set.graph_step import GraphCapacity, GraphStep
+        from sgl_importance.hot_set.graph.step import GraphCapacity, GraphStep
 
         d = self.decoder
         self.graph = GraphStep(
@@ -417,7 +417,7 @@ def build_hot_set(
     if params is None:
         return None
     from sgl_importance.hot_set import GuardPool, HotSetDecoder, KeyRanges
-    from sgl_importance.hot_set.rows import BorrowedPages
+    from sgl_importance.hot_set.pages.rows import BorrowedPages
 
     pool = model_runner.token_to_kv_pool
     layers = last_layer_id + 1

@@ -6,7 +6,7 @@ variant per batch (``create_attention_graph_variants``); the plugin wraps both (
 - a batch holding no request longer than ``--hot-set-threshold`` is left to SGLang's check and
   replays the ``dense`` graphs SGLang captures anyway (every page read);
 - a batch holding one replays the captured hot-set step (``hot``, or ``hot_guard`` where a row is
-  guarded: ``hot_set/graph_step.py``) where ``--hot-set-graph-rows`` is set and the step's buffers
+  guarded: ``hot_set/graph/step.py``) where ``--hot-set-graph-rows`` is set and the step's buffers
   take the plan made here (``plan_hot_set_graph_step`` on the backend), else runs eagerly;
 - after the batch, the scheduler folds and ends a replayed hot-set step as it ends an eager one
   (``HotSetAttention.end_batch``).
@@ -43,7 +43,7 @@ DENSE_VARIANT, HOT_VARIANT, GUARD_VARIANT = "dense", "hot", "hot_guard"
 class HotSetGraphVariants:
     """The decode graphs captured with ``--hot-set-graph-rows``, per batch size: ``dense``
     (every page, the graphs SGLang captures anyway), ``hot`` (the fixed-shape hot-set step,
-    guard off) and ``hot_guard`` (the same with the guard's layers, ``hot_set/graph_guard.py``).
+    guard off) and ``hot_guard`` (the same with the guard's layers, ``hot_set/graph/guard.py``).
     A batch holding a request past the threshold selects ``hot``, or ``hot_guard`` where the
     step planned for it (``plan_graph_step``, just before) has a guarded row.
 

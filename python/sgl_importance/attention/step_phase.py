@@ -7,7 +7,7 @@ hook ends what ran (``HotSetAttention.end_batch``). Each hook moves the batch's 
 one edge of ``NEXT``; any other move is a bug in the hooks' order and raises.
 
 Which step runs (dense: no request past the threshold; hot; guarded) is the batch's, not the
-phase's; a step ended late (``--hot-set-plan-ahead``) is held by ``hot_set.late_ends``.
+phase's; a step ended late (``--hot-set-plan-ahead``) is held by ``hot_set.graph.late_ends``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The KV pool SGLang sizes, less the page importance table: the one thing the hot set sets
-aside at start-up (its rows are borrowed from the pool later, as used: ``hot_set/rows.py``).
+aside at start-up (its rows are borrowed from the pool later, as used: ``hot_set/pages/rows.py``).
 
 ``reserve_table`` runs around SGLang's ``KVCacheConfigurator.config_from_budget`` (in the
 scheduler process); ``attention/hot_set_attention.build_hot_set`` reads what it recorded.

@@ -28,7 +28,7 @@ with ``TritonPageListDecode`` as the exact reader and page copies (made between 
 side stream fenced before the layers read. An
 eager hot-set step is data dependent (which pages, how many, what the guard reads, host
 copies), so a batch that holds a request longer than ``--hot-set-threshold`` replays a
-CUDA graph only as the fixed-shape step of ``hot_set/graph_step.py`` (``--hot-set-graph-rows``;
+CUDA graph only as the fixed-shape step of ``hot_set/graph/step.py`` (``--hot-set-graph-rows``;
 the ``hot`` graph variant: its plan written between steps by the plugin's hook around
 SGLang's ``can_run_graph``, ``hot_set_graphs.eager_with_hot_set_requests``, its prologue
 in ``init_forward_metadata_in_graph``, its fold after the batch, ``HotSetAttention.end_batch``); otherwise, or

@@ -24,9 +24,9 @@ from typing import Callable, Optional
 
 import torch
 
-from sgl_importance.hot_set.key_codes import GuardPool
-from sgl_importance.hot_set.key_ranges import KeyRanges
-from sgl_importance.hot_set.request_state import LiveRequest, TrackedRequest, released_among
+from sgl_importance.hot_set.guard.key_codes import GuardPool
+from sgl_importance.hot_set.guard.key_ranges import KeyRanges
+from sgl_importance.hot_set.plan.request_state import LiveRequest, TrackedRequest, released_among
 
 logger = logging.getLogger(__name__)
 

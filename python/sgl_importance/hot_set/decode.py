@@ -17,7 +17,7 @@ A layer attends in up to two parts, one batched call each for the whole batch:
    page by page, ``estimate.sampled_pages``) with the smaller of a deterministic and a
    statistical bound on the layer's output error; a bound over the threshold flags the
    layer-step and raises that layer's cap for the request's later steps
-   (``guard.guard_layer``, ``request_state.TrackedRequest.follow_flags``).
+   (``guard.layer.guard_layer``, ``request_state.TrackedRequest.follow_flags``).
 
 The step's lists are planned on the host once, where it begins, and the guard's put on the
 layers' device (``page_lists.GuardLists``): no layer reads a device value back or a host copy.
@@ -25,7 +25,7 @@ Full pages are summarised once, before any release (``coding.py``; a streamed pr
 prefills, ``prefill.py``, which also seeds a first step from the prefill).
 
 A backend drives it: ``begin_step`` per decode batch, ``attend`` per layer, ``end_step``
-after the last (or ``plan_step``, a ``graph_step.GraphStep``'s layers, then ``end_step``),
+after the last (or ``plan_step``, a ``graph.step.GraphStep``'s layers, then ``end_step``),
 which plans the *next* step (or the one after, a step late) and returns, as data
 (``residency.StepMoves``), the pages that plan leaves out and the released ones it keeps,
 moved by the residency owner between steps. A planned page with no device page is read from
@@ -43,13 +43,15 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from sgl_importance.hot_set.coding import summarise_pages
-from sgl_importance.hot_set.estimate import OutsidePlan, estimate_outside, sampled_pages
-from sgl_importance.hot_set.footprint import PageBytes, held_bytes
-from sgl_importance.hot_set.guard import GuardOutcome, guard_layer
+from sgl_importance.hot_set.guard.estimate import OutsidePlan, estimate_outside, sampled_pages
+from sgl_importance.hot_set.guard.key_codes import GuardPool
+from sgl_importance.hot_set.guard.key_ranges import KeyRanges
+from sgl_importance.hot_set.guard.layer import GuardOutcome, guard_layer
 from sgl_importance.hot_set.guard_reads import exact_reader, host_pages, pages_of
-from sgl_importance.hot_set.key_codes import GuardPool
-from sgl_importance.hot_set.key_ranges import KeyRanges
-from sgl_importance.hot_set.page_lists import (
+from sgl_importance.hot_set.pages.footprint import PageBytes, held_bytes
+from sgl_importance.hot_set.pages.state import RequestPages, StepMoves
+from sgl_importance.hot_set.params import HotSetParams
+from sgl_importance.hot_set.plan.page_lists import (
     ExactAttention,
     ExactPlan,
     GuardLists,
@@ -59,18 +61,16 @@ from sgl_importance.hot_set.page_lists import (
     plan_outside,
     quest_lists,
 )
-from sgl_importance.hot_set.pages import RequestPages, StepMoves
-from sgl_importance.hot_set.params import HotSetParams
+from sgl_importance.hot_set.plan.request_state import LiveRequest, StepPlan, TrackedRequest, plan_moves
+from sgl_importance.hot_set.plan.sample import PageDraw, request_seed
+from sgl_importance.hot_set.plan.sample import inclusion as sample_inclusion
+from sgl_importance.hot_set.plan.sample import reserve as sample_reserve
+from sgl_importance.hot_set.plan.selection import HotSetCounts, RequestHotSet, fixed_mask
+from sgl_importance.hot_set.plan.step_tally import StepTally, shared_masses
 from sgl_importance.hot_set.prefill import apply_seed
 from sgl_importance.hot_set.record import LongRequest
 from sgl_importance.hot_set.request_params import RequestParams
-from sgl_importance.hot_set.request_state import LiveRequest, StepPlan, TrackedRequest, plan_moves
 from sgl_importance.hot_set.residency import Residency
-from sgl_importance.hot_set.sample import PageDraw, request_seed
-from sgl_importance.hot_set.sample import inclusion as sample_inclusion
-from sgl_importance.hot_set.sample import reserve as sample_reserve
-from sgl_importance.hot_set.selection import HotSetCounts, RequestHotSet, fixed_mask
-from sgl_importance.hot_set.step_tally import StepTally, shared_masses
 from sgl_kernel_ext import DecodeImportanceOutput, PagedDecodeWorkspace, decode_importance_paged
 
 
@@ -176,7 +176,7 @@ class HotSetDecoder:
         rows: Optional[Sequence[torch.Tensor]] = None,
     ) -> list[LiveRequest]:
         """``begin_step``'s plan per request, without the eager step's lists (a
-        ``graph_step.GraphStep`` writes its own); returns the step's requests."""
+        ``graph.step.GraphStep`` writes its own); returns the step's requests."""
         ps = self.page_size
         # A request absent from the batch finished or was retracted; a retracted
         # one is prefilled again into new pages, so its state would be stale.
@@ -271,7 +271,7 @@ class HotSetDecoder:
         """What the step reads in part 1, its sampled rest pages and the pages kept on the
         device, with the plan's counts. Guarded, part 1 is the sinks, the window and the pages
         not coded yet; every other page is the rest, chosen from per layer by top-p on its key
-        codes (``guard.guard_layer``). What stays on the device is the policy's hot set (the
+        codes (``guard.layer.guard_layer``). What stays on the device is the policy's hot set (the
         budget, with room kept for the expected sample) and the sample, drawn without looking
         at the plan or any query (the estimate needs that)."""
         state = tracked.state

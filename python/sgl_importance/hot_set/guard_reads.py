@@ -1,4 +1,4 @@
-"""How a guarded layer reads the rest pages its selection chose (``guard.guard_layer``'s reader).
+"""How a guarded layer reads the rest pages its selection chose (``guard.layer.guard_layer``'s reader).
 
 The selection chooses pages by a mask over the step's fixed rest list
 (``page_lists.GuardLists``), once a layer. How the chosen pages are read, and whether a
@@ -27,7 +27,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
-from sgl_importance.hot_set.page_lists import ExactAttention, GuardLists
+from sgl_importance.hot_set.plan.page_lists import ExactAttention, GuardLists
 from sgl_kernel_ext import masked_page_attention, plan_from_table
 from sgl_kernel_ext.masked_pages import HAS_TRITON
 

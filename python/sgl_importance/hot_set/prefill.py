@@ -23,18 +23,18 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from sgl_importance.hot_set.coding import summarise_pages
-from sgl_importance.hot_set.footprint import streams
-from sgl_importance.hot_set.request_state import LiveRequest, Seed
-from sgl_importance.hot_set.step_tally import top_p_counts
+from sgl_importance.hot_set.pages.footprint import streams
+from sgl_importance.hot_set.plan.request_state import LiveRequest, Seed
+from sgl_importance.hot_set.plan.step_tally import top_p_counts
 
 if TYPE_CHECKING:
-    from sgl_importance.hot_set.key_codes import GuardPool
-    from sgl_importance.hot_set.key_ranges import KeyRanges
+    from sgl_importance.hot_set.guard.key_codes import GuardPool
+    from sgl_importance.hot_set.guard.key_ranges import KeyRanges
     from sgl_importance.hot_set.params import HotSetParams
+    from sgl_importance.hot_set.plan.selection import HotSetCounts
     from sgl_importance.hot_set.record import LongRequest
     from sgl_importance.hot_set.request_params import RequestParams
     from sgl_importance.hot_set.residency import Residency
-    from sgl_importance.hot_set.selection import HotSetCounts
 
 
 class PrefillDecoder(Protocol):

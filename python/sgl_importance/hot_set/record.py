@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from sgl_importance.hot_set.pages import RequestPages
-from sgl_importance.hot_set.prefix_hold import HistoryLoan
-from sgl_importance.hot_set.request_state import Seed, TrackedRequest
+from sgl_importance.hot_set.pages.prefix_hold import HistoryLoan
+from sgl_importance.hot_set.pages.state import RequestPages
+from sgl_importance.hot_set.plan.request_state import Seed, TrackedRequest
 
 
 @dataclass

@@ -4,7 +4,7 @@ A long request admitted to release (its pages past the ones the radix tree holds
 are its own: a long prefill kept out of the tree, or a request that grew past the threshold
 while decoding) keeps its whole KV in SGLang's host pool and on the device only what its
 hot set reads. Everything the hot set knows about such a request is one ``LongRequest``
-(``record.py``) in ``Residency.records``: its pages (``pages.py``: a ``PageState`` per
+(``record.py``) in ``Residency.records``: its pages (``pages/state.py``: a ``PageState`` per
 logical page), what the selection tracks, its prefill seed, its history loan.
 
 ``Residency`` is the only code that moves a page (frees or allocates a device or host page,
@@ -26,8 +26,8 @@ from typing import Container, Optional, Protocol
 
 import torch
 
-from sgl_importance.hot_set.page_copies import PageCopies
-from sgl_importance.hot_set.pages import (
+from sgl_importance.hot_set.pages.copies import PageCopies
+from sgl_importance.hot_set.pages.state import (
     NO_HOST_PAGE,
     RELEASED_SLOT,
     ReleaseCounts,
@@ -35,8 +35,8 @@ from sgl_importance.hot_set.pages import (
     S,
     StepMoves,
 )
+from sgl_importance.hot_set.plan.request_state import TrackedRequest
 from sgl_importance.hot_set.record import LongRequest
-from sgl_importance.hot_set.request_state import TrackedRequest
 
 logger = logging.getLogger(__name__)
 

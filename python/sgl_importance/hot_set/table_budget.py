@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sgl_importance.hot_set.key_codes import code_rows_per_page
-from sgl_importance.hot_set.key_ranges import range_bytes_per_page
+from sgl_importance.hot_set.guard.key_codes import code_rows_per_page
+from sgl_importance.hot_set.guard.key_ranges import range_bytes_per_page
 from sgl_importance.importance.page_importance import TABLE_BYTES_PER_PAGE
 
 

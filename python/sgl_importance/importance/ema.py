@@ -1,7 +1,7 @@
 """The one moving average of persistent importance, torch-free.
 
 Shared by the radix nodes (``importance/aggregator.py``), the per-request hot set
-(``hot_set/selection.py``) and the simulator's replay of the shipped policy
+(``hot_set/plan/selection.py``) and the simulator's replay of the shipped policy
 (``sim/shipped.py``), so a replay folds exactly as the server does. Plain Python:
 it works on floats, numpy arrays and tensors alike.
 """

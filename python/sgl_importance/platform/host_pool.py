@@ -84,7 +84,7 @@ class TorchMHAHostPool(MHATokenToKVPoolHost):
         layout = args[4] if len(args) > 4 else kwargs.get("layout")
         check_hicache_support(layout, None)
         super().__init__(*args, **kwargs)
-        # A checker of who holds each slot (``hot_set/host_ledger.py``), set by the hot set
+        # A checker of who holds each slot (``hot_set/pages/host_ledger.py``), set by the hot set
         # when the check is on: it sees every alloc and free, whoever calls.
         self.ledger: Any = None
 

@@ -12,7 +12,7 @@ generation was admitted as if it kept all its KV (11 of 20 at equal memory,
 charges such a request its growth up to its peak footprint instead
 (``hot_set/footprint.footprint``: the prompt or the threshold held densely, then the hot set,
 sinks, window, the page being filled, and the KV pages borrowed for its key ranges and codes:
-``hot_set/rows.py``), times SGLang's ratio, never more than SGLang's own charge. The prompt
+``hot_set/pages/rows.py``), times SGLang's ratio, never more than SGLang's own charge. The prompt
 (the extend) is charged as SGLang charges it, so a prefill never overruns, and only the future
 growth is discounted; where long prompts stream (``--hot-set-prefill stream``:
 ``streamed_prefill.py``) a prompt never held whole is charged its peak instead, its last chunk
@@ -41,9 +41,9 @@ import functools
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
-from sgl_importance.hot_set.footprint import Footprint, footprint
+from sgl_importance.hot_set.pages.footprint import Footprint, footprint
 from sgl_importance.hot_set.params import HotSetParams
-from sgl_importance.hot_set.request_state import kept_share, ranges_refused
+from sgl_importance.hot_set.plan.request_state import kept_share, ranges_refused
 from sgl_importance.hot_set.residency import Residency
 from sgl_importance.runtime import Runtime
 from sgl_importance.sglang_types.scheduler import PrefillAdmission, Req, Scheduler

@@ -68,13 +68,13 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from sgl_importance.config import ImportanceConfig
-from sgl_importance.hot_set.page_copies import PageCopies
-from sgl_importance.hot_set.pages import RequestPages
+from sgl_importance.hot_set.pages.copies import PageCopies
+from sgl_importance.hot_set.pages.prefix_hold import PrefixHold
+from sgl_importance.hot_set.pages.rows import BorrowedPages
+from sgl_importance.hot_set.pages.state import RequestPages
 from sgl_importance.hot_set.params import HotSetParams
-from sgl_importance.hot_set.prefix_hold import PrefixHold
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import Residency, subtract_pages
-from sgl_importance.hot_set.rows import BorrowedPages
 from sgl_importance.runtime import BackendHotSet
 from sgl_importance.scheduler.hot_set_requests import forget_request
 from sgl_importance.scheduler.hot_set_rows import lent_for

@@ -1,7 +1,7 @@
 """Scheduler hooks of the hot set's borrowed rows: pages lent before a batch, given back after.
 
 A tracked request's key ranges and codes live in KV pages borrowed from SGLang's
-allocator (``hot_set/rows.py``). The decoder writes them at the end of the step that
+allocator (``hot_set/pages/rows.py``). The decoder writes them at the end of the step that
 filled a page, inside the forward, where nothing may allocate; so before each batch runs
 (``Scheduler.run_batch``) the stock is filled with the pages that batch's requests may
 need for rows they do not hold yet, and after it (and after a request leaves) what the
@@ -22,7 +22,7 @@ from sgl_importance.sglang_types.tree import TreeCache
 
 if TYPE_CHECKING:
     from sgl_importance.hot_set.decode import HotSetDecoder
-    from sgl_importance.hot_set.rows import BorrowedPages
+    from sgl_importance.hot_set.pages.rows import BorrowedPages
 
 
 def pages_for_batch(runtime: Runtime, batch: Optional[ScheduleBatch]) -> int:

@@ -27,7 +27,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from sgl_importance.hot_set.footprint import footprint
+from sgl_importance.hot_set.pages.footprint import footprint
 from sgl_importance.runtime import Runtime
 from sgl_importance.sglang_types.scheduler import Req, Scheduler
 

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from sgl_importance.hot_set.host_ledger import ledger_from_env
+from sgl_importance.hot_set.pages.host_ledger import ledger_from_env
 from sgl_importance.sglang_types.tree import TreeCache
 
 logger = logging.getLogger(__name__)

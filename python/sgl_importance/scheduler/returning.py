@@ -37,9 +37,9 @@ from typing import Callable, Optional
 
 import torch
 
-from sgl_importance.hot_set.footprint import streams
-from sgl_importance.hot_set.pages import RELEASED_SLOT
-from sgl_importance.hot_set.prefix_hold import HistoryLoan
+from sgl_importance.hot_set.pages.footprint import streams
+from sgl_importance.hot_set.pages.prefix_hold import HistoryLoan
+from sgl_importance.hot_set.pages.state import RELEASED_SLOT
 from sgl_importance.hot_set.residency import Residency
 from sgl_importance.runtime import Runtime
 from sgl_importance.sglang_types.scheduler import Req, ScheduleBatch
@@ -106,7 +106,7 @@ def prefix_with_history(
 
 def lend_history(runtime: Runtime, batch: ScheduleBatch) -> None:
     """After ``ScheduleBatch.prepare_for_extend``: a borrowing turn's record, its history lent."""
-    from sgl_importance.hot_set.prefix_hold import PrefixHold
+    from sgl_importance.hot_set.pages.prefix_hold import PrefixHold
 
     residency = runtime.residency
     for req in batch.reqs:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from sgl_importance.hot_set.pages import RequestPages
+from sgl_importance.hot_set.pages.state import RequestPages
 from sgl_importance.hot_set.prefill import summarise_prefill
 from sgl_importance.hot_set.residency import Residency
 

@@ -36,7 +36,7 @@ Where the state lives:
   attended page of the event is folded (the server folds every node a running
   request attends); pages at positions below ``sink_pages`` are pinned; importance
   survives eviction (a demoted page keeps its host copy and its EMA). The server's
-  per-request hot set is chosen by ``hot_set/selection.py``, not by this priority:
+  per-request hot set is chosen by ``hot_set/plan/selection.py``, not by this priority:
   hot-regime rows of ``shipped`` say what the radix formula would do on pages.
 """
 

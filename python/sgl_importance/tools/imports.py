@@ -111,6 +111,29 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
+def upward_imports(graph: dict[str, set[str]], package: str, parts: list[str], shared: set[str]) -> list[str]:
+    """Imports in ``package`` that break its layering: a module of a part (a subpackage,
+    ``parts`` lower first) may import modules of its own part, of a lower one, and the
+    ``shared`` modules of ``package`` (leaves); none above it nor the package's others."""
+    rank = {f"{package}.{part}": i for i, part in enumerate(parts)}
+
+    def part_of(module: str) -> str | None:
+        return next((p for p in rank if module == p or module.startswith(p + ".")), None)
+
+    found = []
+    for name in sorted(graph):
+        own = part_of(name)
+        if own is None:
+            continue
+        for target in sorted(graph[name]):
+            if not target.startswith(package + ".") or target in shared:
+                continue
+            other = part_of(target)
+            if other is None or rank[other] > rank[own]:
+                found.append(f"{name} -> {target}")
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sgl_importance.tools.imports", description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="print the circles; exit 1 if there is one")

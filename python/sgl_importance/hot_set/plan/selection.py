@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from sgl_importance.choices import HOT_SET_POLICIES as POLICIES
 from sgl_importance.choices import REDUCTIONS
-from sgl_importance.hot_set.pages import ReleaseCounts
+from sgl_importance.hot_set.pages.state import ReleaseCounts
 from sgl_importance.hot_set.params import HotSetParams
 from sgl_importance.importance.ema import ema_fold
 

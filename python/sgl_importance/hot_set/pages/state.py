@@ -18,7 +18,7 @@ from typing import NewType, Optional
 
 import torch
 
-from sgl_importance.hot_set.prefix_hold import PrefixHold
+from sgl_importance.hot_set.pages.prefix_hold import PrefixHold
 
 LogicalPage = NewType("LogicalPage", int)  # a request's page: token positions [p * page_size, (p + 1) * page_size)
 DevicePage = NewType("DevicePage", int)  # a page of SGLang's KV pool: slot // page_size

@@ -1,7 +1,7 @@
 """The guard inside a captured hot-set step: issue 46's selection over lists of fixed shape.
 
 A guarded layer (``decode.HotSetDecoder._guard_layer``) already runs on ``[n, P]`` lists
-with no host read (``guard.guard_layer``); what a graph cannot take is that ``n`` (the
+with no host read (``guard.layer.guard_layer``); what a graph cannot take is that ``n`` (the
 guarded requests), ``P`` (their rest pages) and ``S`` (their samples) change every step.
 ``GraphGuard`` holds the lists at the step's capacity instead: every batch row is a row
 (one with no rest lists nothing), ``P`` is the longest context's pages and ``S`` a fixed
@@ -20,7 +20,7 @@ the sampled pages' own parts from the pool (``masked_page_parts``), the selectio
 (``guard_select_triton``, three), the masked read and its split merge (two), the read part
 merged into part 1 and the sampled estimate with its masks inside (``combine_rest_triton``,
 two), and the end of the layer, its output into SGLang's buffer, its importance rescaled and its
-tally row, in one (``guard_finish_triton``). Elsewhere, torch (``guard.guard_layer`` and
+tally row, in one (``guard_finish_triton``). Elsewhere, torch (``guard.layer.guard_layer`` and
 ``keep_in_tally``: the reference the kernels are tested against).
 
 Refused (the batch runs eagerly, counted): a guarded request's first step (its dense
@@ -37,20 +37,20 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from sgl_importance.hot_set.estimate import (
+from sgl_importance.hot_set.guard.estimate import (
     OutsidePlan,
     Sampled,
     estimate_outside,
     estimate_outside_ranged,
     sampled_pages,
 )
-from sgl_importance.hot_set.guard import GuardOutcome, guard_layer, read_rest
-from sgl_importance.hot_set.key_codes import GuardPool
-from sgl_importance.hot_set.key_ranges import KeyRanges
-from sgl_importance.hot_set.page_lists import plan_outside
-from sgl_importance.hot_set.request_state import LiveRequest, released_among
-from sgl_importance.hot_set.sample import FRACTION, MIN_PAGES
-from sgl_importance.hot_set.step_tally import kv_group_share
+from sgl_importance.hot_set.guard.key_codes import GuardPool
+from sgl_importance.hot_set.guard.key_ranges import KeyRanges
+from sgl_importance.hot_set.guard.layer import GuardOutcome, guard_layer, read_rest
+from sgl_importance.hot_set.plan.page_lists import plan_outside
+from sgl_importance.hot_set.plan.request_state import LiveRequest, released_among
+from sgl_importance.hot_set.plan.sample import FRACTION, MIN_PAGES
+from sgl_importance.hot_set.plan.step_tally import kv_group_share
 from sgl_kernel_ext import (
     HAS_TRITON,
     DecodeImportanceOutput,
@@ -78,7 +78,7 @@ def sample_capacity(pages: int) -> int:
 
 
 class GraphGuard:
-    """The guard's fixed-shape lists and tally for a ``graph_step.GraphStep`` (see the module docstring)."""
+    """The guard's fixed-shape lists and tally for a ``graph.step.GraphStep`` (see the module docstring)."""
 
     def __init__(
         self,

@@ -25,10 +25,10 @@ from typing import NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
-from sgl_importance.hot_set.estimate import OutsidePlan, on_device
-from sgl_importance.hot_set.key_ranges import KeyRanges, key_bound
-from sgl_importance.hot_set.request_state import LiveRequest, page_slots, released_among
-from sgl_importance.hot_set.selection import quest_layer_pages
+from sgl_importance.hot_set.guard.estimate import OutsidePlan, on_device
+from sgl_importance.hot_set.guard.key_ranges import KeyRanges, key_bound
+from sgl_importance.hot_set.plan.request_state import LiveRequest, page_slots, released_among
+from sgl_importance.hot_set.plan.selection import quest_layer_pages
 from sgl_kernel_ext import DecodeImportanceOutput, PagedDecodePlan, plan_paged_decode
 
 

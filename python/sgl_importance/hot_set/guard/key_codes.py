@@ -33,7 +33,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from sgl_importance.hot_set.rows import LocalPages, PageSource, RowStore
+from sgl_importance.hot_set.pages.rows import LocalPages, PageSource, RowStore
 
 LEVELS = 15  # 4-bit codes
 # Float32 recomputes min + code * step with a few units of rounding; the logit error

@@ -30,7 +30,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
-from sgl_importance.hot_set.pages import page_offsets
+from sgl_importance.hot_set.pages.state import page_offsets
 
 
 class PageSource(Protocol):

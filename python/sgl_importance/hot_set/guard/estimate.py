@@ -7,7 +7,7 @@ of the request (its *rest*) is accounted for in the same softmax:
   (``key_codes.py``) give every token an estimated logit ``m_t`` and
   ``|l_t - m_t| <= e_p``; so a page's mass is within ``exp(+-e_p)`` of
   ``x_p = sum_t exp(m_t)``. The estimated masses choose which rest pages a layer reads
-  (top-p, ``guard.wanted_pages``); the upper masses give a deterministic bound on
+  (top-p, ``guard.layer.wanted_pages``); the upper masses give a deterministic bound on
   leaving the unread rest out (``negligible_rest``).
 - **A sampled estimate** (``sampled_pages``, ``combine``): the rest pages in the
   request's uniform sample (``sample.py``, inclusion probability ``pi``; they are
@@ -46,7 +46,7 @@ from typing import Optional
 
 import torch
 
-from sgl_importance.hot_set.key_codes import ROUNDING_MARGIN, GuardPool, steps
+from sgl_importance.hot_set.guard.key_codes import ROUNDING_MARGIN, GuardPool, steps
 from sgl_kernel_ext import HAS_TRITON, key_code_pages, page_parts, t_quantile
 
 if HAS_TRITON:

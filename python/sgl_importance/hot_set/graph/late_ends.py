@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
 if TYPE_CHECKING:
-    from sgl_importance.hot_set.graph_step import Replayed
-    from sgl_importance.hot_set.request_state import LiveRequest
+    from sgl_importance.hot_set.graph.step import Replayed
+    from sgl_importance.hot_set.plan.request_state import LiveRequest
 
 # A replayed step's read back -> its requests, folded (GraphStep.fold).
 Fold = Callable[["Replayed"], list["LiveRequest"]]
@@ -30,7 +30,7 @@ Step = Union[list["LiveRequest"], "Replayed"]
 
 class LateEnds:
     """The one step run and not yet ended: an eager step's folded requests (a list) or a
-    replayed step's read back (``graph_step.Replayed``, folded when it ends)."""
+    replayed step's read back (``graph.step.Replayed``, folded when it ends)."""
 
     def __init__(self) -> None:
         self.pending: Optional[Step] = None

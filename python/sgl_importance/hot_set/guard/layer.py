@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from sgl_importance.hot_set.estimate import (
+from sgl_importance.hot_set.guard.estimate import (
     MIN_SAMPLED,
     T_QUANTILES,
     Combined,

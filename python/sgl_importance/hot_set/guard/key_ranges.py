@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from sgl_importance.hot_set.rows import LocalPages, PageSource, RowStore
+from sgl_importance.hot_set.pages.rows import LocalPages, PageSource, RowStore
 
 
 def range_bytes_per_page(head_dim: int, element_size: int) -> int:

@@ -19,11 +19,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from sgl_importance.hot_set.estimate import OutsidePlan, on_device
-from sgl_importance.hot_set.guard import GuardOutcome, top_p_mask
-from sgl_importance.hot_set.key_ranges import KeyRanges, key_bound
-from sgl_importance.hot_set.page_lists import ExactPlan
-from sgl_importance.hot_set.request_state import LiveRequest, released_among
+from sgl_importance.hot_set.guard.estimate import OutsidePlan, on_device
+from sgl_importance.hot_set.guard.key_ranges import KeyRanges, key_bound
+from sgl_importance.hot_set.guard.layer import GuardOutcome, top_p_mask
+from sgl_importance.hot_set.plan.page_lists import ExactPlan
+from sgl_importance.hot_set.plan.request_state import LiveRequest, released_among
 from sgl_kernel_ext import DecodeImportanceOutput
 
 # The most the step's end gathers and computes at once for one request's bounds: a block of

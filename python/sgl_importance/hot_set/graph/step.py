@@ -12,7 +12,7 @@ once for ``GraphCapacity``: ``rows`` requests of at most ``pages`` pages each.
   (the ``req_to_token`` row, the logical pages it reads, their tokens, the range ids of
   its full pages) and uploaded in one copy (two staging buffers, taken in turn). A batch the buffers
   cannot take is refused, with the reason, and runs eagerly: more rows or a longer list
-  than the capacity, a guarded row where no guard graph was built (``graph_guard.py``
+  than the capacity, a guarded row where no guard graph was built (``graph/guard.py``
   takes them where one was), a planned page with no device page (it would be staged from the host), the ``quest``
   baseline (its lists change per layer).
 - Inside the step (``prologue``, ``attend`` per layer: what a graph records),
@@ -47,10 +47,10 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
-from sgl_importance.hot_set.graph_guard import GraphGuard, GuardReadBack
-from sgl_importance.hot_set.key_codes import GuardPool
-from sgl_importance.hot_set.key_ranges import KeyRanges
-from sgl_importance.hot_set.request_state import LiveRequest, released_among
+from sgl_importance.hot_set.graph.guard import GraphGuard, GuardReadBack
+from sgl_importance.hot_set.guard.key_codes import GuardPool
+from sgl_importance.hot_set.guard.key_ranges import KeyRanges
+from sgl_importance.hot_set.plan.request_state import LiveRequest, released_among
 from sgl_kernel_ext import DecodeImportanceOutput, PagedDecodePlan, PagedDecodeWorkspace, decode_importance_paged
 from sgl_kernel_ext.page_list import PageListSlots, TritonPageListDecode, page_list_slots
 from sgl_kernel_ext.page_tally import BOUND, MAX, SUM, tally_pages

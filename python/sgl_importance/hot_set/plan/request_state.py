@@ -20,10 +20,10 @@ from typing import Mapping, NamedTuple, Optional
 
 import torch
 
-from sgl_importance.hot_set.pages import RequestMoves, RequestPages, page_offsets
+from sgl_importance.hot_set.pages.state import RequestMoves, RequestPages, page_offsets
 from sgl_importance.hot_set.params import HotSetParams
-from sgl_importance.hot_set.sample import PageDraw
-from sgl_importance.hot_set.selection import HotSetCounts, RequestHotSet
+from sgl_importance.hot_set.plan.sample import PageDraw
+from sgl_importance.hot_set.plan.selection import HotSetCounts, RequestHotSet
 
 
 def _no_ids() -> torch.Tensor:
