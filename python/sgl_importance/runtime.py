@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from sgl_importance.hot_set.decode import HotSetDecoder
     from sgl_importance.hot_set.graph.step import GraphStep
     from sgl_importance.hot_set.pages.rows import BorrowedPages
-    from sgl_importance.hot_set.pages.state import StepMoves
+    from sgl_importance.hot_set.pages.state import PageMoves
     from sgl_importance.metrics import HotSetMetrics
     from sgl_importance.sglang_types.scheduler import Scheduler
     from sgl_importance.sglang_types.server import ServerArgs
@@ -75,7 +75,7 @@ class BackendHotSet(Protocol):
     metrics: Optional[HotSetMetrics]  # None: --enable-metrics off
     graph: Optional[GraphStep]  # the captured hot-set step (--hot-set-graph-rows)
 
-    def end_batch(self) -> Optional[StepMoves]: ...  # after a batch's forward: the page moves it wants
+    def end_batch(self) -> Optional[PageMoves]: ...  # after a batch's forward: the page moves it wants
 
     def after_step(self) -> None: ...  # the gauges of what the rows and running requests hold
 

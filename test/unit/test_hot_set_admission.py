@@ -11,7 +11,7 @@ import torch
 
 from sgl_importance.hot_set import HotSetParams
 from sgl_importance.hot_set.pages.footprint import footprint
-from sgl_importance.hot_set.pages.state import PageState
+from sgl_importance.hot_set.pages.state import MoveReason, PageMoves, PageState, RequestMoves
 from sgl_importance.hot_set.residency import Residency
 from sgl_importance.scheduler.admission import FootprintBook
 
@@ -225,13 +225,13 @@ class _Copies:
 class _Decoder:
     """``HotSetDecoder.shrink`` as the decode check sees it: ``grown`` requests' pages to release."""
 
-    def __init__(self, grown: list) -> None:
+    def __init__(self, grown: list[RequestMoves]) -> None:
         self.grown, self.shrunk = grown, 0
 
-    def shrink(self) -> list:
+    def shrink(self) -> PageMoves:
         self.shrunk += 1
         grown, self.grown = self.grown, []
-        return grown
+        return PageMoves(grown, MoveReason.SHRINK)
 
 
 def _runtime(r: Residency, grown: list | None = None) -> SimpleNamespace:
@@ -265,15 +265,16 @@ def test_a_decode_check_short_of_room_waits_for_release_copies_before_sglang_ret
 def test_a_decode_check_still_short_puts_grown_hot_sets_back_to_their_budget_before_sglang_retracts():
     from sgl_importance.scheduler.decode_room import fits_after_releases
 
-    r = _residency()
+    r = _residency({"a": [int(PageState.RESIDENT)] * 5, "b": [int(PageState.RESIDENT)] * 8})
     released = []
     r.copies = _Copies(0)
-    r.release = lambda wanted: released.extend(wanted)  # the owner's release, seen from here
-    grown = [("pages-a", torch.tensor([3, 4])), ("pages-b", torch.tensor([7]))]
+    r._release = lambda wanted: released.extend((p.owner, t.tolist()) for p, t in wanted)  # the owner's, seen here
+    grown = [RequestMoves("a", release=torch.tensor([3, 4])), RequestMoves("b", release=torch.tensor([7]))]
     runtime = _runtime(r, grown)
     room = lambda batch: len(released) == 2  # noqa: E731  (SGLang's check: fits once both released)
     assert fits_after_releases(runtime, room, "batch")
-    assert released == grown and r.counts.hot_sets_shrunk == 2 and r.copies.waited  # the frees run before the check
+    assert released == [("a", [3, 4]), ("b", [7])]
+    assert r.counts.hot_sets_shrunk == 2 and r.copies.waited  # counted by the owner; the frees run before the check
     # Short with nothing grown: SGLang retracts (the check's False is returned as is).
     assert not fits_after_releases(_runtime(r), lambda batch: False, "batch")
     assert r.counts.hot_sets_shrunk == 2

@@ -57,6 +57,7 @@ from sglang.srt.runtime_context import get_context
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sgl_importance import runtime
 from sgl_importance.config import ImportanceConfig
+from sgl_importance.hot_set.pages.state import PageMoves, RequestMoves
 from sgl_importance.scheduler import hot_set_release
 
 P, LAYERS, DEVICE_TOKENS = 4, 2, 40
@@ -151,7 +152,7 @@ class World:
         hot_set_release.admit_grown(self.releases, self.batch)
         self.pages = self.releases.peek("R")
         if unplanned:
-            self.releases.release([(self.pages, torch.tensor(unplanned))])
+            self.releases.apply(PageMoves([RequestMoves("R", release=torch.tensor(unplanned))]))
 
     def lend(self, drop_device_lock=True):
         self.prefill()
@@ -238,7 +239,7 @@ def abort(drop_device_lock):
             world.fill_device()
         else:
             # A promotion of a lent page: a device copy of R's own, from the borrowed host copy.
-            world.releases.promote([(world.pages, torch.tensor([0]))])
+            world.releases.apply(PageMoves([RequestMoves("R", promote=torch.tensor([0]))]))
             assert 0 not in world.pages.released_pages().tolist()
         world.leave(FINISH_ABORT(), checkpoint=False, out=out)
         out["prefix_host_kv_intact"] = world.prefix_host_kv_intact()

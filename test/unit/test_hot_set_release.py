@@ -24,6 +24,7 @@ from sgl_importance.scheduler.hot_set_release import (
     release_with_pages,
 )
 from support.array_pools import ArrayPools
+from support.moves import promote, release
 
 PAGE = 4
 KV_HEADS, GROUP, DIM = 2, 2, 8
@@ -81,7 +82,7 @@ def test_a_released_page_comes_back_with_the_same_kv_in_another_device_page():
     row, slots = filled_request(tiers, 5)
     before_k, before_v = tiers.k[:, slots].clone(), tiers.v[:, slots].clone()
     pages, counts = residency.admit("r", row, first_owned_page=1, page_size=PAGE), residency.counts
-    residency.release([(pages, torch.tensor([0, 2, 3]))])
+    release(residency, [(pages, torch.tensor([0, 2, 3]))])
     # Page 0 belongs to the tree (before first_owned_page): it stays.
     assert pages.released_pages().tolist() == [2, 3]
     assert (row[2 * PAGE : 4 * PAGE] == RELEASED_SLOT).all()
@@ -90,12 +91,12 @@ def test_a_released_page_comes_back_with_the_same_kv_in_another_device_page():
     other = tiers.alloc_device(5)
     tiers.k[:, other] = -1.0
     tiers.free_device(other[: 3 * PAGE])  # it keeps two pages
-    residency.promote([(pages, torch.tensor([2, 3]))])
+    promote(residency, [(pages, torch.tensor([2, 3]))])
     assert pages.released_pages().numel() == 0 and counts.pages_copied_in == 2 and counts.copies_in == 1
     now = row[: 5 * PAGE].to(torch.int64)
     assert torch.equal(tiers.k[:, now], before_k) and torch.equal(tiers.v[:, now], before_v)
     # Released again, a page is not copied out twice: the host copy stands.
-    residency.release([(pages, torch.tensor([2]))])
+    release(residency, [(pages, torch.tensor([2]))])
     assert counts.pages_copied_out == 2 and counts.pages_released == 3
     free_before = len(tiers.free_host_pages)
     residency.forget("r")
@@ -109,8 +110,8 @@ def test_one_copy_each_way_moves_every_requests_pages_of_a_step():
     for rid in ("a", "b", "c"):
         row, _ = filled_request(tiers, 4)
         records.append(residency.admit(rid, row, first_owned_page=0, page_size=PAGE))
-    residency.release([(pages, torch.tensor([1, 2])) for pages in records])
-    residency.promote([(pages, torch.tensor([2])) for pages in records])
+    release(residency, [(pages, torch.tensor([1, 2])) for pages in records])
+    promote(residency, [(pages, torch.tensor([2])) for pages in records])
     counts = residency.counts
     assert (counts.pages_copied_out, counts.copies_out) == (6, 1)
     assert (counts.pages_copied_in, counts.copies_in) == (3, 1)
@@ -121,11 +122,11 @@ def test_no_free_page_is_counted_and_nothing_moves():
     residency = residency_over(tiers)
     row, _ = filled_request(tiers, 4)
     pages, counts = residency.admit("r", row, first_owned_page=0, page_size=PAGE), residency.counts
-    residency.release([(pages, torch.tensor([1, 2]))])  # two pages, one host page
+    release(residency, [(pages, torch.tensor([1, 2]))])  # two pages, one host page
     assert counts.releases_refused == 2 and pages.released_pages().numel() == 0
-    residency.release([(pages, torch.tensor([1]))])
+    release(residency, [(pages, torch.tensor([1]))])
     tiers.alloc_device(len(tiers.free_device_pages))  # the device fills up
-    residency.promote([(pages, torch.tensor([1]))])
+    promote(residency, [(pages, torch.tensor([1]))])
     assert pages.released_pages().tolist() == [1] and counts.promotions_refused == 1
     assert (row[PAGE : 2 * PAGE] == RELEASED_SLOT).all()
 
@@ -152,7 +153,7 @@ def test_a_lent_prefix_reads_the_tree_copies_and_frees_only_the_requests_own_pag
     assert counts.prefix_pages_lent == 3 and pages.first_owned_page == 0
     assert (pages.state[:3] == PageState.LENT).all()
     free_device, free_host = len(tiers.free_device_pages), len(tiers.free_host_pages)
-    residency.release([(pages, torch.tensor([0, 2, 3]))])
+    release(residency, [(pages, torch.tensor([0, 2, 3]))])
     # The tree's pages 0 and 2 stop being read from the device, but their device pages are
     # the tree's: only page 3, the request's own, goes back (copied out once).
     assert len(tiers.free_device_pages) == free_device + 1 and len(tiers.free_host_pages) == free_host - 1
@@ -162,7 +163,7 @@ def test_a_lent_prefix_reads_the_tree_copies_and_frees_only_the_requests_own_pag
     assert residency.own_tree_pages(pages) and not (pages.state == PageState.LENT).any()
     assert counts.prefix_pages_owned == 1
     assert not set(row[PAGE : 2 * PAGE].tolist()) & set(tree_device.tolist())
-    residency.promote([(pages, torch.tensor([0, 2, 3]))])
+    promote(residency, [(pages, torch.tensor([0, 2, 3]))])
     now = row[: 5 * PAGE].to(torch.int64)
     assert not set(now.tolist()) & set(tree_device.tolist())
     assert torch.equal(tiers.k[:, now], truth_k) and torch.equal(tiers.v[:, now], truth_v)
@@ -349,7 +350,7 @@ def test_a_guarded_hot_set_grows_by_what_its_selection_missed_and_goes_back_to_i
     assert max(held[2:]) > held[1] and placed.decoder.totals.pages_copied_in > 0
     assert sum(misses[2:]) < misses[1]
     # A decode check short of room puts it back to its budget and releases the rest, for good.
-    residency.release(placed.decoder.shrink())
+    residency.apply(placed.decoder.shrink())
     residency.copies.collect(wait=True)
     back = on_device()
     assert back < held[-1] and tracked["r"].kept is None and not tracked["r"].grows
@@ -358,7 +359,7 @@ def test_a_guarded_hot_set_grows_by_what_its_selection_missed_and_goes_back_to_i
         placed.place(req)
         placed.step(torch.randn(LAYERS, 1, KV_HEADS * GROUP, DIM, generator=g))
         assert tracked["r"].kept is None and on_device() <= back + 1
-    assert placed.decoder.shrink() == []  # nothing grown: nothing to give back
+    assert placed.decoder.shrink().requests == []  # nothing grown: nothing to give back
 
 
 def test_a_hot_set_grows_by_flagged_misses_holds_while_flagged_and_gives_back_a_tenth_once_certified():
@@ -390,7 +391,7 @@ def test_only_what_a_flagged_layer_missed_counts_as_missed():
     residency = residency_over(tiers)
     row, _ = filled_request(tiers, 5)
     pages = residency.admit("r", row, first_owned_page=0, page_size=PAGE)
-    residency.release([(pages, torch.tensor([2, 3]))])
+    release(residency, [(pages, torch.tensor([2, 3]))])
     tracked = TrackedRequest(RequestHotSet(HotSetParams(policy="importance", budget=0.2)))
     live = LiveRequest(row[: 5 * PAGE], tracked, pages=pages, guarded=torch.zeros(5, dtype=torch.bool))
     live.outside_mass = torch.zeros(5, dtype=torch.float64)
@@ -405,7 +406,7 @@ def test_only_what_a_flagged_layer_missed_counts_as_missed():
     assert live.guarded.tolist() == [False, True, True, True, False]
     # A layer whose bound held did without page 3: the hot set grows by page 2 alone.
     assert live.missed() == 1
-    residency.promote([(pages, torch.tensor([2]))])
+    promote(residency, [(pages, torch.tensor([2]))])
     assert live.missed() == 0  # back on the device
 
 

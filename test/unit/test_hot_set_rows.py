@@ -18,7 +18,7 @@ from sgl_importance.hot_set.decode import StepResult
 from sgl_importance.hot_set.guard.key_codes import GuardPool, code_rows_per_page
 from sgl_importance.hot_set.guard.key_ranges import KeyRanges
 from sgl_importance.hot_set.pages.rows import BorrowedPages, LocalPages, RowStore
-from sgl_importance.hot_set.pages.state import StepMoves, page_offsets
+from sgl_importance.hot_set.pages.state import PageMoves, page_offsets
 from sgl_importance.hot_set.plan.selection import HotSetCounts
 from sgl_importance.hot_set.residency import Residency
 from sgl_importance.hot_set.table_budget import KVShape, describe, plan_table
@@ -281,7 +281,7 @@ def test_the_gauges_show_rows_in_use_the_pages_borrowed_for_them_and_what_reques
         held_bytes=1234,
         tracked={"a": None},
         fold_step=lambda: [None],  # the step's requests (what end_step, faked too, takes)
-        end_step=lambda live, ahead: StepResult(HotSetCounts(), StepMoves()),
+        end_step=lambda live, ahead: StepResult(HotSetCounts(), PageMoves()),
         totals=HotSetCounts(),
     )
     hot_set = hot_set_attention.HotSetAttention(decoder, page_importance=None, metrics=metrics)

@@ -49,7 +49,7 @@ from sgl_importance.attention.step_phase import StepPhase, advance
 from sgl_importance.hot_set.decode import StepResult
 from sgl_importance.hot_set.graph.late_ends import LateEnds
 from sgl_importance.hot_set.guard.estimate import on_device
-from sgl_importance.hot_set.pages.state import StepMoves
+from sgl_importance.hot_set.pages.state import PageMoves
 from sgl_importance.hot_set.plan.selection import HotSetCounts
 from sgl_importance.hot_set.table_budget import KVShape, describe, plan_table
 from sgl_importance.importance.page_importance import PageImportanceTable
@@ -259,7 +259,7 @@ class HotSetAttention:
         )
         self.page_importance.add_layer(result.importance, *self.graph.slot_lists())
 
-    def end_batch(self) -> Optional[StepMoves]:
+    def end_batch(self) -> Optional[PageMoves]:
         """After a batch's forward (the scheduler's ``Scheduler.run_batch`` hook, never the
         forward): end the step it ran, eager or replayed (with ``--hot-set-plan-ahead`` the
         step before it), or, after a dense replay, the late step whose requests left. Returns

@@ -27,7 +27,7 @@ prefills, ``prefill.py``, which also seeds a first step from the prefill).
 A backend drives it: ``begin_step`` per decode batch, ``attend`` per layer, ``end_step``
 after the last (or ``plan_step``, a ``graph.step.GraphStep``'s layers, then ``end_step``),
 which plans the *next* step (or the one after, a step late) and returns, as data
-(``residency.StepMoves``), the pages that plan leaves out and the released ones it keeps,
+(``residency.PageMoves``), the pages that plan leaves out and the released ones it keeps,
 moved by the residency owner between steps. A planned page with no device page is read from
 its host copy (staged before the layers), counted. Exact pages get exact masses; rest pages
 masses estimated from their key codes (guard off: their key bound), ranking them for
@@ -49,7 +49,7 @@ from sgl_importance.hot_set.guard.key_ranges import KeyRanges
 from sgl_importance.hot_set.guard.layer import GuardOutcome, guard_layer
 from sgl_importance.hot_set.guard_reads import exact_reader, host_pages, pages_of
 from sgl_importance.hot_set.pages.footprint import PageBytes, held_bytes
-from sgl_importance.hot_set.pages.state import RequestPages, StepMoves
+from sgl_importance.hot_set.pages.state import MoveReason, PageMoves, RequestMoves
 from sgl_importance.hot_set.params import HotSetParams
 from sgl_importance.hot_set.plan.page_lists import (
     ExactAttention,
@@ -294,20 +294,19 @@ class HotSetDecoder:
         members = tracked.draw.members(coded, pi) & ~fixed[:coded]
         return StepPlan(torch.nonzero(fixed).flatten(), torch.nonzero(members).flatten(), kept), counts
 
-    def shrink(self) -> list[tuple[RequestPages, torch.Tensor]]:
+    def shrink(self) -> PageMoves:
         """Every hot set the guard grew (``TrackedRequest.kept``) back to its budget for good, its
         next step planned again: per such request, the full pages that plan leaves out (for the
         residency owner to release now: SGLang is about to retract for want of room)."""
-        wanted = []
+        moves = PageMoves(reason=MoveReason.SHRINK)
         for rid, tracked in self.tracked.items():
-            pages = self.residency.peek(rid)
-            if tracked.kept is None or pages is None or tracked.next_plan is None:
+            if tracked.kept is None or not self.residency.admitted(rid) or tracked.next_plan is None:
                 continue
             tracked.kept, tracked.grows, num_pages = None, False, tracked.next_plan[0]
             plan, counts = self._plan_pages(tracked, num_pages)
             tracked.next_plan = (num_pages, plan, counts)
-            wanted.append((pages, plan_moves(rid, plan, num_pages, num_pages - 1).release))
-        return wanted
+            moves.requests.append(RequestMoves(rid, release=plan_moves(rid, plan, num_pages, num_pages - 1).release))
+        return moves
 
     # -- one layer -----------------------------------------------------------------
 
@@ -441,7 +440,7 @@ class HotSetDecoder:
         eager step just run."""
         step_live = self.fold_step() if step_live is None else step_live
         aheads = [ahead] * len(step_live) if isinstance(ahead, int) else list(ahead)
-        step, moves = HotSetCounts(), StepMoves()
+        step, moves = HotSetCounts(), PageMoves()
         held, page = 0, self._page_bytes()
         ps = self.page_size
         current = {id(tracked) for tracked in self.tracked.values()}
@@ -494,7 +493,7 @@ class StepResult(NamedTuple):
     """What a step hands back: its counts and the page moves the next step wants."""
 
     counts: HotSetCounts
-    moves: StepMoves
+    moves: PageMoves
 
 
 _NONE = torch.zeros(0, dtype=torch.int64)

@@ -9,8 +9,9 @@ logical page), what the selection tracks, its prefill seed, its history loan.
 
 ``Residency`` is the only code that moves a page (frees or allocates a device or host page,
 copies, rewrites a ``req_to_token`` row): the scheduler's hooks call it between steps
-(``scheduler/hot_set_release.py``), and the decoder only reads the records and returns what
-it wants moved as data (``StepMoves``).
+(``scheduler/hot_set_release.py``). Whoever wants pages released or promoted (a decode
+step's plan, a streamed prefill's chunk, a shrink, a leaving request) hands the owner a
+``PageMoves`` naming its reason (``apply``): the decoder only reads the records.
 
 A step's releases are one device→host copy for the whole batch and its promotions one
 host→device copy, both on a side stream on CUDA (``PageCopies``; in line on the CPU); a
@@ -30,10 +31,11 @@ from sgl_importance.hot_set.pages.copies import PageCopies
 from sgl_importance.hot_set.pages.state import (
     NO_HOST_PAGE,
     RELEASED_SLOT,
+    MoveReason,
+    PageMoves,
     ReleaseCounts,
     RequestPages,
     S,
-    StepMoves,
 )
 from sgl_importance.hot_set.plan.request_state import TrackedRequest
 from sgl_importance.hot_set.record import LongRequest
@@ -97,8 +99,8 @@ class Residency:
     """The records of the long requests in this process, and every page move.
 
     The runtime owns one; the scheduler's hooks (``scheduler/hot_set_release.py``) call its
-    moves between steps, the decoder reads and fills the records' selection parts and files
-    ``StepMoves``.
+    moves between steps, the decoder reads and fills the records' selection parts; every
+    release and promotion arrives as ``PageMoves`` (``apply``).
     """
 
     def __init__(self) -> None:
@@ -216,18 +218,23 @@ class Residency:
 
     # -- a step's moves -------------------------------------------------------------------
 
-    def apply(self, moves: Optional[StepMoves]) -> None:
-        """Make the ``StepMoves`` a step ended with (between steps, before the next allocation):
-        every release as one device→host copy, then every promotion as one host→device copy."""
+    def apply(self, moves: Optional[PageMoves]) -> None:
+        """Make ``moves`` (between forwards; a step's before the next allocation): every
+        release as one device→host copy, then every promotion as one host→device copy. A
+        request that left since they were asked for is skipped; counted by their reason."""
         self.copies.collect()
         if moves is None or not self.enabled:
             return
         records = [(self.peek(m.rid), m) for m in moves.requests]
         records = [(pages, m) for pages, m in records if pages is not None]
-        self.release([(pages, m.release) for pages, m in records])
-        self.promote([(pages, m.promote) for pages, m in records])
+        self._release([(pages, m.release) for pages, m in records])
+        self._promote([(pages, m.promote) for pages, m in records])
+        if moves.reason == MoveReason.PREFILL:
+            self.counts.prefill_chunks_released += len(records)
+        elif moves.reason == MoveReason.SHRINK:
+            self.counts.hot_sets_shrunk += len(records)
 
-    def release(self, wanted: list[tuple[RequestPages, torch.Tensor]]) -> None:
+    def _release(self, wanted: list[tuple[RequestPages, torch.Tensor]]) -> None:
         """Give back the device pages of each request's ``pages`` (full pages on the device):
         pages without a host copy are copied out first, all in one copy; a request whose
         host pages cannot be had keeps those on the device (``releases_refused``)."""
@@ -271,7 +278,7 @@ class Residency:
             self.copies.defer_free(lambda: pools.free_device(slots))
             self.reopen = True
 
-    def promote(self, wanted: list[tuple[RequestPages, torch.Tensor]], *, note_refusal: bool = True) -> None:
+    def _promote(self, wanted: list[tuple[RequestPages, torch.Tensor]]) -> None:
         """Bring each request's off-device ``pages`` back into fresh device pages, all in one
         copy; a request that finds no device room leaves them on the host (counted)."""
         pools = self.pools
@@ -284,8 +291,7 @@ class Residency:
                 continue
             slots = pools.alloc_device(logical.numel())
             if slots is None:
-                if note_refusal:
-                    self.counts.promotions_refused += logical.numel()
+                self.counts.promotions_refused += logical.numel()
                 continue
             slots = slots.to(torch.int64)
             host_all.append(pages.host_slots(logical))

@@ -35,10 +35,9 @@ def fits_after_releases(
         if original(batch, *args, **kwargs):
             return True
     decoder = runtime.hot_set_decoder
-    shrunk = decoder.shrink() if decoder is not None and residency.enabled else []
-    if not shrunk:
+    shrunk = decoder.shrink() if decoder is not None and residency.enabled else None
+    if shrunk is None or not shrunk.requests:
         return False
-    residency.release(shrunk)
+    residency.apply(shrunk)
     residency.copies.collect(wait=True)
-    residency.counts.hot_sets_shrunk += len(shrunk)
     return original(batch, *args, **kwargs)

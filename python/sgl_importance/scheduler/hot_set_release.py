@@ -71,7 +71,7 @@ from sgl_importance.config import ImportanceConfig
 from sgl_importance.hot_set.pages.copies import PageCopies
 from sgl_importance.hot_set.pages.prefix_hold import PrefixHold
 from sgl_importance.hot_set.pages.rows import BorrowedPages
-from sgl_importance.hot_set.pages.state import RequestPages
+from sgl_importance.hot_set.pages.state import MoveReason, PageMoves, RequestMoves, RequestPages
 from sgl_importance.hot_set.params import HotSetParams
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import Residency, subtract_pages
@@ -328,7 +328,7 @@ def release_with_pages(
             if inserting:
                 # Promotions evict unlocked tree nodes for room (``HiCachePagePools``); the
                 # insert's write-through reads the pages, so it waits for the copies.
-                residency.promote([(pages, pages.released_pages())])
+                residency.apply(PageMoves([RequestMoves(req.rid, promote=pages.released_pages())], MoveReason.FINISH))
                 residency.copies.fence()
             if not pages.released_pages().numel() and not history:
                 if inserting:

@@ -1,17 +1,17 @@
 """Streamed prefill, the scheduler's side: a long prompt's pages leave the device chunk by chunk.
 
-With ``--hot-set-prefill stream`` (the default, on a backend whose extend reads released
-pages back: ``importance_torch`` and ``importance_triton``) a prompt past
-``--hot-set-threshold`` that SGLang prefills in chunks (``--chunked-prefill-size``) gives its
-full pages to the host pool after each chunk, from the hook that already keeps its chunks out of the tree
-(``hot_set_release.checkpoint_unless_released``), through the residency owner's release
-(one device->host copy; the device pages freed once it is done). Before a page leaves, the
-decoder summarises it (``hot_set/prefill.py``). Later chunks attend the released pages from
-their host copies (``attention/torch_backend.extend_causal_attention``), and so does the
-first decode step, which reads every page; its plan then promotes the hot set. The values
-read are the ones the device held, so the output is dense prefill's, and the device holds
-about one chunk, the sinks and the window while the prompt prefills. ``importance_triton``
-stages each layer's prefixes for SGLang's Triton kernel (``attention/released_prefix.py``).
+With ``--hot-set-prefill stream`` (the default, on a backend whose extend reads released pages back:
+``importance_torch`` and ``importance_triton``) a prompt past ``--hot-set-threshold`` that SGLang
+prefills in chunks (``--chunked-prefill-size``) gives its full pages to the host pool after each
+chunk, from the hook that already keeps its chunks out of the tree
+(``hot_set_release.checkpoint_unless_released``), as moves the residency owner makes (``PageMoves``,
+reason ``PREFILL``: one device->host copy; the device pages freed once it is done). Before a page
+leaves, the decoder summarises it (``hot_set/prefill.py``). Later chunks attend the released pages
+from their host copies (``attention/torch_backend.extend_causal_attention``), and so does the first
+decode step, which reads every page; its plan then promotes the hot set. The values read are the
+ones the device held, so the output is dense prefill's, and the device holds about one chunk, the
+sinks and the window while the prompt prefills. ``importance_triton`` stages each layer's prefixes
+for SGLang's Triton kernel (``attention/released_prefix.py``).
 
 On CUDA this runs on the scheduler's stream while, under the overlap scheduler, the chunk's
 forward may still run on the model runner's: the summary and the copies out wait for that
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from sgl_importance.hot_set.pages.state import RequestPages
+from sgl_importance.hot_set.pages.state import MoveReason, PageMoves, RequestMoves, RequestPages
 from sgl_importance.hot_set.prefill import summarise_prefill
 from sgl_importance.hot_set.residency import Residency
 
@@ -59,5 +59,5 @@ def release_chunk(
     params = decoder.request_params.get(rid, decoder.params)
     first, end = max(pages.first_owned_page, params.sinks), full - params.window
     if end > first:
-        residency.release([(pages, torch.arange(first, end))])
-        residency.counts.prefill_chunks_released += 1
+        moves = [RequestMoves(rid, release=torch.arange(first, end))]
+        residency.apply(PageMoves(moves, MoveReason.PREFILL))

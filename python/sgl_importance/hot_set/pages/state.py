@@ -1,5 +1,5 @@
 """One long request's pages: where each lives, the moves allowed between states, and what
-a step wants moved.
+anyone wants moved (``PageMoves``).
 
 Three id spaces, never mixed (``NewType``s below): a request's ``LogicalPage`` (its i-th
 page), a ``DevicePage`` of SGLang's KV pool (``slot // page_size``; ``PADDING_PAGE`` 0 is
@@ -85,21 +85,36 @@ class ReleaseCounts:
     history_pages_on_host: int = 0  # pages of a returning turn's history read from the host pool, never loaded back
 
 
+class MoveReason(enum.Enum):
+    """Who asks for pages to move: every source's moves are one type, counted by the owner."""
+
+    STEP = "step"  # a decode step's plan for a later step (``HotSetDecoder.end_step``)
+    PREFILL = "prefill"  # a streamed prompt's chunk leaves the device (``scheduler/streamed_prefill.py``)
+    SHRINK = "shrink"  # a hot set the guard grew goes back to its budget (``scheduler/decode_room.py``)
+    FINISH = "finish"  # a leaving request's released pages come back for its tree insert
+
+
+def _no_pages() -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.int64)
+
+
 @dataclass
 class RequestMoves:
-    """What one request's next step wants moved (logical pages, ascending)."""
+    """What one request wants moved (logical pages, ascending)."""
 
     rid: str
-    release: torch.Tensor  # full pages the next plan leaves out: off the device
-    promote: torch.Tensor  # pages the next plan reads that are off the device: back on it
+    release: torch.Tensor = field(default_factory=_no_pages)  # full pages to take off the device
+    promote: torch.Tensor = field(default_factory=_no_pages)  # off-device pages to bring back on it
 
 
 @dataclass
-class StepMoves:
-    """What the decoder's step wants moved, for the residency owner to apply before the
-    next step's allocation (the decoder itself moves nothing)."""
+class PageMoves:
+    """Pages to move, for the residency owner to apply between forwards (``Residency.apply``):
+    a decode step's, a streamed prefill chunk's, a shrink's, a leaving request's. No one but
+    the owner moves a page; the others say what they want as one of these."""
 
     requests: list[RequestMoves] = field(default_factory=list)
+    reason: MoveReason = MoveReason.STEP
 
 
 def page_offsets(pages: torch.Tensor, page_size: int) -> torch.Tensor:  # token positions, page after page
