@@ -50,10 +50,10 @@ static inline __attribute__((always_inline)) const float *page_f32(const void *b
     return tile;
 }
 
-/* `n` token rows of `row` elements, `stride` elements apart from `offset`, as float32 rows
- * side by side: the pool itself where they already are (float32, adjacent), else copied or
- * converted into `tile` (a staging buffer whose tokens lie apart: a host pool's layer view
- * in SGLang's page_first layout, every layer of a token together). */
+/* `n` token rows of `row` elements, `stride` elements apart from `offset` (a staging page
+ * whose tokens lie apart: a host pool's layer view in SGLang's page_first layout, every layer
+ * of a token together), as float32 rows side by side: the pool itself where they already are
+ * (float32, adjacent), else copied or converted into `tile`. */
 static inline __attribute__((always_inline)) const float *rows_f32(const void *base, int dtype, int64_t offset,
                                                                      int64_t n, int64_t row, int64_t stride,
                                                                      float *tile) {
@@ -117,8 +117,9 @@ static inline __attribute__((always_inline)) void run_split_shape(const Args *a,
      * layer, which at a short step costs more than this loop). */
     float q[KV * G * D];
     for (int64_t x = 0; x < KV * G * D; x++) q[x] = a->q[b * a->q_stride + x] * a->sm_scale;
-    /* Pages read through a tile: a pool not in float32, or staging pages whose tokens lie apart. */
-    const int tiled = a->dtype != DT_F32 || (a->k_extra && (a->xk_tok != KV * D || a->xv_tok != KV * DV));
+    /* Pages read through a tile: a pool not in float32 (converted). A float32 page is read where
+     * it lies, staging pages whose tokens lie apart too (a K run and a V row per token). */
+    const int tiled = a->dtype != DT_F32;
     float M[KV * G], L[KV * G], beta[KV * G], acc[KV * G * DV], logit[KV * G * BT];
     float ktile[tiled ? BT * KV * D : 1], vtile[tiled ? BT * KV * DV : 1];
     /* Per run of the block (pages whose K rows follow one another in memory, read as one: a
@@ -150,18 +151,28 @@ static inline __attribute__((always_inline)) void run_split_shape(const Args *a,
                 id -= a->num_pages, kb = a->k_extra, vb = a->v_extra;
                 ko = id * a->xk_page, vo = id * a->xv_page, kt = a->xk_tok, vt = a->xv_tok;
             }
-            const float *kp = rows_f32(kb, a->dtype, ko, n, KV * D, kt, ktile + (tiled ? n_tok * KV * D : 0));
-            const float *vp = rows_f32(vb, a->dtype, vo, n, KV * DV, vt, vtile + (tiled ? n_tok * KV * DV : 0));
-            const int64_t last = n_runs - 1;
-            if (n_runs && kp == rk[last] + rn[last] * KV * D) {
-                rn[last] += n;
+            const float *k0, *v0;
+            if (tiled) { /* converted into the tile: its rows side by side */
+                k0 = rows_f32(kb, a->dtype, ko, n, KV * D, kt, ktile + n_tok * KV * D), kt = KV * D;
+                v0 = rows_f32(vb, a->dtype, vo, n, KV * DV, vt, vtile + n_tok * KV * DV), vt = KV * DV;
             } else {
-                rk[n_runs] = kp, rn[n_runs] = n, rfirst[n_runs] = n_tok, n_runs++;
+                k0 = (const float *)kb + ko, v0 = (const float *)vb + vo;
             }
-            /* Each token's V row, not a run's: the sums below then take the same steps wherever
-             * the pages lie (a loop per run let the compiler group a long run's tokens otherwise
-             * than short ones', so a page moved to another slot changed the output's last bits). */
-            for (int64_t t = 0; t < n; t++) vrow[n_tok + t] = vp + t * KV * DV;
+            /* Each token's K row joins the run it follows in memory (a page's, a request's
+             * consecutive 1-token pages'), else starts one; each token's V row on its own, not
+             * a run's: the sums below then take the same steps wherever the pages lie (a loop per
+             * run let the compiler group a long run's tokens otherwise than short ones', so a page
+             * moved to another slot changed the output's last bits). */
+            for (int64_t t = 0; t < n; t++) {
+                const float *kr = k0 + t * kt;
+                const int64_t last = n_runs - 1;
+                if (n_runs && kr == rk[last] + rn[last] * KV * D) {
+                    rn[last]++;
+                } else {
+                    rk[n_runs] = kr, rn[n_runs] = 1, rfirst[n_runs] = n_tok + t, n_runs++;
+                }
+                vrow[n_tok + t] = v0 + t * vt;
+            }
             pn[n_pages] = n, first[n_pages] = n_tok, page_of[n_pages] = j, n_pages++;
             n_tok += n;
         }
