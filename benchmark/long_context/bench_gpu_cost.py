@@ -103,7 +103,7 @@ def decoder_counts(tokens: int, budget: float) -> dict:
 
 
 def expected_sample(tokens: int, budget: float) -> dict:
-    """The plan's sizes from the formulas the decoder uses (``_plan_pages``)."""
+    """The plan's sizes from the formulas the decoder uses (``TrackedRequest.plan_pages``)."""
     pages = -(-(tokens + 1) // PAGE)
     full = tokens // PAGE
     params = HotSetParams(policy="importance", budget=budget)

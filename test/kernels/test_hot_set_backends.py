@@ -221,7 +221,7 @@ def test_triton_backend_hot_set_keeps_host_and_device_tensors_apart(policy, guar
         world = World("triton", params, release=release, promotions=promotions, device="cuda", **pages)
         decoder = world.backend.hot_set.decoder
         if not real:
-            decoder._read = _OnFakeCuda(mode, decoder._read)
+            decoder.exact = _OnFakeCuda(mode, decoder.exact)
         for i, (k, v) in enumerate(prompts):
             world.place(f"r{i}", k, v)
         for _ in range(3):

@@ -14,6 +14,7 @@ from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
 from sgl_importance.hot_set.guard.key_codes import quantise
 from sgl_importance.hot_set.pages.prefix_hold import PrefixHold
 from sgl_importance.hot_set.pages.state import RELEASED_SLOT, TRANSITIONS, PageState
+from sgl_importance.hot_set.plan.request_state import TrackedRequest
 from sgl_importance.hot_set.prefill import summarise_prefill
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import Residency, subtract_pages
@@ -896,7 +897,7 @@ def seed_from_last_query(decoder, req: Request, g: torch.Generator, sharpness: f
     return wanted
 
 
-def test_a_seeded_guarded_first_step_starts_its_read_caps_where_the_seeds_top_p_needed_them():
+def test_a_seeded_guarded_first_step_starts_its_read_caps_where_the_seeds_top_p_needed_them(monkeypatch):
     """Without a warm-up, the caps start as the warm-up would have set them: each layer's
     top-p pages of the prefill's last token over the request's pages, never below read_cap
     (else a selection that wants more is flagged, step after step, until they rise)."""
@@ -907,11 +908,11 @@ def test_a_seeded_guarded_first_step_starts_its_read_caps_where_the_seeds_top_p_
     wanted = seed_from_last_query(decoder, req, torch.Generator().manual_seed(3), sharpness=4.0)
     caps = []
 
-    def recorded(tracked, num_pages, planner=decoder._plan):
+    def recorded(tracked, num_pages, planner=TrackedRequest.take_plan):
         caps.append(tracked.caps.clone())
         return planner(tracked, num_pages)
 
-    decoder._plan = recorded
+    monkeypatch.setattr(TrackedRequest, "take_plan", recorded)
     placed.step(torch.randn(LAYERS, 1, KV_HEADS * GROUP, DIM, generator=torch.Generator().manual_seed(9)))
     share = torch.tensor(wanted, dtype=torch.float64) / PROMPT_PAGES
     expected = share.clamp(min=decoder.params.read_cap, max=1.0)
@@ -920,13 +921,13 @@ def test_a_seeded_guarded_first_step_starts_its_read_caps_where_the_seeds_top_p_
 
 
 @pytest.mark.parametrize("guard", [1.0, 0.05])
-def test_a_first_step_seeded_by_the_prefill_reads_its_hot_set_not_every_released_page(guard):
+def test_a_first_step_seeded_by_the_prefill_reads_its_hot_set_not_every_released_page(guard, monkeypatch):
     """``--hot-set-first-step seeded``: after a streamed prefill the first decode step is
     planned from the prefill's last token (its masses per page, ``prefill.seed_layer``): no
     dense warm-up; it reads the seeded hot set, the sinks and the window exactly (host copies
     where released, counted) instead of every released page; guarded, every full page has its
     key codes first, so part 1 is that hot set and the pages the device still holds."""
-    firsts = {}
+    firsts, take_plan = {}, TrackedRequest.take_plan
     for seeded in (False, True):
         tiers, residency, placed = placed_world(guard)
         req = Request("r", PROMPT_PAGES, seed=5)
@@ -940,11 +941,11 @@ def test_a_first_step_seeded_by_the_prefill_reads_its_hot_set_not_every_released
             seed = decoder.residency.record("r").seed.mass
         plans = []
 
-        def recorded(tracked, num_pages, planner=decoder._plan, plans=plans):
+        def recorded(tracked, num_pages, planner=take_plan, plans=plans):
             plans.append(planner(tracked, num_pages))
             return plans[-1]
 
-        decoder._plan = recorded
+        monkeypatch.setattr(TrackedRequest, "take_plan", recorded)
         q = torch.randn(LAYERS, 1, KV_HEADS * GROUP, DIM, generator=torch.Generator().manual_seed(9))
         _, counts = placed.step(q)
         firsts[seeded] = counts

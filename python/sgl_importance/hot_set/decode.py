@@ -27,7 +27,7 @@ prefills, ``prefill.py``, which also seeds a first step from the prefill).
 A backend drives it: ``begin_step`` per decode batch, ``attend`` per layer, ``end_step``
 after the last (or ``plan_step``, a ``graph.step.GraphStep``'s layers, then ``end_step``),
 which plans the *next* step (or the one after, a step late) and returns, as data
-(``residency.PageMoves``), the pages that plan leaves out and the released ones it keeps,
+(``pages.state.PageMoves``), the pages that plan leaves out and the released ones it keeps,
 moved by the residency owner between steps. A planned page with no device page is read from
 its host copy (staged before the layers), counted. Exact pages get exact masses; rest pages
 masses estimated from their key codes (guard off: their key bound), ranking them for
@@ -61,11 +61,9 @@ from sgl_importance.hot_set.plan.page_lists import (
     plan_outside,
     quest_lists,
 )
-from sgl_importance.hot_set.plan.request_state import LiveRequest, StepPlan, TrackedRequest, plan_moves
+from sgl_importance.hot_set.plan.request_state import LiveRequest, TrackedRequest, plan_moves
 from sgl_importance.hot_set.plan.sample import PageDraw, request_seed
-from sgl_importance.hot_set.plan.sample import inclusion as sample_inclusion
-from sgl_importance.hot_set.plan.sample import reserve as sample_reserve
-from sgl_importance.hot_set.plan.selection import HotSetCounts, RequestHotSet, fixed_mask
+from sgl_importance.hot_set.plan.selection import HotSetCounts, RequestHotSet
 from sgl_importance.hot_set.plan.step_tally import StepTally, shared_masses
 from sgl_importance.hot_set.prefill import apply_seed
 from sgl_importance.hot_set.record import LongRequest
@@ -128,7 +126,7 @@ class HotSetDecoder:
         self._step_layers = 0
         self.pool_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (K, V) viewed as pages
         self._workspace = PagedDecodeWorkspace()
-        self._read = exact or self._read_paged
+        self.exact = exact or self._read_paged  # what reads pages exactly (the guard's reads too)
         self.last_guard: Optional[GuardOutcome] = None
         # F(request) summed over the last step's tracked requests (footprint.held_bytes).
         self.held_bytes = 0
@@ -148,11 +146,7 @@ class HotSetDecoder:
     @property
     def guard(self) -> GuardPool:
         if self._guard is None:  # a decoder built without one (tests): a row per range row
-            r = self.ranges
-            self._guard = GuardPool(
-                r.num_layers, r.num_kv_heads, r.head_dim, page_size=self.page_size, capacity_pages=r.capacity or 0,
-                device=r.device,
-            )  # fmt: skip
+            self._guard = GuardPool.beside(self.ranges, self.page_size)
         return self._guard
 
     # -- planning, once per step ---------------------------------------------------
@@ -199,27 +193,9 @@ class HotSetDecoder:
                 req_slots = rows[i][: req_slots.numel()]
             if record.seed is not None:  # its first step, planned from its prefill
                 apply_seed(self, rid, LiveRequest(req_slots, tracked, pages=pages), num_pages)
-            plan, counts = self._plan(tracked, num_pages)
+            plan, counts = tracked.take_plan(num_pages)
             tracked.seeded = False
-            tokens = torch.full((num_pages,), ps, dtype=torch.int64)
-            tokens[-1] = req_slots.numel() - (num_pages - 1) * ps
-            f64 = dict(dtype=torch.float64)
-            self._live.append(
-                LiveRequest(
-                    req_slots,
-                    tracked,
-                    pages=pages,
-                    planned=plan.read,
-                    sample=plan.sample,
-                    kept=plan.keep,
-                    tokens=tokens,
-                    mass_over_layers=torch.zeros(num_pages, **f64),
-                    layers=torch.zeros(num_pages, dtype=torch.int64),
-                    outside_mass=torch.zeros(num_pages, **f64),
-                    guarded=torch.zeros(num_pages, dtype=torch.bool),
-                    counts=counts,
-                )
-            )
+            self._live.append(LiveRequest.begin(req_slots, tracked, pages, plan, counts, ps))
         self._step_layers = 0
         return self._live
 
@@ -238,7 +214,7 @@ class HotSetDecoder:
         self._guard_lists = GuardLists.build(self._live, self._outside, self._sample, ps, device, layers, pool_pages)
         self._tally = StepTally.for_step(self._live, self._exact, self._outside, device, num_layers=layers)
         self._pool_pages_planned = pool_pages
-        prepare = getattr(self._read, "slots", None)
+        prepare = getattr(self.exact, "slots", None)
         if prepare is not None:
             # A reader that turns the plan into device lists (TritonPageListDecode) does it
             # here, once per step, rather than in the first layer; the host says whether
@@ -261,39 +237,6 @@ class HotSetDecoder:
         for rid in self.residency.absent(rids):
             self.forget_request(rid)
 
-    def _plan(self, tracked: TrackedRequest, num_pages: int) -> tuple[StepPlan, HotSetCounts]:
-        ahead, tracked.next_plan = tracked.next_plan, None
-        if ahead is not None and ahead[0] == num_pages:
-            return ahead[1], ahead[2]
-        return self._plan_pages(tracked, num_pages)
-
-    def _plan_pages(self, tracked: TrackedRequest, num_pages: int) -> tuple[StepPlan, HotSetCounts]:
-        """What the step reads in part 1, its sampled rest pages and the pages kept on the
-        device, with the plan's counts. Guarded, part 1 is the sinks, the window and the pages
-        not coded yet; every other page is the rest, chosen from per layer by top-p on its key
-        codes (``guard.layer.guard_layer``). What stays on the device is the policy's hot set (the
-        budget, with room kept for the expected sample) and the sample, drawn without looking
-        at the plan or any query (the estimate needs that)."""
-        state = tracked.state
-        coded = tracked.codes.numel()
-        guarded = coded > 0 and not tracked.guard_refused and state.params.guard_threshold < 1.0
-        tracked.sample_pi = 1.0
-        if not guarded or state.step == 0 or state.params.policy in ("dense", "quest"):
-            planned, counts = state.plan(num_pages)
-            return StepPlan(planned, _NONE, planned), counts
-        p = state.params
-        budget = tracked.kept_pages(num_pages)
-        always = fixed_mask(num_pages, p.sinks, p.window)
-        room = budget - int(always.sum())
-        fixed = always.clone()
-        fixed[coded:] = True  # pages without key codes yet are read exactly
-        pi = tracked.sample_pi = sample_inclusion(coded, room)
-        kept, counts = state.plan(num_pages, reserve=sample_reserve(pi, num_pages, budget), budget=budget)
-        if tracked.seeded:  # the first step, seeded: its hot set is not promoted yet, so read exactly
-            fixed[kept] = True
-        members = tracked.draw.members(coded, pi) & ~fixed[:coded]
-        return StepPlan(torch.nonzero(fixed).flatten(), torch.nonzero(members).flatten(), kept), counts
-
     def shrink(self) -> PageMoves:
         """Every hot set the guard grew (``TrackedRequest.kept``) back to its budget for good, its
         next step planned again: per such request, the full pages that plan leaves out (for the
@@ -303,7 +246,7 @@ class HotSetDecoder:
             if tracked.kept is None or not self.residency.admitted(rid) or tracked.next_plan is None:
                 continue
             tracked.kept, tracked.grows, num_pages = None, False, tracked.next_plan[0]
-            plan, counts = self._plan_pages(tracked, num_pages)
+            plan, counts = tracked.plan_pages(num_pages)
             tracked.next_plan = (num_pages, plan, counts)
             moves.requests.append(RequestMoves(rid, release=plan_moves(rid, plan, num_pages, num_pages - 1).release))
         return moves
@@ -343,7 +286,7 @@ class HotSetDecoder:
             )
         run = dict(sm_scale=sm_scale, logit_cap=logit_cap)
         extra_k, extra_v = self._staged(layer_id, exact.staged_host)
-        result = self._read(
+        result = self.exact(
             q, k_pages, v_pages, exact.plan, sinks=sinks, extra_k_pages=extra_k, extra_v_pages=extra_v, **run
         )
         output = result.output
@@ -407,11 +350,10 @@ class HotSetDecoder:
         keys, values = self._sample_pages(layer_id, k_pages, v_pages, lists.sample)
         sampled = sampled_pages(q_rows, keys, values, lists.sample.valid, **run)
         host = host_pages(self, layer_id, k_pages)
-        outcome = guard_layer(
-            result.lse[rows], result.output[rows].float(), outside, sampled, plan.valid, plan.sampled, plan.inclusion,
-            lists.thresholds, lists.released, *lists.of_layer(layer_id),
-            exact_reader(self, layer_id, q, k_pages, v_pages, lists, run, host), from_host=host is not None,
-        )  # fmt: skip
+        reader = exact_reader(self, layer_id, q, k_pages, v_pages, lists, run, host)
+        part1 = (result.lse[rows], result.output[rows].float())
+        estimate = (outside, sampled, plan.valid, plan.sampled, plan.inclusion, lists.thresholds, lists.released)
+        outcome = guard_layer(*part1, *estimate, *lists.of_layer(layer_id), reader, from_host=host is not None)
         self.last_guard = outcome  # what the layer's guard did (benchmarks read its bound)
         layers = self.ranges.num_layers
         tally = self._tally if not per_layer else StepTally.for_outside(lists.host, plan.rows.device, layers)
@@ -472,7 +414,7 @@ class HotSetDecoder:
             step.add(live.counts)
             # The step ``ahead`` decodes that many more tokens: plan it now.
             num_pages = -(-(length + ahead) // ps)
-            plan, counts = self._plan_pages(live.tracked, num_pages)
+            plan, counts = live.tracked.plan_pages(num_pages)
             live.tracked.next_plan = (num_pages, plan, counts)
             # F(request) during this step: its pages on the device, its pool rows.
             on_device = live.tokens.numel()
@@ -494,6 +436,3 @@ class StepResult(NamedTuple):
 
     counts: HotSetCounts
     moves: PageMoves
-
-
-_NONE = torch.zeros(0, dtype=torch.int64)

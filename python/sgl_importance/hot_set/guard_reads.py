@@ -39,7 +39,7 @@ class ExactReads(Protocol):
     """What the guard's reads use of a ``decode.HotSetDecoder`` (which imports this module):
     its exact reader."""
 
-    _read: ExactAttention
+    exact: ExactAttention
     residency: HostPages
 
 
@@ -56,7 +56,7 @@ def reads_with_kernel(decoder: ExactReads) -> bool:
         return False
     from sgl_kernel_ext import TritonPageListDecode  # exported only where Triton is
 
-    return isinstance(decoder._read, TritonPageListDecode)
+    return isinstance(decoder.exact, TritonPageListDecode)
 
 
 def pages_of(read_host: ReadHost, layer_id: int, k_pages, v_pages, physical, host_index, host_slots):
@@ -106,6 +106,6 @@ def read_table(decoder: ExactReads, q_rows, k_pages, v_pages, table, chosen, run
     page_size = k_pages.shape[1]
     plan = plan_from_table(table, torch.where(chosen, page_size, 0), page_size)
     extra = {} if host is None else {"extra_k_pages": host[0], "extra_v_pages": host[1]}
-    res = decoder._read(q_rows, k_pages, v_pages, plan, **run, **extra)
+    res = decoder.exact(q_rows, k_pages, v_pages, plan, **run, **extra)
     lse = torch.where(plan.live[:, None], res.lse, float("-inf"))
     return lse, res.output.float()

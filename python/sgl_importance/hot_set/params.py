@@ -116,8 +116,10 @@ def request_hot_set_params(config: ImportanceConfig, value: Any) -> HotSetParams
     if config.hot_set_policy == "off":
         raise ValueError(f"{REQUEST_HOT_SET_FIELD} needs a server started with --hot-set-policy (this one has it off)")
     if not isinstance(value, dict):
-        raise ValueError(f"{REQUEST_HOT_SET_FIELD} {value!r} is invalid; allowed: an object with keys "
-                         f"{', '.join(REQUEST_HOT_SET_KEYS)}")  # fmt: skip
+        raise ValueError(
+            f"{REQUEST_HOT_SET_FIELD} {value!r} is invalid; allowed: an object with keys "
+            f"{', '.join(REQUEST_HOT_SET_KEYS)}"
+        )
     unknown = sorted(set(value) - set(REQUEST_HOT_SET_KEYS))
     if unknown:
         raise ValueError(

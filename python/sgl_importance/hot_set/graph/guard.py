@@ -234,9 +234,19 @@ class GraphGuard:
             masks = (valid, reads.read, reads.wanted, reads.missed, sampled)
             per_kv = part1.importance_per_kv_head
             _, _, importance = guard_finish_triton(
-                reads.lse, reads.out, tuple(vars(reads.statistical).values()), intervals, masks, params[:, 1],
-                part1.output, self.tally[:bs], out, per_kv, layer=column, layers=self.num_layers,
-            )  # fmt: skip
+                reads.lse,
+                reads.out,
+                tuple(vars(reads.statistical).values()),
+                intervals,
+                masks,
+                params[:, 1],
+                part1.output,
+                self.tally[:bs],
+                out,
+                per_kv,
+                layer=column,
+                layers=self.num_layers,
+            )
             return DecodeImportanceOutput(out, part1.lse, importance, per_kv)
         outcome = guard_layer(part1.lse, part1.output.float(), *rest, params[:, 1], released, top_p, cap, reader)
         keep_in_tally(self.tally[:bs], outcome, sampled, column, self.num_layers)

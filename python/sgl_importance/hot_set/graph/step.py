@@ -128,9 +128,15 @@ class GraphStep:
         self.guard: Optional[GraphGuard] = None
         if guard_pool is not None:
             self.guard = GraphGuard(
-                rows, pages, num_layers=num_layers, page_size=page_size, pool=guard_pool, ranges=ranges,
-                device=dev, triton=exact is not None,
-            )  # fmt: skip
+                rows,
+                pages,
+                num_layers=num_layers,
+                page_size=page_size,
+                pool=guard_pool,
+                ranges=ranges,
+                device=dev,
+                triton=exact is not None,
+            )
         self.guard_mode = False
 
     @property
@@ -281,18 +287,27 @@ class GraphStep:
                 q, k_pages, v_pages, plan, native=False, chunk_pages=0, workspace=self._workspace, **run
             )
         if self.guard_mode:  # part 2 (graph_guard.py) writes ``out``; part 1's masses as shares of it
-            result = self.guard.attend(layer_id, q, k_pages, v_pages, result, out, sm_scale=sm_scale,
-                                       logit_cap=logit_cap)  # fmt: skip
+            result = self.guard.attend(
+                layer_id, q, k_pages, v_pages, result, out, sm_scale=sm_scale, logit_cap=logit_cap
+            )
         elif not direct:
             out.copy_(result.output)
         # The pages' masses, and each full page's key bound against the layer's denominator
         # (the next step's promotions): one launch (a Triton kernel with the Triton reader).
         ranges = self.ranges
         tally_pages(
-            result.importance_per_kv_head, q, result.lse, ranges.key_min[layer_id], ranges.key_max[layer_id],
-            self.range_ids[:bs], self.tally, sm_scale=sm_scale, logit_cap=logit_cap, page_size=self.page_size,
+            result.importance_per_kv_head,
+            q,
+            result.lse,
+            ranges.key_min[layer_id],
+            ranges.key_max[layer_id],
+            self.range_ids[:bs],
+            self.tally,
+            sm_scale=sm_scale,
+            logit_cap=logit_cap,
+            page_size=self.page_size,
             use_triton=self.exact is not None,
-        )  # fmt: skip
+        )
         return result
 
     def slot_lists(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -215,9 +215,18 @@ def estimate_outside_ranged(
     their code rows in the same launch: no gathered ranges, steps, norms or per-head copies.
     The same numbers as ``estimate_outside`` on its Triton path."""
     page_lse, error, norms = key_code_pages_ranged(
-        q, pool.codes[layer], plan.codes, *tables, range_ids, plan.valid, pool.norms[layer], pool.layout,
-        sm_scale=sm_scale, logit_cap=logit_cap, margin=ROUNDING_MARGIN,
-    )  # fmt: skip
+        q,
+        pool.codes[layer],
+        plan.codes,
+        *tables,
+        range_ids,
+        plan.valid,
+        pool.norms[layer],
+        pool.layout,
+        sm_scale=sm_scale,
+        logit_cap=logit_cap,
+        margin=ROUNDING_MARGIN,
+    )
     return Outside(page_lse, error, norms)
 
 

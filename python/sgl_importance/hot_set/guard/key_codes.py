@@ -33,6 +33,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from sgl_importance.hot_set.guard.key_ranges import KeyRanges
 from sgl_importance.hot_set.pages.rows import LocalPages, PageSource, RowStore
 
 LEVELS = 15  # 4-bit codes
@@ -161,6 +162,13 @@ class GuardPool:
         flat = [torch.zeros(2 * half, dtype=torch.uint8, device=device) for _ in range(num_layers)]
         page_bytes = half // pages
         self._init(flat, 2, page_bytes, num_kv_heads, head_dim, page_size, LocalPages(1, pages - 1), capacity_pages)
+
+    @classmethod
+    def beside(cls, ranges: KeyRanges, page_size: int) -> "GuardPool":
+        """Standalone, a code row for each of ``ranges``' rows (a decoder built without a pool: tests)."""
+        r = ranges
+        kw = dict(page_size=page_size, capacity_pages=r.capacity or 0, device=r.device)
+        return cls(r.num_layers, r.num_kv_heads, r.head_dim, **kw)
 
     @classmethod
     def over_pool(

@@ -23,7 +23,9 @@ import torch
 from sgl_importance.hot_set.pages.state import RequestMoves, RequestPages, page_offsets
 from sgl_importance.hot_set.params import HotSetParams
 from sgl_importance.hot_set.plan.sample import PageDraw
-from sgl_importance.hot_set.plan.selection import HotSetCounts, RequestHotSet
+from sgl_importance.hot_set.plan.sample import inclusion as sample_inclusion
+from sgl_importance.hot_set.plan.sample import reserve as sample_reserve
+from sgl_importance.hot_set.plan.selection import HotSetCounts, RequestHotSet, fixed_mask
 
 
 def _no_ids() -> torch.Tensor:
@@ -71,6 +73,39 @@ class TrackedRequest:
     def kept_pages(self, num_pages: int) -> int:
         """Pages its hot set may hold: the policy's budget, or more where the guard raised it."""
         return self.state.params.budget_pages(num_pages, self.kept)
+
+    def take_plan(self, num_pages: int) -> tuple[StepPlan, HotSetCounts]:
+        """Its step's plan: the one made ahead where it was made for ``num_pages``, else made now."""
+        ahead, self.next_plan = self.next_plan, None
+        if ahead is not None and ahead[0] == num_pages:
+            return ahead[1], ahead[2]
+        return self.plan_pages(num_pages)
+
+    def plan_pages(self, num_pages: int) -> tuple[StepPlan, HotSetCounts]:
+        """What its step reads in part 1, its sampled rest pages and the pages kept on the
+        device, with the plan's counts. Guarded, part 1 is the sinks, the window and the pages
+        not coded yet; every other page is the rest, chosen from per layer by top-p on its key
+        codes (``guard.layer.guard_layer``). What stays on the device is the policy's hot set (the
+        budget, with room kept for the expected sample) and the sample, drawn without looking
+        at the plan or any query (the estimate needs that)."""
+        state, coded = self.state, self.codes.numel()
+        guarded = coded > 0 and not self.guard_refused and state.params.guard_threshold < 1.0
+        self.sample_pi = 1.0
+        if not guarded or state.step == 0 or state.params.policy in ("dense", "quest"):
+            planned, counts = state.plan(num_pages)
+            return StepPlan(planned, _no_ids(), planned), counts
+        p = state.params
+        budget = self.kept_pages(num_pages)
+        always = fixed_mask(num_pages, p.sinks, p.window)
+        room = budget - int(always.sum())
+        fixed = always.clone()
+        fixed[coded:] = True  # pages without key codes yet are read exactly
+        pi = self.sample_pi = sample_inclusion(coded, room)
+        kept, counts = state.plan(num_pages, reserve=sample_reserve(pi, num_pages, budget), budget=budget)
+        if self.seeded:  # the first step, seeded: its hot set is not promoted yet, so read exactly
+            fixed[kept] = True
+        members = self.draw.members(coded, pi) & ~fixed[:coded]
+        return StepPlan(torch.nonzero(fixed).flatten(), torch.nonzero(members).flatten(), kept), counts
 
     def rest_caps(self, num_pages: int, part1: int, sampled: int, num_layers: int) -> torch.Tensor:
         """int64 ``[num_layers]``: the most rest pages each layer reads exactly, its read cap
@@ -132,6 +167,36 @@ class LiveRequest:
     flagged: Optional[torch.Tensor] = None  # bool [L] layers whose bound was flagged this step
     wanted: Optional[torch.Tensor] = None  # int64 [L] rest pages each layer's selection wanted this step
     counts: HotSetCounts = field(default_factory=HotSetCounts)
+
+    @classmethod
+    def begin(
+        cls,
+        slots: torch.Tensor,
+        tracked: TrackedRequest,
+        pages: Optional[RequestPages],
+        plan: StepPlan,
+        counts: HotSetCounts,
+        page_size: int,
+    ) -> "LiveRequest":
+        """A tracked request entering a step with its ``plan``, nothing found yet."""
+        num_pages = -(-slots.numel() // page_size)
+        tokens = torch.full((num_pages,), page_size, dtype=torch.int64)
+        tokens[-1] = slots.numel() - (num_pages - 1) * page_size
+        f64 = dict(dtype=torch.float64)
+        return cls(
+            slots,
+            tracked,
+            pages=pages,
+            planned=plan.read,
+            sample=plan.sample,
+            kept=plan.keep,
+            tokens=tokens,
+            mass_over_layers=torch.zeros(num_pages, **f64),
+            layers=torch.zeros(num_pages, dtype=torch.int64),
+            outside_mass=torch.zeros(num_pages, **f64),
+            guarded=torch.zeros(num_pages, dtype=torch.bool),
+            counts=counts,
+        )
 
     def take_exact(self, listed: torch.Tensor, mass: torch.Tensor, layers: int) -> None:
         """A step's exact masses ``mass`` of the ``listed`` pages, read in ``layers`` layers."""
