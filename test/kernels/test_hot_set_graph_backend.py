@@ -35,7 +35,7 @@ IMP_ATOL = 2e-6
 # as the CPU counts them (host_syncs.LAUNCH), SGLang's KV write aside (1 kernel, 2 ops on
 # torch_cuda). Guard off: the decode's two kernels (writing SGLang's output), the page tally
 # (masses and key bounds in one kernel), the importance scatter (issue 47's target: at most 6 a
-# layer with the KV write). Guard on (hot_guard): those 4 and the guard's 10 (graph_guard.py).
+# layer with the KV write). Guard on (hot_guard): those 4 and the guard's 10 (hot_set/graph/guard.py).
 GRAPH_LAYER_LAUNCHES = 4
 GUARD_LAYER_LAUNCHES = 14
 KV_WRITE = "sgl_importance/attention/triton_backend.py"  # the backend's _store_kv (SGLang's write)
@@ -111,7 +111,7 @@ def test_a_captured_hot_set_step_decodes_as_the_eager_hot_set_with_joins_leaves_
     read_back = {
         site.split(":")[0]: n
         for site, n in counter.by("site", kinds=SYNC_KINDS, where=STEP, device_only=True).items()
-        if "graph_" in site
+        if "/hot_set/graph/" in site
     }
     # one guarded step of 8 replayed
     assert read_back == {"sgl_importance/hot_set/graph/guard.py": 1, "sgl_importance/hot_set/graph/step.py": 8}

@@ -202,7 +202,7 @@ def test_batches_the_buffers_cannot_take_are_refused_and_say_why():
     [("window", 0.1, 0.2, 12), ("window", 1e-6, 0.2, 12), ("lru", 0.5, 0.5, 12), ("importance", 0.1, 0.2, 6)],
 )
 def test_a_replayed_guarded_step_decodes_as_the_eager_guarded_step(monkeypatch, policy, threshold, read_cap, steps):
-    """The guard inside the graph (graph_guard.py): the selection, the sample, the bound and
+    """The guard inside the graph (hot_set/graph/guard.py): the selection, the sample, the bound and
     the flags as the eager layer has them, beside a short request; a guarded request's first
     (dense warm-up) step runs eagerly. Both decoders read with the torch paths (the graph
     cannot record the C kernels, whose key-code pass rounds differently). The fixed-shape
