@@ -30,12 +30,14 @@ import torch
 from sgl_importance.hot_set.pages.copies import PageCopies
 from sgl_importance.hot_set.pages.state import (
     NO_HOST_PAGE,
+    OWN_HOST,
     RELEASED_SLOT,
     MoveReason,
     PageMoves,
     ReleaseCounts,
     RequestPages,
     S,
+    in_states,
 )
 from sgl_importance.hot_set.plan.request_state import TrackedRequest
 from sgl_importance.hot_set.record import LongRequest
@@ -378,7 +380,7 @@ class Residency:
     def give_host_copies(self, pages: RequestPages, logical: torch.Tensor) -> None:
         """The host copies of ``logical`` now belong to the tree (never freed here)."""
         st = pages.states(logical)
-        own = logical[(st == S.COPIED) | (st == S.RELEASED)]
+        own = logical[in_states(st, OWN_HOST)]
         if own.numel():
             self.pools.give_host(pages.host_slots(own), pages.owner)
             pages._move("give", own)

@@ -51,10 +51,13 @@ TRANSITIONS: dict[str, dict[PageState, PageState]] = {
     "unlend": {S.LENT: S.TREE, S.LENT_RELEASED: S.TREE, S.LENT_OWNED: S.TREE},  # back to the tree's pages
     "give": {S.COPIED: S.LENT_OWNED, S.RELEASED: S.LENT_RELEASED},  # own host copies handed to the tree
 }
-ON_DEVICE = (S.TREE, S.LENT, S.LENT_OWNED, S.RESIDENT, S.COPIED)
-OWN_DEVICE = (S.LENT_OWNED, S.RESIDENT, S.COPIED)  # device pages the request frees itself
 OWN_HOST = (S.COPIED, S.RELEASED)  # host copies the request frees itself
-OFF_DEVICE = (S.LENT_RELEASED, S.RELEASED)
+OFF_DEVICE = (S.LENT_RELEASED, S.RELEASED)  # no device page: read from a host copy
+
+
+def in_states(states: torch.Tensor, group: tuple[PageState, ...]) -> torch.Tensor:
+    """Which of ``states`` (uint8 ``PageState`` values) are in ``group`` (bool, same shape)."""
+    return torch.isin(states, torch.tensor([int(s) for s in group], dtype=states.dtype))
 
 
 @dataclass
@@ -171,16 +174,16 @@ class RequestPages:
         inside = pages < self.num_pages
         off = torch.zeros(pages.numel(), dtype=torch.bool)
         st = self.state[pages[inside]]
-        off[inside] = (st == S.RELEASED) | (st == S.LENT_RELEASED)
+        off[inside] = in_states(st, OFF_DEVICE)
         return off
 
     def own_host(self) -> torch.Tensor:
         """Which logical pages have a host copy of the request's own (bool per page)."""
-        return (self.state == S.COPIED) | (self.state == S.RELEASED)
+        return in_states(self.state, OWN_HOST)
 
     def released_pages(self) -> torch.Tensor:
         """Logical pages with no device page, ascending."""
-        return torch.nonzero((self.state == S.RELEASED) | (self.state == S.LENT_RELEASED)).flatten()
+        return torch.nonzero(in_states(self.state, OFF_DEVICE)).flatten()
 
     def host_slots(self, pages: torch.Tensor) -> torch.Tensor:
         """Host slots of ``pages`` (each with a host copy), page after page."""
