@@ -35,8 +35,10 @@ def fits_after_releases(
         if original(batch, *args, **kwargs):
             return True
     decoder = runtime.hot_set_decoder
-    shrunk = decoder.shrink() if decoder is not None and residency.enabled else None
-    if shrunk is None or not shrunk.requests:
+    if decoder is None or not residency.enabled:
+        return False
+    shrunk = decoder.shrink()
+    if not shrunk.requests:
         return False
     residency.apply(shrunk)
     residency.copies.collect(wait=True)

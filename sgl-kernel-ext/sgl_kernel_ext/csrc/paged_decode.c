@@ -50,18 +50,15 @@ static inline __attribute__((always_inline)) const float *page_f32(const void *b
     return tile;
 }
 
-/* `n` token rows of `row` elements, `stride` elements apart from `offset` (a staging page
- * whose tokens lie apart: a host pool's layer view in SGLang's page_first layout, every layer
- * of a token together), as float32 rows side by side: the pool itself where they already are
- * (float32, adjacent), else copied or converted into `tile`. */
+/* `n` token rows of `row` elements of a pool not in float32, `stride` elements apart from
+ * `offset` (a staging page's tokens may lie apart: a host pool's layer view in SGLang's
+ * page_first layout, every layer of a token together), converted into `tile` side by side.
+ * A float32 page is never converted: it is read where it lies. */
 static inline __attribute__((always_inline)) const float *rows_f32(const void *base, int dtype, int64_t offset,
                                                                      int64_t n, int64_t row, int64_t stride,
                                                                      float *tile) {
     if (stride == row) return page_f32(base, dtype, offset, n * row, tile);
-    for (int64_t t = 0; t < n; t++) {
-        const float *r = page_f32(base, dtype, offset + t * stride, row, tile + t * row);
-        if (r != tile + t * row) memcpy(tile + t * row, r, sizeof(float) * row);
-    }
+    for (int64_t t = 0; t < n; t++) page_f32(base, dtype, offset + t * stride, row, tile + t * row);
     return tile;
 }
 

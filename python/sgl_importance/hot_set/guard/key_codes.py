@@ -166,9 +166,14 @@ class GuardPool:
     @classmethod
     def beside(cls, ranges: KeyRanges, page_size: int) -> "GuardPool":
         """Standalone, a code row for each of ``ranges``' rows (a decoder built without a pool: tests)."""
-        r = ranges
-        kw = dict(page_size=page_size, capacity_pages=r.capacity or 0, device=r.device)
-        return cls(r.num_layers, r.num_kv_heads, r.head_dim, **kw)
+        return cls(
+            ranges.num_layers,
+            ranges.num_kv_heads,
+            ranges.head_dim,
+            page_size=page_size,
+            capacity_pages=ranges.capacity or 0,
+            device=ranges.device,
+        )
 
     @classmethod
     def over_pool(

@@ -57,7 +57,10 @@ OFF_DEVICE = (S.LENT_RELEASED, S.RELEASED)  # no device page: read from a host c
 
 def in_states(states: torch.Tensor, group: tuple[PageState, ...]) -> torch.Tensor:
     """Which of ``states`` (uint8 ``PageState`` values) are in ``group`` (bool, same shape)."""
-    return torch.isin(states, torch.tensor([int(s) for s in group], dtype=states.dtype))
+    found = states == group[0]
+    for state in group[1:]:
+        found |= states == state
+    return found
 
 
 @dataclass
