@@ -32,6 +32,7 @@ class LongRequest:
     seed: Optional[Seed] = None  # its prefill's last-token masses (--hot-set-first-step seeded)
     prefilling: bool = False  # its prompt streams: tracked before any decode batch holds it
     loan: Optional[HistoryLoan] = None  # a returning turn's history, taken from the host until its row exists
+    leaving_row: Optional[int] = None  # its req_to_token row while SGLang's release_kv_cache frees it
 
     @property
     def empty(self) -> bool:

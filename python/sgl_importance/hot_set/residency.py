@@ -32,6 +32,7 @@ from sgl_importance.hot_set.pages.state import (
     NO_HOST_PAGE,
     OWN_HOST,
     RELEASED_SLOT,
+    LogicalPage,
     MoveReason,
     PageMoves,
     ReleaseCounts,
@@ -115,9 +116,6 @@ class Residency:
         self.counts = ReleaseCounts()
         # Set when a step gave device pages back: the scheduler may admit again.
         self.reopen = False
-        # req_pool_idx -> the pages of a request being released right now (free_kv_row
-        # runs inside release_kv_cache and sees only the kv record).
-        self.leaving: dict[int, RequestPages] = {}
 
     @property
     def enabled(self) -> bool:
@@ -163,7 +161,7 @@ class Residency:
                 ended.append(rid)
         return ended
 
-    def admit(self, rid: str, row: torch.Tensor, first_owned_page: int, page_size: int) -> RequestPages:
+    def admit(self, rid: str, row: torch.Tensor, first_owned_page: LogicalPage, page_size: int) -> RequestPages:
         """``rid``'s pages from ``first_owned_page`` on are its own (out of the tree) and may
         be released; a second admission before it leaves keeps the first pages."""
         record = self.open(rid)
@@ -174,6 +172,14 @@ class Residency:
     def host_pages_held(self) -> int:
         """Host pages the admitted requests hold as their own copies."""
         return sum(int(r.pages.own_host().sum()) for r in self.records.values() if r.pages is not None)
+
+    def leaving(self, row: int) -> Optional[RequestPages]:
+        """The pages of the request whose ``req_to_token`` row ``row`` is being freed now
+        (SGLang's ``free_kv_row`` runs inside ``release_kv_cache`` and sees only the row)."""
+        for record in self.records.values():
+            if record.leaving_row == row:
+                return record.pages
+        return None
 
     def admitted(self, rid: str) -> bool:
         return self.peek(rid) is not None

@@ -71,7 +71,7 @@ from sgl_importance.config import ImportanceConfig
 from sgl_importance.hot_set.pages.copies import PageCopies
 from sgl_importance.hot_set.pages.prefix_hold import PrefixHold
 from sgl_importance.hot_set.pages.rows import BorrowedPages
-from sgl_importance.hot_set.pages.state import MoveReason, PageMoves, RequestMoves, RequestPages
+from sgl_importance.hot_set.pages.state import LogicalPage, MoveReason, PageMoves, RequestMoves, RequestPages
 from sgl_importance.hot_set.params import HotSetParams
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import Residency, subtract_pages
@@ -295,9 +295,9 @@ def _return_prefix(
             residency.counts.prefix_relocked += 1
 
 
-def _first_own_page(req: Req, page_size: int) -> int:
+def _first_own_page(req: Req, page_size: int) -> LogicalPage:
     """The request's first page past what it shares with the tree (its matched prefix)."""
-    return -(-req.kv.cache_protected_len // page_size)
+    return LogicalPage(-(-req.kv.cache_protected_len // page_size))
 
 
 def release_with_pages(
@@ -352,10 +352,12 @@ def release_with_pages(
                     # Set only to stop this insert: a retracted request keeps its flag
                     # for the prefill that resumes it (tree insert or admission again).
                     req.skip_radix_cache_insert = True
-                residency.leaving[req.kv.req_pool_idx] = pages
+                residency.record(req.rid).leaving_row = req.kv.req_pool_idx
         return original(req, tree_cache, checkpoint=checkpoint)
     finally:
-        residency.leaving.clear()
+        record = residency.record(req.rid)
+        if record is not None:
+            record.leaving_row = None
         # The borrowed prefix copies are read until here (a restore's copies, a host insert's
         # walk): the host lock goes with the record, or the tree could evict them first and
         # free slots the insert then hands back to it (issue 44's double free).
@@ -418,7 +420,7 @@ def free_row_around_released(
     residency: Residency, original: Callable[..., Any], cache: TreeCache, kv: ReqKvInfo, ranges: list[tuple[int, int]]
 ) -> Any:
     """Around ``free_kv_row``: a leaving request frees only positions it still holds."""
-    pages = residency.leaving.get(kv.req_pool_idx)
+    pages = residency.leaving(kv.req_pool_idx)
     if pages is not None:
         ranges = subtract_pages(list(ranges), pages.released_pages().tolist(), pages.page_size)
     return original(cache, kv, ranges)

@@ -39,7 +39,7 @@ import torch
 
 from sgl_importance.hot_set.pages.footprint import streams
 from sgl_importance.hot_set.pages.prefix_hold import HistoryLoan
-from sgl_importance.hot_set.pages.state import RELEASED_SLOT
+from sgl_importance.hot_set.pages.state import RELEASED_SLOT, LogicalPage
 from sgl_importance.hot_set.residency import Residency
 from sgl_importance.runtime import Runtime
 from sgl_importance.sglang_types.scheduler import Req, ScheduleBatch
@@ -116,6 +116,6 @@ def lend_history(runtime: Runtime, batch: ScheduleBatch) -> None:
         loan, record.loan = record.loan, None
         ps = residency.pools.page_size
         row = batch.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        pages = residency.admit(req.rid, row, loan.host_slots.numel() // ps, ps)
+        pages = residency.admit(req.rid, row, LogicalPage(loan.host_slots.numel() // ps), ps)
         residency.lend_prefix(pages, loan.host_slots, on_device=loan.device_len // ps)
         pages.hold = PrefixHold(loan.node, loan.host_receipt, history=True)

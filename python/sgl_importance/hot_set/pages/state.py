@@ -140,7 +140,7 @@ class RequestPages:
         owner: the request's id, which its host slots are recorded under.
     """
 
-    def __init__(self, row: torch.Tensor, first_owned_page: int, page_size: int, owner: str = "") -> None:
+    def __init__(self, row: torch.Tensor, first_owned_page: LogicalPage, page_size: int, owner: str = "") -> None:
         self.row = row
         self.owner = owner
         self.first_owned_page = first_owned_page
