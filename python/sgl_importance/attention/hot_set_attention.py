@@ -459,9 +459,13 @@ def build_hot_set(
         # A prefill chunk's pages are summarised from these before any decode step made them.
         decoder.pool_as_pages(layer, pool.get_key_buffer(layer), pool.get_value_buffer(layer))
     attention = HotSetAttention(
-        decoder, page_importance, metrics, graph_rows=config.hot_set_graph_rows, stream_prefill=stream,
+        decoder,
+        page_importance,
+        metrics,
+        graph_rows=config.hot_set_graph_rows,
+        stream_prefill=stream,
         plan_ahead=config.hot_set_plan_ahead == "on",
-    )  # fmt: skip
+    )
     attention.guarded = guard_wanted(config)
     if keys.device.type == "cuda":
         attention.forward_stream = model_runner.forward_stream

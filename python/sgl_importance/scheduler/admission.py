@@ -88,9 +88,16 @@ class FootprintBook:
             return None
         ps, kept_share = r.pools.page_size, self.kept_for(rid)
         return footprint(
-            prompt, final, params, threshold=r.threshold, page_size=ps, kept_share=kept_share, chunk=self.chunk,
-            rows_per_page=self.rows_per_page, prefix_on_host=r.prefix_on_host,
-        )  # fmt: skip
+            prompt,
+            final,
+            params,
+            threshold=r.threshold,
+            page_size=ps,
+            kept_share=kept_share,
+            chunk=self.chunk,
+            rows_per_page=self.rows_per_page,
+            prefix_on_host=r.prefix_on_host,
+        )
 
     def fits(self, f: Footprint, released_now: int = 0) -> bool:
         """Whether the host pool can take what ``f`` will still release."""

@@ -107,9 +107,14 @@ def longest_held(runtime: Runtime, device: int, context: int, chunk: int) -> int
 
     def fits(length: int) -> bool:
         f = footprint(
-            length, length + 1, params, threshold=d.threshold, page_size=d.page_size, chunk=chunk,
+            length,
+            length + 1,
+            params,
+            threshold=d.threshold,
+            page_size=d.page_size,
+            chunk=chunk,
             rows_per_page=per_page,
-        )  # fmt: skip
+        )
         return f is None or f.peak + d.page_size <= device
 
     low, high = 1, context
