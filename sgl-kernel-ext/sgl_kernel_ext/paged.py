@@ -50,6 +50,10 @@ from .output import DecodeImportanceOutput
 # fastest unchunked (5.8 MiB per layer), 4 x 7.6K at 64 pages (3 MiB), 8 x 2K at 32
 # pages (3 MiB); chunks far below ~1 MiB pay more in per-op overhead than they save.
 DEFAULT_CHUNK_BYTES = 3 << 20
+# Tokens of a request's list one work item of the C kernel reads (a split). Fixed, so a
+# request decodes alike in any batch: a split sized by the batch's longest list or by its
+# size would sum a request's tokens in another order beside other requests.
+SPLIT_TOKENS = 256
 
 
 @dataclass
@@ -420,12 +424,12 @@ def _pools_laid_out(
 
 class _NativeInputs(NamedTuple):
     """What a plan's C decode calls share, made at its first call: the key it was made
-    for (workspace, importance, threads, the pools' and q's layout), the thread and split
-    counts and the lists' and scratch buffers' addresses (the tensors kept alive beside them)."""
+    for (workspace, importance, threads, the pools' and q's layout), the thread count, the
+    pages a split holds and the lists' and scratch buffers' addresses (the tensors kept alive beside them)."""
 
     key: tuple
     threads: int
-    splits: int
+    split_pages: int
     kept: tuple
     pointers: list
 
@@ -457,9 +461,10 @@ def _native_inputs(
     bs, num_q_heads, _ = q.shape
     kv_heads, v_dim, max_pages = k_pages.shape[2], v_pages.shape[-1], plan.max_pages
     group, f32, cpu = num_q_heads // kv_heads, torch.float32, q.device
-    # Enough (request, split) items to keep every thread busy, each split at least 8
-    # pages long so the merge stays small.
-    splits = max(1, min(-(-4 * threads // bs), -(-max_pages // 8)))
+    # A split is SPLIT_TOKENS of a request's list, whatever the batch: its sums, and so its
+    # output, are the same alone and beside longer lists (the C kernel splits alike).
+    split_pages = max(1, SPLIT_TOKENS // k_pages.shape[1])
+    splits = max(1, -(-max_pages // split_pages))
     table = plan.table.to(torch.int64).contiguous()
     tokens = plan.tokens.to(torch.int64).contiguous()
     live = plan.live.contiguous().view(torch.uint8) if plan.live.dtype == torch.bool else plan.live.to(torch.uint8)
@@ -477,7 +482,7 @@ def _native_inputs(
     # plan only where the lists are its own tensors (no converted copy), so a plan
     # updated in place between calls (a captured step's) is still read as it stands.
     kept = (table, tokens, live, *scratch)
-    inputs = _NativeInputs(key, threads, splits, kept, [t.data_ptr() for t in kept])
+    inputs = _NativeInputs(key, threads, split_pages, kept, [t.data_ptr() for t in kept])
     same = all(a.data_ptr() == b.data_ptr() for a, b in zip(kept, (plan.table, plan.tokens, plan.live)))
     plan.native_inputs = inputs if same else None
     return inputs
@@ -502,7 +507,7 @@ def _decode_native(
     num_pages, page_size, kv_heads, _ = k_pages.shape
     v_dim, group, max_pages = v_pages.shape[-1], num_q_heads // kv_heads, plan.max_pages
     f32 = torch.float32
-    splits, (table_p, tokens_p, live_p, *scratch_p) = inputs.splits, inputs.pointers
+    split_pages, (table_p, tokens_p, live_p, *scratch_p) = inputs.split_pages, inputs.pointers
     page_max_p, page_sum_p = scratch_p[:-3] if importance else (None, None)
     split_max_p, split_sum_p, split_acc_p = scratch_p[-3:]
     # Rows of heads side by side (a view of a fused QKV output too): read in place.
@@ -522,7 +527,7 @@ def _decode_native(
         num_pages, extra_k.shape[0] if extra_k is not None else 0,
         *(extra_k.stride()[:2] + extra_v.stride()[:2] if extra_k is not None else (0, 0, 0, 0)), bs, max_pages,
         page_size, kv_heads, group, head_dim, v_dim,
-        _NATIVE_DTYPES[k_pages.dtype], splits, float(logit_cap), int(importance),
+        _NATIVE_DTYPES[k_pages.dtype], split_pages, float(logit_cap), int(importance),
         page_max_p, page_sum_p, split_max_p, split_sum_p, split_acc_p,
         ptr(out), ptr(lse), ptr(mass), inputs.threads,
     )  # fmt: skip

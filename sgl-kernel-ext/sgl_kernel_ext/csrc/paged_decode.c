@@ -10,6 +10,10 @@
  *
  * Threads: OpenMP, the runtime torch itself loads (libgomp), so the two share
  * one pool; the caller passes torch's thread count.
+ *
+ * A split is a fixed number of a request's listed pages (split_pages), never a share of the
+ * batch's longest list: a request's sums run in the same order whatever its batch, so it
+ * decodes alike alone and beside others (the merge skips a split with no page).
  */
 #include <math.h>
 #include <stdint.h>
@@ -85,7 +89,7 @@ typedef struct {
     const int64_t *table;  /* [bs, max_pages] page ids; >= num_pages: extra page */
     const int64_t *tokens; /* [bs, max_pages] valid tokens per listed page */
     int64_t num_pages, bs, max_pages, page_size, kv, group, d, dv;
-    int dtype, splits, importance;
+    int dtype, split_pages, splits, importance;
     float logit_cap;
     float *page_max;   /* [bs, kv, max_pages, group]: the logit each page's sum is taken from */
     float *page_sum;   /* [bs, kv, max_pages, group]; both NULL without importance */
@@ -108,7 +112,7 @@ static inline __attribute__((always_inline)) void run_split_shape(const Args *a,
                                                                    const int64_t D, const int64_t DV, const int IMP) {
     const int64_t P = a->page_size, KV = a->kv, MP = a->max_pages;
     const int64_t BT = P > BLOCK_TOKENS ? P : BLOCK_TOKENS;
-    const int64_t per = (MP + a->splits - 1) / a->splits;
+    const int64_t per = a->split_pages;
     const int64_t j0 = s * per, j1 = j0 + per < MP ? j0 + per : MP;
     /* The request's query, scaled once here rather than by the caller (one torch op a
      * layer, which at a short step costs more than this loop). */
@@ -333,20 +337,21 @@ int sgl_paged_decode(const float *q, int64_t q_stride, float sm_scale, const voi
                      const int64_t *table, const int64_t *tokens, const uint8_t *live, const float *sinks,
                      int64_t num_pages, int64_t extra_pages, int64_t xk_page, int64_t xk_tok, int64_t xv_page,
                      int64_t xv_tok, int64_t bs, int64_t max_pages, int64_t page_size, int64_t kv, int64_t group,
-                     int64_t d, int64_t dv, int dtype, int splits, float logit_cap, int importance, float *page_max,
+                     int64_t d, int64_t dv, int dtype, int split_pages, float logit_cap, int importance, float *page_max,
                      float *page_sum, float *split_max, float *split_sum, float *split_acc, float *out, float *lse,
                      float *mass, int threads) {
 #ifdef SGL_PAGED_DECODE_NO_IMPORTANCE
     if (importance) return -1; /* this build has no importance code */
 #endif
-    if (dtype < DT_F32 || dtype > DT_F16 || splits < 1 || page_size < 1 || group < 1) return -1;
+    if (dtype < DT_F32 || dtype > DT_F16 || split_pages < 1 || page_size < 1 || group < 1) return -1;
+    const int splits = max_pages > split_pages ? (int)((max_pages + split_pages - 1) / split_pages) : 1;
     if (importance && (!page_max || !page_sum || !mass)) return -1;
     for (int64_t c = 0; c < bs * max_pages; c++)
         if (tokens[c] > 0 && (table[c] < 0 || table[c] >= num_pages + (k_extra ? extra_pages : 0) || tokens[c] > page_size))
             return -2;
     if (k_extra && (xk_tok < kv * d || xv_tok < kv * dv || xk_page < 1 || xv_page < 1)) return -1;
     Args a = {q, q_stride, sm_scale, k_pool, v_pool, k_extra, v_extra, xk_page, xk_tok, xv_page, xv_tok, table, tokens, num_pages, bs, max_pages, page_size, kv, group, d, dv,
-              dtype, splits, importance, logit_cap, page_max, page_sum, split_max, split_sum, split_acc};
+              dtype, split_pages, splits, importance, logit_cap, page_max, page_sum, split_max, split_sum, split_acc};
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t it = 0; it < bs * splits; it++) run_split(&a, it / splits, it % splits);
     if (importance) memset(mass, 0, sizeof(float) * bs * max_pages * kv);
