@@ -525,3 +525,29 @@ def test_without_a_compiler_the_kernel_is_not_built_and_the_torch_path_runs(monk
     assert_close(
         fast(q, k, v, plan, 16, native=None), reference_of(q, k, v, indptr, ids, toks, 16, plan.max_pages), seed
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_kernel_decodes_a_request_to_the_same_bits_alone_and_beside_longer_ones(decode_path, dtype):
+    # A request's splits are fixed runs of its own list: beside a longer request (more
+    # splits, a longer table) and on any thread count its sums run in the same order.
+    # (The torch path pads to the batch's longest list: close, not bitwise; its fallback role.)
+    if decode_path != "native":
+        pytest.skip("the C kernel's property")
+    seed = _seed()
+    page_size = 4  # 64 pages a split: the alone request spans three
+    q, k, v, indptr, ids, toks = make_case([150, 230, 7], page_size=page_size, dtype=dtype, seed=seed)
+    together = fast(q, k, v, plan_paged_decode(indptr, ids, toks, page_size=page_size), page_size)
+    first = slice(0, 150)
+    alone_plan = plan_paged_decode(indptr[:2], ids[first], toks[first], page_size=page_size)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            alone = fast(q[:1], k, v, alone_plan, page_size)
+            msg = f"seed={seed} threads={n}"
+            assert torch.equal(alone.output[0], together.output[0]), msg
+            assert torch.equal(alone.lse[0], together.lse[0]), msg
+            assert torch.equal(alone.importance[0], together.importance[0, :150]), msg
+    finally:
+        torch.set_num_threads(threads)
