@@ -111,3 +111,22 @@ def test_flush_cache_forgets_all_page_importance(importance_server, dump_dir):
     # Only the one request after the flush contributed (at most 1 per recorded step).
     assert 0 < float(after["accumulated"].sum()) <= recorded_since + 1e-3
     assert float(before["accumulated"].sum()) > recorded_since + 1
+
+
+def test_a_cached_long_prompt_decodes_to_the_same_logprobs_alone_and_beside_others(importance_server):
+    # Every prompt is cached first, so the four decode together from their first step; the
+    # long one spans many of the C kernel's splits. A split sized by the batch (before
+    # 2026-12-04) gave it other last bits beside the others (2.6e-6 in a logprob).
+    filler = "The tiered cache keeps pages that attention reads often and moves the rest to the host. "
+    long_prompt = "Notes on a long meeting. " + filler * 40 + "In one sentence, the notes say"
+    others = ["A story. " + filler * n + "The end. Next" for n in (10, 30, 50)]
+
+    def ask(prompt: str) -> tuple[list[int], list[float]]:
+        return output_ids_and_logprobs(importance_server.generate(prompt, MAX_NEW))
+
+    alone = ask(long_prompt)
+    for prompt in others:
+        ask(prompt)
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(ask, [long_prompt, *others]))[0]
+    assert together == alone
