@@ -125,7 +125,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         i64, i64, i64, i64,  # the extras' strides: K page, K token, V page, V token (elements)
         i64, i64,  # bs, max_pages
         i64, i64, i64, i64, i64,  # page_size, kv, group, d, dv
-        i32, i32, f32, i32,  # dtype, split_pages, logit_cap, importance
+        i32, i32, i32, f32, i32,  # dtype, split_pages, splits, logit_cap, importance
         p, p, p, p, p,  # page_max, page_sum, split_max, split_sum, split_acc
         p, p, p,  # out, lse, mass
         i32,  # threads

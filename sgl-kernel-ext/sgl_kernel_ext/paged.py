@@ -425,11 +425,13 @@ def _pools_laid_out(
 class _NativeInputs(NamedTuple):
     """What a plan's C decode calls share, made at its first call: the key it was made
     for (workspace, importance, threads, the pools' and q's layout), the thread count, the
-    pages a split holds and the lists' and scratch buffers' addresses (the tensors kept alive beside them)."""
+    pages a split holds, the splits the scratch buffers are sized for (the one count the C kernel
+    indexes them by) and the lists' and scratch buffers' addresses (the tensors kept alive beside them)."""
 
     key: tuple
     threads: int
     split_pages: int
+    splits: int
     kept: tuple
     pointers: list
 
@@ -482,7 +484,7 @@ def _native_inputs(
     # plan only where the lists are its own tensors (no converted copy), so a plan
     # updated in place between calls (a captured step's) is still read as it stands.
     kept = (table, tokens, live, *scratch)
-    inputs = _NativeInputs(key, threads, split_pages, kept, [t.data_ptr() for t in kept])
+    inputs = _NativeInputs(key, threads, split_pages, splits, kept, [t.data_ptr() for t in kept])
     same = all(a.data_ptr() == b.data_ptr() for a, b in zip(kept, (plan.table, plan.tokens, plan.live)))
     plan.native_inputs = inputs if same else None
     return inputs
@@ -507,7 +509,7 @@ def _decode_native(
     num_pages, page_size, kv_heads, _ = k_pages.shape
     v_dim, group, max_pages = v_pages.shape[-1], num_q_heads // kv_heads, plan.max_pages
     f32 = torch.float32
-    split_pages, (table_p, tokens_p, live_p, *scratch_p) = inputs.split_pages, inputs.pointers
+    table_p, tokens_p, live_p, *scratch_p = inputs.pointers
     page_max_p, page_sum_p = scratch_p[:-3] if importance else (None, None)
     split_max_p, split_sum_p, split_acc_p = scratch_p[-3:]
     # Rows of heads side by side (a view of a fused QKV output too): read in place.
@@ -527,7 +529,7 @@ def _decode_native(
         num_pages, extra_k.shape[0] if extra_k is not None else 0,
         *(extra_k.stride()[:2] + extra_v.stride()[:2] if extra_k is not None else (0, 0, 0, 0)), bs, max_pages,
         page_size, kv_heads, group, head_dim, v_dim,
-        _NATIVE_DTYPES[k_pages.dtype], split_pages, float(logit_cap), int(importance),
+        _NATIVE_DTYPES[k_pages.dtype], inputs.split_pages, inputs.splits, float(logit_cap), int(importance),
         page_max_p, page_sum_p, split_max_p, split_sum_p, split_acc_p,
         ptr(out), ptr(lse), ptr(mass), inputs.threads,
     )  # fmt: skip

@@ -251,6 +251,27 @@ def test_the_build_without_importance_decodes_as_importance_off(decode_path):
     torch.testing.assert_close(got.output, off.output, rtol=1e-6, atol=1e-7, msg=f"seed={seed}")
 
 
+def test_the_c_kernel_refuses_split_buffers_that_do_not_cover_the_longest_list(decode_path):
+    # The split buffers are sized by the count Python passes; the kernel indexes them by it
+    # and refuses a count too small for the longest list rather than write past them.
+    if decode_path != "native":
+        pytest.skip("the C kernel's check")
+    from sgl_kernel_ext.paged import _decode_native, _native_inputs
+
+    lib = native.library()
+    seed = _seed()
+    q, k, v, indptr, ids, toks = make_case([150, 7], page_size=4, seed=seed)
+    plan = plan_paged_decode(indptr, ids, toks, page_size=4)
+    k_pages, v_pages = k.view(-1, 4, *k.shape[1:]), v.view(-1, 4, *v.shape[1:])
+    inputs = _native_inputs(lib, q, k_pages, v_pages, None, None, plan, PagedDecodeWorkspace(), True)
+    assert inputs.splits * inputs.split_pages >= plan.max_pages > inputs.split_pages  # two splits of 64 pages
+    short = inputs._replace(splits=inputs.splits - 1)
+    with pytest.raises(RuntimeError, match="returned -1"):
+        _decode_native(lib, short, q, k_pages, v_pages, plan, 64**-0.5, 0.0, None, None, None, True)
+    got = _decode_native(lib, inputs, q, k_pages, v_pages, plan, 64**-0.5, 0.0, None, None, None, True)
+    assert_close(got, reference_of(q, k, v, indptr, ids, toks, 4, plan.max_pages), seed)
+
+
 def test_one_plan_serves_every_layer_and_sees_its_lists_changed_in_place():
     # The C kernel keeps a plan's inputs from its first call (a step's first layer).
     seed = _seed()

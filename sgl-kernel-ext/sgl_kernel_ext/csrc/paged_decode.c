@@ -12,7 +12,7 @@
  * one pool; the caller passes torch's thread count.
  *
  * A split is a fixed number of a request's listed pages (split_pages), never a share of the
- * batch's longest list: a request's sums run in the same order whatever its batch, so it
+ * batch's longest list (the caller passes both and sized the split buffers by splits): a request's sums run in the same order whatever its batch, so it
  * decodes alike alone and beside others (the merge skips a split with no page).
  */
 #include <math.h>
@@ -337,14 +337,15 @@ int sgl_paged_decode(const float *q, int64_t q_stride, float sm_scale, const voi
                      const int64_t *table, const int64_t *tokens, const uint8_t *live, const float *sinks,
                      int64_t num_pages, int64_t extra_pages, int64_t xk_page, int64_t xk_tok, int64_t xv_page,
                      int64_t xv_tok, int64_t bs, int64_t max_pages, int64_t page_size, int64_t kv, int64_t group,
-                     int64_t d, int64_t dv, int dtype, int split_pages, float logit_cap, int importance, float *page_max,
+                     int64_t d, int64_t dv, int dtype, int split_pages, int splits, float logit_cap, int importance, float *page_max,
                      float *page_sum, float *split_max, float *split_sum, float *split_acc, float *out, float *lse,
                      float *mass, int threads) {
 #ifdef SGL_PAGED_DECODE_NO_IMPORTANCE
     if (importance) return -1; /* this build has no importance code */
 #endif
     if (dtype < DT_F32 || dtype > DT_F16 || split_pages < 1 || page_size < 1 || group < 1) return -1;
-    const int splits = max_pages > split_pages ? (int)((max_pages + split_pages - 1) / split_pages) : 1;
+    /* The caller sized the split buffers by splits: they must cover the longest list. */
+    if (splits < 1 || (int64_t)splits * split_pages < max_pages) return -1;
     if (importance && (!page_max || !page_sum || !mass)) return -1;
     for (int64_t c = 0; c < bs * max_pages; c++)
         if (tokens[c] > 0 && (table[c] < 0 || table[c] >= num_pages + (k_extra ? extra_pages : 0) || tokens[c] > page_size))
