@@ -240,13 +240,7 @@ class ImportanceDecodeSteps:
         if save_kv_cache and k is not None and v is not None:
             self._store_kv(layer, forward_batch, k, v)
         out = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
-        if self.hot_set is not None and self.hot_set.graph_mode:
-            # A captured hot-set step's layer (hot_set/graph/step.py): fixed shapes.
-            pool = self.token_to_kv_pool
-            k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-            self.hot_set.attend_graph(layer, q, k_buffer, v_buffer, out, logit_cap=self._logit_cap(layer), sinks=sinks)
-            return o
-        if self.hot_set is None or not self.hot_set.in_step:
+        if self.hot_set is None or not self.hot_set.runs_layers:
             # No hot-set step begun: a step SGLang captures or replays as a CUDA graph
             # (none of its requests is past the threshold) reads every page.
             self._decode_dense(q, out, layer, sinks)

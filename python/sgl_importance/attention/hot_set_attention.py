@@ -22,7 +22,7 @@ here:
 - with ``--hot-set-graph-rows``, a batch that holds one replays the ``hot`` (or ``hot_guard``) graph variant
   (``HotSetGraphVariants``): the decoder plans it in that same hook and the plan goes into
   the fixed-shape step's buffers (``hot_set/graph/step.py``, ``plan_graph_step``), the layers
-  run it (``attend_graph``), and after the batch the step is folded and ended
+  run it (``attend``), and after the batch the step is folded and ended
   (``finish_graph_step``, from ``end_batch``); a batch the buffers refuse runs eagerly from the same plan;
 - with ``--hot-set-plan-ahead`` a step is ended one step late: after step N runs (its tally's
   copy queued, not waited for), step N-1 is folded and ended, planning N+1 and the page moves
@@ -121,6 +121,12 @@ class HotSetAttention:
     def in_step(self) -> bool:
         """An eager step is begun and not yet ended (its layers read the hot sets)."""
         return self.phase is StepPhase.EAGER
+
+    @property
+    def runs_layers(self) -> bool:
+        """The forward's decode layers are the hot set's (``attend``): an eager step, or a
+        captured hot-set step replayed or captured (``graph_mode``)."""
+        return self.graph_mode or self.in_step
 
     def _to(self, phase: StepPhase) -> None:
         self.phase = advance(self.phase, phase)
@@ -241,24 +247,6 @@ class HotSetAttention:
             self._to(StepPhase.REPLAYED)
             self.fence()
 
-    def attend_graph(
-        self,
-        layer: AttentionLayer,
-        q: torch.Tensor,
-        k_buffer: torch.Tensor,
-        v_buffer: torch.Tensor,
-        out: torch.Tensor,
-        *,
-        logit_cap: float,
-        sinks: Optional[torch.Tensor] = None,
-    ) -> None:
-        """One layer of a captured hot-set step (fixed shapes; into ``out``)."""
-        k_pages, v_pages = self.decoder.pool_as_pages(layer.layer_id, k_buffer, v_buffer)
-        result = self.graph.attend(
-            layer.layer_id, q, k_pages, v_pages, out, sm_scale=layer.scaling, logit_cap=logit_cap, sinks=sinks
-        )
-        self.page_importance.add_layer(result.importance, *self.graph.slot_lists())
-
     def end_batch(self) -> Optional[PageMoves]:
         """After a batch's forward (the scheduler's ``Scheduler.run_batch`` hook, never the
         forward): end the step it ran, eager or replayed (with ``--hot-set-plan-ahead`` the
@@ -325,6 +313,12 @@ class HotSetAttention:
         Returns:
             ``out``.
         """
+        if self.graph_mode:  # a captured step's layer (hot_set/graph/step.py): fixed shapes
+            k_pages, v_pages = self.decoder.pool_as_pages(layer.layer_id, k_buffer, v_buffer)
+            run = dict(sm_scale=layer.scaling, logit_cap=logit_cap, sinks=sinks)
+            result = self.graph.attend(layer.layer_id, q, k_pages, v_pages, out, **run)
+            self.page_importance.add_layer(result.importance, *self.graph.slot_lists())
+            return out
         result = self.decoder.attend(
             layer.layer_id, q, k_buffer, v_buffer, sm_scale=layer.scaling, logit_cap=logit_cap, sinks=sinks
         )
