@@ -18,7 +18,7 @@ off, and with the guard on —:
   rows so far while it prefills);
 - bytes a decode step reads per request: dense all KV; guard off the hot set's pages and
   the key min/max of every page (unread pages are ranked by their key bound each layer,
-  ``StepTally._reduce_bounds``); guard on the planned and sampled pages exactly and the key
+  ``sgl_kernel_ext.page_tally``); guard on the planned and sampled pages exactly and the key
   codes and key min/max of every other page (``estimate.estimate_outside``), plus what
   its selection reads exactly (top-p on the codes, at most the read cap);
 - the decode step's time floor: bytes / bandwidth, per request, and for a full batch

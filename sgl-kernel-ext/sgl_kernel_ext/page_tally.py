@@ -10,7 +10,7 @@ For each request ``b`` and listed column ``j`` of a decode layer, into a float32
   key range has id ``ids[b, p]`` (0: none): ``bound = sm_scale * sum_d max(q_d min_d,
   q_d max_d)`` (capped like the logits) ``+ log(page_size) - lse[b, h]``, the log of the
   most mass the page's tokens could hold against the layer's denominator (Quest's bound;
-  a page without a range counts as -inf).
+  a page without a range counts as -inf). ``ids`` None: no page is bounded (``tally[2]`` as it was).
 
 A Triton kernel with a fixed grid (rows x page blocks: no host sync, no allocation, safe in
 a CUDA graph) and a torch path with the same contract (fixed shapes too), for the CPU and
@@ -43,7 +43,7 @@ def _check(per_kv, q, lse, key_min, key_max, ids, tally):
         raise ValueError(f"tally must be [3, >= {bs}, {pages}], got {tuple(tally.shape)}")
     if tally.dtype != torch.float32 or not tally.is_contiguous():
         raise ValueError("tally must be a contiguous float32 tensor")
-    if ids.shape != (bs, pages):
+    if ids is not None and ids.shape != (bs, pages):
         raise ValueError(f"ids must be [{bs}, {pages}], got {tuple(ids.shape)}")
     if q.dim() != 3 or q.shape[0] != bs or q.shape[1] % kv or lse.shape != q.shape[:2]:
         raise ValueError("q must be [bs, q_heads, D] (q_heads a multiple of kv_heads) and lse [bs, q_heads]")
@@ -58,6 +58,8 @@ def tally_pages_torch(per_kv, q, lse, key_min, key_max, ids, tally, *, sm_scale,
     f32 = torch.float32
     tally[SUM, :bs].add_(per_kv.to(f32).mean(dim=-1))
     torch.maximum(tally[MAX, :bs], per_kv.to(f32).amax(dim=-1), out=tally[MAX, :bs])
+    if ids is None:
+        return tally
     flat = ids.reshape(-1)
     kmin = key_min.index_select(0, flat).view(bs, pages, kv, dim).to(f32)
     kmax = key_max.index_select(0, flat).view(bs, pages, kv, dim).to(f32)
@@ -69,8 +71,10 @@ def tally_pages_torch(per_kv, q, lse, key_min, key_max, ids, tally, *, sm_scale,
     if logit_cap > 0:
         bound = logit_cap * torch.tanh(bound / logit_cap)
     log_mass = bound + math.log(page_size) - lse.to(f32)[:, None, :]
-    # A page without a range (id 0: +inf/-inf) gives -inf or NaN: nothing.
+    # A page without a range (id 0, whatever that row holds: a pool's padding slot) and a
+    # NaN count as nothing, as in the kernel.
     inf = float("inf")
+    log_mass = log_mass.masked_fill((ids == 0)[:, :, None], -inf)
     best = torch.nan_to_num(log_mass, nan=-inf, posinf=inf, neginf=-inf).amax(dim=-1)
     torch.maximum(tally[BOUND, :bs], best, out=tally[BOUND, :bs])
     return tally
@@ -107,6 +111,7 @@ if HAS_TRITON:
         BLOCK_D: tl.constexpr,
         BLOCK_P: tl.constexpr,
         HAS_CAP: tl.constexpr,
+        HAS_IDS: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -123,6 +128,8 @@ if HAS_TRITON:
         row = Tally + b * stride_tb + cols
         tl.store(row, tl.load(row, mask=in_row) + total / KV, mask=in_row)  # tally[0]
         tl.store(row + stride_tt, tl.maximum(tl.load(row + stride_tt, mask=in_row), most), mask=in_row)  # tally[1]
+        if not HAS_IDS:
+            return
         # Key bounds of the row's pages with a range, largest over query heads.
         ids = tl.load(Ids + b * stride_ib + cols, mask=in_row, other=0).to(tl.int64)
         ranged = in_row & (ids > 0)
@@ -152,7 +159,7 @@ def tally_pages(
     lse: torch.Tensor,
     key_min: torch.Tensor,
     key_max: torch.Tensor,
-    ids: torch.Tensor,
+    ids: Optional[torch.Tensor],
     tally: torch.Tensor,
     *,
     sm_scale: float,
@@ -166,7 +173,8 @@ def tally_pages(
         per_kv: ``[bs, pages, kv_heads]`` each listed page's exact mass per KV head.
         q: ``[bs, q_heads, D]`` the layer's queries; lse: ``[bs, q_heads]`` its log denominators.
         key_min, key_max: ``[range_ids, kv_heads, D]`` the layer's key ranges (row 0: none).
-        ids: int64 ``[bs, pages]`` the range id of each of the request's pages (0: none).
+        ids: int64 ``[bs, pages]`` the range id of each of the request's pages (0: none);
+            None: no bounds (no row ranks its unread pages by them).
         tally: float32 ``[3, >= bs, pages]``, updated in place.
         use_triton: default: Triton for CUDA tensors, torch otherwise.
 
@@ -191,10 +199,11 @@ def tally_pages(
     block_p = max(16, min(128, 8192 // block_d))
     grid = (bs, triton.cdiv(pages, block_p))
     _tally_pages_kernel[grid](
-        per_kv, q, lse, key_min, key_max, ids, tally,
+        per_kv, q, lse, key_min, key_max, per_kv if ids is None else ids, tally,
         pages, float(sm_scale), float(logit_cap), math.log(page_size),
         per_kv.stride(0), per_kv.stride(1), q.stride(0), q.stride(1), lse.stride(0),
-        key_min.stride(0), key_min.stride(1), ids.stride(0), tally.stride(0), tally.stride(1),
+        key_min.stride(0), key_min.stride(1), 0 if ids is None else ids.stride(0), tally.stride(0), tally.stride(1),
         KV=kv, GROUP=q.shape[1] // kv, DIM=dim, BLOCK_D=block_d, BLOCK_P=block_p, HAS_CAP=logit_cap > 0,
+        HAS_IDS=ids is not None,
     )  # fmt: skip
     return tally

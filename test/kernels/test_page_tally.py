@@ -69,3 +69,23 @@ def test_the_tally_is_the_eager_steps_masses_and_the_key_bound():
     i = ids[b, p]
     bound = key_bound(q[b], key_min[i][None], key_max[i][None], sm_scale=0.25)[0]  # [Hq]
     assert math.isclose(float(tally[BOUND, b, p]), float((bound + math.log(PAGE) - lse[b]).max()), rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["torch", "triton"])
+def test_without_range_ids_the_masses_are_tallied_and_no_page_is_bounded(triton):
+    # A step whose rows rank nothing by key bounds passes no ids: its bound row stays as it was.
+    per_kv, q, lse, key_min, key_max, ids = case(3)
+    tally = fresh(3, 10)
+    tally_pages(per_kv, q, lse, key_min, key_max, None, tally, sm_scale=0.25, page_size=PAGE, use_triton=triton)
+    assert torch.allclose(tally[SUM, :3], per_kv.mean(-1)) and torch.allclose(tally[MAX, :3], per_kv.amax(-1))
+    assert torch.equal(tally[BOUND], fresh(3, 10)[BOUND])
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["torch", "triton"])
+def test_a_page_with_range_id_0_is_bounded_by_nothing_whatever_row_0_holds(triton):
+    # Over a pool's K and V (the eager step's ranges), row 0 is SGLang's padding slot, finite.
+    per_kv, q, lse, key_min, key_max, ids = case(4)
+    key_min[0], key_max[0] = -1.0, 1.0
+    tally = fresh(3, 10)
+    tally_pages(per_kv, q, lse, key_min, key_max, ids, tally, sm_scale=0.25, page_size=PAGE, use_triton=triton)
+    assert torch.isneginf(tally[BOUND, :3][ids == 0]).all() and torch.isfinite(tally[BOUND, :3][ids > 0]).all()

@@ -429,9 +429,13 @@ def test_the_scheduler_notes_a_requests_own_parameters_and_forgets_them_when_it_
     assert record.get("a") is None
 
 
-def test_the_key_bound_ranking_is_the_same_however_many_layers_the_step_end_takes_at_once(monkeypatch):
-    # Guard off, the unread pages are ranked by the largest key-bound mass over layers and
-    # heads, worked out where the step ends, a few layers at a time (bounded memory).
+def test_the_guard_off_ranking_is_each_pages_largest_key_bound_mass_over_layers_and_heads(monkeypatch):
+    # Guard off, the unread pages are ranked by the largest key-bound mass over the step's
+    # layers and heads, tallied per layer by the captured step's own launch (page_tally):
+    # held here to that quantity worked out directly from the key ranges and each layer's
+    # attended denominator.
+    import math
+
     from sgl_importance.hot_set.plan import step_tally
 
     g = torch.Generator().manual_seed(5)
@@ -441,28 +445,41 @@ def test_the_key_bound_ranking_is_the_same_however_many_layers_the_step_end_take
     k_bufs = [torch.randn(rows, KV_HEADS, DIM, generator=g) * 2 for _ in range(layers)]
     v_bufs = [torch.randn(rows, KV_HEADS, DIM, generator=g) for _ in range(layers)]
     qs = [torch.randn(1, KV_HEADS * GROUP, DIM, generator=g) * 0.3 for _ in range(layers)]
-    kept = {}
-    reduce_bounds = step_tally.StepTally._reduce_bounds
+    params = HotSetParams(policy="importance", budget=4, window=1, sinks=1, guard_threshold=1.0)
+    decoder = decoder_over(layers, 20, params, threshold=8)
+    read, lses, rows_seen = decoder.exact, [], []
 
-    def keep(self, live, ranges):
-        reduce_bounds(self, live, ranges)
-        kept.setdefault(step_tally.BOUND_CHUNK_BYTES, []).append(self.bound_mass.clone())
+    def reading(*args, **kwargs):
+        result = read(*args, **kwargs)
+        lses.append(result.lse)
+        return result
 
-    monkeypatch.setattr(step_tally.StepTally, "_reduce_bounds", keep)
-    for chunk_bytes in (1, step_tally.BOUND_CHUNK_BYTES):  # a layer at a time, then all at once
-        monkeypatch.setattr(step_tally, "BOUND_CHUNK_BYTES", chunk_bytes)
-        params = HotSetParams(policy="importance", budget=4, window=1, sinks=1, guard_threshold=1.0)
-        decoder = decoder_over(layers, 20, params, threshold=8)
-        for _ in range(2):
-            decoder.begin_step(["r"], [slots])
-            for layer in range(layers):
-                decoder.attend(layer, qs[layer], k_bufs[layer], v_bufs[layer], sm_scale=DIM**-0.5)
-            decoder.end_step()
-    one, whole = kept[1], kept[step_tally.BOUND_CHUNK_BYTES]
-    assert len(one) == len(whole) == 2
-    for a, b in zip(one, whole):
-        assert torch.equal(a, b)
-    assert ((whole[-1] > 0) & (whole[-1] < 1)).any()  # real bounds, neither all 0 nor all capped at 1
+    fold = step_tally.fold_pages
+
+    def folding(req, tally, *args):
+        rows_seen.append((tally.clone(), req.tracked.ranges.clone()))
+        return fold(req, tally, *args)
+
+    decoder.exact = reading
+    monkeypatch.setattr(step_tally, "fold_pages", folding)
+    for _ in range(2):  # the first step codes the full pages; the second ranks them
+        lses.clear()
+        decoder.begin_step(["r"], [slots])
+        for layer in range(layers):
+            decoder.attend(layer, qs[layer], k_bufs[layer], v_bufs[layer], sm_scale=DIM**-0.5)
+        decoder.end_step()
+    tally, ranges = rows_seen[-1]
+    full = n_tokens // PAGE
+    assert ranges.numel() == full
+    want = torch.full((full,), float("-inf"))
+    for layer in range(layers):
+        key_min, key_max = decoder.ranges.gather(torch.tensor([layer]), ranges)
+        bound = key_bound(qs[layer][0], key_min[0], key_max[0], sm_scale=DIM**-0.5)  # [P, Hq]
+        want = torch.maximum(want, (bound + math.log(PAGE) - lses[layer][0]).amax(dim=1))
+    got = tally[2, :full]
+    assert torch.allclose(got, want, atol=1e-5), (got, want)
+    mass = want.clamp(max=0.0).exp()
+    assert ((mass > 0) & (mass < 1)).any()  # real bounds, neither all 0 nor all capped at 1
 
 
 def _swaps_one_by_one(state: RequestHotSet, fixed: torch.Tensor, slots: int, num_pages: int) -> torch.Tensor:

@@ -212,9 +212,10 @@ class HotSetDecoder:
         device = self.ranges.device
         layers = self.ranges.num_layers
         self._guard_lists = GuardLists.build(self._live, self._outside, self._sample, ps, device, layers, pool_pages)
-        self._tally = StepTally.for_step(self._live, self._exact, self._outside, device, num_layers=layers)
+        prepare = getattr(self.exact, "slots", None)  # a Triton reader: the tally runs its kernel too
+        run = dict(page_size=ps, kv_heads=self.ranges.num_kv_heads, use_triton=prepare is not None)
+        self._tally = StepTally.for_step(self._live, self._exact, self._outside, device, layers, **run)
         self._pool_pages_planned = pool_pages
-        prepare = getattr(self.exact, "slots", None)
         if prepare is not None:
             # A reader that turns the plan into device lists (TritonPageListDecode) does it
             # here, once per step, rather than in the first layer; the host says whether
@@ -298,7 +299,7 @@ class HotSetDecoder:
             combined = self._guard_layer(layer_id, q, k_pages, v_pages, result, guard_lists, run, per_layer)
             output[rows] = combined.output.to(output.dtype)
             share[rows] = combined.exact_share
-        self._tally.add_exact(self._live, layer_id, q, result, exact, share, run, per_layer)
+        self._tally.add_exact(self._live, layer_id, q, result, exact, share, run, per_layer, self.ranges)
         self._step_layers += 1
         masses = shared_masses(result.importance_per_kv_head, share)
         return LayerResult(output, masses, exact.kv_indptr, exact.kv_indices)
@@ -367,7 +368,7 @@ class HotSetDecoder:
     def fold_step(self) -> list[LiveRequest]:
         """An eager step's tally into its requests; the step's lists dropped. Returns its requests."""
         if self._tally is not None:
-            self._tally.fold(self._live, self._exact, self._outside, self._step_layers, self.ranges)
+            self._tally.fold(self._live, self._exact, self._outside, self._step_layers)
         live, self._live = self._live, []
         self._exact = self._outside = self._sample = self._tally = self._guard_lists = None
         return live

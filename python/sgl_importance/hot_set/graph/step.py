@@ -26,12 +26,12 @@ once for ``GraphCapacity``: ``rows`` requests of at most ``pages`` pages each.
     nothing), written into the caller's ``out``; in one launch (``sgl_kernel_ext.page_tally``)
     each page's mass added to the tally (summed over layers and the mean over KV heads, and
     the largest over both) and the key bound of each full page of a ``HOT`` row against the
-    layer's denominator, the largest over layers and heads (``step_tally.StepTally._reduce_bounds``'
-    quantity, per layer).
+    layer's denominator, the largest over layers and heads (the eager step's tally runs the same
+    launch: ``plan.step_tally``).
 - After the replay, on its stream (``read_back``): the tally copied to the host in one
   copy (into pinned memory on CUDA, the turn's buffer), an event after it.
 - After the step, on the host (``fold``, once that event has passed): the tally into the
-  step's requests, as the eager step's ``StepTally.fold`` does; then the decoder's
+  step's requests (``step_tally.fold_pages``, as the eager step's fold); then the decoder's
   ``end_step`` as after an eager step (with ``--hot-set-plan-ahead``, one step later).
 
 The work per layer is the capacity's, not the plan's: on a GPU the kernel loops by the
@@ -51,9 +51,10 @@ from sgl_importance.hot_set.graph.guard import GraphGuard, GuardReadBack
 from sgl_importance.hot_set.guard.key_codes import GuardPool
 from sgl_importance.hot_set.guard.key_ranges import KeyRanges
 from sgl_importance.hot_set.plan.request_state import LiveRequest, released_among
+from sgl_importance.hot_set.plan.step_tally import fold_pages
 from sgl_kernel_ext import DecodeImportanceOutput, PagedDecodePlan, PagedDecodeWorkspace, decode_importance_paged
 from sgl_kernel_ext.page_list import PageListSlots, TritonPageListDecode, page_list_slots
-from sgl_kernel_ext.page_tally import BOUND, MAX, SUM, tally_pages
+from sgl_kernel_ext.page_tally import BOUND, tally_pages
 
 
 class GraphCapacity(NamedTuple):
@@ -335,19 +336,9 @@ class GraphStep:
         """A replayed step's tally into its requests (waiting for its copies); returns them."""
         if step.done is not None:
             step.done.synchronize()
-        tally = step.tally
-        layers = self.num_layers
         for b, req in enumerate(step.live):
-            if req.tracked is None:
-                continue
-            num = req.tokens.numel()
-            req.counts.pages_dense += num * layers
-            if req.bounds_unread:
-                bound = tally[BOUND, b, :num].double().clamp(max=0.0).exp().nan_to_num(0.0)
-                torch.maximum(req.outside_mass, bound, out=req.outside_mass)
-            n = req.planned.numel()
-            mass = tally[MAX, b, :n].clamp_min(0.0) if req.tracked.state.params.ranks_by_max else tally[SUM, b, :n]
-            req.take_exact(req.planned, mass.double(), layers)
+            if req.tracked is not None:
+                fold_pages(req, step.tally[:, b], req.planned, self.num_layers, self.num_layers)
         if step.guard is not None:
             self.guard.fold(step.live, step.guard)
         return step.live

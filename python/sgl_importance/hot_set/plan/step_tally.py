@@ -1,13 +1,14 @@
 """What the layers of a hot-set step found, kept as tensors and folded once per step.
 
-Each layer adds to a ``StepTally`` on the layers' device: the exact masses of the
-pages it read (part 1's padded table), and for guarded requests the estimated masses
-of unread pages and the guard's reads (the outside plan's table), or for requests with
-the guard off the key min/max bound of their unread pages. ``fold`` copies the tally
-to the host once, at the end of the step, and adds it into each request's
-accumulators (``request_state.LiveRequest``): no Python loop per request per layer.
-The ``quest`` baseline's lists change per layer, so its layers fold straight into the
-requests instead.
+Each layer adds to a ``StepTally`` on the layers' device: part 1's masses and, for requests
+with the guard off, the key min/max bound of each full page, through the captured step's own
+tally (``sgl_kernel_ext.page_tally``: one launch a layer, Triton on a GPU), so an eager and a
+captured step rank pages by the same numbers; and, for guarded requests, the estimated masses
+of unread pages and the guard's reads (the outside plan's table). ``fold`` copies the tally to
+the host once, at the end of the step, and adds it into each request's accumulators
+(``request_state.LiveRequest``; ``fold_pages``, a captured step's fold too): no Python loop per
+request per layer. The ``quest`` baseline's lists change per layer, so its layers' masses fold
+straight into the requests instead.
 
 Plain torch over ``sgl_kernel_ext``; nothing here imports SGLang.
 """
@@ -20,15 +21,12 @@ from typing import Optional, Sequence
 import torch
 
 from sgl_importance.hot_set.guard.estimate import OutsidePlan, on_device
-from sgl_importance.hot_set.guard.key_ranges import KeyRanges, key_bound
+from sgl_importance.hot_set.guard.key_ranges import KeyRanges
 from sgl_importance.hot_set.guard.layer import GuardOutcome, top_p_mask
 from sgl_importance.hot_set.plan.page_lists import ExactPlan
 from sgl_importance.hot_set.plan.request_state import LiveRequest, released_among
 from sgl_kernel_ext import DecodeImportanceOutput
-
-# The most the step's end gathers and computes at once for one request's bounds: a block of
-# pages and layers (a Llama-8B shape: every layer of 512 pages, 32 MiB of bf16 ranges).
-BOUND_CHUNK_BYTES = 32 << 20
+from sgl_kernel_ext.page_tally import BOUND, MAX, SUM, tally_pages
 
 
 @dataclass
@@ -36,13 +34,17 @@ class StepTally:
     """What the layers of a step found, as tensors (folded into each request once, at
     the end of the step).
 
-    ``exact_*`` follow part 1's padded table ``[bs, W]``; ``outside_*`` the outside plan's
-    ``[n, P]``.
+    ``pages`` follows part 1's padded table ``[bs, W]`` for the masses and each request's
+    pages for the bounds (``page_tally``'s layout, as wide as the longer); ``outside_*`` the
+    outside plan's ``[n, P]``.
     """
 
-    exact_mass: torch.Tensor  # float64, summed over layers or the largest (rows that rank by max)
-    by_max: torch.Tensor  # bool [bs]
+    pages: torch.Tensor  # float32 [3, bs, width]: page_tally's SUM, MAX (listed columns), BOUND (pages)
+    page_size: int
     layers: int = 0  # layers read with part 1's fixed lists
+    ids: Optional[torch.Tensor] = None  # int64 [bs, width] guard-off rows' range ids (None: no such row)
+    padded: Optional[torch.Tensor] = None  # [bs, width, kv] a layer's part-1 masses, padded to the width
+    use_triton: bool = False  # page_tally's Triton kernel (a GPU's, or a Triton reader's)
     outside_mass: Optional[torch.Tensor] = None  # float64 [n, P] largest estimated mass
     outside_wanted: Optional[torch.Tensor] = None  # bool [n, P] wanted by the selection in some layer
     outside_needed: Optional[torch.Tensor] = None  # bool [n, P] wanted by a flagged layer while released
@@ -54,23 +56,11 @@ class StepTally:
     pages_estimated: Optional[torch.Tensor] = None  # int64 [n], over layers
     pages_missed: Optional[torch.Tensor] = None  # int64 [n], over layers: wanted while released
     pages_guard_from_host: Optional[torch.Tensor] = None  # int64 [n], over layers: read from their host copies
-    bound_mass: Optional[torch.Tensor] = None  # float64 [m, Pmax] guard-off rows: largest key-bound mass
-    bound_rows: Optional[torch.Tensor] = None  # int64 [m] the guard-off rows of the batch
-    bound_log_tokens: Optional[torch.Tensor] = None  # float64 [m, Pmax] log of each page's tokens
-    # What each layer hands the tally, kept until the step's end and reduced there in one
-    # pass over the layers (a per-layer reduction was ~34 device launches a layer: an
-    # eager GPU step is launch-bound). Set to None once reduced (never read back).
-    layer_importance: Optional[torch.Tensor] = None  # [L, bs, W, kv] part 1's per-KV-head masses
-    layer_share: Optional[torch.Tensor] = None  # [L, bs, Hq] exact pages' share (None: all 1)
-    bound_q: Optional[torch.Tensor] = None  # [L, m, Hq, D] guard-off rows' queries
-    bound_lse: Optional[torch.Tensor] = None  # [L, m, Hq] their attended log denominators
-    bound_layer_ids: Optional[list] = None  # the layer of each kept slot
-    num_layers: int = 1  # the most layers a step adds (the buffers' first dimension)
-    kept: int = 0  # layers kept in layer_importance
+    num_layers: int = 1  # the most layers a step adds
     warm: Optional[torch.Tensor] = None  # bool [bs] rows in their dense warm-up step (guarded)
     warm_p: Optional[torch.Tensor] = None  # float64 [bs] their top-p
-    warm_wanted: Optional[torch.Tensor] = None  # int64 [L, bs] pages each layer's exact top-p needed
-    run: Optional[dict] = None  # the layers' sm_scale and logit_cap (the bounds need them)
+    warm_layers: Optional[list] = None  # int64 [bs] per tallied layer: pages its exact top-p needed
+    warm_wanted: Optional[torch.Tensor] = None  # int64 [L, bs] the same, stacked where the step ends
 
     @classmethod
     def for_step(
@@ -80,18 +70,30 @@ class StepTally:
         outside: OutsidePlan,
         device: torch.device,
         num_layers: int = 1,
+        *,
+        page_size: int,
+        kv_heads: int,
+        use_triton: bool = False,
     ) -> "StepTally":
         """An empty tally for the step's fixed lists, on the layers' device
         (``num_layers``: the most layers the step will add)."""
-        # On the layers' device: folded into the requests (on the host) once per step.
-        width = exact.plan.max_pages
-        bs = len(live)
-        by_max = torch.tensor(
-            [req.tracked is not None and req.tracked.state.params.ranks_by_max for req in live],
-            device=device,
-        )
-        tally = cls(torch.zeros(bs, width, dtype=torch.float64, device=device), by_max)
+        bounded = [b for b, req in enumerate(live) if req.bounds_unread]
+        # Part 1's columns; with guard-off rows, each of their full pages (their bounds).
+        width = max([exact.plan.max_pages] + [live[b].tokens.numel() for b in bounded])
+        pages = torch.zeros(3, len(live), width, dtype=torch.float32, device=device)
+        pages[BOUND].fill_(float("-inf"))
+        tally = cls(pages, page_size, use_triton=use_triton)
         tally.num_layers = num_layers
+        if bounded:
+            # Each full page's range id (0: none), written on the host, put on the device once.
+            ids = torch.zeros(len(live), width, dtype=torch.int64)
+            for b in bounded:
+                ranges = live[b].tracked.ranges
+                n = min(live[b].tokens.numel(), ranges.numel())
+                ids[b, :n] = ranges[:n]
+            tally.ids = ids.to(device)
+        if bounded:  # a layer's masses padded to the bounds' width (quest's: none), made here: no layer allocates
+            tally.padded = torch.zeros(len(live), width, kv_heads, dtype=torch.float32, device=device)
         warm = [req.guard_on and req.tracked.state.step == 0 for req in live]
         if any(warm):
             # The dense warm-up's exact masses say how many pages each layer's top-p needs:
@@ -99,23 +101,15 @@ class StepTally:
             tally.warm = torch.tensor(warm, device=device)
             p = [req.tracked.state.params.top_p if w else 1.0 for req, w in zip(live, warm)]
             tally.warm_p = torch.tensor(p, dtype=torch.float64, device=device)
+            tally.warm_layers = []
         tally._zero_outside(outside, device)
-        guard_off = [b for b, req in enumerate(live) if req.bounds_unread]
-        if guard_off:
-            # What every layer's bound needs of the step, on the device once: the rows and
-            # each page's token count (log), padded to the longest request.
-            pad = torch.nn.utils.rnn.pad_sequence
-            tokens = pad([live[b].tokens for b in guard_off], batch_first=True).to(device, torch.float64)
-            tally.bound_rows = torch.tensor(guard_off).to(device)
-            tally.bound_log_tokens = tokens.log()
-            tally.bound_mass = torch.zeros(tokens.shape, dtype=torch.float64, device=device)
         return tally
 
     @classmethod
     def for_outside(cls, outside: OutsidePlan, device: torch.device, num_layers: int) -> "StepTally":
         """An empty tally of one layer's guard alone (lists that change per layer)."""
-        empty = dict(device=device)  # on the layers' device with the rest: on_host reads them back as one
-        tally = cls(torch.zeros(0, 0, dtype=torch.float64, **empty), torch.zeros(0, dtype=torch.bool, **empty))
+        # On the layers' device with the rest: on_host reads them back as one.
+        tally = cls(torch.zeros(3, 0, 0, dtype=torch.float32, device=device), 1)
         tally.num_layers = num_layers
         tally._zero_outside(outside, device)
         return tally
@@ -178,115 +172,39 @@ class StepTally:
         share: Optional[torch.Tensor],
         run: dict,
         per_layer: bool,
+        ranges: KeyRanges,
     ) -> None:
-        """Keep one layer's exact masses for the step's end (or, when the lists change per
-        layer — the quest baseline — fold them straight into each request).
+        """One layer's exact masses and the guard-off rows' key bounds into the tally (or,
+        when the lists change per layer — the quest baseline — its masses folded straight into
+        each request, its bounds tallied).
 
         Args:
             share: ``[bs, q_heads]`` the exact pages' share of the combined denominator
                 (None: all of it, no guard combined).
             run: the layer's ``sm_scale`` and ``logit_cap``.
+            ranges: the key-range pool (the bounds read this layer's ranges by id).
         """
-        if per_layer:
-            per_kv = result.importance_per_kv_head.double()  # [bs, W, kv]
-            masses = per_kv
-            if share is not None:
-                masses = per_kv * kv_group_share(share, per_kv.shape[-1]).double()[:, None, :]
-            for b, req in enumerate(live):
-                if req.tracked is None:
-                    continue
-                listed = exact.logical[b]
-                m = masses[b, : listed.numel()].cpu()
-                if bool(self.by_max[b]):
-                    req.mass_over_layers[listed] = torch.maximum(req.mass_over_layers[listed], m.amax(dim=1))
-                else:
-                    req.mass_over_layers[listed] += m.mean(dim=1)
-                req.layers[listed] += 1
-                req.counts.pages_attended += listed.numel()
-                req.counts.pages_read_from_host += int(released_among(req.pages, listed).sum())
-        else:
-            self._keep_exact(result.importance_per_kv_head, share)
-        if self.bound_mass is not None:
-            self._keep_bound_inputs(layer_id, q, result)
-        self.run = run
-
-    def _keep_exact(self, per_kv: torch.Tensor, share: Optional[torch.Tensor]) -> None:
-        """One layer's part-1 masses (and the exact share, where a guard combined),
-        copied into the step's buffers; reduced over the layers in ``_reduce_layers``."""
-        self.layers += 1
-        if per_kv.shape[1] != self.exact_mass.shape[1]:
-            return  # a layer whose lists differ (never with the step's fixed ones): not tallied
-        slot = self.kept
-        self.layer_importance = _room(self.layer_importance, slot, per_kv, per_kv.shape, self.num_layers)
-        self.layer_importance[slot].copy_(per_kv)
+        per_kv = result.importance_per_kv_head
         if share is not None:
-            self.layer_share = _room(self.layer_share, slot, share, share.shape, self.num_layers, fill=1.0)
-            self.layer_share[slot].copy_(share)
-        self.kept += 1
-
-    def _keep_bound_inputs(self, layer_id: int, q: torch.Tensor, result: DecodeImportanceOutput) -> None:
-        """Guard off: the rows' query and attended denominator of one layer, kept for the
-        key-bound ranking of their unread pages at the step's end."""
-        index = self.bound_rows
-        self.bound_layer_ids = self.bound_layer_ids or []
-        slot = len(self.bound_layer_ids)
-        m = index.shape[0]
-        self.bound_q = _room(self.bound_q, slot, q, (m, *q.shape[1:]), self.num_layers)
-        self.bound_lse = _room(self.bound_lse, slot, result.lse, (m, result.lse.shape[1]), self.num_layers)
-        torch.index_select(q, 0, index, out=self.bound_q[slot])
-        self.bound_lse[slot].copy_(result.lse.index_select(0, index))
-        self.bound_layer_ids.append(layer_id)
-
-    def _reduce_layers(self, live: Sequence[LiveRequest], ranges: Optional[KeyRanges]) -> None:
-        """The kept layers into ``exact_mass`` and ``bound_mass``: for each page, the sum
-        (or, for rows that rank by max, the largest) over layers of its mass, and the
-        largest over layers and heads of its key-bound mass. Then the buffers go."""
-        if self.layer_importance is not None:
-            n = self.kept
-            per_kv = self.layer_importance[:n].double()  # [L, bs, W, kv]
-            if self.layer_share is not None:
-                group_share = kv_group_share(self.layer_share[:n], per_kv.shape[-1]).double()  # [L, bs, kv]
-                per_kv = per_kv * group_share[:, :, None, :]
-            by_max = self.by_max[:, None]
-            reduced = torch.where(by_max, per_kv.amax(dim=3), per_kv.mean(dim=3))  # [L, bs, W]
-            self.exact_mass = torch.where(by_max, reduced.amax(dim=0).clamp_min(0.0), reduced.sum(dim=0))
-            if self.warm is not None:
-                self.warm_wanted = top_p_counts(per_kv, self.warm_p)
-        if self.bound_layer_ids:
-            self._reduce_bounds(live, ranges)
-        self.layer_importance = self.layer_share = self.bound_q = self.bound_lse = None
-        self.bound_layer_ids = None
-
-    def _reduce_bounds(self, live: Sequence[LiveRequest], ranges: KeyRanges) -> None:
-        """Guard off, nothing estimated: rank unread full pages by their key min/max bound
-        (Quest's), as a mass against the attended denominator, largest over layers and
-        heads. Per request, a block of pages and a few layers at a time: what a block gathers
-        from the range pool and computes stays under ``BOUND_CHUNK_BYTES`` whatever the
-        context (at least one page and one layer), so no allocation grows with it."""
-        ids = torch.tensor(self.bound_layer_ids)
-        rows = [b for b, req in enumerate(live) if req.bounds_unread]
-        page_bytes = ranges.row_bytes // ranges.num_layers
-        block = max(1, BOUND_CHUNK_BYTES // (page_bytes * ids.numel()))  # pages, every layer at once
-        for i, b in enumerate(rows):
-            tracked = live[b].tracked
-            pages = min(live[b].tokens.numel(), tracked.ranges.numel())
-            for p0 in range(0, pages, block):
-                p1 = min(p0 + block, pages)
-                chunk = max(1, BOUND_CHUNK_BYTES // ((p1 - p0) * page_bytes))  # layers
-                best = None
-                for c0 in range(0, ids.numel(), chunk):
-                    slots = slice(c0, c0 + chunk)
-                    kmin, kmax = ranges.gather(ids[slots], tracked.ranges[p0:p1])  # [l, P, kv, D]
-                    bounds = key_bound(self.bound_q[slots, i], kmin, kmax, **self.run).double()  # [l, P, Hq]
-                    lse = self.bound_lse[slots, i].double()[:, None]
-                    log_mass = bounds + self.bound_log_tokens[i, p0:p1, None] - lse
-                    # Largest over heads per layer, then over layers. A layer's NaN (a page with
-                    # no keys) counts as nothing there, as -inf does: exp(min(v, 0)) is monotone.
-                    per_layer = log_mass.amax(dim=2)
-                    per_layer = torch.where(per_layer.isnan(), float("-inf"), per_layer).amax(dim=0)
-                    best = per_layer if best is None else torch.maximum(best, per_layer)
-                page_bound = best.clamp(max=0.0).exp().nan_to_num(0.0)
-                torch.maximum(self.bound_mass[i, p0:p1], page_bound, out=self.bound_mass[i, p0:p1])
+            per_kv = per_kv * kv_group_share(share, per_kv.shape[-1])[:, None, :]
+        if per_layer:
+            _fold_layer(live, per_kv.double(), exact)
+            per_kv = None  # the tally takes the bounds alone
+        elif per_kv.shape[1] > self.pages.shape[2]:
+            return  # a layer whose lists differ (never with the step's fixed ones): not tallied
+        else:
+            self.layers += 1
+            if self.warm_layers is not None:
+                self.warm_layers.append(top_p_counts(per_kv[None].double(), self.warm_p)[0])
+        if per_kv is None and self.ids is None:
+            return
+        if per_kv is None or per_kv.shape[1] != self.pages.shape[2]:
+            if per_kv is not None:  # (quest's layers: their bounds alone, against no mass)
+                self.padded[:, : per_kv.shape[1]].copy_(per_kv)
+            per_kv = self.padded
+        key_min, key_max = ranges.key_min[layer_id], ranges.key_max[layer_id]
+        run = dict(sm_scale=run["sm_scale"], logit_cap=run["logit_cap"], page_size=self.page_size)
+        tally_pages(per_kv, q, result.lse, key_min, key_max, self.ids, self.pages, **run, use_triton=self.use_triton)
 
     # -- into the requests ---------------------------------------------------------
 
@@ -317,35 +235,61 @@ class StepTally:
         exact: ExactPlan,
         outside: OutsidePlan,
         step_layers: int,
-        ranges: Optional[KeyRanges] = None,
     ) -> None:
         """Once per step: the tally into each request's accumulators.
 
         Args:
             exact, outside: the step's fixed lists (part 1 and part 2).
             step_layers: layers attended in the step.
-            ranges: the key-range pool the guard-off rows' bounds read.
         """
-        self._reduce_layers(live, ranges)
+        if self.warm_layers:
+            self.warm_wanted = torch.stack(self.warm_layers)
+        self.ids = self.padded = self.warm_layers = None  # the device's own: not read back
         tally = self.on_host()  # one copy per step from the layers' device
-        guard_off = 0
         for b, req in enumerate(live):
             if req.tracked is None:
                 continue
-            req.counts.pages_dense += req.tokens.numel() * step_layers
-            if tally.bound_mass is not None and req.bounds_unread:
-                num = req.tokens.numel()
-                torch.maximum(req.outside_mass, tally.bound_mass[guard_off, :num], out=req.outside_mass)
-                guard_off += 1
+            listed = exact.logical[b]
+            fold_pages(req, tally.pages[:, b], listed, tally.layers, step_layers)
             if tally.layers == 0:
                 continue
             if tally.warm_wanted is not None and bool(tally.warm[b]):
                 req.tracked.seed_caps(tally.warm_wanted[:, b], req.tokens.numel())
-            listed = exact.logical[b]
-            req.take_exact(listed, tally.exact_mass[b, : listed.numel()], tally.layers)
             req.counts.pages_read_from_host += int(released_among(req.pages, listed).sum()) * tally.layers
         if tally.layers and not outside.empty:
             tally.fold_outside(live, outside, layers=tally.layers)
+
+
+def fold_pages(req: LiveRequest, tally: torch.Tensor, listed: torch.Tensor, layers: int, step_layers: int) -> None:
+    """One request's row of a step's page tally (``[3, width]`` on the host, ``page_tally``'s
+    layout) into its accumulators: its listed pages' exact masses, read in ``layers`` layers
+    (none: nothing read with the step's lists), and, guard off, its pages' key bounds; the
+    eager and the captured step alike."""
+    num = req.tokens.numel()
+    req.counts.pages_dense += num * step_layers
+    if req.bounds_unread:
+        bound = tally[BOUND, :num].double().clamp(max=0.0).exp().nan_to_num(0.0)
+        torch.maximum(req.outside_mass, bound, out=req.outside_mass)
+    if layers:
+        n = listed.numel()
+        mass = tally[MAX, :n].clamp_min(0.0) if req.tracked.state.params.ranks_by_max else tally[SUM, :n]
+        req.take_exact(listed, mass.double(), layers)
+
+
+def _fold_layer(live: Sequence[LiveRequest], masses: torch.Tensor, exact: ExactPlan) -> None:
+    """One layer's masses ``[bs, W, kv]`` straight into its requests (lists that change per layer)."""
+    for b, req in enumerate(live):
+        if req.tracked is None:
+            continue
+        listed = exact.logical[b]
+        m = masses[b, : listed.numel()].cpu()
+        if req.tracked.state.params.ranks_by_max:
+            req.mass_over_layers[listed] = torch.maximum(req.mass_over_layers[listed], m.amax(dim=1))
+        else:
+            req.mass_over_layers[listed] += m.mean(dim=1)
+        req.layers[listed] += 1
+        req.counts.pages_attended += listed.numel()
+        req.counts.pages_read_from_host += int(released_among(req.pages, listed).sum())
 
 
 def top_p_counts(per_kv: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -374,24 +318,3 @@ def shared_masses(per_kv: torch.Tensor, share: Optional[torch.Tensor]) -> torch.
     if share is None:
         return per_kv.mean(-1)
     return (per_kv * kv_group_share(share, per_kv.shape[-1])[:, None, :]).mean(-1)
-
-
-def _room(
-    buffer: Optional[torch.Tensor],
-    slot: int,
-    like: torch.Tensor,
-    shape: tuple,
-    layers: int,
-    fill: Optional[float] = None,
-) -> torch.Tensor:
-    """``buffer`` (``[slots, *shape]``, ``like``'s dtype and device) with room for ``slot``:
-    made for ``layers`` slots at first, doubled past them (a step that asks more layers
-    than the model has: tests)."""
-    if buffer is not None and slot < buffer.shape[0]:
-        return buffer
-    size = layers if buffer is None else 2 * buffer.shape[0]
-    shape = (max(size, slot + 1), *shape)
-    grown = like.new_empty(shape) if fill is None else like.new_full(shape, fill)
-    if buffer is not None:
-        grown[: buffer.shape[0]] = buffer
-    return grown
