@@ -117,7 +117,7 @@ class Twin:
         why = self.step.prepare(live, [self.rows[r] for r in rids])
         if why is not None:
             self.refused.append(why)
-            self.graphed.begin_step(rids, self.slots())
+            self.graphed.plan_lists()  # the eager step from the same plan (HotSetAttention.begin_step's rule)
             graph = torch.stack(
                 [self.graphed.attend(i, q[i], self.k[i], self.v[i], sm_scale=SCALE).output for i in range(LAYERS)]
             )
