@@ -21,8 +21,10 @@ no rest). One program per row (grid ``(n,)``):
    layers); 1 where a layer wanted the page, 2 where a flagged layer wanted it released
    (max); the layer's guard reads, pages read, estimated, missed and estimated-and-sampled
    (added); the layer's flag; its wanted count;
-5. part 1's per-KV-head page masses scaled by each KV head's mean exact share (shares of
-   the chosen denominator, for the importance table and the step's tally), and their mean.
+5. part 1's per-KV-head page masses (shares of part 1's own denominator) scaled by each KV
+   head's mean share that part 1 holds of the chosen denominator (``exp(lse_1 - lse)``: not the
+   exact share, which counts the selection's reads too), so they become shares of the chosen
+   denominator, for the importance table and the step's tally; and their mean.
 
 The torch code it replaces (``hot_set.guard.layer.weigh_bounds``, ``hot_set.graph.guard``'s
 ``keep_in_tally`` and the importance scaling of ``GraphGuard.attend``'s torch path) is its
@@ -84,6 +86,7 @@ if HAS_TRITON:
         Sampled,
         Threshold,
         Part1,
+        Part1Lse,
         Output,
         Share,
         Flagged,
@@ -106,6 +109,7 @@ if HAS_TRITON:
         stride_threshold,
         stride_part1_n,
         stride_part1_h,
+        stride_part1_lse,
         stride_tally,
         stride_out_n,
         stride_out_h,
@@ -195,7 +199,7 @@ if HAS_TRITON:
             tl.store(t_row + pages + cols, tl.maximum(old, mark), mask=inside)
         # 3. The output, the exact share, and the pages' masses of the chosen denominator.
         offs_kv = tl.arange(0, BLOCK_KV)
-        kv_share = tl.zeros([BLOCK_KV], tl.float32)  # each KV head's mean exact share over its group
+        kv_share = tl.zeros([BLOCK_KV], tl.float32)  # each KV head's mean part-1 share over its group
         for h in range(hq):
             rh = row * hq + h
             lse_e = tl.load(Lse + rh).to(tl.float32)
@@ -212,7 +216,11 @@ if HAS_TRITON:
             tl.store(out_ptr, o.to(Output.dtype.element_ty), mask=mask_d)
             share = tl.where(has_rest > 0, share, 1.0)
             tl.store(Share + rh, share)
-            kv_share = tl.where(offs_kv == h // group, kv_share + share / group, kv_share)
+            # Part 1's own share of the chosen denominator (its lse -inf: none).
+            lse_1 = tl.load(Part1Lse + row * stride_part1_lse + h).to(tl.float32)
+            own = tl.where(lse_1 > neg_inf, tl.minimum(tl.exp(lse_1 - lse_c), 1.0), 0.0)
+            own = tl.where(has_rest > 0, own, 1.0)
+            kv_share = tl.where(offs_kv == h // group, kv_share + own / group, kv_share)
             base = row * stride_n + h * stride_h
             for p0 in range(0, pages, BLOCK_P):
                 cols = p0 + offs
@@ -252,6 +260,7 @@ def guard_finish_triton(
     masks: Sequence[torch.Tensor],
     threshold: torch.Tensor,
     part1: torch.Tensor,
+    part1_lse: torch.Tensor,
     tally: torch.Tensor,
     output: torch.Tensor,
     per_kv: torch.Tensor,
@@ -268,12 +277,14 @@ def guard_finish_triton(
             ``[n, Hkv, P]`` (any strides; ``estimate.Outside``).
         masks: bool ``(valid, read, wanted, missed, sampled)``, ``[n, P]`` each.
         threshold: ``[n]`` each row's guard threshold (any stride).
-        part1: ``[n, Hq, Dv]`` the part-1 output (the output of a row with no rest).
+        part1: ``[n, Hq, Dv]`` the part-1 output (the output of a row with no rest);
+        part1_lse: ``[n, Hq]`` its lse (unit stride over heads).
         tally: float64 ``[n, >= 2P + 5 + 2L]``, updated in place (its rows' stride any).
         output: ``[n, Hq, Dv]`` where the layer's output goes (SGLang's; any float dtype,
             unit stride in its last dimension), written.
         per_kv: ``[n, pages listed, Hkv]`` part 1's per-KV-head page masses, scaled in place
-            by each KV head's mean exact share (they become shares of the chosen denominator).
+            by each KV head's mean share part 1 holds of the chosen denominator (they become
+            shares of it).
 
     Returns:
         (exact share ``[n, Hq]`` float32, flagged bool ``[n]``, part 1's page masses, the
@@ -306,11 +317,15 @@ def guard_finish_triton(
     dense = [t.contiguous() for t in (lse, out, *statistical, *masks)]  # each already is as the step calls it
     if part1.stride(-1) != 1:
         part1 = part1.contiguous()
+    if part1_lse.shape != (n, hq) or part1_lse.stride(1) != 1:
+        raise ValueError(f"part1_lse must be [{n}, {hq}] with unit stride over heads, got {tuple(part1_lse.shape)}")
     _finish_kernel[(n,)](
-        *dense[:7], page_lse, logit_error, value_norm, *dense[7:], threshold, part1, output, share, flagged, tally,
+        *dense[:7], page_lse, logit_error, value_norm, *dense[7:], threshold, part1, part1_lse, output, share,
+        flagged, tally,
         per_kv, importance,
         hq, hq // value_norm.shape[1], pages, dv, *page_lse.stride(), *logit_error.stride(), *value_norm.stride(),
-        threshold.stride(0), part1.stride(0), part1.stride(1), tally.stride(0), output.stride(0), output.stride(1),
+        threshold.stride(0), part1.stride(0), part1.stride(1), part1_lse.stride(0), tally.stride(0),
+        output.stride(0), output.stride(1),
         listed, *per_kv.stride(), layer, layers,
         BLOCK_P=BLOCK_P, BLOCK_DV=next_power_of_2(dv), BLOCK_L=BLOCK_L, BLOCK_KV=next_power_of_2(per_kv.shape[2]),
     )  # fmt: skip

@@ -23,7 +23,7 @@ pytest.importorskip("triton", reason="triton is not installed; the Triton guard 
 
 from sgl_importance.hot_set.graph.guard import keep_in_tally  # noqa: E402
 from sgl_importance.hot_set.guard.estimate import Combined, Outside  # noqa: E402
-from sgl_importance.hot_set.guard.layer import GuardReads, weigh_bounds  # noqa: E402
+from sgl_importance.hot_set.guard.layer import GuardReads, part_share, weigh_bounds  # noqa: E402
 from sgl_importance.hot_set.plan.step_tally import kv_group_share  # noqa: E402
 from sgl_kernel_ext import guard_finish_triton  # noqa: E402
 from support.kernel_device import DEVICE  # noqa: E402
@@ -60,26 +60,29 @@ def case(n, hq, kv, pages, dv, *, seed, part1_dtype=torch.float32, listed=7):
     thresholds = torch.where(rand(n) < 0.5, 0.0, 10.0)
     thresholds[0] = 0.0  # row 0 flagged (its bound is > 0): its released wanted pages are marked 2
     part1 = torch.randn(n, hq, dv, generator=gen).to(part1_dtype)
+    part1_lse = lse - rand(n, hq) * 2  # part 1 alone: at most the exact part with the reads
+    part1_lse[3, 0] = float("-inf")  # a head whose part 1 holds nothing
     tally = torch.zeros(n, 2 * pages + 5 + 2 * LAYERS, dtype=torch.float64)
     tally[:, :pages] = rand(n, pages).double() * 0.1  # earlier layers' masses
     tally[:, 2 * pages : 2 * pages + 5] = torch.randint(0, 4, (n, 5), generator=gen).double()
     reads = GuardReads(wanted, missed, read, lse, out, statistical)
     per_kv = rand(n, listed, kv)  # part 1's per-KV-head masses of its listed pages
-    return reads, Outside(page_lse, error, value_norm), valid, sampled, thresholds, part1, tally, per_kv
+    return reads, Outside(page_lse, error, value_norm), valid, sampled, thresholds, part1, part1_lse, tally, per_kv
 
 
-def reference(reads, outside, valid, sampled, thresholds, part1, tally, per_kv, layer, out_dtype):
+def reference(reads, outside, valid, sampled, thresholds, part1, part1_lse, tally, per_kv, layer, out_dtype):
     outcome = weigh_bounds(reads, outside, valid, thresholds)
     tally = tally.clone()
     keep_in_tally(tally, outcome, sampled, layer, LAYERS)
     has_rest = valid.any(dim=1)
     output = torch.where(has_rest[:, None, None], outcome.combined.output, part1.float()).to(out_dtype)
     share = torch.where(has_rest[:, None], outcome.combined.exact_share, 1.0)
-    per_kv = per_kv * kv_group_share(share, per_kv.shape[2])[:, None, :]
+    own = torch.where(has_rest[:, None], part_share(part1_lse, outcome.combined.lse), 1.0)
+    per_kv = per_kv * kv_group_share(own, per_kv.shape[2])[:, None, :]
     return output, share, outcome.flagged, tally, per_kv, per_kv.mean(dim=-1), outcome
 
 
-def run_kernel(reads, outside, valid, sampled, thresholds, part1, tally, per_kv, layer, out_dtype):
+def run_kernel(reads, outside, valid, sampled, thresholds, part1, part1_lse, tally, per_kv, layer, out_dtype):
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     tally, per_kv = dev(tally.clone()), dev(per_kv.clone())
     out = torch.full(reads.out.shape, float("nan"), dtype=out_dtype, device=DEVICE)  # SGLang's output buffer
@@ -87,7 +90,7 @@ def run_kernel(reads, outside, valid, sampled, thresholds, part1, tally, per_kv,
         dev(reads.lse), dev(reads.out), tuple(dev(t) for t in vars(reads.statistical).values()),
         tuple(dev(t) for t in vars(outside).values()),
         tuple(dev(t) for t in (valid, reads.read, reads.wanted, reads.missed, sampled)),
-        dev(thresholds), dev(part1), tally, out, per_kv, layer=layer, layers=LAYERS,
+        dev(thresholds), dev(part1), dev(part1_lse), tally, out, per_kv, layer=layer, layers=LAYERS,
     )  # fmt: skip
     return tuple(t.cpu() for t in (out, share, flagged, tally, per_kv, importance))
 
@@ -118,9 +121,9 @@ def test_the_finish_kernel_ends_the_layer_as_the_torch_code(n, hq, kv, pages, dv
 
 
 def test_the_finish_kernel_refuses_mismatched_masks_and_a_narrow_tally():
-    reads, outside, valid, sampled, thresholds, part1, tally, per_kv = case(4, 4, 2, 10, 8, seed=0)
+    reads, outside, valid, sampled, thresholds, part1, part1_lse, tally, per_kv = case(4, 4, 2, 10, 8, seed=0)
     f32 = torch.float32
     with pytest.raises(ValueError, match="do not match"):
-        run_kernel(reads, outside, valid[:, :9], sampled, thresholds, part1, tally, per_kv, 0, f32)
+        run_kernel(reads, outside, valid[:, :9], sampled, thresholds, part1, part1_lse, tally, per_kv, 0, f32)
     with pytest.raises(ValueError, match="tally"):
-        run_kernel(reads, outside, valid, sampled, thresholds, part1, tally[:, :-1], per_kv, 0, f32)
+        run_kernel(reads, outside, valid, sampled, thresholds, part1, part1_lse, tally[:, :-1], per_kv, 0, f32)

@@ -271,6 +271,41 @@ def test_a_steps_page_mass_is_the_layers_mean_or_the_largest_of_any_layer_and_kv
     assert torch.allclose(decoder.tracked["r"].state.importance(), want, atol=1e-6)
 
 
+@pytest.mark.parametrize("reduce", ["mean", "max"])
+def test_a_guarded_steps_tally_holds_its_part_1_pages_masses_as_shares_of_the_whole_denominator(monkeypatch, reduce):
+    # Part 1's masses come as shares of part 1's own denominator; where the guard reads more
+    # pages and estimates the rest, they are rescaled by the share part 1 holds of the layer's
+    # combined denominator, so they stand for each page's share of all its attention (dense's),
+    # as the rest pages' estimates do and the page importance table takes them.
+    from sgl_importance.hot_set.plan import step_tally
+
+    decoder, slots, k_buf, v_buf, g = make_step(160, "importance", budget=3, guard=0.5, reduce=reduce)
+    fold, rows = step_tally.fold_pages, []
+
+    def folding(req, tally, listed, *args):
+        rows.append((tally.clone(), listed.clone()))
+        return fold(req, tally, listed, *args)
+
+    monkeypatch.setattr(step_tally, "fold_pages", folding)
+    indptr = torch.tensor([0, 160], dtype=torch.int32)
+    for _ in range(3):  # a dense warm-up, then guarded steps
+        q = torch.randn(1, KV_HEADS * GROUP, DIM, generator=g) * 0.3  # flat: the rest holds most mass
+        decoder.begin_step(["r"], [slots])
+        layer = decoder.attend(0, q, k_buf, v_buf, sm_scale=DIM**-0.5)
+        decoder.end_step()
+    assert decoder.totals.pages_guard_read > 0  # the guard read pages besides part 1
+    tally, listed = rows[-1]
+    dense = decode_importance_reference(q, k_buf, v_buf, indptr, slots, page_size=PAGE, sm_scale=DIM**-0.5)
+    n = listed.numel()
+    if reduce == "mean":
+        got, want = tally[0, :n], dense.importance[0, listed]
+        assert torch.allclose(layer.importance[0, :n], got, atol=1e-6)  # what the importance table is given
+    else:
+        got, want = tally[1, :n], dense.importance_per_kv_head[0, listed].amax(dim=-1)
+    assert torch.allclose(got.double(), want.double(), rtol=0.25), (got, want)  # the rest is estimated
+    assert got.sum() < 0.5  # a few pages of a flat layer: not all of its mass
+
+
 @pytest.mark.parametrize("policy", ["dense", "importance", "quest", "lru", "window"])
 def test_a_budget_covering_every_page_decodes_exactly_like_dense(policy):
     decoder, slots, k_buf, v_buf, g = make_step(37, policy, budget=1.0, guard=1.0)

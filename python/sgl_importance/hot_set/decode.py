@@ -46,7 +46,7 @@ from sgl_importance.hot_set.coding import summarise_pages
 from sgl_importance.hot_set.guard.estimate import OutsidePlan, estimate_outside, sampled_pages
 from sgl_importance.hot_set.guard.key_codes import GuardPool
 from sgl_importance.hot_set.guard.key_ranges import KeyRanges
-from sgl_importance.hot_set.guard.layer import GuardOutcome, guard_layer
+from sgl_importance.hot_set.guard.layer import GuardOutcome, guard_layer, part_share
 from sgl_importance.hot_set.guard_reads import exact_reader, host_pages, pages_of
 from sgl_importance.hot_set.pages.footprint import PageBytes, held_bytes
 from sgl_importance.hot_set.pages.state import MoveReason, PageMoves, RequestMoves
@@ -291,14 +291,14 @@ class HotSetDecoder:
             q, k_pages, v_pages, exact.plan, sinks=sinks, extra_k_pages=extra_k, extra_v_pages=extra_v, **run
         )
         output = result.output
-        share = None  # the exact pages' share of the combined denominator: all of it, unless a guard combined
+        share = None  # part 1's share of the combined denominator: all of it, unless a guard combined
         if not guard_lists.empty:
             share = q.new_ones(q.shape[:2], dtype=torch.float32)
             output = output.clone()
             rows = guard_lists.outside.rows
             combined = self._guard_layer(layer_id, q, k_pages, v_pages, result, guard_lists, run, per_layer)
             output[rows] = combined.output.to(output.dtype)
-            share[rows] = combined.exact_share
+            share[rows] = part_share(result.lse[rows], combined.lse)
         self._tally.add_exact(self._live, layer_id, q, result, exact, share, run, per_layer, self.ranges)
         self._step_layers += 1
         masses = shared_masses(result.importance_per_kv_head, share)

@@ -46,7 +46,7 @@ from sgl_importance.hot_set.guard.estimate import (
 )
 from sgl_importance.hot_set.guard.key_codes import GuardPool
 from sgl_importance.hot_set.guard.key_ranges import KeyRanges
-from sgl_importance.hot_set.guard.layer import GuardOutcome, guard_layer, read_rest
+from sgl_importance.hot_set.guard.layer import GuardOutcome, guard_layer, part_share, read_rest
 from sgl_importance.hot_set.plan.page_lists import plan_outside
 from sgl_importance.hot_set.plan.request_state import LiveRequest, released_among
 from sgl_importance.hot_set.plan.sample import FRACTION, MIN_PAGES
@@ -210,7 +210,7 @@ class GraphGuard:
     ) -> DecodeImportanceOutput:
         """One layer's guard over every row, its output written into ``out`` (the part-1
         output where a row has no rest); returned with part 1's page masses as shares of
-        the combined denominator (each KV head's scaled by its query heads' mean exact share)."""
+        the combined denominator (each KV head's scaled by the mean share its query heads' part 1 holds)."""
         bs = q.shape[0]
         run = dict(sm_scale=sm_scale, logit_cap=logit_cap)
         lists, params = self._lists[:bs], self._params[:bs]
@@ -241,6 +241,7 @@ class GraphGuard:
                 masks,
                 params[:, 1],
                 part1.output,
+                part1.lse,
                 self.tally[:bs],
                 out,
                 per_kv,
@@ -252,7 +253,7 @@ class GraphGuard:
         keep_in_tally(self.tally[:bs], outcome, sampled, column, self.num_layers)
         has_rest = valid.any(dim=1)
         out.copy_(torch.where(has_rest[:, None, None], outcome.combined.output, part1.output.float()))
-        share = torch.where(has_rest[:, None], outcome.combined.exact_share, 1.0)
+        share = torch.where(has_rest[:, None], part_share(part1.lse, outcome.combined.lse), 1.0)
         per_kv = part1.importance_per_kv_head * kv_group_share(share, k_pages.shape[2])[:, None, :]
         return DecodeImportanceOutput(out, part1.lse, per_kv.mean(dim=-1), per_kv)
 

@@ -252,6 +252,15 @@ def weigh_bounds(reads: GuardReads, outside: Outside, valid: torch.Tensor, thres
     return GuardOutcome(combined, read, wanted, missed, estimated, flagged, mass, deterministic, statistical)
 
 
+def part_share(part_lse: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The share ``exp(part_lse - lse)`` of a layer's chosen denominator (``Combined.lse``)
+    one part of its exact pages holds (part 1's: its pages' masses, shares of its own
+    denominator, times this are shares of the chosen one). Not ``Combined.exact_share``,
+    which counts the selection's reads too. 0 where the part is empty, at most 1."""
+    own = torch.exp(part_lse - lse).clamp(max=1.0)
+    return torch.where(torch.isfinite(part_lse), own, 0.0)
+
+
 def _combine(
     lse: torch.Tensor,
     out: torch.Tensor,

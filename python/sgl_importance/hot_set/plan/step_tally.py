@@ -179,7 +179,7 @@ class StepTally:
         each request, its bounds tallied).
 
         Args:
-            share: ``[bs, q_heads]`` the exact pages' share of the combined denominator
+            share: ``[bs, q_heads]`` part 1's share of the combined denominator (``guard.layer.part_share``)
                 (None: all of it, no guard combined).
             run: the layer's ``sm_scale`` and ``logit_cap``.
             ranges: the key-range pool (the bounds read this layer's ranges by id).
@@ -313,7 +313,7 @@ def kv_group_share(share: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 def shared_masses(per_kv: torch.Tensor, share: Optional[torch.Tensor]) -> torch.Tensor:
     """Part 1's masses per KV head ``[bs, pages, kv]`` as the page importance table takes
-    them: of the combined denominator (``share``: the exact pages' share per query head;
+    them: of the combined denominator (``share``: part 1's share of it per query head;
     None: all of it), mean over KV heads."""
     if share is None:
         return per_kv.mean(-1)
