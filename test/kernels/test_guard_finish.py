@@ -1,6 +1,6 @@
 """The end of a captured guarded layer in one kernel (``guard_finish_triton``) against the
 torch code it replaces: ``guard.weigh_bounds`` (the deterministic bound, the smaller
-bound's output, the flag, the masses), ``graph_guard.keep_in_tally`` and the part-1
+bound's output, the flag, the masses), ``step_tally.keep_in_tally`` and the part-1
 output of a row with no rest.
 
 Under TRITON_INTERPRET=1 on a CPU (conftest.py): rows where each bound wins, a row with no
@@ -21,10 +21,9 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed; the Triton guard kernels cannot run")
 
-from sgl_importance.hot_set.graph.guard import keep_in_tally  # noqa: E402
 from sgl_importance.hot_set.guard.estimate import Combined, Outside  # noqa: E402
 from sgl_importance.hot_set.guard.layer import GuardReads, part_share, weigh_bounds  # noqa: E402
-from sgl_importance.hot_set.plan.step_tally import kv_group_share  # noqa: E402
+from sgl_importance.hot_set.plan.step_tally import keep_in_tally, kv_group_share  # noqa: E402
 from sgl_kernel_ext import guard_finish_triton  # noqa: E402
 from support.kernel_device import DEVICE  # noqa: E402
 

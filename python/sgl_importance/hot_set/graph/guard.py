@@ -21,7 +21,7 @@ the sampled pages' own parts from the pool (``masked_page_parts``), the selectio
 merged into part 1 and the sampled estimate with its masks inside (``combine_rest_triton``,
 two), and the end of the layer, its output into SGLang's buffer, its importance rescaled and its
 tally row, in one (``guard_finish_triton``). Elsewhere, torch (``guard.layer.guard_layer`` and
-``keep_in_tally``: the reference the kernels are tested against).
+``step_tally.keep_in_tally``: the reference the kernels are tested against).
 
 Refused (the batch runs eagerly, counted): a guarded request's first step (its dense
 warm-up seeds the read caps from per-layer top-p counts), a sample larger than the
@@ -46,11 +46,11 @@ from sgl_importance.hot_set.guard.estimate import (
 )
 from sgl_importance.hot_set.guard.key_codes import GuardPool
 from sgl_importance.hot_set.guard.key_ranges import KeyRanges
-from sgl_importance.hot_set.guard.layer import GuardOutcome, guard_layer, part_share, read_rest
+from sgl_importance.hot_set.guard.layer import guard_layer, part_share, read_rest
 from sgl_importance.hot_set.plan.page_lists import plan_outside
 from sgl_importance.hot_set.plan.request_state import LiveRequest, released_among
 from sgl_importance.hot_set.plan.sample import FRACTION, MIN_PAGES
-from sgl_importance.hot_set.plan.step_tally import kv_group_share
+from sgl_importance.hot_set.plan.step_tally import fold_guard, guard_rows, keep_in_tally, kv_group_share
 from sgl_kernel_ext import (
     HAS_TRITON,
     DecodeImportanceOutput,
@@ -66,8 +66,6 @@ if HAS_TRITON:
 # Columns of the int64 lists: logical page, guard id, range id, flags (valid, sampled, released).
 LOGICAL, CODES, RANGES, FLAGS = range(4)
 VALID, SAMPLED, RELEASED = 1, 2, 4
-# Counts per row in the tally, after the masses and the wanted marks.
-GUARD_READS, PAGES_READ, PAGES_ESTIMATED, PAGES_MISSED, PAGES_SAMPLED = range(5)
 
 
 def sample_capacity(pages: int) -> int:
@@ -110,12 +108,10 @@ class GraphGuard:
         self.released = torch.zeros(rows, pages, dtype=torch.bool, device=device)
         self.caps = torch.zeros(rows, num_layers, device=device, **i64)
         self.index = torch.arange(rows, device=device)
-        # The tally: [mass (pages), wanted (pages), counts (5), flagged (L), wanted per layer (L)],
-        # in float64: the masses rank pages for promotion as the eager step's do (ties included).
-        width = 2 * pages + 5 + 2 * num_layers
-        f64 = dict(dtype=torch.float64)
-        self.tally = torch.zeros(rows, width, device=device, **f64)
-        self._tally_hosts = [torch.zeros(rows, width, pin_memory=pinned, **f64) for _ in range(2)]
+        # The tally: the eager step's guard rows (step_tally.guard_rows), in float64: the masses
+        # rank pages for promotion as the eager step's do (ties included).
+        self.tally = guard_rows(rows, pages, num_layers, device)
+        self._tally_hosts = [torch.zeros(self.tally.shape, dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
         self._guarded: list[int] = []  # batch rows with a rest (host)
 
     @property
@@ -286,27 +282,11 @@ class GraphGuard:
         return GuardReadBack(host, self._stages[turn], list(self._guarded))
 
     def fold(self, live: Sequence[LiveRequest], step: GuardReadBack) -> None:
-        """A step's guard tally (landed) into its guarded requests, as ``StepTally.fold_outside`` does."""
-        t, p, layers = step.tally, self.pages, self.num_layers
+        """A step's guard tally (landed) into its guarded requests (``step_tally.fold_guard``, as
+        the eager step folds its rows)."""
         for b in step.guarded:
-            req = live[b]
-            flags = step.lists[b, FLAGS]
-            n = int((flags & VALID).sum())  # valid columns come first
-            counts = t[b, 2 * p : 2 * p + 5].long().tolist()
-            req.take_guard(
-                step.lists[b, LOGICAL, :n],
-                t[b, :n],
-                t[b, p : p + n] > 0,
-                t[b, 2 * p + 5 : 2 * p + 5 + layers] > 0,
-                t[b, 2 * p + 5 + layers :].long(),
-                t[b, p : p + n] > 1,
-                layers=layers,
-                reads=counts[GUARD_READS],
-                pages_read=counts[PAGES_READ],
-                pages_estimated=counts[PAGES_ESTIMATED],
-                pages_sampled=counts[PAGES_SAMPLED],
-                pages_missed=counts[PAGES_MISSED],
-            )
+            n = int((step.lists[b, FLAGS] & VALID).sum())  # valid columns come first
+            fold_guard(live[b], step.tally[b], step.lists[b, LOGICAL, :n], slice(0, n), self.pages, self.num_layers)
 
 
 class GuardReadBack(NamedTuple):
@@ -315,29 +295,3 @@ class GuardReadBack(NamedTuple):
     tally: torch.Tensor  # the tally's host copy
     lists: torch.Tensor  # the step's host staging lists (read until the turn comes round again)
     guarded: list[int]  # its batch rows with a rest
-
-
-def keep_in_tally(tally: torch.Tensor, outcome: GuardOutcome, sampled: torch.Tensor, layer: int, layers: int) -> None:
-    """One guarded layer's outcome into the guard's tally rows (float64 ``[n, 2P + 5 + 2L]``:
-    masses, wanted marks, counts, flags, wanted per layer; ``sgl_kernel_ext.guard_finish``
-    writes the same rows in a captured step on a GPU)."""
-    p = outcome.read.shape[1]
-    t = tally
-    torch.maximum(t[:, :p], outcome.mass, out=t[:, :p])
-    # 1: some layer wanted the page; 2: a flagged layer wanted it while it was released.
-    wanted = outcome.wanted.double() + (outcome.missed & outcome.flagged[:, None]).double()
-    torch.maximum(t[:, p : 2 * p], wanted, out=t[:, p : 2 * p])
-    counts = torch.stack(
-        (
-            outcome.read.any(dim=1),
-            outcome.read.sum(dim=1),
-            outcome.estimated.sum(dim=1),
-            outcome.missed.sum(dim=1),
-            (outcome.estimated & sampled).sum(dim=1),
-        ),
-        dim=1,
-    )
-    t[:, 2 * p : 2 * p + 5].add_(counts.double())
-    flagged = t[:, 2 * p + 5 + layer]
-    torch.maximum(flagged, outcome.flagged.double(), out=flagged)
-    t[:, 2 * p + 5 + layers + layer].copy_(outcome.wanted.sum(dim=1).double())

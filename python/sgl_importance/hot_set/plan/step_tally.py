@@ -45,17 +45,8 @@ class StepTally:
     ids: Optional[torch.Tensor] = None  # int64 [bs, width] guard-off rows' range ids (None: no such row)
     padded: Optional[torch.Tensor] = None  # [bs, width, kv] a layer's part-1 masses, padded to the width
     use_triton: bool = False  # page_tally's Triton kernel (a GPU's, or a Triton reader's)
-    outside_mass: Optional[torch.Tensor] = None  # float64 [n, P] largest estimated mass
-    outside_wanted: Optional[torch.Tensor] = None  # bool [n, P] wanted by the selection in some layer
-    outside_needed: Optional[torch.Tensor] = None  # bool [n, P] wanted by a flagged layer while released
-    guard_reads: Optional[torch.Tensor] = None  # int64 [n] layers in which the selection read
-    flagged: Optional[torch.Tensor] = None  # bool [n, L] layers whose bound exceeded the threshold
-    wanted: Optional[torch.Tensor] = None  # int64 [n, L] rest pages each layer's selection wanted
-    pages_sampled: Optional[torch.Tensor] = None  # int64 [n], over layers
-    pages_guard_read: Optional[torch.Tensor] = None  # int64 [n], over layers
-    pages_estimated: Optional[torch.Tensor] = None  # int64 [n], over layers
-    pages_missed: Optional[torch.Tensor] = None  # int64 [n], over layers: wanted while released
-    pages_guard_from_host: Optional[torch.Tensor] = None  # int64 [n], over layers: read from their host copies
+    guard: Optional[torch.Tensor] = None  # float64 [n, 2P + 5 + 2L]: the guard's rows (guard_rows)
+    guard_from_host: Optional[torch.Tensor] = None  # int64 [n], over layers: pages read from their host copies
     num_layers: int = 1  # the most layers a step adds
     warm: Optional[torch.Tensor] = None  # bool [bs] rows in their dense warm-up step (guarded)
     warm_p: Optional[torch.Tensor] = None  # float64 [bs] their top-p
@@ -116,17 +107,8 @@ class StepTally:
 
     def _zero_outside(self, outside: OutsidePlan, device: torch.device) -> None:
         n, width = outside.codes.shape
-        self.outside_mass = torch.zeros(n, width, dtype=torch.float64, device=device)
-        self.outside_wanted = torch.zeros(n, width, dtype=torch.bool, device=device)
-        self.outside_needed = torch.zeros(n, width, dtype=torch.bool, device=device)
-        self.guard_reads = torch.zeros(n, dtype=torch.int64, device=device)
-        self.pages_guard_read = torch.zeros(n, dtype=torch.int64, device=device)
-        self.pages_estimated = torch.zeros(n, dtype=torch.int64, device=device)
-        self.flagged = torch.zeros(n, self.num_layers, dtype=torch.bool, device=device)
-        self.wanted = torch.zeros(n, self.num_layers, dtype=torch.int64, device=device)
-        self.pages_sampled = torch.zeros(n, dtype=torch.int64, device=device)
-        self.pages_missed = torch.zeros(n, dtype=torch.int64, device=device)
-        self.pages_guard_from_host = torch.zeros(n, dtype=torch.int64, device=device)
+        self.guard = guard_rows(n, width, self.num_layers, device)
+        self.guard_from_host = torch.zeros(n, dtype=torch.int64, device=device)
 
     def on_host(self) -> "StepTally":
         """The tally with its tensors on the host, where the requests' state lives: one
@@ -147,20 +129,11 @@ class StepTally:
     # -- one layer -----------------------------------------------------------------
 
     def add_guard(self, outcome: GuardOutcome, outside: OutsidePlan, layer_id: int, released: torch.Tensor) -> None:
-        """One layer's guard: the largest estimated masses, what its selection wanted and
-        read (``released``: bool ``[n, P]``, the pages it read from their host copies), its
-        misses and whether its bound was flagged."""
-        torch.maximum(self.outside_mass, outcome.mass, out=self.outside_mass)
-        self.outside_wanted |= outcome.wanted
-        self.outside_needed |= outcome.missed & outcome.flagged[:, None]
-        self.guard_reads += outcome.read.any(dim=1)
-        self.flagged[:, layer_id % self.num_layers] |= outcome.flagged
-        self.wanted[:, layer_id % self.num_layers] = outcome.wanted.sum(dim=1)
-        self.pages_guard_read += outcome.read.sum(dim=1)
-        self.pages_estimated += outcome.estimated.sum(dim=1)
-        self.pages_missed += outcome.missed.sum(dim=1)
-        self.pages_guard_from_host += (outcome.read & released).sum(dim=1)
-        self.pages_sampled += (outcome.estimated & on_device(outside.sampled, outcome.read.device)).sum(dim=1)
+        """One layer's guard into its rows (``keep_in_tally``, as a captured step keeps it), and
+        the pages it read from their host copies (``released``: bool ``[n, P]``)."""
+        sampled = on_device(outside.sampled, outcome.read.device)
+        keep_in_tally(self.guard, outcome, sampled, layer_id % self.num_layers, self.num_layers)
+        self.guard_from_host += (outcome.read & released).sum(dim=1)
 
     def add_exact(
         self,
@@ -211,23 +184,11 @@ class StepTally:
     def fold_outside(self, live: Sequence[LiveRequest], outside: OutsidePlan, layers: int) -> None:
         """The outside plan's part into its requests (``layers``: how many it covers)."""
         tally = self.on_host()
+        width = outside.codes.shape[1]
         for i, row in enumerate(outside.rows.tolist()):
             cols = outside.valid[i]
-            live[row].take_guard(
-                outside.logical[i][cols],
-                tally.outside_mass[i][cols],
-                tally.outside_wanted[i][cols],
-                tally.flagged[i],
-                tally.wanted[i],
-                tally.outside_needed[i][cols],
-                layers=layers,
-                reads=int(tally.guard_reads[i]),
-                pages_read=int(tally.pages_guard_read[i]),
-                pages_estimated=int(tally.pages_estimated[i]),
-                pages_sampled=int(tally.pages_sampled[i]),
-                pages_missed=int(tally.pages_missed[i]),
-                pages_guard_from_host=int(tally.pages_guard_from_host[i]),
-            )
+            from_host = int(tally.guard_from_host[i])
+            fold_guard(live[row], tally.guard[i], outside.logical[i][cols], cols, width, layers, from_host)
 
     def fold(
         self,
@@ -274,6 +235,75 @@ def fold_pages(req: LiveRequest, tally: torch.Tensor, listed: torch.Tensor, laye
         n = listed.numel()
         mass = tally[MAX, :n].clamp_min(0.0) if req.tracked.state.params.ranks_by_max else tally[SUM, :n]
         req.take_exact(listed, mass.double(), layers)
+
+
+# Counts in a guard row, after its masses and wanted marks (sgl_kernel_ext.guard_finish's layout).
+GUARD_READS, PAGES_READ, PAGES_ESTIMATED, PAGES_MISSED, PAGES_SAMPLED = range(5)
+COUNTS = 5
+
+
+def guard_rows(n: int, pages: int, layers: int, device: torch.device) -> torch.Tensor:
+    """A step's guard rows, zeros: float64 ``[n, 2P + 5 + 2L]``, per guarded request its rest
+    pages' largest estimated masses, their wanted marks, the counts, the flagged layers and
+    each layer's wanted count (``keep_in_tally``; ``guard_finish_triton`` in a captured step)."""
+    return torch.zeros(n, 2 * pages + COUNTS + 2 * layers, dtype=torch.float64, device=device)
+
+
+def keep_in_tally(tally: torch.Tensor, outcome: GuardOutcome, sampled: torch.Tensor, layer: int, layers: int) -> None:
+    """One guarded layer's outcome into the guard's rows (``guard_rows``): the eager step's, and
+    a captured step's torch path (``sgl_kernel_ext.guard_finish`` writes the same rows on a GPU)."""
+    p = outcome.read.shape[1]
+    t = tally
+    torch.maximum(t[:, :p], outcome.mass, out=t[:, :p])
+    # 1: some layer wanted the page; 2: a flagged layer wanted it while it was released.
+    wanted = outcome.wanted.double() + (outcome.missed & outcome.flagged[:, None]).double()
+    torch.maximum(t[:, p : 2 * p], wanted, out=t[:, p : 2 * p])
+    counts = torch.stack(
+        (
+            outcome.read.any(dim=1),
+            outcome.read.sum(dim=1),
+            outcome.estimated.sum(dim=1),
+            outcome.missed.sum(dim=1),
+            (outcome.estimated & sampled).sum(dim=1),
+        ),
+        dim=1,
+    )
+    t[:, 2 * p : 2 * p + COUNTS].add_(counts.double())
+    flagged = t[:, 2 * p + COUNTS + layer]
+    torch.maximum(flagged, outcome.flagged.double(), out=flagged)
+    t[:, 2 * p + COUNTS + layers + layer].copy_(outcome.wanted.sum(dim=1).double())
+
+
+def fold_guard(
+    req: LiveRequest,
+    row: torch.Tensor,
+    logical: torch.Tensor,
+    cols: torch.Tensor | slice,
+    pages: int,
+    layers: int,
+    from_host: int = 0,
+) -> None:
+    """One request's guard row (``guard_rows``' layout, on the host) into its accumulators: the
+    rest pages ``logical`` in its columns ``cols``, over ``layers`` layers; the eager and the
+    captured step alike."""
+    counts = row[2 * pages : 2 * pages + COUNTS].long().tolist()
+    marks = row[pages : 2 * pages][cols]
+    flags = row[2 * pages + COUNTS :]
+    req.take_guard(
+        logical,
+        row[:pages][cols],
+        marks > 0,
+        flags[: flags.numel() // 2] > 0,
+        flags[flags.numel() // 2 :].long(),
+        marks > 1,
+        layers=layers,
+        reads=counts[GUARD_READS],
+        pages_read=counts[PAGES_READ],
+        pages_estimated=counts[PAGES_ESTIMATED],
+        pages_sampled=counts[PAGES_SAMPLED],
+        pages_missed=counts[PAGES_MISSED],
+        pages_guard_from_host=from_host,
+    )
 
 
 def _fold_layer(live: Sequence[LiveRequest], masses: torch.Tensor, exact: ExactPlan) -> None:
