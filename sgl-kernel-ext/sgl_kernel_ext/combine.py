@@ -42,6 +42,15 @@ BLOCK_P = 64
 _tables: dict[tuple[str, tuple[tuple[int, float], ...]], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def _on(t: torch.Tensor, dev: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``t`` on ``dev`` (in ``dtype``), moved only from another device: the callers' tensors are
+    already there, where a ``.to(dev)`` is no copy (but one a CPU's host-sync counter cannot
+    tell from a read back, ``test/support/host_syncs.py``)."""
+    if t.device != dev:
+        t = t.to(dev)
+    return t if dtype is None else t.to(dtype)
+
+
 def _table(quantiles: Mapping[int, float], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     items = tuple(sorted((int(k), float(v)) for k, v in quantiles.items()))
     key = (str(device), items)
@@ -371,10 +380,10 @@ def combine_triton(
     if codes is not None and (codes[1].shape != sampled_lse.shape or codes[0].shape[:2] != (n, hq)):
         raise ValueError(f"codes {tuple(codes[0].shape)} / {tuple(codes[1].shape)} do not match")
     dev = out_exact.device
-    dense = lambda t: t.to(dev, torch.float32).contiguous()  # noqa: E731
+    dense = lambda t: _on(t, dev, torch.float32).contiguous()  # noqa: E731
     sampled_lse = dense(sampled_lse)
     rest_lse, rest_sampled = (sampled_lse, sampled_lse) if codes is None else (dense(codes[0]), dense(codes[1]))
-    flags = uncovered.to(dev).to(torch.uint8).contiguous()
+    flags = _on(uncovered, dev, torch.uint8).contiguous()
     masks = None, None, None
     return _run(lse_exact, out_exact, sampled_lse, sampled_output, inclusion, (rest_lse, rest_sampled), flags, masks,
                 has_codes=codes is not None, quantiles=quantiles, z=z, min_sampled=min_sampled)  # fmt: skip
@@ -425,7 +434,7 @@ def combine_rest_triton(
             f"and {sampled_lse.shape[-1]} sampled columns"
         )
     dev = out_exact.device
-    sampled_lse = sampled_lse.to(dev, torch.float32).contiguous()
+    sampled_lse = _on(sampled_lse, dev, torch.float32).contiguous()
     masks = tuple(m.contiguous() for m in masks)
     if read_part[0].shape != lse_exact.shape or read_part[1].shape != out_exact.shape:
         raise ValueError(f"the read part {tuple(read_part[1].shape)} does not match {tuple(out_exact.shape)}")
@@ -473,7 +482,7 @@ def _run(lse_exact, out_exact, sampled_lse, sampled_output, inclusion, codes, un
     if n == 0 or hq == 0:
         return output, lse, share, bound, relative
     work = torch.empty(n, hq, 4, dtype=f32, device=dev)
-    dense = lambda t: t.to(dev, f32).contiguous()  # noqa: E731
+    dense = lambda t: _on(t, dev, f32).contiguous()  # noqa: E731
     rest_lse, rest_sampled = codes
     num_rest = rest_lse.shape[-1] if has_codes else 0
     valid, read, in_sample = masks
@@ -482,13 +491,14 @@ def _run(lse_exact, out_exact, sampled_lse, sampled_output, inclusion, codes, un
         num_rest = valid.shape[1]  # the masks' row stride, codes or not
     else:
         valid = read = in_sample = work  # never read
-    pi = inclusion.to(dev, f32)  # read through its stride (a column of the step's parameters)
+    pi = _on(inclusion, dev, f32)  # read through its stride (a column of the step's parameters)
     dfs, values = _table(quantiles, dev)
     # The exact parts in their own float dtype (a bfloat16 part 1 is read as it is, cast in the kernel).
-    lse_exact, out_exact = dense(lse_exact), out_exact.to(dev).contiguous()
+    lse_exact, out_exact = dense(lse_exact), _on(out_exact, dev).contiguous()
     two = second is not None
-    lse_b, out_b, merged_lse, merged_out = (dense(second[0]), second[1].to(dev).contiguous(), *second[2:]) if two else (
-        lse_exact, out_exact, lse_exact, out_exact)  # fmt: skip
+    lse_b, out_b, merged_lse, merged_out = (
+        (dense(second[0]), _on(second[1], dev).contiguous(), *second[2:]) if two else (lse_exact, out_exact) * 2
+    )
     _combine_heads_kernel[(n, hq)](
         lse_exact, out_exact, lse_b, out_b, merged_lse, merged_out, sampled_lse, dense(sampled_output), pi,
         rest_lse, rest_sampled,
