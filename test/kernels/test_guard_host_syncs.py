@@ -89,18 +89,22 @@ def test_every_guarded_layers_attend_makes_no_host_round_trip(kind, threshold):
 
 
 @pytest.mark.parametrize("release", [False, True])
-def test_the_guards_kernel_reads_give_what_its_torch_reads_give(monkeypatch, release):
-    """The decoder's CUDA branch (the masked-pages Triton kernel), run here under the
-    interpreter, against its CPU branch (the exact reader over the fixed table); with
-    released rest pages neither reads them (misses: the CPU branch's host reads are off
-    here, as where the host pool has no page views)."""
+def test_the_guards_kernel_path_gives_what_its_torch_path_gives(monkeypatch, release):
+    """The decoder's Triton branch (a captured step's guarded layer run eagerly,
+    ``guard_layer_triton``: the key codes read by range id, the sample from the pool, the
+    masked-pages read, the layer's end in one kernel), run here under the interpreter,
+    against its CPU branch (torch, the exact reader over the fixed table); with released
+    rest pages neither reads them (misses: the CPU branch's host reads are off here, as
+    where the host pool has no page views)."""
     pytest.importorskip("triton", reason="triton is not installed")
     import sgl_importance.hot_set.decode as decode
+    import sgl_importance.hot_set.guard.layer as layer
     import sgl_importance.hot_set.guard_reads as guard_reads
 
     def run(kernel: bool):
         if kernel:
-            monkeypatch.setattr(guard_reads, "reads_with_kernel", lambda decoder: True)
+            for module in (guard_reads, decode):
+                monkeypatch.setattr(module, "reads_with_kernel", lambda decoder: True)
         monkeypatch.setattr(decode, "host_pages", lambda *args: None)
         params = HotSetParams(policy="importance", budget=0.2, window=1, sinks=1, guard_threshold=0.2)
         lengths = [5, 90, 120]
@@ -109,14 +113,19 @@ def test_the_guards_kernel_reads_give_what_its_torch_reads_give(monkeypatch, rel
             "torch", params, release=release, device=DEVICE, layers=2,
             device_pages=pages, host_pages=pages if release else 0,
         )  # fmt: skip
-        outcomes = []
-        guard_layer = decode.guard_layer
+        reads, finished = [], []
+        read_rest, finish = layer.read_rest, getattr(layer, "guard_finish_triton", None)
 
         def recorded(*args, **kwargs):
-            outcomes.append(guard_layer(*args, **kwargs))
-            return outcomes[-1]
+            reads.append(read_rest(*args, **kwargs))
+            return reads[-1]
 
-        monkeypatch.setattr(decode, "guard_layer", recorded)
+        def counted_finish(*args, **kwargs):
+            finished.append(1)
+            return finish(*args, **kwargs)
+
+        monkeypatch.setattr(layer, "read_rest", recorded)
+        monkeypatch.setattr(layer, "guard_finish_triton", counted_finish, raising=False)
         g = torch.Generator().manual_seed(4)
         outs = []
         with parents_metadata():
@@ -129,17 +138,19 @@ def test_the_guards_kernel_reads_give_what_its_torch_reads_give(monkeypatch, rel
                 q = torch.randn(2, len(lengths), Q_HEADS, DIM, generator=g) * 2
                 outs += world.step(*kv, q)
         monkeypatch.undo()
-        return outs, outcomes, world.backend.hot_set.decoder.totals
+        return outs, reads, len(finished), world.backend.hot_set.decoder.totals, world.page_importance.accumulated
 
-    want_outs, want, want_totals = run(kernel=False)
-    got_outs, got, got_totals = run(kernel=True)
+    want_outs, want, want_finished, want_totals, want_importance = run(kernel=False)
+    got_outs, got, got_finished, got_totals, got_importance = run(kernel=True)
     assert want and len(got) == len(want)
+    assert want_finished == 0 and got_finished == len(got)  # each of its layers ended in the one kernel
     for a, b in zip(want, got):
-        assert torch.equal(a.read, b.read) and torch.equal(a.flagged, b.flagged) and torch.equal(a.missed, b.missed)
-        assert torch.allclose(a.combined.output, b.combined.output, atol=2e-5)
+        assert torch.equal(a.read, b.read) and torch.equal(a.wanted, b.wanted) and torch.equal(a.missed, b.missed)
+        assert torch.allclose(a.out.float(), b.out.float(), atol=2e-5)
     for a, b in zip(want_outs, got_outs):
         assert torch.allclose(a, b, atol=2e-5)
     assert want_totals == got_totals
-    assert want_totals.pages_guard_read > 0
+    assert torch.allclose(want_importance, got_importance, atol=1e-6)
+    assert want_totals.pages_guard_read > 0 and want_totals.guard_flagged > 0
     if release:
         assert want_totals.pages_missed > 0  # released pages wanted: counted, never read in the layer

@@ -43,11 +43,17 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from sgl_importance.hot_set.coding import summarise_pages
-from sgl_importance.hot_set.guard.estimate import OutsidePlan, estimate_outside, sampled_pages
+from sgl_importance.hot_set.guard.estimate import (
+    OutsidePlan,
+    Sampled,
+    estimate_outside,
+    estimate_outside_ranged,
+    sampled_pages,
+)
 from sgl_importance.hot_set.guard.key_codes import GuardPool
 from sgl_importance.hot_set.guard.key_ranges import KeyRanges
-from sgl_importance.hot_set.guard.layer import GuardOutcome, guard_layer, part_share
-from sgl_importance.hot_set.guard_reads import exact_reader, host_pages, pages_of
+from sgl_importance.hot_set.guard.layer import GuardOutcome, guard_layer, guard_layer_triton, part_share
+from sgl_importance.hot_set.guard_reads import exact_reader, host_pages, pages_of, reads_with_kernel
 from sgl_importance.hot_set.pages.footprint import PageBytes, held_bytes
 from sgl_importance.hot_set.pages.state import MoveReason, PageMoves, RequestMoves
 from sgl_importance.hot_set.params import HotSetParams
@@ -69,7 +75,7 @@ from sgl_importance.hot_set.prefill import apply_seed
 from sgl_importance.hot_set.record import LongRequest
 from sgl_importance.hot_set.request_params import RequestParams
 from sgl_importance.hot_set.residency import Residency
-from sgl_kernel_ext import DecodeImportanceOutput, PagedDecodeWorkspace, decode_importance_paged
+from sgl_kernel_ext import DecodeImportanceOutput, PagedDecodeWorkspace, decode_importance_paged, masked_page_parts
 
 
 class HotSetDecoder:
@@ -293,12 +299,13 @@ class HotSetDecoder:
         output = result.output
         share = None  # part 1's share of the combined denominator: all of it, unless a guard combined
         if not guard_lists.empty:
-            share = q.new_ones(q.shape[:2], dtype=torch.float32)
             output = output.clone()
             rows = guard_lists.outside.rows
-            combined = self._guard_layer(layer_id, q, k_pages, v_pages, result, guard_lists, run, per_layer)
-            output[rows] = combined.output.to(output.dtype)
-            share[rows] = part_share(result.lse[rows], combined.lse)
+            guarded, rows_share = self._guard_layer(layer_id, q, k_pages, v_pages, result, guard_lists, run, per_layer)
+            output[rows] = guarded.to(output.dtype)
+            if rows_share is not None:
+                share = q.new_ones(q.shape[:2], dtype=torch.float32)
+                share[rows] = rows_share
         self._tally.add_exact(self._live, layer_id, q, result, exact, share, run, per_layer, self.ranges)
         self._step_layers += 1
         masses = shared_masses(result.importance_per_kv_head, share)
@@ -332,36 +339,58 @@ class HotSetDecoder:
         lists = quest_lists(self._live, self.ranges, layer_id, q, sm_scale=sm_scale, logit_cap=logit_cap)
         return plan_exact(self._live, lists, pool_pages, self.page_size), plan_outside(self._live, lists)
 
-    def _sample_pages(self, layer_id: int, k_pages, v_pages, sample: SamplePlan):
-        """The sampled pages' K and V ``[n, S, page_size, Hkv, D]`` (host copies where released)."""
-        return pages_of(
-            self.residency.read_host, layer_id, k_pages, v_pages, sample.physical, sample.host_index, sample.host_slots
-        )
+    def _sample_pages(self, layer_id: int, q_rows, k_pages, v_pages, sample: SamplePlan, run, kernels: bool) -> Sampled:
+        """The sampled pages' own parts, each page read on its own: on the Triton backend
+        from the pool in one launch (``masked_page_parts``, a captured step's) where every
+        sampled page is on the device; else gathered, host copies put in where released."""
+        if kernels and sample.host_index.numel() == 0:  # known on the host when the step was planned
+            return Sampled(*masked_page_parts(q_rows, k_pages, v_pages, sample.physical, sample.valid, **run))
+        read = self.residency.read_host
+        keys, values = pages_of(read, layer_id, k_pages, v_pages, sample.physical, sample.host_index, sample.host_slots)
+        return sampled_pages(q_rows, keys, values, sample.valid, **run)
 
     def _guard_layer(self, layer_id, q, k_pages, v_pages, result, lists: GuardLists, run, per_layer: bool):
         """Part 2: the rest pages' intervals, the selection's pages read, the rest estimated.
+        Returns the guarded rows' output and part 1's share of their chosen denominator
+        (None: the kernels scaled the rows' masses in ``result`` already).
 
         Everything it reads was put on the layers' device with the step's lists
-        (``GuardLists``): it reads no value back to the host; the CPU's reader reads a
-        wanted released page from its host copy where it lies (``guard_reads``)."""
+        (``GuardLists``): it reads no value back to the host. On the Triton backend it runs
+        a captured step's kernels (``guard_layer_triton``, as ``graph.guard.GraphGuard``);
+        elsewhere torch, whose reader reads a wanted released page from its host copy where
+        it lies (``guard_reads``)."""
         plan = lists.outside
         rows = plan.rows
         q_rows = q[rows]
-        outside = estimate_outside(q_rows, self.guard, layer_id, plan, *lists.key_range(self.ranges, layer_id), **run)
-        keys, values = self._sample_pages(layer_id, k_pages, v_pages, lists.sample)
-        sampled = sampled_pages(q_rows, keys, values, lists.sample.valid, **run)
-        host = host_pages(self, layer_id, k_pages)
-        reader = exact_reader(self, layer_id, q, k_pages, v_pages, lists, run, host)
-        part1 = (result.lse[rows], result.output[rows].float())
-        estimate = (outside, sampled, plan.valid, plan.sampled, plan.inclusion, lists.thresholds, lists.released)
-        outcome = guard_layer(*part1, *estimate, *lists.of_layer(layer_id), reader, from_host=host is not None)
-        self.last_guard = outcome  # what the layer's guard did (benchmarks read its bound)
         layers = self.ranges.num_layers
         tally = self._tally if not per_layer else StepTally.for_outside(lists.host, plan.rows.device, layers)
-        tally.add_guard(outcome, plan, layer_id, lists.released)
+        kernels = reads_with_kernel(self)
+        if kernels:  # the range tables read by id inside the key codes' launch
+            tables = (self.ranges.key_min[layer_id], self.ranges.key_max[layer_id])
+            outside = estimate_outside_ranged(q_rows, self.guard, layer_id, plan, tables, lists.range_ids, **run)
+        else:
+            ranges = lists.key_range(self.ranges, layer_id)
+            outside = estimate_outside(q_rows, self.guard, layer_id, plan, *ranges, **run)
+        sampled = self._sample_pages(layer_id, q_rows, k_pages, v_pages, lists.sample, run, kernels)
+        host = host_pages(self, layer_id, k_pages)
+        reader = exact_reader(self, layer_id, q, k_pages, v_pages, lists, run, host)
+        lse = result.lse[rows]
+        estimate = (outside, sampled, plan.valid, plan.sampled, plan.inclusion, lists.thresholds, lists.released)
+        selection = (*lists.of_layer(layer_id), reader)
+        if kernels:
+            out, per_kv = torch.empty_like(result.output[rows]), result.importance_per_kv_head[rows]
+            ends = dict(tally=tally.guard, output=out, per_kv=per_kv, layer=layer_id % layers, layers=layers)
+            guard_layer_triton(lse, result.output[rows], *estimate, *selection, **ends)
+            result.importance_per_kv_head[rows] = per_kv
+            share = None
+        else:
+            outcome = guard_layer(lse, result.output[rows].float(), *estimate, *selection, from_host=host is not None)
+            self.last_guard = outcome  # what the layer's guard did (benchmarks read its bound)
+            tally.add_guard(outcome, plan, layer_id, lists.released)
+            out, share = outcome.combined.output, part_share(lse, outcome.combined.lse)
         if per_layer:
             tally.fold_outside(self._live, lists.host, layers=1)
-        return outcome.combined
+        return out, share
 
     # -- after the last layer ------------------------------------------------------
 

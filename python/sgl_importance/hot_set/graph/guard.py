@@ -20,8 +20,9 @@ the sampled pages' own parts from the pool (``masked_page_parts``), the selectio
 (``guard_select_triton``, three), the masked read and its split merge (two), the read part
 merged into part 1 and the sampled estimate with its masks inside (``combine_rest_triton``,
 two), and the end of the layer, its output into SGLang's buffer, its importance rescaled and its
-tally row, in one (``guard_finish_triton``). Elsewhere, torch (``guard.layer.guard_layer`` and
-``step_tally.keep_in_tally``: the reference the kernels are tested against).
+tally row, in one (``guard_finish_triton``): ``guard.layer.guard_layer_triton``, the eager Triton
+step's layer too. Elsewhere, torch (``guard.layer.guard_layer`` and ``step_tally.keep_in_tally``:
+the reference the kernels are tested against).
 
 Refused (the batch runs eagerly, counted): a guarded request's first step (its dense
 warm-up seeds the read caps from per-layer top-p counts), a sample larger than the
@@ -46,22 +47,18 @@ from sgl_importance.hot_set.guard.estimate import (
 )
 from sgl_importance.hot_set.guard.key_codes import GuardPool
 from sgl_importance.hot_set.guard.key_ranges import KeyRanges
-from sgl_importance.hot_set.guard.layer import guard_layer, part_share, read_rest
+from sgl_importance.hot_set.guard.layer import guard_layer, guard_layer_triton, part_share
 from sgl_importance.hot_set.plan.page_lists import plan_outside
 from sgl_importance.hot_set.plan.request_state import LiveRequest, released_among
 from sgl_importance.hot_set.plan.sample import FRACTION, MIN_PAGES
 from sgl_importance.hot_set.plan.step_tally import fold_guard, guard_rows, keep_in_tally, kv_group_share
 from sgl_kernel_ext import (
-    HAS_TRITON,
     DecodeImportanceOutput,
     decode_importance_paged,
     masked_page_attention,
     masked_page_parts,
     plan_from_table,
 )
-
-if HAS_TRITON:
-    from sgl_kernel_ext import guard_finish_triton
 
 # Columns of the int64 lists: logical page, guard id, range id, flags (valid, sampled, released).
 LOGICAL, CODES, RANGES, FLAGS = range(4)
@@ -224,26 +221,11 @@ class GraphGuard:
         rest = (outside, sample, valid, sampled, params[:, 0])
         reader = self._reader(q, k_pages, v_pages, bs, run)
         top_p, cap = params[:, 2 + column], self.caps[:bs, column]
-        if self.triton:  # the layer's end in one kernel, its tally row written there; part 1 read as it is
-            reads = read_rest(part1.lse, part1.output, *rest, released, top_p, cap, reader, use_triton=True)
-            intervals = (outside.page_lse, outside.logit_error, outside.value_norm)
-            masks = (valid, reads.read, reads.wanted, reads.missed, sampled)
+        if self.triton:  # the eager Triton step's layer: its end in one kernel, the tally row written there
             per_kv = part1.importance_per_kv_head
-            _, _, importance = guard_finish_triton(
-                reads.lse,
-                reads.out,
-                tuple(vars(reads.statistical).values()),
-                intervals,
-                masks,
-                params[:, 1],
-                part1.output,
-                part1.lse,
-                self.tally[:bs],
-                out,
-                per_kv,
-                layer=column,
-                layers=self.num_layers,
-            )
+            tally = dict(tally=self.tally[:bs], output=out, per_kv=per_kv, layer=column, layers=self.num_layers)
+            rows = (part1.lse, part1.output, *rest, params[:, 1], released, top_p, cap, reader)
+            importance = guard_layer_triton(*rows, **tally)
             return DecodeImportanceOutput(out, part1.lse, importance, per_kv)
         outcome = guard_layer(part1.lse, part1.output.float(), *rest, params[:, 1], released, top_p, cap, reader)
         keep_in_tally(self.tally[:bs], outcome, sampled, column, self.num_layers)

@@ -23,8 +23,11 @@ guarded request, with fixed shapes and no host in the loop:
 output 0). The selection's inputs are the key codes (``estimate.estimate_outside``), which
 never look at the sample, so the pages left unread keep the sample uniform over them.
 
-Torch, but on a GPU (CUDA tensors) the selection (``select_pages``: three Triton launches)
-and the merge with the sampled estimate (``_combine``: two); nothing here imports SGLang.
+Torch (``guard_layer``: the CPU's step, and the kernels' reference), but on a GPU (CUDA
+tensors) the selection (``select_pages``: three Triton launches) and the merge with the
+sampled estimate (``_combine``: two). The Triton backend's guarded layer, eager or captured,
+is ``guard_layer_triton``: those launches and the layer's end in one kernel. Nothing here
+imports SGLang.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from sgl_importance.hot_set.guard.estimate import (
 from sgl_kernel_ext import HAS_TRITON, merge_parts
 
 if HAS_TRITON:
-    from sgl_kernel_ext import combine_rest_triton, guard_select_triton
+    from sgl_kernel_ext import combine_rest_triton, guard_finish_triton, guard_select_triton
 
 NEG_INF = float("-inf")
 
@@ -234,6 +237,44 @@ def guard_layer(
         lse, out, outside, sampled, valid, in_sample, inclusion, released, top_p, cap, read_exactly, from_host=from_host
     )
     return weigh_bounds(reads, outside, valid, thresholds)
+
+
+def guard_layer_triton(
+    lse: torch.Tensor,
+    out: torch.Tensor,
+    outside: Outside,
+    sampled: Sampled,
+    valid: torch.Tensor,
+    in_sample: torch.Tensor,
+    inclusion: torch.Tensor,
+    thresholds: torch.Tensor,
+    released: torch.Tensor,
+    top_p: torch.Tensor,
+    cap: torch.Tensor,
+    read_exactly: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    *,
+    tally: torch.Tensor,
+    output: torch.Tensor,
+    per_kv: torch.Tensor,
+    layer: int,
+    layers: int,
+) -> torch.Tensor:
+    """``guard_layer`` as the Triton backend runs it, in a CUDA graph or not: the selection
+    and the merge in Triton (``read_rest``), the layer's end in one kernel
+    (``sgl_kernel_ext.guard_finish_triton``) that writes the output into ``output``, the
+    guard's tally row into ``tally`` (``step_tally.guard_rows``; ``layer`` of ``layers``)
+    and scales part 1's per-KV-head masses ``per_kv`` in place into shares of the chosen
+    denominator. ``out`` is part 1's output as it came (the output of a row with no rest).
+    Returns ``per_kv``'s mean over KV heads. Reads no released page (none ``from_host``)."""
+    reads = read_rest(
+        lse, out, outside, sampled, valid, in_sample, inclusion, released, top_p, cap, read_exactly, use_triton=True
+    )
+    intervals = (outside.page_lse, outside.logit_error, outside.value_norm)
+    masks = (valid, reads.read, reads.wanted, reads.missed, in_sample)
+    statistical = tuple(vars(reads.statistical).values())
+    finish = (thresholds, out, lse, tally, output, per_kv)
+    ends = guard_finish_triton(reads.lse, reads.out, statistical, intervals, masks, *finish, layer=layer, layers=layers)
+    return ends[2]
 
 
 def weigh_bounds(reads: GuardReads, outside: Outside, valid: torch.Tensor, thresholds: torch.Tensor) -> GuardOutcome:
