@@ -63,16 +63,15 @@ class GraphRunner:
         variant = self.variants.select(batch)  # after the plan, as the runner's load_batch picks it
         if (batch.batch_size, variant) not in self.captured:
             self._capture(batch, variant, k_new, v_new, q)
-        capture_mode._set_capture_attention_variant(variant)
-        try:
-            with counter.where("prep") if counter is not None else nullcontext():
-                backend.init_forward_metadata_out_graph(batch)
-            # What the graph holds: the prologue, then each layer under its id.
-            with counter.where("prologue") if counter is not None else nullcontext():
-                backend.init_forward_metadata_in_graph(batch)
-            outs = world.layers_forward(batch, k_new, v_new, q, **({"where": counter.where} if counter else {}))
-        finally:
-            capture_mode._set_capture_attention_variant(None)
+        # The variant keys the graph replayed; SGLang names it to the backend only while capturing
+        # (its replay prep sets it for DSV4.1's early verify metadata alone): none here.
+        assert capture_mode.get_capture_attention_variant() is None
+        with counter.where("prep") if counter is not None else nullcontext():
+            backend.init_forward_metadata_out_graph(batch)
+        # What the graph holds: the prologue, then each layer under its id.
+        with counter.where("prologue") if counter is not None else nullcontext():
+            backend.init_forward_metadata_in_graph(batch)
+        outs = world.layers_forward(batch, k_new, v_new, q, **({"where": counter.where} if counter else {}))
         self.replayed += 1
         self.variants_run.append(variant)
         world.residency.apply(backend.hot_set.end_batch())  # after the batch, as the scheduler

@@ -111,6 +111,9 @@ class HotSetAttention:
         # for the eager step (_planned: its ids and lengths).
         self.graph: Optional[GraphStep] = None
         self.graph_mode = False
+        # The variant SGLang's runner picked for the batch it replays next (HotSetGraphVariants.select):
+        # SGLang names a variant to the backend while capturing only, not in a replay's prep.
+        self.replay_variant: Optional[str] = None
         # CUDA: the model runner's forward stream, which a prefill chunk's summary and release
         # wait for (under the overlap scheduler the chunk's forward may still run); None on the CPU.
         self.forward_stream: Optional[torch.cuda.Stream] = None

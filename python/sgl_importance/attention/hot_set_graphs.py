@@ -59,11 +59,16 @@ class HotSetGraphVariants:
         self.runtime = runtime
 
     def select(self, forward_batch: ForwardBatch) -> str:
-        if not holds_hot_set_request(forward_batch.seq_lens_cpu, self.threshold):
-            return DENSE_VARIANT
+        """The batch's variant, kept on the hot set too: SGLang's replay keys its graph by it
+        but tells the backend's metadata hook no variant (it does while capturing)."""
         hot_set = self.runtime.hot_set_attention
-        guarded = hot_set is not None and hot_set.graph is not None and hot_set.graph.guarded
-        return GUARD_VARIANT if guarded else HOT_VARIANT
+        variant = DENSE_VARIANT
+        if holds_hot_set_request(forward_batch.seq_lens_cpu, self.threshold):
+            guarded = hot_set is not None and hot_set.graph is not None and hot_set.graph.guarded
+            variant = GUARD_VARIANT if guarded else HOT_VARIANT
+        if hot_set is not None:
+            hot_set.replay_variant = variant
+        return variant
 
 
 def graph_variants(

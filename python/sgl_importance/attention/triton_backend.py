@@ -132,8 +132,9 @@ class ImportanceTritonAttnBackend(ImportanceDecodeSteps, TritonAttnBackend):
         if decode:
             self.decode_wrapper = self.graph_wrapper
         if self.hot_set is not None:
-            if decode:
-                self.hot_set.graph_metadata(get_capture_attention_variant(), in_capture, forward_batch.batch_size)
+            if decode:  # SGLang names the variant while capturing; a replay's is the one it selected
+                variant = get_capture_attention_variant() if in_capture else self.hot_set.replay_variant
+                self.hot_set.graph_metadata(variant, in_capture, forward_batch.batch_size)
             elif not in_capture:
                 self.hot_set.fence()
 
