@@ -786,6 +786,12 @@ def main() -> None:
     top = max(max(ids) for ps in prompts.values() for ids in ps)
     if top >= shape["vocab"]:
         sys.exit(f"the tokenizer's ids reach {top}, past the model's vocabulary of {shape['vocab']}")
+    most = model_config.get("max_position_embeddings")
+    if most is not None and context_length(lengths, a.new_tokens) > most:
+        # SGLang refuses such a server at start-up (every config would fail after its load).
+        longest = most - a.new_tokens - PAGE
+        sys.exit(f"--lengths {max(lengths)} + --new-tokens {a.new_tokens} + a page exceed the model's {most} "
+                 f"positions: at most {longest}")  # fmt: skip
     # The rows' pages per KV page (the hot-set server's pool makes room for them): a sixteenth
     # for the ranges, one in 4 x element size - 1 for the codes.
     from sgl_importance.hot_set.guard.key_codes import code_rows_per_page
