@@ -90,8 +90,8 @@ def test_every_guarded_layers_attend_makes_no_host_round_trip(kind, threshold):
 
 @pytest.mark.parametrize("release", [False, True])
 def test_the_guards_kernel_path_gives_what_its_torch_path_gives(monkeypatch, release):
-    """The decoder's Triton branch (a captured step's guarded layer run eagerly,
-    ``guard_layer_triton``: the key codes read by range id, the sample from the pool, the
+    """The decoder's Triton branch (a captured step's guarded layer run eagerly, ``read_rest``
+    and ``weigh_bounds_triton``: the key codes read by range id, the sample from the pool, the
     masked-pages read, the layer's end in one kernel), run here under the interpreter,
     against its CPU branch (torch, the exact reader over the fixed table); with released
     rest pages neither reads them (misses: the CPU branch's host reads are off here, as
@@ -124,7 +124,8 @@ def test_the_guards_kernel_path_gives_what_its_torch_path_gives(monkeypatch, rel
             finished.append(1)
             return finish(*args, **kwargs)
 
-        monkeypatch.setattr(layer, "read_rest", recorded)
+        for module in (layer, decode):  # guard_layer's, and the decoder's Triton branch's
+            monkeypatch.setattr(module, "read_rest", recorded)
         monkeypatch.setattr(layer, "guard_finish_triton", counted_finish, raising=False)
         g = torch.Generator().manual_seed(4)
         outs = []

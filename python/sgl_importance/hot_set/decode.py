@@ -52,7 +52,7 @@ from sgl_importance.hot_set.guard.estimate import (
 )
 from sgl_importance.hot_set.guard.key_codes import GuardPool
 from sgl_importance.hot_set.guard.key_ranges import KeyRanges
-from sgl_importance.hot_set.guard.layer import GuardOutcome, guard_layer, guard_layer_triton, part_share
+from sgl_importance.hot_set.guard.layer import GuardOutcome, guard_layer, part_share, read_rest, weigh_bounds_triton
 from sgl_importance.hot_set.guard_reads import exact_reader, host_pages, pages_of, reads_with_kernel
 from sgl_importance.hot_set.pages.footprint import PageBytes, held_bytes
 from sgl_importance.hot_set.pages.state import MoveReason, PageMoves, RequestMoves
@@ -356,7 +356,7 @@ class HotSetDecoder:
 
         Everything it reads was put on the layers' device with the step's lists
         (``GuardLists``): it reads no value back to the host. On the Triton backend it runs
-        a captured step's kernels (``guard_layer_triton``, as ``graph.guard.GraphGuard``);
+        a captured step's kernels (``read_rest`` and ``weigh_bounds_triton``, as ``graph.guard.GraphGuard``);
         elsewhere torch, whose reader reads a wanted released page from its host copy where
         it lies (``guard_reads``)."""
         plan = lists.outside
@@ -374,17 +374,19 @@ class HotSetDecoder:
         sampled = self._sample_pages(layer_id, q_rows, k_pages, v_pages, lists.sample, run, kernels)
         host = host_pages(self, layer_id, k_pages)
         reader = exact_reader(self, layer_id, q, k_pages, v_pages, lists, run, host)
-        lse = result.lse[rows]
-        estimate = (outside, sampled, plan.valid, plan.sampled, plan.inclusion, lists.thresholds, lists.released)
+        lse, part1 = result.lse[rows], result.output[rows]
         selection = (*lists.of_layer(layer_id), reader)
         if kernels:
-            out, per_kv = torch.empty_like(result.output[rows]), result.importance_per_kv_head[rows]
+            rest = (outside, sampled, plan.valid, plan.sampled, plan.inclusion, lists.released)
+            reads = read_rest(lse, part1, *rest, *selection, use_triton=True)
+            out, per_kv = torch.empty_like(part1), result.importance_per_kv_head[rows]
             ends = dict(tally=tally.guard, output=out, per_kv=per_kv, layer=layer_id % layers, layers=layers)
-            guard_layer_triton(lse, result.output[rows], *estimate, *selection, **ends)
+            weigh_bounds_triton(reads, outside, plan.valid, plan.sampled, lists.thresholds, lse, part1, **ends)
             result.importance_per_kv_head[rows] = per_kv
             share = None
         else:
-            outcome = guard_layer(lse, result.output[rows].float(), *estimate, *selection, from_host=host is not None)
+            estimate = (outside, sampled, plan.valid, plan.sampled, plan.inclusion, lists.thresholds, lists.released)
+            outcome = guard_layer(lse, part1.float(), *estimate, *selection, from_host=host is not None)
             self.last_guard = outcome  # what the layer's guard did (benchmarks read its bound)
             tally.add_guard(outcome, plan, layer_id, lists.released)
             out, share = outcome.combined.output, part_share(lse, outcome.combined.lse)

@@ -20,7 +20,7 @@ the sampled pages' own parts from the pool (``masked_page_parts``), the selectio
 (``guard_select_triton``, three), the masked read and its split merge (two), the read part
 merged into part 1 and the sampled estimate with its masks inside (``combine_rest_triton``,
 two), and the end of the layer, its output into SGLang's buffer, its importance rescaled and its
-tally row, in one (``guard_finish_triton``): ``guard.layer.guard_layer_triton``, the eager Triton
+tally row, in one (``guard_finish_triton``): ``guard.layer.weigh_bounds_triton``, the eager Triton
 step's layer too. Elsewhere, torch (``guard.layer.guard_layer`` and ``step_tally.keep_in_tally``:
 the reference the kernels are tested against).
 
@@ -47,7 +47,7 @@ from sgl_importance.hot_set.guard.estimate import (
 )
 from sgl_importance.hot_set.guard.key_codes import GuardPool
 from sgl_importance.hot_set.guard.key_ranges import KeyRanges
-from sgl_importance.hot_set.guard.layer import guard_layer, guard_layer_triton, part_share
+from sgl_importance.hot_set.guard.layer import guard_layer, part_share, read_rest, weigh_bounds_triton
 from sgl_importance.hot_set.plan.page_lists import plan_outside
 from sgl_importance.hot_set.plan.request_state import LiveRequest, released_among
 from sgl_importance.hot_set.plan.sample import FRACTION, MIN_PAGES
@@ -222,11 +222,11 @@ class GraphGuard:
         reader = self._reader(q, k_pages, v_pages, bs, run)
         top_p, cap = params[:, 2 + column], self.caps[:bs, column]
         if self.triton:  # the eager Triton step's layer: its end in one kernel, the tally row written there
+            reads = read_rest(part1.lse, part1.output, *rest, released, top_p, cap, reader, use_triton=True)
             per_kv = part1.importance_per_kv_head
-            tally = dict(tally=self.tally[:bs], output=out, per_kv=per_kv, layer=column, layers=self.num_layers)
-            rows = (part1.lse, part1.output, *rest, params[:, 1], released, top_p, cap, reader)
-            importance = guard_layer_triton(*rows, **tally)
-            return DecodeImportanceOutput(out, part1.lse, importance, per_kv)
+            ends = dict(tally=self.tally[:bs], output=out, per_kv=per_kv, layer=column, layers=self.num_layers)
+            weigh = (reads, outside, valid, sampled, params[:, 1], part1.lse, part1.output)
+            return DecodeImportanceOutput(out, part1.lse, weigh_bounds_triton(*weigh, **ends), per_kv)
         outcome = guard_layer(part1.lse, part1.output.float(), *rest, params[:, 1], released, top_p, cap, reader)
         keep_in_tally(self.tally[:bs], outcome, sampled, column, self.num_layers)
         has_rest = valid.any(dim=1)

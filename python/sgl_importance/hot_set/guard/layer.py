@@ -26,8 +26,8 @@ never look at the sample, so the pages left unread keep the sample uniform over 
 Torch (``guard_layer``: the CPU's step, and the kernels' reference), but on a GPU (CUDA
 tensors) the selection (``select_pages``: three Triton launches) and the merge with the
 sampled estimate (``_combine``: two). The Triton backend's guarded layer, eager or captured,
-is ``guard_layer_triton``: those launches and the layer's end in one kernel. Nothing here
-imports SGLang.
+is ``read_rest`` with those launches and ``weigh_bounds_triton``: the layer's end in one kernel.
+Nothing here imports SGLang.
 """
 
 from __future__ import annotations
@@ -239,19 +239,14 @@ def guard_layer(
     return weigh_bounds(reads, outside, valid, thresholds)
 
 
-def guard_layer_triton(
-    lse: torch.Tensor,
-    out: torch.Tensor,
+def weigh_bounds_triton(
+    reads: GuardReads,
     outside: Outside,
-    sampled: Sampled,
     valid: torch.Tensor,
     in_sample: torch.Tensor,
-    inclusion: torch.Tensor,
     thresholds: torch.Tensor,
-    released: torch.Tensor,
-    top_p: torch.Tensor,
-    cap: torch.Tensor,
-    read_exactly: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    lse: torch.Tensor,
+    out: torch.Tensor,
     *,
     tally: torch.Tensor,
     output: torch.Tensor,
@@ -259,16 +254,12 @@ def guard_layer_triton(
     layer: int,
     layers: int,
 ) -> torch.Tensor:
-    """``guard_layer`` as the Triton backend runs it, in a CUDA graph or not: the selection
-    and the merge in Triton (``read_rest``), the layer's end in one kernel
-    (``sgl_kernel_ext.guard_finish_triton``) that writes the output into ``output``, the
-    guard's tally row into ``tally`` (``step_tally.guard_rows``; ``layer`` of ``layers``)
-    and scales part 1's per-KV-head masses ``per_kv`` in place into shares of the chosen
-    denominator. ``out`` is part 1's output as it came (the output of a row with no rest).
-    Returns ``per_kv``'s mean over KV heads. Reads no released page (none ``from_host``)."""
-    reads = read_rest(
-        lse, out, outside, sampled, valid, in_sample, inclusion, released, top_p, cap, read_exactly, use_triton=True
-    )
+    """``weigh_bounds`` as the Triton backend runs it after ``read_rest(..., use_triton=True)``,
+    in a CUDA graph or not: one kernel (``sgl_kernel_ext.guard_finish_triton``) that writes the
+    layer's output into ``output``, the guard's tally row into ``tally`` (``step_tally.guard_rows``;
+    ``layer`` of ``layers``) and scales part 1's per-KV-head masses ``per_kv`` in place into
+    shares of the chosen denominator. ``lse``, ``out``: part 1 as it came (the output of a row
+    with no rest). Returns ``per_kv``'s mean over KV heads."""
     intervals = (outside.page_lse, outside.logit_error, outside.value_norm)
     masks = (valid, reads.read, reads.wanted, reads.missed, in_sample)
     statistical = tuple(vars(reads.statistical).values())
