@@ -1,6 +1,7 @@
 """The captured step's page tally (``sgl_kernel_ext.page_tally``): the Triton kernel against the
 torch path, and the torch path against the quantities it stands for (the eager step's masses and
-``key_ranges.key_bound``). Small shapes under TRITON_INTERPRET=1 on a CPU (conftest.py)."""
+``key_ranges.key_bound``). Small shapes under TRITON_INTERPRET=1 on a CPU (conftest.py), compiled
+on a GPU (the Triton case's tensors on ``DEVICE``, read back to compare)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from sgl_importance.hot_set.guard.key_ranges import key_bound
 from sgl_kernel_ext.page_tally import BOUND, MAX, SUM, tally_pages
+from support.kernel_device import DEVICE
 
 pytest.importorskip("triton", reason="triton is not installed")
 
@@ -30,8 +32,12 @@ def case(seed: int, bs=3, pages=10, ids_max=12, dtype=torch.float32):
     return per_kv, q, lse, key_min, key_max, ids
 
 
-def fresh(bs, pages):
-    tally = torch.zeros(3, bs + 1, pages)
+def on(tensors, device):
+    return [None if t is None else t.to(device) for t in tensors]
+
+
+def fresh(bs, pages, device="cpu"):
+    tally = torch.zeros(3, bs + 1, pages, device=device)
     tally[BOUND].fill_(float("-inf"))
     return tally
 
@@ -41,13 +47,13 @@ def fresh(bs, pages):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_triton_tally_equals_the_torch_path_over_several_layers(seed, logit_cap, dtype):
     bs, pages = 3, 10
-    tallies = [fresh(bs, pages), fresh(bs, pages)]
+    tallies = [fresh(bs, pages), fresh(bs, pages, DEVICE)]
     for layer in range(3):
         args = case(seed * 10 + layer, bs, pages, dtype=dtype)
         for tally, triton in zip(tallies, (False, True)):
             run = dict(sm_scale=DIM**-0.5, logit_cap=logit_cap, page_size=PAGE, use_triton=triton)
-            tally_pages(*args, tally, **run)
-    torch_tally, triton_tally = tallies
+            tally_pages(*on(args, tally.device), tally, **run)
+    torch_tally, triton_tally = tallies[0], tallies[1].cpu()
     assert torch.allclose(triton_tally[:2], torch_tally[:2], atol=1e-6)
     finite = torch.isfinite(torch_tally[BOUND])
     assert torch.equal(finite, torch.isfinite(triton_tally[BOUND]))
@@ -75,8 +81,11 @@ def test_the_tally_is_the_eager_steps_masses_and_the_key_bound():
 def test_without_range_ids_the_masses_are_tallied_and_no_page_is_bounded(triton):
     # A step whose rows rank nothing by key bounds passes no ids: its bound row stays as it was.
     per_kv, q, lse, key_min, key_max, ids = case(3)
-    tally = fresh(3, 10)
-    tally_pages(per_kv, q, lse, key_min, key_max, None, tally, sm_scale=0.25, page_size=PAGE, use_triton=triton)
+    device = DEVICE if triton else "cpu"
+    tally = fresh(3, 10, device)
+    args = on((per_kv, q, lse, key_min, key_max, None), device)
+    tally_pages(*args, tally, sm_scale=0.25, page_size=PAGE, use_triton=triton)
+    tally = tally.cpu()
     assert torch.allclose(tally[SUM, :3], per_kv.mean(-1)) and torch.allclose(tally[MAX, :3], per_kv.amax(-1))
     assert torch.equal(tally[BOUND], fresh(3, 10)[BOUND])
 
@@ -86,6 +95,9 @@ def test_a_page_with_range_id_0_is_bounded_by_nothing_whatever_row_0_holds(trito
     # Over a pool's K and V (the eager step's ranges), row 0 is SGLang's padding slot, finite.
     per_kv, q, lse, key_min, key_max, ids = case(4)
     key_min[0], key_max[0] = -1.0, 1.0
-    tally = fresh(3, 10)
-    tally_pages(per_kv, q, lse, key_min, key_max, ids, tally, sm_scale=0.25, page_size=PAGE, use_triton=triton)
+    device = DEVICE if triton else "cpu"
+    tally = fresh(3, 10, device)
+    args = on((per_kv, q, lse, key_min, key_max, ids), device)
+    tally_pages(*args, tally, sm_scale=0.25, page_size=PAGE, use_triton=triton)
+    tally = tally.cpu()
     assert torch.isneginf(tally[BOUND, :3][ids == 0]).all() and torch.isfinite(tally[BOUND, :3][ids > 0]).all()

@@ -22,6 +22,7 @@ from sgl_importance.hot_set import HotSetParams
 from support import array_pools
 from support.host_syncs import HostSyncCounter
 from support.hot_set_world import DIM, KV_HEADS, PAGE, Q_HEADS, World
+from support.kernel_device import DEVICE, launching_class
 
 START = "host"  # the world's label for what runs before the layers
 END = "end"
@@ -45,7 +46,7 @@ def counted_decode(
     counter = HostSyncCounter(stand_ins=[array_pools.__file__])
     with counter, counter.paused():
         world = World(
-            backend, params, release=release, device="cpu", layers=layers,
+            backend, params, release=release, device=DEVICE, layers=layers,
             device_pages=pages, host_pages=pages if release else 0,
         )  # fmt: skip
         g = torch.Generator().manual_seed(seed)
@@ -75,21 +76,21 @@ def counted_decode(
 
 @contextmanager
 def triton_launches_counted(counter: HostSyncCounter) -> Iterator[None]:
-    """Each Triton kernel launched (under the interpreter) counted as a LAUNCH."""
+    """Each Triton kernel launched (interpreted or compiled) counted as a LAUNCH."""
     try:
-        from triton.runtime.interpreter import InterpretedFunction
+        launching = launching_class()
     except ImportError:  # no Triton: the torch backend launches none
         yield
         return
-    run = InterpretedFunction.run
+    run = launching.run
 
     def counted_run(self, *args, **kwargs):
         if not kwargs.get("warmup"):
             counter.launch_kernel(self.__name__)
         return run(self, *args, **kwargs)
 
-    InterpretedFunction.run = counted_run
+    launching.run = counted_run
     try:
         yield
     finally:
-        InterpretedFunction.run = run
+        launching.run = run

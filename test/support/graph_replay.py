@@ -14,7 +14,7 @@ results part from an eager run's: what a real graph would do.
 arguments, and the storage of every tensor made outside the region (where it lives).
 Two steps whose signatures are equal would replay one graph.
 
-A Triton kernel run by the interpreter (``TRITON_INTERPRET=1``) is recorded as one call
+A Triton launch, interpreted (``TRITON_INTERPRET=1``) or compiled, is recorded as one call
 (``record(..., triton=True)``: the kernel, its grid, its arguments, tensors by identity),
 and the aten calls the interpreter makes inside it are not recorded (they are the
 launch's own); at replay the kernel runs again on the replay's tensors, with the Python
@@ -30,6 +30,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from support.kernel_device import launching_class
 
 
 class Recording(TorchDispatchMode):
@@ -139,24 +141,23 @@ class _Launch:
 
 @contextmanager
 def _triton_recorded(rec: Recording) -> Iterator[None]:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    run = InterpretedFunction.run
+    launching = launching_class()
+    run = launching.run
 
     def recorded(kernel, *args, **kwargs):
         if kwargs.get("warmup"):
             return run(kernel, *args, **kwargs)
         return rec.launch(run, kernel, args, kwargs)
 
-    InterpretedFunction.run = recorded
+    launching.run = recorded
     try:
         yield
     finally:
-        InterpretedFunction.run = run
+        launching.run = run
 
 
 def record(region: Callable[[], Any], *, triton: bool = False) -> Recording:
-    """Run ``region`` once, recorded (``triton``: its Triton launches too, under the interpreter)."""
+    """Run ``region`` once, recorded (``triton``: its Triton launches too)."""
     rec = Recording()
     with rec, _triton_recorded(rec) if triton else nullcontext():
         region()

@@ -21,6 +21,7 @@ import torch
 from sgl_importance.hot_set import HotSetDecoder, HotSetParams, KeyRanges
 from sgl_importance.hot_set.graph.step import GraphCapacity, GraphStep
 from support.graph_replay import Recording, first_difference, outside_tensors, record, signature
+from support.kernel_device import DEVICE
 
 PAGE = 4
 KV_HEADS, GROUP, DIM = 2, 2, 8
@@ -31,7 +32,7 @@ ROW_PAGES = 24
 SCALE = DIM**-0.5
 THRESHOLD = 12
 CAPACITY = GraphCapacity(4, ROW_PAGES)
-DEV = torch.device("cpu")  # a device object: the host round-trip counter reads it as the server's device
+DEV = torch.device(DEVICE)  # a device object: the host round-trip counter reads it as the server's device
 
 
 def params(**kw) -> HotSetParams:
@@ -48,8 +49,8 @@ class Twin:
     def __init__(self, hot: HotSetParams, *, capacity=CAPACITY, seed=0, replay=True, triton=False) -> None:
         self.g = torch.Generator().manual_seed(seed)
         rows = POOL_PAGES * PAGE
-        self.k = [torch.randn(rows, KV_HEADS, DIM, generator=self.g, device=DEV) for _ in range(LAYERS)]
-        self.v = [torch.randn(rows, KV_HEADS, DIM, generator=self.g, device=DEV) for _ in range(LAYERS)]
+        self.k = [torch.randn(rows, KV_HEADS, DIM, generator=self.g).to(DEV) for _ in range(LAYERS)]
+        self.v = [torch.randn(rows, KV_HEADS, DIM, generator=self.g).to(DEV) for _ in range(LAYERS)]
         self.req_to_token = torch.zeros(8, ROW_PAGES * PAGE, dtype=torch.int32, device=DEV)
         self.free = list(range(POOL_PAGES - 1, 0, -1))
         self.rows: dict[str, int] = {}
@@ -76,7 +77,7 @@ class Twin:
 
     @staticmethod
     def _decoder(hot: HotSetParams) -> HotSetDecoder:
-        ranges = KeyRanges(LAYERS, KV_HEADS, DIM, capacity_pages=POOL_PAGES)
+        ranges = KeyRanges(LAYERS, KV_HEADS, DIM, capacity_pages=POOL_PAGES, device=DEV)
         return HotSetDecoder(hot, ranges, pool_pages=POOL_PAGES, page_size=PAGE, threshold=THRESHOLD)
 
     def join(self, rid: str, length: int) -> None:
@@ -92,7 +93,7 @@ class Twin:
     def _write(self, rid: str) -> None:
         pos, row = self.length[rid], self.req_to_token[self.rows[rid]]
         if pos % PAGE == 0:
-            row[pos : pos + PAGE] = self.free.pop() * PAGE + torch.arange(PAGE, dtype=torch.int32)
+            row[pos : pos + PAGE] = self.free.pop() * PAGE + torch.arange(PAGE, dtype=torch.int32, device=DEV)
         slot = int(row[pos])
         for layer in range(LAYERS):
             self.k[layer][slot] = torch.randn(KV_HEADS, DIM, generator=self.g) * 2
@@ -107,7 +108,7 @@ class Twin:
         for rid in list(self.rows):
             self._write(rid)
         rids, bs = list(self.rows), len(self.rows)
-        q = torch.randn(LAYERS, bs, Q_HEADS, DIM, generator=self.g)
+        q = torch.randn(LAYERS, bs, Q_HEADS, DIM, generator=self.g).to(DEV)
         self.eager.begin_step(rids, self.slots())
         eager = torch.stack(
             [self.eager.attend(i, q[i], self.k[i], self.v[i], sm_scale=SCALE).output for i in range(LAYERS)]
