@@ -382,6 +382,8 @@ def stage_speed(run: Run) -> dict:
             server_args += " " + " ".join(HOT_SET_GRAPHS + (PLAN_AHEAD if mode == "ahead" else []))
         if not run.rehearse:  # torch_cuda captures decode graphs unless told not to
             server_args += " " + (" ".join(DECODE_GRAPHS) if graphs else "--cuda-graph-backend-decode disabled")
+        if run.speed_server_args:  # every row's server alike (e.g. --triton-attention-num-kv-splits)
+            server_args += " " + run.speed_server_args
         cmd = [sys.executable, "-m", "benchmark.long_context.bench_speed", "--platform", run.platform,
                "--model-path", str(folder), "--server-args", server_args,
                "--no-hicache", "--out", str(speed_out), *grid]  # fmt: skip
@@ -585,11 +587,12 @@ def main() -> None:
     ap.add_argument("--speed-configs-graphs", default="dense,hot-20,sglang-triton", help="the same, graphs on")
     ap.add_argument("--speed-batches", default="1,8", help="bench_speed --batches on the GPU")
     ap.add_argument("--speed-graphs", default="off,on", help="decode graph modes, in order: off, on, ahead")
+    ap.add_argument("--speed-server-args", default="", help="flags added to every speed row's server")
     ap.add_argument("--memory-length", type=int, default=32768, help="memory stage: tokens per request")
     ap.add_argument("--memory-requests", type=int, default=8, help="memory stage: requests sent at once")
     a = ap.parse_args()
     run = Run(a.out, a.rehearse, a.budget_s)
-    run.speed_lengths, run.speed_batches = a.speed_lengths, a.speed_batches
+    run.speed_lengths, run.speed_batches, run.speed_server_args = a.speed_lengths, a.speed_batches, a.speed_server_args
     run.speed_configs = {"off": a.speed_configs, "on": a.speed_configs_graphs, "ahead": a.speed_configs_graphs}
     run.speed_graphs = [m for m in a.speed_graphs.split(",") if m]
     run.memory_length, run.memory_requests = a.memory_length, a.memory_requests
