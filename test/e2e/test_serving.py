@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 import requests
@@ -166,6 +167,21 @@ def test_an_unreadable_prompt_is_refused_with_400_naming_the_field_and_the_serve
     assert r.status_code == 400, r.text
     assert field in error_message(path, r.json()), r.text
 
+    assert requests.get(server.url + "/health", timeout=30).status_code == 200
+    assert len(server.generate("The sky is", max_new_tokens=2)["output_ids"]) == 2
+
+
+def test_sglangs_profiler_endpoint_writes_a_trace_and_the_server_keeps_serving(server, tmp_path):
+    # /start_profile asks the platform for its profiler activity; the plugin's platforms
+    # lacked the answer and the scheduler raised, taking the server down.
+    body = {"output_dir": str(tmp_path), "num_steps": 2, "activities": ["CPU"]}
+    r = requests.post(server.url + "/start_profile", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert len(server.generate("Profile these steps:", max_new_tokens=8)["output_ids"]) == 8
+    deadline = time.time() + 120
+    while not list(tmp_path.glob("*.trace.json.gz")) and time.time() < deadline:
+        time.sleep(0.5)
+    assert list(tmp_path.glob("*.trace.json.gz")), server.log()[-3000:]
     assert requests.get(server.url + "/health", timeout=30).status_code == 200
     assert len(server.generate("The sky is", max_new_tokens=2)["output_ids"]) == 2
 

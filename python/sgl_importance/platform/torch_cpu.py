@@ -18,6 +18,7 @@ import multiprocessing
 import os
 from typing import Any
 
+import torch
 from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
@@ -128,3 +129,11 @@ class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
 
     def get_dispatch_key_name(self) -> str:
         return DISPATCH_KEY
+
+    # SGLang's /start_profile asks an out-of-tree platform for its profiler activity; the
+    # mixin's answer is NotImplementedError, raised in the scheduler: the server went down.
+    def get_torch_profiler_activity_str(self) -> str:
+        return "CPU"
+
+    def get_torch_profiler_activity(self) -> torch.profiler.ProfilerActivity:
+        return torch.profiler.ProfilerActivity.CPU

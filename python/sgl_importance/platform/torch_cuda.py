@@ -192,3 +192,11 @@ class TorchCudaPlatform(CudaDeviceMixin, SRTPlatform):
 
     def get_dispatch_key_name(self) -> str:
         return DISPATCH_KEY
+
+    # SGLang's /start_profile asks an out-of-tree platform for its profiler activity (the
+    # mixin raises, in the scheduler); CUDA also answers a request's "GPU".
+    def get_torch_profiler_activity_str(self) -> str:
+        return "CUDA"
+
+    def get_torch_profiler_activity(self) -> torch.profiler.ProfilerActivity:
+        return torch.profiler.ProfilerActivity.CUDA
