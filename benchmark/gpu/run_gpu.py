@@ -389,6 +389,8 @@ def stage_speed(run: Run) -> dict:
                "--no-hicache", "--out", str(speed_out), *grid]  # fmt: skip
         if not run.rehearse:
             cmd += ["--configs", run.speed_configs[mode]]
+        if run.speed_profile_steps:  # each row's kernels by name (bench_speed's profile_<row>.md)
+            cmd += ["--profile-steps", str(run.speed_profile_steps)]
         try:
             proc = run.sh(cmd, f"speed_graphs_{mode}.log", timeout=run.left() - 20)
             code, tail = proc.returncode, proc.stdout[-3000:]
@@ -400,7 +402,8 @@ def stage_speed(run: Run) -> dict:
         rows = json.loads(results.read_text()) if results.is_file() else None
         if isinstance(rows, dict):  # results.json holds {"meta", "rows"}; rows-partial.json the list
             rows = rows["rows"]
-        for name in ("RESULTS.md", "speed.png"):  # beside results.json, so they come back on their own
+        profiles = [p.name for p in sorted(speed_out.glob("profile_*.md"))]
+        for name in ("RESULTS.md", "speed.png", *profiles):  # beside results.json: they come back on their own
             if (speed_out / name).is_file():
                 shutil.copy2(speed_out / name, run.out / f"speed_graphs_{mode}_{name}")
         table = (speed_out / "RESULTS.md").read_text() if (speed_out / "RESULTS.md").is_file() else tail
@@ -588,11 +591,13 @@ def main() -> None:
     ap.add_argument("--speed-batches", default="1,8", help="bench_speed --batches on the GPU")
     ap.add_argument("--speed-graphs", default="off,on", help="decode graph modes, in order: off, on, ahead")
     ap.add_argument("--speed-server-args", default="", help="flags added to every speed row's server")
+    ap.add_argument("--speed-profile-steps", type=int, default=0, help="bench_speed --profile-steps (0: none)")
     ap.add_argument("--memory-length", type=int, default=32768, help="memory stage: tokens per request")
     ap.add_argument("--memory-requests", type=int, default=8, help="memory stage: requests sent at once")
     a = ap.parse_args()
     run = Run(a.out, a.rehearse, a.budget_s)
     run.speed_lengths, run.speed_batches, run.speed_server_args = a.speed_lengths, a.speed_batches, a.speed_server_args
+    run.speed_profile_steps = a.speed_profile_steps
     run.speed_configs = {"off": a.speed_configs, "on": a.speed_configs_graphs, "ahead": a.speed_configs_graphs}
     run.speed_graphs = [m for m in a.speed_graphs.split(",") if m]
     run.memory_length, run.memory_requests = a.memory_length, a.memory_requests

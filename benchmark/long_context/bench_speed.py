@@ -53,6 +53,10 @@ starts every server without HiCache (the hot set then releases no pages).
 Writes RESULTS.md (the table and the command), results.json (rows, and per configuration
 the error of a measurement that failed; the others go on), speed.png (step time vs pages
 read) and every server's log under ``logs/`` into ``--out``, then prints a short table.
+``--profile-steps N``: after each row its requests run again while SGLang's profiler
+(``/start_profile``) records N of their decode steps, and ``profile_<row>.md`` sums the
+trace's kernels by name (on a CPU server, its top-level ops): where a step's time goes
+(``profile_steps.py``).
 
     python -m benchmark.long_context.bench_speed --out /tmp/bench_speed          # full grid
     python -m benchmark.long_context.bench_speed --smoke --out /tmp/bench_speed  # minutes
@@ -79,6 +83,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from benchmark.long_context.bench_hot_set import PAGE, essay_text
+from benchmark.long_context.profile_steps import kernel_table, markdown, profile_decode
 from sgl_importance.client import generate, greedy, metrics_text
 from sgl_importance.local_server import LocalServer, metric, model_path
 
@@ -466,6 +471,23 @@ def measure_server(
     def scrape() -> str:
         return metrics_text(server.url)
 
+    def profile(name: str, ids: list[list[int]], hot_set: Optional[dict]) -> dict:
+        """The row's requests again, ``--profile-steps`` of their decode profiled; the
+        table written beside the report (``profile_<row>.md``), the trace dropped."""
+        activities = ["CPU", "GPU"] if a.platform == "torch_cuda" else ["CPU"]
+        with tempfile.TemporaryDirectory() as folder:
+            trace = profile_decode(
+                server.url,
+                server.log,
+                lambda: at_once(ids, a.new_tokens, hot_set),
+                Path(folder),
+                a.profile_steps,
+                activities,
+            )
+            table = kernel_table(trace, a.profile_steps)
+        (a.out / f"profile_{name}.md").write_text(markdown(table, f"{name}: {a.profile_steps} decode steps profiled"))
+        return {"source": table["source"], "ms_per_step": table["total_ms_per_step"], "top": table["rows"][:15]}
+
     try:
         server.wait_ready(timeout=900)
         for length, ids in prompts.items():
@@ -532,6 +554,9 @@ def measure_server(
                             )
                         },  # fmt: skip
                     }
+                    if a.profile_steps:
+                        name = f"{config['name']}_{length}x{batch}"
+                        row["profile"] = profile(name, cached[:batch], config["hot_set"])
                     rows.append(row)
                     print(
                         f"{config['name']} {length} x{batch}: {row['step_s'] * 1e3:.1f} ms/step "
@@ -721,6 +746,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))
     ap.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per request")
     ap.add_argument("--threshold", type=int, default=1024, help="--hot-set-threshold of the hot-set server")
+    ap.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after each row, profile this many of its decode steps (SGLang's /start_profile) and write "
+        "profile_<row>.md: the trace's kernels by name (0: none)",
+    )
     ap.add_argument("--hicache-ratio", type=float, default=1.5, help="host pool size over the device pool's")
     ap.add_argument(
         "--no-hicache",
@@ -749,6 +781,8 @@ def main() -> None:
         a.lengths, a.batches, a.new_tokens, a.threshold = "64,512", "1,2", 8, 256
     if a.new_tokens < 3:
         ap.error("--new-tokens must be at least 3")
+    if a.profile_steps < 0 or (a.profile_steps and a.new_tokens < 2 * a.profile_steps + 8):
+        ap.error("--profile-steps: at least 0, and --new-tokens at least 2 x it + 8 (the profiled run's room)")
     a.attention_backend = a.attention_backend or DEFAULT_BACKEND[a.platform]
     a.bandwidth_device = "cuda" if a.platform == "torch_cuda" else "cpu"
     if a.configs is None:
