@@ -31,7 +31,7 @@ from sgl_importance.cache.state import CacheState
 from sgl_importance.cache.state_of import state_of
 from sgl_importance.cache.strategy import ImportanceStrategy
 from sgl_importance.checks import ForwardCheck
-from sgl_importance.config import ImportanceConfig, check_hot_set_backend
+from sgl_importance.config import ImportanceConfig, check_hot_set_backend, resolved_flag
 from sgl_importance.env import DUMP_DIR_ENV
 from sgl_importance.hot_set.params import HotSetParams, hot_set_params
 from sgl_importance.hot_set.request_params import RequestParams
@@ -100,7 +100,8 @@ class Runtime:
         self.config = config if config is not None else ImportanceConfig()
         if server_args is not None:
             # The backend the platform chose where none was named (platform/attention_choice.py).
-            check_hot_set_backend(self.config, server_args.decode_attention_backend or server_args.attention_backend)
+            decode = resolved_flag(server_args, "decode_attention_backend")
+            check_hot_set_backend(self.config, decode or resolved_flag(server_args, "attention_backend"))
         # What of SGLang's flags the storage hook reads (defaults outside a server).
         self.eviction_policy = server_args.radix_eviction_policy if server_args is not None else None
         self.enable_metrics = bool(server_args.enable_metrics) if server_args is not None else False

@@ -28,8 +28,9 @@ pytestmark = pytest.mark.e2e
 PAGE = 16
 MAX_NEW = 8
 # Float32 pinned: a budget covering every page must decode exactly like dense, and the pools
-# below are sized for float32's bytes per token.
-BASE_ARGS = ["--dtype", "float32", "--page-size", str(PAGE), "--attention-backend", "importance_torch"]
+# below are sized for float32's bytes per token. No --attention-backend, as the README launches
+# it: torch_cpu chooses importance_torch (its hot-set check once read the unset flag and refused).
+BASE_ARGS = ["--dtype", "float32", "--page-size", str(PAGE)]
 # The hot set keeps its key codes and ranges in KV pages it borrows as requests need them; at
 # start-up only the page importance table comes out of the pool: one page of 1984 tokens,
 # leaving 1968 (123 pages; the start-up log line says how many).

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from sgl_importance.config import ImportanceConfig
+from sgl_importance.config import ImportanceConfig, resolved_flag
 from sgl_importance.env import TRACE_DIR_ENV
 from sgl_importance.trace.recorder import Recorder, StepCapture, recording_requested
 
@@ -64,7 +64,7 @@ class Tracing:
                 "source": "sgl_importance.trace.recorder",
                 "reduce": config.reduce,
                 "sample_interval": config.sample_interval,
-                "attention_backend": str(server_args.attention_backend),
+                "attention_backend": str(resolved_flag(server_args, "attention_backend")),
             },
         }
         self.recorder = Recorder(out, max_rows=config.trace_max_rows, meta=meta)
