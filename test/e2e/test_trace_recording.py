@@ -200,3 +200,18 @@ def test_the_prefix_regime_replays_the_live_trace_and_finds_the_servers_hits(liv
     # for requests that arrived after their prefix was inserted.
     for i in range(len(PROMPTS)):
         assert by_rid[f"seq-{i}"] == responses[i]["meta_info"]["cached_tokens"], i
+
+
+def test_a_server_launched_with_no_page_size_or_backend_records_what_sglang_chose(launch, tmp_path):
+    # SGLang 0.5.23 keeps its declared defaults beside the flags' fields (None when not
+    # given): the recorder read page_size there, int(None), and the scheduler went down.
+    out = tmp_path / "defaults"
+    server = launch(["--importance-trace-dir", str(out)])
+    assert len(server.generate(PROMPTS[0], MAX_NEW)["output_ids"]) == MAX_NEW
+    server.stop()
+    deadline = time.time() + 30
+    while not read_meta(out).extra.get("complete") and time.time() < deadline:
+        time.sleep(0.2)
+    meta = read_meta(out)
+    assert meta.page_size == 1 and meta.access_rows > 0  # SGLang's page on torch_cpu
+    assert meta.extra["attention_backend"] == "importance_torch"

@@ -57,8 +57,9 @@ class Tracing:
             return None
         out = os.environ.get(TRACE_DIR_ENV) or str(Path(config.trace_dir).expanduser().resolve())
         meta = {
-            "page_size": int(server_args.page_size),
-            "model": str(server_args.served_model_name or server_args.model_path),
+            # As SGLang resolved them: with no --page-size given the field stays None (config.resolved_flag).
+            "page_size": int(resolved_flag(server_args, "page_size")),
+            "model": str(resolved_flag(server_args, "served_model_name") or server_args.model_path),
             "workload": "live",
             "extra": {
                 "source": "sgl_importance.trace.recorder",
