@@ -378,12 +378,14 @@ def from_namespace(args: argparse.Namespace) -> ImportanceConfig:
 
 
 def resolved_flag(server_args: Any, name: str) -> Any:
-    """SGLang's flag ``name`` as its resolution left it. SGLang 0.5.23 keeps the defaults the
-    resolution declares (a platform's choice of attention backend among them) beside the
-    field, which keeps what the user gave (None where nothing was): read the field alone and
-    a server launched without ``--attention-backend`` looks as if it had none."""
-    if getattr(server_args, "_resolved_overrides", None) is None:  # unresolved, or not SGLang's
-        return getattr(server_args, name, None)
+    """SGLang's flag ``name``: its field, or where that is unset what SGLang's resolution
+    declared. SGLang 0.5.23 keeps the defaults the resolution declares (a platform's choice of
+    attention backend among them) beside the field, which keeps what the user gave (None where
+    nothing was): read the field alone and a server launched without ``--attention-backend``
+    looks as if it had none."""
+    value = getattr(server_args, name, None)
+    if value is not None or getattr(server_args, "_resolved_overrides", None) is None:
+        return value
     from sglang.srt.arg_groups.overrides import resolution_result
 
     return resolution_result(server_args, name)
