@@ -97,21 +97,13 @@ def kernel_table(trace: Path, steps: int) -> dict:
 
 def _top_level(ops: list[dict]) -> list[dict]:
     """The CPU ops no other op on the same thread encloses (their time holds their callees')."""
-    out = []
-    for group in _by_thread(ops).values():
-        end = -1.0
-        for e in sorted(group, key=lambda e: (e["ts"], -e.get("dur", 0.0))):
-            if e["ts"] >= end:
-                out.append(e)
-                end = e["ts"] + e.get("dur", 0.0)
+    out, end = [], {}
+    for e in sorted(ops, key=lambda e: (e["ts"], -e.get("dur", 0.0))):
+        thread = (e.get("pid"), e.get("tid"))
+        if e["ts"] >= end.get(thread, -1.0):
+            out.append(e)
+            end[thread] = e["ts"] + e.get("dur", 0.0)
     return out
-
-
-def _by_thread(ops: list[dict]) -> dict[tuple, list[dict]]:
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for e in ops:
-        groups[(e.get("pid"), e.get("tid"))].append(e)
-    return groups
 
 
 def markdown(table: dict, title: str, top: int = 25) -> str:

@@ -22,7 +22,7 @@ from sgl_importance.hot_set import HotSetParams
 from support import array_pools
 from support.host_syncs import HostSyncCounter
 from support.hot_set_world import DIM, KV_HEADS, PAGE, Q_HEADS, World
-from support.kernel_device import DEVICE, launching_class
+from support.kernel_device import DEVICE, launches_wrapped
 
 START = "host"  # the world's label for what runs before the layers
 END = "end"
@@ -77,20 +77,10 @@ def counted_decode(
 @contextmanager
 def triton_launches_counted(counter: HostSyncCounter) -> Iterator[None]:
     """Each Triton kernel launched (interpreted or compiled) counted as a LAUNCH."""
-    try:
-        launching = launching_class()
-    except ImportError:  # no Triton: the torch backend launches none
-        yield
-        return
-    run = launching.run
 
-    def counted_run(self, *args, **kwargs):
-        if not kwargs.get("warmup"):
-            counter.launch_kernel(self.__name__)
-        return run(self, *args, **kwargs)
+    def counted(run, kernel, args, kwargs):
+        counter.launch_kernel(kernel.__name__)
+        return run(kernel, *args, **kwargs)
 
-    launching.run = counted_run
-    try:
+    with launches_wrapped(counted):
         yield
-    finally:
-        launching.run = run

@@ -24,14 +24,14 @@ as nothing (the regions tested here run torch and Triton only).
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Iterator
+from contextlib import nullcontext
+from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from support.kernel_device import launching_class
+from support.kernel_device import launches_wrapped
 
 
 class Recording(TorchDispatchMode):
@@ -139,26 +139,9 @@ class _Launch:
         return f"triton.{self.kernel.__name__}"
 
 
-@contextmanager
-def _triton_recorded(rec: Recording) -> Iterator[None]:
-    launching = launching_class()
-    run = launching.run
-
-    def recorded(kernel, *args, **kwargs):
-        if kwargs.get("warmup"):
-            return run(kernel, *args, **kwargs)
-        return rec.launch(run, kernel, args, kwargs)
-
-    launching.run = recorded
-    try:
-        yield
-    finally:
-        launching.run = run
-
-
 def record(region: Callable[[], Any], *, triton: bool = False) -> Recording:
     """Run ``region`` once, recorded (``triton``: its Triton launches too)."""
     rec = Recording()
-    with rec, _triton_recorded(rec) if triton else nullcontext():
+    with rec, launches_wrapped(rec.launch) if triton else nullcontext():
         region()
     return rec

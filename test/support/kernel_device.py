@@ -8,6 +8,8 @@ under the interpreter the kernels run on CPU tensors; compiled, on the GPU.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -16,17 +18,32 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "F
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 
 
-def launching_class() -> type:
-    """The Triton class whose ``run(*args, grid, warmup, **kw)`` launches a kernel here: the
-    interpreter's function under TRITON_INTERPRET, the JIT function compiled (on a GPU). The
-    tests that count or record launches wrap its ``run``."""
-    if INTERPRET:
-        from triton.runtime.interpreter import InterpretedFunction
+@contextmanager
+def launches_wrapped(around: Callable[[Callable, Any, tuple, dict], Any]) -> Iterator[None]:
+    """Each Triton launch (not a warm-up) made through ``around(run, kernel, args, kwargs)``,
+    which calls ``run(kernel, *args, **kwargs)`` to launch it: the ``run`` of the class that
+    launches here, the interpreter's function under TRITON_INTERPRET, the JIT function
+    compiled (on a GPU). Without Triton nothing launches and nothing is wrapped."""
+    try:
+        if INTERPRET:
+            from triton.runtime.interpreter import InterpretedFunction as launching
+        else:
+            from triton.runtime.jit import JITFunction as launching
+    except ImportError:
+        yield
+        return
+    run = launching.run
 
-        return InterpretedFunction
-    from triton.runtime.jit import JITFunction
+    def wrapped(kernel: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("warmup"):
+            return run(kernel, *args, **kwargs)
+        return around(run, kernel, args, kwargs)
 
-    return JITFunction
+    launching.run = wrapped
+    try:
+        yield
+    finally:
+        launching.run = run
 
 
 # Empty pages have log-sum-exp log2(0) = -inf by design; numpy warns about it.
