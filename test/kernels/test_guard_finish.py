@@ -1,13 +1,14 @@
-"""The end of a captured guarded layer in one kernel (``guard_finish_triton``) against the
+"""The end of a captured guarded layer in three launches (``guard_finish_triton``) against the
 torch code it replaces: ``guard.weigh_bounds`` (the deterministic bound, the smaller
 bound's output, the flag, the masses), ``step_tally.keep_in_tally`` and the part-1
 output of a row with no rest.
 
 Under TRITON_INTERPRET=1 on a CPU (conftest.py): rows where each bound wins, a row with no
-rest, flagged and unflagged rows, released pages wanted by a flagged row, pages tiled
-over two blocks, the value norms per KV head as the estimate passes them (a transposed view), a
-bfloat16 part 1 and output buffer, a tally already holding earlier layers, part 1's per-KV-head
-page masses rescaled in place (listed pages over two blocks). Fresh random numbers each run
+rest, flagged and unflagged rows, released pages wanted by a flagged row, pages tiled over
+three blocks (the bound's running log-sum-exp, the masses' page blocks), the value norms per
+KV head as the estimate passes them (a transposed view), a bfloat16 part 1 and output buffer,
+a tally already holding earlier layers, part 1's per-KV-head page masses rescaled in place
+(listed pages over two blocks). Fresh random numbers each run
 (seed in every failure message; pin one with KERNEL_TEST_SEED).
 """
 
@@ -34,7 +35,7 @@ def _seed() -> int:
     return int(os.environ.get("KERNEL_TEST_SEED", random.randrange(2**31)))
 
 
-def case(n, hq, kv, pages, dv, *, seed, part1_dtype=torch.float32, listed=7):
+def case(n, hq, kv, pages, dv, *, seed, part1_dtype=torch.float32, listed=7, rest_shift=None):
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *s: torch.rand(*s, generator=gen)  # noqa: E731
     valid = rand(n, pages) < 0.85
@@ -48,6 +49,8 @@ def case(n, hq, kv, pages, dv, *, seed, part1_dtype=torch.float32, listed=7):
     lse = torch.randn(n, hq, generator=gen) + 2.0
     out = torch.randn(n, hq, dv, generator=gen)
     page_lse = torch.randn(n, hq, pages, generator=gen) - 1.0
+    if rest_shift is not None:  # [P] added to every row's and head's page log-masses
+        page_lse += rest_shift
     error = rand(n, hq, pages) * 0.5
     # One value norm per KV head (a transposed view, as estimate_outside passes it).
     value_norm = (rand(kv, n, pages) * 3).transpose(0, 1)
@@ -96,8 +99,8 @@ def run_kernel(reads, outside, valid, sampled, thresholds, part1, part1_lse, tal
 
 @pytest.mark.parametrize(
     "n,hq,kv,pages,dv,part1_dtype",
-    [(4, 4, 2, 20, 16, torch.float32), (5, 8, 2, 300, 64, torch.bfloat16)],
-    ids=["small", "pages-over-two-blocks-bf16"],
+    [(4, 4, 2, 20, 16, torch.float32), (5, 8, 2, 300, 64, torch.bfloat16), (4, 4, 2, 2100, 16, torch.float32)],
+    ids=["small", "bf16", "pages-over-three-blocks"],
 )
 def test_the_finish_kernel_ends_the_layer_as_the_torch_code(n, hq, kv, pages, dv, part1_dtype):
     seed = _seed()
@@ -126,3 +129,29 @@ def test_the_finish_kernel_refuses_mismatched_masks_and_a_narrow_tally():
         run_kernel(reads, outside, valid[:, :9], sampled, thresholds, part1, part1_lse, tally, per_kv, 0, f32)
     with pytest.raises(ValueError, match="tally"):
         run_kernel(reads, outside, valid, sampled, thresholds, part1, part1_lse, tally[:, :-1], per_kv, 0, f32)
+
+
+def test_the_bound_over_many_pages_decides_as_the_torch_code():
+    """The deterministic bound's running log-sum-exp over three page blocks, tested through the
+    choice it makes: a rest small enough for a finite bound, its largest pages in the last block
+    (the running maximum moves), and each row's statistical bound set 1 % above (even rows) or
+    below (odd rows) the reference's deterministic one, so a bound off by more picks the other
+    output."""
+    seed = _seed()
+    pages = 2100
+    ramp = torch.linspace(-16.0, -10.0, pages)
+    args = case(4, 4, 2, pages, 16, seed=seed, listed=9, rest_shift=ramp)
+    reads, outside, valid, _, thresholds = args[:5]
+    det = weigh_bounds(reads, outside, valid, thresholds).deterministic.relative
+    has_rest = valid.any(dim=1)
+    assert torch.isfinite(det).all() and (det[has_rest] > 0).all(), f"seed={seed}: {det}"
+    above = torch.arange(len(det)) % 2 == 0
+    reads.statistical.relative.copy_(torch.where(above, det * 1.01, det * 0.99))
+    want = reference(*args, layer=0, out_dtype=torch.float32)
+    got = run_kernel(*args, layer=0, out_dtype=torch.float32)
+    msg = f"seed={seed}"
+    chose_det = want[6].deterministic.relative <= want[6].statistical.relative
+    assert torch.equal(chose_det[has_rest], above[has_rest]), msg
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5, msg=msg)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6, msg=msg)
+    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-9, msg=msg)

@@ -82,9 +82,11 @@ def check(args, seed, what):
 @pytest.fixture(params=["held-in-registers", "read-by-blocks"])
 def rows_by_blocks(request, monkeypatch):
     """Both forms of the bisection: a row held whole, and (rows past ``MAX_SINGLE`` pages,
-    lowered here so that small rows take it) one read block by block every step."""
+    lowered here so that small rows take it) one read block by block every step; in the
+    second the wanted kernel's page blocks are narrowed too (``TILE``), so rows span several."""
     if request.param == "read-by-blocks":
         monkeypatch.setattr(guard_select, "MAX_SINGLE", 4)
+        monkeypatch.setattr(guard_select, "TILE", 64)
     return request.param
 
 

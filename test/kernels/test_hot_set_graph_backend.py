@@ -35,9 +35,10 @@ IMP_ATOL = 2e-6
 # as the CPU counts them (host_syncs.LAUNCH), SGLang's KV write aside (1 kernel, 2 ops on
 # torch_cuda). Guard off: the decode's two kernels (writing SGLang's output), the page tally
 # (masses and key bounds in one kernel), the importance scatter (issue 47's target: at most 6 a
-# layer with the KV write). Guard on (hot_guard): those 4 and the guard's 10 (hot_set/graph/guard.py).
+# layer with the KV write). Guard on (hot_guard): those 4 and the guard's 12 (hot_set/graph/guard.py;
+# its end of layer one program a row until 2026-12-04, three launches across heads and pages since).
 GRAPH_LAYER_LAUNCHES = 4
-GUARD_LAYER_LAUNCHES = 14
+GUARD_LAYER_LAUNCHES = 16
 KV_WRITE = "sgl_importance/attention/triton_backend.py"  # the backend's _store_kv (SGLang's write)
 
 

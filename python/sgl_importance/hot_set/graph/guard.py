@@ -14,13 +14,14 @@ does; the output of a row without a rest is its exact part's. What the layers fi
 kept in one float64 tally, copied to the host once with the step's (``read_back``).
 
 On the Triton backend (``triton``) the layer is the kernels a GPU runs, fused where torch
-glue stood (under the interpreter on a CPU), ten launches: the key codes' pass reading each
+glue stood (under the interpreter on a CPU), twelve launches: the key codes' pass reading each
 page's range from the range tables and its value norms by code row (``key_code_pages_ranged``),
 the sampled pages' own parts from the pool (``masked_page_parts``), the selection by bisection
 (``guard_select_triton``, three), the masked read and its split merge (two), the read part
 merged into part 1 and the sampled estimate with its masks inside (``combine_rest_triton``,
 two), and the end of the layer, its output into SGLang's buffer, its importance rescaled and its
-tally row, in one (``guard_finish_triton``): ``guard.layer.weigh_bounds_triton``, the eager Triton
+tally row, in three (``guard_finish_triton``: the bound per head, the choice, the masses per
+page block): ``guard.layer.weigh_bounds_triton``, the eager Triton
 step's layer too. Elsewhere, torch (``guard.layer.guard_layer`` and ``step_tally.keep_in_tally``:
 the reference the kernels are tested against).
 

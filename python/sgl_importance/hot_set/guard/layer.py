@@ -26,7 +26,7 @@ never look at the sample, so the pages left unread keep the sample uniform over 
 Torch (``guard_layer``: the CPU's step, and the kernels' reference), but on a GPU (CUDA
 tensors) the selection (``select_pages``: three Triton launches) and the merge with the
 sampled estimate (``_combine``: two). The Triton backend's guarded layer, eager or captured,
-is ``read_rest`` with those launches and ``weigh_bounds_triton``: the layer's end in one kernel.
+is ``read_rest`` with those launches and ``weigh_bounds_triton``: the layer's end in three.
 Nothing here imports SGLang.
 """
 
@@ -192,7 +192,7 @@ def read_rest(
     """Steps 1 and 2 of ``guard_layer`` (its arguments): the selection, its one read, the
     sampled estimate of the rest. ``use_triton`` None: the Triton kernels for CUDA tensors;
     True: them whatever the device (under the interpreter on a CPU). A captured step ends
-    the layer in one kernel (``sgl_kernel_ext.guard_finish_triton``); ``guard_layer`` in torch."""
+    the layer in three launches (``sgl_kernel_ext.guard_finish_triton``); ``guard_layer`` in torch."""
     select = dict(use_triton=use_triton, from_host=from_host)
     wanted, missed, read = select_pages(lse, outside.page_lse, valid, released, top_p, cap, **select)
     masks = (valid, read, in_sample)
@@ -255,7 +255,7 @@ def weigh_bounds_triton(
     layers: int,
 ) -> torch.Tensor:
     """``weigh_bounds`` as the Triton backend runs it after ``read_rest(..., use_triton=True)``,
-    in a CUDA graph or not: one kernel (``sgl_kernel_ext.guard_finish_triton``) that writes the
+    in a CUDA graph or not: three launches (``sgl_kernel_ext.guard_finish_triton``) that write the
     layer's output into ``output``, the guard's tally row into ``tally`` (``step_tally.guard_rows``;
     ``layer`` of ``layers``) and scales part 1's per-KV-head masses ``per_kv`` in place into
     shares of the chosen denominator. ``lse``, ``out``: part 1 as it came (the output of a row
