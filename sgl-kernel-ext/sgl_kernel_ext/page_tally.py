@@ -12,9 +12,13 @@ For each request ``b`` and listed column ``j`` of a decode layer, into a float32
   most mass the page's tokens could hold against the layer's denominator (Quest's bound;
   a page without a range counts as -inf). ``ids`` None: no page is bounded (``tally[2]`` as it was).
 
-A Triton kernel with a fixed grid (rows x page blocks: no host sync, no allocation, safe in
-a CUDA graph) and a torch path with the same contract (fixed shapes too), for the CPU and
-as the reference.
+A Triton kernel with a fixed grid (rows x page blocks x KV heads: no host sync, no
+allocation, safe in a CUDA graph) and a torch path with the same contract (fixed shapes
+too), for the CPU and as the reference. Each KV head's program bounds its pages for its
+query heads (unrolled, so their loads go out together) and meets the others in an atomic
+max. Until 2026-12-04 one program walked every KV head and query head of its pages in
+turn: 26 us a layer on an H200 at 32K, batch 1 (32 programs for 2,048 pages, a chain of
+48 dependent loads each), 10 % of the captured hot-set step.
 
 Knows nothing of SGLang.
 """
@@ -115,31 +119,32 @@ if HAS_TRITON:
     ):
         b = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+        kvh = tl.program_id(2)
         in_row = cols < pages
-        d = tl.arange(0, BLOCK_D)
-        in_dim = d < DIM
-        # Exact masses: the mean and the largest over KV heads.
-        total = tl.zeros([BLOCK_P], dtype=tl.float32)
-        most = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
-        for h in range(KV):
-            m = tl.load(PerKv + b * stride_pb + cols * stride_pp + h, mask=in_row, other=0.0).to(tl.float32)
-            total += m
-            most = tl.maximum(most, m)
         row = Tally + b * stride_tb + cols
-        tl.store(row, tl.load(row, mask=in_row) + total / KV, mask=in_row)  # tally[0]
-        tl.store(row + stride_tt, tl.maximum(tl.load(row + stride_tt, mask=in_row), most), mask=in_row)  # tally[1]
-        if not HAS_IDS:
-            return
-        # Key bounds of the row's pages with a range, largest over query heads.
-        ids = tl.load(Ids + b * stride_ib + cols, mask=in_row, other=0).to(tl.int64)
-        ranged = in_row & (ids > 0)
-        best = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
-        box = ranged[:, None] & in_dim[None, :]
-        for kvh in range(KV):
+        if kvh == 0:
+            # Exact masses: the mean and the largest over KV heads.
+            total = tl.zeros([BLOCK_P], dtype=tl.float32)
+            most = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
+            for h in tl.static_range(KV):
+                m = tl.load(PerKv + b * stride_pb + cols * stride_pp + h, mask=in_row, other=0.0).to(tl.float32)
+                total += m
+                most = tl.maximum(most, m)
+            tl.store(row, tl.load(row, mask=in_row) + total / KV, mask=in_row)  # tally[0]
+            tl.store(row + stride_tt, tl.maximum(tl.load(row + stride_tt, mask=in_row), most), mask=in_row)  # [1]
+        if HAS_IDS:
+            # Key bounds of the row's pages with a range, largest over this KV head's query heads;
+            # the KV heads' programs meet in an atomic max (exact, so the order does not matter).
+            d = tl.arange(0, BLOCK_D)
+            in_dim = d < DIM
+            ids = tl.load(Ids + b * stride_ib + cols, mask=in_row, other=0).to(tl.int64)
+            ranged = in_row & (ids > 0)
+            box = ranged[:, None] & in_dim[None, :]
             at = ids[:, None] * stride_kr + kvh * stride_kh + d[None, :]
             low = tl.load(KeyMin + at, mask=box, other=0.0).to(tl.float32)
             high = tl.load(KeyMax + at, mask=box, other=0.0).to(tl.float32)
-            for g in range(GROUP):
+            best = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
+            for g in tl.static_range(GROUP):
                 head = kvh * GROUP + g
                 qv = tl.load(Q + b * stride_qb + head * stride_qh + d, mask=in_dim, other=0.0).to(tl.float32)
                 bound = tl.sum(tl.where(qv[None, :] > 0, qv[None, :] * high, qv[None, :] * low), axis=1) * sm_scale
@@ -148,9 +153,8 @@ if HAS_TRITON:
                     t = tl.exp(-2.0 * tl.abs(bound / logit_cap))
                     bound = logit_cap * tl.where(bound >= 0, 1.0, -1.0) * (1.0 - t) / (1.0 + t)
                 log_mass = bound + log_page - tl.load(Lse + b * stride_lb + head).to(tl.float32)
-                best = tl.maximum(best, tl.where(ranged, log_mass, float("-inf")))
-        bound_row = row + 2 * stride_tt  # tally[2]
-        tl.store(bound_row, tl.maximum(tl.load(bound_row, mask=in_row), best), mask=in_row)
+                best = tl.maximum(best, log_mass)
+            tl.atomic_max(row + 2 * stride_tt, best, mask=ranged)  # tally[2]
 
 
 def tally_pages(
@@ -197,7 +201,7 @@ def tally_pages(
         raise ValueError("per_kv, q and the key ranges must be contiguous in their last dimension")
     block_d = triton.next_power_of_2(dim)
     block_p = max(16, min(128, 8192 // block_d))
-    grid = (bs, triton.cdiv(pages, block_p))
+    grid = (bs, triton.cdiv(pages, block_p), kv if ids is not None else 1)
     _tally_pages_kernel[grid](
         per_kv, q, lse, key_min, key_max, per_kv if ids is None else ids, tally,
         pages, float(sm_scale), float(logit_cap), math.log(page_size),

@@ -45,8 +45,9 @@ def fresh(bs, pages, device="cpu"):
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("logit_cap", [0.0, 5.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_triton_tally_equals_the_torch_path_over_several_layers(seed, logit_cap, dtype):
-    bs, pages = 3, 10
+@pytest.mark.parametrize("pages", [10, 300], ids=["one-block", "three-blocks"])
+def test_the_triton_tally_equals_the_torch_path_over_several_layers(seed, logit_cap, dtype, pages):
+    bs = 3
     tallies = [fresh(bs, pages), fresh(bs, pages, DEVICE)]
     for layer in range(3):
         args = case(seed * 10 + layer, bs, pages, dtype=dtype)
