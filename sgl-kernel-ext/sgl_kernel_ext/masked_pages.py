@@ -37,9 +37,14 @@ except ImportError:  # the CPU path runs without Triton
 
 NEG_INF = float("-inf")
 LOG2E = 1.4426950408889634
-# Pages a split of the kernel walks at least, and splits per request at most.
-PAGES_PER_SPLIT = 16
-MAX_SPLITS = 32
+# Pages a split of the kernel walks at least, and the programs a launch aims at (the splits
+# per request shrink as rows and KV heads grow): a split walks its columns one by one, a mask
+# load each, so short splits keep that chain short. On an H200 at 32K, batch 1, 16 pages a
+# split and at most 32 splits took ~230 us a guarded layer (~2,000 listed, ~60 a split).
+PAGES_PER_SPLIT = 4
+PROGRAMS = 4096
+# Splits the merge folds at a time.
+MERGE_BLOCK = 32
 
 
 class PageParts(NamedTuple):
@@ -140,14 +145,15 @@ def masked_page_attention(
         pages: int64 ``[n, P]`` physical page ids; entries not in ``mask`` are never read.
         mask: bool ``[n, P]`` the pages to read.
         num_splits: splits of the list per request (tests); None: one per
-            ``PAGES_PER_SPLIT`` pages, at most ``MAX_SPLITS``.
+            ``PAGES_PER_SPLIT`` pages, at most ``PROGRAMS`` over rows x KV heads.
 
     Returns:
         ``(lse [n, Hq], output [n, Hq, Dv])`` float32; lse -inf and output 0 where a
         row reads nothing.
     """
     listed = pages.shape[1]
-    splits = num_splits or max(1, min(MAX_SPLITS, -(-listed // PAGES_PER_SPLIT)))
+    room = max(1, PROGRAMS // max(1, q.shape[0] * v_pages.shape[2]))
+    splits = num_splits or max(1, min(room, -(-listed // PAGES_PER_SPLIT)))
     return _merge_splits(*_launch(q, k_pages, v_pages, pages, mask, sm_scale, logit_cap, splits))
 
 
@@ -176,7 +182,7 @@ def _merge_splits(lse_parts: torch.Tensor, out_parts: torch.Tensor) -> tuple[tor
     if n and hq:
         _merge_splits_kernel[(n, hq)](
             lse_parts, out_parts, lse, out, splits, dv,
-            BLOCK_S=triton.next_power_of_2(splits), BLOCK_DV=triton.next_power_of_2(dv),
+            BLOCK_S=min(MERGE_BLOCK, triton.next_power_of_2(splits)), BLOCK_DV=triton.next_power_of_2(dv),
         )  # fmt: skip
     return lse, out
 
@@ -301,21 +307,30 @@ if HAS_TRITON:
 
     @triton.jit
     def _merge_splits_kernel(LseParts, OutParts, Lse, Out, splits, dv, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
-        """One (request, query head): its splits' parts (contiguous) as one; -inf and 0 where none has a token."""
+        """One (request, query head): its splits' parts (contiguous) as one, ``BLOCK_S`` at a time
+        (a running maximum); -inf and 0 where none has a token."""
         rh = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_DV)
-        x = tl.load(LseParts + rh * splits + offs_s, mask=offs_s < splits, other=float("-inf"))
-        m = tl.max(x, 0)
-        m_ref = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.where(x > float("-inf"), tl.exp(x - m_ref), 0.0)
-        total = tl.sum(w, 0)
-        o = tl.load(
-            OutParts + (rh * splits + offs_s[:, None]) * dv + offs_d[None, :],
-            mask=(offs_s[:, None] < splits) & (offs_d[None, :] < dv),
-            other=0.0,
-        )
+        m = tl.full([], float("-inf"), tl.float32)
+        total = tl.zeros([], tl.float32)
+        acc = tl.zeros([BLOCK_DV], tl.float32)
+        for s0 in range(0, splits, BLOCK_S):
+            s = s0 + offs_s
+            x = tl.load(LseParts + rh * splits + s, mask=s < splits, other=float("-inf"))
+            new_m = tl.maximum(m, tl.max(x, 0))
+            ref = tl.where(new_m == float("-inf"), 0.0, new_m)
+            keep = tl.exp(m - ref)  # 0 while nothing has come
+            w = tl.where(x > float("-inf"), tl.exp(x - ref), 0.0)
+            o = tl.load(
+                OutParts + (rh * splits + s[:, None]) * dv + offs_d[None, :],
+                mask=(s[:, None] < splits) & (offs_d[None, :] < dv),
+                other=0.0,
+            )
+            total = total * keep + tl.sum(w, 0)
+            acc = acc * keep + tl.sum(w[:, None] * o, 0)
+            m = new_m
         has = total > 0
-        merged = tl.sum(w[:, None] * o, 0) / tl.where(has, total, 1.0)
-        tl.store(Lse + rh, tl.where(has, m_ref + tl.log(tl.where(has, total, 1.0)), float("-inf")))
-        tl.store(Out + rh * dv + offs_d, merged, mask=offs_d < dv)
+        ref = tl.where(m == float("-inf"), 0.0, m)
+        tl.store(Lse + rh, tl.where(has, ref + tl.log(tl.where(has, total, 1.0)), float("-inf")))
+        tl.store(Out + rh * dv + offs_d, acc / tl.where(has, total, 1.0), mask=offs_d < dv)

@@ -84,6 +84,25 @@ def test_the_triton_kernel_reads_the_chosen_pages_as_the_torch_path_does(q_heads
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_the_splits_merge_block_by_block_as_one_softmax(monkeypatch):
+    """Many splits (short splits keep a program's chain of mask loads short) merged a few at a
+    time with a running maximum: the same part as the torch path, empty splits included."""
+    from sgl_kernel_ext import masked_pages
+
+    monkeypatch.setattr(masked_pages, "MERGE_BLOCK", 2)
+    q, k_pages, v_pages, pages, mask = make_case(3, 9, q_heads=4, kv_heads=2, seed=5)
+    run = dict(sm_scale=DIM**-0.5)
+    args = [t.to(DEVICE) for t in (q, k_pages, v_pages, pages, mask)]
+    lse, out = masked_pages.masked_page_attention(*args, num_splits=7, **run)
+    want_lse, want_out = masked_page_attention_reference(q, k_pages, v_pages, pages, mask, **run)
+    lse, out = lse.cpu(), out.cpu()
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    finite = torch.isfinite(want_lse)
+    assert finite.any() and torch.allclose(lse[finite], want_lse[finite], atol=1e-4)
+    assert torch.allclose(out, want_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_the_triton_kernel_never_reads_a_page_it_is_not_given():
     """A masked entry may hold any id, even one past the pool: it is not read."""
     from sgl_kernel_ext.masked_pages import masked_page_attention
