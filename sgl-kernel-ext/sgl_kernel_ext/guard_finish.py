@@ -339,7 +339,7 @@ def guard_finish_triton(
         BLOCK_H=block_h, BLOCK_DV=block_dv, BLOCK_L=BLOCK_L, BLOCK_KV=next_power_of_2(kv_heads),
     )  # fmt: skip
     block_p = max(16, min(TILE // block_h, next_power_of_2(pages)))
-    _masses_kernel[(n, cdiv(pages, block_p))](
+    _masses_kernel[(n, max(1, cdiv(pages, block_p)))](  # one program with nothing to do when no page is listed
         page_lse, valid, wanted, missed, chosen, flagged, tally, hq, pages, *page_lse.stride(), tally.stride(0),
         BLOCK_H=block_h, BLOCK_P=block_p,
     )  # fmt: skip
