@@ -186,6 +186,32 @@ def test_sglangs_profiler_endpoint_writes_a_trace_and_the_server_keeps_serving(s
     assert len(server.generate("The sky is", max_new_tokens=2)["output_ids"]) == 2
 
 
+def test_sglangs_memory_release_and_resume_answer_and_the_server_keeps_serving(server):
+    # SGLang's scheduler exits on an exception from a control request: a resume with nothing
+    # released (KeyError), a release on torch_cpu (its closing sync named CUDA), a release while
+    # a request decodes (its idleness assertion). platform/memory_occupation.py.
+    def post(path: str, body: dict) -> int:
+        return requests.post(server.url + path, json=body, timeout=120).status_code
+
+    before = server.generate("The capital of France is", max_new_tokens=6)["output_ids"]
+    assert post("/resume_memory_occupation", {}) == 200  # nothing released
+    assert post("/release_memory_occupation", {"tags": ["kv_cache"]}) == 200
+    assert post("/release_memory_occupation", {}) == 200  # every kind, the weights too
+    assert post("/resume_memory_occupation", {}) == 200
+    assert post("/resume_memory_occupation", {"tags": ["kv_cache"]}) == 200  # resumed already
+    sampling = {"max_new_tokens": 96, "temperature": 0, "ignore_eos": True}
+    body = {"text": "Tell me a long story.", "stream": True, "sampling_params": sampling}
+    with requests.post(server.url + "/generate", json=body, stream=True, timeout=300) as streamed:
+        lines = (line for line in streamed.iter_lines() if line.startswith(b"data:") and line != b"data: [DONE]")
+        next(lines)  # its first token: the request is decoding
+        assert post("/release_memory_occupation", {"tags": ["kv_cache"]}) == 200
+        last = [json.loads(line[5:]) for line in lines][-1]
+    assert last["meta_info"]["completion_tokens"] == 96
+    assert "release_memory_occupation refused: requests are running" in server.log()
+    assert requests.get(server.url + "/health", timeout=30).status_code == 200
+    assert server.generate("The capital of France is", max_new_tokens=6)["output_ids"] == before
+
+
 def test_plugin_is_loaded_in_every_server_process(server):
     pids = set(re.findall(r"\[sgl-importance\] plugin loaded \(pid (\d+)\)", server.log()))
     # launcher/HTTP server, scheduler and detokenizer

@@ -44,6 +44,7 @@ SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 PATH_INFO = f"{MEM}.unified_cache.unified_tree_core_interface.TreePathNodeInfo"
 SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+WEIGHT_UPDATER = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 # The launcher's parsed namespace, checked on SGLang's own parser (its dests are ServerArgs'
 # field names, but not every field is a flag).
 LAUNCHER_ARGS = f"{SERVER_ARGS}.add_cli_args"
@@ -58,6 +59,11 @@ class Name(NamedTuple):
 
 # What the plugin reads or writes on SGLang's objects (private names are in PRIVATE).
 ATTRIBUTES = [
+    # The release/resume handlers' state (platform/memory_occupation.py).
+    *(Name(WEIGHT_UPDATER, n, "platform/memory_occupation.py") for n in ("scheduler", "is_fully_idle", "offload_tags")),
+    Name("sglang.srt.constants", "GPU_MEMORY_ALL_TYPES", "platform/memory_occupation.py"),
+    Name("sglang.srt.managers.io_struct", "ReleaseMemoryOccupationReqOutput", "platform/memory_occupation.py"),
+    Name("sglang.srt.managers.io_struct", "ResumeMemoryOccupationReqOutput", "platform/memory_occupation.py"),
     # Radix-tree nodes.
     *(
         Name(NODE, n, "fold.py, prefetch.py, admission.py, stored.py, strategy.py")
@@ -425,6 +431,7 @@ PRIVATE = [
         "_execute_decode",
         "plugin.py (hook, torch_cpu: decode rows in C)",
     ),
+    Name(SCHEDULER, "_engine_paused", "platform/memory_occupation.py (a release after /pause_generation)"),
     # Overridden by the footprint adder (scheduler/admission.py), each called through super().
     *(
         Name("sglang.srt.managers.schedule_policy.PrefillAdder", n, "scheduler/admission.py")
@@ -488,6 +495,8 @@ HOOK_TARGETS = [
     "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head",
     "sglang.srt.entrypoints.engine._set_envs_and_config",
     "sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_decode",
+    f"{WEIGHT_UPDATER}.release_memory_occupation",
+    f"{WEIGHT_UPDATER}.resume_memory_occupation",
 ]
 
 
