@@ -7,10 +7,9 @@ process's runtime (``runtime.py``) passes first. A function gets as many of SGLa
 ``after`` hook's result as ``result`` if it asks). Rows on one target apply in order, each wrapping the ones before it
 (the last ``before`` runs first). Ours on SGLang's objects: ``NodeState``, ``server_args._importance``, ``CacheState``.
 Private SGLang names relied on (``test/unit/test_sglang_contract.py`` checks them and every public attribute read):
-- read or written: `mem_cache.utils._EVICTION_POLICY_FACTORIES` (plugin.py), `components.base._LAST_ACCESS_TIME_COUNTER_FLOAT`
-  (cache/strategy.py), `Scheduler._engine_paused` (platform/memory_occupation.py), `UnifiedRadixCache._all_reduce`, `UnifiedRadixCache._apply_cache_actions` (cache/prefetch.py,
-  scheduler/hot_set_release.py), `HiCacheFile._get_suffixed_key`, `HiCacheFile._evictor` (storage/file.py),
-  `HiCacheStorageFailureInjector._backend` (storage/factory.py), `TritonAttnBackend._set_kv_buffer` (attention/);
+- read or written: `mem_cache.utils._EVICTION_POLICY_FACTORIES` (plugin.py), `components.base._LAST_ACCESS_TIME_COUNTER_FLOAT` (cache/strategy.py),
+  `Scheduler._engine_paused` (platform/memory_occupation.py), `UnifiedRadixCache._all_reduce`, `UnifiedRadixCache._apply_cache_actions` (cache/prefetch.py,
+  scheduler/hot_set_release.py), `HiCacheFile._get_suffixed_key`, `HiCacheFile._evictor` (storage/file.py), `HiCacheStorageFailureInjector._backend` (storage/factory.py), `TritonAttnBackend._set_kv_buffer` (attention/);
 - hooked: `PagedTokenToKVPoolAllocator._release_page_ids` (importance/), `TokenizerManager._validate_one_request`
   (request_check/), `DualGemm._select_mode`, `LogitsProcessor._compute_lm_head`, `EagerRunner._execute_decode`, `engine._set_envs_and_config` (platform/);
 - overridden (scheduler/admission.py): `PrefillAdder._get_running_request_total_token_offset`,
@@ -95,8 +94,7 @@ HOOKS = (
     Hook("mem_cache.pool_host.mha.get_mha_host_pool_cls", "platform.host_pool:host_pool_cls", "around", "native"),
     Hook("mem_cache.l2_transfer.L2TransferEngine.__init__", "platform.streams:use_cpu_streams", "after", "torch_cpu"),
     Hook("entrypoints.engine._set_envs_and_config", "platform.torch_cpu:fork_children", "after", "torch_cpu"),
-    Hook("managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.release_memory_occupation", "platform.memory_occupation:release", "around", "scheduler"),  # busy, or no CUDA: SGLang raised
-    Hook("managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.resume_memory_occupation", "platform.memory_occupation:resume_released", "around", "scheduler"),  # nothing released: KeyError  # the launcher forks its children; theirs added at the fork (_register)
+    *(Hook(f"managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.{m}_memory_occupation", f"platform.memory_occupation:{m}", "around", "scheduler") for m in ("release", "resume")),  # SGLang raised: busy, no CUDA, nothing released  # the launcher forks its children; theirs added at the fork (_register)
     *(Hook(target, f"platform.cpu_forwards:{fn}", kind, "torch_cpu") for target, fn, kind in CPU_OPS),  # one C call each
     *(Hook(f"mem_cache.{t}", "platform.torch_cuda:no_compiled_kernel", "around", "torch_cuda") for t in ("memory_pool.can_use_store_cache", "pool_host.mha.can_use_hicache_jit_kernel")),
     Hook("layers.dual_gemm.DualGemm._select_mode", "platform.torch_cuda:no_dual_gemm", "around", "torch_cuda"),

@@ -52,7 +52,7 @@ def release(original: Callable[..., Any], manager: Any, recv_req: Any) -> Any:
         torch.get_device_module = default
 
 
-def resume_released(original: Callable[..., Any], manager: Any, recv_req: Any) -> Any:
+def resume(original: Callable[..., Any], manager: Any, recv_req: Any) -> Any:
     """Around ``resume_memory_occupation``: only the tags a release offloaded (all of them when
     the request names none, as SGLang reads it); with none offloaded, nothing to resume."""
     from sglang.srt.constants import GPU_MEMORY_ALL_TYPES
