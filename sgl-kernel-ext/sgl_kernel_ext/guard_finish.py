@@ -48,16 +48,18 @@ from typing import Sequence
 
 import torch
 
-from sgl_kernel_ext.plan import cdiv, next_power_of_2
+from sgl_kernel_ext.guard_select import heads_by_pages
+from sgl_kernel_ext.plan import next_power_of_2
 from sgl_kernel_ext.scatter import HAS_TRITON
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from sgl_kernel_ext.guard_select import _heads_by_pages
+
 BLOCK_P = 1024  # pages a step of one head's pass covers
 BLOCK_L = 64  # listed pages of part 1 a step of the importance scaling covers
-TILE = 4096  # heads x pages the masses kernel holds at once
 # Counts in the tally row, after the masses and the wanted marks.
 COUNTS = 5
 # The bound kernel leaves each row six mask counts for the choice (``Counts + row * 6``):
@@ -241,11 +243,8 @@ if HAS_TRITON:
         # Each live page's share of the chosen denominator, largest over heads.
         live = tl.load(Valid + flags + cols, mask=inside, other=0) != 0
         offs_h = tl.arange(0, BLOCK_H)
-        mask_h = offs_h < hq
-        chosen = tl.load(Chosen + row * hq + offs_h, mask=mask_h, other=0.0)
-        tile = mask_h[:, None] & live[None, :]
-        ptr = PageLse + row * stride_n + offs_h[:, None] * stride_h + cols[None, :] * stride_p
-        x = tl.load(ptr, mask=tile, other=float("-inf")).to(tl.float32)
+        chosen = tl.load(Chosen + row * hq + offs_h, mask=offs_h < hq, other=0.0)
+        x, tile = _heads_by_pages(PageLse, row, cols, live, hq, stride_n, stride_h, stride_p, BLOCK_H)
         mass = tl.max(tl.where(tile, tl.exp(x - chosen[:, None]), 0.0), axis=0).to(tl.float64)
         old = tl.load(t_row + cols, mask=inside, other=0.0)
         tl.store(t_row + cols, tl.maximum(old, mass), mask=inside)
@@ -338,8 +337,8 @@ def guard_finish_triton(
         output.stride(0), output.stride(1), listed, *per_kv.stride(), pages, layer, layers,
         BLOCK_H=block_h, BLOCK_DV=block_dv, BLOCK_L=BLOCK_L, BLOCK_KV=next_power_of_2(kv_heads),
     )  # fmt: skip
-    block_p = max(16, min(TILE // block_h, next_power_of_2(pages)))
-    _masses_kernel[(n, max(1, cdiv(pages, block_p)))](  # one program with nothing to do when no page is listed
+    grid, _, block_p = heads_by_pages(n, hq, pages)  # one program with nothing to do when no page is listed
+    _masses_kernel[grid](
         page_lse, valid, wanted, missed, chosen, flagged, tally, hq, pages, *page_lse.stride(), tally.stride(0),
         BLOCK_H=block_h, BLOCK_P=block_p,
     )  # fmt: skip

@@ -46,7 +46,17 @@ if HAS_TRITON:
 # page 16) is read once and held in registers through the bisection.
 BLOCK_P = 256
 MAX_SINGLE = 8192
-TILE = 4096  # heads x pages the wanted kernel holds at once
+TILE = 4096  # heads x pages a program holds at once (the wanted pages, guard_finish's masses)
+
+
+def heads_by_pages(n: int, hq: int, pages: int) -> tuple[tuple[int, int], int, int]:
+    """The grid and blocks of a kernel that holds every head of a block of pages at once
+    (``_heads_by_pages``): ``((n, page blocks), BLOCK_H, BLOCK_P)``; at least one block."""
+    block_h = next_power_of_2(hq)
+    block_p = max(16, min(TILE // block_h, next_power_of_2(pages)))
+    return (n, max(1, cdiv(pages, block_p))), block_h, block_p
+
+
 # Bisection steps: the ordered-integer range of a float32 is 2^32 wide (+2 sentinels).
 STEPS = 34
 
@@ -142,6 +152,15 @@ if HAS_TRITON:
         tl.store(Total + row * hq + head, total)
 
     @triton.jit
+    def _heads_by_pages(PageLse, row, cols, live, hq, stride_n, stride_h, stride_p, BLOCK_H: tl.constexpr):
+        """Every head's log-masses of the live pages among ``cols`` (-inf elsewhere), heads x
+        pages, and where they are."""
+        offs_h = tl.arange(0, BLOCK_H)
+        tile = (offs_h < hq)[:, None] & live[None, :]
+        ptr = PageLse + row * stride_n + offs_h[:, None] * stride_h + cols[None, :] * stride_p
+        return tl.load(ptr, mask=tile, other=float("-inf")).to(tl.float32), tile
+
+    @triton.jit
     def _wanted_kernel(
         PageLse, Valid, Released, Threshold, Total, Wanted, Missed, Rank,
         hq, pages, stride_n, stride_h, stride_p,
@@ -153,12 +172,9 @@ if HAS_TRITON:
         inside = cols < pages
         live = tl.load(Valid + row * pages + cols, mask=inside, other=0) != 0
         gone = tl.load(Released + row * pages + cols, mask=inside, other=0) != 0
-        # Every head's log-masses of this block of pages at once: heads x pages.
+        x, tile = _heads_by_pages(PageLse, row, cols, live, hq, stride_n, stride_h, stride_p, BLOCK_H)
         offs_h = tl.arange(0, BLOCK_H)
         mask_h = offs_h < hq
-        tile = mask_h[:, None] & live[None, :]
-        ptr = PageLse + row * stride_n + offs_h[:, None] * stride_h + cols[None, :] * stride_p
-        x = tl.load(ptr, mask=tile, other=neg_inf).to(tl.float32)
         t = tl.load(Threshold + row * hq + offs_h, mask=mask_h, other=0)
         total = tl.load(Total + row * hq + offs_h, mask=mask_h, other=0.0)
         wants = tile & (_ordered(x) >= t[:, None]) & (tl.exp(x - total[:, None]) > 0)
@@ -281,11 +297,10 @@ def guard_select_triton(
         lse, page_lse, valid, top_p, threshold, total, hq, pages, *strides, top_p.stride(0),
         STEPS=STEPS, BLOCK_P=block, SINGLE=single, num_warps=warps,
     )  # fmt: skip
-    block_h = next_power_of_2(hq)
-    block_w = max(16, min(TILE // block_h, next_power_of_2(pages)))
-    _wanted_kernel[(n, cdiv(pages, block_w))](
+    grid, block_h, block_p = heads_by_pages(n, hq, pages)
+    _wanted_kernel[grid](
         page_lse, valid, released, threshold, total, wanted, missed, rank, hq, pages, *strides,
-        BLOCK_H=block_h, BLOCK_P=block_w,
+        BLOCK_H=block_h, BLOCK_P=block_p,
     )  # fmt: skip
     _cap_kernel[(n,)](
         rank, cap, read, pages, cap.stride(0), STEPS=STEPS, BLOCK_P=block, SINGLE=single,
