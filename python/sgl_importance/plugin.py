@@ -47,10 +47,10 @@ HOOKS = (
     Hook("server_args.ServerArgs.from_cli_args", "config:from_cli_args", "around", "any"),
     Hook("entrypoints.openai.serving_base.OpenAIServingBase.handle_request", "request_check.openai:check_openai_request", "around", "any"),
     Hook("managers.tokenizer_manager.TokenizerManager.__init__", "runtime:start", "before", "http"),  # wherever a tokenizer manager may run (the scheduler never builds one); its runtime holds the config
-    Hook("managers.tokenizer_manager.TokenizerManager._validate_one_request", "request_check.prompt:check_hot_set_request", "before", "http", ("config",)),
-    Hook("managers.tokenizer_manager.TokenizerManager._validate_one_request", "request_check.prompt:check_before_validation", "before", "http"),
+    *(Hook("managers.tokenizer_manager.TokenizerManager._validate_one_request", f"request_check.prompt:{fn}", "before", "http", state) for fn, state in (("check_hot_set_request", ("config",)), ("check_before_validation", ()))),
     Hook("managers.tokenizer_manager.TokenizerManager.generate_request", "request_check.hook:checked_generate", "around", "http", ("config",)),  # around: it raises on the generator's first step, where SGLang's own errors do
     Hook("entrypoints.http_server.ORJSONRequest.json", "request_check.openai:checked_json", "around", "http"),
+    *(Hook(f"managers.tokenizer_control_mixin.TokenizerControlMixin.{a}_expert_distribution_record", "request_check.control:recorder_needed", "around", "http") for a in ("start", "stop", "dump")),  # a 400, not a scheduler raising
     Hook("importance_torch", "attention.torch_backend:ImportanceTorchAttnBackend", "backend", "any", ("runtime",)),
     Hook("importance_triton", "attention.triton_backend:ImportanceTritonAttnBackend", "backend", "any", ("runtime",)),
     Hook("mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids", "importance.allocator_reset:pages_released", "after", "any", ("page_importance",)),
@@ -93,8 +93,8 @@ HOOKS = (
     Hook("managers.scheduler.Scheduler.process_batch_result", "trace.tracing:Tracing.around_batch_result", "around", "trace", ("tracing",)),
     Hook("mem_cache.pool_host.mha.get_mha_host_pool_cls", "platform.host_pool:host_pool_cls", "around", "native"),
     Hook("mem_cache.l2_transfer.L2TransferEngine.__init__", "platform.streams:use_cpu_streams", "after", "torch_cpu"),
-    Hook("entrypoints.engine._set_envs_and_config", "platform.torch_cpu:fork_children", "after", "torch_cpu"),
-    *(Hook(f"managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.{m}_memory_occupation", f"platform.memory_occupation:{m}", "around", "scheduler") for m in ("release", "resume")),  # SGLang raised: busy, no CUDA, nothing released  # the launcher forks its children; theirs added at the fork (_register)
+    Hook("entrypoints.engine._set_envs_and_config", "platform.torch_cpu:fork_children", "after", "torch_cpu"),  # the launcher forks its children; theirs added at the fork (_register)
+    *(Hook(f"managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.{m}_memory_occupation", f"platform.memory_occupation:{m}", "around", "scheduler") for m in ("release", "resume")),  # SGLang raised: busy, no CUDA, nothing released
     *(Hook(target, f"platform.cpu_forwards:{fn}", kind, "torch_cpu") for target, fn, kind in CPU_OPS),  # one C call each
     *(Hook(f"mem_cache.{t}", "platform.torch_cuda:no_compiled_kernel", "around", "torch_cuda") for t in ("memory_pool.can_use_store_cache", "pool_host.mha.can_use_hicache_jit_kernel")),
     Hook("layers.dual_gemm.DualGemm._select_mode", "platform.torch_cuda:no_dual_gemm", "around", "torch_cuda"),

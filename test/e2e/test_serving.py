@@ -212,6 +212,18 @@ def test_sglangs_memory_release_and_resume_answer_and_the_server_keeps_serving(s
     assert server.generate("The capital of France is", max_new_tokens=6)["output_ids"] == before
 
 
+def test_sglangs_expert_record_endpoints_answer_400_naming_the_flag_and_the_server_keeps_serving(server):
+    # Without --expert-distribution-recorder-mode SGLang's recorder raises in the scheduler,
+    # which exits on a control request's exception (request_check/control.py).
+    for action in ("start", "stop", "dump"):
+        for method in (requests.get, requests.post):
+            answer = method(f"{server.url}/{action}_expert_distribution_record", timeout=60)
+            assert answer.status_code == 400, (action, answer.text)
+            assert "--expert-distribution-recorder-mode" in answer.json()["message"]
+    assert requests.get(server.url + "/health", timeout=30).status_code == 200
+    assert len(server.generate("The sky is", max_new_tokens=2)["output_ids"]) == 2
+
+
 def test_plugin_is_loaded_in_every_server_process(server):
     pids = set(re.findall(r"\[sgl-importance\] plugin loaded \(pid (\d+)\)", server.log()))
     # launcher/HTTP server, scheduler and detokenizer

@@ -7,6 +7,7 @@ import types
 
 import pytest
 
+from sgl_importance.request_check.control import recorder_needed
 from sgl_importance.request_check.fields import InvalidFieldError, RequestLimits, caller_field, naming_prompt_field
 from sgl_importance.request_check.generate import check_generate_request
 from sgl_importance.request_check.hook import checked_generate
@@ -433,3 +434,23 @@ def test_a_refused_request_leaves_sglangs_abort_task_nothing_to_abort():
         asyncio.run(first())
     # What the abort task of a streamed /generate reads: one rid that nothing holds.
     assert obj.is_single is True and obj.rid is None
+
+
+@pytest.mark.parametrize("mode", [None, "stat"])
+def test_the_expert_record_reaches_sglang_only_where_the_server_has_a_recorder(mode):
+    from fastapi import HTTPException
+
+    calls = []
+
+    async def sglangs(manager):
+        calls.append(manager)
+
+    manager = types.SimpleNamespace(server_args=types.SimpleNamespace(expert_distribution_recorder_mode=mode))
+    if mode is None:
+        with pytest.raises(HTTPException) as refused:
+            asyncio.run(recorder_needed(sglangs, manager))
+        assert refused.value.status_code == 400 and "--expert-distribution-recorder-mode" in refused.value.detail
+        assert calls == []
+    else:
+        asyncio.run(recorder_needed(sglangs, manager))
+        assert calls == [manager]

@@ -191,6 +191,7 @@ ATTRIBUTES = [
         for n in ("served_model_name", "server_args", "lora_registry")
     ),
     Name(SERVER_ARGS, "model_path", "request_check/openai.py"),
+    Name(SERVER_ARGS, "expert_distribution_recorder_mode", "request_check/control.py"),
     Name("sglang.srt.lora.lora_registry.LoRARegistry", "get_all_adapters", "request_check/openai.py"),
     Name(TOKENIZER_MANAGER, "model_config", "request_check/prompt.py"),
     *(Name(TOKENIZER_MANAGER, n, "request_check/") for n in ("context_len", "sampling_params_class")),
@@ -497,6 +498,10 @@ HOOK_TARGETS = [
     "sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_decode",
     f"{WEIGHT_UPDATER}.release_memory_occupation",
     f"{WEIGHT_UPDATER}.resume_memory_occupation",
+    *(
+        f"sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.{a}_expert_distribution_record"
+        for a in ("start", "stop", "dump")
+    ),
 ]
 
 
