@@ -50,9 +50,8 @@ HOOKS = (
     *(Hook("managers.tokenizer_manager.TokenizerManager._validate_one_request", f"request_check.prompt:{fn}", "before", "http", state) for fn, state in (("check_hot_set_request", ("config",)), ("check_before_validation", ()))),
     Hook("managers.tokenizer_manager.TokenizerManager.generate_request", "request_check.hook:checked_generate", "around", "http", ("config",)),  # around: it raises on the generator's first step, where SGLang's own errors do
     Hook("entrypoints.http_server.ORJSONRequest.json", "request_check.openai:checked_json", "around", "http"),
-    *(Hook(f"managers.tokenizer_control_mixin.TokenizerControlMixin.{a}_expert_distribution_record", "request_check.control:recorder_needed", "around", "http") for a in ("start", "stop", "dump")),  # a 400, not a scheduler raising
-    Hook("importance_torch", "attention.torch_backend:ImportanceTorchAttnBackend", "backend", "any", ("runtime",)),
-    Hook("importance_triton", "attention.triton_backend:ImportanceTritonAttnBackend", "backend", "any", ("runtime",)),
+    *(Hook(f"managers.tokenizer_manager.TokenizerManager.{m}", f"request_check.control:{m}", "around", "http") for m in ("slow_down", "configure_logging", *(f"{a}_expert_distribution_record" for a in ("start", "stop", "dump")))),  # a 400 where the scheduler would die
+    *(Hook(f"importance_{b}", f"attention.{b}_backend:Importance{b.title()}AttnBackend", "backend", "any", ("runtime",)) for b in ("torch", "triton")),
     Hook("mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids", "importance.allocator_reset:pages_released", "after", "any", ("page_importance",)),
     Hook("mem_cache.allocator.token.TokenToKVPoolAllocator.free", "importance.allocator_reset:slots_freed", "after", "any", ("page_importance",)),
     *(Hook(f"mem_cache.allocator.{a}.clear", "importance.allocator_reset:allocator_cleared", "after", "any", ("page_importance",)) for a in ("paged.PagedTokenToKVPoolAllocator", "token.TokenToKVPoolAllocator")),
@@ -95,6 +94,7 @@ HOOKS = (
     Hook("mem_cache.l2_transfer.L2TransferEngine.__init__", "platform.streams:use_cpu_streams", "after", "torch_cpu"),
     Hook("entrypoints.engine._set_envs_and_config", "platform.torch_cpu:fork_children", "after", "torch_cpu"),  # the launcher forks its children; theirs added at the fork (_register)
     *(Hook(f"managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.{m}_memory_occupation", f"platform.memory_occupation:{m}", "around", "scheduler") for m in ("release", "resume")),  # SGLang raised: busy, no CUDA, nothing released
+    *(Hook(t, f"scheduler.control:{t.rpartition('.')[2]}", "around", "scheduler") for t in ("model_executor.model_runner_components.weight_updater.WeightUpdater.update_weights_from_disk", "session.session_controller.Session.create_req")),  # SGLang raised: a failed load, a session replaced
     *(Hook(target, f"platform.cpu_forwards:{fn}", kind, "torch_cpu") for target, fn, kind in CPU_OPS),  # one C call each
     *(Hook(f"mem_cache.{t}", "platform.torch_cuda:no_compiled_kernel", "around", "torch_cuda") for t in ("memory_pool.can_use_store_cache", "pool_host.mha.can_use_hicache_jit_kernel")),
     Hook("layers.dual_gemm.DualGemm._select_mode", "platform.torch_cuda:no_dual_gemm", "around", "torch_cuda"),

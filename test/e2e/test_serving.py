@@ -9,7 +9,7 @@ import time
 import pytest
 import requests
 
-from sgl_importance.local_server import SERVED_NAME
+from sgl_importance.local_server import SERVED_NAME, model_path
 from support.server import output_ids_and_logprobs
 
 pytestmark = pytest.mark.e2e
@@ -222,6 +222,33 @@ def test_sglangs_expert_record_endpoints_answer_400_naming_the_flag_and_the_serv
             assert "--expert-distribution-recorder-mode" in answer.json()["message"]
     assert requests.get(server.url + "/health", timeout=30).status_code == 200
     assert len(server.generate("The sky is", max_new_tokens=2)["output_ids"]) == 2
+
+
+def test_sglangs_control_requests_that_killed_the_scheduler_are_answered_and_the_server_keeps_serving(server, tmp_path):
+    # Each took the server down (request_check/control.py, scheduler/control.py).
+    def post(path: str, body: dict) -> requests.Response:
+        return requests.post(server.url + path, json=body, timeout=300)
+
+    before = server.generate("The capital of France is", max_new_tokens=6)["output_ids"]
+    assert post("/slow_down", {"forward_sleep_time": 1e308}).status_code == 400  # time.sleep overflowed
+    answer = post("/configure_logging", {"log_requests": True, "log_requests_level": 99})
+    assert answer.status_code == 400 and "log_requests_level" in answer.text  # every later request failed to log
+    assert post("/open_session", {"capacity_of_str_len": 1000, "session_id": "s1"}).status_code == 200
+    turn = {"text": "Hello", "sampling_params": {"max_new_tokens": 2}, "session_params": {"id": "s1"}}
+    assert post("/generate", turn).status_code == 200
+    again = {**turn, "session_params": {"id": "s1", "replace": True}}  # no rid: the whole session afresh
+    assert post("/generate", again).status_code == 200  # the scheduler cleared a dict it iterated
+    assert post("/close_session", {"session_id": "s1"}).status_code == 200
+    answer = post("/update_weights_from_disk", {"model_path": model_path(), "load_format": "nonsense"})
+    assert answer.status_code == 400 and "nonsense" in answer.text  # raised before SGLang's try
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.safetensors").write_bytes(b"not a checkpoint")
+    answer = post("/update_weights_from_disk", {"model_path": str(broken)})
+    assert answer.status_code == 400 and "Reloaded" in answer.text  # SGLang's rollback re-read the broken path
+    assert requests.get(server.url + "/health", timeout=30).status_code == 200
+    assert server.generate("The capital of France is", max_new_tokens=6)["output_ids"] == before
+    assert post("/update_weights_from_disk", {"model_path": model_path()}).status_code == 200
 
 
 def test_plugin_is_loaded_in_every_server_process(server):

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from sgl_importance.request_check.control import recorder_needed
+from sgl_importance.request_check.control import logging_problem, sleep_problem, start_expert_distribution_record
 from sgl_importance.request_check.fields import InvalidFieldError, RequestLimits, caller_field, naming_prompt_field
 from sgl_importance.request_check.generate import check_generate_request
 from sgl_importance.request_check.hook import checked_generate
@@ -441,16 +441,40 @@ def test_the_expert_record_reaches_sglang_only_where_the_server_has_a_recorder(m
     from fastapi import HTTPException
 
     calls = []
-
-    async def sglangs(manager):
-        calls.append(manager)
-
     manager = types.SimpleNamespace(server_args=types.SimpleNamespace(expert_distribution_recorder_mode=mode))
     if mode is None:
         with pytest.raises(HTTPException) as refused:
-            asyncio.run(recorder_needed(sglangs, manager))
+            start_expert_distribution_record(calls.append, manager)
         assert refused.value.status_code == 400 and "--expert-distribution-recorder-mode" in refused.value.detail
         assert calls == []
     else:
-        asyncio.run(recorder_needed(sglangs, manager))
+        start_expert_distribution_record(calls.append, manager)
         assert calls == [manager]
+
+
+@pytest.mark.parametrize(
+    "seconds, refused",
+    [(None, False), (0, False), (-1.0, False), (0.5, False), (3600, False), (3600.5, True), (1e308, True)]
+    + [(float("inf"), True), (float("nan"), True), (True, True), ("1", True)],
+)
+def test_a_forward_sleep_the_scheduler_cannot_take_is_refused(seconds, refused):
+    assert (sleep_problem(seconds) is not None) == refused
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({}, None),
+        ({"log_requests_level": 3, "log_requests_format": "json", "log_level": "debug"}, None),
+        ({"log_requests_level": 99}, "log_requests_level"),
+        ({"log_requests_level": -3}, "log_requests_level"),
+        ({"log_requests_level": True}, "log_requests_level"),
+        ({"log_requests_format": "xml"}, "log_requests_format"),
+        ({"log_level": "chatty"}, "log_level"),
+    ],
+)
+def test_a_logging_body_that_would_break_request_logging_is_refused_naming_its_field(body, field):
+    fields = {"log_requests_level": None, "log_requests_format": None, "log_level": None, **body}
+    problem = logging_problem(types.SimpleNamespace(**fields))
+    assert (problem is None) == (field is None)
+    assert field is None or problem.startswith(field)

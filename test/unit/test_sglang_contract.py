@@ -44,6 +44,8 @@ SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 PATH_INFO = f"{MEM}.unified_cache.unified_tree_core_interface.TreePathNodeInfo"
 SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+WEIGHTS = "sglang.srt.model_executor.model_runner_components.weight_updater"
+SESSIONS = "sglang.srt.session.session_controller"
 WEIGHT_UPDATER = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 # The launcher's parsed namespace, checked on SGLang's own parser (its dests are ServerArgs'
 # field names, but not every field is a flag).
@@ -191,7 +193,21 @@ ATTRIBUTES = [
         for n in ("served_model_name", "server_args", "lora_registry")
     ),
     Name(SERVER_ARGS, "model_path", "request_check/openai.py"),
+    # Control requests checked before SGLang handles them (request_check/control.py, scheduler/control.py).
     Name(SERVER_ARGS, "expert_distribution_recorder_mode", "request_check/control.py"),
+    Name("sglang.srt.managers.io_struct.SlowDownReqInput", "forward_sleep_time", "request_check/control.py"),
+    *(
+        Name("sglang.srt.managers.io_struct.ConfigureLoggingReq", n, "request_check/control.py")
+        for n in ("log_requests_level", "log_requests_format", "log_level")
+    ),
+    *(Name(f"{WEIGHTS}.WeightUpdater", n, "scheduler/control.py") for n in ("model_config", "get_model_runner")),
+    Name("sglang.srt.model_executor.model_runner.ModelRunner", "load_config", "scheduler/control.py"),
+    Name("sglang.srt.configs.model_config.ModelConfig", "model_path", "scheduler/control.py"),
+    Name("sglang.srt.configs.load_config", "LoadFormat", "scheduler/control.py"),
+    Name("sglang.srt.configs.load_config.LoadConfig", "load_format", "scheduler/control.py"),
+    *(Name(f"{SESSIONS}.Session", n, "scheduler/control.py") for n in ("streaming", "req_nodes")),
+    *(Name(f"{SESSIONS}.SessionReqNode", n, "scheduler/control.py") for n in ("parent", "req", "clear")),
+    *(Name("sglang.srt.managers.io_struct.SessionParams", n, "scheduler/control.py") for n in ("replace", "rid")),
     Name("sglang.srt.lora.lora_registry.LoRARegistry", "get_all_adapters", "request_check/openai.py"),
     Name(TOKENIZER_MANAGER, "model_config", "request_check/prompt.py"),
     *(Name(TOKENIZER_MANAGER, n, "request_check/") for n in ("context_len", "sampling_params_class")),
@@ -499,9 +515,15 @@ HOOK_TARGETS = [
     f"{WEIGHT_UPDATER}.release_memory_occupation",
     f"{WEIGHT_UPDATER}.resume_memory_occupation",
     *(
-        f"sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.{a}_expert_distribution_record"
-        for a in ("start", "stop", "dump")
+        f"{TOKENIZER_MANAGER}.{m}"
+        for m in (
+            "slow_down",
+            "configure_logging",
+            *(f"{a}_expert_distribution_record" for a in ("start", "stop", "dump")),
+        )
     ),
+    f"{WEIGHTS}.WeightUpdater.update_weights_from_disk",
+    f"{SESSIONS}.Session.create_req",
 ]
 
 

@@ -38,7 +38,7 @@ Every request check lives here, one file a job:
   model would fail on, and the endpoint's names for fields;
 - ``chat_template.py``: a chat request's ``chat_template_kwargs`` (called by ``openai.py``);
 - ``fields.py``: the limits, the errors and the caller's names for fields.
-- ``control.py``: SGLang's expert-record endpoints, a 400 where the server records nothing.
+- ``control.py``: SGLang's control endpoints, a 400 where its scheduler would have died.
 
 The checks read the server's settings from the HTTP process's runtime (``runtime.py``),
 handed in by ``plugin.py``.

@@ -1,0 +1,58 @@
+"""SGLang control requests that took the scheduler down, answered instead (``plugin.py`` wraps them).
+
+SGLang 0.5.23's scheduler exits on an exception from a request it handles, and the server with
+it. Found by probing the admin endpoints of a running server with edge-case bodies:
+
+- ``/update_weights_from_disk`` with a ``load_format`` that is no ``LoadFormat`` raised before
+  SGLang's own try; one whose loader fails, or a checkpoint that does not fit the model, failed
+  inside it, and SGLang's rollback then re-read the *new* path (it records the path before
+  loading) and raised again. Here an unknown format is answered as a failure with nothing
+  loaded, and any other failure restores the path that was serving and reloads its weights
+  (the rollback SGLang meant); only a failed reload of the serving weights still raises, as a
+  server that cannot hold its own weights should not answer.
+- A generate request in a session with ``replace`` and no ``rid`` (start the session afresh)
+  cleared the session's nodes while iterating over them (``RuntimeError``): the nodes are
+  cleared here first, from the roots of their trees, so SGLang's loop finds none.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+
+def update_weights_from_disk(
+    original: Callable[..., tuple], updater: Any, model_path: str, load_format: Any, *args: Any, **kwargs: Any
+) -> tuple:
+    """Around ``WeightUpdater.update_weights_from_disk``: ``(False, message)`` for a format SGLang
+    has not, or a load that failed (the serving weights reloaded); SGLang's answer otherwise."""
+    from sglang.srt.configs.load_config import LoadFormat
+
+    known = {f.value for f in LoadFormat}
+    if isinstance(load_format, str) and load_format.lower() not in known:
+        return False, f"Unknown load_format {load_format!r}; allowed: {', '.join(sorted(known))}. Nothing was loaded."
+    serving_path = updater.model_config.model_path
+    serving_format = updater.get_model_runner().load_config.load_format
+    try:
+        return original(updater, model_path, load_format, *args, **kwargs)
+    except Exception as e:  # noqa: BLE001 -- any failure of the load, answered after the rollback
+        logger.warning("update_weights_from_disk failed (%s: %s); reloading %s", type(e).__name__, e, serving_path)
+        updater.model_config.model_path = serving_path
+        ok, message = original(updater, serving_path, serving_format, *args, **kwargs)
+        if not ok:
+            raise RuntimeError(f"the serving weights could not be reloaded from {serving_path}: {message}") from e
+        return False, f"Failed to update weights from {model_path}: {type(e).__name__}: {e}. Reloaded {serving_path}."
+
+
+def create_req(original: Callable[..., Any], session: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """Around ``Session.create_req``: a ``replace`` with no ``rid`` clears the session's request
+    trees from their roots (each clear takes its subtree), then SGLang's call."""
+    params = req.session_params
+    if not session.streaming and params is not None and params.replace and params.rid is None:
+        nodes = session.req_nodes
+        roots = [n for n in nodes.values() if n.parent is None or n.parent.req.rid not in nodes]
+        for root in roots:
+            root.clear(nodes)
+    return original(session, req, *args, **kwargs)
