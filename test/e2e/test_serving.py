@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import time
@@ -246,6 +247,13 @@ def test_sglangs_control_requests_that_killed_the_scheduler_are_answered_and_the
     (broken / "model.safetensors").write_bytes(b"not a checkpoint")
     answer = post("/update_weights_from_disk", {"model_path": str(broken)})
     assert answer.status_code == 400 and "Reloaded" in answer.text  # SGLang's rollback re-read the broken path
+    assert post("/begin_weight_update", {}).status_code == 200
+    for unreadable in ([], [base64.b64encode(b"not a pickle").decode()]):  # IndexError, UnpicklingError
+        answer = post("/update_weights_from_tensor", {"serialized_named_tensors": unreadable})
+        assert answer.status_code == 400 and "deserialize" in answer.text
+    assert post("/end_weight_update", {}).status_code == 200
+    no_group = {"master_address": "127.0.0.1", "ports": "1", "group_name": "never-made"}
+    assert post("/send_weights_to_remote_instance", no_group).status_code == 400  # KeyError
     assert requests.get(server.url + "/health", timeout=30).status_code == 200
     assert server.generate("The capital of France is", max_new_tokens=6)["output_ids"] == before
     assert post("/update_weights_from_disk", {"model_path": model_path()}).status_code == 200

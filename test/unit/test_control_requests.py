@@ -86,3 +86,36 @@ def test_a_server_that_cannot_reload_its_own_weights_still_raises():
 
     with pytest.raises(RuntimeError, match="gone too"):
         update_weights_from_disk(sglangs, _updater(), "/new", "auto")
+
+
+def test_tensors_that_do_not_deserialize_are_a_failure_and_the_worker_is_left_as_it_was():
+    from sgl_importance.scheduler.control import update_weights_from_tensor
+
+    class Worker:
+        def deserialize_own_rank(self, serialized):
+            return serialized[0]  # IndexError on an empty list, as SGLang's
+
+    worker = Worker()
+    manager = types.SimpleNamespace(tp_worker=worker)
+
+    def sglangs(manager, recv_req):
+        return ("loaded", manager.tp_worker.deserialize_own_rank(recv_req.serialized_named_tensors))
+
+    answer = update_weights_from_tensor(sglangs, manager, types.SimpleNamespace(serialized_named_tensors=[]))
+    assert not answer.success and "IndexError" in answer.message
+    assert "deserialize_own_rank" not in vars(worker)
+    assert update_weights_from_tensor(sglangs, manager, types.SimpleNamespace(serialized_named_tensors=["t"])) == (
+        "loaded",
+        "t",
+    )
+
+
+def test_a_send_to_a_group_never_made_is_a_failure():
+    from sgl_importance.scheduler.control import send_weights_to_remote_instance
+
+    def sglangs(exporter, address, ports, group):
+        return exporter[f"{group}_{ports}_0"]
+
+    ok, message = send_weights_to_remote_instance(sglangs, {}, "127.0.0.1", "1", "never-made")
+    assert not ok and "KeyError" in message
+    assert send_weights_to_remote_instance(sglangs, {"g_1_0": (True, "sent")}, "127.0.0.1", "1", "g") == (True, "sent")

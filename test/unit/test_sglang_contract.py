@@ -206,6 +206,9 @@ ATTRIBUTES = [
     Name("sglang.srt.configs.load_config", "LoadFormat", "scheduler/control.py"),
     Name("sglang.srt.configs.load_config.LoadConfig", "load_format", "scheduler/control.py"),
     *(Name(f"{SESSIONS}.Session", n, "scheduler/control.py") for n in ("streaming", "req_nodes")),
+    Name(WEIGHT_UPDATER, "tp_worker", "scheduler/control.py"),
+    Name("sglang.srt.managers.tp_worker.TpModelWorker", "deserialize_own_rank", "scheduler/control.py"),
+    Name("sglang.srt.managers.io_struct", "UpdateWeightsFromTensorReqOutput", "scheduler/control.py"),
     *(Name(f"{SESSIONS}.SessionReqNode", n, "scheduler/control.py") for n in ("parent", "req", "clear")),
     *(Name("sglang.srt.managers.io_struct.SessionParams", n, "scheduler/control.py") for n in ("replace", "rid")),
     Name("sglang.srt.lora.lora_registry.LoRARegistry", "get_all_adapters", "request_check/openai.py"),
@@ -523,6 +526,8 @@ HOOK_TARGETS = [
         )
     ),
     f"{WEIGHTS}.WeightUpdater.update_weights_from_disk",
+    f"{WEIGHT_UPDATER}.update_weights_from_tensor",
+    "sglang.srt.model_executor.model_runner_components.weight_exporter.WeightExporter.send_weights_to_remote_instance",
     f"{SESSIONS}.Session.create_req",
 ]
 

@@ -10,6 +10,12 @@ it. Found by probing the admin endpoints of a running server with edge-case bodi
   loaded, and any other failure restores the path that was serving and reloads its weights
   (the rollback SGLang meant); only a failed reload of the serving weights still raises, as a
   server that cannot hold its own weights should not answer.
+- ``/update_weights_from_tensor`` (between ``begin_weight_update`` and ``end_weight_update``)
+  with tensors that do not deserialize (an empty list, bytes that are no pickle) raised before
+  anything was loaded: answered as a failure. A load that fails after is SGLang's to answer.
+- ``/send_weights_to_remote_instance`` naming a group never initialised (``KeyError``), or with
+  the wrong number of ports (an assertion): answered as a failure; sending reads the weights
+  only, so nothing is left half done.
 - A generate request in a session with ``replace`` and no ``rid`` (start the session afresh)
   cleared the session's nodes while iterating over them (``RuntimeError``): the nodes are
   cleared here first, from the roots of their trees, so SGLang's loop finds none.
@@ -56,3 +62,40 @@ def create_req(original: Callable[..., Any], session: Any, req: Any, *args: Any,
         for root in roots:
             root.clear(nodes)
     return original(session, req, *args, **kwargs)
+
+
+class _Unreadable(ValueError):
+    """Tensors of a weight update that did not deserialize (nothing loaded yet)."""
+
+
+def update_weights_from_tensor(original: Callable[..., Any], manager: Any, recv_req: Any) -> Any:
+    """Around ``SchedulerWeightUpdaterManager.update_weights_from_tensor``: a failure answered
+    where the tensors do not deserialize; SGLang's answer otherwise."""
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqOutput
+
+    worker = manager.tp_worker
+    read = worker.deserialize_own_rank
+
+    def checked(serialized: Any) -> Any:
+        try:
+            return read(serialized)
+        except Exception as e:  # noqa: BLE001 -- whatever the payload raised, before any load
+            raise _Unreadable(f"the serialized tensors do not deserialize: {type(e).__name__}: {e}") from e
+
+    worker.deserialize_own_rank = checked  # for this call (SGLang reads it through the worker)
+    try:
+        return original(manager, recv_req)
+    except _Unreadable as e:
+        logger.warning("update_weights_from_tensor refused: %s", e)
+        return UpdateWeightsFromTensorReqOutput(success=False, message=str(e))
+    finally:
+        del worker.deserialize_own_rank
+
+
+def send_weights_to_remote_instance(original: Callable[..., tuple], exporter: Any, *args: Any, **kwargs: Any) -> tuple:
+    """Around ``WeightExporter.send_weights_to_remote_instance``: ``(False, message)`` for what
+    SGLang raised (a group never initialised, a ports list of the wrong length)."""
+    try:
+        return original(exporter, *args, **kwargs)
+    except (AssertionError, KeyError, ValueError) as e:
+        return False, f"Failed to send weights: {type(e).__name__}: {e}"
