@@ -50,7 +50,7 @@ HOOKS = (
     *(Hook("managers.tokenizer_manager.TokenizerManager._validate_one_request", f"request_check.prompt:{fn}", "before", "http", state) for fn, state in (("check_hot_set_request", ("config",)), ("check_before_validation", ()))),
     Hook("managers.tokenizer_manager.TokenizerManager.generate_request", "request_check.hook:checked_generate", "around", "http", ("config",)),  # around: it raises on the generator's first step, where SGLang's own errors do
     Hook("entrypoints.http_server.ORJSONRequest.json", "request_check.openai:checked_json", "around", "http"),
-    *(Hook(f"managers.tokenizer_manager.TokenizerManager.{m}", f"request_check.control:{m}", "around", "http") for m in ("slow_down", "configure_logging", *(f"{a}_expert_distribution_record" for a in ("start", "stop", "dump")))),  # a 400 where the scheduler would die
+    *(Hook(f"managers.tokenizer_manager.TokenizerManager.{m}", f"request_check.control:{m}", "around", "http") for m in ("slow_down", "configure_logging", "start_profile", *(f"{a}_expert_distribution_record" for a in ("start", "stop", "dump")))),  # a 400 where the scheduler would die
     *(Hook(f"importance_{b}", f"attention.{b}_backend:Importance{b.title()}AttnBackend", "backend", "any", ("runtime",)) for b in ("torch", "triton")),
     Hook("mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids", "importance.allocator_reset:pages_released", "after", "any", ("page_importance",)),
     Hook("mem_cache.allocator.token.TokenToKVPoolAllocator.free", "importance.allocator_reset:slots_freed", "after", "any", ("page_importance",)),

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import requests
+import torch
 
 from sgl_importance.local_server import SERVED_NAME, model_path
 from support.server import output_ids_and_logprobs
@@ -247,6 +248,9 @@ def test_sglangs_control_requests_that_killed_the_scheduler_are_answered_and_the
     (broken / "model.safetensors").write_bytes(b"not a checkpoint")
     answer = post("/update_weights_from_disk", {"model_path": str(broken)})
     assert answer.status_code == 400 and "Reloaded" in answer.text  # SGLang's rollback re-read the broken path
+    if not torch.cuda.is_available():  # torch's profiler asserted, CUDA's memory history raised
+        for activities in (["GPU"], ["MEM"]):
+            assert post("/start_profile", {"activities": activities}).status_code == 400
     assert post("/begin_weight_update", {}).status_code == 200
     for unreadable in ([], [base64.b64encode(b"not a pickle").decode()]):  # IndexError, UnpicklingError
         answer = post("/update_weights_from_tensor", {"serialized_named_tensors": unreadable})

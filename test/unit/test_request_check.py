@@ -7,7 +7,12 @@ import types
 
 import pytest
 
-from sgl_importance.request_check.control import logging_problem, sleep_problem, start_expert_distribution_record
+from sgl_importance.request_check.control import (
+    logging_problem,
+    profile_problem,
+    sleep_problem,
+    start_expert_distribution_record,
+)
 from sgl_importance.request_check.fields import InvalidFieldError, RequestLimits, caller_field, naming_prompt_field
 from sgl_importance.request_check.generate import check_generate_request
 from sgl_importance.request_check.hook import checked_generate
@@ -478,3 +483,15 @@ def test_a_logging_body_that_would_break_request_logging_is_refused_naming_its_f
     problem = logging_problem(types.SimpleNamespace(**fields))
     assert (problem is None) == (field is None)
     assert field is None or problem.startswith(field)
+
+
+@pytest.mark.parametrize(
+    "activities, refused",
+    [(None, False), (["CPU"], False), (["CPU", "GPU"], False), (["GPU"], True), (["MEM"], True), (["RPD"], True)]
+    + [(["CPU", "MEM"], True), (["FOO"], True), ([], True)],
+)
+def test_profiler_activities_this_cpu_cannot_record_are_refused(activities, refused, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert (profile_problem(activities) is not None) == refused

@@ -196,6 +196,7 @@ ATTRIBUTES = [
     # Control requests checked before SGLang handles them (request_check/control.py, scheduler/control.py).
     Name(SERVER_ARGS, "expert_distribution_recorder_mode", "request_check/control.py"),
     Name("sglang.srt.managers.io_struct.SlowDownReqInput", "forward_sleep_time", "request_check/control.py"),
+    Name("sglang.srt.managers.io_struct.ProfileReq", "activities", "request_check/control.py"),
     *(
         Name("sglang.srt.managers.io_struct.ConfigureLoggingReq", n, "request_check/control.py")
         for n in ("log_requests_level", "log_requests_format", "log_level")
@@ -522,6 +523,7 @@ HOOK_TARGETS = [
         for m in (
             "slow_down",
             "configure_logging",
+            "start_profile",
             *(f"{a}_expert_distribution_record" for a in ("start", "stop", "dump")),
         )
     ),

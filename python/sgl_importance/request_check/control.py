@@ -10,6 +10,8 @@ here named after the method it checks:
   scheduler's no-op recorder raises on every call;
 - ``/slow_down`` with a ``forward_sleep_time`` that is not a finite number of seconds up to
   ``MAX_SLEEP_S`` (``1e308`` overflowed ``time.sleep`` in the scheduler's next batch);
+- ``/start_profile`` with ``activities`` this machine cannot record: ``MEM`` without CUDA, ``RPD``
+  without ROCm's tracer, or none left once those it lacks are dropped (``["GPU"]`` on a CPU);
 - ``/configure_logging`` with a ``log_requests_level`` outside 0-3 or a format other than
   ``text``/``json``: SGLang stored it, answered 500, and every request after failed to log
   (``/health`` 503) until logging was turned off; a ``log_level`` that is no level name.
@@ -19,6 +21,7 @@ The scheduler's own guards (a failed weight update, a session replace) are ``sch
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 from http import HTTPStatus
@@ -89,3 +92,31 @@ def logging_problem(obj: Any) -> Optional[str]:
 def configure_logging(original: Callable[..., Any], manager: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
     """A 400 for a body SGLang would store and then fail every request's log on."""
     return _answer(logging_problem(obj), original, manager, obj, *args, **kwargs)
+
+
+def profile_problem(activities: Optional[list]) -> Optional[str]:
+    """Why SGLang's profiler cannot record ``activities`` here, or None (None: SGLang's default)."""
+    if activities is None:
+        return None
+    import torch
+
+    cuda = torch.cuda.is_available()
+    lacking = {"MEM": not cuda, "RPD": importlib.util.find_spec("rpdTracerControl") is None}
+    missing = [a for a in activities if lacking.get(a, False)]
+    if missing:
+        return f"profiler activities {missing} cannot be recorded on this machine (MEM needs CUDA, RPD ROCm's tracer)"
+    recordable = {
+        "CPU",
+        *(["GPU"] if cuda else []),
+        *(["XPU"] if hasattr(torch, "xpu") and torch.xpu.is_available() else []),
+    }
+    if not recordable & set(activities) and "RPD" not in activities:
+        allowed = ", ".join(sorted(recordable))
+        return f"profiler activities {list(activities)} record nothing on this machine; allowed: {allowed}"
+    return None
+
+
+def start_profile(original: Callable[..., Any], manager: Any, req: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """A 400 for profiler activities this machine cannot record; SGLang's call otherwise."""
+    activities = None if req is None else req.activities
+    return _answer(profile_problem(activities), original, manager, req, *args, **kwargs)
