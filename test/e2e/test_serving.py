@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import pickle
 import re
 import time
 
@@ -255,6 +256,9 @@ def test_sglangs_control_requests_that_killed_the_scheduler_are_answered_and_the
     for unreadable in ([], [base64.b64encode(b"not a pickle").decode()]):  # IndexError, UnpicklingError
         answer = post("/update_weights_from_tensor", {"serialized_named_tensors": unreadable})
         assert answer.status_code == 400 and "deserialize" in answer.text
+    a_number = [base64.b64encode(pickle.dumps(5)).decode()]  # TypeError in SGLang's load
+    answer = post("/update_weights_from_tensor", {"serialized_named_tensors": a_number})
+    assert answer.status_code == 400 and "did not load" in answer.text
     assert post("/end_weight_update", {}).status_code == 200
     no_group = {"master_address": "127.0.0.1", "ports": "1", "group_name": "never-made"}
     assert post("/send_weights_to_remote_instance", no_group).status_code == 400  # KeyError

@@ -109,6 +109,12 @@ def test_tensors_that_do_not_deserialize_are_a_failure_and_the_worker_is_left_as
         "t",
     )
 
+    def loads_a_number(manager, recv_req):
+        dict(manager.tp_worker.deserialize_own_rank(recv_req.serialized_named_tensors))  # TypeError: an int
+
+    answer = update_weights_from_tensor(loads_a_number, manager, types.SimpleNamespace(serialized_named_tensors=[5]))
+    assert not answer.success and "TypeError" in answer.message and "may be loaded" in answer.message
+
 
 def test_a_send_to_a_group_never_made_is_a_failure():
     from sgl_importance.scheduler.control import send_weights_to_remote_instance

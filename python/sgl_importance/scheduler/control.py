@@ -12,7 +12,10 @@ it. Found by probing the admin endpoints of a running server with edge-case bodi
   server that cannot hold its own weights should not answer.
 - ``/update_weights_from_tensor`` (between ``begin_weight_update`` and ``end_weight_update``)
   with tensors that do not deserialize (an empty list, bytes that are no pickle) raised before
-  anything was loaded: answered as a failure. A load that fails after is SGLang's to answer.
+  anything was loaded; a payload that deserializes to something else than SGLang's pairs or
+  bucket (an int, a dict, a list of numbers) raised while loading: answered as failures, the
+  second saying that the weights before the failing one may be loaded (SGLang loads in order
+  and keeps no copy to roll back to; the client resends or reloads).
 - ``/send_weights_to_remote_instance`` naming a group never initialised (``KeyError``), or with
   the wrong number of ports (an assertion): answered as a failure; sending reads the weights
   only, so nothing is left half done.
@@ -70,7 +73,7 @@ class _Unreadable(ValueError):
 
 def update_weights_from_tensor(original: Callable[..., Any], manager: Any, recv_req: Any) -> Any:
     """Around ``SchedulerWeightUpdaterManager.update_weights_from_tensor``: a failure answered
-    where the tensors do not deserialize; SGLang's answer otherwise."""
+    where the tensors do not deserialize or do not load; SGLang's answer otherwise."""
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqOutput
 
     worker = manager.tp_worker
@@ -86,10 +89,16 @@ def update_weights_from_tensor(original: Callable[..., Any], manager: Any, recv_
     try:
         return original(manager, recv_req)
     except _Unreadable as e:
-        logger.warning("update_weights_from_tensor refused: %s", e)
-        return UpdateWeightsFromTensorReqOutput(success=False, message=str(e))
+        message = f"{e}; nothing was loaded"
+    except Exception as e:  # noqa: BLE001 -- a load that raised: answered, not fatal
+        message = (
+            f"the tensors did not load: {type(e).__name__}: {e}; weights listed before the failing "
+            "one may be loaded (no rollback: resend them, or reload from disk)"
+        )
     finally:
         del worker.deserialize_own_rank
+    logger.warning("update_weights_from_tensor failed: %s", message)
+    return UpdateWeightsFromTensorReqOutput(success=False, message=message)
 
 
 def send_weights_to_remote_instance(original: Callable[..., tuple], exporter: Any, *args: Any, **kwargs: Any) -> tuple:
