@@ -267,6 +267,18 @@ def test_sglangs_control_requests_that_killed_the_scheduler_are_answered_and_the
     assert post("/update_weights_from_disk", {"model_path": model_path()}).status_code == 200
 
 
+def test_detokenize_refuses_ids_outside_the_vocabulary_with_400(server):
+    # A negative id or one past 2^32 overflowed the tokenizer: a 500 (request_check/openai.py).
+    def detokenize(tokens) -> requests.Response:
+        return requests.post(server.url + "/v1/detokenize", json={"tokens": tokens}, timeout=60)
+
+    for tokens in ([-1], [[1, 2], [3, 2**40]], [10**9]):
+        answer = detokenize(tokens)
+        assert answer.status_code == 400 and "Invalid 'tokens'" in answer.text, (tokens, answer.text)
+    hello = server.generate("Hello", max_new_tokens=1)["output_ids"]
+    assert detokenize(hello).status_code == 200
+
+
 def test_plugin_is_loaded_in_every_server_process(server):
     pids = set(re.findall(r"\[sgl-importance\] plugin loaded \(pid (\d+)\)", server.log()))
     # launcher/HTTP server, scheduler and detokenizer

@@ -193,6 +193,7 @@ ATTRIBUTES = [
         for n in ("served_model_name", "server_args", "lora_registry")
     ),
     Name(SERVER_ARGS, "model_path", "request_check/openai.py"),
+    Name("sglang.srt.entrypoints.openai.protocol", "DetokenizeRequest", "request_check/openai.py"),  # by its name
     # Control requests checked before SGLang handles them (request_check/control.py, scheduler/control.py).
     Name(SERVER_ARGS, "expert_distribution_recorder_mode", "request_check/control.py"),
     Name("sglang.srt.managers.io_struct.SlowDownReqInput", "forward_sleep_time", "request_check/control.py"),

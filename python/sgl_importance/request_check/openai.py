@@ -83,6 +83,9 @@ async def check_openai_request(
         check_chat_template_kwargs(getattr(request, "chat_template_kwargs", None))
     except InvalidFieldError as err:
         return handler.create_error_response(message=str(err), param=err.field)
+    problem = detokenize_problem(request, handler)
+    if problem is not None:
+        return handler.create_error_response(message=problem, param="tokens")
 
     field = openai_prompt_field(request)
     if field is None:
@@ -91,6 +94,24 @@ async def check_openai_request(
     # check runs inside this block on both paths.
     with naming_prompt_field(field):
         return await reject_unknown_model(original, handler, request, raw_request)
+
+
+def detokenize_problem(request: BaseModel, handler: Any) -> str | None:
+    """Why ``/detokenize`` cannot decode ``tokens`` (a negative id or one past 2^32 overflowed the
+    tokenizer: a 500), or None; other requests None."""
+    if type(request).__name__ != "DetokenizeRequest":
+        return None
+    from sgl_importance.request_check.prompt import first_bad_token
+
+    vocab_size = handler.tokenizer_manager.model_config.vocab_size
+    rows = request.tokens if request.tokens and isinstance(request.tokens[0], list) else [request.tokens]
+    for row in rows:
+        bad = first_bad_token(row, vocab_size)
+        if bad is not None:
+            position, token = bad
+            where = f"token id {token!r} at position {position}"
+            return f"Invalid 'tokens': {where} is not in the model's vocabulary [0, {vocab_size})"
+    return None
 
 
 def chat_body_problem(body: Any) -> str | None:
