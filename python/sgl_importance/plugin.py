@@ -8,7 +8,7 @@ process's runtime (``runtime.py``) passes first. A function gets as many of SGLa
 (the last ``before`` runs first). Ours on SGLang's objects: ``NodeState``, ``server_args._importance``, ``CacheState``.
 Private SGLang names relied on (``test/unit/test_sglang_contract.py`` checks them and every public attribute read):
 - read or written: `mem_cache.utils._EVICTION_POLICY_FACTORIES` (plugin.py), `components.base._LAST_ACCESS_TIME_COUNTER_FLOAT` (cache/strategy.py),
-  `Scheduler._engine_paused` (platform/memory_occupation.py), `UnifiedRadixCache._all_reduce`, `UnifiedRadixCache._apply_cache_actions` (cache/prefetch.py,
+  `Scheduler._engine_paused` (scheduler/control.py), `UnifiedRadixCache._all_reduce`, `UnifiedRadixCache._apply_cache_actions` (cache/prefetch.py,
   scheduler/hot_set_release.py), `HiCacheFile._get_suffixed_key`, `HiCacheFile._evictor` (storage/file.py), `HiCacheStorageFailureInjector._backend` (storage/factory.py), `TritonAttnBackend._set_kv_buffer` (attention/);
 - hooked: `PagedTokenToKVPoolAllocator._release_page_ids` (importance/), `TokenizerManager._validate_one_request`
   (request_check/), `DualGemm._select_mode`, `LogitsProcessor._compute_lm_head`, `EagerRunner._execute_decode`, `engine._set_envs_and_config` (platform/);
@@ -93,8 +93,7 @@ HOOKS = (
     Hook("mem_cache.pool_host.mha.get_mha_host_pool_cls", "platform.host_pool:host_pool_cls", "around", "native"),
     Hook("mem_cache.l2_transfer.L2TransferEngine.__init__", "platform.streams:use_cpu_streams", "after", "torch_cpu"),
     Hook("entrypoints.engine._set_envs_and_config", "platform.torch_cpu:fork_children", "after", "torch_cpu"),  # the launcher forks its children; theirs added at the fork (_register)
-    *(Hook(f"managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.{m}_memory_occupation", f"platform.memory_occupation:{m}", "around", "scheduler") for m in ("release", "resume")),  # SGLang raised: busy, no CUDA, nothing released
-    *(Hook(t, f"scheduler.control:{t.rpartition('.')[2]}", "around", "scheduler") for t in ("model_executor.model_runner_components.weight_updater.WeightUpdater.update_weights_from_disk", "managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.update_weights_from_tensor", "model_executor.model_runner_components.weight_exporter.WeightExporter.send_weights_to_remote_instance", "session.session_controller.Session.create_req")),  # SGLang raised: a failed load, unreadable tensors, no send group, a session replaced
+    *(Hook(t, f"scheduler.control:{t.rpartition('.')[2]}", "around", "scheduler") for t in (*(f"managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.{m}" for m in ("release_memory_occupation", "resume_memory_occupation", "update_weights_from_tensor")), "model_executor.model_runner_components.weight_updater.WeightUpdater.update_weights_from_disk", "model_executor.model_runner_components.weight_exporter.WeightExporter.send_weights_to_remote_instance", "session.session_controller.Session.create_req")),  # SGLang raised: a busy or CPU release, nothing to resume, a failed load, unreadable tensors, no send group, a session replaced
     *(Hook(target, f"platform.cpu_forwards:{fn}", kind, "torch_cpu") for target, fn, kind in CPU_OPS),  # one C call each
     *(Hook(f"mem_cache.{t}", "platform.torch_cuda:no_compiled_kernel", "around", "torch_cuda") for t in ("memory_pool.can_use_store_cache", "pool_host.mha.can_use_hicache_jit_kernel")),
     Hook("layers.dual_gemm.DualGemm._select_mode", "platform.torch_cuda:no_dual_gemm", "around", "torch_cuda"),

@@ -192,7 +192,7 @@ def test_sglangs_profiler_endpoint_writes_a_trace_and_the_server_keeps_serving(s
 def test_sglangs_memory_release_and_resume_answer_and_the_server_keeps_serving(server):
     # SGLang's scheduler exits on an exception from a control request: a resume with nothing
     # released (KeyError), a release on torch_cpu (its closing sync named CUDA), a release while
-    # a request decodes (its idleness assertion). platform/memory_occupation.py.
+    # a request decodes (its idleness assertion). scheduler/control.py.
     def post(path: str, body: dict) -> int:
         return requests.post(server.url + path, json=body, timeout=120).status_code
 

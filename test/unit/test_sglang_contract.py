@@ -61,11 +61,11 @@ class Name(NamedTuple):
 
 # What the plugin reads or writes on SGLang's objects (private names are in PRIVATE).
 ATTRIBUTES = [
-    # The release/resume handlers' state (platform/memory_occupation.py).
-    *(Name(WEIGHT_UPDATER, n, "platform/memory_occupation.py") for n in ("scheduler", "is_fully_idle", "offload_tags")),
-    Name("sglang.srt.constants", "GPU_MEMORY_ALL_TYPES", "platform/memory_occupation.py"),
-    Name("sglang.srt.managers.io_struct", "ReleaseMemoryOccupationReqOutput", "platform/memory_occupation.py"),
-    Name("sglang.srt.managers.io_struct", "ResumeMemoryOccupationReqOutput", "platform/memory_occupation.py"),
+    # The release/resume handlers' state (scheduler/control.py).
+    *(Name(WEIGHT_UPDATER, n, "scheduler/control.py") for n in ("scheduler", "is_fully_idle", "offload_tags")),
+    Name("sglang.srt.constants", "GPU_MEMORY_ALL_TYPES", "scheduler/control.py"),
+    Name("sglang.srt.managers.io_struct", "ReleaseMemoryOccupationReqOutput", "scheduler/control.py"),
+    Name("sglang.srt.managers.io_struct", "ResumeMemoryOccupationReqOutput", "scheduler/control.py"),
     # Radix-tree nodes.
     *(
         Name(NODE, n, "fold.py, prefetch.py, admission.py, stored.py, strategy.py")
@@ -193,7 +193,7 @@ ATTRIBUTES = [
         for n in ("served_model_name", "server_args", "lora_registry")
     ),
     Name(SERVER_ARGS, "model_path", "request_check/openai.py"),
-    Name("sglang.srt.entrypoints.openai.protocol", "DetokenizeRequest", "request_check/openai.py"),  # by its name
+    Name("sglang.srt.entrypoints.openai.protocol", "DetokenizeRequest", "request_check/openai.py"),
     # Control requests checked before SGLang handles them (request_check/control.py, scheduler/control.py).
     Name(SERVER_ARGS, "expert_distribution_recorder_mode", "request_check/control.py"),
     Name("sglang.srt.managers.io_struct.SlowDownReqInput", "forward_sleep_time", "request_check/control.py"),
@@ -453,7 +453,7 @@ PRIVATE = [
         "_execute_decode",
         "plugin.py (hook, torch_cpu: decode rows in C)",
     ),
-    Name(SCHEDULER, "_engine_paused", "platform/memory_occupation.py (a release after /pause_generation)"),
+    Name(SCHEDULER, "_engine_paused", "scheduler/control.py (a release after /pause_generation)"),
     # Overridden by the footprint adder (scheduler/admission.py), each called through super().
     *(
         Name("sglang.srt.managers.schedule_policy.PrefillAdder", n, "scheduler/admission.py")

@@ -16,7 +16,8 @@ here named after the method it checks:
   ``text``/``json``: SGLang stored it, answered 500, and every request after failed to log
   (``/health`` 503) until logging was turned off; a ``log_level`` that is no level name.
 
-The scheduler's own guards (weight updates and sends that fail, a session replace) are ``scheduler/control.py``.
+The scheduler's own guards (memory release and resume, weight updates and sends that fail, a session replace)
+are ``scheduler/control.py``.
 """
 
 from __future__ import annotations

@@ -99,9 +99,12 @@ async def check_openai_request(
 def detokenize_problem(request: BaseModel, handler: Any) -> str | None:
     """Why ``/detokenize`` cannot decode ``tokens`` (a negative id or one past 2^32 overflowed the
     tokenizer: a 500), or None; other requests None."""
-    if type(request).__name__ != "DetokenizeRequest":
-        return None
+    from sglang.srt.entrypoints.openai.protocol import DetokenizeRequest
+
     from sgl_importance.request_check.prompt import first_bad_token
+
+    if not isinstance(request, DetokenizeRequest):
+        return None
 
     vocab_size = handler.tokenizer_manager.model_config.vocab_size
     rows = request.tokens if request.tokens and isinstance(request.tokens[0], list) else [request.tokens]

@@ -19,6 +19,16 @@ it. Found by probing the admin endpoints of a running server with edge-case bodi
 - ``/send_weights_to_remote_instance`` naming a group never initialised (``KeyError``), or with
   the wrong number of ports (an assertion): answered as a failure; sending reads the weights
   only, so nothing is left half done.
+- ``/release_memory_occupation`` while requests run failed SGLang's assertion that the server is
+  idle: refused (SGLang's own idleness test, so a release after ``/pause_generation`` passes as
+  before) and logged; the answer has no field for the refusal, so the client reads success. On
+  torch_cpu the release ended with ``torch.get_device_module().synchronize()``, which with no GPU
+  names the build's accelerator, CUDA, and raised: with no CUDA device there is nothing to wait
+  for, so the release runs with the CPU as the default device module (the cache flushed, the
+  tags kept as SGLang keeps them, the memory saver's pause a no-op as on a GPU without
+  ``--enable-memory-saver``).
+- ``/resume_memory_occupation`` of a tag never released raised ``KeyError`` (SGLang removes each
+  tag from its released set): only the released tags are resumed; with none, answered as done.
 - A generate request in a session with ``replace`` and no ``rid`` (start the session afresh)
   cleared the session's nodes while iterating over them (``RuntimeError``): the nodes are
   cleared here first, from the roots of their trees, so SGLang's loop finds none.
@@ -28,6 +38,8 @@ from __future__ import annotations
 
 import logging
 from typing import Any, Callable
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -108,3 +120,41 @@ def send_weights_to_remote_instance(original: Callable[..., tuple], exporter: An
         return original(exporter, *args, **kwargs)
     except (AssertionError, KeyError, ValueError) as e:
         return False, f"Failed to send weights: {type(e).__name__}: {e}"
+
+
+def release_memory_occupation(original: Callable[..., Any], manager: Any, recv_req: Any) -> Any:
+    """Around ``release_memory_occupation``: refused, logged, while requests run (SGLang asserts);
+    with no CUDA device, SGLang's release with the CPU as the default device module (its closing
+    synchronisation named CUDA; nothing runs asynchronously on the CPU)."""
+    from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqOutput
+
+    scheduler = manager.scheduler
+    if not manager.is_fully_idle(ignore_waiting=scheduler is not None and scheduler._engine_paused):
+        logger.warning("release_memory_occupation refused: requests are running (release when the server is idle)")
+        return ReleaseMemoryOccupationReqOutput()
+    if torch.cuda.is_available():
+        return original(manager, recv_req)
+    default = torch.get_device_module
+
+    def device_module(device: Any = None) -> Any:
+        return torch.cpu if device is None else default(device)
+
+    torch.get_device_module = device_module
+    try:
+        return original(manager, recv_req)
+    finally:
+        torch.get_device_module = default
+
+
+def resume_memory_occupation(original: Callable[..., Any], manager: Any, recv_req: Any) -> Any:
+    """Around ``resume_memory_occupation``: only the tags a release offloaded (all of them when
+    the request names none, as SGLang reads it); with none offloaded, nothing to resume."""
+    from sglang.srt.constants import GPU_MEMORY_ALL_TYPES
+    from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqOutput
+
+    asked = recv_req.tags or GPU_MEMORY_ALL_TYPES
+    released = [tag for tag in asked if tag in manager.offload_tags]
+    if not released:
+        return ResumeMemoryOccupationReqOutput()
+    recv_req.tags = released
+    return original(manager, recv_req)
